@@ -1,0 +1,175 @@
+"""Shared plumbing for the benchmarks: timing, memory, device physics and result rows.
+
+Every row carries device, date, versions and git sha, and `perf_figure`: True only on a GPU. On a CPU
+the scripts still run (reference path / Triton interpreter) so they never rot, but those numbers are
+not performance figures and are flagged as such.
+
+Timing: on CUDA `triton.testing.do_bench` (median, p20, p80 in ms; CUDA graphs via
+`do_bench_cudagraph` for very short kernels); on CPU `time.perf_counter` over a few repetitions.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+QUANTILES = (0.5, 0.2, 0.8)
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if on_gpu() else "cpu")
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return None
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def env_info() -> dict:
+    """Device, date, versions, git sha: the context columns of every result row."""
+    name = torch.cuda.get_device_name() if on_gpu() else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return {
+        "device": name,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "liger_kernel": _liger_version(),
+        "transformers": _version("transformers"),
+        "git_sha": git_sha(),
+        "perf_figure": on_gpu(),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0") == "1",
+    }
+
+
+def _liger_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("liger_kernel")
+    except Exception:
+        return None
+
+
+def measure(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, cuda_graph: bool = False, cpu_reps: int = 3) -> dict:
+    """Median, p20 and p80 of fn's runtime in milliseconds."""
+    if on_gpu():
+        import triton.testing as tt
+
+        if cuda_graph:
+            q = tt.do_bench_cudagraph(fn, rep=rep, quantiles=list(QUANTILES))
+        else:
+            q = tt.do_bench(fn, warmup=warmup, rep=rep, quantiles=list(QUANTILES))
+        return {"ms": q[0], "ms_p20": q[1], "ms_p80": q[2]}
+    fn()  # warm-up (compiles, caches)
+    times = []
+    for _ in range(cpu_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"ms": statistics.median(times), "ms_p20": times[0], "ms_p80": times[-1]}
+
+
+def peak_extra_memory(fn: Callable[[], object]) -> int | None:
+    """Peak bytes allocated by fn above what was allocated before it (CUDA only; None on CPU)."""
+    if not on_gpu():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+_COPY_BW: float | None = None
+
+
+def copy_bandwidth_gbs() -> float | None:
+    """The device's measured device-to-device copy bandwidth (read + write bytes / time), once per process."""
+    global _COPY_BW
+    if not on_gpu():
+        return None
+    if _COPY_BW is None:
+        n = 1 << 28  # 1 GiB of fp32
+        src = torch.empty(n, device="cuda")
+        dst = torch.empty_like(src)
+        ms = measure(lambda: dst.copy_(src))["ms"]
+        _COPY_BW = 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+        del src, dst
+    return _COPY_BW
+
+
+def physics(ms: float, *, bytes_moved: float | None = None, flops: float | None = None) -> dict:
+    """GB/s (and fraction of copy bandwidth) and TFLOP/s for a runtime."""
+    row: dict = {}
+    if bytes_moved is not None:
+        gbs = bytes_moved / (ms * 1e-3) / 1e9
+        row["gb_s"] = gbs
+        bw = copy_bandwidth_gbs()
+        row["frac_copy_bw"] = gbs / bw if bw else None
+    if flops is not None:
+        row["tflop_s"] = flops / (ms * 1e-3) / 1e12
+    return row
+
+
+def write_rows(name: str, rows: list[dict]) -> Path:
+    """Append rows to bench/results/<name>.jsonl and re-render bench/results/<name>.md."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.jsonl"
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    render_markdown(path)
+    return path
+
+
+def render_markdown(path: Path) -> Path:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    context = ("date", "torch", "triton", "liger_kernel", "transformers", "git_sha", "triton_interpret")
+    cols: list[str] = []
+    for row in rows:
+        for key in row:
+            if key not in cols and key not in context:
+                cols.append(key)
+    cols += [c for c in ("date", "git_sha") if any(c in r for r in rows)]
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "" if v is None else str(v)
+
+    lines = [f"# {path.stem}", "", "Rows with perf_figure=False were measured on a CPU (reference path or Triton interpreter): not performance figures.", ""]
+    lines.append("| " + " | ".join(cols) + " |")
+    lines.append("|" + "---|" * len(cols))
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(row.get(c)) for c in cols) + " |")
+    out = path.with_suffix(".md")
+    out.write_text("\n".join(lines) + "\n")
+    return out

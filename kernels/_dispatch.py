@@ -1,0 +1,84 @@
+"""One dispatch rule for every op in `kernels`.
+
+- CUDA tensors run the Triton kernel (or the CUDA extension where it is built and faster).
+- CPU tensors run the plain-PyTorch reference, unless Triton is forced: `TRITON_INTERPRET=1` in the
+  environment (read by Triton when `@triton.jit` decorates, so it must be set before `kernels` is
+  imported; the tests do this in `tests/conftest.py`), or `KERNELS_BACKEND=triton`, or the
+  `kernels.backend("triton")` context manager.
+- `KERNELS_BACKEND=reference` (or `kernels.backend("reference")`) forces the reference everywhere.
+- Inside `torch.compile` on CPU the reference is taken: the Triton interpreter cannot be traced.
+
+Triton is an optional import here so that `import kernels` works on any machine; an op that needs it
+and cannot have it says how to get it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+
+try:  # triton ships for Linux only; kernels still import (and run their references) without it
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised on machines without triton
+    HAS_TRITON = False
+
+_BACKENDS = ("auto", "triton", "reference")
+_state = threading.local()
+
+
+def _env_backend() -> str:
+    name = os.environ.get("KERNELS_BACKEND", "auto").strip().lower() or "auto"
+    if name not in _BACKENDS:
+        raise ValueError(f"KERNELS_BACKEND={name!r} is not one of {', '.join(_BACKENDS)}")
+    return name
+
+
+def current_backend() -> str:
+    """The backend in force: the innermost `backend(...)` context, else `KERNELS_BACKEND`, else 'auto'."""
+    return getattr(_state, "backend", None) or _env_backend()
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Force a backend for the ops called inside: 'auto' (the dispatch rule), 'triton' or 'reference'."""
+    if name not in _BACKENDS:
+        raise ValueError(f"backend {name!r} is not one of {', '.join(_BACKENDS)}")
+    previous = getattr(_state, "backend", None)
+    _state.backend = name
+    try:
+        yield
+    finally:
+        _state.backend = previous
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True where the op should launch its Triton kernel for these tensors, False for the reference."""
+    name = current_backend()
+    if name == "reference":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    if on_cuda:
+        if not HAS_TRITON:
+            if name == "triton":
+                raise RuntimeError("kernels: the triton backend was forced but triton is not installed (pip install triton)")
+            return False
+        return True
+    if torch.compiler.is_compiling():
+        return False  # the interpreter cannot be traced; compiled CPU code takes the reference
+    if name == "triton" or interpreter_on():
+        if not (HAS_TRITON and interpreter_on()):
+            raise RuntimeError(
+                "kernels: Triton on CPU tensors needs the interpreter: set TRITON_INTERPRET=1 before importing kernels"
+            )
+        return True
+    return False
