@@ -61,9 +61,16 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@torch.compiler.assume_constant_result
+def _backend_for_trace() -> str:
+    # Evaluated once at trace time under torch.compile (thread-locals and os.environ are not traceable);
+    # a change of backend inside a compiled region is not seen until it recompiles.
+    return current_backend()
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True where the op should launch its Triton kernel for these tensors, False for the reference."""
-    name = current_backend()
+    name = _backend_for_trace() if torch.compiler.is_compiling() else current_backend()
     if name == "reference":
         return False
     on_cuda = all(t.is_cuda for t in tensors if t is not None)
