@@ -1,0 +1,238 @@
+"""Causal self-attention for packed and padded batches, on three backends, never across documents.
+
+A batch row may hold several documents packed end to end; `position_ids` restarting at 0 mark where each
+one begins (document id = running count of zeros in the row), and `attention_mask` (1 = token, 0 = padding)
+marks padding. Every backend applies the same rule: query i may attend key j iff j <= i (index order), both
+lie in the same document, key j is not padding, and, for sliding-window layers, i - j < window (Hugging
+Face's convention: a window of W sees W keys including itself).
+
+Backends, chosen per forward by `make_plan` (`backend="auto"`):
+- "flash" (CUDA, fp16/bf16, `flash_attn` importable): `flash_attn_varlen_func` on the unpadded tokens
+  with `cu_seqlens` at document boundaries; padding never enters the kernel. Building the index costs
+  host syncs (`nonzero`, once per forward), which every varlen implementation pays.
+- "flex" (CUDA otherwise): `torch.nn.attention.flex_attention` (compiled) with a `BlockMask` from the
+  document ids; no (T, T) mask is materialised and no host sync happens. Also runs eagerly on CPU, which
+  is how its mask logic is tested here.
+- "sdpa" (CPU): `F.scaled_dot_product_attention` with a boolean (B, 1, T, T) mask built from the document
+  ids, or `is_causal=True` when there are neither position ids nor padding (nothing to separate). A query
+  whose every key is masked (a padding token) is let attend to itself, so softmax never sees an empty row
+  and no NaN appears; its output is discarded anyway.
+GQA: key/value heads are shared by `n_heads // n_kv_heads` query heads (`enable_gqa`, no copies).
+
+Shapes: q (B, T, H, D), k and v (B, T, Hkv, D), output (B, T, H, D).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "sdpa", "flex", "flash")
+
+
+class AttentionError(ValueError):
+    """An attention backend that was asked for and cannot run, in one line."""
+
+
+def _flash_attn():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # not installed, or built for another torch/CUDA: fall back, say so only when forced
+        return None
+    return flash_attn_varlen_func
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token document index within its row: the number of position-0 tokens up to and including it."""
+    return (position_ids == 0).cumsum(-1)  # (B, T)
+
+
+@dataclass
+class AttentionPlan:
+    """Everything the layers need to attend correctly, built once per forward and shared by all layers."""
+
+    backend: str
+    batch: int
+    seq_len: int
+    device: torch.device
+    doc_ids: torch.Tensor | None  # (B, T) or None: one document per row
+    key_valid: torch.Tensor | None  # (B, T) bool or None: no padding
+    flash_index: tuple | None = None  # (token indices, cu_seqlens, max_seqlen) for the varlen kernel
+    _masks: dict = field(default_factory=dict)  # window -> SDPA bool mask or flex BlockMask
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+        window = _effective(window, self.seq_len)
+        if self.backend == "flash":
+            return self._flash(q, k, v, window)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        gqa = q.shape[2] != k.shape[2]
+        mask = self._masks[window]
+        if self.backend == "flex":
+            out = _flex_fn(q.is_cuda)(qt, kt, vt, block_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        return out.transpose(1, 2)  # (B, T, H, D)
+
+    def build_masks(self, windows) -> None:
+        # Built eagerly, outside the layers, so that a per-block torch.compile sees only tensor reads.
+        for window in {_effective(w, self.seq_len) for w in windows}:
+            if self.backend == "sdpa":
+                self._masks[window] = self._sdpa_mask(window)
+            elif self.backend == "flex":
+                self._masks[window] = self._flex_mask(window)
+
+    def _sdpa_mask(self, window):
+        if self.doc_ids is None and self.key_valid is None and window is None:
+            return None  # plain causal: SDPA's is_causal path, no mask tensor
+        allowed = causal_mask(self.seq_len, self.seq_len, window, self.device)[None]  # (1, T, T)
+        if self.doc_ids is not None:
+            allowed = allowed & (self.doc_ids[:, :, None] == self.doc_ids[:, None, :])  # (B, T, T)
+        if self.key_valid is not None:
+            allowed = allowed & self.key_valid[:, None, :]
+            eye = torch.eye(self.seq_len, dtype=torch.bool, device=self.device)
+            allowed = allowed | (eye & ~self.key_valid[:, :, None])  # padding queries see themselves
+        return allowed[:, None]  # (B, 1, T, T)
+
+    def _flex_mask(self, window):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc, valid = self.doc_ids, self.key_valid
+
+        def mask_mod(b, h, qi, ki):
+            ok = ki <= qi
+            if window is not None:
+                ok = ok & (qi - ki < window)
+            if doc is not None:
+                ok = ok & (doc[b, qi] == doc[b, ki])
+            if valid is not None:
+                ok = ok & valid[b, ki]
+            return ok
+
+        rows = self.batch if (doc is not None or valid is not None) else None  # None: one mask for all rows
+        return create_block_mask(mask_mod, rows, None, self.seq_len, self.seq_len, device=self.device)
+
+    def _flash(self, q, k, v, window):
+        fn = _flash_attn()
+        B, T, H, D = q.shape
+        index, cu_seqlens, max_seqlen = self.flash_index
+        qf = q.reshape(B * T, H, D).index_select(0, index)  # (N, H, D) real tokens only
+        kf = k.reshape(B * T, k.shape[2], D).index_select(0, index)  # (N, Hkv, D)
+        vf = v.reshape(B * T, v.shape[2], D).index_select(0, index)  # (N, Hkv, D)
+        # flash-attn's window (left, right) counts keys besides the query itself: HF's W -> (W - 1, 0)
+        out = fn(qf, kf, vf, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True,
+                 window_size=(-1, -1) if window is None else (window - 1, 0))  # (N, H, D)
+        full = out.new_zeros(B * T, H, D)
+        full.index_copy_(0, index, out)
+        return full.view(B, T, H, D)
+
+
+_compiled_flex = None
+
+
+def _flex_fn(on_cuda: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if not on_cuda:
+        return flex_attention  # eager (unfused, materialises scores): for testing the mask logic on CPU
+    if _compiled_flex is None:
+        # uncompiled flex materialises the full score matrix; compiled it is a fused kernel
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def _effective(window: int | None, seq_len: int) -> int | None:
+    # a window that covers the whole row is plain causal attention: share its mask (or is_causal path)
+    return None if window is None or window >= seq_len else window
+
+
+def causal_mask(q_len: int, k_len: int, window: int | None, device) -> torch.Tensor:
+    """(q_len, k_len) bool: the last q_len positions of a k_len sequence attend causally, within `window`."""
+    qi = torch.arange(k_len - q_len, k_len, device=device)[:, None]  # (Tq, 1) absolute query index
+    ki = torch.arange(k_len, device=device)[None, :]  # (1, Tk)
+    allowed = ki <= qi
+    if window is not None:
+        allowed = allowed & (qi - ki < window)
+    return allowed  # (Tq, Tk)
+
+
+def make_plan(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, seq_len: int,
+              device: torch.device, dtype: torch.dtype, windows=(None,), backend: str = "auto") -> AttentionPlan:
+    """Resolve the backend and precompute what it needs to keep documents and padding apart."""
+    if backend not in BACKENDS:
+        raise AttentionError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        if device.type == "cuda":
+            backend = "flash" if _flash_attn() is not None and dtype in (torch.float16, torch.bfloat16) else "flex"
+        else:
+            backend = "sdpa"
+    if backend == "flash":
+        if _flash_attn() is None:
+            raise AttentionError("attention backend 'flash' needs flash-attn (pip install flash-attn --no-build-isolation)")
+        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            raise AttentionError(f"attention backend 'flash' needs fp16/bf16 CUDA tensors, got {dtype} on {device.type}")
+    doc = document_ids(position_ids) if position_ids is not None else None
+    valid = attention_mask.to(device=device, dtype=torch.bool) if attention_mask is not None else None
+    plan = AttentionPlan(backend, batch, seq_len, device, doc, valid)
+    if backend == "flash":
+        plan.flash_index = _varlen_index(doc, valid, batch, seq_len, device)
+    plan.build_masks(windows)
+    return plan
+
+
+def _varlen_index(doc, valid, B, seq_len, device):
+    # A segment is one (row, document) pair; padding tokens are dropped before segmenting, so a document
+    # split by stray padding stays one sequence whose keys simply omit the padding.
+    rows = torch.arange(B, device=device)[:, None].expand(B, seq_len)  # (B, T)
+    segment = rows * (seq_len + 1) + (doc if doc is not None else 0)  # (B, T) unique per (row, document)
+    segment = segment.reshape(-1)
+    if valid is not None:
+        index = valid.reshape(-1).nonzero().squeeze(1)  # (N,) a host sync, as in every varlen path
+    else:
+        index = torch.arange(B * seq_len, device=device)
+    segment = segment.index_select(0, index)  # (N,)
+    starts = torch.ones_like(segment, dtype=torch.bool)
+    starts[1:] = segment[1:] != segment[:-1]
+    cu = torch.cat([starts.nonzero().squeeze(1), torch.tensor([segment.numel()], device=device)])
+    # max_seqlen only sizes the launch grid: the row length is a valid upper bound that needs no sync
+    return index, cu.to(torch.int32), seq_len
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding, preallocated to the final length.
+
+    `slot(i)` is what layer i attends through: it appends the new keys/values at `length` and attends the
+    new queries causally over everything cached (absolute index order, sliding window honoured). The
+    caller advances `length` once all layers have run. Rows must be unpadded (equal-length prompts).
+    """
+
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (batch, max_len, n_kv_heads, head_dim)  # (B, S, Hkv, D)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.length = 0
+
+    def slot(self, layer: int) -> "_CacheSlot":
+        return _CacheSlot(self, layer)
+
+
+@dataclass
+class _CacheSlot:
+    cache: KVCache
+    layer: int
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+        start, end = self.cache.length, self.cache.length + q.shape[1]
+        keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
+        if end > keys.shape[1]:
+            raise AttentionError(f"KV cache holds {keys.shape[1]} positions, {end} needed")
+        keys[:, start:end] = k
+        values[:, start:end] = v
+        kt, vt = keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)  # (B, Hkv, S, D)
+        mask = causal_mask(q.shape[1], end, window, q.device)  # (Tq, S)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, attn_mask=mask,
+                                             enable_gqa=q.shape[2] != k.shape[2])  # (B, H, Tq, D)
+        return out.transpose(1, 2)  # (B, Tq, H, D)

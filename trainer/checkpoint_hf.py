@@ -1,0 +1,158 @@
+"""Hugging Face safetensors checkpoints: read into existing tensors, write (sharded) from a state dict.
+
+Layout (what `transformers` reads and writes): `model.safetensors`, or shards `model-0000k-of-0000n.safetensors`
+with `model.safetensors.index.json` = {"metadata": {"total_size": bytes}, "weight_map": {name: shard}};
+every file carries the metadata {"format": "pt"}. Sizes are decimal as in Hugging Face ("5GB" = 5e9 bytes;
+"5GiB" = 5 * 2**30).
+
+Reading never holds more than one tensor beyond the destination: keys and shapes are checked first from the
+headers (no data read), then each tensor is read once and copied (with its dtype cast) into its destination.
+Writing casts and writes one shard at a time.
+
+This module knows nothing about the model; `trainer.model.load_pretrained` / `save_pretrained` use it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read or written as asked, in one line naming the file."""
+
+
+def read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: not found")
+    try:
+        value = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    return value
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like '500MB', '5GB', '2GiB' (decimal units as in Hugging Face)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(value), flags=re.IGNORECASE)
+    if match is None or float(match.group(1)) <= 0:
+        raise CheckpointError(f"max_shard_size {value!r}: expected a positive number of bytes or a string like '500MB' or '5GB'")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory: the single file, else the shards its index names."""
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    if (path / INDEX_FILE).is_file():
+        weight_map = read_json(path / INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{path / INDEX_FILE}: no 'weight_map' naming the shard of each tensor")
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: shard listed in {INDEX_FILE} not found")
+        return files
+    raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are read; "
+                          "convert .bin files with transformers' save_pretrained)")
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Callable[[str], bool] = lambda k: False) -> None:
+    """Copy every tensor of the checkpoint at `path` into `targets[name]` (cast to the target's dtype/device).
+
+    All problems (missing keys, unexpected keys, shape mismatches) are collected from the file headers
+    before any data is read and reported together; keys for which `ignore(name)` holds are skipped.
+    """
+    from safetensors import safe_open
+
+    files = checkpoint_files(Path(path))
+    seen, unexpected, mismatched = set(), [], []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if ignore(name):
+                    continue
+                if name not in targets:
+                    unexpected.append(name)
+                    continue
+                seen.add(name)
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(targets[name].shape):
+                    mismatched.append(f"{name} {list(shape)} vs model {list(targets[name].shape)}")
+    missing = [name for name in targets if name not in seen]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} keys: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} keys: {_listing(unexpected)}")
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatches: {_listing(mismatched)}")
+    if problems:
+        raise CheckpointError(f"{path}: checkpoint does not match the model config: " + "; ".join(problems))
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if not ignore(name):
+                        targets[name].copy_(f.get_tensor(name))
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, max_shard_size: int | str = "5GB",
+                     dtype: torch.dtype | None = None) -> list[Path]:
+    """Write `tensors` (cast to `dtype` when given) as one file or as shards plus an index; return the files.
+
+    Earlier checkpoint files in `path` are removed first: a stale `model.safetensors` would otherwise shadow
+    a new sharded index (readers prefer the single file).
+    """
+    from safetensors.torch import save_file
+
+    limit = parse_size(max_shard_size)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for old in [path / SINGLE_FILE, path / INDEX_FILE, *(p for p in path.iterdir() if _SHARD_RE.fullmatch(p.name))]:
+        old.unlink(missing_ok=True)
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * (dtype or t.dtype).itemsize
+
+    shards, current, size = [], [], 0
+    for name, t in tensors.items():  # greedy in state-dict order; a tensor over the limit gets its own shard
+        if current and size + nbytes(t) > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes(t)
+    shards.append(current)
+
+    names = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                    for i in range(len(shards))]
+    weight_map = {}
+    for file_name, shard in zip(names, shards):
+        # one shard's cast copies at a time: never a full second copy of the model
+        data = {k: tensors[k].detach().to(device="cpu", dtype=dtype or tensors[k].dtype).contiguous() for k in shard}
+        save_file(data, str(path / file_name), metadata={"format": "pt"})
+        weight_map.update({k: file_name for k in shard})
+        del data
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(nbytes(t) for t in tensors.values())}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [path / n for n in names]

@@ -1,0 +1,705 @@
+"""Llama-family causal LMs (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) that read and write Hugging Face checkpoints.
+
+One model, four config dialects. Parameter names are exactly Hugging Face's (`model.embed_tokens.weight`,
+`model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight`), so checkpoints load and save without a
+remap and `transformers.AutoModelForCausalLM.from_pretrained` reads what we write.
+
+    x = embed(ids) (+ NEFTune noise in training)
+    per layer:  x = x + o_proj(attn(rope(q_norm?(q_proj(n1(x)))), rope(k_norm?(k_proj(..))), v_proj(..)))
+                x = x + down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))
+    logits = lm_head(norm(x))                      n1, n2, norm: RMSNorm  y = w * x / sqrt(mean(x^2) + eps)
+
+Architecture differences (all read from config.json): qwen2 has q/k/v biases; qwen3 RMS-normalises q and k
+per head and reads `attention_bias`; llama reads `attention_bias`/`mlp_bias` and `rope_scaling`
+("linear", "llama3"); mistral (and qwen with `use_sliding_window`) attends within a sliding window, which is
+honoured on every backend (not rejected): query i sees keys i-W+1..i.
+
+`use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`), the loss
+(`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and NEFTune
+(`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. Parameter names and state_dict
+are the same either way. Attention backends and packing rules: `trainer/attention.py`.
+
+Labels are unshifted (as in Hugging Face): position t is trained to predict labels[t + 1]; -100 = no target.
+Packed rows: position_ids restarting at 0 start a new document; documents never attend to each other.
+
+Deliberate differences from transformers:
+- position_ids default from attention_mask (cumsum - 1, as HF's generate does), so left-padded rows give the
+  same result as unpadded ones; HF's forward uses 0..T-1 regardless of padding.
+- The loss is sum / num_items (or / supervised-token count), an exact 0 when nothing is supervised (HF: NaN);
+  optional label smoothing and z-loss (z_loss * logsumexp^2 per supervised token).
+- RoPE frequencies stay fp32 under `model.to(bfloat16)` (they are recomputed, never rounded).
+- attention_dropout must be 0; hidden_act must be silu; rope types other than default/linear/llama3 are refused.
+
+Run the tests: python -m pytest tests/trainer/test_model.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import KVCache, make_plan
+from .checkpoint_hf import load_safetensors, read_json, save_safetensors
+
+IGNORE_INDEX = -100
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Hugging Face's defaults where they differ by architecture (used only for keys a config.json omits)
+_HF_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28,
+              "head_dim": 128},
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A model config, input or checkpoint that cannot be used, in one line naming the file/key and why."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """The architecture, with Hugging Face's key names; `from_hf(config.json dict)` / `to_hf()` convert."""
+
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: = num_attention_heads (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", ...}; the legacy "type" key is accepted
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # llama, qwen3: bias on q/k/v/o
+    mlp_bias: bool = False  # llama only
+    sliding_window: int | None = None  # effective window of the sliding layers (qwen: only with use_sliding_window)
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"
+    max_window_layers: int | None = None  # qwen: layers from this index on slide (kept for the round trip)
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    dtype: str | None = None  # the checkpoint's dtype ("bfloat16", ...): load_pretrained's default
+    # derived in __post_init__
+    qkv_bias: bool = field(init=False, repr=False)
+    o_bias: bool = field(init=False, repr=False)
+    qk_norm: bool = field(init=False, repr=False)
+    layer_windows: tuple = field(init=False, repr=False)  # per layer: window or None
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelError(f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"{key} must be a positive integer, got {value!r}")
+        if self.hidden_act != "silu":
+            raise ModelError(f"hidden_act {self.hidden_act!r} is not supported (supported: silu)")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim % 2:
+            raise ModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        self.rope_scaling = _normalise_rope(self.rope_scaling, self.max_position_embeddings)
+        if self.model_type == "mistral":  # every layer slides when a window is set
+            self.layer_types = ["sliding_attention" if self.sliding_window else "full_attention"] * self.num_hidden_layers
+        elif self.model_type == "llama":
+            self.sliding_window, self.layer_types = None, ["full_attention"] * self.num_hidden_layers
+        elif self.layer_types is None:  # qwen: as Hugging Face derives it
+            first = self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
+            self.layer_types = ["sliding_attention" if self.sliding_window is not None and i >= first
+                                else "full_attention" for i in range(self.num_hidden_layers)]
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {"full_attention", "sliding_attention"}:
+            raise ModelError(f"layer_types must list 'full_attention'/'sliding_attention' once per layer "
+                             f"({self.num_hidden_layers}), got {self.layer_types!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ModelError(f"sliding_window must be positive or null, got {self.sliding_window!r}")
+        self.layer_windows = tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
+        self.qkv_bias = {"llama": self.attention_bias, "qwen3": self.attention_bias, "qwen2": True}.get(self.model_type, False)
+        self.o_bias = self.attention_bias if self.model_type in ("llama", "qwen3") else False
+        self.qk_norm = self.model_type == "qwen3"
+        if self.model_type not in ("llama",):
+            self.mlp_bias = False
+
+    @classmethod
+    def from_hf(cls, config: dict, source: str = "config.json") -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (transformers 4.x `rope_scaling`/`rope_theta` or 5.x
+        `rope_parameters`); `source` names the file in errors."""
+        try:
+            model_type = config.get("model_type")
+            if model_type not in SUPPORTED_MODEL_TYPES:
+                raise ModelError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            defaults = _HF_DEFAULTS[model_type]
+
+            def get(key, default=None):  # an absent key takes Hugging Face's default for this architecture
+                return config[key] if key in config else defaults.get(key, default)
+
+            def value(key, default):  # keys that cannot be null
+                return default if get(key) is None else get(key)
+
+            for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+                if key not in config:
+                    raise ModelError(f"missing key {key!r}")
+            if config.get("attention_dropout", 0.0):
+                raise ModelError(f"attention_dropout {config['attention_dropout']} is not supported (only 0.0)")
+            rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+            theta = rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+            sliding = get("sliding_window")
+            if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+                sliding = None
+            return cls(
+                model_type=model_type, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+                intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_hidden_layers"],
+                num_attention_heads=config["num_attention_heads"], num_key_value_heads=get("num_key_value_heads"),
+                head_dim=get("head_dim"), hidden_act=value("hidden_act", "silu"),
+                max_position_embeddings=value("max_position_embeddings", 2048),
+                rms_norm_eps=float(value("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta), rope_scaling=rope or None,
+                tie_word_embeddings=bool(value("tie_word_embeddings", False)),
+                attention_bias=bool(value("attention_bias", False)), mlp_bias=bool(value("mlp_bias", False)),
+                sliding_window=sliding, layer_types=config.get("layer_types") if model_type in ("qwen2", "qwen3") else None,
+                max_window_layers=get("max_window_layers"), initializer_range=float(value("initializer_range", 0.02)),
+                bos_token_id=config.get("bos_token_id"), eos_token_id=config.get("eos_token_id"),
+                pad_token_id=config.get("pad_token_id"), dtype=config.get("dtype") or config.get("torch_dtype"),
+            )
+        except ModelError as exc:
+            raise ModelError(f"{source}: {exc}") from None
+
+    def to_hf(self) -> dict:
+        """A config.json dict that transformers (4.x and 5.x) loads into the same architecture."""
+        out = {"architectures": [_ARCHITECTURES[self.model_type]], "model_type": self.model_type}
+        for f in fields(self):
+            if f.init and f.name not in ("model_type", "rope_scaling", "layer_types", "max_window_layers", "dtype"):
+                out[f.name] = getattr(self, f.name)
+        out["attention_dropout"] = 0.0
+        out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        if self.rope_scaling:  # transformers 4.x reads rope_scaling + rope_theta; 5.x rope_parameters
+            out["rope_scaling"] = dict(self.rope_scaling)
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = self.sliding_window is not None
+            out["max_window_layers"] = self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
+            out["layer_types"] = list(self.layer_types)
+        if self.model_type not in ("mistral", "qwen2", "qwen3"):
+            out.pop("sliding_window")
+        if self.model_type not in ("llama", "qwen3"):
+            out.pop("attention_bias")
+        if self.model_type != "llama":
+            out.pop("mlp_bias")
+        if self.dtype is not None:
+            out["dtype"] = out["torch_dtype"] = self.dtype
+        out["use_cache"] = True
+        return out
+
+
+def _normalise_rope(scaling: dict | None, max_positions: int) -> dict | None:
+    if not scaling:
+        return None
+    if any(isinstance(v, dict) for v in scaling.values()):
+        raise ModelError("per-layer-type rope parameters are not supported (one global rope config only)")
+    scaling = dict(scaling)
+    kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    if kind not in ROPE_TYPES:
+        raise ModelError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelError(f"rope partial_rotary_factor {scaling['partial_rotary_factor']} is not supported (only 1.0)")
+    scaling.pop("partial_rotary_factor", None)
+    if kind == "default":
+        return None
+    need = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    for key in need:
+        if not isinstance(scaling.get(key), (int, float)):
+            raise ModelError(f"rope_scaling {kind!r} needs a number for {key!r}, got {scaling.get(key)!r}")
+    out = {"rope_type": kind, **{k: float(scaling[k]) for k in need}}
+    if kind == "llama3":
+        out["original_max_position_embeddings"] = int(scaling.get("original_max_position_embeddings") or max_positions)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Layers
+# ------------------------------------------------------------------------------------------------------------
+def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in fp32, cast back to x's dtype, then scale by the weight."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.use_kernels = True  # set for the whole model by CausalLM.use_kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            import kernels
+
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return rms_norm_plain(x, self.weight, self.eps)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """(head_dim / 2,) fp32 inverse frequencies theta^(-2i/D), with "linear" or "llama3" scaling."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (D/2,)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv / factor
+    # llama3: wavelengths longer than the original context / low_freq_factor are stretched by `factor`,
+    # those shorter than context / high_freq_factor kept, the band between blended linearly in 1/wavelength.
+    lo, hi, context = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    stretched = torch.where(wavelen > context / lo, inv / factor, inv)
+    blend = (context / wavelen - lo) / (hi - lo)
+    middle = (wavelen >= context / hi) & (wavelen <= context / lo)
+    return torch.where(middle, (1 - blend) * inv / factor + blend * inv, stretched)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (D/2,) fp32
+
+    def reset_buffers(self) -> None:
+        """Recompute the frequencies on the buffer's device (after `to_empty`, or a dtype cast)."""
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:  # model.to(bf16) would round them: recompute in fp32
+            self.reset_buffers()
+        return self
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by the angles in cos/sin (B, T, D): HF's rotate_half."""
+    cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # (B, T, 1, D)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        C, H, Hkv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.head_dim, self.window = D, config.layer_windows[layer_idx]
+        self.q_proj = nn.Linear(C, H * D, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(C, Hkv * D, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(C, Hkv * D, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(H * D, C, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x, cos, sin, attn) -> torch.Tensor:
+        """attn: an AttentionPlan (training/scoring) or a KV-cache slot (decoding)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn.attend(q, k, v, self.window)  # (B, T, H, D)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        C, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(C, I, bias=bias)
+        self.up_proj = nn.Linear(C, I, bias=bias)
+        self.down_proj = nn.Linear(I, C, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """The `model.` prefix of Hugging Face names: embeddings, decoder layers, final norm, rotary buffer."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+@dataclass
+class CausalLMOutput:
+    loss: torch.Tensor | None  # () fp32, or None without labels
+    logits: torch.Tensor | None  # (B, T, V) in the model dtype; None when the fused loss computed it away
+
+
+def neftune_plain(embeds: torch.Tensor, alpha: float, attention_mask=None, position_ids=None) -> torch.Tensor:
+    """NEFTune (Jain et al. 2023): add U(-1, 1) * alpha / sqrt(L * d) to each embedding, L = the length of the
+    token's own document (real tokens only; packed documents count separately), none on padding."""
+    B, T, C = embeds.shape
+    valid = attention_mask.bool() if attention_mask is not None else torch.ones(B, T, dtype=torch.bool, device=embeds.device)
+    doc = (position_ids == 0).cumsum(-1) if position_ids is not None else torch.zeros(B, T, dtype=torch.long, device=embeds.device)
+    counts = torch.zeros(B, T + 1, device=embeds.device).scatter_add_(1, doc, valid.float())  # (B, docs) lengths
+    length = counts.gather(1, doc).clamp(min=1)  # (B, T) length of each token's document
+    scale = (alpha / torch.sqrt(length * C)) * valid  # (B, T)
+    noise = torch.empty_like(embeds, dtype=torch.float32).uniform_(-1, 1)  # (B, T, C)
+    return embeds + (noise * scale[..., None]).to(embeds.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The model
+# ------------------------------------------------------------------------------------------------------------
+class CausalLM(nn.Module):
+    """A Llama-family decoder with an LM head; Hugging Face parameter names and checkpoint format."""
+
+    def __init__(self, config: ModelConfig, use_kernels: bool = True):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.use_kernels = use_kernels
+        self.label_smoothing = 0.0
+        self.z_loss = 0.0
+        self.neftune_noise_alpha: float | None = None
+        self.attn_backend = "auto"  # "auto" | "sdpa" | "flex" | "flash" (trainer/attention.py)
+        self.gradient_checkpointing = False
+        self._checkpoint_kwargs: dict = {}
+
+    @property
+    def use_kernels(self) -> bool:
+        return self._use_kernels
+
+    @use_kernels.setter
+    def use_kernels(self, value: bool) -> None:
+        self._use_kernels = bool(value)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_kernels = self._use_kernels
+
+    def tie_weights(self) -> None:
+        """Make lm_head.weight the very Parameter of embed_tokens when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_gradient_checkpointing(self, enabled: bool, **kwargs) -> None:
+        """Recompute each decoder layer in backward (torch.utils.checkpoint, use_reentrant=False); kwargs go to
+        `checkpoint` (e.g. preserve_rng_state=False)."""
+        if kwargs.pop("use_reentrant", False):
+            raise ModelError("set_gradient_checkpointing: only use_reentrant=False is supported")
+        self.gradient_checkpointing = bool(enabled)
+        self._checkpoint_kwargs = kwargs
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Hugging Face's init, deterministic from `seed`: N(0, initializer_range) for linear and embedding weights
+        (padding row zeroed), zeros for biases, ones for norms; rotary buffers recomputed."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is self.lm_head and self.config.tie_word_embeddings:
+                    continue
+                module.weight.copy_(torch.empty(module.weight.shape).normal_(0.0, std, generator=gen))
+                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.model.rotary_emb.reset_buffers()
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (a tied head counts once); with exclude_embeddings the input embedding matrix is left
+        out, as `transformers`' `num_parameters(exclude_embeddings=True)` does (an untied lm_head stays in)."""
+        embed = self.model.embed_tokens.weight
+        return sum(p.numel() for p in self.parameters() if not (exclude_embeddings and p is embed))
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N + 12 L H_q T, where N counts every
+        matmul parameter (all but the embedding lookup, with the LM head counted once even when tied),
+        L layers, H_q = heads * head_dim, T = seq_len. The attention term counts full (non-causal) score and
+        value matmuls, as PaLM does."""
+        c = self.config
+        n = self.num_parameters(exclude_embeddings=True) + (c.vocab_size * c.hidden_size if c.tie_word_embeddings else 0)
+        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+
+    def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None):
+        """Final-norm hidden states (B, T, C). With `cache`, decode from cache.length on (no padding)."""
+        if input_ids.dim() != 2:
+            raise ModelError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if position_ids is None and attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) left padding starts at 0
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        if self.training and self.neftune_noise_alpha:
+            x = self._neftune(x, attention_mask, position_ids)
+        if cache is not None:
+            rope_pos = torch.arange(cache.length, cache.length + T, device=x.device)[None].expand(B, T)
+            attns = [cache.slot(i) for i in range(len(self.model.layers))]
+        else:
+            rope_pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None].expand(B, T)
+            plan = make_plan(position_ids, attention_mask, B, T, x.device, x.dtype, set(self.config.layer_windows),
+                             self.attn_backend)
+            attns = [plan] * len(self.model.layers)
+        cos, sin = self.model.rotary_emb(rope_pos)  # (B, T, D) fp32
+        for layer, attn in zip(self.model.layers, attns):
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False, **self._checkpoint_kwargs)
+            else:
+                x = layer(x, cos, sin, attn)
+        return self.model.norm(x)
+
+    def _neftune(self, x, attention_mask, position_ids):
+        if self.use_kernels:
+            import kernels
+
+            return kernels.neftune_noise(x, self.neftune_noise_alpha, attention_mask=attention_mask,
+                                         position_ids=position_ids, training=True)
+        return neftune_plain(x, self.neftune_noise_alpha, attention_mask, position_ids)
+
+    def forward(self, input_ids, position_ids=None, labels=None, attention_mask=None, num_items=None) -> CausalLMOutput:
+        """Logits, and with `labels` (unshifted, -100 = no target) the loss sum / num_items (default: mean over
+        supervised tokens; 0 when there are none). With labels and use_kernels the logits are never formed."""
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask)  # (B, T, C)
+        if labels is None:
+            return CausalLMOutput(None, self.lm_head(hidden))
+        if labels.shape != input_ids.shape:
+            raise ModelError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)} (labels are unshifted)")
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)  # (B*T,) position t predicts t+1
+        if num_items is None:
+            denom = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        elif torch.is_tensor(num_items):
+            denom = num_items.to(hidden.device).clamp(min=1)
+        else:
+            denom = max(int(num_items), 1)
+        flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, C)
+        if self.use_kernels:
+            import kernels
+
+            loss = kernels.fused_linear_cross_entropy(flat, self.lm_head.weight, targets, ignore_index=IGNORE_INDEX,
+                                                      label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                                      num_items=denom)
+            return CausalLMOutput(loss, None)
+        logits = self.lm_head(hidden)  # (B, T, V)
+        flat_logits = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
+        total = F.cross_entropy(flat_logits, targets, ignore_index=IGNORE_INDEX, reduction="sum",
+                                label_smoothing=self.label_smoothing)
+        if self.z_loss:
+            lse = torch.logsumexp(flat_logits, dim=-1)  # (B*T,)
+            total = total + self.z_loss * (lse.square() * (targets != IGNORE_INDEX)).sum()
+        return CausalLMOutput(total / denom, logits)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Decoding
+# ------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def generate(model: CausalLM, input_ids, max_new_tokens: int, *, eos_token_id=None, temperature: float = 0.0,
+             top_p: float = 1.0, generator: torch.Generator | None = None):
+    """Greedy (temperature 0) or nucleus-sampled decoding with a KV cache.
+
+    input_ids: a list of ints or a 1-D tensor -> the list of new tokens (eos included when hit); or a
+    (B, T) tensor of equal-length, unpadded prompts -> (B, T + n) prompt + new tokens, as transformers'
+    `generate` returns (rows that finished early are continued with eos). Stops after max_new_tokens or when
+    every row has produced eos (`eos_token_id`: an int or a list of ints).
+    """
+    device = model.lm_head.weight.device
+    as_list = not torch.is_tensor(input_ids) or input_ids.dim() == 1
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    ids = ids.view(1, -1) if as_list else ids
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ModelError(f"generate: input_ids must be a non-empty list, 1-D or (batch, seq) tensor, got shape {tuple(ids.shape)}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ModelError(f"generate: temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+    eos = None if eos_token_id is None else torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    c = model.config
+    B, T = ids.shape
+    cache = KVCache(c.num_hidden_layers, B, T + max_new_tokens, c.num_key_value_heads, c.head_dim,
+                    model.lm_head.weight.dtype, device)
+    was_training = model.training
+    model.eval()
+    try:
+        step_input, new, done = ids, [], torch.zeros(B, dtype=torch.bool, device=device)
+        for _ in range(max_new_tokens):
+            hidden = model.hidden_states(step_input, cache=cache)  # (B, t, C)
+            cache.length += step_input.shape[1]
+            logits = model.lm_head(hidden[:, -1]).float()  # (B, V)
+            token = _pick(logits, temperature, top_p, generator)  # (B,)
+            if eos is not None:
+                token = torch.where(done, eos[0], token)
+                done = done | torch.isin(token, eos)
+            new.append(token)
+            if eos is not None and bool(done.all()):
+                break
+            step_input = token[:, None]  # (B, 1)
+    finally:
+        model.train(was_training)
+    out = torch.stack(new, dim=1) if new else ids.new_zeros(B, 0)  # (B, n)
+    return out[0].tolist() if as_list else torch.cat([ids, out], dim=1)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)  # (B, V)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always)
+        keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hugging Face checkpoints
+# ------------------------------------------------------------------------------------------------------------
+def _resolve_dtype(value) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.removeprefix("torch.")]
+    raise ModelError(f"dtype {value!r} is not supported (supported: {', '.join(_DTYPES)})")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """ModelConfig from `path`/config.json."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ModelError(f"{file}: not found (a Hugging Face model directory needs config.json)")
+    return ModelConfig.from_hf(read_json(file), source=str(file))
+
+
+def _ignored_key(name: str) -> bool:
+    # older Llama checkpoints store the rotary buffer; ours is recomputed
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def load_pretrained(path: str | Path, dtype=None, device=None, use_kernels: bool = True) -> CausalLM:
+    """Load a Hugging Face model directory (config.json + model.safetensors or shards with an index).
+
+    Built on the meta device, cast to `dtype` there (default: the config's dtype, else fp32), materialised
+    on `device` (default cpu) without initialisation, then each checkpoint tensor is read once into place.
+    A tied checkpoint may or may not contain lm_head.weight; it is skipped either way.
+    """
+    config = read_config(path)
+    dtype = _resolve_dtype(dtype) or _resolve_dtype(config.dtype) or torch.float32
+    with torch.device("meta"):
+        model = CausalLM(config, use_kernels=use_kernels)
+    model.to(dtype=dtype)
+    model.to_empty(device=torch.device(device) if device is not None else torch.device("cpu"))
+    model.tie_weights()  # to_empty made new, separate Parameters
+    model.model.rotary_emb.reset_buffers()
+    targets = {name: p for name, p in model.named_parameters()}  # tied head appears once, as embed_tokens
+    tied = config.tie_word_embeddings
+    load_safetensors(Path(path), targets, ignore=lambda k: _ignored_key(k) or (tied and k == "lm_head.weight"))
+    return model
+
+
+def save_pretrained(model: CausalLM, path: str | Path, max_shard_size: int | str = "5GB", tokenizer=None,
+                    dtype=None) -> None:
+    """Write config.json, model.safetensors (or shards + index when over max_shard_size) and the tokenizer
+    files; a tied lm_head is written once, as embed_tokens (Hugging Face omits lm_head.weight too)."""
+    dtype = _resolve_dtype(dtype) or model.model.embed_tokens.weight.dtype
+    tensors = {name: p for name, p in model.named_parameters()}  # a tied head appears once, as embed_tokens
+    path = Path(path)
+    save_safetensors(tensors, path, max_shard_size=max_shard_size, dtype=dtype)
+    config = dataclasses.replace(model.config, dtype=_dtype_name(dtype))
+    (path / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer files of a model directory (trainer.tokenizer.Tokenizer.from_pretrained)."""
+    from .tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(path)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Presets
+# ------------------------------------------------------------------------------------------------------------
+PRESETS = {
+    # ~3.0M parameters: byte-level vocab (259 ids) rounded up to 320, tied embeddings, GQA 4:2, head_dim 64
+    "tiny": {"model_type": "llama", "vocab_size": 320, "hidden_size": 256, "intermediate_size": 688,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+             "tie_word_embeddings": True, "initializer_range": 0.02,
+             "bos_token_id": None, "eos_token_id": 258, "pad_token_id": 256},
+}
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def build_preset(name: str, seed: int = 0, use_kernels: bool = True):
+    """(CausalLM, Tokenizer) for a named preset: fp32 on cpu, deterministic Hugging Face-style init from `seed`,
+    with the embedded byte-level tokenizer."""
+    from .tokenizer import byte_level_tokenizer
+
+    if name not in PRESETS:
+        raise ModelError(f"preset {name!r} is unknown (presets: {', '.join(PRESETS)})")
+    config = ModelConfig.from_hf(PRESETS[name], source=f"preset {name!r}")
+    tokenizer = byte_level_tokenizer(model_max_length=config.max_position_embeddings)
+    model = CausalLM(config, use_kernels=use_kernels)
+    model.init_weights(seed)
+    return model, tokenizer
