@@ -10,11 +10,13 @@ Backends, chosen per forward by `make_plan` (`backend="auto"`):
 - "flash" (CUDA, fp16/bf16, `flash_attn` importable): `flash_attn_varlen_func` on the unpadded tokens
   with `cu_seqlens` at document boundaries; padding never enters the kernel. Building the index costs
   host syncs (`nonzero`, once per forward), which every varlen implementation pays.
-- "flex" (CUDA otherwise): `torch.nn.attention.flex_attention` (compiled) with a `BlockMask` from the
-  document ids; no (T, T) mask is materialised and no host sync happens. Also runs eagerly on CPU, which
-  is how its mask logic is tested here.
-- "sdpa" (CPU): `F.scaled_dot_product_attention` with a boolean (B, 1, T, T) mask built from the document
-  ids, or `is_causal=True` when there are neither position ids nor padding (nothing to separate). A query
+- "flex" (CUDA otherwise, when there are documents, padding or a sliding window to honour):
+  `torch.nn.attention.flex_attention` (compiled) with a `BlockMask` from the document ids; no (T, T) mask
+  is materialised and no host sync happens. Also runs eagerly on CPU (forward only), which is how its mask
+  logic is tested here.
+- "sdpa" (CPU; and CUDA for plain causal rows): `F.scaled_dot_product_attention` with a boolean
+  (B, 1, T, T) mask built from the document ids, or `is_causal=True` when there are neither position ids
+  nor padding nor a window shorter than the row (nothing to separate). A query
   whose every key is masked (a padding token) is let attend to itself, so softmax never sees an empty row
   and no NaN appears; its output is discarded anyway.
 GQA: key/value heads are shared by `n_heads // n_kv_heads` query heads (`enable_gqa`, no copies).
@@ -164,10 +166,13 @@ def make_plan(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | 
     if backend not in BACKENDS:
         raise AttentionError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        if device.type == "cuda":
-            backend = "flash" if _flash_attn() is not None and dtype in (torch.float16, torch.bfloat16) else "flex"
-        else:
+        plain_causal = position_ids is None and attention_mask is None and all(_effective(w, seq_len) is None for w in windows)
+        if device.type != "cuda":
             backend = "sdpa"
+        elif _flash_attn() is not None and dtype in (torch.float16, torch.bfloat16):
+            backend = "flash"
+        else:  # nothing to separate: SDPA's is_causal runs PyTorch's own flash kernel, faster than flex
+            backend = "sdpa" if plain_causal else "flex"
     if backend == "flash":
         if _flash_attn() is None:
             raise AttentionError("attention backend 'flash' needs flash-attn (pip install flash-attn --no-build-isolation)")

@@ -212,21 +212,16 @@ def test_packed_documents_never_attend_to_each_other(arch, backend, tmp_path):
     ours = load_pretrained(saved(hf_model(arch), tmp_path), use_kernels=False).eval()
     ours.attn_backend = backend  # flex runs eagerly on CPU: the same mask logic CUDA compiles
     docs, ids, position_ids = _packed_row([7, 3, 9])
-    torch.set_grad_enabled(False)  # flex has no backward on CPU; forward equality is the claim here
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # flex without torch.compile says it is unfused
-        packed = ours(ids, position_ids=position_ids).logits[0]  # (19, V)
-    start = 0
-    for doc in docs:
-        alone = ours(doc[None]).logits[0]
-        torch.testing.assert_close(packed[start:start + len(doc)], alone, atol=1e-5, rtol=0)
-        start += len(doc)
-    # and the loss: labels at document starts are not targets of the previous document's last token
     labels = ids.clone()
-    labels[position_ids == 0] = -100
-    packed_loss = ours(ids, position_ids=position_ids, labels=labels).loss
-    separate = torch.cat([per_token_loss(ours(d[None]).logits, d[None])[0] for d in docs])
-    torch.set_grad_enabled(True)
+    labels[position_ids == 0] = -100  # a document's first token is not a target of the previous document
+    # flex has no backward on CPU (forward equality is the claim here) and warns that eager flex is unfused
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        packed = ours(ids, position_ids=position_ids).logits[0]  # (19, V)
+        alone = [ours(doc[None]).logits[0] for doc in docs]
+        packed_loss = ours(ids, position_ids=position_ids, labels=labels).loss
+    torch.testing.assert_close(packed, torch.cat(alone), atol=1e-5, rtol=0)
+    separate = torch.cat([per_token_loss(logits[None], doc[None])[0] for logits, doc in zip(alone, docs)])
     torch.testing.assert_close(packed_loss, separate.mean(), atol=1e-5, rtol=0)
 
 
