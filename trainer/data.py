@@ -344,7 +344,8 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str, tools, last_onl
     spans = []
     for i in turns:
         before = _render(tokenizer, messages[:i], True, tools)
-        through = _render(tokenizer, messages[:i + 1], False, tools)
+        # The last turn's rendering is the whole text, already at hand (a third of the renders, single-turn).
+        through = text if i + 1 == len(messages) else _render(tokenizer, messages[:i + 1], False, tools)
         if not through.startswith(before) or not text.startswith(through):
             part = "messages[:{0}] with the generation prompt".format(i) if not through.startswith(before) \
                 else f"messages[:{i + 1}]"
@@ -640,7 +641,7 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
                 ids_parts.append(ids)
                 label_parts.append(labels)
                 lengths.append(len(ids))
-            formats[str(path)] = fmt or "empty"
+            formats[str(path)] = fmt or "unknown"
     finally:
         progress.close()
 
