@@ -107,6 +107,23 @@ def test_multibyte_characters_are_supervised_whole(tok):
     assert tok.decode(sup, skip_special_tokens=False) == "ü🌍<|im_end|>\n"
 
 
+def test_mask_equals_transformers_assistant_mask(tmp_path, tok):
+    """Oracle: Hugging Face's return_assistant_tokens_mask on the same ChatML with {% generation %} tags."""
+    transformers = pytest.importorskip("transformers")
+    tok.save_pretrained(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tagged = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+              "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>\\n' }}"
+              "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    msgs = CONV[:2] + [{"role": "assistant", "content": "hé 🌍"}] + CONV[3:]
+    out = hf.apply_chat_template(msgs, chat_template=tagged, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+    ids, labels = tokenize_conversation(tok, msgs)
+    assert ids == out["input_ids"]
+    assert [int(lab != IGN) for lab in labels] == out["assistant_masks"]
+
+
 def test_template_that_breaks_the_prefix_property_is_a_clear_error(tmp_path, tok):
     # Prints the message count first: a prefix of the conversation renders with a different first character.
     bad = Tokenizer(tok.backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
