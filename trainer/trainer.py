@@ -353,7 +353,8 @@ class Trainer:
             torch.distributed.all_reduce(n)
         elif self.world_size > 1:
             n = n * self.world_size  # each rank normalises by its own count, scaled so averaging is exact once
-        return n
+        # A window with no target at all (filler batches) has a loss sum of 0: divide by 1, not 0.
+        return n.clamp_(min=1.0)
 
     def _compute_loss(self, model, batch, num_items, device):
         """Sum of the batch's token losses / num_items, whatever kind of model this is."""
