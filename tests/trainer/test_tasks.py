@@ -1,0 +1,74 @@
+"""The embedded demo dataset: shipped files equal the generator's output, prompts are disjoint and short, every
+answer is right (checked by a solver written apart from the generator), and the files load as SFT data."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainer.data import load_sft_dataset
+from trainer.tasks import (EVAL_FILE, KINDS, NUM_EVAL, NUM_TRAIN, TRAIN_FILE, exact_match, generate_tasks, solve,
+                           write_task_files)
+from trainer.tokenizer import byte_level_tokenizer
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def prompt(ex):
+    return ex["messages"][0]["content"]
+
+
+def test_shipped_files_are_the_generators_output(tmp_path):
+    train, evals = write_task_files(tmp_path)
+    assert train.read_bytes() == TRAIN_FILE.read_bytes()
+    assert evals.read_bytes() == EVAL_FILE.read_bytes()
+    assert read(TRAIN_FILE) == generate_tasks(NUM_TRAIN + NUM_EVAL)[:NUM_TRAIN]
+
+
+def test_cli_regenerates_bit_identically(tmp_path):
+    subprocess.run([sys.executable, "-m", "trainer.tasks", "--out", str(tmp_path)], check=True, capture_output=True)
+    assert (tmp_path / TRAIN_FILE.name).read_bytes() == TRAIN_FILE.read_bytes()
+    assert (tmp_path / EVAL_FILE.name).read_bytes() == EVAL_FILE.read_bytes()
+
+
+def test_train_and_eval_prompts_are_disjoint_and_distinct():
+    train, evals = read(TRAIN_FILE), read(EVAL_FILE)
+    assert (len(train), len(evals)) == (4000, 200)
+    train_prompts = {prompt(e) for e in train}
+    assert len(train_prompts) == len(train)
+    assert not train_prompts & {prompt(e) for e in evals}
+
+
+def test_every_answer_is_right_and_kinds_are_balanced():
+    examples = read(TRAIN_FILE) + read(EVAL_FILE)
+    counts = dict.fromkeys(KINDS, 0)
+    for ex in examples:
+        (user, assistant) = ex["messages"]
+        assert (user["role"], assistant["role"]) == ("user", "assistant")
+        assert len(user["content"]) <= 15 and 1 <= len(assistant["content"]) <= 6
+        assert solve(user["content"]) == assistant["content"]
+        counts[user["content"].split(":")[0].split(" ")[0]] += 1
+    assert set(counts.values()) == {len(examples) // len(KINDS)}
+
+
+def test_generator_is_deterministic_and_seeded():
+    assert generate_tasks(50, seed=1) == generate_tasks(50, seed=1)
+    assert generate_tasks(50, seed=1) != generate_tasks(50, seed=2)
+    assert generate_tasks(20, seed=3) == generate_tasks(40, seed=3)[:20]
+
+
+def test_exact_match_and_solver():
+    assert exact_match(" cba\n", "cba") and not exact_match("cb a", "cba") and not exact_match("CBA", "cba")
+    assert solve("add: 47+8") == "55" and solve("count a: banana") == "3" and solve("sort: 5203") == "0235"
+    with pytest.raises(ValueError, match="not a task prompt"):
+        solve("divide: 4/2")
+
+
+def test_files_load_as_sft_data_without_loss():
+    ds = load_sft_dataset(EVAL_FILE, byte_level_tokenizer(), cutoff_len=128, show_progress=False)
+    s = ds.summary
+    assert len(ds) == 200 and s["dropped"] == {} and s["truncated"] == 0
+    assert s["length"]["max"] <= 64  # short enough for the tiny preset's context

@@ -1,0 +1,195 @@
+"""Training checkpoints: atomic, rotating, exactly resumable.
+
+Layout of `output_dir/checkpoint-<step>/` (Hugging Face's, so tools that read Trainer checkpoints work):
+- the model in the Hugging Face safetensors layout (`config.json`, `model.safetensors` or shards + index,
+  tokenizer files), loadable by `from_pretrained` as is; a model that is not ours gets its state_dict
+  as `model.safetensors`;
+- `optimizer.pt`, `scheduler.pt`, `scaler.pt` (fp16 only), `rng_state.pth` (per rank: `rng_state_<rank>.pth`
+  when there are several), `data_state.json` (the loader's position), `trainer_state.json`, `training_args.json`.
+
+Atomicity: everything is written into `checkpoint-<step>.tmp` and renamed into place as the last act, so a
+crash while saving never leaves a directory named `checkpoint-<step>` behind; `latest_checkpoint` also
+requires `trainer_state.json`, which is written last inside the temporary directory.
+
+`torch.load` is only ever called with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PREFIX = "checkpoint"
+_CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from, named with its path and the reason."""
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in output_dir, oldest step first."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = []
+    for child in out.iterdir():
+        m = _CKPT_RE.match(child.name)
+        if m and child.is_dir() and (child / "trainer_state.json").is_file():
+            found.append((int(m.group(1)), child))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resolve_resume(resume_from_checkpoint, output_dir) -> Path | None:
+    """`resume_from_checkpoint` as Hugging Face takes it: a path, or True/"auto" for the newest complete one."""
+    if resume_from_checkpoint in (None, False, "", "false", "False"):
+        return None
+    if resume_from_checkpoint is True or str(resume_from_checkpoint).lower() in ("true", "auto", "latest"):
+        path = latest_checkpoint(output_dir)
+        if path is None:
+            raise CheckpointError(f"resume_from_checkpoint: no complete checkpoint-<step> directory in {output_dir}")
+        return path
+    path = Path(resume_from_checkpoint)
+    if not (path / "trainer_state.json").is_file():
+        raise CheckpointError(f"resume_from_checkpoint: {path} is not a complete checkpoint (no trainer_state.json)")
+    return path
+
+
+def rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rng_file(rank: int, world_size: int) -> str:
+    return "rng_state.pth" if world_size == 1 else f"rng_state_{rank}.pth"
+
+
+def _python_rng_to_tensorable(state: dict) -> dict:
+    # torch.load(weights_only=True) accepts tensors, lists, tuples, dicts and primitives, not numpy arrays:
+    # store the numpy and python generator states in those terms.
+    py_version, py_state, py_gauss = state["python"]
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    out = dict(state)
+    out["python"] = [py_version, list(py_state), py_gauss]
+    out["numpy"] = [np_name, torch.from_numpy(np.asarray(np_keys, dtype=np.int64)), int(np_pos), int(np_has_gauss), float(np_gauss)]
+    return out
+
+
+def _python_rng_from_tensorable(state: dict) -> dict:
+    out = dict(state)
+    version, py_state, gauss = state["python"]
+    out["python"] = (version, tuple(py_state), gauss)
+    name, keys, pos, has_gauss, gauss_np = state["numpy"]
+    out["numpy"] = (name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss_np)
+    return out
+
+
+def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, scheduler=None, scaler=None,
+                    data_state: dict | None = None, trainer_state: dict, args_dict: dict,
+                    rank: int = 0, world_size: int = 1, save_only_model: bool = False) -> Path:
+    """Write checkpoint-<step> atomically; `save_model(dir)` writes the model files. Returns the final path."""
+    out = Path(output_dir)
+    final = out / f"{PREFIX}-{step}"
+    tmp = out / f"{PREFIX}-{step}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_model(tmp)
+    if not save_only_model:
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if scaler is not None:
+            torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        torch.save(_python_rng_to_tensorable(rng_state()), tmp / _rng_file(rank, world_size))
+        if data_state is not None:
+            (tmp / "data_state.json").write_text(json.dumps(data_state, indent=2) + "\n")
+    (tmp / "training_args.json").write_text(json.dumps(args_dict, indent=2, sort_keys=True, default=str) + "\n")
+    # trainer_state.json last: its presence marks the directory complete.
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str) + "\n")
+    if final.exists():  # re-saving the same step (e.g. SIGTERM right after a scheduled save)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def load_training_state(path, *, optimizer=None, scheduler=None, scaler=None, rank: int = 0, world_size: int = 1) -> dict:
+    """Restore optimizer/scheduler/scaler/RNG from a checkpoint; returns {'trainer_state', 'data_state'}."""
+    path = Path(path)
+
+    def load(name):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (was the checkpoint saved with save_only_model?)")
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+    if optimizer is not None:
+        optimizer.load_state_dict(load("optimizer.pt"))
+    if scheduler is not None:
+        scheduler.load_state_dict(load("scheduler.pt"))
+    if scaler is not None and (path / "scaler.pt").is_file():
+        scaler.load_state_dict(load("scaler.pt"))
+    set_rng_state(_python_rng_from_tensorable(load(_rng_file(rank, world_size))))
+    data_file = path / "data_state.json"
+    return {
+        "trainer_state": json.loads((path / "trainer_state.json").read_text()),
+        "data_state": json.loads(data_file.read_text()) if data_file.is_file() else None,
+    }
+
+
+def rotate_checkpoints(output_dir, save_total_limit: int | None, best_checkpoint: str | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond save_total_limit, never the best one; returns the deleted.
+
+    Hugging Face semantics: the best checkpoint (when tracked) is always kept, so with a limit of 1 and a best
+    that is not the newest, two directories remain. Leftover `.tmp` directories from crashed saves are removed.
+    """
+    out = Path(output_dir)
+    for stale in out.glob(f"{PREFIX}-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if not save_total_limit or save_total_limit <= 0:
+        return []
+    found = checkpoints(out)
+    best = Path(best_checkpoint).resolve() if best_checkpoint else None
+    keep_newest = save_total_limit
+    if best is not None and best in [p.resolve() for p in found[-keep_newest:]]:
+        pass
+    elif best is not None and save_total_limit == 1:
+        keep_newest = 1  # newest + best
+    elif best is not None:
+        keep_newest = save_total_limit - 1  # best takes one slot
+    keep = set(p.resolve() for p in found[-keep_newest:])
+    if best is not None:
+        keep.add(best)
+    deleted = []
+    for p in found:
+        if p.resolve() not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+            deleted.append(p)
+    return deleted

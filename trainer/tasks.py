@@ -1,0 +1,149 @@
+"""The embedded demo dataset: short instruction tasks whose answers can be checked exactly.
+
+The `tiny` preset (~3M parameters, byte-level tokenizer) must visibly learn something on a CPU in minutes, so
+the tasks are short string manipulations a small transformer picks up fast, and whose answers are either right
+or wrong (exact match after stripping whitespace):
+
+    reverse: plant      -> tnalp      a 3-6 letter lowercase word, reversed
+    sort: 5203          -> 0235       3-5 digits in ascending order
+    add: 47+8           -> 55         two numbers of 0-99
+    upper: cat          -> CAT        a 3-6 letter word in capitals
+    count a: banana     -> 3          how often a letter occurs in a 3-6 letter word
+
+Each example is a conversation, {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}; prompts are
+at most 15 characters. `generate_tasks(n, seed)` is a pure function of (n, seed): the kinds take turns (so every
+n divisible by 5 is balanced), prompts never repeat, and generate_tasks(n) is a prefix of generate_tasks(n + k).
+The shipped files are its first 4000 examples (train) and the next 200 (eval), so their prompts are disjoint:
+
+    python -m trainer.tasks --out trainer/data        # rewrites tasks_train.jsonl and tasks_eval.jsonl bit-identically
+
+Randomness comes from a hand-written SplitMix64 rather than `random`/numpy so the files never change with a
+library version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DATA_DIR = Path(__file__).parent / "data"
+TRAIN_FILE = DATA_DIR / "tasks_train.jsonl"
+EVAL_FILE = DATA_DIR / "tasks_eval.jsonl"
+NUM_TRAIN, NUM_EVAL, SEED = 4000, 200, 0
+KINDS = ("reverse", "sort", "add", "upper", "count")
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_MASK64 = (1 << 64) - 1
+
+
+class _SplitMix64:
+    """Steele, Lea and Flood's SplitMix64: tiny, fast, and defined bit for bit."""
+
+    def __init__(self, seed: int):
+        self.state = seed & _MASK64
+
+    def next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & _MASK64
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+    def below(self, n: int) -> int:
+        """An int in [0, n); the modulo bias is below n / 2**64, nothing for n this small."""
+        return self.next() % n
+
+    def between(self, lo: int, hi: int) -> int:
+        return lo + self.below(hi - lo + 1)
+
+    def word(self, lo: int = 3, hi: int = 6) -> str:
+        return "".join(_LETTERS[self.below(26)] for _ in range(self.between(lo, hi)))
+
+
+def _make(kind: str, rng: _SplitMix64) -> tuple[str, str]:
+    if kind == "reverse":
+        w = rng.word()
+        return f"reverse: {w}", w[::-1]
+    if kind == "sort":
+        digits = "".join(str(rng.below(10)) for _ in range(rng.between(3, 5)))
+        return f"sort: {digits}", "".join(sorted(digits))
+    if kind == "add":
+        a, b = rng.below(100), rng.below(100)
+        return f"add: {a}+{b}", str(a + b)
+    if kind == "upper":
+        w = rng.word()
+        return f"upper: {w}", w.upper()
+    if kind == "count":
+        letter = _LETTERS[rng.below(26)]
+        # Plant the letter at ~1 position in 3 so counts of 0-3 all occur; uniform letters would make it mostly 0.
+        w = "".join(letter if rng.below(3) == 0 else _LETTERS[rng.below(26)] for _ in range(rng.between(3, 6)))
+        return f"count {letter}: {w}", str(w.count(letter))
+    raise ValueError(f"unknown task kind {kind!r} (expected one of {', '.join(KINDS)})")
+
+
+def generate_tasks(n: int, seed: int = SEED) -> list[dict]:
+    """n conversations with distinct prompts, the kinds in turn; deterministic for (n, seed)."""
+    rng = _SplitMix64(seed)
+    seen: set[str] = set()
+    out = []
+    while len(out) < n:
+        kind = KINDS[len(out) % len(KINDS)]
+        prompt, answer = _make(kind, rng)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        out.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]})
+    return out
+
+
+def solve(prompt: str) -> str:
+    """The correct answer to a task prompt, computed from the prompt alone (a check independent of the generator)."""
+    head, _, arg = prompt.partition(": ")
+    if head == "reverse":
+        return arg[::-1]
+    if head == "sort":
+        return "".join(sorted(arg))
+    if head == "add":
+        a, b = arg.split("+")
+        return str(int(a) + int(b))
+    if head == "upper":
+        return arg.upper()
+    if head.startswith("count "):
+        return str(arg.count(head[len("count "):]))
+    raise ValueError(f"not a task prompt: {prompt!r} (expected one of {', '.join(KINDS)} followed by ': ')")
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    """Right or wrong, ignoring surrounding whitespace."""
+    return prediction.strip() == reference.strip()
+
+
+def _dumps(examples: list[dict]) -> str:
+    return "".join(json.dumps(ex, ensure_ascii=False) + "\n" for ex in examples)
+
+
+def write_task_files(out_dir: str | Path, num_train: int = NUM_TRAIN, num_eval: int = NUM_EVAL,
+                     seed: int = SEED) -> tuple[Path, Path]:
+    """Write tasks_train.jsonl and tasks_eval.jsonl under out_dir; returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    examples = generate_tasks(num_train + num_eval, seed)
+    train, evals = out_dir / TRAIN_FILE.name, out_dir / EVAL_FILE.name
+    train.write_bytes(_dumps(examples[:num_train]).encode("utf-8"))
+    evals.write_bytes(_dumps(examples[num_train:]).encode("utf-8"))
+    return train, evals
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainer.tasks", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(DATA_DIR), help="output directory (default: the package's data/)")
+    parser.add_argument("--train", type=int, default=NUM_TRAIN, help="training examples")
+    parser.add_argument("--eval", type=int, default=NUM_EVAL, help="held-out examples, prompts disjoint from train")
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args(argv)
+    for path in write_task_files(args.out, args.train, args.eval, args.seed):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

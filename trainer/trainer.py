@@ -1,0 +1,726 @@
+"""The Trainer: Hugging Face's API over one training loop you can read top to bottom (`_train_loop`).
+
+What the loop guarantees, and how:
+- Loss normalisation. Every micro batch reports `num_items`, its supervised targets after the label shift.
+  The loss of each micro batch is `sum of its token losses / N`, N = the supervised targets of the whole
+  accumulation window (summed across data-parallel ranks), so the gradient of per_device=B, accum=1 equals
+  that of per_device=1, accum=B to fp32 rounding and the logged loss depends on neither. It is never also
+  divided by the number of micro steps.
+- Steps. `max_steps = ceil(epochs * floor(micro_batches_per_epoch / accum))` as Hugging Face defines it. The
+  micro batches left over at the end of an epoch (fewer than `accum`) are folded into the epoch's last
+  window instead of making an extra partial step (Hugging Face takes an extra step there, so its epochs
+  and max_steps disagree); nothing is dropped and the token normalisation keeps that window exact.
+- Mixed precision. bf16/fp16 run under `torch.autocast` over fp32 parameters: the parameters are the fp32
+  master weights and the optimizer state is fp32, as in Hugging Face Trainer; our kernels compute in fp32
+  internally whatever the input dtype. fp16 adds a dynamic loss scaler: an overflow skips the step, lowers
+  the scale and is counted (`overflow_steps`), and the scheduler does not advance, as in Hugging Face.
+- Non-finite steps. A non-finite loss or gradient norm never reaches the weights: the update is skipped,
+  counted (`nonfinite_steps`) and logged; after `max_nonfinite_steps` in a row the run stops with a clear
+  error, and the last checkpoint on disk is the last good one.
+- Checkpoints are atomic and resumable exactly (model, optimizer, scheduler, scaler, RNG, data position);
+  SIGTERM saves a checkpoint at the end of the current step and stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt
+from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
+from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
+from .parallel import apply_all, world
+
+__all__ = [
+    "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "EarlyStoppingCallback", "EvalPrediction",
+    "PredictionOutput", "TrainingError", "set_seed",
+]
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite steps in a row); the message says why and what is on disk."""
+
+
+@dataclass
+class EvalPrediction:
+    predictions: object
+    label_ids: object
+    losses: object = None
+
+    def __iter__(self):  # HF lets users unpack `preds, labels = eval_pred`
+        return iter((self.predictions, self.label_ids))
+
+
+@dataclass
+class PredictionOutput:
+    predictions: object
+    label_ids: object
+    metrics: dict
+
+
+def set_seed(seed: int, deterministic: bool = False) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class Trainer:
+    """Hugging Face's `Trainer` constructor and methods, over our loop. See the module docstring."""
+
+    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, model_init=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), preprocess_logits_for_metrics=None):
+        from .args import TrainingArguments
+
+        if args is None:
+            args = TrainingArguments()
+        if model is None and model_init is None:
+            raise ValueError("Trainer: pass a model or a model_init")
+        self.args = args
+        self.model_init = model_init
+        self.model = model if model is not None else self._call_model_init()
+        self.data_collator = data_collator
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.processing_class = processing_class
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        if model_init is not None and self.optimizer is not None:
+            raise ValueError("Trainer: optimizers cannot be passed together with model_init (the model is rebuilt per train())")
+        self.rank, self.world_size = world()
+        self.callback_handler = CallbackHandler(callbacks)
+        self.state = TrainerState(is_world_process_zero=self.rank == 0)
+        self.control = TrainerControl()
+        self.scaler = None
+        # Batching options that are not TrainingArguments (the sft CLI sets them): pad_to_multiple_of, max_tokens.
+        self.loader_options: dict = {}
+        self._sigterm = False
+        self.interrupted = False
+        self.control = self.callback_handler.fire("on_init_end", args, self.state, self.control)
+
+    # ---- public API -----------------------------------------------------------------------------------
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.remove(callback)
+
+    def train(self, resume_from_checkpoint=None):
+        args = self.args
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = args.resume_from_checkpoint
+        set_seed(args.seed, deterministic=args.full_determinism)
+        if self.model_init is not None:
+            self.model = self._call_model_init()
+            self.optimizer, self.lr_scheduler = None, None
+        resume = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
+        micro, accum = args.per_device_train_batch_size, self._accumulation_steps()
+        while True:
+            try:
+                return self._train_loop(resume, micro, accum)
+            except torch.OutOfMemoryError:
+                if not args.auto_find_batch_size or micro == 1:
+                    raise
+                # Halve the micro batch and double accumulation: the global batch (and the run) stays the same.
+                micro, accum = micro // 2, accum * 2
+                self.optimizer, self.lr_scheduler = None, None
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                self._print(f"auto_find_batch_size: out of memory; retrying with per_device_train_batch_size={micro}, "
+                            f"gradient_accumulation_steps={accum}")
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def _train_loop(self, resume: Path | None, micro: int, accum: int):
+        args = self.args
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train: no train_dataset")
+        model = self.model
+        device = _model_device(model)
+        if self.state.global_step == 0 and not getattr(model, "_kw_transforms_applied", False):
+            apply_all(model, args)  # activation checkpointing -> per-block compile (-> FSDP/DDP, later)
+            model._kw_transforms_applied = True
+        self._configure_model(model, train=True)
+        loader = self._train_loader(micro)
+        micro_per_epoch = len(loader)
+        if micro_per_epoch == 0:
+            raise ValueError("Trainer.train: the train dataset yields no batch (empty, or smaller than one batch with dataloader_drop_last)")
+        windows_per_epoch = max(micro_per_epoch // accum, 1)
+        if args.max_steps > 0:
+            max_steps = args.max_steps
+            num_epochs = math.ceil(max_steps / windows_per_epoch)
+        else:
+            max_steps = math.ceil(args.num_train_epochs * windows_per_epoch)
+            num_epochs = math.ceil(args.num_train_epochs)
+        if max_steps <= 0:
+            raise ValueError("Trainer.train: nothing to train (num_train_epochs * steps per epoch rounds to 0 steps)")
+        optimizer, scheduler = self._create_optimizer_and_scheduler(model, max_steps)
+        if args.fp16 and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(device.type)
+
+        state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs, is_world_process_zero=self.rank == 0,
+                             train_batch_size=micro, logging_steps=_steps(args.logging_steps, max_steps),
+                             eval_steps=_steps(args.eval_steps or args.logging_steps, max_steps),
+                             save_steps=_steps(args.save_steps, max_steps))
+        if resume is not None:
+            restored = ckpt.load_training_state(resume, optimizer=optimizer, scheduler=scheduler, scaler=self.scaler,
+                                                rank=self.rank, world_size=self.world_size)
+            self._load_model_weights(resume)
+            state = TrainerState.from_dict({**restored["trainer_state"], "max_steps": max_steps,
+                                            "num_train_epochs": num_epochs})
+            if restored["data_state"] is not None:
+                loader.load_state_dict(restored["data_state"])
+            self._print(f"resumed from {resume} at step {state.global_step}")
+        self.state = state
+        self.control = TrainerControl()
+        writer = MetricsWriter(args.output_dir, args.report_to, args.logging_dir, enabled=self.rank == 0)
+        throughput = Throughput()
+        peak_flops = device_peak_flops(device)
+        flops_per_token = self._flops_per_token(model)
+        progress = self._progress(max_steps, state.global_step)
+        previous_sigterm = self._install_sigterm()
+        logged_loss, logged_steps, nonfinite_in_row = 0.0, 0, 0
+        last_grad_norm = None
+        self.control = self.callback_handler.fire("on_train_begin", args, state, self.control, model=model)
+        if args.eval_on_start and self.eval_dataset is not None and resume is None:
+            self._evaluate_and_track(state, model)
+        start_epoch = state.global_step // windows_per_epoch
+        try:
+            for epoch in range(start_epoch, num_epochs):
+                first_window = state.global_step - epoch * windows_per_epoch
+                if first_window == 0:  # a fresh epoch; mid-epoch, the restored loader state goes on where it was
+                    loader.set_epoch(epoch)
+                batches = iter(loader)
+                self.control = self.callback_handler.fire("on_epoch_begin", args, state, self.control)
+                for window in range(first_window, windows_per_epoch):
+                    # The last window of an epoch takes the leftover micro batches too (see the docstring).
+                    size = accum if window < windows_per_epoch - 1 else micro_per_epoch - accum * (windows_per_epoch - 1)
+                    micro_batches = [next(batches) for _ in range(size)]
+                    self.control = self.callback_handler.fire("on_step_begin", args, state, self.control)
+
+                    # 1. forward/backward over the window, each micro loss normalised by the window's targets
+                    num_items = self._global_num_items(micro_batches, device)
+                    model.train()
+                    window_loss = torch.zeros((), device=device, dtype=torch.float32)
+                    window_tokens = 0
+                    for i, batch in enumerate(micro_batches):
+                        with self._autocast(device, train=True):
+                            loss = self._compute_loss(model, batch, num_items, device)
+                        backward_loss = loss * self.world_size if self.world_size > 1 else loss  # DDP/FSDP average once
+                        (self.scaler.scale(backward_loss) if self.scaler else backward_loss).backward()
+                        window_loss += loss.detach().float()
+                        if i < len(micro_batches) - 1:
+                            self.control = self.callback_handler.fire("on_substep_end", args, state, self.control)
+                        tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+                        throughput.add(tokens, int(batch.get("num_items", 0)))
+                        window_tokens += tokens
+                    state.num_input_tokens_seen += window_tokens * self.world_size
+
+                    # 2. clip, check, step (or skip)
+                    if self.scaler is not None:
+                        self.scaler.unscale_(optimizer)
+                    params = [p for p in model.parameters() if p.grad is not None]
+                    max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+                    loss_value, grad_norm_value = window_loss.item(), float(grad_norm)  # the one host sync per step
+                    finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
+                    self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
+                    stepped = False
+                    if self.scaler is not None:
+                        scale_before = self.scaler.get_scale()
+                        self.scaler.step(optimizer)  # skips the update itself when the grads overflowed
+                        self.scaler.update()
+                        stepped = self.scaler.get_scale() >= scale_before and finite
+                        if not stepped:
+                            state.overflow_steps += 1
+                    elif finite:
+                        optimizer.step()
+                        stepped = True
+                    optimizer.zero_grad(set_to_none=True)
+                    if stepped:
+                        scheduler.step()
+                        nonfinite_in_row = 0
+                        logged_loss += loss_value
+                        logged_steps += 1
+                        last_grad_norm = grad_norm_value
+                    elif not finite:
+                        state.nonfinite_steps += 1
+                        nonfinite_in_row += 1
+                        self._print(f"step {state.global_step + 1}: non-finite loss ({loss_value}) or grad_norm "
+                                    f"({grad_norm_value}); update skipped")
+                        if nonfinite_in_row >= args.max_nonfinite_steps:
+                            last = ckpt.latest_checkpoint(args.output_dir)
+                            raise TrainingError(
+                                f"{nonfinite_in_row} non-finite steps in a row (max_nonfinite_steps="
+                                f"{args.max_nonfinite_steps}); stopping. Last good checkpoint: {last or 'none saved'}")
+                    self.control = self.callback_handler.fire("on_optimizer_step", args, state, self.control)
+                    state.global_step += 1
+                    state.epoch = epoch + (window + 1) / windows_per_epoch
+                    if flops_per_token:
+                        state.total_flos += flops_per_token * window_tokens * self.world_size
+                    progress.update(1)
+                    self.control = self.callback_handler.fire("on_step_end", args, state, self.control, model=model)
+
+                    # 3. log / evaluate / save on schedule
+                    if _due(args.logging_strategy, state.global_step, state.logging_steps) or \
+                            (args.logging_first_step and state.global_step == 1):
+                        self.control.should_log = True
+                    if _due(args.eval_strategy, state.global_step, state.eval_steps) and state.global_step >= (args.eval_delay or 0):
+                        self.control.should_evaluate = True
+                    if args.save_strategy == "steps" and state.global_step % state.save_steps == 0:
+                        self.control.should_save = True
+                    if state.global_step >= max_steps:
+                        self.control.should_training_stop = True
+                    if self._sigterm:
+                        self.control.should_save = True
+                        self.control.should_training_stop = True
+                    if self.control.should_log:
+                        logs = {"loss": logged_loss / logged_steps if logged_steps else float("nan"),
+                                "grad_norm": last_grad_norm, "learning_rate": scheduler.get_last_lr()[0]}
+                        speed = throughput.mark()
+                        logs.update(speed)
+                        if peak_flops and flops_per_token:
+                            logs["mfu"] = flops_per_token * speed["tokens_per_second"] / self.world_size / peak_flops
+                        logs["peak_memory_gb"] = peak_memory_gb(device)
+                        if args.include_num_input_tokens_seen:
+                            logs["num_input_tokens_seen"] = state.num_input_tokens_seen
+                        if state.nonfinite_steps or state.overflow_steps:
+                            logs["skipped_steps"] = state.nonfinite_steps + state.overflow_steps
+                        self._log(state, logs, writer, progress)
+                        logged_loss, logged_steps = 0.0, 0
+                    self._maybe_evaluate_and_save(state, model, optimizer, scheduler, loader, writer, progress)
+                    if self.control.should_training_stop or self.control.should_epoch_stop:
+                        break
+                self.control.should_epoch_stop = False
+                self.control = self.callback_handler.fire("on_epoch_end", args, state, self.control)
+                if args.eval_strategy == "epoch":
+                    self.control.should_evaluate = True
+                if args.save_strategy == "epoch":
+                    self.control.should_save = True
+                self._maybe_evaluate_and_save(state, model, optimizer, scheduler, loader, writer, progress)
+                if self.control.should_training_stop:
+                    break
+        finally:
+            progress.close()
+            self._restore_sigterm(previous_sigterm)
+            writer.close()
+        self.interrupted = self._sigterm
+        if args.load_best_model_at_end and state.best_model_checkpoint and not self.interrupted:
+            self._load_model_weights(Path(state.best_model_checkpoint))
+            self._print(f"loaded the best model from {state.best_model_checkpoint} ({args.metric_for_best_model}="
+                        f"{state.best_metric})")
+        self.control = self.callback_handler.fire("on_train_end", args, state, self.control, model=model)
+        return state
+
+    # ---- pieces of the loop -----------------------------------------------------------------------------
+    def _accumulation_steps(self) -> int:
+        resolve = getattr(self.args, "resolve_world", None)
+        if callable(resolve):
+            resolve(self.world_size)
+        return self.args.gradient_accumulation_steps
+
+    def _global_num_items(self, micro_batches, device) -> torch.Tensor:
+        total = sum(int(b["num_items"]) if "num_items" in b else _count_targets(b["labels"]) for b in micro_batches)
+        n = torch.tensor(float(total), device=device)
+        if self.world_size > 1 and self.args.average_tokens_across_devices:
+            torch.distributed.all_reduce(n)
+        elif self.world_size > 1:
+            n = n * self.world_size  # each rank normalises by its own count, scaled so averaging is exact once
+        # A window with no target at all (filler batches) has a loss sum of 0: divide by 1, not 0.
+        return n.clamp_(min=1.0)
+
+    def _compute_loss(self, model, batch, num_items, device):
+        """Sum of the batch's token losses / num_items, whatever kind of model this is."""
+        inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        accepted = _forward_params(model)
+        kwargs = {k: v for k, v in inputs.items() if k in accepted or "**" in accepted}
+        if "num_items" in accepted:
+            kwargs["num_items"] = num_items
+        out = model(**kwargs)
+        loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+        if loss is not None and "num_items" in accepted:
+            return loss
+        if loss is not None:
+            # A model that averages over its own batch: rescale to sum / window targets.
+            return loss * (_count_targets(inputs["labels"]) / num_items)
+        logits = out if isinstance(out, torch.Tensor) else (out.get("logits") if isinstance(out, dict) else out.logits)
+        import kernels
+
+        shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])  # (B*(T-1), V)
+        targets = inputs["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
+        return kernels.cross_entropy(shift_logits, targets, label_smoothing=self.args.label_smoothing_factor,
+                                     z_loss=getattr(self.args, "z_loss", 0.0), num_items=num_items)
+
+    def _configure_model(self, model, train: bool) -> None:
+        """Our model's switches from the arguments; other modules are left as they are."""
+        args = self.args
+        if hasattr(model, "use_kernels"):
+            model.use_kernels = bool(getattr(args, "use_kernels", True)) and not args.use_liger_kernel
+        if args.use_liger_kernel:
+            from .model import apply_liger_kernel
+
+            apply_liger_kernel(model)
+        if hasattr(model, "label_smoothing"):
+            model.label_smoothing = args.label_smoothing_factor
+        if hasattr(model, "z_loss"):
+            model.z_loss = getattr(args, "z_loss", 0.0)
+        if hasattr(model, "neftune_noise_alpha"):
+            model.neftune_noise_alpha = args.neftune_noise_alpha if train else None
+        if args.tf32 is not None and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
+            torch.backends.cudnn.allow_tf32 = bool(args.tf32)
+
+    def _autocast(self, device, train: bool):
+        args = self.args
+        if train:
+            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        else:
+            dtype = (torch.bfloat16 if args.bf16 or args.bf16_full_eval else
+                     torch.float16 if args.fp16 or args.fp16_full_eval else None)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=dtype)
+
+    def _create_optimizer_and_scheduler(self, model, max_steps):
+        from .optim import build_optimizer, build_scheduler
+
+        args = self.args
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(model, args)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = build_scheduler(args.lr_scheduler_type, self.optimizer,
+                                                num_warmup_steps=args.get_warmup_steps(max_steps),
+                                                num_training_steps=max_steps, **(args.lr_scheduler_kwargs or {}))
+        return self.optimizer, self.lr_scheduler
+
+    def _flops_per_token(self, model) -> float | None:
+        fn = getattr(model, "flops_per_token", None)
+        if fn is None:
+            return None
+        return float(fn(getattr(self.args, "cutoff_len", 2048) or 2048))
+
+    def _log(self, state, logs: dict, writer, progress) -> None:
+        logs = {"epoch": round(state.epoch, 4), **{k: v for k, v in logs.items() if v is not None}}
+        state.log_history.append({**logs, "step": state.global_step})
+        writer.write(logs, state.global_step)
+        self.control = self.callback_handler.fire("on_log", self.args, state, self.control, logs=logs)
+        if self.rank == 0:
+            if progress.disable:
+                self._print(f"step {state.global_step}/{state.max_steps} {format_logs(logs)}")
+            else:
+                progress.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items()
+                                      if k in ("loss", "eval_loss", "learning_rate", "tokens_per_second")}, refresh=False)
+                progress.write(f"step {state.global_step}/{state.max_steps} {format_logs(logs)}")
+
+    def _maybe_evaluate_and_save(self, state, model, optimizer, scheduler, loader, writer, progress) -> None:
+        args = self.args
+        metrics = None
+        if self.control.should_evaluate and self.eval_dataset is not None:
+            metrics = self._evaluate_and_track(state, model, writer=writer, progress=progress)
+        if args.save_strategy == "best" and metrics is not None and state.best_global_step == state.global_step:
+            self.control.should_save = True
+        if self.control.should_save and args.save_strategy != "no" or (self.control.should_save and self._sigterm):
+            self._save_checkpoint(state, model, optimizer, scheduler, loader)
+        self.control.reset_step()
+
+    def _evaluate_and_track(self, state, model, writer=None, progress=None) -> dict:
+        metrics = self.evaluate()
+        args = self.args
+        if writer is not None:
+            self._log(state, metrics, writer, progress if progress is not None else _NoProgress())
+        name = args.metric_for_best_model
+        if name:
+            key = name if name.startswith("eval_") else f"eval_{name}"
+            value = metrics.get(key)
+            if value is None:
+                raise ValueError(f"metric_for_best_model: {key!r} is not among the evaluation metrics {sorted(metrics)}")
+            greater = args.greater_is_better if args.greater_is_better is not None else not key.endswith("loss")
+            best = state.best_metric
+            if math.isfinite(value) and (best is None or (value > best if greater else value < best)):
+                state.best_metric = value
+                state.best_global_step = state.global_step
+                state.best_model_checkpoint = str(Path(args.output_dir) / f"{ckpt.PREFIX}-{state.global_step}")
+        self.control = self.callback_handler.fire("on_evaluate", args, state, self.control, metrics=metrics)
+        return metrics
+
+    def _save_checkpoint(self, state, model, optimizer, scheduler, loader) -> Path:
+        args = self.args
+        path = ckpt.save_checkpoint(
+            args.output_dir, state.global_step, save_model=lambda d: self._save_model_files(d),
+            optimizer=optimizer, scheduler=scheduler, scaler=self.scaler, data_state=loader.state_dict(),
+            trainer_state=state.to_dict(), args_dict=args.to_dict(), rank=self.rank, world_size=self.world_size,
+            save_only_model=args.save_only_model)
+        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
+        self.control = self.callback_handler.fire("on_save", args, state, self.control)
+        return path
+
+    # ---- model I/O ------------------------------------------------------------------------------------
+    def _save_model_files(self, directory: Path) -> None:
+        model = _unwrap(self.model)
+        from .model import CausalLM, save_pretrained
+
+        if isinstance(model, CausalLM):
+            save_pretrained(model, directory, tokenizer=self.processing_class)
+            return
+        from safetensors.torch import save_model
+
+        save_model(model, str(Path(directory) / "model.safetensors"))
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(directory)
+
+    def _load_model_weights(self, directory: Path) -> None:
+        model = _unwrap(self.model)
+        from .model import CausalLM, load_state_dict_into
+
+        if isinstance(model, CausalLM):
+            load_state_dict_into(model, directory)
+            return
+        from safetensors.torch import load_model
+
+        load_model(model, str(Path(directory) / "model.safetensors"))
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """Save the model (Hugging Face layout for ours) and the tokenizer to output_dir (args.output_dir)."""
+        out = Path(output_dir or self.args.output_dir)
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            self._save_model_files(out)
+            (out / "training_args.json").write_text(json.dumps(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        return out
+
+    # ---- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate: no eval_dataset")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, ds in dataset.items():
+                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        output = self._prediction_loop(dataset, metric_key_prefix,
+                                       want_predictions=self.compute_metrics is not None and not self.args.prediction_loss_only)
+        return output.metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
+        return self._prediction_loop(test_dataset, metric_key_prefix, want_predictions=True)
+
+    @torch.no_grad()
+    def _prediction_loop(self, dataset, prefix: str, want_predictions: bool) -> PredictionOutput:
+        model = self.model
+        device = _model_device(model)
+        was_training = model.training
+        model.eval()
+        self._configure_model(model, train=False)
+        loader = self._eval_loader(dataset)
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        targets = 0
+        samples = 0
+        preds, labels = [], []
+        pending_preds, pending_labels = [], []
+        accumulation = self.args.eval_accumulation_steps
+        for step, batch in enumerate(loader):
+            one = torch.ones((), device=device)
+            with self._autocast(device, train=False):
+                if want_predictions:
+                    logits = self._forward_logits(model, batch, device)  # (B, T, V)
+                    batch_labels = batch["labels"].to(device)
+                    import kernels
+
+                    loss = kernels.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                                 batch_labels[:, 1:].reshape(-1), reduction="sum")
+                    if self.preprocess_logits_for_metrics is not None:
+                        logits = self.preprocess_logits_for_metrics(logits, batch_labels)
+                    pending_preds.append(logits.detach())
+                    pending_labels.append(batch_labels)
+                    if accumulation and (step + 1) % accumulation == 0:  # move to the host so the device never holds all
+                        preds += [p.cpu() for p in pending_preds]
+                        labels += [lb.cpu() for lb in pending_labels]
+                        pending_preds, pending_labels = [], []
+                else:
+                    loss = self._compute_loss(model, batch, one, device)  # num_items=1: the sum of token losses
+            loss_sum += loss.double()
+            targets += int(batch["num_items"]) if "num_items" in batch else _count_targets(batch["labels"])
+            samples += batch["input_ids"].shape[0]
+        preds += [p.cpu() for p in pending_preds]
+        labels += [lb.cpu() for lb in pending_labels]
+        if self.world_size > 1:
+            counts = torch.tensor([loss_sum.item(), float(targets), float(samples)], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(counts)
+            total, targets, samples = counts[0].item(), int(counts[1].item()), int(counts[2].item())
+        else:
+            total = loss_sum.item()
+        runtime = time.perf_counter() - start
+        eval_loss = total / targets if targets else float("nan")
+        metrics = {f"{prefix}_loss": eval_loss,
+                   f"{prefix}_perplexity": math.exp(eval_loss) if eval_loss < 700 else float("inf"),
+                   f"{prefix}_runtime": runtime, f"{prefix}_samples_per_second": samples / max(runtime, 1e-9)}
+        predictions = label_ids = None
+        if preds:
+            predictions, label_ids = _pad_cat(preds, -100), _pad_cat(labels, -100)
+            if self.compute_metrics is not None:
+                extra = self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
+                metrics.update({(k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"): v for k, v in extra.items()})
+        if was_training:
+            model.train()
+            self._configure_model(model, train=True)
+        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+    def _forward_logits(self, model, batch, device):
+        inputs = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
+        accepted = _forward_params(model)
+        kwargs = {k: v for k, v in inputs.items() if k in accepted or "**" in accepted}
+        out = model(**kwargs)
+        return out if isinstance(out, torch.Tensor) else (out["logits"] if isinstance(out, dict) else out.logits)
+
+    # ---- data -----------------------------------------------------------------------------------------
+    def _train_loader(self, micro: int):
+        return self._loader(self.train_dataset, micro, train=True)
+
+    def _eval_loader(self, dataset):
+        return self._loader(dataset, self.args.per_device_eval_batch_size, train=False)
+
+    def _loader(self, dataset, micro: int, train: bool):
+        """Micro batches of a tokenized dataset (`trainer.batching.BatchLoader`), or of `data_collator` over any
+        sequence of examples, wrapped so that both shuffle deterministically and resume mid-epoch."""
+        from .batching import BatchLoader
+
+        args = self.args
+        pad_id = getattr(self.processing_class, "pad_token_id", None)
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        loader = BatchLoader(
+            dataset, batching_strategy=args.batching_strategy if train else "normal", micro_batch_size=micro,
+            max_tokens=self.loader_options.get("max_tokens") if train else None,
+            pad_token_id=pad_id if pad_id is not None else 0,
+            pad_to_multiple_of=self.loader_options.get("pad_to_multiple_of"), shuffle=train, seed=seed,
+            group_by_length=train and args.group_by_length, drop_last=train and args.dataloader_drop_last,
+            rank=self.rank, world_size=self.world_size)
+        if self.data_collator is not None:
+            def collate(indices, is_padding=False):
+                batch = self.data_collator([dataset[i] for i in indices])
+                if is_padding:  # a filler batch that keeps ranks in step: it must not train
+                    batch["labels"] = torch.full_like(batch["labels"], -100)
+                return batch
+
+            loader.collate = collate
+        return loader
+
+    # ---- plumbing -------------------------------------------------------------------------------------
+    def _call_model_init(self):
+        params = inspect.signature(self.model_init).parameters
+        model = self.model_init(None) if len(params) == 1 else self.model_init()
+        if model is None:
+            raise ValueError("model_init returned None")
+        return model
+
+    def _progress(self, total: int, initial: int):
+        disable = self.args.disable_tqdm or self.rank != 0
+        if disable:
+            return _NoProgress()
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, leave=True)
+
+    def _install_sigterm(self):
+        self._sigterm = False
+        if threading_main():
+            def handler(signum, frame):
+                self._sigterm = True
+                self._print("SIGTERM: saving a checkpoint at the end of this step, then stopping")
+
+            return signal.signal(signal.SIGTERM, handler)
+        return None
+
+    def _restore_sigterm(self, previous) -> None:
+        if previous is not None and threading_main():
+            signal.signal(signal.SIGTERM, previous)
+
+    def _print(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, file=sys.stderr, flush=True)
+
+
+class _NoProgress:
+    disable = True
+
+    def update(self, n=1): ...
+    def close(self): ...
+    def write(self, s): print(s, file=sys.stderr, flush=True)
+    def set_postfix(self, *a, **k): ...
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _steps(value, max_steps: int) -> int:
+    """logging/eval/save steps as an int; a float below 1 is a ratio of max_steps (ceil), as in Hugging Face."""
+    if value is None:
+        return max_steps
+    if isinstance(value, float) and value < 1:
+        return max(1, math.ceil(value * max_steps))
+    return max(1, int(value))
+
+
+def _due(strategy, step: int, every: int) -> bool:
+    return strategy == "steps" and every > 0 and step % every == 0
+
+
+def _count_targets(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != -100).sum())
+
+
+def _forward_params(model) -> set:
+    forward = _unwrap(model).forward
+    params = inspect.signature(forward).parameters
+    names = set(params)
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        names.add("**")
+    return names
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def _pad_cat(tensors: list[torch.Tensor], pad: int) -> torch.Tensor:
+    """Concatenate (B, T, ...) tensors along B, padding T to the longest with `pad` (Hugging Face's -100)."""
+    if all(t.dim() < 2 for t in tensors) or len({t.shape[1] for t in tensors}) == 1:
+        return torch.cat(tensors)
+    longest = max(t.shape[1] for t in tensors)
+    out = []
+    for t in tensors:
+        shape = list(t.shape)
+        shape[1] = longest - t.shape[1]
+        out.append(torch.cat([t, t.new_full(shape, pad)], dim=1))
+    return torch.cat(out)
