@@ -16,8 +16,10 @@ honoured on every backend (not rejected): query i sees keys i-W+1..i.
 
 `use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`), the loss
 (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and NEFTune
-(`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. Parameter names and state_dict
-are the same either way. Attention backends and packing rules: `trainer/attention.py`.
+(`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `apply_liger_kernel(model)` sets
+the same three places (RMSNorm, SwiGLU, fused linear cross-entropy) to liger-kernel's ops instead, the
+baseline our kernels are measured against. Parameter names and state_dict are the same in every mode.
+Attention backends and packing rules: `trainer/attention.py`.
 
 Labels are unshifted (as in Hugging Face): position t is trained to predict labels[t + 1]; -100 = no target.
 Packed rows: position_ids restarting at 0 start a new document; documents never attend to each other.
@@ -47,7 +49,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import KVCache, make_plan
-from .checkpoint_hf import load_safetensors, read_json, save_safetensors
+from .checkpoint_hf import CheckpointError, load_safetensors, read_json, save_safetensors
 
 IGNORE_INDEX = -100
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -251,18 +253,25 @@ def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+IMPLS = ("torch", "kernels", "liger")  # who computes RMSNorm, SwiGLU and the loss; set model-wide
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.use_kernels = True  # set for the whole model by CausalLM.use_kernels
+        self.impl = "kernels"  # set for the whole model by CausalLM (use_kernels / apply_liger_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels:
+        if self.impl == "kernels":
             import kernels
 
             return kernels.rms_norm(x, self.weight, self.eps)
+        if self.impl == "liger":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            return LigerRMSNormFunction.apply(x, self.weight, self.eps, 0.0, "llama", False)
         return rms_norm_plain(x, self.weight, self.eps)
 
 
@@ -349,8 +358,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(C, I, bias=bias)
         self.up_proj = nn.Linear(C, I, bias=bias)
         self.down_proj = nn.Linear(I, C, bias=bias)
+        self.impl = "kernels"  # only "liger" changes anything here (kernels has no SwiGLU op)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "liger":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -419,14 +433,17 @@ class CausalLM(nn.Module):
 
     @property
     def use_kernels(self) -> bool:
-        return self._use_kernels
+        return self.impl == "kernels"
 
     @use_kernels.setter
     def use_kernels(self, value: bool) -> None:
-        self._use_kernels = bool(value)
+        self._set_impl("kernels" if value else "torch")
+
+    def _set_impl(self, impl: str) -> None:
+        self.impl = impl
         for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.use_kernels = self._use_kernels
+            if isinstance(module, (RMSNorm, MLP)):
+                module.impl = impl
 
     def tie_weights(self) -> None:
         """Make lm_head.weight the very Parameter of embed_tokens when the config ties them."""
@@ -502,7 +519,7 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def _neftune(self, x, attention_mask, position_ids):
-        if self.use_kernels:
+        if self.impl == "kernels":
             import kernels
 
             return kernels.neftune_noise(x, self.neftune_noise_alpha, attention_mask=attention_mask,
@@ -525,13 +542,19 @@ class CausalLM(nn.Module):
         else:
             denom = max(int(num_items), 1)
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, C)
-        if self.use_kernels:
+        if self.impl == "kernels":
             import kernels
 
             loss = kernels.fused_linear_cross_entropy(flat, self.lm_head.weight, targets, ignore_index=IGNORE_INDEX,
                                                       label_smoothing=self.label_smoothing, z_loss=self.z_loss,
                                                       num_items=denom)
             return CausalLMOutput(loss, None)
+        if self.impl == "liger":
+            from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+            total = LigerFusedLinearCrossEntropyFunction.apply(flat, self.lm_head.weight, targets, None, None,
+                                                               IGNORE_INDEX, self.z_loss, self.label_smoothing, "sum")[0]
+            return CausalLMOutput(total / denom, None)
         logits = self.lm_head(hidden)  # (B, T, V)
         flat_logits = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
         total = F.cross_entropy(flat_logits, targets, ignore_index=IGNORE_INDEX, reduction="sum",
@@ -540,6 +563,17 @@ class CausalLM(nn.Module):
             lse = torch.logsumexp(flat_logits, dim=-1)  # (B*T,)
             total = total + self.z_loss * (lse.square() * (targets != IGNORE_INDEX)).sum()
         return CausalLMOutput(total / denom, logits)
+
+
+def apply_liger_kernel(model: CausalLM) -> CausalLM:
+    """Run RMSNorm, SwiGLU and the fused linear cross-entropy with liger-kernel (the baseline on a GPU);
+    `model.use_kernels = ...` switches back. Liger's Triton kernels need CUDA tensors."""
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        raise ModelError("use_liger_kernel: liger-kernel is not installed (pip install liger-kernel)") from None
+    model._set_impl("liger")
+    return model
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -624,7 +658,11 @@ def read_config(path: str | Path) -> ModelConfig:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ModelError(f"{file}: not found (a Hugging Face model directory needs config.json)")
-    return ModelConfig.from_hf(read_json(file), source=str(file))
+    try:
+        config = read_json(file)
+    except CheckpointError as exc:
+        raise ModelError(str(exc)) from None
+    return ModelConfig.from_hf(config, source=str(file))
 
 
 def _ignored_key(name: str) -> bool:
@@ -647,10 +685,19 @@ def load_pretrained(path: str | Path, dtype=None, device=None, use_kernels: bool
     model.to_empty(device=torch.device(device) if device is not None else torch.device("cpu"))
     model.tie_weights()  # to_empty made new, separate Parameters
     model.model.rotary_emb.reset_buffers()
-    targets = {name: p for name, p in model.named_parameters()}  # tied head appears once, as embed_tokens
-    tied = config.tie_word_embeddings
-    load_safetensors(Path(path), targets, ignore=lambda k: _ignored_key(k) or (tied and k == "lm_head.weight"))
+    load_state_dict_into(model, path)
     return model
+
+
+def load_state_dict_into(model: CausalLM, path: str | Path) -> None:
+    """Copy the weights of a model directory (ours or transformers') into `model` in place, keeping its dtype
+    and device: resuming, or taking the best checkpoint at the end. Problems are listed in one ModelError."""
+    targets = dict(model.named_parameters())  # a tied head appears once, as embed_tokens
+    tied = model.config.tie_word_embeddings
+    try:
+        load_safetensors(Path(path), targets, ignore=lambda k: _ignored_key(k) or (tied and k == "lm_head.weight"))
+    except CheckpointError as exc:
+        raise ModelError(str(exc)) from None
 
 
 def save_pretrained(model: CausalLM, path: str | Path, max_shard_size: int | str = "5GB", tokenizer=None,
@@ -658,9 +705,12 @@ def save_pretrained(model: CausalLM, path: str | Path, max_shard_size: int | str
     """Write config.json, model.safetensors (or shards + index when over max_shard_size) and the tokenizer
     files; a tied lm_head is written once, as embed_tokens (Hugging Face omits lm_head.weight too)."""
     dtype = _resolve_dtype(dtype) or model.model.embed_tokens.weight.dtype
-    tensors = {name: p for name, p in model.named_parameters()}  # a tied head appears once, as embed_tokens
+    tensors = dict(model.named_parameters())  # a tied head appears once, as embed_tokens
     path = Path(path)
-    save_safetensors(tensors, path, max_shard_size=max_shard_size, dtype=dtype)
+    try:
+        save_safetensors(tensors, path, max_shard_size=max_shard_size, dtype=dtype)
+    except CheckpointError as exc:
+        raise ModelError(str(exc)) from None
     config = dataclasses.replace(model.config, dtype=_dtype_name(dtype))
     (path / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
     if tokenizer is not None:

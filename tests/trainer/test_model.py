@@ -19,8 +19,8 @@ import kernels
 from tests.tolerance import assert_lowp_close
 from trainer.checkpoint_hf import CheckpointError, parse_size
 from trainer.model import (
-    PRESETS, CausalLM, ModelConfig, ModelError, build_preset, generate, is_preset, load_pretrained, load_tokenizer,
-    neftune_plain, rope_inv_freq, save_pretrained,
+    PRESETS, CausalLM, ModelConfig, ModelError, apply_liger_kernel, build_preset, generate, is_preset, load_pretrained,
+    load_state_dict_into, load_tokenizer, neftune_plain, rope_inv_freq, save_pretrained,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -188,6 +188,24 @@ def test_sharded_both_directions(tmp_path):
     assert load_pretrained(tmp_path / "ours").lm_head.weight.dtype == torch.bfloat16  # the config's dtype
 
 
+def test_load_state_dict_into_an_existing_model(tmp_path):
+    model = _tiny("llama-tied-bias")
+    save_pretrained(model, tmp_path / "a")
+    fresh = _tiny("llama-tied-bias")
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    fresh.to(torch.bfloat16)
+    load_state_dict_into(fresh, tmp_path / "a")
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight and fresh.lm_head.weight.dtype == torch.bfloat16
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        torch.testing.assert_close(b, a.to(torch.bfloat16), atol=0, rtol=0, msg=name)
+    with pytest.raises(ModelError, match="shape mismatches"):
+        load_state_dict_into(_tiny("qwen3"), tmp_path / "a")
+    with pytest.raises(ModelError, match="max_shard_size"):
+        save_pretrained(model, tmp_path / "b", max_shard_size="lots")
+
+
 def test_parse_size():
     assert parse_size("500MB") == 500 * 10**6 and parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
     assert parse_size(1234) == 1234 and parse_size("100kb") == 100_000
@@ -327,6 +345,18 @@ def test_kernels_through_the_triton_interpreter():
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_liger_mode_is_the_same_switch(monkeypatch):
+    model = _tiny()
+    apply_liger_kernel(model)
+    assert model.impl == "liger" and not model.use_kernels
+    assert {m.impl for m in model.modules() if hasattr(m, "impl")} == {"liger"}
+    model.use_kernels = False
+    assert {m.impl for m in model.modules() if hasattr(m, "impl")} == {"torch"}
+    monkeypatch.setitem(__import__("sys").modules, "liger_kernel", None)  # as if not installed
+    with pytest.raises(ModelError, match="liger-kernel is not installed"):
+        apply_liger_kernel(model)
+
+
 def test_gradient_checkpointing_same_gradients():
     model = _tiny().train()
     ids, labels = batch()
@@ -385,22 +415,22 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[1]
     shard.unlink()
-    with pytest.raises(CheckpointError, match=f"{shard.name}: shard listed"):
+    with pytest.raises(ModelError, match=f"{shard.name}: shard listed"):
         load_pretrained(tmp_path / "sharded")
     path = saved(hf, tmp_path / "shapes")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    with pytest.raises(CheckpointError, match=r"6 shape mismatches: model.layers.0.mlp.down_proj.weight \[64, 128\] vs model \[64, 96\]"):
+    with pytest.raises(ModelError, match=r"6 shape mismatches: model.layers.0.mlp.down_proj.weight \[64, 128\] vs model \[64, 96\]"):
         load_pretrained(path)
     (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
-    with pytest.raises(CheckpointError, match=r"missing 9 keys: model.layers.2.*and 1 more"):
+    with pytest.raises(ModelError, match=r"missing 9 keys: model.layers.2.*and 1 more"):
         load_pretrained(path)
     (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
-    with pytest.raises(CheckpointError, match="unexpected 9 keys: model.layers.1"):
+    with pytest.raises(ModelError, match="unexpected 9 keys: model.layers.1"):
         load_pretrained(path)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="no model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(ModelError, match="no model.safetensors or model.safetensors.index.json"):
         load_pretrained(tmp_path / "empty")
 
 
@@ -524,6 +554,16 @@ def test_cuda_backends_agree_with_sdpa_on_packed_padded_input(dtype):
         out = model(ids, position_ids=position_ids, attention_mask=mask).logits[mask.bool()].float()
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(out, ref, atol=tol, rtol=0, msg=name)
+
+
+@pytest.mark.gpu
+def test_liger_mode_matches_torch_on_cuda():
+    model = _tiny("qwen3").cuda()
+    ids, labels = batch()
+    ids, labels = ids.cuda(), labels.cuda()
+    ref = model(ids, labels=labels).loss
+    apply_liger_kernel(model)
+    torch.testing.assert_close(model(ids, labels=labels).loss, ref, atol=1e-4, rtol=1e-4)
 
 
 def kernels_flash_available():
