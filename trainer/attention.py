@@ -140,8 +140,10 @@ def _flex_fn(on_cuda: bool):
     if not on_cuda:
         return flex_attention  # eager (unfused, materialises scores): for testing the mask logic on CPU
     if _compiled_flex is None:
-        # uncompiled flex materialises the full score matrix; compiled it is a fused kernel
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        # uncompiled flex materialises the full score matrix; compiled it is a fused kernel. Default dynamism:
+        # the second distinct sequence length compiles a dynamic-shape kernel instead of one per length
+        # (dynamic batching changes T every step and would exhaust the recompile limit).
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 

@@ -128,10 +128,11 @@ def test_rope_scaling_matches_transformers(scaling, tmp_path):
     torch.testing.assert_close(ours.model.rotary_emb.inv_freq, hf.model.rotary_emb.inv_freq, atol=0, rtol=0)
     ids, _ = batch(t=40)  # positions well past the original 16
     torch.testing.assert_close(ours(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
-    config = json.loads((tmp_path / "config.json").read_text())
-    again = ModelConfig.from_hf(ours.config.to_hf())
-    assert again.rope_scaling == ours.config.rope_scaling and again.rope_theta == 500000.0
-    assert "rope_parameters" in config  # transformers 5 writes it; we read both spellings
+    assert "rope_parameters" in json.loads((tmp_path / "config.json").read_text())  # transformers 5's spelling
+    save_pretrained(ours, tmp_path / "ours")  # writes rope_parameters and the older rope_scaling + rope_theta
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    torch.testing.assert_close(again.model.rotary_emb.inv_freq, hf.model.rotary_emb.inv_freq, atol=0, rtol=0)
+    assert load_pretrained(tmp_path / "ours").config.rope_scaling == ours.config.rope_scaling
 
 
 def test_qwen_sliding_window_layers_match_transformers(tmp_path):
