@@ -30,7 +30,7 @@ Random numbers
 The Triton kernel draws its noise with Triton's Philox (`tl.randint4x`: one 10-round Philox call gives
 four 32-bit numbers) from a 62-bit seed. The seed is one `torch.randint` draw from `generator` (or from
 the default generator of embeds' device when None), kept on the device and loaded by the kernel, so a
-CUDA generator costs no host sync and the call is safe to capture in a CUDA graph. A CPU generator with
+CUDA generator costs no host sync (and CUDA-graph capture treats it like any other torch RNG op). A CPU generator with
 CUDA embeds copies its 8-byte seed host->device (non_blocking: no wait for the GPU queue, but a pageable
 copy may block the host briefly); keep the generator on the embeddings' device in the hot path.
 The noise at (row, col) is a function of (seed, row, col, d) only, never of the block sizes: row r's
@@ -51,8 +51,8 @@ add: read 2s, write s) in three launches.
 Launch strategy
 ---------------
 2-D grid over (row blocks, quarter-column blocks): each program takes BLOCK_R rows x BLOCK_Q columns of
-each of the four quarters (a tile of 4 * BLOCK_R * BLOCK_Q elements, 8192 at most, 8 warps at that
-size); BLOCK_Q = next_pow2(Q) capped at 1024, so for d <= 4096 one program covers whole rows (d = 4096:
+each of the four quarters (a tile of 4 * BLOCK_R * BLOCK_Q = 8192 elements, 8 warps, 32 elements per
+thread); BLOCK_Q = next_pow2(Q) capped at 1024, so for d <= 4096 one program covers whole rows (d = 4096:
 BLOCK_R = 2, BLOCK_Q = 1024). Row offsets and Philox counters are int64, so tensors past 2^31
 elements work. Eager calls the launcher directly; under torch.compile it goes through the
 `torch.ops.kernels.neftune_fwd` triton_op so fullgraph tracing sees through it.
@@ -134,7 +134,7 @@ if HAS_TRITON:
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_TILE = 8192  # elements per program; 32 per thread at 8 warps
+_TILE = 8192  # elements per program (4 quarters x BLOCK_R x BLOCK_Q): 32 per thread at 8 warps
 
 
 def neftune_fwd(
@@ -173,8 +173,7 @@ def neftune_fwd(
     # Blocks depend on d only (static in practice) so tracing with a symbolic number of rows adds no guard.
     quarter = triton.cdiv(int(d), 4)
     block_q = min(triton.next_power_of_2(quarter), 1024)
-    block_r = max(1, _MAX_TILE // (4 * block_q))
-    num_warps = min(8, max(1, 4 * block_r * block_q // 1024))
+    block_r = _TILE // (4 * block_q)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(quarter, block_q))
     torch.library.wrap_triton(_neftune_fwd_kernel)[grid](
         x2,
@@ -190,7 +189,7 @@ def neftune_fwd(
         HAS_ROW_SCALE=has_row_scale,
         BLOCK_R=block_r,
         BLOCK_Q=block_q,
-        num_warps=num_warps,
+        num_warps=8,
     )
     return out
 

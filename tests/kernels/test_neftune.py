@@ -154,6 +154,8 @@ def test_eval_and_zero_alpha_return_the_input(path):
     assert run(path, x, training=False) is x
     assert run(path, x, alpha=0, attention_mask=torch.ones(2, 5)) is x
     assert run(path, x, alpha=0.0, training=True) is x
+    empty = torch.zeros(2, 0, 32)
+    assert run(path, empty) is empty
 
 
 @pytest.mark.parametrize("path", PATHS)
