@@ -5,5 +5,7 @@ Triton, CPU tensors run the reference unless Triton is forced (see `kernels._dis
 """
 
 from ._dispatch import HAS_TRITON, backend, current_backend, use_triton
+from .neftune import NEFTuneFunction, neftune_noise, neftune_noise_ref
 
 __all__ = ["HAS_TRITON", "backend", "current_backend", "use_triton"]
+__all__ += ["NEFTuneFunction", "neftune_noise", "neftune_noise_ref"]
