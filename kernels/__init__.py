@@ -7,3 +7,5 @@ Triton, CPU tensors run the reference unless Triton is forced (see `kernels._dis
 from ._dispatch import HAS_TRITON, backend, current_backend, use_triton
 
 __all__ = ["HAS_TRITON", "backend", "current_backend", "use_triton"]
+
+from .rms_norm import rms_norm; __all__ += ["rms_norm"]  # noqa: E402,E702  (modules: kernels.nn.RMSNorm)
