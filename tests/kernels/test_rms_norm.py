@@ -128,6 +128,20 @@ def test_multi_block_loop_path(dtype, offset):
     _check_all(one_block, ref32, torch_lowp, dtype, rows=10)
 
 
+@pytest.mark.parametrize("max_block", [None, 1024])
+def test_eps_matters(max_block):
+    """eps comparable to mean(x^2), so dropping or misplacing it shows (1e-6 on unit inputs would not)."""
+    shape, e = (6, 4096 + 17), 1e-2
+    x, w, dy = _make(shape, torch.float32, 0.0)
+    x = x * 0.1
+    ours = _fwd_bwd(lambda a, b: RMSNormFunction.apply(a, b, e, 0.0, max_block), x, w, dy)
+    ref = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, e), x, w, dy)
+    loose = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, 0.0), x, w, dy)
+    assert max_abs_err(loose[0], ref[0]) > 100 * 8 * EPS32 * ref[0].abs().max().item()
+    for o, r, name in zip(ours, ref, ("y", "dx", "dweight")):
+        _assert_fp32_close(o, r, name, rows=6 if name == "dweight" else 1)
+
+
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_mixed_dtypes_bf16_x_fp32_weight(offset):
     shape = (3, 7, 781)
@@ -210,7 +224,7 @@ class _PoisonedTorch:
 
 @pytest.mark.parametrize("max_block", [None, 1024])
 def test_launcher_buffers_fully_written(monkeypatch, max_block):
-    shape = (37, 4096 + 17) if max_block else (37, 781)
+    shape = (9, 4096 + 17) if max_block else (37, 781)
     x, w, dy = _make(shape, torch.float16, 1.0)
     poisoned = _PoisonedTorch()
     monkeypatch.setattr(rms_mod, "torch", poisoned)
@@ -223,7 +237,7 @@ def test_launcher_buffers_fully_written(monkeypatch, max_block):
         assert torch.isfinite(t).all(), f"{name} has unwritten (NaN) elements"
     ref32 = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, 1.0), x.float(), w.float(), dy.float())
     lowp = _fwd_bwd(lambda a, b: F.rms_norm(a, (shape[-1],), 1.0 + b, 1e-6), x, w, dy)
-    _check_all((y, dx, dw), ref32, lowp, torch.float16, rows=37)
+    _check_all((y, dx, dw), ref32, lowp, torch.float16, rows=shape[0])
 
 
 @pytest.mark.parametrize("num_programs", [1, 3, 64])
