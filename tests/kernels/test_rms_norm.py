@@ -107,8 +107,8 @@ def test_matches_reference_and_torch(shape, dtype, offset):
             _assert_fp32_close(o, t, f"{name} vs F.rms_norm", rows=rows if name == "dweight" else 1)
 
 
-@pytest.mark.parametrize("offset", [0.0, 1.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+# Two of the four (dtype, offset) pairs: each costs ~2 s of interpreter time and the loop code is the same.
+@pytest.mark.parametrize("dtype, offset", [(torch.float32, 0.0), (torch.bfloat16, 1.0)], ids=str)
 def test_multi_block_loop_path(dtype, offset):
     """Hidden 4096+17 with max_block=1024 runs the column loops (5 blocks, last one ragged)."""
     shape = (2, 5, 4096 + 17)
