@@ -2,8 +2,15 @@
 
 Importable on its own (it never imports `trainer`). Dispatch, the same for every op: CUDA tensors run
 Triton, CPU tensors run the reference unless Triton is forced (see `kernels._dispatch`).
+
+Note: the functions below shadow their modules as package attributes (`kernels.rms_norm` is the function);
+reach a module with `from kernels.rms_norm import ...` or `importlib.import_module("kernels.rms_norm")`.
 """
 
 from ._dispatch import HAS_TRITON, backend, current_backend, use_triton
+from .neftune import NEFTuneFunction, neftune_noise, neftune_noise_ref
+from .rms_norm import rms_norm, rms_norm_ref
 
 __all__ = ["HAS_TRITON", "backend", "current_backend", "use_triton"]
+__all__ += ["NEFTuneFunction", "neftune_noise", "neftune_noise_ref"]
+__all__ += ["rms_norm", "rms_norm_ref"]

@@ -1,0 +1,384 @@
+"""RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (offset + weight), fused forward and backward in Triton.
+
+Math (one row x of width N; w' = offset + weight; all arithmetic in fp32 whatever the storage dtypes)
+    forward   r    = 1 / sqrt(sum_j x_j^2 / N + eps)          (saved for backward: one fp32 per row)
+              xh   = x * r
+              y    = xh * w'                                   (one rounding: the final cast to x's dtype)
+    backward  g    = dy * w'
+              c    = sum_j g_j xh_j / N                        (one scalar per row)
+              dx   = r * (g - xh * c)
+              dw   = sum over rows of dy * xh                  (fp32 partial sums per program, then one reduction)
+
+offset=0 is Llama/Qwen/Mistral; offset=1 with weight initialised to zeros is Gemma's (1 + weight).
+
+The one deliberate difference from Hugging Face `LlamaRMSNorm`: HF casts the normalised x back to the
+input dtype *before* multiplying by the weight (two roundings in bf16: xh, then xh * w). We keep fp32 until
+the single final cast, so in bf16/fp16 our output is at least as close to the exact fp32 result as HF's and
+differs from HF's by up to about one unit in the last place; in fp32 the two agree to rounding. Gemma's HF
+norm already computes in fp32 and casts once, which is exactly what we do. The output is always in x's
+dtype (HF promotes to fp32 when the weight is fp32 and x is bf16); dweight comes back in weight's dtype.
+
+Bytes moved per element (s = element size of x; weight, rstd and the dweight partials are O(N + M)):
+    forward 2s (read x, write y); backward 3s (read x and dy, write dx); the backward reads rstd instead of
+    recomputing the sum of squares, which would cost nothing in bytes but a second reduction per row.
+    Hidden sizes above `max_block` cost one extra read of x (forward) or of x and dy (backward).
+
+Launch strategy
+    Rows are flattened to an (M, N) matrix with a contiguous last dim and an arbitrary row stride. A tile is
+    BLOCK_M rows x BLOCK_N columns, with BLOCK_N = next_pow2(N) capped at `max_block` and BLOCK_M chosen so a
+    tile holds about `_TILE_ELEMS` elements (several short rows per program, one long row per program).
+    - ONE_BLOCK (N <= BLOCK_N): the row lives in registers; x is read once.
+    - otherwise: a loop over column blocks accumulates sum(x^2) (forward) or sum(dy w' x) (backward, in
+      `_rms_norm_bwd_rowdot_kernel`, a separate launch so no program has to read back its own global writes),
+      then a second loop over column blocks writes the outputs. Correct for any N; slower by one read.
+    Forward: one program per row tile. Backward: a fixed number of programs (about two per SM on CUDA), each
+    owning a contiguous chunk of rows and one fp32 row of the (programs, N) dweight partial buffer, which it
+    writes exactly once per column; `torch.sum` over programs finishes dweight in fp32. No atomics, so the
+    result is deterministic.
+    Float arguments (eps, offset) are cast to fp32 inside the kernels: under torch.compile Inductor may pass
+    Python floats as fp64, which would otherwise drag the row math into fp64.
+
+Test:  python -m pytest tests/kernels/test_rms_norm.py -q   (CPU: Triton interpreter; GPU tests auto-run on CUDA)
+Bench: python bench/bench_rms_norm.py            (GPU: real-model shapes; --quick for a CPU smoke run)
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ._dispatch import HAS_TRITON, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Largest BLOCK_N kept in registers: 16384 fp32 over 16 warps is 32 values per thread per live tensor,
+# and the backward keeps x, dy, w' and two temporaries live. Larger hidden sizes take the column loop.
+_MAX_BLOCK = 16384
+# Elements per tile: rows narrower than this are packed several to a program so short rows still give each
+# program enough work (and the interpreter, at ~37 us per program, far fewer programs).
+_TILE_ELEMS = 4096
+# Backward programs when not on CUDA (interpreter): enough to exercise the cross-program dweight reduction.
+_CPU_BWD_PROGRAMS = 4
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def launch_config(n_rows: int, n_cols: int, max_block: int | None = None) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, ONE_BLOCK, num_warps) for an (n_rows, n_cols) problem."""
+    cap = _MAX_BLOCK if max_block is None else max_block
+    if cap < 16 or cap & (cap - 1):
+        raise ValueError(f"max_block={cap} must be a power of two >= 16")
+    block_n = min(_next_pow2(n_cols), cap)
+    block_m = max(1, min(_TILE_ELEMS // block_n, _next_pow2(n_rows)))
+    # 512 elements per warp (16 fp32 per thread) up to 16 warps; never fewer than 4 so loads stay wide.
+    num_warps = min(16, max(4, _next_pow2(block_m * block_n // 512)))
+    return block_m, block_n, n_cols <= block_n, num_warps
+
+
+@torch.compiler.assume_constant_result
+def _num_sms(device_index: int) -> int:
+    # Constant at trace time under torch.compile; a CUDA attribute query, not a host-device sync.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_fwd_kernel(
+        x_ptr,  # (M, N) input, row stride stride_x, unit column stride
+        w_ptr,  # (N,) weight, any float dtype
+        y_ptr,  # (M, N) output in x's dtype, row stride stride_y
+        rstd_ptr,  # (M,) fp32 output: 1 / sqrt(mean(x^2) + eps), saved for the backward
+        M,
+        N,
+        stride_x,
+        stride_y,
+        eps,
+        offset,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        ONE_BLOCK: tl.constexpr,
+    ):
+        eps32 = tl.cast(eps, tl.float32)
+        off32 = tl.cast(offset, tl.float32)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)  # M * N may pass 2^31
+        x_rows = x_ptr + rows64[:, None] * stride_x  # (BLOCK_M, 1)
+        y_rows = y_ptr + rows64[:, None] * stride_y  # (BLOCK_M, 1)
+        if ONE_BLOCK:
+            cols = tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps32)  # (BLOCK_M,)
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32  # (BLOCK_N,)
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in tl.range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                acc += x * x
+            rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps32)  # (BLOCK_M,)
+            for start in tl.range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < N
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32
+                y = x * rstd[:, None] * w[None, :]
+                tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+    @triton.jit
+    def _rms_norm_bwd_rowdot_kernel(
+        dy_ptr,  # (M, N) upstream gradient, row stride stride_dy
+        x_ptr,  # (M, N) forward input, row stride stride_x
+        w_ptr,  # (N,) weight
+        rstd_ptr,  # (M,) fp32 rstd from the forward
+        c_ptr,  # (M,) fp32 output: c = sum_j(dy_j w'_j xh_j) / N per row
+        M,
+        N,
+        stride_dy,
+        stride_x,
+        offset,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        off32 = tl.cast(offset, tl.float32)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in tl.range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32
+            acc += dy * w[None, :] * x
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        tl.store(c_ptr + rows, tl.sum(acc, axis=1) * rstd / N, mask=row_mask)
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(
+        dy_ptr,  # (M, N) upstream gradient, row stride stride_dy
+        x_ptr,  # (M, N) forward input, row stride stride_x
+        w_ptr,  # (N,) weight
+        rstd_ptr,  # (M,) fp32 rstd from the forward
+        c_ptr,  # (M,) fp32 per-row c from _rms_norm_bwd_rowdot_kernel; read only when not ONE_BLOCK
+        dx_ptr,  # (M, N) output in x's dtype, row stride stride_dx
+        dw_ptr,  # (programs, N) fp32 output: this program's partial sum of dy * xh over its rows
+        M,
+        N,
+        rows_per_prog,
+        stride_dy,
+        stride_x,
+        stride_dx,
+        offset,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        ONE_BLOCK: tl.constexpr,
+        COMPUTE_DW: tl.constexpr,
+    ):
+        off32 = tl.cast(offset, tl.float32)
+        pid = tl.program_id(0)
+        row_start = pid * rows_per_prog
+        row_end = tl.minimum(row_start + rows_per_prog, M)
+        dw_row = dw_ptr + pid.to(tl.int64) * N
+        if ONE_BLOCK:
+            cols = tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32  # (BLOCK_N,)
+            dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for r0 in tl.range(row_start, row_end, BLOCK_M):
+                rows = r0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+                row_mask = rows < row_end
+                rows64 = rows.to(tl.int64)
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
+                xh = x * rstd[:, None]  # (BLOCK_M, BLOCK_N)
+                g = dy * w[None, :]
+                c = tl.sum(g * xh, axis=1) / N  # (BLOCK_M,)
+                dx = (g - xh * c[:, None]) * rstd[:, None]
+                tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                if COMPUTE_DW:
+                    dw_acc += tl.sum(dy * xh, axis=0)
+            if COMPUTE_DW:
+                tl.store(dw_row + cols, dw_acc, mask=col_mask)
+        else:
+            # Columns outer, rows inner: dweight for one column block accumulates in registers over all of
+            # this program's rows and is written once, so no program reads back its own global writes.
+            for start in tl.range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < N
+                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32
+                dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for r0 in tl.range(row_start, row_end, BLOCK_M):
+                    rows = r0 + tl.arange(0, BLOCK_M)
+                    row_mask = rows < row_end
+                    rows64 = rows.to(tl.int64)
+                    mask = row_mask[:, None] & col_mask[None, :]
+                    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                    dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+                    c = tl.load(c_ptr + rows, mask=row_mask, other=0.0)
+                    xh = x * rstd[:, None]
+                    dx = (dy * w[None, :] - xh * c[:, None]) * rstd[:, None]
+                    tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                    if COMPUTE_DW:
+                        dw_acc += tl.sum(dy * xh, axis=0)
+                if COMPUTE_DW:
+                    tl.store(dw_row + cols, dw_acc, mask=col_mask)
+
+
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("kernels.rms_norm: the Triton path needs triton (pip install triton)")
+
+
+def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
+    # The kernels take any row stride (a stride-0 broadcast dy included) but need contiguous columns.
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, *, max_block: int | None = None):
+    """Launch the forward on an (M, N) input. Returns y (M, N) in x's dtype and rstd (M,) fp32. No autograd."""
+    _require_triton()
+    x2d = _unit_col_stride(x2d)
+    weight = weight.contiguous()
+    M, N = x2d.shape
+    y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)  # (M, N)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x2d.device)  # (M,)
+    if M == 0:
+        return y, rstd
+    block_m, block_n, one_block, num_warps = launch_config(M, N, max_block)
+    grid = (triton.cdiv(M, block_m),)
+    _rms_norm_fwd_kernel[grid](
+        x2d, weight, y, rstd, M, N, x2d.stride(0), y.stride(0), eps, offset,
+        BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, num_warps=num_warps,
+    )
+    return y, rstd
+
+
+def rms_norm_bwd(
+    dy2d: torch.Tensor,
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    *,
+    compute_dw: bool = True,
+    max_block: int | None = None,
+    num_programs: int | None = None,
+):
+    """Launch the backward. Returns dx (M, N) in x's dtype and dweight (N,) in weight's dtype (None when
+    compute_dw is False). `num_programs` overrides the number of backward programs (dweight partial rows)."""
+    _require_triton()
+    dy2d = _unit_col_stride(dy2d)
+    x2d = _unit_col_stride(x2d)
+    weight = weight.contiguous()
+    M, N = x2d.shape
+    dx = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)  # (M, N)
+    if M == 0:
+        dw = torch.zeros((N,), dtype=weight.dtype, device=weight.device) if compute_dw else None
+        return dx, dw
+    block_m, block_n, one_block, num_warps = launch_config(M, N, max_block)
+    if num_programs is None:
+        # About two programs per SM keeps every SM streaming while one waits on memory (not yet tuned on a
+        # GPU: bench/bench_rms_norm.py is the place to revisit it).
+        num_programs = 2 * _num_sms(x2d.device.index or 0) if x2d.is_cuda else _CPU_BWD_PROGRAMS
+    if num_programs < 1:
+        raise ValueError(f"num_programs={num_programs} must be >= 1")
+    tiles = triton.cdiv(M, block_m)
+    # Whole tiles per program so only the last program sees a ragged tile.
+    rows_per_prog = triton.cdiv(tiles, min(num_programs, tiles)) * block_m
+    programs = triton.cdiv(M, rows_per_prog)
+    # Every (program, column) of the partial buffer is written exactly once, so no zero-fill is needed.
+    dw_partial = torch.empty((programs, N) if compute_dw else (1,), dtype=torch.float32, device=x2d.device)
+    if one_block:
+        c = rstd  # unused by the ONE_BLOCK kernel; any fp32 pointer will do
+    else:
+        c = torch.empty((M,), dtype=torch.float32, device=x2d.device)  # (M,)
+        _rms_norm_bwd_rowdot_kernel[(tiles,)](
+            dy2d, x2d, weight, rstd, c, M, N, dy2d.stride(0), x2d.stride(0), offset,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    _rms_norm_bwd_kernel[(programs,)](
+        dy2d, x2d, weight, rstd, c, dx, dw_partial, M, N, rows_per_prog,
+        dy2d.stride(0), x2d.stride(0), dx.stride(0), offset,
+        BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, COMPUTE_DW=compute_dw, num_warps=num_warps,
+    )
+    dw = dw_partial.sum(dim=0).to(weight.dtype) if compute_dw else None  # (N,), summed in fp32
+    return dx, dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd over the Triton launchers; takes a 2-D (M, N) input."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, eps, offset, max_block=None):
+        y, rstd = rms_norm_fwd(x2d, weight, eps, offset, max_block=max_block)
+        ctx.save_for_backward(x2d, weight, rstd)
+        ctx.offset = offset
+        ctx.max_block = max_block
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = rms_norm_bwd(dy, x2d, weight, rstd, ctx.offset, compute_dw=need_dw, max_block=ctx.max_block)
+        return (dx if need_dx else None), dw, None, None, None
+
+
+def _check_args(x, weight, eps, offset) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"rms_norm: x must be a float32, bfloat16 or float16 tensor, got {got}")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"rms_norm: x must have a last dim (the hidden size) >= 1, got shape {tuple(x.shape)}")
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in _DTYPES:
+        got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise TypeError(f"rms_norm: weight must be a float32, bfloat16 or float16 tensor, got {got}")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}; they must share a device")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"rms_norm: eps must be a real number >= 0, got {eps!r}")
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+        raise ValueError(f"rms_norm: offset must be a real number (0.0 for Llama, 1.0 for Gemma), got {offset!r}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+    """y = x * rsqrt(mean(x^2, -1) + eps) * (offset + weight), any leading dims, fp32 math, output in x's dtype.
+
+    CUDA tensors run the Triton kernels, CPU tensors the reference (see `kernels._dispatch`)."""
+    _check_args(x, weight, eps, offset)
+    if not use_triton(x, weight):
+        return rms_norm_ref(x, weight, eps, offset)
+    shape = x.shape
+    x2d = x.reshape(-1, shape[-1])  # (M, N)
+    y = RMSNormFunction.apply(x2d, weight, float(eps), float(offset), None)  # (M, N)
+    return y.view(shape)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+    """Plain PyTorch RMSNorm: fp32 math (fp64 for fp64 inputs), one cast back to x's dtype; autograd-differentiable."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xc = x.to(compute)  # (..., N)
+    rstd = torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
+    return (xc * rstd * (offset + weight.to(compute))).to(x.dtype)
