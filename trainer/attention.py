@@ -1,8 +1,8 @@
 """Causal self-attention for packed and padded batches, on three backends, never across documents.
 
-A batch row may hold several documents packed end to end; `position_ids` restarting at 0 mark where each
-one begins (document id = running count of zeros in the row), and `attention_mask` (1 = token, 0 = padding)
-marks padding. Every backend applies the same rule: query i may attend key j iff j <= i (index order), both
+A batch row may hold several documents packed end to end; a document begins wherever `position_ids` do
+not continue the previous token's by +1 (normally a restart at 0; the rule of transformers' packed-sequence
+detection and of `kernels.neftune_noise`), and `attention_mask` (1 = token, 0 = padding) marks padding. Every backend applies the same rule: query i may attend key j iff j <= i (index order), both
 lie in the same document, key j is not padding, and, for sliding-window layers, i - j < window (Hugging
 Face's convention: a window of W sees W keys including itself).
 
@@ -47,8 +47,10 @@ def _flash_attn():
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Per-token document index within its row: the number of position-0 tokens up to and including it."""
-    return (position_ids == 0).cumsum(-1)  # (B, T)
+    """Per-token document index within its row: how many documents start up to and including the token."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)  # (B, T); t = 0 always starts one
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts.cumsum(-1)  # (B, T)
 
 
 @dataclass

@@ -22,7 +22,8 @@ baseline our kernels are measured against. Parameter names and state_dict are th
 Attention backends and packing rules: `trainer/attention.py`.
 
 Labels are unshifted (as in Hugging Face): position t is trained to predict labels[t + 1]; -100 = no target.
-Packed rows: position_ids restarting at 0 start a new document; documents never attend to each other.
+Packed rows: position_ids restarting (at 0, or any break in +1 steps) start a new document; documents never
+attend to each other, and NEFTune scales each document's noise by its own length.
 
 Deliberate differences from transformers:
 - position_ids default from attention_mask (cumsum - 1, as HF's generate does), so left-padded rows give the
@@ -398,19 +399,6 @@ class CausalLMOutput:
     logits: torch.Tensor | None  # (B, T, V) in the model dtype; None when the fused loss computed it away
 
 
-def neftune_plain(embeds: torch.Tensor, alpha: float, attention_mask=None, position_ids=None) -> torch.Tensor:
-    """NEFTune (Jain et al. 2023): add U(-1, 1) * alpha / sqrt(L * d) to each embedding, L = the length of the
-    token's own document (real tokens only; packed documents count separately), none on padding."""
-    B, T, C = embeds.shape
-    valid = attention_mask.bool() if attention_mask is not None else torch.ones(B, T, dtype=torch.bool, device=embeds.device)
-    doc = (position_ids == 0).cumsum(-1) if position_ids is not None else torch.zeros(B, T, dtype=torch.long, device=embeds.device)
-    counts = torch.zeros(B, T + 1, device=embeds.device).scatter_add_(1, doc, valid.float())  # (B, docs) lengths
-    length = counts.gather(1, doc).clamp(min=1)  # (B, T) length of each token's document
-    scale = (alpha / torch.sqrt(length * C)) * valid  # (B, T)
-    noise = torch.empty_like(embeds, dtype=torch.float32).uniform_(-1, 1)  # (B, T, C)
-    return embeds + (noise * scale[..., None]).to(embeds.dtype)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # The model
 # ------------------------------------------------------------------------------------------------------------
@@ -497,7 +485,9 @@ class CausalLM(nn.Module):
         if input_ids.dim() != 2:
             raise ModelError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
-        if position_ids is None and attention_mask is not None:
+        if position_ids is not None:
+            position_ids = position_ids.expand(B, T)  # (1, T) is shared by every row
+        elif attention_mask is not None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) left padding starts at 0
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         if self.training and self.neftune_noise_alpha:
@@ -519,12 +509,12 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def _neftune(self, x, attention_mask, position_ids):
-        if self.impl == "kernels":
-            import kernels
+        # NEFTune (Jain et al. 2023): x + U(-1, 1) * alpha / sqrt(L * d), L = the token's own document length
+        # (real tokens only), no noise on padding. Off the kernels, kernels' plain-PyTorch reference.
+        import kernels
 
-            return kernels.neftune_noise(x, self.neftune_noise_alpha, attention_mask=attention_mask,
-                                         position_ids=position_ids, training=True)
-        return neftune_plain(x, self.neftune_noise_alpha, attention_mask, position_ids)
+        fn = kernels.neftune_noise if self.impl == "kernels" else kernels.neftune_noise_ref
+        return fn(x, self.neftune_noise_alpha, attention_mask=attention_mask, position_ids=position_ids, training=True)
 
     def forward(self, input_ids, position_ids=None, labels=None, attention_mask=None, num_items=None) -> CausalLMOutput:
         """Logits, and with `labels` (unshifted, -100 = no target) the loss sum / num_items (default: mean over

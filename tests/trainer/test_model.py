@@ -20,7 +20,7 @@ from tests.tolerance import assert_lowp_close
 from trainer.checkpoint_hf import CheckpointError, parse_size
 from trainer.model import (
     PRESETS, CausalLM, ModelConfig, ModelError, apply_liger_kernel, build_preset, generate, is_preset, load_pretrained,
-    load_state_dict_into, load_tokenizer, neftune_plain, rope_inv_freq, save_pretrained,
+    load_state_dict_into, load_tokenizer, rope_inv_freq, save_pretrained,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -37,11 +37,8 @@ ARCHS = {
     # a window (5) shorter than the sequence (12): honoured, compared with transformers' sliding mask
     "mistral": lambda **kw: transformers.MistralConfig(**{**BASE, "sliding_window": 5, **kw}),
 }
-KERNEL_OPS = ("rms_norm", "fused_linear_cross_entropy", "neftune_noise")
-
-
-def require_kernels():
-    missing = [name for name in KERNEL_OPS if not hasattr(kernels, name)]
+def require_kernels(*names):
+    missing = [name for name in names if not hasattr(kernels, name)]
     if missing:
         pytest.skip(f"kernels not merged into this branch yet: {', '.join(missing)}")
 
@@ -307,14 +304,41 @@ def test_num_items_smoothing_and_z_loss_semantics():
     assert nothing.item() == 0.0  # not NaN
 
 
-def test_kernels_on_and_off_same_loss_and_grads():
-    require_kernels()
-    torch.manual_seed(0)
-    off = _tiny("llama-tied-bias", use_kernels=False)
-    on = _tiny("llama-tied-bias", use_kernels=True)
+def _on_off(arch="llama-tied-bias", config=None):
+    """The same weights twice: use_kernels=False and use_kernels=True."""
+    off = CausalLM(config, use_kernels=False) if config is not None else _tiny(arch, use_kernels=False)
+    off.init_weights(seed=1)
+    on = CausalLM(off.config, use_kernels=True)
+    on.load_state_dict(off.state_dict())
     assert list(on.state_dict()) == list(off.state_dict())
+    return off, on
+
+
+def _assert_same_grads(off, on, atol=1e-5):
+    for (name, a), b in zip(off.named_parameters(), on.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=atol, rtol=1e-4, msg=name)
+
+
+def _logits_and_grads(model, ids, probe):
+    logits = model(ids).logits
+    (logits.float() * probe).sum().backward()  # a fixed random direction: every logit's gradient matters
+    return logits
+
+
+def test_kernels_on_and_off_same_logits_and_grads():
+    require_kernels("rms_norm")
+    off, on = _on_off("qwen3")  # q/k norms too
+    ids, _ = batch()
+    probe = torch.randn(ids.shape[0], ids.shape[1], V, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits_and_grads(on, ids, probe), _logits_and_grads(off, ids, probe), atol=1e-5, rtol=0)
+    _assert_same_grads(off, on)
+
+
+def test_kernels_on_and_off_same_loss_and_grads():
+    require_kernels("rms_norm", "fused_linear_cross_entropy")
+    off, on = _on_off()
     ids, labels = batch()
-    for ls, z, num_items in [(0.0, 0.0, None), (0.1, 1e-3, 40)]:
+    for ls, z, num_items in [(0.0, 0.0, None), (0.1, 1e-3, 40), (0.0, 0.0, torch.tensor(40.0))]:
         for m in (off, on):
             m.zero_grad()
             m.label_smoothing, m.z_loss = ls, z
@@ -323,27 +347,38 @@ def test_kernels_on_and_off_same_loss_and_grads():
         torch.testing.assert_close(lk.loss, lo.loss, atol=1e-5, rtol=1e-5)
         lo.loss.backward()
         lk.loss.backward()
-        for (name, a), b in zip(off.named_parameters(), on.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+        _assert_same_grads(off, on)
+    nothing = on(ids, labels=torch.full_like(ids, -100)).loss
+    assert nothing.item() == 0.0
 
 
-def test_kernels_through_the_triton_interpreter():
-    require_kernels()
-    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, model_type="qwen3")
-    off = CausalLM(config, use_kernels=False)
-    off.init_weights(seed=1)
-    on = CausalLM(config, use_kernels=True)
-    on.load_state_dict(off.state_dict())
-    ids = torch.randint(0, 64, (1, 8))
+INTERPRETER_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, model_type="qwen3")
+
+
+def test_triton_rms_norm_through_the_interpreter():
+    require_kernels("rms_norm")
+    off, on = _on_off(config=ModelConfig(**INTERPRETER_CONFIG))
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    probe = torch.randn(1, 8, 64, generator=torch.Generator().manual_seed(1))
+    ref = _logits_and_grads(off, ids, probe)
+    with kernels.backend("triton"):
+        out = _logits_and_grads(on, ids, probe)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    _assert_same_grads(off, on)
+
+
+def test_triton_loss_through_the_interpreter():
+    require_kernels("rms_norm", "fused_linear_cross_entropy")
+    off, on = _on_off(config=ModelConfig(**INTERPRETER_CONFIG))
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
     ref = off(ids, labels=ids)
     with kernels.backend("triton"):
         out = on(ids, labels=ids)
         out.loss.backward()
     ref.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
-    for (name, a), b in zip(off.named_parameters(), on.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+    _assert_same_grads(off, on)
 
 
 def test_liger_mode_is_the_same_switch(monkeypatch):
@@ -373,11 +408,10 @@ def test_gradient_checkpointing_same_gradients():
         model.set_gradient_checkpointing(True, use_reentrant=True)
 
 
-@pytest.mark.parametrize("use_kernels", [False, True])
-def test_neftune_only_in_training_bounded_and_not_on_padding(use_kernels):
-    if use_kernels:
-        require_kernels()
-    model = _tiny(use_kernels=use_kernels)
+@pytest.mark.parametrize("mode", ["torch", "kernels", "triton"])
+def test_neftune_only_in_training_bounded_and_not_on_padding(mode):
+    require_kernels("neftune_noise")
+    model = _tiny(use_kernels=mode != "torch")
     model.neftune_noise_alpha = 5.0
     seen = []
     model.model.layers[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
@@ -390,7 +424,8 @@ def test_neftune_only_in_training_bounded_and_not_on_padding(use_kernels):
     model(ids, attention_mask=mask, position_ids=position_ids)
     assert torch.equal(seen[-1], clean)  # eval: no noise
     model.train()
-    model(ids, attention_mask=mask, position_ids=position_ids)
+    with kernels.backend("triton" if mode == "triton" else "reference"):
+        model(ids, attention_mask=mask, position_ids=position_ids)
     noise = (seen[-1] - clean)[0]  # (16, C)
     C = clean.shape[-1]
     assert noise[13:].abs().max() == 0  # padding untouched
@@ -398,12 +433,6 @@ def test_neftune_only_in_training_bounded_and_not_on_padding(use_kernels):
         bound = 5.0 / math.sqrt(length * C)
         assert noise[sl].abs().max() <= bound * (1 + 1e-5)
         assert noise[sl].abs().max() > 0.8 * bound  # uniform over the full range, its own length's scale
-
-
-def test_neftune_plain_defaults_to_row_length():
-    x = torch.zeros(2, 10, 8)
-    noise = neftune_plain(x, 2.0)
-    assert noise.abs().max() <= 2.0 / math.sqrt(80) and noise.abs().max() > 0.8 * 2.0 / math.sqrt(80)
 
 
 # ------------------------------------------------------------------------------------------------------------
