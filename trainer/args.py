@@ -175,6 +175,12 @@ REJECTED: dict[str, str] = {
     "liger_kernel_config": "use_liger_kernel applies liger-kernel's defaults; a per-op config is not supported",
     "half_precision_backend": "mixed precision always uses torch.autocast",
     "fp16_opt_level": "Apex AMP is not supported; fp16 uses torch.autocast with a GradScaler",
+    "per_gpu_train_batch_size": "renamed per_device_train_batch_size (or micro_batch_size)",
+    "per_gpu_eval_batch_size": "renamed per_device_eval_batch_size",
+    "adafactor": "Adafactor is not supported; choose --optim adamw_fused, adamw_torch, adamw_torch_fused or sgd",
+    "sharded_ddp": "use --dist_config '{\"name\": \"fsdp2\"}' for sharded data parallelism",
+    "fsdp_min_num_params": "kernelwright wraps each decoder block; size-based wrapping is not supported",
+    "fsdp_transformer_layer_cls_to_wrap": "kernelwright always wraps each decoder block; drop this option",
     **{
         name: _UNIMPLEMENTED
         for name in (
@@ -216,6 +222,7 @@ REJECTED: dict[str, str] = {
 }
 _REJECTED_PREFIXES = {
     "hub_": _HUB,
+    "push_to_hub_": _HUB,
     "tpu_": "TPUs are not supported (CUDA GPUs and CPU only)",
     "ddp_": _DIST,
 }
@@ -749,17 +756,20 @@ class TrainingArguments:
     def _fold_fsdp(self, fsdp: Any, fsdp_config: Any) -> None:
         """Hugging Face's `--fsdp` options and `--fsdp_config` become `dist_config` with name fsdp2."""
         fsdp = _coerce("fsdp", fsdp, str | bool | list[str] | None)
-        if isinstance(fsdp, list) and len(fsdp) == 1 and fsdp[0].strip().lower() in _TRUE + _FALSE:
-            fsdp = _to_bool(fsdp[0])  # `--fsdp true` arrives as a one-item list
+        if isinstance(fsdp, (str, list)):  # "full_shard auto_wrap", ["full_shard", "offload"], ["true"], ""
+            words = [w for item in ([fsdp] if isinstance(fsdp, str) else fsdp) for w in item.split()]
+            if len(words) == 1 and words[0].lower() in _TRUE + _FALSE:
+                fsdp = _to_bool(words[0])
+            else:
+                fsdp = words or False
         if fsdp_config is not None and not fsdp:
             raise ConfigError("fsdp_config is read only together with --fsdp (e.g. --fsdp full_shard)")
         if not fsdp:
             return
         if self.dist_config is not None:
             raise ConfigError("fsdp and dist_config both given; use dist_config alone")
-        options = [] if fsdp is True else (fsdp.split() if isinstance(fsdp, str) else [w for o in fsdp for w in o.split()])
         cfg: dict[str, Any] = {"name": "fsdp2"}
-        for option in options:
+        for option in [] if fsdp is True else fsdp:
             if option == "full_shard":
                 cfg["reshard_after_forward"] = True
             elif option == "shard_grad_op":
