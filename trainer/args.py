@@ -343,6 +343,8 @@ def _convert(value: Any, member: Any) -> Any:
         raise TypeError(value)
     if isinstance(value, base):
         return value
+    if isinstance(value, str) and isinstance(base, type):
+        return base(value)  # class-typed fields of the CLI's dataclasses (pathlib.Path, enums)
     raise TypeError(value)
 
 
@@ -447,6 +449,7 @@ def _check_keys(name: str, given: Mapping[str, Any], allowed: Mapping[str, Any],
 
 def parse_optim_args(optim: str, optim_args: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """`optim_args` ("k=v,k=v" as in HF, a JSON object, or a dict) as a typed dict validated for `optim`."""
+    schema = OPTIM_ARGS[_choose("optim", optim, OPTIMIZERS, _why_unsupported(optim, "optimizer"))]
     if optim_args is None:
         return {}
     if isinstance(optim_args, str):
@@ -464,7 +467,6 @@ def parse_optim_args(optim: str, optim_args: str | Mapping[str, Any] | None) -> 
         raw = dict(optim_args)
     else:
         raise ConfigError(f"optim_args={optim_args!r}: expected 'key=value,...', a JSON object or a dict")
-    schema = OPTIM_ARGS[_choose("optim", optim, OPTIMIZERS)]
     _check_keys("optim_args", raw, schema, f"optim={optim!r}")
     out = {k: _coerce(f"optim_args.{k}", v, schema[k]) for k, v in raw.items()}
     if optim == "sgd":
@@ -586,7 +588,7 @@ class TrainingArguments:
     logging_steps: float = _arg(500, "logging", "Steps between logs (a value < 1 is a ratio of max_steps).")
     logging_first_step: bool = _arg(False, "logging", "Also log the first optimizer step.")
     logging_nan_inf_filter: bool = _arg(True, "logging", "Leave NaN/Inf losses out of the logged running loss.")
-    report_to: str | list[str] = _arg(
+    report_to: str | list[str] | None = _arg(
         "none", "logging", "Loggers: none, jsonl, tensorboard or all (several allowed)."
     )
     disable_tqdm: bool = _arg(False, "logging", "Hide the progress bar.")

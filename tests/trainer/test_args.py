@@ -5,6 +5,7 @@ imports (transformers is imported once, as the oracle for defaults and field nam
 import dataclasses
 import json
 import math
+import pathlib
 from dataclasses import dataclass, field
 
 import pytest
@@ -108,6 +109,7 @@ def test_resume_report_to_and_tokens_seen_normalisation():
     assert TrainingArguments(report_to="jsonl").report_to == ["jsonl"]
     assert TrainingArguments(report_to=["tensorboard", "jsonl", "jsonl"]).report_to == ["tensorboard", "jsonl"]
     assert TrainingArguments(report_to="all").report_to[0] == "jsonl"
+    assert TrainingArguments(report_to=None).report_to == [] and TrainingArguments(report_to=["none"]).report_to == []
     assert TrainingArguments(include_num_input_tokens_seen=True).include_num_input_tokens_seen == "all"
     assert TrainingArguments(include_num_input_tokens_seen="non_padding").include_num_input_tokens_seen == "non_padding"
 
@@ -427,6 +429,7 @@ class DataArgs:
     train_on_prompt: bool = field(default=False, metadata={"help": "Also train on prompt tokens.", "group": "data"})
     data_format: str = field(default="auto", metadata={"help": "Dataset format.", "choices": ("auto", "alpaca", "sharegpt")})
     max_samples: int | None = field(default=None, metadata={"help": "Use at most this many examples."})
+    cache_dir: pathlib.Path = field(default=pathlib.Path("cache"), metadata={"help": "Tokenized data cache."})
 
 
 def test_flag_forms():
@@ -507,9 +510,12 @@ def test_flag_errors(argv, expected):
 def test_extra_dataclasses_share_the_command_line():
     args, data = parse_args(
         ["--model", "tiny-llama", "--data", "a.jsonl", "b.jsonl", "--train_on_prompt", "--val_size", "0.1",
-         "--bf16", "--max_samples", "null"], [DataArgs])
+         "--bf16", "--max_samples", "null", "--cache_dir", "/tmp/c"], [DataArgs])
     assert isinstance(args, TrainingArguments) and args.bf16 is True
-    assert data == DataArgs(model="tiny-llama", data=["a.jsonl", "b.jsonl"], val_size=0.1, train_on_prompt=True)
+    assert data == DataArgs(model="tiny-llama", data=["a.jsonl", "b.jsonl"], val_size=0.1, train_on_prompt=True,
+                            cache_dir=pathlib.Path("/tmp/c"))
+    assert "max_samples: expected an integer or null, got 'many'" in parse_error(
+        ["--model", "m", "--max_samples", "many"], [DataArgs])
     assert "--model is required (Model name or path.)" in parse_error(["--bf16"], [DataArgs])
     assert "data_format='xml': expected one of auto, alpaca, sharegpt" in parse_error(
         ["--model", "m", "--data_format", "xml"], [DataArgs])
