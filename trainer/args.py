@@ -16,9 +16,21 @@ given first, then `--name value` flags (flags win), spreads the values over `Tra
 own dataclasses, and returns one instance of each. `format_help()` prints every argument grouped by theme
 with its default and one line of meaning, taken from the fields' metadata (`group`, `help`, `choices`).
 
+The CLI's dataclasses keep their help in the same metadata keys; a field without a default is required.
+`parse_dict(mapping, extra_dataclasses)` does the same from one mapping. User errors raise `ConfigError`
+(the CLI prints its one line without a traceback); `--help` prints and raises SystemExit(0).
+
+    args, data_args = parse_args(["run.yaml", "--learning_rate", "2e-5"], [DataArguments])
+    args.resolve_world(world_size)        # gradient_accumulation_steps from global_batch_size
+    max_steps = args.get_max_steps(len(train_loader))
+    warmup = args.get_warmup_steps(max_steps); steps = args.resolve_steps(max_steps)
+
 The newer trainer's names (seed 001) are accepted: `micro_batch_size` (= per_device_train_batch_size),
 `global_batch_size` (accumulation derived by `resolve_world(world_size)`), `cutoff_len`,
 `enable_activation_checkpointing` (= gradient_checkpointing), `batching_strategy`, `dist_config`.
+`train_shuffle` (default True) is ours: it carries transformers 5's `train_sampling_strategy="sequential"`.
+
+Test: `python -m pytest tests/trainer/test_args.py -q`.
 
 Deliberate differences from Hugging Face
 ----------------------------------------
@@ -380,11 +392,7 @@ def _choose(name: str, value: Any, choices: Sequence[str], what: str = "") -> st
         return value
     close = difflib.get_close_matches(str(value), choices, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return _fail(f"{name}={value!r}{what}: expected one of {', '.join(choices)}{hint}")
-
-
-def _fail(message: str) -> Any:
-    raise ConfigError(message)
+    raise ConfigError(f"{name}={value!r}{what}: expected one of {', '.join(choices)}{hint}")
 
 
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:
@@ -429,7 +437,8 @@ def _read_config_file(path: str, what: str = "config file") -> Any:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{what}: cannot parse {path}: {getattr(e, 'problem', None) or 'invalid YAML'}{where}") from None
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{what}: cannot parse {path}: {problem}{where}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -494,7 +503,8 @@ def check_scheduler_kwargs(name: str, kwargs: Mapping[str, Any] | None) -> dict[
             raise ConfigError("lr_scheduler_kwargs: warmup_stable_decay needs num_decay_steps")
         _check(out["num_decay_steps"] >= 0, "lr_scheduler_kwargs.num_decay_steps", out["num_decay_steps"], ">= 0")
         if out.get("num_stable_steps") is not None:
-            _check(out["num_stable_steps"] >= 0, "lr_scheduler_kwargs.num_stable_steps", out["num_stable_steps"], ">= 0")
+            stable = out["num_stable_steps"]
+            _check(stable >= 0, "lr_scheduler_kwargs.num_stable_steps", stable, ">= 0")
         for key in ("warmup_type", "decay_type"):
             if key in out:
                 _choose(f"lr_scheduler_kwargs.{key}", out[key], WSD_SHAPES)
@@ -583,7 +593,9 @@ class TrainingArguments:
     )
 
     # --- logging ---
-    logging_dir: str | None = _arg(None, "logging", "Directory for jsonl/TensorBoard logs; default output_dir/runs/<date_host>.")
+    logging_dir: str | None = _arg(
+        None, "logging", "Directory for jsonl/TensorBoard logs; default output_dir/runs/<date_host>."
+    )
     logging_strategy: str = _arg("steps", "logging", "When to log training metrics.", LOGGING_STRATEGIES)
     logging_steps: float = _arg(500, "logging", "Steps between logs (a value < 1 is a ratio of max_steps).")
     logging_first_step: bool = _arg(False, "logging", "Also log the first optimizer step.")
@@ -781,7 +793,9 @@ class TrainingArguments:
             elif option == "auto_wrap":
                 pass  # we always wrap each decoder block, which is what auto_wrap asks for
             elif option in ("hybrid_shard", "hybrid_shard_zero2", "no_shard"):
-                raise ConfigError(f"fsdp={option!r} is FSDP1-only; kernelwright uses FSDP2: full_shard, shard_grad_op, offload")
+                raise ConfigError(
+                    f"fsdp={option!r} is FSDP1-only; kernelwright uses FSDP2: full_shard, shard_grad_op, offload"
+                )
             else:
                 _choose("fsdp", option, ("full_shard", "shard_grad_op", "offload", "auto_wrap"))
         hf_config = _load_mapping("fsdp_config", fsdp_config) if fsdp_config is not None else {}
@@ -804,7 +818,10 @@ class TrainingArguments:
             elif key in ("reshard_after_forward", "pin_memory", "dcp_path", "mixed_precision"):
                 cfg[key] = value
             else:
-                accepted = "version, reshard_after_forward, cpu_offload, activation_checkpointing, auto_wrap_policy, pin_memory, dcp_path, mixed_precision"
+                accepted = (
+                    "version, reshard_after_forward, cpu_offload, activation_checkpointing, auto_wrap_policy, "
+                    "pin_memory, dcp_path, mixed_precision"
+                )
                 raise ConfigError(f"fsdp_config: key {key!r} is not supported; accepted keys: {accepted}")
         self.dist_config = cfg
 
@@ -829,9 +846,8 @@ class TrainingArguments:
         self.report_to = _normalise_report_to(self.report_to)
         self.optim = _choose("optim", self.optim, OPTIMIZERS, _why_unsupported(self.optim, "optimizer"))
         self.optim_args = parse_optim_args(self.optim, self.optim_args)
-        self.lr_scheduler_type = _choose(
-            "lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS, _why_unsupported(self.lr_scheduler_type, "schedule")
-        )
+        why = _why_unsupported(self.lr_scheduler_type, "schedule")
+        self.lr_scheduler_type = _choose("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS, why)
         self.lr_scheduler_kwargs = check_scheduler_kwargs(
             self.lr_scheduler_type, _load_mapping("lr_scheduler_kwargs", self.lr_scheduler_kwargs or {})
         )
@@ -897,16 +913,17 @@ class TrainingArguments:
         for name in ("adam_beta1", "adam_beta2"):
             _check(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
         _check(0 <= self.warmup_ratio <= 1, "warmup_ratio", self.warmup_ratio, "must be in [0, 1]")
-        _check(
-            0 <= self.label_smoothing_factor < 1, "label_smoothing_factor", self.label_smoothing_factor, "must be in [0, 1)"
-        )
+        smoothing = self.label_smoothing_factor
+        _check(0 <= smoothing < 1, "label_smoothing_factor", smoothing, "must be in [0, 1)")
         _check(
             self.neftune_noise_alpha is None or self.neftune_noise_alpha > 0,
             "neftune_noise_alpha", self.neftune_noise_alpha, "must be > 0 or unset",
         )
-        _check(self.max_steps == -1 or self.max_steps > 0, "max_steps", self.max_steps, "must be -1 or a positive integer")
+        steps = self.max_steps
+        _check(steps == -1 or steps > 0, "max_steps", steps, "must be -1 or a positive integer")
         if self.max_steps == -1:
-            _check(self.num_train_epochs > 0, "num_train_epochs", self.num_train_epochs, "must be > 0 when max_steps is -1")
+            epochs = self.num_train_epochs
+            _check(epochs > 0, "num_train_epochs", epochs, "must be > 0 when max_steps is -1")
         _check(self.dataloader_num_workers >= 0, "dataloader_num_workers", self.dataloader_num_workers, "must be >= 0")
         if self.dataloader_num_workers == 0:
             _check(self.dataloader_prefetch_factor is None, "dataloader_prefetch_factor",
@@ -915,14 +932,16 @@ class TrainingArguments:
                    "needs dataloader_num_workers > 0")
 
         if self.logging_strategy == "steps":
-            _check(self.logging_steps > 0, "logging_steps", self.logging_steps, "must be > 0 when logging_strategy='steps'")
+            logging = self.logging_steps
+            _check(logging > 0, "logging_steps", logging, "must be > 0 when logging_strategy='steps'")
         if self.save_strategy == "steps":
             _check(self.save_steps > 0, "save_steps", self.save_steps, "must be > 0 when save_strategy='steps'")
         self._validate_best_model()
 
         if self.lr_scheduler_type == "constant" and (self.warmup_steps > 0 or self.warmup_ratio > 0):
             raise ConfigError(
-                "lr_scheduler_type='constant' has no warmup; use constant_with_warmup or set warmup_steps/warmup_ratio to 0"
+                "lr_scheduler_type='constant' has no warmup; "
+                "use constant_with_warmup or set warmup_steps/warmup_ratio to 0"
             )
         if self.lr_scheduler_type == "polynomial":
             lr_end = self.lr_scheduler_kwargs.get("lr_end", 1e-7)
@@ -941,7 +960,9 @@ class TrainingArguments:
         if self.save_strategy == "best":
             if self.metric_for_best_model is None:
                 raise ConfigError("save_strategy='best' needs metric_for_best_model (e.g. loss)")
-            _check(self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch when save_strategy='best'")
+            _check(
+                self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch when save_strategy='best'"
+            )
         if not self.load_best_model_at_end:
             return
         _check(self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch with load_best_model_at_end")
@@ -1124,7 +1145,9 @@ def _interval(name: str, value: float | None) -> float | int | None:
         return None
     _check(value >= 0, name, value, "must be >= 0 (an integer, or a ratio of max_steps below 1)")
     if value >= 1:
-        _check(float(value).is_integer(), name, value, "must be an integer when >= 1 (below 1 it is a ratio of max_steps)")
+        _check(
+            float(value).is_integer(), name, value, "must be an integer when >= 1 (below 1 it is a ratio of max_steps)"
+        )
         return int(value)
     return value
 
@@ -1205,15 +1228,11 @@ def _specs(classes: Sequence[type]) -> dict[str, _Spec]:
                 type=f.type.type if is_initvar else f.type,
                 default=default,
                 help=_ALIAS_HELP.get(f.name, "") if is_initvar else f.metadata.get("help", ""),
-                group="aliases" if is_initvar else f.metadata.get("group", _group_name(cls)),
+                group="aliases" if is_initvar else f.metadata.get("group", cls.__name__),
                 choices=f.metadata.get("choices"),
                 required=default is dataclasses.MISSING,
             )
     return specs
-
-
-def _group_name(cls: type) -> str:
-    return cls.__name__
 
 
 def _resolve_name(name: str, specs: Mapping[str, _Spec], where: str) -> str:

@@ -66,9 +66,11 @@ def test_hf_4x_fields_keep_their_4x_defaults():
     a = TrainingArguments()
     assert (a.warmup_ratio, a.group_by_length, a.save_safetensors, a.overwrite_output_dir) == (0.0, False, True, False)
     assert (a.include_tokens_per_second, a.average_tokens_across_devices, a.tf32) == (False, True, None)
-    assert (a.per_device_train_batch_size, a.learning_rate, a.seed, a.max_steps, a.num_train_epochs) == (8, 5e-5, 42, -1, 3.0)
+    assert (a.per_device_train_batch_size, a.learning_rate, a.seed) == (8, 5e-5, 42)
+    assert (a.max_steps, a.num_train_epochs) == (-1, 3.0)
     assert (a.logging_steps, a.save_steps, a.lr_scheduler_type, a.optim) == (500, 500, "linear", "adamw_fused")
-    assert (a.cutoff_len, a.batching_strategy, a.max_nonfinite_steps, a.z_loss, a.use_kernels) == (2048, "normal", 10, 0.0, True)
+    assert (a.cutoff_len, a.batching_strategy, a.max_nonfinite_steps) == (2048, "normal", 10)
+    assert (a.z_loss, a.use_kernels) == (0.0, True)
 
 
 def test_derived_defaults_follow_hugging_face():
@@ -93,7 +95,8 @@ def test_values_are_coerced_from_strings_and_numbers():
     assert a.learning_rate == 2e-5 and isinstance(a.num_train_epochs, float) and a.per_device_train_batch_size == 4
     assert a.bf16 is True
     assert TrainingArguments(eval_strategy=False).eval_strategy == "no"  # YAML 1.1 reads `no` as False
-    assert TrainingArguments(logging_steps=10.0).logging_steps == 10 and TrainingArguments(save_steps=0.25).save_steps == 0.25
+    assert TrainingArguments(logging_steps=10.0).logging_steps == 10
+    assert TrainingArguments(save_steps=0.25).save_steps == 0.25
     assert "per_device_train_batch_size: expected an integer" in error(per_device_train_batch_size=2.5)
     assert "learning_rate: expected a number" in error(learning_rate="fast")
     assert "bf16: expected a boolean" in error(bf16="maybe")
@@ -118,7 +121,8 @@ def test_kernel_provider_and_mixed_precision():
     assert TrainingArguments().kernel_provider == "kernelwright"
     assert TrainingArguments(use_liger_kernel=True).kernel_provider == "liger"
     assert TrainingArguments(use_kernels=False).kernel_provider == "torch"
-    assert [TrainingArguments(**k).mixed_precision for k in ({}, {"bf16": True}, {"fp16": True})] == ["no", "bf16", "fp16"]
+    precisions = [TrainingArguments(**k).mixed_precision for k in ({}, {"bf16": True}, {"fp16": True})]
+    assert precisions == ["no", "bf16", "fp16"]
 
 
 # --- validation: every error names the argument (and the allowed values where there is a list) -----------
@@ -142,12 +146,15 @@ ERRORS = [
     (dict(max_steps=0), "max_steps=0: must be -1 or a positive integer"),
     (dict(num_train_epochs=0), "num_train_epochs=0.0"),
     (dict(eval_strategy="sometimes"), "eval_strategy='sometimes': expected one of no, steps, epoch"),
-    (dict(evaluation_strategy="step"), "eval_strategy='step': expected one of no, steps, epoch (did you mean 'steps'?)"),
+    (dict(evaluation_strategy="step"),
+     "eval_strategy='step': expected one of no, steps, epoch (did you mean 'steps'?)"),
     (dict(logging_strategy="always"), "logging_strategy='always': expected one of no, steps, epoch"),
     (dict(save_strategy="bestest"), "save_strategy='bestest': expected one of no, steps, epoch, best"),
     (dict(lr_scheduler_type="cosine_annealing"), "lr_scheduler_type='cosine_annealing' is not a supported schedule"),
     (dict(lr_scheduler_type="reduce_lr_on_plateau"), "expected one of linear, cosine, cosine_with_restarts"),
-    (dict(optim="adafactor"), "optim='adafactor' is not a supported optimizer: expected one of adamw_fused, adamw_torch, adamw_torch_fused, sgd"),
+    (dict(optim="adafactor"),
+     "optim='adafactor' is not a supported optimizer: "
+     "expected one of adamw_fused, adamw_torch, adamw_torch_fused, sgd"),
     (dict(optim="adamw_8bit"), "optim='adamw_8bit' is not a supported optimizer"),
     (dict(report_to="wandb"), "report_to='wandb' is not supported; expected none, jsonl, tensorboard or all"),
     (dict(report_to=["jsonl", "none"]), "report_to="),
@@ -182,40 +189,51 @@ ERRORS = [
      "save_steps=0.3 must be a multiple of eval_steps=0.2"),
     (dict(load_best_model_at_end=True), "eval_strategy='no': must be steps or epoch with load_best_model_at_end"),
     (dict(save_strategy="best", eval_strategy="steps"), "save_strategy='best' needs metric_for_best_model"),
-    (dict(save_strategy="best", metric_for_best_model="loss"), "eval_strategy='no': must be steps or epoch when save_strategy='best'"),
+    (dict(save_strategy="best", metric_for_best_model="loss"),
+     "eval_strategy='no': must be steps or epoch when save_strategy='best'"),
     # schedules and optimizer options
     (dict(lr_scheduler_type="cosine", lr_scheduler_kwargs={"num_cycle": 2}),
      "lr_scheduler_kwargs: unknown key 'num_cycle' for lr_scheduler_type='cosine' (did you mean 'num_cycles'?)"),
-    (dict(lr_scheduler_kwargs={"num_cycles": 2}), "lr_scheduler_kwargs: unknown key 'num_cycles' for lr_scheduler_type='linear'"),
+    (dict(lr_scheduler_kwargs={"num_cycles": 2}),
+     "lr_scheduler_kwargs: unknown key 'num_cycles' for lr_scheduler_type='linear'"),
     (dict(lr_scheduler_type="cosine", lr_scheduler_kwargs="{bad json"), "lr_scheduler_kwargs"),
-    (dict(lr_scheduler_type="cosine", lr_scheduler_kwargs={"num_cycles": "many"}), "lr_scheduler_kwargs.num_cycles: expected a number"),
+    (dict(lr_scheduler_type="cosine", lr_scheduler_kwargs={"num_cycles": "many"}),
+     "lr_scheduler_kwargs.num_cycles: expected a number"),
     (dict(lr_scheduler_type="polynomial", learning_rate=1e-4, lr_scheduler_kwargs={"lr_end": 1e-3}),
      "lr_scheduler_kwargs.lr_end=0.001: must be smaller than learning_rate=0.0001"),
     (dict(lr_scheduler_type="constant", warmup_steps=10), "lr_scheduler_type='constant' has no warmup"),
     (dict(lr_scheduler_type="constant", warmup_ratio=0.1), "lr_scheduler_type='constant' has no warmup"),
     (dict(lr_scheduler_type="cosine_with_min_lr"), "cosine_with_min_lr needs exactly one of min_lr or min_lr_rate"),
-    (dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 1e-6, "min_lr_rate": 0.1}), "exactly one of"),
+    (dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 1e-6, "min_lr_rate": 0.1}),
+     "exactly one of"),
     (dict(lr_scheduler_type="warmup_stable_decay"), "warmup_stable_decay needs num_decay_steps"),
     (dict(lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs={"num_decay_steps": 5, "decay_type": "exp"}),
      "lr_scheduler_kwargs.decay_type='exp': expected one of linear, cosine, 1-sqrt"),
     (dict(lr_scheduler_type="inverse_sqrt", lr_scheduler_kwargs={"timescale": 0}), "lr_scheduler_kwargs.timescale=0"),
-    (dict(optim_args="momentum=0.9"), "optim_args: unknown key 'momentum' for optim='adamw_fused'; accepted keys: none"),
+    (dict(optim_args="momentum=0.9"),
+     "optim_args: unknown key 'momentum' for optim='adamw_fused'; accepted keys: none"),
     (dict(optim="adamw_torch", optim_args="amsgrad=true,betas=0.9"), "unknown key 'betas' for optim='adamw_torch'"),
     (dict(optim="sgd", optim_args="momentum"), "optim_args='momentum': expected 'key=value,key=value'"),
     (dict(optim="sgd", optim_args="momentum=fast"), "optim_args.momentum: expected a number"),
     (dict(optim="sgd", optim_args="nesterov=true"), "optim_args.nesterov=True: needs momentum > 0 and dampening = 0"),
     (dict(optim="sgd", optim_args={"momentum": -0.9}), "optim_args.momentum=-0.9"),
     # batch sizes and distributed
-    (dict(global_batch_size=10, per_device_train_batch_size=4), "global_batch_size=10: must be a multiple of micro_batch_size"),
+    (dict(global_batch_size=10, per_device_train_batch_size=4),
+     "global_batch_size=10: must be a multiple of micro_batch_size"),
     (dict(global_batch_size=16, per_device_train_batch_size=4, gradient_accumulation_steps=8), "global_batch_size=16"),
-    (dict(dist_config={"name": "deepspeed", "config_file": "ds.json"}), "dist_config.name='deepspeed' is not supported"),
+    (dict(dist_config={"name": "deepspeed", "config_file": "ds.json"}),
+     "dist_config.name='deepspeed' is not supported"),
     (dict(dist_config={"name": "fsdp"}), "dist_config.name='fsdp': expected one of fsdp2, ddp (did you mean 'fsdp2'?)"),
     (dict(dist_config={"mixed_precision": "bf16"}), "dist_config: 'name' is required"),
     (dict(dist_config={"name": "fsdp2", "reshard": True}), "dist_config: unknown key 'reshard' for name='fsdp2'"),
-    (dict(dist_config={"name": "ddp", "offload_params": True}), "dist_config: unknown key 'offload_params' for name='ddp'"),
-    (dict(dist_config={"name": "fsdp2", "mixed_precision": "fp8"}), "dist_config.mixed_precision='fp8': expected one of bf16, fp16, fp32"),
-    (dict(dist_config={"name": "fsdp2", "offload_params": "sometimes"}), "dist_config.offload_params: expected a boolean"),
-    (dict(fp16=True, dist_config={"name": "fsdp2", "mixed_precision": "bf16"}), "dist_config.mixed_precision='bf16' contradicts --fp16"),
+    (dict(dist_config={"name": "ddp", "offload_params": True}),
+     "dist_config: unknown key 'offload_params' for name='ddp'"),
+    (dict(dist_config={"name": "fsdp2", "mixed_precision": "fp8"}),
+     "dist_config.mixed_precision='fp8': expected one of bf16, fp16, fp32"),
+    (dict(dist_config={"name": "fsdp2", "offload_params": "sometimes"}),
+     "dist_config.offload_params: expected a boolean"),
+    (dict(fp16=True, dist_config={"name": "fsdp2", "mixed_precision": "bf16"}),
+     "dist_config.mixed_precision='bf16' contradicts --fp16"),
     (dict(dist_config="cluster"), "dist_config='cluster': expected a dict, a JSON object or a .json/.yaml file path"),
     (dict(dist_config="missing.yaml"), "dist_config: file not found: missing.yaml"),
 ]
@@ -266,18 +284,22 @@ def test_simple_aliases_fold_into_their_targets():
     a = TrainingArguments(
         evaluation_strategy="epoch", micro_batch_size=2, activation_checkpointing_kwargs='{"use_reentrant": false}'
     )
-    assert (a.eval_strategy, a.per_device_train_batch_size, a.gradient_checkpointing_kwargs) == ("epoch", 2, {"use_reentrant": False})
+    assert (a.eval_strategy, a.per_device_train_batch_size) == ("epoch", 2)
+    assert a.gradient_checkpointing_kwargs == {"use_reentrant": False}
     assert TrainingArguments(enable_activation_checkpointing=True).gradient_checkpointing is True
     assert TrainingArguments(activation_checkpointing="true").gradient_checkpointing is True
     assert TrainingArguments(micro_batch_size=4, per_device_train_batch_size=4).per_device_train_batch_size == 4
-    assert "micro_batch_size is an alias of per_device_train_batch_size" in error(micro_batch_size=2, per_device_train_batch_size=4)
-    assert "evaluation_strategy is an alias of eval_strategy" in error(evaluation_strategy="steps", eval_strategy="epoch")
+    message = error(micro_batch_size=2, per_device_train_batch_size=4)
+    assert "micro_batch_size is an alias of per_device_train_batch_size" in message
+    message = error(evaluation_strategy="steps", eval_strategy="epoch")
+    assert "evaluation_strategy is an alias of eval_strategy" in message
     assert set(SIMPLE_ALIASES) >= {"evaluation_strategy", "micro_batch_size", "enable_activation_checkpointing",
                                    "activation_checkpointing"}
 
 
 def test_train_sampling_strategy_maps_onto_our_fields():
-    assert (TrainingArguments(train_sampling_strategy="random").train_shuffle, TrainingArguments().group_by_length) == (True, False)
+    random = TrainingArguments(train_sampling_strategy="random")
+    assert (random.group_by_length, random.train_shuffle) == (False, True)
     a = TrainingArguments(train_sampling_strategy="sequential")
     assert (a.group_by_length, a.train_shuffle) == (False, False)
     b = TrainingArguments(train_sampling_strategy="group_by_length")
@@ -300,13 +322,15 @@ def test_hugging_face_fsdp_options_become_dist_config(tmp_path):
     path.write_text(json.dumps({"fsdp_version": 2, "fsdp_cpu_offload": True, "activation_checkpointing": True,
                                 "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": False}))
     c = TrainingArguments(fsdp=True, fsdp_config=str(path))
-    assert (c.dist_config["offload_params"], c.dist_config["reshard_after_forward"], c.gradient_checkpointing) == (True, False, True)
+    assert (c.dist_config["offload_params"], c.dist_config["reshard_after_forward"]) == (True, False)
+    assert c.gradient_checkpointing is True
     assert "fsdp='hybrid_shard' is FSDP1-only" in error(fsdp="hybrid_shard")
     assert "fsdp='ful_shard': expected one of full_shard" in error(fsdp="ful_shard")
     assert "fsdp_config is read only together with --fsdp" in error(fsdp_config={"version": 2})
     assert "fsdp and dist_config both given" in error(fsdp="full_shard", dist_config={"name": "ddp"})
     assert "fsdp_config.version=1: only 2" in error(fsdp=True, fsdp_config={"version": 1})
-    assert "fsdp_config.auto_wrap_policy='SIZE_BASED_WRAP'" in error(fsdp=True, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP"})
+    message = error(fsdp=True, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP"})
+    assert "fsdp_config.auto_wrap_policy='SIZE_BASED_WRAP'" in message
     assert "fsdp_config: key 'transformer_layer_cls_to_wrap' is not supported" in error(
         fsdp=True, fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
     )
@@ -427,7 +451,9 @@ class DataArgs:
     data: list[str] = field(default_factory=list, metadata={"help": "Training data files.", "group": "data"})
     val_size: float = field(default=0.0, metadata={"help": "Fraction held out for evaluation.", "group": "data"})
     train_on_prompt: bool = field(default=False, metadata={"help": "Also train on prompt tokens.", "group": "data"})
-    data_format: str = field(default="auto", metadata={"help": "Dataset format.", "choices": ("auto", "alpaca", "sharegpt")})
+    data_format: str = field(
+        default="auto", metadata={"help": "Dataset format.", "choices": ("auto", "alpaca", "sharegpt")}
+    )
     max_samples: int | None = field(default=None, metadata={"help": "Use at most this many examples."})
     cache_dir: pathlib.Path = field(default=pathlib.Path("cache"), metadata={"help": "Tokenized data cache."})
 
@@ -436,7 +462,9 @@ def test_flag_forms():
     for argv in (["--learning_rate", "2e-5"], ["--learning_rate=2e-5"], ["--learning-rate", "2e-5"]):
         (args,) = parse_args(argv)
         assert args.learning_rate == 2e-5
-    (args,) = parse_args(["--max_steps", "-1", "--warmup_steps", "0.1", "--seed=7", "--learning_rate", "1", "--learning_rate", "3"])
+    (args,) = parse_args(
+        ["--max_steps", "-1", "--warmup_steps", "0.1", "--seed=7", "--learning_rate", "1", "--learning_rate", "3"]
+    )
     assert (args.max_steps, args.warmup_steps, args.seed, args.learning_rate) == (-1, 0.1, 7, 3.0)  # last repeat wins
 
 
@@ -459,13 +487,15 @@ def test_negated_booleans_optionals_lists_and_dicts():
     assert args.report_to == ["jsonl", "tensorboard"] and args.lr_scheduler_kwargs == {"num_cycles": 3}
     assert args.resume_from_checkpoint == "auto" and args.optim_args == {"momentum": 0.9, "nesterov": True}
     assert args.dist_config["offload_params"] is True
-    (args,) = parse_args(["--data_seed", "3", "--resume_from_checkpoint", "ckpt/checkpoint-5", "--fsdp", "full_shard", "auto_wrap"])
+    (args,) = parse_args(
+        ["--data_seed", "3", "--resume_from_checkpoint", "ckpt/checkpoint-5", "--fsdp", "full_shard", "auto_wrap"]
+    )
     assert (args.data_seed, args.resume_from_checkpoint, args.dist_config["name"]) == (3, "ckpt/checkpoint-5", "fsdp2")
 
 
 def test_aliases_and_sampling_on_the_command_line():
-    (args,) = parse_args(["--evaluation_strategy", "epoch", "--micro_batch_size", "2", "--enable_activation_checkpointing",
-                          "--train_sampling_strategy", "sequential"])
+    (args,) = parse_args(["--evaluation_strategy", "epoch", "--micro_batch_size", "2",
+                          "--enable_activation_checkpointing", "--train_sampling_strategy", "sequential"])
     assert (args.eval_strategy, args.per_device_train_batch_size, args.gradient_checkpointing, args.train_shuffle) == (
         "epoch", 2, True, False)
     assert "--evaluation_strategy and --eval_strategy set the same argument" in parse_error(
@@ -476,7 +506,8 @@ FLAG_ERRORS = [
     (["--learnig_rate", "1e-4"], "--learnig_rate: unknown argument learnig_rate; did you mean learning_rate?"),
     (["--zzzz", "1"], "unknown argument zzzz; see --help for the arguments"),
     (["--deepspeed", "ds.json"], "--deepspeed: deepspeed is not supported by kernelwright: DeepSpeed is not supported"),
-    (["--push_to_hub"], "push_to_hub is not supported by kernelwright: pushing to the Hugging Face Hub is not supported"),
+    (["--push_to_hub"],
+     "push_to_hub is not supported by kernelwright: pushing to the Hugging Face Hub is not supported"),
     (["--hub_model_id", "me/model"], "hub_model_id is not supported by kernelwright: pushing to the Hugging Face Hub"),
     (["--push_to_hub_model_id", "x"], "push_to_hub_model_id is not supported by kernelwright"),
     (["--tpu_num_cores", "8"], "tpu_num_cores is not supported by kernelwright: TPUs are not supported"),
@@ -498,7 +529,8 @@ FLAG_ERRORS = [
     (["--"], "unexpected argument '--'"),
     (["run.txt"], "config file 'run.txt': expected a .yaml, .yml or .json file"),
     (["missing.yaml"], "config file: file not found: missing.yaml"),
-    (["--micro_batch_size", "3", "--global_batch_size", "16"], "global_batch_size=16: must be a multiple of micro_batch_size"),
+    (["--micro_batch_size", "3", "--global_batch_size", "16"],
+     "global_batch_size=16: must be a multiple of micro_batch_size"),
 ]
 
 
@@ -551,7 +583,8 @@ def test_yaml_file_with_flags_winning(tmp_path):
     )
     args, data = parse_args([str(path), "--learning_rate", "2e-5", "--data", "y.jsonl"], [DataArgs])
     assert args.learning_rate == 2e-5 and data.data == ["y.jsonl"] and data.model == "tiny"  # flags win
-    assert (args.per_device_train_batch_size, args.global_batch_size, args.bf16, args.eval_strategy) == (2, 16, True, "no")
+    assert (args.per_device_train_batch_size, args.global_batch_size) == (2, 16)
+    assert (args.bf16, args.eval_strategy) == (True, "no")
     assert args.gradient_checkpointing is True and args.lr_scheduler_kwargs == {"num_cycles": 0.25}
     assert args.dist_config["reshard_after_forward"] is False
     empty = tmp_path / "empty.yml"

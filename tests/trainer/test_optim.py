@@ -237,7 +237,8 @@ def test_param_groups_exclude_biases_norms_and_vectors():
     for g in groups:
         assert len(g["params"]) == len(g["param_names"]) and all(p.requires_grad for p in g["params"])
     only_matrix = torch.nn.Linear(3, 3, bias=False)
-    assert param_groups(only_matrix, 0.1) == [{"params": [only_matrix.weight], "param_names": ["weight"], "weight_decay": 0.1}]
+    expected = [{"params": [only_matrix.weight], "param_names": ["weight"], "weight_decay": 0.1}]
+    assert param_groups(only_matrix, 0.1) == expected
     with pytest.raises(ConfigError, match="no trainable parameters"):
         param_groups(torch.nn.Linear(2, 2).requires_grad_(False), 0.1)
 
@@ -249,14 +250,16 @@ class LlamaRMSNorm(RMSNorm):
 class Attention(torch.nn.Module):
     def __init__(self, dim):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(dim, dim, bias=True) for _ in range(3))  # Qwen2: qkv bias
+        # Qwen2 has q/k/v biases; Llama has none
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(dim, dim, bias=True) for _ in range(3))
         self.o_proj = torch.nn.Linear(dim, dim, bias=False)
 
 
 class MLP(torch.nn.Module):
     def __init__(self, dim):
         super().__init__()
-        self.gate_proj, self.up_proj = torch.nn.Linear(dim, 2 * dim, bias=False), torch.nn.Linear(dim, 2 * dim, bias=False)
+        self.gate_proj = torch.nn.Linear(dim, 2 * dim, bias=False)
+        self.up_proj = torch.nn.Linear(dim, 2 * dim, bias=False)
         self.down_proj = torch.nn.Linear(2 * dim, dim, bias=False)
 
 
