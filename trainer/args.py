@@ -45,8 +45,9 @@ Deliberate differences from Hugging Face
 - `warmup_steps` follows transformers 5.23 (float: >= 1 is a step count truncated with `int()` as HF does,
   a value in (0, 1) is a ratio of the total steps, rounded up); `warmup_ratio` (4.x) is used only when
   `warmup_steps` is 0. `constant` with a warmup is an error here (HF silently ignores the warmup).
-- `get_max_steps` counts a trailing partial accumulation as a step, as transformers 5.23 does (seed 000 shows
-  the older floor formula).
+- `get_max_steps` uses the seeds' formula, ceil(epochs * floor(micro batches / accumulation)); where
+  transformers 5.23 takes an extra step for a trailing partial accumulation, our loop folds those micro batches
+  into the epoch's last window (token-normalised, so exact), so epochs and max_steps always agree.
 - Extra checks HF does not make: `save_strategy="best"` and `load_best_model_at_end` need an eval strategy;
   `save_strategy="best"` needs `metric_for_best_model`; `dataloader_persistent_workers` needs workers;
   negative steps, rates and sizes are errors; `max_steps` is -1 or positive.
@@ -1011,16 +1012,20 @@ class TrainingArguments:
                 out[name] = int(value)
         return out
 
+    def steps_per_epoch(self, batches_per_epoch: int) -> int:
+        """Optimizer steps in one epoch: floor(micro batches per rank / accumulation), at least 1. The loop folds
+        the leftover micro batches into the epoch's last window, so no data is dropped."""
+        return max(batches_per_epoch // self.gradient_accumulation_steps, 1)
+
     def get_max_steps(self, batches_per_epoch: int | None) -> int:
-        """Total optimizer steps: max_steps if set, else ceil(epochs * ceil(batches_per_epoch / accumulation))
-        (transformers 5.23: a trailing partial accumulation counts as a step). `batches_per_epoch` is the
-        per-device DataLoader length; None (a stream) requires max_steps."""
+        """Total optimizer steps: max_steps if set, else ceil(epochs * floor(batches_per_epoch / accumulation)),
+        the seeds' formula `ceil(epochs * floor(N / (per_device_bs * accum * devices)))`. `batches_per_epoch`
+        is the per-rank micro-batch count; None (a stream) requires max_steps."""
         if self.max_steps > 0:
             return self.max_steps
         if batches_per_epoch is None:
             raise ConfigError("max_steps: must be set (> 0) when the training data has no length (a stream)")
-        per_epoch = max(math.ceil(batches_per_epoch / self.gradient_accumulation_steps), 1)
-        return math.ceil(self.num_train_epochs * per_epoch)
+        return math.ceil(self.num_train_epochs * self.steps_per_epoch(batches_per_epoch))
 
     def resolve_world(self, world_size: int) -> int:
         """Set and return gradient_accumulation_steps for `world_size` data-parallel ranks: global_batch_size /

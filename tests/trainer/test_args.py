@@ -370,9 +370,9 @@ def test_ratio_steps_resolve_against_max_steps():
     assert "max_steps=0" in str(pytest.raises(ConfigError, a.resolve_steps, 0).value)
 
 
-def test_max_steps_from_epochs_counts_a_partial_accumulation():
+def test_max_steps_from_epochs_is_the_seeds_floor_formula():
     a = TrainingArguments(num_train_epochs=2.5, gradient_accumulation_steps=3)
-    assert a.get_max_steps(10) == math.ceil(2.5 * math.ceil(10 / 3)) == 10
+    assert a.get_max_steps(10) == math.ceil(2.5 * math.floor(10 / 3)) == 8
     assert TrainingArguments(num_train_epochs=1, gradient_accumulation_steps=8).get_max_steps(3) == 1
     assert TrainingArguments(max_steps=77).get_max_steps(None) == 77
     assert "max_steps: must be set" in str(pytest.raises(ConfigError, a.get_max_steps, None).value)
