@@ -7,3 +7,5 @@ Triton, CPU tensors run the reference unless Triton is forced (see `kernels._dis
 from ._dispatch import HAS_TRITON, backend, current_backend, use_triton
 
 __all__ = ["HAS_TRITON", "backend", "current_backend", "use_triton"]
+
+from .adamw import FusedAdamW, adamw_step_ref; __all__ += ["FusedAdamW", "adamw_step_ref"]  # noqa: E402,E702
