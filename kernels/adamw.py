@@ -40,7 +40,7 @@ Bytes moved per parameter element (reads + writes)
     bf16/fp16, master       g (2), master, m, v (12) + master, m, v (12), p (2)    = 28 B
     bf16, stochastic round  p, g (4), m, v (8) + p (2), m, v (8)                   = 22 B
     torch fused=True on fp32 params also moves 28 B; foreach=True makes about ten passes (~80 B).
-    The launch tables add O(tensors + blocks) bytes: 64 B per tensor, 8 B per 4096-element block.
+    The launch tables add O(tensors + blocks) bytes: 64 B per tensor, 8 B per 2048-element block.
 
 Launch strategy
     Parameters with a gradient are bucketed by (param group, device, dtype); one launch per bucket, plus
@@ -55,8 +55,8 @@ Launch strategy
     the block table changes only when the parameter sizes do, the tensor table only when a pointer does
     (grads re-allocated at new addresses). Full blocks take an unmasked path; with every address 16-byte
     aligned (checked on the host) the pointers carry a `tl.multiple_of` hint so the loads vectorise: the
-    masked tail, where numel's divisibility is unknown, would not. BLOCK=4096 with 8 warps (16 elements per
-    thread) is a starting point for a bandwidth-bound elementwise kernel, not yet tuned on a GPU.
+    masked tail, where numel's divisibility is unknown, would not (checked in the PTX: v4 loads and stores
+    on the full-block path). BLOCK=2048 with 8 warps: see `_BLOCK`; not yet timed on a GPU.
     The dispatch point is `_step_bucket`: CUDA -> Triton, CPU -> the reference unless Triton is forced; a
     later CUDA C++ multi-tensor op (`torch.ops.kernels.*`) plugs in there.
 
@@ -81,9 +81,11 @@ if HAS_TRITON:
     import triton.language as tl
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Elements per program and warps: 16 elements per thread keeps five fp32 tiles in registers and gives each
-# thread four 16-byte loads per fp32 tensor. Untuned (no GPU measurement yet).
-_BLOCK = 4096
+# Elements per program and warps: 8 elements per thread, two 16-byte loads per fp32 tensor. ptxas (sm_90a,
+# compile only) gives 78 / 86 / 96 registers for fp32 / bf16 master / bf16 stochastic and no spills, so 2-3
+# blocks of 256 threads fit per SM; BLOCK=4096 took 150 registers (128 and spills at 8 warps for bf16).
+# Not yet timed on a GPU.
+_BLOCK = 2048
 _NUM_WARPS = 8
 # Tensor-table row: param, grad, exp_avg, exp_avg_sq, master, step, numel, unused.
 _ROW = 8
@@ -247,12 +249,12 @@ def _f64_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without a host sync: pinned staging + non_blocking copy on CUDA."""
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without a host sync: pinned staging + non_blocking copy on CUDA."""
     if device.type == "cuda":
         # The caching host allocator keeps the pinned buffer alive until the copy has run.
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 class _LaunchTables:
@@ -267,11 +269,12 @@ class _LaunchTables:
     def block_table(self, numels: list[int], device: torch.device) -> torch.Tensor:
         key = (device, tuple(numels))
         if key != self.block_key:
-            flat: list[int] = []
-            for t, n in enumerate(numels):
-                for b in range((n + _BLOCK - 1) // _BLOCK):
-                    flat += (t, b)
-            self.blocks = _to_device(flat, torch.int32, device)  # (NB * 2,)
+            counts = torch.tensor([(n + _BLOCK - 1) // _BLOCK for n in numels], dtype=torch.int64)  # (T,)
+            tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)  # (NB,)
+            first = torch.cumsum(counts, 0) - counts  # (T,) first block of each tensor
+            block = torch.arange(tensor.numel()) - first[tensor]  # (NB,) block index within its tensor
+            table = torch.stack([tensor, block], dim=1).to(torch.int32)  # (NB, 2)
+            self.blocks = _to_device(table.reshape(-1), device)  # (NB * 2,)
             self.block_key = key
         return self.blocks
 
@@ -280,7 +283,7 @@ class _LaunchTables:
         key = (device, tuple(rows))
         if key != self.tensor_key:
             check()  # before caching: a row that failed its check must never be launched from the cache
-            self.tensors = _to_device(rows, torch.int64, device)  # ((1 + T) * 8,)
+            self.tensors = _to_device(torch.tensor(rows, dtype=torch.int64), device)  # ((1 + T) * 8,)
             self.tensor_key = key
         return self.tensors
 
@@ -455,9 +458,13 @@ class FusedAdamW(torch.optim.Optimizer):
         if param_group.get("amsgrad", False):
             raise ValueError(f"{where}: amsgrad=True is not supported (allowed: False)")
         master = param_group.get("master_weights", self.defaults["master_weights"])
+        seen: set[int] = set()
         for i, p in enumerate(x[1] if isinstance(x, tuple) else x for x in params):
             if isinstance(p, torch.Tensor):
                 self._check_param(p, master, f"{where}, parameter {i}")
+                if id(p) in seen:  # one launch would update it twice, concurrently
+                    raise ValueError(f"{where}, parameter {i}: appears twice in the group")
+                seen.add(id(p))
         super().add_param_group(param_group)
 
     @staticmethod
@@ -474,7 +481,11 @@ class FusedAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts every non-step state tensor to its parameter's dtype, which would round fp32 moments
         # of bf16 parameters to bf16; restore them from the source in fp32 afterwards.
+        current_master = [g.get("master_weights", self.defaults["master_weights"]) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, saved, master in zip(self.param_groups, state_dict["param_groups"], current_master):
+            if "master_weights" not in saved:  # e.g. torch.optim.AdamW's state: keep this optimizer's choice
+                group["master_weights"] = master
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for saved_id, p in zip(saved_ids, params):

@@ -253,7 +253,7 @@ def test_kernel_matches_reference_awkward_sizes(dtype, master):
     (stochastic rounding: same random bits, so at most one bf16 ulp apart)."""
     results = {}
     for path in PATHS:
-        ps = make_params(SHAPES, dtype=dtype, seed=7)
+        ps = make_params(SHAPES + [(0, 5)], dtype=dtype, seed=7)
         opt = FusedAdamW(ps, lr=1e-2, weight_decay=0.1, master_weights=master)
         with kernels.backend(path):
             for step in range(2):
@@ -375,6 +375,10 @@ def test_state_dict_keeps_fp32_state_and_interoperates_with_torch():
     back = torch.optim.AdamW(clone_params(qs), lr=1e-2, foreach=False)
     back.load_state_dict(roundtrip(ours.state_dict()))
     assert back.state[back.param_groups[0]["params"][0]]["step"].item() == 3.0
+    # torch's groups have no master_weights: loading them keeps this optimizer's choice
+    sr = FusedAdamW(make_params([(40,)], dtype=torch.bfloat16, seed=18), lr=1e-2, master_weights=False)
+    sr.load_state_dict(roundtrip(torch_opt.state_dict()))
+    assert sr.param_groups[0]["master_weights"] is False
 
 
 def test_sparse_grads_rejected():
@@ -409,6 +413,9 @@ def test_bad_parameters_are_rejected():
         FusedAdamW([torch.nn.Parameter(torch.zeros(3, 2).t())])
     with pytest.raises(ValueError, match="master_weights=True"):
         FusedAdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))], master_weights=False)
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="parameter 1: appears twice"):
+        FusedAdamW([p, p])
     opt = FusedAdamW([torch.nn.Parameter(torch.zeros(2))])
     with pytest.raises(ValueError, match="param group 1: betas="):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (0.9, 1.5)})
@@ -417,6 +424,46 @@ def test_bad_parameters_are_rejected():
     opt.param_groups[0]["lr"] = -0.5  # e.g. a broken scheduler
     with pytest.raises(ValueError, match="lr=-0.5"):
         opt.step()
+
+
+_COMPILE_SCRIPT = r"""
+import json, re, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.adamw as A
+
+sig = {n: t for n, t in zip(A._adamw_kernel.arg_names, ["*i64", "*i32"] + ["fp32"] * 6 + ["constexpr"] * 6)}
+out = {}
+for name, dtype, master, sr in [("bf16_master", tl.bfloat16, True, False), ("bf16_sr", tl.bfloat16, False, True)]:
+    consts = dict(P_DTYPE=dtype, HAS_MASTER=master, STOCHASTIC=sr, MAXIMIZE=sr, ALIGNED=True, BLOCK=A._BLOCK)
+    src = ASTSource(A._adamw_kernel, sig, consts, {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": A._NUM_WARPS}).asm["ptx"]
+    out[name] = {"ld_v4": len(re.findall(r"ld\.global\.v4", ptx)), "st_v4": len(re.findall(r"st\.global\.v4", ptx))}
+json.dump(out, sys.stdout)
+"""
+
+
+def test_kernel_compiles_for_hopper_with_vector_loads():
+    """Compile-only (no GPU needed: Triton ships ptxas): the kernel lowers to sm_90 PTX with master weights
+    and with stochastic rounding (+ maximize), and the full-block path of aligned tensors moves everything in
+    16-byte vectors: each thread owns BLOCK / (32 * warps) elements of every tensor."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout)
+    per_thread = adamw_mod._BLOCK // (32 * adamw_mod._NUM_WARPS)
+    f32, b16 = per_thread * 4 // 16, per_thread * 2 // 16  # 16-byte vectors per thread per fp32 / bf16 tensor
+    assert counts["bf16_master"] == {"ld_v4": b16 + 3 * f32, "st_v4": 3 * f32 + b16}, counts  # g, m, v, master -> m, v, master, p
+    assert counts["bf16_sr"] == {"ld_v4": 2 * b16 + 2 * f32, "st_v4": 2 * f32 + b16}, counts  # p, g, m, v -> m, v, p
 
 
 @pytest.mark.gpu
