@@ -118,9 +118,16 @@ def bench_variant(variant: str, shapes: list[tuple], quick: bool) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="a tiny parameter list and few repetitions (CPU smoke run)")
-    p.add_argument("--model", choices=sorted(MODELS), default=None, help="parameter list (default: llama-3.2-1b on GPU, tiny on CPU, micro with --quick)")
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="parameter list (default: llama-3.2-1b on GPU, tiny on CPU, micro with --quick)",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of: {', '.join(VARIANTS)}")
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -140,8 +147,8 @@ def main(argv=None) -> list[dict]:
     base = {r["impl"]: r["ms"] for r in rows}
     for r in rows:
         r["model"] = args.model
-        r["speedup_vs_torch_fused_fp32"] = base["torch_fused_fp32"] / r["ms"] if "torch_fused_fp32" in base else None
-        r["speedup_vs_torch_foreach_fp32"] = base["torch_foreach_fp32"] / r["ms"] if "torch_foreach_fp32" in base else None
+        for baseline in ("torch_fused_fp32", "torch_foreach_fp32"):
+            r[f"speedup_vs_{baseline}"] = base[baseline] / r["ms"] if baseline in base else None
         r.update(env)
     path = common.write_rows("adamw", rows)
     for r in rows:

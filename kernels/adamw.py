@@ -17,8 +17,9 @@ fused AdamW keeps it), `exp_avg`, `exp_avg_sq`, and for bf16/fp16 parameters wit
 fp32 `master_param`.
 
 Low-precision parameters (why master weights are the default)
-    A bf16 parameter has 8 significant bits: an update smaller than half an ulp (|dw| < 2^-9 |w|, e.g.
-    lr=1e-4 on weights of size 0.05) is rounded away every step and training silently stalls.
+    A bf16 parameter has 8 significant bits: an update below half an ulp (always when |dw| < 2^-9 |w|; Adam's
+    |dw| is about lr, so e.g. lr=1e-5 on weights of magnitude 0.02) is rounded away every step and training
+    silently stalls.
     - master_weights=True (default): the update runs on an fp32 `master_param`; the bf16/fp16 parameter is
       its round-to-nearest copy, written by the same kernel. The trajectory equals fp32 AdamW's to fp32
       rounding, is bit-reproducible, and resumes exactly from a checkpoint. Cost: 4 bytes per parameter of
@@ -44,7 +45,7 @@ Bytes moved per parameter element (reads + writes)
 
 Launch strategy
     Parameters with a gradient are bucketed by (param group, device, dtype); one launch per bucket, plus
-    one `torch._foreach_add_` for the step counters. The launch reads two tables:
+    one `torch._foreach_add_` of its step counters. The launch reads two tables:
     - a tensor table, int64 (1 + T, 8): row 0 holds the fp64 bit patterns of beta1 and beta2; row 1 + t the
       addresses of param t, its grad, exp_avg, exp_avg_sq, master (0 if none) and step, then its numel.
       Addresses travel as int64 and are cast back to typed pointers in the kernel (works identically under
@@ -310,7 +311,9 @@ def _check_bucket(params, grads, exp_avgs, exp_avg_sqs, steps, masters, stochast
         if p.dtype != dtype or p.device != device or not p.is_contiguous():
             raise ValueError(f"fused_adamw_step: params[{i}] must be contiguous {dtype} on {device}")
         if grads[i].dtype != dtype or grads[i].shape != p.shape or not grads[i].is_contiguous():
-            raise ValueError(f"fused_adamw_step: grads[{i}] must be a contiguous {dtype} tensor of shape {tuple(p.shape)}")
+            raise ValueError(
+                f"fused_adamw_step: grads[{i}] must be a contiguous {dtype} tensor of shape {tuple(p.shape)}"
+            )
         for name in ("exp_avgs", "exp_avg_sqs") + (("masters",) if masters is not None else ()):
             s = lists[name][i]
             if s.dtype != torch.float32 or s.numel() != p.numel() or s.device != device or not s.is_contiguous():
@@ -445,6 +448,8 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
+        if isinstance(params, set):  # as torch: the order must match across runs for state_dict to map
+            raise TypeError("FusedAdamW: params must be an ordered collection (list, tuple, generator), not a set")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         param_group = dict(param_group, params=params)
         where = f"FusedAdamW param group {len(self.param_groups)}"
@@ -499,7 +504,8 @@ class FusedAdamW(torch.optim.Optimizer):
                         device=p.device, dtype=torch.float32, memory_format=torch.contiguous_format, copy=True
                     )
             if "step" in saved:
-                state["step"] = torch.as_tensor(saved["step"]).to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+                step = torch.as_tensor(saved["step"])  # a tensor, or a number in old checkpoints
+                state["step"] = step.to(device=p.device, dtype=torch.float32, copy=True).reshape(())
         self._tables = {}
 
     @torch.no_grad()
