@@ -14,3 +14,5 @@ from .rms_norm import rms_norm, rms_norm_ref
 __all__ = ["HAS_TRITON", "backend", "current_backend", "use_triton"]
 __all__ += ["NEFTuneFunction", "neftune_noise", "neftune_noise_ref"]
 __all__ += ["rms_norm", "rms_norm_ref"]
+
+from .adamw import FusedAdamW, adamw_step_ref; __all__ += ["FusedAdamW", "adamw_step_ref"]  # noqa: E402,E702

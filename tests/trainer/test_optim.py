@@ -362,8 +362,6 @@ def test_sgd_takes_momentum_from_optim_args():
 
 def test_fused_adamw_from_kernels_matches_torch():
     kernels = importlib.import_module("kernels")
-    if not hasattr(kernels, "FusedAdamW"):
-        pytest.skip("kernels.FusedAdamW is not merged yet")
     model, twin = model_and_copy()
     opt = build_optimizer(model, make_args())  # adamw_fused is the default
     assert type(opt) is kernels.FusedAdamW
