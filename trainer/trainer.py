@@ -142,15 +142,19 @@ class Trainer:
             self.model = self._call_model_init()
             self.optimizer, self.lr_scheduler = None, None
         resume = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
-        micro, accum = args.per_device_train_batch_size, self._accumulation_steps()
         while True:
             try:
-                return self._train_loop(resume, micro, accum)
+                return self._train_loop(resume)
             except torch.OutOfMemoryError:
+                micro = args.per_device_train_batch_size
                 if not args.auto_find_batch_size or micro == 1:
                     raise
                 # Halve the micro batch and double accumulation: the global batch (and the run) stays the same.
-                micro, accum = micro // 2, accum * 2
+                # The arguments are updated so training_args.json records what actually ran.
+                args.per_device_train_batch_size = micro = micro // 2
+                if args.global_batch_size is None:
+                    args.gradient_accumulation_steps *= 2
+                accum = self._accumulation_steps()
                 self.optimizer, self.lr_scheduler = None, None
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -158,8 +162,9 @@ class Trainer:
                             f"gradient_accumulation_steps={accum}")
 
     # ---- the loop -------------------------------------------------------------------------------------
-    def _train_loop(self, resume: Path | None, micro: int, accum: int):
+    def _train_loop(self, resume: Path | None):
         args = self.args
+        micro, accum = args.per_device_train_batch_size, self._accumulation_steps()
         if self.train_dataset is None:
             raise ValueError("Trainer.train: no train_dataset")
         model = self.model
@@ -172,23 +177,17 @@ class Trainer:
         micro_per_epoch = len(loader)
         if micro_per_epoch == 0:
             raise ValueError("Trainer.train: the train dataset yields no batch (empty, or smaller than one batch with dataloader_drop_last)")
-        windows_per_epoch = max(micro_per_epoch // accum, 1)
-        if args.max_steps > 0:
-            max_steps = args.max_steps
-            num_epochs = math.ceil(max_steps / windows_per_epoch)
-        else:
-            max_steps = math.ceil(args.num_train_epochs * windows_per_epoch)
-            num_epochs = math.ceil(args.num_train_epochs)
-        if max_steps <= 0:
-            raise ValueError("Trainer.train: nothing to train (num_train_epochs * steps per epoch rounds to 0 steps)")
+        windows_per_epoch = args.steps_per_epoch(micro_per_epoch)  # floor(micro batches / accum), at least 1
+        max_steps = args.get_max_steps(micro_per_epoch)
+        num_epochs = math.ceil(max_steps / windows_per_epoch)
         optimizer, scheduler = self._create_optimizer_and_scheduler(model, max_steps)
         if args.fp16 and self.scaler is None:
             self.scaler = torch.amp.GradScaler(device.type)
 
+        every = args.resolve_steps(max_steps)
         state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs, is_world_process_zero=self.rank == 0,
-                             train_batch_size=micro, logging_steps=_steps(args.logging_steps, max_steps),
-                             eval_steps=_steps(args.eval_steps or args.logging_steps, max_steps),
-                             save_steps=_steps(args.save_steps, max_steps))
+                             train_batch_size=micro, logging_steps=every["logging_steps"],
+                             eval_steps=every["eval_steps"] or every["logging_steps"], save_steps=every["save_steps"])
         if resume is not None:
             restored = ckpt.load_training_state(resume, optimizer=optimizer, scheduler=scheduler, scaler=self.scaler,
                                                 rank=self.rank, world_size=self.world_size)
@@ -681,15 +680,6 @@ def threading_main() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
-
-
-def _steps(value, max_steps: int) -> int:
-    """logging/eval/save steps as an int; a float below 1 is a ratio of max_steps (ceil), as in Hugging Face."""
-    if value is None:
-        return max_steps
-    if isinstance(value, float) and value < 1:
-        return max(1, math.ceil(value * max_steps))
-    return max(1, int(value))
 
 
 def _due(strategy, step: int, every: int) -> bool:

@@ -1,0 +1,164 @@
+"""Benchmark one AdamW step: ours (`kernels.FusedAdamW`) vs torch.optim.AdamW foreach=True and fused=True.
+
+The parameter list is a Llama-3.2-1B-like model's (16 layers, hidden 2048, MLP 8192, 32/8 heads of 64,
+vocab 128256, tied embeddings: 1.24 B parameters in 146 tensors) on a GPU; a tiny model of the same
+structure on a CPU. Every variant keeps fp32 optimizer state:
+- torch_foreach_fp32 / torch_fused_fp32: torch.optim.AdamW on fp32 parameters (the usual way to get fp32
+  state from torch: fp32 master parameters, grads in fp32);
+- ours_fp32: the same fp32 parameters through FusedAdamW;
+- ours_bf16_master: bf16 parameters and grads, fp32 master copy inside the optimizer (our default);
+- ours_bf16_sr: bf16 parameters and grads, stochastic rounding, no master copy.
+Reference row, not like-for-like: torch_fused_bf16 is torch fused=True on bf16 parameters, whose state is
+then bf16 too (14 B per element instead of 28).
+
+GB/s is effective bandwidth: the bytes a step must move with that variant's layout (28 B per element for
+fp32 state with fp32 params or with bf16 params + master, 22 B with stochastic rounding, 14 B for the bf16
+reference row; see kernels/adamw.py) over the measured time; foreach moves about 80 B in ten passes but is
+credited with 28. Speed-ups are against torch_fused_fp32 and torch_foreach_fp32 measured in the same run.
+GPU target: ours_bf16_master >= 1.0x torch_fused_fp32 and >= 2.5x torch_foreach_fp32.
+
+Usage:
+    python bench/bench_adamw.py              # GPU: the Llama-3.2-1B parameter list
+    python bench/bench_adamw.py --quick      # CPU: a tiny parameter list, only proves the script runs
+    python bench/bench_adamw.py --variants ours_bf16_master,torch_fused_fp32
+Rows go to bench/results/adamw.jsonl (+ .md) via bench.common.write_rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench import common  # noqa: E402
+from kernels import FusedAdamW, use_triton  # noqa: E402
+
+# name: (param dtype, implementation, bytes per element a step must move)
+VARIANTS = {
+    "torch_foreach_fp32": (torch.float32, "foreach", 28),
+    "torch_fused_fp32": (torch.float32, "fused", 28),
+    "ours_fp32": (torch.float32, "ours", 28),
+    "ours_bf16_master": (torch.bfloat16, "ours", 28),
+    "ours_bf16_sr": (torch.bfloat16, "ours_sr", 22),
+    "torch_fused_bf16": (torch.bfloat16, "fused", 14),
+}
+# (layers, hidden, intermediate, heads, kv heads, vocab)
+MODELS = {
+    "llama-3.2-1b": (16, 2048, 8192, 32, 8, 128256),
+    "tiny": (2, 64, 256, 4, 2, 512),
+    "micro": (1, 32, 64, 2, 1, 96),
+}
+
+
+def llama_shapes(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int) -> list[tuple]:
+    """Parameter shapes of a Llama-family decoder with tied embeddings, in model order."""
+    head_dim = hidden // heads
+    per_layer = [
+        (hidden,),  # input_layernorm
+        (heads * head_dim, hidden),  # q_proj
+        (kv_heads * head_dim, hidden),  # k_proj
+        (kv_heads * head_dim, hidden),  # v_proj
+        (hidden, heads * head_dim),  # o_proj
+        (hidden,),  # post_attention_layernorm
+        (intermediate, hidden),  # gate_proj
+        (intermediate, hidden),  # up_proj
+        (hidden, intermediate),  # down_proj
+    ]
+    return [(vocab, hidden)] + per_layer * layers + [(hidden,)]
+
+
+def build(variant: str, shapes: list[tuple], device: torch.device):
+    """(params with grads, optimizer) for one variant; grads are fixed random values."""
+    dtype, impl, _ = VARIANTS[variant]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device=device, dtype=dtype))
+        p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(device=device, dtype=dtype)
+        params.append(p)
+    hyper = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    if impl == "foreach":
+        opt = torch.optim.AdamW(params, foreach=True, **hyper)
+    elif impl == "fused":
+        opt = torch.optim.AdamW(params, fused=True, **hyper)
+    else:
+        opt = FusedAdamW(params, master_weights=impl == "ours", **hyper)
+    return params, opt
+
+
+def bench_variant(variant: str, shapes: list[tuple], quick: bool) -> dict:
+    device = common.device()
+    params, opt = build(variant, shapes, device)
+    opt.step()  # state allocation and compilation outside the timing
+    reps = {"rep": 20, "cpu_reps": 2} if quick else {}
+    timing = common.measure(opt.step, **reps)
+    numel = sum(p.numel() for p in params)
+    _, impl, bytes_per_elem = VARIANTS[variant]
+    path = ("triton" if use_triton(params[0]) else "reference") if impl.startswith("ours") else "torch"
+    row = {
+        "op": "adamw",
+        "impl": variant,
+        "path": path,
+        "n_params": numel,
+        "n_tensors": len(params),
+        "bytes_per_elem": bytes_per_elem,
+        **timing,
+        **common.physics(timing["ms"], bytes_moved=bytes_per_elem * numel),
+        "peak_extra_bytes": common.peak_extra_memory(opt.step),
+    }
+    del params, opt
+    if common.on_gpu():
+        torch.cuda.empty_cache()
+    return row
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="a tiny parameter list and few repetitions (CPU smoke run)")
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="parameter list (default: llama-3.2-1b on GPU, tiny on CPU, micro with --quick)",
+    )
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        p.error(f"--variants: {', '.join(unknown) or '(empty)'} not in {', '.join(VARIANTS)}")
+    if args.model is None:
+        args.model = "llama-3.2-1b" if common.on_gpu() else ("micro" if args.quick else "tiny")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    shapes = llama_shapes(*MODELS[args.model])
+    rows = [bench_variant(v, shapes, args.quick) for v in args.variants]
+    env = common.env_info()
+    base = {r["impl"]: r["ms"] for r in rows}
+    for r in rows:
+        r["model"] = args.model
+        for baseline in ("torch_fused_fp32", "torch_foreach_fp32"):
+            r[f"speedup_vs_{baseline}"] = base[baseline] / r["ms"] if baseline in base else None
+        r.update(env)
+    path = common.write_rows("adamw", rows)
+    for r in rows:
+        gbs = f"{r['gb_s']:8.1f} GB/s" if r.get("gb_s") is not None else ""
+        fused = r["speedup_vs_torch_fused_fp32"]
+        vs = f"  x{fused:.2f} vs torch fused" if fused is not None else ""
+        print(f"{args.model} {r['impl']:<20} {r['ms']:9.3f} ms {gbs}{vs}")
+    print(f"rows -> {path}" + ("" if common.on_gpu() else "  (CPU: not performance figures)"))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

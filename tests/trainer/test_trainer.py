@@ -1,0 +1,410 @@
+"""The training loop: step counting, exact loss normalisation, precision, non-finite handling, checkpoints,
+exact resume, evaluation and callbacks. All on CPU with a very small Llama (2 layers, hidden 64) in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.args import TrainingArguments
+from trainer.callbacks import EarlyStoppingCallback, TrainerCallback
+from trainer.checkpoint import checkpoints, latest_checkpoint, save_checkpoint
+from trainer.data import TokenizedDataset, load_sft_dataset
+from trainer.model import CausalLM, ModelConfig, load_pretrained
+from trainer.tasks import generate_tasks
+from trainer.tokenizer import byte_level_tokenizer
+from trainer.trainer import Trainer, TrainingError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small_model(seed: int = 0) -> CausalLM:
+    config = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, eos_token_id=258, pad_token_id=256)
+    model = CausalLM(config, use_kernels=True)
+    model.init_weights(seed)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_level_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, tokenizer) -> TokenizedDataset:
+    path = tmp_path_factory.mktemp("data") / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in generate_tasks(40, seed=3)))
+    return load_sft_dataset([path], tokenizer, cutoff_len=64, show_progress=False)
+
+
+def make_args(tmp_path, **overrides) -> TrainingArguments:
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                  learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=0, logging_steps=1,
+                  save_strategy="no", report_to=["jsonl"], disable_tqdm=True, seed=7, optim="adamw_torch",
+                  train_shuffle=True)
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def losses(state) -> list[float]:
+    return [h["loss"] for h in state.log_history if "loss" in h]
+
+
+class GradCapture(TrainerCallback):
+    """Keeps a copy of the gradients just before each optimizer step."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.grads.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+
+
+# ---- steps and normalisation -----------------------------------------------------------------------------------
+def test_max_steps_is_the_seeds_formula_and_leftovers_fold_into_the_last_window(tmp_path, dataset):
+    # 40 examples / 4 per micro batch = 10 micro batches per epoch; accum 3 -> floor(10/3) = 3 steps per epoch
+    args = make_args(tmp_path, num_train_epochs=2, gradient_accumulation_steps=3)
+    model = small_model()
+    seen = []
+
+    class Count(TrainerCallback):
+        def on_substep_end(self, args, state, control, **kw):
+            seen[-1] += 1
+
+        def on_step_begin(self, args, state, control, **kw):
+            seen.append(1)
+
+    state = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Count()]).train()
+    assert state.max_steps == math.ceil(2 * math.floor(10 / 3)) == 6
+    assert state.global_step == 6 and state.epoch == pytest.approx(2.0)
+    assert seen == [3, 3, 4, 3, 3, 4]  # the 10th micro batch of each epoch joins its last window
+
+
+def test_accumulation_gives_the_same_gradient_and_loss_as_a_bigger_batch(tmp_path, dataset):
+    """per_device=4, accum=1 and per_device=1, accum=4 see the same 4 examples per step: same gradient, same loss."""
+    runs = {}
+    for micro, accum in ((4, 1), (1, 4), (2, 2)):
+        model = small_model()
+        capture = GradCapture(model)
+        args = make_args(tmp_path / f"{micro}x{accum}", per_device_train_batch_size=micro,
+                         gradient_accumulation_steps=accum, max_steps=3)
+        state = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[capture]).train()
+        runs[(micro, accum)] = (capture.grads, losses(state), weights(model))
+    ref_grads, ref_losses, ref_weights = runs[(4, 1)]
+    for key, (grads, logged, final) in runs.items():
+        assert logged == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), key
+        for step, (g, r) in enumerate(zip(grads, ref_grads)):
+            for name in r:
+                torch.testing.assert_close(g[name], r[name], rtol=1e-4, atol=1e-6, msg=f"{key} step {step} {name}")
+        for name in ref_weights:
+            torch.testing.assert_close(final[name], ref_weights[name], rtol=1e-4, atol=1e-5)
+
+
+def test_loss_is_normalised_by_supervised_tokens_not_micro_steps(tmp_path, dataset):
+    model = small_model()
+    args = make_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+                     learning_rate=0.0)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    state = trainer.train()
+    # Recompute the first window by hand: the 4 examples' token-mean loss.
+    loader = trainer._train_loader(2)
+    loader.set_epoch(0)
+    it = iter(loader)
+    batches = [next(it), next(it)]
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            out = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
+                        attention_mask=b["attention_mask"], num_items=1)
+            total += out.loss.item()
+            count += b["num_items"]
+    assert losses(state)[0] == pytest.approx(total / count, rel=1e-5)
+
+
+# ---- precision and bad steps ------------------------------------------------------------------------------------
+class PoisonGrad(TrainerCallback):
+    """Makes one parameter's gradient non-finite at the given steps (1-based), before clipping and stepping."""
+
+    def __init__(self, model, steps, value=float("inf")):
+        self.model, self.steps, self.value = model, set(steps), value
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        step = state.global_step + 1
+        p = self.model.model.norm.weight
+        if hasattr(self, "_handle"):
+            self._handle.remove()
+        if step in self.steps:
+            self._handle = p.register_hook(lambda g: torch.full_like(g, self.value))
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path, dataset):
+    model = small_model()
+    args = make_args(tmp_path, fp16=True, max_steps=4, optim="sgd", learning_rate=0.1)
+    snapshots = []
+
+    class Snap(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            snapshots.append(weights(model))
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[PoisonGrad(model, [2]), Snap()])
+    state = trainer.train()
+    assert state.overflow_steps == 1 and state.nonfinite_steps == 0
+    after_step2 = snapshots[2]
+    for name, value in snapshots[1].items():  # step 2 changed nothing
+        assert torch.equal(value, after_step2[name]), name
+    assert not torch.equal(snapshots[0]["model.norm.weight"], snapshots[1]["model.norm.weight"])
+    assert trainer.scaler.get_scale() < 65536.0
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, dataset):
+    model = small_model()
+    args = make_args(tmp_path, max_steps=6, max_nonfinite_steps=3)
+    state = Trainer(model=model, args=args, train_dataset=dataset,
+                    callbacks=[PoisonGrad(model, [2], value=float("nan"))]).train()
+    assert state.nonfinite_steps == 1 and state.global_step == 6
+    assert all(math.isfinite(x) for x in losses(state))
+    for p in model.parameters():
+        assert torch.isfinite(p).all()
+
+    model = small_model()
+    args = make_args(tmp_path / "b", max_steps=10, max_nonfinite_steps=3, save_strategy="steps", save_steps=1)
+    with pytest.raises(TrainingError, match=r"3 non-finite steps in a row .*checkpoint-2"):
+        Trainer(model=model, args=args, train_dataset=dataset,
+                callbacks=[PoisonGrad(model, [3, 4, 5], value=float("nan"))]).train()
+    saved = load_pretrained(latest_checkpoint(args.output_dir))
+    assert all(torch.isfinite(p).all() for p in saved.parameters())
+
+
+def test_bf16_autocast_trains_and_keeps_fp32_master_weights(tmp_path, dataset):
+    model = small_model()
+    args = make_args(tmp_path, bf16=True, max_steps=3)
+    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert len(losses(state)) == 3 and all(math.isfinite(x) for x in losses(state))
+
+
+def test_auto_find_batch_size_halves_the_micro_batch_and_keeps_the_global_batch(tmp_path, dataset):
+    model = small_model()
+    real_forward = model.forward
+
+    def forward(*a, **k):
+        if k["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("simulated")
+        return real_forward(*a, **k)
+
+    model.forward = forward
+    args = make_args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2,
+                     auto_find_batch_size=True)
+    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
+    assert state.global_step == 2
+
+
+# ---- checkpoints and resume -----------------------------------------------------------------------------------
+def test_resume_is_exact(tmp_path, dataset):
+    common = dict(max_steps=6, save_strategy="steps", save_steps=3, per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2, optim="adamw_fused", neftune_noise_alpha=5.0)
+    model = small_model()
+    full = Trainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=dataset).train()
+    full_weights = weights(model)
+
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3:
+                control.should_training_stop = True
+
+    model = small_model()
+    part_args = make_args(tmp_path / "part", **common)
+    Trainer(model=model, args=part_args, train_dataset=dataset, callbacks=[StopAt3()]).train()
+    assert [p.name for p in checkpoints(part_args.output_dir)] == ["checkpoint-3"]
+
+    model = small_model(seed=123)  # different init: everything must come from the checkpoint
+    resumed = Trainer(model=model, args=make_args(tmp_path / "part", **common), train_dataset=dataset)
+    state = resumed.train(resume_from_checkpoint=True)
+    assert losses(state) == losses(full)
+    for name, value in weights(model).items():
+        assert torch.equal(value, full_weights[name]), name
+
+
+def test_checkpoint_layout_and_transformers_loads_it(tmp_path, dataset, tokenizer):
+    model = small_model()
+    args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    Trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
+    ckpt = Path(args.output_dir) / "checkpoint-2"
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "data_state.json",
+            "trainer_state.json", "training_args.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and len(state["log_history"]) == 2
+    assert TrainingArguments.from_json_file(ckpt / "training_args.json").to_dict() == args.to_dict()
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    ids = torch.tensor([tokenizer.encode("reverse: abc")])
+    model.use_kernels = False
+    model.eval()
+    torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_interrupted_save_is_never_picked(tmp_path):
+    out = tmp_path / "out"
+
+    def broken(directory):
+        (Path(directory) / "model.safetensors").write_bytes(b"partial")
+        raise OSError("disk full")
+
+    save_checkpoint(out, 1, save_model=lambda d: None, trainer_state={"global_step": 1}, args_dict={})
+    with pytest.raises(OSError):
+        save_checkpoint(out, 2, save_model=broken, trainer_state={"global_step": 2}, args_dict={})
+    assert (out / "checkpoint-2.tmp").is_dir() and not (out / "checkpoint-2").exists()
+    assert latest_checkpoint(out).name == "checkpoint-1"
+
+
+def test_rotation_keeps_the_newest_and_the_best(tmp_path, dataset):
+    model = small_model()
+    eval_ds = dataset.select(range(8))
+    args = make_args(tmp_path, max_steps=8, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                     save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="loss",
+                     learning_rate=0.05)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_ds)
+    evals = []
+    real_evaluate = trainer.evaluate
+
+    def evaluate(*a, **k):
+        metrics = real_evaluate(*a, **k)
+        evals.append(metrics["eval_loss"])
+        if len(evals) >= 3:  # steps 6 and 8: pretend the model got worse, so the best is not the newest
+            metrics["eval_loss"] = 100.0 + len(evals)
+        return metrics
+
+    trainer.evaluate = evaluate
+    state = trainer.train()
+    kept = [p.name for p in checkpoints(args.output_dir)]
+    assert state.best_model_checkpoint.endswith("checkpoint-4") and state.best_global_step == 4
+    assert kept == ["checkpoint-4", "checkpoint-8"]
+    best = load_pretrained(Path(args.output_dir) / "checkpoint-4")
+    for (name, p), q in zip(model.named_parameters(), best.parameters()):  # load_best_model_at_end
+        assert torch.equal(p, q), name
+
+
+# ---- evaluation and callbacks ---------------------------------------------------------------------------------
+def test_evaluate_reports_loss_perplexity_and_compute_metrics(tmp_path, dataset):
+    model = small_model()
+    seen = {}
+
+    def compute_metrics(pred):
+        preds, labels = pred
+        seen["shape"] = (tuple(preds.shape), tuple(labels.shape))
+        mask = labels[:, 1:] != -100
+        return {"accuracy": (preds[:, :-1] == labels[:, 1:])[mask].float().mean().item()}
+
+    args = make_args(tmp_path, per_device_eval_batch_size=3, eval_accumulation_steps=2)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      eval_dataset={"a": dataset.select(range(5)), "b": dataset.select(range(5, 9))},
+                      compute_metrics=compute_metrics,
+                      preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+    metrics = trainer.evaluate()
+    assert {"eval_a_loss", "eval_a_perplexity", "eval_a_accuracy", "eval_b_loss"} <= set(metrics)
+    assert metrics["eval_a_perplexity"] == pytest.approx(math.exp(metrics["eval_a_loss"]))
+    assert seen["shape"][0] == seen["shape"][1] and seen["shape"][0][0] == 4
+    plain = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset.select(range(5))).evaluate()
+    assert plain["eval_loss"] == pytest.approx(metrics["eval_a_loss"], rel=1e-5)
+
+
+def test_early_stopping_and_callback_control(tmp_path, dataset):
+    model = small_model()
+    args = make_args(tmp_path, max_steps=20, eval_strategy="steps", eval_steps=1, metric_for_best_model="loss",
+                     learning_rate=0.0)  # no learning: the metric never improves
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset.select(range(4)),
+                      callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    state = trainer.train()
+    assert state.global_step == 3
+
+
+def test_any_module_returning_logits_trains(tmp_path, dataset):
+    class Bigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(320, 320)
+
+        def forward(self, input_ids):
+            return self.table(input_ids)
+
+    model = Bigram()
+    args = make_args(tmp_path, max_steps=5, learning_rate=0.1)
+    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    assert losses(state)[-1] < losses(state)[0]
+
+
+def test_metrics_jsonl_is_written(tmp_path, dataset):
+    args = make_args(tmp_path, max_steps=2, include_num_input_tokens_seen=True)
+    Trainer(model=small_model(), args=args, train_dataset=dataset).train()
+    rows = [json.loads(line) for line in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert {"loss", "learning_rate", "grad_norm", "tokens_per_second", "supervised_tokens_per_second",
+            "num_input_tokens_seen", "peak_memory_gb", "epoch"} <= set(rows[0])
+
+
+# ---- process-level: SIGTERM and SIGKILL ------------------------------------------------------------------------
+def _sft(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "trainer.sft", "--model", "tiny", "--data", str(ROOT / "trainer/data/tasks_eval.jsonl"),
+            "--output_dir", str(out), "--per_device_train_batch_size", "8", "--max_steps", "6",
+            "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2", "--disable_tqdm", "true",
+            "--report_to", "jsonl", "--eval_exact_match", "false", "--plot", "false", "--optim", "adamw_torch",
+            "--learning_rate", "1e-3", "--cutoff_len", "64", *extra]
+
+
+def _env():
+    env = dict(os.environ)
+    env["KERNELS_BACKEND"] = "reference"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def test_sigkill_then_resume_gives_the_same_weights(tmp_path):
+    full = tmp_path / "full"
+    subprocess.run(_sft(full), check=True, env=_env(), cwd=tmp_path, capture_output=True, timeout=300)
+    part = tmp_path / "part"
+    proc = subprocess.Popen(_sft(part), env=_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (part / "checkpoint-2" / "trainer_state.json").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert checkpoints(part), "the killed run saved no checkpoint"
+    done = subprocess.run(_sft(part, "--resume_from_checkpoint", "auto"), env=_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = load_pretrained(full), load_pretrained(part)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_sft(out, "--max_steps", "100000", "--save_strategy", "no"), env=_env(), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    saved = checkpoints(out)
+    assert len(saved) == 1 and "SIGTERM" in err

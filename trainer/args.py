@@ -1,0 +1,1447 @@
+"""Training arguments: one dataclass, the single source of truth for a run, plus its CLI/YAML parser.
+
+What it holds and how it is read
+--------------------------------
+`TrainingArguments` carries every setting of a run with Hugging Face `TrainingArguments` names, defaults and
+meaning (transformers 5.23 is the oracle; fields that 5.x removed but the seeds document, e.g. `warmup_ratio`,
+`logging_dir`, `group_by_length`, `save_safetensors`, keep their 4.x meaning). `__post_init__` coerces
+values (so `"2e-5"` from YAML becomes a float), folds aliases, derives defaults the way Hugging Face does and
+validates; every user error is a `ConfigError` whose one-line message names the argument and what is
+allowed. Calling `__post_init__` on its own output changes nothing, so `to_dict()` -> `from_dict()` and
+`to_json_file()` -> `from_json_file()` are exact round-trips (the loop saves `training_args.json` in every
+checkpoint).
+
+`parse_args(argv, extra_dataclasses)` is our `HfArgumentParser`: it reads an optional YAML/JSON config file
+given first, then `--name value` flags (flags win), spreads the values over `TrainingArguments` and the CLI's
+own dataclasses, and returns one instance of each. `format_help()` prints every argument grouped by theme
+with its default and one line of meaning, taken from the fields' metadata (`group`, `help`, `choices`).
+
+The CLI's dataclasses keep their help in the same metadata keys; a field without a default is required.
+`parse_dict(mapping, extra_dataclasses)` does the same from one mapping. User errors raise `ConfigError`
+(the CLI prints its one line without a traceback); `--help` prints and raises SystemExit(0).
+
+    args, data_args = parse_args(["run.yaml", "--learning_rate", "2e-5"], [DataArguments])
+    args.resolve_world(world_size)        # gradient_accumulation_steps from global_batch_size
+    max_steps = args.get_max_steps(len(train_loader))
+    warmup = args.get_warmup_steps(max_steps); steps = args.resolve_steps(max_steps)
+
+The newer trainer's names (seed 001) are accepted: `micro_batch_size` (= per_device_train_batch_size),
+`global_batch_size` (accumulation derived by `resolve_world(world_size)`), `cutoff_len`,
+`enable_activation_checkpointing` (= gradient_checkpointing), `batching_strategy`, `dist_config`.
+`train_shuffle` (default True) is ours: it carries transformers 5's `train_sampling_strategy="sequential"`.
+
+Test: `python -m pytest tests/trainer/test_args.py -q`.
+
+Deliberate differences from Hugging Face
+----------------------------------------
+- `optim` defaults to `adamw_fused` (our Triton AdamW, `kernels.FusedAdamW`); only `adamw_fused`,
+  `adamw_torch`, `adamw_torch_fused` and `sgd` exist. `optim_args` is validated per optimizer (HF ignores
+  unknown keys for AdamW) and stored as a typed dict; `lr_scheduler_kwargs` keys are validated per schedule.
+- `report_to` accepts `none`, `jsonl`, `tensorboard`, `all` (= jsonl, plus tensorboard when installed);
+  other integrations (wandb, mlflow, ...) are rejected. DeepSpeed, the Hub (`push_to_hub`, `hub_*`), TPUs
+  and the other HF options we do not implement are rejected with a message, never silently ignored.
+- Dict-valued fields (`optim_args`, `lr_scheduler_kwargs`, `gradient_checkpointing_kwargs`) are normalised to
+  dicts (`{}` when unset) instead of HF's `None`/string.
+- `warmup_steps` follows transformers 5.23 (float: >= 1 is a step count truncated with `int()` as HF does,
+  a value in (0, 1) is a ratio of the total steps, rounded up); `warmup_ratio` (4.x) is used only when
+  `warmup_steps` is 0. `constant` with a warmup is an error here (HF silently ignores the warmup).
+- `get_max_steps` uses the seeds' formula, ceil(epochs * floor(micro batches / accumulation)); where
+  transformers 5.23 takes an extra step for a trailing partial accumulation, our loop folds those micro batches
+  into the epoch's last window (token-normalised, so exact), so epochs and max_steps always agree.
+- Extra checks HF does not make: `save_strategy="best"` and `load_best_model_at_end` need an eval strategy;
+  `save_strategy="best"` needs `metric_for_best_model`; `dataloader_persistent_workers` needs workers;
+  negative steps, rates and sizes are errors; `max_steps` is -1 or positive.
+- No side effects at construction: HF enables TF32 and checks bf16 support on the GPU inside
+  `__post_init__`; here the loop does that, so arguments can be built and validated on any machine.
+- `output_dir` defaults to HF's `"trainer_output"`; `run_name` defaults to `output_dir` and `logging_dir`
+  to `output_dir/runs/<date>_<host>` (4.x behaviour), `disable_tqdm` is a plain bool (default False).
+- `resume_from_checkpoint` is normalised to None (do not resume), `"auto"` (True/"true" too: the newest
+  checkpoint in output_dir) or a path.
+- `use_kernels=True` (default) runs our kernels; `use_liger_kernel=True` takes precedence and uses
+  liger-kernel's (see `kernel_provider`). `gradient_checkpointing` keeps the 4.x name; transformers 5's
+  `activation_checkpointing(_kwargs)` are aliases. `train_sampling_strategy` maps onto `group_by_length`
+  and `train_shuffle` ("batch_rebalance" is unsupported). The old `evaluation_strategy` is an alias.
+- `--fsdp "full_shard auto_wrap"` / `--fsdp_config` become `dist_config={"name": "fsdp2", ...}`; FSDP1-only
+  options and fsdp_config keys we cannot honour are errors. `dist_config.mixed_precision` left unset follows
+  `--bf16`/`--fp16` (the seed defaults it to bf16); contradicting them is an error.
+- `global_batch_size` wins over `gradient_accumulation_steps`: the loop calls `resolve_world(world_size)`,
+  which sets the accumulation; until then the given accumulation is kept (so round-trips stay exact).
+"""
+
+import dataclasses
+import datetime
+import difflib
+import importlib.util
+import json
+import math
+import os
+import socket
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import InitVar, dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user error in the arguments; its message is one line naming the argument and what is allowed."""
+
+
+EVAL_STRATEGIES = ("no", "steps", "epoch")
+LOGGING_STRATEGIES = ("no", "steps", "epoch")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+OPTIMIZERS = ("adamw_fused", "adamw_torch", "adamw_torch_fused", "sgd")
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "warmup_stable_decay",
+    "cosine_with_min_lr",
+)
+REPORTERS = ("jsonl", "tensorboard")
+BATCHING_STRATEGIES = ("normal", "padding_free", "dynamic_batching", "dynamic_padding_free")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+TOKENS_SEEN_MODES = ("no", "all", "non_padding")
+WSD_SHAPES = ("linear", "cosine", "1-sqrt")
+MIXED_PRECISIONS = ("bf16", "fp16", "fp32")
+
+# Keys each optimizer accepts in `optim_args`, with their types (everything else is set by its own flag).
+OPTIM_ARGS: dict[str, dict[str, Any]] = {
+    "adamw_fused": {},
+    "adamw_torch": {"amsgrad": bool},
+    "adamw_torch_fused": {"amsgrad": bool},
+    "sgd": {"momentum": float, "dampening": float, "nesterov": bool},
+}
+
+# Keys each schedule accepts in `lr_scheduler_kwargs` (Hugging Face's names), with their types.
+SCHEDULER_KWARGS: dict[str, dict[str, Any]] = {
+    "linear": {},
+    "cosine": {"num_cycles": float},
+    "cosine_with_restarts": {"num_cycles": int},
+    "polynomial": {"lr_end": float, "power": float},
+    "constant": {},
+    "constant_with_warmup": {},
+    "inverse_sqrt": {"timescale": int | None},
+    "warmup_stable_decay": {
+        "num_decay_steps": int,
+        "num_stable_steps": int | None,
+        "warmup_type": str,
+        "decay_type": str,
+        "min_lr_ratio": float,
+        "num_cycles": float,
+    },
+    "cosine_with_min_lr": {"num_cycles": float, "min_lr": float | None, "min_lr_rate": float | None},
+}
+
+# dist_config schema per backend; values are the defaults filled in when a key is absent.
+DIST_DEFAULTS: dict[str, dict[str, Any]] = {
+    "fsdp2": {
+        "name": "fsdp2",
+        "mixed_precision": None,
+        "reshard_after_forward": True,
+        "offload_params": False,
+        "pin_memory": True,
+        "dcp_path": None,
+    },
+    "ddp": {"name": "ddp"},
+}
+_DIST_TYPES = {
+    "name": str,
+    "mixed_precision": str | None,
+    "reshard_after_forward": bool,
+    "offload_params": bool,
+    "pin_memory": bool,
+    "dcp_path": str | None,
+}
+
+# Pure renames, resolved to the canonical name by the parser (so flags still win over a file).
+SIMPLE_ALIASES = {
+    "evaluation_strategy": "eval_strategy",
+    "micro_batch_size": "per_device_train_batch_size",
+    "enable_activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+}
+_ALIAS_HELP = {
+    "train_sampling_strategy": "transformers 5 sampler name: random | sequential | group_by_length "
+    "(sets group_by_length / train_shuffle)",
+    "fsdp": "Hugging Face FSDP options, e.g. 'full_shard auto_wrap' or 'shard_grad_op offload' "
+    "(sets dist_config name fsdp2)",
+    "fsdp_config": "Hugging Face fsdp_config (dict, JSON or a .json/.yaml path) read with --fsdp",
+}
+
+_HUB = "pushing to the Hugging Face Hub is not supported; upload output_dir yourself (huggingface-cli upload)"
+_DIST = "launch with torchrun; distributed settings live in --dist_config"
+_UNIMPLEMENTED = "a Hugging Face TrainingArguments option that kernelwright does not implement"
+REJECTED: dict[str, str] = {
+    "deepspeed": "DeepSpeed is not supported; use --dist_config '{\"name\": \"fsdp2\"}' for ZeRO-3-style sharding",
+    "push_to_hub": _HUB,
+    "local_rank": _DIST,
+    "use_cpu": "the device follows the environment (CUDA when available); hide GPUs with CUDA_VISIBLE_DEVICES=",
+    "no_cuda": "the device follows the environment (CUDA when available); hide GPUs with CUDA_VISIBLE_DEVICES=",
+    "optim_target_modules": "GaLore/APOLLO optimizers are not supported",
+    "liger_kernel_config": "use_liger_kernel applies liger-kernel's defaults; a per-op config is not supported",
+    "half_precision_backend": "mixed precision always uses torch.autocast",
+    "fp16_opt_level": "Apex AMP is not supported; fp16 uses torch.autocast with a GradScaler",
+    "per_gpu_train_batch_size": "renamed per_device_train_batch_size (or micro_batch_size)",
+    "per_gpu_eval_batch_size": "renamed per_device_eval_batch_size",
+    "adafactor": "Adafactor is not supported; choose --optim adamw_fused, adamw_torch, adamw_torch_fused or sgd",
+    "sharded_ddp": "use --dist_config '{\"name\": \"fsdp2\"}' for sharded data parallelism",
+    "fsdp_min_num_params": "kernelwright wraps each decoder block; size-based wrapping is not supported",
+    "fsdp_transformer_layer_cls_to_wrap": "kernelwright always wraps each decoder block; drop this option",
+    **{
+        name: _UNIMPLEMENTED
+        for name in (
+            "do_predict",
+            "log_level",
+            "log_level_replica",
+            "log_on_each_node",
+            "save_on_each_node",
+            "label_names",
+            "include_for_metrics",
+            "include_inputs_for_metrics",
+            "eval_do_concat_batches",
+            "eval_use_gather_object",
+            "batch_eval_metrics",
+            "ignore_data_skip",
+            "restore_callback_states_from_checkpoint",
+            "skip_memory_metrics",
+            "debug",
+            "past_index",
+            "jit_mode_eval",
+            "torchdynamo",
+            "ray_scope",
+            "accelerator_config",
+            "parallelism_config",
+            "use_cache",
+            "project",
+            "trackio_space_id",
+            "trackio_bucket_id",
+            "trackio_static_space_id",
+            "dataloader_multiprocessing_context",
+            "dataloader_in_order",
+            "enable_jit_checkpoint",
+            "use_mps_device",
+            "use_ipex",
+            "use_legacy_prediction_loop",
+            "mp_parameters",
+        )
+    },
+}
+_REJECTED_PREFIXES = {
+    "hub_": _HUB,
+    "push_to_hub_": _HUB,
+    "tpu_": "TPUs are not supported (CUDA GPUs and CPU only)",
+    "ddp_": _DIST,
+}
+
+GROUPS = (
+    "output",
+    "control",
+    "batching",
+    "evaluation",
+    "optimizer",
+    "schedule",
+    "logging",
+    "checkpoints",
+    "data",
+    "precision",
+    "performance",
+    "distributed",
+    "extras",
+)
+
+_TRUE = ("true", "1", "yes", "y", "on", "t")
+_FALSE = ("false", "0", "no", "n", "off", "f")
+
+
+def _arg(default: Any, group: str, help: str, choices: Sequence[str] | None = None) -> Any:
+    metadata = {"group": group, "help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    return field(default=default, metadata=metadata)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Value coercion shared by the dataclass and the parser: CLI strings, YAML/JSON values and Python values all
+# go through `_coerce`, so "2e-5", 2e-05 and "true" mean the same wherever they come from.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _members(tp: Any) -> tuple[list[Any], bool]:
+    """Non-None members of a (possibly union) annotation, and whether None is allowed."""
+    if isinstance(tp, InitVar):
+        tp = tp.type
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        return [a for a in args if a is not type(None)], type(None) in args
+    return [tp], tp is Any
+
+
+def _base(member: Any) -> Any:
+    return typing.get_origin(member) or member
+
+
+def _describe(tp: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a JSON object"}
+    members, nullable = _members(tp)
+    words = []
+    for m in members:
+        if _base(m) is list:
+            (elem,) = typing.get_args(m) or (Any,)
+            words.append(f"a list of {getattr(elem, '__name__', 'any')} values")
+        else:
+            words.append(names.get(m, getattr(m, "__name__", str(m))))
+    return " or ".join(words + (["null"] if nullable else []))
+
+
+def _to_bool(value: str) -> bool:
+    s = value.strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError(value)
+
+
+def _convert(value: Any, member: Any) -> Any:
+    """Convert `value` to one annotation member or raise ValueError/TypeError."""
+    base = _base(member)
+    if member is Any:
+        return value
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            return _to_bool(value)
+        raise TypeError(value)
+    if base is int:
+        if isinstance(value, bool):
+            raise TypeError(value)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            return int(value.strip())
+        raise TypeError(value)
+    if base is float:
+        if isinstance(value, bool):
+            raise TypeError(value)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            return float(value.strip())
+        raise TypeError(value)
+    if base is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
+        if isinstance(value, str) and value.strip().startswith("{"):
+            loaded = json.loads(value)
+            if isinstance(loaded, dict):
+                return loaded
+        raise TypeError(value)
+    if base is list:
+        (elem,) = typing.get_args(member) or (Any,)
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        return [_convert(v, elem) for v in items]
+    if base is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError(value)
+    if isinstance(value, base):
+        return value
+    if isinstance(value, str) and isinstance(base, type):
+        return base(value)  # class-typed fields of the CLI's dataclasses (pathlib.Path, enums)
+    raise TypeError(value)
+
+
+def _coerce(name: str, value: Any, tp: Any, choices: Sequence[str] | None = None) -> Any:
+    """`value` converted to annotation `tp` (unions tried bool, int, float, dict, list, str), or ConfigError."""
+    members, nullable = _members(tp)
+    if value is None or (nullable and isinstance(value, str) and value.strip().lower() in ("none", "null")):
+        if nullable:
+            return None
+        raise ConfigError(f"{name}: expected {_describe(tp)}, got None")
+    if choices is not None and value is False and "no" in choices:
+        # YAML 1.1 reads a bare `no` (as in `eval_strategy: no`) as False.
+        value = "no"
+    # A non-string value that already has one of the member types keeps it (a dict stays a dict, 3 stays an
+    # int); strings always go through the ordered conversion so that "true" means True for `str | bool`.
+    if not isinstance(value, str):
+        for m in members:
+            base = _base(m)
+            if m is Any or (base not in (float, list) and isinstance(value, base)):
+                if not (base is int and isinstance(value, bool)):
+                    return _convert(value, m)
+    order = {bool: 0, int: 1, float: 2, dict: 3, list: 4, str: 5}
+    for m in sorted(members, key=lambda m: order.get(_base(m), 6)):
+        try:
+            return _convert(value, m)
+        except (ValueError, TypeError):
+            continue
+    raise ConfigError(f"{name}: expected {_describe(tp)}, got {value!r}")
+
+
+def _choose(name: str, value: Any, choices: Sequence[str], what: str = "") -> str:
+    if value in choices:
+        return value
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"{name}={value!r}{what}: expected one of {', '.join(choices)}{hint}")
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r}: {expected}")
+
+
+def _load_mapping(name: str, value: Any) -> dict:
+    """A dict given as a dict, a JSON string, or a path to a .json/.yaml/.yml file."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, str):
+        s = value.strip()
+        if s.startswith("{"):
+            try:
+                loaded = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{name}: invalid JSON ({e.msg} at column {e.colno})") from None
+        elif s.endswith((".json", ".yaml", ".yml")):
+            loaded = _read_config_file(s, name)
+        else:
+            raise ConfigError(f"{name}={value!r}: expected a dict, a JSON object or a .json/.yaml file path")
+        if isinstance(loaded, dict):
+            return loaded
+    raise ConfigError(f"{name}={value!r}: expected a dict, a JSON object or a .json/.yaml file path")
+
+
+def _read_config_file(path: str, what: str = "config file") -> Any:
+    if not os.path.isfile(path):
+        raise ConfigError(f"{what}: file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{what}: cannot parse {path}: {e.msg} at line {e.lineno}") from None
+    import yaml  # imported here: only config files need it
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{what}: cannot parse {path}: {problem}{where}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# optim_args and lr_scheduler_kwargs: parsed and validated here so that a bad value fails at startup, and
+# reused by trainer.optim when the optimizer and schedule are built.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_keys(name: str, given: Mapping[str, Any], allowed: Mapping[str, Any], owner: str) -> None:
+    for key in given:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, list(allowed), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            accepted = ", ".join(allowed) if allowed else "none"
+            raise ConfigError(f"{name}: unknown key {key!r} for {owner}{hint}; accepted keys: {accepted}")
+
+
+def parse_optim_args(optim: str, optim_args: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """`optim_args` ("k=v,k=v" as in HF, a JSON object, or a dict) as a typed dict validated for `optim`."""
+    schema = OPTIM_ARGS[_choose("optim", optim, OPTIMIZERS, _why_unsupported(optim, "optimizer"))]
+    if optim_args is None:
+        return {}
+    if isinstance(optim_args, str):
+        text = optim_args.strip()
+        if text.startswith("{"):
+            raw = _load_mapping("optim_args", text)
+        else:
+            raw = {}
+            for item in filter(None, text.replace(" ", "").split(",")):
+                key, sep, value = item.partition("=")
+                if not sep or not key:
+                    raise ConfigError(f"optim_args={optim_args!r}: expected 'key=value,key=value'")
+                raw[key] = value
+    elif isinstance(optim_args, Mapping):
+        raw = dict(optim_args)
+    else:
+        raise ConfigError(f"optim_args={optim_args!r}: expected 'key=value,...', a JSON object or a dict")
+    _check_keys("optim_args", raw, schema, f"optim={optim!r}")
+    out = {k: _coerce(f"optim_args.{k}", v, schema[k]) for k, v in raw.items()}
+    if optim == "sgd":
+        for key in ("momentum", "dampening"):
+            _check(out.get(key, 0.0) >= 0, f"optim_args.{key}", out.get(key), "must be >= 0")
+        if out.get("nesterov"):
+            _check(
+                out.get("momentum", 0.0) > 0 and out.get("dampening", 0.0) == 0,
+                "optim_args.nesterov",
+                True,
+                "needs momentum > 0 and dampening = 0",
+            )
+    return out
+
+
+def check_scheduler_kwargs(name: str, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`lr_scheduler_kwargs` validated (names, types, values) for schedule `name`; returns a typed copy."""
+    name = _choose("lr_scheduler_type", name, SCHEDULERS)
+    schema = SCHEDULER_KWARGS[name]
+    kwargs = dict(kwargs or {})
+    _check_keys("lr_scheduler_kwargs", kwargs, schema, f"lr_scheduler_type={name!r}")
+    out = {k: _coerce(f"lr_scheduler_kwargs.{k}", v, schema[k]) for k, v in kwargs.items()}
+    if name == "warmup_stable_decay":
+        if "num_decay_steps" not in out:
+            raise ConfigError("lr_scheduler_kwargs: warmup_stable_decay needs num_decay_steps")
+        _check(out["num_decay_steps"] >= 0, "lr_scheduler_kwargs.num_decay_steps", out["num_decay_steps"], ">= 0")
+        if out.get("num_stable_steps") is not None:
+            stable = out["num_stable_steps"]
+            _check(stable >= 0, "lr_scheduler_kwargs.num_stable_steps", stable, ">= 0")
+        for key in ("warmup_type", "decay_type"):
+            if key in out:
+                _choose(f"lr_scheduler_kwargs.{key}", out[key], WSD_SHAPES)
+        if "min_lr_ratio" in out:
+            _check(0 <= out["min_lr_ratio"] <= 1, "lr_scheduler_kwargs.min_lr_ratio", out["min_lr_ratio"], "in [0, 1]")
+    if name == "cosine_with_min_lr":
+        given = [k for k in ("min_lr", "min_lr_rate") if out.get(k) is not None]
+        if len(given) != 1:
+            raise ConfigError("lr_scheduler_kwargs: cosine_with_min_lr needs exactly one of min_lr or min_lr_rate")
+        _check(out[given[0]] >= 0, f"lr_scheduler_kwargs.{given[0]}", out[given[0]], "must be >= 0")
+    if name == "inverse_sqrt" and out.get("timescale") is not None:
+        _check(out["timescale"] > 0, "lr_scheduler_kwargs.timescale", out["timescale"], "must be > 0")
+    if name == "polynomial" and "power" in out:
+        _check(out["power"] > 0, "lr_scheduler_kwargs.power", out["power"], "must be > 0")
+    if "num_cycles" in out:
+        _check(out["num_cycles"] > 0, "lr_scheduler_kwargs.num_cycles", out["num_cycles"], "must be > 0")
+    return out
+
+
+@dataclass
+class TrainingArguments:
+    """Every setting of a training run (Hugging Face names and defaults); see the module docstring."""
+
+    # --- output ---
+    output_dir: str = _arg("trainer_output", "output", "Directory for checkpoints, logs and the final model.")
+    overwrite_output_dir: bool = _arg(
+        False, "output", "Write into an output_dir that already holds checkpoints instead of stopping."
+    )
+    run_name: str | None = _arg(None, "output", "Name of the run in logs; defaults to output_dir.")
+
+    # --- control ---
+    do_train: bool = _arg(False, "control", "Run training (read by the CLI, not by the loop).")
+    do_eval: bool = _arg(False, "control", "Evaluate on the eval set; set automatically when eval_strategy != 'no'.")
+    num_train_epochs: float = _arg(
+        3.0, "control", "Epochs to train; a fraction stops part-way through the last one. Unused if max_steps > 0."
+    )
+    max_steps: int = _arg(-1, "control", "Total optimizer steps; -1 derives them from num_train_epochs.")
+    resume_from_checkpoint: str | bool | None = _arg(
+        None, "control", "Checkpoint directory to resume from; 'auto' or a bare flag takes the newest in output_dir."
+    )
+
+    # --- batching ---
+    per_device_train_batch_size: int = _arg(
+        8, "batching", "Sequences per device per micro-step (alias: micro_batch_size)."
+    )
+    per_device_eval_batch_size: int = _arg(8, "batching", "Sequences per device per evaluation step.")
+    gradient_accumulation_steps: int = _arg(
+        1, "batching", "Micro-steps accumulated per optimizer step; derived when global_batch_size is set."
+    )
+    global_batch_size: int | None = _arg(
+        None, "batching", "Sequences per optimizer step over all devices; accumulation = global / (world * micro)."
+    )
+    max_grad_norm: float = _arg(1.0, "batching", "Clip the global gradient norm to this value; 0 disables clipping.")
+    eval_accumulation_steps: int | None = _arg(
+        None, "batching", "Eval steps whose outputs stay on the device before moving to the CPU; None keeps all."
+    )
+
+    # --- evaluation ---
+    eval_strategy: str = _arg("no", "evaluation", "When to evaluate during training.", EVAL_STRATEGIES)
+    eval_steps: float | None = _arg(
+        None, "evaluation", "Steps between evaluations (a value < 1 is a ratio of max_steps); default logging_steps."
+    )
+    eval_delay: float = _arg(0, "evaluation", "Epochs or steps (per eval_strategy) to wait before the first eval.")
+    eval_on_start: bool = _arg(False, "evaluation", "Evaluate once before the first training step (sanity check).")
+    prediction_loss_only: bool = _arg(False, "evaluation", "Evaluation returns only the loss, no predictions.")
+
+    # --- optimizer ---
+    learning_rate: float = _arg(5e-5, "optimizer", "Peak learning rate (after warmup).")
+    weight_decay: float = _arg(0.0, "optimizer", "Decoupled weight decay; never applied to biases and norm weights.")
+    adam_beta1: float = _arg(0.9, "optimizer", "AdamW beta1 (first-moment decay).")
+    adam_beta2: float = _arg(0.999, "optimizer", "AdamW beta2 (second-moment decay).")
+    adam_epsilon: float = _arg(1e-8, "optimizer", "AdamW epsilon added to the denominator.")
+    optim: str = _arg("adamw_fused", "optimizer", "Optimizer; adamw_fused is our Triton AdamW.", OPTIMIZERS)
+    optim_args: str | dict | None = _arg(
+        None, "optimizer", "Extra optimizer options, 'k=v,k=v' or JSON (sgd: momentum, dampening, nesterov)."
+    )
+
+    # --- schedule ---
+    lr_scheduler_type: str = _arg("linear", "schedule", "Learning-rate schedule.", SCHEDULERS)
+    lr_scheduler_kwargs: dict | str | None = _arg(
+        None, "schedule", "Schedule options as a dict or JSON, e.g. {\"num_cycles\": 2} (HF names)."
+    )
+    warmup_ratio: float = _arg(0.0, "schedule", "Warmup as a fraction of total steps; used when warmup_steps is 0.")
+    warmup_steps: float = _arg(
+        0, "schedule", "Linear warmup steps (>= 1) or a ratio of total steps (< 1); overrides warmup_ratio."
+    )
+
+    # --- logging ---
+    logging_dir: str | None = _arg(
+        None, "logging", "Directory for jsonl/TensorBoard logs; default output_dir/runs/<date_host>."
+    )
+    logging_strategy: str = _arg("steps", "logging", "When to log training metrics.", LOGGING_STRATEGIES)
+    logging_steps: float = _arg(500, "logging", "Steps between logs (a value < 1 is a ratio of max_steps).")
+    logging_first_step: bool = _arg(False, "logging", "Also log the first optimizer step.")
+    logging_nan_inf_filter: bool = _arg(True, "logging", "Leave NaN/Inf losses out of the logged running loss.")
+    report_to: str | list[str] | None = _arg(
+        "none", "logging", "Loggers: none, jsonl, tensorboard or all (several allowed)."
+    )
+    disable_tqdm: bool = _arg(False, "logging", "Hide the progress bar.")
+    include_tokens_per_second: bool = _arg(False, "logging", "Log training tokens per second per device.")
+    include_num_input_tokens_seen: str | bool = _arg(
+        "no", "logging", "Track input tokens seen: no, all or non_padding (true = all).", TOKENS_SEEN_MODES
+    )
+
+    # --- checkpoints ---
+    save_strategy: str = _arg("steps", "checkpoints", "When to save a checkpoint.", SAVE_STRATEGIES)
+    save_steps: float = _arg(500, "checkpoints", "Steps between checkpoints (a value < 1 is a ratio of max_steps).")
+    save_total_limit: int | None = _arg(
+        None, "checkpoints", "Keep at most this many checkpoints (the best one is always kept)."
+    )
+    save_safetensors: bool = _arg(True, "checkpoints", "Save weights as safetensors (else torch.save).")
+    save_only_model: bool = _arg(
+        False, "checkpoints", "Save only the weights, not optimizer/scheduler/RNG state (cannot resume)."
+    )
+    load_best_model_at_end: bool = _arg(
+        False, "checkpoints", "Load the best checkpoint (by metric_for_best_model) when training ends."
+    )
+    metric_for_best_model: str | None = _arg(
+        None, "checkpoints", "Eval metric that ranks checkpoints; 'loss' when load_best_model_at_end."
+    )
+    greater_is_better: bool | None = _arg(
+        None, "checkpoints", "Whether a larger metric is better; False for names ending in 'loss'."
+    )
+
+    # --- data ---
+    seed: int = _arg(42, "data", "Random seed set at the start of training.")
+    data_seed: int | None = _arg(None, "data", "Seed for data shuffling; defaults to seed.")
+    dataloader_num_workers: int = _arg(0, "data", "DataLoader worker processes (0 loads in the main process).")
+    dataloader_drop_last: bool = _arg(False, "data", "Drop the last incomplete batch.")
+    dataloader_pin_memory: bool = _arg(True, "data", "Pin host memory for faster host-to-device copies.")
+    dataloader_persistent_workers: bool = _arg(False, "data", "Keep DataLoader workers alive between epochs.")
+    dataloader_prefetch_factor: int | None = _arg(
+        None, "data", "Batches each worker loads ahead (needs dataloader_num_workers > 0)."
+    )
+    group_by_length: bool = _arg(False, "data", "Batch sequences of similar length together to reduce padding.")
+    train_shuffle: bool = _arg(True, "data", "Shuffle the training set each epoch (False = sequential order).")
+    length_column_name: str = _arg("length", "data", "Column with precomputed lengths for group_by_length.")
+    remove_unused_columns: bool = _arg(True, "data", "Drop dataset columns the model's forward does not take.")
+    cutoff_len: int = _arg(2048, "data", "Maximum sequence length in tokens; longer examples are truncated.")
+    batching_strategy: str = _arg(
+        "normal", "data", "How examples become batches (padding_free packs them without padding).", BATCHING_STRATEGIES
+    )
+
+    # --- precision ---
+    bf16: bool = _arg(False, "precision", "bfloat16 mixed-precision training.")
+    fp16: bool = _arg(False, "precision", "float16 mixed-precision training with loss scaling.")
+    tf32: bool | None = _arg(None, "precision", "TF32 matmuls on Ampere+ GPUs; None leaves PyTorch's setting.")
+    bf16_full_eval: bool = _arg(False, "precision", "Evaluate with the model entirely in bfloat16.")
+    fp16_full_eval: bool = _arg(False, "precision", "Evaluate with the model entirely in float16.")
+
+    # --- performance ---
+    torch_compile: bool = _arg(False, "performance", "Compile each decoder block with torch.compile.")
+    torch_compile_backend: str | None = _arg(
+        None, "performance", "torch.compile backend (default inductor); setting it turns torch_compile on."
+    )
+    torch_compile_mode: str | None = _arg(
+        None, "performance", "torch.compile mode; setting it turns torch_compile on.", COMPILE_MODES
+    )
+    gradient_checkpointing: bool = _arg(
+        False, "performance", "Recompute activations in backward to save memory (alias: activation_checkpointing)."
+    )
+    gradient_checkpointing_kwargs: dict | str | None = _arg(
+        None, "performance", "Options for activation checkpointing as a dict or JSON, e.g. {\"use_reentrant\": false}."
+    )
+    torch_empty_cache_steps: int | None = _arg(
+        None, "performance", "Empty the device cache every this many steps (lower peak memory, ~10% slower)."
+    )
+    auto_find_batch_size: bool = _arg(
+        False, "performance", "Halve the batch size and retry when the device runs out of memory."
+    )
+    use_kernels: bool = _arg(True, "performance", "Use kernelwright's Triton kernels (False: plain PyTorch).")
+    use_liger_kernel: bool = _arg(
+        False, "performance", "Use liger-kernel's kernels instead of ours (must be installed)."
+    )
+
+    # --- distributed ---
+    dist_config: dict | str | None = _arg(
+        None,
+        "distributed",
+        "Distributed backend: {name: fsdp2|ddp, mixed_precision, reshard_after_forward, offload_params, "
+        "pin_memory, dcp_path} as dict, JSON or a .json/.yaml path.",
+    )
+
+    # --- extras ---
+    label_smoothing_factor: float = _arg(0.0, "extras", "Label smoothing in the cross-entropy (0 disables).")
+    neftune_noise_alpha: float | None = _arg(
+        None, "extras", "NEFTune: add uniform noise of this scale to the embeddings while training."
+    )
+    average_tokens_across_devices: bool = _arg(
+        True, "extras", "Normalise the loss by the token count summed over all devices."
+    )
+    full_determinism: bool = _arg(False, "extras", "Deterministic algorithms everywhere (slower; for debugging).")
+    max_nonfinite_steps: int = _arg(10, "extras", "Stop after this many consecutive steps with a non-finite loss.")
+    z_loss: float = _arg(0.0, "extras", "Weight of the z-loss (logsumexp^2) that keeps logits small.")
+
+    # --- input-only aliases (folded into the fields above; not stored) ---
+    evaluation_strategy: InitVar[str | None] = None
+    micro_batch_size: InitVar[int | None] = None
+    enable_activation_checkpointing: InitVar[bool | None] = None
+    activation_checkpointing: InitVar[bool | None] = None
+    activation_checkpointing_kwargs: InitVar[dict | str | None] = None
+    train_sampling_strategy: InitVar[str | None] = None
+    fsdp: InitVar[str | bool | list[str] | None] = None
+    fsdp_config: InitVar[dict | str | None] = None
+
+    def __post_init__(
+        self,
+        evaluation_strategy,
+        micro_batch_size,
+        enable_activation_checkpointing,
+        activation_checkpointing,
+        activation_checkpointing_kwargs,
+        train_sampling_strategy,
+        fsdp,
+        fsdp_config,
+    ):
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), f.type, f.metadata.get("choices")))
+        self._fold_aliases(
+            {
+                "evaluation_strategy": evaluation_strategy,
+                "micro_batch_size": micro_batch_size,
+                "enable_activation_checkpointing": enable_activation_checkpointing,
+                "activation_checkpointing": activation_checkpointing,
+                "activation_checkpointing_kwargs": activation_checkpointing_kwargs,
+            }
+        )
+        self._fold_sampling(train_sampling_strategy)
+        self._fold_fsdp(fsdp, fsdp_config)
+        self._normalise()
+        self._derive()
+        self._validate()
+
+    # -- construction steps -------------------------------------------------------------------------------
+
+    def _fold_aliases(self, given: Mapping[str, Any]) -> None:
+        for alias, value in given.items():
+            if value is None:
+                continue
+            target = SIMPLE_ALIASES[alias]
+            f = _field(type(self), target)
+            value = _coerce(alias, value, f.type)
+            current = getattr(self, target)
+            if current != _default(f) and current != value:
+                raise ConfigError(
+                    f"{alias} is an alias of {target}; they were given different values ({value!r} and {current!r})"
+                )
+            setattr(self, target, value)
+
+    def _fold_sampling(self, strategy: Any) -> None:
+        if strategy is None:
+            return
+        strategy = _choose("train_sampling_strategy", strategy, ("random", "sequential", "group_by_length"))
+        wanted = {"random": (False, True), "sequential": (False, False), "group_by_length": (True, True)}[strategy]
+        current = (self.group_by_length, self.train_shuffle)
+        if current not in ((False, True), wanted):
+            raise ConfigError(
+                f"train_sampling_strategy={strategy!r} contradicts group_by_length={current[0]} / "
+                f"train_shuffle={current[1]}; give one of them"
+            )
+        self.group_by_length, self.train_shuffle = wanted
+
+    def _fold_fsdp(self, fsdp: Any, fsdp_config: Any) -> None:
+        """Hugging Face's `--fsdp` options and `--fsdp_config` become `dist_config` with name fsdp2."""
+        fsdp = _coerce("fsdp", fsdp, str | bool | list[str] | None)
+        if isinstance(fsdp, (str, list)):  # "full_shard auto_wrap", ["full_shard", "offload"], ["true"], ""
+            words = [w for item in ([fsdp] if isinstance(fsdp, str) else fsdp) for w in item.split()]
+            if len(words) == 1 and words[0].lower() in _TRUE + _FALSE:
+                fsdp = _to_bool(words[0])
+            else:
+                fsdp = words or False
+        if fsdp_config is not None and not fsdp:
+            raise ConfigError("fsdp_config is read only together with --fsdp (e.g. --fsdp full_shard)")
+        if not fsdp:
+            return
+        if self.dist_config is not None:
+            raise ConfigError("fsdp and dist_config both given; use dist_config alone")
+        cfg: dict[str, Any] = {"name": "fsdp2"}
+        for option in [] if fsdp is True else fsdp:
+            if option == "full_shard":
+                cfg["reshard_after_forward"] = True
+            elif option == "shard_grad_op":
+                cfg["reshard_after_forward"] = False
+            elif option == "offload":
+                cfg["offload_params"] = True
+            elif option == "auto_wrap":
+                pass  # we always wrap each decoder block, which is what auto_wrap asks for
+            elif option in ("hybrid_shard", "hybrid_shard_zero2", "no_shard"):
+                raise ConfigError(
+                    f"fsdp={option!r} is FSDP1-only; kernelwright uses FSDP2: full_shard, shard_grad_op, offload"
+                )
+            else:
+                _choose("fsdp", option, ("full_shard", "shard_grad_op", "offload", "auto_wrap"))
+        hf_config = _load_mapping("fsdp_config", fsdp_config) if fsdp_config is not None else {}
+        for key, value in hf_config.items():
+            key = key.removeprefix("fsdp_")
+            if key == "version":
+                _check(_coerce("fsdp_config.version", value, int) == 2, "fsdp_config.version", value, "only 2 (FSDP2)")
+            elif key in ("cpu_offload", "offload_params"):
+                cfg["offload_params"] = _coerce(f"fsdp_config.{key}", value, bool)
+            elif key == "activation_checkpointing":
+                if _coerce("fsdp_config.activation_checkpointing", value, bool):
+                    self.gradient_checkpointing = True
+            elif key == "auto_wrap_policy":
+                _check(
+                    value == "TRANSFORMER_BASED_WRAP",
+                    "fsdp_config.auto_wrap_policy",
+                    value,
+                    "only TRANSFORMER_BASED_WRAP (each decoder block is wrapped)",
+                )
+            elif key in ("reshard_after_forward", "pin_memory", "dcp_path", "mixed_precision"):
+                cfg[key] = value
+            else:
+                accepted = (
+                    "version, reshard_after_forward, cpu_offload, activation_checkpointing, auto_wrap_policy, "
+                    "pin_memory, dcp_path, mixed_precision"
+                )
+                raise ConfigError(f"fsdp_config: key {key!r} is not supported; accepted keys: {accepted}")
+        self.dist_config = cfg
+
+    def _normalise(self) -> None:
+        self.output_dir = os.path.expanduser(self.output_dir)
+        if self.run_name is None:
+            self.run_name = self.output_dir
+        if self.logging_dir is None:
+            stamp = datetime.datetime.now().strftime("%b%d_%H-%M-%S")
+            self.logging_dir = os.path.join(self.output_dir, "runs", f"{stamp}_{socket.gethostname()}")
+        self.logging_dir = os.path.expanduser(self.logging_dir)
+
+        rc = self.resume_from_checkpoint
+        if rc is False or (isinstance(rc, str) and not rc.strip()):
+            self.resume_from_checkpoint = None
+        elif rc is True or (isinstance(rc, str) and rc.strip().lower() == "auto"):
+            self.resume_from_checkpoint = "auto"
+
+        if isinstance(self.include_num_input_tokens_seen, bool):
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+
+        self.report_to = _normalise_report_to(self.report_to)
+        self.optim = _choose("optim", self.optim, OPTIMIZERS, _why_unsupported(self.optim, "optimizer"))
+        self.optim_args = parse_optim_args(self.optim, self.optim_args)
+        why = _why_unsupported(self.lr_scheduler_type, "schedule")
+        self.lr_scheduler_type = _choose("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS, why)
+        self.lr_scheduler_kwargs = check_scheduler_kwargs(
+            self.lr_scheduler_type, _load_mapping("lr_scheduler_kwargs", self.lr_scheduler_kwargs or {})
+        )
+        self.gradient_checkpointing_kwargs = _load_mapping(
+            "gradient_checkpointing_kwargs", self.gradient_checkpointing_kwargs or {}
+        )
+        if self.dist_config is not None:
+            self.dist_config = _normalise_dist_config(_load_mapping("dist_config", self.dist_config))
+
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            setattr(self, name, _interval(name, getattr(self, name)))
+        if self.warmup_steps >= 1 and float(self.warmup_steps).is_integer():
+            self.warmup_steps = int(self.warmup_steps)
+
+    def _derive(self) -> None:
+        """Defaults that depend on other arguments, as Hugging Face derives them."""
+        if self.eval_strategy != "no":
+            self.do_eval = True
+        if self.eval_strategy == "steps" and not self.eval_steps:
+            if not self.logging_steps:
+                raise ConfigError("eval_strategy='steps' needs eval_steps > 0 (or logging_steps > 0 to default to)")
+            self.eval_steps = self.logging_steps
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.torch_compile_mode is not None or self.torch_compile_backend is not None:
+            self.torch_compile = True
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"
+
+    def _validate(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices is not None and value is not None:
+                _choose(f.name, value, choices)
+
+        if self.bf16 and self.fp16:
+            raise ConfigError("bf16 and fp16 are both set; choose at most one mixed precision")
+        if self.bf16_full_eval and self.fp16_full_eval:
+            raise ConfigError("bf16_full_eval and fp16_full_eval are both set; choose at most one")
+
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                     "cutoff_len", "max_nonfinite_steps"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be a positive integer")
+        for name in ("eval_accumulation_steps", "save_total_limit", "torch_empty_cache_steps",
+                     "dataloader_prefetch_factor", "global_batch_size"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, name, value, "must be a positive integer or unset")
+        if self.global_batch_size is not None:
+            per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
+            _check(
+                self.global_batch_size % per_step == 0,
+                "global_batch_size",
+                self.global_batch_size,
+                f"must be a multiple of micro_batch_size x gradient_accumulation_steps = {per_step}",
+            )
+
+        for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "eval_delay", "z_loss",
+                     "warmup_steps"):
+            _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            _check(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
+        _check(0 <= self.warmup_ratio <= 1, "warmup_ratio", self.warmup_ratio, "must be in [0, 1]")
+        smoothing = self.label_smoothing_factor
+        _check(0 <= smoothing < 1, "label_smoothing_factor", smoothing, "must be in [0, 1)")
+        _check(
+            self.neftune_noise_alpha is None or self.neftune_noise_alpha > 0,
+            "neftune_noise_alpha", self.neftune_noise_alpha, "must be > 0 or unset",
+        )
+        steps = self.max_steps
+        _check(steps == -1 or steps > 0, "max_steps", steps, "must be -1 or a positive integer")
+        if self.max_steps == -1:
+            epochs = self.num_train_epochs
+            _check(epochs > 0, "num_train_epochs", epochs, "must be > 0 when max_steps is -1")
+        _check(self.dataloader_num_workers >= 0, "dataloader_num_workers", self.dataloader_num_workers, "must be >= 0")
+        if self.dataloader_num_workers == 0:
+            _check(self.dataloader_prefetch_factor is None, "dataloader_prefetch_factor",
+                   self.dataloader_prefetch_factor, "needs dataloader_num_workers > 0")
+            _check(not self.dataloader_persistent_workers, "dataloader_persistent_workers", True,
+                   "needs dataloader_num_workers > 0")
+
+        if self.logging_strategy == "steps":
+            logging = self.logging_steps
+            _check(logging > 0, "logging_steps", logging, "must be > 0 when logging_strategy='steps'")
+        if self.save_strategy == "steps":
+            _check(self.save_steps > 0, "save_steps", self.save_steps, "must be > 0 when save_strategy='steps'")
+        self._validate_best_model()
+
+        if self.lr_scheduler_type == "constant" and (self.warmup_steps > 0 or self.warmup_ratio > 0):
+            raise ConfigError(
+                "lr_scheduler_type='constant' has no warmup; "
+                "use constant_with_warmup or set warmup_steps/warmup_ratio to 0"
+            )
+        if self.lr_scheduler_type == "polynomial":
+            lr_end = self.lr_scheduler_kwargs.get("lr_end", 1e-7)
+            _check(lr_end < self.learning_rate, "lr_scheduler_kwargs.lr_end", lr_end,
+                   f"must be smaller than learning_rate={self.learning_rate!r}")
+        if self.dist_config is not None:
+            mp = self.dist_config.get("mixed_precision")
+            if (mp == "fp16" and self.bf16) or (mp == "bf16" and self.fp16):
+                raise ConfigError(
+                    f"dist_config.mixed_precision={mp!r} contradicts --{'bf16' if self.bf16 else 'fp16'}; "
+                    "leave it unset to follow the precision flags"
+                )
+
+    def _validate_best_model(self) -> None:
+        """Hugging Face's rules for load_best_model_at_end, plus: evaluation must be on."""
+        if self.save_strategy == "best":
+            if self.metric_for_best_model is None:
+                raise ConfigError("save_strategy='best' needs metric_for_best_model (e.g. loss)")
+            _check(
+                self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch when save_strategy='best'"
+            )
+        if not self.load_best_model_at_end:
+            return
+        _check(self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch with load_best_model_at_end")
+        if self.save_strategy == "best":
+            return
+        if self.save_strategy != self.eval_strategy:
+            raise ConfigError(
+                f"load_best_model_at_end needs save_strategy == eval_strategy (or save_strategy='best'); "
+                f"got save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r}"
+            )
+        save, ev = self.save_steps, self.eval_steps
+        if self.eval_strategy == "steps" and save % ev != 0:
+            if (save < 1) != (ev < 1):
+                raise ConfigError(
+                    f"load_best_model_at_end: save_steps={save!r} and eval_steps={ev!r} mix a ratio and a step "
+                    "count, so save_steps cannot be checked to be a multiple of eval_steps"
+                )
+            # Ratios compared in millionths so that 0.3 / 0.1 is an exact multiple despite float rounding.
+            if save >= 1 or round(save * 1_000_000) % round(ev * 1_000_000) != 0:
+                raise ConfigError(
+                    f"load_best_model_at_end: save_steps={save!r} must be a multiple of eval_steps={ev!r}"
+                )
+
+    # -- helpers for the loop --------------------------------------------------------------------------------
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Warmup steps for a run of `num_training_steps`: warmup_steps if > 0 (HF: int() when >= 1, ceil of the
+        ratio when < 1), else ceil(warmup_ratio * num_training_steps)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        if self.warmup_steps > 0:
+            return math.ceil(num_training_steps * self.warmup_steps)
+        return math.ceil(num_training_steps * self.warmup_ratio)
+
+    def resolve_steps(self, max_steps: int) -> dict[str, int | None]:
+        """logging/eval/save steps as absolute step counts (HF: a ratio r < 1 becomes ceil(r * max_steps))."""
+        _check(max_steps >= 1, "max_steps", max_steps, "must be a positive integer to resolve step ratios")
+        out: dict[str, int | None] = {}
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(self, name)
+            if value is None:
+                out[name] = None
+            elif value < 1:
+                out[name] = math.ceil(max_steps * value)
+            else:
+                out[name] = int(value)
+        return out
+
+    def steps_per_epoch(self, batches_per_epoch: int) -> int:
+        """Optimizer steps in one epoch: floor(micro batches per rank / accumulation), at least 1. The loop folds
+        the leftover micro batches into the epoch's last window, so no data is dropped."""
+        return max(batches_per_epoch // self.gradient_accumulation_steps, 1)
+
+    def get_max_steps(self, batches_per_epoch: int | None) -> int:
+        """Total optimizer steps: max_steps if set, else ceil(epochs * floor(batches_per_epoch / accumulation)),
+        the seeds' formula `ceil(epochs * floor(N / (per_device_bs * accum * devices)))`. `batches_per_epoch`
+        is the per-rank micro-batch count; None (a stream) requires max_steps."""
+        if self.max_steps > 0:
+            return self.max_steps
+        if batches_per_epoch is None:
+            raise ConfigError("max_steps: must be set (> 0) when the training data has no length (a stream)")
+        return math.ceil(self.num_train_epochs * self.steps_per_epoch(batches_per_epoch))
+
+    def resolve_world(self, world_size: int) -> int:
+        """Set and return gradient_accumulation_steps for `world_size` data-parallel ranks: global_batch_size /
+        (world_size * micro_batch_size) when global_batch_size is set, else the given accumulation."""
+        _check(isinstance(world_size, int) and world_size >= 1, "world_size", world_size, "must be a positive integer")
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps
+        per_step = world_size * self.per_device_train_batch_size
+        if self.global_batch_size % per_step != 0:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not divisible by world_size ({world_size}) x "
+                f"micro_batch_size ({self.per_device_train_batch_size}) = {per_step}"
+            )
+        self.gradient_accumulation_steps = self.global_batch_size // per_step
+        return self.gradient_accumulation_steps
+
+    def total_train_batch_size(self, world_size: int) -> int:
+        """Sequences per optimizer step over all ranks: micro_batch_size * accumulation * world_size."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size
+
+    @property
+    def mixed_precision(self) -> str:
+        """'bf16', 'fp16' or 'no' (as Hugging Face's attribute of the same name)."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+
+    @property
+    def kernel_provider(self) -> str:
+        """Which fused kernels the model uses: 'liger' (use_liger_kernel wins), 'kernelwright' or 'torch'."""
+        return "liger" if self.use_liger_kernel else "kernelwright" if self.use_kernels else "torch"
+
+    # -- serialisation ---------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field with its resolved value (JSON-ready; aliases are not stored)."""
+        return {f.name: _copy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_json_file(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "TrainingArguments":
+        """Build from a mapping, accepting aliases; unknown or unsupported keys are ConfigErrors."""
+        specs = _specs((cls,))
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = _resolve_name(key, specs, f"key {key!r}")
+            if name in kwargs:
+                raise ConfigError(f"{name} given twice (once through an alias)")
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "TrainingArguments":
+        data = _read_config_file(os.fspath(path), "training arguments")
+        if not isinstance(data, dict):
+            raise ConfigError(f"training arguments: {path} does not hold a JSON object")
+        return cls.from_dict(data)
+
+    def summary(self) -> str:
+        """The resolved arguments grouped by theme, one per line; '*' marks values changed from the default."""
+        defaults = _defaults(type(self))
+        derived = {  # defaults that follow output_dir
+            "run_name": lambda v: v == self.output_dir,
+            "logging_dir": lambda v: os.path.dirname(v) == os.path.join(self.output_dir, "runs"),
+        }
+        width = max(len(f.name) for f in dataclasses.fields(self))
+        lines = ["Training arguments (* = changed from the default)"]
+        for group in GROUPS:
+            rows = [f for f in dataclasses.fields(self) if f.metadata.get("group") == group]
+            if not rows:
+                continue
+            lines.append(f"[{group}]")
+            for f in rows:
+                value = getattr(self, f.name)
+                unchanged = derived[f.name](value) if f.name in derived else value == defaults[f.name]
+                lines.append(f" {' ' if unchanged else '*'} {f.name:<{width}} = {_show(value)}")
+        return "\n".join(lines)
+
+
+def _normalise_report_to(value: Any) -> list[str]:
+    items = [value] if isinstance(value, str) else list(value or [])
+    items = [w for item in items for w in str(item).replace(",", " ").split()]
+    if items in ([], ["none"]):
+        return []
+    if items == ["all"]:
+        return ["jsonl"] + (["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else [])
+    out: list[str] = []
+    for item in items:
+        if item in ("all", "none"):
+            raise ConfigError(f"report_to={value!r}: 'all' and 'none' cannot be combined with other loggers")
+        if item not in REPORTERS:
+            close = difflib.get_close_matches(item, REPORTERS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"report_to={item!r} is not supported{hint}; expected none, jsonl, tensorboard or all")
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def _normalise_dist_config(cfg: dict) -> dict:
+    if "name" not in cfg:
+        raise ConfigError("dist_config: 'name' is required (fsdp2 or ddp)")
+    name = cfg["name"]
+    if name == "deepspeed":
+        raise ConfigError("dist_config.name='deepspeed' is not supported; use fsdp2 (ZeRO-3-style sharding) or ddp")
+    name = _choose("dist_config.name", name, tuple(DIST_DEFAULTS))
+    defaults = DIST_DEFAULTS[name]
+    _check_keys("dist_config", cfg, defaults, f"name={name!r}")
+    out = dict(defaults)
+    for key, value in cfg.items():
+        out[key] = _coerce(f"dist_config.{key}", value, _DIST_TYPES[key])
+    if out.get("mixed_precision") is not None:
+        _choose("dist_config.mixed_precision", out["mixed_precision"], MIXED_PRECISIONS)
+    return out
+
+
+def _interval(name: str, value: float | None) -> float | int | None:
+    """A logging/eval/save step count: an integer when >= 1 (HF rejects fractions there), a ratio when < 1."""
+    if value is None:
+        return None
+    _check(value >= 0, name, value, "must be >= 0 (an integer, or a ratio of max_steps below 1)")
+    if value >= 1:
+        _check(
+            float(value).is_integer(), name, value, "must be an integer when >= 1 (below 1 it is a ratio of max_steps)"
+        )
+        return int(value)
+    return value
+
+
+def _why_unsupported(value: Any, what: str) -> str:
+    return f" is not a supported {what}" if isinstance(value, str) else ""
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
+def _field(cls: type, name: str) -> dataclasses.Field:
+    return cls.__dataclass_fields__[name]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+_DEFAULTS_CACHE: dict[type, dict[str, Any]] = {}
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The resolved value of every field of a default-constructed instance (what 'unchanged' means)."""
+    if cls not in _DEFAULTS_CACHE:
+        instance = cls()
+        _DEFAULTS_CACHE[cls] = {f.name: getattr(instance, f.name) for f in dataclasses.fields(cls)}
+    return _DEFAULTS_CACHE[cls]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parsing: CLI flags and config files, spread over TrainingArguments and the CLI's own dataclasses.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    owner: type
+    type: Any
+    default: Any
+    help: str
+    group: str
+    choices: tuple[str, ...] | None
+    required: bool
+
+
+def _specs(classes: Sequence[type]) -> dict[str, _Spec]:
+    specs: dict[str, _Spec] = {}
+    for cls in classes:
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls!r} is not a dataclass")
+        for f in cls.__dataclass_fields__.values():
+            is_initvar = isinstance(f.type, InitVar)
+            if not (is_initvar or f in dataclasses.fields(cls)):
+                continue  # ClassVar pseudo-fields
+            if is_initvar and f.name in SIMPLE_ALIASES:
+                continue  # renames are resolved by name before values are spread
+            if f.name in specs or f.name in SIMPLE_ALIASES:
+                raise TypeError(f"argument {f.name!r} of {cls.__name__} is already an argument of the trainer")
+            default = _default(f)
+            specs[f.name] = _Spec(
+                name=f.name,
+                owner=cls,
+                type=f.type.type if is_initvar else f.type,
+                default=default,
+                help=_ALIAS_HELP.get(f.name, "") if is_initvar else f.metadata.get("help", ""),
+                group="aliases" if is_initvar else f.metadata.get("group", cls.__name__),
+                choices=f.metadata.get("choices"),
+                required=default is dataclasses.MISSING,
+            )
+    return specs
+
+
+def _resolve_name(name: str, specs: Mapping[str, _Spec], where: str) -> str:
+    """The canonical argument name for `name`, or a ConfigError (unsupported, or unknown with suggestions)."""
+    if name in specs:
+        return name
+    if name in SIMPLE_ALIASES and SIMPLE_ALIASES[name] in specs:
+        return SIMPLE_ALIASES[name]
+    reason = REJECTED.get(name) or next((r for p, r in _REJECTED_PREFIXES.items() if name.startswith(p)), None)
+    if reason is not None:
+        raise ConfigError(f"{where}: {name} is not supported by kernelwright: {reason}")
+    candidates = list(specs) + [a for a, t in SIMPLE_ALIASES.items() if t in specs]
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help for the arguments"
+    raise ConfigError(f"{where}: unknown argument {name}{hint}")
+
+
+def _takes_bool(spec: _Spec) -> bool:
+    return any(_base(m) is bool for m in _members(spec.type)[0])
+
+
+def _takes_list(spec: _Spec) -> bool:
+    return any(_base(m) is list for m in _members(spec.type)[0])
+
+
+class _HelpRequested(Exception):
+    pass
+
+
+def _parse_flags(tokens: Sequence[str], specs: Mapping[str, _Spec]) -> dict[str, Any]:
+    """`--name value`, `--name=value`, bare booleans, `--no_<bool>`, several values for lists; raw strings out."""
+    out: dict[str, Any] = {}
+    via_alias: dict[str, bool] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token in ("-h", "--help"):
+            raise _HelpRequested
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(
+                f"unexpected argument {token!r}: arguments are --name value (a config file may only come first)"
+            )
+        body, has_inline, inline = token[2:].partition("=")
+        flag = body.replace("-", "_")
+        j = i + 1
+        while j < len(tokens) and not tokens[j].startswith("--") and tokens[j] != "-h":
+            j += 1
+        values = [inline] if has_inline else list(tokens[i + 1 : j])
+        i = i + 1 if has_inline else j
+
+        negated = flag.startswith("no_") and flag not in specs and flag[3:] in specs and _takes_bool(specs[flag[3:]])
+        name = flag[3:] if negated else _resolve_name(flag, specs, f"--{flag}")
+        spec = specs[name]
+        if negated:
+            if values:
+                raise ConfigError(f"--{flag} takes no value (it sets {name} to false)")
+            raw: Any = False
+        elif not values:
+            if not _takes_bool(spec):
+                raise ConfigError(f"--{flag} expects a value ({_describe(spec.type)})")
+            raw = True
+        elif _takes_list(spec):
+            raw = values
+        elif len(values) > 1:
+            raise ConfigError(f"--{flag} takes one value, got {len(values)}: {' '.join(values)}")
+        else:
+            raw = values[0]
+        # Repeating a flag keeps the last value (argparse's rule); an alias and its target together is an error.
+        if via_alias.setdefault(name, flag in SIMPLE_ALIASES) != (flag in SIMPLE_ALIASES):
+            raise ConfigError(f"--{flag} and --{name} set the same argument; give one of them")
+        out[name] = raw
+    return out
+
+
+def _file_values(path: str, specs: Mapping[str, _Spec]) -> dict[str, Any]:
+    if not path.endswith((".yaml", ".yml", ".json")):
+        raise ConfigError(f"config file {path!r}: expected a .yaml, .yml or .json file")
+    data = _read_config_file(path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of argument names to values")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = _resolve_name(str(key), specs, f"key {key!r} in {path}")
+        if name in out:
+            raise ConfigError(f"{path}: {name} given twice (once through an alias)")
+        out[name] = value
+    return out
+
+
+def _build(values: Mapping[str, Any], classes: Sequence[type], specs: Mapping[str, _Spec]) -> tuple:
+    per_class: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
+    for name, raw in values.items():
+        spec = specs[name]
+        per_class[spec.owner][name] = _coerce(name, raw, spec.type, spec.choices)
+    for spec in specs.values():
+        if spec.required and spec.name not in per_class[spec.owner]:
+            raise ConfigError(f"--{spec.name} is required ({spec.help})" if spec.help else f"--{spec.name} is required")
+        value = per_class[spec.owner].get(spec.name)
+        if spec.choices is not None and spec.owner is not TrainingArguments and value is not None:
+            _choose(spec.name, value, spec.choices)
+    out = []
+    for cls in classes:
+        try:
+            out.append(cls(**per_class[cls]))
+        except ConfigError:
+            raise
+        except ValueError as e:  # an extra dataclass's own __post_init__ validation
+            raise ConfigError(str(e).strip().splitlines()[0]) from None
+    return tuple(out)
+
+
+def parse_dict(values: Mapping[str, Any], extra_dataclasses: Sequence[type] = ()) -> tuple:
+    """(TrainingArguments, *extras) from one mapping whose keys may belong to any of the dataclasses."""
+    classes = (TrainingArguments, *extra_dataclasses)
+    specs = _specs(classes)
+    resolved: dict[str, Any] = {}
+    for key, value in values.items():
+        name = _resolve_name(key, specs, f"key {key!r}")
+        if name in resolved:
+            raise ConfigError(f"{name} given twice (once through an alias)")
+        resolved[name] = value
+    return _build(resolved, classes, specs)
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+    extra_dataclasses: Sequence[type] = (),
+    *,
+    prog: str = "python -m trainer.sft",
+) -> tuple:
+    """(TrainingArguments, *extras) from `[config.yaml|json] --name value ...` (flags win over the file).
+
+    `--help` prints `format_help` and raises SystemExit(0); any user error raises ConfigError (one line)."""
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    classes = (TrainingArguments, *extra_dataclasses)
+    specs = _specs(classes)
+    try:
+        values: dict[str, Any] = {}
+        if tokens and not tokens[0].startswith("-"):
+            values.update(_file_values(tokens.pop(0), specs))
+        values.update(_parse_flags(tokens, specs))
+    except _HelpRequested:
+        print(format_help(extra_dataclasses, prog=prog))
+        raise SystemExit(0) from None
+    return _build(values, classes, specs)
+
+
+def _metavar(spec: _Spec) -> str:
+    if spec.choices:
+        return "{" + ",".join(spec.choices) + "}"
+    members, _ = _members(spec.type)
+    bases = [_base(m) for m in members]
+    if bases == [bool]:
+        return "[BOOL]"
+    if list in bases:
+        return "VALUE [VALUE ...]"
+    if dict in bases:
+        return "JSON"
+    return "|".join({int: "INT", float: "FLOAT", str: "STR", bool: "BOOL"}.get(b, "VALUE") for b in bases)
+
+
+def format_help(extra_dataclasses: Sequence[type] = (), prog: str = "python -m trainer.sft") -> str:
+    """Every argument grouped by theme, with its default and one line of meaning."""
+    specs = _specs((TrainingArguments, *extra_dataclasses))
+    lines = [
+        f"usage: {prog} [config.yaml|config.json] [--name VALUE ...]",
+        "",
+        "A YAML/JSON config file may come first; flags after it win. Booleans: --bf16, --bf16 false, --no_bf16.",
+        "Lists take several values (--report_to jsonl tensorboard); dicts take JSON ('{\"num_cycles\": 2}').",
+    ]
+    order = list(GROUPS) + [g for s in specs.values() for g in [s.group] if g not in GROUPS and g != "aliases"]
+    seen_groups = list(dict.fromkeys(order))
+    for group in seen_groups + ["aliases"]:
+        rows = [s for s in specs.values() if s.group == group]
+        if not rows:
+            continue
+        lines += ["", f"{group}:"]
+        for s in rows:
+            default = "required" if s.required else f"default: {_show(s.default)}"
+            lines.append(f"  --{s.name} {_metavar(s)}  ({default})")
+            if s.help:
+                lines.append(f"      {s.help}")
+    lines += ["", "renamed aliases:"]
+    lines += [f"  --{a} -> --{t}" for a, t in SIMPLE_ALIASES.items()]
+    lines += [
+        "",
+        "not supported (rejected with a message): deepspeed, push_to_hub, hub_*, tpu_*, ddp_*, local_rank, "
+        "use_cpu, and other Hugging Face options not listed above.",
+    ]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "ConfigError",
+    "TrainingArguments",
+    "parse_args",
+    "parse_dict",
+    "format_help",
+    "parse_optim_args",
+    "check_scheduler_kwargs",
+    "OPTIMIZERS",
+    "SCHEDULERS",
+    "OPTIM_ARGS",
+    "SCHEDULER_KWARGS",
+]
