@@ -352,6 +352,20 @@ def test_kernels_on_and_off_same_loss_and_grads():
     assert nothing.item() == 0.0
 
 
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_loss_under_fp16_autocast_is_fp32_and_survives_loss_scaling(use_kernels):
+    # GradScaler multiplies the loss by 65536: an fp16 loss (or an fp16 loss matmul) would overflow
+    if use_kernels:
+        require_kernels("rms_norm", "fused_linear_cross_entropy")
+    model = _tiny("llama", use_kernels=use_kernels)
+    ids, labels = batch()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(ids, labels=labels).loss
+    assert loss.dtype == torch.float32
+    (loss * 65536.0).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 INTERPRETER_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, model_type="qwen3")
 
