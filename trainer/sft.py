@@ -13,8 +13,6 @@ held-out conversations is printed before and after training.
 Exit codes: 0 done, 2 bad input (one line on stderr, no traceback), 143 stopped by SIGTERM after saving.
 """
 
-from __future__ import annotations
-
 import json
 import sys
 import time
@@ -31,22 +29,23 @@ DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 @dataclass
 class SFTArguments:
-    """Options of the sft command that are not TrainingArguments."""
+    """Options of the sft command that are not TrainingArguments (no `from __future__ import annotations` in
+    this module: the argument parser reads these annotations as types)."""
 
     model: str = _arg("tiny", "sft", "Model: a Hugging Face directory, a preset (tiny), or a hub id.")
-    data: list[str] = _arg(None, "sft", "Training data files or directories (JSONL/JSON/Parquet); default: the embedded tasks.")
-    eval_data: list[str] = _arg(None, "sft", "Held-out data files; default: the embedded eval tasks when --data is not given.")
+    data: list[str] | None = _arg(None, "sft", "Training data files or directories (JSONL/JSON/Parquet); default: the embedded tasks.")
+    eval_data: list[str] | None = _arg(None, "sft", "Held-out data files; default: the embedded eval tasks when --data is not given.")
     val_size: float = _arg(0.0, "sft", "Hold out this many training examples (int) or this fraction (<1) for evaluation.")
     data_format: str = _arg("auto", "sft", "Record format.",
                             choices=("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"))
     train_on_prompt: bool = _arg(False, "sft", "Also train on prompt tokens (default: assistant/completion tokens only).")
     mask_history: bool = _arg(False, "sft", "Train only on the last assistant turn of each conversation.")
     skip_bad_examples: bool = _arg(False, "sft", "Turn malformed examples into counted warnings instead of errors.")
-    pad_to_multiple_of: int = _arg(None, "sft", "Pad micro batches to a multiple of this (8/64 help torch.compile).")
-    max_tokens: int = _arg(None, "sft", "Token budget per micro batch for the dynamic batching strategies.")
-    model_dtype: str = _arg(None, "sft", "Load the weights in this dtype (default: the checkpoint's).",
+    pad_to_multiple_of: int | None = _arg(None, "sft", "Pad micro batches to a multiple of this (8/64 help torch.compile).")
+    max_tokens: int | None = _arg(None, "sft", "Token budget per micro batch for the dynamic batching strategies.")
+    model_dtype: str | None = _arg(None, "sft", "Load the weights in this dtype (default: the checkpoint's).",
                             choices=("float32", "bfloat16", "float16"))
-    eval_exact_match: bool = _arg(None, "sft", "Report exact-match accuracy of greedy answers on held-out conversations "
+    eval_exact_match: bool | None = _arg(None, "sft", "Report exact-match accuracy of greedy answers on held-out conversations "
                                   "before and after training (default: on for the embedded tasks).")
     exact_match_examples: int = _arg(200, "sft", "How many held-out conversations the exact-match evaluation uses.")
     max_new_tokens: int = _arg(32, "sft", "Longest answer generated for the exact-match evaluation.")
@@ -208,8 +207,7 @@ def train(args, sft: SFTArguments) -> int:
         f"    tokenizer = AutoTokenizer.from_pretrained({str(final.resolve())!r})",
         f"or try it here: python -m trainer.generate --model {final} --prompt \"...\"",
         "final metrics: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}),
-        f"loss curve: {plot}" if plot else "loss curve: not plotted (pip install matplotlib)",
-    ]))
+    ] + ([f"loss curve: {plot}" if plot else "loss curve: not plotted (pip install matplotlib)"] if sft.plot else [])))
     return 0
 
 
