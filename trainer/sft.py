@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .args import ConfigError, _arg, parse_args
-from .tasks import EVAL_FILE, TRAIN_FILE, exact_match
+from .tasks import EVAL_FILE, TRAIN_FILE
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
@@ -48,7 +48,7 @@ class SFTArguments:
     eval_exact_match: bool | None = _arg(None, "sft", "Report exact-match accuracy of greedy answers on held-out conversations "
                                   "before and after training (default: on for the embedded tasks).")
     exact_match_examples: int = _arg(200, "sft", "How many held-out conversations the exact-match evaluation uses.")
-    max_new_tokens: int = _arg(32, "sft", "Longest answer generated for the exact-match evaluation.")
+    max_new_tokens: int = _arg(32, "sft", "Longest answer generated for the sample answers printed at the end.")
     plot: bool = _arg(True, "sft", "Save the train/eval loss curve as output_dir/loss_curve.png (needs matplotlib).")
 
 
@@ -97,24 +97,56 @@ def held_out_conversations(paths, limit: int) -> list[list[dict]]:
 
 
 @torch.no_grad()
-def exact_match_accuracy(model, tokenizer, conversations, max_new_tokens: int) -> float:
-    """Share of conversations whose greedy answer equals the reference answer (whitespace stripped)."""
-    from .model import generate
+def exact_match_accuracy(model, tokenizer, conversations, batch_size: int = 64) -> float:
+    """Share of conversations whose greedy answer is exactly the reference answer followed by end-of-turn.
 
+    Greedy decoding reproduces a reference token for token and then stops iff, with the reference fed back
+    (teacher forcing), the argmax at every answer position is the next reference token and, after the last,
+    the end-of-turn token. That is checked for a whole batch in one forward pass instead of decoding token by
+    token; `sample_answers` shows real generations.
+    """
     if not conversations:
         return float("nan")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     right = 0
-    for messages in conversations:
-        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
-        ids = torch.tensor([prompt], device=device)
-        out = generate(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-        new = out[0, len(prompt):].tolist() if isinstance(out, torch.Tensor) else list(out)[len(prompt):]
-        right += exact_match(tokenizer.decode(new), messages[-1]["content"])
+    for start in range(0, len(conversations), batch_size):
+        rows, spans = [], []
+        for messages in conversations[start:start + batch_size]:
+            prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
+            answer = tokenizer.encode(messages[-1]["content"]) + [tokenizer.eos_token_id]
+            rows.append(prompt + answer)
+            spans.append((len(prompt), len(answer)))
+        longest = max(len(r) for r in rows)
+        ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+        predicted = model(ids.to(device), attention_mask=mask.to(device)).logits.argmax(-1).cpu()  # (B, T)
+        for i, (p, n) in enumerate(spans):
+            right += bool(torch.equal(predicted[i, p - 1:p - 1 + n], ids[i, p:p + n]))
     model.train(was_training)
     return right / len(conversations)
+
+
+@torch.no_grad()
+def sample_answers(model, tokenizer, conversations, max_new_tokens: int) -> list[tuple[str, str, str]]:
+    """(prompt, greedy answer, reference) for a few conversations, decoded token by token with the KV cache."""
+    from .model import generate
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for messages in conversations:
+        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
+        ids = generate(model, torch.tensor([prompt], device=device), max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+        out.append((messages[-2]["content"], tokenizer.decode(ids[0, len(prompt):].tolist()).strip(),
+                    messages[-1]["content"]))
+    model.train(was_training)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +206,7 @@ def train(args, sft: SFTArguments) -> int:
 
     check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
     conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
-    before = exact_match_accuracy(model, tokenizer, conversations, sft.max_new_tokens) if conversations else None
+    before = exact_match_accuracy(model, tokenizer, conversations) if conversations else None
     if before is not None:
         print(f"exact match before training: {before:.1%} of {len(conversations)} held-out conversations", file=sys.stderr)
 
@@ -194,8 +226,10 @@ def train(args, sft: SFTArguments) -> int:
     if eval_ds is not None:
         summary.update(trainer.evaluate())
     if before is not None:
-        after = exact_match_accuracy(model, tokenizer, conversations, sft.max_new_tokens)
+        after = exact_match_accuracy(model, tokenizer, conversations)
         summary.update({"exact_match_before": before, "exact_match_after": after})
+        for prompt, answer, reference in sample_answers(model, tokenizer, conversations[:5], sft.max_new_tokens):
+            print(f"  {prompt!r} -> {answer!r} (reference {reference!r})", file=sys.stderr)
     (Path(args.output_dir) / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
     print("\n".join([
