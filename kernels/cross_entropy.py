@@ -1,0 +1,445 @@
+"""Cross-entropy over a large vocabulary: loss and logit gradient in one launch.
+
+Math, per row with logits x (V classes), target y, label smoothing s, z-loss weight z:
+
+    m = max_j x_j,   d = sum_j exp(x_j - m),   lse = m + log d,   p_j = exp(x_j - m) / d
+    loss = (1 - s) * (lse - x_y) + s * (lse - mean_j x_j) + z * lse^2      (0 when y == ignore_index)
+    dloss/dx_j = p_j * (1 + 2 z lse) - s / V - (1 - s) [j == y]
+
+which is `torch.nn.functional.cross_entropy` (same label-smoothing formula: (1-s)*nll + s * mean over
+classes of -log p) plus PaLM's z-loss. Reductions: "none" (per row), "sum", "mean" (sum over rows /
+number of non-ignored rows; 0, not NaN, when every row is ignored, where torch returns NaN), or
+sum / num_items when `num_items` is given (gradient accumulation / data-parallel normalisation: pass
+the global token count; a tensor avoids a host sync; only with reduction="mean").
+
+Accuracy. The target-class gradient p_y - 1 is computed as -d_other / d with d_other the sum over the
+classes other than y, accumulated separately: the naive 1/d - 1 rounds to 0 in fp32 once p_y > 1 - 6e-8
+(e.g. the target logit 30 above 5000 others: true value -4.7e-10). The nll uses log1p(d_other / e_y)
+for the same reason. Everything after a load is fp32; only the gradient store rounds to the logits'
+dtype.
+
+Kernel and bytes moved. One program per row. Pass 1 streams the row in BLOCK-wide tiles with an
+online log-sum-exp (running max m, rescaled sums; Milakov & Gimelshein 2018). Pass 2 streams it again
+and writes the gradient (only when a gradient is required), scaled by 1/denominator for "mean"; the
+mean's denominator is read from device memory, so nothing syncs with the host. Per element: 2 reads +
+1 write of the logits' dtype with a gradient (6 bytes in bf16), 1 read without. Pass 2 walks the tiles
+in reverse and pass 1 loads with evict_last, so the tiles read last in pass 1 are still in L2 when
+pass 2 starts (a design choice not yet measured on a GPU; see the benchmark).
+GPU: BLOCK = min(next_pow2(V), 32768), num_warps = BLOCK / 1024 clamped to [4, 32]: big tiles amortise
+the two block reductions per tile; V = 128256 takes 4 tiles per pass (not yet tuned on a GPU).
+Interpreter: BLOCK <= 2048 so the online multi-tile path is what the tests exercise.
+
+Gradient buffer: the forward writes the gradient into a fresh (N, V) buffer in the logits' dtype,
+never into the caller's logits, so the caller can never observe a clobbered tensor; that buffer is the
+only vocabulary-sized allocation (no fp32 copy of the logits) and it is freed after the backward.
+Backward multiplies it in place by grad_output (a scalar for mean/sum, one value per row for "none");
+the kernel reads grad_output on the device and skips the pass when it equals 1 (the usual
+`loss.backward()`), so the common backward costs one tiny launch and no host sync. Because the buffer
+is modified in place, its autograd version is bumped: a second backward through a retained graph
+raises PyTorch's "modified by an inplace operation" error instead of returning a wrongly scaled
+gradient. Under torch.compile the scale is left to the compiler (out of place).
+
+Targets outside [0, V) that are not ignore_index give a NaN loss and NaN gradient row (checking them on
+the host would need a sync); the reference path raises instead.
+
+Test: `python -m pytest tests/kernels/test_cross_entropy.py -q` (Triton interpreter on CPU).
+Bench: `python bench/bench_cross_entropy.py` (GPU), `--quick` for a CPU smoke run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import HAS_TRITON, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover - machines without triton run the reference only
+    triton = None
+
+_REDUCTIONS = ("mean", "sum", "none")
+_LOG2E = 1.4426950408889634
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _cross_entropy_fwd_kernel(
+        logits_ptr,  # (N, V) logits, fp32/bf16/fp16, unit column stride
+        grad_ptr,  # (N, V) gradient out in the logits' dtype (may be logits_ptr itself); unused without COMPUTE_GRAD
+        target_ptr,  # (N,) int32/int64 class indices
+        loss_ptr,  # (N,) fp32 per-row loss out
+        lse_ptr,  # (N,) fp32 per-row log-sum-exp out (0 for ignored rows)
+        scale_ptr,  # fp32 gradient scale: 0-d (scale_stride 0) or per row; unused without HAS_SCALE
+        n_cols,
+        stride_logits,  # row stride of logits, elements
+        stride_grad,  # row stride of grad, elements
+        scale_stride,  # 0 for one scale for all rows, else the row stride of scale_ptr
+        ignore_index,
+        LABEL_SMOOTHING: tl.constexpr,
+        Z_LOSS: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        COMPUTE_GRAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        LOG2E: tl.constexpr = 1.4426950408889634
+        row = tl.program_id(0).to(tl.int64)
+        logits_row = logits_ptr + row * stride_logits
+        grad_row = grad_ptr + row * stride_grad
+        y = tl.load(target_ptr + row).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        n_blocks = (n_cols + BLOCK - 1) // BLOCK
+
+        if y == ignore_index:
+            tl.store(loss_ptr + row, 0.0)
+            tl.store(lse_ptr + row, 0.0)
+            if COMPUTE_GRAD:
+                zeros = tl.zeros([BLOCK], dtype=tl.float32).to(grad_ptr.dtype.element_ty)
+                for b in range(0, n_blocks):
+                    offs = b * BLOCK + cols
+                    tl.store(grad_row + offs, zeros, mask=offs < n_cols)
+        else:
+            bad = (y < 0) | (y >= n_cols)
+            y_safe = tl.where(bad, 0, y)
+            x_y = tl.load(logits_row + y_safe).to(tl.float32)
+
+            # Pass 1: online log-sum-exp; d_other leaves the target class out (see the docstring).
+            m = -float("inf")
+            d_other = 0.0
+            x_sum = 0.0
+            for b in range(0, n_blocks):
+                offs = b * BLOCK + cols
+                mask = offs < n_cols
+                x = tl.load(logits_row + offs, mask=mask, other=-float("inf"), eviction_policy="evict_last").to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, axis=0))
+                e = tl.exp2((x - m_new) * LOG2E)
+                d_other = d_other * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.where(offs == y_safe, 0.0, e), axis=0)
+                if LABEL_SMOOTHING > 0.0:
+                    x_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
+                m = m_new
+
+            e_y = tl.exp2((x_y - m) * LOG2E)
+            d = d_other + e_y
+            lse = m + tl.log(d)
+            # nll = lse - x_y = log1p(d_other / e_y), with log1p(u) = log(w) * u / (w - 1), w = 1 + u (exact
+            # where w rounds to 1). Only needed when y is near the max; far below it lse - x_y is accurate.
+            near = x_y - m > -20.0
+            u = d_other / tl.where(near, e_y, 1.0)
+            w = 1.0 + u
+            log1p_u = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+            nll = tl.where(near, log1p_u, lse - x_y)
+            loss = (1.0 - LABEL_SMOOTHING) * nll
+            if LABEL_SMOOTHING > 0.0:
+                loss += LABEL_SMOOTHING * (lse - x_sum / n_cols)
+            if Z_LOSS > 0.0:
+                loss += Z_LOSS * lse * lse
+            loss = tl.where(bad, float("nan"), loss)
+            tl.store(loss_ptr + row, loss)
+            tl.store(lse_ptr + row, lse)
+
+            if COMPUTE_GRAD:
+                scale = 1.0
+                if HAS_SCALE:
+                    scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+                scale = tl.where(bad, float("nan"), scale)
+                inv_d = 1.0 / d
+                coef = (1.0 + 2.0 * Z_LOSS * lse) * inv_d * scale  # multiplies exp(x_j - m)
+                shift = (LABEL_SMOOTHING / n_cols) * scale
+                # p_y * (1 + 2 z lse) - s/V - (1 - s), with p_y - 1 = -d_other / d kept exact.
+                p_y = e_y * inv_d
+                grad_y = (-d_other * inv_d + 2.0 * Z_LOSS * lse * p_y + LABEL_SMOOTHING * (1.0 - 1.0 / n_cols)) * scale
+                # Pass 2, tiles in reverse: the last tiles of pass 1 are the likeliest still cached.
+                for i in range(0, n_blocks):
+                    offs = (n_blocks - 1 - i) * BLOCK + cols
+                    mask = offs < n_cols
+                    x = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                    g = coef * tl.exp2((x - m) * LOG2E) - shift
+                    g = tl.where(offs == y_safe, grad_y, g)
+                    tl.store(grad_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _cross_entropy_bwd_kernel(
+        grad_ptr,  # (R, C) contiguous gradient stored by the forward (any float dtype)
+        out_ptr,  # (R, C) contiguous output: grad * grad_output in its own dtype; may be grad_ptr (in place)
+        g_ptr,  # grad_output: one value (PER_ROW False) or one per row at stride g_stride
+        n_rows,
+        n_cols,
+        g_stride,  # row stride of grad_output (0 when it was expanded from a scalar)
+        PER_ROW: tl.constexpr,
+        IN_PLACE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        if PER_ROW:
+            # One program per row; in place, a row whose grad_output is exactly 1 is left alone.
+            g = tl.load(g_ptr + pid * g_stride).to(tl.float32)
+            if (g != 1.0) or (not IN_PLACE):
+                for start in range(0, n_cols, BLOCK):
+                    offs = start + cols
+                    mask = offs < n_cols
+                    v = tl.load(grad_ptr + pid * n_cols + offs, mask=mask).to(tl.float32)
+                    tl.store(out_ptr + pid * n_cols + offs, (v * g).to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # The tensor as one flat array, BLOCK elements per program; in place, all skip when grad_output == 1.
+            g = tl.load(g_ptr).to(tl.float32)
+            if (g != 1.0) or (not IN_PLACE):
+                offs = pid * BLOCK + cols
+                mask = offs < n_rows * n_cols
+                v = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+                tl.store(out_ptr + offs, (v * g).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _fwd_config(n_cols: int, on_cuda: bool) -> tuple[int, int]:
+    """(BLOCK, num_warps) for the forward kernel; see the module docstring for the reasoning."""
+    if not on_cuda:
+        return min(triton.next_power_of_2(n_cols), 8192), 4
+    block = min(triton.next_power_of_2(n_cols), 32768)
+    return block, max(4, min(32, block // 1024))
+
+
+def cross_entropy_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    z_loss: float = 0.0,
+    compute_grad: bool = True,
+    grad_scale: torch.Tensor | None = None,
+    grad_out: torch.Tensor | None = None,
+    loss_out: torch.Tensor | None = None,
+):
+    """Launch the forward kernel on 2-D logits (N, V) and targets (N,); no autograd.
+
+    Returns (loss_rows fp32 (N,), lse fp32 (N,), grad (N, V) or None). The gradient is that of the
+    per-row losses (reduction "sum"), multiplied by `grad_scale` (fp32, 0-d or (N,)) when given. It is
+    written to `grad_out` when given (the logits themselves for an in-place gradient), else to a fresh
+    buffer in the logits' dtype. `loss_out` optionally receives the per-row losses.
+    """
+    n_rows, n_cols = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    target = target.contiguous()
+    loss_rows = loss_out if loss_out is not None else torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    grad = None
+    if compute_grad:
+        grad = grad_out if grad_out is not None else torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
+    if n_rows == 0:
+        return loss_rows, lse, grad
+    if grad_scale is not None:
+        scale_stride = grad_scale.stride(0) if grad_scale.dim() == 1 else 0
+    else:
+        scale_stride = 0
+    block, num_warps = _fwd_config(n_cols, logits.is_cuda)
+    _cross_entropy_fwd_kernel[(n_rows,)](
+        logits,
+        grad if grad is not None else logits,
+        target,
+        loss_rows,
+        lse,
+        grad_scale if grad_scale is not None else lse,
+        n_cols,
+        logits.stride(0),
+        grad.stride(0) if grad is not None else 0,
+        scale_stride,
+        ignore_index,
+        LABEL_SMOOTHING=float(label_smoothing),
+        Z_LOSS=float(z_loss),
+        HAS_SCALE=grad_scale is not None,
+        COMPUTE_GRAD=grad is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+    return loss_rows, lse, grad
+
+
+def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """grad * grad_output (0-d, or one value per row of a 2-D grad) into `out` (default: grad, in place).
+
+    In place, the work is skipped on the device where grad_output is exactly 1; never syncs with the host.
+    `out` (contiguous, any float dtype) lets a caller keep an fp32 gradient and round it once, here.
+    """
+    out = grad if out is None else out
+    if grad.numel() == 0:
+        return out
+    per_row = grad_output.dim() > 0
+    if per_row:
+        n_rows, n_cols = grad.shape
+        g = grad_output.reshape(-1)
+        block = min(triton.next_power_of_2(n_cols), 8192 if grad.is_cuda else 65536)
+        grid = (n_rows,)
+        g_stride = g.stride(0)
+    else:
+        n_rows, n_cols = 1, grad.numel()
+        g = grad_output
+        # The interpreter pays per program, so it gets big flat blocks.
+        block = 8192 if grad.is_cuda else 65536
+        grid = (triton.cdiv(n_cols, block),)
+        g_stride = 0
+    _cross_entropy_bwd_kernel[grid](
+        grad, out, g, n_rows, n_cols, g_stride, PER_ROW=per_row, IN_PLACE=out is grad, BLOCK=block, num_warps=8 if grad.is_cuda else 4
+    )
+    return out
+
+
+def _scale_saved_(grad: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """grad * grad_output for a gradient the forward saved, as `dtype` (default grad's).
+
+    Same dtype: in place on the device (eager) and the saved tensor's version is bumped; another dtype:
+    one rounding into a fresh buffer. Under torch.compile, out of place and left to the compiler.
+    """
+    dtype = grad.dtype if dtype is None else dtype
+    if torch.compiler.is_compiling():
+        g = grad_output.reshape(-1, *([1] * (grad.dim() - 1))) if grad_output.dim() > 0 else grad_output
+        return (grad * g.to(grad.dtype)).to(dtype)
+    if dtype != grad.dtype:
+        return cross_entropy_bwd(grad, grad_output, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
+    cross_entropy_bwd(grad, grad_output)
+    # The saved tensor changed under autograd's feet: a second backward through a retained graph must
+    # fail loudly instead of scaling twice.
+    torch.autograd.graph.increment_version(grad)
+    return grad
+
+
+def _check_args(name, logits_or_hidden, target, label_smoothing, ignore_index, reduction, z_loss, num_items):
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{name}: reduction={reduction!r} is not one of {', '.join(map(repr, _REDUCTIONS))}")
+    if not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name}: label_smoothing={label_smoothing!r} must be a float in [0, 1]")
+    if not isinstance(z_loss, (int, float)) or isinstance(z_loss, bool) or z_loss < 0.0:
+        raise ValueError(f"{name}: z_loss={z_loss!r} must be a float >= 0")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise ValueError(f"{name}: ignore_index={ignore_index!r} must be an int")
+    if target.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: target dtype {target.dtype} must be torch.int64 or torch.int32")
+    if not logits_or_hidden.dtype.is_floating_point:
+        raise ValueError(f"{name}: inputs must be floating point, got {logits_or_hidden.dtype}")
+    if num_items is not None:
+        if reduction != "mean":
+            raise ValueError(f"{name}: num_items is only valid with reduction='mean', got reduction={reduction!r}")
+        if isinstance(num_items, torch.Tensor):
+            if num_items.numel() != 1:
+                raise ValueError(f"{name}: num_items must be an int or a one-element tensor, got shape {tuple(num_items.shape)}")
+        elif not isinstance(num_items, int) or isinstance(num_items, bool) or num_items <= 0:
+            raise ValueError(f"{name}: num_items={num_items!r} must be a positive int or a one-element tensor")
+
+
+def _denominator(target: torch.Tensor, ignore_index: int, reduction: str, num_items, device) -> torch.Tensor | None:
+    """fp32 0-d device tensor dividing the summed loss (None for "sum"/"none"); never syncs with the host."""
+    if reduction != "mean":
+        return None
+    if num_items is None:
+        # clamp to 1: an all-ignored batch has loss 0 and gradient 0, not 0/0.
+        return (target != ignore_index).sum().clamp(min=1).to(torch.float32)
+    if isinstance(num_items, torch.Tensor):
+        return num_items.reshape(()).to(device=device, dtype=torch.float32)
+    return torch.full((), float(num_items), dtype=torch.float32, device=device)
+
+
+def _reduce(loss_rows: torch.Tensor, reduction: str, denom: torch.Tensor | None) -> torch.Tensor:
+    if reduction == "none":
+        return loss_rows
+    total = loss_rows.sum()
+    return total / denom if denom is not None else total
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd wrapper: the forward kernel writes the gradient; backward scales it by grad_output."""
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction, z_loss, num_items):
+        denom = _denominator(target, ignore_index, reduction, num_items, logits.device)
+        loss_rows, _, grad = cross_entropy_fwd(
+            logits,
+            target,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+            z_loss=z_loss,
+            compute_grad=ctx.needs_input_grad[0],
+            grad_scale=denom.reciprocal() if denom is not None else None,
+        )
+        if grad is not None:
+            ctx.save_for_backward(grad)
+        return _reduce(loss_rows, reduction, denom).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return _scale_saved_(grad, grad_output), None, None, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    num_items: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of logits (N, V) or (B, T, V) against class indices (N,) or (B, T).
+
+    Semantics of `torch.nn.functional.cross_entropy` with the class dimension last, plus `z_loss`
+    (adds z_loss * logsumexp^2 per non-ignored row) and `num_items` (reduction="mean" only: divide the
+    summed loss by num_items instead of the number of non-ignored rows). An all-ignored batch gives 0.
+    Returns a 0-d tensor ("mean"/"sum") or the per-row losses shaped like target ("none"), in the
+    logits' dtype.
+    """
+    _check_args("cross_entropy", logits, target, label_smoothing, ignore_index, reduction, z_loss, num_items)
+    if logits.dim() not in (2, 3) or tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"cross_entropy: logits must be (N, V) or (B, T, V) and target its leading shape; "
+            f"got logits {tuple(logits.shape)}, target {tuple(target.shape)}"
+        )
+    if not use_triton(logits, target):
+        return cross_entropy_ref(
+            logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index,
+            reduction=reduction, z_loss=z_loss, num_items=num_items,
+        )
+    lead = target.shape
+    logits2d = logits.reshape(-1, logits.shape[-1])  # (N, V)
+    target1d = target.reshape(-1)  # (N,)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        loss = CrossEntropyFunction.apply(logits2d, target1d, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items)
+    else:
+        denom = _denominator(target1d, ignore_index, reduction, num_items, logits.device)
+        loss_rows, _, _ = cross_entropy_fwd(
+            logits2d, target1d, label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss, compute_grad=False
+        )
+        loss = _reduce(loss_rows, reduction, denom).to(logits.dtype)
+    return loss.reshape(lead) if reduction == "none" else loss
+
+
+def cross_entropy_ref(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    num_items: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch reference (fp32 math, result in the logits' dtype); differentiable by autograd."""
+    x = logits.float().reshape(-1, logits.shape[-1])  # (N, V)
+    t = target.reshape(-1)  # (N,)
+    valid = t != ignore_index
+    t_safe = torch.where(valid, t, torch.zeros_like(t))
+    lse = torch.logsumexp(x, dim=-1)  # (N,)
+    nll = lse - x.gather(1, t_safe.unsqueeze(1).long()).squeeze(1)
+    loss = (1.0 - label_smoothing) * nll
+    if label_smoothing > 0.0:
+        loss = loss + label_smoothing * (lse - x.mean(dim=-1))
+    if z_loss > 0.0:
+        loss = loss + z_loss * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss.reshape(target.shape).to(logits.dtype)
+    total = loss.sum()
+    if reduction == "sum":
+        return total.to(logits.dtype)
+    denom = _denominator(t, ignore_index, "mean", num_items, logits.device)
+    return (total / denom).to(logits.dtype)
