@@ -22,22 +22,27 @@ Kernel and bytes moved. One program per row. Pass 1 streams the row in BLOCK-wid
 online log-sum-exp (running max m, rescaled sums; Milakov & Gimelshein 2018). Pass 2 streams it again
 and writes the gradient (only when a gradient is required), scaled by 1/denominator for "mean"; the
 mean's denominator is read from device memory, so nothing syncs with the host. Per element: 2 reads +
-1 write of the logits' dtype with a gradient (6 bytes in bf16), 1 read without. Pass 2 walks the tiles
-in reverse and pass 1 loads with evict_last, so the tiles read last in pass 1 are still in L2 when
-pass 2 starts (a design choice not yet measured on a GPU; see the benchmark).
-GPU: BLOCK = min(next_pow2(V), 32768), num_warps = BLOCK / 1024 clamped to [4, 32]: big tiles amortise
-the two block reductions per tile; V = 128256 takes 4 tiles per pass (not yet tuned on a GPU).
-Interpreter: BLOCK <= 2048 so the online multi-tile path is what the tests exercise.
+1 write of the logits' dtype with a gradient (6 bytes in bf16), 1 read without.
+GPU launch: BLOCK = min(next_pow2(V), 16384), num_warps = BLOCK / 512 clamped to [4, 32]. At V = 128256
+that is one 1024-thread program per SM (ptxas for sm_90: 64 registers, no spills; BLOCK 32768 spills
+200 bytes), so the ~132 rows in flight hold ~33 MB, inside the H100's 50 MB L2: pass 2 can re-read the
+row from L2 rather than HBM, helped by loading pass 1 with evict_last, walking pass 2 in reverse (its
+first tiles are pass 1's last) and streaming it with evict_first. With one program per SM nothing else
+hides memory latency, so each loop loads its next tile into registers before reducing the current one.
+These choices come from register counts and cache arithmetic, not yet from GPU timings: see the benchmark.
+Interpreter: BLOCK = min(next_pow2(V), 8192) (one tile for the tests' V = 5003, since the interpreter pays
+per op); a test forces 1024-wide tiles to cover the multi-tile path.
 
 Gradient buffer: the forward writes the gradient into a fresh (N, V) buffer in the logits' dtype,
 never into the caller's logits, so the caller can never observe a clobbered tensor; that buffer is the
 only vocabulary-sized allocation (no fp32 copy of the logits) and it is freed after the backward.
 Backward multiplies it in place by grad_output (a scalar for mean/sum, one value per row for "none");
 the kernel reads grad_output on the device and skips the pass when it equals 1 (the usual
-`loss.backward()`), so the common backward costs one tiny launch and no host sync. Because the buffer
-is modified in place, its autograd version is bumped: a second backward through a retained graph
-raises PyTorch's "modified by an inplace operation" error instead of returning a wrongly scaled
-gradient. Under torch.compile the scale is left to the compiler (out of place).
+`loss.backward()`), so the common backward costs one tiny launch and no host sync. With grad_output != 1
+the gradient is rounded twice (<= 1 ulp instead of 0.5; exact for powers of two such as loss scales).
+Because the buffer is modified in place, its autograd version is bumped: a second backward through a
+retained graph raises PyTorch's "modified by an inplace operation" error instead of returning a wrongly
+scaled gradient. Under torch.compile the scale is left to the compiler (out of place).
 
 Targets outside [0, V) that are not ignore_index give a NaN loss and NaN gradient row (checking them on
 the host would need a sync); the reference path raises instead.
@@ -59,7 +64,6 @@ else:  # pragma: no cover - machines without triton run the reference only
     triton = None
 
 _REDUCTIONS = ("mean", "sum", "none")
-_LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
 
@@ -103,14 +107,20 @@ if HAS_TRITON:
             y_safe = tl.where(bad, 0, y)
             x_y = tl.load(logits_row + y_safe).to(tl.float32)
 
-            # Pass 1: online log-sum-exp; d_other leaves the target class out (see the docstring).
+            # Pass 1: online log-sum-exp; d_other leaves the target class out (see the docstring). The
+            # next tile is loaded before this one is reduced (register prefetch; a masked-off load past
+            # the end touches no memory) so its latency hides behind the reductions.
             m = -float("inf")
             d_other = 0.0
             x_sum = 0.0
+            x_next = tl.load(logits_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy="evict_last")
             for b in range(0, n_blocks):
                 offs = b * BLOCK + cols
                 mask = offs < n_cols
-                x = tl.load(logits_row + offs, mask=mask, other=-float("inf"), eviction_policy="evict_last").to(tl.float32)
+                x = x_next.to(tl.float32)
+                x_next = tl.load(
+                    logits_row + offs + BLOCK, mask=offs + BLOCK < n_cols, other=-float("inf"), eviction_policy="evict_last"
+                )
                 m_new = tl.maximum(m, tl.max(x, axis=0))
                 e = tl.exp2((x - m_new) * LOG2E)
                 d_other = d_other * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.where(offs == y_safe, 0.0, e), axis=0)
@@ -148,11 +158,16 @@ if HAS_TRITON:
                 # p_y * (1 + 2 z lse) - s/V - (1 - s), with p_y - 1 = -d_other / d kept exact.
                 p_y = e_y * inv_d
                 grad_y = (-d_other * inv_d + 2.0 * Z_LOSS * lse * p_y + LABEL_SMOOTHING * (1.0 - 1.0 / n_cols)) * scale
-                # Pass 2, tiles in reverse: the last tiles of pass 1 are the likeliest still cached.
+                # Pass 2, tiles in reverse (the last tiles of pass 1 are the likeliest still in L2), with the
+                # same register prefetch; a tile index of -1 is fully masked.
+                last = (n_blocks - 1) * BLOCK + cols
+                x_next = tl.load(logits_row + last, mask=last < n_cols, other=0.0, eviction_policy="evict_first")
                 for i in range(0, n_blocks):
                     offs = (n_blocks - 1 - i) * BLOCK + cols
                     mask = offs < n_cols
-                    x = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                    x = x_next.to(tl.float32)
+                    prev = offs - BLOCK
+                    x_next = tl.load(logits_row + prev, mask=prev >= 0, other=0.0, eviction_policy="evict_first")
                     g = coef * tl.exp2((x - m) * LOG2E) - shift
                     g = tl.where(offs == y_safe, grad_y, g)
                     tl.store(grad_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
@@ -169,33 +184,38 @@ if HAS_TRITON:
         IN_PLACE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        pid = tl.program_id(0).to(tl.int64)
+        # A fixed, small grid striding over the work: when an in-place scale is skipped (grad_output == 1)
+        # the launch costs a few waves of programs that read one value, not one program per tile.
+        pid = tl.program_id(0).to(tl.int64)  # int64 loop counters: offsets may pass 2^31
+        n_progs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK)
         if PER_ROW:
-            # One program per row; in place, a row whose grad_output is exactly 1 is left alone.
-            g = tl.load(g_ptr + pid * g_stride).to(tl.float32)
-            if (g != 1.0) or (not IN_PLACE):
-                for start in range(0, n_cols, BLOCK):
-                    offs = start + cols
-                    mask = offs < n_cols
-                    v = tl.load(grad_ptr + pid * n_cols + offs, mask=mask).to(tl.float32)
-                    tl.store(out_ptr + pid * n_cols + offs, (v * g).to(out_ptr.dtype.element_ty), mask=mask)
+            for row in range(pid, n_rows, n_progs):
+                g = tl.load(g_ptr + row * g_stride).to(tl.float32)
+                if (g != 1.0) or (not IN_PLACE):
+                    base = row * n_cols
+                    for start in range(0, n_cols, BLOCK):
+                        offs = start + cols
+                        mask = offs < n_cols
+                        v = tl.load(grad_ptr + base + offs, mask=mask).to(tl.float32)
+                        tl.store(out_ptr + base + offs, (v * g).to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            # The tensor as one flat array, BLOCK elements per program; in place, all skip when grad_output == 1.
             g = tl.load(g_ptr).to(tl.float32)
             if (g != 1.0) or (not IN_PLACE):
-                offs = pid * BLOCK + cols
-                mask = offs < n_rows * n_cols
-                v = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
-                tl.store(out_ptr + offs, (v * g).to(out_ptr.dtype.element_ty), mask=mask)
+                # flat: the launcher passes n_rows = 1 and n_cols = numel
+                for tile in range(pid, tl.cdiv(n_cols, BLOCK), n_progs):
+                    offs = tile * BLOCK + cols
+                    mask = offs < n_cols
+                    v = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+                    tl.store(out_ptr + offs, (v * g).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _fwd_config(n_cols: int, on_cuda: bool) -> tuple[int, int]:
     """(BLOCK, num_warps) for the forward kernel; see the module docstring for the reasoning."""
     if not on_cuda:
         return min(triton.next_power_of_2(n_cols), 8192), 4
-    block = min(triton.next_power_of_2(n_cols), 32768)
-    return block, max(4, min(32, block // 1024))
+    block = min(triton.next_power_of_2(n_cols), 16384)
+    return block, max(4, min(32, block // 512))
 
 
 def cross_entropy_fwd(
@@ -268,16 +288,20 @@ def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.
     if per_row:
         n_rows, n_cols = grad.shape
         g = grad_output.reshape(-1)
-        block = min(triton.next_power_of_2(n_cols), 8192 if grad.is_cuda else 65536)
-        grid = (n_rows,)
         g_stride = g.stride(0)
+        n_tiles = n_rows
     else:
         n_rows, n_cols = 1, grad.numel()
         g = grad_output
-        # The interpreter pays per program, so it gets big flat blocks.
-        block = 8192 if grad.is_cuda else 65536
-        grid = (triton.cdiv(n_cols, block),)
         g_stride = 0
+    # GPU: 4096-element tiles over 8 warps, at most 1024 programs (~8 per SM on an H100). The interpreter
+    # pays per program and per op: a few programs with big tiles.
+    block = 4096 if grad.is_cuda else 65536
+    if per_row:
+        block = min(block, triton.next_power_of_2(n_cols))
+    else:
+        n_tiles = triton.cdiv(n_cols, block)
+    grid = (max(1, min(n_tiles, 1024 if grad.is_cuda else 4)),)
     _cross_entropy_bwd_kernel[grid](
         grad, out, g, n_rows, n_cols, g_stride, PER_ROW=per_row, IN_PLACE=out is grad, BLOCK=block, num_warps=8 if grad.is_cuda else 4
     )

@@ -53,7 +53,7 @@ if HAS_TRITON:
 
 # See the module docstring: below ~2048 rows per chunk the fp32 grad_weight round trips cost >15%.
 MIN_CHUNK_ROWS = 2048
-_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out") and hasattr(torch.ops.aten.mm, "dtype_out")
 
 
 def _chunk_rows(n_rows: int, hidden: int, vocab: int) -> int:
