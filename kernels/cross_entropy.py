@@ -69,15 +69,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _cross_entropy_fwd_kernel(
-        logits_ptr,  # (N, V) logits, fp32/bf16/fp16, unit column stride
+        logits_ptr,  # (N, V) or (B, T, V) logits, fp32/bf16/fp16, unit stride over V, any leading strides
         grad_ptr,  # (N, V) gradient out in the logits' dtype (may be logits_ptr itself); unused without COMPUTE_GRAD
-        target_ptr,  # (N,) int32/int64 class indices
+        target_ptr,  # (N,) contiguous int32/int64 class indices, N = B * T
         loss_ptr,  # (N,) fp32 per-row loss out
         lse_ptr,  # (N,) fp32 per-row log-sum-exp out (0 for ignored rows)
         scale_ptr,  # fp32 gradient scale: 0-d (scale_stride 0) or per row; unused without HAS_SCALE
         n_cols,
-        stride_logits,  # row stride of logits, elements
-        stride_grad,  # row stride of grad, elements
+        seq_len,  # T: row r of the flattened logits is (r // T, r % T); 1 for 2-D logits
+        stride_lb,  # logits stride over B (over N for 2-D logits), elements
+        stride_lt,  # logits stride over T (unused for 2-D logits), elements
+        stride_grad,  # row stride of the contiguous grad (V), elements
         scale_stride,  # 0 for one scale for all rows, else the row stride of scale_ptr
         ignore_index,
         LABEL_SMOOTHING: tl.constexpr,
@@ -88,7 +90,8 @@ if HAS_TRITON:
     ):
         LOG2E: tl.constexpr = 1.4426950408889634
         row = tl.program_id(0).to(tl.int64)
-        logits_row = logits_ptr + row * stride_logits
+        # Strided 3-D logits (e.g. logits[:, :-1] of a causal LM) are read in place, never copied.
+        logits_row = logits_ptr + (row // seq_len) * stride_lb + (row % seq_len) * stride_lt
         grad_row = grad_ptr + row * stride_grad
         y = tl.load(target_ptr + row).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -230,22 +233,28 @@ def cross_entropy_fwd(
     grad_out: torch.Tensor | None = None,
     loss_out: torch.Tensor | None = None,
 ):
-    """Launch the forward kernel on 2-D logits (N, V) and targets (N,); no autograd.
+    """Launch the forward kernel on logits (N, V) or (B, T, V), any strides but unit stride over V,
+    and targets of their leading shape; no autograd.
 
-    Returns (loss_rows fp32 (N,), lse fp32 (N,), grad (N, V) or None). The gradient is that of the
+    Returns (loss_rows fp32 (N,), lse fp32 (N,), grad (*lead, V) contiguous, or None). The gradient is that of the
     per-row losses (reduction "sum"), multiplied by `grad_scale` (fp32, 0-d or (N,)) when given. It is
     written to `grad_out` when given (the logits themselves for an in-place gradient), else to a fresh
     buffer in the logits' dtype. `loss_out` optionally receives the per-row losses.
     """
-    n_rows, n_cols = logits.shape
-    if logits.stride(1) != 1:
+    if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    target = target.contiguous()
+    n_cols = logits.shape[-1]
+    n_rows = logits.numel() // n_cols if n_cols else 0
+    if logits.dim() == 3:
+        seq_len, stride_lb, stride_lt = logits.shape[1], logits.stride(0), logits.stride(1)
+    else:
+        seq_len, stride_lb, stride_lt = 1, logits.stride(0), 0
+    target = target.reshape(-1).contiguous()  # (N,)
     loss_rows = loss_out if loss_out is not None else torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     grad = None
     if compute_grad:
-        grad = grad_out if grad_out is not None else torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
+        grad = grad_out if grad_out is not None else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n_rows == 0:
         return loss_rows, lse, grad
     if grad_scale is not None:
@@ -261,8 +270,10 @@ def cross_entropy_fwd(
         lse,
         grad_scale if grad_scale is not None else lse,
         n_cols,
-        logits.stride(0),
-        grad.stride(0) if grad is not None else 0,
+        seq_len,
+        stride_lb,
+        stride_lt,
+        n_cols if grad is not None else 0,
         scale_stride,
         ignore_index,
         LABEL_SMOOTHING=float(label_smoothing),
@@ -276,7 +287,7 @@ def cross_entropy_fwd(
 
 
 def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """grad * grad_output (0-d, or one value per row of a 2-D grad) into `out` (default: grad, in place).
+    """grad * grad_output (0-d, or one value per row: per (..., V) slice) into `out` (default: grad, in place).
 
     In place, the work is skipped on the device where grad_output is exactly 1; never syncs with the host.
     `out` (contiguous, any float dtype) lets a caller keep an fp32 gradient and round it once, here.
@@ -286,7 +297,8 @@ def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.
         return out
     per_row = grad_output.dim() > 0
     if per_row:
-        n_rows, n_cols = grad.shape
+        n_cols = grad.shape[-1]
+        n_rows = grad.numel() // n_cols
         g = grad_output.reshape(-1)
         g_stride = g.stride(0)
         n_tiles = n_rows
@@ -316,7 +328,7 @@ def _scale_saved_(grad: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dt
     """
     dtype = grad.dtype if dtype is None else dtype
     if torch.compiler.is_compiling():
-        g = grad_output.reshape(-1, *([1] * (grad.dim() - 1))) if grad_output.dim() > 0 else grad_output
+        g = grad_output.reshape(*grad.shape[:-1], 1) if grad_output.dim() > 0 else grad_output
         return (grad * g.to(grad.dtype)).to(dtype)
     if dtype != grad.dtype:
         return cross_entropy_bwd(grad, grad_output, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
@@ -423,18 +435,17 @@ def cross_entropy(
             logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index,
             reduction=reduction, z_loss=z_loss, num_items=num_items,
         )
-    lead = target.shape
-    logits2d = logits.reshape(-1, logits.shape[-1])  # (N, V)
-    target1d = target.reshape(-1)  # (N,)
+    # Not flattened here: reshaping strided 3-D logits (logits[:, :-1]) would copy them; the kernel
+    # takes their strides instead.
     if torch.is_grad_enabled() and logits.requires_grad:
-        loss = CrossEntropyFunction.apply(logits2d, target1d, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items)
+        loss = CrossEntropyFunction.apply(logits, target, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items)
     else:
-        denom = _denominator(target1d, ignore_index, reduction, num_items, logits.device)
+        denom = _denominator(target, ignore_index, reduction, num_items, logits.device)
         loss_rows, _, _ = cross_entropy_fwd(
-            logits2d, target1d, label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss, compute_grad=False
+            logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss, compute_grad=False
         )
         loss = _reduce(loss_rows, reduction, denom).to(logits.dtype)
-    return loss.reshape(lead) if reduction == "none" else loss
+    return loss.reshape(target.shape) if reduction == "none" else loss
 
 
 def cross_entropy_ref(

@@ -229,7 +229,7 @@ def test_one_vocab_sized_buffer_and_caller_logits_untouched():
         loss = cross_entropy(x, target, label_smoothing=0.1)
         loss.backward()
     # the gradient is the only (tokens, vocab) allocation, in the logits' dtype: no fp32 copy
-    assert rec.allocs == [((12, V), torch.bfloat16)]
+    assert rec.allocs == [((2, 6, V), torch.bfloat16)]
     assert torch.equal(x.detach(), logits), "the caller's logits were modified"
     assert x.grad.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
@@ -344,3 +344,23 @@ def test_bench_cross_entropy_runs(tmp_path, monkeypatch):
     rows = (tmp_path / "cross_entropy.jsonl").read_text().splitlines()
     assert len(rows) >= 3 and all('"perf_figure": false' in r for r in rows)
     assert math.isfinite(float(__import__("json").loads(rows[0])["ms"]))
+
+
+def test_strided_3d_logits_are_read_in_place():
+    # The causal-LM shift logits[:, :-1] is not viewable as (N, V): the kernel must take its strides
+    # (no (N, V) copy) and still match.
+    full, labels = make_inputs((2, 6), dtype=torch.bfloat16, seed=14)
+    x = full.clone().requires_grad_()
+    with AllocationRecorder(min_numel=10 * V) as rec:  # the forward: where a copy would be made
+        loss = cross_entropy(x[:, :-1], labels[:, 1:], reduction="none")
+    assert rec.allocs == [((2, 5, V), torch.bfloat16)]  # the gradient buffer only
+    (loss * torch.arange(10, dtype=torch.bfloat16).reshape(2, 5)).sum().backward()
+    y = full.float().clone().requires_grad_()
+    ref = cross_entropy_ref(y[:, :-1], labels[:, 1:], reduction="none")
+    (ref * torch.arange(10.0).reshape(2, 5)).sum().backward()
+    low = full.clone().requires_grad_()
+    low_loss = torch_lowp(low[:, :-1], labels[:, 1:], reduction="none")
+    (low_loss * torch.arange(10, dtype=torch.bfloat16).reshape(2, 5)).sum().backward()
+    assert_lowp_close(loss, ref, low_loss, torch.bfloat16, name="loss", extra_ulps=1)
+    assert_lowp_close(x.grad, y.grad, low.grad, torch.bfloat16, name="grad", extra_ulps=1)
+    assert (x.grad[:, -1] == 0).all()
