@@ -385,7 +385,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     """Autograd wrapper: the forward kernel writes the gradient; backward scales it by grad_output."""
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction, z_loss, num_items):
+    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction, z_loss, num_items, out_dtype):
         denom = _denominator(target, ignore_index, reduction, num_items, logits.device)
         loss_rows, _, grad = cross_entropy_fwd(
             logits,
@@ -398,12 +398,12 @@ class CrossEntropyFunction(torch.autograd.Function):
         )
         if grad is not None:
             ctx.save_for_backward(grad)
-        return _reduce(loss_rows, reduction, denom).to(logits.dtype)
+        return _reduce(loss_rows, reduction, denom).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        return _scale_saved_(grad, grad_output), None, None, None, None, None, None
+        return _scale_saved_(grad, grad_output), None, None, None, None, None, None, None
 
 
 def cross_entropy(
@@ -437,14 +437,17 @@ def cross_entropy(
         )
     # Not flattened here: reshaping strided 3-D logits (logits[:, :-1]) would copy them; the kernel
     # takes their strides instead.
+    # F.cross_entropy runs in fp32 under autocast and returns an fp32 loss; the kernel computes in fp32
+    # anyway, so only the loss's dtype changes (the gradient keeps the logits' dtype).
+    out_dtype = torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
     if torch.is_grad_enabled() and logits.requires_grad:
-        loss = CrossEntropyFunction.apply(logits, target, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items)
+        loss = CrossEntropyFunction.apply(logits, target, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items, out_dtype)
     else:
         denom = _denominator(target, ignore_index, reduction, num_items, logits.device)
         loss_rows, _, _ = cross_entropy_fwd(
             logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss, compute_grad=False
         )
-        loss = _reduce(loss_rows, reduction, denom).to(logits.dtype)
+        loss = _reduce(loss_rows, reduction, denom).to(out_dtype)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
@@ -458,7 +461,8 @@ def cross_entropy_ref(
     z_loss: float = 0.0,
     num_items: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch reference (fp32 math, result in the logits' dtype); differentiable by autograd."""
+    """Plain PyTorch reference (fp32 math, result in the logits' dtype, fp32 under autocast); differentiable."""
+    out_dtype = torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
     x = logits.float().reshape(-1, logits.shape[-1])  # (N, V)
     t = target.reshape(-1)  # (N,)
     valid = t != ignore_index
@@ -472,9 +476,9 @@ def cross_entropy_ref(
         loss = loss + z_loss * lse * lse
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     if reduction == "none":
-        return loss.reshape(target.shape).to(logits.dtype)
+        return loss.reshape(target.shape).to(out_dtype)
     total = loss.sum()
     if reduction == "sum":
-        return total.to(logits.dtype)
+        return total.to(out_dtype)
     denom = _denominator(t, ignore_index, "mean", num_items, logits.device)
-    return (total / denom).to(logits.dtype)
+    return (total / denom).to(out_dtype)

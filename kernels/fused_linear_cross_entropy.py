@@ -77,7 +77,7 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bo
     return out.addmm_(a.float(), b.float()) if accumulate else torch.mm(a.float(), b.float(), out=out)
 
 
-def flce_chunks(hidden, weight, bias, target, *, label_smoothing, ignore_index, z_loss, loss_rows, grad_scale, need_hidden, need_weight, need_bias):
+def _flce_chunks(hidden, weight, bias, target, *, label_smoothing, ignore_index, z_loss, loss_rows, grad_scale, need_hidden, need_weight, need_bias):
     """One pass over the token chunks of 2-D hidden (N, H); no autograd.
 
     Writes the per-row losses into loss_rows (fp32 (N,)). Returns fp32 gradients (grad_hidden (N, H),
@@ -125,7 +125,7 @@ def flce_chunks(hidden, weight, bias, target, *, label_smoothing, ignore_index, 
     return grad_hidden, grad_weight, grad_bias
 
 
-def fused_linear_cross_entropy_fwd(hidden, weight, target, bias=None, *, label_smoothing=0.0, ignore_index=-100, z_loss=0.0, reduction="mean", num_items=None, need_hidden=False, need_weight=False, need_bias=False):
+def fused_linear_cross_entropy_fwd(hidden, weight, target, bias=None, *, label_smoothing=0.0, ignore_index=-100, z_loss=0.0, reduction="mean", num_items=None, need_hidden=False, need_weight=False, need_bias=False, out_dtype=None):
     """Launcher on 2-D hidden (N, H), target (N,): returns (loss, grad_hidden, grad_weight, grad_bias), no autograd.
 
     The gradients (reduction "mean"/"sum" only, else None) are those of the returned loss, in fp32:
@@ -135,13 +135,13 @@ def fused_linear_cross_entropy_fwd(hidden, weight, target, bias=None, *, label_s
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     denom = _denominator(target, ignore_index, reduction, num_items, hidden.device)
     with_grad = reduction != "none"
-    grads = flce_chunks(
+    grads = _flce_chunks(
         hidden, weight, bias, target,
         label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss, loss_rows=loss_rows,
         grad_scale=denom.reciprocal() if denom is not None else None,
         need_hidden=need_hidden and with_grad, need_weight=need_weight and with_grad, need_bias=need_bias and with_grad,
     )
-    return (_reduce(loss_rows, reduction, denom).to(hidden.dtype), *grads)
+    return (_reduce(loss_rows, reduction, denom).to(out_dtype or hidden.dtype), *grads)
 
 
 def fused_linear_cross_entropy_bwd(grad_output, grads32, dtype):
@@ -153,12 +153,12 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd wrapper: mean/sum compute every gradient in the forward; "none" recomputes in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, num_items):
+    def forward(ctx, hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, num_items, out_dtype):
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
         loss, grad_h, grad_w, grad_b = fused_linear_cross_entropy_fwd(
             hidden, weight, target, bias,
             label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss, reduction=reduction,
-            num_items=num_items, need_hidden=need_h, need_weight=need_w, need_bias=need_b,
+            num_items=num_items, need_hidden=need_h, need_weight=need_w, need_bias=need_b, out_dtype=out_dtype,
         )
         ctx.reduction = reduction
         ctx.dtype = hidden.dtype
@@ -172,6 +172,12 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        # backward may run inside the caller's autocast region; our matmuls choose their own dtypes
+        with torch.autocast(grad_output.device.type, enabled=False):
+            return FusedLinearCrossEntropyFunction._backward(ctx, grad_output)
+
+    @staticmethod
+    def _backward(ctx, grad_output):
         if ctx.reduction != "none":
             grad_h, grad_w, grad_b = fused_linear_cross_entropy_bwd(grad_output, ctx.saved_tensors, ctx.dtype)
         else:
@@ -179,13 +185,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             label_smoothing, ignore_index, z_loss = ctx.options
             need_h, need_w, need_b = ctx.needs
             scratch = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-            grads32 = flce_chunks(
+            grads32 = _flce_chunks(
                 hidden, weight, bias, target,
                 label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss, loss_rows=scratch,
                 grad_scale=grad_output.reshape(-1).float(), need_hidden=need_h, need_weight=need_w, need_bias=need_b,
             )
             grad_h, grad_w, grad_b = (None if g is None else g.to(ctx.dtype) for g in grads32)
-        return grad_h, grad_w, None, grad_b, None, None, None, None, None
+        return grad_h, grad_w, None, grad_b, None, None, None, None, None, None
 
 
 def _check_shapes(hidden, weight, target, bias):
@@ -224,6 +230,15 @@ def fused_linear_cross_entropy(
     per-token losses shaped like target ("none"), in hidden's dtype.
     """
     _check_args("fused_linear_cross_entropy", hidden, target, label_smoothing, ignore_index, reduction, z_loss, num_items)
+    device_type = hidden.device.type
+    out_dtype = None
+    if torch.is_autocast_enabled(device_type):
+        # As F.linear + F.cross_entropy under autocast: matmuls in the autocast dtype (autograd casts the
+        # gradients back to the parameters' dtype) and an fp32 loss.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        out_dtype = torch.float32
     _check_shapes(hidden, weight, target, bias)
     if not use_triton(hidden, weight, target, bias):
         return fused_linear_cross_entropy_ref(
@@ -232,16 +247,19 @@ def fused_linear_cross_entropy(
         )
     hidden2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # (N, H)
     target1d = target.reshape(-1)  # (N,)
+    out_dtype = out_dtype or hidden.dtype
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    if needs_grad:
-        loss = FusedLinearCrossEntropyFunction.apply(
-            hidden2d, weight, target1d, bias, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items
-        )
-    else:
-        loss = fused_linear_cross_entropy_fwd(
-            hidden2d, weight, target1d, bias, label_smoothing=float(label_smoothing), ignore_index=ignore_index,
-            z_loss=float(z_loss), reduction=reduction, num_items=num_items,
-        )[0]
+    # Our matmuls pick their dtypes themselves (fp32 accumulation): autocast must not recast them.
+    with torch.autocast(device_type, enabled=False):
+        if needs_grad:
+            loss = FusedLinearCrossEntropyFunction.apply(
+                hidden2d, weight, target1d, bias, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items, out_dtype
+            )
+        else:
+            loss = fused_linear_cross_entropy_fwd(
+                hidden2d, weight, target1d, bias, label_smoothing=float(label_smoothing), ignore_index=ignore_index,
+                z_loss=float(z_loss), reduction=reduction, num_items=num_items, out_dtype=out_dtype,
+            )[0]
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
@@ -257,7 +275,7 @@ def fused_linear_cross_entropy_ref(
     z_loss: float = 0.0,
     num_items: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The unfused reference: F.linear in the inputs' dtype, then `cross_entropy_ref` (fp32 math)."""
+    """The unfused reference: F.linear in the inputs' (or autocast) dtype, then `cross_entropy_ref` (fp32 math)."""
     return cross_entropy_ref(
         F.linear(hidden, weight, bias), target, label_smoothing=label_smoothing, ignore_index=ignore_index,
         reduction=reduction, z_loss=z_loss, num_items=num_items,

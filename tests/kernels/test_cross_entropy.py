@@ -364,3 +364,13 @@ def test_strided_3d_logits_are_read_in_place():
     assert_lowp_close(loss, ref, low_loss, torch.bfloat16, name="loss", extra_ulps=1)
     assert_lowp_close(x.grad, y.grad, low.grad, torch.bfloat16, name="grad", extra_ulps=1)
     assert (x.grad[:, -1] == 0).all()
+
+
+def test_autocast_returns_fp32_loss_like_torch():
+    logits, target = make_inputs((6,), vocab=1001, dtype=torch.bfloat16, seed=15)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grad = run(cross_entropy, logits, target, 1.0, label_smoothing=0.1)
+        torch_loss, torch_grad = run(F.cross_entropy, logits, target, 1.0, label_smoothing=0.1)
+    assert loss.dtype == torch_loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, torch_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, torch_grad, rtol=2**-7, atol=2**-7 * torch_grad.abs().max().item())

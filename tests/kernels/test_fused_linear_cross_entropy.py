@@ -274,3 +274,17 @@ def test_bench_fused_linear_cross_entropy_runs(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "fused_linear_cross_entropy.jsonl").read_text().splitlines()]
     assert {r["provider"] for r in rows} >= {"ours", "torch"} and all(r["perf_figure"] is False for r in rows)
     assert all(r["ms"] > 0 and r["tflop_s"] > 0 for r in rows if r["mode"] != "backward")
+
+
+def test_autocast_matches_linear_and_cross_entropy_under_autocast(monkeypatch):
+    # fp32 parameters under bf16 autocast (mixed-precision training): matmuls in bf16, fp32 loss and
+    # fp32 gradients for the fp32 leaves, as with F.linear + F.cross_entropy.
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 4)
+    hidden, weight, bias, target = make_inputs((10,), 96, vocab=1001, bias=True, seed=10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = run(fused_linear_cross_entropy, hidden, weight, bias, target, 1.0)
+        low = run(lambda h, w, t, b: F.cross_entropy(F.linear(h, w, b), t), hidden, weight, bias, target, 1.0)
+    ref = run(fused_linear_cross_entropy_ref, hidden, weight, bias, target, 1.0)
+    for name, o, r, lp in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), ours, ref, low):
+        assert o.dtype == torch.float32, name
+        assert_lowp_close(o, r, lp, torch.bfloat16, name=name, extra_ulps=1)
