@@ -308,7 +308,7 @@ def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.
         g_stride = 0
     # GPU: 4096-element tiles over 8 warps, at most 1024 programs (~8 per SM on an H100). The interpreter
     # pays per program and per op: a few programs with big tiles.
-    block = 4096 if grad.is_cuda else 65536
+    block = 4096 if grad.is_cuda else 1 << 18
     if per_row:
         block = min(block, triton.next_power_of_2(n_cols))
     else:

@@ -71,7 +71,7 @@ CASES = [
     dict(lead=(16,), reduction="mean", label_smoothing=0.0, z_loss=0.0, up=1.0),  # up == 1: the skipped backward pass
     dict(lead=(2, 7), reduction="sum", label_smoothing=0.1, z_loss=0.0, up=2.5),
     dict(lead=(13,), reduction="none", label_smoothing=0.1, z_loss=1e-3, up=None),
-    dict(lead=(3, 5), reduction="mean", label_smoothing=0.0, z_loss=1e-3, up=0.5, num_items=50),
+    dict(lead=(3, 5), reduction="mean", label_smoothing=0.0, z_loss=1e-3, up=0.5, num_items=torch.tensor(50)),
 ]
 
 

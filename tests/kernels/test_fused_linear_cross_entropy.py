@@ -58,10 +58,10 @@ def upstream_for(case, target, dtype):
 
 
 CASES = [
-    dict(lead=(13,), hdim=781, bias=True, chunk=4, reduction="mean", label_smoothing=0.0, z_loss=0.0, up=1.0),
-    dict(lead=(2, 5), hdim=1000, bias=False, chunk=3, reduction="sum", label_smoothing=0.1, z_loss=1e-3, up=2.5),
-    dict(lead=(11,), hdim=781, bias=True, chunk=4, reduction="none", label_smoothing=0.1, z_loss=0.0, up=None),
-    dict(lead=(3, 4), hdim=1000, bias=False, chunk=None, reduction="mean", label_smoothing=0.0, z_loss=1e-3, up=0.5, num_items=20),
+    dict(lead=(9,), hdim=781, bias=True, chunk=4, reduction="mean", label_smoothing=0.0, z_loss=0.0, up=1.0),
+    dict(lead=(2, 4), hdim=1000, bias=False, chunk=3, reduction="sum", label_smoothing=0.1, z_loss=1e-3, up=2.5),
+    dict(lead=(7,), hdim=781, bias=True, chunk=3, reduction="none", label_smoothing=0.1, z_loss=0.0, up=None),
+    dict(lead=(2, 3), hdim=1000, bias=False, chunk=None, reduction="mean", label_smoothing=0.0, z_loss=1e-3, up=0.5, num_items=20),
 ]
 
 
