@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 
 import torch
 
@@ -29,7 +28,6 @@ except Exception:  # pragma: no cover - exercised on machines without triton
     HAS_TRITON = False
 
 _BACKENDS = ("auto", "triton", "reference")
-_state = threading.local()
 
 
 def _env_backend() -> str:
@@ -39,38 +37,41 @@ def _env_backend() -> str:
     return name
 
 
+# Module globals, not thread-locals or os.environ lookups, so that torch.compile can trace `use_triton` (it
+# guards on globals; it cannot read a threading.local). KERNELS_BACKEND is read once, at import.
+_ENV_BACKEND = _env_backend()
+_override: str | None = None
+
+
 def current_backend() -> str:
     """The backend in force: the innermost `backend(...)` context, else `KERNELS_BACKEND`, else 'auto'."""
-    return getattr(_state, "backend", None) or _env_backend()
+    return _override or _ENV_BACKEND
 
 
 @contextlib.contextmanager
 def backend(name: str):
     """Force a backend for the ops called inside: 'auto' (the dispatch rule), 'triton' or 'reference'."""
+    global _override
     if name not in _BACKENDS:
         raise ValueError(f"backend {name!r} is not one of {', '.join(_BACKENDS)}")
-    previous = getattr(_state, "backend", None)
-    _state.backend = name
+    previous = _override
+    _override = name
     try:
         yield
     finally:
-        _state.backend = previous
+        _override = previous
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton reads it once too, when kernels decorate
 
 
 def interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@torch.compiler.assume_constant_result
-def _backend_for_trace() -> str:
-    # Evaluated once at trace time under torch.compile (thread-locals and os.environ are not traceable);
-    # a change of backend inside a compiled region is not seen until it recompiles.
-    return current_backend()
+    return _INTERPRET
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True where the op should launch its Triton kernel for these tensors, False for the reference."""
-    name = _backend_for_trace() if torch.compiler.is_compiling() else current_backend()
+    name = current_backend()
     if name == "reference":
         return False
     on_cuda = all(t.is_cuda for t in tensors if t is not None)

@@ -13,8 +13,6 @@ held-out conversations is printed before and after training.
 Exit codes: 0 done, 2 bad input (one line on stderr, no traceback), 143 stopped by SIGTERM after saving.
 """
 
-from __future__ import annotations
-
 import json
 import sys
 import time
@@ -24,32 +22,33 @@ from pathlib import Path
 import torch
 
 from .args import ConfigError, _arg, parse_args
-from .tasks import EVAL_FILE, TRAIN_FILE, exact_match
+from .tasks import EVAL_FILE, TRAIN_FILE
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 
 @dataclass
 class SFTArguments:
-    """Options of the sft command that are not TrainingArguments."""
+    """Options of the sft command that are not TrainingArguments (no `from __future__ import annotations` in
+    this module: the argument parser reads these annotations as types)."""
 
     model: str = _arg("tiny", "sft", "Model: a Hugging Face directory, a preset (tiny), or a hub id.")
-    data: list[str] = _arg(None, "sft", "Training data files or directories (JSONL/JSON/Parquet); default: the embedded tasks.")
-    eval_data: list[str] = _arg(None, "sft", "Held-out data files; default: the embedded eval tasks when --data is not given.")
+    data: list[str] | None = _arg(None, "sft", "Training data files or directories (JSONL/JSON/Parquet); default: the embedded tasks.")
+    eval_data: list[str] | None = _arg(None, "sft", "Held-out data files; default: the embedded eval tasks when --data is not given.")
     val_size: float = _arg(0.0, "sft", "Hold out this many training examples (int) or this fraction (<1) for evaluation.")
     data_format: str = _arg("auto", "sft", "Record format.",
                             choices=("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"))
     train_on_prompt: bool = _arg(False, "sft", "Also train on prompt tokens (default: assistant/completion tokens only).")
     mask_history: bool = _arg(False, "sft", "Train only on the last assistant turn of each conversation.")
     skip_bad_examples: bool = _arg(False, "sft", "Turn malformed examples into counted warnings instead of errors.")
-    pad_to_multiple_of: int = _arg(None, "sft", "Pad micro batches to a multiple of this (8/64 help torch.compile).")
-    max_tokens: int = _arg(None, "sft", "Token budget per micro batch for the dynamic batching strategies.")
-    model_dtype: str = _arg(None, "sft", "Load the weights in this dtype (default: the checkpoint's).",
+    pad_to_multiple_of: int | None = _arg(None, "sft", "Pad micro batches to a multiple of this (8/64 help torch.compile).")
+    max_tokens: int | None = _arg(None, "sft", "Token budget per micro batch for the dynamic batching strategies.")
+    model_dtype: str | None = _arg(None, "sft", "Load the weights in this dtype (default: the checkpoint's).",
                             choices=("float32", "bfloat16", "float16"))
-    eval_exact_match: bool = _arg(None, "sft", "Report exact-match accuracy of greedy answers on held-out conversations "
+    eval_exact_match: bool | None = _arg(None, "sft", "Report exact-match accuracy of greedy answers on held-out conversations "
                                   "before and after training (default: on for the embedded tasks).")
     exact_match_examples: int = _arg(200, "sft", "How many held-out conversations the exact-match evaluation uses.")
-    max_new_tokens: int = _arg(32, "sft", "Longest answer generated for the exact-match evaluation.")
+    max_new_tokens: int = _arg(32, "sft", "Longest answer generated for the sample answers printed at the end.")
     plot: bool = _arg(True, "sft", "Save the train/eval loss curve as output_dir/loss_curve.png (needs matplotlib).")
 
 
@@ -98,24 +97,56 @@ def held_out_conversations(paths, limit: int) -> list[list[dict]]:
 
 
 @torch.no_grad()
-def exact_match_accuracy(model, tokenizer, conversations, max_new_tokens: int) -> float:
-    """Share of conversations whose greedy answer equals the reference answer (whitespace stripped)."""
-    from .model import generate
+def exact_match_accuracy(model, tokenizer, conversations, batch_size: int = 64) -> float:
+    """Share of conversations whose greedy answer is exactly the reference answer followed by end-of-turn.
 
+    Greedy decoding reproduces a reference token for token and then stops iff, with the reference fed back
+    (teacher forcing), the argmax at every answer position is the next reference token and, after the last,
+    the end-of-turn token. That is checked for a whole batch in one forward pass instead of decoding token by
+    token; `sample_answers` shows real generations.
+    """
     if not conversations:
         return float("nan")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     right = 0
-    for messages in conversations:
-        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
-        ids = torch.tensor([prompt], device=device)
-        out = generate(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-        new = out[0, len(prompt):].tolist() if isinstance(out, torch.Tensor) else list(out)[len(prompt):]
-        right += exact_match(tokenizer.decode(new), messages[-1]["content"])
+    for start in range(0, len(conversations), batch_size):
+        rows, spans = [], []
+        for messages in conversations[start:start + batch_size]:
+            prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
+            answer = tokenizer.encode(messages[-1]["content"]) + [tokenizer.eos_token_id]
+            rows.append(prompt + answer)
+            spans.append((len(prompt), len(answer)))
+        longest = max(len(r) for r in rows)
+        ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+        predicted = model(ids.to(device), attention_mask=mask.to(device)).logits.argmax(-1).cpu()  # (B, T)
+        for i, (p, n) in enumerate(spans):
+            right += bool(torch.equal(predicted[i, p - 1:p - 1 + n], ids[i, p:p + n]))
     model.train(was_training)
     return right / len(conversations)
+
+
+@torch.no_grad()
+def sample_answers(model, tokenizer, conversations, max_new_tokens: int) -> list[tuple[str, str, str]]:
+    """(prompt, greedy answer, reference) for a few conversations, decoded token by token with the KV cache."""
+    from .model import generate
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for messages in conversations:
+        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
+        ids = generate(model, torch.tensor([prompt], device=device), max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+        out.append((messages[-2]["content"], tokenizer.decode(ids[0, len(prompt):].tolist()).strip(),
+                    messages[-1]["content"]))
+    model.train(was_training)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +206,7 @@ def train(args, sft: SFTArguments) -> int:
 
     check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
     conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
-    before = exact_match_accuracy(model, tokenizer, conversations, sft.max_new_tokens) if conversations else None
+    before = exact_match_accuracy(model, tokenizer, conversations) if conversations else None
     if before is not None:
         print(f"exact match before training: {before:.1%} of {len(conversations)} held-out conversations", file=sys.stderr)
 
@@ -195,8 +226,10 @@ def train(args, sft: SFTArguments) -> int:
     if eval_ds is not None:
         summary.update(trainer.evaluate())
     if before is not None:
-        after = exact_match_accuracy(model, tokenizer, conversations, sft.max_new_tokens)
+        after = exact_match_accuracy(model, tokenizer, conversations)
         summary.update({"exact_match_before": before, "exact_match_after": after})
+        for prompt, answer, reference in sample_answers(model, tokenizer, conversations[:5], sft.max_new_tokens):
+            print(f"  {prompt!r} -> {answer!r} (reference {reference!r})", file=sys.stderr)
     (Path(args.output_dir) / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
     print("\n".join([
@@ -208,8 +241,7 @@ def train(args, sft: SFTArguments) -> int:
         f"    tokenizer = AutoTokenizer.from_pretrained({str(final.resolve())!r})",
         f"or try it here: python -m trainer.generate --model {final} --prompt \"...\"",
         "final metrics: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}),
-        f"loss curve: {plot}" if plot else "loss curve: not plotted (pip install matplotlib)",
-    ]))
+    ] + ([f"loss curve: {plot}" if plot else "loss curve: not plotted (pip install matplotlib)"] if sft.plot else [])))
     return 0
 
 

@@ -253,11 +253,14 @@ class Trainer:
                     self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
                     stepped = False
                     if self.scaler is not None:
+                        # Non-finite gradients under fp16 are an overflow: the scaler skips the update and
+                        # lowers the scale. Only a non-finite loss counts as a non-finite step then.
+                        finite = math.isfinite(loss_value)
                         scale_before = self.scaler.get_scale()
-                        self.scaler.step(optimizer)  # skips the update itself when the grads overflowed
+                        self.scaler.step(optimizer)
                         self.scaler.update()
                         stepped = self.scaler.get_scale() >= scale_before and finite
-                        if not stepped:
+                        if self.scaler.get_scale() < scale_before:
                             state.overflow_steps += 1
                     elif finite:
                         optimizer.step()
@@ -293,7 +296,8 @@ class Trainer:
                         self.control.should_log = True
                     if _due(args.eval_strategy, state.global_step, state.eval_steps) and state.global_step >= (args.eval_delay or 0):
                         self.control.should_evaluate = True
-                    if args.save_strategy == "steps" and state.global_step % state.save_steps == 0:
+                    # No scheduled save inside a run of non-finite steps: the newest checkpoint stays the last good one.
+                    if args.save_strategy == "steps" and state.global_step % state.save_steps == 0 and not nonfinite_in_row:
                         self.control.should_save = True
                     if state.global_step >= max_steps:
                         self.control.should_training_stop = True
@@ -301,7 +305,8 @@ class Trainer:
                         self.control.should_save = True
                         self.control.should_training_stop = True
                     if self.control.should_log:
-                        logs = {"loss": logged_loss / logged_steps if logged_steps else float("nan"),
+                        # Skipped (non-finite) steps are not averaged in; a window of only skipped steps logs no loss.
+                        logs = {"loss": logged_loss / logged_steps if logged_steps else None,
                                 "grad_norm": last_grad_norm, "learning_rate": scheduler.get_last_lr()[0]}
                         speed = throughput.mark()
                         logs.update(speed)
@@ -313,7 +318,7 @@ class Trainer:
                         if state.nonfinite_steps or state.overflow_steps:
                             logs["skipped_steps"] = state.nonfinite_steps + state.overflow_steps
                         self._log(state, logs, writer, progress)
-                        logged_loss, logged_steps = 0.0, 0
+                        logged_loss, logged_steps, last_grad_norm = 0.0, 0, None
                     self._maybe_evaluate_and_save(state, model, optimizer, scheduler, loader, writer, progress)
                     if self.control.should_training_stop or self.control.should_epoch_stop:
                         break

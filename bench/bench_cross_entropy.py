@@ -1,0 +1,168 @@
+"""Benchmark kernels.cross_entropy against torch eager, torch.compile and liger-kernel.
+
+Providers (same run, same inputs):
+  ours           kernels.cross_entropy (Triton)
+  torch          cross_entropy_ref, the fp32 reference (what Hugging Face does: upcast, then F.cross_entropy)
+  torch_native   F.cross_entropy directly in the logits' dtype
+  torch_compile  torch.compile(cross_entropy_ref)
+  liger          liger_kernel's cross-entropy (skipped when not installed; it overwrites its input with the gradient)
+Modes: forward (loss with requires_grad=True: ours and liger compute the gradient here), full (forward +
+backward), backward = full - forward (derived: our backward cannot be re-run on a retained graph, by design).
+
+Physics: bytes are the algorithmic minimum, the same for every provider: forward reads the logits
+(N*V*elt), full also writes the gradient (2*N*V*elt). Our kernel actually moves 3*N*V*elt in full
+(two reads, one write), so 1.5x the reported GB/s is its true traffic. Peak extra memory is measured over
+a full step with the logits already allocated, and given as a ratio to the logits' size.
+
+GPU: tokens 8192 x vocab {32000, 128256, 151936}, bf16. CPU (`--quick`): a tiny shape through the Triton
+interpreter; those rows are flagged perf_figure=False.
+
+    python bench/bench_cross_entropy.py            # GPU, all shapes
+    python bench/bench_cross_entropy.py --quick    # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter flag must precede every @triton.jit decoration
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch.nn.functional as F  # noqa: E402
+
+import kernels  # noqa: E402
+from bench import common  # noqa: E402
+from kernels.cross_entropy import cross_entropy, cross_entropy_ref  # noqa: E402
+
+PROVIDERS = ("ours", "torch", "torch_native", "torch_compile", "liger")
+MODES = ("forward", "backward", "full")
+GPU_SHAPES = [(8192, 32000), (8192, 128256), (8192, 151936)]
+CPU_SHAPES = [(8, 1000)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _liger():
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+    except Exception:
+        return None
+    return liger_cross_entropy
+
+
+def make_loss_fn(provider: str, compile_backend: str):
+    if provider == "ours":
+        return lambda x, t: cross_entropy(x, t)
+    if provider == "torch":
+        return lambda x, t: cross_entropy_ref(x, t)
+    if provider == "torch_native":
+        return lambda x, t: F.cross_entropy(x, t)
+    if provider == "torch_compile":
+        return torch.compile(cross_entropy_ref, backend=compile_backend)
+    if provider == "liger":
+        return _liger()
+    raise ValueError(f"unknown provider {provider!r}; choose from {', '.join(PROVIDERS)}")
+
+
+def bench_one(provider, n_tokens, vocab, dtype, compile_backend, dev, reps=3):
+    fn = make_loss_fn(provider, compile_backend)
+    if fn is None:
+        return None
+    gen = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(n_tokens, vocab, device=dev, dtype=dtype, generator=gen).requires_grad_()
+    target = torch.randint(0, vocab, (n_tokens,), device=dev, generator=gen)
+    target[::10] = -100
+
+    def forward():
+        return fn(logits, target)
+
+    def full():
+        logits.grad = None
+        fn(logits, target).backward()
+
+    with kernels.backend("triton" if provider == "ours" else "auto"):
+        t_fwd = common.measure(forward, cpu_reps=reps)
+        t_full = common.measure(full, cpu_reps=reps)
+        logits.grad = None
+        peak = common.peak_extra_memory(full)
+    logits.grad = None
+    elt = logits.element_size()
+    logits_bytes = n_tokens * vocab * elt
+    out = {}
+    for mode in MODES:
+        if mode == "forward":
+            t, nbytes = t_fwd, logits_bytes
+        elif mode == "full":
+            t, nbytes = t_full, 2 * logits_bytes
+        else:
+            t = {k: t_full[k] - t_fwd[k] for k in ("ms", "ms_p20", "ms_p80")}
+            nbytes = logits_bytes
+        row = {"op": "cross_entropy", "provider": provider, "mode": mode, "tokens": n_tokens, "vocab": vocab, "dtype": str(dtype).replace("torch.", "")}
+        row.update(t)
+        row["derived"] = mode == "backward"
+        if t["ms"] > 0:  # a derived backward can come out <= 0 within timing noise on a CPU
+            row.update(common.physics(t["ms"], bytes_moved=nbytes))
+        row["peak_extra_bytes"] = peak
+        row["peak_extra_over_logits"] = None if peak is None else peak / logits_bytes
+        out[mode] = row
+    return out
+
+
+def add_speedups(rows, keys=("mode", "tokens", "vocab", "dtype")):
+    """speedup_vs_<provider> on our rows: their median time over ours, same shape (keys) and mode."""
+    for row in rows:
+        if row["provider"] != "ours":
+            continue
+        for other in rows:
+            same = all(other[k] == row[k] for k in keys)
+            if same and other["provider"] != "ours" and row["ms"] > 0:
+                row[f"speedup_vs_{other['provider']}"] = other["ms"] / row["ms"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--quick", action="store_true", help="one tiny shape (CPU smoke run)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--tokens", type=int, nargs="*", help="override the token counts")
+    parser.add_argument("--vocab", type=int, nargs="*", help="override the vocabulary sizes")
+    parser.add_argument("--providers", nargs="*", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for torch_compile (default inductor)")
+    args = parser.parse_args(argv)
+
+    dev = common.device()
+    shapes = CPU_SHAPES if (args.quick or not common.on_gpu()) else GPU_SHAPES
+    if args.tokens or args.vocab:
+        tokens = args.tokens or sorted({s[0] for s in shapes})
+        vocabs = args.vocab or sorted({s[1] for s in shapes})
+        shapes = [(n, v) for n in tokens for v in vocabs]
+    env = common.env_info()
+    rows = []
+    for n_tokens, vocab in shapes:
+        shape_rows = []
+        for provider in args.providers:
+            result = bench_one(provider, n_tokens, vocab, DTYPES[args.dtype], args.compile_backend, dev, reps=1 if args.quick else 3)
+            if result is None:
+                print(f"skip {provider}: not installed")
+                continue
+            shape_rows.extend(result.values())
+        add_speedups(shape_rows)
+        rows.extend(shape_rows)
+    for row in rows:
+        row.update(env)
+        print(
+            f"{row['provider']:>13} {row['mode']:>8} N={row['tokens']} V={row['vocab']} {row['ms']:.3f} ms"
+            + (f" {row['gb_s']:.3g} GB/s" if row.get("gb_s") else "")
+        )
+    path = common.write_rows("cross_entropy", rows)
+    print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
