@@ -535,13 +535,11 @@ class CausalLM(nn.Module):
         if self.impl == "kernels":
             import kernels
 
-            # Outside autocast: the Triton kernel ignores autocast and computes at the inputs' dtypes; its CPU
-            # reference would otherwise run the matmul (and return the loss) in fp16, and GradScaler's
-            # loss * 65536 overflows fp16 (measured: every step of an fp16 run skipped).
-            with torch.autocast(hidden.device.type, enabled=False):
-                loss = kernels.fused_linear_cross_entropy(flat, self.lm_head.weight, targets, ignore_index=IGNORE_INDEX,
-                                                          label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-                                                          num_items=denom)
+            # Under autocast the kernel casts its inputs to the autocast dtype (as F.linear would) and returns an
+            # fp32 loss, so GradScaler's loss * 65536 cannot overflow.
+            loss = kernels.fused_linear_cross_entropy(flat, self.lm_head.weight, targets, ignore_index=IGNORE_INDEX,
+                                                      label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                                      num_items=denom)
             return CausalLMOutput(loss, None)
         if self.impl == "liger":
             from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
