@@ -1,0 +1,114 @@
+"""`python -m trainer.sft` and `python -m trainer.generate` as a user runs them (in process, a few steps)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kernels
+
+from trainer import generate as generate_cli
+from trainer import sft
+from trainer.model import load_pretrained
+
+FEW_STEPS = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--exact_match_examples", "16",
+             "--logging_steps", "1", "--disable_tqdm", "true"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """The README's main job (the embedded default), cut to 3 steps."""
+    out = tmp_path_factory.mktemp("demo") / "out"
+    with kernels.backend("reference"):  # module-scoped: set up before the per-test reference fixture
+        code = sft.main(["--output_dir", str(out), *FEW_STEPS])
+    return code, out
+
+
+def test_embedded_default_trains_evaluates_and_saves(demo_run, capsys):
+    code, out = demo_run
+    assert code == 0
+    final = json.loads((out / "final_metrics.json").read_text())
+    assert final["global_step"] == 3
+    assert {"exact_match_before", "exact_match_after", "eval_loss", "eval_perplexity", "final_train_loss"} <= set(final)
+    assert 0.0 <= final["exact_match_after"] <= 1.0
+    model = load_pretrained(out)
+    assert model.num_parameters() > 1_000_000
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 3
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-3"]  # save_strategy epoch: saved at the end
+
+
+def test_transformers_loads_the_result(demo_run):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    _, out = demo_run
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ours = load_pretrained(out, use_kernels=False).eval()
+    ids = torch.tensor([tok.encode("reverse: abc")])
+    torch.testing.assert_close(hf(ids).logits, ours(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_cli(demo_run, capsys):
+    _, out = demo_run
+    assert generate_cli.main(["--model", str(out), "--prompt", "reverse: abc", "--max_new_tokens", "5"]) == 0
+    capsys.readouterr()  # an untrained model's answer is noise; the command itself must work
+    assert generate_cli.main(["--model", str(out)]) == 2
+    assert "give --prompt" in capsys.readouterr().err
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: "), err
+    assert "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+def test_bad_data_names_file_and_line(tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                    '{"messages": [oops]}\n')
+    code = sft.main(["--model", "tiny", "--data", str(data), "--output_dir", str(tmp_path / "o"), *FEW_STEPS])
+    assert code == 2
+    assert "bad.jsonl:2:" in _one_line_error(capsys)
+
+
+def test_unknown_flag_suggests_the_closest(tmp_path, capsys):
+    assert sft.main(["--model", "tiny", "--learning_rat", "1e-3"]) == 2
+    assert "learning_rate" in _one_line_error(capsys)
+
+
+def test_bad_model_and_conflicting_precision(tmp_path, capsys):
+    assert sft.main(["--model", str(tmp_path / "nope"), "--output_dir", str(tmp_path / "o")]) == 2
+    assert "model" in _one_line_error(capsys)
+    assert sft.main(["--model", "tiny", "--bf16", "--fp16"]) == 2
+    line = _one_line_error(capsys)
+    assert "bf16" in line and "fp16" in line
+
+
+def test_existing_checkpoints_are_not_overwritten_silently(demo_run, capsys):
+    _, out = demo_run
+    before = sorted(p.name for p in out.iterdir())
+    assert sft.main(["--model", "tiny", "--output_dir", str(out), "--overwrite_output_dir", "false", *FEW_STEPS]) == 2
+    assert "already holds checkpoints" in _one_line_error(capsys)
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_help_lists_sft_and_training_arguments(capsys):
+    with pytest.raises(SystemExit) as exc:
+        sft.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for name in ("--model", "--data", "--train_on_prompt", "--learning_rate", "--batching_strategy", "--neftune_noise_alpha"):
+        assert name in text
+
+
+@pytest.mark.slow
+def test_demo_learns_the_tasks(tmp_path):
+    """The full README demo: exact match on held-out tasks must rise from 0 to a large share (minutes on a CPU)."""
+    out = tmp_path / "out"
+    assert sft.main(["--output_dir", str(out), "--disable_tqdm", "true"]) == 0
+    final = json.loads((Path(out) / "final_metrics.json").read_text())
+    assert final["exact_match_before"] < 0.05
+    assert final["exact_match_after"] >= 0.5, final
