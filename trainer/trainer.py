@@ -288,6 +288,9 @@ class Trainer:
                     if flops_per_token:
                         state.total_flos += flops_per_token * window_tokens * self.world_size
                     progress.update(1)
+                    if args.torch_empty_cache_steps and state.global_step % args.torch_empty_cache_steps == 0 \
+                            and device.type == "cuda":
+                        torch.cuda.empty_cache()
                     self.control = self.callback_handler.fire("on_step_end", args, state, self.control, model=model)
 
                     # 3. log / evaluate / save on schedule
@@ -362,7 +365,10 @@ class Trainer:
 
     def _compute_loss(self, model, batch, num_items, device):
         """Sum of the batch's token losses / num_items, whatever kind of model this is."""
-        inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        pin = self.args.dataloader_pin_memory and device.type == "cuda"
+        inputs = {k: (v.pin_memory() if pin else v).to(device, non_blocking=True)
+                  for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        # remove_unused_columns in effect: only the keys the model's forward takes are passed.
         accepted = _forward_params(model)
         kwargs = {k: v for k, v in inputs.items() if k in accepted or "**" in accepted}
         if "num_items" in accepted:
@@ -618,6 +624,9 @@ class Trainer:
         from .batching import BatchLoader
 
         args = self.args
+        if train and args.dataloader_num_workers:
+            self._print(f"dataloader_num_workers={args.dataloader_num_workers}: batches are collated in the main "
+                        "process from in-memory token arrays (microseconds each); no worker processes are started")
         pad_id = getattr(self.processing_class, "pad_token_id", None)
         seed = args.data_seed if args.data_seed is not None else args.seed
         loader = BatchLoader(

@@ -410,3 +410,16 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
     assert proc.returncode == 143, err[-2000:]
     saved = checkpoints(out)
     assert len(saved) == 1 and "SIGTERM" in err
+
+
+def test_per_block_compile_and_gradient_checkpointing_change_nothing(tmp_path, dataset):
+    plain_model = small_model()
+    plain = Trainer(model=plain_model, args=make_args(tmp_path / "plain", max_steps=2), train_dataset=dataset).train()
+    model = small_model()
+    args = make_args(tmp_path / "compiled", max_steps=2, torch_compile=True, torch_compile_backend="aot_eager",
+                     gradient_checkpointing=True)
+    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    assert all(getattr(block, "_compiled_call_impl", None) is not None for block in model.model.layers)
+    assert losses(state) == pytest.approx(losses(plain), rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), plain_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
