@@ -126,22 +126,57 @@ def reference_run(tmp_path_factory, data_file):
         return single_process(tmp_path_factory.mktemp("ref"), data_file, {**BASE, "gradient_accumulation_steps": 4})
 
 
-def test_ddp_two_processes_match_one_process(tmp_path, data_file, reference_run):
+# Both 2-process runs also save checkpoint-2 (of 3 steps), which the resume tests continue from.
+DIST_ARGS = {**BASE, "gradient_accumulation_steps": 2, "save_strategy": "steps", "save_steps": 2}
+CONFIGS = {"ddp": None, "fsdp2": {"name": "fsdp2", "mixed_precision": "fp32"}}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def dist_job(request, tmp_path_factory, data_file):
+    config = CONFIGS[request.param]
+    args = {**DIST_ARGS, **({"dist_config": config} if config else {})}  # no dist_config: DDP, the default
+    return request.param, args, ok(launch(tmp_path_factory.mktemp(request.param), data_file, args))
+
+
+def test_two_processes_match_one_process(dist_job, reference_run):
+    name, _, job = dist_job
     ref_losses, ref_model, ref_eval = reference_run
-    job = ok(launch(tmp_path, data_file, {**BASE, "gradient_accumulation_steps": 2}))
     assert job["result"]["world_size"] == 2
-    assert job["result"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
-    assert job["result"]["eval_loss"] == pytest.approx(ref_eval, rel=1e-5)
-    assert_same_weights(job["out"] / "final", ref_model)
+    assert job["result"]["losses"] == pytest.approx(ref_losses, rel=1e-5), name
+    assert job["result"]["eval_loss"] == pytest.approx(ref_eval, rel=1e-5), name
+    assert_same_weights(job["out"] / "final", ref_model)  # the consolidated export rank 0 wrote
 
 
-def test_fsdp2_two_processes_match_one_process(tmp_path, data_file, reference_run):
-    ref_losses, ref_model, ref_eval = reference_run
-    args = {**BASE, "gradient_accumulation_steps": 2, "dist_config": {"name": "fsdp2", "mixed_precision": "fp32"}}
-    job = ok(launch(tmp_path, data_file, args))
-    assert job["result"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
-    assert job["result"]["eval_loss"] == pytest.approx(ref_eval, rel=1e-5)
-    assert_same_weights(job["out"] / "final", ref_model)
+def test_checkpoint_layout(dist_job):
+    name, _, job = dist_job
+    checkpoint = job["out"] / "run" / "checkpoint-2"
+    files = {p.name for p in checkpoint.iterdir()}
+    assert {"model.safetensors", "config.json", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt",
+            "trainer_state.json", "data_state.json"} <= files
+    if name == "fsdp2":  # model + optimizer shards of both ranks, instead of optimizer.pt
+        assert "dcp" in files and "optimizer.pt" not in files and (checkpoint / "dcp" / ".metadata").is_file()
+    else:
+        assert "optimizer.pt" in files and "dcp" not in files
+
+
+def test_resume_on_two_processes_is_exact(tmp_path, data_file, dist_job):
+    name, args, first = dist_job
+    job = ok(launch(tmp_path, data_file, args, resume=str(first["out"] / "run" / "checkpoint-2")))
+    assert job["result"]["losses"] == first["result"]["losses"]  # steps 1-2 restored, step 3 recomputed: bitwise
+    a, b = load_pretrained(first["out"] / "final"), load_pretrained(job["out"] / "final")
+    for (name_a, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name_a
+
+
+def test_consolidated_export_loads_in_one_process_with_ours_and_transformers(dist_job):
+    transformers = pytest.importorskip("transformers")
+    _, _, job = dist_job
+    path = job["out"] / "final"
+    ours = load_pretrained(path, use_kernels=False).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, data_file):
