@@ -178,7 +178,7 @@ class Trainer:
             # must see FSDP2's sharded parameters.
             model = self.model = apply_all(model, args)
             model._kw_transforms_applied = True
-        device = _model_device(model)
+        device = self._device(model)
         self._configure_model(model, train=True)
         loader = self._train_loader(micro)
         micro_per_epoch = len(loader)
@@ -368,6 +368,11 @@ class Trainer:
         return state
 
     # ---- pieces of the loop -----------------------------------------------------------------------------
+    def _device(self, model) -> torch.device:
+        """Where batches go: this rank's device with several processes (FSDP2 with offload_params keeps the
+        shards on the CPU, but computes on the accelerator), else wherever the model's parameters are."""
+        return parallel.local_device() if self.world_size > 1 else _model_device(model)
+
     def _accumulation_steps(self) -> int:
         resolve = getattr(self.args, "resolve_world", None)
         if callable(resolve):
@@ -596,7 +601,7 @@ class Trainer:
     @torch.no_grad()
     def _prediction_loop(self, dataset, prefix: str, want_predictions: bool) -> PredictionOutput:
         model = self.model
-        device = _model_device(model)
+        device = self._device(model)
         was_training = model.training
         model.eval()
         self._configure_model(model, train=False)

@@ -187,3 +187,50 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, data_file):
     assert "injected failure on rank 1 at step 2" in job["logs"][1]
     assert "[rank 0/2] error" in job["logs"][0]  # rank 0 learnt from the broken collective, did not wait
     assert time.monotonic() - started < TIMEOUT_S
+
+
+def test_fsdp2_bf16_parameters_train_like_fp32(tmp_path, data_file, reference_run):
+    """mixed_precision bf16: blocks compute with bf16 copies of the fp32 shards, gradients reduce in fp32. The loss
+    follows the fp32 run within bf16's error (8 significant bits: ~0.4% per rounding, a few roundings deep)."""
+    ref_losses, _, ref_eval = reference_run
+    args = {**BASE, "gradient_accumulation_steps": 2, "dist_config": {"name": "fsdp2", "mixed_precision": "bf16"}}
+    job = ok(launch(tmp_path, data_file, args))
+    assert job["result"]["losses"] == pytest.approx(ref_losses, rel=2e-2)
+    assert job["result"]["losses"] != pytest.approx(ref_losses, rel=1e-6)  # bf16 really was used
+    assert job["result"]["eval_loss"] == pytest.approx(ref_eval, rel=2e-2)
+    assert load_pretrained(job["out"] / "final").model.embed_tokens.weight.dtype == torch.float32  # fp32 masters
+
+
+def test_offload_params_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: offload is allowed")
+    from trainer.parallel import apply_fsdp
+
+    with pytest.raises(ValueError, match="offload_params=true needs a CUDA device"):
+        apply_fsdp(small_model(), {"name": "fsdp2", "offload_params": True})
+
+
+def test_init_distributed_is_a_no_op_for_one_process(monkeypatch):
+    from trainer.parallel import init_distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed() == (0, 1) and not torch.distributed.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(RuntimeError, match="launch with torchrun"):
+        init_distributed()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("config", [None, {"name": "fsdp2", "mixed_precision": "fp32"},
+                                    {"name": "fsdp2", "mixed_precision": "fp32", "offload_params": True}],
+                         ids=["ddp-nccl", "fsdp2-nccl", "fsdp2-offload"])
+def test_two_gpus_match_one_process(tmp_path, data_file, reference_run, config):
+    """On 2 GPUs (nccl; offload_params keeps the shards in pinned CPU memory): the same run as on the CPU."""
+    args = {**BASE, "gradient_accumulation_steps": 2, **({"dist_config": config} if config else {})}
+    job = ok(launch(tmp_path, data_file, args))
+    ref_losses, ref_model, _ = reference_run
+    # GPU matmuls (TF32 off by default in torch) sum in another order than the CPU: fp32 tolerance, not bitwise.
+    assert job["result"]["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert_same_weights(job["out"] / "final", ref_model, rtol=1e-3, atol=1e-4)
