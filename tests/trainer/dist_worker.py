@@ -3,10 +3,12 @@ RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment).
 
     python tests/trainer/dist_worker.py SPEC.json
 
-SPEC: {"output": dir for the results, "data": a JSONL file, "args": TrainingArguments overrides,
-"resume": checkpoint path or null, "fail_at_step": a step at which rank 1 raises, or null}. Rank 0 writes
-output/result.json (the logged losses) and the consolidated model to output/final; an exception on any rank
-is reported and ends the job through `trainer.parallel.end_on_error`, as the CLI does.
+SPEC: {"data": a JSONL file, "jobs": [job, ...]}, the jobs run one after the other in the same process group
+(starting Python and importing torch costs ~5-10 s per process on a loaded machine: one launch serves many
+runs). A job is {"output": its directory, "args": TrainingArguments overrides, "resume": a checkpoint path or
+null, "fail_at_step": a step at which rank 1 raises, or null}. Rank 0 writes output/result.json (the logged
+losses, the eval loss) and every job ends with the consolidated model in output/final. An exception on any
+rank is reported and ends the job through `trainer.parallel.end_on_error`, as the CLI does.
 """
 
 from __future__ import annotations
@@ -43,17 +45,17 @@ class FailAt(TrainerCallback):
             raise RuntimeError(f"injected failure on rank 1 at step {self.step}")
 
 
-def run(spec: dict) -> None:
+def run(data: str, job: dict) -> None:
     from tests.trainer.test_trainer import small_model
 
     rank, world_size = init_distributed()
-    out = Path(spec["output"])
-    dataset = load_sft_dataset([spec["data"]], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
-    args = TrainingArguments(**{"output_dir": str(out / "run"), **spec["args"]})
-    callbacks = [FailAt(spec["fail_at_step"], rank)] if spec.get("fail_at_step") else []
+    out = Path(job["output"])
+    dataset = load_sft_dataset([data], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    args = TrainingArguments(**{"output_dir": str(out / "run"), **job["args"]})
+    callbacks = [FailAt(job["fail_at_step"], rank)] if job.get("fail_at_step") else []
     trainer = Trainer(model=small_model(), args=args, train_dataset=dataset, eval_dataset=dataset,
                       callbacks=callbacks)
-    state = trainer.train(resume_from_checkpoint=spec.get("resume"))
+    state = trainer.train(resume_from_checkpoint=job.get("resume"))
     metrics = trainer.evaluate()
     trainer.save_model(str(out / "final"))
     if rank == 0:
@@ -65,7 +67,8 @@ def run(spec: dict) -> None:
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     try:
-        run(spec)
+        for job in spec["jobs"]:
+            run(spec["data"], job)
     except Exception as exc:
         return end_on_error(exc)
     if torch.distributed.is_initialized():

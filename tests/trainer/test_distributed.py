@@ -60,18 +60,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path: Path, data_file: Path, args: dict, nproc: int = 2, name: str = "job", **spec) -> dict:
-    """Run dist_worker.py on `nproc` ranks; returns {"rcs", "logs", "result", "out"}; never waits past TIMEOUT_S."""
-    out = tmp_path / name
-    out.mkdir(parents=True, exist_ok=True)
-    spec_file = out / "spec.json"
-    spec_file.write_text(json.dumps({"output": str(out), "data": str(data_file), "args": args, **spec}))
-    port = _free_port()
-    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
-                "KERNELS_BACKEND": "reference", "OMP_NUM_THREADS": "1"}
+def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2) -> dict:
+    """Run dist_worker.py on `nproc` ranks over `jobs` ({"name", "args", "resume"?, "fail_at_step"?}, run in order
+    in one process group); returns {"rcs", "logs", "out": {name: dir}, "result": {name: result.json or None}}.
+    Never waits past TIMEOUT_S: whatever still runs then is killed and rcs is None."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    dirs = {job["name"]: tmp_path / job["name"] for job in jobs}
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({"data": str(data_file), "jobs": [
+        {"output": str(dirs[job["name"]]), **{k: v for k, v in job.items() if k != "name"}} for job in jobs]}))
+    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                "WORLD_SIZE": str(nproc), "KERNELS_BACKEND": "reference", "OMP_NUM_THREADS": "1"}
     procs, logs = [], []
     for rank in range(nproc):
-        log = open(out / f"rank{rank}.log", "w+")
+        log = open(tmp_path / f"rank{rank}.log", "w+")
         env = {**env_base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec_file)], cwd=ROOT, env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
@@ -93,9 +95,9 @@ def launch(tmp_path: Path, data_file: Path, args: dict, nproc: int = 2, name: st
         log.seek(0)
         texts.append(log.read())
         log.close()
-    result_file = out / "result.json"
-    return {"rcs": rcs, "logs": texts, "out": out,
-            "result": json.loads(result_file.read_text()) if result_file.is_file() else None}
+    results = {name: json.loads((d / "result.json").read_text()) if (d / "result.json").is_file() else None
+               for name, d in dirs.items()}
+    return {"rcs": rcs, "logs": texts, "out": dirs, "result": results}
 
 
 def ok(job: dict) -> dict:
@@ -126,30 +128,39 @@ def reference_run(tmp_path_factory, data_file):
         return single_process(tmp_path_factory.mktemp("ref"), data_file, {**BASE, "gradient_accumulation_steps": 4})
 
 
-# Both 2-process runs also save checkpoint-2 (of 3 steps), which the resume tests continue from.
+# Both 2-process runs also save checkpoint-2 (of 3 steps), which the resume runs continue from.
 DIST_ARGS = {**BASE, "gradient_accumulation_steps": 2, "save_strategy": "steps", "save_steps": 2}
-CONFIGS = {"ddp": None, "fsdp2": {"name": "fsdp2", "mixed_precision": "fp32"}}
+CONFIGS = {"ddp": {}, "fsdp2": {"dist_config": {"name": "fsdp2", "mixed_precision": "fp32"}},
+           "fsdp2-bf16": {"dist_config": {"name": "fsdp2", "mixed_precision": "bf16"}}}
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def dist_job(request, tmp_path_factory, data_file):
-    config = CONFIGS[request.param]
-    args = {**DIST_ARGS, **({"dist_config": config} if config else {})}  # no dist_config: DDP, the default
-    return request.param, args, ok(launch(tmp_path_factory.mktemp(request.param), data_file, args))
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory, data_file):
+    """One 2-process launch running: ddp (no dist_config: the default), its resume from checkpoint-2, fsdp2 (fp32)
+    and its resume, fsdp2 with bf16 parameters."""
+    root = tmp_path_factory.mktemp("suite")
+    jobs = []
+    for name in ("ddp", "fsdp2"):
+        jobs.append({"name": name, "args": {**DIST_ARGS, **CONFIGS[name]}})
+        jobs.append({"name": f"{name}-resumed", "args": {**DIST_ARGS, **CONFIGS[name]},
+                     "resume": str(root / name / "run" / "checkpoint-2")})
+    jobs.append({"name": "fsdp2-bf16", "args": {**BASE, "gradient_accumulation_steps": 2, **CONFIGS["fsdp2-bf16"]}})
+    return ok(launch(root, data_file, jobs))
 
 
-def test_two_processes_match_one_process(dist_job, reference_run):
-    name, _, job = dist_job
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_two_processes_match_one_process(suite, reference_run, name):
     ref_losses, ref_model, ref_eval = reference_run
-    assert job["result"]["world_size"] == 2
-    assert job["result"]["losses"] == pytest.approx(ref_losses, rel=1e-5), name
-    assert job["result"]["eval_loss"] == pytest.approx(ref_eval, rel=1e-5), name
-    assert_same_weights(job["out"] / "final", ref_model)  # the consolidated export rank 0 wrote
+    result = suite["result"][name]
+    assert result["world_size"] == 2
+    assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert result["eval_loss"] == pytest.approx(ref_eval, rel=1e-5)
+    assert_same_weights(suite["out"][name] / "final", ref_model)  # the consolidated export rank 0 wrote
 
 
-def test_checkpoint_layout(dist_job):
-    name, _, job = dist_job
-    checkpoint = job["out"] / "run" / "checkpoint-2"
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_checkpoint_layout(suite, name):
+    checkpoint = suite["out"][name] / "run" / "checkpoint-2"
     files = {p.name for p in checkpoint.iterdir()}
     assert {"model.safetensors", "config.json", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt",
             "trainer_state.json", "data_state.json"} <= files
@@ -159,19 +170,20 @@ def test_checkpoint_layout(dist_job):
         assert "optimizer.pt" in files and "dcp" not in files
 
 
-def test_resume_on_two_processes_is_exact(tmp_path, data_file, dist_job):
-    name, args, first = dist_job
-    job = ok(launch(tmp_path, data_file, args, resume=str(first["out"] / "run" / "checkpoint-2")))
-    assert job["result"]["losses"] == first["result"]["losses"]  # steps 1-2 restored, step 3 recomputed: bitwise
-    a, b = load_pretrained(first["out"] / "final"), load_pretrained(job["out"] / "final")
-    for (name_a, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert torch.equal(pa, pb), name_a
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_resume_on_two_processes_is_exact(suite, name):
+    first, resumed = suite["result"][name], suite["result"][f"{name}-resumed"]
+    assert resumed["losses"] == first["losses"]  # steps 1-2 restored from the checkpoint, step 3 recomputed: bitwise
+    a = load_pretrained(suite["out"][name] / "final")
+    b = load_pretrained(suite["out"][f"{name}-resumed"] / "final")
+    for (param_name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), param_name
 
 
-def test_consolidated_export_loads_in_one_process_with_ours_and_transformers(dist_job):
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_consolidated_export_loads_in_one_process_with_ours_and_transformers(suite, name):
     transformers = pytest.importorskip("transformers")
-    _, _, job = dist_job
-    path = job["out"] / "final"
+    path = suite["out"][name] / "final"
     ours = load_pretrained(path, use_kernels=False).eval()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -179,26 +191,26 @@ def test_consolidated_export_loads_in_one_process_with_ours_and_transformers(dis
         torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
 
 
+def test_fsdp2_bf16_parameters_train_like_fp32(suite, reference_run):
+    """mixed_precision bf16: blocks compute with bf16 copies of the fp32 shards, gradients reduce in fp32. The loss
+    follows the fp32 run within bf16's error (8 significant bits: ~0.4% per rounding, a few roundings deep)."""
+    ref_losses, _, ref_eval = reference_run
+    result = suite["result"]["fsdp2-bf16"]
+    assert result["losses"] == pytest.approx(ref_losses, rel=2e-2)
+    assert result["losses"] != pytest.approx(ref_losses, rel=1e-6)  # bf16 really was used
+    assert result["eval_loss"] == pytest.approx(ref_eval, rel=2e-2)
+    # the parameters (the optimizer's master weights) stay fp32
+    assert load_pretrained(suite["out"]["fsdp2-bf16"] / "final").model.embed_tokens.weight.dtype == torch.float32
+
+
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, data_file):
     started = time.monotonic()
-    job = launch(tmp_path, data_file, {**BASE, "max_steps": 6, "gradient_accumulation_steps": 1}, fail_at_step=2)
+    job = launch(tmp_path, data_file, [{"name": "fail", "args": {**BASE, "max_steps": 6}, "fail_at_step": 2}])
     assert job["rcs"] is not None, f"the job hung (killed after {TIMEOUT_S} s)"
     assert job["rcs"][1] != 0 and job["rcs"][0] != 0, job["rcs"]
     assert "injected failure on rank 1 at step 2" in job["logs"][1]
     assert "[rank 0/2] error" in job["logs"][0]  # rank 0 learnt from the broken collective, did not wait
     assert time.monotonic() - started < TIMEOUT_S
-
-
-def test_fsdp2_bf16_parameters_train_like_fp32(tmp_path, data_file, reference_run):
-    """mixed_precision bf16: blocks compute with bf16 copies of the fp32 shards, gradients reduce in fp32. The loss
-    follows the fp32 run within bf16's error (8 significant bits: ~0.4% per rounding, a few roundings deep)."""
-    ref_losses, _, ref_eval = reference_run
-    args = {**BASE, "gradient_accumulation_steps": 2, "dist_config": {"name": "fsdp2", "mixed_precision": "bf16"}}
-    job = ok(launch(tmp_path, data_file, args))
-    assert job["result"]["losses"] == pytest.approx(ref_losses, rel=2e-2)
-    assert job["result"]["losses"] != pytest.approx(ref_losses, rel=1e-6)  # bf16 really was used
-    assert job["result"]["eval_loss"] == pytest.approx(ref_eval, rel=2e-2)
-    assert load_pretrained(job["out"] / "final").model.embed_tokens.weight.dtype == torch.float32  # fp32 masters
 
 
 def test_offload_params_without_cuda_is_a_clear_error():
@@ -229,8 +241,64 @@ def test_init_distributed_is_a_no_op_for_one_process(monkeypatch):
 def test_two_gpus_match_one_process(tmp_path, data_file, reference_run, config):
     """On 2 GPUs (nccl; offload_params keeps the shards in pinned CPU memory): the same run as on the CPU."""
     args = {**BASE, "gradient_accumulation_steps": 2, **({"dist_config": config} if config else {})}
-    job = ok(launch(tmp_path, data_file, args))
+    job = ok(launch(tmp_path, data_file, [{"name": "gpu", "args": args}]))
     ref_losses, ref_model, _ = reference_run
     # GPU matmuls (TF32 off by default in torch) sum in another order than the CPU: fp32 tolerance, not bitwise.
-    assert job["result"]["losses"] == pytest.approx(ref_losses, rel=1e-4)
-    assert_same_weights(job["out"] / "final", ref_model, rtol=1e-3, atol=1e-4)
+    assert job["result"]["gpu"]["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert_same_weights(job["out"]["gpu"] / "final", ref_model, rtol=1e-3, atol=1e-4)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-process gloo group in this process (DDP and FSDP2 need one), destroyed afterwards."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _two_micro_steps(model, batches):
+    from trainer.parallel import gradient_sync
+
+    for i, ids in enumerate(batches):
+        with gradient_sync(model, i == len(batches) - 1):
+            model(ids, labels=ids).loss.backward()
+
+
+def test_gradient_sync_reduces_once_per_window_with_ddp(one_rank_group):
+    from trainer.parallel import apply_ddp
+
+    model = apply_ddp(small_model())
+    reductions = []
+
+    def count(state, bucket):  # a DDP communication hook: called once per bucket per synchronised backward
+        reductions.append(len(bucket.gradients()))
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, count)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()  # a window of one micro step: synchronised
+    once = sum(reductions)
+    assert once == len(list(model.parameters()))  # every gradient reduced exactly once
+    reductions.clear()
+    _two_micro_steps(model, [ids, ids.flip(0), ids])  # 3 micro steps: only the last one reduces
+    assert sum(reductions) == once
+
+
+def test_gradient_sync_reduces_once_per_window_with_fsdp2(one_rank_group):
+    from trainer.parallel import apply_fsdp
+
+    model = apply_fsdp(small_model(), {"name": "fsdp2", "mixed_precision": "fp32"})
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    from trainer.parallel import gradient_sync
+
+    with gradient_sync(model, False):
+        model(ids, labels=ids).loss.backward()
+    # Without sync FSDP2 keeps the unsharded gradient to itself: no sharded .grad exists yet.
+    assert all(p.grad is None for p in model.parameters())
+    with gradient_sync(model, True):
+        model(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
