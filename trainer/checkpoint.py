@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 PREFIX = "checkpoint"
+DCP_DIR = "dcp"  # the sharded model + optimizer copy inside a checkpoint (FSDP2)
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
@@ -134,7 +135,7 @@ def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, schedu
     save_model(tmp)
     if not save_only_model:
         if save_sharded is not None:
-            save_sharded(tmp / "dcp")
+            save_sharded(tmp / DCP_DIR)
         elif optimizer is not None and writer:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         if writer:

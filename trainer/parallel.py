@@ -229,9 +229,6 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 
 # ---- checkpoints with several processes ---------------------------------------------------------------------------
-DCP_DIR = "dcp"
-
-
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state_dict on rank 0's CPU (empty on the other ranks); a collective for FSDP2."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -200,9 +200,9 @@ class Trainer:
             restored = ckpt.load_training_state(resume, optimizer=None if sharded else optimizer, scheduler=scheduler,
                                                 scaler=self.scaler, rank=self.rank, world_size=self.world_size)
             if sharded:  # model and optimizer shards from the checkpoint's DCP copy
-                directory = resume / parallel.DCP_DIR
+                directory = resume / ckpt.DCP_DIR
                 if not directory.is_dir():
-                    raise ckpt.CheckpointError(f"resume_from_checkpoint: {resume} has no {parallel.DCP_DIR}/ (sharded "
+                    raise ckpt.CheckpointError(f"resume_from_checkpoint: {resume} has no {ckpt.DCP_DIR}/ (sharded "
                                                "model + optimizer); FSDP2 resumes only from checkpoints saved under FSDP2")
                 parallel.load_sharded(model, optimizer, directory)
             else:
@@ -551,8 +551,8 @@ class Trainer:
         from .model import CausalLM, load_state_dict_into
 
         if is_fsdp(model):
-            if (directory / parallel.DCP_DIR).is_dir():
-                parallel.load_sharded(model, None, directory / parallel.DCP_DIR)
+            if (directory / ckpt.DCP_DIR).is_dir():
+                parallel.load_sharded(model, None, directory / ckpt.DCP_DIR)
                 return
             # A Hugging Face directory: rank 0 reads it into an unsharded copy and broadcasts while sharding.
             state = {}

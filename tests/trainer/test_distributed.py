@@ -302,3 +302,29 @@ def test_gradient_sync_reduces_once_per_window_with_fsdp2(one_rank_group):
     with gradient_sync(model, True):
         model(ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_fused_adamw_updates_dtensor_shards_like_plain_tensors(one_rank_group, backend):
+    """FusedAdamW on FSDP2's DTensor parameters runs on the local shards (the launch tables need plain memory)
+    and keeps DTensor moments, so DCP saves them sharded; the update equals the plain-tensor one bitwise.
+    `triton` runs the kernel through the interpreter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(37, 5, generator=gen), torch.randn(11, generator=gen)]
+    grads = [torch.randn_like(v) for v in values]
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    sharded = [torch.nn.Parameter(distribute_tensor(v.clone(), mesh, [Shard(0)])) for v in values]
+    with kernels.backend(backend):
+        for params in (plain, sharded):
+            opt = kernels.FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+            for step in range(2):
+                for p, g in zip(params, grads):
+                    p.grad = distribute_tensor(g * (step + 1), mesh, [Shard(0)]) if isinstance(p, DTensor) else g * (step + 1)
+                opt.step()
+    for p, q in zip(plain, sharded):
+        assert isinstance(q, DTensor) and isinstance(opt.state[q]["exp_avg"], DTensor)
+        assert torch.equal(p.detach(), q.detach().full_tensor())
