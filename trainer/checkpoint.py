@@ -179,7 +179,14 @@ def load_training_state(path, *, optimizer=None, scheduler=None, scaler=None, ra
         scheduler.load_state_dict(load("scheduler.pt"))
     if scaler is not None and (path / "scaler.pt").is_file():
         scaler.load_state_dict(load("scaler.pt"))
-    set_rng_state(_python_rng_from_tensorable(load(_rng_file(rank, world_size))))
+    rng_file = _rng_file(rank, world_size)
+    saved_world = len(list(path.glob("rng_state_*.pth"))) or (1 if (path / "rng_state.pth").is_file() else 0)
+    if saved_world and saved_world != world_size:
+        # The model (DCP reshards), optimizer and data position would carry over, but each rank's RNG stream
+        # would not: refuse rather than resume inexactly.
+        raise CheckpointError(f"resume_from_checkpoint: {path} was saved by {saved_world} process(es), this run has "
+                              f"{world_size}; resume with the same number of processes")
+    set_rng_state(_python_rng_from_tensorable(load(rng_file)))
     data_file = path / "data_state.json"
     return {
         "trainer_state": json.loads((path / "trainer_state.json").read_text()),

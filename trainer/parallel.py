@@ -76,6 +76,13 @@ def apply_all(model: nn.Module, args) -> nn.Module:
     _, world_size = world()
     config = args.dist_config or {"name": "ddp"}
     if world_size > 1 and config["name"] == "fsdp2":
+        if args.fp16:
+            from .args import ConfigError
+
+            # The loss scaler checks each rank's own gradient shards for inf/NaN: ranks could disagree and
+            # some skip the step while others take it, and the shards would drift apart.
+            raise ConfigError("fp16=True with dist_config name fsdp2 is not supported (its loss scaler sees only "
+                              "this rank's gradient shards); use --bf16, or dist_config name ddp")
         return apply_fsdp(model, config, args.mixed_precision)
     if world_size > 1 and config["name"] == "ddp":
         return apply_ddp(model)

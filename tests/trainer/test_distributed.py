@@ -328,3 +328,23 @@ def test_fused_adamw_updates_dtensor_shards_like_plain_tensors(one_rank_group, b
     for p, q in zip(plain, sharded):
         assert isinstance(q, DTensor) and isinstance(opt.state[q]["exp_avg"], DTensor)
         assert torch.equal(p.detach(), q.detach().full_tensor())
+
+
+def test_resuming_under_another_number_of_processes_is_refused(suite, data_file, tmp_path):
+    from trainer.checkpoint import CheckpointError
+
+    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    trainer = Trainer(model=small_model(), args=TrainingArguments(output_dir=str(tmp_path), **DIST_ARGS),
+                      train_dataset=dataset)
+    with pytest.raises(CheckpointError, match=r"saved by 2 process\(es\), this run has 1"):
+        trainer.train(resume_from_checkpoint=str(suite["out"]["ddp"] / "run" / "checkpoint-2"))
+
+
+def test_fp16_with_fsdp2_is_refused(monkeypatch, tmp_path):
+    from trainer import parallel
+    from trainer.args import ConfigError
+
+    monkeypatch.setattr(parallel, "world", lambda: (0, 2))  # as if launched on 2 processes
+    args = TrainingArguments(output_dir=str(tmp_path), fp16=True, dist_config={"name": "fsdp2"})
+    with pytest.raises(ConfigError, match="fp16=True with dist_config name fsdp2 is not supported"):
+        parallel.apply_all(small_model(), args)
