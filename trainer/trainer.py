@@ -335,7 +335,8 @@ class Trainer:
                         speed = throughput.mark()
                         logs.update(speed)
                         if peak_flops and flops_per_token:
-                            logs["mfu"] = flops_per_token * speed["tokens_per_second"] / self.world_size / peak_flops
+                            # tokens_per_second counts this rank's tokens, so this is already the per-device MFU.
+                            logs["mfu"] = flops_per_token * speed["tokens_per_second"] / peak_flops
                         logs["peak_memory_gb"] = peak_memory_gb(device)
                         if args.include_num_input_tokens_seen:
                             logs["num_input_tokens_seen"] = state.num_input_tokens_seen
