@@ -531,13 +531,18 @@ class FusedAdamW(torch.optim.Optimizer):
                 self._check_param(p, master_weights, f"{where}, parameter {i}")
                 use_master = master_weights and p.dtype != torch.float32
                 state = self._state_for(p, use_master)
+                # Sharded (FSDP2 DTensor) parameters: the update is elementwise, so each rank updates its own
+                # shard; the parameter, its grad and its state are laid out alike, and their local tensors
+                # are plain memory the launch tables can point at. The state stays a DTensor, so a DCP
+                # checkpoint stores it sharded.
+                p, grad = _local(p), _local(grad)
                 if not grad.is_contiguous():
                     grad = grad.contiguous()
                 bucket = buckets.setdefault((p.device, p.dtype), ([], [], [], [], [], []))
-                for lst, x in zip(bucket, (p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"])):
+                for lst, x in zip(bucket, (p, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])):
                     lst.append(x)
                 if use_master:
-                    bucket[5].append(state["master_param"])
+                    bucket[5].append(_local(state["master_param"]))
             beta1, beta2 = group["betas"]
             for (device, dtype), (ps, gs, ms, vs, ss, ws) in buckets.items():
                 _step_bucket(
@@ -553,13 +558,20 @@ class FusedAdamW(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            # zeros_like: a DTensor parameter gets DTensor moments with its sharding.
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         if use_master and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True)
         elif not use_master and "master_param" in state:
             del state["master_param"]  # stochastic rounding / fp32: the parameter itself is the truth
         return state
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view of its memory), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def _step_bucket(params, grads, exp_avgs, exp_avg_sqs, steps, masters, *, tables, **hyper) -> None:

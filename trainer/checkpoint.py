@@ -4,6 +4,8 @@ Layout of `output_dir/checkpoint-<step>/` (Hugging Face's, so tools that read Tr
 - the model in the Hugging Face safetensors layout (`config.json`, `model.safetensors` or shards + index,
   tokenizer files), loadable by `from_pretrained` as is; a model that is not ours gets its state_dict
   as `model.safetensors`;
+- `dcp/` under FSDP2: the model and optimizer shards of every rank (torch.distributed.checkpoint), which
+  resume reads instead of the model files and `optimizer.pt` (see `trainer.parallel.save_sharded`);
 - `optimizer.pt`, `scheduler.pt`, `scaler.pt` (fp16 only), `rng_state.pth` (per rank: `rng_state_<rank>.pth`
   when there are several), `data_state.json` (the loader's position), `trainer_state.json`, `training_args.json`.
 
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 PREFIX = "checkpoint"
+DCP_DIR = "dcp"  # the sharded model + optimizer copy inside a checkpoint (FSDP2)
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
@@ -112,32 +115,52 @@ def _python_rng_from_tensorable(state: dict) -> dict:
 
 def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, scheduler=None, scaler=None,
                     data_state: dict | None = None, trainer_state: dict, args_dict: dict,
-                    rank: int = 0, world_size: int = 1, save_only_model: bool = False) -> Path:
-    """Write checkpoint-<step> atomically; `save_model(dir)` writes the model files. Returns the final path."""
+                    rank: int = 0, world_size: int = 1, save_only_model: bool = False, save_sharded=None) -> Path:
+    """Write checkpoint-<step> atomically; `save_model(dir)` writes the model files. Returns the final path.
+
+    With several processes every rank calls this: `save_model` (a collective for a sharded model; it writes on
+    rank 0) and `save_sharded(dir)` (each rank writes its shards of model + optimizer, e.g. DCP) run on all
+    ranks, each rank writes its own RNG file, and rank 0 writes the rest and renames the directory into place
+    once all ranks are done. Without save_sharded the optimizer is identical on every rank (DDP): rank 0
+    saves it."""
     out = Path(output_dir)
     final = out / f"{PREFIX}-{step}"
     tmp = out / f"{PREFIX}-{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    writer = rank == 0
+    if writer:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier(world_size)  # the directory exists before any rank writes into it
     save_model(tmp)
     if not save_only_model:
-        if optimizer is not None:
+        if save_sharded is not None:
+            save_sharded(tmp / DCP_DIR)
+        elif optimizer is not None and writer:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        if scaler is not None:
-            torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        if writer:
+            if scheduler is not None:
+                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            if scaler is not None:
+                torch.save(scaler.state_dict(), tmp / "scaler.pt")
+            if data_state is not None:
+                (tmp / "data_state.json").write_text(json.dumps(data_state, indent=2) + "\n")
         torch.save(_python_rng_to_tensorable(rng_state()), tmp / _rng_file(rank, world_size))
-        if data_state is not None:
-            (tmp / "data_state.json").write_text(json.dumps(data_state, indent=2) + "\n")
-    (tmp / "training_args.json").write_text(json.dumps(args_dict, indent=2, sort_keys=True, default=str) + "\n")
-    # trainer_state.json last: its presence marks the directory complete.
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str) + "\n")
-    if final.exists():  # re-saving the same step (e.g. SIGTERM right after a scheduled save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    _barrier(world_size)  # every rank's files are written
+    if writer:
+        (tmp / "training_args.json").write_text(json.dumps(args_dict, indent=2, sort_keys=True, default=str) + "\n")
+        # trainer_state.json last: its presence marks the directory complete.
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str) + "\n")
+        if final.exists():  # re-saving the same step (e.g. SIGTERM right after a scheduled save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    _barrier(world_size)  # no rank goes on (and maybe reads it) before the checkpoint is in place
     return final
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        torch.distributed.barrier()
 
 
 def load_training_state(path, *, optimizer=None, scheduler=None, scaler=None, rank: int = 0, world_size: int = 1) -> dict:
@@ -156,7 +179,14 @@ def load_training_state(path, *, optimizer=None, scheduler=None, scaler=None, ra
         scheduler.load_state_dict(load("scheduler.pt"))
     if scaler is not None and (path / "scaler.pt").is_file():
         scaler.load_state_dict(load("scaler.pt"))
-    set_rng_state(_python_rng_from_tensorable(load(_rng_file(rank, world_size))))
+    rng_file = _rng_file(rank, world_size)
+    saved_world = len(list(path.glob("rng_state_*.pth"))) or (1 if (path / "rng_state.pth").is_file() else 0)
+    if saved_world and saved_world != world_size:
+        # The model (DCP reshards), optimizer and data position would carry over, but each rank's RNG stream
+        # would not: refuse rather than resume inexactly.
+        raise CheckpointError(f"resume_from_checkpoint: {path} was saved by {saved_world} process(es), this run has "
+                              f"{world_size}; resume with the same number of processes")
+    set_rng_state(_python_rng_from_tensorable(load(rng_file)))
     data_file = path / "data_state.json"
     return {
         "trainer_state": json.loads((path / "trainer_state.json").read_text()),

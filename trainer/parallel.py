@@ -3,14 +3,29 @@
 1. `apply_activation_checkpointing`: recompute each decoder block in backward (non-reentrant);
 2. `apply_compile`: `torch.compile` each decoder block separately (small graphs, fast compiles, one
    graph reused by every block since they share code and shapes);
-3. data parallelism (FSDP2 / DDP) for several processes.
+3. data parallelism for several processes: `apply_fsdp` (FSDP2 `fully_shard` on each decoder block, then
+   the root) or `apply_ddp` (DistributedDataParallel).
 
-`apply_all(model, args)` runs the single-process part in that order. Our `CausalLM` exposes its blocks as
-`model.model.layers`; any other module is compiled whole and checkpointed only if it offers
-`set_gradient_checkpointing`/`gradient_checkpointing_enable`.
+`apply_all(model, args)` runs them in that order and returns the model to train (a DDP wrapper for ddp; FSDP2
+shards in place). Our `CausalLM` exposes its blocks as `model.model.layers`; any other module is compiled
+whole, checkpointed only if it offers `set_gradient_checkpointing`/`gradient_checkpointing_enable`, and
+sharded as one FSDP unit.
+
+Several processes come from a launcher (torchrun, accelerate launch) that sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT; `init_distributed()` reads them (nccl on CUDA, gloo on CPU). The checkpoint
+helpers at the end (`full_model_state_dict`, `save_sharded`, `load_sharded`, `load_full_model_state_dict`) are
+collectives: every rank calls them.
+
+Test: python -m pytest tests/trainer/test_distributed.py -q   (2 processes on CPU with gloo)
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,10 +66,26 @@ def apply_compile(model: nn.Module, backend: str | None = None, mode: str | None
 
 
 def apply_all(model: nn.Module, args) -> nn.Module:
+    """Checkpointing -> compile -> FSDP2/DDP, as `args` asks; returns the model to train (maybe a wrapper).
+
+    With several processes and no dist_config the model is replicated with DDP (Hugging Face's default)."""
     if args.gradient_checkpointing:
         apply_activation_checkpointing(model, args.gradient_checkpointing_kwargs)
     if args.torch_compile:
         apply_compile(model, args.torch_compile_backend, args.torch_compile_mode)
+    _, world_size = world()
+    config = args.dist_config or {"name": "ddp"}
+    if world_size > 1 and config["name"] == "fsdp2":
+        if args.fp16:
+            from .args import ConfigError
+
+            # The loss scaler checks each rank's own gradient shards for inf/NaN: ranks could disagree and
+            # some skip the step while others take it, and the shards would drift apart.
+            raise ConfigError("fp16=True with dist_config name fsdp2 is not supported (its loss scaler sees only "
+                              "this rank's gradient shards); use --bf16, or dist_config name ddp")
+        return apply_fsdp(model, config, args.mixed_precision)
+    if world_size > 1 and config["name"] == "ddp":
+        return apply_ddp(model)
     return model
 
 
@@ -63,3 +94,186 @@ def world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+# ---- process group ----------------------------------------------------------------------------------------------
+def init_distributed() -> tuple[int, int]:
+    """Join the default process group a launcher describes in the environment; (rank, world_size).
+
+    A no-op returning (0, 1) when WORLD_SIZE is unset or 1, and (rank, world_size) of the existing group when
+    one is already initialised (so that calling it from the CLI and again from Trainer is harmless)."""
+    if not torch.distributed.is_available():
+        return 0, 1
+    if torch.distributed.is_initialized():
+        return world()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return 0, 1
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: launch with torchrun or "
+                           "accelerate launch, which set them")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_device())
+        # nccl for the CUDA tensors; gloo beside it for the few CPU-side collectives (object gathers in
+        # DCP planning), which nccl cannot carry.
+        backend = "cuda:nccl,cpu:gloo"
+    else:
+        backend = "gloo"
+    torch.distributed.init_process_group(backend=backend)
+    return world()
+
+
+def local_device() -> torch.device:
+    """This process's device: cuda:LOCAL_RANK where CUDA exists, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def end_on_error(exc: BaseException) -> int:
+    """Report an exception raised on this rank and leave the process group, so the job ends instead of hanging.
+
+    The other ranks are blocked in (or will reach) a collective with this one: with gloo they fail at once
+    when its connections close; with nccl torchrun's agent sees this process exit non-zero and stops the rest.
+    Returns the exit code (1)."""
+    rank, world_size = world()
+    prefix = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
+    print(f"{prefix}error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    traceback.print_exception(exc, file=sys.stderr)
+    sys.stderr.flush()
+    if world_size > 1:
+        # Leaving the group closes this rank's connections: gloo peers blocked on it fail at once (measured:
+        # the 2-process failure test ends in ~1 s after the error). nccl peers stay blocked on the GPU until
+        # torchrun, seeing this exit code, terminates them (SIGTERM, then SIGKILL after its 30 s grace).
+        with contextlib.suppress(Exception):
+            torch.distributed.destroy_process_group()
+    return 1
+
+
+# ---- data parallelism -------------------------------------------------------------------------------------------
+def apply_ddp(model: nn.Module) -> nn.Module:
+    """Replicate `model` with DistributedDataParallel on this process's device.
+
+    DDP broadcasts rank 0's parameters at construction, so every replica starts identical. Buffers (RoPE
+    frequencies) are computed identically on every rank and never change, so they are not re-broadcast at
+    every forward (forward_sync_buffers=False)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = local_device()
+    model.to(device)
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   forward_sync_buffers=False)
+
+
+_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": None}
+
+
+def apply_fsdp(model: nn.Module, dist_config: dict, precision: str = "no") -> nn.Module:
+    """Shard `model` in place with FSDP2: `fully_shard` on each decoder block, then on the root.
+
+    Parameters stay fp32 (sharded DTensors, the optimizer's master weights); `mixed_precision` (bf16|fp16|fp32;
+    None follows `precision`, i.e. --bf16/--fp16) is the dtype the gathered parameters compute in, while
+    gradients are reduced in fp32 so that summing over many ranks loses nothing. Each block is one
+    all-gather/reduce-scatter unit (overlapped with the neighbouring block's compute); the root unit holds
+    the embedding, the final norm and the (tied) head."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    name = dist_config.get("mixed_precision") or precision or "no"
+    if name not in _PARAM_DTYPES:
+        raise ValueError(f"dist_config.mixed_precision={name!r}: expected one of bf16, fp16, fp32")
+    offload = None
+    if dist_config.get("offload_params", False):
+        if not torch.cuda.is_available():
+            raise ValueError("dist_config.offload_params=true needs a CUDA device (FSDP2 offloads parameters from "
+                             "an accelerator to the CPU); set it to false on a CPU-only machine")
+        offload = CPUOffloadPolicy(pin_memory=bool(dist_config.get("pin_memory", True)))
+    device = local_device()
+    _, world_size = world()
+    mesh = init_device_mesh(device.type, (world_size,))
+    options = dict(mesh=mesh, reshard_after_forward=bool(dist_config.get("reshard_after_forward", True)),
+                   mp_policy=MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[name], reduce_dtype=torch.float32))
+    if offload is not None:
+        options["offload_policy"] = offload
+    else:
+        model.to(device)  # fully_shard keeps each shard where the parameter is
+    for block in decoder_blocks(model) or ():
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (FSDP2 shards in place: the model is its own)."""
+    return getattr(model, "module", model)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Forward + backward inside reduce gradients across ranks only if `enabled`: the non-final micro steps of an
+    accumulation window accumulate locally, and the window's gradient is reduced once, at its last backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif is_fsdp(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+# ---- checkpoints with several processes ---------------------------------------------------------------------------
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict on rank 0's CPU (empty on the other ranks); a collective for FSDP2."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state_dict held by rank 0 (the others pass {}) into a sharded model; a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def save_sharded(model: nn.Module, optimizer, directory: Path) -> None:
+    """Every rank writes its shards of the model and optimizer state with torch.distributed.checkpoint (DCP).
+
+    DCP stores each DTensor shard with its global offsets, so the copy loads under any world size for the
+    model and optimizer alike (the trainer's per-rank RNG files still want the same one for an exact resume)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
+
+
+def load_sharded(model: nn.Module, optimizer, directory: Path) -> None:
+    """Read the DCP copy written by `save_sharded` into `model` (and `optimizer` unless None), in place."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(directory))
+        set_model_state_dict(model, state["model"])
+        return
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -10,7 +10,12 @@ formats `trainer.data` reads. At the end the model is saved in the Hugging Face 
 loss curve as `loss_curve.png`, and, with `--eval_exact_match`, the exact-match accuracy of greedy answers on
 held-out conversations is printed before and after training.
 
-Exit codes: 0 done, 2 bad input (one line on stderr, no traceback), 143 stopped by SIGTERM after saving.
+Several processes (see docs/multi_gpu.md): `torchrun --nproc_per_node N -m trainer.sft ...` or
+`accelerate launch -m trainer.sft ...`; `--dist_config` picks fsdp2 or ddp (ddp by default). An error on any
+rank is printed with its rank and ends that process with exit code 1, which ends the job (no hang).
+
+Exit codes: 0 done, 1 an error on some rank of a multi-process job, 2 bad input (one line on stderr, no
+traceback), 143 stopped by SIGTERM after saving.
 """
 
 import json
@@ -159,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        from .parallel import end_on_error, world
+
+        if world()[1] > 1:  # the other ranks would wait for this one in their next collective
+            return end_on_error(exc)
+        raise
 
 
 def _run(argv: list[str]) -> int:
@@ -178,13 +189,16 @@ def _run(argv: list[str]) -> int:
 def train(args, sft: SFTArguments) -> int:
     from .data import load_sft_dataset, split_dataset
     from .metrics import plot_loss_curve
+    from .parallel import init_distributed
     from .trainer import Trainer, set_seed
 
+    rank, _ = init_distributed()  # several processes under torchrun/accelerate; (0, 1) otherwise
     out = Path(args.output_dir)
     if out.is_dir() and any(out.glob("checkpoint-*")) and not args.overwrite_output_dir and not args.resume_from_checkpoint:
         raise ConfigError(f"output_dir: {out} already holds checkpoints; pass --overwrite_output_dir true to train anew "
                           "there or --resume_from_checkpoint auto to continue")
-    print(args.summary(), file=sys.stderr)
+    if rank == 0:
+        print(args.summary(), file=sys.stderr)
     set_seed(args.seed)
     model, tokenizer = load_model_and_tokenizer(sft.model, sft.model_dtype, args.use_kernels, args.seed)
     embedded = not sft.data
@@ -194,7 +208,8 @@ def train(args, sft: SFTArguments) -> int:
                    mask_history=sft.mask_history, skip_bad_examples=sft.skip_bad_examples,
                    cache_dir=out / ".cache", show_progress=not args.disable_tqdm)
     train_ds = load_sft_dataset(train_files, tokenizer, **options)
-    print(f"train data: {train_ds.summary_text()}", file=sys.stderr)
+    if rank == 0:
+        print(f"train data: {train_ds.summary_text()}", file=sys.stderr)
     eval_ds = None
     if eval_files:
         eval_ds = load_sft_dataset(eval_files, tokenizer, **options)
@@ -230,6 +245,8 @@ def train(args, sft: SFTArguments) -> int:
         summary.update({"exact_match_before": before, "exact_match_after": after})
         for prompt, answer, reference in sample_answers(model, tokenizer, conversations[:5], sft.max_new_tokens):
             print(f"  {prompt!r} -> {answer!r} (reference {reference!r})", file=sys.stderr)
+    if rank != 0:  # the files and the report below are rank 0's
+        return 0
     (Path(args.output_dir) / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
     print("\n".join([

@@ -42,7 +42,8 @@ from torch import nn
 from . import checkpoint as ckpt
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
 from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
-from .parallel import apply_all, world
+from . import parallel
+from .parallel import apply_all, gradient_sync, init_distributed, is_fsdp, world
 
 __all__ = [
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "EarlyStoppingCallback", "EvalPrediction",
@@ -112,6 +113,7 @@ class Trainer:
         self.optimizer, self.lr_scheduler = optimizers
         if model_init is not None and self.optimizer is not None:
             raise ValueError("Trainer: optimizers cannot be passed together with model_init (the model is rebuilt per train())")
+        init_distributed()  # under torchrun/accelerate: join the process group (a no-op for one process)
         self.rank, self.world_size = world()
         self.callback_handler = CallbackHandler(callbacks)
         self.state = TrainerState(is_world_process_zero=self.rank == 0)
@@ -168,10 +170,15 @@ class Trainer:
         if self.train_dataset is None:
             raise ValueError("Trainer.train: no train_dataset")
         model = self.model
-        device = _model_device(model)
         if self.state.global_step == 0 and not getattr(model, "_kw_transforms_applied", False):
-            apply_all(model, args)  # activation checkpointing -> per-block compile (-> FSDP/DDP, later)
+            if self.optimizer is not None and self.world_size > 1 and (args.dist_config or {}).get("name") == "fsdp2":
+                raise ValueError("optimizers: FSDP2 replaces the parameters with sharded ones, so the optimizer must be "
+                                 "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2")
+            # activation checkpointing -> per-block compile -> FSDP2/DDP; before the optimizer is built, which
+            # must see FSDP2's sharded parameters.
+            model = self.model = apply_all(model, args)
             model._kw_transforms_applied = True
+        device = self._device(model)
         self._configure_model(model, train=True)
         loader = self._train_loader(micro)
         micro_per_epoch = len(loader)
@@ -189,9 +196,17 @@ class Trainer:
                              train_batch_size=micro, logging_steps=every["logging_steps"],
                              eval_steps=every["eval_steps"] or every["logging_steps"], save_steps=every["save_steps"])
         if resume is not None:
-            restored = ckpt.load_training_state(resume, optimizer=optimizer, scheduler=scheduler, scaler=self.scaler,
-                                                rank=self.rank, world_size=self.world_size)
-            self._load_model_weights(resume)
+            sharded = is_fsdp(model)
+            restored = ckpt.load_training_state(resume, optimizer=None if sharded else optimizer, scheduler=scheduler,
+                                                scaler=self.scaler, rank=self.rank, world_size=self.world_size)
+            if sharded:  # model and optimizer shards from the checkpoint's DCP copy
+                directory = resume / ckpt.DCP_DIR
+                if not directory.is_dir():
+                    raise ckpt.CheckpointError(f"resume_from_checkpoint: {resume} has no {ckpt.DCP_DIR}/ (sharded "
+                                               "model + optimizer); FSDP2 resumes only from checkpoints saved under FSDP2")
+                parallel.load_sharded(model, optimizer, directory)
+            else:
+                self._load_model_weights(resume)
             state = TrainerState.from_dict({**restored["trainer_state"], "max_steps": max_steps,
                                             "num_train_epochs": num_epochs})
             if restored["data_state"] is not None:
@@ -230,17 +245,24 @@ class Trainer:
                     window_loss = torch.zeros((), device=device, dtype=torch.float32)
                     window_tokens = 0
                     for i, batch in enumerate(micro_batches):
-                        with self._autocast(device, train=True):
-                            loss = self._compute_loss(model, batch, num_items, device)
-                        backward_loss = loss * self.world_size if self.world_size > 1 else loss  # DDP/FSDP average once
-                        (self.scaler.scale(backward_loss) if self.scaler else backward_loss).backward()
+                        # Gradients are reduced across ranks once per window, in the last micro step's backward.
+                        with gradient_sync(model, i == len(micro_batches) - 1):
+                            with self._autocast(device, train=True):
+                                loss = self._compute_loss(model, batch, num_items, device)
+                            backward_loss = loss * self.world_size if self.world_size > 1 else loss  # DDP/FSDP average once
+                            (self.scaler.scale(backward_loss) if self.scaler else backward_loss).backward()
                         window_loss += loss.detach().float()
                         if i < len(micro_batches) - 1:
                             self.control = self.callback_handler.fire("on_substep_end", args, state, self.control)
                         tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
                         throughput.add(tokens, int(batch.get("num_items", 0)))
                         window_tokens += tokens
-                    state.num_input_tokens_seen += window_tokens * self.world_size
+                    if self.world_size > 1:
+                        # Each rank holds its share of the window's loss and tokens: log the sums over all ranks.
+                        totals = torch.stack([window_loss, torch.tensor(float(window_tokens), device=device)])
+                        torch.distributed.all_reduce(totals)
+                        window_loss, window_tokens = totals[0], int(totals[1].item())
+                    state.num_input_tokens_seen += window_tokens
 
                     # 2. clip, check, step (or skip)
                     if self.scaler is not None:
@@ -248,6 +270,8 @@ class Trainer:
                     params = [p for p in model.parameters() if p.grad is not None]
                     max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+                    if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards (already used to clip)
+                        grad_norm = grad_norm.full_tensor()
                     loss_value, grad_norm_value = window_loss.item(), float(grad_norm)  # the one host sync per step
                     finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
                     self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
@@ -286,7 +310,7 @@ class Trainer:
                     state.global_step += 1
                     state.epoch = epoch + (window + 1) / windows_per_epoch
                     if flops_per_token:
-                        state.total_flos += flops_per_token * window_tokens * self.world_size
+                        state.total_flos += flops_per_token * window_tokens
                     progress.update(1)
                     if args.torch_empty_cache_steps and state.global_step % args.torch_empty_cache_steps == 0 \
                             and device.type == "cuda":
@@ -314,7 +338,8 @@ class Trainer:
                         speed = throughput.mark()
                         logs.update(speed)
                         if peak_flops and flops_per_token:
-                            logs["mfu"] = flops_per_token * speed["tokens_per_second"] / self.world_size / peak_flops
+                            # tokens_per_second counts this rank's tokens, so this is already the per-device MFU.
+                            logs["mfu"] = flops_per_token * speed["tokens_per_second"] / peak_flops
                         logs["peak_memory_gb"] = peak_memory_gb(device)
                         if args.include_num_input_tokens_seen:
                             logs["num_input_tokens_seen"] = state.num_input_tokens_seen
@@ -347,6 +372,11 @@ class Trainer:
         return state
 
     # ---- pieces of the loop -----------------------------------------------------------------------------
+    def _device(self, model) -> torch.device:
+        """Where batches go: this rank's device with several processes (FSDP2 with offload_params keeps the
+        shards on the CPU, but computes on the accelerator), else wherever the model's parameters are."""
+        return parallel.local_device() if self.world_size > 1 else _model_device(model)
+
     def _accumulation_steps(self) -> int:
         resolve = getattr(self.args, "resolve_world", None)
         if callable(resolve):
@@ -391,6 +421,7 @@ class Trainer:
     def _configure_model(self, model, train: bool) -> None:
         """Our model's switches from the arguments; other modules are left as they are."""
         args = self.args
+        model = _unwrap(model)  # the switches live on the model inside a DDP wrapper
         if hasattr(model, "use_kernels"):
             model.use_kernels = bool(getattr(args, "use_kernels", True)) and not args.use_liger_kernel
         if args.use_liger_kernel:
@@ -431,7 +462,7 @@ class Trainer:
         return self.optimizer, self.lr_scheduler
 
     def _flops_per_token(self, model) -> float | None:
-        fn = getattr(model, "flops_per_token", None)
+        fn = getattr(_unwrap(model), "flops_per_token", None)
         if fn is None:
             return None
         return float(fn(getattr(self.args, "cutoff_len", 2048) or 2048))
@@ -486,16 +517,24 @@ class Trainer:
             args.output_dir, state.global_step, save_model=lambda d: self._save_model_files(d),
             optimizer=optimizer, scheduler=scheduler, scaler=self.scaler, data_state=loader.state_dict(),
             trainer_state=state.to_dict(), args_dict=args.to_dict(), rank=self.rank, world_size=self.world_size,
-            save_only_model=args.save_only_model)
-        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
+            save_only_model=args.save_only_model,
+            save_sharded=(lambda d: parallel.save_sharded(model, optimizer, d)) if is_fsdp(model) else None)
+        if self.rank == 0:
+            ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
         self.control = self.callback_handler.fire("on_save", args, state, self.control)
         return path
 
     # ---- model I/O ------------------------------------------------------------------------------------
     def _save_model_files(self, directory: Path) -> None:
+        """The model in the Hugging Face layout. Called on every rank: under FSDP2 gathering the full weights is a
+        collective; only rank 0 writes."""
         model = _unwrap(self.model)
         from .model import CausalLM, save_pretrained
 
+        if is_fsdp(model):
+            model = self._gathered_copy(model)  # None on ranks other than 0
+        if self.rank != 0:
+            return
         if isinstance(model, CausalLM):
             save_pretrained(model, directory, tokenizer=self.processing_class)
             return
@@ -505,10 +544,31 @@ class Trainer:
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(directory)
 
+    def _gathered_copy(self, model):
+        """Rank 0: an unsharded CPU copy of an FSDP2 model holding the full weights; other ranks: None."""
+        state = parallel.full_model_state_dict(model)  # a collective; the full tensors land on rank 0 only
+        if self.rank != 0:
+            return None
+        copy = _unsharded_cpu_copy(model)
+        copy.load_state_dict(state)
+        return copy
+
     def _load_model_weights(self, directory: Path) -> None:
         model = _unwrap(self.model)
         from .model import CausalLM, load_state_dict_into
 
+        if is_fsdp(model):
+            if (directory / ckpt.DCP_DIR).is_dir():
+                parallel.load_sharded(model, None, directory / ckpt.DCP_DIR)
+                return
+            # A Hugging Face directory: rank 0 reads it into an unsharded copy and broadcasts while sharding.
+            state = {}
+            if self.rank == 0:
+                copy = _unsharded_cpu_copy(model)
+                load_state_dict_into(copy, directory)
+                state = copy.state_dict()
+            parallel.load_full_model_state_dict(model, state)
+            return
         if isinstance(model, CausalLM):
             load_state_dict_into(model, directory)
             return
@@ -521,8 +581,11 @@ class Trainer:
         out = Path(output_dir or self.args.output_dir)
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            self._save_model_files(out)
+        self._save_model_files(out)  # every rank: gathering sharded weights is a collective
+        if self.rank == 0:
             (out / "training_args.json").write_text(json.dumps(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        if self.world_size > 1:
+            torch.distributed.barrier()  # on return the files exist for every rank
         return out
 
     # ---- evaluation -----------------------------------------------------------------------------------
@@ -545,7 +608,7 @@ class Trainer:
     @torch.no_grad()
     def _prediction_loop(self, dataset, prefix: str, want_predictions: bool) -> PredictionOutput:
         model = self.model
-        device = _model_device(model)
+        device = self._device(model)
         was_training = model.training
         model.eval()
         self._configure_model(model, train=False)
@@ -715,6 +778,22 @@ def _forward_params(model) -> set:
 
 def _unwrap(model):
     return getattr(model, "module", model)
+
+
+def _unsharded_cpu_copy(model):
+    """An uninitialised CPU CausalLM with `model`'s config and parameter dtype, to hold full FSDP2 weights."""
+    from .model import CausalLM
+
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"saving or loading a {type(model).__name__} sharded with FSDP2 is not supported (CausalLM only)")
+    dtype = next(iter(model.state_dict().values())).dtype
+    with torch.device("meta"):
+        copy = CausalLM(model.config, use_kernels=False)
+    copy.to(dtype=dtype)
+    copy.to_empty(device="cpu")
+    copy.tie_weights()  # to_empty made new, separate Parameters
+    copy.model.rotary_emb.reset_buffers()
+    return copy
 
 
 def _pad_cat(tensors: list[torch.Tensor], pad: int) -> torch.Tensor:

@@ -1,0 +1,350 @@
+"""Data parallelism on torch.distributed: 2 processes on CPU with gloo, each started as torchrun would start it
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) running tests/trainer/dist_worker.py.
+
+What is checked, all against one process training on the same global batch (per_device 2 x accumulation 4 in one
+process = per_device 2 x accumulation 2 x 2 ranks: the loader deals global micro batches round-robin, so each
+optimizer step sees the same 8 examples, and the loss is normalised by the window's targets summed over ranks):
+- DDP and FSDP2 (fp32; bf16 parameters too) log the same loss per step and end with the same weights, read from
+  the consolidated Hugging Face export that rank 0 writes;
+- the export loads in one process with ours and with transformers and gives the same logits;
+- FSDP2 sharded checkpoints (DCP) resume exactly on 2 processes;
+- an exception on one rank ends the whole job with its message and a non-zero exit, never a hang.
+Every spawn is bounded by a timeout. GPU-marked tests (NCCL, offload_params) run only where CUDA exists.
+Tolerance: the 1-process and 2-process runs sum the same fp32 terms in a different order (per-rank partial
+gradients, then an all-reduce), so after a few Adam steps weights agree to ~1e-5 relative, not bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+
+from trainer.args import TrainingArguments
+from trainer.model import load_pretrained
+from trainer.tasks import generate_tasks
+from trainer.trainer import Trainer
+from trainer.data import load_sft_dataset
+from trainer.tokenizer import byte_level_tokenizer
+
+from .test_trainer import small_model
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("dist_worker.py")
+TIMEOUT_S = 150  # per spawned job; the 2-process runs take ~10-40 s on 2 shared cores
+
+BASE = dict(per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=0,
+            logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=7, optim="adamw_fused",
+            max_steps=3)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in generate_tasks(40, seed=3)))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2) -> dict:
+    """Run dist_worker.py on `nproc` ranks over `jobs` ({"name", "args", "resume"?, "fail_at_step"?}, run in order
+    in one process group); returns {"rcs", "logs", "out": {name: dir}, "result": {name: result.json or None}}.
+    Never waits past TIMEOUT_S: whatever still runs then is killed and rcs is None."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    dirs = {job["name"]: tmp_path / job["name"] for job in jobs}
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({"data": str(data_file), "jobs": [
+        {"output": str(dirs[job["name"]]), **{k: v for k, v in job.items() if k != "name"}} for job in jobs]}))
+    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                "WORLD_SIZE": str(nproc), "KERNELS_BACKEND": "reference", "OMP_NUM_THREADS": "1"}
+    procs, logs = [], []
+    for rank in range(nproc):
+        log = open(tmp_path / f"rank{rank}.log", "w+")
+        env = {**env_base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec_file)], cwd=ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+    deadline = time.monotonic() + TIMEOUT_S
+    rcs = []
+    try:
+        for p in procs:
+            rcs.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        rcs = None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    results = {name: json.loads((d / "result.json").read_text()) if (d / "result.json").is_file() else None
+               for name, d in dirs.items()}
+    return {"rcs": rcs, "logs": texts, "out": dirs, "result": results}
+
+
+def ok(job: dict) -> dict:
+    assert job["rcs"] == [0] * len(job["logs"]), "\n\n".join(f"--- rank {r} ---\n{t[-3000:]}" for r, t in enumerate(job["logs"]))
+    return job
+
+
+def single_process(tmp_path: Path, data_file: Path, args: dict):
+    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    model = small_model()
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "single"), **args),
+                      train_dataset=dataset, eval_dataset=dataset)
+    state = trainer.train()
+    return [h["loss"] for h in state.log_history if "loss" in h], model, trainer.evaluate()["eval_loss"]
+
+
+def assert_same_weights(directory: Path, model, rtol=1e-4, atol=1e-5):
+    loaded = load_pretrained(directory)
+    ours = dict(model.named_parameters())
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p, ours[name].detach(), rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, data_file):
+    """One process, per_device 2 x accumulation 4: the global batch of 2 ranks x per_device 2 x accumulation 2."""
+    with kernels.backend("reference"):  # module-scoped: set up before tests/trainer/conftest.py's autouse fixture
+        return single_process(tmp_path_factory.mktemp("ref"), data_file, {**BASE, "gradient_accumulation_steps": 4})
+
+
+# Both 2-process runs also save checkpoint-2 (of 3 steps), which the resume runs continue from.
+DIST_ARGS = {**BASE, "gradient_accumulation_steps": 2, "save_strategy": "steps", "save_steps": 2}
+CONFIGS = {"ddp": {}, "fsdp2": {"dist_config": {"name": "fsdp2", "mixed_precision": "fp32"}},
+           "fsdp2-bf16": {"dist_config": {"name": "fsdp2", "mixed_precision": "bf16"}}}
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory, data_file):
+    """One 2-process launch running: ddp (no dist_config: the default), its resume from checkpoint-2, fsdp2 (fp32)
+    and its resume, fsdp2 with bf16 parameters."""
+    root = tmp_path_factory.mktemp("suite")
+    jobs = []
+    for name in ("ddp", "fsdp2"):
+        jobs.append({"name": name, "args": {**DIST_ARGS, **CONFIGS[name]}})
+        jobs.append({"name": f"{name}-resumed", "args": {**DIST_ARGS, **CONFIGS[name]},
+                     "resume": str(root / name / "run" / "checkpoint-2")})
+    jobs.append({"name": "fsdp2-bf16", "args": {**BASE, "gradient_accumulation_steps": 2, **CONFIGS["fsdp2-bf16"]}})
+    return ok(launch(root, data_file, jobs))
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_two_processes_match_one_process(suite, reference_run, name):
+    ref_losses, ref_model, ref_eval = reference_run
+    result = suite["result"][name]
+    assert result["world_size"] == 2
+    assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert result["eval_loss"] == pytest.approx(ref_eval, rel=1e-5)
+    assert_same_weights(suite["out"][name] / "final", ref_model)  # the consolidated export rank 0 wrote
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_checkpoint_layout(suite, name):
+    checkpoint = suite["out"][name] / "run" / "checkpoint-2"
+    files = {p.name for p in checkpoint.iterdir()}
+    assert {"model.safetensors", "config.json", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt",
+            "trainer_state.json", "data_state.json"} <= files
+    if name == "fsdp2":  # model + optimizer shards of both ranks, instead of optimizer.pt
+        assert "dcp" in files and "optimizer.pt" not in files and (checkpoint / "dcp" / ".metadata").is_file()
+    else:
+        assert "optimizer.pt" in files and "dcp" not in files
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_resume_on_two_processes_is_exact(suite, name):
+    first, resumed = suite["result"][name], suite["result"][f"{name}-resumed"]
+    assert resumed["losses"] == first["losses"]  # steps 1-2 restored from the checkpoint, step 3 recomputed: bitwise
+    a = load_pretrained(suite["out"][name] / "final")
+    b = load_pretrained(suite["out"][f"{name}-resumed"] / "final")
+    for (param_name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), param_name
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_consolidated_export_loads_in_one_process_with_ours_and_transformers(suite, name):
+    transformers = pytest.importorskip("transformers")
+    path = suite["out"][name] / "final"
+    ours = load_pretrained(path, use_kernels=False).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_fsdp2_bf16_parameters_train_like_fp32(suite, reference_run):
+    """mixed_precision bf16: blocks compute with bf16 copies of the fp32 shards, gradients reduce in fp32. The loss
+    follows the fp32 run within bf16's error (8 significant bits: ~0.4% per rounding, a few roundings deep)."""
+    ref_losses, _, ref_eval = reference_run
+    result = suite["result"]["fsdp2-bf16"]
+    assert result["losses"] == pytest.approx(ref_losses, rel=2e-2)
+    assert result["losses"] != pytest.approx(ref_losses, rel=1e-6)  # bf16 really was used
+    assert result["eval_loss"] == pytest.approx(ref_eval, rel=2e-2)
+    # the parameters (the optimizer's master weights) stay fp32
+    assert load_pretrained(suite["out"]["fsdp2-bf16"] / "final").model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, data_file):
+    started = time.monotonic()
+    job = launch(tmp_path, data_file, [{"name": "fail", "args": {**BASE, "max_steps": 6}, "fail_at_step": 2}])
+    assert job["rcs"] is not None, f"the job hung (killed after {TIMEOUT_S} s)"
+    assert job["rcs"][1] != 0 and job["rcs"][0] != 0, job["rcs"]
+    assert "injected failure on rank 1 at step 2" in job["logs"][1]
+    assert "[rank 0/2] error" in job["logs"][0]  # rank 0 learnt from the broken collective, did not wait
+    assert time.monotonic() - started < TIMEOUT_S
+
+
+def test_offload_params_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: offload is allowed")
+    from trainer.parallel import apply_fsdp
+
+    with pytest.raises(ValueError, match="offload_params=true needs a CUDA device"):
+        apply_fsdp(small_model(), {"name": "fsdp2", "offload_params": True})
+
+
+def test_init_distributed_is_a_no_op_for_one_process(monkeypatch):
+    from trainer.parallel import init_distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed() == (0, 1) and not torch.distributed.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(RuntimeError, match="launch with torchrun"):
+        init_distributed()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("config", [None, {"name": "fsdp2", "mixed_precision": "fp32"},
+                                    {"name": "fsdp2", "mixed_precision": "fp32", "offload_params": True}],
+                         ids=["ddp-nccl", "fsdp2-nccl", "fsdp2-offload"])
+def test_two_gpus_match_one_process(tmp_path, data_file, reference_run, config):
+    """On 2 GPUs (nccl; offload_params keeps the shards in pinned CPU memory): the same run as on the CPU."""
+    args = {**BASE, "gradient_accumulation_steps": 2, **({"dist_config": config} if config else {})}
+    job = ok(launch(tmp_path, data_file, [{"name": "gpu", "args": args}]))
+    ref_losses, ref_model, _ = reference_run
+    # GPU matmuls (TF32 off by default in torch) sum in another order than the CPU: fp32 tolerance, not bitwise.
+    assert job["result"]["gpu"]["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert_same_weights(job["out"]["gpu"] / "final", ref_model, rtol=1e-3, atol=1e-4)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-process gloo group in this process (DDP and FSDP2 need one), destroyed afterwards."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _two_micro_steps(model, batches):
+    from trainer.parallel import gradient_sync
+
+    for i, ids in enumerate(batches):
+        with gradient_sync(model, i == len(batches) - 1):
+            model(ids, labels=ids).loss.backward()
+
+
+def test_gradient_sync_reduces_once_per_window_with_ddp(one_rank_group):
+    from trainer.parallel import apply_ddp
+
+    model = apply_ddp(small_model())
+    reductions = []
+
+    def count(state, bucket):  # a DDP communication hook: called once per bucket per synchronised backward
+        reductions.append(len(bucket.gradients()))
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, count)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()  # a window of one micro step: synchronised
+    once = sum(reductions)
+    assert once == len(list(model.parameters()))  # every gradient reduced exactly once
+    reductions.clear()
+    _two_micro_steps(model, [ids, ids.flip(0), ids])  # 3 micro steps: only the last one reduces
+    assert sum(reductions) == once
+
+
+def test_gradient_sync_reduces_once_per_window_with_fsdp2(one_rank_group):
+    from trainer.parallel import apply_fsdp
+
+    model = apply_fsdp(small_model(), {"name": "fsdp2", "mixed_precision": "fp32"})
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    from trainer.parallel import gradient_sync
+
+    with gradient_sync(model, False):
+        model(ids, labels=ids).loss.backward()
+    # Without sync FSDP2 keeps the unsharded gradient to itself: no sharded .grad exists yet.
+    assert all(p.grad is None for p in model.parameters())
+    with gradient_sync(model, True):
+        model(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_fused_adamw_updates_dtensor_shards_like_plain_tensors(one_rank_group, backend):
+    """FusedAdamW on FSDP2's DTensor parameters runs on the local shards (the launch tables need plain memory)
+    and keeps DTensor moments, so DCP saves them sharded; the update equals the plain-tensor one bitwise.
+    `triton` runs the kernel through the interpreter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(37, 5, generator=gen), torch.randn(11, generator=gen)]
+    grads = [torch.randn_like(v) for v in values]
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    sharded = [torch.nn.Parameter(distribute_tensor(v.clone(), mesh, [Shard(0)])) for v in values]
+    with kernels.backend(backend):
+        for params in (plain, sharded):
+            opt = kernels.FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+            for step in range(2):
+                for p, g in zip(params, grads):
+                    p.grad = distribute_tensor(g * (step + 1), mesh, [Shard(0)]) if isinstance(p, DTensor) else g * (step + 1)
+                opt.step()
+    for p, q in zip(plain, sharded):
+        assert isinstance(q, DTensor) and isinstance(opt.state[q]["exp_avg"], DTensor)
+        assert torch.equal(p.detach(), q.detach().full_tensor())
+
+
+def test_resuming_under_another_number_of_processes_is_refused(suite, data_file, tmp_path):
+    from trainer.checkpoint import CheckpointError
+
+    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    trainer = Trainer(model=small_model(), args=TrainingArguments(output_dir=str(tmp_path), **DIST_ARGS),
+                      train_dataset=dataset)
+    with pytest.raises(CheckpointError, match=r"saved by 2 process\(es\), this run has 1"):
+        trainer.train(resume_from_checkpoint=str(suite["out"]["ddp"] / "run" / "checkpoint-2"))
+
+
+def test_fp16_with_fsdp2_is_refused(monkeypatch, tmp_path):
+    from trainer import parallel
+    from trainer.args import ConfigError
+
+    monkeypatch.setattr(parallel, "world", lambda: (0, 2))  # as if launched on 2 processes
+    args = TrainingArguments(output_dir=str(tmp_path), fp16=True, dist_config={"name": "fsdp2"})
+    with pytest.raises(ConfigError, match="fp16=True with dist_config name fsdp2 is not supported"):
+        parallel.apply_all(small_model(), args)
