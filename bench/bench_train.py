@@ -19,6 +19,7 @@ Same work in every configuration:
 - micro batch, gradient accumulation, steps, seed; AdamW with the same lr, betas, eps and weight decay (decay
   on the same parameters: both exclude norm weights and 1-D tensors), constant lr, no warmup, max_grad_norm 1.0;
 - precision: fp32 on a CPU; bf16 autocast over fp32 parameters on a GPU (both trainers' --bf16);
+- torch threads: one per worker on a CPU (--threads), the default on a GPU;
 - no evaluation, no checkpoint saving, logging off (logging_strategy="no", report_to none, no progress bar),
   dataloader in the main process, no torch.compile, no gradient checkpointing, sdpa attention.
 Unavoidable differences (documented, not hidden):
@@ -179,6 +180,8 @@ def _timer(base):
 
 def worker(spec: dict) -> dict:
     impl = spec["impl"]
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     torch.manual_seed(spec["seed"])
     device = common.device()
     train, heldout = blocks(spec)
@@ -280,7 +283,7 @@ def base_spec(args, model_dir: Path, out_dir: Path, config: dict) -> dict:
         "model_dir": str(model_dir), "output_dir": str(out_dir), "vocab_size": config["vocab_size"],
         "seq_len": args.seq_len, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
         "steps": args.steps, "warmup_steps": args.warmup_steps, "lr": args.lr, "seed": args.seed, "data": args.data,
-        "our_optim": args.our_optim, "hf_optim": args.hf_optim,
+        "our_optim": args.our_optim, "hf_optim": args.hf_optim, "threads": args.threads,
     }
 
 
@@ -291,6 +294,7 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
         from trainer.metrics import device_peak_flops
 
         peak = device_peak_flops(torch.device("cuda"))
+    load_avg = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None  # how shared the machine was
     runs: dict[str, list[dict]] = {}
     results: dict[str, dict] = {}
     active = []
@@ -330,7 +334,8 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
             "n_params": config_params(config), "seq_len": args.seq_len, "micro_batch": args.micro_batch,
             "grad_accum": args.grad_accum, "global_batch_tokens": args.micro_batch * args.grad_accum * args.seq_len,
             "steps": args.steps, "precision": "bf16-autocast" if torch.cuda.is_available() else "fp32",
-            "optim": args.our_optim if impl == "ours" else args.hf_optim, **r,
+            "optim": args.our_optim if impl == "ours" else args.hf_optim, "torch_threads": args.threads,
+            "load_avg_1min_at_start": load_avg, **r,
         }
         if r["status"] == "ok":
             row["mfu"] = fpt * r["tokens_per_s"] / peak if peak else None
@@ -406,6 +411,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=None, help="steps left out of tokens/s (compile, caches)")
     p.add_argument("--repeats", type=int, default=None, help="runs per configuration, alternating order; the "
                    "median run is reported (default 3 on a CPU, whose cores are shared; 1 on a GPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per worker (default 1 on a "
+                   "CPU: on shared cores a 2-thread op waits for its slower thread; the torch default on a GPU)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
@@ -428,6 +435,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in zip(("seq_len", "micro_batch", "grad_accum", "steps", "warmup_steps"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.threads is None and not gpu:
+        args.threads = 1
     if args.repeats is None:
         args.repeats = 1 if gpu else 3
     if args.repeats < 1:
