@@ -32,8 +32,8 @@ Unavoidable differences (documented, not hidden):
 Measured per configuration: tokens/s = tokens per step / the median step time over the steps after
 --warmup-steps (the clock is read at each step end, after a CUDA synchronize; the median, because a shared CPU's
 bursts of contention would otherwise decide the comparison; the mean is kept as tokens_per_s_mean), repeated
---repeats times in alternating order with the median repeat reported, MFU (achieved model FLOP/s over the device's dense bf16 peak,
-trainer.metrics.device_peak_flops; FLOPs per token from CausalLM.flops_per_token: 6N + attention; None on a
+--repeats times in alternating order with the median repeat reported; MFU (achieved model FLOP/s over the
+device's dense bf16 peak, trainer.metrics.device_peak_flops; FLOPs per token from CausalLM.flops_per_token: 6N + attention; None on a
 CPU or unknown device), peak memory (torch.cuda.max_memory_allocated on a GPU; on a CPU the worker process's max
 RSS, imports included), and the loss after the last step (mean next-token cross-entropy of a fixed held-out batch,
 fp32, computed by the same code for every configuration). Rows carry ratios against `hf` from the same run.
@@ -41,6 +41,11 @@ fp32, computed by the same code for every configuration). Rows carry ratios agai
 --memory-ladder (GPU only; on a CPU it says so and exits 0): for each configuration, the largest micro batch that
 fits at --seq-len, found by doubling from 1 until out-of-memory, then bisecting between the last fit and the first
 OOM; every probe is a fresh subprocess running 2 optimizer steps (so the optimizer state is allocated).
+
+Committed CPU result (bench/results/train.md, perf_figure=False): tiny, seq 128 x micro 4, 10 steps, fp32, one
+thread on 2 shared cores: ours 1279 tok/s vs HF 1208 (1.06x by medians of 3 alternating runs whose ranges
+overlap: 1225-1314 vs 1097-1336), peak RSS 0.94x. With 2 threads per worker on the same loaded cores both ran
+4-5x slower and the order of the two flipped between repeats, hence --threads 1 on a CPU.
 
 Usage:
     python bench/bench_train.py --quick                  # CPU: tiny model, a couple of minutes
