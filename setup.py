@@ -55,7 +55,10 @@ def cuda_extensions():
     ext = CUDAExtension(
         name="kernels._C",
         sources=sources,
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
+        # No -std flag: torch.utils.cpp_extension adds the one its headers need (c++20 for torch >= 2.10; a
+        # forced c++17 draws warnings from them). No --use_fast_math: it flushes denormals and approximates sqrt
+        # and division in every kernel; a kernel that wants fast math uses the intrinsics where it is safe.
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
 

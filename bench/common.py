@@ -42,11 +42,15 @@ def _version(module: str) -> str | None:
 
 
 def git_sha() -> str:
+    """The short HEAD sha, with "+dirty" when tracked files differ from it (the rows then ran uncommitted code)."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
+        here = Path(__file__).parent
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        sha = out.stdout.strip() or "unknown"
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10
         )
-        return out.stdout.strip() or "unknown"
+        return sha + ("+dirty" if status.stdout.strip() else "")
     except Exception:
         return "unknown"
 

@@ -58,8 +58,10 @@ Launch strategy
     aligned (checked on the host) the pointers carry a `tl.multiple_of` hint so the loads vectorise: the
     masked tail, where numel's divisibility is unknown, would not (checked in the PTX: v4 loads and stores
     on the full-block path). BLOCK=2048 with 8 warps: see `_BLOCK`; not yet timed on a GPU.
-    The dispatch point is `_step_bucket`: CUDA -> Triton, CPU -> the reference unless Triton is forced; a
-    later CUDA C++ multi-tensor op (`torch.ops.kernels.*`) plugs in there.
+    The dispatch point is `_step_bucket` (`adamw_impl` says which path and why): CUDA -> Triton, or the CUDA
+    C++ multi-tensor op `torch.ops.kernelwright.fused_adamw_` (csrc/adamw.cu, same math) when kernels._C is
+    built and KERNELS_ADAMW_IMPL=cuda ('auto' keeps Triton until a GPU measurement shows the op faster);
+    CPU -> the reference unless Triton is forced.
 
 References: Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (2019); torch.optim.AdamW;
 Gupta et al., "Deep Learning with Limited Numerical Precision" (2015) for stochastic rounding.
@@ -71,7 +73,9 @@ Bench: python bench/bench_adamw.py               (GPU: Llama-3.2-1B parameter li
 from __future__ import annotations
 
 import numbers
+import os
 import struct
+import warnings
 
 import torch
 
@@ -574,9 +578,66 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
+# Which CUDA implementation runs the update: KERNELS_ADAMW_IMPL=auto (default) | triton | cuda, read once at import.
+# 'cuda' is the CUDA C++ op torch.ops.kernelwright.fused_adamw_ (csrc/adamw.cu, built into kernels._C by setup.py).
+# 'auto' picks it only where a committed GPU measurement showed it faster than the Triton kernel; there is none
+# yet (csrc/adamw.cu has not been timed), so 'auto' keeps Triton.
+_ADAMW_IMPLS = ("auto", "triton", "cuda")
+_ADAMW_IMPL = os.environ.get("KERNELS_ADAMW_IMPL", "auto").strip().lower() or "auto"
+if _ADAMW_IMPL not in _ADAMW_IMPLS:
+    raise ValueError(f"KERNELS_ADAMW_IMPL={_ADAMW_IMPL!r} is not one of {', '.join(_ADAMW_IMPLS)}")
+_CUDA_OP_MEASURED_FASTER = False  # set True with the bench/results/adamw.jsonl rows that show it
+_warned: set[str] = set()
+
+
+_MISSING = "unknown"  # cuda_op_unavailable()'s answer, looked up once per process
+
+
+def cuda_op_unavailable() -> str | None:
+    """Why torch.ops.kernelwright.fused_adamw_ cannot be called here, or None when it can (cached)."""
+    global _MISSING
+    if _MISSING == "unknown":
+        try:
+            import kernels._C  # noqa: F401  (loading the library registers the ops)
+        except ImportError as exc:
+            _MISSING = (f"the CUDA extension kernels._C is not built ({exc}); build it where nvcc and a CUDA "
+                        "PyTorch exist: pip install --no-build-isolation .")
+        else:
+            _MISSING = None if hasattr(torch.ops.kernelwright, "fused_adamw_") else (
+                "kernels._C is loaded but does not register kernelwright::fused_adamw_ (a stale build?)")
+    return _MISSING
+
+
+def adamw_impl(param: torch.Tensor) -> tuple[str, str]:
+    """(implementation, why) for a bucket whose first parameter is `param`: 'cuda', 'triton' or 'reference'."""
+    if not param.is_cuda:
+        name = "triton" if use_triton(param) else "reference"
+        return name, f"parameters on {param.device.type}: the CUDA op needs CUDA tensors"
+    if _ADAMW_IMPL == "triton":
+        return ("triton" if use_triton(param) else "reference"), "KERNELS_ADAMW_IMPL=triton"
+    missing = cuda_op_unavailable()
+    if _ADAMW_IMPL == "cuda":
+        if missing is None:
+            return "cuda", "KERNELS_ADAMW_IMPL=cuda"
+        if missing not in _warned:
+            _warned.add(missing)
+            warnings.warn(f"kernels.adamw: KERNELS_ADAMW_IMPL=cuda but {missing}; using the Triton kernel", stacklevel=3)
+        return ("triton" if use_triton(param) else "reference"), f"KERNELS_ADAMW_IMPL=cuda but {missing}"
+    if missing is None and _CUDA_OP_MEASURED_FASTER:
+        return "cuda", "KERNELS_ADAMW_IMPL=auto and the CUDA op was measured faster"
+    why = missing or "no committed GPU measurement shows the CUDA op faster than Triton"
+    return ("triton" if use_triton(param) else "reference"), f"KERNELS_ADAMW_IMPL=auto keeps Triton: {why}"
+
+
 def _step_bucket(params, grads, exp_avgs, exp_avg_sqs, steps, masters, *, tables, **hyper) -> None:
-    """The dispatch point for one bucket: Triton on CUDA (or when forced), the reference otherwise."""
-    if use_triton(params[0]):
+    """The dispatch point for one bucket: the CUDA C++ op or Triton on CUDA (`adamw_impl`), the reference on CPU
+    unless Triton is forced."""
+    impl, _ = adamw_impl(params[0])
+    if impl == "cuda":
+        torch.ops.kernelwright.fused_adamw_(
+            params, grads, exp_avgs, exp_avg_sqs, masters or [], steps, hyper["lr"], hyper["beta1"], hyper["beta2"],
+            hyper["eps"], hyper["weight_decay"], hyper["maximize"], hyper["stochastic_rounding"])
+    elif impl == "triton":
         fused_adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, masters, tables=tables, **hyper)
     else:
         _adamw_bucket_ref(params, grads, exp_avgs, exp_avg_sqs, steps, masters, **hyper)

@@ -1,0 +1,479 @@
+"""End-to-end training benchmark: our Trainer vs Hugging Face `transformers.Trainer` (and with liger-kernel).
+
+Three configurations train the same model from the same weights on the same data, in the same run, each in its
+own subprocess (so peak memory is that configuration's alone and no allocator or compile cache is shared):
+    ours       trainer.trainer.Trainer + trainer.model.CausalLM (use_kernels=True, optim adamw_fused)
+    hf         transformers.Trainer + transformers.LlamaForCausalLM (its default optim adamw_torch_fused)
+    hf_liger   the same with use_liger_kernel=True; CUDA only (liger's Triton kernels have no CPU path; on a CPU
+               the row is recorded as skipped, with the reason)
+The model is a Llama architecture with random init: `tiny` (the trainer preset) on a CPU, Qwen2.5-0.5B or
+Llama-3.2-1B dimensions on a GPU. The parent builds it once (CausalLM.init_weights(seed)), writes it with
+`save_pretrained`, and every worker loads that directory: ours with `load_pretrained`, HF with
+`LlamaForCausalLM.from_pretrained`.
+
+Same work in every configuration:
+- data: the embedded tasks (trainer/data/tasks_train.jsonl, chat-templated with the byte-level tokenizer) or
+  seeded random ids (--data synthetic), concatenated and cut into blocks of exactly seq_len tokens, every token a
+  target: no padding, so each micro batch is one dense (micro_batch, seq_len) tensor in both trainers. The
+  dataset holds exactly global_batch * steps blocks: one epoch, every block seen once by every configuration;
+- micro batch, gradient accumulation, steps, seed; AdamW with the same lr, betas, eps and weight decay (decay
+  on the same parameters: both exclude norm weights and 1-D tensors), constant lr, no warmup, max_grad_norm 1.0;
+- precision: fp32 on a CPU; bf16 autocast over fp32 parameters on a GPU (both trainers' --bf16);
+- torch threads: one per worker on a CPU (--threads), the default on a GPU;
+- no evaluation, no checkpoint saving, logging off (logging_strategy="no", report_to none, no progress bar),
+  dataloader in the main process, no torch.compile, no gradient checkpointing, sdpa attention.
+Unavoidable differences (documented, not hidden):
+- sample order: each trainer shuffles with its own sampler (ours: trainer.batching.BatchLoader; HF: a seeded
+  RandomSampler), so the steps see the same blocks in a different order and the final loss differs by that;
+- each trainer's own AdamW implementation (ours: kernels.FusedAdamW, Triton on CUDA, the PyTorch reference on a
+  CPU; HF: torch.optim.AdamW(fused=True)): the same update rule, which is part of what is compared. Override with
+  --our-optim / --hf-optim (e.g. both adamw_torch) to separate it out.
+
+Measured per configuration: tokens/s = tokens per step / the median step time over the steps after
+--warmup-steps (the clock is read at each step end, after a CUDA synchronize; the median, because a shared CPU's
+bursts of contention would otherwise decide the comparison; the mean is kept as tokens_per_s_mean), repeated
+--repeats times in alternating order with the median repeat reported; MFU (achieved model FLOP/s over the
+device's dense bf16 peak, trainer.metrics.device_peak_flops; FLOPs per token from CausalLM.flops_per_token: 6N + attention; None on a
+CPU or unknown device), peak memory (torch.cuda.max_memory_allocated on a GPU; on a CPU the worker process's max
+RSS, imports included), and the loss after the last step (mean next-token cross-entropy of a fixed held-out batch,
+fp32, computed by the same code for every configuration). Rows carry ratios against `hf` from the same run.
+
+--memory-ladder (GPU only; on a CPU it says so and exits 0): for each configuration, the largest micro batch that
+fits at --seq-len, found by doubling from 1 until out-of-memory, then bisecting between the last fit and the first
+OOM; every probe is a fresh subprocess running 2 optimizer steps (so the optimizer state is allocated).
+
+Committed CPU result (bench/results/train.md, perf_figure=False): tiny, seq 128 x micro 4, 10 steps, fp32, one
+thread on 2 shared cores: ours 1279 tok/s vs HF 1208 (1.06x by medians of 3 alternating runs whose ranges
+overlap: 1225-1314 vs 1097-1336), peak RSS 0.94x. With 2 threads per worker on the same loaded cores both ran
+4-5x slower and the order of the two flipped between repeats, hence --threads 1 on a CPU.
+
+Usage:
+    python bench/bench_train.py --quick                  # CPU: tiny model, a couple of minutes
+    python bench/bench_train.py --model llama-3.2-1b     # GPU: rows to bench/results/train.jsonl (+ .md)
+    python bench/bench_train.py --memory-ladder --model qwen2.5-0.5b --seq-len 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench import common  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("ours", "hf", "hf_liger")
+# Architecture dims only (random init); Hugging Face config keys. tiny = trainer.model.PRESETS["tiny"].
+MODELS = {
+    "tiny": None,
+    "qwen2.5-0.5b": {  # Qwen2.5-0.5B's dims in a Llama architecture (no qkv bias)
+        "model_type": "llama", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "initializer_range": 0.02,
+        "eos_token_id": 258, "pad_token_id": 256,
+    },
+    "llama-3.2-1b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True, "initializer_range": 0.02,
+        "eos_token_id": 258, "pad_token_id": 256,
+    },
+}
+EVAL_BLOCKS = 8  # held-out blocks for the final loss
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data and model (built identically in every process from the spec)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def token_stream(data: str, n_tokens: int, vocab: int, seed: int) -> torch.Tensor:
+    """At least n_tokens int64 ids: the chat-templated embedded tasks (cycled), or seeded random ids."""
+    if data == "synthetic":
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab, (n_tokens,), generator=gen)
+    from trainer.data import load_sft_dataset
+    from trainer.tasks import TRAIN_FILE
+    from trainer.tokenizer import byte_level_tokenizer
+
+    ds = load_sft_dataset([TRAIN_FILE], byte_level_tokenizer(), cutoff_len=None, show_progress=False)
+    ids = torch.from_numpy(ds.input_ids.astype("int64"))  # (all tokens,) of the 4000 conversations
+    reps = -(-n_tokens // ids.numel())
+    return ids.repeat(reps)[:n_tokens]
+
+
+def blocks(spec: dict) -> tuple[list[dict], torch.Tensor]:
+    """(train blocks as {"input_ids", "labels"} of seq_len tokens, held-out (EVAL_BLOCKS, seq_len) batch)."""
+    t, n_train = spec["seq_len"], spec["micro_batch"] * spec["grad_accum"] * spec["steps"]
+    ids = token_stream(spec["data"], (n_train + EVAL_BLOCKS) * t, spec["vocab_size"], spec["seed"])
+    ids = ids.view(n_train + EVAL_BLOCKS, t)  # (N, T)
+    train = [{"input_ids": row, "labels": row} for row in ids[:n_train]]
+    return train, ids[n_train:]
+
+
+def collate(examples: list[dict]) -> dict:
+    """Dense (B, T) batches: every block has seq_len tokens, no padding, every token a target."""
+    ids = torch.stack([ex["input_ids"] for ex in examples])  # (B, T)
+    return {"input_ids": ids, "labels": torch.stack([ex["labels"] for ex in examples])}
+
+
+def model_config(name: str) -> dict:
+    from trainer.model import PRESETS
+
+    return dict(PRESETS["tiny"]) if name == "tiny" else dict(MODELS[name])
+
+
+def flops_per_token(config: dict, seq_len: int) -> int:
+    from trainer.model import CausalLM, ModelConfig
+
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.from_hf(config))
+    return model.flops_per_token(seq_len)
+
+
+def write_model(config: dict, seed: int, path: Path) -> None:
+    from trainer.model import CausalLM, ModelConfig, save_pretrained
+
+    model = CausalLM(ModelConfig.from_hf(config))
+    model.init_weights(seed)
+    save_pretrained(model, path, dtype=torch.float32)
+
+
+@torch.no_grad()
+def heldout_loss(model, ids: torch.Tensor, device: torch.device) -> float:
+    """Mean next-token cross-entropy of ids (B, T) in fp32, from the logits: the same code for every model."""
+    model.eval()
+    total = 0.0
+    for row in ids.to(device).split(2):
+        logits = model(input_ids=row).logits.float()  # (b, T, V)
+        total += torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), row[:, 1:].reshape(-1), reduction="sum"
+        ).item()
+    return total / (ids.shape[0] * (ids.shape[1] - 1))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker: one configuration in its own process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _timer(base):
+    """A step-end clock as a callback of either trainer (both call on_step_end(args, state, control, **kw))."""
+
+    class StepClock(base):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+            return control
+
+    return StepClock()
+
+
+def worker(spec: dict) -> dict:
+    impl = spec["impl"]
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    torch.manual_seed(spec["seed"])
+    device = common.device()
+    train, heldout = blocks(spec)
+    bf16 = device.type == "cuda"
+    common_args = dict(
+        output_dir=spec["output_dir"], per_device_train_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=spec["grad_accum"], max_steps=spec["steps"], learning_rate=spec["lr"],
+        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.1, lr_scheduler_type="constant",
+        warmup_steps=0, max_grad_norm=1.0, seed=spec["seed"], bf16=bf16, eval_strategy="no", save_strategy="no",
+        logging_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        gradient_checkpointing=False,
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if impl == "ours":
+        from trainer.args import TrainingArguments
+        from trainer.callbacks import TrainerCallback
+        from trainer.model import load_pretrained
+        from trainer.trainer import Trainer
+
+        model = load_pretrained(spec["model_dir"], dtype=torch.float32, device=device, use_kernels=True)
+        args = TrainingArguments(**common_args, optim=spec["our_optim"], use_kernels=True)
+    else:
+        import transformers
+        from transformers import LlamaForCausalLM, TrainerCallback, TrainingArguments
+        from transformers import Trainer
+
+        transformers.logging.set_verbosity_error()
+        model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+        model.to(device)
+        args = TrainingArguments(**common_args, optim=spec["hf_optim"], use_liger_kernel=impl == "hf_liger")
+    clock = _timer(TrainerCallback)
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[clock])
+    try:
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    except torch.OutOfMemoryError as exc:
+        return {"status": "oom", "reason": str(exc).splitlines()[0][:200]}
+    w = spec["warmup_steps"]
+    if len(clock.times) != spec["steps"]:
+        raise RuntimeError(f"{impl}: {len(clock.times)} steps ran, {spec['steps']} expected")
+    timed = spec["steps"] - w
+    step_tokens = spec["micro_batch"] * spec["grad_accum"] * spec["seq_len"]
+    step_s = sorted(b - a for a, b in zip(clock.times[w - 1:], clock.times[w:]))  # (timed,) per-step seconds
+    median_s = step_s[len(step_s) // 2] if len(step_s) % 2 else sum(step_s[len(step_s) // 2 - 1:][:2]) / 2
+    if device.type == "cuda":
+        peak, kind = torch.cuda.max_memory_allocated() / 1e9, "cuda_max_allocated"
+    else:
+        import resource
+
+        peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "cpu_max_rss"
+    return {
+        "status": "ok", "tokens_per_s": step_tokens / median_s, "tokens_per_s_mean": step_tokens * timed / sum(step_s),
+        "timed_steps": timed, "train_wall_s": wall, "step_ms": 1e3 * median_s, "peak_memory_gb": peak,
+        "peak_memory_kind": kind,
+        "final_loss": heldout_loss(trainer.model if impl == "ours" else model, heldout, device),
+    }
+
+
+def run_worker(spec: dict, timeout: float) -> dict:
+    """Run one configuration in a fresh interpreter; its result comes back as JSON on the last stdout line."""
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env.pop("TRITON_INTERPRET", None)  # a CPU run takes the reference path, not the interpreter
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "reason": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        tail = (out.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        oom = "OutOfMemoryError" in out.stderr or "out of memory" in out.stderr
+        return {"status": "oom" if oom else "error", "reason": tail[:300]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parent
+# ---------------------------------------------------------------------------------------------------------
+
+
+def skip_reason(impl: str) -> str | None:
+    if impl != "hf_liger":
+        return None
+    if not torch.cuda.is_available():
+        return "liger-kernel's Triton kernels run on CUDA only (no CPU path); skipped on CPU"
+    try:
+        import liger_kernel  # noqa: F401
+    except Exception:
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    return None
+
+
+def base_spec(args, model_dir: Path, out_dir: Path, config: dict) -> dict:
+    return {
+        "model_dir": str(model_dir), "output_dir": str(out_dir), "vocab_size": config["vocab_size"],
+        "seq_len": args.seq_len, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
+        "steps": args.steps, "warmup_steps": args.warmup_steps, "lr": args.lr, "seed": args.seed, "data": args.data,
+        "our_optim": args.our_optim, "hf_optim": args.hf_optim, "threads": args.threads,
+    }
+
+
+def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
+    fpt = flops_per_token(config, args.seq_len)
+    peak = None
+    if torch.cuda.is_available():
+        from trainer.metrics import device_peak_flops
+
+        peak = device_peak_flops(torch.device("cuda"))
+    load_avg = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None  # how shared the machine was
+    runs: dict[str, list[dict]] = {}
+    results: dict[str, dict] = {}
+    active = []
+    for impl in args.configs:
+        reason = skip_reason(impl)
+        if reason:
+            results[impl] = {"status": "skipped", "reason": reason}
+            print(f"{impl:9s} skipped: {reason}", flush=True)
+        else:
+            active.append(impl)
+    for rep in range(args.repeats):
+        # Alternate the order between repeats so slow drifts of a shared machine fall on every configuration.
+        for impl in active if rep % 2 == 0 else active[::-1]:
+            spec = {**base_spec(args, model_dir, tmp / impl, config), "impl": impl}
+            r = run_worker(spec, args.timeout)
+            runs.setdefault(impl, []).append(r)
+            if r["status"] == "ok":
+                print(f"{impl:9s} run {rep}: {r['tokens_per_s']:10.1f} tok/s  {r['step_ms']:8.1f} ms/step (median)  "
+                      f"peak {r['peak_memory_gb']:.3f} GB ({r['peak_memory_kind']})  loss {r['final_loss']:.4f}", flush=True)
+            else:
+                print(f"{impl:9s} run {rep}: {r['status']}: {r.get('reason')}", flush=True)
+    for impl in active:
+        ok = [r for r in runs[impl] if r["status"] == "ok"]
+        if len(ok) < len(runs[impl]):
+            results[impl] = next(r for r in runs[impl] if r["status"] != "ok")
+            continue
+        # The repeat with the median tokens/s stands for the configuration; all repeats' tokens/s are kept.
+        ok.sort(key=lambda r: r["tokens_per_s"])
+        results[impl] = {**ok[(len(ok) - 1) // 2], "repeats": len(ok),
+                         "tokens_per_s_all": [round(r["tokens_per_s"], 2) for r in ok]}
+    env = common.env_info()
+    hf = results.get("hf", {})
+    rows = []
+    for impl, r in results.items():
+        row = {
+            "bench": "train", "impl": impl, "model": args.model, "data": args.data,
+            "n_params": config_params(config), "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+            "grad_accum": args.grad_accum, "global_batch_tokens": args.micro_batch * args.grad_accum * args.seq_len,
+            "steps": args.steps, "precision": "bf16-autocast" if torch.cuda.is_available() else "fp32",
+            "optim": args.our_optim if impl == "ours" else args.hf_optim, "torch_threads": args.threads,
+            "load_avg_1min_at_start": load_avg, **r,
+        }
+        if r["status"] == "ok":
+            row["mfu"] = fpt * r["tokens_per_s"] / peak if peak else None
+            if hf.get("status") == "ok" and impl != "hf":
+                row["tokens_per_s_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
+                row["peak_memory_vs_hf"] = r["peak_memory_gb"] / hf["peak_memory_gb"]
+                row["final_loss_minus_hf"] = r["final_loss"] - hf["final_loss"]
+        rows.append({**row, **env})
+    return rows
+
+
+def config_params(config: dict) -> int:
+    from trainer.model import CausalLM, ModelConfig
+
+    with torch.device("meta"):
+        return CausalLM(ModelConfig.from_hf(config)).num_parameters()
+
+
+def memory_ladder(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
+    """Per configuration: the largest micro batch at seq_len that trains (2 steps) without running out of memory."""
+    env = common.env_info()
+    rows = []
+    for impl in args.configs:
+        reason = skip_reason(impl)
+        if reason:
+            rows.append({"bench": "train_memory", "impl": impl, "status": "skipped", "reason": reason, **env})
+            continue
+        probes: dict[int, bool] = {}
+
+        def fits(micro: int) -> bool:
+            spec = {**base_spec(args, model_dir, tmp / f"{impl}_{micro}", config), "impl": impl,
+                    "micro_batch": micro, "grad_accum": 1, "steps": 2, "warmup_steps": 1}
+            r = run_worker(spec, args.timeout)
+            if r["status"] not in ("ok", "oom"):
+                raise RuntimeError(f"{impl} micro_batch={micro}: {r['status']}: {r.get('reason')}")
+            probes[micro] = r["status"] == "ok"
+            print(f"{impl:9s} micro_batch={micro:5d} seq_len={args.seq_len}: {'fits' if probes[micro] else 'OOM'}",
+                  flush=True)
+            return probes[micro]
+
+        good, bad = 0, None
+        micro = 1
+        while micro <= args.ladder_max:  # doubling
+            if not fits(micro):
+                bad = micro
+                break
+            good, micro = micro, micro * 2
+        if bad is not None:  # bisection in (good, bad)
+            while bad - good > 1:
+                mid = (good + bad) // 2
+                good, bad = (mid, bad) if fits(mid) else (good, mid)
+        rows.append({
+            "bench": "train_memory", "impl": impl, "model": args.model, "seq_len": args.seq_len,
+            "max_micro_batch": good, "first_oom_micro_batch": bad, "capped_at": None if bad else args.ladder_max,
+            "probes": len(probes), "precision": "bf16-autocast", "status": "ok", **env,
+        })
+    ours = next((r for r in rows if r["impl"] == "ours" and r["status"] == "ok"), None)
+    hf = next((r for r in rows if r["impl"] == "hf" and r["status"] == "ok"), None)
+    if ours and hf and hf["max_micro_batch"]:
+        ours["max_micro_batch_vs_hf"] = ours["max_micro_batch"] / hf["max_micro_batch"]
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, short run (the CPU comparison, a couple of minutes)")
+    p.add_argument("--model", choices=sorted(MODELS), default=None, help="default: llama-3.2-1b on GPU, tiny on CPU")
+    p.add_argument("--data", choices=("tasks", "synthetic"), default="tasks")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--grad-accum", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--warmup-steps", type=int, default=None, help="steps left out of tokens/s (compile, caches)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per configuration, alternating order; the "
+                   "median run is reported (default 3 on a CPU, whose cores are shared; 1 on a GPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per worker (default 1 on a "
+                   "CPU: on shared cores a 2-thread op waits for its slower thread; the torch default on a GPU)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    p.add_argument("--our-optim", default="adamw_fused", help="our Trainer's optim (default: its default)")
+    p.add_argument("--hf-optim", default="adamw_torch_fused", help="HF Trainer's optim (default: its default)")
+    p.add_argument("--memory-ladder", action="store_true", help="largest micro batch per configuration (GPU only)")
+    p.add_argument("--ladder-max", type=int, default=1024, help="largest micro batch the ladder tries")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
+    p.add_argument("--out", default=None, help="results directory (default bench/results)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not args.configs or set(args.configs) - set(CONFIGS):
+        p.error(f"--configs: choose from {', '.join(CONFIGS)}")
+    if args.model is None:
+        args.model = "llama-3.2-1b" if gpu and not args.quick else "tiny"
+    # (seq_len, micro_batch, grad_accum, steps, warmup): GPU 16K tokens per step; CPU ~1K.
+    defaults = (1024, 4, 4, 30, 5) if gpu else ((128, 4, 1, 10, 2) if args.quick else (256, 4, 2, 30, 5))
+    for name, value in zip(("seq_len", "micro_batch", "grad_accum", "steps", "warmup_steps"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.threads is None and not gpu:
+        args.threads = 1
+    if args.repeats is None:
+        args.repeats = 1 if gpu else 3
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if not 1 <= args.warmup_steps < args.steps:
+        p.error("--warmup-steps must be at least 1 and below --steps")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.worker is not None:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return []
+    if args.memory_ladder and not torch.cuda.is_available():
+        print("--memory-ladder needs a CUDA device (out-of-memory is a GPU notion here); nothing to do on a CPU")
+        return []
+    if args.out:
+        common.RESULTS = Path(args.out)
+    config = model_config(args.model)
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        tmp = Path(tmp)
+        write_model(config, args.seed, tmp / "model")
+        if args.memory_ladder:
+            rows = memory_ladder(args, config, tmp / "model", tmp)
+            path = common.write_rows("train_memory", rows)
+        else:
+            rows = compare(args, config, tmp / "model", tmp)
+            path = common.write_rows("train", rows)
+    print(f"wrote {len(rows)} rows to {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""`python -m bench` (bench/__main__.py) and the end-to-end training benchmark's pieces (bench/bench_train.py).
+
+The full training comparison runs subprocesses for minutes, so it is not run here; what is tested: the same data
+and the same weights reach both trainers (HF's LlamaForCausalLM loaded from our save_pretrained gives our model's
+held-out loss), the memory ladder's doubling + bisection, and the CPU behaviour of liger and --memory-ladder.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from bench import __main__ as runner
+from bench import bench_train
+
+
+def test_speedup_series_labels_and_filter():
+    rows = [
+        {"provider": "torch", "mode": "forward", "tokens": 8, "hidden": 64, "dtype": "bf16"},
+        {"provider": "ours", "mode": "forward", "tokens": 8, "hidden": 64, "dtype": "bf16", "speedup_vs_torch": 2.0,
+         "speedup_vs_liger": None},
+        {"provider": "ours", "mode": "full", "tokens": 8, "hidden": 64, "dtype": "bf16", "speedup_vs_torch": 1.5,
+         "speedup_vs_liger": 0.5},
+    ]
+    labels, series = runner.speedup_series(rows)
+    assert labels == ["forward 8 64 bf16", "full 8 64 bf16"]
+    assert series == {"liger": [None, 0.5], "torch": [2.0, 1.5]}
+    # every row with speed-ups (adamw, neftune): baselines' own rows are dropped, our variants named
+    rows = [{"impl": "torch_fused", "model": "m", "speedup_vs_torch_fused": 1.0},
+            {"impl": "ours_a", "model": "m", "speedup_vs_torch_fused": 3.0},
+            {"impl": "ours_b", "model": "m", "speedup_vs_torch_fused": 4.0}]
+    labels, series = runner.speedup_series(rows)
+    assert labels == ["ours_a m", "ours_b m"] and series == {"torch_fused": [3.0, 4.0]}
+
+
+def test_python_m_bench_quick_writes_rows_tables_charts(tmp_path):
+    assert runner.main(["--quick", "--out", str(tmp_path), "--only", "adamw"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "adamw.jsonl").read_text().splitlines()]
+    assert rows and all(r["perf_figure"] is torch.cuda.is_available() for r in rows)
+    assert all(r["device"] and r["date"] and r["git_sha"] and r["torch"] for r in rows)
+    assert (tmp_path / "adamw.md").read_text().startswith("# adamw")
+    assert (tmp_path / "adamw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (tmp_path / "summary.md").read_text()
+    assert "## adamw" in text and "vs torch_fused_fp32" in text
+    assert ("not performance figures" in text) is (not torch.cuda.is_available())
+
+
+def test_bad_op_name_is_an_argparse_error():
+    with pytest.raises(SystemExit):
+        runner.main(["--only", "softmax"])
+
+
+SPEC = {"seq_len": 32, "micro_batch": 2, "grad_accum": 2, "steps": 3, "data": "tasks", "vocab_size": 320, "seed": 0}
+
+
+def test_both_trainers_get_the_same_dense_blocks():
+    train, heldout = bench_train.blocks(SPEC)
+    again, heldout2 = bench_train.blocks(SPEC)
+    assert len(train) == 2 * 2 * 3 and heldout.shape == (bench_train.EVAL_BLOCKS, 32)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(train, again))
+    assert torch.equal(heldout, heldout2)
+    batch = bench_train.collate(train[:2])
+    assert batch["input_ids"].shape == (2, 32) and torch.equal(batch["labels"], batch["input_ids"])  # no padding
+    assert not torch.equal(train[0]["input_ids"], train[1]["input_ids"])  # consecutive blocks of the stream
+
+
+def test_hf_llama_loads_our_weights_and_gives_our_loss(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from trainer.model import load_pretrained
+
+    config = bench_train.model_config("tiny")
+    bench_train.write_model(config, seed=0, path=tmp_path / "m")
+    ours = load_pretrained(tmp_path / "m", dtype=torch.float32)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32, attn_implementation="sdpa")
+    _, heldout = bench_train.blocks(SPEC)
+    a = bench_train.heldout_loss(ours, heldout[:2], torch.device("cpu"))
+    b = bench_train.heldout_loss(hf, heldout[:2], torch.device("cpu"))
+    assert abs(a - b) < 1e-4 * a, (a, b)
+    assert 5.0 < a < 6.5  # random init over 320 ids: about ln(320) = 5.77
+
+
+def test_memory_ladder_doubles_then_bisects(monkeypatch, tmp_path):
+    probes = []
+
+    def fake_worker(spec, timeout):  # 37 sequences fit; the ladder must find exactly that
+        probes.append(spec["micro_batch"])
+        return {"status": "ok"} if spec["micro_batch"] <= 37 else {"status": "oom", "reason": "test"}
+
+    monkeypatch.setattr(bench_train, "run_worker", fake_worker)
+    args = bench_train.parse_args(["--quick", "--configs", "ours,hf", "--ladder-max", "1024"])
+    rows = bench_train.memory_ladder(args, bench_train.model_config("tiny"), tmp_path, tmp_path)
+    assert [r["max_micro_batch"] for r in rows] == [37, 37]
+    assert [r["first_oom_micro_batch"] for r in rows] == [38, 38]
+    assert probes[:7] == [1, 2, 4, 8, 16, 32, 64] and len(probes) == 2 * 12
+    assert rows[0]["max_micro_batch_vs_hf"] == 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_cpu_skips_liger_and_the_memory_ladder(capsys):
+    assert "CUDA only" in bench_train.skip_reason("hf_liger")
+    assert bench_train.skip_reason("hf") is None
+    assert bench_train.main(["--memory-ladder"]) == []
+    assert "needs a CUDA device" in capsys.readouterr().out
