@@ -212,15 +212,15 @@ class Tokenizer:
 
 
 def _read_json(file: Path) -> dict:
+    """An optional tokenizer file: {} when absent, a one-line TokenizerError when it is not a JSON object."""
+    from .checkpoint_hf import CheckpointError, read_json
+
     if not file.is_file():
         return {}
     try:
-        value = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise TokenizerError(f"{file}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
-    if not isinstance(value, dict):
-        raise TokenizerError(f"{file}: expected a JSON object")
-    return value
+        return read_json(file)
+    except CheckpointError as exc:
+        raise TokenizerError(str(exc)) from None
 
 
 def byte_level_tokenizer(model_max_length: int = 2048) -> Tokenizer:
