@@ -208,12 +208,8 @@ def rotate_checkpoints(output_dir, save_total_limit: int | None, best_checkpoint
     found = checkpoints(out)
     best = Path(best_checkpoint).resolve() if best_checkpoint else None
     keep_newest = save_total_limit
-    if best is not None and best in [p.resolve() for p in found[-keep_newest:]]:
-        pass
-    elif best is not None and save_total_limit == 1:
-        keep_newest = 1  # newest + best
-    elif best is not None:
-        keep_newest = save_total_limit - 1  # best takes one slot
+    if best is not None and save_total_limit > 1 and best not in [p.resolve() for p in found[-keep_newest:]]:
+        keep_newest -= 1  # an older best takes one of the slots (with a limit of 1: newest + best)
     keep = set(p.resolve() for p in found[-keep_newest:])
     if best is not None:
         keep.add(best)

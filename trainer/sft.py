@@ -21,7 +21,7 @@ traceback), 143 stopped by SIGTERM after saving.
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -8,7 +8,6 @@ held-out loss), the memory ladder's doubling + bisection, and the CPU behaviour 
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 import torch
