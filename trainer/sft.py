@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .args import ConfigError, _arg, parse_args
-from .tasks import EVAL_FILE, TRAIN_FILE
+from .tasks import EVAL_FILE, TRAIN_FILE, kind_of
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
@@ -134,6 +134,16 @@ def exact_match_accuracy(model, tokenizer, conversations, batch_size: int = 64) 
             right += bool(torch.equal(predicted[i, p - 1:p - 1 + n], ids[i, p:p + n]))
     model.train(was_training)
     return right / len(conversations)
+
+
+def exact_match_by_kind(model, tokenizer, conversations) -> dict[str, float]:
+    """{"exact_match_after_<kind>": accuracy} for the embedded tasks (trainer/tasks.py), one entry per kind."""
+    groups: dict[str, list] = {}
+    for messages in conversations:
+        kind = kind_of(messages[-2]["content"])
+        if kind is not None:
+            groups.setdefault(kind, []).append(messages)
+    return {f"exact_match_after_{kind}": exact_match_accuracy(model, tokenizer, group) for kind, group in groups.items()}
 
 
 @torch.no_grad()
@@ -243,6 +253,8 @@ def train(args, sft: SFTArguments) -> int:
     if before is not None:
         after = exact_match_accuracy(model, tokenizer, conversations)
         summary.update({"exact_match_before": before, "exact_match_after": after})
+        if embedded:  # the demo's tasks learn at different speeds: say which
+            summary.update(exact_match_by_kind(model, tokenizer, conversations))
         for prompt, answer, reference in sample_answers(model, tokenizer, conversations[:5], sft.max_new_tokens):
             print(f"  {prompt!r} -> {answer!r} (reference {reference!r})", file=sys.stderr)
     if rank != 0:  # the files and the report below are rank 0's

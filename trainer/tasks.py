@@ -1,6 +1,6 @@
 """The embedded demo dataset: short instruction tasks whose answers can be checked exactly.
 
-The `tiny` preset (~3M parameters, byte-level tokenizer) must visibly learn something on a CPU in minutes, so
+The `tiny` preset (0.77M parameters, byte-level tokenizer) must visibly learn something on a CPU in minutes, so
 the tasks are short string manipulations a small transformer picks up fast, and whose answers are either right
 or wrong (exact match after stripping whitespace):
 
@@ -8,10 +8,10 @@ or wrong (exact match after stripping whitespace):
     sort: 5203          -> 0235       3-5 digits in ascending order
     add: 47+8           -> 55         two numbers of 0-99
     upper: cat          -> CAT        a 3-6 letter word in capitals
-    count a: banana     -> 3          how often a letter occurs in a 3-6 letter word
+    convert: 42 km to m -> 42000      a length, mass or volume of 1-999 to a smaller unit (x10, x100, x1000)
 
 Each example is a conversation, {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}; prompts are
-at most 15 characters. `generate_tasks(n, seed)` is a pure function of (n, seed): the kinds take turns (so every
+at most 21 characters. `generate_tasks(n, seed)` is a pure function of (n, seed): the kinds take turns (so every
 n divisible by 5 is balanced), prompts never repeat, and generate_tasks(n) is a prefix of generate_tasks(n + k).
 The shipped files are its first 4000 examples (train) and the next 200 (eval), so their prompts are disjoint:
 
@@ -31,8 +31,11 @@ DATA_DIR = Path(__file__).parent / "data"
 TRAIN_FILE = DATA_DIR / "tasks_train.jsonl"
 EVAL_FILE = DATA_DIR / "tasks_eval.jsonl"
 NUM_TRAIN, NUM_EVAL, SEED = 4000, 200, 0
-KINDS = ("reverse", "sort", "add", "upper", "count")
+KINDS = ("reverse", "sort", "add", "upper", "convert")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# (from, to, factor): metric conversions to a smaller unit, so every answer is an integer.
+_CONVERSIONS = (("km", "m", 1000), ("m", "cm", 100), ("cm", "mm", 10), ("m", "mm", 1000), ("kg", "g", 1000),
+                ("g", "mg", 1000), ("l", "ml", 1000), ("t", "kg", 1000))
 _MASK64 = (1 << 64) - 1
 
 
@@ -73,11 +76,10 @@ def _make(kind: str, rng: _SplitMix64) -> tuple[str, str]:
     if kind == "upper":
         w = rng.word()
         return f"upper: {w}", w.upper()
-    if kind == "count":
-        letter = _LETTERS[rng.below(26)]
-        # Plant the letter at ~1 position in 3 so counts of 0-3 all occur; uniform letters would make it mostly 0.
-        w = "".join(letter if rng.below(3) == 0 else _LETTERS[rng.below(26)] for _ in range(rng.between(3, 6)))
-        return f"count {letter}: {w}", str(w.count(letter))
+    if kind == "convert":
+        src, dst, factor = _CONVERSIONS[rng.below(len(_CONVERSIONS))]
+        value = rng.between(1, 999)
+        return f"convert: {value} {src} to {dst}", str(value * factor)
     raise ValueError(f"unknown task kind {kind!r} (expected one of {', '.join(KINDS)})")
 
 
@@ -96,6 +98,12 @@ def generate_tasks(n: int, seed: int = SEED) -> list[dict]:
     return out
 
 
+def kind_of(prompt: str) -> str | None:
+    """The task kind a prompt belongs to ("reverse", ...), None for anything else."""
+    head = prompt.partition(":")[0]
+    return head if head in KINDS else None
+
+
 def solve(prompt: str) -> str:
     """The correct answer to a task prompt, computed from the prompt alone (a check independent of the generator)."""
     head, _, arg = prompt.partition(": ")
@@ -108,8 +116,10 @@ def solve(prompt: str) -> str:
         return str(int(a) + int(b))
     if head == "upper":
         return arg.upper()
-    if head.startswith("count "):
-        return str(arg.count(head[len("count "):]))
+    if head == "convert":
+        value, src, _, dst = arg.split()
+        factor = {(a, b): f for a, b, f in _CONVERSIONS}[(src, dst)]
+        return str(int(value) * factor)
     raise ValueError(f"not a task prompt: {prompt!r} (expected one of {', '.join(KINDS)} followed by ': ')")
 
 

@@ -503,7 +503,7 @@ def test_bad_configs_name_the_key(change, message, tmp_path):
 def test_tiny_preset_round_trips_through_ours_and_transformers(tmp_path):
     assert is_preset("tiny") and not is_preset("huge")
     model, tok = build_preset("tiny", seed=0, use_kernels=False)
-    assert 2e6 <= model.num_parameters() <= 5e6
+    assert 5e5 <= model.num_parameters() <= 2e6
     assert model.config.vocab_size == 320 and tok.vocab_size == 259 and model.config.eos_token_id == tok.eos_token_id
     again, _ = build_preset("tiny", seed=0, use_kernels=False)
     other, _ = build_preset("tiny", seed=1, use_kernels=False)

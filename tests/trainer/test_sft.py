@@ -9,7 +9,8 @@ import kernels
 
 from trainer import generate as generate_cli
 from trainer import sft
-from trainer.model import load_pretrained
+from trainer.model import build_preset, load_pretrained
+from trainer.tasks import KINDS
 
 FEW_STEPS = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--exact_match_examples", "16",
              "--logging_steps", "1", "--disable_tqdm", "true"]
@@ -32,7 +33,8 @@ def test_embedded_default_trains_evaluates_and_saves(demo_run, capsys):
     assert {"exact_match_before", "exact_match_after", "eval_loss", "eval_perplexity", "final_train_loss"} <= set(final)
     assert 0.0 <= final["exact_match_after"] <= 1.0
     model = load_pretrained(out)
-    assert model.num_parameters() > 1_000_000
+    assert model.num_parameters() == build_preset("tiny")[0].num_parameters()
+    assert {f"exact_match_after_{kind}" for kind in KINDS} <= set(final)  # the demo says which tasks it learned
     assert (out / "loss_curve.png").stat().st_size > 1000
     assert len((out / "metrics.jsonl").read_text().splitlines()) >= 3
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-3"]  # save_strategy epoch: saved at the end
@@ -106,12 +108,12 @@ def test_help_lists_sft_and_training_arguments(capsys):
 
 @pytest.mark.slow
 def test_demo_learns_the_tasks(tmp_path):
-    """The full README demo: exact match on held-out tasks must rise from 0 (minutes on a CPU).
+    """The full README demo: exact match on held-out tasks must rise from 0 to a large share (minutes on a CPU).
 
-    Measured: 0% -> 21% after the demo's 3 epochs (README). The bar below is that measured gain, not the goal: the
-    issue asks for a large gain, which needs the demo tuned further."""
+    Measured: 0% -> 91% (reverse, upper and convert 100%, sort 95%, add 60%; README). The bar leaves room for
+    other CPUs' rounding to shift the run, not for a demo that stops learning."""
     out = tmp_path / "out"
     assert sft.main(["--output_dir", str(out), "--disable_tqdm", "true"]) == 0
     final = json.loads((Path(out) / "final_metrics.json").read_text())
     assert final["exact_match_before"] < 0.05
-    assert final["exact_match_after"] >= 0.15, final
+    assert final["exact_match_after"] >= 0.7, final

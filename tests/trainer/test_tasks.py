@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from trainer.data import load_sft_dataset
-from trainer.tasks import (EVAL_FILE, KINDS, NUM_EVAL, NUM_TRAIN, TRAIN_FILE, exact_match, generate_tasks, solve,
+from trainer.tasks import (EVAL_FILE, KINDS, NUM_EVAL, NUM_TRAIN, TRAIN_FILE, exact_match, generate_tasks, kind_of, solve,
                            write_task_files)
 from trainer.tokenizer import byte_level_tokenizer
 
@@ -48,9 +48,9 @@ def test_every_answer_is_right_and_kinds_are_balanced():
     for ex in examples:
         (user, assistant) = ex["messages"]
         assert (user["role"], assistant["role"]) == ("user", "assistant")
-        assert len(user["content"]) <= 15 and 1 <= len(assistant["content"]) <= 6
+        assert len(user["content"]) <= 21 and 1 <= len(assistant["content"]) <= 6
         assert solve(user["content"]) == assistant["content"]
-        counts[user["content"].split(":")[0].split(" ")[0]] += 1
+        counts[kind_of(user["content"])] += 1
     assert set(counts.values()) == {len(examples) // len(KINDS)}
 
 
@@ -62,7 +62,8 @@ def test_generator_is_deterministic_and_seeded():
 
 def test_exact_match_and_solver():
     assert exact_match(" cba\n", "cba") and not exact_match("cb a", "cba") and not exact_match("CBA", "cba")
-    assert solve("add: 47+8") == "55" and solve("count a: banana") == "3" and solve("sort: 5203") == "0235"
+    assert solve("add: 47+8") == "55" and solve("convert: 42 km to m") == "42000" and solve("sort: 5203") == "0235"
+    assert kind_of("convert: 7 g to mg") == "convert" and kind_of("divide: 4/2") is None
     with pytest.raises(ValueError, match="not a task prompt"):
         solve("divide: 4/2")
 

@@ -111,9 +111,13 @@ def test_accumulation_gives_the_same_gradient_and_loss_as_a_bigger_batch(tmp_pat
         assert logged == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), key
         for step, (g, r) in enumerate(zip(grads, ref_grads)):
             for name in r:
-                torch.testing.assert_close(g[name], r[name], rtol=1e-4, atol=1e-6, msg=f"{key} step {step} {name}")
+                # after a step at lr ~7e-3 the weights differ by fp32 summation order (padding changes matmul shapes);
+                # seen: 2 of 2048 elements off by 3e-6 in gradients of ~1e-2
+                torch.testing.assert_close(g[name], r[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key} step {step} {name}: {m}")
         for name in ref_weights:
-            torch.testing.assert_close(final[name], ref_weights[name], rtol=1e-4, atol=1e-5)
+            # Adam turns a near-zero gradient's rounding into up to lr-sized moves (seen: 1 of 4096 off by 2.4e-5 with
+            # lr 7e-3); a wrong normalisation would move nearly every element by ~lr
+            torch.testing.assert_close(final[name], ref_weights[name], rtol=1e-4, atol=1e-4)
 
 
 def test_loss_is_normalised_by_supervised_tokens_not_micro_steps(tmp_path, dataset):
