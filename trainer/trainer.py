@@ -176,8 +176,7 @@ class Trainer:
                                  "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2")
             # activation checkpointing -> per-block compile -> FSDP2/DDP; before the optimizer is built, which
             # must see FSDP2's sharded parameters.
-            model = self.model = apply_all(model, args)
-            model._kw_transforms_applied = True
+            model = self.model = apply_all(model, args)  # marks the model: never applied twice
         device = self._device(model)
         self._configure_model(model, train=True)
         loader = self._train_loader(micro)
@@ -561,15 +560,10 @@ class Trainer:
             if (directory / ckpt.DCP_DIR).is_dir():
                 parallel.load_sharded(model, None, directory / ckpt.DCP_DIR)
                 return
-            # A Hugging Face directory: rank 0 reads it into an unsharded copy and broadcasts while sharding.
-            state = {}
-            if self.rank == 0:
-                copy = _unsharded_cpu_copy(model)
-                load_state_dict_into(copy, directory)
-                state = copy.state_dict()
-            parallel.load_full_model_state_dict(model, state)
-            return
-        if isinstance(model, CausalLM):
+            if not isinstance(model, CausalLM):
+                raise TypeError(f"loading a {type(model).__name__} sharded with FSDP2 from a Hugging Face directory is "
+                                "not supported (CausalLM only)")
+        if isinstance(model, CausalLM):  # sharded by FSDP2, each rank reads only its rows of each tensor
             load_state_dict_into(model, directory)
             return
         from safetensors.torch import load_model
@@ -782,18 +776,12 @@ def _unwrap(model):
 
 def _unsharded_cpu_copy(model):
     """An uninitialised CPU CausalLM with `model`'s config and parameter dtype, to hold full FSDP2 weights."""
-    from .model import CausalLM
+    from .model import CausalLM, empty_model
 
     if not isinstance(model, CausalLM):
         raise TypeError(f"saving or loading a {type(model).__name__} sharded with FSDP2 is not supported (CausalLM only)")
     dtype = next(iter(model.state_dict().values())).dtype
-    with torch.device("meta"):
-        copy = CausalLM(model.config, use_kernels=False)
-    copy.to(dtype=dtype)
-    copy.to_empty(device="cpu")
-    copy.tie_weights()  # to_empty made new, separate Parameters
-    copy.model.rotary_emb.reset_buffers()
-    return copy
+    return empty_model(model.config, dtype=dtype, device="cpu", use_kernels=False)
 
 
 def _pad_cat(tensors: list[torch.Tensor], pad: int) -> torch.Tensor:
