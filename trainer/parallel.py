@@ -21,7 +21,8 @@ weight at a time). DDP keeps a whole replica per rank, built as for one process.
 
 Several processes come from a launcher (torchrun, accelerate launch) that sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT; `init_distributed()` reads them (nccl on CUDA, gloo on CPU). The checkpoint
-helpers at the end (`full_model_state_dict`, `save_sharded`, `load_sharded`) are collectives: every rank calls them.
+helpers at the end (`full_model_state_dict`, `save_sharded`, `load_sharded`) and `gather_batches` are
+collectives: every rank calls them.
 
 Test: python -m pytest tests/trainer/test_distributed.py -q   (2 processes on CPU with gloo)
 """
@@ -322,3 +323,45 @@ def load_sharded(model: nn.Module, optimizer, directory: Path) -> None:
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+# ---- evaluation with several processes -----------------------------------------------------------------------------
+def gather_batches(batches: list[torch.Tensor], pad) -> list[list[torch.Tensor]]:
+    """Every rank's list of batch tensors (B_i, T_i, ...), on every rank: [rank 0's, rank 1's, ...]; a collective.
+
+    Each rank concatenates its batches padded with `pad` to the longest T of all ranks and to the most rows of
+    any rank, the padded tensors are all-gathered, and each rank's batches are cut back out at their own shapes
+    (shapes and dtype travel first, as objects), so what comes back is exactly what every rank had."""
+    _, world_size = world()
+    meta = [tuple(tuple(b.shape) for b in batches), str(batches[0].dtype) if batches else None]
+    metas: list = [None] * world_size
+    torch.distributed.all_gather_object(metas, meta)
+    shapes = [m[0] for m in metas]
+    dtype = next((getattr(torch, m[1].removeprefix("torch.")) for m in metas if m[1]), None)
+    if dtype is None:
+        return [[] for _ in range(world_size)]
+    all_shapes = [s for rank_shapes in shapes for s in rank_shapes]
+    trailing = all_shapes[0][1:]
+    if any(s[2:] != trailing[1:] for s in all_shapes) or any(len(s) != len(trailing) + 1 for s in all_shapes):
+        raise ValueError("gather_batches: the batches differ in more than their first two dimensions")
+    width = max(s[1] for s in all_shapes) if len(trailing) else None
+    rows = max(sum(s[0] for s in rank_shapes) for rank_shapes in shapes)
+    # CPU tensors go through gloo, which init_distributed sets up beside nccl; a group without it gathers on the device.
+    device = torch.device("cpu") if "gloo" in str(torch.distributed.get_backend()) else local_device()
+    buffer = torch.full((rows, *(() if width is None else (width, *trailing[1:]))), pad, dtype=dtype, device=device)
+    start = 0
+    for b in batches:
+        index = (slice(start, start + b.shape[0]),) + ((slice(0, b.shape[1]),) if width is not None else ())
+        buffer[index] = b.to(device)
+        start += b.shape[0]
+    gathered = [torch.empty_like(buffer) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, buffer)
+    out = []
+    for tensor, rank_shapes in zip(gathered, shapes):
+        mine, start = [], 0
+        for s in rank_shapes:
+            index = (slice(start, start + s[0]),) + ((slice(0, s[1]),) if width is not None else ())
+            mine.append(tensor[index].cpu())
+            start += s[0]
+        out.append(mine)
+    return out

@@ -607,10 +607,10 @@ class Trainer:
         model.eval()
         self._configure_model(model, train=False)
         loader = self._eval_loader(dataset)
+        plan = loader.global_batches(loader.epoch)  # every rank's micro batches, in dataset order (no shuffle)
         start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         targets = 0
-        samples = 0
         preds, labels = [], []
         pending_preds, pending_labels = [], []
         accumulation = self.args.eval_accumulation_steps
@@ -636,13 +636,17 @@ class Trainer:
                     loss = self._compute_loss(model, batch, one, device)  # num_items=1: the sum of token losses
             loss_sum += loss.double()
             targets += int(batch["num_items"]) if "num_items" in batch else _count_targets(batch["labels"])
-            samples += batch["input_ids"].shape[0]
         preds += [p.cpu() for p in pending_preds]
         labels += [lb.cpu() for lb in pending_labels]
+        samples = sum(len(b) for b in plan)  # the filler batches that keep ranks in step are not samples
         if self.world_size > 1:
-            counts = torch.tensor([loss_sum.item(), float(targets), float(samples)], dtype=torch.float64, device=device)
+            # The loss is the token-weighted mean over the whole eval set: sums and target counts over all ranks
+            # (filler batches have no targets).
+            counts = torch.tensor([loss_sum.item(), float(targets)], dtype=torch.float64, device=device)
             torch.distributed.all_reduce(counts)
-            total, targets, samples = counts[0].item(), int(counts[1].item()), int(counts[2].item())
+            total, targets = counts[0].item(), int(counts[1].item())
+            if want_predictions:
+                preds, labels = _gather_in_order(preds, len(plan)), _gather_in_order(labels, len(plan))
         else:
             total = loss_sum.item()
         runtime = time.perf_counter() - start
@@ -782,6 +786,15 @@ def _unsharded_cpu_copy(model):
         raise TypeError(f"saving or loading a {type(model).__name__} sharded with FSDP2 is not supported (CausalLM only)")
     dtype = next(iter(model.state_dict().values())).dtype
     return empty_model(model.config, dtype=dtype, device="cpu", use_kernels=False)
+
+
+def _gather_in_order(batches: list[torch.Tensor], num_batches: int) -> list[torch.Tensor]:
+    """The eval set's batches from every rank, each once, in dataset order (a collective). The eval loader deals
+    global batch j to rank j % world_size, and appends filler copies (no targets) after the last real batch to keep
+    the ranks in step: interleave the ranks' lists back and cut the fillers off."""
+    per_rank = parallel.gather_batches(batches, -100)
+    world_size = len(per_rank)
+    return [per_rank[j % world_size][j // world_size] for j in range(num_batches)]
 
 
 def _pad_cat(tensors: list[torch.Tensor], pad: int) -> torch.Tensor:
