@@ -21,8 +21,8 @@ weight at a time). DDP keeps a whole replica per rank, built as for one process.
 
 Several processes come from a launcher (torchrun, accelerate launch) that sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT; `init_distributed()` reads them (nccl on CUDA, gloo on CPU). The checkpoint
-helpers at the end (`full_model_state_dict`, `save_sharded`, `load_sharded`) and `gather_batches` are
-collectives: every rank calls them.
+helpers at the end (`full_model_state_dict`, `save_sharded`, `load_sharded`, `load_full_optimizer_state`) and
+`gather_batches` are collectives: every rank calls them.
 
 Test: python -m pytest tests/trainer/test_distributed.py -q   (2 processes on CPU with gloo)
 """
@@ -33,6 +33,7 @@ import contextlib
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -310,19 +311,47 @@ def save_sharded(model: nn.Module, optimizer, directory: Path) -> None:
 
 
 def load_sharded(model: nn.Module, optimizer, directory: Path) -> None:
-    """Read the DCP copy written by `save_sharded` into `model` (and `optimizer` unless None), in place."""
+    """Read the DCP copy written by `save_sharded` into `model` (and `optimizer` unless None), in place.
+
+    DCP reshards: the shards of this model's layout (any number of ranks), or whole tensors for a model that is
+    not sharded (DDP, or one process without a process group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
+    def read(state):
+        with warnings.catch_warnings():  # one process without a process group is meant (it resumes alone)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, checkpoint_id=str(directory))
+
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(directory))
+        read(state)
         set_model_state_dict(model, state["model"])
         return
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
+    read(state)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
+    """Load a plain optimizer state_dict (`optimizer.pt` of one process or DDP: parameters numbered in the order of
+    the optimizer's groups) into the optimizer of an FSDP2 model; rank 0 passes it, the others {}; a collective.
+    The numbers are mapped to parameter names through this optimizer's groups, which `build_optimizer` forms in
+    the same order for the same model, then each rank keeps its rows of every moment."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if state:
+        names = {id(p): name for name, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        saved = [i for group in state["param_groups"] for i in group["params"]]
+        if len(saved) != len(order):
+            raise ValueError(f"optimizer.pt holds {len(saved)} parameters, this optimizer {len(order)}: saved for "
+                             "another model or other parameter groups")
+        state = {"state": {order[i]: s for i, s in state["state"].items()},
+                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, state,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 # ---- evaluation with several processes -----------------------------------------------------------------------------

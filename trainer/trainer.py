@@ -18,7 +18,9 @@ What the loop guarantees, and how:
   counted (`nonfinite_steps`) and logged; after `max_nonfinite_steps` in a row the run stops with a clear
   error, and the last checkpoint on disk is the last good one.
 - Checkpoints are atomic and resumable exactly (model, optimizer, scheduler, scaler, RNG, data position);
-  SIGTERM saves a checkpoint at the end of the current step and stops.
+  SIGTERM saves a checkpoint at the end of the current step and stops. Under another number of processes a
+  resume is exact but for the per-rank RNG (re-seeded, with a warning) when the micro and global batch stay the
+  same, and refused otherwise (`_check_resume_across_worlds`, trainer/checkpoint.py, docs/multi_gpu.md).
 """
 
 from __future__ import annotations
@@ -195,21 +197,20 @@ class Trainer:
                              train_batch_size=micro, logging_steps=every["logging_steps"],
                              eval_steps=every["eval_steps"] or every["logging_steps"], save_steps=every["save_steps"])
         if resume is not None:
-            sharded = is_fsdp(model)
-            restored = ckpt.load_training_state(resume, optimizer=None if sharded else optimizer, scheduler=scheduler,
-                                                scaler=self.scaler, rank=self.rank, world_size=self.world_size)
-            if sharded:  # model and optimizer shards from the checkpoint's DCP copy
-                directory = resume / ckpt.DCP_DIR
-                if not directory.is_dir():
-                    raise ckpt.CheckpointError(f"resume_from_checkpoint: {resume} has no {ckpt.DCP_DIR}/ (sharded "
-                                               "model + optimizer); FSDP2 resumes only from checkpoints saved under FSDP2")
-                parallel.load_sharded(model, optimizer, directory)
-            else:
-                self._load_model_weights(resume)
+            saved_world = ckpt.saved_world_size(resume)
+            if saved_world and saved_world != self.world_size:
+                self._check_resume_across_worlds(resume, saved_world, loader, micro, accum, windows_per_epoch)
+            restored = ckpt.load_training_state(resume, scheduler=scheduler, scaler=self.scaler, rank=self.rank,
+                                                world_size=self.world_size, seed=args.seed)
+            self._load_model_and_optimizer(resume, model, optimizer)
             state = TrainerState.from_dict({**restored["trainer_state"], "max_steps": max_steps,
                                             "num_train_epochs": num_epochs})
             if restored["data_state"] is not None:
                 loader.load_state_dict(restored["data_state"])
+            if restored["rng_reseeded"]:
+                self._print(f"warning: resume_from_checkpoint: saved by {saved_world} process(es), resumed by "
+                            f"{self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
+                            f"{args.seed}, the step and the rank (dropout/NEFTune noise differs from an unbroken run)")
             self._print(f"resumed from {resume} at step {state.global_step}")
         self.state = state
         self.control = TrainerControl()
@@ -369,6 +370,56 @@ class Trainer:
                         f"{state.best_metric})")
         self.control = self.callback_handler.fire("on_train_end", args, state, self.control, model=model)
         return state
+
+    # ---- resuming -------------------------------------------------------------------------------------
+    def _load_model_and_optimizer(self, resume: Path, model, optimizer) -> None:
+        """Model and optimizer state from a checkpoint saved under any number of processes, in this run's layout."""
+        directory, optimizer_file = resume / ckpt.DCP_DIR, resume / "optimizer.pt"
+        if directory.is_dir():  # saved under FSDP2: DCP reshards to this run's shards, or to whole tensors
+            parallel.load_sharded(model, optimizer, directory)
+            return
+        if not optimizer_file.is_file():
+            raise ckpt.CheckpointError(f"{optimizer_file}: missing (was the checkpoint saved with save_only_model?)")
+        self._load_model_weights(resume)
+        if is_fsdp(model):  # saved by one process or DDP: rank 0 reads the whole state, each rank keeps its rows
+            state = torch.load(optimizer_file, map_location="cpu", weights_only=True) if self.rank == 0 else {}
+            parallel.load_full_optimizer_state(model, optimizer, state)
+        else:
+            optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+
+    def _check_resume_across_worlds(self, resume: Path, saved_world: int, loader, micro: int, accum: int,
+                                    windows_per_epoch: int) -> None:
+        """Refuse, in one line naming the argument, a resume under another number of processes that could not go on
+        exactly as the saved run would have: each optimizer step must take the same examples. The loader plans one
+        global list of micro batches and deals it round-robin, and each step takes the next processes x accumulation
+        of them, so that holds when the micro batch and the global batch stay the same, the plan does not depend
+        on the number of processes (group_by_length does), and an epoch splits into as many steps as before."""
+        from .batching import same_steps, steps_per_epoch
+
+        args, world_size = self.args, self.world_size
+        saved = json.loads((resume / "training_args.json").read_text())
+        saved_micro, saved_accum = int(saved["per_device_train_batch_size"]), int(saved["gradient_accumulation_steps"])
+        where = f"resume_from_checkpoint: {resume} was saved by {saved_world} process(es), this run has {world_size}"
+        if saved_micro != micro:
+            raise ckpt.CheckpointError(f"{where}: per_device_train_batch_size must stay {saved_micro} (got {micro}); "
+                                       "change gradient_accumulation_steps to keep the global batch instead")
+        saved_global, this_global = saved_micro * saved_world * saved_accum, micro * world_size * accum
+        if saved_global != this_global:
+            fits = saved_global % (micro * world_size) == 0
+            hint = (f"set gradient_accumulation_steps={saved_global // (micro * world_size)} (or global_batch_size="
+                    f"{saved_global})" if fits else f"{saved_global} is not a multiple of {micro * world_size}")
+            raise ckpt.CheckpointError(
+                f"{where}: the global batch (per_device_train_batch_size x processes x gradient_accumulation_steps) "
+                f"was {saved_micro} x {saved_world} x {saved_accum} = {saved_global}, is {this_global}; {hint}")
+        if args.group_by_length:
+            raise ckpt.CheckpointError(f"{where}: group_by_length=True sorts lengths in groups that depend on the "
+                                       f"number of processes; resume with {saved_world}")
+        n, drop = len(loader.global_batches(loader.epoch)), args.dataloader_drop_last
+        if not same_steps(n, drop, (saved_world, saved_accum), (world_size, accum)):
+            raise ckpt.CheckpointError(
+                f"{where}: an epoch of {n} micro batches makes {steps_per_epoch(n, saved_world, saved_accum, drop)} "
+                f"optimizer steps then, {windows_per_epoch} now (dataloader_drop_last={drop}), and its last step would "
+                f"take other examples; resume with {saved_world}")
 
     # ---- pieces of the loop -----------------------------------------------------------------------------
     def _device(self, model) -> torch.device:
