@@ -28,7 +28,10 @@ the ranks: rank r takes micro batches r, r + world_size, ... so every rank has t
 each global step's micro batches are disjoint. The tail that does not fill a step is dropped (drop_last=True) or
 filled with copies of the epoch's first micro batches whose labels are all -100 (num_items == 0), so no example
 is counted twice. `state_dict()` holds the epoch and the global micro batches consumed; a loader restored from it
-yields exactly the remaining ones, even under a different world_size.
+yields exactly the remaining ones, even under a different world_size. The plan depends on the world size only
+through group_by_length (its megabatches hold micro_batch_size x world_size x 50); `same_steps` says when the
+optimizer steps of two (world size, accumulation) layouts take the same micro batches, which a resume under
+another number of processes needs.
 
     loader = BatchLoader(ds, batching_strategy="padding_free", micro_batch_size=8, seed=0, rank=r, world_size=n)
     for batch in loader:                 # one epoch from the current position
@@ -55,6 +58,26 @@ _MEGABATCH_MULT = 50
 
 def _round_up(n: int, multiple: int | None) -> int:
     return n if not multiple else -(-n // multiple) * multiple
+
+
+def steps_per_epoch(num_batches: int, world_size: int, accumulation: int, drop_last: bool = False) -> int:
+    """Optimizer steps in an epoch of `num_batches` global micro batches (the Trainer's rule): each rank gets
+    ceil (floor with drop_last) of num_batches / world_size, every `accumulation` of them make a step, at least one,
+    and the leftovers join the epoch's last step."""
+    per_rank = num_batches // world_size if drop_last else -(-num_batches // world_size)
+    return max(per_rank // accumulation, 1)
+
+
+def same_steps(num_batches: int, drop_last: bool, a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether every optimizer step of an epoch of `num_batches` global micro batches takes the same micro batches
+    under (world_size, accumulation) `a` as under `b`: step k takes global micro batches k*W*A .. (k+1)*W*A - 1
+    (dealt round-robin, W*A per step), the last step whatever is left (the fillers that even out the ranks carry
+    no targets; drop_last drops the tail that does not fill all ranks). So: the same W*A, the same number of steps,
+    and with drop_last the same tail dropped."""
+    (wa, ka), (wb, kb) = a, b
+    if wa * ka != wb * kb or steps_per_epoch(num_batches, wa, ka, drop_last) != steps_per_epoch(num_batches, wb, kb, drop_last):
+        return False
+    return not drop_last or num_batches // wa * wa == num_batches // wb * wb
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

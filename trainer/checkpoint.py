@@ -9,6 +9,17 @@ Layout of `output_dir/checkpoint-<step>/` (Hugging Face's, so tools that read Tr
 - `optimizer.pt`, `scheduler.pt`, `scaler.pt` (fp16 only), `rng_state.pth` (per rank: `rng_state_<rank>.pth`
   when there are several), `data_state.json` (the loader's position), `trainer_state.json`, `training_args.json`.
 
+Resuming under another number of processes (the Trainer checks the conditions, docs/multi_gpu.md):
+- exact: the model and optimizer (DCP reshards `dcp/` to any layout, or to whole tensors for one process or
+  DDP; `optimizer.pt` of one process or DDP is split into an FSDP2 run's shards), the scheduler and the
+  scaler (global, not per rank), and the data position, provided the global batch
+  (per_device_train_batch_size x processes x gradient_accumulation_steps) and the micro batch stay the same:
+  the loader plans one global list of micro batches and counts how many all ranks consumed together, so each
+  optimizer step takes the same examples under any number of processes;
+- not exact: the per-rank RNG streams (dropout, NEFTune noise) have no counterpart under another number of
+  ranks; they are re-seeded from (seed, global step, rank), with a one-line warning. Without NEFTune our model
+  draws no random numbers in training, so the loss curve continues as an uninterrupted run's to fp32 rounding.
+
 Atomicity: everything is written into `checkpoint-<step>.tmp` and renamed into place as the last act, so a
 crash while saving never leaves a directory named `checkpoint-<step>` behind; `latest_checkpoint` also
 requires `trainer_state.json`, which is written last inside the temporary directory.
@@ -163,8 +174,20 @@ def _barrier(world_size: int) -> None:
         torch.distributed.barrier()
 
 
-def load_training_state(path, *, optimizer=None, scheduler=None, scaler=None, rank: int = 0, world_size: int = 1) -> dict:
-    """Restore optimizer/scheduler/scaler/RNG from a checkpoint; returns {'trainer_state', 'data_state'}."""
+def saved_world_size(path) -> int:
+    """How many processes wrote the checkpoint at `path` (one RNG file each); 0 when it holds none."""
+    path = Path(path)
+    return len(list(path.glob("rng_state_*.pth"))) or (1 if (path / "rng_state.pth").is_file() else 0)
+
+
+def load_training_state(path, *, optimizer=None, scheduler=None, scaler=None, rank: int = 0, world_size: int = 1,
+                        seed: int = 0) -> dict:
+    """Restore optimizer/scheduler/scaler/RNG from a checkpoint; returns {'trainer_state', 'data_state',
+    'rng_reseeded'}.
+
+    Saved by another number of processes, each rank's RNG stream has no counterpart: the generators are re-seeded
+    from (seed, global step, rank) instead, deterministically, and 'rng_reseeded' is True (the caller says so).
+    Whether the rest of such a resume is exact is the caller's to check (Trainer: same global batch)."""
     path = Path(path)
 
     def load(name):
@@ -179,19 +202,27 @@ def load_training_state(path, *, optimizer=None, scheduler=None, scaler=None, ra
         scheduler.load_state_dict(load("scheduler.pt"))
     if scaler is not None and (path / "scaler.pt").is_file():
         scaler.load_state_dict(load("scaler.pt"))
-    rng_file = _rng_file(rank, world_size)
-    saved_world = len(list(path.glob("rng_state_*.pth"))) or (1 if (path / "rng_state.pth").is_file() else 0)
-    if saved_world and saved_world != world_size:
-        # The model (DCP reshards), optimizer and data position would carry over, but each rank's RNG stream
-        # would not: refuse rather than resume inexactly.
-        raise CheckpointError(f"resume_from_checkpoint: {path} was saved by {saved_world} process(es), this run has "
-                              f"{world_size}; resume with the same number of processes")
-    set_rng_state(_python_rng_from_tensorable(load(rng_file)))
+    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    saved_world = saved_world_size(path)
+    reseeded = bool(saved_world) and saved_world != world_size
+    if reseeded:
+        reseed(seed, int(trainer_state.get("global_step", 0)), rank)
+    else:
+        set_rng_state(_python_rng_from_tensorable(load(_rng_file(rank, world_size))))
     data_file = path / "data_state.json"
     return {
-        "trainer_state": json.loads((path / "trainer_state.json").read_text()),
+        "trainer_state": trainer_state,
         "data_state": json.loads(data_file.read_text()) if data_file.is_file() else None,
+        "rng_reseeded": reseeded,
     }
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) from (seed, step, rank): distinct per rank and per resume point."""
+    value = int(np.random.SeedSequence([seed, step, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
 
 
 def rotate_checkpoints(output_dir, save_total_limit: int | None, best_checkpoint: str | None = None) -> list[Path]:

@@ -7,6 +7,8 @@ every file carries the metadata {"format": "pt"}. Sizes are decimal as in Huggin
 
 Reading never holds more than one tensor beyond the destination: keys and shapes are checked first from the
 headers (no data read), then each tensor is read once and copied (with its dtype cast) into its destination.
+A destination that holds only some rows of a tensor (a rank's FSDP2 shard) gets only those rows read from the
+file (`safe_open(...).get_slice(name)[start:stop]`): the whole tensor is never materialised.
 Writing casts and writes one shard at a time.
 
 This module knows nothing about the model; `trainer.model.load_pretrained` / `save_pretrained` use it.
@@ -76,14 +78,26 @@ def _listing(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Callable[[str], bool] = lambda k: False) -> None:
+def read_tensor(f, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Tensor `name` of an open safetensors file `f`, or only its rows start:stop of dim 0 (read from the file
+    alone: the other rows are never loaded)."""
+    if rows is None:
+        return f.get_tensor(name)
+    return f.get_slice(name)[rows[0]:rows[1]]
+
+
+def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Callable[[str], bool] = lambda k: False,
+                     rows: dict[str, tuple[tuple[int, ...], int, int]] | None = None) -> None:
     """Copy every tensor of the checkpoint at `path` into `targets[name]` (cast to the target's dtype/device).
 
     All problems (missing keys, unexpected keys, shape mismatches) are collected from the file headers
     before any data is read and reported together; keys for which `ignore(name)` holds are skipped.
+    `rows[name] = (full_shape, start, stop)` says that `targets[name]` holds only rows start:stop of dim 0 of a
+    tensor of full_shape (a sharded parameter): the header must show full_shape, and only those rows are read.
     """
     from safetensors import safe_open
 
+    rows = rows or {}
     files = checkpoint_files(Path(path))
     seen, unexpected, mismatched = set(), [], []
     for file in files:
@@ -96,8 +110,9 @@ def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Calla
                     continue
                 seen.add(name)
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(targets[name].shape):
-                    mismatched.append(f"{name} {list(shape)} vs model {list(targets[name].shape)}")
+                expected = tuple(rows[name][0]) if name in rows else tuple(targets[name].shape)
+                if shape != expected:
+                    mismatched.append(f"{name} {list(shape)} vs model {list(expected)}")
     missing = [name for name in targets if name not in seen]
     problems = []
     if missing:
@@ -112,8 +127,12 @@ def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Calla
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if not ignore(name):
-                        targets[name].copy_(f.get_tensor(name))
+                    if ignore(name):
+                        continue
+                    span = rows[name][1:] if name in rows else None
+                    if span is not None and span[1] <= span[0]:
+                        continue  # an empty shard (more ranks than rows)
+                    targets[name].copy_(read_tensor(f, name, span))
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, max_shard_size: int | str = "5GB",

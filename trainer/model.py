@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import KVCache, make_plan
 from .checkpoint_hf import CheckpointError, load_safetensors, read_json, save_safetensors
+from .parallel import local_shard
 
 IGNORE_INDEX = -100
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -449,21 +450,36 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Hugging Face's init, deterministic from `seed`: N(0, initializer_range) for linear and embedding weights
-        (padding row zeroed), zeros for biases, ones for norms; rotary buffers recomputed."""
+        (padding row zeroed), zeros for biases, ones for norms; rotary buffers recomputed.
+
+        Sharded by FSDP2 (DTensor parameters), every rank draws each full weight in the same order from the same
+        generator and keeps only its own rows, so the shards are bitwise those of the single-process init, and no
+        more than one full weight exists at a time."""
         gen = torch.Generator().manual_seed(seed)
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.lm_head and self.config.tie_word_embeddings:
                     continue
-                module.weight.copy_(torch.empty(module.weight.shape).normal_(0.0, std, generator=gen))
+                full = torch.empty(module.weight.shape).normal_(0.0, std, generator=gen)  # a DTensor's shape is the full one
                 if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                    module.weight[module.padding_idx].zero_()
+                    full[module.padding_idx].zero_()
+                local, rows = local_shard(module.weight)
+                local.copy_(full if rows is None else full[rows[0]:rows[1]])
+                del full
                 if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                    local_shard(module.bias)[0].zero_()
             elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                local_shard(module.weight)[0].fill_(1.0)
         self.model.rotary_emb.reset_buffers()
+
+    def decode_step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """fp32 logits (B, V) of the last position after feeding `input_ids` (B, t) into `cache` (advanced by t).
+        One method for the backbone and the head, so that FSDP2 gathers the root's weights around both
+        (`trainer.parallel.apply_fsdp` registers it as a forward method)."""
+        hidden = self.hidden_states(input_ids, cache=cache)  # (B, t, C)
+        cache.length += input_ids.shape[1]
+        return self.lm_head(hidden[:, -1]).float()  # (B, V)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied head counts once); with exclude_embeddings the input embedding matrix is left
@@ -600,9 +616,7 @@ def generate(model: CausalLM, input_ids, max_new_tokens: int, *, eos_token_id=No
     try:
         step_input, new, done = ids, [], torch.zeros(B, dtype=torch.bool, device=device)
         for _ in range(max_new_tokens):
-            hidden = model.hidden_states(step_input, cache=cache)  # (B, t, C)
-            cache.length += step_input.shape[1]
-            logits = model.lm_head(hidden[:, -1]).float()  # (B, V)
+            logits = model.decode_step(step_input, cache)  # (B, V)
             token = _pick(logits, temperature, top_p, generator)  # (B,)
             if eos is not None:
                 token = torch.where(done, eos[0], token)
@@ -670,24 +684,48 @@ def load_pretrained(path: str | Path, dtype=None, device=None, use_kernels: bool
     A tied checkpoint may or may not contain lm_head.weight; it is skipped either way.
     """
     config = read_config(path)
-    dtype = _resolve_dtype(dtype) or _resolve_dtype(config.dtype) or torch.float32
-    with torch.device("meta"):
-        model = CausalLM(config, use_kernels=use_kernels)
-    model.to(dtype=dtype)
-    model.to_empty(device=torch.device(device) if device is not None else torch.device("cpu"))
-    model.tie_weights()  # to_empty made new, separate Parameters
-    model.model.rotary_emb.reset_buffers()
+    model = empty_model(config, dtype=checkpoint_dtype(config, dtype), device=device or "cpu", use_kernels=use_kernels)
     load_state_dict_into(model, path)
     return model
 
 
+def checkpoint_dtype(config: ModelConfig, dtype=None) -> torch.dtype:
+    """The dtype to load in: `dtype` if given, else the checkpoint's (config.dtype), else fp32."""
+    return _resolve_dtype(dtype) or _resolve_dtype(config.dtype) or torch.float32
+
+
+def empty_model(config: ModelConfig, *, dtype=torch.float32, device="cpu", use_kernels: bool = True,
+                transform=None) -> CausalLM:
+    """A CausalLM of `config` on `device` with uninitialised weights (load or init them) and its rotary buffers
+    computed. Built on the meta device and cast there, so that no memory is written twice; `transform(model)`
+    (FSDP2's sharding) runs while it is still on meta, so that `to_empty` allocates only what the transformed
+    model keeps: a rank's shards."""
+    with torch.device("meta"):
+        model = CausalLM(config, use_kernels=use_kernels)
+    model.to(dtype=dtype)
+    if transform is not None:
+        model = transform(model)
+    model.to_empty(device=torch.device(device))
+    model.tie_weights()  # to_empty may make new, separate Parameters
+    model.model.rotary_emb.reset_buffers()  # non-persistent: to_empty left garbage
+    return model
+
+
+@torch.no_grad()
 def load_state_dict_into(model: CausalLM, path: str | Path) -> None:
     """Copy the weights of a model directory (ours or transformers') into `model` in place, keeping its dtype
-    and device: resuming, or taking the best checkpoint at the end. Problems are listed in one ModelError."""
-    targets = dict(model.named_parameters())  # a tied head appears once, as embed_tokens
+    and device: resuming, or taking the best checkpoint at the end. Problems are listed in one ModelError.
+
+    Sharded by FSDP2 (DTensor parameters), each rank reads only the rows of each tensor it holds."""
+    targets, rows = {}, {}
+    for name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
+        targets[name], span = local_shard(param)
+        if span is not None:
+            rows[name] = (tuple(param.shape), *span)
     tied = model.config.tie_word_embeddings
     try:
-        load_safetensors(Path(path), targets, ignore=lambda k: _ignored_key(k) or (tied and k == "lm_head.weight"))
+        load_safetensors(Path(path), targets, ignore=lambda k: _ignored_key(k) or (tied and k == "lm_head.weight"),
+                         rows=rows)
     except CheckpointError as exc:
         raise ModelError(str(exc)) from None
 
@@ -738,12 +776,17 @@ def is_preset(name: str) -> bool:
 def build_preset(name: str, seed: int = 0, use_kernels: bool = True):
     """(CausalLM, Tokenizer) for a named preset: fp32 on cpu, deterministic Hugging Face-style init from `seed`,
     with the embedded byte-level tokenizer."""
+    config, tokenizer = preset_config(name)
+    model = CausalLM(config, use_kernels=use_kernels)
+    model.init_weights(seed)
+    return model, tokenizer
+
+
+def preset_config(name: str):
+    """(ModelConfig, Tokenizer) of a named preset, without building the model."""
     from .tokenizer import byte_level_tokenizer
 
     if name not in PRESETS:
         raise ModelError(f"preset {name!r} is unknown (presets: {', '.join(PRESETS)})")
     config = ModelConfig.from_hf(PRESETS[name], source=f"preset {name!r}")
-    tokenizer = byte_level_tokenizer(model_max_length=config.max_position_embeddings)
-    model = CausalLM(config, use_kernels=use_kernels)
-    model.init_weights(seed)
-    return model, tokenizer
+    return config, byte_level_tokenizer(model_max_length=config.max_position_embeddings)

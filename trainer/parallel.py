@@ -11,10 +11,18 @@ shards in place). Our `CausalLM` exposes its blocks as `model.model.layers`; any
 whole, checkpointed only if it offers `set_gradient_checkpointing`/`gradient_checkpointing_enable`, and
 sharded as one FSDP unit.
 
+FSDP2 without any rank holding the full model (`build_fsdp_model`): the model is built on the meta device, the
+transforms run there, `to_empty` allocates only this rank's shards (FSDP2 splits dim 0 of every parameter as
+`torch.chunk` does: ceil(rows / world) rows per rank, the last ranks shorter or empty; `local_shard` gives a
+rank its rows), the rotary buffers are recomputed, and the shards are filled from the Hugging Face safetensors
+(each rank reads only its rows from the file), from a DCP copy, or by a preset's seeded init (every rank draws
+each full weight in turn with the same generator and keeps its rows: bitwise the single-process init, one full
+weight at a time). DDP keeps a whole replica per rank, built as for one process.
+
 Several processes come from a launcher (torchrun, accelerate launch) that sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT; `init_distributed()` reads them (nccl on CUDA, gloo on CPU). The checkpoint
-helpers at the end (`full_model_state_dict`, `save_sharded`, `load_sharded`, `load_full_model_state_dict`) are
-collectives: every rank calls them.
+helpers at the end (`full_model_state_dict`, `save_sharded`, `load_sharded`, `load_full_optimizer_state`) and
+`gather_batches` are collectives: every rank calls them.
 
 Test: python -m pytest tests/trainer/test_distributed.py -q   (2 processes on CPU with gloo)
 """
@@ -25,6 +33,7 @@ import contextlib
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -83,10 +92,53 @@ def apply_all(model: nn.Module, args) -> nn.Module:
             # some skip the step while others take it, and the shards would drift apart.
             raise ConfigError("fp16=True with dist_config name fsdp2 is not supported (its loss scaler sees only "
                               "this rank's gradient shards); use --bf16, or dist_config name ddp")
-        return apply_fsdp(model, config, args.mixed_precision)
-    if world_size > 1 and config["name"] == "ddp":
-        return apply_ddp(model)
+        model = apply_fsdp(model, config, args.mixed_precision)
+    elif world_size > 1 and config["name"] == "ddp":
+        model = apply_ddp(model)
+    model._kw_transforms_applied = True  # Trainer applies them only to a model that has not had them
     return model
+
+
+def uses_fsdp(args) -> bool:
+    """Whether `args` shard the model with FSDP2 in this process group (several processes, dist_config fsdp2)."""
+    return world()[1] > 1 and (args.dist_config or {}).get("name") == "fsdp2"
+
+
+def build_fsdp_model(config, args, init, *, dtype=torch.float32, use_kernels: bool = True) -> nn.Module:
+    """A CausalLM of `config` sharded by FSDP2 whose full weights never exist on any rank (a collective).
+
+    Built on the meta device, transformed there (`apply_all`: checkpointing, compile, fully_shard), materialised
+    on this rank's device holding only its shards, rotary buffers recomputed (`trainer.model.empty_model`);
+    then `init(model)` fills the shards: `load_state_dict_into(model, path)` (safetensors, own rows only),
+    `load_sharded(model, None, dcp_dir)` or `model.init_weights(seed)`."""
+    from .model import empty_model
+
+    if not uses_fsdp(args):
+        raise ValueError("build_fsdp_model: needs several processes and dist_config name fsdp2")
+    # offload_params keeps the shards in host memory (FSDP2 moves them to the device for compute)
+    device = torch.device("cpu") if args.dist_config.get("offload_params") else local_device()
+    model = empty_model(config, dtype=dtype, device=device, use_kernels=use_kernels,
+                        transform=lambda m: apply_all(m, args))
+    init(model)
+    return model
+
+
+def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """(the tensor this rank holds, its rows start:stop of dim 0 in the full parameter) for a DTensor parameter
+    (FSDP2 shards dim 0 unevenly as torch.chunk does; the local tensor has no padding, an empty one has no rows);
+    (param, None) for a plain tensor. Writing into the returned tensor writes the parameter."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param, None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = param.to_local()
+    if tuple(shape[1:]) != tuple(param.shape[1:]) or any(offset[1:]) or tuple(local.shape) != tuple(shape):
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} placed as {param.placements} is not split "
+                         "along dim 0 only (FSDP2 without tensor parallelism)")
+    return local, (offset[0], offset[0] + shape[0])
 
 
 def world() -> tuple[int, int]:
@@ -178,7 +230,7 @@ def apply_fsdp(model: nn.Module, dist_config: dict, precision: str = "no") -> nn
     all-gather/reduce-scatter unit (overlapped with the neighbouring block's compute); the root unit holds
     the embedding, the final norm and the (tied) head."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     name = dist_config.get("mixed_precision") or precision or "no"
     if name not in _PARAM_DTYPES:
@@ -196,11 +248,13 @@ def apply_fsdp(model: nn.Module, dist_config: dict, precision: str = "no") -> nn
                    mp_policy=MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[name], reduce_dtype=torch.float32))
     if offload is not None:
         options["offload_policy"] = offload
-    else:
+    elif not any(p.is_meta for p in model.parameters()):  # on meta, `to_empty` places the shards afterwards
         model.to(device)  # fully_shard keeps each shard where the parameter is
     for block in decoder_blocks(model) or ():
         fully_shard(block, **options)
     fully_shard(model, **options)
+    if hasattr(model, "decode_step"):  # generation calls it instead of forward: gather the root's weights there too
+        register_fsdp_forward_method(model, "decode_step")
     return model
 
 
@@ -244,13 +298,6 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full state_dict held by rank 0 (the others pass {}) into a sharded model; a collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-
-
 def save_sharded(model: nn.Module, optimizer, directory: Path) -> None:
     """Every rank writes its shards of the model and optimizer state with torch.distributed.checkpoint (DCP).
 
@@ -264,16 +311,86 @@ def save_sharded(model: nn.Module, optimizer, directory: Path) -> None:
 
 
 def load_sharded(model: nn.Module, optimizer, directory: Path) -> None:
-    """Read the DCP copy written by `save_sharded` into `model` (and `optimizer` unless None), in place."""
+    """Read the DCP copy written by `save_sharded` into `model` (and `optimizer` unless None), in place.
+
+    DCP reshards: the shards of this model's layout (any number of ranks), or whole tensors for a model that is
+    not sharded (DDP, or one process without a process group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
+    def read(state):
+        with warnings.catch_warnings():  # one process without a process group is meant (it resumes alone)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, checkpoint_id=str(directory))
+
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(directory))
+        read(state)
         set_model_state_dict(model, state["model"])
         return
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
+    read(state)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
+    """Load a plain optimizer state_dict (`optimizer.pt` of one process or DDP: parameters numbered in the order of
+    the optimizer's groups) into the optimizer of an FSDP2 model; rank 0 passes it, the others {}; a collective.
+    The numbers are mapped to parameter names through this optimizer's groups, which `build_optimizer` forms in
+    the same order for the same model, then each rank keeps its rows of every moment."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if state:
+        names = {id(p): name for name, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        saved = [i for group in state["param_groups"] for i in group["params"]]
+        if len(saved) != len(order):
+            raise ValueError(f"optimizer.pt holds {len(saved)} parameters, this optimizer {len(order)}: saved for "
+                             "another model or other parameter groups")
+        state = {"state": {order[i]: s for i, s in state["state"].items()},
+                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, state,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+# ---- evaluation with several processes -----------------------------------------------------------------------------
+def gather_batches(batches: list[torch.Tensor], pad) -> list[list[torch.Tensor]]:
+    """Every rank's list of batch tensors (B_i, T_i, ...), on every rank: [rank 0's, rank 1's, ...]; a collective.
+
+    Each rank concatenates its batches padded with `pad` to the longest T of all ranks and to the most rows of
+    any rank, the padded tensors are all-gathered, and each rank's batches are cut back out at their own shapes
+    (shapes and dtype travel first, as objects), so what comes back is exactly what every rank had."""
+    _, world_size = world()
+    meta = [tuple(tuple(b.shape) for b in batches), str(batches[0].dtype) if batches else None]
+    metas: list = [None] * world_size
+    torch.distributed.all_gather_object(metas, meta)
+    shapes = [m[0] for m in metas]
+    dtype = next((getattr(torch, m[1].removeprefix("torch.")) for m in metas if m[1]), None)
+    if dtype is None:
+        return [[] for _ in range(world_size)]
+    all_shapes = [s for rank_shapes in shapes for s in rank_shapes]
+    trailing = all_shapes[0][1:]
+    if any(s[2:] != trailing[1:] for s in all_shapes) or any(len(s) != len(trailing) + 1 for s in all_shapes):
+        raise ValueError("gather_batches: the batches differ in more than their first two dimensions")
+    width = max(s[1] for s in all_shapes) if len(trailing) else None
+    rows = max(sum(s[0] for s in rank_shapes) for rank_shapes in shapes)
+    # CPU tensors go through gloo, which init_distributed sets up beside nccl; a group without it gathers on the device.
+    device = torch.device("cpu") if "gloo" in str(torch.distributed.get_backend()) else local_device()
+    buffer = torch.full((rows, *(() if width is None else (width, *trailing[1:]))), pad, dtype=dtype, device=device)
+    start = 0
+    for b in batches:
+        index = (slice(start, start + b.shape[0]),) + ((slice(0, b.shape[1]),) if width is not None else ())
+        buffer[index] = b.to(device)
+        start += b.shape[0]
+    gathered = [torch.empty_like(buffer) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, buffer)
+    out = []
+    for tensor, rank_shapes in zip(gathered, shapes):
+        mine, start = [], 0
+        for s in rank_shapes:
+            index = (slice(start, start + s[0]),) + ((slice(0, s[1]),) if width is not None else ())
+            mine.append(tensor[index].cpu())
+            start += s[0]
+        out.append(mine)
+    return out

@@ -11,8 +11,9 @@ loss curve as `loss_curve.png`, and, with `--eval_exact_match`, the exact-match 
 held-out conversations is printed before and after training.
 
 Several processes (see docs/multi_gpu.md): `torchrun --nproc_per_node N -m trainer.sft ...` or
-`accelerate launch -m trainer.sft ...`; `--dist_config` picks fsdp2 or ddp (ddp by default). An error on any
-rank is printed with its rank and ends that process with exit code 1, which ends the job (no hang).
+`accelerate launch -m trainer.sft ...`; `--dist_config` picks fsdp2 or ddp (ddp by default). Under fsdp2 the model
+is built sharded, so that no rank ever holds all of it (`load_model_and_tokenizer`). An error on any rank is
+printed with its rank and ends that process with exit code 1, which ends the job (no hang).
 
 Exit codes: 0 done, 1 an error on some rank of a multi-process job, 2 bad input (one line on stderr, no
 traceback), 143 stopped by SIGTERM after saving.
@@ -57,21 +58,59 @@ class SFTArguments:
     plot: bool = _arg(True, "sft", "Save the train/eval loss curve as output_dir/loss_curve.png (needs matplotlib).")
 
 
-def load_model_and_tokenizer(name: str, dtype: str | None, use_kernels: bool, seed: int):
-    """A preset, a local directory, or a hub id -> (model, tokenizer)."""
-    from .model import build_preset, is_preset, load_pretrained, load_tokenizer
+def load_model_and_tokenizer(name: str, dtype: str | None, use_kernels: bool, seed: int, args=None):
+    """A preset, a local directory, or a hub id -> (model, tokenizer).
 
-    if is_preset(name):
+    With several processes and dist_config name fsdp2 (`args`), the model comes back sharded and no rank ever
+    holds all of it (`trainer.parallel.build_fsdp_model`): each rank reads only its rows of the safetensors, or
+    its shards of the DCP copy at dist_config.dcp_path (a `dcp/` directory or a checkpoint holding one; the
+    architecture still comes from `name`), or draws a preset's init keeping its rows."""
+    from .model import build_preset, is_preset, load_pretrained, load_tokenizer
+    from .parallel import uses_fsdp
+
+    path = None
+    if not is_preset(name):
+        path = Path(name)
+        if not path.exists():
+            if name.count("/") != 1 or name.startswith((".", "/")):
+                raise ConfigError(f"model: {name!r} is not a preset, a directory, or a hub id (owner/name)")
+            path = _download(name)
+    if args is not None and uses_fsdp(args):
+        return _load_sharded(name, path, dtype, use_kernels, seed, args)
+    if path is None:
         model, tokenizer = build_preset(name, seed=seed, use_kernels=use_kernels)
         if dtype:
             model.to(getattr(torch, dtype))
         return model, tokenizer
-    path = Path(name)
-    if not path.exists():
-        if name.count("/") != 1 or name.startswith((".", "/")):
-            raise ConfigError(f"model: {name!r} is not a preset, a directory, or a hub id (owner/name)")
-        path = _download(name)
     return load_pretrained(path, dtype=dtype, use_kernels=use_kernels), load_tokenizer(path)
+
+
+def _load_sharded(name: str, path: Path | None, dtype: str | None, use_kernels: bool, seed: int, args):
+    from .checkpoint import DCP_DIR
+    from .model import checkpoint_dtype, load_state_dict_into, load_tokenizer, preset_config, read_config
+    from .parallel import build_fsdp_model, load_sharded
+
+    if path is None:
+        config, tokenizer = preset_config(name)
+        model_dtype = getattr(torch, dtype) if dtype else torch.float32
+    else:
+        config, tokenizer = read_config(path), load_tokenizer(path)
+        model_dtype = checkpoint_dtype(config, dtype)
+    dcp = args.dist_config.get("dcp_path")
+    if dcp:
+        dcp = Path(dcp) / DCP_DIR if (Path(dcp) / DCP_DIR).is_dir() else Path(dcp)
+        if not (dcp / ".metadata").is_file():
+            raise ConfigError(f"dist_config.dcp_path: {dcp} is not a torch.distributed.checkpoint directory (no .metadata)")
+
+    def init(model):  # fills this rank's shards
+        if dcp:
+            load_sharded(model, None, dcp)
+        elif path is None:
+            model.init_weights(seed)
+        else:
+            load_state_dict_into(model, path)
+
+    return build_fsdp_model(config, args, init, dtype=model_dtype, use_kernels=use_kernels), tokenizer
 
 
 def _download(repo_id: str) -> Path:
@@ -210,7 +249,7 @@ def train(args, sft: SFTArguments) -> int:
     if rank == 0:
         print(args.summary(), file=sys.stderr)
     set_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(sft.model, sft.model_dtype, args.use_kernels, args.seed)
+    model, tokenizer = load_model_and_tokenizer(sft.model, sft.model_dtype, args.use_kernels, args.seed, args)
     embedded = not sft.data
     train_files = sft.data or [str(TRAIN_FILE)]
     eval_files = sft.eval_data or ([str(EVAL_FILE)] if embedded else None)
@@ -226,13 +265,13 @@ def train(args, sft: SFTArguments) -> int:
     elif sft.val_size:
         val = int(sft.val_size) if sft.val_size >= 1 else sft.val_size
         train_ds, eval_ds = split_dataset(train_ds, val, seed=args.data_seed if args.data_seed is not None else args.seed)
-    if eval_ds is not None:
+    if eval_ds is not None and rank == 0:
         print(f"eval data: {len(eval_ds)} examples", file=sys.stderr)
 
     check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
     conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
     before = exact_match_accuracy(model, tokenizer, conversations) if conversations else None
-    if before is not None:
+    if before is not None and rank == 0:
         print(f"exact match before training: {before:.1%} of {len(conversations)} held-out conversations", file=sys.stderr)
 
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer)
@@ -253,10 +292,12 @@ def train(args, sft: SFTArguments) -> int:
     if before is not None:
         after = exact_match_accuracy(model, tokenizer, conversations)
         summary.update({"exact_match_before": before, "exact_match_after": after})
-        if embedded:  # the demo's tasks learn at different speeds: say which
+        if embedded:  # the demo's tasks learn at different speeds: say which (every rank: a collective under FSDP2)
             summary.update(exact_match_by_kind(model, tokenizer, conversations))
+        # every rank decodes (a collective under FSDP2); rank 0 prints
         for prompt, answer, reference in sample_answers(model, tokenizer, conversations[:5], sft.max_new_tokens):
-            print(f"  {prompt!r} -> {answer!r} (reference {reference!r})", file=sys.stderr)
+            if rank == 0:
+                print(f"  {prompt!r} -> {answer!r} (reference {reference!r})", file=sys.stderr)
     if rank != 0:  # the files and the report below are rank 0's
         return 0
     (Path(args.output_dir) / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -18,7 +18,9 @@ What the loop guarantees, and how:
   counted (`nonfinite_steps`) and logged; after `max_nonfinite_steps` in a row the run stops with a clear
   error, and the last checkpoint on disk is the last good one.
 - Checkpoints are atomic and resumable exactly (model, optimizer, scheduler, scaler, RNG, data position);
-  SIGTERM saves a checkpoint at the end of the current step and stops.
+  SIGTERM saves a checkpoint at the end of the current step and stops. Under another number of processes a
+  resume is exact but for the per-rank RNG (re-seeded, with a warning) when the micro and global batch stay the
+  same, and refused otherwise (`_check_resume_across_worlds`, trainer/checkpoint.py, docs/multi_gpu.md).
 """
 
 from __future__ import annotations
@@ -176,8 +178,7 @@ class Trainer:
                                  "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2")
             # activation checkpointing -> per-block compile -> FSDP2/DDP; before the optimizer is built, which
             # must see FSDP2's sharded parameters.
-            model = self.model = apply_all(model, args)
-            model._kw_transforms_applied = True
+            model = self.model = apply_all(model, args)  # marks the model: never applied twice
         device = self._device(model)
         self._configure_model(model, train=True)
         loader = self._train_loader(micro)
@@ -196,21 +197,20 @@ class Trainer:
                              train_batch_size=micro, logging_steps=every["logging_steps"],
                              eval_steps=every["eval_steps"] or every["logging_steps"], save_steps=every["save_steps"])
         if resume is not None:
-            sharded = is_fsdp(model)
-            restored = ckpt.load_training_state(resume, optimizer=None if sharded else optimizer, scheduler=scheduler,
-                                                scaler=self.scaler, rank=self.rank, world_size=self.world_size)
-            if sharded:  # model and optimizer shards from the checkpoint's DCP copy
-                directory = resume / ckpt.DCP_DIR
-                if not directory.is_dir():
-                    raise ckpt.CheckpointError(f"resume_from_checkpoint: {resume} has no {ckpt.DCP_DIR}/ (sharded "
-                                               "model + optimizer); FSDP2 resumes only from checkpoints saved under FSDP2")
-                parallel.load_sharded(model, optimizer, directory)
-            else:
-                self._load_model_weights(resume)
+            saved_world = ckpt.saved_world_size(resume)
+            if saved_world and saved_world != self.world_size:
+                self._check_resume_across_worlds(resume, saved_world, loader, micro, accum, windows_per_epoch)
+            restored = ckpt.load_training_state(resume, scheduler=scheduler, scaler=self.scaler, rank=self.rank,
+                                                world_size=self.world_size, seed=args.seed)
+            self._load_model_and_optimizer(resume, model, optimizer)
             state = TrainerState.from_dict({**restored["trainer_state"], "max_steps": max_steps,
                                             "num_train_epochs": num_epochs})
             if restored["data_state"] is not None:
                 loader.load_state_dict(restored["data_state"])
+            if restored["rng_reseeded"]:
+                self._print(f"warning: resume_from_checkpoint: saved by {saved_world} process(es), resumed by "
+                            f"{self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
+                            f"{args.seed}, the step and the rank (dropout/NEFTune noise differs from an unbroken run)")
             self._print(f"resumed from {resume} at step {state.global_step}")
         self.state = state
         self.control = TrainerControl()
@@ -370,6 +370,56 @@ class Trainer:
                         f"{state.best_metric})")
         self.control = self.callback_handler.fire("on_train_end", args, state, self.control, model=model)
         return state
+
+    # ---- resuming -------------------------------------------------------------------------------------
+    def _load_model_and_optimizer(self, resume: Path, model, optimizer) -> None:
+        """Model and optimizer state from a checkpoint saved under any number of processes, in this run's layout."""
+        directory, optimizer_file = resume / ckpt.DCP_DIR, resume / "optimizer.pt"
+        if directory.is_dir():  # saved under FSDP2: DCP reshards to this run's shards, or to whole tensors
+            parallel.load_sharded(model, optimizer, directory)
+            return
+        if not optimizer_file.is_file():
+            raise ckpt.CheckpointError(f"{optimizer_file}: missing (was the checkpoint saved with save_only_model?)")
+        self._load_model_weights(resume)
+        if is_fsdp(model):  # saved by one process or DDP: rank 0 reads the whole state, each rank keeps its rows
+            state = torch.load(optimizer_file, map_location="cpu", weights_only=True) if self.rank == 0 else {}
+            parallel.load_full_optimizer_state(model, optimizer, state)
+        else:
+            optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+
+    def _check_resume_across_worlds(self, resume: Path, saved_world: int, loader, micro: int, accum: int,
+                                    windows_per_epoch: int) -> None:
+        """Refuse, in one line naming the argument, a resume under another number of processes that could not go on
+        exactly as the saved run would have: each optimizer step must take the same examples. The loader plans one
+        global list of micro batches and deals it round-robin, and each step takes the next processes x accumulation
+        of them, so that holds when the micro batch and the global batch stay the same, the plan does not depend
+        on the number of processes (group_by_length does), and an epoch splits into as many steps as before."""
+        from .batching import same_steps, steps_per_epoch
+
+        args, world_size = self.args, self.world_size
+        saved = json.loads((resume / "training_args.json").read_text())
+        saved_micro, saved_accum = int(saved["per_device_train_batch_size"]), int(saved["gradient_accumulation_steps"])
+        where = f"resume_from_checkpoint: {resume} was saved by {saved_world} process(es), this run has {world_size}"
+        if saved_micro != micro:
+            raise ckpt.CheckpointError(f"{where}: per_device_train_batch_size must stay {saved_micro} (got {micro}); "
+                                       "change gradient_accumulation_steps to keep the global batch instead")
+        saved_global, this_global = saved_micro * saved_world * saved_accum, micro * world_size * accum
+        if saved_global != this_global:
+            fits = saved_global % (micro * world_size) == 0
+            hint = (f"set gradient_accumulation_steps={saved_global // (micro * world_size)} (or global_batch_size="
+                    f"{saved_global})" if fits else f"{saved_global} is not a multiple of {micro * world_size}")
+            raise ckpt.CheckpointError(
+                f"{where}: the global batch (per_device_train_batch_size x processes x gradient_accumulation_steps) "
+                f"was {saved_micro} x {saved_world} x {saved_accum} = {saved_global}, is {this_global}; {hint}")
+        if args.group_by_length:
+            raise ckpt.CheckpointError(f"{where}: group_by_length=True sorts lengths in groups that depend on the "
+                                       f"number of processes; resume with {saved_world}")
+        n, drop = len(loader.global_batches(loader.epoch)), args.dataloader_drop_last
+        if not same_steps(n, drop, (saved_world, saved_accum), (world_size, accum)):
+            raise ckpt.CheckpointError(
+                f"{where}: an epoch of {n} micro batches makes {steps_per_epoch(n, saved_world, saved_accum, drop)} "
+                f"optimizer steps then, {windows_per_epoch} now (dataloader_drop_last={drop}), and its last step would "
+                f"take other examples; resume with {saved_world}")
 
     # ---- pieces of the loop -----------------------------------------------------------------------------
     def _device(self, model) -> torch.device:
@@ -561,15 +611,10 @@ class Trainer:
             if (directory / ckpt.DCP_DIR).is_dir():
                 parallel.load_sharded(model, None, directory / ckpt.DCP_DIR)
                 return
-            # A Hugging Face directory: rank 0 reads it into an unsharded copy and broadcasts while sharding.
-            state = {}
-            if self.rank == 0:
-                copy = _unsharded_cpu_copy(model)
-                load_state_dict_into(copy, directory)
-                state = copy.state_dict()
-            parallel.load_full_model_state_dict(model, state)
-            return
-        if isinstance(model, CausalLM):
+            if not isinstance(model, CausalLM):
+                raise TypeError(f"loading a {type(model).__name__} sharded with FSDP2 from a Hugging Face directory is "
+                                "not supported (CausalLM only)")
+        if isinstance(model, CausalLM):  # sharded by FSDP2, each rank reads only its rows of each tensor
             load_state_dict_into(model, directory)
             return
         from safetensors.torch import load_model
@@ -613,10 +658,10 @@ class Trainer:
         model.eval()
         self._configure_model(model, train=False)
         loader = self._eval_loader(dataset)
+        plan = loader.global_batches(loader.epoch)  # every rank's micro batches, in dataset order (no shuffle)
         start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         targets = 0
-        samples = 0
         preds, labels = [], []
         pending_preds, pending_labels = [], []
         accumulation = self.args.eval_accumulation_steps
@@ -642,13 +687,17 @@ class Trainer:
                     loss = self._compute_loss(model, batch, one, device)  # num_items=1: the sum of token losses
             loss_sum += loss.double()
             targets += int(batch["num_items"]) if "num_items" in batch else _count_targets(batch["labels"])
-            samples += batch["input_ids"].shape[0]
         preds += [p.cpu() for p in pending_preds]
         labels += [lb.cpu() for lb in pending_labels]
+        samples = sum(len(b) for b in plan)  # the filler batches that keep ranks in step are not samples
         if self.world_size > 1:
-            counts = torch.tensor([loss_sum.item(), float(targets), float(samples)], dtype=torch.float64, device=device)
+            # The loss is the token-weighted mean over the whole eval set: sums and target counts over all ranks
+            # (filler batches have no targets).
+            counts = torch.tensor([loss_sum.item(), float(targets)], dtype=torch.float64, device=device)
             torch.distributed.all_reduce(counts)
-            total, targets, samples = counts[0].item(), int(counts[1].item()), int(counts[2].item())
+            total, targets = counts[0].item(), int(counts[1].item())
+            if want_predictions:
+                preds, labels = _gather_in_order(preds, len(plan)), _gather_in_order(labels, len(plan))
         else:
             total = loss_sum.item()
         runtime = time.perf_counter() - start
@@ -782,18 +831,21 @@ def _unwrap(model):
 
 def _unsharded_cpu_copy(model):
     """An uninitialised CPU CausalLM with `model`'s config and parameter dtype, to hold full FSDP2 weights."""
-    from .model import CausalLM
+    from .model import CausalLM, empty_model
 
     if not isinstance(model, CausalLM):
         raise TypeError(f"saving or loading a {type(model).__name__} sharded with FSDP2 is not supported (CausalLM only)")
     dtype = next(iter(model.state_dict().values())).dtype
-    with torch.device("meta"):
-        copy = CausalLM(model.config, use_kernels=False)
-    copy.to(dtype=dtype)
-    copy.to_empty(device="cpu")
-    copy.tie_weights()  # to_empty made new, separate Parameters
-    copy.model.rotary_emb.reset_buffers()
-    return copy
+    return empty_model(model.config, dtype=dtype, device="cpu", use_kernels=False)
+
+
+def _gather_in_order(batches: list[torch.Tensor], num_batches: int) -> list[torch.Tensor]:
+    """The eval set's batches from every rank, each once, in dataset order (a collective). The eval loader deals
+    global batch j to rank j % world_size, and appends filler copies (no targets) after the last real batch to keep
+    the ranks in step: interleave the ranks' lists back and cut the fillers off."""
+    per_rank = parallel.gather_batches(batches, -100)
+    world_size = len(per_rank)
+    return [per_rank[j % world_size][j // world_size] for j in range(num_batches)]
 
 
 def _pad_cat(tensors: list[torch.Tensor], pad: int) -> torch.Tensor:

@@ -3,19 +3,31 @@ RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment).
 
     python tests/trainer/dist_worker.py SPEC.json
 
-SPEC: {"data": a JSONL file, "jobs": [job, ...]}, the jobs run one after the other in the same process group
-(starting Python and importing torch costs ~5-10 s per process on a loaded machine: one launch serves many
-runs). A job is {"output": its directory, "args": TrainingArguments overrides, "resume": a checkpoint path or
-null, "fail_at_step": a step at which rank 1 raises, or null}. Rank 0 writes output/result.json (the logged
-losses, the eval loss) and every job ends with the consolidated model in output/final. An exception on any
-rank is reported and ends the job through `trainer.parallel.end_on_error`, as the CLI does.
+SPEC: {"data": a JSONL file, "presets": {name: config.json dict} added to trainer.model.PRESETS, "jobs": [job, ...]},
+the jobs run one after the other in the same process group (starting Python and importing torch costs ~5-10 s
+per process on a loaded machine: one launch serves many runs).
+
+A training job is {"output": its directory, "args": TrainingArguments overrides, "resume": a checkpoint path or
+null, "fail_at_step": a step at which rank 1 raises, or null, "metrics": true to evaluate with
+tests.trainer.test_distributed.eval_metrics}. Rank 0 writes output/result.json (the logged losses, the eval
+metrics) and every job ends with the consolidated model in output/final.
+
+A build job is {"output", "args", "build": {"model": a preset or directory, "seed": int}}: the model is loaded as
+`python -m trainer.sft` loads it (`load_model_and_tokenizer`; sharded without a full copy under dist_config fsdp2,
+whose dcp_path may name a DCP copy) while `FullSizeWatch` counts full-size tensors and every safetensors read is
+recorded; rank 0 writes output/gathered.safetensors (the model gathered) and result.json (per rank: the reads,
+the peak of full-size tensors alive at once; the greedy tokens the sharded model generates).
+
+An exception on any rank is reported and ends the job through `trainer.parallel.end_on_error`, as the CLI does.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +35,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("KERNELS_BACKEND", "reference")  # the interpreter is far too slow for whole models
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
+from trainer import checkpoint_hf, model as model_module  # noqa: E402
 from trainer.args import TrainingArguments  # noqa: E402
 from trainer.callbacks import TrainerCallback  # noqa: E402
 from trainer.data import load_sft_dataset  # noqa: E402
@@ -45,27 +60,126 @@ class FailAt(TrainerCallback):
             raise RuntimeError(f"injected failure on rank 1 at step {self.step}")
 
 
+def file_backed(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory is a mapping of a file (Linux): safetensors >= 0.6 returns views of a copy-on-write mmap
+    of the file, so a full-shape view costs address space, and only the pages of the rows copied out are read."""
+    ptr = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= ptr < high:
+                return len(fields) >= 6 and fields[5].startswith("/")
+    return False
+
+
+class FullSizeWatch(TorchDispatchMode):
+    """Counts the memory blocks of a full weight's size alive at the same time: plain float tensors (not meta, not
+    DTensor; DTensor's own index arithmetic makes int64 ones) of one of `shapes` (the full shapes of the sharded parameters) that fill their whole storage (a view of a part
+    of something bigger allocates nothing), once per storage, unless it maps a file. `peak` is the most at once,
+    `file_views` how many full-shape views of mapped files went by."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.alive, self.peak, self.file_views = set(shapes), {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if type(t) is not torch.Tensor or t.is_meta or not t.is_floating_point() or tuple(t.shape) not in self.shapes:
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.alive or storage.nbytes() != t.numel() * t.element_size():
+                continue
+            if file_backed(t):
+                self.file_views += 1
+                continue
+            self.alive[key] = weakref.ref(t, lambda _, k=key: self.alive.pop(k, None))
+        self.peak = max(self.peak, len(self.alive))
+        return out
+
+
+def watched_shapes(config, world_size: int, rank: int) -> set:
+    """Full shapes of the parameters FSDP2 splits on this rank, minus any shape that is also a local shard's here."""
+    from trainer.model import CausalLM
+
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in CausalLM(config).parameters()]
+    local = set()
+    for s in shapes:
+        chunk = math.ceil(s[0] / world_size)
+        local.add((max(0, min(chunk, s[0] - rank * chunk)), *s[1:]))
+    return {s for s in shapes if s not in local}
+
+
+def build(job: dict) -> None:
+    from trainer.model import generate, is_preset, preset_config, read_config
+    from trainer.parallel import full_model_state_dict, local_shard
+    from trainer.sft import load_model_and_tokenizer
+
+    rank, world_size = init_distributed()
+    out = Path(job["output"])
+    args = TrainingArguments(**{"output_dir": str(out / "run"), **job["args"]})
+    name, seed = job["build"]["model"], job["build"].get("seed", 0)
+    config = preset_config(name)[0] if is_preset(name) else read_config(name)
+    reads, read_tensor = [], checkpoint_hf.read_tensor
+
+    def spy(f, key, rows=None):
+        tensor = read_tensor(f, key, rows)
+        reads.append([key, list(rows) if rows else None, list(tensor.shape)])
+        return tensor
+
+    checkpoint_hf.read_tensor = spy
+    watch = FullSizeWatch(watched_shapes(config, world_size, rank))
+    try:
+        with watch:
+            model, _ = load_model_and_tokenizer(name, None, True, seed, args)
+    finally:
+        checkpoint_hf.read_tensor = read_tensor
+    shards = {n: [list(p.shape), list(local_shard(p)[0].shape)] for n, p in model.named_parameters()}
+    mine = {"rank": rank, "reads": reads, "peak_full_size_alive": watch.peak, "watched_shapes": len(watch.shapes),
+            "full_size_file_views": watch.file_views, "shards": shards}
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    tokens = generate(model, [5, 6, 7, 8], 6)  # decode_step gathers the root's weights (a collective)
+    state = full_model_state_dict(model)
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.clone() for k, v in state.items()}, str(out / "gathered.safetensors"))
+        (out / "result.json").write_text(json.dumps({"ranks": everyone, "generated": tokens,
+                                                     "sharded": type(model).__name__}))
+
+
 def run(data: str, job: dict) -> None:
     from tests.trainer.test_trainer import small_model
 
+    if "build" in job:
+        return build(job)
     rank, world_size = init_distributed()
     out = Path(job["output"])
     dataset = load_sft_dataset([data], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
     args = TrainingArguments(**{"output_dir": str(out / "run"), **job["args"]})
     callbacks = [FailAt(job["fail_at_step"], rank)] if job.get("fail_at_step") else []
+    compute_metrics = None
+    if job.get("metrics"):
+        from tests.trainer.test_distributed import eval_metrics as compute_metrics
     trainer = Trainer(model=small_model(), args=args, train_dataset=dataset, eval_dataset=dataset,
-                      callbacks=callbacks)
+                      callbacks=callbacks, compute_metrics=compute_metrics, processing_class=byte_level_tokenizer())
     state = trainer.train(resume_from_checkpoint=job.get("resume"))
     metrics = trainer.evaluate()
     trainer.save_model(str(out / "final"))
     if rank == 0:
         losses = [h["loss"] for h in state.log_history if "loss" in h]
         (out / "result.json").write_text(json.dumps({"losses": losses, "world_size": world_size,
-                                                     "eval_loss": metrics["eval_loss"]}))
+                                                     "eval_loss": metrics["eval_loss"], "metrics": metrics}))
 
 
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    model_module.PRESETS.update(spec.get("presets") or {})
     try:
         for job in spec["jobs"]:
             run(spec["data"], job)

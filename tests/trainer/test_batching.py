@@ -1,5 +1,6 @@
 """Batching strategies: shapes and padding, packed rows that never predict across documents, every example once
-per epoch, determinism, exact mid-epoch resume (also under a new world size), rank sharding, group_by_length.
+per epoch, determinism, exact mid-epoch resume (also under a new world size), rank sharding, group_by_length,
+which layouts (world size x accumulation) give every optimizer step the same micro batches.
 
 Example i of the synthetic dataset holds the token i + 1 everywhere (0 is the pad id), so every batch can be
 decoded back into (example index, its input_ids, its labels) and checked against the dataset."""
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.batching import BATCHING_STRATEGIES, BatchLoader, best_fit_decreasing
+from trainer.batching import BATCHING_STRATEGIES, BatchLoader, best_fit_decreasing, same_steps, steps_per_epoch
 from trainer.data import TokenizedDataset
 
 IGN = -100
@@ -302,3 +303,28 @@ def test_works_on_a_plain_list_of_examples():
     data = [{"input_ids": [5, 6, 7], "labels": [IGN, 6, 7]}, {"input_ids": [8, 9], "labels": [IGN, IGN]}]
     (batch,) = list(BatchLoader(data, micro_batch_size=2, shuffle=False))
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]] and batch["num_items"] == 2
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_same_steps_says_exactly_when_two_layouts_give_each_step_the_same_batches(drop_last):
+    """Brute force over epochs of 1-30 micro batches and layouts with equal world_size x accumulation: deal the plan
+    to every rank, cut each rank's share into steps as the Trainer does (`accum` per step, at least one step, the
+    leftovers in the last), and compare the real (non-filler) micro batches of each step."""
+    def steps(n, world_size, accum):
+        ranks = [BatchLoader([{"input_ids": [1], "labels": [1]}] * n, micro_batch_size=1, shuffle=False,
+                             drop_last=drop_last, rank=r, world_size=world_size)._deal(0, 0) for r in range(world_size)]
+        per_rank, count = len(ranks[0]), steps_per_epoch(n, world_size, accum, drop_last)
+        assert count == max(per_rank // accum, 1)
+        return [sorted(int(b[0]) for share in ranks for b, filler in share[k * accum:(k + 1) * accum if k < count - 1 else per_rank]
+                       if not filler) for k in range(count)]
+
+    layouts = [(1, 4), (2, 2), (4, 1), (1, 6), (2, 3), (3, 2), (6, 1)]
+    verdicts = []
+    for n in range(6 if drop_last else 1, 31):
+        for a in layouts:
+            for b in layouts:
+                if a[0] * a[1] == b[0] * b[1]:
+                    same = steps(n, *a) == steps(n, *b)
+                    assert same_steps(n, drop_last, a, b) == same, (n, a, b)
+                    verdicts.append(same)
+    assert any(verdicts) and not all(verdicts)  # both answers occur

@@ -6,8 +6,14 @@ process = per_device 2 x accumulation 2 x 2 ranks: the loader deals global micro
 optimizer step sees the same 8 examples, and the loss is normalised by the window's targets summed over ranks):
 - DDP and FSDP2 (fp32; bf16 parameters too) log the same loss per step and end with the same weights, read from
   the consolidated Hugging Face export that rank 0 writes;
+- compute_metrics sees the whole eval set once, in dataset order, gathered from both ranks: the same metrics;
 - the export loads in one process with ours and with transformers and gives the same logits;
-- FSDP2 sharded checkpoints (DCP) resume exactly on 2 processes;
+- FSDP2 sharded checkpoints (DCP) resume exactly on 2 processes; 2-process checkpoints (DDP, FSDP2) resume on 1
+  process and a 1-process checkpoint on 2 (DDP, FSDP2) with the loss curve of the unbroken run; another global
+  batch is refused;
+- an FSDP2 model built as `trainer.sft` builds it (meta device, sharded, then filled) equals the one-process model
+  bitwise, from a Hugging Face directory (uneven shards, several safetensors files), a preset and a DCP copy,
+  while no rank holds a full-size weight (a preset: one at a time), and it generates;
 - an exception on one rank ends the whole job with its message and a non-zero exit, never a hang.
 Every spawn is bounded by a timeout. GPU-marked tests (NCCL, offload_params) run only where CUDA exists.
 Tolerance: the 1-process and 2-process runs sum the same fp32 terms in a different order (per-rank partial
@@ -16,6 +22,7 @@ gradients, then an all-reduce), so after a few Adam steps weights agree to ~1e-5
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -30,7 +37,7 @@ import torch
 import kernels
 
 from trainer.args import TrainingArguments
-from trainer.model import load_pretrained
+from trainer.model import PRESETS, CausalLM, ModelConfig, build_preset, generate, load_pretrained, save_pretrained
 from trainer.tasks import generate_tasks
 from trainer.trainer import Trainer
 from trainer.data import load_sft_dataset
@@ -60,14 +67,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2) -> dict:
+def eval_metrics(prediction) -> dict:
+    """compute_metrics of the eval runs: next-token accuracy, and counts and an order checksum (row number x label
+    summed) that are exact only if every eval example arrives once, in dataset order, padded alike."""
+    logits, labels = prediction.predictions, prediction.label_ids  # (N, T, V), (N, T) padded with -100
+    targets = labels[:, 1:]  # (N, T-1)
+    mask = targets != -100
+    right = (logits[:, :-1].argmax(-1) == targets) & mask
+    rows = torch.arange(1, labels.shape[0] + 1, dtype=torch.float64)[:, None]  # (N, 1)
+    return {"accuracy": right.sum().item() / mask.sum().item(), "rows": labels.shape[0], "width": labels.shape[1],
+            "targets": int(mask.sum()), "order": float((rows * labels.clamp(min=0)).sum())}
+
+
+def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2, presets: dict | None = None) -> dict:
     """Run dist_worker.py on `nproc` ranks over `jobs` ({"name", "args", "resume"?, "fail_at_step"?}, run in order
     in one process group); returns {"rcs", "logs", "out": {name: dir}, "result": {name: result.json or None}}.
     Never waits past TIMEOUT_S: whatever still runs then is killed and rcs is None."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     dirs = {job["name"]: tmp_path / job["name"] for job in jobs}
     spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps({"data": str(data_file), "jobs": [
+    spec_file.write_text(json.dumps({"data": str(data_file), "presets": presets or {}, "jobs": [
         {"output": str(dirs[job["name"]]), **{k: v for k, v in job.items() if k != "name"}} for job in jobs]}))
     env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                 "WORLD_SIZE": str(nproc), "KERNELS_BACKEND": "reference", "OMP_NUM_THREADS": "1"}
@@ -105,13 +124,14 @@ def ok(job: dict) -> dict:
     return job
 
 
-def single_process(tmp_path: Path, data_file: Path, args: dict):
+def single_process(tmp_path: Path, data_file: Path, args: dict, resume=None):
+    """(losses, model, eval metrics with eval_metrics) of a run in this process, from step 0 or from `resume`."""
     dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
     model = small_model()
     trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "single"), **args),
-                      train_dataset=dataset, eval_dataset=dataset)
-    state = trainer.train()
-    return [h["loss"] for h in state.log_history if "loss" in h], model, trainer.evaluate()["eval_loss"]
+                      train_dataset=dataset, eval_dataset=dataset, compute_metrics=eval_metrics)
+    state = trainer.train(resume_from_checkpoint=resume)
+    return [h["loss"] for h in state.log_history if "loss" in h], model, trainer.evaluate()
 
 
 def assert_same_weights(directory: Path, model, rtol=1e-4, atol=1e-5):
@@ -121,41 +141,84 @@ def assert_same_weights(directory: Path, model, rtol=1e-4, atol=1e-5):
         torch.testing.assert_close(p, ours[name].detach(), rtol=rtol, atol=atol, msg=name)
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, data_file):
-    """One process, per_device 2 x accumulation 4: the global batch of 2 ranks x per_device 2 x accumulation 2."""
-    with kernels.backend("reference"):  # module-scoped: set up before tests/trainer/conftest.py's autouse fixture
-        return single_process(tmp_path_factory.mktemp("ref"), data_file, {**BASE, "gradient_accumulation_steps": 4})
-
-
-# Both 2-process runs also save checkpoint-2 (of 3 steps), which the resume runs continue from.
+# All runs that train save checkpoint-2 (of 3 steps), which the resume runs continue from.
 DIST_ARGS = {**BASE, "gradient_accumulation_steps": 2, "save_strategy": "steps", "save_steps": 2}
+ONE_PROCESS_ARGS = {**DIST_ARGS, "gradient_accumulation_steps": 4}  # the same global batch of 8 on one process
 CONFIGS = {"ddp": {}, "fsdp2": {"dist_config": {"name": "fsdp2", "mixed_precision": "fp32"}},
            "fsdp2-bf16": {"dist_config": {"name": "fsdp2", "mixed_precision": "bf16"}}}
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory, data_file):
+def reference_run(tmp_path_factory, data_file):
+    """One process, per_device 2 x accumulation 4: the global batch of 2 ranks x per_device 2 x accumulation 2.
+    Returns (losses, model, eval metrics, its checkpoint-2)."""
+    root = tmp_path_factory.mktemp("ref")
+    with kernels.backend("reference"):  # module-scoped: set up before tests/trainer/conftest.py's autouse fixture
+        return (*single_process(root, data_file, ONE_PROCESS_ARGS), root / "single" / "checkpoint-2")
+
+
+# Models the 2-process build jobs load: FSDP2 splits every odd dim 0 unevenly (vocab 321: 161 + 160 rows), and no
+# parameter's full shape equals another's shard shape on either rank, so full-size tensors can be told apart.
+ODD = {"model_type": "llama", "vocab_size": 321, "hidden_size": 48, "intermediate_size": 100, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 256, "tie_word_embeddings": True,
+       "pad_token_id": 256, "eos_token_id": 258, "rms_norm_eps": 1e-5}
+ODD_PRESET = "odd-test-preset"
+
+
+@pytest.fixture(scope="module")
+def odd_model_dir(tmp_path_factory) -> Path:
+    """A Hugging Face directory of the ODD model in several safetensors files (with an index)."""
+    path = tmp_path_factory.mktemp("odd")
+    model = CausalLM(ModelConfig.from_hf(ODD))
+    model.init_weights(11)
+    save_pretrained(model, path, max_shard_size="40KB", tokenizer=byte_level_tokenizer())
+    assert len(list(path.glob("model-*.safetensors"))) > 2
+    return path
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory, data_file, reference_run, odd_model_dir):
     """One 2-process launch running: ddp (no dist_config: the default), its resume from checkpoint-2, fsdp2 (fp32)
-    and its resume, fsdp2 with bf16 parameters."""
+    and its resume, both resumed from the 1-process checkpoint-2, fsdp2 with bf16 parameters, and the FSDP2 model
+    built from a Hugging Face directory, a preset and the fsdp2 run's DCP copy."""
     root = tmp_path_factory.mktemp("suite")
     jobs = []
     for name in ("ddp", "fsdp2"):
-        jobs.append({"name": name, "args": {**DIST_ARGS, **CONFIGS[name]}})
+        jobs.append({"name": name, "args": {**DIST_ARGS, **CONFIGS[name]}, "metrics": True})
         jobs.append({"name": f"{name}-resumed", "args": {**DIST_ARGS, **CONFIGS[name]},
                      "resume": str(root / name / "run" / "checkpoint-2")})
+        jobs.append({"name": f"{name}-from-one", "args": {**DIST_ARGS, **CONFIGS[name]}, "resume": str(reference_run[3])})
     jobs.append({"name": "fsdp2-bf16", "args": {**BASE, "gradient_accumulation_steps": 2, **CONFIGS["fsdp2-bf16"]}})
-    return ok(launch(root, data_file, jobs))
+    fsdp2 = CONFIGS["fsdp2"]["dist_config"]
+    checkpoint = root / "fsdp2" / "run" / "checkpoint-2"
+    for name, model, dcp in (("build-hf", odd_model_dir, None), ("build-preset", ODD_PRESET, None),
+                             ("build-dcp", checkpoint, checkpoint / "dcp")):
+        jobs.append({"name": name, "build": {"model": str(model), "seed": 5},
+                     "args": {**BASE, "dist_config": {**fsdp2, "dcp_path": str(dcp) if dcp else None}}})
+    return ok(launch(root, data_file, jobs, presets={ODD_PRESET: ODD}))
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
 def test_two_processes_match_one_process(suite, reference_run, name):
-    ref_losses, ref_model, ref_eval = reference_run
+    ref_losses, ref_model, ref_metrics, _ = reference_run
     result = suite["result"][name]
     assert result["world_size"] == 2
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
-    assert result["eval_loss"] == pytest.approx(ref_eval, rel=1e-5)
+    assert result["eval_loss"] == pytest.approx(ref_metrics["eval_loss"], rel=1e-5)
     assert_same_weights(suite["out"][name] / "final", ref_model)  # the consolidated export rank 0 wrote
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_compute_metrics_sees_the_whole_eval_set_once_in_order(suite, reference_run, name):
+    """40 eval examples in batches of 8 make 5 global batches: rank 0 holds 3, rank 1 holds 2 and a filler. The
+    gathered predictions give the 1-process metrics: counts and order checksum exactly, accuracy to the weights'
+    ~1e-5 difference (no argmax flipped here), the loss as the token-weighted mean over all ranks."""
+    ref = reference_run[2]
+    got = suite["result"][name]["metrics"]
+    assert got["eval_rows"] == ref["eval_rows"] == 40
+    for key in ("eval_width", "eval_targets", "eval_order", "eval_accuracy"):
+        assert got[key] == ref[key], key
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
@@ -194,7 +257,8 @@ def test_consolidated_export_loads_in_one_process_with_ours_and_transformers(sui
 def test_fsdp2_bf16_parameters_train_like_fp32(suite, reference_run):
     """mixed_precision bf16: blocks compute with bf16 copies of the fp32 shards, gradients reduce in fp32. The loss
     follows the fp32 run within bf16's error (8 significant bits: ~0.4% per rounding, a few roundings deep)."""
-    ref_losses, _, ref_eval = reference_run
+    ref_losses, _, ref_metrics, _ = reference_run
+    ref_eval = ref_metrics["eval_loss"]
     result = suite["result"]["fsdp2-bf16"]
     assert result["losses"] == pytest.approx(ref_losses, rel=2e-2)
     assert result["losses"] != pytest.approx(ref_losses, rel=1e-6)  # bf16 really was used
@@ -242,7 +306,7 @@ def test_two_gpus_match_one_process(tmp_path, data_file, reference_run, config):
     """On 2 GPUs (nccl; offload_params keeps the shards in pinned CPU memory): the same run as on the CPU."""
     args = {**BASE, "gradient_accumulation_steps": 2, **({"dist_config": config} if config else {})}
     job = ok(launch(tmp_path, data_file, [{"name": "gpu", "args": args}]))
-    ref_losses, ref_model, _ = reference_run
+    ref_losses, ref_model, _, _ = reference_run
     # GPU matmuls (TF32 off by default in torch) sum in another order than the CPU: fp32 tolerance, not bitwise.
     assert job["result"]["gpu"]["losses"] == pytest.approx(ref_losses, rel=1e-4)
     assert_same_weights(job["out"]["gpu"] / "final", ref_model, rtol=1e-3, atol=1e-4)
@@ -330,14 +394,111 @@ def test_fused_adamw_updates_dtensor_shards_like_plain_tensors(one_rank_group, b
         assert torch.equal(p.detach(), q.detach().full_tensor())
 
 
-def test_resuming_under_another_number_of_processes_is_refused(suite, data_file, tmp_path):
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_two_process_checkpoint_resumes_on_one_process(suite, reference_run, data_file, tmp_path, capsys, name):
+    """checkpoint-2 of the 2-process run (DDP: optimizer.pt; FSDP2: the DCP copy, resharded to whole tensors) resumed
+    by one process with accumulation 4: step 3 gives the loss and weights of the unbroken runs to fp32 rounding."""
+    ref_losses, ref_model, _, _ = reference_run
+    args = {**ONE_PROCESS_ARGS, **CONFIGS[name], "save_strategy": "no"}
+    losses, model, _ = single_process(tmp_path, data_file, args, resume=suite["out"][name] / "run" / "checkpoint-2")
+    assert losses[:2] == suite["result"][name]["losses"][:2]  # restored from the checkpoint's log history
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert losses == pytest.approx(suite["result"][name]["losses"], rel=1e-5)
+    for (param_name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=param_name)
+    warning = [line for line in capsys.readouterr().err.splitlines() if "re-seeded" in line]
+    assert len(warning) == 1 and "saved by 2 process(es), resumed by 1" in warning[0]
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_one_process_checkpoint_resumes_on_two_processes(suite, reference_run, name):
+    """The 1-process checkpoint-2 (whole optimizer.pt; FSDP2 splits it into each rank's rows) resumed by 2 processes
+    with accumulation 2: the unbroken 1-process loss curve and weights, to fp32 rounding."""
+    ref_losses, ref_model, _, _ = reference_run
+    result = suite["result"][f"{name}-from-one"]
+    assert result["losses"][:2] == ref_losses[:2]
+    assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_weights(suite["out"][f"{name}-from-one"] / "final", ref_model)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"gradient_accumulation_steps": 2}, r"the global batch .* was 2 x 2 x 2 = 8, is 4; set gradient_accumulation_steps=4"),
+    ({"per_device_train_batch_size": 4}, r"per_device_train_batch_size must stay 2 \(got 4\)"),
+    ({"group_by_length": True}, r"group_by_length=True"),
+])
+def test_resuming_under_another_number_of_processes_needs_the_same_batches(suite, data_file, tmp_path, change, message):
     from trainer.checkpoint import CheckpointError
 
     dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
-    trainer = Trainer(model=small_model(), args=TrainingArguments(output_dir=str(tmp_path), **DIST_ARGS),
-                      train_dataset=dataset)
-    with pytest.raises(CheckpointError, match=r"saved by 2 process\(es\), this run has 1"):
+    args = TrainingArguments(output_dir=str(tmp_path), **{**ONE_PROCESS_ARGS, **change})
+    trainer = Trainer(model=small_model(), args=args, train_dataset=dataset)
+    with pytest.raises(CheckpointError, match=r"saved by 2 process\(es\), this run has 1: " + message):
         trainer.train(resume_from_checkpoint=str(suite["out"]["ddp"] / "run" / "checkpoint-2"))
+
+
+@pytest.mark.parametrize("source", ["build-hf", "build-preset", "build-dcp"])
+def test_fsdp2_model_built_sharded_equals_the_one_process_model(suite, reference_run, odd_model_dir, source):
+    """Gathered after the build, the sharded model is bitwise the 1-process one: the Hugging Face directory loaded
+    by load_pretrained, the preset's init with the same seed, the checkpoint (whose model.safetensors holds the
+    same weights as its DCP copy); and it generates the same greedy tokens."""
+    from safetensors.torch import load_file
+
+    if source == "build-hf":
+        ref = load_pretrained(odd_model_dir)
+    elif source == "build-preset":
+        PRESETS[ODD_PRESET] = ODD
+        try:
+            ref = build_preset(ODD_PRESET, seed=5)[0]
+        finally:
+            del PRESETS[ODD_PRESET]
+    else:
+        ref = load_pretrained(suite["out"]["fsdp2"] / "run" / "checkpoint-2")
+    gathered = load_file(str(suite["out"][source] / "gathered.safetensors"))
+    expected = ref.state_dict()
+    assert set(gathered) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(gathered[name], tensor), name
+    result = suite["result"][source]
+    assert result["sharded"] == "FSDPCausalLM"
+    assert result["generated"] == generate(ref.eval(), [5, 6, 7, 8], 6)
+
+
+@pytest.mark.parametrize("source", ["build-hf", "build-preset", "build-dcp"])
+def test_fsdp2_build_never_holds_a_full_weight(suite, source):
+    """Every safetensors read is one rank's rows (the two ranks' rows tile each tensor), and the number of tensors of
+    a full weight's shape in memory at once stays 0 (HF; DCP: a copy saved by 2 ranks loads chunk by chunk) or 1 (a
+    preset draws each full weight in turn). safetensors' full-shape views of its mmap of the file are not memory:
+    only the pages of the rows copied out are read."""
+    ranks = suite["result"][source]["ranks"]
+    for rank in ranks:
+        assert rank["watched_shapes"] >= 4
+        assert rank["peak_full_size_alive"] == (1 if source == "build-preset" else 0), rank["rank"]
+    if source != "build-hf":
+        assert all(rank["reads"] == [] for rank in ranks)
+        return
+    covered = {}
+    for rank in ranks:
+        assert sorted(name for name, _, _ in rank["reads"]) == sorted(rank["shards"])  # each tensor once (tied: once)
+        for name, rows, shape in rank["reads"]:
+            full, local = rank["shards"][name]
+            assert rows is not None and shape == local == [rows[1] - rows[0], *full[1:]] and shape[0] < full[0], name
+            covered.setdefault(name, []).append(rows)
+    for name, spans in covered.items():
+        spans.sort()
+        full_rows = ranks[0]["shards"][name][0][0]
+        assert spans[0][0] == 0 and spans[-1][1] == full_rows and all(a[1] == b[0] for a, b in itertools.pairwise(spans)), name
+    assert sorted(r[0] for r in covered["model.embed_tokens.weight"]) == [0, 161]  # uneven: 161 + 160 rows
+
+
+def test_dcp_path_that_is_not_a_dcp_copy_is_a_clear_error(tmp_path, monkeypatch):
+    from trainer import parallel
+    from trainer.args import ConfigError
+    from trainer.sft import load_model_and_tokenizer
+
+    monkeypatch.setattr(parallel, "world", lambda: (0, 2))  # as if launched on 2 processes
+    args = TrainingArguments(output_dir=str(tmp_path), dist_config={"name": "fsdp2", "dcp_path": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"dist_config.dcp_path: .* is not a torch.distributed.checkpoint directory"):
+        load_model_and_tokenizer("tiny", None, True, 0, args)
 
 
 def test_fp16_with_fsdp2_is_refused(monkeypatch, tmp_path):
