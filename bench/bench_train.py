@@ -42,10 +42,13 @@ fp32, computed by the same code for every configuration). Rows carry ratios agai
 fits at --seq-len, found by doubling from 1 until out-of-memory, then bisecting between the last fit and the first
 OOM; every probe is a fresh subprocess running 2 optimizer steps (so the optimizer state is allocated).
 
-Committed CPU result (bench/results/train.md, perf_figure=False): tiny, seq 128 x micro 4, 10 steps, fp32, one
-thread on 2 shared cores: ours 1279 tok/s vs HF 1208 (1.06x by medians of 3 alternating runs whose ranges
-overlap: 1225-1314 vs 1097-1336), peak RSS 0.94x. With 2 threads per worker on the same loaded cores both ran
-4-5x slower and the order of the two flipped between repeats, hence --threads 1 on a CPU.
+Committed CPU results (bench/results/train.md, perf_figure=False), one thread on 2 shared cores, seq 128 x micro
+4, fp32. Latest (tiny at 0.77M parameters, `--quick --steps 30 --warmup-steps 5 --repeats 5`): ours 3899 tok/s
+vs HF 3787 (1.03x by medians of 5 alternating runs whose ranges overlap: 3449-4369 vs 3134-4005), peak RSS
+0.93x. Before FusedAdamW took torch's fused CPU AdamW on a CPU (its reference path cost ~8% of a step at this
+size) the same command measured 0.98x. The earlier 3.0M tiny: 1279 vs 1208 tok/s (1.06x, 10 steps, 3 runs).
+With 2 threads per worker on the same loaded cores both ran 4-5x slower and the order of the two flipped
+between repeats, hence --threads 1 on a CPU.
 
 Usage:
     python bench/bench_train.py --quick                  # CPU: tiny model, a couple of minutes

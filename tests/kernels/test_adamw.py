@@ -131,6 +131,40 @@ def test_matches_torch_adamw_fp32(path):
         assert_fp32_close(s["exp_avg_sq"], r["exp_avg_sq"], "exp_avg_sq", f"#{i}")
 
 
+@pytest.mark.parametrize("maximize", [False, True])
+def test_cpu_auto_path_is_torch_fused_adamw(monkeypatch, maximize):
+    """On a CPU without a forced backend, fp32 buckets step through torch's fused CPU AdamW (one call per group and
+    dtype), bit for bit torch.optim.AdamW(fused=True); bf16 buckets (fp32 masters) keep the reference path."""
+    monkeypatch.setattr(adamw_mod, "use_triton", lambda *t: False)  # the tests run with the interpreter on
+    calls = []
+    real = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
+    ours_p = make_params(SHAPES)
+    ref_p = clone_params(ours_p)
+    low_p = make_params([(7, 3)], dtype=torch.bfloat16, seed=5)
+
+    def groups(ps):
+        return [{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0, "lr": 2e-2}]
+
+    ours = FusedAdamW(groups(ours_p) + [{"params": low_p}], lr=1e-2, weight_decay=0.1, maximize=maximize)
+    ref = torch.optim.AdamW(groups(ref_p), lr=1e-2, weight_decay=0.1, maximize=maximize, fused=True)
+    low_ref = clone_params(low_p)
+    low_opt = FusedAdamW(low_ref, lr=1e-2, weight_decay=0.1, maximize=maximize)
+    with kernels.backend("auto"):
+        for step in range(5):
+            set_grads(step, ours_p, ref_p)
+            set_grads(100 + step, low_p, low_ref)
+            ours.step()
+            ref.step()
+            with kernels.backend("reference"):
+                low_opt.step()
+    assert calls == [3, 1] * 10  # each step: ours (two fp32 groups), then torch.optim.AdamW(fused=True), same call
+    for p, q in zip(ours_p, ref_p):
+        assert torch.equal(p, q)
+        assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+    assert torch.equal(low_p[0], low_ref[0])  # bf16 with a master copy: the reference path
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_maximize_and_closure(path):
     ours_p = make_params([(300,), (17, 3)], seed=3)
