@@ -620,10 +620,12 @@ def adamw_impl(param: torch.Tensor) -> tuple[str, str]:
     if not param.is_cuda:
         if use_triton(param):
             return "triton", f"parameters on {param.device.type}: the CUDA op needs CUDA tensors"
-        if param.device.type == "cpu" and current_backend() == "auto" and _HAS_TORCH_FUSED:
+        if (param.device.type == "cpu" and param.dtype == torch.float32 and current_backend() == "auto"
+                and _HAS_TORCH_FUSED):
             # Not a kernel of ours: on a CPU, torch's own fused AdamW (the one torch.optim.AdamW(fused=True) and
             # Hugging Face's adamw_torch_fused run) does the same math in one pass over each tensor, where the
-            # reference's ~12 tensor ops per parameter cost ~8% of a step of the tiny preset (bench_train).
+            # reference's ~12 tensor ops per parameter cost ~8% of a step of the tiny preset (bench_train). fp32
+            # parameters only: other dtypes keep an fp32 master copy or round stochastically (the reference).
             return "torch_cpu", "parameters on cpu: torch's fused CPU AdamW (KERNELS_BACKEND=reference for ours)"
         return "reference", f"parameters on {param.device.type}: the CUDA op needs CUDA tensors"
     if _ADAMW_IMPL == "triton":
@@ -652,8 +654,8 @@ def _step_bucket(params, grads, exp_avgs, exp_avg_sqs, steps, masters, *, tables
             hyper["eps"], hyper["weight_decay"], hyper["maximize"], hyper["stochastic_rounding"])
     elif impl == "triton":
         fused_adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, masters, tables=tables, **hyper)
-    elif impl == "torch_cpu" and params[0].dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads):
-        # fp32 parameters only (no master copy, no stochastic rounding): exactly torch.optim.AdamW(fused=True)
+    elif impl == "torch_cpu":  # exactly torch.optim.AdamW(fused=True), which wants grads in the parameters' dtype
+        grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
         torch._foreach_add_(steps, 1)
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=hyper["lr"], beta1=hyper["beta1"],
                             beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
