@@ -140,21 +140,27 @@ def held_out_conversations(paths, limit: int) -> list[list[dict]]:
     return out
 
 
-@torch.no_grad()
 def exact_match_accuracy(model, tokenizer, conversations, batch_size: int = 64) -> float:
-    """Share of conversations whose greedy answer is exactly the reference answer followed by end-of-turn.
+    """Share of conversations whose greedy answer is exactly the reference answer followed by end-of-turn."""
+    if not conversations:
+        return float("nan")
+    flags = exact_match_flags(model, tokenizer, conversations, batch_size)
+    return sum(flags) / len(flags)
+
+
+@torch.no_grad()
+def exact_match_flags(model, tokenizer, conversations, batch_size: int = 64) -> list[bool]:
+    """Per conversation: whether its greedy answer is exactly the reference answer followed by end-of-turn.
 
     Greedy decoding reproduces a reference token for token and then stops iff, with the reference fed back
     (teacher forcing), the argmax at every answer position is the next reference token and, after the last,
     the end-of-turn token. That is checked for a whole batch in one forward pass instead of decoding token by
     token; `sample_answers` shows real generations.
     """
-    if not conversations:
-        return float("nan")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    right = 0
+    right = []
     for start in range(0, len(conversations), batch_size):
         rows, spans = [], []
         for messages in conversations[start:start + batch_size]:
@@ -170,19 +176,20 @@ def exact_match_accuracy(model, tokenizer, conversations, batch_size: int = 64) 
             mask[i, :len(r)] = 1
         predicted = model(ids.to(device), attention_mask=mask.to(device)).logits.argmax(-1).cpu()  # (B, T)
         for i, (p, n) in enumerate(spans):
-            right += bool(torch.equal(predicted[i, p - 1:p - 1 + n], ids[i, p:p + n]))
+            right.append(bool(torch.equal(predicted[i, p - 1:p - 1 + n], ids[i, p:p + n])))
     model.train(was_training)
-    return right / len(conversations)
+    return right
 
 
-def exact_match_by_kind(model, tokenizer, conversations) -> dict[str, float]:
-    """{"exact_match_after_<kind>": accuracy} for the embedded tasks (trainer/tasks.py), one entry per kind."""
-    groups: dict[str, list] = {}
-    for messages in conversations:
+def exact_match_by_kind(conversations, flags: list[bool]) -> dict[str, float]:
+    """{"exact_match_after_<kind>": accuracy} for the embedded tasks (trainer/tasks.py), one entry per kind, from
+    `exact_match_flags` of the same conversations."""
+    groups: dict[str, list[bool]] = {}
+    for messages, right in zip(conversations, flags, strict=True):
         kind = kind_of(messages[-2]["content"])
         if kind is not None:
-            groups.setdefault(kind, []).append(messages)
-    return {f"exact_match_after_{kind}": exact_match_accuracy(model, tokenizer, group) for kind, group in groups.items()}
+            groups.setdefault(kind, []).append(right)
+    return {f"exact_match_after_{kind}": sum(group) / len(group) for kind, group in groups.items()}
 
 
 @torch.no_grad()
@@ -290,10 +297,10 @@ def train(args, sft: SFTArguments) -> int:
     if eval_ds is not None:
         summary.update(trainer.evaluate())
     if before is not None:
-        after = exact_match_accuracy(model, tokenizer, conversations)
-        summary.update({"exact_match_before": before, "exact_match_after": after})
-        if embedded:  # the demo's tasks learn at different speeds: say which (every rank: a collective under FSDP2)
-            summary.update(exact_match_by_kind(model, tokenizer, conversations))
+        flags = exact_match_flags(model, tokenizer, conversations)
+        summary.update({"exact_match_before": before, "exact_match_after": sum(flags) / len(flags)})
+        if embedded:  # the demo's tasks learn at different speeds: say which
+            summary.update(exact_match_by_kind(conversations, flags))
         # every rank decodes (a collective under FSDP2); rank 0 prints
         for prompt, answer, reference in sample_answers(model, tokenizer, conversations[:5], sft.max_new_tokens):
             if rank == 0:
