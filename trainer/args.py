@@ -525,6 +525,12 @@ def check_scheduler_kwargs(name: str, kwargs: Mapping[str, Any] | None) -> dict[
     return out
 
 
+def optimizer_steps(batches_per_rank: int, accumulation: int) -> int:
+    """Optimizer steps in an epoch of `batches_per_rank` micro batches per rank: floor(batches / accumulation),
+    at least 1 (the leftovers join the epoch's last step). The one statement of the rule (args, batching)."""
+    return max(batches_per_rank // accumulation, 1)
+
+
 @dataclass
 class TrainingArguments:
     """Every setting of a training run (Hugging Face names and defaults); see the module docstring."""
@@ -1015,7 +1021,7 @@ class TrainingArguments:
     def steps_per_epoch(self, batches_per_epoch: int) -> int:
         """Optimizer steps in one epoch: floor(micro batches per rank / accumulation), at least 1. The loop folds
         the leftover micro batches into the epoch's last window, so no data is dropped."""
-        return max(batches_per_epoch // self.gradient_accumulation_steps, 1)
+        return optimizer_steps(batches_per_epoch, self.gradient_accumulation_steps)
 
     def get_max_steps(self, batches_per_epoch: int | None) -> int:
         """Total optimizer steps: max_steps if set, else ceil(epochs * floor(batches_per_epoch / accumulation)),

@@ -47,6 +47,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from .args import optimizer_steps
+
 IGNORE_INDEX = -100
 BATCHING_STRATEGIES = ("normal", "padding_free", "dynamic_batching", "dynamic_padding_free")
 _PACKED = ("padding_free", "dynamic_padding_free")
@@ -65,7 +67,7 @@ def steps_per_epoch(num_batches: int, world_size: int, accumulation: int, drop_l
     ceil (floor with drop_last) of num_batches / world_size, every `accumulation` of them make a step, at least one,
     and the leftovers join the epoch's last step."""
     per_rank = num_batches // world_size if drop_last else -(-num_batches // world_size)
-    return max(per_rank // accumulation, 1)
+    return optimizer_steps(per_rank, accumulation)
 
 
 def same_steps(num_batches: int, drop_last: bool, a: tuple[int, int], b: tuple[int, int]) -> bool:
