@@ -834,7 +834,7 @@ def _unsharded_cpu_copy(model):
     from .model import CausalLM, empty_model
 
     if not isinstance(model, CausalLM):
-        raise TypeError(f"saving or loading a {type(model).__name__} sharded with FSDP2 is not supported (CausalLM only)")
+        raise TypeError(f"saving a {type(model).__name__} sharded with FSDP2 is not supported (CausalLM only)")
     dtype = next(iter(model.state_dict().values())).dtype
     return empty_model(model.config, dtype=dtype, device="cpu", use_kernels=False)
 
