@@ -27,7 +27,8 @@ The CLI's dataclasses keep their help in the same metadata keys; a field without
 
 The newer trainer's names (seed 001) are accepted: `micro_batch_size` (= per_device_train_batch_size),
 `global_batch_size` (accumulation derived by `resolve_world(world_size)`), `cutoff_len`,
-`enable_activation_checkpointing` (= gradient_checkpointing), `batching_strategy`, `dist_config`.
+`enable_activation_checkpointing` (= gradient_checkpointing), `batching_strategy`, `dist_config`, `optim_config`,
+`lr_scheduler_config`.
 `train_shuffle` (default True) is ours: it carries transformers 5's `train_sampling_strategy="sequential"`.
 
 Test: `python -m pytest tests/trainer/test_args.py -q`.
@@ -37,9 +38,18 @@ Deliberate differences from Hugging Face
 - `optim` defaults to `adamw_fused` (our Triton AdamW, `kernels.FusedAdamW`); only `adamw_fused`,
   `adamw_torch`, `adamw_torch_fused` and `sgd` exist. `optim_args` is validated per optimizer (HF ignores
   unknown keys for AdamW) and stored as a typed dict; `lr_scheduler_kwargs` keys are validated per schedule.
-- `report_to` accepts `none`, `jsonl`, `tensorboard`, `all` (= jsonl, plus tensorboard when installed);
-  other integrations (wandb, mlflow, ...) are rejected. DeepSpeed, the Hub (`push_to_hub`, `hub_*`), TPUs
+- `report_to` accepts `none`, `all`, or any of `jsonl` (ours), `tensorboard`, `wandb`, `mlflow`, `swanlab`,
+  `trackio` (trainer/loggers.py); a service whose package is not installed is an error here, at argument time
+  (HF fails later, when the callback is built). `all` = jsonl + every installed one, as HF's "all". Other HF
+  integrations (comet_ml, neptune, ...) are rejected. DeepSpeed, the Hub (`push_to_hub`, `hub_*`), TPUs
   and the other HF options we do not implement are rejected with a message, never silently ignored.
+- `optim_config` / `lr_scheduler_config` (seed 001's plugin configs, `{name: ..., ...options}`): a registered
+  name is the same as `optim` + `optim_args` / `lr_scheduler_type` + `lr_scheduler_kwargs` (those are set from
+  it, so training_args.json shows both); `module:attribute` names your own optimizer class/factory, called
+  as `fn(param_groups, lr=learning_rate, **options)` (lr only where it takes one; each group carries its
+  weight_decay), or schedule, called as `fn(optimizer, **options)` plus `num_training_steps` and
+  `num_warmup_steps` where its signature names them. Unknown names list the registered ones; a module that
+  does not import, or an HF argument that says something else beside the config, is a one-line error.
 - Dict-valued fields (`optim_args`, `lr_scheduler_kwargs`, `gradient_checkpointing_kwargs`) are normalised to
   dicts (`{}` when unset) instead of HF's `None`/string.
 - `warmup_steps` follows transformers 5.23 (float: >= 1 is a step count truncated with `int()` as HF does,
