@@ -561,7 +561,8 @@ def resolve_callable(what: str, spec: str) -> Any:
         obj = importlib.import_module(module_name)
     except Exception as e:  # the user's module: any error while importing it is theirs to see, in one line
         first_line = (str(e).splitlines() or [""])[0]
-        raise ConfigError(f"{what}.name={spec!r}: cannot import {module_name!r} ({type(e).__name__}: {first_line})") from None
+        why = f"{type(e).__name__}: {first_line}"
+        raise ConfigError(f"{what}.name={spec!r}: cannot import {module_name!r} ({why})") from None
     for part in attribute.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{what}.name={spec!r}: {module_name!r} has no attribute {attribute!r}")
@@ -960,9 +961,13 @@ class TrainingArguments:
         if name in OPTIMIZERS:
             options = parse_optim_args(name, options, "optim_config")
             if self.optim not in (name, _default(_field(type(self), "optim"))):
-                raise ConfigError(f"optim_config.name={name!r} and optim={self.optim!r} both choose the optimizer; give one")
+                raise ConfigError(
+                    f"optim_config.name={name!r} and optim={self.optim!r} both choose the optimizer; give one"
+                )
             if self.optim_args and self.optim_args != options:
-                raise ConfigError("optim_config and optim_args both set the optimizer's options; give them in optim_config")
+                raise ConfigError(
+                    "optim_config and optim_args both set the optimizer's options; give them in optim_config"
+                )
             self.optim, self.optim_args = name, options
         else:
             for key, instead in (("params", "the trainer passes the parameter groups"),
@@ -990,7 +995,9 @@ class TrainingArguments:
                     "give one"
                 )
             if self.lr_scheduler_kwargs and self.lr_scheduler_kwargs != options:
-                raise ConfigError(f"{what} and lr_scheduler_kwargs both set the schedule's options; give them in {what}")
+                raise ConfigError(
+                    f"{what} and lr_scheduler_kwargs both set the schedule's options; give them in {what}"
+                )
             self.lr_scheduler_type, self.lr_scheduler_kwargs = name, options
         else:
             for key, instead in (("optimizer", "the trainer passes the optimizer"),
@@ -999,7 +1006,9 @@ class TrainingArguments:
                 if key in options:
                     raise ConfigError(f"{what}.{key}: {instead}")
             if self.lr_scheduler_type != _default(_field(type(self), "lr_scheduler_type")) or self.lr_scheduler_kwargs:
-                raise ConfigError(f"{what}.name={name!r} chooses the schedule; drop lr_scheduler_type/lr_scheduler_kwargs")
+                raise ConfigError(
+                    f"{what}.name={name!r} chooses the schedule; drop lr_scheduler_type/lr_scheduler_kwargs"
+                )
             warmup = self.warmup_steps or self.warmup_ratio
             if warmup and not accepts_keyword(resolve_callable(what, name), "num_warmup_steps"):
                 raise ConfigError(

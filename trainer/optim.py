@@ -158,13 +158,16 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable, args: Any) -> t
     return FusedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd)
 
 
-def _user_optimizer(spec: str, groups: list[dict[str, Any]], lr: float, options: dict[str, Any]) -> torch.optim.Optimizer:
+def _user_optimizer(
+    spec: str, groups: list[dict[str, Any]], lr: float, options: dict[str, Any]
+) -> torch.optim.Optimizer:
     """optim_config's class or factory, called as fn(param_groups, lr=learning_rate (where it takes lr), **options);
     each group carries its weight_decay (0 for biases and norms)."""
     fn = resolve_callable("optim_config", spec)
     optimizer = fn(groups, **({"lr": lr} if accepts_keyword(fn, "lr") else {}), **options)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"optim_config.name={spec!r} returned a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        kind = type(optimizer).__name__
+        raise ConfigError(f"optim_config.name={spec!r} returned a {kind}, not a torch.optim.Optimizer")
     return optimizer
 
 
