@@ -27,7 +27,8 @@ The CLI's dataclasses keep their help in the same metadata keys; a field without
 
 The newer trainer's names (seed 001) are accepted: `micro_batch_size` (= per_device_train_batch_size),
 `global_batch_size` (accumulation derived by `resolve_world(world_size)`), `cutoff_len`,
-`enable_activation_checkpointing` (= gradient_checkpointing), `batching_strategy`, `dist_config`.
+`enable_activation_checkpointing` (= gradient_checkpointing), `batching_strategy`, `dist_config`, `optim_config`,
+`lr_scheduler_config`.
 `train_shuffle` (default True) is ours: it carries transformers 5's `train_sampling_strategy="sequential"`.
 
 Test: `python -m pytest tests/trainer/test_args.py -q`.
@@ -37,9 +38,18 @@ Deliberate differences from Hugging Face
 - `optim` defaults to `adamw_fused` (our Triton AdamW, `kernels.FusedAdamW`); only `adamw_fused`,
   `adamw_torch`, `adamw_torch_fused` and `sgd` exist. `optim_args` is validated per optimizer (HF ignores
   unknown keys for AdamW) and stored as a typed dict; `lr_scheduler_kwargs` keys are validated per schedule.
-- `report_to` accepts `none`, `jsonl`, `tensorboard`, `all` (= jsonl, plus tensorboard when installed);
-  other integrations (wandb, mlflow, ...) are rejected. DeepSpeed, the Hub (`push_to_hub`, `hub_*`), TPUs
+- `report_to` accepts `none`, `all`, or any of `jsonl` (ours), `tensorboard`, `wandb`, `mlflow`, `swanlab`,
+  `trackio` (trainer/loggers.py); a service whose package is not installed is an error here, at argument time
+  (HF fails later, when the callback is built). `all` = jsonl + every installed one, as HF's "all". Other HF
+  integrations (comet_ml, neptune, ...) are rejected. DeepSpeed, the Hub (`push_to_hub`, `hub_*`), TPUs
   and the other HF options we do not implement are rejected with a message, never silently ignored.
+- `optim_config` / `lr_scheduler_config` (seed 001's plugin configs, `{name: ..., ...options}`): a registered
+  name is the same as `optim` + `optim_args` / `lr_scheduler_type` + `lr_scheduler_kwargs` (those are set from
+  it, so training_args.json shows both); `module:attribute` names your own optimizer class/factory, called
+  as `fn(param_groups, lr=learning_rate, **options)` (lr only where it takes one; each group carries its
+  weight_decay), or schedule, called as `fn(optimizer, **options)` plus `num_training_steps` and
+  `num_warmup_steps` where its signature names them. Unknown names list the registered ones; a module that
+  does not import, or an HF argument that says something else beside the config, is a one-line error.
 - Dict-valued fields (`optim_args`, `lr_scheduler_kwargs`, `gradient_checkpointing_kwargs`) are normalised to
   dicts (`{}` when unset) instead of HF's `None`/string.
 - `warmup_steps` follows transformers 5.23 (float: >= 1 is a step count truncated with `int()` as HF does,
@@ -71,7 +81,9 @@ Deliberate differences from Hugging Face
 import dataclasses
 import datetime
 import difflib
+import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -82,6 +94,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
+
+from .loggers import LOGGER_PACKAGES
 
 
 class ConfigError(ValueError):
@@ -103,7 +117,7 @@ SCHEDULERS = (
     "warmup_stable_decay",
     "cosine_with_min_lr",
 )
-REPORTERS = ("jsonl", "tensorboard")
+REPORTERS = ("jsonl", *LOGGER_PACKAGES)  # jsonl needs no package; the services are optional dependencies
 BATCHING_STRATEGIES = ("normal", "padding_free", "dynamic_batching", "dynamic_padding_free")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 TOKENS_SEEN_MODES = ("no", "all", "non_padding")
@@ -457,72 +471,130 @@ def _check_keys(name: str, given: Mapping[str, Any], allowed: Mapping[str, Any],
             raise ConfigError(f"{name}: unknown key {key!r} for {owner}{hint}; accepted keys: {accepted}")
 
 
-def parse_optim_args(optim: str, optim_args: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    """`optim_args` ("k=v,k=v" as in HF, a JSON object, or a dict) as a typed dict validated for `optim`."""
+def parse_optim_args(
+    optim: str, optim_args: str | Mapping[str, Any] | None, what: str = "optim_args"
+) -> dict[str, Any]:
+    """`optim_args` ("k=v,k=v" as in HF, a JSON object, or a dict) as a typed dict validated for `optim`; `what`
+    names the argument in errors (optim_config when the options come from there)."""
     schema = OPTIM_ARGS[_choose("optim", optim, OPTIMIZERS, _why_unsupported(optim, "optimizer"))]
     if optim_args is None:
         return {}
     if isinstance(optim_args, str):
         text = optim_args.strip()
         if text.startswith("{"):
-            raw = _load_mapping("optim_args", text)
+            raw = _load_mapping(what, text)
         else:
             raw = {}
             for item in filter(None, text.replace(" ", "").split(",")):
                 key, sep, value = item.partition("=")
                 if not sep or not key:
-                    raise ConfigError(f"optim_args={optim_args!r}: expected 'key=value,key=value'")
+                    raise ConfigError(f"{what}={optim_args!r}: expected 'key=value,key=value'")
                 raw[key] = value
     elif isinstance(optim_args, Mapping):
         raw = dict(optim_args)
     else:
-        raise ConfigError(f"optim_args={optim_args!r}: expected 'key=value,...', a JSON object or a dict")
-    _check_keys("optim_args", raw, schema, f"optim={optim!r}")
-    out = {k: _coerce(f"optim_args.{k}", v, schema[k]) for k, v in raw.items()}
+        raise ConfigError(f"{what}={optim_args!r}: expected 'key=value,...', a JSON object or a dict")
+    _check_keys(what, raw, schema, f"optim={optim!r}")
+    out = {k: _coerce(f"{what}.{k}", v, schema[k]) for k, v in raw.items()}
     if optim == "sgd":
         for key in ("momentum", "dampening"):
-            _check(out.get(key, 0.0) >= 0, f"optim_args.{key}", out.get(key), "must be >= 0")
+            _check(out.get(key, 0.0) >= 0, f"{what}.{key}", out.get(key), "must be >= 0")
         if out.get("nesterov"):
             _check(
                 out.get("momentum", 0.0) > 0 and out.get("dampening", 0.0) == 0,
-                "optim_args.nesterov",
+                f"{what}.nesterov",
                 True,
                 "needs momentum > 0 and dampening = 0",
             )
     return out
 
 
-def check_scheduler_kwargs(name: str, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """`lr_scheduler_kwargs` validated (names, types, values) for schedule `name`; returns a typed copy."""
+def check_scheduler_kwargs(
+    name: str, kwargs: Mapping[str, Any] | None, what: str = "lr_scheduler_kwargs"
+) -> dict[str, Any]:
+    """`lr_scheduler_kwargs` validated (names, types, values) for schedule `name`; returns a typed copy. `what`
+    names the argument in errors (lr_scheduler_config when the options come from there)."""
     name = _choose("lr_scheduler_type", name, SCHEDULERS)
     schema = SCHEDULER_KWARGS[name]
     kwargs = dict(kwargs or {})
-    _check_keys("lr_scheduler_kwargs", kwargs, schema, f"lr_scheduler_type={name!r}")
-    out = {k: _coerce(f"lr_scheduler_kwargs.{k}", v, schema[k]) for k, v in kwargs.items()}
+    _check_keys(what, kwargs, schema, f"lr_scheduler_type={name!r}")
+    out = {k: _coerce(f"{what}.{k}", v, schema[k]) for k, v in kwargs.items()}
     if name == "warmup_stable_decay":
         if "num_decay_steps" not in out:
-            raise ConfigError("lr_scheduler_kwargs: warmup_stable_decay needs num_decay_steps")
-        _check(out["num_decay_steps"] >= 0, "lr_scheduler_kwargs.num_decay_steps", out["num_decay_steps"], ">= 0")
+            raise ConfigError(f"{what}: warmup_stable_decay needs num_decay_steps")
+        _check(out["num_decay_steps"] >= 0, f"{what}.num_decay_steps", out["num_decay_steps"], ">= 0")
         if out.get("num_stable_steps") is not None:
             stable = out["num_stable_steps"]
-            _check(stable >= 0, "lr_scheduler_kwargs.num_stable_steps", stable, ">= 0")
+            _check(stable >= 0, f"{what}.num_stable_steps", stable, ">= 0")
         for key in ("warmup_type", "decay_type"):
             if key in out:
-                _choose(f"lr_scheduler_kwargs.{key}", out[key], WSD_SHAPES)
+                _choose(f"{what}.{key}", out[key], WSD_SHAPES)
         if "min_lr_ratio" in out:
-            _check(0 <= out["min_lr_ratio"] <= 1, "lr_scheduler_kwargs.min_lr_ratio", out["min_lr_ratio"], "in [0, 1]")
+            _check(0 <= out["min_lr_ratio"] <= 1, f"{what}.min_lr_ratio", out["min_lr_ratio"], "in [0, 1]")
     if name == "cosine_with_min_lr":
         given = [k for k in ("min_lr", "min_lr_rate") if out.get(k) is not None]
         if len(given) != 1:
-            raise ConfigError("lr_scheduler_kwargs: cosine_with_min_lr needs exactly one of min_lr or min_lr_rate")
-        _check(out[given[0]] >= 0, f"lr_scheduler_kwargs.{given[0]}", out[given[0]], "must be >= 0")
+            raise ConfigError(f"{what}: cosine_with_min_lr needs exactly one of min_lr or min_lr_rate")
+        _check(out[given[0]] >= 0, f"{what}.{given[0]}", out[given[0]], "must be >= 0")
     if name == "inverse_sqrt" and out.get("timescale") is not None:
-        _check(out["timescale"] > 0, "lr_scheduler_kwargs.timescale", out["timescale"], "must be > 0")
+        _check(out["timescale"] > 0, f"{what}.timescale", out["timescale"], "must be > 0")
     if name == "polynomial" and "power" in out:
-        _check(out["power"] > 0, "lr_scheduler_kwargs.power", out["power"], "must be > 0")
+        _check(out["power"] > 0, f"{what}.power", out["power"], "must be > 0")
     if "num_cycles" in out:
-        _check(out["num_cycles"] > 0, "lr_scheduler_kwargs.num_cycles", out["num_cycles"], "must be > 0")
+        _check(out["num_cycles"] > 0, f"{what}.num_cycles", out["num_cycles"], "must be > 0")
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# optim_config / lr_scheduler_config (seed 001's plugin configs): {name: <registered name or module:attribute>,
+# ...options}. Resolved here, at argument time, so an unknown name or a module that does not import fails before
+# any expensive work; trainer.optim builds them.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def resolve_callable(what: str, spec: str) -> Any:
+    """The class or function named by `spec` ('package.module:attribute', the attribute may be dotted)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"{what}.name={spec!r}: expected a registered name or 'module:attribute'")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # the user's module: any error while importing it is theirs to see, in one line
+        first_line = (str(e).splitlines() or [""])[0]
+        why = f"{type(e).__name__}: {first_line}"
+        raise ConfigError(f"{what}.name={spec!r}: cannot import {module_name!r} ({why})") from None
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{what}.name={spec!r}: {module_name!r} has no attribute {attribute!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{what}.name={spec!r}: {attribute!r} is not a class or function")
+    return obj
+
+
+def accepts_keyword(fn: Any, name: str) -> bool:
+    """Whether calling `fn` (a function or a class) accepts keyword argument `name` (named, or through **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return any((p.name == name and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD for p in params)
+
+
+def _plugin(what: str, value: Any, registered: Sequence[str], kind: str) -> tuple[str, dict[str, Any]]:
+    """(name, other keys) of a plugin config; the name is registered or a 'module:attribute' that resolves."""
+    cfg = _load_mapping(what, value)
+    choices = f"registered {kind}s: {', '.join(registered)}; or 'module:attribute' for your own"
+    if not isinstance(cfg.get("name"), str):
+        raise ConfigError(f"{what}: 'name' is required ({choices})")
+    name = cfg.pop("name")
+    if name not in registered:
+        if ":" not in name:
+            close = difflib.get_close_matches(name, registered, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{what}.name={name!r} is not a registered {kind}{hint}; {choices}")
+        resolve_callable(what, name)
+    return name, cfg
 
 
 def optimizer_steps(batches_per_rank: int, accumulation: int) -> int:
@@ -588,11 +660,19 @@ class TrainingArguments:
     optim_args: str | dict | None = _arg(
         None, "optimizer", "Extra optimizer options, 'k=v,k=v' or JSON (sgd: momentum, dampening, nesterov)."
     )
+    optim_config: dict | str | None = _arg(
+        None, "optimizer", "{name: a registered optimizer or 'module:attribute', ...its options} (instead of "
+        "optim/optim_args); a class is called as cls(param_groups, lr=learning_rate, **options)."
+    )
 
     # --- schedule ---
     lr_scheduler_type: str = _arg("linear", "schedule", "Learning-rate schedule.", SCHEDULERS)
     lr_scheduler_kwargs: dict | str | None = _arg(
         None, "schedule", "Schedule options as a dict or JSON, e.g. {\"num_cycles\": 2} (HF names)."
+    )
+    lr_scheduler_config: dict | str | None = _arg(
+        None, "schedule", "{name: a registered schedule or 'module:attribute', ...its options} (instead of "
+        "lr_scheduler_type/kwargs); a factory is called as fn(optimizer, **options)."
     )
     warmup_ratio: float = _arg(0.0, "schedule", "Warmup as a fraction of total steps; used when warmup_steps is 0.")
     warmup_steps: float = _arg(
@@ -608,7 +688,7 @@ class TrainingArguments:
     logging_first_step: bool = _arg(False, "logging", "Also log the first optimizer step.")
     logging_nan_inf_filter: bool = _arg(True, "logging", "Leave NaN/Inf losses out of the logged running loss.")
     report_to: str | list[str] | None = _arg(
-        "none", "logging", "Loggers: none, jsonl, tensorboard or all (several allowed)."
+        "none", "logging", "Loggers: none, all, or some of jsonl, tensorboard, wandb, mlflow, swanlab, trackio."
     )
     disable_tqdm: bool = _arg(False, "logging", "Hide the progress bar.")
     include_tokens_per_second: bool = _arg(False, "logging", "Log training tokens per second per device.")
@@ -858,6 +938,8 @@ class TrainingArguments:
         self.lr_scheduler_kwargs = check_scheduler_kwargs(
             self.lr_scheduler_type, _load_mapping("lr_scheduler_kwargs", self.lr_scheduler_kwargs or {})
         )
+        self._fold_optim_config()
+        self._fold_lr_scheduler_config()
         self.gradient_checkpointing_kwargs = _load_mapping(
             "gradient_checkpointing_kwargs", self.gradient_checkpointing_kwargs or {}
         )
@@ -868,6 +950,72 @@ class TrainingArguments:
             setattr(self, name, _interval(name, getattr(self, name)))
         if self.warmup_steps >= 1 and float(self.warmup_steps).is_integer():
             self.warmup_steps = int(self.warmup_steps)
+
+    def _fold_optim_config(self) -> None:
+        """optim_config with a registered name is optim + optim_args written the seed's way (they are set from it,
+        so both stay true in training_args.json); with 'module:attribute' it names the user's optimizer class or
+        factory. Either way a different optim or optim_args given beside it is refused, not silently overridden."""
+        if self.optim_config is None:
+            return
+        name, options = _plugin("optim_config", self.optim_config, OPTIMIZERS, "optimizer")
+        if name in OPTIMIZERS:
+            options = parse_optim_args(name, options, "optim_config")
+            if self.optim not in (name, _default(_field(type(self), "optim"))):
+                raise ConfigError(
+                    f"optim_config.name={name!r} and optim={self.optim!r} both choose the optimizer; give one"
+                )
+            if self.optim_args and self.optim_args != options:
+                raise ConfigError(
+                    "optim_config and optim_args both set the optimizer's options; give them in optim_config"
+                )
+            self.optim, self.optim_args = name, options
+        else:
+            for key, instead in (("params", "the trainer passes the parameter groups"),
+                                 ("lr", "set learning_rate, which the schedule and the logs read"),
+                                 ("weight_decay", "set weight_decay, which each parameter group carries")):
+                if key in options:
+                    raise ConfigError(f"optim_config.{key}: {instead}")
+            if self.optim != _default(_field(type(self), "optim")) or self.optim_args:
+                raise ConfigError(f"optim_config.name={name!r} chooses the optimizer; drop optim/optim_args")
+        self.optim_config = {"name": name, **options}
+
+    def _fold_lr_scheduler_config(self) -> None:
+        """lr_scheduler_config, as `_fold_optim_config`: a registered name sets lr_scheduler_type/kwargs; a
+        'module:attribute' factory or class is called with the optimizer, its options, and num_training_steps /
+        num_warmup_steps where its signature takes them (a warmup it cannot take is refused)."""
+        if self.lr_scheduler_config is None:
+            return
+        what = "lr_scheduler_config"
+        name, options = _plugin(what, self.lr_scheduler_config, SCHEDULERS, "schedule")
+        if name in SCHEDULERS:
+            options = check_scheduler_kwargs(name, options, what)
+            if self.lr_scheduler_type not in (name, _default(_field(type(self), "lr_scheduler_type"))):
+                raise ConfigError(
+                    f"{what}.name={name!r} and lr_scheduler_type={self.lr_scheduler_type!r} both choose the schedule; "
+                    "give one"
+                )
+            if self.lr_scheduler_kwargs and self.lr_scheduler_kwargs != options:
+                raise ConfigError(
+                    f"{what} and lr_scheduler_kwargs both set the schedule's options; give them in {what}"
+                )
+            self.lr_scheduler_type, self.lr_scheduler_kwargs = name, options
+        else:
+            for key, instead in (("optimizer", "the trainer passes the optimizer"),
+                                 ("num_training_steps", "the trainer passes it (max_steps or the epochs' steps)"),
+                                 ("num_warmup_steps", "set warmup_steps or warmup_ratio")):
+                if key in options:
+                    raise ConfigError(f"{what}.{key}: {instead}")
+            if self.lr_scheduler_type != _default(_field(type(self), "lr_scheduler_type")) or self.lr_scheduler_kwargs:
+                raise ConfigError(
+                    f"{what}.name={name!r} chooses the schedule; drop lr_scheduler_type/lr_scheduler_kwargs"
+                )
+            warmup = self.warmup_steps or self.warmup_ratio
+            if warmup and not accepts_keyword(resolve_callable(what, name), "num_warmup_steps"):
+                raise ConfigError(
+                    f"{what}.name={name!r} takes no num_warmup_steps, so warmup_steps/warmup_ratio={warmup!r} would be "
+                    "ignored; set them to 0"
+                )
+        self.lr_scheduler_config = {"name": name, **options}
 
     def _derive(self) -> None:
         """Defaults that depend on other arguments, as Hugging Face derives them."""
@@ -1114,12 +1262,14 @@ class TrainingArguments:
 
 
 def _normalise_report_to(value: Any) -> list[str]:
+    """report_to as a list of logger names; a service whose package is not installed is an error here, before
+    any expensive work. 'all' (as in transformers) is every logger that is installed, jsonl first."""
     items = [value] if isinstance(value, str) else list(value or [])
     items = [w for item in items for w in str(item).replace(",", " ").split()]
     if items in ([], ["none"]):
         return []
     if items == ["all"]:
-        return ["jsonl"] + (["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else [])
+        return [name for name in REPORTERS if _logger_installed(name)]
     out: list[str] = []
     for item in items:
         if item in ("all", "none"):
@@ -1127,10 +1277,19 @@ def _normalise_report_to(value: Any) -> list[str]:
         if item not in REPORTERS:
             close = difflib.get_close_matches(item, REPORTERS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"report_to={item!r} is not supported{hint}; expected none, jsonl, tensorboard or all")
+            raise ConfigError(
+                f"report_to={item!r} is not supported{hint}; expected none, all or some of {', '.join(REPORTERS)}"
+            )
+        if not _logger_installed(item):
+            package = LOGGER_PACKAGES[item]
+            raise ConfigError(f"report_to={item}: {package} is not installed (pip install {package})")
         if item not in out:
             out.append(item)
     return out
+
+
+def _logger_installed(name: str) -> bool:
+    return name not in LOGGER_PACKAGES or importlib.util.find_spec(LOGGER_PACKAGES[name]) is not None
 
 
 def _normalise_dist_config(cfg: dict) -> dict:

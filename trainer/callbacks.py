@@ -33,6 +33,8 @@ class TrainerState:
     nonfinite_steps: int = 0
     overflow_steps: int = 0
     is_world_process_zero: bool = True
+    # {report_to name: run id} of the tracking services' runs (wandb, mlflow, ...): a resume continues those runs.
+    logger_run_ids: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

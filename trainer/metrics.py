@@ -1,4 +1,4 @@
-"""Metrics: throughput, MFU, memory, and where they are written (console, metrics.jsonl, tensorboard).
+"""Metrics: throughput, MFU, memory, and `MetricsWriter`, which hands each log dict to the loggers in report_to.
 
 MFU = achieved model FLOP/s / the device's peak dense bf16 FLOP/s, with the model's FLOPs per token from
 `CausalLM.flops_per_token` (6N + attention). The peak is known for the GPUs we are measured on; on a CPU,
@@ -7,14 +7,14 @@ or on an unknown device, MFU is not reported (None) rather than guessed.
 
 from __future__ import annotations
 
-import json
-import math
 import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from .loggers import open_logger
 
 # Dense (no sparsity) peak TFLOP/s for bf16/fp16 tensor-core math, from the vendors' data sheets.
 PEAK_TFLOPS = {
@@ -71,46 +71,27 @@ class Throughput:
 
 
 class MetricsWriter:
-    """Writes each log dict to output_dir/metrics.jsonl and to tensorboard when asked and installed."""
+    """Sends each log dict to every logger in `report_to` (see trainer.loggers); does nothing when not enabled
+    (ranks other than 0). `run_ids` ({report_to name: run id}, from a checkpoint) continue those logged runs;
+    `self.run_ids` holds the ids of this run's loggers, for the checkpoint."""
 
-    def __init__(self, output_dir: str | Path, report_to: list[str], logging_dir: str | None = None, enabled: bool = True):
-        self.enabled = enabled
-        self.jsonl = None
-        self.tb = None
-        if not enabled:
-            return
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        if "jsonl" in report_to or "all" in report_to:
-            self.jsonl = (out / "metrics.jsonl").open("a")
-        if "tensorboard" in report_to or "all" in report_to:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except Exception:
-                if "tensorboard" in report_to:
-                    raise ValueError("report_to: tensorboard is not installed (pip install tensorboard)") from None
-            else:
-                self.tb = SummaryWriter(log_dir=logging_dir or str(out / "runs"))
+    def __init__(self, output_dir: str | Path, report_to: list[str], logging_dir: str | None = None, enabled: bool = True,
+                 *, run_name: str | None = None, config: dict | None = None, run_ids: dict[str, str] | None = None):
+        self.loggers = {}
+        if enabled:
+            for name in report_to:
+                self.loggers[name] = open_logger(name, output_dir=output_dir, logging_dir=logging_dir, run_name=run_name,
+                                                 config=config or {}, run_id=(run_ids or {}).get(name))
+        self.run_ids = {name: lg.run_id for name, lg in self.loggers.items() if lg.run_id is not None}
 
     def write(self, logs: dict, step: int) -> None:
-        if not self.enabled:
-            return
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"step": step, **logs}) + "\n")
-            self.jsonl.flush()
-        if self.tb is not None:
-            for key, value in logs.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self.tb.add_scalar(key, value, step)
-            self.tb.flush()
+        for lg in self.loggers.values():
+            lg.log(logs, step)
 
     def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.jsonl = None
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        for lg in self.loggers.values():
+            lg.finish()
+        self.loggers = {}
 
 
 def format_logs(logs: dict) -> str:

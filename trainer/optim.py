@@ -19,6 +19,9 @@ Optimizers
   adamw_torch_fused  torch.optim.AdamW(fused=True)        optim_args: amsgrad (works on CPU in torch 2.13)
   sgd                torch.optim.SGD                      optim_args: momentum, dampening, nesterov
 Unlike Hugging Face, `optim_args` keys an optimizer does not take are an error, not ignored.
+`optim_config` (seed 001) with a registered name above is the same as optim + optim_args (trainer.args folds it);
+with 'module:attribute' it is the user's class or factory, called as fn(param_groups, lr=learning_rate, **options)
+(lr only where its signature takes it; each group carries its weight_decay); it must return a torch Optimizer.
 
 Schedules
 ---------
@@ -44,6 +47,11 @@ with T == w avoids HF's division by zero. The factors are `functools.partial`s o
 scheduler's `state_dict()` holds only plain numbers (last_epoch, base_lrs) and resumes by `load_state_dict`
 into a scheduler built with the same arguments.
 
+`build_lr_scheduler(optimizer, args, num_training_steps)` is what the loop calls: `build_scheduler` with args'
+schedule and warmup, or lr_scheduler_config's 'module:attribute' called as fn(optimizer, **options), plus
+num_training_steps / num_warmup_steps where its signature names them; it must return an LRScheduler that steps
+once per optimizer step (not ReduceLROnPlateau). Checkpoints save its state_dict like any other.
+
 Test: `python -m pytest tests/trainer/test_optim.py -q` (curves checked against formulas written in the test
 and against `transformers.get_scheduler`).
 """
@@ -54,9 +62,17 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
-from .args import ConfigError, check_scheduler_kwargs, parse_optim_args
+from .args import (
+    OPTIMIZERS,
+    SCHEDULERS,
+    ConfigError,
+    accepts_keyword,
+    check_scheduler_kwargs,
+    parse_optim_args,
+    resolve_callable,
+)
 
 
 def _no_decay(param: torch.Tensor, in_norm: bool) -> bool:
@@ -118,9 +134,12 @@ def _groups_from(model_or_params: Any, weight_decay: float) -> list[dict[str, An
 def build_optimizer(model_or_params: torch.nn.Module | Iterable, args: Any) -> torch.optim.Optimizer:
     """The optimizer named by `args.optim` over `model_or_params` (a module: `param_groups`; parameters or
     (name, parameter) pairs: the ndim rule alone; dicts: used as given), with `args`' hyperparameters."""
-    optim_args = parse_optim_args(args.optim, args.optim_args)
     groups = _groups_from(model_or_params, args.weight_decay)
     lr, wd = float(args.learning_rate), float(args.weight_decay)
+    config = getattr(args, "optim_config", None) or {}  # plain namespaces may not have it
+    if config and config["name"] not in OPTIMIZERS:  # 'module:attribute' (a registered name set args.optim)
+        return _user_optimizer(config["name"], groups, lr, {k: v for k, v in config.items() if k != "name"})
+    optim_args = parse_optim_args(args.optim, args.optim_args)
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=lr, weight_decay=wd, **optim_args)
     betas, eps = (float(args.adam_beta1), float(args.adam_beta2)), float(args.adam_epsilon)
@@ -137,6 +156,19 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable, args: Any) -> t
             "use --optim adamw_torch_fused meanwhile"
         ) from e
     return FusedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+
+
+def _user_optimizer(
+    spec: str, groups: list[dict[str, Any]], lr: float, options: dict[str, Any]
+) -> torch.optim.Optimizer:
+    """optim_config's class or factory, called as fn(param_groups, lr=learning_rate (where it takes lr), **options);
+    each group carries its weight_decay (0 for biases and norms)."""
+    fn = resolve_callable("optim_config", spec)
+    optimizer = fn(groups, **({"lr": lr} if accepts_keyword(fn, "lr") else {}), **options)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        kind = type(optimizer).__name__
+        raise ConfigError(f"optim_config.name={spec!r} returned a {kind}, not a torch.optim.Optimizer")
+    return optimizer
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -279,4 +311,29 @@ def build_scheduler(
     return LambdaLR(optimizer, fn)
 
 
-__all__ = ["param_groups", "build_optimizer", "build_scheduler"]
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: Any, num_training_steps: int) -> LRScheduler:
+    """The schedule `args` ask for over `num_training_steps`: lr_scheduler_config's 'module:attribute' (called as
+    fn(optimizer, **options), plus num_training_steps and num_warmup_steps where its signature takes them), else
+    `build_scheduler(lr_scheduler_type, ..., **lr_scheduler_kwargs)` with args' warmup."""
+    warmup = args.get_warmup_steps(num_training_steps)
+    config = getattr(args, "lr_scheduler_config", None) or {}
+    if not config or config["name"] in SCHEDULERS:  # a registered name set lr_scheduler_type/kwargs
+        return build_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                               num_training_steps=num_training_steps, **(args.lr_scheduler_kwargs or {}))
+    spec = config["name"]
+    fn = resolve_callable("lr_scheduler_config", spec)
+    options = {k: v for k, v in config.items() if k != "name"}
+    for key, value in (("num_training_steps", num_training_steps), ("num_warmup_steps", warmup)):
+        if accepts_keyword(fn, key):
+            options[key] = value
+    scheduler = fn(optimizer, **options)
+    # The loop calls scheduler.step() once per optimizer step with no argument, and saves state_dict() in checkpoints.
+    if not isinstance(scheduler, LRScheduler) or isinstance(scheduler, ReduceLROnPlateau):
+        raise ConfigError(
+            f"lr_scheduler_config.name={spec!r} returned a {type(scheduler).__name__}; expected a "
+            "torch.optim.lr_scheduler.LRScheduler that steps once per optimizer step (ReduceLROnPlateau needs a metric)"
+        )
+    return scheduler
+
+
+__all__ = ["param_groups", "build_optimizer", "build_scheduler", "build_lr_scheduler"]

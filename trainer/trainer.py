@@ -214,7 +214,9 @@ class Trainer:
             self._print(f"resumed from {resume} at step {state.global_step}")
         self.state = state
         self.control = TrainerControl()
-        writer = MetricsWriter(args.output_dir, args.report_to, args.logging_dir, enabled=self.rank == 0)
+        writer = MetricsWriter(args.output_dir, args.report_to, args.logging_dir, enabled=self.rank == 0,
+                               run_name=args.run_name, config=args.to_dict(), run_ids=state.logger_run_ids)
+        state.logger_run_ids = writer.run_ids  # saved in every checkpoint, so that a resume logs to the same runs
         throughput = Throughput()
         peak_flops = device_peak_flops(device)
         flops_per_token = self._flops_per_token(model)
@@ -500,15 +502,13 @@ class Trainer:
         return torch.autocast(device_type=device.type, dtype=dtype)
 
     def _create_optimizer_and_scheduler(self, model, max_steps):
-        from .optim import build_optimizer, build_scheduler
+        from .optim import build_lr_scheduler, build_optimizer
 
         args = self.args
         if self.optimizer is None:
             self.optimizer = build_optimizer(model, args)
         if self.lr_scheduler is None:
-            self.lr_scheduler = build_scheduler(args.lr_scheduler_type, self.optimizer,
-                                                num_warmup_steps=args.get_warmup_steps(max_steps),
-                                                num_training_steps=max_steps, **(args.lr_scheduler_kwargs or {}))
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, args, max_steps)
         return self.optimizer, self.lr_scheduler
 
     def _flops_per_token(self, model) -> float | None:

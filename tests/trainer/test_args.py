@@ -6,6 +6,8 @@ import dataclasses
 import json
 import math
 import pathlib
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -103,7 +105,15 @@ def test_values_are_coerced_from_strings_and_numbers():
     assert "max_steps: expected an integer" in error(max_steps=True)
 
 
-def test_resume_report_to_and_tokens_seen_normalisation():
+@pytest.fixture
+def tensorboard_installed(tmp_path, monkeypatch):
+    """A stand-in `tensorboard` package on sys.path, so that report_to=tensorboard passes the installed check."""
+    (tmp_path / "fake_site" / "tensorboard").mkdir(parents=True)
+    (tmp_path / "fake_site" / "tensorboard" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "fake_site"))
+
+
+def test_resume_report_to_and_tokens_seen_normalisation(tensorboard_installed):
     assert TrainingArguments(resume_from_checkpoint=True).resume_from_checkpoint == "auto"
     assert TrainingArguments(resume_from_checkpoint="true").resume_from_checkpoint == "auto"
     assert TrainingArguments(resume_from_checkpoint="false").resume_from_checkpoint is None
@@ -156,7 +166,8 @@ ERRORS = [
      "optim='adafactor' is not a supported optimizer: "
      "expected one of adamw_fused, adamw_torch, adamw_torch_fused, sgd"),
     (dict(optim="adamw_8bit"), "optim='adamw_8bit' is not a supported optimizer"),
-    (dict(report_to="wandb"), "report_to='wandb' is not supported; expected none, jsonl, tensorboard or all"),
+    (dict(report_to="comet_ml"),
+     "report_to='comet_ml' is not supported; expected none, all or some of jsonl, tensorboard, wandb, mlflow"),
     (dict(report_to=["jsonl", "none"]), "report_to="),
     (dict(batching_strategy="packed"), "batching_strategy='packed': expected one of normal, padding_free"),
     (dict(include_num_input_tokens_seen="some"), "include_num_input_tokens_seen='some'"),
@@ -476,7 +487,7 @@ def test_boolean_flags(tokens, value):
     assert args.bf16 is value and args.do_train is True
 
 
-def test_negated_booleans_optionals_lists_and_dicts():
+def test_negated_booleans_optionals_lists_and_dicts(tensorboard_installed):
     (args,) = parse_args([
         "--no_remove_unused_columns", "--data_seed", "none", "--eval_steps", "0.25", "--eval_strategy", "steps",
         "--report_to", "jsonl", "tensorboard", "--lr_scheduler_type", "cosine_with_restarts",
@@ -522,7 +533,7 @@ FLAG_ERRORS = [
     (["--no_bf16", "true"], "--no_bf16 takes no value"),
     (["--eval_strategy", "hourly"], "eval_strategy='hourly': expected one of no, steps, epoch"),
     (["--optim", "adamw_8bit"], "optim='adamw_8bit' is not a supported optimizer"),
-    (["--report_to", "wandb"], "report_to='wandb' is not supported; expected none, jsonl, tensorboard or all"),
+    (["--report_to", "wandbb"], "report_to='wandbb' is not supported (did you mean 'wandb'?)"),
     (["--lr_scheduler_kwargs", "{oops"], "lr_scheduler_kwargs"),
     (["--do_train", "stray"], "do_train: expected a boolean, got 'stray'"),
     (["-x"], "unexpected argument '-x'"),

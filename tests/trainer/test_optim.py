@@ -2,8 +2,10 @@
 written out here and with transformers.get_scheduler (the oracle); both comparisons are exact up to float
 rounding (rel 1e-12), since the schedules are the same closed forms."""
 
+import dataclasses
 import importlib
 import io
+import json
 import math
 import re
 from types import SimpleNamespace
@@ -12,7 +14,15 @@ import pytest
 import torch
 
 from trainer.args import ConfigError, TrainingArguments
-from trainer.optim import build_optimizer, build_scheduler, param_groups
+from trainer.callbacks import TrainerCallback
+from trainer.data import load_sft_dataset
+from trainer.optim import build_lr_scheduler, build_optimizer, build_scheduler, param_groups
+from trainer.tasks import generate_tasks
+from trainer.tokenizer import byte_level_tokenizer
+from trainer.trainer import Trainer
+
+from .test_trainer import losses, small_model, weights
+from .test_trainer import make_args as trainer_args
 
 W, T, LR = 4, 20, 1e-3
 STEPS = range(T + 4)  # past the end too: the schedules must stay defined there
@@ -396,3 +406,129 @@ def test_build_optimizer_validates_plain_namespaces():
         build_optimizer(model, SimpleNamespace(optim="adamw_torch", optim_args="momentum=0.9", **base))
     with pytest.raises(ConfigError, match="optim='lion'"):
         build_optimizer(model, SimpleNamespace(optim="lion", optim_args=None, **base))
+
+
+# --- optim_config / lr_scheduler_config (seed 001's plugin configs) --------------------------------------------
+
+
+def halve_every(optimizer, num_training_steps, every=2):
+    """A user's schedule factory (lr_scheduler_config 'module:attribute'); takes num_training_steps by name."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=every, gamma=0.5 ** (every / num_training_steps))
+
+
+def warm_then_flat(optimizer, num_warmup_steps):
+    return build_scheduler("constant_with_warmup", optimizer, num_warmup_steps, 1)
+
+
+def not_an_optimizer(params, **kwargs):
+    return list(params)
+
+
+def test_optim_config_with_a_registered_name_is_optim_and_optim_args():
+    model, twin = model_and_copy()
+    args = make_args(optim_config={"name": "sgd", "momentum": 0.9, "nesterov": True})
+    assert (args.optim, args.optim_args) == ("sgd", {"momentum": 0.9, "nesterov": True})
+    opt = build_optimizer(model, args)
+    reference = build_optimizer(twin, make_args(optim="sgd", optim_args="momentum=0.9,nesterov=true"))
+    assert type(opt) is torch.optim.SGD and opt.defaults == reference.defaults
+    args = make_args(lr_scheduler_config={"name": "cosine", "num_cycles": 2}, warmup_steps=W)
+    assert (args.lr_scheduler_type, args.lr_scheduler_kwargs) == ("cosine", {"num_cycles": 2.0})
+    assert lrs(build_lr_scheduler(sgd(), args, T)) == lrs(build_scheduler("cosine", sgd(), W, T, num_cycles=2))
+
+
+def test_optim_config_module_attribute_builds_the_users_class():
+    model, _ = model_and_copy()
+    opt = build_optimizer(model, make_args(optim_config={"name": "torch.optim:Adagrad", "lr_decay": 0.01}))
+    assert type(opt) is torch.optim.Adagrad
+    assert (opt.defaults["lr"], opt.defaults["lr_decay"]) == (2e-3, 0.01)  # lr from learning_rate
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # decay groups as for every optimizer
+    with pytest.raises(ConfigError, match="not_an_optimizer' returned a list, not a torch.optim.Optimizer"):
+        build_optimizer(model, make_args(optim_config={"name": "tests.trainer.test_optim:not_an_optimizer"}))
+
+
+def test_lr_scheduler_config_module_attribute_gets_the_steps_it_names():
+    args = make_args(lr_scheduler_config={"name": "tests.trainer.test_optim:halve_every", "every": 5})
+    scheduler = build_lr_scheduler(sgd(), args, T)
+    assert type(scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.step_size == 5
+    assert scheduler.gamma == pytest.approx(0.5 ** (5 / T))
+    args = make_args(lr_scheduler_config={"name": "tests.trainer.test_optim:warm_then_flat"}, warmup_steps=W)
+    assert lrs(build_lr_scheduler(sgd(), args, T), range(6)) == pytest.approx([LR * s / W for s in range(W)] + [LR] * 2)
+    args = make_args(lr_scheduler_config={"name": "torch.optim.lr_scheduler:ReduceLROnPlateau"})
+    with pytest.raises(ConfigError, match="ReduceLROnPlateau needs a metric"):
+        build_lr_scheduler(sgd(), args, T)
+
+
+PLUGIN_ERRORS = [
+    (dict(optim_config={"name": "lion"}), "optim_config.name='lion' is not a registered optimizer; registered "
+     "optimizers: adamw_fused, adamw_torch, adamw_torch_fused, sgd; or 'module:attribute' for your own"),
+    (dict(optim_config={"name": "adamw"}), "(did you mean 'adamw_torch'?)"),
+    (dict(optim_config={"momentum": 0.9}), "optim_config: 'name' is required (registered optimizers: adamw_fused"),
+    (dict(optim_config={"name": "no_such_module:Lion"}),
+     "optim_config.name='no_such_module:Lion': cannot import 'no_such_module' (ModuleNotFoundError: No module named"),
+    (dict(optim_config={"name": "torch.optim:Lion2"}), "'torch.optim' has no attribute 'Lion2'"),
+    (dict(optim_config={"name": "torch.optim:Adagrad", "lr": 0.1}), "optim_config.lr: set learning_rate"),
+    (dict(optim_config={"name": "sgd", "amsgrad": True}), "optim_config: unknown key 'amsgrad' for optim='sgd'"),
+    (dict(optim_config={"name": "sgd"}, optim="adamw_torch"),
+     "optim_config.name='sgd' and optim='adamw_torch' both choose the optimizer; give one"),
+    (dict(optim_config={"name": "sgd", "momentum": 0.5}, optim="sgd", optim_args="momentum=0.9"),
+     "optim_config and optim_args both set the optimizer's options"),
+    (dict(optim_config={"name": "torch.optim:Adagrad"}, optim="sgd"),
+     "optim_config.name='torch.optim:Adagrad' chooses the optimizer; drop optim/optim_args"),
+    (dict(lr_scheduler_config={"name": "onecycle"}), "lr_scheduler_config.name='onecycle' is not a registered "
+     "schedule; registered schedules: linear, cosine, cosine_with_restarts"),
+    (dict(lr_scheduler_config={"name": "cosine", "cycles": 2}),
+     "lr_scheduler_config: unknown key 'cycles' for lr_scheduler_type='cosine' (did you mean 'num_cycles'?)"),
+    (dict(lr_scheduler_config={"name": "cosine"}, lr_scheduler_type="constant"),
+     "lr_scheduler_config.name='cosine' and lr_scheduler_type='constant' both choose the schedule"),
+    (dict(lr_scheduler_config={"name": "torch.optim.lr_scheduler:StepLR", "step_size": 2}, warmup_ratio=0.1),
+     "takes no num_warmup_steps, so warmup_steps/warmup_ratio=0.1 would be ignored; set them to 0"),
+    (dict(lr_scheduler_config={"name": "tests.trainer.test_optim:halve_every", "num_training_steps": 3}),
+     "lr_scheduler_config.num_training_steps: the trainer passes it"),
+    (dict(lr_scheduler_config={"name": "torch.optim.lr_scheduler:StepLR"}, lr_scheduler_kwargs={"num_cycles": 1},
+          lr_scheduler_type="cosine"), "chooses the schedule; drop lr_scheduler_type/lr_scheduler_kwargs"),
+]
+
+
+@pytest.mark.parametrize("kwargs, expected", PLUGIN_ERRORS, ids=[str(i) for i in range(len(PLUGIN_ERRORS))])
+def test_plugin_config_errors_are_one_line_at_argument_time(kwargs, expected):
+    with pytest.raises(ConfigError) as e:
+        TrainingArguments(**kwargs)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_plugin_configs_round_trip_through_training_args_json(tmp_path):
+    args = TrainingArguments(optim_config='{"name": "torch.optim:Adagrad", "lr_decay": 0.01}',
+                             lr_scheduler_config={"name": "tests.trainer.test_optim:halve_every", "every": 3})
+    path = tmp_path / "training_args.json"
+    args.to_json_file(path)
+    assert TrainingArguments.from_json_file(path) == args and dataclasses.replace(args) == args
+    assert json.loads(path.read_text())["optim_config"] == {"name": "torch.optim:Adagrad", "lr_decay": 0.01}
+    registered = TrainingArguments(optim_config={"name": "sgd", "momentum": 0.9})
+    assert TrainingArguments.from_dict(registered.to_dict()) == registered
+
+
+def test_resume_with_plugin_configs_is_exact(tmp_path):
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate_tasks(24, seed=3)))
+    dataset = load_sft_dataset([data], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    common = dict(max_steps=6, save_strategy="steps", save_steps=3, optim="adamw_fused",  # the default: no conflict
+                  optim_config={"name": "torch.optim:Adagrad", "lr_decay": 0.01},
+                  lr_scheduler_config={"name": "tests.trainer.test_optim:halve_every", "every": 2})
+
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step == 3
+
+    model = small_model()
+    full = Trainer(model=model, args=trainer_args(tmp_path / "full", **common), train_dataset=dataset).train()
+    full_weights = weights(model)
+    Trainer(model=small_model(), args=trainer_args(tmp_path / "part", **common), train_dataset=dataset,
+            callbacks=[StopAt3()]).train()
+    model = small_model(seed=123)  # everything must come from the checkpoint
+    resumed = Trainer(model=model, args=trainer_args(tmp_path / "part", **common), train_dataset=dataset)
+    state = resumed.train(resume_from_checkpoint=True)
+    assert type(resumed.optimizer) is torch.optim.Adagrad and type(resumed.lr_scheduler).__name__ == "StepLR"
+    assert losses(state) == losses(full)
+    assert [h["learning_rate"] for h in state.log_history] == [h["learning_rate"] for h in full.log_history]
+    for name, value in weights(model).items():
+        assert torch.equal(value, full_weights[name]), name
