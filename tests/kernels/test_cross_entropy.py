@@ -12,6 +12,7 @@ targets ignored at random, 2-D and 3-D inputs.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 
 import pytest
@@ -403,3 +404,17 @@ def test_autocast_returns_fp32_loss_like_torch():
     assert loss.dtype == torch_loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
     torch.testing.assert_close(loss, torch_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, torch_grad, rtol=2**-7, atol=2**-7 * torch_grad.abs().max().item())
+
+
+def test_bench_every_variant_with_its_byte_model(tmp_path, monkeypatch, capsys):
+    import bench.bench_cross_entropy as bench_ce
+    import bench.common as common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    bench_ce.main(["--quick", "--providers", "ours", "--variant", "all"])
+    rows = [json.loads(r) for r in (tmp_path / "cross_entropy.jsonl").read_text().splitlines()]
+    assert sorted({r["variant"] for r in rows}) == sorted(ce_mod.FWD_VARIANTS)
+    full = [r for r in rows if r["mode"] == "full"]
+    assert all(r["bytes_rw"] == "4+2" and r["bytes_rw_min"] == "2+2" for r in full)  # bf16: 2 reads + 1 write vs 1 + 1
+    assert all(r["gb_s_ours"] == pytest.approx(1.5 * r["gb_s_min"]) for r in full)
+    assert "B/elt r+w ours 4+2" in capsys.readouterr().out
