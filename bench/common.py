@@ -165,8 +165,8 @@ class ByteModel:
             return per_elem * n_elements / (ms * 1e-3) / 1e9 if ms > 0 else None
 
         return {
-            "bytes_rw": f"{self.read:g}+{self.write:g}",
-            "bytes_rw_min": f"{self.min_read:g}+{self.min_write:g}",
+            "bytes_rw": f"{self.read:.4g}+{self.write:.4g}",
+            "bytes_rw_min": f"{self.min_read:.4g}+{self.min_write:.4g}",
             "gb_s_ours": gbs(self.read + self.write),
             "gb_s_min": gbs(self.min_read + self.min_write),
         }
