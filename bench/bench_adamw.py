@@ -14,7 +14,11 @@ then bf16 too (14 B per element instead of 28).
 GB/s is effective bandwidth: the bytes a step must move with that variant's layout (28 B per element for
 fp32 state with fp32 params or with bf16 params + master, 22 B with stochastic rounding, 14 B for the bf16
 reference row; see kernels/adamw.py) over the measured time; foreach moves about 80 B in ten passes but is
-credited with 28. Speed-ups are against torch_fused_fp32 and torch_foreach_fp32 measured in the same run.
+credited with 28. Byte model of our rows, per parameter (read + write), against the least an AdamW step on
+parameters of that dtype with fp32 moments must move:
+    ours_fp32         16 + 12    min 16 + 12
+    ours_bf16_master  14 + 14    min 12 + 10 (the fp32 master copy costs 6 B per element, for exactness)
+    ours_bf16_sr      12 + 10    min 12 + 10 Speed-ups are against torch_fused_fp32 and torch_foreach_fp32 measured in the same run.
 GPU target: ours_bf16_master >= 1.0x torch_fused_fp32 and >= 2.5x torch_foreach_fp32.
 
 Usage:
@@ -46,6 +50,12 @@ VARIANTS = {
     "ours_bf16_master": (torch.bfloat16, "ours", 28),
     "ours_bf16_sr": (torch.bfloat16, "ours_sr", 22),
     "torch_fused_bf16": (torch.bfloat16, "fused", 14),
+}
+# Our variants: bytes read/written per parameter and the minimum for their parameter dtype (module docstring).
+BYTE_MODELS = {
+    "ours_fp32": common.ByteModel(16, 12, 16, 12),
+    "ours_bf16_master": common.ByteModel(14, 14, 12, 10),
+    "ours_bf16_sr": common.ByteModel(12, 10, 12, 10),
 }
 # (layers, hidden, intermediate, heads, kv heads, vocab)
 MODELS = {
@@ -110,6 +120,7 @@ def bench_variant(variant: str, shapes: list[tuple], quick: bool) -> dict:
         **timing,
         **common.physics(timing["ms"], bytes_moved=bytes_per_elem * numel),
         "peak_extra_bytes": common.peak_extra_memory(opt.step),
+        **(BYTE_MODELS[variant].columns(numel, timing["ms"]) if variant in BYTE_MODELS else {}),
     }
     del params, opt
     if common.on_gpu():
@@ -155,7 +166,7 @@ def main(argv=None) -> list[dict]:
         gbs = f"{r['gb_s']:8.1f} GB/s" if r.get("gb_s") is not None else ""
         fused = r["speedup_vs_torch_fused_fp32"]
         vs = f"  x{fused:.2f} vs torch fused" if fused is not None else ""
-        print(f"{args.model} {r['impl']:<20} {r['ms']:9.3f} ms {gbs}{vs}")
+        print(f"{args.model} {r['impl']:<20} {r['ms']:9.3f} ms {gbs}{vs}" + common.byte_model_text(r))
     print(f"rows -> {path}" + ("" if common.on_gpu() else "  (CPU: not performance figures)"))
     return rows
 

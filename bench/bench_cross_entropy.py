@@ -9,16 +9,24 @@ Providers (same run, same inputs):
 Modes: forward (loss with requires_grad=True: ours and liger compute the gradient here), full (forward +
 backward), backward = full - forward (derived: our backward cannot be re-run on a retained graph, by design).
 
-Physics: bytes are the algorithmic minimum, the same for every provider: forward reads the logits
-(N*V*elt), full also writes the gradient (2*N*V*elt). Our kernel actually moves 3*N*V*elt in full
-(two reads, one write), so 1.5x the reported GB/s is its true traffic. Peak extra memory is measured over
-a full step with the logits already allocated, and given as a ratio to the logits' size.
+Physics: `gb_s` is at the algorithmic minimum, the same for every provider: forward reads the logits
+(N*V*elt), full also writes the gradient (2*N*V*elt). Peak extra memory is measured over a full step with the
+logits already allocated, and given as a ratio to the logits' size.
+Byte model of our rows, per logit element (s = element size; the O(N) targets, losses and lse not counted):
+    forward   ours 2s read + 1s write (the gradient is made here: pass 1, pass 2, store)   min 1s + 0
+    full      ours 2s + 1s (backward skips its pass when grad_output == 1, as here)         min 1s + 1s
+    backward  ours 0 + 0                                                                      min 0 + 1s
+(backward = full - forward, for the minimum too).
+
+Forward-kernel variants (kernels/cross_entropy.py, FWD_VARIANTS): `--variant all` times every one as its
+own "ours" row (column `variant`) so the first GPU run picks the winner by measurement; default "default".
 
 GPU: tokens 8192 x vocab {32000, 128256, 151936}, bf16. CPU (`--quick`): a tiny shape through the Triton
 interpreter; those rows are flagged perf_figure=False.
 
     python bench/bench_cross_entropy.py            # GPU, all shapes
     python bench/bench_cross_entropy.py --quick    # CPU smoke run
+    python bench/bench_cross_entropy.py --providers ours --variant all   # the forward variants side by side
 """
 
 from __future__ import annotations
@@ -39,13 +47,22 @@ import torch.nn.functional as F  # noqa: E402
 
 import kernels  # noqa: E402
 from bench import common  # noqa: E402
-from kernels.cross_entropy import cross_entropy, cross_entropy_ref  # noqa: E402
+from kernels.cross_entropy import FWD_VARIANTS, cross_entropy, cross_entropy_ref, fwd_variant  # noqa: E402
 
 PROVIDERS = ("ours", "torch", "torch_native", "torch_compile", "liger")
 MODES = ("forward", "backward", "full")
 GPU_SHAPES = [(8192, 32000), (8192, 128256), (8192, 151936)]
 CPU_SHAPES = [(8, 1000)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def byte_model(mode: str, elt: int) -> common.ByteModel:
+    """Our bytes read/written per logit element and the minimum (module docstring)."""
+    return {
+        "forward": common.ByteModel(2 * elt, elt, elt, 0),
+        "full": common.ByteModel(2 * elt, elt, elt, elt),
+        "backward": common.ByteModel(0, 0, 0, elt),
+    }[mode]
 
 
 def _liger():
@@ -70,7 +87,7 @@ def make_loss_fn(provider: str, compile_backend: str):
     raise ValueError(f"unknown provider {provider!r}; choose from {', '.join(PROVIDERS)}")
 
 
-def bench_one(provider, n_tokens, vocab, dtype, compile_backend, dev, reps=3):
+def bench_one(provider, n_tokens, vocab, dtype, compile_backend, dev, reps=3, variant="default"):
     fn = make_loss_fn(provider, compile_backend)
     if fn is None:
         return None
@@ -86,7 +103,7 @@ def bench_one(provider, n_tokens, vocab, dtype, compile_backend, dev, reps=3):
         logits.grad = None
         fn(logits, target).backward()
 
-    with kernels.backend("triton" if provider == "ours" else "auto"):
+    with kernels.backend("triton" if provider == "ours" else "auto"), fwd_variant(variant):
         t_fwd = common.measure(forward, cpu_reps=reps)
         t_full = common.measure(full, cpu_reps=reps)
         logits.grad = None
@@ -104,10 +121,14 @@ def bench_one(provider, n_tokens, vocab, dtype, compile_backend, dev, reps=3):
             t = {k: t_full[k] - t_fwd[k] for k in ("ms", "ms_p20", "ms_p80")}
             nbytes = logits_bytes
         row = {"op": "cross_entropy", "provider": provider, "mode": mode, "tokens": n_tokens, "vocab": vocab, "dtype": str(dtype).replace("torch.", "")}
+        if provider == "ours":
+            row["variant"] = variant
         row.update(t)
         row["derived"] = mode == "backward"
         if t["ms"] > 0:  # a derived backward can come out <= 0 within timing noise on a CPU
             row.update(common.physics(t["ms"], bytes_moved=nbytes))
+            if provider == "ours":
+                row.update(byte_model(mode, elt).columns(n_tokens * vocab, t["ms"]))
         row["peak_extra_bytes"] = peak
         row["peak_extra_over_logits"] = None if peak is None else peak / logits_bytes
         out[mode] = row
@@ -132,6 +153,8 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, nargs="*", help="override the token counts")
     parser.add_argument("--vocab", type=int, nargs="*", help="override the vocabulary sizes")
     parser.add_argument("--providers", nargs="*", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--variant", choices=(*FWD_VARIANTS, "all"), default="default",
+                        help="our forward kernel's variant (kernels/cross_entropy.py FWD_VARIANTS); all: each as its own row")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for torch_compile (default inductor)")
     args = parser.parse_args(argv)
 
@@ -145,8 +168,11 @@ def main(argv=None):
     rows = []
     for n_tokens, vocab in shapes:
         shape_rows = []
-        for provider in args.providers:
-            result = bench_one(provider, n_tokens, vocab, DTYPES[args.dtype], args.compile_backend, dev, reps=1 if args.quick else 3)
+        variants = FWD_VARIANTS if args.variant == "all" else (args.variant,)
+        runs = [(p, v) for p in args.providers for v in (variants if p == "ours" else ("default",))]
+        for provider, variant in runs:
+            result = bench_one(provider, n_tokens, vocab, DTYPES[args.dtype], args.compile_backend, dev,
+                               reps=1 if args.quick else 3, variant=variant)
             if result is None:
                 print(f"skip {provider}: not installed")
                 continue
@@ -155,9 +181,11 @@ def main(argv=None):
         rows.extend(shape_rows)
     for row in rows:
         row.update(env)
+        name = row["provider"] + (f"[{row['variant']}]" if "variant" in row else "")
         print(
-            f"{row['provider']:>13} {row['mode']:>8} N={row['tokens']} V={row['vocab']} {row['ms']:.3f} ms"
+            f"{name:>20} {row['mode']:>8} N={row['tokens']} V={row['vocab']} {row['ms']:.3f} ms"
             + (f" {row['gb_s']:.3g} GB/s" if row.get("gb_s") else "")
+            + common.byte_model_text(row)
         )
     path = common.write_rows("cross_entropy", rows)
     print(f"wrote {path}")

@@ -19,6 +19,14 @@ shape through the Triton interpreter; those rows are flagged perf_figure=False.
 
     python bench/bench_fused_linear_cross_entropy.py            # GPU, all shapes
     python bench/bench_fused_linear_cross_entropy.py --quick    # CPU smoke run
+
+Byte model of our rows, per logit element (s = element size, f = (N*H + V*H) / (N*V): hidden + weight per
+logit; the fp32 grad_weight accumulator's re-read per chunk not counted):
+    forward   ours (4s + s f) read + (2s + 4f) write: each chunk's logits written, read twice by the
+              cross-entropy kernel, its gradient written in place and read by both gradient matmuls;
+              fp32 gradients written                                              min s f + 0
+    full      ours (4s + s f + 4f) + (2s + 4f + s f): backward rounds the fp32 gradients   min s f + s f
+    backward  ours 4f + s f                                                       min 0 + s f
 """
 
 from __future__ import annotations
@@ -112,10 +120,23 @@ def bench_one(provider, n_tokens, hdim, vocab, dtype, compile_backend, dev, reps
         row.update(t)
         if t["ms"] > 0:  # a derived backward can come out <= 0 within timing noise on a CPU
             row.update(common.physics(t["ms"], flops=flops))
+            if provider == "ours":
+                model = byte_model(mode, hidden.element_size(), n_tokens, hdim, vocab)
+                row.update(model.columns(n_tokens * vocab, t["ms"]))
         row["peak_extra_bytes"] = peak
         row["peak_extra_over_logits"] = None if peak is None else peak / logits_bytes
         out[mode] = row
     return out
+
+
+def byte_model(mode: str, s: int, n_tokens: int, hdim: int, vocab: int) -> common.ByteModel:
+    """Our bytes read/written per logit element and the minimum (module docstring)."""
+    f = (n_tokens + vocab) * hdim / (n_tokens * vocab)
+    return {
+        "forward": common.ByteModel(4 * s + s * f, 2 * s + 4 * f, s * f, 0),
+        "full": common.ByteModel(4 * s + s * f + 4 * f, 2 * s + 4 * f + s * f, s * f, s * f),
+        "backward": common.ByteModel(4 * f, s * f, 0, s * f),
+    }[mode]
 
 
 def add_memory_ratio(rows):
@@ -161,7 +182,7 @@ def main(argv=None):
         row.update(env)
         print(
             f"{row['provider']:>13} {row['mode']:>8} N={row['tokens']} H={row['hidden']} V={row['vocab']} "
-            f"{row['ms']:.3f} ms" + (f" {row['tflop_s']:.3g} TFLOP/s" if row.get("tflop_s") else "")
+            f"{row['ms']:.3f} ms" + (f" {row['tflop_s']:.3g} TFLOP/s" if row.get("tflop_s") else "") + common.byte_model_text(row)
         )
     path = common.write_rows("fused_linear_cross_entropy", rows)
     print(f"wrote {path}")

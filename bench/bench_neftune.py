@@ -9,7 +9,8 @@ attention mask (a few tiny (B, T) ops, then the same kernel with a per-row scale
 
 GB/s is the effective bandwidth of the minimum traffic, read x + write y = 2 * numel * element size,
 for every row, so the rows compare directly; `frac_copy_bw` puts it against the device's measured copy
-bandwidth. GPU target: ours >= 3x hf_eager.
+bandwidth. Byte model of our rows, per element (s = element size): ours 1s read + 1s write, min the same;
+ours_mask also reads a (B*T,) fp32 row scale, 4/d bytes per element. GPU target: ours >= 3x hf_eager.
 
 Usage:
     python bench/bench_neftune.py                 # GPU: 8x4096x4096 bf16 and friends
@@ -89,6 +90,8 @@ def bench_shape(shape, dtype_name: str, alpha: float, compile_backend: str, quic
         "ours_mask": lambda: neftune_noise(e, alpha, attention_mask=mask),
     }
     bytes_min = 2 * e.numel() * e.element_size()
+    s = e.element_size()
+    byte_models = {"ours": common.ByteModel(s, s, s, s), "ours_mask": common.ByteModel(s + 4 / d, s, s, s)}
     path = "triton" if use_triton(e) else "reference"
     timings = {name: common.measure(fn, **reps) for name, fn in impls.items()}
     env = common.env_info()
@@ -107,6 +110,7 @@ def bench_shape(shape, dtype_name: str, alpha: float, compile_backend: str, quic
                 "peak_extra_bytes": common.peak_extra_memory(fn),
                 "speedup_vs_hf_eager": timings["hf_eager"]["ms"] / t["ms"],
                 "speedup_vs_hf_compile": timings["hf_compile"]["ms"] / t["ms"],
+                **(byte_models[name].columns(e.numel(), t["ms"]) if name in byte_models else {}),
                 **env,
             }
         )
@@ -123,7 +127,8 @@ def main(argv=None) -> list[dict]:
     path = common.write_rows("neftune", rows)
     for r in rows:
         gbs = f"{r['gb_s']:.1f} GB/s" if r.get("gb_s") is not None else ""
-        print(f"{r['shape']:>14} {r['dtype']} {r['impl']:<11} {r['ms']:.4f} ms  {gbs}  x{r['speedup_vs_hf_eager']:.2f} vs hf_eager")
+        print(f"{r['shape']:>14} {r['dtype']} {r['impl']:<11} {r['ms']:.4f} ms  {gbs}  x{r['speedup_vs_hf_eager']:.2f} vs hf_eager"
+              + common.byte_model_text(r))
     print(f"rows -> {path}")
     return rows
 

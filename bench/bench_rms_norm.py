@@ -6,7 +6,10 @@ Bytes are the ideal traffic (s = element size of x, w = element size of weight):
     backward 3 M N s (read x and dy, write dx) + 2 N w
     full     the sum (the forward's y is never read back)
 so GB/s is comparable across providers and its fraction of copy bandwidth is how close each gets to
-memory speed. Peak extra memory is measured for the full step.
+memory speed. Byte model of our rows, per element of x (weight, rstd and dweight partials are O(N + M)):
+    forward   ours 1s read + 1s write            min the same
+    backward  ours 2s + 1s (x, dy; dx)           min the same (rstd saved, not recomputed)
+    full      ours 3s + 2s                       min 2s + 2s (one kernel could keep x on chip for the backward) Peak extra memory is measured for the full step.
 
 GPU: hidden 2048/3584/4096/8192 (Llama-3.2-1B/Qwen2.5-7B/Llama-3-8B/Llama-3-70B) x 4K/16K tokens, bf16.
 CPU (--quick): one tiny shape through the Triton interpreter; rows say perf_figure=False (not performance).
@@ -80,6 +83,15 @@ def _bytes(mode: str, m: int, n: int, x_size: int, w_size: int) -> int:
     return {"forward": fwd, "backward": bwd, "full": fwd + bwd}[mode]
 
 
+def byte_model(mode: str, s: int) -> common.ByteModel:
+    """Our bytes read/written per element of x and the minimum (module docstring)."""
+    return {
+        "forward": common.ByteModel(s, s, s, s),
+        "backward": common.ByteModel(2 * s, s, 2 * s, s),
+        "full": common.ByteModel(3 * s, 2 * s, 2 * s, 2 * s),
+    }[mode]
+
+
 def _case(fn, mode, x, w, dy, eps, offset):
     """A zero-argument callable timing `mode` of fn; the backward reuses one saved forward graph."""
     if mode == "forward":
@@ -115,6 +127,8 @@ def run(shapes, dtype, modes, providers, *, offset=0.0, eps=1e-6, compile_backen
                     "peak_extra_bytes": common.peak_extra_memory(step) if mode == "full" else None,
                     **env,
                 }
+                if name == "ours":
+                    row.update(byte_model(mode, x.element_size()).columns(m * n, t["ms"]))
                 timings[name] = t["ms"]
                 rows.append(row)
             for row in rows[-len(fns):]:
@@ -122,7 +136,8 @@ def run(shapes, dtype, modes, providers, *, offset=0.0, eps=1e-6, compile_backen
                     for base, ms in timings.items():
                         if base != "ours":
                             row[f"speedup_vs_{base}"] = ms / row["ms"]
-            print(" | ".join(f"{m}x{n} {mode:8s} {k}: {v:.3f} ms" for k, v in timings.items()))
+            print(" | ".join(f"{m}x{n} {mode:8s} {k}: {v:.3f} ms" for k, v in timings.items())
+                  + "".join(common.byte_model_text(r) for r in rows[-len(fns):]))
     return rows
 
 

@@ -4,6 +4,11 @@ Every row carries device, date, versions and git sha, and `perf_figure`: True on
 the scripts still run (reference path / Triton interpreter) so they never rot, but those numbers are
 not performance figures and are flagged as such.
 
+Byte models: each kernel benchmark states, per element of its op, the bytes our implementation reads and writes
+and the least the op itself must move (`ByteModel`), and prints GB/s at both beside the time
+(`ByteModel.columns`, `byte_model_text`). GB/s at our bytes near the copy bandwidth with GB/s at the minimum
+well below it means the shortfall is extra traffic; both low means latency (or compute).
+
 Timing: on CUDA `triton.testing.do_bench` (median, p20, p80 in ms; CUDA graphs via
 `do_bench_cudagraph` for very short kernels); on CPU `time.perf_counter` over a few repetitions.
 """
@@ -17,6 +22,7 @@ import platform
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -141,6 +147,41 @@ def physics(ms: float, *, bytes_moved: float | None = None, flops: float | None 
     if flops is not None:
         row["tflop_s"] = flops / (ms * 1e-3) / 1e12
     return row
+
+
+@dataclass(frozen=True)
+class ByteModel:
+    """Bytes read and written per element of the op: by our implementation, and the least the op must move."""
+
+    read: float
+    write: float
+    min_read: float
+    min_write: float
+
+    def columns(self, n_elements: int, ms: float) -> dict:
+        """Result-row columns: the model ("read+write" bytes per element) and GB/s at our bytes and at the minimum."""
+
+        def gbs(per_elem: float):
+            return per_elem * n_elements / (ms * 1e-3) / 1e9 if ms > 0 else None
+
+        return {
+            "bytes_rw": f"{self.read:.4g}+{self.write:.4g}",
+            "bytes_rw_min": f"{self.min_read:.4g}+{self.min_write:.4g}",
+            "gb_s_ours": gbs(self.read + self.write),
+            "gb_s_min": gbs(self.min_read + self.min_write),
+        }
+
+
+def byte_model_text(row: dict) -> str:
+    """The byte model of a row for a printed line, e.g. " | B/elt r+w ours 4+2: 2510 GB/s, min 2+2: 1673 GB/s";
+    empty for rows without one (baselines)."""
+    if "bytes_rw" not in row:
+        return ""
+
+    def fmt(v):
+        return "-" if v is None else f"{v:.4g} GB/s"
+
+    return f" | B/elt r+w ours {row['bytes_rw']}: {fmt(row['gb_s_ours'])}, min {row['bytes_rw_min']}: {fmt(row['gb_s_min'])}"
 
 
 def write_rows(name: str, rows: list[dict]) -> Path:

@@ -30,6 +30,10 @@ row from L2 rather than HBM, helped by loading pass 1 with evict_last, walking p
 first tiles are pass 1's last) and streaming it with evict_first. With one program per SM nothing else
 hides memory latency, so each loop loads its next tile into registers before reducing the current one.
 These choices come from register counts and cache arithmetic, not yet from GPU timings: see the benchmark.
+Beside them, four variants (`FWD_VARIANTS`, selected with `fwd_variant`; comments at `FWD_VARIANTS`) wait for
+the first GPU run to pick a winner by measurement: `python bench/bench_cross_entropy.py --variant all`. For
+sm_90 at V = 128256 in bf16 every variant compiles to at most 64 registers with no spills (ptxas: default,
+evict, block8192 and persistent 64, pipelined 56).
 Interpreter: BLOCK = min(next_pow2(V), 8192) (one tile for the tests' V = 5003, since the interpreter pays
 per op); a test forces 1024-wide tiles to cover the multi-tile path.
 
@@ -53,6 +57,8 @@ Bench: `python bench/bench_cross_entropy.py` (GPU), `--quick` for a CPU smoke ru
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._dispatch import HAS_TRITON, use_triton
@@ -68,28 +74,39 @@ _REDUCTIONS = ("mean", "sum", "none")
 if HAS_TRITON:
 
     @triton.jit
-    def _cross_entropy_fwd_kernel(
-        logits_ptr,  # (N, V) or (B, T, V) logits, fp32/bf16/fp16, unit stride over V, any leading strides
-        grad_ptr,  # (N, V) gradient out in the logits' dtype (may be logits_ptr itself); unused without COMPUTE_GRAD
-        target_ptr,  # (N,) contiguous int32/int64 class indices, N = B * T
-        loss_ptr,  # (N,) fp32 per-row loss out
-        lse_ptr,  # (N,) fp32 per-row log-sum-exp out (0 for ignored rows)
-        scale_ptr,  # fp32 gradient scale: 0-d (scale_stride 0) or per row; unused without HAS_SCALE
-        n_cols,
-        seq_len,  # T: row r of the flattened logits is (r // T, r % T); 1 for 2-D logits
-        stride_lb,  # logits stride over B (over N for 2-D logits), elements
-        stride_lt,  # logits stride over T (unused for 2-D logits), elements
-        stride_grad,  # row stride of the contiguous grad (V), elements
-        scale_stride,  # 0 for one scale for all rows, else the row stride of scale_ptr
-        ignore_index,
+    def _lse_tile(x, offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING: tl.constexpr):
+        """One pass-1 tile of the online log-sum-exp: (m, d_other, x_sum) updated with the fp32 tile x."""
+        LOG2E: tl.constexpr = 1.4426950408889634
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        e = tl.exp2((x - m_new) * LOG2E)
+        d_other = d_other * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.where(offs == y_safe, 0.0, e), axis=0)
+        if LABEL_SMOOTHING > 0.0:
+            x_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
+        return m_new, d_other, x_sum
+
+    @triton.jit
+    def _grad_tile(grad_row, x, offs, mask, y_safe, m, coef, shift, grad_y, GRAD_EVICTION: tl.constexpr):
+        """One pass-2 tile: store coef * exp(x - m) - shift, grad_y at the target column."""
+        LOG2E: tl.constexpr = 1.4426950408889634
+        g = coef * tl.exp2((x - m) * LOG2E) - shift
+        g = tl.where(offs == y_safe, grad_y, g)
+        tl.store(grad_row + offs, g.to(grad_row.dtype.element_ty), mask=mask, eviction_policy=GRAD_EVICTION)
+
+    @triton.jit
+    def _cross_entropy_row(
+        row,  # int64 row index into the flattened (N, V) logits
+        logits_ptr, grad_ptr, target_ptr, loss_ptr, lse_ptr, scale_ptr,  # as in _cross_entropy_fwd_kernel
+        n_cols, seq_len, stride_lb, stride_lt, stride_grad, scale_stride, ignore_index,
         LABEL_SMOOTHING: tl.constexpr,
         Z_LOSS: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         COMPUTE_GRAD: tl.constexpr,
         BLOCK: tl.constexpr,
+        GRAD_EVICTION: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
     ):
+        """Loss, lse and (with COMPUTE_GRAD) the gradient of one row; the math is in the module docstring."""
         LOG2E: tl.constexpr = 1.4426950408889634
-        row = tl.program_id(0).to(tl.int64)
         # Strided 3-D logits (e.g. logits[:, :-1] of a causal LM) are read in place, never copied.
         logits_row = logits_ptr + (row // seq_len) * stride_lb + (row % seq_len) * stride_lt
         grad_row = grad_ptr + row * stride_grad
@@ -104,32 +121,35 @@ if HAS_TRITON:
                 zeros = tl.zeros([BLOCK], dtype=tl.float32).to(grad_ptr.dtype.element_ty)
                 for b in range(0, n_blocks):
                     offs = b * BLOCK + cols
-                    tl.store(grad_row + offs, zeros, mask=offs < n_cols)
+                    tl.store(grad_row + offs, zeros, mask=offs < n_cols, eviction_policy=GRAD_EVICTION)
         else:
             bad = (y < 0) | (y >= n_cols)
             y_safe = tl.where(bad, 0, y)
             x_y = tl.load(logits_row + y_safe).to(tl.float32)
 
-            # Pass 1: online log-sum-exp; d_other leaves the target class out (see the docstring). The
-            # next tile is loaded before this one is reduced (register prefetch; a masked-off load past
-            # the end touches no memory) so its latency hides behind the reductions.
+            # Pass 1: online log-sum-exp; d_other leaves the target class out (see the docstring).
             m = -float("inf")
             d_other = 0.0
             x_sum = 0.0
-            x_next = tl.load(logits_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy="evict_last")
-            for b in range(0, n_blocks):
-                offs = b * BLOCK + cols
-                mask = offs < n_cols
-                x = x_next.to(tl.float32)
-                x_next = tl.load(
-                    logits_row + offs + BLOCK, mask=offs + BLOCK < n_cols, other=-float("inf"), eviction_policy="evict_last"
-                )
-                m_new = tl.maximum(m, tl.max(x, axis=0))
-                e = tl.exp2((x - m_new) * LOG2E)
-                d_other = d_other * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.where(offs == y_safe, 0.0, e), axis=0)
-                if LABEL_SMOOTHING > 0.0:
-                    x_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
-                m = m_new
+            if NUM_STAGES > 1:
+                # Triton's software pipeliner stages the loads (cp.async into shared memory).
+                for b in tl.range(0, n_blocks, num_stages=NUM_STAGES):
+                    offs = b * BLOCK + cols
+                    mask = offs < n_cols
+                    x = tl.load(logits_row + offs, mask=mask, other=-float("inf"), eviction_policy="evict_last")
+                    m, d_other, x_sum = _lse_tile(x.to(tl.float32), offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING)
+            else:
+                # The next tile is loaded before this one is reduced (register prefetch; a masked-off load past
+                # the end touches no memory) so its latency hides behind the reductions.
+                x_next = tl.load(logits_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy="evict_last")
+                for b in range(0, n_blocks):
+                    offs = b * BLOCK + cols
+                    mask = offs < n_cols
+                    x = x_next.to(tl.float32)
+                    x_next = tl.load(
+                        logits_row + offs + BLOCK, mask=offs + BLOCK < n_cols, other=-float("inf"), eviction_policy="evict_last"
+                    )
+                    m, d_other, x_sum = _lse_tile(x, offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING)
 
             e_y = tl.exp2((x_y - m) * LOG2E)
             d = d_other + e_y
@@ -161,19 +181,64 @@ if HAS_TRITON:
                 # p_y * (1 + 2 z lse) - s/V - (1 - s), with p_y - 1 = -d_other / d kept exact.
                 p_y = e_y * inv_d
                 grad_y = (-d_other * inv_d + 2.0 * Z_LOSS * lse * p_y + LABEL_SMOOTHING * (1.0 - 1.0 / n_cols)) * scale
-                # Pass 2, tiles in reverse (the last tiles of pass 1 are the likeliest still in L2), with the
-                # same register prefetch; a tile index of -1 is fully masked.
-                last = (n_blocks - 1) * BLOCK + cols
-                x_next = tl.load(logits_row + last, mask=last < n_cols, other=0.0, eviction_policy="evict_first")
-                for i in range(0, n_blocks):
-                    offs = (n_blocks - 1 - i) * BLOCK + cols
-                    mask = offs < n_cols
-                    x = x_next.to(tl.float32)
-                    prev = offs - BLOCK
-                    x_next = tl.load(logits_row + prev, mask=prev >= 0, other=0.0, eviction_policy="evict_first")
-                    g = coef * tl.exp2((x - m) * LOG2E) - shift
-                    g = tl.where(offs == y_safe, grad_y, g)
-                    tl.store(grad_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
+                # Pass 2, tiles in reverse (the last tiles of pass 1 are the likeliest still in L2).
+                if NUM_STAGES > 1:
+                    for i in tl.range(0, n_blocks, num_stages=NUM_STAGES):
+                        offs = (n_blocks - 1 - i) * BLOCK + cols
+                        mask = offs < n_cols
+                        x = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+                        _grad_tile(grad_row, x.to(tl.float32), offs, mask, y_safe, m, coef, shift, grad_y, GRAD_EVICTION)
+                else:
+                    # Same register prefetch as pass 1; a tile index of -1 is fully masked.
+                    last = (n_blocks - 1) * BLOCK + cols
+                    x_next = tl.load(logits_row + last, mask=last < n_cols, other=0.0, eviction_policy="evict_first")
+                    for i in range(0, n_blocks):
+                        offs = (n_blocks - 1 - i) * BLOCK + cols
+                        mask = offs < n_cols
+                        x = x_next.to(tl.float32)
+                        prev = offs - BLOCK
+                        x_next = tl.load(logits_row + prev, mask=prev >= 0, other=0.0, eviction_policy="evict_first")
+                        _grad_tile(grad_row, x, offs, mask, y_safe, m, coef, shift, grad_y, GRAD_EVICTION)
+
+    @triton.jit
+    def _cross_entropy_fwd_kernel(
+        logits_ptr,  # (N, V) or (B, T, V) logits, fp32/bf16/fp16, unit stride over V, any leading strides
+        grad_ptr,  # (N, V) gradient out in the logits' dtype (may be logits_ptr itself); unused without COMPUTE_GRAD
+        target_ptr,  # (N,) contiguous int32/int64 class indices, N = B * T
+        loss_ptr,  # (N,) fp32 per-row loss out
+        lse_ptr,  # (N,) fp32 per-row log-sum-exp out (0 for ignored rows)
+        scale_ptr,  # fp32 gradient scale: 0-d (scale_stride 0) or per row; unused without HAS_SCALE
+        n_rows,
+        n_cols,
+        seq_len,  # T: row r of the flattened logits is (r // T, r % T); 1 for 2-D logits
+        stride_lb,  # logits stride over B (over N for 2-D logits), elements
+        stride_lt,  # logits stride over T (unused for 2-D logits), elements
+        stride_grad,  # row stride of the contiguous grad (V), elements
+        scale_stride,  # 0 for one scale for all rows, else the row stride of scale_ptr
+        ignore_index,
+        LABEL_SMOOTHING: tl.constexpr,
+        Z_LOSS: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        COMPUTE_GRAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        GRAD_EVICTION: tl.constexpr,  # "" (no hint) or "evict_first" for the gradient stores
+        NUM_STAGES: tl.constexpr,  # 1: register prefetch by hand; > 1: tl.range software pipelining
+        PERSISTENT: tl.constexpr,  # False: one program per row; True: a fixed grid strides over the rows
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        if PERSISTENT:
+            for row in range(pid, n_rows, tl.num_programs(0)):
+                _cross_entropy_row(
+                    row, logits_ptr, grad_ptr, target_ptr, loss_ptr, lse_ptr, scale_ptr,
+                    n_cols, seq_len, stride_lb, stride_lt, stride_grad, scale_stride, ignore_index,
+                    LABEL_SMOOTHING, Z_LOSS, HAS_SCALE, COMPUTE_GRAD, BLOCK, GRAD_EVICTION, NUM_STAGES,
+                )
+        else:
+            _cross_entropy_row(
+                pid, logits_ptr, grad_ptr, target_ptr, loss_ptr, lse_ptr, scale_ptr,
+                n_cols, seq_len, stride_lb, stride_lt, stride_grad, scale_stride, ignore_index,
+                LABEL_SMOOTHING, Z_LOSS, HAS_SCALE, COMPUTE_GRAD, BLOCK, GRAD_EVICTION, NUM_STAGES,
+            )
 
     @triton.jit
     def _cross_entropy_bwd_kernel(
@@ -213,12 +278,49 @@ if HAS_TRITON:
                     tl.store(out_ptr + offs, (v * g).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _fwd_config(n_cols: int, on_cuda: bool) -> tuple[int, int]:
+# Forward-kernel variants for the first GPU runs to choose between by measurement (`bench/bench_cross_entropy.py
+# --variant`); "default" is today's choice and the only one the library uses unless `fwd_variant` says otherwise.
+#   evict       the gradient stores carry an L2 evict_first policy, so they do not push the row that pass 2
+#               re-reads out of L2 (PTX st.global.L1::evict_first.L2::cache_hint)
+#   block8192   BLOCK 8192 over 16 warps at most 64 registers: two 512-thread programs per SM, so one program's
+#               row start overlaps the other's streaming
+#   pipelined   plain loops under tl.range(num_stages=3), no hand-written register prefetch, for Triton's
+#               pipeliner to stage the loads. Triton 3.9 leaves these loads alone for sm_90 (no ttg.async_copy in
+#               the TTGIR, no cp.async in the PTX), so today this measures whether the hand prefetch pays
+#   persistent  one program per SM striding over the rows: no per-row program launch and retirement
+FWD_VARIANTS = ("default", "evict", "block8192", "pipelined", "persistent")
+_fwd_variant = "default"  # a module global (not thread-local) so torch.compile can guard on it
+
+
+@contextlib.contextmanager
+def fwd_variant(name: str):
+    """Run the forward kernel launched inside as variant `name` (one of FWD_VARIANTS); for benchmarks and tests."""
+    global _fwd_variant
+    if name not in FWD_VARIANTS:
+        raise ValueError(f"fwd_variant: {name!r} is not one of {', '.join(FWD_VARIANTS)}")
+    previous = _fwd_variant
+    _fwd_variant = name
+    try:
+        yield
+    finally:
+        _fwd_variant = previous
+
+
+def _fwd_config(n_cols: int, on_cuda: bool, variant: str) -> tuple[int, int]:
     """(BLOCK, num_warps) for the forward kernel; see the module docstring for the reasoning."""
     if not on_cuda:
         return min(triton.next_power_of_2(n_cols), 8192), 4
-    block = min(triton.next_power_of_2(n_cols), 16384)
+    block = min(triton.next_power_of_2(n_cols), 8192 if variant == "block8192" else 16384)
     return block, max(4, min(32, block // 512))
+
+
+def _fwd_grid(n_rows: int, device: torch.device, variant: str) -> int:
+    """Programs to launch: one per row, or for "persistent" one per SM (4 under the interpreter, so tests
+    cover programs that take several rows)."""
+    if variant != "persistent":
+        return n_rows
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return min(n_rows, programs)
 
 
 def cross_entropy_fwd(
@@ -261,14 +363,16 @@ def cross_entropy_fwd(
         scale_stride = grad_scale.stride(0) if grad_scale.dim() == 1 else 0
     else:
         scale_stride = 0
-    block, num_warps = _fwd_config(n_cols, logits.is_cuda)
-    _cross_entropy_fwd_kernel[(n_rows,)](
+    variant = _fwd_variant
+    block, num_warps = _fwd_config(n_cols, logits.is_cuda, variant)
+    _cross_entropy_fwd_kernel[(_fwd_grid(n_rows, logits.device, variant),)](
         logits,
         grad if grad is not None else logits,
         target,
         loss_rows,
         lse,
         grad_scale if grad_scale is not None else lse,
+        n_rows,
         n_cols,
         seq_len,
         stride_lb,
@@ -281,7 +385,13 @@ def cross_entropy_fwd(
         HAS_SCALE=grad_scale is not None,
         COMPUTE_GRAD=grad is not None,
         BLOCK=block,
+        GRAD_EVICTION="evict_first" if variant == "evict" else "",
+        NUM_STAGES=3 if variant == "pipelined" else 1,
+        PERSISTENT=variant == "persistent",
         num_warps=num_warps,
+        # ptxas gives the 16-warp program 101 registers when free to (sm_90): one program per SM; capped at 64 (no
+        # spills), two fit.
+        maxnreg=64 if variant == "block8192" else None,
     )
     return loss_rows, lse, grad
 

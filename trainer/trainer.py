@@ -465,9 +465,10 @@ class Trainer:
         logits = out if isinstance(out, torch.Tensor) else (out.get("logits") if isinstance(out, dict) else out.logits)
         import kernels
 
-        shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])  # (B*(T-1), V)
-        targets = inputs["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
-        return kernels.cross_entropy(shift_logits, targets, label_smoothing=self.args.label_smoothing_factor,
+        # The labels move, not the logits (as transformers' ForCausalLMLoss does): logits[:, :-1].reshape(...) copied
+        # (B*(T-1), V) in the forward, and autograd filled a zeroed (B, T, V) gradient to slice back into.
+        targets = torch.nn.functional.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # (B, T): t predicts t+1
+        return kernels.cross_entropy(logits, targets, label_smoothing=self.args.label_smoothing_factor,
                                      z_loss=getattr(self.args, "z_loss", 0.0), num_items=num_items)
 
     def _configure_model(self, model, train: bool) -> None:

@@ -12,6 +12,7 @@ targets ignored at random, 2-D and 3-D inputs.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 
 import pytest
@@ -107,8 +108,34 @@ def test_matches_reference_and_torch(case, dtype):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_online_lse_across_tiles(monkeypatch, dtype):
     # The GPU config streams V = 128256 in 4 tiles; force 1024-wide tiles (5 for V = 5003, a ragged last one).
-    monkeypatch.setattr(ce_mod, "_fwd_config", lambda n_cols, on_cuda: (1024, 4))
+    monkeypatch.setattr(ce_mod, "_fwd_config", lambda n_cols, on_cuda, variant: (1024, 4))
     check_case(dict(lead=(9,), reduction="none", label_smoothing=0.1, z_loss=1e-3, up=None), dtype, seed=1)
+
+
+@pytest.mark.parametrize("variant", ce_mod.FWD_VARIANTS)
+def test_every_forward_variant_matches_reference(monkeypatch, variant):
+    # 1024-wide tiles (5 for V = 5003) so every loop runs several times; 9 rows for the persistent variant's
+    # 4 interpreter programs, so some programs take three rows. 3-D strided logits, ignored rows, smoothing,
+    # z-loss and a per-row gradient scale all go through each variant.
+    monkeypatch.setattr(ce_mod, "_fwd_config", lambda n_cols, on_cuda, variant: (1024, 4))
+    case = dict(lead=(3, 3), reduction="none", label_smoothing=0.1, z_loss=1e-3, up=None)
+    with ce_mod.fwd_variant(variant):
+        check_case(case, torch.bfloat16, seed=2)
+        full, labels = make_inputs((3, 4), seed=3)
+        loss, grad = run(cross_entropy, full[:, :-1], labels[:, 1:], 1.0, label_smoothing=0.1)
+    ref_loss, ref_grad = run(cross_entropy_ref, full[:, :-1], labels[:, 1:], 1.0, label_smoothing=0.1)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-6 * ref_grad.abs().max().item())
+
+
+def test_forward_variant_gpu_configs_and_bad_name():
+    assert ce_mod._fwd_config(128256, True, "default") == (16384, 32)
+    assert ce_mod._fwd_config(128256, True, "block8192") == (8192, 16)
+    assert ce_mod._fwd_grid(100, torch.device("cpu"), "default") == 100
+    assert ce_mod._fwd_grid(100, torch.device("cpu"), "persistent") == 4
+    with pytest.raises(ValueError, match="'fastest' is not one of default, evict"):
+        with ce_mod.fwd_variant("fastest"):
+            pass
 
 
 def test_all_ignored_gives_zero_not_nan():
@@ -377,3 +404,17 @@ def test_autocast_returns_fp32_loss_like_torch():
     assert loss.dtype == torch_loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
     torch.testing.assert_close(loss, torch_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, torch_grad, rtol=2**-7, atol=2**-7 * torch_grad.abs().max().item())
+
+
+def test_bench_every_variant_with_its_byte_model(tmp_path, monkeypatch, capsys):
+    import bench.bench_cross_entropy as bench_ce
+    import bench.common as common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    bench_ce.main(["--quick", "--providers", "ours", "--variant", "all"])
+    rows = [json.loads(r) for r in (tmp_path / "cross_entropy.jsonl").read_text().splitlines()]
+    assert sorted({r["variant"] for r in rows}) == sorted(ce_mod.FWD_VARIANTS)
+    full = [r for r in rows if r["mode"] == "full"]
+    assert all(r["bytes_rw"] == "4+2" and r["bytes_rw_min"] == "2+2" for r in full)  # bf16: 2 reads + 1 write vs 1 + 1
+    assert all(r["gb_s_ours"] == pytest.approx(1.5 * r["gb_s_min"]) for r in full)
+    assert "B/elt r+w ours 4+2" in capsys.readouterr().out

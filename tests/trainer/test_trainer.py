@@ -427,3 +427,64 @@ def test_per_block_compile_and_gradient_checkpointing_change_nothing(tmp_path, d
     assert losses(state) == pytest.approx(losses(plain), rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _FreshStorageSizes(torch.utils._python_dispatch.TorchDispatchMode):
+    """numel of every floating-point tensor an op returns on storage never seen before (views and the Triton
+    interpreter's storage swaps excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[int] = set()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, (torch.Tensor, torch.UntypedStorage)):
+                self.seen.add(a.untyped_storage().data_ptr() if isinstance(a, torch.Tensor) else a.data_ptr())
+        out = func(*args, **(kwargs or {}))
+        for o in torch.utils._pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in self.seen:
+                self.seen.add(o.untyped_storage().data_ptr())
+                if o.dtype.is_floating_point:
+                    self.numels.append(o.numel())
+        return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_logits_only_model_loss_copies_no_shifted_logits(tmp_path, backend):
+    # A model returning logits gets its loss from the trainer. Shifting the labels (not the logits) means no
+    # (B*(T-1), V) copy in the forward and no zero-filled (B, T, V) gradient from slicing in the backward.
+    B, T, V = 2, 6, 320
+
+    class Bigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(V, V)
+
+        def forward(self, input_ids):
+            return self.table(input_ids)  # (B, T, V)
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    num_items = torch.tensor(float((labels[:, 1:] != -100).sum()))
+    model = Bigram()
+    trainer = Trainer(model=model, args=make_args(tmp_path))
+    import kernels
+
+    with kernels.backend(backend):
+        with _FreshStorageSizes() as rec:
+            loss = trainer._compute_loss(model, {"input_ids": ids, "labels": labels}, num_items, torch.device("cpu"))
+            loss.backward()
+        grad = model.table.weight.grad
+        model.table.weight.grad = None
+        logits = model(ids)  # (B, T, V)
+        expected = kernels.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), num_items=num_items)
+        expected.backward()
+    assert B * (T - 1) * V not in rec.numels
+    if backend == "triton":  # forward and backward make two logits-sized tensors: the logits, the kernel's gradient
+        assert [n for n in rec.numels if n >= B * (T - 1) * V and n != V * V] == [B * T * V] * 2
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, model.table.weight.grad, rtol=0, atol=0)
