@@ -290,6 +290,7 @@ def test_bench_fused_linear_cross_entropy_runs(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "fused_linear_cross_entropy.jsonl").read_text().splitlines()]
     assert {r["provider"] for r in rows} >= {"ours", "torch"} and all(r["perf_figure"] is False for r in rows)
     assert all(r["ms"] > 0 and r["tflop_s"] > 0 for r in rows if r["mode"] != "backward")
+    assert {r["ignored"] for r in rows} == {0.0, 0.5}
 
 
 def test_autocast_matches_linear_and_cross_entropy_under_autocast(monkeypatch):
