@@ -8,9 +8,13 @@ Providers (same run, same inputs):
   liger          liger_kernel's fused linear cross-entropy (skipped when not installed)
 Modes: forward (loss with requires_grad=True: ours and liger compute every gradient here), full
 (forward + backward), backward = full - forward (derived; our backward cannot re-run on a retained graph).
+Ignored fraction (--ignored, default 0 and 0.5): that share of the targets, at random positions, is
+ignore_index (SFT's prompt tokens). Ours gets the targets on the CPU, as a collator builds them, so it
+skips those rows' matmuls: with half ignored, expect close to half the time. The others get them on the
+device.
 
-Physics: FLOPs are the matmuls' useful work, the same for every provider: forward 2*N*H*V, full
-6*N*H*V (logits, grad_hidden, grad_weight) -> TFLOP/s. Peak extra memory is measured over a full step
+Physics: FLOPs are the matmuls' nominal work over all N tokens, the same for every provider and ignored
+fraction (so TFLOP/s compares times): forward 2*N*H*V, full 6*N*H*V (logits, grad_hidden, grad_weight). Peak extra memory is measured over a full step
 with hidden and weight already allocated; reported as bytes, as a ratio to the (N, V) logits' size and
 to torch's peak in the same run.
 
@@ -54,7 +58,8 @@ PROVIDERS = ("ours", "torch", "torch_ref", "torch_compile", "liger")
 MODES = ("forward", "backward", "full")
 GPU_SHAPES = [(n, h, 128256) for h in (2048, 4096) for n in (4096, 8192, 16384)]
 CPU_SHAPES = [(16, 64, 500)]
-KEYS = ("mode", "tokens", "hidden", "vocab", "dtype")
+KEYS = ("mode", "tokens", "hidden", "vocab", "dtype", "ignored")
+IGNORED = (0.0, 0.5)
 
 
 def _liger():
@@ -79,7 +84,7 @@ def make_loss_fn(provider: str, compile_backend: str):
     raise ValueError(f"unknown provider {provider!r}; choose from {', '.join(PROVIDERS)}")
 
 
-def bench_one(provider, n_tokens, hdim, vocab, dtype, compile_backend, dev, reps=3):
+def bench_one(provider, n_tokens, hdim, vocab, dtype, ignored, compile_backend, dev, reps=3):
     fn = make_loss_fn(provider, compile_backend)
     if fn is None:
         return None
@@ -87,7 +92,9 @@ def bench_one(provider, n_tokens, hdim, vocab, dtype, compile_backend, dev, reps
     hidden = torch.randn(n_tokens, hdim, device=dev, dtype=dtype, generator=gen).requires_grad_()
     weight = (torch.randn(vocab, hdim, device=dev, dtype=dtype, generator=gen) / hdim**0.5).requires_grad_()
     target = torch.randint(0, vocab, (n_tokens,), device=dev, generator=gen)
-    target[::10] = -100
+    target[torch.randperm(n_tokens, device=dev, generator=gen)[: int(ignored * n_tokens)]] = -100
+    if provider == "ours":
+        target = target.cpu()  # host labels: the kept rows are known without a device sync
 
     def forward():
         return fn(hidden, weight, target)
@@ -115,7 +122,7 @@ def bench_one(provider, n_tokens, hdim, vocab, dtype, compile_backend, dev, reps
             flops = 2 * matmul
         row = {
             "op": "fused_linear_cross_entropy", "provider": provider, "mode": mode, "tokens": n_tokens,
-            "hidden": hdim, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""), "derived": mode == "backward",
+            "hidden": hdim, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""), "ignored": ignored, "derived": mode == "backward",
         }
         row.update(t)
         if t["ms"] > 0:  # a derived backward can come out <= 0 within timing noise on a CPU
@@ -155,8 +162,12 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, nargs="*", help="override the hidden sizes")
     parser.add_argument("--vocab", type=int, nargs="*", help="override the vocabulary sizes")
     parser.add_argument("--providers", nargs="*", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--ignored", type=float, nargs="*", default=list(IGNORED), help="fractions of ignored targets (default 0 0.5)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for torch_compile (default inductor)")
     args = parser.parse_args(argv)
+    bad = [f for f in args.ignored if not 0.0 <= f < 1.0]
+    if bad:
+        parser.error(f"--ignored {bad[0]} must be a fraction in [0, 1)")
 
     dev = common.device()
     shapes = CPU_SHAPES if (args.quick or not common.on_gpu()) else GPU_SHAPES
@@ -167,10 +178,10 @@ def main(argv=None):
         shapes = [(n, h, v) for h in hiddens for n in tokens for v in vocabs]
     env = common.env_info()
     rows = []
-    for n_tokens, hdim, vocab in shapes:
+    for (n_tokens, hdim, vocab), ignored in ((shape, f) for shape in shapes for f in args.ignored):
         shape_rows = []
         for provider in args.providers:
-            result = bench_one(provider, n_tokens, hdim, vocab, DTYPES[args.dtype], args.compile_backend, dev, reps=1 if args.quick else 3)
+            result = bench_one(provider, n_tokens, hdim, vocab, DTYPES[args.dtype], ignored, args.compile_backend, dev, reps=1 if args.quick else 3)
             if result is None:
                 print(f"skip {provider}: not installed")
                 continue
@@ -182,7 +193,8 @@ def main(argv=None):
         row.update(env)
         print(
             f"{row['provider']:>13} {row['mode']:>8} N={row['tokens']} H={row['hidden']} V={row['vocab']} "
-            f"{row['ms']:.3f} ms" + (f" {row['tflop_s']:.3g} TFLOP/s" if row.get("tflop_s") else "") + common.byte_model_text(row)
+            f"ignored={row['ignored']:g} {row['ms']:.3f} ms"
+            + (f" {row['tflop_s']:.3g} TFLOP/s" if row.get("tflop_s") else "") + common.byte_model_text(row)
         )
     path = common.write_rows("fused_linear_cross_entropy", rows)
     print(f"wrote {path}")
