@@ -45,7 +45,8 @@ Bytes moved per parameter element (reads + writes)
 
 Launch strategy
     Parameters with a gradient are bucketed by (param group, device, dtype); one launch per bucket, plus
-    one `torch._foreach_add_` of its step counters. The launch reads two tables:
+    one `torch._foreach_add_` of its step counters (two launches when some of its tensors are misaligned, below).
+    The launch reads two tables:
     - a tensor table, int64 (1 + T, 8): row 0 holds the fp64 bit patterns of beta1 and beta2; row 1 + t the
       addresses of param t, its grad, exp_avg, exp_avg_sq, master (0 if none) and step, then its numel.
       Addresses travel as int64 and are cast back to typed pointers in the kernel (works identically under
@@ -54,10 +55,15 @@ Launch strategy
       BLOCK contiguous elements of one tensor, so awkward sizes cost at most one partial block per tensor.
     Both are built on the host, staged through pinned memory and copied with non_blocking=True, and cached:
     the block table changes only when the parameter sizes do, the tensor table only when a pointer does
-    (grads re-allocated at new addresses). Full blocks take an unmasked path; with every address 16-byte
-    aligned (checked on the host) the pointers carry a `tl.multiple_of` hint so the loads vectorise: the
-    masked tail, where numel's divisibility is unknown, would not (checked in the PTX: v4 loads and stores
-    on the full-block path). BLOCK=2048 with 8 warps: see `_BLOCK`; not yet timed on a GPU.
+    (grads re-allocated at new addresses). Full blocks take an unmasked path; in a launch whose tensors have
+    every address 16-byte aligned (checked per tensor on the host) the pointers carry a `tl.multiple_of` hint
+    so the loads vectorise: the masked tail, where numel's divisibility is unknown, would not (checked in the
+    PTX: v4 loads and stores on the full-block path). Alignment is decided per tensor: a bucket's misaligned
+    tensors (rare: e.g. views into a flat buffer) get a second launch with ALIGNED=False, so they cannot
+    turn the other tensors' loads scalar (csrc/adamw.cu keeps a per-tensor flag to the same effect). Two
+    launches rather than a per-tensor flag read in one kernel: with both paths compiled in, ptxas gave the
+    kernel 118 / 128 / 128 registers (fp32 / bf16 master / bf16 stochastic) instead of 76 / 86 / 96, 2
+    blocks per SM instead of 3 for every bucket. BLOCK=2048 with 8 warps: see `_BLOCK`; not yet timed on a GPU.
     The dispatch point is `_step_bucket` (`adamw_impl` says which path and why): CUDA -> Triton, or the CUDA
     C++ multi-tensor op `torch.ops.kernelwright.fused_adamw_` (csrc/adamw.cu, same math) when kernels._C is
     built and KERNELS_ADAMW_IMPL=cuda ('auto' keeps Triton until a GPU measurement shows the op faster);
@@ -270,19 +276,26 @@ class _LaunchTables:
 
     def __init__(self) -> None:
         self.block_key: tuple | None = None
-        self.blocks: torch.Tensor | None = None
+        self.blocks: list[tuple[bool, torch.Tensor]] = []
         self.tensor_key: tuple | None = None
         self.tensors: torch.Tensor | None = None
 
-    def block_table(self, numels: list[int], device: torch.device) -> torch.Tensor:
-        key = (device, tuple(numels))
+    def block_tables(self, numels: list[int], aligned: list[bool], device: torch.device) -> list[tuple[bool, torch.Tensor]]:
+        """(ALIGNED, block table) per launch: the aligned tensors' blocks, then the misaligned ones' (if any)."""
+        key = (device, tuple(numels), tuple(aligned))
         if key != self.block_key:
-            counts = torch.tensor([(n + _BLOCK - 1) // _BLOCK for n in numels], dtype=torch.int64)  # (T,)
-            tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)  # (NB,)
-            first = torch.cumsum(counts, 0) - counts  # (T,) first block of each tensor
-            block = torch.arange(tensor.numel()) - first[tensor]  # (NB,) block index within its tensor
-            table = torch.stack([tensor, block], dim=1).to(torch.int32)  # (NB, 2)
-            self.blocks = _to_device(table.reshape(-1), device)  # (NB * 2,)
+            self.blocks = []
+            for flag in (True, False):
+                members = [t for t, a in enumerate(aligned) if a == flag]
+                counts = [(numels[t] + _BLOCK - 1) // _BLOCK for t in members]
+                if sum(counts) == 0:
+                    continue
+                counts_t = torch.tensor(counts, dtype=torch.int64)  # (T',)
+                tensor = torch.repeat_interleave(torch.tensor(members, dtype=torch.int64), counts_t)  # (NB,)
+                first = torch.repeat_interleave(torch.cumsum(counts_t, 0) - counts_t, counts_t)  # (NB,) its tensor's first
+                block = torch.arange(tensor.numel()) - first  # (NB,) block index within its tensor
+                table = torch.stack([tensor, block], dim=1).to(torch.int32)  # (NB, 2)
+                self.blocks.append((flag, _to_device(table.reshape(-1), device)))  # (NB * 2,)
             self.block_key = key
         return self.blocks
 
@@ -347,7 +360,8 @@ def fused_adamw_step(
     stochastic_rounding: bool = False,
     tables: _LaunchTables | None = None,
 ) -> None:
-    """One AdamW step, in place, over same-dtype, same-device tensors: one foreach add + one Triton launch.
+    """One AdamW step, in place, over same-dtype, same-device tensors: one foreach add + one Triton launch (a
+    second one for the misaligned tensors, if any).
 
     steps are incremented first (like torch's functional adamw). With masters the update runs on them and
     params receive the rounded copy; with stochastic_rounding (bf16 only) params are rounded stochastically.
@@ -369,28 +383,26 @@ def fused_adamw_step(
         rows, device, lambda: _check_bucket(params, grads, exp_avgs, exp_avg_sqs, steps, masters, stochastic_rounding)
     )
     torch._foreach_add_(steps, 1.0)
-    block_table = tables.block_table([p.numel() for p in params], device)
-    n_blocks = block_table.numel() // 2
-    if n_blocks == 0:
-        return
-    aligned = all(rows[_ROW * (1 + i) + k] % 16 == 0 for i in range(len(params)) for k in range(5))
-    _adamw_kernel[(n_blocks,)](
-        tensor_table,
-        block_table,
-        float(lr),
-        1.0 - beta1,
-        float(beta2),
-        1.0 - beta2,
-        float(eps),
-        1.0 - lr * weight_decay,
-        P_DTYPE=_TL_DTYPES[dtype],
-        HAS_MASTER=masters is not None,
-        STOCHASTIC=bool(stochastic_rounding) and masters is None,
-        MAXIMIZE=bool(maximize),
-        ALIGNED=aligned,
-        BLOCK=_BLOCK,
-        num_warps=_NUM_WARPS,
-    )
+    # Per tensor: its param, grad, exp_avg, exp_avg_sq and master (0 when absent) 16-byte aligned.
+    aligned = [all(rows[_ROW * (1 + i) + k] % 16 == 0 for k in range(5)) for i in range(len(params))]
+    for all_aligned, block_table in tables.block_tables([p.numel() for p in params], aligned, device):
+        _adamw_kernel[(block_table.numel() // 2,)](
+            tensor_table,
+            block_table,
+            float(lr),
+            1.0 - beta1,
+            float(beta2),
+            1.0 - beta2,
+            float(eps),
+            1.0 - lr * weight_decay,
+            P_DTYPE=_TL_DTYPES[dtype],
+            HAS_MASTER=masters is not None,
+            STOCHASTIC=bool(stochastic_rounding) and masters is None,
+            MAXIMIZE=bool(maximize),
+            ALIGNED=all_aligned,
+            BLOCK=_BLOCK,
+            num_warps=_NUM_WARPS,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------

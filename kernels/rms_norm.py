@@ -21,12 +21,14 @@ dtype (HF promotes to fp32 when the weight is fp32 and x is bf16); dweight comes
 Bytes moved per element (s = element size of x; weight, rstd and the dweight partials are O(N + M)):
     forward 2s (read x, write y); backward 3s (read x and dy, write dx); the backward reads rstd instead of
     recomputing the sum of squares, which would cost nothing in bytes but a second reduction per row.
-    Hidden sizes above `max_block` cost one extra read of x (forward) or of x and dy (backward).
+    Hidden sizes above `max_block` (forward) or 8192 (backward) cost one extra read of x (forward) or of x
+    and dy (backward).
 
 Launch strategy
     Rows are flattened to an (M, N) matrix with a contiguous last dim and an arbitrary row stride. A tile is
-    BLOCK_M rows x BLOCK_N columns, with BLOCK_N = next_pow2(N) capped at `max_block` and BLOCK_M chosen so a
-    tile holds about `_TILE_ELEMS` elements (several short rows per program, one long row per program).
+    BLOCK_M rows x BLOCK_N columns, with BLOCK_N = next_pow2(N) capped at `max_block` (and at 8192 in the
+    backward, `_MAX_BWD_BLOCK`, which keeps it spill-free) and BLOCK_M chosen so a tile holds about
+    `_TILE_ELEMS` elements (several short rows per program, one long row per program).
     - ONE_BLOCK (N <= BLOCK_N): the row lives in registers; x is read once.
     - otherwise: a loop over column blocks accumulates sum(x^2) (forward) or sum(dy w' x) (backward, in
       `_rms_norm_bwd_rowdot_kernel`, a separate launch so no program has to read back its own global writes),
@@ -34,7 +36,10 @@ Launch strategy
     Forward: one program per row tile. Backward: a fixed number of programs (about two per SM on CUDA), each
     owning a contiguous chunk of rows and one fp32 row of the (programs, N) dweight partial buffer, which it
     writes exactly once per column; `torch.sum` over programs finishes dweight in fp32. No atomics, so the
-    result is deterministic.
+    result is deterministic. Its row loop is software-pipelined (`tl.range(..., num_stages=2)`: cp.async
+    double buffering of x and dy), so a program's next rows are in flight while it computes the current ones.
+    Registers and spills of every configuration at the benchmark widths: `python -m bench.sm90 --only rms_norm`
+    (sm_90, compiled on a CPU); tests/kernels/test_sm90_compile.py keeps them spill-free.
     Float arguments (eps, offset) are cast to fp32 inside the kernels: under torch.compile Inductor may pass
     Python floats as fp64, which would otherwise drag the row math into fp64.
 
@@ -55,9 +60,15 @@ if HAS_TRITON:
     import triton.language as tl
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Largest BLOCK_N kept in registers: 16384 fp32 over 16 warps is 32 values per thread per live tensor,
-# and the backward keeps x, dy, w' and two temporaries live. Larger hidden sizes take the column loop.
+# Largest BLOCK_N the forward keeps in registers: 16384 fp32 over 16 warps is 32 values per thread per live
+# tensor (x and w'); ptxas for sm_90 gives 59 registers, no spills. Larger hidden sizes take the column loop.
 _MAX_BLOCK = 16384
+# The backward keeps x, dy, w' and the dweight accumulator live across the row reduction, four row-sized
+# tensors. ptxas (sm_90, bf16, `python -m bench.sm90`): one block of 16384 took 128 registers and spilled
+# 176 bytes per thread; 8192 takes 106 (16 warps), 4096 106 (8 warps), and the column loop at 8192 per
+# block 63 (and 50 for the row-dot pass), none spilling. So hidden sizes above 8192 pay one extra read of
+# x and dy (5 bytes moved per element instead of 3, in units of s) rather than spilling; not yet timed on a GPU.
+_MAX_BWD_BLOCK = 8192
 # Elements per tile: rows narrower than this are packed several to a program so short rows still give each
 # program enough work (and the interpreter, at ~37 us per program, far fewer programs).
 _TILE_ELEMS = 4096
@@ -201,7 +212,10 @@ if HAS_TRITON:
             col_mask = cols < N
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32  # (BLOCK_N,)
             dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for r0 in tl.range(row_start, row_end, BLOCK_M):
+            # num_stages=2: the next tile's x, dy and rstd stream into shared memory (cp.async) while this
+            # one is computed. ptxas, sm_90, bf16: 120 -> 106 registers at hidden 4096 and 8192; without it
+            # each row waited on its own loads (one row per iteration, 1-2 blocks per SM).
+            for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=2):
                 rows = r0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
                 row_mask = rows < row_end
                 rows64 = rows.to(tl.int64)
@@ -226,7 +240,8 @@ if HAS_TRITON:
                 col_mask = cols < N
                 w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32
                 dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for r0 in tl.range(row_start, row_end, BLOCK_M):
+                # Pipelined like the ONE_BLOCK loop: 127 -> 99 registers at BLOCK_N 16384 (63 at 8192).
+                for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=2):
                     rows = r0 + tl.arange(0, BLOCK_M)
                     row_mask = rows < row_end
                     rows64 = rows.to(tl.int64)
@@ -295,7 +310,7 @@ def rms_norm_bwd(
     if M == 0:
         dw = torch.zeros((N,), dtype=weight.dtype, device=weight.device) if compute_dw else None
         return dx, dw
-    block_m, block_n, one_block, num_warps = launch_config(M, N, max_block)
+    block_m, block_n, one_block, num_warps = launch_config(M, N, min(_MAX_BWD_BLOCK, max_block or _MAX_BWD_BLOCK))
     if num_programs is None:
         # About two programs per SM keeps every SM streaming while one waits on memory (not yet tuned on a
         # GPU: bench/bench_rms_norm.py is the place to revisit it).

@@ -359,6 +359,46 @@ def test_launches_per_group_and_dtype_not_per_param(monkeypatch):
     assert sorted(grid[0] for grid in launches[:3]) == [3, 3, 3]  # one program per small tensor
 
 
+def test_alignment_is_decided_per_tensor(monkeypatch):
+    """One parameter 4 bytes off a 16-byte boundary gets a scalar launch of its own: the other tensors of its
+    bucket keep the vectorised (ALIGNED) launch, and every result equals the all-aligned run bit for bit."""
+    launches = []
+    real = adamw_mod._adamw_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(tensor_table, block_table, *args, **kwargs):
+                launches.append((kwargs["ALIGNED"], sorted(set(block_table.reshape(-1, 2)[:, 0].tolist()))))
+                return real[grid](tensor_table, block_table, *args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(adamw_mod, "_adamw_kernel", Recording())
+    shapes = [(2048 + 5,), (2048,), (3, 700)]
+    mixed = make_params(shapes, seed=30)
+    buf = torch.empty(1 + mixed[1].numel())
+    buf[1:] = mixed[1].detach()
+    mixed[1] = torch.nn.Parameter(buf[1:])  # same values at data_ptr % 16 == 4
+    assert mixed[1].data_ptr() % 16 != 0 and all(p.data_ptr() % 16 == 0 for p in (mixed[0], mixed[2]))
+    aligned = clone_params(mixed)
+    reference = clone_params(mixed)
+    runs = []
+    for params, path in ((mixed, "triton"), (aligned, "triton"), (reference, "reference")):
+        opt = FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+        with kernels.backend(path):
+            for step in range(2):
+                set_grads(step, params)
+                opt.step()
+        runs.append(opt)
+    # mixed: two steps of (aligned tensors 0 and 2, then tensor 1 alone); aligned: one launch per step
+    assert launches == [(True, [0, 2]), (False, [1])] * 2 + [(True, [0, 1, 2])] * 2
+    for i, (a, b, r) in enumerate(zip(mixed, aligned, reference)):
+        assert torch.equal(a, b), f"param {i}: misaligned-bucket result differs from the aligned run"
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(runs[0].state[a][key], runs[1].state[b][key])
+        assert_fp32_close(a.detach(), r.detach(), "param", f"param {i} vs reference")
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_step_never_syncs(path, monkeypatch):
     def no_item(self):

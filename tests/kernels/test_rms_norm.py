@@ -128,6 +128,28 @@ def test_multi_block_loop_path(dtype, offset):
     _check_all(one_block, ref32, torch_lowp, dtype, rows=10)
 
 
+def test_wide_rows_backward_takes_the_column_loop(monkeypatch):
+    """Hidden 8192 < N <= 16384: the forward keeps the row in registers, the backward (capped at 8192 so that
+    it never spills on sm_90, see tests/kernels/test_sm90_compile.py) loops over two column blocks."""
+    shape = (3, 8192 + 24)
+    n = shape[-1]
+    x, w, dy = _make(shape, torch.bfloat16, 0.0, seed=2)
+    rowdot_launches = []
+    rowdot = rms_mod._rms_norm_bwd_rowdot_kernel
+
+    class _Counting:
+        def __getitem__(self, grid):
+            rowdot_launches.append(grid)
+            return rowdot[grid]
+
+    monkeypatch.setattr(rms_mod, "_rms_norm_bwd_rowdot_kernel", _Counting())
+    ours = _fwd_bwd(lambda a, b: rms_norm(a, b), x, w, dy)
+    assert launch_config(3, n)[2] is True and len(rowdot_launches) == 1
+    ref32 = _fwd_bwd(lambda a, b: rms_norm_ref(a, b), x.float(), w.float(), dy.float())
+    torch_lowp = _fwd_bwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6), x, w, dy)
+    _check_all(ours, ref32, torch_lowp, torch.bfloat16, rows=3)
+
+
 @pytest.mark.parametrize("max_block", [None, 1024])
 def test_eps_matters(max_block):
     """eps comparable to mean(x^2), so dropping or misplacing it shows (1e-6 on unit inputs would not)."""

@@ -1,0 +1,326 @@
+"""Compile every Triton kernel configuration our launchers choose at the benchmark shapes for sm_90 (H100),
+on a machine without a GPU, and report registers, spills and shared memory per kernel.
+
+How (no GPU, no CUDA build of torch needed):
+1. `fake_cuda()`: the launchers run on meta tensors that claim to live on cuda:0 (a TorchFunctionMode answers
+   `.is_cuda` / `.device` for meta tensors, turns `device="cuda"` into meta and makes `pin_memory` a no-op;
+   `torch.cuda.get_device_properties` reports an H100's 132 SMs). Shapes, strides and dtypes are real, data
+   is absent, so an 8192 x 128256 problem costs nothing. The public functionals run forward and backward
+   through autograd, so what is recorded is exactly what a training step launches.
+2. `record_launches()`: `JITFunction.run` is replaced by a recorder: each launch keeps its kernel, arguments
+   and options (num_warps, num_stages) and launches nothing. Tensor arguments become stand-ins whose address
+   is their storage offset in bytes (a fresh CUDA allocation is 512-byte aligned, so the alignment Triton
+   specialises on is the one the GPU would see).
+3. `compile_sm90()`: the launch is specialised the way `JITFunction.run` does it (Triton's own binder, for a
+   GPUTarget("cuda", 90, 32) backend), compiled with `triton.compile`, and the bundled ptxas's `-v` log is
+   parsed (`n_regs`/`n_spills` of a CompiledKernel are only filled in when a GPU driver loads the binary).
+   `always_compile` and a fresh cache directory per run: nothing is reused between runs.
+
+Needs TRITON_INTERPRET unset (interpreted kernels cannot be compiled); the test runs this in a subprocess.
+
+    python -m bench.sm90                 # table: kernel, constexprs, warps, stages, registers, spills, shared
+    python -m bench.sm90 --only rms_norm --json
+Exit status 1 when any kernel spills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import re
+import sys
+import tempfile
+import types
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch._library.triton import set_wrap_triton_enabled
+from torch.autograd.graph import _engine_run_backward
+from torch.overrides import TorchFunctionMode
+
+if __package__ in (None, ""):  # run as a script: make `kernels` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels.adamw import FusedAdamW  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+H100_SMS = 132  # H100 SXM; the launchers size persistent grids from it
+_META = torch.device("meta")
+_CUDA = torch.device("cuda", 0)
+# Triton compiles pointers 16-byte aligned when their address is; CUDA's caching allocator hands out
+# 512-byte aligned blocks, so a view's address modulo 16 is its storage offset in bytes modulo 16.
+_BLOCK_BASE = 1 << 20
+
+
+class _FakeCuda(TorchFunctionMode):
+    """Meta tensors that say they are on cuda:0 (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        if owner is torch._C.TensorBase.is_cuda:
+            return args[0].is_meta or func(*args)
+        if owner is torch._C.TensorBase.device:
+            where = func(*args)
+            return _CUDA if where.type == "meta" else where
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        args = tuple(_to_meta(a) for a in args)
+        kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+        if func is torch.Tensor.backward:
+            # The mode is popped while its handler runs, but the launchers that backward reaches must see cuda too:
+            # push it back and call the engine directly (every public entry point would come back here).
+            gradient = args[1] if len(args) > 1 else kwargs["gradient"]
+            with self:
+                return _engine_run_backward((args[0],), (gradient,), False, False, (), allow_unreachable=True,
+                                            accumulate_grad=True)
+        return func(*args, **kwargs)
+
+
+def _to_meta(v):
+    if isinstance(v, str) and v.startswith("cuda") or isinstance(v, torch.device) and v.type == "cuda":
+        return _META
+    return v
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """Launchers see an H100: meta tensors report cuda:0 and the device has H100_SMS multiprocessors."""
+    saved = torch.cuda.get_device_properties
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=H100_SMS)
+    try:
+        # On meta tensors torch.library.wrap_triton's higher-order op takes its meta kernel, which launches
+        # nothing; on a GPU in eager it runs kernel[grid](...) with the same arguments, which this makes it do.
+        with _FakeCuda(), set_wrap_triton_enabled(False):
+            yield
+    finally:
+        torch.cuda.get_device_properties = saved
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pointer:
+    """A tensor argument as Triton's specialisation sees it: a dtype and an address."""
+
+    dtype: torch.dtype
+    address: int
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+@dataclasses.dataclass
+class Launch:
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+def _argument(v):
+    if isinstance(v, torch.Tensor):
+        return _Pointer(v.dtype, _BLOCK_BASE + v.storage_offset() * v.element_size())
+    return v
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Yields a list that receives every Triton launch made inside, instead of launching it."""
+    launches: list[Launch] = []
+    saved = JITFunction.run
+
+    def record(kernel, *args, grid, warmup, **kwargs):
+        launches.append(Launch(kernel, tuple(_argument(a) for a in args), {k: _argument(v) for k, v in kwargs.items()}))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = saved
+
+
+@dataclasses.dataclass
+class Compiled:
+    case: str
+    kernel: str
+    constexprs: dict  # the constexpr arguments and the integer arguments Triton specialised to constants
+    num_warps: int
+    num_stages: int
+    registers: int  # per thread
+    spill_stores: int  # bytes per thread
+    spill_loads: int  # bytes per thread
+    stack_frame: int  # bytes per thread
+    shared: int  # bytes per program
+
+
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _specialise(launch: Launch, backend):
+    """(cache key, signature, constexprs, attrs, options) of a launch, as JITFunction.run computes them."""
+    kernel = launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.kwargs, debug=False)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    key = (kernel, str(specialization), str(options))
+    return (key, *kernel._pack_args(backend, kwargs, bound_args, specialization, options)[1:],
+            backend.parse_options(kwargs))
+
+
+def compile_sm90(case: str, launch: Launch, signature, constexprs, attrs, options) -> Compiled:
+    """Compile one specialised launch for sm_90 and read ptxas's report."""
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # knobs.nvidia.dump_ptxas_log prints ptxas -v's report
+        compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=TARGET,
+                                  options=options.__dict__)
+    text = log.getvalue()
+    registers = [int(n) for n in _REGISTERS.findall(text)]
+    frames = [tuple(map(int, f)) for f in _FRAME.findall(text)]
+    if not registers or not frames:
+        raise RuntimeError(f"bench.sm90: no ptxas -v report for {launch.name}:\n{text}")
+    names = [launch.kernel.params[path[0]].name for path in constexprs]
+    return Compiled(
+        case=case,
+        kernel=launch.name,
+        constexprs={n: str(v) for n, v in zip(names, constexprs.values())},
+        num_warps=options.num_warps,
+        num_stages=options.num_stages,
+        registers=max(registers),
+        stack_frame=max(f[0] for f in frames),
+        spill_stores=max(f[1] for f in frames),
+        spill_loads=max(f[2] for f in frames),
+        shared=compiled.metadata.shared,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The benchmark shapes (bench/bench_<op>.py): each case runs one op's public API forward and backward.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _cuda(*shape, dtype=torch.bfloat16, grad=False):
+    return torch.empty(shape, dtype=dtype, device="cuda", requires_grad=grad)
+
+
+def _cross_entropy():
+    # Llama 3's vocabulary, 8192 tokens; mean reduction (scale in place) and "none" (per-row scale).
+    for reduction in ("mean", "none"):
+        logits = _cuda(8192, 128256, grad=True)
+        target = torch.empty(8192, dtype=torch.int64, device="cuda")
+        loss = kernels.cross_entropy(logits, target, reduction=reduction)
+        loss.backward(torch.empty_like(loss))
+
+
+def _fused_linear_cross_entropy():
+    for reduction in ("mean", "none"):
+        hidden, weight = _cuda(8192, 4096, grad=True), _cuda(128256, 4096, grad=True)
+        target = torch.empty(8192, dtype=torch.int64, device="cuda")
+        loss = kernels.fused_linear_cross_entropy(hidden, weight, target, reduction=reduction)
+        loss.backward(torch.empty_like(loss))
+
+
+def _rms_norm():
+    # The benchmark widths, plus two narrow ones whose tiles hold several rows (BLOCK_M 32 and 4).
+    for hidden in (128, 1024, 4096, 8192, 16384, 32768):
+        x, w = _cuda(8192, hidden, grad=True), _cuda(hidden, grad=True)
+        y = kernels.rms_norm(x, w)
+        y.backward(torch.empty_like(y))
+
+
+def _adamw():
+    # A Llama-like parameter list (an embedding, projections, a norm), fp32 and bf16 with fp32 masters.
+    shapes = [(128256, 2048), (2048, 2048), (8192, 2048), (2048,)]
+    for dtype, master in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
+        params = [torch.nn.Parameter(_cuda(*s, dtype=dtype)) for s in shapes]
+        for p in params:
+            p.grad = torch.empty_like(p)
+        FusedAdamW(params, lr=1e-4, master_weights=master).step()
+
+
+def _neftune():
+    embeds = _cuda(8, 2048, 4096, grad=True)
+    mask = torch.empty(8, 2048, dtype=torch.int64, device="cuda")
+    for attention_mask in (None, mask):
+        y = kernels.neftune_noise(embeds, 5.0, attention_mask=attention_mask)
+        y.backward(torch.empty_like(y))
+
+
+CASES: dict[str, Callable[[], None]] = {
+    "cross_entropy": _cross_entropy,
+    "fused_linear_cross_entropy": _fused_linear_cross_entropy,
+    "rms_norm": _rms_norm,
+    "adamw": _adamw,
+    "neftune": _neftune,
+}
+
+
+def compile_cases(names=None) -> list[Compiled]:
+    """Every distinct kernel configuration the named cases (default: all) launch, compiled for sm_90."""
+    if triton.knobs.runtime.interpret:
+        raise ValueError("bench.sm90: unset TRITON_INTERPRET (interpreted kernels cannot be compiled for sm_90)")
+    unknown = sorted(set(names or ()) - set(CASES))
+    if unknown:
+        raise ValueError(f"bench.sm90: unknown case(s) {', '.join(unknown)} (allowed: {', '.join(CASES)})")
+    backend = make_backend(TARGET)
+    results = []
+    with tempfile.TemporaryDirectory() as cache, triton.knobs.cache.scope(), triton.knobs.compilation.scope(), \
+            triton.knobs.nvidia.scope():
+        triton.knobs.cache.dir = cache
+        triton.knobs.compilation.always_compile = True
+        triton.knobs.nvidia.dump_ptxas_log = True
+        for name in names or CASES:
+            with record_launches() as launches, fake_cuda():
+                CASES[name]()
+            if not launches:
+                raise RuntimeError(f"bench.sm90: case {name} launched no Triton kernel (did its dispatch change?)")
+            seen = set()
+            for launch in launches:
+                key, *specialised = _specialise(launch, backend)
+                if key not in seen:  # e.g. one launch per token chunk: compile each configuration once
+                    seen.add(key)
+                    results.append(compile_sm90(name, launch, *specialised))
+    return results
+
+
+def spilled(results: list[Compiled]) -> list[Compiled]:
+    return [r for r in results if r.spill_stores or r.spill_loads]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help=f"comma-separated cases (default all: {','.join(CASES)})")
+    parser.add_argument("--json", action="store_true", help="one JSON object per kernel configuration")
+    args = parser.parse_args(argv)
+    names = [n for n in args.only.split(",") if n]
+    try:
+        results = compile_cases(names)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.json:
+        for r in results:
+            print(json.dumps(dataclasses.asdict(r)))
+    else:
+        print(f"{'case':<27}{'kernel':<30}{'warps':>6}{'stages':>7}{'regs':>6}{'spill st/ld':>13}{'shared':>8}  constexprs")
+        for r in results:
+            consts = " ".join(f"{k}={v}" for k, v in r.constexprs.items())
+            print(f"{r.case:<27}{r.kernel:<30}{r.num_warps:>6}{r.num_stages:>7}{r.registers:>6}"
+                  f"{f'{r.spill_stores}/{r.spill_loads}':>13}{r.shared:>8}  {consts}")
+    return 1 if spilled(results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
