@@ -745,7 +745,8 @@ class Trainer:
             dataset, batching_strategy=args.batching_strategy if train else "normal", micro_batch_size=micro,
             max_tokens=self.loader_options.get("max_tokens") if train else None,
             pad_token_id=pad_id if pad_id is not None else 0,
-            pad_to_multiple_of=self.loader_options.get("pad_to_multiple_of"), shuffle=train, seed=seed,
+            pad_to_multiple_of=self.loader_options.get("pad_to_multiple_of"), shuffle=train and args.train_shuffle,
+            seed=seed,
             group_by_length=train and args.group_by_length, drop_last=train and args.dataloader_drop_last,
             rank=self.rank, world_size=self.world_size)
         if self.data_collator is not None:

@@ -223,6 +223,32 @@ def test_auto_find_batch_size_halves_the_micro_batch_and_keeps_the_global_batch(
     assert state.global_step == 2
 
 
+class RecordingBigram(torch.nn.Module):
+    """A one-table model that remembers the input_ids of every forward: what the loop fed it, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(320, 320)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, input_ids):
+        self.seen.append(input_ids.clone())
+        return self.table(input_ids)
+
+
+@pytest.mark.parametrize("option", [{"train_shuffle": False}, {"train_sampling_strategy": "sequential"}])
+def test_an_unshuffled_run_takes_examples_in_dataset_order(tmp_path, dataset, option):
+    # make_args sets train_shuffle=True, which train_sampling_strategy="sequential" would contradict
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
+                  save_strategy="no", report_to=[], disable_tqdm=True, seed=7, optim="adamw_torch", **option)
+    model = RecordingBigram()
+    Trainer(model=model, args=TrainingArguments(**values), train_dataset=dataset).train()
+    for step, ids in enumerate(model.seen):
+        for row in range(4):
+            expected = torch.as_tensor(dataset[4 * step + row]["input_ids"])
+            assert torch.equal(ids[row, :len(expected)], expected), (step, row)
+
+
 # ---- checkpoints and resume -----------------------------------------------------------------------------------
 def test_resume_is_exact(tmp_path, dataset):
     common = dict(max_steps=6, save_strategy="steps", save_steps=3, per_device_train_batch_size=4,
