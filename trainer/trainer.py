@@ -290,6 +290,8 @@ class Trainer:
                         optimizer.step()
                         stepped = True
                     optimizer.zero_grad(set_to_none=True)
+                    # The rate this step used, read before the scheduler moves on: what Hugging Face logs.
+                    learning_rate = scheduler.get_last_lr()[0]
                     if stepped:
                         scheduler.step()
                         nonfinite_in_row = 0
@@ -334,7 +336,7 @@ class Trainer:
                     if self.control.should_log:
                         # Skipped (non-finite) steps are not averaged in; a window of only skipped steps logs no loss.
                         logs = {"loss": logged_loss / logged_steps if logged_steps else None,
-                                "grad_norm": last_grad_norm, "learning_rate": scheduler.get_last_lr()[0]}
+                                "grad_norm": last_grad_norm, "learning_rate": learning_rate}
                         speed = throughput.mark()
                         logs.update(speed)
                         if peak_flops and flops_per_token:

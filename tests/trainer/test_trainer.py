@@ -223,6 +223,15 @@ def test_auto_find_batch_size_halves_the_micro_batch_and_keeps_the_global_batch(
     assert state.global_step == 2
 
 
+def test_logged_learning_rate_is_the_rate_the_step_used(tmp_path, dataset):
+    """Hugging Face reads the rate after optimizer.step() and before lr_scheduler.step(): linear decay from 1e-2
+    over 4 steps logs 1e-2, 7.5e-3, 5e-3, 2.5e-3 (not the next step's 7.5e-3 ... 0)."""
+    args = make_args(tmp_path, max_steps=4, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=0)
+    state = Trainer(model=small_model(), args=args, train_dataset=dataset).train()
+    logged = [h["learning_rate"] for h in state.log_history if "loss" in h]
+    assert logged == pytest.approx([1e-2, 7.5e-3, 5e-3, 2.5e-3], rel=1e-9)
+
+
 class RecordingBigram(torch.nn.Module):
     """A one-table model that remembers the input_ids of every forward: what the loop fed it, in order."""
 
