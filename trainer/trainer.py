@@ -212,6 +212,9 @@ class Trainer:
                             f"{self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
                             f"{args.seed}, the step and the rank (dropout/NEFTune noise differs from an unbroken run)")
             self._print(f"resumed from {resume} at step {state.global_step}")
+            if state.global_step >= max_steps:
+                self._print(f"resume_from_checkpoint: {resume} is at step {state.global_step} and max_steps is "
+                            f"{max_steps}: nothing left to train; the weights are the checkpoint's")
         self.state = state
         self.control = TrainerControl()
         writer = MetricsWriter(args.output_dir, args.report_to, args.logging_dir, enabled=self.rank == 0)
@@ -225,7 +228,8 @@ class Trainer:
         self.control = self.callback_handler.fire("on_train_begin", args, state, self.control, model=model)
         if args.eval_on_start and self.eval_dataset is not None and resume is None:
             self._evaluate_and_track(state, model)
-        start_epoch = state.global_step // windows_per_epoch
+        # A run resumed at or past max_steps trains nothing (the epoch loop is empty).
+        start_epoch = num_epochs if state.global_step >= max_steps else state.global_step // windows_per_epoch
         try:
             for epoch in range(start_epoch, num_epochs):
                 first_window = state.global_step - epoch * windows_per_epoch

@@ -284,6 +284,23 @@ def test_resume_is_exact(tmp_path, dataset):
         assert torch.equal(value, full_weights[name]), name
 
 
+def test_resuming_a_finished_run_trains_nothing(tmp_path, dataset, capsys):
+    """10 micro batches per epoch, max_steps=4: the checkpoint at step 4 sits mid-epoch, where a resume used to
+    train a 5th step."""
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=4)
+    model = small_model()
+    Trainer(model=model, args=args, train_dataset=dataset).train()
+    finished = weights(model)
+    capsys.readouterr()
+    model = small_model(seed=123)
+    state = Trainer(model=model, args=args, train_dataset=dataset).train(resume_from_checkpoint=True)
+    assert state.global_step == 4
+    for name, value in weights(model).items():
+        assert torch.equal(value, finished[name]), name
+    assert "nothing left to train" in capsys.readouterr().err
+    assert [p.name for p in checkpoints(args.output_dir)] == ["checkpoint-4"]
+
+
 def test_checkpoint_layout_and_transformers_loads_it(tmp_path, dataset, tokenizer):
     model = small_model()
     args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
