@@ -284,7 +284,8 @@ def train(args, sft: SFTArguments) -> int:
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer)
     trainer.loader_options.update(pad_to_multiple_of=sft.pad_to_multiple_of, max_tokens=sft.max_tokens)
     started = time.perf_counter()
-    state = trainer.train()
+    trainer.train()
+    state = trainer.state
     elapsed = time.perf_counter() - started
     if trainer.interrupted:
         print(f"stopped by SIGTERM at step {state.global_step}; resume with --resume_from_checkpoint auto", file=sys.stderr)

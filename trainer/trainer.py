@@ -36,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ from .parallel import apply_all, gradient_sync, init_distributed, is_fsdp, world
 
 __all__ = [
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "EarlyStoppingCallback", "EvalPrediction",
-    "PredictionOutput", "TrainingError", "set_seed",
+    "PredictionOutput", "TrainOutput", "TrainingError", "set_seed",
 ]
 
 
@@ -65,6 +66,15 @@ class EvalPrediction:
 
     def __iter__(self):  # HF lets users unpack `preds, labels = eval_pred`
         return iter((self.predictions, self.label_ids))
+
+
+class TrainOutput(NamedTuple):
+    """What `Trainer.train()` returns, as in Hugging Face: the step reached, the mean training loss of the steps this
+    call trained (nan when it trained none), and the end-of-training metrics (train_runtime, ..., train_loss)."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict
 
 
 @dataclass
@@ -221,9 +231,12 @@ class Trainer:
         throughput = Throughput()
         peak_flops = device_peak_flops(device)
         flops_per_token = self._flops_per_token(model)
+        self._print_run_summary(model, loader, micro, accum, num_epochs, max_steps)
+        start_time, start_step = time.perf_counter(), state.global_step
         progress = self._progress(max_steps, state.global_step)
         previous_sigterm = self._install_sigterm()
         logged_loss, logged_steps, nonfinite_in_row = 0.0, 0, 0
+        train_loss_sum, train_loss_steps = 0.0, 0  # over this call's stepped windows: the final train_loss
         last_grad_norm = None
         self.control = self.callback_handler.fire("on_train_begin", args, state, self.control, model=model)
         if args.eval_on_start and self.eval_dataset is not None and resume is None:
@@ -301,6 +314,8 @@ class Trainer:
                         nonfinite_in_row = 0
                         logged_loss += loss_value
                         logged_steps += 1
+                        train_loss_sum += loss_value
+                        train_loss_steps += 1
                         last_grad_norm = grad_norm_value
                     elif not finite:
                         state.nonfinite_steps += 1
@@ -365,6 +380,18 @@ class Trainer:
                 self._maybe_evaluate_and_save(state, model, optimizer, scheduler, loader, writer, progress)
                 if self.control.should_training_stop:
                     break
+            runtime = time.perf_counter() - start_time
+            steps_trained = state.global_step - start_step
+            training_loss = train_loss_sum / train_loss_steps if train_loss_steps else float("nan")
+            # Hugging Face's end-of-training metrics, over what this call trained. Deliberate differences: after a
+            # resume HF divides the new steps' losses by the whole run's global_step and counts the whole run's
+            # samples and steps against this call's runtime; here all three cover this call's steps only.
+            samples_trained = steps_trained * args.total_train_batch_size(self.world_size)
+            metrics = {"train_runtime": runtime, "train_samples_per_second": samples_trained / max(runtime, 1e-9),
+                       "train_steps_per_second": steps_trained / max(runtime, 1e-9),
+                       "total_flos": state.total_flos,
+                       "train_loss": training_loss if train_loss_steps else None}
+            self._log(state, metrics, writer, progress)
         finally:
             progress.close()
             self._restore_sigterm(previous_sigterm)
@@ -375,7 +402,30 @@ class Trainer:
             self._print(f"loaded the best model from {state.best_model_checkpoint} ({args.metric_for_best_model}="
                         f"{state.best_metric})")
         self.control = self.callback_handler.fire("on_train_end", args, state, self.control, model=model)
-        return state
+        return TrainOutput(state.global_step, training_loss, metrics)
+
+    def _print_run_summary(self, model, loader, micro: int, accum: int, num_epochs: int, max_steps: int) -> None:
+        """Hugging Face's `***** Running training *****` block, plus one line of ours spelling out the global batch."""
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
+        if loader.max_tokens is not None:  # token-budget batching: a micro batch is a token count, not a row count
+            global_batch = (f"{processes} x micro batches of up to {loader.max_tokens:,} tokens x {accum} accumulation "
+                            f"= {self.world_size * accum} micro batches per step")
+        else:
+            global_batch = (f"{processes} x {micro} micro batch x {accum} accumulation = "
+                            f"{self.world_size * micro * accum} sequences per step")
+        self._print("\n".join([
+            "***** Running training *****",
+            f"  Num examples = {len(self.train_dataset):,}",
+            f"  Num Epochs = {num_epochs:,}",
+            f"  Instantaneous batch size per device = {micro:,}",
+            f"  Total train batch size (w. parallel, distributed & accumulation) = "
+            f"{self.args.total_train_batch_size(self.world_size):,}",
+            f"  Gradient Accumulation steps = {accum}",
+            f"  Total optimization steps = {max_steps:,}",
+            f"  Number of trainable parameters = {trainable:,}",
+            f"  Global batch = {global_batch}",
+        ]))
 
     # ---- resuming -------------------------------------------------------------------------------------
     def _load_model_and_optimizer(self, resume: Path, model, optimizer) -> None:

@@ -168,7 +168,8 @@ def run(data: str, job: dict) -> None:
         from tests.trainer.test_distributed import eval_metrics as compute_metrics
     trainer = Trainer(model=small_model(), args=args, train_dataset=dataset, eval_dataset=dataset,
                       callbacks=callbacks, compute_metrics=compute_metrics, processing_class=byte_level_tokenizer())
-    state = trainer.train(resume_from_checkpoint=job.get("resume"))
+    trainer.train(resume_from_checkpoint=job.get("resume"))
+    state = trainer.state
     metrics = trainer.evaluate()
     trainer.save_model(str(out / "final"))
     if rank == 0:

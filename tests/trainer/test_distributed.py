@@ -130,7 +130,8 @@ def single_process(tmp_path: Path, data_file: Path, args: dict, resume=None):
     model = small_model()
     trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "single"), **args),
                       train_dataset=dataset, eval_dataset=dataset, compute_metrics=eval_metrics)
-    state = trainer.train(resume_from_checkpoint=resume)
+    trainer.train(resume_from_checkpoint=resume)
+    state = trainer.state
     return [h["loss"] for h in state.log_history if "loss" in h], model, trainer.evaluate()
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from trainer.args import TrainingArguments
-from trainer.callbacks import EarlyStoppingCallback, TrainerCallback
+from trainer.callbacks import EarlyStoppingCallback, TrainerCallback, TrainerState
 from trainer.checkpoint import checkpoints, latest_checkpoint, save_checkpoint
 from trainer.data import TokenizedDataset, load_sft_dataset
 from trainer.model import CausalLM, ModelConfig, load_pretrained
@@ -62,6 +62,12 @@ def weights(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def trained(trainer: Trainer, **train_kwargs) -> TrainerState:
+    """Train and return the trainer's state (train() itself returns Hugging Face's TrainOutput)."""
+    trainer.train(**train_kwargs)
+    return trainer.state
+
+
 def losses(state) -> list[float]:
     return [h["loss"] for h in state.log_history if "loss" in h]
 
@@ -90,7 +96,7 @@ def test_max_steps_is_the_seeds_formula_and_leftovers_fold_into_the_last_window(
         def on_step_begin(self, args, state, control, **kw):
             seen.append(1)
 
-    state = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Count()]).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Count()]))
     assert state.max_steps == math.ceil(2 * math.floor(10 / 3)) == 6
     assert state.global_step == 6 and state.epoch == pytest.approx(2.0)
     assert seen == [3, 3, 4, 3, 3, 4]  # the 10th micro batch of each epoch joins its last window
@@ -104,7 +110,7 @@ def test_accumulation_gives_the_same_gradient_and_loss_as_a_bigger_batch(tmp_pat
         capture = GradCapture(model)
         args = make_args(tmp_path / f"{micro}x{accum}", per_device_train_batch_size=micro,
                          gradient_accumulation_steps=accum, max_steps=3)
-        state = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[capture]).train()
+        state = trained(Trainer(model=model, args=args, train_dataset=dataset, callbacks=[capture]))
         runs[(micro, accum)] = (capture.grads, losses(state), weights(model))
     ref_grads, ref_losses, ref_weights = runs[(4, 1)]
     for key, (grads, logged, final) in runs.items():
@@ -125,7 +131,7 @@ def test_loss_is_normalised_by_supervised_tokens_not_micro_steps(tmp_path, datas
     args = make_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
                      learning_rate=0.0)
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
-    state = trainer.train()
+    state = trained(trainer)
     # Recompute the first window by hand: the 4 examples' token-mean loss.
     loader = trainer._train_loader(2)
     loader.set_epoch(0)
@@ -168,7 +174,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path, dataset):
             before[state.global_step + 1] = (weights(model), trainer.scaler.get_scale())
 
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[PoisonGrad(model, [5]), Snap()])
-    state = trainer.train()
+    state = trained(trainer)
     (w5, scale5), (w6, scale6) = before[5], before[6]
     assert scale6 == scale5 / 2  # the forced overflow at step 5 halved the scale ...
     for name, value in w5.items():  # ... and changed no weight
@@ -182,8 +188,8 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path, dataset):
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, dataset):
     model = small_model()
     args = make_args(tmp_path, max_steps=6, max_nonfinite_steps=3)
-    state = Trainer(model=model, args=args, train_dataset=dataset,
-                    callbacks=[PoisonGrad(model, [2], value=float("nan"))]).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset,
+                            callbacks=[PoisonGrad(model, [2], value=float("nan"))]))
     assert state.nonfinite_steps == 1 and state.global_step == 6
     assert all(math.isfinite(x) for x in losses(state))
     for p in model.parameters():
@@ -201,7 +207,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, dataset
 def test_bf16_autocast_trains_and_keeps_fp32_master_weights(tmp_path, dataset):
     model = small_model()
     args = make_args(tmp_path, bf16=True, max_steps=3)
-    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset))
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert len(losses(state)) == 3 and all(math.isfinite(x) for x in losses(state))
 
@@ -218,7 +224,7 @@ def test_auto_find_batch_size_halves_the_micro_batch_and_keeps_the_global_batch(
     model.forward = forward
     args = make_args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2,
                      auto_find_batch_size=True)
-    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset))
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
     assert state.global_step == 2
 
@@ -227,9 +233,36 @@ def test_logged_learning_rate_is_the_rate_the_step_used(tmp_path, dataset):
     """Hugging Face reads the rate after optimizer.step() and before lr_scheduler.step(): linear decay from 1e-2
     over 4 steps logs 1e-2, 7.5e-3, 5e-3, 2.5e-3 (not the next step's 7.5e-3 ... 0)."""
     args = make_args(tmp_path, max_steps=4, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=0)
-    state = Trainer(model=small_model(), args=args, train_dataset=dataset).train()
+    state = trained(Trainer(model=small_model(), args=args, train_dataset=dataset))
     logged = [h["learning_rate"] for h in state.log_history if "loss" in h]
     assert logged == pytest.approx([1e-2, 7.5e-3, 5e-3, 2.5e-3], rel=1e-9)
+
+
+def test_a_short_run_prints_its_setup_and_mean_train_loss(tmp_path, dataset, capsys):
+    """With Hugging Face's default logging_steps=500 a 3-step run logs no step, but still prints the run's setup
+    (HF's `***** Running training *****` block and our global-batch line) and the final metrics with the mean loss,
+    and train() returns HF's TrainOutput."""
+    per_step = trained(Trainer(model=small_model(), args=make_args(tmp_path / "every", max_steps=3,
+                                                                  global_batch_size=8), train_dataset=dataset))
+    capsys.readouterr()
+    model = small_model()
+    args = make_args(tmp_path / "quiet", max_steps=3, global_batch_size=8, logging_steps=500)
+    output = Trainer(model=model, args=args, train_dataset=dataset).train()
+    err = capsys.readouterr().err
+    assert output.global_step == 3
+    assert output.training_loss == pytest.approx(sum(losses(per_step)) / 3, rel=1e-6)
+    assert output.metrics["train_loss"] == output.training_loss
+    assert {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"} <= set(output.metrics)
+    assert output.metrics["train_steps_per_second"] == pytest.approx(3 / output.metrics["train_runtime"])
+    assert f"train_loss={output.training_loss:.4g}" in err
+    trainable = sum(p.numel() for p in model.parameters())
+    for line in ("***** Running training *****", "Num examples = 40", "Num Epochs = 1",
+                 "Instantaneous batch size per device = 4",
+                 "Total train batch size (w. parallel, distributed & accumulation) = 8",
+                 "Gradient Accumulation steps = 2", "Total optimization steps = 3",
+                 f"Number of trainable parameters = {trainable:,}",
+                 "Global batch = 1 process x 4 micro batch x 2 accumulation = 8 sequences per step"):
+        assert line in err, line
 
 
 class RecordingBigram(torch.nn.Module):
@@ -263,7 +296,7 @@ def test_resume_is_exact(tmp_path, dataset):
     common = dict(max_steps=6, save_strategy="steps", save_steps=3, per_device_train_batch_size=4,
                   gradient_accumulation_steps=2, optim="adamw_fused", neftune_noise_alpha=5.0)
     model = small_model()
-    full = Trainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=dataset).train()
+    full = trained(Trainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=dataset))
     full_weights = weights(model)
 
     class StopAt3(TrainerCallback):
@@ -278,7 +311,7 @@ def test_resume_is_exact(tmp_path, dataset):
 
     model = small_model(seed=123)  # different init: everything must come from the checkpoint
     resumed = Trainer(model=model, args=make_args(tmp_path / "part", **common), train_dataset=dataset)
-    state = resumed.train(resume_from_checkpoint=True)
+    state = trained(resumed, resume_from_checkpoint=True)
     assert losses(state) == losses(full)
     for name, value in weights(model).items():
         assert torch.equal(value, full_weights[name]), name
@@ -293,7 +326,7 @@ def test_resuming_a_finished_run_trains_nothing(tmp_path, dataset, capsys):
     finished = weights(model)
     capsys.readouterr()
     model = small_model(seed=123)
-    state = Trainer(model=model, args=args, train_dataset=dataset).train(resume_from_checkpoint=True)
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset), resume_from_checkpoint=True)
     assert state.global_step == 4
     for name, value in weights(model).items():
         assert torch.equal(value, finished[name]), name
@@ -352,7 +385,7 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path, dataset):
         return metrics
 
     trainer.evaluate = evaluate
-    state = trainer.train()
+    state = trained(trainer)
     kept = [p.name for p in checkpoints(args.output_dir)]
     assert state.best_model_checkpoint.endswith("checkpoint-4") and state.best_global_step == 4
     assert kept == ["checkpoint-4", "checkpoint-8"]
@@ -391,7 +424,7 @@ def test_early_stopping_and_callback_control(tmp_path, dataset):
                      learning_rate=0.0)  # no learning: the metric never improves
     trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset.select(range(4)),
                       callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
-    state = trainer.train()
+    state = trained(trainer)
     assert state.global_step == 3
 
 
@@ -406,7 +439,7 @@ def test_any_module_returning_logits_trains(tmp_path, dataset):
 
     model = Bigram()
     args = make_args(tmp_path, max_steps=5, learning_rate=0.1)
-    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset))
     assert losses(state)[-1] < losses(state)[0]
 
 
@@ -414,7 +447,8 @@ def test_metrics_jsonl_is_written(tmp_path, dataset):
     args = make_args(tmp_path, max_steps=2, include_num_input_tokens_seen=True)
     Trainer(model=small_model(), args=args, train_dataset=dataset).train()
     rows = [json.loads(line) for line in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 2]  # the last row: the end-of-training metrics
+    assert {"train_loss", "train_runtime", "train_samples_per_second", "train_steps_per_second"} <= set(rows[-1])
     assert {"loss", "learning_rate", "grad_norm", "tokens_per_second", "supervised_tokens_per_second",
             "num_input_tokens_seen", "peak_memory_gb", "epoch"} <= set(rows[0])
 
@@ -470,11 +504,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
 
 def test_per_block_compile_and_gradient_checkpointing_change_nothing(tmp_path, dataset):
     plain_model = small_model()
-    plain = Trainer(model=plain_model, args=make_args(tmp_path / "plain", max_steps=2), train_dataset=dataset).train()
+    plain = trained(Trainer(model=plain_model, args=make_args(tmp_path / "plain", max_steps=2), train_dataset=dataset))
     model = small_model()
     args = make_args(tmp_path / "compiled", max_steps=2, torch_compile=True, torch_compile_backend="aot_eager",
                      gradient_checkpointing=True)
-    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset))
     assert all(getattr(block, "_compiled_call_impl", None) is not None for block in model.model.layers)
     assert losses(state) == pytest.approx(losses(plain), rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain_model.parameters()):
