@@ -248,7 +248,8 @@ def train(args, sft: SFTArguments) -> int:
     from .parallel import init_distributed
     from .trainer import Trainer, set_seed
 
-    rank, _ = init_distributed()  # several processes under torchrun/accelerate; (0, 1) otherwise
+    rank, world_size = init_distributed()  # several processes under torchrun/accelerate; (0, 1) otherwise
+    args.resolve_world(world_size)  # gradient_accumulation_steps from global_batch_size, before the summary shows it
     out = Path(args.output_dir)
     if out.is_dir() and any(out.glob("checkpoint-*")) and not args.overwrite_output_dir and not args.resume_from_checkpoint:
         raise ConfigError(f"output_dir: {out} already holds checkpoints; pass --overwrite_output_dir true to train anew "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from trainer.data import TokenizedDataset, load_sft_dataset
 from trainer.model import CausalLM, ModelConfig, load_pretrained
 from trainer.tasks import generate_tasks
 from trainer.tokenizer import byte_level_tokenizer
+from trainer import sft
 from trainer.trainer import Trainer, TrainingError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -500,6 +502,16 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
     assert proc.returncode == 143, err[-2000:]
     saved = checkpoints(out)
     assert len(saved) == 1 and "SIGTERM" in err
+
+
+def test_the_cli_summary_shows_the_accumulation_global_batch_size_implies(tmp_path, capsys):
+    """global_batch_size=32 over one process of micro batch 8 is 4 accumulation steps; the summary printed before
+    anything loads said 1. (The data file is missing, so the run stops right after the summary.)"""
+    code = sft.main(["--model", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--output_dir", str(tmp_path / "o"),
+                     "--per_device_train_batch_size", "8", "--global_batch_size", "32"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(r" gradient_accumulation_steps += 4\n", err), err
 
 
 def test_per_block_compile_and_gradient_checkpointing_change_nothing(tmp_path, dataset):
