@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -71,9 +72,15 @@ class Throughput:
 
 
 class MetricsWriter:
-    """Writes each log dict to output_dir/metrics.jsonl and to tensorboard when asked and installed."""
+    """Writes each log dict to output_dir/metrics.jsonl and to tensorboard when asked and installed.
 
-    def __init__(self, output_dir: str | Path, report_to: list[str], logging_dir: str | None = None, enabled: bool = True):
+    metrics.jsonl reads as one unbroken run: a run resumed at `resumed_step` first drops the rows past that step (those
+    logged after the checkpoint by the run that was stopped, which this run logs again; and a line torn by a kill),
+    rewriting the file atomically; a fresh run never appends to an earlier run's file, it moves it aside to
+    metrics.<n>.jsonl (the first free n) and says so."""
+
+    def __init__(self, output_dir: str | Path, report_to: list[str], logging_dir: str | None = None, enabled: bool = True,
+                 resumed_step: int | None = None):
         self.enabled = enabled
         self.jsonl = None
         self.tb = None
@@ -82,7 +89,18 @@ class MetricsWriter:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if "jsonl" in report_to or "all" in report_to:
-            self.jsonl = (out / "metrics.jsonl").open("a")
+            path = out / "metrics.jsonl"
+            if path.exists() and resumed_step is not None:
+                _truncate_after(path, resumed_step)
+            elif path.exists():
+                n = 1
+                while (out / f"metrics.{n}.jsonl").exists():
+                    n += 1
+                aside = out / f"metrics.{n}.jsonl"
+                os.replace(path, aside)
+                print(f"metrics.jsonl: {out} held an earlier run's metrics; moved them to {aside.name}", file=sys.stderr,
+                      flush=True)
+            self.jsonl = path.open("a")
         if "tensorboard" in report_to or "all" in report_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -111,6 +129,21 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the rows of a metrics.jsonl up to `step` (and drop a torn, unreadable line), replacing the file atomically."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def format_logs(logs: dict) -> str:

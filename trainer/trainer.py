@@ -227,7 +227,8 @@ class Trainer:
                             f"{max_steps}: nothing left to train; the weights are the checkpoint's")
         self.state = state
         self.control = TrainerControl()
-        writer = MetricsWriter(args.output_dir, args.report_to, args.logging_dir, enabled=self.rank == 0)
+        writer = MetricsWriter(args.output_dir, args.report_to, args.logging_dir, enabled=self.rank == 0,
+                               resumed_step=state.global_step if resume is not None else None)
         throughput = Throughput()
         peak_flops = device_peak_flops(device)
         flops_per_token = self._flops_per_token(model)
@@ -391,7 +392,8 @@ class Trainer:
                        "train_steps_per_second": steps_trained / max(runtime, 1e-9),
                        "total_flos": state.total_flos,
                        "train_loss": training_loss if train_loss_steps else None}
-            self._log(state, metrics, writer, progress)
+            if not self._sigterm:  # a stopped run is not at its end: its resume logs them, once
+                self._log(state, metrics, writer, progress)
         finally:
             progress.close()
             self._restore_sigterm(previous_sigterm)

@@ -455,6 +455,31 @@ def test_metrics_jsonl_is_written(tmp_path, dataset):
             "num_input_tokens_seen", "peak_memory_gb", "epoch"} <= set(rows[0])
 
 
+def test_metrics_jsonl_of_a_resumed_run_reads_as_one_run(tmp_path, dataset, capsys):
+    """A run stopped at step 3 after its checkpoint at step 2 logged step 3; the resume from step 2 logs it again,
+    so the file must drop the first. A later fresh run into the same output_dir moves the file aside."""
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step == 3
+
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    metrics_file = Path(args.output_dir) / "metrics.jsonl"
+    Trainer(model=small_model(), args=args, train_dataset=dataset, callbacks=[StopAt3()]).train()
+    with metrics_file.open("a") as f:
+        f.write('{"step": 3, "loss": 1.')  # a line torn by a kill
+    state = trained(Trainer(model=small_model(), args=args, train_dataset=dataset), resume_from_checkpoint=True)
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows if "loss" in r] == losses(state)
+    assert [r["step"] for r in rows if "train_loss" in r] == [4]
+
+    capsys.readouterr()
+    Trainer(model=small_model(), args=make_args(tmp_path, max_steps=1), train_dataset=dataset).train()
+    assert "moved them to metrics.1.jsonl" in capsys.readouterr().err
+    assert (Path(args.output_dir) / "metrics.1.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows)
+    assert [json.loads(line)["step"] for line in metrics_file.read_text().splitlines()] == [1, 1]
+
+
 # ---- process-level: SIGTERM and SIGKILL ------------------------------------------------------------------------
 def _sft(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "trainer.sft", "--model", "tiny", "--data", str(ROOT / "trainer/data/tasks_eval.jsonl"),
@@ -488,6 +513,12 @@ def test_sigkill_then_resume_gives_the_same_weights(tmp_path):
     a, b = load_pretrained(full), load_pretrained(part)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
+
+    def logged_losses(run: Path) -> list[tuple[int, float]]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+    assert logged_losses(part) == logged_losses(full)  # the steps between checkpoint and kill appear once
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
