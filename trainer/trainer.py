@@ -18,7 +18,8 @@ What the loop guarantees, and how:
   counted (`nonfinite_steps`) and logged; after `max_nonfinite_steps` in a row the run stops with a clear
   error, and the last checkpoint on disk is the last good one.
 - Checkpoints are atomic and resumable exactly (model, optimizer, scheduler, scaler, RNG, data position);
-  SIGTERM saves a checkpoint at the end of the current step and stops. Under another number of processes a
+  SIGTERM and a first Ctrl-C (SIGINT) save a checkpoint at the end of the current step and stop
+  (`stop_signal` says which); a second Ctrl-C aborts at once and says what is on disk. Under another number of processes a
   resume is exact but for the per-rank RNG (re-seeded, with a warning) when the micro and global batch stay the
   same, and refused otherwise (`_check_resume_across_worlds`, trainer/checkpoint.py, docs/multi_gpu.md).
 """
@@ -133,8 +134,7 @@ class Trainer:
         self.scaler = None
         # Batching options that are not TrainingArguments (the sft CLI sets them): pad_to_multiple_of, max_tokens.
         self.loader_options: dict = {}
-        self._sigterm = False
-        self.interrupted = False
+        self.stop_signal: signal.Signals | None = None  # SIGTERM or SIGINT when one stopped the last train()
         self.control = self.callback_handler.fire("on_init_end", args, self.state, self.control)
 
     # ---- public API -----------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ class Trainer:
         self._print_run_summary(model, loader, micro, accum, num_epochs, max_steps)
         start_time, start_step = time.perf_counter(), state.global_step
         progress = self._progress(max_steps, state.global_step)
-        previous_sigterm = self._install_sigterm()
+        previous_handlers = self._install_stop_signals()
         logged_loss, logged_steps, nonfinite_in_row = 0.0, 0, 0
         train_loss_sum, train_loss_steps = 0.0, 0  # over this call's stepped windows: the final train_loss
         last_grad_norm = None
@@ -350,7 +350,7 @@ class Trainer:
                         self.control.should_save = True
                     if state.global_step >= max_steps:
                         self.control.should_training_stop = True
-                    if self._sigterm:
+                    if self.stop_signal is not None:
                         self.control.should_save = True
                         self.control.should_training_stop = True
                     if self.control.should_log:
@@ -392,14 +392,19 @@ class Trainer:
                        "train_steps_per_second": steps_trained / max(runtime, 1e-9),
                        "total_flos": state.total_flos,
                        "train_loss": training_loss if train_loss_steps else None}
-            if not self._sigterm:  # a stopped run is not at its end: its resume logs them, once
+            if self.stop_signal is None:  # a stopped run is not at its end: its resume logs them, once
                 self._log(state, metrics, writer, progress)
+        except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this point
+            self._print(f"aborted by a second Ctrl-C after step {state.global_step}, without saving; "
+                        f"{self._on_disk()}")
+            raise
         finally:
             progress.close()
-            self._restore_sigterm(previous_sigterm)
+            self._restore_stop_signals(previous_handlers)
             writer.close()
-        self.interrupted = self._sigterm
-        if args.load_best_model_at_end and state.best_model_checkpoint and not self.interrupted:
+        if self.stop_signal is not None:
+            self._print(f"{self.stop_signal.name}: stopped at step {state.global_step}; {self._on_disk()}")
+        if args.load_best_model_at_end and state.best_model_checkpoint and self.stop_signal is None:
             self._load_model_weights(Path(state.best_model_checkpoint))
             self._print(f"loaded the best model from {state.best_model_checkpoint} ({args.metric_for_best_model}="
                         f"{state.best_metric})")
@@ -595,7 +600,7 @@ class Trainer:
             metrics = self._evaluate_and_track(state, model, writer=writer, progress=progress)
         if args.save_strategy == "best" and metrics is not None and state.best_global_step == state.global_step:
             self.control.should_save = True
-        if self.control.should_save and args.save_strategy != "no" or (self.control.should_save and self._sigterm):
+        if self.control.should_save and (args.save_strategy != "no" or self.stop_signal is not None):
             self._save_checkpoint(state, model, optimizer, scheduler, loader)
         self.control.reset_step()
 
@@ -833,19 +838,33 @@ class Trainer:
 
         return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, leave=True)
 
-    def _install_sigterm(self):
-        self._sigterm = False
-        if threading_main():
-            def handler(signum, frame):
-                self._sigterm = True
-                self._print("SIGTERM: saving a checkpoint at the end of this step, then stopping")
+    def _install_stop_signals(self) -> dict:
+        """SIGTERM, or a first Ctrl-C: save a checkpoint at the end of this step, then stop. A second Ctrl-C raises
+        KeyboardInterrupt at once. Returns the handlers to restore (none outside the main thread)."""
+        self.stop_signal = None
+        if not threading_main():
+            return {}
 
-            return signal.signal(signal.SIGTERM, handler)
-        return None
+        def handler(signum, frame):
+            if signum == signal.SIGINT and self.stop_signal is not None:
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum)
+            again = " (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
+            self._print(f"{self.stop_signal.name}: saving a checkpoint at the end of this step, then stopping{again}")
 
-    def _restore_sigterm(self, previous) -> None:
-        if previous is not None and threading_main():
-            signal.signal(signal.SIGTERM, previous)
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _on_disk(self) -> str:
+        """What a stopped run leaves to resume from, for the user."""
+        last = ckpt.latest_checkpoint(self.args.output_dir)
+        if last is None:
+            return "no checkpoint on disk: a new run starts from the beginning"
+        return (f"the newest checkpoint is {last} (step {ckpt.checkpoint_step(last)}); resume with "
+                "resume_from_checkpoint='auto' or that path")
+
+    def _restore_stop_signals(self, previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
     def _print(self, message: str) -> None:
         if self.rank == 0:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -521,18 +522,45 @@ def test_sigkill_then_resume_gives_the_same_weights(tmp_path):
     assert logged_losses(part) == logged_losses(full)  # the steps between checkpoint and kill appear once
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
+@pytest.mark.parametrize("stop, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_or_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(tmp_path, stop, code):
     out = tmp_path / "run"
-    proc = subprocess.Popen(_sft(out, "--max_steps", "100000", "--save_strategy", "no"), env=_env(), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = _sft(out, "--max_steps", "100000", "--save_strategy", "no")
+    proc = subprocess.Popen(command, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not (out / "metrics.jsonl").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-2000:]
+    assert proc.returncode == code, err[-2000:]
     saved = checkpoints(out)
-    assert len(saved) == 1 and "SIGTERM" in err
+    assert len(saved) == 1 and f"stopped by {stop.name}" in err
+    resume = shlex.join(["python", "-m", "trainer.sft", *command[3:], "--resume_from_checkpoint", "auto"])
+    assert resume in err, err[-2000:]
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_says_what_is_on_disk(tmp_path, dataset, capsys):
+    class CtrlC(TrainerCallback):
+        def __init__(self, times):
+            self.times = times
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 2:
+                for _ in range(self.times):
+                    os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    once = Trainer(model=small_model(), args=make_args(tmp_path / "once", max_steps=5), train_dataset=dataset,
+                   callbacks=[CtrlC(1)])
+    assert once.train().global_step == 2 and once.stop_signal == signal.SIGINT
+    assert [p.name for p in checkpoints(tmp_path / "once" / "out")] == ["checkpoint-2"]  # save_strategy="no"
+
+    args = make_args(tmp_path / "twice", max_steps=5, save_strategy="steps", save_steps=1)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(model=small_model(), args=args, train_dataset=dataset, callbacks=[CtrlC(2)]).train()
+    assert [p.name for p in checkpoints(args.output_dir)] == ["checkpoint-1"]  # step 2's save never ran
+    assert "aborted by a second Ctrl-C after step 2, without saving; the newest checkpoint is" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_the_cli_summary_shows_the_accumulation_global_batch_size_implies(tmp_path, capsys):
