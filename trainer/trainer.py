@@ -5,7 +5,12 @@ What the loop guarantees, and how:
   The loss of each micro batch is `sum of its token losses / N`, N = the supervised targets of the whole
   accumulation window (summed across data-parallel ranks), so the gradient of per_device=B, accum=1 equals
   that of per_device=1, accum=B to fp32 rounding and the logged loss depends on neither. It is never also
-  divided by the number of micro steps.
+  divided by the number of micro steps. Under data parallelism the normaliser is N / world_size, so that
+  DDP/FSDP's gradient average is exact and `loss.backward()` runs with grad_output exactly 1
+  (`_loss_normaliser`).
+- Host syncs. One per optimizer step: the window's loss and gradient norm (and, with several processes, its
+  token count) come to the host together in one `.tolist()`; nothing else in the step waits for the device
+  (no `.item()`, no device tensor made from a Python number; tests/trainer/test_trainer.py counts them).
 - Steps. `max_steps = ceil(epochs * floor(micro_batches_per_epoch / accum))` as Hugging Face defines it. The
   micro batches left over at the end of an epoch (fewer than `accum`) are folded into the epoch's last
   window instead of making an extra partial step (Hugging Face takes an extra step there, so its epochs
@@ -258,7 +263,7 @@ class Trainer:
                     self.control = self.callback_handler.fire("on_step_begin", args, state, self.control)
 
                     # 1. forward/backward over the window, each micro loss normalised by the window's targets
-                    num_items = self._global_num_items(micro_batches, device)
+                    num_items = self._loss_normaliser(micro_batches, device)
                     model.train()
                     window_loss = torch.zeros((), device=device, dtype=torch.float32)
                     window_tokens = 0
@@ -267,30 +272,36 @@ class Trainer:
                         with gradient_sync(model, i == len(micro_batches) - 1):
                             with self._autocast(device, train=True):
                                 loss = self._compute_loss(model, batch, num_items, device)
-                            backward_loss = loss * self.world_size if self.world_size > 1 else loss  # DDP/FSDP average once
-                            (self.scaler.scale(backward_loss) if self.scaler else backward_loss).backward()
+                            (self.scaler.scale(loss) if self.scaler else loss).backward()
                         window_loss += loss.detach().float()
                         if i < len(micro_batches) - 1:
                             self.control = self.callback_handler.fire("on_substep_end", args, state, self.control)
                         tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
                         throughput.add(tokens, int(batch.get("num_items", 0)))
                         window_tokens += tokens
+                    to_host = [window_loss]
                     if self.world_size > 1:
-                        # Each rank holds its share of the window's loss and tokens: log the sums over all ranks.
-                        totals = torch.stack([window_loss, torch.tensor(float(window_tokens), device=device)])
+                        # Each rank holds its share of the window's loss and tokens: log the sums over all ranks, the
+                        # loss divided by world_size (_loss_normaliser). float64 counts tokens exactly.
+                        totals = torch.stack([window_loss.double(), torch.full((), float(window_tokens),
+                                                                               dtype=torch.float64, device=device)])
                         torch.distributed.all_reduce(totals)
-                        window_loss, window_tokens = totals[0], int(totals[1].item())
-                    state.num_input_tokens_seen += window_tokens
+                        to_host = [totals[0] / self.world_size, totals[1]]
 
                     # 2. clip, check, step (or skip)
                     if self.scaler is not None:
                         self.scaler.unscale_(optimizer)
                     params = [p for p in model.parameters() if p.grad is not None]
                     max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros((), device=device)
                     if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards (already used to clip)
                         grad_norm = grad_norm.full_tensor()
-                    loss_value, grad_norm_value = window_loss.item(), float(grad_norm)  # the one host sync per step
+                    # The one host sync per step.
+                    host = torch.stack([t.double() for t in [to_host[0], grad_norm, *to_host[1:]]]).tolist()
+                    loss_value, grad_norm_value = host[0], host[1]
+                    if self.world_size > 1:
+                        window_tokens = int(host[2])
+                    state.num_input_tokens_seen += window_tokens
                     finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
                     self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
                     stepped = False
@@ -496,15 +507,21 @@ class Trainer:
             resolve(self.world_size)
         return self.args.gradient_accumulation_steps
 
-    def _global_num_items(self, micro_batches, device) -> torch.Tensor:
+    def _loss_normaliser(self, micro_batches, device) -> int | torch.Tensor:
+        """What each micro batch's summed token loss is divided by: N / world_size, N = the window's supervised
+        targets over all ranks with average_tokens_across_devices, else this rank's count times world_size (each
+        rank its own mean, as Hugging Face). DDP/FSDP average the gradients over the ranks, so dividing by
+        world_size here keeps that average exact while `loss.backward()` runs with grad_output exactly 1: the
+        cross-entropy backward then skips its in-place scaling pass over the logits (about 4 bytes per logit per
+        backward). Each rank's loss is world_size times its share, so the loop divides the logged sum by world_size.
+        A host int where no collective is needed (the kernel makes it a device scalar with a fill, not a copy from
+        the host); a window without targets (filler batches) divides by 1."""
         total = sum(int(b["num_items"]) if "num_items" in b else _count_targets(b["labels"]) for b in micro_batches)
-        n = torch.tensor(float(total), device=device)
-        if self.world_size > 1 and self.args.average_tokens_across_devices:
-            torch.distributed.all_reduce(n)
-        elif self.world_size > 1:
-            n = n * self.world_size  # each rank normalises by its own count, scaled so averaging is exact once
-        # A window with no target at all (filler batches) has a loss sum of 0: divide by 1, not 0.
-        return n.clamp_(min=1.0)
+        if self.world_size == 1 or not self.args.average_tokens_across_devices:
+            return max(total, 1)
+        n = torch.full((), float(total), device=device)  # a fill: no host-to-device copy, no sync
+        torch.distributed.all_reduce(n)
+        return n.clamp_(min=1.0) / self.world_size
 
     def _compute_loss(self, model, batch, num_items, device):
         """Sum of the batch's token losses / num_items, whatever kind of model this is."""
@@ -521,8 +538,8 @@ class Trainer:
         if loss is not None and "num_items" in accepted:
             return loss
         if loss is not None:
-            # A model that averages over its own batch: rescale to sum / window targets.
-            return loss * (_count_targets(inputs["labels"]) / num_items)
+            # A model that averages over its own batch: rescale to sum / window targets (counted on the host copy).
+            return loss * ((batch["num_items"] if "num_items" in batch else _count_targets(batch["labels"])) / num_items)
         logits = out if isinstance(out, torch.Tensor) else (out.get("logits") if isinstance(out, dict) else out.logits)
         import kernels
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from trainer.args import TrainingArguments
 from trainer.callbacks import EarlyStoppingCallback, TrainerCallback, TrainerState
@@ -292,6 +294,89 @@ def test_an_unshuffled_run_takes_examples_in_dataset_order(tmp_path, dataset, op
         for row in range(4):
             expected = torch.as_tensor(dataset[4 * step + row]["input_ids"])
             assert torch.equal(ids[row, :len(expected)], expected), (step, row)
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts, on CPU, what would make the host wait for a CUDA device during a training step:
+    - reads of a device tensor's values on the host: .item(), float()/int()/bool(), .tolist(), .cpu(), .numpy();
+    - device tensors made from Python data: torch.tensor/as_tensor(..., device=...), a copy from pageable host
+      memory that waits for the stream (a fill such as torch.full does not).
+    On CPU every tensor lives on the host, so "device" is told apart by provenance: the loader's batches (host
+    data on a GPU too, moved to the device by the loop) and what is computed from them alone are host tensors;
+    every other tensor (parameters, activations, losses, norms) stands for a device tensor. A TorchFunctionMode
+    rather than a TorchDispatchMode, because .tolist() and .cpu() of a CPU tensor never reach the dispatcher."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
+             torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+    FROM_DATA = {torch.tensor, torch.as_tensor}
+
+    def __init__(self):
+        super().__init__()
+        self.host: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive, so that an id is never reused)
+        self.reads, self.created = [], []
+
+    def mark_host(self, tree) -> None:
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor):
+                self.host[id(t)] = t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on_host = bool(tensors) and all(id(t) in self.host for t in tensors)
+        if func in self.READS and not on_host:
+            self.reads.append(func.__name__)
+        if func in self.FROM_DATA and kwargs.get("device") is not None:
+            self.created.append(func.__name__)
+        out = func(*args, **kwargs)
+        if on_host:
+            self.mark_host(out)
+        return out
+
+
+@pytest.mark.parametrize("model_kind", ["ours", "averages_itself"])
+def test_one_host_sync_per_optimizer_step(tmp_path, dataset, monkeypatch, model_kind):
+    class MeanLoss(torch.nn.Module):  # a model that returns its own mean loss (the loop rescales it)
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(320, 320)
+
+        def forward(self, input_ids, labels):
+            logits = self.table(input_ids)
+            return {"loss": torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())}
+
+    counter = HostSyncCounter()
+    per_step = []
+
+    class Window(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.start = (len(counter.reads), len(counter.created))
+
+        def on_step_end(self, args, state, control, **kw):
+            per_step.append((len(counter.reads) - self.start[0], len(counter.created) - self.start[1]))
+
+    real_loader = Trainer._train_loader
+
+    def host_batches_loader(self, micro):
+        loader = real_loader(self, micro)
+        collate = loader.collate
+
+        def host_collate(*a, **k):
+            batch = collate(*a, **k)
+            counter.mark_host(batch)
+            return batch
+
+        loader.collate = host_collate
+        return loader
+
+    monkeypatch.setattr(Trainer, "_train_loader", host_batches_loader)
+    model = small_model() if model_kind == "ours" else MeanLoss()
+    args = make_args(tmp_path, max_steps=3, gradient_accumulation_steps=2, optim="adamw_torch_fused",
+                     include_num_input_tokens_seen=True)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Window()])
+    with counter:
+        trainer.train()
+    assert per_step == [(1, 0)] * 3, (per_step, counter.reads, counter.created)
 
 
 # ---- checkpoints and resume -----------------------------------------------------------------------------------
