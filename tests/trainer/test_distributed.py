@@ -210,6 +210,14 @@ def test_two_processes_match_one_process(suite, reference_run, name):
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_backward_starts_from_a_gradient_of_exactly_one(suite, name):
+    """The world_size factor of the gradient average lives in the loss normaliser (N / world_size), not in a loss
+    multiplied before backward, so the cross-entropy backward skips its in-place scaling pass over the logits."""
+    grads = suite["result"][name]["loss_grad_outputs"]
+    assert len(grads) == 3 * 2 and set(grads) == {1.0}, grads  # 3 steps x 2 micro batches on rank 0
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
 def test_compute_metrics_sees_the_whole_eval_set_once_in_order(suite, reference_run, name):
     """40 eval examples in batches of 8 make 5 global batches: rank 0 holds 3, rank 1 holds 2 and a filler. The
     gathered predictions give the 1-process metrics: counts and order checksum exactly, accuracy to the weights'
