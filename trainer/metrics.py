@@ -79,8 +79,8 @@ class MetricsWriter:
     rewriting the file atomically; a fresh run never appends to an earlier run's file, it moves it aside to
     metrics.<n>.jsonl (the first free n) and says so."""
 
-    def __init__(self, output_dir: str | Path, report_to: list[str], logging_dir: str | None = None, enabled: bool = True,
-                 resumed_step: int | None = None):
+    def __init__(self, output_dir: str | Path, report_to: list[str], logging_dir: str | None = None,
+                 enabled: bool = True, resumed_step: int | None = None):
         self.enabled = enabled
         self.jsonl = None
         self.tb = None
@@ -98,8 +98,8 @@ class MetricsWriter:
                     n += 1
                 aside = out / f"metrics.{n}.jsonl"
                 os.replace(path, aside)
-                print(f"metrics.jsonl: {out} held an earlier run's metrics; moved them to {aside.name}", file=sys.stderr,
-                      flush=True)
+                print(f"metrics.jsonl: {out} held an earlier run's metrics; moved them to {aside.name}",
+                      file=sys.stderr, flush=True)
             self.jsonl = path.open("a")
         if "tensorboard" in report_to or "all" in report_to:
             try:
@@ -132,7 +132,7 @@ class MetricsWriter:
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """Keep the rows of a metrics.jsonl up to `step` (and drop a torn, unreadable line), replacing the file atomically."""
+    """Keep the rows of a metrics.jsonl up to `step` (and drop a torn, unreadable line); replace the file atomically."""
     kept = []
     for line in path.read_text().splitlines():
         try:

@@ -24,9 +24,9 @@ What the loop guarantees, and how:
   error, and the last checkpoint on disk is the last good one.
 - Checkpoints are atomic and resumable exactly (model, optimizer, scheduler, scaler, RNG, data position);
   SIGTERM and a first Ctrl-C (SIGINT) save a checkpoint at the end of the current step and stop
-  (`stop_signal` says which); a second Ctrl-C aborts at once and says what is on disk. Under another number of processes a
-  resume is exact but for the per-rank RNG (re-seeded, with a warning) when the micro and global batch stay the
-  same, and refused otherwise (`_check_resume_across_worlds`, trainer/checkpoint.py, docs/multi_gpu.md).
+  (`stop_signal` says which); a second Ctrl-C aborts at once and says what is on disk. Under another number of
+  processes a resume is exact but for the per-rank RNG (re-seeded, with a warning) when the micro and global
+  batch stay the same, and refused otherwise (`_check_resume_across_worlds`, trainer/checkpoint.py, docs/multi_gpu.md).
 """
 
 from __future__ import annotations
@@ -279,27 +279,30 @@ class Trainer:
                         tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
                         throughput.add(tokens, int(batch.get("num_items", 0)))
                         window_tokens += tokens
-                    to_host = [window_loss]
+                    global_tokens = None  # (several processes) the window's tokens over all ranks, on the device
                     if self.world_size > 1:
                         # Each rank holds its share of the window's loss and tokens: log the sums over all ranks, the
                         # loss divided by world_size (_loss_normaliser). float64 counts tokens exactly.
                         totals = torch.stack([window_loss.double(), torch.full((), float(window_tokens),
                                                                                dtype=torch.float64, device=device)])
                         torch.distributed.all_reduce(totals)
-                        to_host = [totals[0] / self.world_size, totals[1]]
+                        window_loss, global_tokens = totals[0] / self.world_size, totals[1]
 
                     # 2. clip, check, step (or skip)
                     if self.scaler is not None:
                         self.scaler.unscale_(optimizer)
                     params = [p for p in model.parameters() if p.grad is not None]
                     max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros((), device=device)
+                    grad_norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if params
+                                 else torch.zeros((), device=device))
                     if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards (already used to clip)
                         grad_norm = grad_norm.full_tensor()
-                    # The one host sync per step.
-                    host = torch.stack([t.double() for t in [to_host[0], grad_norm, *to_host[1:]]]).tolist()
+                    # The one host sync per step: one copy of every number the host needs (`.to(device)`: FSDP2 with
+                    # offloaded parameters has the norm on the CPU).
+                    on_device = [window_loss, grad_norm] + ([global_tokens] if global_tokens is not None else [])
+                    host = torch.stack([t.to(device, torch.float64) for t in on_device]).tolist()
                     loss_value, grad_norm_value = host[0], host[1]
-                    if self.world_size > 1:
+                    if global_tokens is not None:
                         window_tokens = int(host[2])
                     state.num_input_tokens_seen += window_tokens
                     finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
@@ -539,7 +542,8 @@ class Trainer:
             return loss
         if loss is not None:
             # A model that averages over its own batch: rescale to sum / window targets (counted on the host copy).
-            return loss * ((batch["num_items"] if "num_items" in batch else _count_targets(batch["labels"])) / num_items)
+            targets = batch["num_items"] if "num_items" in batch else _count_targets(batch["labels"])
+            return loss * (targets / num_items)
         logits = out if isinstance(out, torch.Tensor) else (out.get("logits") if isinstance(out, dict) else out.logits)
         import kernels
 
