@@ -61,6 +61,11 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The global step a checkpoint-<step> directory was saved at."""
+    return int(_CKPT_RE.match(Path(path).name).group(1))
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     found = checkpoints(output_dir)
     return found[-1] if found else None

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +87,28 @@ def _hf_keys(logs: dict, step: int) -> dict:
 
 
 class JsonlLogger:
+    """output_dir/metrics.jsonl, which reads as one unbroken run: a run resumed at `resumed_step` first drops the
+    rows past that step (logged after the checkpoint by the run that was stopped, which this run logs again; and a
+    line torn by a kill), rewriting the file atomically; a fresh run never appends to an earlier run's file, it
+    moves it aside to metrics.<n>.jsonl (the first free n) and says so."""
+
     run_id = None
 
-    def __init__(self, output_dir: str | Path):
+    def __init__(self, output_dir: str | Path, resumed_step: int | None = None):
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.file = (out / "metrics.jsonl").open("a")
+        path = out / "metrics.jsonl"
+        if path.exists() and resumed_step is not None:
+            _truncate_after(path, resumed_step)
+        elif path.exists():
+            n = 1
+            while (out / f"metrics.{n}.jsonl").exists():
+                n += 1
+            aside = out / f"metrics.{n}.jsonl"
+            os.replace(path, aside)
+            print(f"metrics.jsonl: {out} held an earlier run's metrics; moved them to {aside.name}",
+                  file=sys.stderr, flush=True)
+        self.file = path.open("a")
 
     def log(self, logs: dict, step: int) -> None:
         self.file.write(json.dumps({"step": step, **logs}) + "\n")
@@ -99,6 +116,22 @@ class JsonlLogger:
 
     def finish(self) -> None:
         self.file.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the rows of a metrics.jsonl up to `step` (and drop a torn, unreadable line); replace the file atomically."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
 
 
 class TensorBoardLogger:
@@ -203,10 +236,11 @@ _SERVICES = {"wandb": WandbLogger, "mlflow": MlflowLogger, "swanlab": SwanlabLog
 
 
 def open_logger(name: str, *, output_dir: str | Path, logging_dir: str | Path | None, run_name: str | None,
-                config: dict, run_id: str | None):
-    """The logger for report_to name `name`; `run_id` (from a checkpoint) continues that logged run."""
+                config: dict, run_id: str | None, resumed_step: int | None = None):
+    """The logger for report_to name `name`; `run_id` (from a checkpoint) continues that logged run, `resumed_step`
+    is the step a resumed run starts from (None for a fresh run)."""
     if name == "jsonl":
-        return JsonlLogger(output_dir)
+        return JsonlLogger(output_dir, resumed_step)
     if name == "tensorboard":
         return TensorBoardLogger(logging_dir or Path(output_dir) / "runs")
     return _SERVICES[name](run_name, config, run_id)

@@ -16,10 +16,12 @@ is built sharded, so that no rank ever holds all of it (`load_model_and_tokenize
 printed with its rank and ends that process with exit code 1, which ends the job (no hang).
 
 Exit codes: 0 done, 1 an error on some rank of a multi-process job, 2 bad input (one line on stderr, no
-traceback), 143 stopped by SIGTERM after saving.
+traceback), 130 stopped by Ctrl-C (the first saves a checkpoint at the end of the step, a second aborts at once),
+143 stopped by SIGTERM after saving; a stopped run prints the command that resumes it.
 """
 
 import json
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(f"interrupted; to resume from the newest checkpoint, if any:\n    {resume_command(argv)}", file=sys.stderr)
         return 130
     except Exception as exc:
         from .parallel import end_on_error, world
@@ -236,19 +238,33 @@ def _run(argv: list[str]) -> int:
 
     try:
         args, sft = parse_args(argv, extra_dataclasses=(SFTArguments,))
-        return train(args, sft)
+        return train(args, sft, argv)
     except (ConfigError, DataError, ModelError, TokenizerError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-def train(args, sft: SFTArguments) -> int:
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues a stopped run: the same arguments with --resume_from_checkpoint auto."""
+    kept, skip_value = [], False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg == "--resume_from_checkpoint":
+            skip_value = True
+        elif not arg.startswith("--resume_from_checkpoint="):
+            kept.append(arg)
+    return shlex.join(["python", "-m", "trainer.sft", *kept, "--resume_from_checkpoint", "auto"])
+
+
+def train(args, sft: SFTArguments, argv: list[str]) -> int:
     from .data import load_sft_dataset, split_dataset
     from .metrics import plot_loss_curve
     from .parallel import init_distributed
     from .trainer import Trainer, set_seed
 
-    rank, _ = init_distributed()  # several processes under torchrun/accelerate; (0, 1) otherwise
+    rank, world_size = init_distributed()  # several processes under torchrun/accelerate; (0, 1) otherwise
+    args.resolve_world(world_size)  # gradient_accumulation_steps from global_batch_size, before the summary shows it
     out = Path(args.output_dir)
     if out.is_dir() and any(out.glob("checkpoint-*")) and not args.overwrite_output_dir and not args.resume_from_checkpoint:
         raise ConfigError(f"output_dir: {out} already holds checkpoints; pass --overwrite_output_dir true to train anew "
@@ -284,11 +300,13 @@ def train(args, sft: SFTArguments) -> int:
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer)
     trainer.loader_options.update(pad_to_multiple_of=sft.pad_to_multiple_of, max_tokens=sft.max_tokens)
     started = time.perf_counter()
-    state = trainer.train()
+    trainer.train()
+    state = trainer.state
     elapsed = time.perf_counter() - started
-    if trainer.interrupted:
-        print(f"stopped by SIGTERM at step {state.global_step}; resume with --resume_from_checkpoint auto", file=sys.stderr)
-        return 143
+    if trainer.stop_signal is not None:
+        print(f"stopped by {trainer.stop_signal.name} at step {state.global_step}; resume with:\n"
+              f"    {resume_command(argv)}", file=sys.stderr)
+        return 128 + trainer.stop_signal
     final = trainer.save_model(args.output_dir)
     summary = {"train_runtime_s": round(elapsed, 1), "global_step": state.global_step}
     train_logs = [h for h in state.log_history if "loss" in h]

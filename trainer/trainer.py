@@ -5,7 +5,12 @@ What the loop guarantees, and how:
   The loss of each micro batch is `sum of its token losses / N`, N = the supervised targets of the whole
   accumulation window (summed across data-parallel ranks), so the gradient of per_device=B, accum=1 equals
   that of per_device=1, accum=B to fp32 rounding and the logged loss depends on neither. It is never also
-  divided by the number of micro steps.
+  divided by the number of micro steps. Under data parallelism the normaliser is N / world_size, so that
+  DDP/FSDP's gradient average is exact and `loss.backward()` runs with grad_output exactly 1
+  (`_loss_normaliser`).
+- Host syncs. One per optimizer step: the window's loss and gradient norm (and, with several processes, its
+  token count) come to the host together in one `.tolist()`; nothing else in the step waits for the device
+  (no `.item()`, no device tensor made from a Python number; tests/trainer/test_trainer.py counts them).
 - Steps. `max_steps = ceil(epochs * floor(micro_batches_per_epoch / accum))` as Hugging Face defines it. The
   micro batches left over at the end of an epoch (fewer than `accum`) are folded into the epoch's last
   window instead of making an extra partial step (Hugging Face takes an extra step there, so its epochs
@@ -18,9 +23,10 @@ What the loop guarantees, and how:
   counted (`nonfinite_steps`) and logged; after `max_nonfinite_steps` in a row the run stops with a clear
   error, and the last checkpoint on disk is the last good one.
 - Checkpoints are atomic and resumable exactly (model, optimizer, scheduler, scaler, RNG, data position);
-  SIGTERM saves a checkpoint at the end of the current step and stops. Under another number of processes a
-  resume is exact but for the per-rank RNG (re-seeded, with a warning) when the micro and global batch stay the
-  same, and refused otherwise (`_check_resume_across_worlds`, trainer/checkpoint.py, docs/multi_gpu.md).
+  SIGTERM and a first Ctrl-C (SIGINT) save a checkpoint at the end of the current step and stop
+  (`stop_signal` says which); a second Ctrl-C aborts at once and says what is on disk. Under another number of
+  processes a resume is exact but for the per-rank RNG (re-seeded, with a warning) when the micro and global
+  batch stay the same, and refused otherwise (`_check_resume_across_worlds`, trainer/checkpoint.py, docs/multi_gpu.md).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,7 +56,7 @@ from .parallel import apply_all, gradient_sync, init_distributed, is_fsdp, world
 
 __all__ = [
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "EarlyStoppingCallback", "EvalPrediction",
-    "PredictionOutput", "TrainingError", "set_seed",
+    "PredictionOutput", "TrainOutput", "TrainingError", "set_seed",
 ]
 
 
@@ -65,6 +72,15 @@ class EvalPrediction:
 
     def __iter__(self):  # HF lets users unpack `preds, labels = eval_pred`
         return iter((self.predictions, self.label_ids))
+
+
+class TrainOutput(NamedTuple):
+    """What `Trainer.train()` returns, as in Hugging Face: the step reached, the mean training loss of the steps this
+    call trained (nan when it trained none), and the end-of-training metrics (train_runtime, ..., train_loss)."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict
 
 
 @dataclass
@@ -123,8 +139,7 @@ class Trainer:
         self.scaler = None
         # Batching options that are not TrainingArguments (the sft CLI sets them): pad_to_multiple_of, max_tokens.
         self.loader_options: dict = {}
-        self._sigterm = False
-        self.interrupted = False
+        self.stop_signal: signal.Signals | None = None  # SIGTERM or SIGINT when one stopped the last train()
         self.control = self.callback_handler.fire("on_init_end", args, self.state, self.control)
 
     # ---- public API -----------------------------------------------------------------------------------
@@ -212,22 +227,30 @@ class Trainer:
                             f"{self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
                             f"{args.seed}, the step and the rank (dropout/NEFTune noise differs from an unbroken run)")
             self._print(f"resumed from {resume} at step {state.global_step}")
+            if state.global_step >= max_steps:
+                self._print(f"resume_from_checkpoint: {resume} is at step {state.global_step} and max_steps is "
+                            f"{max_steps}: nothing left to train; the weights are the checkpoint's")
         self.state = state
         self.control = TrainerControl()
         writer = MetricsWriter(args.output_dir, args.report_to, args.logging_dir, enabled=self.rank == 0,
-                               run_name=args.run_name, config=args.to_dict(), run_ids=state.logger_run_ids)
+                               run_name=args.run_name, config=args.to_dict(), run_ids=state.logger_run_ids,
+                               resumed_step=state.global_step if resume is not None else None)
         state.logger_run_ids = writer.run_ids  # saved in every checkpoint, so that a resume logs to the same runs
         throughput = Throughput()
         peak_flops = device_peak_flops(device)
         flops_per_token = self._flops_per_token(model)
+        self._print_run_summary(model, loader, micro, accum, num_epochs, max_steps)
+        start_time, start_step = time.perf_counter(), state.global_step
         progress = self._progress(max_steps, state.global_step)
-        previous_sigterm = self._install_sigterm()
+        previous_handlers = self._install_stop_signals()
         logged_loss, logged_steps, nonfinite_in_row = 0.0, 0, 0
+        train_loss_sum, train_loss_steps = 0.0, 0  # over this call's stepped windows: the final train_loss
         last_grad_norm = None
         self.control = self.callback_handler.fire("on_train_begin", args, state, self.control, model=model)
         if args.eval_on_start and self.eval_dataset is not None and resume is None:
             self._evaluate_and_track(state, model)
-        start_epoch = state.global_step // windows_per_epoch
+        # A run resumed at or past max_steps trains nothing (the epoch loop is empty).
+        start_epoch = num_epochs if state.global_step >= max_steps else state.global_step // windows_per_epoch
         try:
             for epoch in range(start_epoch, num_epochs):
                 first_window = state.global_step - epoch * windows_per_epoch
@@ -242,7 +265,7 @@ class Trainer:
                     self.control = self.callback_handler.fire("on_step_begin", args, state, self.control)
 
                     # 1. forward/backward over the window, each micro loss normalised by the window's targets
-                    num_items = self._global_num_items(micro_batches, device)
+                    num_items = self._loss_normaliser(micro_batches, device)
                     model.train()
                     window_loss = torch.zeros((), device=device, dtype=torch.float32)
                     window_tokens = 0
@@ -251,30 +274,39 @@ class Trainer:
                         with gradient_sync(model, i == len(micro_batches) - 1):
                             with self._autocast(device, train=True):
                                 loss = self._compute_loss(model, batch, num_items, device)
-                            backward_loss = loss * self.world_size if self.world_size > 1 else loss  # DDP/FSDP average once
-                            (self.scaler.scale(backward_loss) if self.scaler else backward_loss).backward()
+                            (self.scaler.scale(loss) if self.scaler else loss).backward()
                         window_loss += loss.detach().float()
                         if i < len(micro_batches) - 1:
                             self.control = self.callback_handler.fire("on_substep_end", args, state, self.control)
                         tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
                         throughput.add(tokens, int(batch.get("num_items", 0)))
                         window_tokens += tokens
+                    global_tokens = None  # (several processes) the window's tokens over all ranks, on the device
                     if self.world_size > 1:
-                        # Each rank holds its share of the window's loss and tokens: log the sums over all ranks.
-                        totals = torch.stack([window_loss, torch.tensor(float(window_tokens), device=device)])
+                        # Each rank holds its share of the window's loss and tokens: log the sums over all ranks, the
+                        # loss divided by world_size (_loss_normaliser). float64 counts tokens exactly.
+                        totals = torch.stack([window_loss.double(), torch.full((), float(window_tokens),
+                                                                               dtype=torch.float64, device=device)])
                         torch.distributed.all_reduce(totals)
-                        window_loss, window_tokens = totals[0], int(totals[1].item())
-                    state.num_input_tokens_seen += window_tokens
+                        window_loss, global_tokens = totals[0] / self.world_size, totals[1]
 
                     # 2. clip, check, step (or skip)
                     if self.scaler is not None:
                         self.scaler.unscale_(optimizer)
                     params = [p for p in model.parameters() if p.grad is not None]
                     max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+                    grad_norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if params
+                                 else torch.zeros((), device=device))
                     if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards (already used to clip)
                         grad_norm = grad_norm.full_tensor()
-                    loss_value, grad_norm_value = window_loss.item(), float(grad_norm)  # the one host sync per step
+                    # The one host sync per step: one copy of every number the host needs (`.to(device)`: FSDP2 with
+                    # offloaded parameters has the norm on the CPU).
+                    on_device = [window_loss, grad_norm] + ([global_tokens] if global_tokens is not None else [])
+                    host = torch.stack([t.to(device, torch.float64) for t in on_device]).tolist()
+                    loss_value, grad_norm_value = host[0], host[1]
+                    if global_tokens is not None:
+                        window_tokens = int(host[2])
+                    state.num_input_tokens_seen += window_tokens
                     finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
                     self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
                     stepped = False
@@ -292,11 +324,15 @@ class Trainer:
                         optimizer.step()
                         stepped = True
                     optimizer.zero_grad(set_to_none=True)
+                    # The rate this step used, read before the scheduler moves on: what Hugging Face logs.
+                    learning_rate = scheduler.get_last_lr()[0]
                     if stepped:
                         scheduler.step()
                         nonfinite_in_row = 0
                         logged_loss += loss_value
                         logged_steps += 1
+                        train_loss_sum += loss_value
+                        train_loss_steps += 1
                         last_grad_norm = grad_norm_value
                     elif not finite:
                         state.nonfinite_steps += 1
@@ -330,13 +366,13 @@ class Trainer:
                         self.control.should_save = True
                     if state.global_step >= max_steps:
                         self.control.should_training_stop = True
-                    if self._sigterm:
+                    if self.stop_signal is not None:
                         self.control.should_save = True
                         self.control.should_training_stop = True
                     if self.control.should_log:
                         # Skipped (non-finite) steps are not averaged in; a window of only skipped steps logs no loss.
                         logs = {"loss": logged_loss / logged_steps if logged_steps else None,
-                                "grad_norm": last_grad_norm, "learning_rate": scheduler.get_last_lr()[0]}
+                                "grad_norm": last_grad_norm, "learning_rate": learning_rate}
                         speed = throughput.mark()
                         logs.update(speed)
                         if peak_flops and flops_per_token:
@@ -361,17 +397,58 @@ class Trainer:
                 self._maybe_evaluate_and_save(state, model, optimizer, scheduler, loader, writer, progress)
                 if self.control.should_training_stop:
                     break
+            runtime = time.perf_counter() - start_time
+            steps_trained = state.global_step - start_step
+            training_loss = train_loss_sum / train_loss_steps if train_loss_steps else float("nan")
+            # Hugging Face's end-of-training metrics, over what this call trained. Deliberate differences: after a
+            # resume HF divides the new steps' losses by the whole run's global_step and counts the whole run's
+            # samples and steps against this call's runtime; here all three cover this call's steps only.
+            samples_trained = steps_trained * args.total_train_batch_size(self.world_size)
+            metrics = {"train_runtime": runtime, "train_samples_per_second": samples_trained / max(runtime, 1e-9),
+                       "train_steps_per_second": steps_trained / max(runtime, 1e-9),
+                       "total_flos": state.total_flos,
+                       "train_loss": training_loss if train_loss_steps else None}
+            if self.stop_signal is None:  # a stopped run is not at its end: its resume logs them, once
+                self._log(state, metrics, writer, progress)
+        except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this point
+            self._print(f"aborted by a second Ctrl-C after step {state.global_step}, without saving; "
+                        f"{self._on_disk()}")
+            raise
         finally:
             progress.close()
-            self._restore_sigterm(previous_sigterm)
+            self._restore_stop_signals(previous_handlers)
             writer.close()
-        self.interrupted = self._sigterm
-        if args.load_best_model_at_end and state.best_model_checkpoint and not self.interrupted:
+        if self.stop_signal is not None:
+            self._print(f"{self.stop_signal.name}: stopped at step {state.global_step}; {self._on_disk()}")
+        if args.load_best_model_at_end and state.best_model_checkpoint and self.stop_signal is None:
             self._load_model_weights(Path(state.best_model_checkpoint))
             self._print(f"loaded the best model from {state.best_model_checkpoint} ({args.metric_for_best_model}="
                         f"{state.best_metric})")
         self.control = self.callback_handler.fire("on_train_end", args, state, self.control, model=model)
-        return state
+        return TrainOutput(state.global_step, training_loss, metrics)
+
+    def _print_run_summary(self, model, loader, micro: int, accum: int, num_epochs: int, max_steps: int) -> None:
+        """Hugging Face's `***** Running training *****` block, plus one line of ours spelling out the global batch."""
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
+        if loader.max_tokens is not None:  # token-budget batching: a micro batch is a token count, not a row count
+            global_batch = (f"{processes} x micro batches of up to {loader.max_tokens:,} tokens x {accum} accumulation "
+                            f"= {self.world_size * accum} micro batches per step")
+        else:
+            global_batch = (f"{processes} x {micro} micro batch x {accum} accumulation = "
+                            f"{self.world_size * micro * accum} sequences per step")
+        self._print("\n".join([
+            "***** Running training *****",
+            f"  Num examples = {len(self.train_dataset):,}",
+            f"  Num Epochs = {num_epochs:,}",
+            f"  Instantaneous batch size per device = {micro:,}",
+            f"  Total train batch size (w. parallel, distributed & accumulation) = "
+            f"{self.args.total_train_batch_size(self.world_size):,}",
+            f"  Gradient Accumulation steps = {accum}",
+            f"  Total optimization steps = {max_steps:,}",
+            f"  Number of trainable parameters = {trainable:,}",
+            f"  Global batch = {global_batch}",
+        ]))
 
     # ---- resuming -------------------------------------------------------------------------------------
     def _load_model_and_optimizer(self, resume: Path, model, optimizer) -> None:
@@ -435,15 +512,21 @@ class Trainer:
             resolve(self.world_size)
         return self.args.gradient_accumulation_steps
 
-    def _global_num_items(self, micro_batches, device) -> torch.Tensor:
+    def _loss_normaliser(self, micro_batches, device) -> int | torch.Tensor:
+        """What each micro batch's summed token loss is divided by: N / world_size, N = the window's supervised
+        targets over all ranks with average_tokens_across_devices, else this rank's count times world_size (each
+        rank its own mean, as Hugging Face). DDP/FSDP average the gradients over the ranks, so dividing by
+        world_size here keeps that average exact while `loss.backward()` runs with grad_output exactly 1: the
+        cross-entropy backward then skips its in-place scaling pass over the logits (about 4 bytes per logit per
+        backward). Each rank's loss is world_size times its share, so the loop divides the logged sum by world_size.
+        A host int where no collective is needed (the kernel makes it a device scalar with a fill, not a copy from
+        the host); a window without targets (filler batches) divides by 1."""
         total = sum(int(b["num_items"]) if "num_items" in b else _count_targets(b["labels"]) for b in micro_batches)
-        n = torch.tensor(float(total), device=device)
-        if self.world_size > 1 and self.args.average_tokens_across_devices:
-            torch.distributed.all_reduce(n)
-        elif self.world_size > 1:
-            n = n * self.world_size  # each rank normalises by its own count, scaled so averaging is exact once
-        # A window with no target at all (filler batches) has a loss sum of 0: divide by 1, not 0.
-        return n.clamp_(min=1.0)
+        if self.world_size == 1 or not self.args.average_tokens_across_devices:
+            return max(total, 1)
+        n = torch.full((), float(total), device=device)  # a fill: no host-to-device copy, no sync
+        torch.distributed.all_reduce(n)
+        return n.clamp_(min=1.0) / self.world_size
 
     def _compute_loss(self, model, batch, num_items, device):
         """Sum of the batch's token losses / num_items, whatever kind of model this is."""
@@ -460,8 +543,9 @@ class Trainer:
         if loss is not None and "num_items" in accepted:
             return loss
         if loss is not None:
-            # A model that averages over its own batch: rescale to sum / window targets.
-            return loss * (_count_targets(inputs["labels"]) / num_items)
+            # A model that averages over its own batch: rescale to sum / window targets (counted on the host copy).
+            targets = batch["num_items"] if "num_items" in batch else _count_targets(batch["labels"])
+            return loss * (targets / num_items)
         logits = out if isinstance(out, torch.Tensor) else (out.get("logits") if isinstance(out, dict) else out.logits)
         import kernels
 
@@ -538,7 +622,7 @@ class Trainer:
             metrics = self._evaluate_and_track(state, model, writer=writer, progress=progress)
         if args.save_strategy == "best" and metrics is not None and state.best_global_step == state.global_step:
             self.control.should_save = True
-        if self.control.should_save and args.save_strategy != "no" or (self.control.should_save and self._sigterm):
+        if self.control.should_save and (args.save_strategy != "no" or self.stop_signal is not None):
             self._save_checkpoint(state, model, optimizer, scheduler, loader)
         self.control.reset_step()
 
@@ -746,7 +830,8 @@ class Trainer:
             dataset, batching_strategy=args.batching_strategy if train else "normal", micro_batch_size=micro,
             max_tokens=self.loader_options.get("max_tokens") if train else None,
             pad_token_id=pad_id if pad_id is not None else 0,
-            pad_to_multiple_of=self.loader_options.get("pad_to_multiple_of"), shuffle=train, seed=seed,
+            pad_to_multiple_of=self.loader_options.get("pad_to_multiple_of"), shuffle=train and args.train_shuffle,
+            seed=seed,
             group_by_length=train and args.group_by_length, drop_last=train and args.dataloader_drop_last,
             rank=self.rank, world_size=self.world_size)
         if self.data_collator is not None:
@@ -775,19 +860,33 @@ class Trainer:
 
         return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, leave=True)
 
-    def _install_sigterm(self):
-        self._sigterm = False
-        if threading_main():
-            def handler(signum, frame):
-                self._sigterm = True
-                self._print("SIGTERM: saving a checkpoint at the end of this step, then stopping")
+    def _install_stop_signals(self) -> dict:
+        """SIGTERM, or a first Ctrl-C: save a checkpoint at the end of this step, then stop. A second Ctrl-C raises
+        KeyboardInterrupt at once. Returns the handlers to restore (none outside the main thread)."""
+        self.stop_signal = None
+        if not threading_main():
+            return {}
 
-            return signal.signal(signal.SIGTERM, handler)
-        return None
+        def handler(signum, frame):
+            if signum == signal.SIGINT and self.stop_signal is not None:
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum)
+            again = " (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
+            self._print(f"{self.stop_signal.name}: saving a checkpoint at the end of this step, then stopping{again}")
 
-    def _restore_sigterm(self, previous) -> None:
-        if previous is not None and threading_main():
-            signal.signal(signal.SIGTERM, previous)
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _on_disk(self) -> str:
+        """What a stopped run leaves to resume from, for the user."""
+        last = ckpt.latest_checkpoint(self.args.output_dir)
+        if last is None:
+            return "no checkpoint on disk: a new run starts from the beginning"
+        return (f"the newest checkpoint is {last} (step {ckpt.checkpoint_step(last)}); resume with "
+                "resume_from_checkpoint='auto' or that path")
+
+    def _restore_stop_signals(self, previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
     def _print(self, message: str) -> None:
         if self.rank == 0:

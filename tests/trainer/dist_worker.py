@@ -166,15 +166,25 @@ def run(data: str, job: dict) -> None:
     compute_metrics = None
     if job.get("metrics"):
         from tests.trainer.test_distributed import eval_metrics as compute_metrics
-    trainer = Trainer(model=small_model(), args=args, train_dataset=dataset, eval_dataset=dataset,
+    model = small_model()
+    loss_grad_outputs = []  # the gradient reaching each training loss: 1.0 unless the loop scales the loss
+
+    def record_loss_grad(module, inputs, output):
+        if output.loss is not None and output.loss.requires_grad:
+            output.loss.register_hook(lambda g: loss_grad_outputs.append(g.item()))
+
+    model.register_forward_hook(record_loss_grad)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset,
                       callbacks=callbacks, compute_metrics=compute_metrics, processing_class=byte_level_tokenizer())
-    state = trainer.train(resume_from_checkpoint=job.get("resume"))
+    trainer.train(resume_from_checkpoint=job.get("resume"))
+    state = trainer.state
     metrics = trainer.evaluate()
     trainer.save_model(str(out / "final"))
     if rank == 0:
         losses = [h["loss"] for h in state.log_history if "loss" in h]
         (out / "result.json").write_text(json.dumps({"losses": losses, "world_size": world_size,
-                                                     "eval_loss": metrics["eval_loss"], "metrics": metrics}))
+                                                     "eval_loss": metrics["eval_loss"], "metrics": metrics,
+                                                     "loss_grad_outputs": loss_grad_outputs}))
 
 
 def main() -> int:

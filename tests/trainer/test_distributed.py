@@ -130,7 +130,8 @@ def single_process(tmp_path: Path, data_file: Path, args: dict, resume=None):
     model = small_model()
     trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "single"), **args),
                       train_dataset=dataset, eval_dataset=dataset, compute_metrics=eval_metrics)
-    state = trainer.train(resume_from_checkpoint=resume)
+    trainer.train(resume_from_checkpoint=resume)
+    state = trainer.state
     return [h["loss"] for h in state.log_history if "loss" in h], model, trainer.evaluate()
 
 
@@ -206,6 +207,14 @@ def test_two_processes_match_one_process(suite, reference_run, name):
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert result["eval_loss"] == pytest.approx(ref_metrics["eval_loss"], rel=1e-5)
     assert_same_weights(suite["out"][name] / "final", ref_model)  # the consolidated export rank 0 wrote
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_backward_starts_from_a_gradient_of_exactly_one(suite, name):
+    """The world_size factor of the gradient average lives in the loss normaliser (N / world_size), not in a loss
+    multiplied before backward, so the cross-entropy backward skips its in-place scaling pass over the logits."""
+    grads = suite["result"][name]["loss_grad_outputs"]
+    assert len(grads) == 3 * 2 and set(grads) == {1.0}, grads  # 3 steps x 2 micro batches on rank 0
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])

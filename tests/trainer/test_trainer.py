@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,14 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from trainer.args import TrainingArguments
-from trainer.callbacks import EarlyStoppingCallback, TrainerCallback
+from trainer.callbacks import EarlyStoppingCallback, TrainerCallback, TrainerState
 from trainer.checkpoint import checkpoints, latest_checkpoint, save_checkpoint
 from trainer.data import TokenizedDataset, load_sft_dataset
 from trainer.model import CausalLM, ModelConfig, load_pretrained
 from trainer.tasks import generate_tasks
 from trainer.tokenizer import byte_level_tokenizer
+from trainer import sft
 from trainer.trainer import Trainer, TrainingError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +67,12 @@ def weights(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def trained(trainer: Trainer, **train_kwargs) -> TrainerState:
+    """Train and return the trainer's state (train() itself returns Hugging Face's TrainOutput)."""
+    trainer.train(**train_kwargs)
+    return trainer.state
+
+
 def losses(state) -> list[float]:
     return [h["loss"] for h in state.log_history if "loss" in h]
 
@@ -90,7 +101,7 @@ def test_max_steps_is_the_seeds_formula_and_leftovers_fold_into_the_last_window(
         def on_step_begin(self, args, state, control, **kw):
             seen.append(1)
 
-    state = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Count()]).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Count()]))
     assert state.max_steps == math.ceil(2 * math.floor(10 / 3)) == 6
     assert state.global_step == 6 and state.epoch == pytest.approx(2.0)
     assert seen == [3, 3, 4, 3, 3, 4]  # the 10th micro batch of each epoch joins its last window
@@ -104,7 +115,7 @@ def test_accumulation_gives_the_same_gradient_and_loss_as_a_bigger_batch(tmp_pat
         capture = GradCapture(model)
         args = make_args(tmp_path / f"{micro}x{accum}", per_device_train_batch_size=micro,
                          gradient_accumulation_steps=accum, max_steps=3)
-        state = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[capture]).train()
+        state = trained(Trainer(model=model, args=args, train_dataset=dataset, callbacks=[capture]))
         runs[(micro, accum)] = (capture.grads, losses(state), weights(model))
     ref_grads, ref_losses, ref_weights = runs[(4, 1)]
     for key, (grads, logged, final) in runs.items():
@@ -125,7 +136,7 @@ def test_loss_is_normalised_by_supervised_tokens_not_micro_steps(tmp_path, datas
     args = make_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
                      learning_rate=0.0)
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
-    state = trainer.train()
+    state = trained(trainer)
     # Recompute the first window by hand: the 4 examples' token-mean loss.
     loader = trainer._train_loader(2)
     loader.set_epoch(0)
@@ -168,7 +179,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path, dataset):
             before[state.global_step + 1] = (weights(model), trainer.scaler.get_scale())
 
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[PoisonGrad(model, [5]), Snap()])
-    state = trainer.train()
+    state = trained(trainer)
     (w5, scale5), (w6, scale6) = before[5], before[6]
     assert scale6 == scale5 / 2  # the forced overflow at step 5 halved the scale ...
     for name, value in w5.items():  # ... and changed no weight
@@ -182,8 +193,8 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path, dataset):
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, dataset):
     model = small_model()
     args = make_args(tmp_path, max_steps=6, max_nonfinite_steps=3)
-    state = Trainer(model=model, args=args, train_dataset=dataset,
-                    callbacks=[PoisonGrad(model, [2], value=float("nan"))]).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset,
+                            callbacks=[PoisonGrad(model, [2], value=float("nan"))]))
     assert state.nonfinite_steps == 1 and state.global_step == 6
     assert all(math.isfinite(x) for x in losses(state))
     for p in model.parameters():
@@ -201,7 +212,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, dataset
 def test_bf16_autocast_trains_and_keeps_fp32_master_weights(tmp_path, dataset):
     model = small_model()
     args = make_args(tmp_path, bf16=True, max_steps=3)
-    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset))
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert len(losses(state)) == 3 and all(math.isfinite(x) for x in losses(state))
 
@@ -218,9 +229,154 @@ def test_auto_find_batch_size_halves_the_micro_batch_and_keeps_the_global_batch(
     model.forward = forward
     args = make_args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2,
                      auto_find_batch_size=True)
-    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset))
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
     assert state.global_step == 2
+
+
+def test_logged_learning_rate_is_the_rate_the_step_used(tmp_path, dataset):
+    """Hugging Face reads the rate after optimizer.step() and before lr_scheduler.step(): linear decay from 1e-2
+    over 4 steps logs 1e-2, 7.5e-3, 5e-3, 2.5e-3 (not the next step's 7.5e-3 ... 0)."""
+    args = make_args(tmp_path, max_steps=4, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=0)
+    state = trained(Trainer(model=small_model(), args=args, train_dataset=dataset))
+    logged = [h["learning_rate"] for h in state.log_history if "loss" in h]
+    assert logged == pytest.approx([1e-2, 7.5e-3, 5e-3, 2.5e-3], rel=1e-9)
+
+
+def test_a_short_run_prints_its_setup_and_mean_train_loss(tmp_path, dataset, capsys):
+    """With Hugging Face's default logging_steps=500 a 3-step run logs no step, but still prints the run's setup
+    (HF's `***** Running training *****` block and our global-batch line) and the final metrics with the mean loss,
+    and train() returns HF's TrainOutput."""
+    per_step = trained(Trainer(model=small_model(), args=make_args(tmp_path / "every", max_steps=3,
+                                                                  global_batch_size=8), train_dataset=dataset))
+    capsys.readouterr()
+    model = small_model()
+    args = make_args(tmp_path / "quiet", max_steps=3, global_batch_size=8, logging_steps=500)
+    output = Trainer(model=model, args=args, train_dataset=dataset).train()
+    err = capsys.readouterr().err
+    assert output.global_step == 3
+    assert output.training_loss == pytest.approx(sum(losses(per_step)) / 3, rel=1e-6)
+    assert output.metrics["train_loss"] == output.training_loss
+    assert {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"} <= set(output.metrics)
+    assert output.metrics["train_steps_per_second"] == pytest.approx(3 / output.metrics["train_runtime"])
+    assert f"train_loss={output.training_loss:.4g}" in err
+    trainable = sum(p.numel() for p in model.parameters())
+    for line in ("***** Running training *****", "Num examples = 40", "Num Epochs = 1",
+                 "Instantaneous batch size per device = 4",
+                 "Total train batch size (w. parallel, distributed & accumulation) = 8",
+                 "Gradient Accumulation steps = 2", "Total optimization steps = 3",
+                 f"Number of trainable parameters = {trainable:,}",
+                 "Global batch = 1 process x 4 micro batch x 2 accumulation = 8 sequences per step"):
+        assert line in err, line
+
+
+class RecordingBigram(torch.nn.Module):
+    """A one-table model that remembers the input_ids of every forward: what the loop fed it, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(320, 320)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, input_ids):
+        self.seen.append(input_ids.clone())
+        return self.table(input_ids)
+
+
+@pytest.mark.parametrize("option", [{"train_shuffle": False}, {"train_sampling_strategy": "sequential"}])
+def test_an_unshuffled_run_takes_examples_in_dataset_order(tmp_path, dataset, option):
+    # make_args sets train_shuffle=True, which train_sampling_strategy="sequential" would contradict
+    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
+                  save_strategy="no", report_to=[], disable_tqdm=True, seed=7, optim="adamw_torch", **option)
+    model = RecordingBigram()
+    Trainer(model=model, args=TrainingArguments(**values), train_dataset=dataset).train()
+    for step, ids in enumerate(model.seen):
+        for row in range(4):
+            expected = torch.as_tensor(dataset[4 * step + row]["input_ids"])
+            assert torch.equal(ids[row, :len(expected)], expected), (step, row)
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts, on CPU, what would make the host wait for a CUDA device during a training step:
+    - reads of a device tensor's values on the host: .item(), float()/int()/bool(), .tolist(), .cpu(), .numpy();
+    - device tensors made from Python data: torch.tensor/as_tensor(..., device=...), a copy from pageable host
+      memory that waits for the stream (a fill such as torch.full does not).
+    On CPU every tensor lives on the host, so "device" is told apart by provenance: the loader's batches (host
+    data on a GPU too, moved to the device by the loop) and what is computed from them alone are host tensors;
+    every other tensor (parameters, activations, losses, norms) stands for a device tensor. A TorchFunctionMode
+    rather than a TorchDispatchMode, because .tolist() and .cpu() of a CPU tensor never reach the dispatcher."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
+             torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+    FROM_DATA = {torch.tensor, torch.as_tensor}
+
+    def __init__(self):
+        super().__init__()
+        self.host: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive, so that an id is never reused)
+        self.reads, self.created = [], []
+
+    def mark_host(self, tree) -> None:
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor):
+                self.host[id(t)] = t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on_host = bool(tensors) and all(id(t) in self.host for t in tensors)
+        if func in self.READS and not on_host:
+            self.reads.append(func.__name__)
+        if func in self.FROM_DATA and kwargs.get("device") is not None:
+            self.created.append(func.__name__)
+        out = func(*args, **kwargs)
+        if on_host:
+            self.mark_host(out)
+        return out
+
+
+@pytest.mark.parametrize("model_kind", ["ours", "averages_itself"])
+def test_one_host_sync_per_optimizer_step(tmp_path, dataset, monkeypatch, model_kind):
+    class MeanLoss(torch.nn.Module):  # a model that returns its own mean loss (the loop rescales it)
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(320, 320)
+
+        def forward(self, input_ids, labels):
+            logits = self.table(input_ids)
+            return {"loss": torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())}
+
+    counter = HostSyncCounter()
+    per_step = []
+
+    class Window(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.start = (len(counter.reads), len(counter.created))
+
+        def on_step_end(self, args, state, control, **kw):
+            per_step.append((len(counter.reads) - self.start[0], len(counter.created) - self.start[1]))
+
+    real_loader = Trainer._train_loader
+
+    def host_batches_loader(self, micro):
+        loader = real_loader(self, micro)
+        collate = loader.collate
+
+        def host_collate(*a, **k):
+            batch = collate(*a, **k)
+            counter.mark_host(batch)
+            return batch
+
+        loader.collate = host_collate
+        return loader
+
+    monkeypatch.setattr(Trainer, "_train_loader", host_batches_loader)
+    model = small_model() if model_kind == "ours" else MeanLoss()
+    args = make_args(tmp_path, max_steps=3, gradient_accumulation_steps=2, optim="adamw_torch_fused",
+                     include_num_input_tokens_seen=True)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Window()])
+    with counter:
+        trainer.train()
+    assert per_step == [(1, 0)] * 3, (per_step, counter.reads, counter.created)
 
 
 # ---- checkpoints and resume -----------------------------------------------------------------------------------
@@ -228,7 +384,7 @@ def test_resume_is_exact(tmp_path, dataset):
     common = dict(max_steps=6, save_strategy="steps", save_steps=3, per_device_train_batch_size=4,
                   gradient_accumulation_steps=2, optim="adamw_fused", neftune_noise_alpha=5.0)
     model = small_model()
-    full = Trainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=dataset).train()
+    full = trained(Trainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=dataset))
     full_weights = weights(model)
 
     class StopAt3(TrainerCallback):
@@ -243,10 +399,27 @@ def test_resume_is_exact(tmp_path, dataset):
 
     model = small_model(seed=123)  # different init: everything must come from the checkpoint
     resumed = Trainer(model=model, args=make_args(tmp_path / "part", **common), train_dataset=dataset)
-    state = resumed.train(resume_from_checkpoint=True)
+    state = trained(resumed, resume_from_checkpoint=True)
     assert losses(state) == losses(full)
     for name, value in weights(model).items():
         assert torch.equal(value, full_weights[name]), name
+
+
+def test_resuming_a_finished_run_trains_nothing(tmp_path, dataset, capsys):
+    """10 micro batches per epoch, max_steps=4: the checkpoint at step 4 sits mid-epoch, where a resume used to
+    train a 5th step."""
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=4)
+    model = small_model()
+    Trainer(model=model, args=args, train_dataset=dataset).train()
+    finished = weights(model)
+    capsys.readouterr()
+    model = small_model(seed=123)
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset), resume_from_checkpoint=True)
+    assert state.global_step == 4
+    for name, value in weights(model).items():
+        assert torch.equal(value, finished[name]), name
+    assert "nothing left to train" in capsys.readouterr().err
+    assert [p.name for p in checkpoints(args.output_dir)] == ["checkpoint-4"]
 
 
 def test_checkpoint_layout_and_transformers_loads_it(tmp_path, dataset, tokenizer):
@@ -300,7 +473,7 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path, dataset):
         return metrics
 
     trainer.evaluate = evaluate
-    state = trainer.train()
+    state = trained(trainer)
     kept = [p.name for p in checkpoints(args.output_dir)]
     assert state.best_model_checkpoint.endswith("checkpoint-4") and state.best_global_step == 4
     assert kept == ["checkpoint-4", "checkpoint-8"]
@@ -339,7 +512,7 @@ def test_early_stopping_and_callback_control(tmp_path, dataset):
                      learning_rate=0.0)  # no learning: the metric never improves
     trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset.select(range(4)),
                       callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
-    state = trainer.train()
+    state = trained(trainer)
     assert state.global_step == 3
 
 
@@ -354,7 +527,7 @@ def test_any_module_returning_logits_trains(tmp_path, dataset):
 
     model = Bigram()
     args = make_args(tmp_path, max_steps=5, learning_rate=0.1)
-    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset))
     assert losses(state)[-1] < losses(state)[0]
 
 
@@ -362,9 +535,35 @@ def test_metrics_jsonl_is_written(tmp_path, dataset):
     args = make_args(tmp_path, max_steps=2, include_num_input_tokens_seen=True)
     Trainer(model=small_model(), args=args, train_dataset=dataset).train()
     rows = [json.loads(line) for line in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 2]  # the last row: the end-of-training metrics
+    assert {"train_loss", "train_runtime", "train_samples_per_second", "train_steps_per_second"} <= set(rows[-1])
     assert {"loss", "learning_rate", "grad_norm", "tokens_per_second", "supervised_tokens_per_second",
             "num_input_tokens_seen", "peak_memory_gb", "epoch"} <= set(rows[0])
+
+
+def test_metrics_jsonl_of_a_resumed_run_reads_as_one_run(tmp_path, dataset, capsys):
+    """A run stopped at step 3 after its checkpoint at step 2 logged step 3; the resume from step 2 logs it again,
+    so the file must drop the first. A later fresh run into the same output_dir moves the file aside."""
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step == 3
+
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    metrics_file = Path(args.output_dir) / "metrics.jsonl"
+    Trainer(model=small_model(), args=args, train_dataset=dataset, callbacks=[StopAt3()]).train()
+    with metrics_file.open("a") as f:
+        f.write('{"step": 3, "loss": 1.')  # a line torn by a kill
+    state = trained(Trainer(model=small_model(), args=args, train_dataset=dataset), resume_from_checkpoint=True)
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows if "loss" in r] == losses(state)
+    assert [r["step"] for r in rows if "train_loss" in r] == [4]
+
+    capsys.readouterr()
+    Trainer(model=small_model(), args=make_args(tmp_path, max_steps=1), train_dataset=dataset).train()
+    assert "moved them to metrics.1.jsonl" in capsys.readouterr().err
+    assert (Path(args.output_dir) / "metrics.1.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows)
+    assert [json.loads(line)["step"] for line in metrics_file.read_text().splitlines()] == [1, 1]
 
 
 # ---- process-level: SIGTERM and SIGKILL ------------------------------------------------------------------------
@@ -401,28 +600,71 @@ def test_sigkill_then_resume_gives_the_same_weights(tmp_path):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
 
+    def logged_losses(run: Path) -> list[tuple[int, float]]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
-def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
+    assert logged_losses(part) == logged_losses(full)  # the steps between checkpoint and kill appear once
+
+
+@pytest.mark.parametrize("stop, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_or_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(tmp_path, stop, code):
     out = tmp_path / "run"
-    proc = subprocess.Popen(_sft(out, "--max_steps", "100000", "--save_strategy", "no"), env=_env(), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = _sft(out, "--max_steps", "100000", "--save_strategy", "no")
+    proc = subprocess.Popen(command, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not (out / "metrics.jsonl").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-2000:]
+    assert proc.returncode == code, err[-2000:]
     saved = checkpoints(out)
-    assert len(saved) == 1 and "SIGTERM" in err
+    assert len(saved) == 1 and f"stopped by {stop.name}" in err
+    resume = shlex.join(["python", "-m", "trainer.sft", *command[3:], "--resume_from_checkpoint", "auto"])
+    assert resume in err, err[-2000:]
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_says_what_is_on_disk(tmp_path, dataset, capsys):
+    class CtrlC(TrainerCallback):
+        def __init__(self, times):
+            self.times = times
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 2:
+                for _ in range(self.times):
+                    os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    once = Trainer(model=small_model(), args=make_args(tmp_path / "once", max_steps=5), train_dataset=dataset,
+                   callbacks=[CtrlC(1)])
+    assert once.train().global_step == 2 and once.stop_signal == signal.SIGINT
+    assert [p.name for p in checkpoints(tmp_path / "once" / "out")] == ["checkpoint-2"]  # save_strategy="no"
+
+    args = make_args(tmp_path / "twice", max_steps=5, save_strategy="steps", save_steps=1)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(model=small_model(), args=args, train_dataset=dataset, callbacks=[CtrlC(2)]).train()
+    assert [p.name for p in checkpoints(args.output_dir)] == ["checkpoint-1"]  # step 2's save never ran
+    assert "aborted by a second Ctrl-C after step 2, without saving; the newest checkpoint is" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_cli_summary_shows_the_accumulation_global_batch_size_implies(tmp_path, capsys):
+    """global_batch_size=32 over one process of micro batch 8 is 4 accumulation steps; the summary printed before
+    anything loads said 1. (The data file is missing, so the run stops right after the summary.)"""
+    code = sft.main(["--model", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--output_dir", str(tmp_path / "o"),
+                     "--per_device_train_batch_size", "8", "--global_batch_size", "32"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(r" gradient_accumulation_steps += 4\n", err), err
 
 
 def test_per_block_compile_and_gradient_checkpointing_change_nothing(tmp_path, dataset):
     plain_model = small_model()
-    plain = Trainer(model=plain_model, args=make_args(tmp_path / "plain", max_steps=2), train_dataset=dataset).train()
+    plain = trained(Trainer(model=plain_model, args=make_args(tmp_path / "plain", max_steps=2), train_dataset=dataset))
     model = small_model()
     args = make_args(tmp_path / "compiled", max_steps=2, torch_compile=True, torch_compile_backend="aot_eager",
                      gradient_checkpointing=True)
-    state = Trainer(model=model, args=args, train_dataset=dataset).train()
+    state = trained(Trainer(model=model, args=args, train_dataset=dataset))
     assert all(getattr(block, "_compiled_call_impl", None) is not None for block in model.model.layers)
     assert losses(state) == pytest.approx(losses(plain), rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), plain_model.parameters()):
