@@ -19,8 +19,12 @@ Pipeline (`load_sft_dataset`), run once per dataset and cached:
    ("<|im_end|>\n", "<|eot_id|>", "</s>") so the model learns to stop, and never the next turn's header.
    Tokens are supervised when their character span (`encode_with_offsets`) overlaps a supervised span. This
    works for any template that renders a prefix of a conversation as a prefix of the whole; that is checked,
-   and a template that breaks it is a `DataError` naming the problem (train_on_prompt=True needs no spans).
-   `train_on_prompt` supervises every token, `mask_history` only the last assistant turn.
+   and a template that breaks it is a `DataError` naming the problem and the ways out: templates that rewrite
+   earlier turns (Qwen3 drops the reasoning of earlier answers) still work with `mask_history` (train_on_prompt=True
+   needs no spans). A template with `{% generation %}` blocks (transformers' assistant-mask tag, TRL's
+   `assistant_only_loss`) says itself which text is the assistant's: exactly its blocks are supervised, as
+   transformers' `assistant_masks` mark them, and no prefixes are rendered.
+   `train_on_prompt` supervises every token, `mask_history` only the last assistant turn (the last block).
 4. Truncate to `cutoff_len` keeping the start. Labels are unshifted (the model shifts: the target of position
    t is labels[t+1]) with -100 where not supervised; labels[0] is always -100 since no position predicts it.
    An example left with no target (no assistant turn, or its answer truncated away) is dropped and counted.
@@ -349,10 +353,16 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str, tools, last_onl
         if not through.startswith(before) or not text.startswith(through):
             part = "messages[:{0}] with the generation prompt".format(i) if not through.startswith(before) \
                 else f"messages[:{i + 1}]"
+            # Templates that rewrite earlier turns (Qwen3 drops the reasoning of answers before the last user
+            # message) still render the last turn as a continuation of the rest: mask_history trains that one.
+            way_out = ("set mask_history=True (--mask_history) to train on the last assistant turn only, "
+                       "train_on_prompt=True, or a template" if not last_only else
+                       "set train_on_prompt=True, or use a template")
             raise _TemplateMismatch(
                 f"chat template problem: the rendering of {part} is not a prefix of the rendering of the whole "
-                "conversation, so assistant turns cannot be located (expected a template whose rendering of a "
-                "conversation's prefix is a prefix of the whole; fix the template or use train_on_prompt=True)")
+                "conversation (the template rewrites earlier turns), so assistant turns cannot be located; "
+                f"{way_out} whose rendering of a conversation's prefix is a prefix of the whole, or one that marks "
+                "answers with {% generation %} blocks")
         spans.append((len(before), len(through)))
     return spans
 
@@ -368,15 +378,27 @@ def _supervised_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, in
     return ((before[end] - before[start]) > 0) | ((start == end) & (chars[start] > 0))
 
 
+def _generation_spans(tokenizer, messages: list[dict], tools) -> tuple[str, list[tuple[int, int]]]:
+    kwargs = {"tools": tools} if tools is not None else {}
+    try:
+        return tokenizer.render_with_generation_spans(messages, add_generation_prompt=False, **kwargs)
+    except Exception as exc:  # user code, as in _render
+        raise _Bad("template_error", f"the chat template failed on this conversation: {exc} "
+                                     "(expected a conversation the template accepts)") from None
+
+
 def _encode_conversation(tokenizer, messages, tools, train_on_prompt, mask_history) -> tuple[list[int], np.ndarray]:
-    text = _render(tokenizer, messages, False, tools)
-    ids, offsets = tokenizer.encode_with_offsets(text)
     if train_on_prompt:
-        supervised = np.ones(len(ids), dtype=bool)
+        ids = tokenizer.encode(_render(tokenizer, messages, False, tools))
+        return ids, np.ones(len(ids), dtype=bool)
+    if tokenizer.has_generation_blocks:  # the template says which text is the assistant's
+        text, spans = _generation_spans(tokenizer, messages, tools)
+        spans = spans[-1:] if mask_history else spans
     else:
+        text = _render(tokenizer, messages, False, tools)
         spans = _assistant_spans(tokenizer, messages, text, tools, last_only=mask_history)
-        supervised = _supervised_tokens(offsets, spans, len(text))
-    return ids, supervised
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    return ids, _supervised_tokens(offsets, spans, len(text))
 
 
 def _encode_text(tokenizer, text: str) -> tuple[list[int], np.ndarray]:

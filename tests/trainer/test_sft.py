@@ -97,6 +97,16 @@ def test_existing_checkpoints_are_not_overwritten_silently(demo_run, capsys):
     assert sorted(p.name for p in out.iterdir()) == before
 
 
+def test_saved_weights_are_as_readable_as_the_other_files(tmp_path):
+    """safetensors creates its files 0600; a model directory's files all get open()'s mode (0644 under umask 022)."""
+    from trainer.model import save_pretrained
+
+    model, tokenizer = build_preset("tiny")
+    save_pretrained(model, tmp_path, tokenizer=tokenizer)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+
+
 def test_help_lists_sft_and_training_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         sft.main(["--help"])
