@@ -339,6 +339,22 @@ def test_skip_bad_examples_counts_by_reason_and_detects_from_first_valid(tmp_pat
         load_sft_dataset(g, tok, show_progress=False)
 
 
+def test_skipped_and_dropped_examples_are_named_and_counted_per_kind(tmp_path, tok, caplog):
+    """One bad record and 45 truncation drops: the log names each kind (file:line) and counts the rest per kind."""
+    long_prompt = {"messages": [{"role": "user", "content": "q" * 60}, {"role": "assistant", "content": "a"}]}
+    f = write_jsonl(tmp_path / "k.jsonl", [GOOD, {"messages": "oops"}] + [long_prompt] * 45)
+    with caplog.at_level("WARNING", logger="trainer.data"):
+        ds = load_sft_dataset(f, tok, cutoff_len=40, skip_bad_examples=True, show_progress=False)
+    assert len(ds) == 1 and ds.summary["dropped"] == {"wrong_type": 1, "no_targets_after_truncation": 45}
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"skipping {f}:2: field 'messages' is a string") for m in messages), messages
+    named = [m for m in messages if m.startswith("dropping ") and "after truncation to cutoff_len 40" in m]
+    assert [m.split(": ")[0] for m in named] == [f"dropping {f}:{line}" for line in range(3, 8)]
+    assert messages[-1] == "not named above: 40 more no_targets_after_truncation (45 in all) (the first 5 of each kind are)"
+    assert not any("bad examples" in m for m in messages)
+    assert "read 47, skipped bad 1 (wrong_type 1), dropped 45 (no_targets_after_truncation 45)" in ds.summary_text()
+
+
 def test_unknown_format_and_missing_paths(tmp_path, tok):
     f = write_jsonl(tmp_path / "u.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(DataError, match=r"u\.jsonl:1: cannot tell the data format from the keys \['answer', 'question'\]"):
