@@ -19,6 +19,7 @@ Exit codes: 0 done, 1 an error on some rank of a multi-process job, 2 bad input 
 traceback), 143 stopped by SIGTERM after saving.
 """
 
+import importlib.util
 import json
 import sys
 import time
@@ -309,10 +310,11 @@ def train(args, sft: SFTArguments) -> int:
         return 0
     (Path(args.output_dir) / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
+    transformers_hint = "" if importlib.util.find_spec("transformers") else " (pip install transformers)"
     print("\n".join([
         "",
         f"model saved to {final.resolve()}",
-        "load it with transformers:",
+        f"load it with transformers{transformers_hint}:",
         "    from transformers import AutoModelForCausalLM, AutoTokenizer",
         f"    model = AutoModelForCausalLM.from_pretrained({str(final.resolve())!r})",
         f"    tokenizer = AutoTokenizer.from_pretrained({str(final.resolve())!r})",
