@@ -60,6 +60,35 @@ def test_generate_cli(demo_run, capsys):
     assert "give --prompt" in capsys.readouterr().err
 
 
+class _Terminal:
+    """A stdin that says it is a terminal and types `lines`; past them, `then` (EOF '' or an exception)."""
+
+    def __init__(self, lines, then=""):
+        self.lines, self.then = list(lines), then
+
+    def isatty(self):
+        return True
+
+    def readline(self):
+        if self.lines:
+            return self.lines.pop(0) + "\n"
+        if isinstance(self.then, BaseException):
+            raise self.then
+        return self.then
+
+
+def test_generate_chat_prompts_and_ends_on_ctrl_c_without_a_traceback(demo_run, capsys, monkeypatch):
+    _, out = demo_run
+    argv = ["--model", str(out), "--chat", "--max_new_tokens", "2"]
+    monkeypatch.setattr("sys.stdin", _Terminal(["reverse: ab", "upper: cd"]))
+    assert generate_cli.main(argv) == 0
+    shown = capsys.readouterr()
+    assert shown.out.count("> ") == 3 and "empty line or Ctrl-D ends the chat" in shown.err  # two turns, then EOF
+    monkeypatch.setattr("sys.stdin", _Terminal(["reverse: ab"], then=KeyboardInterrupt()))
+    assert generate_cli.main(argv) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def _one_line_error(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("error: "), err
