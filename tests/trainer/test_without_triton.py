@@ -67,3 +67,13 @@ def test_a_plain_install_brings_what_the_main_job_uses_and_no_triton():
     names = [d.split(";")[0].split(">")[0].split("=")[0].strip() for d in project["dependencies"]]
     assert "matplotlib" in names and "triton" not in names
     assert any(d.startswith("triton") for d in project["optional-dependencies"]["test"])
+
+
+def test_the_cli_refuses_a_forced_triton_backend_without_triton_in_one_line(tmp_path):
+    out = tmp_path / "out"
+    code = f"from trainer.sft import main\nraise SystemExit(main(['--model', 'tiny', '--output_dir', {str(out)!r}]))\n"
+    done = run_without_triton(code, KERNELS_BACKEND="triton")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("error: use_kernels: ") and "pip install triton" in lines[0] and "--use_kernels false" in lines[0]
+    assert not out.exists()
