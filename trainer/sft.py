@@ -13,7 +13,13 @@ held-out conversations is printed before and after training.
 Several processes (see docs/multi_gpu.md): `torchrun --nproc_per_node N -m trainer.sft ...` or
 `accelerate launch -m trainer.sft ...`; `--dist_config` picks fsdp2 or ddp (ddp by default). Under fsdp2 the model
 is built sharded, so that no rank ever holds all of it (`load_model_and_tokenizer`). An error on any rank is
-printed with its rank and ends that process with exit code 1, which ends the job (no hang).
+printed with its rank and ends that process with exit code 1, which ends the job (no hang); bad input, which every
+rank meets alike, is printed once, by rank 0, and every rank exits 2.
+
+Every argument is checked against the machine and the file system (`check_run`) before the model is built, the
+data tokenised or anything written. A trained model is never replaced unasked: an output_dir holding a model or
+checkpoints takes only --overwrite_output_dir, --resume_from_checkpoint, or the very arguments that produced it
+(saved as sft_args.json at the end; running the same command again works).
 
 Exit codes: 0 done, 1 an error on some rank of a multi-process job, 2 bad input (one line on stderr, no
 traceback), 143 stopped by SIGTERM after saving.
