@@ -25,6 +25,7 @@ Exit codes: 0 done, 1 an error on some rank of a multi-process job, 2 bad input 
 traceback), 143 stopped by SIGTERM after saving.
 """
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -88,10 +89,9 @@ def load_model_and_tokenizer(name: str, dtype: str | None, use_kernels: bool, se
 
     path = None
     if not is_preset(name):
+        check_model_name(name)
         path = Path(name)
         if not path.exists():
-            if name.count("/") != 1 or name.startswith((".", "/")):
-                raise ConfigError(f"model: {name!r} is not a preset, a directory, or a hub id (owner/name)")
             path = _download(name)
     if args is not None and uses_fsdp(args):
         return _load_sharded(name, path, dtype, use_kernels, seed, args)
@@ -101,6 +101,14 @@ def load_model_and_tokenizer(name: str, dtype: str | None, use_kernels: bool, se
             model.to(getattr(torch, dtype))
         return model, tokenizer
     return load_pretrained(path, dtype=dtype, use_kernels=use_kernels), load_tokenizer(path)
+
+
+def check_model_name(name: str) -> None:
+    """A preset, an existing path, or something shaped like a hub id (owner/name); else a one-line ConfigError."""
+    from .model import is_preset
+
+    if not (is_preset(name) or Path(name).exists() or (name.count("/") == 1 and not name.startswith((".", "/")))):
+        raise ConfigError(f"model: {name!r} is not a preset, a directory, or a hub id (owner/name)")
 
 
 def _load_sharded(name: str, path: Path | None, dtype: str | None, use_kernels: bool, seed: int, args):
@@ -273,7 +281,8 @@ def _user_error(exc: Exception) -> int:
     if rank == 0:
         print(f"error: {exc}", file=sys.stderr)
     if world_size > 1:  # a rank still waiting in a collective with this one fails at once instead of hanging
-        torch.distributed.destroy_process_group()
+        with contextlib.suppress(Exception):
+            torch.distributed.destroy_process_group()
     return 2
 
 
@@ -291,6 +300,7 @@ def check_run(args, sft: SFTArguments) -> None:
     (building the model, tokenising) or written; each failure is a one-line ConfigError/DataError (exit 2)."""
     from .data import resolve_data_files
 
+    check_model_name(sft.model)
     _check_output_dir(args, sft)
     if sft.train_on_prompt and sft.mask_history:
         raise ConfigError("train_on_prompt and mask_history cannot both be set (train_on_prompt trains every token, "

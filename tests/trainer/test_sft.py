@@ -181,6 +181,7 @@ def test_every_argument_and_environment_check_runs_first_in_one_line(tmp_path):
         (["--attn_implementation", "eager"], {}, "attn_implementation='eager': expected one of auto, sdpa,"),
         (["--data", str(tmp_path / "missing.jsonl")], {}, "missing.jsonl: no such file or directory"),
         (["--train_on_prompt", "--mask_history"], {}, "train_on_prompt and mask_history cannot both be set"),
+        (["--model", str(tmp_path / "nope")], {}, "is not a preset, a directory, or a hub id"),
         ([], {"KERNELS_BACKEND": "fast"}, "KERNELS_BACKEND='fast' is not one of auto, triton, reference"),
     ]
     if torch.cuda.is_available():
