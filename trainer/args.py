@@ -29,6 +29,9 @@ The newer trainer's names (seed 001) are accepted: `micro_batch_size` (= per_dev
 `global_batch_size` (accumulation derived by `resolve_world(world_size)`), `cutoff_len`,
 `enable_activation_checkpointing` (= gradient_checkpointing), `batching_strategy`, `dist_config`.
 `train_shuffle` (default True) is ours: it carries transformers 5's `train_sampling_strategy="sequential"`.
+Names users bring from TRL and LlamaFactory are resolved by the parser (not constructor arguments):
+`max_seq_length` / `max_length` (= cutoff_len), and the booleans of `BOOLEAN_ALIASES`, `packing`
+(= batching_strategy padding_free) and `assistant_only_loss` (false = the CLI's train_on_prompt).
 
 Test: `python -m pytest tests/trainer/test_args.py -q`.
 
