@@ -319,6 +319,9 @@ def check_run(args, sft: SFTArguments) -> None:
             cuda or interpreter_on() or kernels.current_backend() == "triton"):
         raise ConfigError(f"use_kernels: our kernels run on Triton here, but {TRITON_MISSING}; "
                           "or pass --use_kernels false")
+    if args.use_kernels and not cuda and kernels.current_backend() == "triton" and not interpreter_on():
+        raise ConfigError("KERNELS_BACKEND=triton: Triton kernels on a CPU need the interpreter (TRITON_INTERPRET=1, "
+                          "about 37 us per program: for tests); unset it to run the PyTorch references")
     if args.use_liger_kernel:
         if not cuda:
             raise ConfigError("use_liger_kernel: liger-kernel's Triton kernels need a CUDA GPU, and none is visible; "
