@@ -8,8 +8,9 @@
 - `KERNELS_BACKEND=reference` (or `kernels.backend("reference")`) forces the reference everywhere.
 - Inside `torch.compile` on CPU the reference is taken: the Triton interpreter cannot be traced.
 
-Triton is an optional import here so that `import kernels` works on any machine; an op that needs it
-and cannot have it says how to get it.
+Triton is optional (a CPU-only install never needs it, and CUDA builds of torch bring their own): without it
+`import kernels` works and CPU tensors run the reference; forcing Triton, or a CUDA tensor reaching an op,
+raises a one-line RuntimeError saying how to install it (`TRITON_MISSING`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ except Exception:  # pragma: no cover - exercised on machines without triton
     HAS_TRITON = False
 
 _BACKENDS = ("auto", "triton", "reference")
+TRITON_MISSING = "triton is not installed: pip install triton (or the project's extra: pip install -e '.[triton]')"
 
 
 def _env_backend() -> str:
@@ -77,14 +79,16 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     on_cuda = all(t.is_cuda for t in tensors if t is not None)
     if on_cuda:
         if not HAS_TRITON:
-            if name == "triton":
-                raise RuntimeError("kernels: the triton backend was forced but triton is not installed (pip install triton)")
-            return False
+            raise RuntimeError(f"kernels: CUDA tensors run the Triton kernels, but {TRITON_MISSING}; "
+                               "or run the reference with KERNELS_BACKEND=reference")
         return True
     if torch.compiler.is_compiling():
         return False  # the interpreter cannot be traced; compiled CPU code takes the reference
     if name == "triton" or interpreter_on():
-        if not (HAS_TRITON and interpreter_on()):
+        if not HAS_TRITON:
+            raise RuntimeError(f"kernels: the Triton backend was forced (KERNELS_BACKEND=triton or TRITON_INTERPRET=1) "
+                               f"but {TRITON_MISSING}")
+        if not interpreter_on():
             raise RuntimeError(
                 "kernels: Triton on CPU tensors needs the interpreter: set TRITON_INTERPRET=1 before importing kernels"
             )

@@ -194,7 +194,8 @@ def neftune_fwd(
     return out
 
 
-@torch.library.triton_op("kernels::neftune_fwd", mutates_args=())
+# custom_op without triton: triton_op would log "Triton not available" on every import of a CPU-only install.
+@(torch.library.triton_op if HAS_TRITON else torch.library.custom_op)("kernels::neftune_fwd", mutates_args=())
 def _neftune_fwd_op(x: torch.Tensor, seed: torch.Tensor, scale: float, row_scale: Optional[torch.Tensor]) -> torch.Tensor:
     return neftune_fwd(x, seed, scale, row_scale)
 

@@ -30,6 +30,9 @@ The newer trainer's names (seed 001) are accepted: `micro_batch_size` (= per_dev
 `enable_activation_checkpointing` (= gradient_checkpointing), `batching_strategy`, `dist_config`, `optim_config`,
 `lr_scheduler_config`.
 `train_shuffle` (default True) is ours: it carries transformers 5's `train_sampling_strategy="sequential"`.
+Names users bring from TRL and LlamaFactory are resolved by the parser (not constructor arguments):
+`max_seq_length` / `max_length` (= cutoff_len), and the booleans of `BOOLEAN_ALIASES`, `packing`
+(= batching_strategy padding_free) and `assistant_only_loss` (false = the CLI's train_on_prompt).
 
 Test: `python -m pytest tests/trainer/test_args.py -q`.
 
@@ -180,6 +183,17 @@ SIMPLE_ALIASES = {
     "enable_activation_checkpointing": "gradient_checkpointing",
     "activation_checkpointing": "gradient_checkpointing",
     "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+    # TRL's SFTConfig (max_seq_length before TRL 0.20, max_length since) and LlamaFactory's cutoff_len
+    "max_seq_length": "cutoff_len",
+    "max_length": "cutoff_len",
+}
+# Booleans from TRL that set another argument (of any of the parser's dataclasses): name -> (target, value when
+# true, value when false), resolved by the parser like SIMPLE_ALIASES. TRL's packing=True packs examples into rows
+# without padding, with position ids restarting per example: our padding_free. Its assistant_only_loss=False
+# trains conversational data on every token: our train_on_prompt.
+BOOLEAN_ALIASES: dict[str, tuple[str, Any, Any]] = {
+    "packing": ("batching_strategy", "padding_free", "normal"),
+    "assistant_only_loss": ("train_on_prompt", False, True),
 }
 _ALIAS_HELP = {
     "train_sampling_strategy": "transformers 5 sampler name: random | sequential | group_by_length "
@@ -1227,7 +1241,7 @@ class TrainingArguments:
         specs = _specs((cls,))
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
-            name = _resolve_name(key, specs, f"key {key!r}")
+            name, value = _resolve_item(key, value, specs, f"key {key!r}")
             if name in kwargs:
                 raise ConfigError(f"{name} given twice (once through an alias)")
             kwargs[name] = value
@@ -1415,9 +1429,22 @@ def _resolve_name(name: str, specs: Mapping[str, _Spec], where: str) -> str:
     if reason is not None:
         raise ConfigError(f"{where}: {name} is not supported by kernelwright: {reason}")
     candidates = list(specs) + [a for a, t in SIMPLE_ALIASES.items() if t in specs]
+    candidates += [a for a, (t, _, _) in BOOLEAN_ALIASES.items() if t in specs]
     close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help for the arguments"
     raise ConfigError(f"{where}: unknown argument {name}{hint}")
+
+
+def _resolve_item(name: str, value: Any, specs: Mapping[str, _Spec], where: str) -> tuple[str, Any]:
+    """(canonical name, value) for one given argument: renames resolved, boolean aliases mapped to their value."""
+    if name in BOOLEAN_ALIASES and name not in specs and BOOLEAN_ALIASES[name][0] in specs:
+        target, when_true, when_false = BOOLEAN_ALIASES[name]
+        return target, when_true if _coerce(name, value, bool) else when_false
+    return _resolve_name(name, specs, where), value
+
+
+def _is_alias(name: str) -> bool:
+    return name in SIMPLE_ALIASES or name in BOOLEAN_ALIASES
 
 
 def _takes_bool(spec: _Spec) -> bool:
@@ -1430,6 +1457,26 @@ def _takes_list(spec: _Spec) -> bool:
 
 class _HelpRequested(Exception):
     pass
+
+
+def _flag_value(flag: str, values: list[str], specs: Mapping[str, _Spec]) -> tuple[str, Any]:
+    """(canonical name, raw value) of `--flag values...`: bare booleans, `--no_<bool>`, lists, one value."""
+    negated = flag.startswith("no_") and flag not in specs and flag[3:] in specs and _takes_bool(specs[flag[3:]])
+    name = flag[3:] if negated else _resolve_name(flag, specs, f"--{flag}")
+    spec = specs[name]
+    if negated:
+        if values:
+            raise ConfigError(f"--{flag} takes no value (it sets {name} to false)")
+        return name, False
+    if not values:
+        if not _takes_bool(spec):
+            raise ConfigError(f"--{flag} expects a value ({_describe(spec.type)})")
+        return name, True
+    if _takes_list(spec):
+        return name, values
+    if len(values) > 1:
+        raise ConfigError(f"--{flag} takes one value, got {len(values)}: {' '.join(values)}")
+    return name, values[0]
 
 
 def _parse_flags(tokens: Sequence[str], specs: Mapping[str, _Spec]) -> dict[str, Any]:
@@ -1453,25 +1500,14 @@ def _parse_flags(tokens: Sequence[str], specs: Mapping[str, _Spec]) -> dict[str,
         values = [inline] if has_inline else list(tokens[i + 1 : j])
         i = i + 1 if has_inline else j
 
-        negated = flag.startswith("no_") and flag not in specs and flag[3:] in specs and _takes_bool(specs[flag[3:]])
-        name = flag[3:] if negated else _resolve_name(flag, specs, f"--{flag}")
-        spec = specs[name]
-        if negated:
-            if values:
-                raise ConfigError(f"--{flag} takes no value (it sets {name} to false)")
-            raw: Any = False
-        elif not values:
-            if not _takes_bool(spec):
-                raise ConfigError(f"--{flag} expects a value ({_describe(spec.type)})")
-            raw = True
-        elif _takes_list(spec):
-            raw = values
-        elif len(values) > 1:
-            raise ConfigError(f"--{flag} takes one value, got {len(values)}: {' '.join(values)}")
+        if flag in BOOLEAN_ALIASES and flag not in specs:
+            if len(values) > 1:
+                raise ConfigError(f"--{flag} takes one value, got {len(values)}: {' '.join(values)}")
+            name, raw = _resolve_item(flag, values[0] if values else True, specs, f"--{flag}")
         else:
-            raw = values[0]
+            name, raw = _flag_value(flag, values, specs)
         # Repeating a flag keeps the last value (argparse's rule); an alias and its target together is an error.
-        if via_alias.setdefault(name, flag in SIMPLE_ALIASES) != (flag in SIMPLE_ALIASES):
+        if via_alias.setdefault(name, _is_alias(flag)) != _is_alias(flag):
             raise ConfigError(f"--{flag} and --{name} set the same argument; give one of them")
         out[name] = raw
     return out
@@ -1487,7 +1523,7 @@ def _file_values(path: str, specs: Mapping[str, _Spec]) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: expected a mapping of argument names to values")
     out: dict[str, Any] = {}
     for key, value in data.items():
-        name = _resolve_name(str(key), specs, f"key {key!r} in {path}")
+        name, value = _resolve_item(str(key), value, specs, f"key {key!r} in {path}")
         if name in out:
             raise ConfigError(f"{path}: {name} given twice (once through an alias)")
         out[name] = value
@@ -1522,7 +1558,7 @@ def parse_dict(values: Mapping[str, Any], extra_dataclasses: Sequence[type] = ()
     specs = _specs(classes)
     resolved: dict[str, Any] = {}
     for key, value in values.items():
-        name = _resolve_name(key, specs, f"key {key!r}")
+        name, value = _resolve_item(key, value, specs, f"key {key!r}")
         if name in resolved:
             raise ConfigError(f"{name} given twice (once through an alias)")
         resolved[name] = value
@@ -1588,7 +1624,9 @@ def format_help(extra_dataclasses: Sequence[type] = (), prog: str = "python -m t
             if s.help:
                 lines.append(f"      {s.help}")
     lines += ["", "renamed aliases:"]
-    lines += [f"  --{a} -> --{t}" for a, t in SIMPLE_ALIASES.items()]
+    lines += [f"  --{a} -> --{t}" for a, t in SIMPLE_ALIASES.items() if t in specs]
+    lines += [f"  --{a} -> --{t} {_show(yes)} (false: {_show(no)})" for a, (t, yes, no) in BOOLEAN_ALIASES.items()
+              if t in specs]
     lines += [
         "",
         "not supported (rejected with a message): deepspeed, push_to_hub, hub_*, tpu_*, ddp_*, local_rank, "

@@ -9,7 +9,9 @@ Reading never holds more than one tensor beyond the destination: keys and shapes
 headers (no data read), then each tensor is read once and copied (with its dtype cast) into its destination.
 A destination that holds only some rows of a tensor (a rank's FSDP2 shard) gets only those rows read from the
 file (`safe_open(...).get_slice(name)[start:stop]`): the whole tensor is never materialised.
-Writing casts and writes one shard at a time.
+Writing casts and writes one shard at a time. safetensors creates its files with mode 0600; they are set to what
+`open()` gives every other file of the directory (0666 less the umask, usually 0644) so that a shared model
+directory stays readable by the group and others.
 
 This module knows nothing about the model; `trainer.model.load_pretrained` / `save_pretrained` use it.
 """
@@ -17,6 +19,7 @@ This module knows nothing about the model; `trainer.model.load_pretrained` / `sa
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Callable
@@ -135,6 +138,13 @@ def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Calla
                     targets[name].copy_(read_tensor(f, name, span))
 
 
+def _new_file_mode() -> int:
+    """The permission bits `open(name, "w")` gives a new file: 0o666 less the process umask."""
+    umask = os.umask(0)  # reading the umask means setting it; restored at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, max_shard_size: int | str = "5GB",
                      dtype: torch.dtype | None = None) -> list[Path]:
     """Write `tensors` (cast to `dtype` when given) as one file or as shards plus an index; return the files.
@@ -169,6 +179,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, max_shard_siz
         # one shard's cast copies at a time: never a full second copy of the model
         data = {k: tensors[k].detach().to(device="cpu", dtype=dtype or tensors[k].dtype).contiguous() for k in shard}
         save_file(data, str(path / file_name), metadata={"format": "pt"})
+        os.chmod(path / file_name, _new_file_mode())
         weight_map.update({k: file_name for k in shard})
         del data
     if len(shards) > 1:

@@ -5,7 +5,8 @@ Pipeline (`load_sft_dataset`), run once per dataset and cached:
 1. Read JSONL, JSON (a list of objects, or one object per line) and Parquet files; a directory means its
    *.jsonl/*.json/*.parquet files in sorted order. Every record is located as "file:line" (Parquet:
    "file:row N") so a bad one is reported in one line: `DataError("x.jsonl:3: invalid JSON: ... (expected ...)")`.
-   With `skip_bad_examples=True` bad records are counted by reason in the summary instead.
+   With `skip_bad_examples=True` bad records are counted by reason in the summary instead; the log names the
+   first few of each reason (file:line) and counts the rest per reason.
 2. Detect the format per file from its first valid record (or force it with `data_format`):
    messages    {"messages": [{"role", "content"}, ...]}            roles system/user/assistant/tool
    sharegpt    {"conversations": [{"from", "value"}, ...]}         human->user, gpt->assistant, system, tool
@@ -19,11 +20,16 @@ Pipeline (`load_sft_dataset`), run once per dataset and cached:
    ("<|im_end|>\n", "<|eot_id|>", "</s>") so the model learns to stop, and never the next turn's header.
    Tokens are supervised when their character span (`encode_with_offsets`) overlaps a supervised span. This
    works for any template that renders a prefix of a conversation as a prefix of the whole; that is checked,
-   and a template that breaks it is a `DataError` naming the problem (train_on_prompt=True needs no spans).
-   `train_on_prompt` supervises every token, `mask_history` only the last assistant turn.
+   and a template that breaks it is a `DataError` naming the problem and the ways out: templates that rewrite
+   earlier turns (Qwen3 drops the reasoning of earlier answers) still work with `mask_history` (train_on_prompt=True
+   needs no spans). A template with `{% generation %}` blocks (transformers' assistant-mask tag, TRL's
+   `assistant_only_loss`) says itself which text is the assistant's: exactly its blocks are supervised, as
+   transformers' `assistant_masks` mark them, and no prefixes are rendered.
+   `train_on_prompt` supervises every token, `mask_history` only the last assistant turn (the last block).
 4. Truncate to `cutoff_len` keeping the start. Labels are unshifted (the model shifts: the target of position
    t is labels[t+1]) with -100 where not supervised; labels[0] is always -100 since no position predicts it.
-   An example left with no target (no assistant turn, or its answer truncated away) is dropped and counted.
+   An example left with no target (no assistant turn, or its answer truncated away) is dropped and counted
+   under its own reason (no_targets, no_targets_after_truncation), never as a bad record.
 5. Cache the result as flat int32 arrays + offsets in `<cache_dir>/data-<key>.npz`, where key = sha256 of the
    file contents, tokenizer.json, chat template, special tokens and the options; a second load reads it
    without tokenising.
@@ -65,7 +71,9 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 _NEEDS_CONTENT = ("user", "assistant")
 # Bumped whenever the cached arrays would change for the same inputs (masking rules, array layout).
 _CACHE_VERSION = "kernelwright-data-v1"
-_MAX_WARNINGS = 5
+_MAX_WARNINGS = 5  # examples named (file:line) per kind of drop; the summary counts them all
+# Well-formed examples that leave nothing to train on (dropped whether or not skip_bad_examples is set).
+_NO_TARGETS = ("no_targets", "no_targets_after_truncation")
 
 
 class DataError(ValueError):
@@ -349,10 +357,16 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str, tools, last_onl
         if not through.startswith(before) or not text.startswith(through):
             part = "messages[:{0}] with the generation prompt".format(i) if not through.startswith(before) \
                 else f"messages[:{i + 1}]"
+            # Templates that rewrite earlier turns (Qwen3 drops the reasoning of answers before the last user
+            # message) still render the last turn as a continuation of the rest: mask_history trains that one.
+            way_out = ("set mask_history=True (--mask_history) to train on the last assistant turn only, "
+                       "train_on_prompt=True, or a template" if not last_only else
+                       "set train_on_prompt=True, or use a template")
             raise _TemplateMismatch(
                 f"chat template problem: the rendering of {part} is not a prefix of the rendering of the whole "
-                "conversation, so assistant turns cannot be located (expected a template whose rendering of a "
-                "conversation's prefix is a prefix of the whole; fix the template or use train_on_prompt=True)")
+                "conversation (the template rewrites earlier turns), so assistant turns cannot be located; "
+                f"{way_out} whose rendering of a conversation's prefix is a prefix of the whole, or one that marks "
+                "answers with {% generation %} blocks")
         spans.append((len(before), len(through)))
     return spans
 
@@ -368,15 +382,27 @@ def _supervised_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, in
     return ((before[end] - before[start]) > 0) | ((start == end) & (chars[start] > 0))
 
 
+def _generation_spans(tokenizer, messages: list[dict], tools) -> tuple[str, list[tuple[int, int]]]:
+    kwargs = {"tools": tools} if tools is not None else {}
+    try:
+        return tokenizer.render_with_generation_spans(messages, add_generation_prompt=False, **kwargs)
+    except Exception as exc:  # user code, as in _render
+        raise _Bad("template_error", f"the chat template failed on this conversation: {exc} "
+                                     "(expected a conversation the template accepts)") from None
+
+
 def _encode_conversation(tokenizer, messages, tools, train_on_prompt, mask_history) -> tuple[list[int], np.ndarray]:
-    text = _render(tokenizer, messages, False, tools)
-    ids, offsets = tokenizer.encode_with_offsets(text)
     if train_on_prompt:
-        supervised = np.ones(len(ids), dtype=bool)
+        ids = tokenizer.encode(_render(tokenizer, messages, False, tools))
+        return ids, np.ones(len(ids), dtype=bool)
+    if tokenizer.has_generation_blocks:  # the template says which text is the assistant's
+        text, spans = _generation_spans(tokenizer, messages, tools)
+        spans = spans[-1:] if mask_history else spans
     else:
+        text = _render(tokenizer, messages, False, tools)
         spans = _assistant_spans(tokenizer, messages, text, tools, last_only=mask_history)
-        supervised = _supervised_tokens(offsets, spans, len(text))
-    return ids, supervised
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    return ids, _supervised_tokens(offsets, spans, len(text))
 
 
 def _encode_text(tokenizer, text: str) -> tuple[list[int], np.ndarray]:
@@ -514,11 +540,14 @@ def summary_text(summary: dict) -> str:
     else:
         lines.append(f"data: {summary['examples']:,} examples")
     if "examples_read" in summary:
-        dropped = summary.get("dropped", {})
-        reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(dropped.items()))
-        lines.append(f"  read {summary['examples_read']:,}, dropped {sum(dropped.values()):,}"
-                     + (f" ({reasons})" if reasons else "")
-                     + f", truncated {summary.get('truncated', 0):,} (cutoff_len {summary['options']['cutoff_len']})")
+        counts = sorted(summary.get("dropped", {}).items())  # bad records and examples without a target, by reason
+        line = f"  read {summary['examples_read']:,}"
+        for what, kinds in (("skipped bad", {k: v for k, v in counts if k not in _NO_TARGETS}),
+                            ("dropped", {k: v for k, v in counts if k in _NO_TARGETS})):
+            if kinds or what == "dropped":
+                reasons = ", ".join(f"{k} {v:,}" for k, v in kinds.items())
+                line += f", {what} {sum(kinds.values()):,}" + (f" ({reasons})" if reasons else "")
+        lines.append(line + f", truncated {summary.get('truncated', 0):,} (cutoff_len {summary['options']['cutoff_len']})")
     tokens, sup = summary["tokens"], summary["supervised_tokens"]
     lines.append(f"  tokens {tokens:,}, supervised {sup:,} ({100.0 * sup / max(tokens, 1):.1f}%)")
     ln = summary["length"]
@@ -595,12 +624,15 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
     read = truncated = 0
     progress = tqdm(desc="tokenizing", unit=" examples", disable=not show_progress, mininterval=0.5)
 
+    def drop(where: str, reason: str, message: str) -> None:
+        dropped[reason] += 1
+        if dropped[reason] <= _MAX_WARNINGS:
+            logger.warning("%s %s: %s", "dropping" if reason in _NO_TARGETS else "skipping", where, message)
+
     def bad(where: str, exc: _Bad) -> None:
         if not skip:
             raise DataError(f"{where}: {exc.message}")
-        dropped[exc.reason] += 1
-        if sum(dropped.values()) <= _MAX_WARNINGS:
-            logger.warning("skipping %s: %s", where, exc.message)
+        drop(where, exc.reason, exc.message)
 
     try:
         for path in files:
@@ -636,7 +668,11 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
                     truncated += 1
                     ids, labels = ids[:cutoff_len], labels[:cutoff_len]
                 if not (labels != IGNORE_INDEX).any():
-                    dropped["no_targets_after_truncation" if had_targets else "no_targets"] += 1
+                    if had_targets:
+                        drop(where, "no_targets_after_truncation", f"no target token left after truncation to "
+                             f"cutoff_len {cutoff_len} (the answer starts later; raise cutoff_len to keep it)")
+                    else:
+                        drop(where, "no_targets", "no target token (no assistant answer to train on)")
                     continue
                 ids_parts.append(ids)
                 label_parts.append(labels)
@@ -649,9 +685,10 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "the files hold no records"
         raise DataError(f"{', '.join(map(str, files))}: no usable examples ({reasons}) (expected at least one example "
                         "with a target token)")
-    extra = sum(dropped.values()) - _MAX_WARNINGS
-    if skip and extra > 0:
-        logger.warning("skipped %d more bad examples (counts by reason in the data summary)", extra)
+    unnamed = {reason: n - _MAX_WARNINGS for reason, n in sorted(dropped.items()) if n > _MAX_WARNINGS}
+    if unnamed:
+        logger.warning("not named above: %s (the first %d of each kind are)", ", ".join(
+            f"{n:,} more {reason} ({dropped[reason]:,} in all)" for reason, n in unnamed.items()), _MAX_WARNINGS)
     ds = TokenizedDataset(np.concatenate(ids_parts), np.concatenate(label_parts), np.cumsum(lengths))
     ds.summary = {"files": [str(f) for f in files], "formats": formats, "options": options, "examples_read": read,
                   "dropped": dict(sorted(dropped.items())), "truncated": truncated, **ds.summary}

@@ -5,7 +5,9 @@
     python -m trainer.generate --model outputs/demo --chat          # an interactive chat (empty line ends it)
 
 The prompt is wrapped as a user message and rendered with the model's chat template (`--raw` feeds the text
-as is); decoding is greedy unless `--temperature` > 0.
+as is); decoding is greedy unless `--temperature` > 0. In `--chat` each turn is read after a `> ` prompt
+(shown when stdin is a terminal; piped input reads line by line silently); an empty line, end of input
+(Ctrl-D) or Ctrl-C ends the chat without a traceback (Ctrl-C exits with 130, as shells expect).
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ def reply(model, tokenizer, messages_or_text, args, generator) -> str:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # end the line the interrupted prompt or answer left open
+        return 130
+
+
+def _main(argv) -> int:
     from .args import ConfigError
     from .model import ModelError
     from .sft import load_model_and_tokenizer
@@ -70,8 +80,14 @@ def main(argv=None) -> int:
                     args, generator))
         return 0
     history = list(system)
-    for line in sys.stdin:
-        line = line.rstrip("\n")
+    prompt = "> " if sys.stdin.isatty() else ""
+    if prompt:
+        print(f"chatting with {args.model}; an empty line or Ctrl-D ends the chat", file=sys.stderr)
+    while True:
+        try:
+            line = input(prompt)
+        except EOFError:
+            break
         if not line:
             break
         history.append({"role": "user", "content": line})

@@ -13,14 +13,24 @@ held-out conversations is printed before and after training.
 Several processes (see docs/multi_gpu.md): `torchrun --nproc_per_node N -m trainer.sft ...` or
 `accelerate launch -m trainer.sft ...`; `--dist_config` picks fsdp2 or ddp (ddp by default). Under fsdp2 the model
 is built sharded, so that no rank ever holds all of it (`load_model_and_tokenizer`). An error on any rank is
-printed with its rank and ends that process with exit code 1, which ends the job (no hang).
+printed with its rank and ends that process with exit code 1, which ends the job (no hang); bad input, which every
+rank meets alike, is printed once, by rank 0, and every rank exits 2.
+
+Every argument is checked against the machine and the file system (`check_run`) before the model is built, the
+data tokenised or anything written. A trained model is never replaced unasked: an output_dir holding a model or
+checkpoints takes only --overwrite_output_dir, --resume_from_checkpoint, or the very arguments that produced it
+(saved as sft_args.json at the end; running the same command again works).
 
 Exit codes: 0 done, 1 an error on some rank of a multi-process job, 2 bad input (one line on stderr, no
 traceback), 130 stopped by Ctrl-C (the first saves a checkpoint at the end of the step, a second aborts at once),
 143 stopped by SIGTERM after saving; a stopped run prints the command that resumes it.
 """
 
+import contextlib
+import dataclasses
+import importlib.util
 import json
+import os
 import shlex
 import sys
 import time
@@ -33,6 +43,12 @@ from .args import ConfigError, _arg, parse_args
 from .tasks import EVAL_FILE, TRAIN_FILE, kind_of
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+# Written into output_dir at the end of a finished run: the arguments it ran with (`run_arguments`). A run with the
+# same arguments may write there again (it reproduces the same model); any other run needs --overwrite_output_dir.
+RUN_ARGS_FILE = "sft_args.json"
+# transformers' attn_implementation values -> our attention backends (trainer/attention.py). transformers'
+# "eager" (the unfused softmax(QK^T)V) has no counterpart here: sdpa computes the same attention.
+ATTN_IMPLEMENTATIONS = {"auto": "auto", "sdpa": "sdpa", "flex_attention": "flex", "flash_attention_2": "flash"}
 
 
 @dataclass
@@ -58,6 +74,9 @@ class SFTArguments:
     exact_match_examples: int = _arg(200, "sft", "How many held-out conversations the exact-match evaluation uses.")
     max_new_tokens: int = _arg(32, "sft", "Longest answer generated for the sample answers printed at the end.")
     plot: bool = _arg(True, "sft", "Save the train/eval loss curve as output_dir/loss_curve.png (needs matplotlib).")
+    attn_implementation: str = _arg("auto", "sft", "Attention backend, by transformers' names (auto: flash-attn on "
+                                    "CUDA in bf16/fp16 when installed, else flex or sdpa; sdpa on CPU).",
+                                    choices=tuple(ATTN_IMPLEMENTATIONS))
 
 
 def load_model_and_tokenizer(name: str, dtype: str | None, use_kernels: bool, seed: int, args=None):
@@ -72,10 +91,9 @@ def load_model_and_tokenizer(name: str, dtype: str | None, use_kernels: bool, se
 
     path = None
     if not is_preset(name):
+        check_model_name(name)
         path = Path(name)
         if not path.exists():
-            if name.count("/") != 1 or name.startswith((".", "/")):
-                raise ConfigError(f"model: {name!r} is not a preset, a directory, or a hub id (owner/name)")
             path = _download(name)
     if args is not None and uses_fsdp(args):
         return _load_sharded(name, path, dtype, use_kernels, seed, args)
@@ -85,6 +103,14 @@ def load_model_and_tokenizer(name: str, dtype: str | None, use_kernels: bool, se
             model.to(getattr(torch, dtype))
         return model, tokenizer
     return load_pretrained(path, dtype=dtype, use_kernels=use_kernels), load_tokenizer(path)
+
+
+def check_model_name(name: str) -> None:
+    """A preset, an existing path, or something shaped like a hub id (owner/name); else a one-line ConfigError."""
+    from .model import is_preset
+
+    if not (is_preset(name) or Path(name).exists() or (name.count("/") == 1 and not name.startswith((".", "/")))):
+        raise ConfigError(f"model: {name!r} is not a preset, a directory, or a hub id (owner/name)")
 
 
 def _load_sharded(name: str, path: Path | None, dtype: str | None, use_kernels: bool, seed: int, args):
@@ -238,10 +264,122 @@ def _run(argv: list[str]) -> int:
 
     try:
         args, sft = parse_args(argv, extra_dataclasses=(SFTArguments,))
+        check_run(args, sft)
         return train(args, sft, argv)
     except (ConfigError, DataError, ModelError, TokenizerError, CheckpointError) as exc:
+        return _user_error(exc)
+
+
+def _user_error(exc: Exception) -> int:
+    """Print a user error in one line; exit code 2. Under a launcher (WORLD_SIZE > 1) only rank 0 prints it:
+    every rank reads the same arguments and files and meets the same error, and one copy per rank would bury it
+    under the launcher's report. (An error only a non-zero rank meets, e.g. a file missing on another node,
+    then shows only as that rank's exit code 2 in the launcher's report.) Every rank returns 2."""
+    from .parallel import world
+
+    rank, world_size = world()
+    if world_size == 1:  # the process group is not up yet (bad arguments) or there is none
+        rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if world_size > 1:  # a rank still waiting in a collective with this one fails at once instead of hanging
+        with contextlib.suppress(Exception):
+            torch.distributed.destroy_process_group()
+    return 2
+
+
+def run_arguments(args, sft: SFTArguments) -> dict:
+    """What a run was asked to do, as saved in output_dir/sft_args.json: every argument, resolved, except a
+    logging_dir derived from the clock (output_dir/runs/<date>_<host>)."""
+    values = {**args.to_dict(), **dataclasses.asdict(sft)}
+    if os.path.dirname(values["logging_dir"]) == os.path.join(args.output_dir, "runs"):
+        del values["logging_dir"]
+    return json.loads(json.dumps(values, default=str))
+
+
+def check_run(args, sft: SFTArguments) -> None:
+    """Every check of the arguments against this machine and the file system, run before anything expensive
+    (building the model, tokenising) or written; each failure is a one-line ConfigError/DataError (exit 2)."""
+    from .data import resolve_data_files
+
+    check_model_name(sft.model)
+    _check_output_dir(args, sft)
+    if sft.train_on_prompt and sft.mask_history:
+        raise ConfigError("train_on_prompt and mask_history cannot both be set (train_on_prompt trains every token, "
+                          "mask_history the last assistant turn only)")
+    for paths in (sft.data, sft.eval_data):
+        if paths:
+            resolve_data_files(paths)
+    cuda = torch.cuda.is_available()
+    try:
+        import kernels  # reads KERNELS_BACKEND at import and refuses an unknown value
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    from kernels._dispatch import TRITON_MISSING, interpreter_on
+
+    if args.use_kernels and not args.use_liger_kernel and not kernels.HAS_TRITON and (
+            cuda or interpreter_on() or kernels.current_backend() == "triton"):
+        raise ConfigError(f"use_kernels: our kernels run on Triton here, but {TRITON_MISSING}; "
+                          "or pass --use_kernels false")
+    if args.use_kernels and not cuda and kernels.current_backend() == "triton" and not interpreter_on():
+        raise ConfigError("KERNELS_BACKEND=triton: Triton kernels on a CPU need the interpreter (TRITON_INTERPRET=1, "
+                          "about 37 us per program: for tests); unset it to run the PyTorch references")
+    if args.use_liger_kernel:
+        if not cuda:
+            raise ConfigError("use_liger_kernel: liger-kernel's Triton kernels need a CUDA GPU, and none is visible; "
+                              "leave it off (--use_kernels runs kernelwright's, with a CPU reference)")
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ConfigError("use_liger_kernel: liger-kernel is not installed (pip install liger-kernel)")
+    if cuda and (args.bf16 or args.bf16_full_eval or sft.model_dtype == "bfloat16") and not torch.cuda.is_bf16_supported():
+        raise ConfigError("bf16: this GPU does not support bfloat16 (it needs compute capability 8.0, Ampere, or "
+                          "newer); use --fp16 instead")
+    _check_attention(args, sft, cuda)
+
+
+def _check_output_dir(args, sft: SFTArguments) -> None:
+    """output_dir can be written, and holds no trained model or checkpoints that this run would replace unasked.
+
+    Hugging Face's example scripts refuse a non-empty output_dir ("Use --overwrite_output_dir to overcome.");
+    here only what a run trained counts (a model or checkpoints; logs and the data cache do not), and a finished run
+    with exactly these arguments (output_dir/sft_args.json) may be re-run: it reproduces the same model, so running
+    the same command twice works, while any other run needs --overwrite_output_dir, --resume_from_checkpoint or
+    another --output_dir."""
+    out = Path(args.output_dir)
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir: {existing} is a file, not a directory (output_dir={out})")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir: {out} cannot be written (no write permission on {existing})")
+    if args.overwrite_output_dir or args.resume_from_checkpoint or not out.is_dir():
+        return
+    trained = ("checkpoints" if any(out.glob("checkpoint-*")) else
+               "a trained model" if any((out / name).exists() for name in ("config.json", "model.safetensors"))
+               else None)
+    if trained is None:
+        return
+    saved = out / RUN_ARGS_FILE
+    if saved.is_file() and json.loads(saved.read_text()) == run_arguments(args, sft):
+        return
+    raise ConfigError(f"output_dir: {out} already holds {trained} of another run (it is not empty); use "
+                      "--overwrite_output_dir to overcome, --resume_from_checkpoint auto to continue it, or another "
+                      "--output_dir")
+
+
+def _check_attention(args, sft: SFTArguments, cuda: bool) -> None:
+    backend = ATTN_IMPLEMENTATIONS[sft.attn_implementation]
+    name = f"attn_implementation={sft.attn_implementation!r}"
+    if backend in ("flex", "flash") and not cuda:
+        raise ConfigError(f"{name} needs a CUDA GPU, and none is visible (on a CPU, flex attention runs forward "
+                          "only); use sdpa or auto")
+    if backend == "flash":
+        from .attention import _flash_attn
+
+        if _flash_attn() is None:
+            raise ConfigError(f"{name} needs flash-attn (pip install flash-attn --no-build-isolation)")
+        if not (args.bf16 or args.fp16 or sft.model_dtype in ("bfloat16", "float16")):
+            raise ConfigError(f"{name} needs bf16 or fp16 tensors: pass --bf16 (or --fp16)")
 
 
 def resume_command(argv: list[str]) -> str:
@@ -263,16 +401,15 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
     from .parallel import init_distributed
     from .trainer import Trainer, set_seed
 
+    requested = run_arguments(args, sft)  # before anything in args is resolved (check_run compares the same)
     rank, world_size = init_distributed()  # several processes under torchrun/accelerate; (0, 1) otherwise
     args.resolve_world(world_size)  # gradient_accumulation_steps from global_batch_size, before the summary shows it
     out = Path(args.output_dir)
-    if out.is_dir() and any(out.glob("checkpoint-*")) and not args.overwrite_output_dir and not args.resume_from_checkpoint:
-        raise ConfigError(f"output_dir: {out} already holds checkpoints; pass --overwrite_output_dir true to train anew "
-                          "there or --resume_from_checkpoint auto to continue")
     if rank == 0:
         print(args.summary(), file=sys.stderr)
     set_seed(args.seed)
     model, tokenizer = load_model_and_tokenizer(sft.model, sft.model_dtype, args.use_kernels, args.seed, args)
+    model.attn_backend = ATTN_IMPLEMENTATIONS[sft.attn_implementation]
     embedded = not sft.data
     train_files = sft.data or [str(TRAIN_FILE)]
     eval_files = sft.eval_data or ([str(EVAL_FILE)] if embedded else None)
@@ -326,11 +463,13 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
     if rank != 0:  # the files and the report below are rank 0's
         return 0
     (Path(args.output_dir) / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (Path(args.output_dir) / RUN_ARGS_FILE).write_text(json.dumps(requested, indent=2, sort_keys=True) + "\n")
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
+    transformers_hint = "" if importlib.util.find_spec("transformers") else " (pip install transformers)"
     print("\n".join([
         "",
         f"model saved to {final.resolve()}",
-        "load it with transformers:",
+        f"load it with transformers{transformers_hint}:",
         "    from transformers import AutoModelForCausalLM, AutoTokenizer",
         f"    model = AutoModelForCausalLM.from_pretrained({str(final.resolve())!r})",
         f"    tokenizer = AutoTokenizer.from_pretrained({str(final.resolve())!r})",

@@ -9,7 +9,10 @@ Reads and writes the Hugging Face layout so that a model directory works both he
 
 Chat templates render in a sandboxed jinja2 environment (`ImmutableSandboxedEnvironment`, `trim_blocks`,
 `lstrip_blocks`, a `raise_exception` global, a `tojson` filter and `strftime_now`), as Hugging Face does,
-so a model's own template renders the same text here and there.
+so a model's own template renders the same text here and there. Templates that mark the assistant's text with
+`{% generation %}...{% endgeneration %}` (transformers' `AssistantTracker` tag, which TRL's `assistant_only_loss`
+relies on) render their blocks unchanged; `render_with_generation_spans` also returns where each block's text
+lies in the rendering, which `trainer.data` supervises instead of locating turns by prefix renders.
 
 `byte_level_tokenizer()` builds the embedded default: 256 byte tokens (id == byte value) and ChatML special
 tokens, with a ChatML chat template. It needs no download and round-trips any UTF-8 text exactly.
@@ -18,8 +21,12 @@ tokens, with a ChatML chat template. It needs no download and round-trips any UT
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
+
+from jinja2 import nodes
+from jinja2.ext import Extension
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -50,6 +57,37 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}body{% endgeneration %}` renders `body` unchanged and, while `spans` is a list (set by
+    `Tokenizer.render_with_generation_spans`), records the (start, end) characters of `body` in the output.
+
+    The start is the length of everything rendered before it: `Template.generate` yields the output in order and
+    the renderer appends each piece to `rendered` before the next is computed. As in transformers, a block inside
+    a macro or a `{% set %}` capture is buffered elsewhere, so its recorded place would be wrong."""
+
+    tags = {"generation"}
+
+    def __init__(self, environment):
+        super().__init__(environment)
+        self.rendered: list[str] | None = None
+        self.spans: list[tuple[int, int]] | None = None
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_record"), [], [], body).set_lineno(lineno)
+
+    def _record(self, caller) -> str:
+        text = caller()
+        if self.spans is not None:
+            start = sum(map(len, self.rendered))
+            self.spans.append((start, start + len(text)))
+        return text
+
+
 def _compile_template(source: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -62,7 +100,8 @@ def _compile_template(source: str):
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlocks])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -145,18 +184,39 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # ---- chat template --------------------------------------------------------------------------------
+    def _compiled(self, chat_template: str | None):
+        if chat_template is not None:
+            return _compile_template(chat_template)
+        if self._template is None:
+            self._template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+        return self._template
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False,
                             chat_template: str | None = None, **kwargs):
         """Render `messages` with the model's chat template (or the default ChatML one) -> text or ids."""
-        if chat_template is not None:
-            template = _compile_template(chat_template)
-        else:
-            if self._template is None:
-                self._template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
-            template = self._template
-        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        text = self._compiled(chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                                    **kwargs)
         return self.encode(text) if tokenize else text
+
+    @property
+    def has_generation_blocks(self) -> bool:
+        """Whether the chat template marks the assistant's text with `{% generation %}` blocks."""
+        return bool(_GENERATION_TAG.search(self.chat_template or DEFAULT_CHAT_TEMPLATE))
+
+    def render_with_generation_spans(self, messages: list[dict], **kwargs) -> tuple[str, list[tuple[int, int]]]:
+        """(text, [(start, end) of each `{% generation %}` block's text]) of the rendered conversation; what
+        transformers' `return_assistant_tokens_mask` marks, as characters."""
+        template = self._compiled(None)
+        tracker = next(e for e in template.environment.extensions.values() if isinstance(e, _GenerationBlocks))
+        tracker.rendered, tracker.spans = [], []
+        try:
+            for piece in template.generate(messages=messages, bos_token=self.bos_token or "",
+                                           eos_token=self.eos_token or "", **kwargs):
+                tracker.rendered.append(piece)
+            return "".join(tracker.rendered), tracker.spans
+        finally:
+            tracker.rendered = tracker.spans = None
 
     # ---- files ----------------------------------------------------------------------------------------
     @classmethod

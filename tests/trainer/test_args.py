@@ -513,6 +513,31 @@ def test_aliases_and_sampling_on_the_command_line():
         ["--eval_strategy", "steps", "--evaluation_strategy", "epoch"])
 
 
+def test_names_users_bring_from_trl_and_llamafactory(tmp_path):
+    @dataclass
+    class Masking:  # the CLI's own dataclass (trainer.sft.SFTArguments) holds train_on_prompt
+        train_on_prompt: bool = False
+
+    for flag in ("--max_seq_length", "--max_length", "--cutoff_len"):
+        (args,) = parse_args([flag, "512"])
+        assert args.cutoff_len == 512
+    assert parse_args(["--packing"])[0].batching_strategy == "padding_free"
+    assert parse_args(["--packing", "false"])[0].batching_strategy == "normal"
+    assert parse_args(["--assistant_only_loss", "false"], [Masking])[1].train_on_prompt is True
+    assert parse_args(["--assistant_only_loss"], [Masking])[1].train_on_prompt is False
+    config = tmp_path / "trl.yaml"
+    config.write_text("max_length: 64\npacking: true\nassistant_only_loss: false\n")
+    args, masking = parse_args([str(config)], [Masking])
+    assert (args.cutoff_len, args.batching_strategy, masking.train_on_prompt) == (64, "padding_free", True)
+    assert TrainingArguments.from_dict({"max_seq_length": 32, "packing": True}).batching_strategy == "padding_free"
+    assert "--packing and --batching_strategy set the same argument" in parse_error(
+        ["--batching_strategy", "normal", "--packing"])
+    assert "packing: expected a boolean, got 'bfd'" in parse_error(["--packing", "bfd"])
+    assert "did you mean max_length" in parse_error(["--max_lenght", "8"])
+    assert "did you mean packing" in parse_error(["--pakcing"])
+    assert "--packing -> --batching_strategy padding_free" in format_help()
+
+
 FLAG_ERRORS = [
     (["--learnig_rate", "1e-4"], "--learnig_rate: unknown argument learnig_rate; did you mean learning_rate?"),
     (["--zzzz", "1"], "unknown argument zzzz; see --help for the arguments"),

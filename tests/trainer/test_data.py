@@ -135,6 +135,66 @@ def test_template_that_breaks_the_prefix_property_is_a_clear_error(tmp_path, tok
     assert len(load_sft_dataset(f, bad, train_on_prompt=True, show_progress=False)) == 1
 
 
+# ChatML whose assistant content sits in {% generation %} blocks, the end-of-turn left out of them: the blocks,
+# not the prefix rule (which would also supervise '<|im_end|>\n'), must decide the targets.
+TAGGED_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+                   "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
+                   "{% else %}{{ message['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_generation_blocks_load_and_decide_the_targets(tmp_path, tok):
+    tagged = Tokenizer(tok.backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TAGGED_TEMPLATE)
+    # The answer ends in ASCII: transformers marks only the first token of a block's last character, which
+    # for a byte-level multi-byte character would leave its other bytes out (we supervise all of them).
+    msgs = CONV[:2] + [{"role": "assistant", "content": "hé 🌍 ok"}] + CONV[3:]
+
+    def turn(role, content, sup=False):
+        return [(f"<|im_start|>{role}\n", False), (content, sup), ("<|im_end|>\n", False)]
+
+    head = turn("system", "be brief") + turn("user", "hi")
+    assert tokenize_conversation(tagged, msgs) == expected(tagged, head + turn("assistant", "hé 🌍 ok", True)
+                                                           + turn("user", "2+2?") + turn("assistant", "4", True))
+    _, last_only = tokenize_conversation(tagged, msgs, mask_history=True)
+    assert last_only == expected(tagged, head + turn("assistant", "hé 🌍 ok") + turn("user", "2+2?")
+                                 + turn("assistant", "4", True))[1]
+    assert tagged.apply_chat_template(msgs) == tok.apply_chat_template(msgs)  # the tag renders its body unchanged
+    f = write_jsonl(tmp_path / "g.jsonl", [{"messages": msgs}])
+    assert len(load_sft_dataset(f, tagged, show_progress=False)) == 1
+    transformers = pytest.importorskip("transformers")  # oracle: transformers' assistant_masks on the same template
+    tok.save_pretrained(tmp_path / "hf")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    out = hf.apply_chat_template(msgs, chat_template=TAGGED_TEMPLATE, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+    ids, labels = tokenize_conversation(tagged, msgs)
+    assert ids == out["input_ids"] and [int(lab != IGN) for lab in labels] == out["assistant_masks"]
+
+
+# Qwen3-style: the reasoning of assistant answers before the last user message is dropped, so a conversation's
+# earlier prefix renders an answer differently from the whole (written for this test, same rule as Qwen3's).
+REWRITING_TEMPLATE = (
+    "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.last_user %}{{ '<think>' + m['reasoning'] + '</think>' }}"
+    "{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_template_that_rewrites_earlier_turns_names_mask_history(tmp_path, tok):
+    rewriting = Tokenizer(tok.backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                          chat_template=REWRITING_TEMPLATE)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning": "greet"},
+            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning": "add"}]
+    f = write_jsonl(tmp_path / "q.jsonl", [{"messages": msgs}])
+    with pytest.raises(DataError, match=r"q\.jsonl:1: chat template problem: .*rewrites earlier turns.*--mask_history"):
+        load_sft_dataset(f, rewriting, show_progress=False)
+    ds = load_sft_dataset(f, rewriting, mask_history=True, show_progress=False)
+    want = expected(rewriting, chatml("user", "hi") + chatml("assistant", "hello") + chatml("user", "2+2?")
+                    + [("<|im_start|>assistant\n", False), ("<think>add</think>4<|im_end|>\n", True)])
+    assert (ds[0]["input_ids"].tolist(), ds[0]["labels"].tolist()) == want
+
+
 def test_template_raise_exception_is_a_bad_example(tmp_path, tok):
     strict = Tokenizer(tok.backend, eos_token="<|im_end|>", chat_template=(
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
@@ -277,6 +337,22 @@ def test_skip_bad_examples_counts_by_reason_and_detects_from_first_valid(tmp_pat
     g = write_jsonl(tmp_path / "y.jsonl", [{"instruction": "a", "output": "b"}, {"instruction": "c"}])
     with pytest.raises(DataError, match=r"y\.jsonl:2: missing field 'output' \(expected alpaca"):
         load_sft_dataset(g, tok, show_progress=False)
+
+
+def test_skipped_and_dropped_examples_are_named_and_counted_per_kind(tmp_path, tok, caplog):
+    """One bad record and 45 truncation drops: the log names each kind (file:line) and counts the rest per kind."""
+    long_prompt = {"messages": [{"role": "user", "content": "q" * 60}, {"role": "assistant", "content": "a"}]}
+    f = write_jsonl(tmp_path / "k.jsonl", [GOOD, {"messages": "oops"}] + [long_prompt] * 45)
+    with caplog.at_level("WARNING", logger="trainer.data"):
+        ds = load_sft_dataset(f, tok, cutoff_len=40, skip_bad_examples=True, show_progress=False)
+    assert len(ds) == 1 and ds.summary["dropped"] == {"wrong_type": 1, "no_targets_after_truncation": 45}
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"skipping {f}:2: field 'messages' is a string") for m in messages), messages
+    named = [m for m in messages if m.startswith("dropping ") and "after truncation to cutoff_len 40" in m]
+    assert [m.split(": ")[0] for m in named] == [f"dropping {f}:{line}" for line in range(3, 8)]
+    assert messages[-1] == "not named above: 40 more no_targets_after_truncation (45 in all) (the first 5 of each kind are)"
+    assert not any("bad examples" in m for m in messages)
+    assert "read 47, skipped bad 1 (wrong_type 1), dropped 45 (no_targets_after_truncation 45)" in ds.summary_text()
 
 
 def test_unknown_format_and_missing_paths(tmp_path, tok):

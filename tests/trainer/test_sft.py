@@ -1,9 +1,14 @@
 """`python -m trainer.sft` and `python -m trainer.generate` as a user runs them (in process, a few steps)."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import kernels
 
@@ -12,6 +17,8 @@ from trainer import sft
 from trainer.model import build_preset, load_pretrained
 from trainer.tasks import KINDS
 
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 150  # per spawned command; each stops before building a model (~5 s) or trains a few steps
 FEW_STEPS = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--exact_match_examples", "16",
              "--logging_steps", "1", "--disable_tqdm", "true"]
 
@@ -60,6 +67,35 @@ def test_generate_cli(demo_run, capsys):
     assert "give --prompt" in capsys.readouterr().err
 
 
+class _Terminal:
+    """A stdin that says it is a terminal and types `lines`; past them, `then` (EOF '' or an exception)."""
+
+    def __init__(self, lines, then=""):
+        self.lines, self.then = list(lines), then
+
+    def isatty(self):
+        return True
+
+    def readline(self):
+        if self.lines:
+            return self.lines.pop(0) + "\n"
+        if isinstance(self.then, BaseException):
+            raise self.then
+        return self.then
+
+
+def test_generate_chat_prompts_and_ends_on_ctrl_c_without_a_traceback(demo_run, capsys, monkeypatch):
+    _, out = demo_run
+    argv = ["--model", str(out), "--chat", "--max_new_tokens", "2"]
+    monkeypatch.setattr("sys.stdin", _Terminal(["reverse: ab", "upper: cd"]))
+    assert generate_cli.main(argv) == 0
+    shown = capsys.readouterr()
+    assert shown.out.count("> ") == 3 and "empty line or Ctrl-D ends the chat" in shown.err  # two turns, then EOF
+    monkeypatch.setattr("sys.stdin", _Terminal(["reverse: ab"], then=KeyboardInterrupt()))
+    assert generate_cli.main(argv) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def _one_line_error(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("error: "), err
@@ -95,6 +131,90 @@ def test_existing_checkpoints_are_not_overwritten_silently(demo_run, capsys):
     assert sft.main(["--model", "tiny", "--output_dir", str(out), "--overwrite_output_dir", "false", *FEW_STEPS]) == 2
     assert "already holds checkpoints" in _one_line_error(capsys)
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_saved_weights_are_as_readable_as_the_other_files(tmp_path):
+    """safetensors creates its files 0600; a model directory's files all get open()'s mode (0644 under umask 022)."""
+    from trainer.model import save_pretrained
+
+    model, tokenizer = build_preset("tiny")
+    save_pretrained(model, tmp_path, tokenizer=tokenizer)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+
+
+def test_a_different_run_never_replaces_a_trained_model_but_the_same_command_runs_again(demo_run, capsys):
+    """Item 7: the demo's output_dir after a quick try with another argument; re-running the demo itself works."""
+    _, out = demo_run
+    saved = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert sft.main(["--output_dir", str(out), *FEW_STEPS, "--max_steps", "2"]) == 2
+    line = _one_line_error(capsys)
+    assert "already holds checkpoints of another run" in line and "--overwrite_output_dir to overcome" in line
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == saved
+    args, sft_args = sft.parse_args([str(sft.DEMO_CONFIG), "--output_dir", str(out), "--max_steps", "2",
+                                     "--overwrite_output_dir"], extra_dataclasses=(sft.SFTArguments,))
+    sft.check_run(args, sft_args)  # asked for: allowed
+    assert sft.main(["--output_dir", str(out), *FEW_STEPS]) == 0  # the same command again
+    assert json.loads((out / "final_metrics.json").read_text())["global_step"] == 3
+
+
+def _spawn_sft(argv, env=None, **launch_env) -> subprocess.Popen:
+    """`python -m trainer.sft argv` as a user starts it (no test-wide TRITON_INTERPRET), stdout/stderr piped."""
+    base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KERNELS_BACKEND")}
+    return subprocess.Popen([sys.executable, "-m", "trainer.sft", *argv], cwd=ROOT, text=True,
+                            env={**base, "OMP_NUM_THREADS": "1", **(env or {}), **launch_env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_every_argument_and_environment_check_runs_first_in_one_line(tmp_path):
+    """Item 8: each bad argument or environment stops before the model or the data are touched: exit 2, one line
+    on stderr, nothing written. All commands run at once (each only imports and checks)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me\n")
+    out = tmp_path / "out"
+    cases = [
+        (["--output_dir", str(a_file)], {}, f"output_dir: {a_file} is a file, not a directory"),
+        (["--output_dir", str(a_file / "run")], {}, f"output_dir: {a_file} is a file, not a directory"),
+        (["--use_liger_kernel"], {}, "use_liger_kernel: liger-kernel's Triton kernels need a CUDA GPU"),
+        (["--attn_implementation", "flash_attention_2"], {}, "attn_implementation='flash_attention_2' needs a CUDA GPU"),
+        (["--attn_implementation", "flex_attention"], {}, "attn_implementation='flex_attention' needs a CUDA GPU"),
+        (["--attn_implementation", "eager"], {}, "attn_implementation='eager': expected one of auto, sdpa,"),
+        (["--data", str(tmp_path / "missing.jsonl")], {}, "missing.jsonl: no such file or directory"),
+        (["--train_on_prompt", "--mask_history"], {}, "train_on_prompt and mask_history cannot both be set"),
+        (["--model", str(tmp_path / "nope")], {}, "is not a preset, a directory, or a hub id"),
+        ([], {"KERNELS_BACKEND": "fast"}, "KERNELS_BACKEND='fast' is not one of auto, triton, reference"),
+        ([], {"KERNELS_BACKEND": "triton"}, "KERNELS_BACKEND=triton: Triton kernels on a CPU need the interpreter"),
+    ]
+    if torch.cuda.is_available():  # the machine-dependent ones are CPU-only errors
+        cases = [c for c in cases if "CUDA GPU" not in c[2] and "on a CPU" not in c[2]]
+    procs = [_spawn_sft(["--model", "tiny", "--output_dir", str(out), *argv], env) for argv, env, _ in cases]
+    for proc, (argv, env, message) in zip(procs, cases):
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, env, err[-2000:])
+        assert message in lines[0], (argv, lines[0])
+    assert not out.exists() and a_file.read_text() == "keep me\n"
+
+
+def test_a_data_error_under_a_launcher_is_printed_once(tmp_path):
+    """Item 10: two ranks as torchrun starts them (gloo) meet the same bad record: rank 0 prints it, both exit 2."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                    '{"messages": [oops]}\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    argv = ["--model", "tiny", "--data", str(data), "--output_dir", str(tmp_path / "o"), *FEW_STEPS]
+    procs = [_spawn_sft(argv, None, **launch, RANK=str(r), LOCAL_RANK=str(r)) for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    said = [line for err in errs for line in err.splitlines() if "bad.jsonl:2:" in line]
+    assert len(said) == 1 and said[0].startswith("error: ") and "bad.jsonl:2:" in errs[0], errs
 
 
 def test_help_lists_sft_and_training_arguments(capsys):
