@@ -310,8 +310,11 @@ def _skip_ignored(hidden, target, ignore_index):
     kept = (target != ignore_index).nonzero().squeeze(1)  # (K,) on the host
     if kept.numel() == target.numel():
         return None, hidden, target.to(dev, non_blocking=True)
+    target_k = target.index_select(0, kept)  # (K,)
+    if dev.type == "cuda":  # from pageable memory a non_blocking copy would still wait for the host buffer
+        kept, target_k = kept.pin_memory(), target_k.pin_memory()
     rows = kept.to(dev, non_blocking=True)
-    return rows, hidden.index_select(0, rows), target.index_select(0, kept).to(dev, non_blocking=True)
+    return rows, hidden.index_select(0, rows), target_k.to(dev, non_blocking=True)
 
 
 def _scatter_rows(values, rows, n_rows):

@@ -406,6 +406,10 @@ class CausalLMOutput:
 class CausalLM(nn.Module):
     """A Llama-family decoder with an LM head; Hugging Face parameter names and checkpoint format."""
 
+    # forward takes `labels` on the CPU, as the collator built them: the fused loss then finds the rows with a
+    # target on the host (no device sync) and skips the ignored rows' matmuls (kernels/fused_linear_cross_entropy.py).
+    takes_host_labels = True
+
     def __init__(self, config: ModelConfig, use_kernels: bool = True):
         super().__init__()
         self.config = config
@@ -540,15 +544,16 @@ class CausalLM(nn.Module):
             return CausalLMOutput(None, self.lm_head(hidden))
         if labels.shape != input_ids.shape:
             raise ModelError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)} (labels are unshifted)")
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)  # (B*T,) position t predicts t+1
+        # (B*T,) position t predicts t+1; on the labels' device (the host for host labels: see takes_host_labels)
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
         if num_items is None:
             denom = (targets != IGNORE_INDEX).sum().clamp(min=1)
         elif torch.is_tensor(num_items):
-            denom = num_items.to(hidden.device).clamp(min=1)
+            denom = num_items.clamp(min=1)
         else:
             denom = max(int(num_items), 1)
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, C)
-        if self.impl == "kernels":
+        if self.impl == "kernels":  # takes host targets and counts as they are
             import kernels
 
             # Under autocast the kernel casts its inputs to the autocast dtype (as F.linear would) and returns an
@@ -557,6 +562,9 @@ class CausalLM(nn.Module):
                                                       label_smoothing=self.label_smoothing, z_loss=self.z_loss,
                                                       num_items=denom)
             return CausalLMOutput(loss, None)
+        targets = targets.to(hidden.device, non_blocking=True)
+        if torch.is_tensor(denom):
+            denom = denom.to(hidden.device, non_blocking=True)
         if self.impl == "liger":
             from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 

@@ -214,8 +214,9 @@ def apply_ddp(model: nn.Module) -> nn.Module:
 
     device = local_device()
     model.to(device)
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   forward_sync_buffers=False)
+    # device_ids=None (allowed for a single-device module): DDP would otherwise move every input to the device, and
+    # the loop moves them itself, leaving the labels on the host for the fused loss (CausalLM.takes_host_labels).
+    return DistributedDataParallel(model, device_ids=None, forward_sync_buffers=False)
 
 
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "no": None}

@@ -531,7 +531,11 @@ class Trainer:
     def _compute_loss(self, model, batch, num_items, device):
         """Sum of the batch's token losses / num_items, whatever kind of model this is."""
         pin = self.args.dataloader_pin_memory and device.type == "cuda"
-        inputs = {k: (v.pin_memory() if pin else v).to(device, non_blocking=True)
+        # A model that takes host labels (ours) gets them as the collator built them, so the fused loss skips the
+        # ignored rows' matmuls without a device sync. (FSDP2 moves every input to the device before forward: there
+        # the loss keeps every row, exactly as before.)
+        host = {"labels"} if getattr(_unwrap(model), "takes_host_labels", False) else set()
+        inputs = {k: v if k in host else (v.pin_memory() if pin else v).to(device, non_blocking=True)
                   for k, v in batch.items() if isinstance(v, torch.Tensor)}
         # remove_unused_columns in effect: only the keys the model's forward takes are passed.
         accepted = _forward_params(model)

@@ -733,3 +733,29 @@ def test_logits_only_model_loss_copies_no_shifted_logits(tmp_path, backend):
         assert [n for n in rec.numels if n >= B * (T - 1) * V and n != V * V] == [B * T * V] * 2
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(grad, model.table.weight.grad, rtol=0, atol=0)
+
+
+class DeviceRecorder(torch.nn.Module):
+    """Records the device each input reaches forward on; a zero loss."""
+
+    def __init__(self, takes_host_labels: bool):
+        super().__init__()
+        self.takes_host_labels, self.seen = takes_host_labels, {}
+
+    def forward(self, input_ids, labels, num_items=None):
+        self.seen = {"input_ids": input_ids.device.type, "labels": labels.device.type}
+        return {"loss": torch.zeros((), device=input_ids.device)}
+
+
+@pytest.mark.parametrize("host_labels", [True, False])
+def test_labels_stay_on_the_host_for_a_model_that_takes_them(tmp_path, dataset, host_labels):
+    """Our CausalLM declares takes_host_labels: the loop moves every other input to the device and leaves the labels
+    as the collator built them, so the fused loss finds the rows with a target without a device sync and skips the
+    ignored rows' matmuls (tests/kernels/test_fused_linear_cross_entropy.py counts the flops). Other models get
+    their labels on the device. The meta device stands in for a GPU."""
+    assert CausalLM.takes_host_labels
+    trainer = Trainer(model=small_model(), args=make_args(tmp_path), train_dataset=dataset)
+    model = DeviceRecorder(host_labels)
+    batch = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "labels": torch.full((2, 5), -100)}
+    trainer._compute_loss(model, batch, 4, torch.device("meta"))
+    assert model.seen == {"input_ids": "meta", "labels": "cpu" if host_labels else "meta"}
