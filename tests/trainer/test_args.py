@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from trainer.arg_parser import REJECTED, REJECTED_PREFIXES, SIMPLE_ALIASES
 from trainer.args import (
-    SIMPLE_ALIASES,
     ConfigError,
     TrainingArguments,
     format_help,
@@ -51,7 +51,6 @@ def parse_error(argv, extras=()) -> str:
 
 def test_defaults_equal_hugging_face_and_every_hf_option_is_handled():
     hf_args = pytest.importorskip("transformers.training_args")
-    from trainer.args import _REJECTED_PREFIXES, REJECTED
 
     hf = {f.name: f.default for f in dataclasses.fields(hf_args.TrainingArguments)}
     ours = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
@@ -60,7 +59,7 @@ def test_defaults_equal_hugging_face_and_every_hf_option_is_handled():
     assert {n for n in shared if hf[n] != ours[n]} == OURS_ON_PURPOSE
     initvars = {n for n, f in TrainingArguments.__dataclass_fields__.items() if isinstance(f.type, dataclasses.InitVar)}
     for name in hf:  # accepted, aliased or rejected with a reason: never silently ignored
-        rejected = name in REJECTED or any(name.startswith(p) for p in _REJECTED_PREFIXES)
+        rejected = name in REJECTED or any(name.startswith(p) for p in REJECTED_PREFIXES)
         assert name in ours or name in initvars or rejected, name
 
 
