@@ -37,6 +37,8 @@ The newer trainer's names (seed 001) are accepted: `micro_batch_size` (= per_dev
 `enable_activation_checkpointing` (= gradient_checkpointing), `batching_strategy`, `dist_config`, `optim_config`,
 `lr_scheduler_config`.
 `train_shuffle` (default True) is ours: it carries transformers 5's `train_sampling_strategy="sequential"`.
+`pad_to_multiple_of` (TRL's SFTConfig name) and `max_tokens` (the token budget of the dynamic batching strategies)
+are batching options the loop's loader reads, so they are saved in training_args.json like every other setting.
 Names users bring from TRL and LlamaFactory are resolved by the parser (not constructor arguments):
 `max_seq_length` / `max_length` (= cutoff_len), and the booleans of `arg_parser.BOOLEAN_ALIASES`, `packing`
 (= batching_strategy padding_free) and `assistant_only_loss` (false = the CLI's train_on_prompt).
@@ -492,6 +494,10 @@ class TrainingArguments:
     batching_strategy: str = _arg(
         "normal", "data", "How examples become batches (padding_free packs them without padding).", BATCHING_STRATEGIES
     )
+    pad_to_multiple_of: int | None = _arg(
+        None, "data", "Pad micro batches to a multiple of this (8/64 help torch.compile)."
+    )
+    max_tokens: int | None = _arg(None, "data", "Token budget per micro batch for the dynamic batching strategies.")
 
     # --- precision ---
     bf16: bool = _arg(False, "precision", "bfloat16 mixed-precision training.")
