@@ -1,4 +1,4 @@
-"""Training arguments: one dataclass, the single source of truth for a run, plus its CLI/YAML parser.
+"""Training arguments: one dataclass, the single source of truth for a run, and its entry points.
 
 What it holds and how it is read
 --------------------------------
@@ -10,6 +10,13 @@ validates; every user error is a `ConfigError` whose one-line message names the 
 allowed. Calling `__post_init__` on its own output changes nothing, so `to_dict()` -> `from_dict()` and
 `to_json_file()` -> `from_json_file()` are exact round-trips (the loop saves `training_args.json` in every
 checkpoint).
+
+The arguments live in three modules, one job each (coerce <- arg_parser <- args; none imports a later one):
+  trainer/coerce.py      ConfigError and value coercion ("2e-5" -> 2e-05, "true" -> True), choose/check helpers
+  trainer/arg_parser.py  the CLI/YAML parser over argument dataclasses: aliases, the rejection table, --help,
+                         close-match hints
+  trainer/args.py        this dataclass and every check of its values (validation happens here, once; the
+                         optimizer and schedule builders in trainer.optim trust it), and the entry points below
 
 `parse_args(argv, extra_dataclasses)` is our `HfArgumentParser`: it reads an optional YAML/JSON config file
 given first, then `--name value` flags (flags win), spreads the values over `TrainingArguments` and the CLI's
@@ -30,8 +37,10 @@ The newer trainer's names (seed 001) are accepted: `micro_batch_size` (= per_dev
 `enable_activation_checkpointing` (= gradient_checkpointing), `batching_strategy`, `dist_config`, `optim_config`,
 `lr_scheduler_config`.
 `train_shuffle` (default True) is ours: it carries transformers 5's `train_sampling_strategy="sequential"`.
+`pad_to_multiple_of` (TRL's SFTConfig name) and `max_tokens` (the token budget of the dynamic batching strategies)
+are batching options the loop's loader reads, so they are saved in training_args.json like every other setting.
 Names users bring from TRL and LlamaFactory are resolved by the parser (not constructor arguments):
-`max_seq_length` / `max_length` (= cutoff_len), and the booleans of `BOOLEAN_ALIASES`, `packing`
+`max_seq_length` / `max_length` (= cutoff_len), and the booleans of `arg_parser.BOOLEAN_ALIASES`, `packing`
 (= batching_strategy padding_free) and `assistant_only_loss` (false = the CLI's train_on_prompt).
 
 Test: `python -m pytest tests/trainer/test_args.py -q`.
@@ -91,18 +100,31 @@ import json
 import math
 import os
 import socket
-import sys
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
+from .arg_parser import (
+    SIMPLE_ALIASES,
+    field_default,
+    help_text,
+    parse_argv,
+    parse_mapping,
+    show_value,
+)
+from .coerce import (
+    FALSE_WORDS,
+    TRUE_WORDS,
+    ConfigError,
+    check,
+    check_keys,
+    choose,
+    coerce,
+    load_mapping,
+    read_config_file,
+    to_bool,
+)
 from .loggers import LOGGER_PACKAGES
-
-
-class ConfigError(ValueError):
-    """A user error in the arguments; its message is one line naming the argument and what is allowed."""
 
 
 EVAL_STRATEGIES = ("no", "steps", "epoch")
@@ -176,98 +198,6 @@ _DIST_TYPES = {
     "dcp_path": str | None,
 }
 
-# Pure renames, resolved to the canonical name by the parser (so flags still win over a file).
-SIMPLE_ALIASES = {
-    "evaluation_strategy": "eval_strategy",
-    "micro_batch_size": "per_device_train_batch_size",
-    "enable_activation_checkpointing": "gradient_checkpointing",
-    "activation_checkpointing": "gradient_checkpointing",
-    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
-    # TRL's SFTConfig (max_seq_length before TRL 0.20, max_length since) and LlamaFactory's cutoff_len
-    "max_seq_length": "cutoff_len",
-    "max_length": "cutoff_len",
-}
-# Booleans from TRL that set another argument (of any of the parser's dataclasses): name -> (target, value when
-# true, value when false), resolved by the parser like SIMPLE_ALIASES. TRL's packing=True packs examples into rows
-# without padding, with position ids restarting per example: our padding_free. Its assistant_only_loss=False
-# trains conversational data on every token: our train_on_prompt.
-BOOLEAN_ALIASES: dict[str, tuple[str, Any, Any]] = {
-    "packing": ("batching_strategy", "padding_free", "normal"),
-    "assistant_only_loss": ("train_on_prompt", False, True),
-}
-_ALIAS_HELP = {
-    "train_sampling_strategy": "transformers 5 sampler name: random | sequential | group_by_length "
-    "(sets group_by_length / train_shuffle)",
-    "fsdp": "Hugging Face FSDP options, e.g. 'full_shard auto_wrap' or 'shard_grad_op offload' "
-    "(sets dist_config name fsdp2)",
-    "fsdp_config": "Hugging Face fsdp_config (dict, JSON or a .json/.yaml path) read with --fsdp",
-}
-
-_HUB = "pushing to the Hugging Face Hub is not supported; upload output_dir yourself (huggingface-cli upload)"
-_DIST = "launch with torchrun; distributed settings live in --dist_config"
-_UNIMPLEMENTED = "a Hugging Face TrainingArguments option that kernelwright does not implement"
-REJECTED: dict[str, str] = {
-    "deepspeed": "DeepSpeed is not supported; use --dist_config '{\"name\": \"fsdp2\"}' for ZeRO-3-style sharding",
-    "push_to_hub": _HUB,
-    "local_rank": _DIST,
-    "use_cpu": "the device follows the environment (CUDA when available); hide GPUs with CUDA_VISIBLE_DEVICES=",
-    "no_cuda": "the device follows the environment (CUDA when available); hide GPUs with CUDA_VISIBLE_DEVICES=",
-    "optim_target_modules": "GaLore/APOLLO optimizers are not supported",
-    "liger_kernel_config": "use_liger_kernel applies liger-kernel's defaults; a per-op config is not supported",
-    "half_precision_backend": "mixed precision always uses torch.autocast",
-    "fp16_opt_level": "Apex AMP is not supported; fp16 uses torch.autocast with a GradScaler",
-    "per_gpu_train_batch_size": "renamed per_device_train_batch_size (or micro_batch_size)",
-    "per_gpu_eval_batch_size": "renamed per_device_eval_batch_size",
-    "adafactor": "Adafactor is not supported; choose --optim adamw_fused, adamw_torch, adamw_torch_fused or sgd",
-    "sharded_ddp": "use --dist_config '{\"name\": \"fsdp2\"}' for sharded data parallelism",
-    "fsdp_min_num_params": "kernelwright wraps each decoder block; size-based wrapping is not supported",
-    "fsdp_transformer_layer_cls_to_wrap": "kernelwright always wraps each decoder block; drop this option",
-    **{
-        name: _UNIMPLEMENTED
-        for name in (
-            "do_predict",
-            "log_level",
-            "log_level_replica",
-            "log_on_each_node",
-            "save_on_each_node",
-            "label_names",
-            "include_for_metrics",
-            "include_inputs_for_metrics",
-            "eval_do_concat_batches",
-            "eval_use_gather_object",
-            "batch_eval_metrics",
-            "ignore_data_skip",
-            "restore_callback_states_from_checkpoint",
-            "skip_memory_metrics",
-            "debug",
-            "past_index",
-            "jit_mode_eval",
-            "torchdynamo",
-            "ray_scope",
-            "accelerator_config",
-            "parallelism_config",
-            "use_cache",
-            "project",
-            "trackio_space_id",
-            "trackio_bucket_id",
-            "trackio_static_space_id",
-            "dataloader_multiprocessing_context",
-            "dataloader_in_order",
-            "enable_jit_checkpoint",
-            "use_mps_device",
-            "use_ipex",
-            "use_legacy_prediction_loop",
-            "mp_parameters",
-        )
-    },
-}
-_REJECTED_PREFIXES = {
-    "hub_": _HUB,
-    "push_to_hub_": _HUB,
-    "tpu_": "TPUs are not supported (CUDA GPUs and CPU only)",
-    "ddp_": _DIST,
-}
-
 GROUPS = (
     "output",
     "control",
@@ -284,9 +214,6 @@ GROUPS = (
     "extras",
 )
 
-_TRUE = ("true", "1", "yes", "y", "on", "t")
-_FALSE = ("false", "0", "no", "n", "off", "f")
-
 
 def _arg(default: Any, group: str, help: str, choices: Sequence[str] | None = None) -> Any:
     metadata = {"group": group, "help": help}
@@ -295,180 +222,6 @@ def _arg(default: Any, group: str, help: str, choices: Sequence[str] | None = No
     return field(default=default, metadata=metadata)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Value coercion shared by the dataclass and the parser: CLI strings, YAML/JSON values and Python values all
-# go through `_coerce`, so "2e-5", 2e-05 and "true" mean the same wherever they come from.
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _members(tp: Any) -> tuple[list[Any], bool]:
-    """Non-None members of a (possibly union) annotation, and whether None is allowed."""
-    if isinstance(tp, InitVar):
-        tp = tp.type
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        return [a for a in args if a is not type(None)], type(None) in args
-    return [tp], tp is Any
-
-
-def _base(member: Any) -> Any:
-    return typing.get_origin(member) or member
-
-
-def _describe(tp: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a JSON object"}
-    members, nullable = _members(tp)
-    words = []
-    for m in members:
-        if _base(m) is list:
-            (elem,) = typing.get_args(m) or (Any,)
-            words.append(f"a list of {getattr(elem, '__name__', 'any')} values")
-        else:
-            words.append(names.get(m, getattr(m, "__name__", str(m))))
-    return " or ".join(words + (["null"] if nullable else []))
-
-
-def _to_bool(value: str) -> bool:
-    s = value.strip().lower()
-    if s in _TRUE:
-        return True
-    if s in _FALSE:
-        return False
-    raise ValueError(value)
-
-
-def _convert(value: Any, member: Any) -> Any:
-    """Convert `value` to one annotation member or raise ValueError/TypeError."""
-    base = _base(member)
-    if member is Any:
-        return value
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            return _to_bool(value)
-        raise TypeError(value)
-    if base is int:
-        if isinstance(value, bool):
-            raise TypeError(value)
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            return int(value.strip())
-        raise TypeError(value)
-    if base is float:
-        if isinstance(value, bool):
-            raise TypeError(value)
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            return float(value.strip())
-        raise TypeError(value)
-    if base is dict:
-        if isinstance(value, Mapping):
-            return dict(value)
-        if isinstance(value, str) and value.strip().startswith("{"):
-            loaded = json.loads(value)
-            if isinstance(loaded, dict):
-                return loaded
-        raise TypeError(value)
-    if base is list:
-        (elem,) = typing.get_args(member) or (Any,)
-        items = list(value) if isinstance(value, (list, tuple)) else [value]
-        return [_convert(v, elem) for v in items]
-    if base is str:
-        if isinstance(value, str):
-            return value
-        raise TypeError(value)
-    if isinstance(value, base):
-        return value
-    if isinstance(value, str) and isinstance(base, type):
-        return base(value)  # class-typed fields of the CLI's dataclasses (pathlib.Path, enums)
-    raise TypeError(value)
-
-
-def _coerce(name: str, value: Any, tp: Any, choices: Sequence[str] | None = None) -> Any:
-    """`value` converted to annotation `tp` (unions tried bool, int, float, dict, list, str), or ConfigError."""
-    members, nullable = _members(tp)
-    if value is None or (nullable and isinstance(value, str) and value.strip().lower() in ("none", "null")):
-        if nullable:
-            return None
-        raise ConfigError(f"{name}: expected {_describe(tp)}, got None")
-    if choices is not None and value is False and "no" in choices:
-        # YAML 1.1 reads a bare `no` (as in `eval_strategy: no`) as False.
-        value = "no"
-    # A non-string value that already has one of the member types keeps it (a dict stays a dict, 3 stays an
-    # int); strings always go through the ordered conversion so that "true" means True for `str | bool`.
-    if not isinstance(value, str):
-        for m in members:
-            base = _base(m)
-            if m is Any or (base not in (float, list) and isinstance(value, base)):
-                if not (base is int and isinstance(value, bool)):
-                    return _convert(value, m)
-    order = {bool: 0, int: 1, float: 2, dict: 3, list: 4, str: 5}
-    for m in sorted(members, key=lambda m: order.get(_base(m), 6)):
-        try:
-            return _convert(value, m)
-        except (ValueError, TypeError):
-            continue
-    raise ConfigError(f"{name}: expected {_describe(tp)}, got {value!r}")
-
-
-def _choose(name: str, value: Any, choices: Sequence[str], what: str = "") -> str:
-    if value in choices:
-        return value
-    close = difflib.get_close_matches(str(value), choices, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(f"{name}={value!r}{what}: expected one of {', '.join(choices)}{hint}")
-
-
-def _check(ok: bool, name: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name}={value!r}: {expected}")
-
-
-def _load_mapping(name: str, value: Any) -> dict:
-    """A dict given as a dict, a JSON string, or a path to a .json/.yaml/.yml file."""
-    if isinstance(value, Mapping):
-        return dict(value)
-    if isinstance(value, str):
-        s = value.strip()
-        if s.startswith("{"):
-            try:
-                loaded = json.loads(s)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{name}: invalid JSON ({e.msg} at column {e.colno})") from None
-        elif s.endswith((".json", ".yaml", ".yml")):
-            loaded = _read_config_file(s, name)
-        else:
-            raise ConfigError(f"{name}={value!r}: expected a dict, a JSON object or a .json/.yaml file path")
-        if isinstance(loaded, dict):
-            return loaded
-    raise ConfigError(f"{name}={value!r}: expected a dict, a JSON object or a .json/.yaml file path")
-
-
-def _read_config_file(path: str, what: str = "config file") -> Any:
-    if not os.path.isfile(path):
-        raise ConfigError(f"{what}: file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json"):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{what}: cannot parse {path}: {e.msg} at line {e.lineno}") from None
-    import yaml  # imported here: only config files need it
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{what}: cannot parse {path}: {problem}{where}") from None
-
 
 # ---------------------------------------------------------------------------------------------------------
 # optim_args and lr_scheduler_kwargs: parsed and validated here so that a bad value fails at startup, and
@@ -476,13 +229,6 @@ def _read_config_file(path: str, what: str = "config file") -> Any:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _check_keys(name: str, given: Mapping[str, Any], allowed: Mapping[str, Any], owner: str) -> None:
-    for key in given:
-        if key not in allowed:
-            close = difflib.get_close_matches(key, list(allowed), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            accepted = ", ".join(allowed) if allowed else "none"
-            raise ConfigError(f"{name}: unknown key {key!r} for {owner}{hint}; accepted keys: {accepted}")
 
 
 def parse_optim_args(
@@ -490,13 +236,13 @@ def parse_optim_args(
 ) -> dict[str, Any]:
     """`optim_args` ("k=v,k=v" as in HF, a JSON object, or a dict) as a typed dict validated for `optim`; `what`
     names the argument in errors (optim_config when the options come from there)."""
-    schema = OPTIM_ARGS[_choose("optim", optim, OPTIMIZERS, _why_unsupported(optim, "optimizer"))]
+    schema = OPTIM_ARGS[choose("optim", optim, OPTIMIZERS, _why_unsupported(optim, "optimizer"))]
     if optim_args is None:
         return {}
     if isinstance(optim_args, str):
         text = optim_args.strip()
         if text.startswith("{"):
-            raw = _load_mapping(what, text)
+            raw = load_mapping(what, text)
         else:
             raw = {}
             for item in filter(None, text.replace(" ", "").split(",")):
@@ -508,13 +254,13 @@ def parse_optim_args(
         raw = dict(optim_args)
     else:
         raise ConfigError(f"{what}={optim_args!r}: expected 'key=value,...', a JSON object or a dict")
-    _check_keys(what, raw, schema, f"optim={optim!r}")
-    out = {k: _coerce(f"{what}.{k}", v, schema[k]) for k, v in raw.items()}
+    check_keys(what, raw, schema, f"optim={optim!r}")
+    out = {k: coerce(f"{what}.{k}", v, schema[k]) for k, v in raw.items()}
     if optim == "sgd":
         for key in ("momentum", "dampening"):
-            _check(out.get(key, 0.0) >= 0, f"{what}.{key}", out.get(key), "must be >= 0")
+            check(out.get(key, 0.0) >= 0, f"{what}.{key}", out.get(key), "must be >= 0")
         if out.get("nesterov"):
-            _check(
+            check(
                 out.get("momentum", 0.0) > 0 and out.get("dampening", 0.0) == 0,
                 f"{what}.nesterov",
                 True,
@@ -528,34 +274,34 @@ def check_scheduler_kwargs(
 ) -> dict[str, Any]:
     """`lr_scheduler_kwargs` validated (names, types, values) for schedule `name`; returns a typed copy. `what`
     names the argument in errors (lr_scheduler_config when the options come from there)."""
-    name = _choose("lr_scheduler_type", name, SCHEDULERS)
+    name = choose("lr_scheduler_type", name, SCHEDULERS)
     schema = SCHEDULER_KWARGS[name]
     kwargs = dict(kwargs or {})
-    _check_keys(what, kwargs, schema, f"lr_scheduler_type={name!r}")
-    out = {k: _coerce(f"{what}.{k}", v, schema[k]) for k, v in kwargs.items()}
+    check_keys(what, kwargs, schema, f"lr_scheduler_type={name!r}")
+    out = {k: coerce(f"{what}.{k}", v, schema[k]) for k, v in kwargs.items()}
     if name == "warmup_stable_decay":
         if "num_decay_steps" not in out:
             raise ConfigError(f"{what}: warmup_stable_decay needs num_decay_steps")
-        _check(out["num_decay_steps"] >= 0, f"{what}.num_decay_steps", out["num_decay_steps"], ">= 0")
+        check(out["num_decay_steps"] >= 0, f"{what}.num_decay_steps", out["num_decay_steps"], ">= 0")
         if out.get("num_stable_steps") is not None:
             stable = out["num_stable_steps"]
-            _check(stable >= 0, f"{what}.num_stable_steps", stable, ">= 0")
+            check(stable >= 0, f"{what}.num_stable_steps", stable, ">= 0")
         for key in ("warmup_type", "decay_type"):
             if key in out:
-                _choose(f"{what}.{key}", out[key], WSD_SHAPES)
+                choose(f"{what}.{key}", out[key], WSD_SHAPES)
         if "min_lr_ratio" in out:
-            _check(0 <= out["min_lr_ratio"] <= 1, f"{what}.min_lr_ratio", out["min_lr_ratio"], "in [0, 1]")
+            check(0 <= out["min_lr_ratio"] <= 1, f"{what}.min_lr_ratio", out["min_lr_ratio"], "in [0, 1]")
     if name == "cosine_with_min_lr":
         given = [k for k in ("min_lr", "min_lr_rate") if out.get(k) is not None]
         if len(given) != 1:
             raise ConfigError(f"{what}: cosine_with_min_lr needs exactly one of min_lr or min_lr_rate")
-        _check(out[given[0]] >= 0, f"{what}.{given[0]}", out[given[0]], "must be >= 0")
+        check(out[given[0]] >= 0, f"{what}.{given[0]}", out[given[0]], "must be >= 0")
     if name == "inverse_sqrt" and out.get("timescale") is not None:
-        _check(out["timescale"] > 0, f"{what}.timescale", out["timescale"], "must be > 0")
+        check(out["timescale"] > 0, f"{what}.timescale", out["timescale"], "must be > 0")
     if name == "polynomial" and "power" in out:
-        _check(out["power"] > 0, f"{what}.power", out["power"], "must be > 0")
+        check(out["power"] > 0, f"{what}.power", out["power"], "must be > 0")
     if "num_cycles" in out:
-        _check(out["num_cycles"] > 0, f"{what}.num_cycles", out["num_cycles"], "must be > 0")
+        check(out["num_cycles"] > 0, f"{what}.num_cycles", out["num_cycles"], "must be > 0")
     return out
 
 
@@ -597,7 +343,7 @@ def accepts_keyword(fn: Any, name: str) -> bool:
 
 def _plugin(what: str, value: Any, registered: Sequence[str], kind: str) -> tuple[str, dict[str, Any]]:
     """(name, other keys) of a plugin config; the name is registered or a 'module:attribute' that resolves."""
-    cfg = _load_mapping(what, value)
+    cfg = load_mapping(what, value)
     choices = f"registered {kind}s: {', '.join(registered)}; or 'module:attribute' for your own"
     if not isinstance(cfg.get("name"), str):
         raise ConfigError(f"{what}: 'name' is required ({choices})")
@@ -748,6 +494,10 @@ class TrainingArguments:
     batching_strategy: str = _arg(
         "normal", "data", "How examples become batches (padding_free packs them without padding).", BATCHING_STRATEGIES
     )
+    pad_to_multiple_of: int | None = _arg(
+        None, "data", "Pad micro batches to a multiple of this (8/64 help torch.compile)."
+    )
+    max_tokens: int | None = _arg(None, "data", "Token budget per micro batch for the dynamic batching strategies.")
 
     # --- precision ---
     bf16: bool = _arg(False, "precision", "bfloat16 mixed-precision training.")
@@ -823,7 +573,7 @@ class TrainingArguments:
         fsdp_config,
     ):
         for f in dataclasses.fields(self):
-            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), f.type, f.metadata.get("choices")))
+            setattr(self, f.name, coerce(f.name, getattr(self, f.name), f.type, f.metadata.get("choices")))
         self._fold_aliases(
             {
                 "evaluation_strategy": evaluation_strategy,
@@ -847,9 +597,9 @@ class TrainingArguments:
                 continue
             target = SIMPLE_ALIASES[alias]
             f = _field(type(self), target)
-            value = _coerce(alias, value, f.type)
+            value = coerce(alias, value, f.type)
             current = getattr(self, target)
-            if current != _default(f) and current != value:
+            if current != field_default(f) and current != value:
                 raise ConfigError(
                     f"{alias} is an alias of {target}; they were given different values ({value!r} and {current!r})"
                 )
@@ -858,7 +608,7 @@ class TrainingArguments:
     def _fold_sampling(self, strategy: Any) -> None:
         if strategy is None:
             return
-        strategy = _choose("train_sampling_strategy", strategy, ("random", "sequential", "group_by_length"))
+        strategy = choose("train_sampling_strategy", strategy, ("random", "sequential", "group_by_length"))
         wanted = {"random": (False, True), "sequential": (False, False), "group_by_length": (True, True)}[strategy]
         current = (self.group_by_length, self.train_shuffle)
         if current not in ((False, True), wanted):
@@ -870,11 +620,11 @@ class TrainingArguments:
 
     def _fold_fsdp(self, fsdp: Any, fsdp_config: Any) -> None:
         """Hugging Face's `--fsdp` options and `--fsdp_config` become `dist_config` with name fsdp2."""
-        fsdp = _coerce("fsdp", fsdp, str | bool | list[str] | None)
+        fsdp = coerce("fsdp", fsdp, str | bool | list[str] | None)
         if isinstance(fsdp, (str, list)):  # "full_shard auto_wrap", ["full_shard", "offload"], ["true"], ""
             words = [w for item in ([fsdp] if isinstance(fsdp, str) else fsdp) for w in item.split()]
-            if len(words) == 1 and words[0].lower() in _TRUE + _FALSE:
-                fsdp = _to_bool(words[0])
+            if len(words) == 1 and words[0].lower() in TRUE_WORDS + FALSE_WORDS:
+                fsdp = to_bool(words[0])
             else:
                 fsdp = words or False
         if fsdp_config is not None and not fsdp:
@@ -898,19 +648,19 @@ class TrainingArguments:
                     f"fsdp={option!r} is FSDP1-only; kernelwright uses FSDP2: full_shard, shard_grad_op, offload"
                 )
             else:
-                _choose("fsdp", option, ("full_shard", "shard_grad_op", "offload", "auto_wrap"))
-        hf_config = _load_mapping("fsdp_config", fsdp_config) if fsdp_config is not None else {}
+                choose("fsdp", option, ("full_shard", "shard_grad_op", "offload", "auto_wrap"))
+        hf_config = load_mapping("fsdp_config", fsdp_config) if fsdp_config is not None else {}
         for key, value in hf_config.items():
             key = key.removeprefix("fsdp_")
             if key == "version":
-                _check(_coerce("fsdp_config.version", value, int) == 2, "fsdp_config.version", value, "only 2 (FSDP2)")
+                check(coerce("fsdp_config.version", value, int) == 2, "fsdp_config.version", value, "only 2 (FSDP2)")
             elif key in ("cpu_offload", "offload_params"):
-                cfg["offload_params"] = _coerce(f"fsdp_config.{key}", value, bool)
+                cfg["offload_params"] = coerce(f"fsdp_config.{key}", value, bool)
             elif key == "activation_checkpointing":
-                if _coerce("fsdp_config.activation_checkpointing", value, bool):
+                if coerce("fsdp_config.activation_checkpointing", value, bool):
                     self.gradient_checkpointing = True
             elif key == "auto_wrap_policy":
-                _check(
+                check(
                     value == "TRANSFORMER_BASED_WRAP",
                     "fsdp_config.auto_wrap_policy",
                     value,
@@ -945,20 +695,20 @@ class TrainingArguments:
             self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
 
         self.report_to = _normalise_report_to(self.report_to)
-        self.optim = _choose("optim", self.optim, OPTIMIZERS, _why_unsupported(self.optim, "optimizer"))
+        self.optim = choose("optim", self.optim, OPTIMIZERS, _why_unsupported(self.optim, "optimizer"))
         self.optim_args = parse_optim_args(self.optim, self.optim_args)
         why = _why_unsupported(self.lr_scheduler_type, "schedule")
-        self.lr_scheduler_type = _choose("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS, why)
+        self.lr_scheduler_type = choose("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS, why)
         self.lr_scheduler_kwargs = check_scheduler_kwargs(
-            self.lr_scheduler_type, _load_mapping("lr_scheduler_kwargs", self.lr_scheduler_kwargs or {})
+            self.lr_scheduler_type, load_mapping("lr_scheduler_kwargs", self.lr_scheduler_kwargs or {})
         )
         self._fold_optim_config()
         self._fold_lr_scheduler_config()
-        self.gradient_checkpointing_kwargs = _load_mapping(
+        self.gradient_checkpointing_kwargs = load_mapping(
             "gradient_checkpointing_kwargs", self.gradient_checkpointing_kwargs or {}
         )
         if self.dist_config is not None:
-            self.dist_config = _normalise_dist_config(_load_mapping("dist_config", self.dist_config))
+            self.dist_config = _normalise_dist_config(load_mapping("dist_config", self.dist_config))
 
         for name in ("logging_steps", "eval_steps", "save_steps"):
             setattr(self, name, _interval(name, getattr(self, name)))
@@ -974,7 +724,7 @@ class TrainingArguments:
         name, options = _plugin("optim_config", self.optim_config, OPTIMIZERS, "optimizer")
         if name in OPTIMIZERS:
             options = parse_optim_args(name, options, "optim_config")
-            if self.optim not in (name, _default(_field(type(self), "optim"))):
+            if self.optim not in (name, field_default(_field(type(self), "optim"))):
                 raise ConfigError(
                     f"optim_config.name={name!r} and optim={self.optim!r} both choose the optimizer; give one"
                 )
@@ -989,7 +739,7 @@ class TrainingArguments:
                                  ("weight_decay", "set weight_decay, which each parameter group carries")):
                 if key in options:
                     raise ConfigError(f"optim_config.{key}: {instead}")
-            if self.optim != _default(_field(type(self), "optim")) or self.optim_args:
+            if self.optim != field_default(_field(type(self), "optim")) or self.optim_args:
                 raise ConfigError(f"optim_config.name={name!r} chooses the optimizer; drop optim/optim_args")
         self.optim_config = {"name": name, **options}
 
@@ -1003,7 +753,7 @@ class TrainingArguments:
         name, options = _plugin(what, self.lr_scheduler_config, SCHEDULERS, "schedule")
         if name in SCHEDULERS:
             options = check_scheduler_kwargs(name, options, what)
-            if self.lr_scheduler_type not in (name, _default(_field(type(self), "lr_scheduler_type"))):
+            if self.lr_scheduler_type not in (name, field_default(_field(type(self), "lr_scheduler_type"))):
                 raise ConfigError(
                     f"{what}.name={name!r} and lr_scheduler_type={self.lr_scheduler_type!r} both choose the schedule; "
                     "give one"
@@ -1019,7 +769,7 @@ class TrainingArguments:
                                  ("num_warmup_steps", "set warmup_steps or warmup_ratio")):
                 if key in options:
                     raise ConfigError(f"{what}.{key}: {instead}")
-            if self.lr_scheduler_type != _default(_field(type(self), "lr_scheduler_type")) or self.lr_scheduler_kwargs:
+            if self.lr_scheduler_type != field_default(_field(type(self), "lr_scheduler_type")) or self.lr_scheduler_kwargs:
                 raise ConfigError(
                     f"{what}.name={name!r} chooses the schedule; drop lr_scheduler_type/lr_scheduler_kwargs"
                 )
@@ -1053,7 +803,7 @@ class TrainingArguments:
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
             if choices is not None and value is not None:
-                _choose(f.name, value, choices)
+                choose(f.name, value, choices)
 
         if self.bf16 and self.fp16:
             raise ConfigError("bf16 and fp16 are both set; choose at most one mixed precision")
@@ -1062,14 +812,14 @@ class TrainingArguments:
 
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "cutoff_len", "max_nonfinite_steps"):
-            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be a positive integer")
+            check(getattr(self, name) >= 1, name, getattr(self, name), "must be a positive integer")
         for name in ("eval_accumulation_steps", "save_total_limit", "torch_empty_cache_steps",
                      "dataloader_prefetch_factor", "global_batch_size"):
             value = getattr(self, name)
-            _check(value is None or value >= 1, name, value, "must be a positive integer or unset")
+            check(value is None or value >= 1, name, value, "must be a positive integer or unset")
         if self.global_batch_size is not None:
             per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
-            _check(
+            check(
                 self.global_batch_size % per_step == 0,
                 "global_batch_size",
                 self.global_batch_size,
@@ -1078,33 +828,33 @@ class TrainingArguments:
 
         for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "eval_delay", "z_loss",
                      "warmup_steps"):
-            _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+            check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):
-            _check(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
-        _check(0 <= self.warmup_ratio <= 1, "warmup_ratio", self.warmup_ratio, "must be in [0, 1]")
+            check(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
+        check(0 <= self.warmup_ratio <= 1, "warmup_ratio", self.warmup_ratio, "must be in [0, 1]")
         smoothing = self.label_smoothing_factor
-        _check(0 <= smoothing < 1, "label_smoothing_factor", smoothing, "must be in [0, 1)")
-        _check(
+        check(0 <= smoothing < 1, "label_smoothing_factor", smoothing, "must be in [0, 1)")
+        check(
             self.neftune_noise_alpha is None or self.neftune_noise_alpha > 0,
             "neftune_noise_alpha", self.neftune_noise_alpha, "must be > 0 or unset",
         )
         steps = self.max_steps
-        _check(steps == -1 or steps > 0, "max_steps", steps, "must be -1 or a positive integer")
+        check(steps == -1 or steps > 0, "max_steps", steps, "must be -1 or a positive integer")
         if self.max_steps == -1:
             epochs = self.num_train_epochs
-            _check(epochs > 0, "num_train_epochs", epochs, "must be > 0 when max_steps is -1")
-        _check(self.dataloader_num_workers >= 0, "dataloader_num_workers", self.dataloader_num_workers, "must be >= 0")
+            check(epochs > 0, "num_train_epochs", epochs, "must be > 0 when max_steps is -1")
+        check(self.dataloader_num_workers >= 0, "dataloader_num_workers", self.dataloader_num_workers, "must be >= 0")
         if self.dataloader_num_workers == 0:
-            _check(self.dataloader_prefetch_factor is None, "dataloader_prefetch_factor",
+            check(self.dataloader_prefetch_factor is None, "dataloader_prefetch_factor",
                    self.dataloader_prefetch_factor, "needs dataloader_num_workers > 0")
-            _check(not self.dataloader_persistent_workers, "dataloader_persistent_workers", True,
+            check(not self.dataloader_persistent_workers, "dataloader_persistent_workers", True,
                    "needs dataloader_num_workers > 0")
 
         if self.logging_strategy == "steps":
             logging = self.logging_steps
-            _check(logging > 0, "logging_steps", logging, "must be > 0 when logging_strategy='steps'")
+            check(logging > 0, "logging_steps", logging, "must be > 0 when logging_strategy='steps'")
         if self.save_strategy == "steps":
-            _check(self.save_steps > 0, "save_steps", self.save_steps, "must be > 0 when save_strategy='steps'")
+            check(self.save_steps > 0, "save_steps", self.save_steps, "must be > 0 when save_strategy='steps'")
         self._validate_best_model()
 
         if self.lr_scheduler_type == "constant" and (self.warmup_steps > 0 or self.warmup_ratio > 0):
@@ -1114,7 +864,7 @@ class TrainingArguments:
             )
         if self.lr_scheduler_type == "polynomial":
             lr_end = self.lr_scheduler_kwargs.get("lr_end", 1e-7)
-            _check(lr_end < self.learning_rate, "lr_scheduler_kwargs.lr_end", lr_end,
+            check(lr_end < self.learning_rate, "lr_scheduler_kwargs.lr_end", lr_end,
                    f"must be smaller than learning_rate={self.learning_rate!r}")
         if self.dist_config is not None:
             mp = self.dist_config.get("mixed_precision")
@@ -1129,12 +879,12 @@ class TrainingArguments:
         if self.save_strategy == "best":
             if self.metric_for_best_model is None:
                 raise ConfigError("save_strategy='best' needs metric_for_best_model (e.g. loss)")
-            _check(
+            check(
                 self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch when save_strategy='best'"
             )
         if not self.load_best_model_at_end:
             return
-        _check(self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch with load_best_model_at_end")
+        check(self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch with load_best_model_at_end")
         if self.save_strategy == "best":
             return
         if self.save_strategy != self.eval_strategy:
@@ -1168,7 +918,7 @@ class TrainingArguments:
 
     def resolve_steps(self, max_steps: int) -> dict[str, int | None]:
         """logging/eval/save steps as absolute step counts (HF: a ratio r < 1 becomes ceil(r * max_steps))."""
-        _check(max_steps >= 1, "max_steps", max_steps, "must be a positive integer to resolve step ratios")
+        check(max_steps >= 1, "max_steps", max_steps, "must be a positive integer to resolve step ratios")
         out: dict[str, int | None] = {}
         for name in ("logging_steps", "eval_steps", "save_steps"):
             value = getattr(self, name)
@@ -1198,7 +948,7 @@ class TrainingArguments:
     def resolve_world(self, world_size: int) -> int:
         """Set and return gradient_accumulation_steps for `world_size` data-parallel ranks: global_batch_size /
         (world_size * micro_batch_size) when global_batch_size is set, else the given accumulation."""
-        _check(isinstance(world_size, int) and world_size >= 1, "world_size", world_size, "must be a positive integer")
+        check(isinstance(world_size, int) and world_size >= 1, "world_size", world_size, "must be a positive integer")
         if self.global_batch_size is None:
             return self.gradient_accumulation_steps
         per_step = world_size * self.per_device_train_batch_size
@@ -1238,18 +988,11 @@ class TrainingArguments:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "TrainingArguments":
         """Build from a mapping, accepting aliases; unknown or unsupported keys are ConfigErrors."""
-        specs = _specs((cls,))
-        kwargs: dict[str, Any] = {}
-        for key, value in values.items():
-            name, value = _resolve_item(key, value, specs, f"key {key!r}")
-            if name in kwargs:
-                raise ConfigError(f"{name} given twice (once through an alias)")
-            kwargs[name] = value
-        return cls(**kwargs)
+        return parse_mapping(values, (cls,))[0]
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "TrainingArguments":
-        data = _read_config_file(os.fspath(path), "training arguments")
+        data = read_config_file(os.fspath(path), "training arguments")
         if not isinstance(data, dict):
             raise ConfigError(f"training arguments: {path} does not hold a JSON object")
         return cls.from_dict(data)
@@ -1271,7 +1014,7 @@ class TrainingArguments:
             for f in rows:
                 value = getattr(self, f.name)
                 unchanged = derived[f.name](value) if f.name in derived else value == defaults[f.name]
-                lines.append(f" {' ' if unchanged else '*'} {f.name:<{width}} = {_show(value)}")
+                lines.append(f" {' ' if unchanged else '*'} {f.name:<{width}} = {show_value(value)}")
         return "\n".join(lines)
 
 
@@ -1312,14 +1055,14 @@ def _normalise_dist_config(cfg: dict) -> dict:
     name = cfg["name"]
     if name == "deepspeed":
         raise ConfigError("dist_config.name='deepspeed' is not supported; use fsdp2 (ZeRO-3-style sharding) or ddp")
-    name = _choose("dist_config.name", name, tuple(DIST_DEFAULTS))
+    name = choose("dist_config.name", name, tuple(DIST_DEFAULTS))
     defaults = DIST_DEFAULTS[name]
-    _check_keys("dist_config", cfg, defaults, f"name={name!r}")
+    check_keys("dist_config", cfg, defaults, f"name={name!r}")
     out = dict(defaults)
     for key, value in cfg.items():
-        out[key] = _coerce(f"dist_config.{key}", value, _DIST_TYPES[key])
+        out[key] = coerce(f"dist_config.{key}", value, _DIST_TYPES[key])
     if out.get("mixed_precision") is not None:
-        _choose("dist_config.mixed_precision", out["mixed_precision"], MIXED_PRECISIONS)
+        choose("dist_config.mixed_precision", out["mixed_precision"], MIXED_PRECISIONS)
     return out
 
 
@@ -1327,9 +1070,9 @@ def _interval(name: str, value: float | None) -> float | int | None:
     """A logging/eval/save step count: an integer when >= 1 (HF rejects fractions there), a ratio when < 1."""
     if value is None:
         return None
-    _check(value >= 0, name, value, "must be >= 0 (an integer, or a ratio of max_steps below 1)")
+    check(value >= 0, name, value, "must be >= 0 (an integer, or a ratio of max_steps below 1)")
     if value >= 1:
-        _check(
+        check(
             float(value).is_integer(), name, value, "must be an integer when >= 1 (below 1 it is a ratio of max_steps)"
         )
         return int(value)
@@ -1348,20 +1091,9 @@ def _copy(value: Any) -> Any:
     return value
 
 
-def _show(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
-
-
 def _field(cls: type, name: str) -> dataclasses.Field:
     return cls.__dataclass_fields__[name]
 
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
 
 
 _DEFAULTS_CACHE: dict[type, dict[str, Any]] = {}
@@ -1375,194 +1107,9 @@ def _defaults(cls: type) -> dict[str, Any]:
     return _DEFAULTS_CACHE[cls]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Parsing: CLI flags and config files, spread over TrainingArguments and the CLI's own dataclasses.
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Spec:
-    name: str
-    owner: type
-    type: Any
-    default: Any
-    help: str
-    group: str
-    choices: tuple[str, ...] | None
-    required: bool
-
-
-def _specs(classes: Sequence[type]) -> dict[str, _Spec]:
-    specs: dict[str, _Spec] = {}
-    for cls in classes:
-        if not dataclasses.is_dataclass(cls):
-            raise TypeError(f"{cls!r} is not a dataclass")
-        for f in cls.__dataclass_fields__.values():
-            is_initvar = isinstance(f.type, InitVar)
-            if not (is_initvar or f in dataclasses.fields(cls)):
-                continue  # ClassVar pseudo-fields
-            if is_initvar and f.name in SIMPLE_ALIASES:
-                continue  # renames are resolved by name before values are spread
-            if f.name in specs or f.name in SIMPLE_ALIASES:
-                raise TypeError(f"argument {f.name!r} of {cls.__name__} is already an argument of the trainer")
-            default = _default(f)
-            specs[f.name] = _Spec(
-                name=f.name,
-                owner=cls,
-                type=f.type.type if is_initvar else f.type,
-                default=default,
-                help=_ALIAS_HELP.get(f.name, "") if is_initvar else f.metadata.get("help", ""),
-                group="aliases" if is_initvar else f.metadata.get("group", cls.__name__),
-                choices=f.metadata.get("choices"),
-                required=default is dataclasses.MISSING,
-            )
-    return specs
-
-
-def _resolve_name(name: str, specs: Mapping[str, _Spec], where: str) -> str:
-    """The canonical argument name for `name`, or a ConfigError (unsupported, or unknown with suggestions)."""
-    if name in specs:
-        return name
-    if name in SIMPLE_ALIASES and SIMPLE_ALIASES[name] in specs:
-        return SIMPLE_ALIASES[name]
-    reason = REJECTED.get(name) or next((r for p, r in _REJECTED_PREFIXES.items() if name.startswith(p)), None)
-    if reason is not None:
-        raise ConfigError(f"{where}: {name} is not supported by kernelwright: {reason}")
-    candidates = list(specs) + [a for a, t in SIMPLE_ALIASES.items() if t in specs]
-    candidates += [a for a, (t, _, _) in BOOLEAN_ALIASES.items() if t in specs]
-    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help for the arguments"
-    raise ConfigError(f"{where}: unknown argument {name}{hint}")
-
-
-def _resolve_item(name: str, value: Any, specs: Mapping[str, _Spec], where: str) -> tuple[str, Any]:
-    """(canonical name, value) for one given argument: renames resolved, boolean aliases mapped to their value."""
-    if name in BOOLEAN_ALIASES and name not in specs and BOOLEAN_ALIASES[name][0] in specs:
-        target, when_true, when_false = BOOLEAN_ALIASES[name]
-        return target, when_true if _coerce(name, value, bool) else when_false
-    return _resolve_name(name, specs, where), value
-
-
-def _is_alias(name: str) -> bool:
-    return name in SIMPLE_ALIASES or name in BOOLEAN_ALIASES
-
-
-def _takes_bool(spec: _Spec) -> bool:
-    return any(_base(m) is bool for m in _members(spec.type)[0])
-
-
-def _takes_list(spec: _Spec) -> bool:
-    return any(_base(m) is list for m in _members(spec.type)[0])
-
-
-class _HelpRequested(Exception):
-    pass
-
-
-def _flag_value(flag: str, values: list[str], specs: Mapping[str, _Spec]) -> tuple[str, Any]:
-    """(canonical name, raw value) of `--flag values...`: bare booleans, `--no_<bool>`, lists, one value."""
-    negated = flag.startswith("no_") and flag not in specs and flag[3:] in specs and _takes_bool(specs[flag[3:]])
-    name = flag[3:] if negated else _resolve_name(flag, specs, f"--{flag}")
-    spec = specs[name]
-    if negated:
-        if values:
-            raise ConfigError(f"--{flag} takes no value (it sets {name} to false)")
-        return name, False
-    if not values:
-        if not _takes_bool(spec):
-            raise ConfigError(f"--{flag} expects a value ({_describe(spec.type)})")
-        return name, True
-    if _takes_list(spec):
-        return name, values
-    if len(values) > 1:
-        raise ConfigError(f"--{flag} takes one value, got {len(values)}: {' '.join(values)}")
-    return name, values[0]
-
-
-def _parse_flags(tokens: Sequence[str], specs: Mapping[str, _Spec]) -> dict[str, Any]:
-    """`--name value`, `--name=value`, bare booleans, `--no_<bool>`, several values for lists; raw strings out."""
-    out: dict[str, Any] = {}
-    via_alias: dict[str, bool] = {}
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if token in ("-h", "--help"):
-            raise _HelpRequested
-        if not token.startswith("--") or token == "--":
-            raise ConfigError(
-                f"unexpected argument {token!r}: arguments are --name value (a config file may only come first)"
-            )
-        body, has_inline, inline = token[2:].partition("=")
-        flag = body.replace("-", "_")
-        j = i + 1
-        while j < len(tokens) and not tokens[j].startswith("--") and tokens[j] != "-h":
-            j += 1
-        values = [inline] if has_inline else list(tokens[i + 1 : j])
-        i = i + 1 if has_inline else j
-
-        if flag in BOOLEAN_ALIASES and flag not in specs:
-            if len(values) > 1:
-                raise ConfigError(f"--{flag} takes one value, got {len(values)}: {' '.join(values)}")
-            name, raw = _resolve_item(flag, values[0] if values else True, specs, f"--{flag}")
-        else:
-            name, raw = _flag_value(flag, values, specs)
-        # Repeating a flag keeps the last value (argparse's rule); an alias and its target together is an error.
-        if via_alias.setdefault(name, _is_alias(flag)) != _is_alias(flag):
-            raise ConfigError(f"--{flag} and --{name} set the same argument; give one of them")
-        out[name] = raw
-    return out
-
-
-def _file_values(path: str, specs: Mapping[str, _Spec]) -> dict[str, Any]:
-    if not path.endswith((".yaml", ".yml", ".json")):
-        raise ConfigError(f"config file {path!r}: expected a .yaml, .yml or .json file")
-    data = _read_config_file(path)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: expected a mapping of argument names to values")
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name, value = _resolve_item(str(key), value, specs, f"key {key!r} in {path}")
-        if name in out:
-            raise ConfigError(f"{path}: {name} given twice (once through an alias)")
-        out[name] = value
-    return out
-
-
-def _build(values: Mapping[str, Any], classes: Sequence[type], specs: Mapping[str, _Spec]) -> tuple:
-    per_class: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
-    for name, raw in values.items():
-        spec = specs[name]
-        per_class[spec.owner][name] = _coerce(name, raw, spec.type, spec.choices)
-    for spec in specs.values():
-        if spec.required and spec.name not in per_class[spec.owner]:
-            raise ConfigError(f"--{spec.name} is required ({spec.help})" if spec.help else f"--{spec.name} is required")
-        value = per_class[spec.owner].get(spec.name)
-        if spec.choices is not None and spec.owner is not TrainingArguments and value is not None:
-            _choose(spec.name, value, spec.choices)
-    out = []
-    for cls in classes:
-        try:
-            out.append(cls(**per_class[cls]))
-        except ConfigError:
-            raise
-        except ValueError as e:  # an extra dataclass's own __post_init__ validation
-            raise ConfigError(str(e).strip().splitlines()[0]) from None
-    return tuple(out)
-
-
 def parse_dict(values: Mapping[str, Any], extra_dataclasses: Sequence[type] = ()) -> tuple:
     """(TrainingArguments, *extras) from one mapping whose keys may belong to any of the dataclasses."""
-    classes = (TrainingArguments, *extra_dataclasses)
-    specs = _specs(classes)
-    resolved: dict[str, Any] = {}
-    for key, value in values.items():
-        name, value = _resolve_item(key, value, specs, f"key {key!r}")
-        if name in resolved:
-            raise ConfigError(f"{name} given twice (once through an alias)")
-        resolved[name] = value
-    return _build(resolved, classes, specs)
+    return parse_mapping(values, (TrainingArguments, *extra_dataclasses))
 
 
 def parse_args(
@@ -1574,65 +1121,12 @@ def parse_args(
     """(TrainingArguments, *extras) from `[config.yaml|json] --name value ...` (flags win over the file).
 
     `--help` prints `format_help` and raises SystemExit(0); any user error raises ConfigError (one line)."""
-    tokens = list(sys.argv[1:] if argv is None else argv)
-    classes = (TrainingArguments, *extra_dataclasses)
-    specs = _specs(classes)
-    try:
-        values: dict[str, Any] = {}
-        if tokens and not tokens[0].startswith("-"):
-            values.update(_file_values(tokens.pop(0), specs))
-        values.update(_parse_flags(tokens, specs))
-    except _HelpRequested:
-        print(format_help(extra_dataclasses, prog=prog))
-        raise SystemExit(0) from None
-    return _build(values, classes, specs)
-
-
-def _metavar(spec: _Spec) -> str:
-    if spec.choices:
-        return "{" + ",".join(spec.choices) + "}"
-    members, _ = _members(spec.type)
-    bases = [_base(m) for m in members]
-    if bases == [bool]:
-        return "[BOOL]"
-    if list in bases:
-        return "VALUE [VALUE ...]"
-    if dict in bases:
-        return "JSON"
-    return "|".join({int: "INT", float: "FLOAT", str: "STR", bool: "BOOL"}.get(b, "VALUE") for b in bases)
+    return parse_argv(argv, (TrainingArguments, *extra_dataclasses), prog)
 
 
 def format_help(extra_dataclasses: Sequence[type] = (), prog: str = "python -m trainer.sft") -> str:
     """Every argument grouped by theme, with its default and one line of meaning."""
-    specs = _specs((TrainingArguments, *extra_dataclasses))
-    lines = [
-        f"usage: {prog} [config.yaml|config.json] [--name VALUE ...]",
-        "",
-        "A YAML/JSON config file may come first; flags after it win. Booleans: --bf16, --bf16 false, --no_bf16.",
-        "Lists take several values (--report_to jsonl tensorboard); dicts take JSON ('{\"num_cycles\": 2}').",
-    ]
-    order = list(GROUPS) + [g for s in specs.values() for g in [s.group] if g not in GROUPS and g != "aliases"]
-    seen_groups = list(dict.fromkeys(order))
-    for group in seen_groups + ["aliases"]:
-        rows = [s for s in specs.values() if s.group == group]
-        if not rows:
-            continue
-        lines += ["", f"{group}:"]
-        for s in rows:
-            default = "required" if s.required else f"default: {_show(s.default)}"
-            lines.append(f"  --{s.name} {_metavar(s)}  ({default})")
-            if s.help:
-                lines.append(f"      {s.help}")
-    lines += ["", "renamed aliases:"]
-    lines += [f"  --{a} -> --{t}" for a, t in SIMPLE_ALIASES.items() if t in specs]
-    lines += [f"  --{a} -> --{t} {_show(yes)} (false: {_show(no)})" for a, (t, yes, no) in BOOLEAN_ALIASES.items()
-              if t in specs]
-    lines += [
-        "",
-        "not supported (rejected with a message): deepspeed, push_to_hub, hub_*, tpu_*, ddp_*, local_rank, "
-        "use_cpu, and other Hugging Face options not listed above.",
-    ]
-    return "\n".join(lines)
+    return help_text((TrainingArguments, *extra_dataclasses), prog)
 
 
 __all__ = [

@@ -13,7 +13,8 @@ torch's own `param_names` group key, so `optimizer.state_dict()` carries them.
 Optimizers
 ----------
 `build_optimizer(model_or_params, args)` reads `optim`, `learning_rate`, `weight_decay`, `adam_beta1/2`,
-`adam_epsilon` and `optim_args` (validated by `trainer.args.parse_optim_args`):
+`adam_epsilon` and `optim_args` of a `TrainingArguments`, which validated them when it was built (they are not
+checked a second time here; `optim_args` is already a typed dict):
   adamw_fused        kernels.FusedAdamW (our Triton AdamW; the reference path on CPU)
   adamw_torch        torch.optim.AdamW (foreach)          optim_args: amsgrad
   adamw_torch_fused  torch.optim.AdamW(fused=True)        optim_args: amsgrad (works on CPU in torch 2.13)
@@ -68,9 +69,9 @@ from .args import (
     OPTIMIZERS,
     SCHEDULERS,
     ConfigError,
+    TrainingArguments,
     accepts_keyword,
     check_scheduler_kwargs,
-    parse_optim_args,
     resolve_callable,
 )
 
@@ -131,15 +132,16 @@ def _groups_from(model_or_params: Any, weight_decay: float) -> list[dict[str, An
     return groups
 
 
-def build_optimizer(model_or_params: torch.nn.Module | Iterable, args: Any) -> torch.optim.Optimizer:
+def build_optimizer(model_or_params: torch.nn.Module | Iterable, args: TrainingArguments) -> torch.optim.Optimizer:
     """The optimizer named by `args.optim` over `model_or_params` (a module: `param_groups`; parameters or
-    (name, parameter) pairs: the ndim rule alone; dicts: used as given), with `args`' hyperparameters."""
+    (name, parameter) pairs: the ndim rule alone; dicts: used as given), with `args`' hyperparameters (validated
+    by TrainingArguments)."""
     groups = _groups_from(model_or_params, args.weight_decay)
     lr, wd = float(args.learning_rate), float(args.weight_decay)
-    config = getattr(args, "optim_config", None) or {}  # plain namespaces may not have it
+    config = args.optim_config or {}
     if config and config["name"] not in OPTIMIZERS:  # 'module:attribute' (a registered name set args.optim)
         return _user_optimizer(config["name"], groups, lr, {k: v for k, v in config.items() if k != "name"})
-    optim_args = parse_optim_args(args.optim, args.optim_args)
+    optim_args = args.optim_args
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=lr, weight_decay=wd, **optim_args)
     betas, eps = (float(args.adam_beta1), float(args.adam_beta2)), float(args.adam_epsilon)
@@ -260,8 +262,15 @@ def build_scheduler(
     **kwargs: Any,
 ) -> LambdaLR:
     """A LambdaLR for schedule `name` (a `lr_scheduler_type`) with Hugging Face's formulas; `kwargs` are the
-    schedule's `lr_scheduler_kwargs` (see the module docstring)."""
-    kw = check_scheduler_kwargs(name, kwargs)
+    schedule's `lr_scheduler_kwargs` (see the module docstring), checked here: a direct caller's only check."""
+    return _lambda_schedule(check_scheduler_kwargs(name, kwargs), name, optimizer, num_warmup_steps,
+                            num_training_steps)
+
+
+def _lambda_schedule(
+    kw: dict[str, Any], name: str, optimizer: torch.optim.Optimizer, num_warmup_steps: int, num_training_steps: int
+) -> LambdaLR:
+    """`build_scheduler` for a validated schedule name and typed `kw` (check_scheduler_kwargs' output)."""
     w, t = int(num_warmup_steps), int(num_training_steps)
     if w < 0:
         raise ConfigError(f"num_warmup_steps={num_warmup_steps!r}: must be >= 0")
@@ -305,21 +314,23 @@ def build_scheduler(
             min_lr_ratio=kw.get("min_lr_ratio", 0.0),
             num_cycles=kw.get("num_cycles", 0.5),
         )
-    else:  # cosine_with_min_lr (check_scheduler_kwargs has rejected every other name)
+    else:  # cosine_with_min_lr (check_scheduler_kwargs, here or in TrainingArguments, rejected every other name)
         rate = kw["min_lr"] / lr_init if kw.get("min_lr") is not None else kw["min_lr_rate"]
         fn = partial(_cosine, w=w, t=t, num_cycles=kw.get("num_cycles", 0.5), min_lr_rate=rate)
     return LambdaLR(optimizer, fn)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: Any, num_training_steps: int) -> LRScheduler:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments,
+                       num_training_steps: int) -> LRScheduler:
     """The schedule `args` ask for over `num_training_steps`: lr_scheduler_config's 'module:attribute' (called as
     fn(optimizer, **options), plus num_training_steps and num_warmup_steps where its signature takes them), else
-    `build_scheduler(lr_scheduler_type, ..., **lr_scheduler_kwargs)` with args' warmup."""
+    `build_scheduler`'s schedule for lr_scheduler_type and lr_scheduler_kwargs (validated by TrainingArguments,
+    not again here) with args' warmup."""
     warmup = args.get_warmup_steps(num_training_steps)
-    config = getattr(args, "lr_scheduler_config", None) or {}
+    config = args.lr_scheduler_config or {}
     if not config or config["name"] in SCHEDULERS:  # a registered name set lr_scheduler_type/kwargs
-        return build_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                               num_training_steps=num_training_steps, **(args.lr_scheduler_kwargs or {}))
+        return _lambda_schedule(args.lr_scheduler_kwargs, args.lr_scheduler_type, optimizer, warmup,
+                                num_training_steps)
     spec = config["name"]
     fn = resolve_callable("lr_scheduler_config", spec)
     options = {k: v for k, v in config.items() if k != "name"}

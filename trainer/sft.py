@@ -65,8 +65,6 @@ class SFTArguments:
     train_on_prompt: bool = _arg(False, "sft", "Also train on prompt tokens (default: assistant/completion tokens only).")
     mask_history: bool = _arg(False, "sft", "Train only on the last assistant turn of each conversation.")
     skip_bad_examples: bool = _arg(False, "sft", "Turn malformed examples into counted warnings instead of errors.")
-    pad_to_multiple_of: int | None = _arg(None, "sft", "Pad micro batches to a multiple of this (8/64 help torch.compile).")
-    max_tokens: int | None = _arg(None, "sft", "Token budget per micro batch for the dynamic batching strategies.")
     model_dtype: str | None = _arg(None, "sft", "Load the weights in this dtype (default: the checkpoint's).",
                             choices=("float32", "bfloat16", "float16"))
     eval_exact_match: bool | None = _arg(None, "sft", "Report exact-match accuracy of greedy answers on held-out conversations "
@@ -435,7 +433,6 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
         print(f"exact match before training: {before:.1%} of {len(conversations)} held-out conversations", file=sys.stderr)
 
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer)
-    trainer.loader_options.update(pad_to_multiple_of=sft.pad_to_multiple_of, max_tokens=sft.max_tokens)
     started = time.perf_counter()
     trainer.train()
     state = trainer.state

@@ -1,6 +1,7 @@
 """TrainingArguments: Hugging Face defaults and derivations, every validation and parsing error path, aliases,
 rejections, global batch size, serialisation round-trips, --help. Pure Python: runs in about a second after
-imports (transformers is imported once, as the oracle for defaults and field names)."""
+imports (transformers is imported once, as the oracle for defaults and field names), plus one short run of a tiny
+model that checks the batching options reach the loader and training_args.json."""
 
 import dataclasses
 import json
@@ -12,8 +13,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from trainer.arg_parser import REJECTED, REJECTED_PREFIXES, SIMPLE_ALIASES
+from trainer.data import load_sft_dataset
 from trainer.args import (
-    SIMPLE_ALIASES,
     ConfigError,
     TrainingArguments,
     format_help,
@@ -21,6 +23,12 @@ from trainer.args import (
     parse_dict,
     parse_optim_args,
 )
+from trainer.tasks import generate_tasks
+from trainer.tokenizer import byte_level_tokenizer
+from trainer.trainer import Trainer
+
+from .test_trainer import make_args as trainer_args
+from .test_trainer import small_model
 
 OURS_ON_PURPOSE = {  # defaults we change deliberately (module docstring of trainer/args.py)
     "output_dir",  # HF: None, resolved to "trainer_output" in __post_init__ (ours: the default directly)
@@ -51,7 +59,6 @@ def parse_error(argv, extras=()) -> str:
 
 def test_defaults_equal_hugging_face_and_every_hf_option_is_handled():
     hf_args = pytest.importorskip("transformers.training_args")
-    from trainer.args import _REJECTED_PREFIXES, REJECTED
 
     hf = {f.name: f.default for f in dataclasses.fields(hf_args.TrainingArguments)}
     ours = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
@@ -60,7 +67,7 @@ def test_defaults_equal_hugging_face_and_every_hf_option_is_handled():
     assert {n for n in shared if hf[n] != ours[n]} == OURS_ON_PURPOSE
     initvars = {n for n, f in TrainingArguments.__dataclass_fields__.items() if isinstance(f.type, dataclasses.InitVar)}
     for name in hf:  # accepted, aliased or rejected with a reason: never silently ignored
-        rejected = name in REJECTED or any(name.startswith(p) for p in _REJECTED_PREFIXES)
+        rejected = name in REJECTED or any(name.startswith(p) for p in REJECTED_PREFIXES)
         assert name in ours or name in initvars or rejected, name
 
 
@@ -685,3 +692,32 @@ def test_help_lists_every_argument_grouped(capsys):
     assert "deepspeed" in text and "hub_*" in text
     section = lines.index("data:")
     assert any(line.startswith("  --val_size ") for line in lines[section:section + 40])
+
+
+# --- batching options: TrainingArguments, read by the loop's loader, saved in training_args.json ---------------
+
+
+def test_batching_options_are_training_arguments_saved_and_read_back_on_resume(tmp_path):
+    args, *_ = parse_args(["--pad_to_multiple_of", "8", "--max_tokens", "512"])
+    assert (args.pad_to_multiple_of, args.max_tokens) == (8, 512)
+    assert TrainingArguments().pad_to_multiple_of is None and TrainingArguments().max_tokens is None
+
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate_tasks(16, seed=3)))
+    dataset = load_sft_dataset([data], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    args = trainer_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, pad_to_multiple_of=8)
+    Trainer(model=small_model(), args=args, train_dataset=dataset).train()
+    checkpoint = pathlib.Path(args.output_dir) / "checkpoint-1"
+    assert json.loads((checkpoint / "training_args.json").read_text())["pad_to_multiple_of"] == 8
+    assert json.loads((checkpoint / "data_state.json").read_text())["pad_to_multiple_of"] == 8  # the loader's
+
+    # Resuming needs the same batch plan: the arguments read back from the checkpoint give it, the defaults do not.
+    back = TrainingArguments.from_json_file(checkpoint / "training_args.json")
+    assert back.pad_to_multiple_of == 8
+    (pathlib.Path(args.output_dir) / "checkpoint-2").rename(tmp_path / "finished")  # the resumed run saves it anew
+    with pytest.raises(ValueError, match="pad_to_multiple_of was 8, is None"):
+        Trainer(model=small_model(), args=dataclasses.replace(back, pad_to_multiple_of=None),
+                train_dataset=dataset).train(resume_from_checkpoint=str(checkpoint))
+    resumed = Trainer(model=small_model(), args=back, train_dataset=dataset)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 2

@@ -8,11 +8,11 @@ import io
 import json
 import math
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+import trainer.optim as optim_module
 from trainer.args import ConfigError, TrainingArguments
 from trainer.callbacks import TrainerCallback
 from trainer.data import load_sft_dataset
@@ -399,13 +399,25 @@ def test_build_optimizer_from_parameters_pairs_and_groups():
         build_optimizer([1, 2], args)
 
 
-def test_build_optimizer_validates_plain_namespaces():
-    model, _ = model_and_copy()
-    base = dict(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8)
+def test_optimizer_and_schedule_arguments_are_validated_once_by_training_arguments(monkeypatch):
     with pytest.raises(ConfigError, match="optim_args: unknown key 'momentum' for optim='adamw_torch'"):
-        build_optimizer(model, SimpleNamespace(optim="adamw_torch", optim_args="momentum=0.9", **base))
+        make_args(optim="adamw_torch", optim_args="momentum=0.9")
     with pytest.raises(ConfigError, match="optim='lion'"):
-        build_optimizer(model, SimpleNamespace(optim="lion", optim_args=None, **base))
+        make_args(optim="lion")
+    args = make_args(optim="sgd", optim_args="momentum=0.9", lr_scheduler_type="cosine",
+                     lr_scheduler_kwargs={"num_cycles": 2}, warmup_steps=W)
+
+    def validated_again(*_, **__):
+        raise AssertionError("trainer.optim validated arguments that TrainingArguments already validated")
+
+    # The builders trust the validated, typed values: neither validator runs a second time on the args' path.
+    monkeypatch.setattr(optim_module, "parse_optim_args", validated_again, raising=False)
+    monkeypatch.setattr(optim_module, "check_scheduler_kwargs", validated_again)
+    opt = build_optimizer(torch.nn.Linear(2, 2), args)
+    assert opt.defaults["momentum"] == 0.9
+    scheduled = lrs(build_lr_scheduler(sgd(), args, T))
+    monkeypatch.undo()
+    assert scheduled == lrs(build_scheduler("cosine", sgd(), W, T, num_cycles=2))
 
 
 # --- optim_config / lr_scheduler_config (seed 001's plugin configs) --------------------------------------------
