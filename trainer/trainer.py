@@ -51,8 +51,9 @@ from torch import nn
 from . import checkpoint as ckpt
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
 from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
-from . import parallel
-from .parallel import apply_all, gradient_sync, init_distributed, is_fsdp, world
+from . import dist, parallel
+from .dist import init_distributed, world
+from .parallel import apply_all, gradient_sync, is_fsdp
 
 __all__ = [
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "EarlyStoppingCallback", "EvalPrediction",
@@ -504,7 +505,7 @@ class Trainer:
     def _device(self, model) -> torch.device:
         """Where batches go: this rank's device with several processes (FSDP2 with offload_params keeps the
         shards on the CPU, but computes on the accelerator), else wherever the model's parameters are."""
-        return parallel.local_device() if self.world_size > 1 else _model_device(model)
+        return dist.local_device() if self.world_size > 1 else _model_device(model)
 
     def _accumulation_steps(self) -> int:
         resolve = getattr(self.args, "resolve_world", None)
@@ -704,7 +705,7 @@ class Trainer:
                 raise TypeError(f"loading a {type(model).__name__} sharded with FSDP2 from a Hugging Face directory is "
                                 "not supported (CausalLM only)")
         if isinstance(model, CausalLM):  # sharded by FSDP2, each rank reads only its rows of each tensor
-            load_state_dict_into(model, directory)
+            load_state_dict_into(model, directory, local_shard=dist.local_shard)
             return
         from safetensors.torch import load_model
 
@@ -947,7 +948,7 @@ def _gather_in_order(batches: list[torch.Tensor], num_batches: int) -> list[torc
     """The eval set's batches from every rank, each once, in dataset order (a collective). The eval loader deals
     global batch j to rank j % world_size, and appends filler copies (no targets) after the last real batch to keep
     the ranks in step: interleave the ranks' lists back and cut the fillers off."""
-    per_rank = parallel.gather_batches(batches, -100)
+    per_rank = dist.gather_batches(batches, -100)
     world_size = len(per_rank)
     return [per_rank[j % world_size][j // world_size] for j in range(num_batches)]
 
