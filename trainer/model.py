@@ -415,16 +415,21 @@ class CausalLM(nn.Module):
     # target on the host (no device sync) and skips the ignored rows' matmuls (kernels/fused_linear_cross_entropy.py).
     takes_host_labels = True
 
-    def __init__(self, config: ModelConfig, use_kernels: bool = True):
+    def __init__(self, config: ModelConfig, use_kernels: bool = True, label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, neftune_noise_alpha: float | None = None):
+        """The training settings are given here, once (the Trainer applies TrainingArguments' to the CausalLM it
+        finds inside its model once, at its construction): `use_kernels` (ours, else plain PyTorch;
+        `apply_liger_kernel` for liger-kernel's), `label_smoothing` (transformers' label_smoothing_factor),
+        `z_loss` and `neftune_noise_alpha` (noise only while `training`)."""
         super().__init__()
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.use_kernels = use_kernels
-        self.label_smoothing = 0.0
-        self.z_loss = 0.0
-        self.neftune_noise_alpha: float | None = None
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.neftune_noise_alpha = neftune_noise_alpha
         self.attn_backend = "auto"  # "auto" | "sdpa" | "flex" | "flash" (trainer/attention.py)
         self.gradient_checkpointing = False
         self._checkpoint_kwargs: dict = {}
