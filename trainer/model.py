@@ -51,7 +51,6 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import KVCache, make_plan
 from .checkpoint_hf import CheckpointError, load_safetensors, read_json, save_safetensors
-from .parallel import local_shard
 
 IGNORE_INDEX = -100
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -72,6 +71,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class ModelError(ValueError):
     """A model config, input or checkpoint that cannot be used, in one line naming the file/key and why."""
+
+
+def _whole(param: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """The `local_shard` of a model that is not sharded: this process holds all of every parameter
+    (`trainer.dist.local_shard` is the one for FSDP2's DTensor parameters)."""
+    return param, None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -410,16 +415,21 @@ class CausalLM(nn.Module):
     # target on the host (no device sync) and skips the ignored rows' matmuls (kernels/fused_linear_cross_entropy.py).
     takes_host_labels = True
 
-    def __init__(self, config: ModelConfig, use_kernels: bool = True):
+    def __init__(self, config: ModelConfig, use_kernels: bool = True, label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, neftune_noise_alpha: float | None = None):
+        """The training settings are given here, once (the Trainer applies TrainingArguments' to the CausalLM it
+        finds inside its model once, at its construction): `use_kernels` (ours, else plain PyTorch;
+        `apply_liger_kernel` for liger-kernel's), `label_smoothing` (transformers' label_smoothing_factor),
+        `z_loss` and `neftune_noise_alpha` (noise only while `training`)."""
         super().__init__()
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.use_kernels = use_kernels
-        self.label_smoothing = 0.0
-        self.z_loss = 0.0
-        self.neftune_noise_alpha: float | None = None
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.neftune_noise_alpha = neftune_noise_alpha
         self.attn_backend = "auto"  # "auto" | "sdpa" | "flex" | "flash" (trainer/attention.py)
         self.gradient_checkpointing = False
         self._checkpoint_kwargs: dict = {}
@@ -452,13 +462,14 @@ class CausalLM(nn.Module):
         self._checkpoint_kwargs = kwargs
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(self, seed: int = 0, local_shard=_whole) -> None:
         """Hugging Face's init, deterministic from `seed`: N(0, initializer_range) for linear and embedding weights
         (padding row zeroed), zeros for biases, ones for norms; rotary buffers recomputed.
 
-        Sharded by FSDP2 (DTensor parameters), every rank draws each full weight in the same order from the same
-        generator and keeps only its own rows, so the shards are bitwise those of the single-process init, and no
-        more than one full weight exists at a time."""
+        Sharded by FSDP2 (DTensor parameters), pass `local_shard=trainer.dist.local_shard`: every rank draws each
+        full weight in the same order from the same generator and keeps only its own rows, so the shards are
+        bitwise those of the single-process init, and no more than one full weight exists at a time. (The
+        architecture knows nothing of processes: the model build, `trainer/build.py`, passes it.)"""
         gen = torch.Generator().manual_seed(seed)
         std = self.config.initializer_range
         for module in self.modules():
@@ -479,8 +490,8 @@ class CausalLM(nn.Module):
 
     def decode_step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """fp32 logits (B, V) of the last position after feeding `input_ids` (B, t) into `cache` (advanced by t).
-        One method for the backbone and the head, so that FSDP2 gathers the root's weights around both
-        (`trainer.parallel.apply_fsdp` registers it as a forward method)."""
+        One method for the backbone and the head, so that a wrapper can gather the root's weights around both
+        (FSDP2 does: where it is applied, `trainer.parallel.apply_fsdp` registers it as a forward method)."""
         hidden = self.hidden_states(input_ids, cache=cache)  # (B, t, C)
         cache.length += input_ids.shape[1]
         return self.lm_head(hidden[:, -1]).float()  # (B, V)
@@ -720,11 +731,12 @@ def empty_model(config: ModelConfig, *, dtype=torch.float32, device="cpu", use_k
 
 
 @torch.no_grad()
-def load_state_dict_into(model: CausalLM, path: str | Path) -> None:
+def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=_whole) -> None:
     """Copy the weights of a model directory (ours or transformers') into `model` in place, keeping its dtype
     and device: resuming, or taking the best checkpoint at the end. Problems are listed in one ModelError.
 
-    Sharded by FSDP2 (DTensor parameters), each rank reads only the rows of each tensor it holds."""
+    Sharded by FSDP2 (DTensor parameters), pass `local_shard=trainer.dist.local_shard`: each rank reads only the
+    rows of each tensor it holds."""
     targets, rows = {}, {}
     for name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
         targets[name], span = local_shard(param)

@@ -114,6 +114,7 @@ def check_model_name(name: str) -> None:
 def _load_sharded(name: str, path: Path | None, dtype: str | None, use_kernels: bool, seed: int, args):
     from .checkpoint import DCP_DIR
     from .model import checkpoint_dtype, load_state_dict_into, load_tokenizer, preset_config, read_config
+    from .dist import local_shard
     from .parallel import build_fsdp_model, load_sharded
 
     if path is None:
@@ -132,9 +133,9 @@ def _load_sharded(name: str, path: Path | None, dtype: str | None, use_kernels: 
         if dcp:
             load_sharded(model, None, dcp)
         elif path is None:
-            model.init_weights(seed)
+            model.init_weights(seed, local_shard=local_shard)
         else:
-            load_state_dict_into(model, path)
+            load_state_dict_into(model, path, local_shard=local_shard)
 
     return build_fsdp_model(config, args, init, dtype=model_dtype, use_kernels=use_kernels), tokenizer
 
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted; to resume from the newest checkpoint, if any:\n    {resume_command(argv)}", file=sys.stderr)
         return 130
     except Exception as exc:
-        from .parallel import end_on_error, world
+        from .dist import end_on_error, world
 
         if world()[1] > 1:  # the other ranks would wait for this one in their next collective
             return end_on_error(exc)
@@ -273,7 +274,7 @@ def _user_error(exc: Exception) -> int:
     every rank reads the same arguments and files and meets the same error, and one copy per rank would bury it
     under the launcher's report. (An error only a non-zero rank meets, e.g. a file missing on another node,
     then shows only as that rank's exit code 2 in the launcher's report.) Every rank returns 2."""
-    from .parallel import world
+    from .dist import world
 
     rank, world_size = world()
     if world_size == 1:  # the process group is not up yet (bad arguments) or there is none
@@ -396,7 +397,7 @@ def resume_command(argv: list[str]) -> str:
 def train(args, sft: SFTArguments, argv: list[str]) -> int:
     from .data import load_sft_dataset, split_dataset
     from .metrics import plot_loss_curve
-    from .parallel import init_distributed
+    from .dist import init_distributed
     from .trainer import Trainer, set_seed
 
     requested = run_arguments(args, sft)  # before anything in args is resolved (check_run compares the same)

@@ -51,8 +51,10 @@ from torch import nn
 from . import checkpoint as ckpt
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
 from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
-from . import parallel
-from .parallel import apply_all, gradient_sync, init_distributed, is_fsdp, world
+from .model import CausalLM, apply_liger_kernel
+from . import dist, parallel
+from .dist import init_distributed, world
+from .parallel import apply_all, gradient_sync, is_fsdp
 
 __all__ = [
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "EarlyStoppingCallback", "EvalPrediction",
@@ -121,7 +123,7 @@ class Trainer:
             raise ValueError("Trainer: pass a model or a model_init")
         self.args = args
         self.model_init = model_init
-        self.model = model if model is not None else self._call_model_init()
+        self.model = self._configure_model(model if model is not None else self._call_model_init())
         self.data_collator = data_collator
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
@@ -156,7 +158,7 @@ class Trainer:
             resume_from_checkpoint = args.resume_from_checkpoint
         set_seed(args.seed, deterministic=args.full_determinism)
         if self.model_init is not None:
-            self.model = self._call_model_init()
+            self.model = self._configure_model(self._call_model_init())
             self.optimizer, self.lr_scheduler = None, None
         resume = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
         while True:
@@ -193,7 +195,6 @@ class Trainer:
             # must see FSDP2's sharded parameters.
             model = self.model = apply_all(model, args)  # marks the model: never applied twice
         device = self._device(model)
-        self._configure_model(model, train=True)
         loader = self._train_loader(micro)
         micro_per_epoch = len(loader)
         if micro_per_epoch == 0:
@@ -502,7 +503,7 @@ class Trainer:
     def _device(self, model) -> torch.device:
         """Where batches go: this rank's device with several processes (FSDP2 with offload_params keeps the
         shards on the CPU, but computes on the accelerator), else wherever the model's parameters are."""
-        return parallel.local_device() if self.world_size > 1 else _model_device(model)
+        return dist.local_device() if self.world_size > 1 else _model_device(model)
 
     def _accumulation_steps(self) -> int:
         resolve = getattr(self.args, "resolve_world", None)
@@ -557,25 +558,39 @@ class Trainer:
         return kernels.cross_entropy(logits, targets, label_smoothing=self.args.label_smoothing_factor,
                                      z_loss=getattr(self.args, "z_loss", 0.0), num_items=num_items)
 
-    def _configure_model(self, model, train: bool) -> None:
-        """Our model's switches from the arguments; other modules are left as they are."""
+    def _configure_model(self, model):
+        """Apply the arguments' model settings once, when the Trainer gets its model (at construction, or from
+        model_init), and return the model; train/eval switches then only flip `training` (NEFTune adds noise only
+        in training). The settings go to our CausalLM wherever it sits: inside torch.compile's OptimizedModule
+        (`_orig_mod`), DDP (`module`) or peft (`base_model.model`); an attribute written onto the wrapper would be
+        lost. A module without our model inside takes label smoothing and z-loss only through the logits path
+        (`_compute_loss`); a setting it cannot apply is refused, never ignored."""
         args = self.args
-        model = _unwrap(model)  # the switches live on the model inside a DDP wrapper
-        if hasattr(model, "use_kernels"):
-            model.use_kernels = bool(getattr(args, "use_kernels", True)) and not args.use_liger_kernel
-        if args.use_liger_kernel:
-            from .model import apply_liger_kernel
-
-            apply_liger_kernel(model)
-        if hasattr(model, "label_smoothing"):
-            model.label_smoothing = args.label_smoothing_factor
-        if hasattr(model, "z_loss"):
-            model.z_loss = getattr(args, "z_loss", 0.0)
-        if hasattr(model, "neftune_noise_alpha"):
-            model.neftune_noise_alpha = args.neftune_noise_alpha if train else None
+        z_loss = getattr(args, "z_loss", 0.0)
+        ours = next((m for m in model.modules() if isinstance(m, CausalLM)), None)
+        if ours is not None:
+            ours.use_kernels = bool(getattr(args, "use_kernels", True)) and not args.use_liger_kernel
+            if args.use_liger_kernel:
+                apply_liger_kernel(ours)
+            ours.label_smoothing = args.label_smoothing_factor
+            ours.z_loss = z_loss
+            ours.neftune_noise_alpha = args.neftune_noise_alpha
+        else:
+            name = type(model).__name__
+            if args.neftune_noise_alpha:
+                raise ValueError(f"neftune_noise_alpha: a {name} has no trainer.model.CausalLM inside to add the "
+                                 "noise; leave it unset for this model")
+            if args.use_liger_kernel:
+                raise ValueError(f"use_liger_kernel: a {name} has no trainer.model.CausalLM inside to run "
+                                 "liger-kernel's ops; leave it off for this model")
+            accepted = _forward_params(model)
+            if (args.label_smoothing_factor or z_loss) and ("labels" in accepted or "**" in accepted):
+                raise ValueError(f"label_smoothing_factor/z_loss: a {name} computes its own loss from labels, which "
+                                 "would ignore them; use trainer.model.CausalLM or a model whose forward returns logits")
         if args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
             torch.backends.cudnn.allow_tf32 = bool(args.tf32)
+        return model
 
     def _autocast(self, device, train: bool):
         args = self.args
@@ -702,7 +717,7 @@ class Trainer:
                 raise TypeError(f"loading a {type(model).__name__} sharded with FSDP2 from a Hugging Face directory is "
                                 "not supported (CausalLM only)")
         if isinstance(model, CausalLM):  # sharded by FSDP2, each rank reads only its rows of each tensor
-            load_state_dict_into(model, directory)
+            load_state_dict_into(model, directory, local_shard=dist.local_shard)
             return
         from safetensors.torch import load_model
 
@@ -743,7 +758,6 @@ class Trainer:
         device = self._device(model)
         was_training = model.training
         model.eval()
-        self._configure_model(model, train=False)
         loader = self._eval_loader(dataset)
         plan = loader.global_batches(loader.epoch)  # every rank's micro batches, in dataset order (no shuffle)
         start = time.perf_counter()
@@ -800,7 +814,6 @@ class Trainer:
                 metrics.update({(k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"): v for k, v in extra.items()})
         if was_training:
             model.train()
-            self._configure_model(model, train=True)
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
     def _forward_logits(self, model, batch, device):
@@ -945,7 +958,7 @@ def _gather_in_order(batches: list[torch.Tensor], num_batches: int) -> list[torc
     """The eval set's batches from every rank, each once, in dataset order (a collective). The eval loader deals
     global batch j to rank j % world_size, and appends filler copies (no targets) after the last real batch to keep
     the ranks in step: interleave the ranks' lists back and cut the fillers off."""
-    per_rank = parallel.gather_batches(batches, -100)
+    per_rank = dist.gather_batches(batches, -100)
     world_size = len(per_rank)
     return [per_rank[j % world_size][j // world_size] for j in range(num_batches)]
 

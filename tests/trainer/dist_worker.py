@@ -18,7 +18,7 @@ whose dcp_path may name a DCP copy) while `FullSizeWatch` counts full-size tenso
 recorded; rank 0 writes output/gathered.safetensors (the model gathered) and result.json (per rank: the reads,
 the peak of full-size tensors alive at once; the greedy tokens the sharded model generates).
 
-An exception on any rank is reported and ends the job through `trainer.parallel.end_on_error`, as the CLI does.
+An exception on any rank is reported and ends the job through `trainer.dist.end_on_error`, as the CLI does.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from trainer import checkpoint_hf, model as model_module  # noqa: E402
 from trainer.args import TrainingArguments  # noqa: E402
 from trainer.callbacks import TrainerCallback  # noqa: E402
 from trainer.data import load_sft_dataset  # noqa: E402
-from trainer.parallel import end_on_error, init_distributed  # noqa: E402
+from trainer.dist import end_on_error, init_distributed  # noqa: E402
 from trainer.tokenizer import byte_level_tokenizer  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
@@ -115,7 +115,8 @@ def watched_shapes(config, world_size: int, rank: int) -> set:
 
 def build(job: dict) -> None:
     from trainer.model import generate, is_preset, preset_config, read_config
-    from trainer.parallel import full_model_state_dict, local_shard
+    from trainer.dist import local_shard
+    from trainer.parallel import full_model_state_dict
     from trainer.sft import load_model_and_tokenizer
 
     rank, world_size = init_distributed()

@@ -296,7 +296,7 @@ def test_offload_params_without_cuda_is_a_clear_error():
 
 
 def test_init_distributed_is_a_no_op_for_one_process(monkeypatch):
-    from trainer.parallel import init_distributed
+    from trainer.dist import init_distributed
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert init_distributed() == (0, 1) and not torch.distributed.is_initialized()

@@ -9,6 +9,8 @@ Tiny configs (hidden 64, 2 layers, vocab 300) keep the file well under a minute 
 
 import json
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -614,3 +616,12 @@ def kernels_flash_available():
     from trainer.attention import _flash_attn
 
     return _flash_attn() is not None
+
+
+def test_the_architecture_imports_no_process_helpers():
+    # The import loop of issue 12: model.py imported parallel (for local_shard) and parallel imported model back.
+    # The architecture stands alone; dist.py (processes) and parallel.py (transforms) stand on it or beside it.
+    code = ("import sys, trainer.model; "
+            "print(sorted(m for m in sys.modules if m in ('trainer.parallel', 'trainer.dist')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -759,3 +759,69 @@ def test_labels_stay_on_the_host_for_a_model_that_takes_them(tmp_path, dataset, 
     batch = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "labels": torch.full((2, 5), -100)}
     trainer._compute_loss(model, batch, 4, torch.device("meta"))
     assert model.seen == {"input_ids": "meta", "labels": "cpu" if host_labels else "meta"}
+
+
+def _wrapped_eval_loss(tmp_path, dataset, wrap, **settings) -> float:
+    args = make_args(tmp_path, per_device_eval_batch_size=8, **settings)
+    return Trainer(model=wrap(small_model()), args=args, eval_dataset=dataset).evaluate()["eval_loss"]
+
+
+class _PeftLikeWrapper(torch.nn.Module):
+    """peft's PeftModel in shape (peft is not installed here): our model at `base_model.model`, attribute reads
+    forwarded inside, attribute writes kept on the wrapper, forward(*args, **kwargs) passed through."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.base_model = torch.nn.Module()
+        self.base_model.model = model
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base_model.model, name)
+
+    def forward(self, *args, **kwargs):
+        return self.base_model.model(*args, **kwargs)
+
+
+@pytest.mark.parametrize("wrap", [lambda m: torch.compile(m, backend="eager"), _PeftLikeWrapper],
+                         ids=["torch.compile", "peft-like"])
+def test_settings_reach_our_model_inside_a_wrapper(tmp_path, dataset, wrap):
+    # Issue 12: the settings were written as attributes onto whatever the trainer held, so under peft label
+    # smoothing was silently lost. They are applied once, to our CausalLM wherever it sits inside.
+    bare = _wrapped_eval_loss(tmp_path, dataset, lambda m: m, label_smoothing_factor=0.1)
+    plain = _wrapped_eval_loss(tmp_path, dataset, lambda m: m)
+    assert abs(bare - plain) > 1e-3  # smoothing changes the loss (by 0.01 here)
+    assert _wrapped_eval_loss(tmp_path, dataset, wrap, label_smoothing_factor=0.1) == pytest.approx(bare, abs=1e-6)
+
+
+def test_settings_reach_our_model_inside_ddp(tmp_path, dataset):
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        bare = _wrapped_eval_loss(tmp_path, dataset, lambda m: m, label_smoothing_factor=0.1, z_loss=1e-3)
+        ddp = _wrapped_eval_loss(tmp_path, dataset, lambda m: DistributedDataParallel(m),
+                                 label_smoothing_factor=0.1, z_loss=1e-3)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert ddp == pytest.approx(bare, abs=1e-6)
+
+
+class _OwnLossModel(torch.nn.Module):
+    """A foreign module that computes its own loss from labels (as transformers' models do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(320, 8)
+
+    def forward(self, input_ids, labels=None):
+        return {"loss": self.embed(input_ids).sum()}
+
+
+@pytest.mark.parametrize("setting", [{"label_smoothing_factor": 0.1}, {"neftune_noise_alpha": 5.0}])
+def test_a_setting_a_foreign_model_cannot_apply_is_refused(tmp_path, setting):
+    with pytest.raises(ValueError, match=f"{next(iter(setting))}.*_OwnLossModel"):
+        Trainer(model=_OwnLossModel(), args=make_args(tmp_path, **setting))
