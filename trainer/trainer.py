@@ -186,6 +186,54 @@ class Trainer:
                 self._print(f"auto_find_batch_size: out of memory; retrying with per_device_train_batch_size={micro}, "
                             f"gradient_accumulation_steps={accum}")
 
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """Save the model (Hugging Face layout for ours) and the tokenizer to output_dir (args.output_dir)."""
+        out = Path(output_dir or self.args.output_dir)
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        # every rank: gathering sharded weights is a collective
+        save_model_files(self.model, out, rank=self.rank, tokenizer=self.processing_class)
+        if self.rank == 0:
+            (out / "training_args.json").write_text(json.dumps(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        if self.world_size > 1:
+            torch.distributed.barrier()  # on return the files exist for every rank
+        return out
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate: no eval_dataset")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, ds in dataset.items():
+                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        output = self._prediction_loop(dataset, metric_key_prefix,
+                                       want_predictions=self.compute_metrics is not None and not self.args.prediction_loss_only)
+        return output.metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
+        return self._prediction_loop(test_dataset, metric_key_prefix, want_predictions=True)
+
+    def _prediction_loop(self, dataset, prefix: str, want_predictions: bool) -> PredictionOutput:
+        """trainer.evaluation.prediction_loop over `dataset` with the model in eval mode (and back to train mode
+        after, when it was training)."""
+        model = self.model
+        device = self._device(model)
+        was_training = model.training
+        model.eval()
+        self._configure_model(model, train=False)
+        loader = self._eval_loader(dataset)
+        output = prediction_loop(model, loader, device=device, prefix=prefix, want_predictions=want_predictions,
+                                 autocast=functools.partial(self._autocast, device, train=False),
+                                 compute_loss=self._compute_loss, compute_metrics=self.compute_metrics,
+                                 preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
+                                 eval_accumulation_steps=self.args.eval_accumulation_steps, world_size=self.world_size)
+        if was_training:
+            model.train()
+            self._configure_model(model, train=True)
+        return output
+
     # ---- the loop -------------------------------------------------------------------------------------
     def _train_loop(self, resume: Path | None):
         # -- setup: model transforms, data, optimizer, schedule, resume
@@ -632,56 +680,6 @@ class Trainer:
             ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
         self.control = self.callback_handler.fire("on_save", args, state, self.control)
         return path
-
-    # ---- model I/O ------------------------------------------------------------------------------------
-    def save_model(self, output_dir: str | None = None) -> Path:
-        """Save the model (Hugging Face layout for ours) and the tokenizer to output_dir (args.output_dir)."""
-        out = Path(output_dir or self.args.output_dir)
-        if self.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-        # every rank: gathering sharded weights is a collective
-        save_model_files(self.model, out, rank=self.rank, tokenizer=self.processing_class)
-        if self.rank == 0:
-            (out / "training_args.json").write_text(json.dumps(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
-        if self.world_size > 1:
-            torch.distributed.barrier()  # on return the files exist for every rank
-        return out
-
-    # ---- evaluation -----------------------------------------------------------------------------------
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("Trainer.evaluate: no eval_dataset")
-        if isinstance(dataset, dict):
-            metrics = {}
-            for name, ds in dataset.items():
-                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        output = self._prediction_loop(dataset, metric_key_prefix,
-                                       want_predictions=self.compute_metrics is not None and not self.args.prediction_loss_only)
-        return output.metrics
-
-    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
-        return self._prediction_loop(test_dataset, metric_key_prefix, want_predictions=True)
-
-    def _prediction_loop(self, dataset, prefix: str, want_predictions: bool) -> PredictionOutput:
-        """trainer.evaluation.prediction_loop over `dataset` with the model in eval mode (and back to train mode
-        after, when it was training)."""
-        model = self.model
-        device = self._device(model)
-        was_training = model.training
-        model.eval()
-        self._configure_model(model, train=False)
-        loader = self._eval_loader(dataset)
-        output = prediction_loop(model, loader, device=device, prefix=prefix, want_predictions=want_predictions,
-                                 autocast=functools.partial(self._autocast, device, train=False),
-                                 compute_loss=self._compute_loss, compute_metrics=self.compute_metrics,
-                                 preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
-                                 eval_accumulation_steps=self.args.eval_accumulation_steps, world_size=self.world_size)
-        if was_training:
-            model.train()
-            self._configure_model(model, train=True)
-        return output
 
     # ---- data -----------------------------------------------------------------------------------------
     def _train_loader(self, micro: int):
