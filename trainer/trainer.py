@@ -26,12 +26,16 @@ What the loop guarantees, and how:
   SIGTERM and a first Ctrl-C (SIGINT) save a checkpoint at the end of the current step and stop
   (`stop_signal` says which); a second Ctrl-C aborts at once and says what is on disk. Under another number of
   processes a resume is exact but for the per-rank RNG (re-seeded, with a warning) when the micro and global
-  batch stay the same, and refused otherwise (`_check_resume_across_worlds`, trainer/checkpoint.py, docs/multi_gpu.md).
+  batch stay the same, and refused otherwise (`check_resume_across_worlds`, trainer/resume.py, docs/multi_gpu.md).
+
+Where the rest lives: evaluation and prediction in trainer/evaluation.py, the checkpoint directory layout in
+trainer/checkpoint.py, the model's files and resuming in trainer/resume.py (docs/architecture.md draws the modules).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import math
@@ -39,6 +43,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,14 +52,20 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
+
+import kernels
 
 from . import checkpoint as ckpt
+from .args import TrainingArguments
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
+from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
 from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
+from .optim import build_lr_scheduler, build_optimizer
+from .dist import init_distributed, local_device, world
 from .model import CausalLM, apply_liger_kernel
-from . import dist, parallel
-from .dist import init_distributed, world
-from .parallel import apply_all, gradient_sync, is_fsdp
+from .parallel import apply_all, gradient_sync, is_fsdp, save_sharded, unwrap
+from .resume import load_model_weights, restore_checkpoint, save_model_files
 
 __all__ = [
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "EarlyStoppingCallback", "EvalPrediction",
@@ -66,29 +77,12 @@ class TrainingError(RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps in a row); the message says why and what is on disk."""
 
 
-@dataclass
-class EvalPrediction:
-    predictions: object
-    label_ids: object
-    losses: object = None
-
-    def __iter__(self):  # HF lets users unpack `preds, labels = eval_pred`
-        return iter((self.predictions, self.label_ids))
-
-
 class TrainOutput(NamedTuple):
     """What `Trainer.train()` returns, as in Hugging Face: the step reached, the mean training loss of the steps this
     call trained (nan when it trained none), and the end-of-training metrics (train_runtime, ..., train_loss)."""
 
     global_step: int
     training_loss: float
-    metrics: dict
-
-
-@dataclass
-class PredictionOutput:
-    predictions: object
-    label_ids: object
     metrics: dict
 
 
@@ -103,6 +97,19 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+@dataclass
+class _RunningSums:
+    """What the loop carries from step to step: the loss and gradient norm to log next, this call's training loss
+    (the final train_loss), and how many non-finite steps came in a row."""
+
+    logged_loss: float = 0.0
+    logged_steps: int = 0
+    last_grad_norm: float | None = None
+    train_loss_sum: float = 0.0
+    train_loss_steps: int = 0
+    nonfinite_in_row: int = 0
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -115,8 +122,6 @@ class Trainer:
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, model_init=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), preprocess_logits_for_metrics=None):
-        from .args import TrainingArguments
-
         if args is None:
             args = TrainingArguments()
         if model is None and model_init is None:
@@ -139,6 +144,8 @@ class Trainer:
         self.state = TrainerState(is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
         self.scaler = None
+        # Batching options that are not TrainingArguments (the sft CLI sets them): pad_to_multiple_of, max_tokens.
+        self.loader_options: dict = {}
         self.stop_signal: signal.Signals | None = None  # SIGTERM or SIGINT when one stopped the last train()
         self.control = self.callback_handler.fire("on_init_end", args, self.state, self.control)
 
@@ -180,8 +187,55 @@ class Trainer:
                 self._print(f"auto_find_batch_size: out of memory; retrying with per_device_train_batch_size={micro}, "
                             f"gradient_accumulation_steps={accum}")
 
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """Save the model (Hugging Face layout for ours) and the tokenizer to output_dir (args.output_dir)."""
+        out = Path(output_dir or self.args.output_dir)
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        # every rank: gathering sharded weights is a collective
+        save_model_files(self.model, out, rank=self.rank, tokenizer=self.processing_class)
+        if self.rank == 0:
+            (out / "training_args.json").write_text(json.dumps(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        if self.world_size > 1:
+            torch.distributed.barrier()  # on return the files exist for every rank
+        return out
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate: no eval_dataset")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, ds in dataset.items():
+                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        output = self._prediction_loop(dataset, metric_key_prefix,
+                                       want_predictions=self.compute_metrics is not None and not self.args.prediction_loss_only)
+        return output.metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
+        return self._prediction_loop(test_dataset, metric_key_prefix, want_predictions=True)
+
+    def _prediction_loop(self, dataset, prefix: str, want_predictions: bool) -> PredictionOutput:
+        """trainer.evaluation.prediction_loop over `dataset` with the model in eval mode (and back to train mode
+        after, when it was training)."""
+        model = self.model
+        device = self._device(model)
+        was_training = model.training
+        model.eval()
+        loader = self._eval_loader(dataset)
+        output = prediction_loop(model, loader, device=device, prefix=prefix, want_predictions=want_predictions,
+                                 autocast=functools.partial(self._autocast, device, train=False),
+                                 compute_loss=self._compute_loss, compute_metrics=self.compute_metrics,
+                                 preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
+                                 eval_accumulation_steps=self.args.eval_accumulation_steps, world_size=self.world_size)
+        if was_training:
+            model.train()
+        return output
+
     # ---- the loop -------------------------------------------------------------------------------------
     def _train_loop(self, resume: Path | None):
+        # -- setup: model transforms, data, optimizer, schedule, resume
         args = self.args
         micro, accum = args.per_device_train_batch_size, self._accumulation_steps()
         if self.train_dataset is None:
@@ -211,19 +265,15 @@ class Trainer:
                              train_batch_size=micro, logging_steps=every["logging_steps"],
                              eval_steps=every["eval_steps"] or every["logging_steps"], save_steps=every["save_steps"])
         if resume is not None:
-            saved_world = ckpt.saved_world_size(resume)
-            if saved_world and saved_world != self.world_size:
-                self._check_resume_across_worlds(resume, saved_world, loader, micro, accum, windows_per_epoch)
-            restored = ckpt.load_training_state(resume, scheduler=scheduler, scaler=self.scaler, rank=self.rank,
-                                                world_size=self.world_size, seed=args.seed)
-            self._load_model_and_optimizer(resume, model, optimizer)
+            restored = restore_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler,
+                                          scaler=self.scaler, loader=loader, args=args, rank=self.rank,
+                                          world_size=self.world_size, micro=micro, accum=accum,
+                                          windows_per_epoch=windows_per_epoch)
             state = TrainerState.from_dict({**restored["trainer_state"], "max_steps": max_steps,
                                             "num_train_epochs": num_epochs})
-            if restored["data_state"] is not None:
-                loader.load_state_dict(restored["data_state"])
             if restored["rng_reseeded"]:
-                self._print(f"warning: resume_from_checkpoint: saved by {saved_world} process(es), resumed by "
-                            f"{self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
+                self._print(f"warning: resume_from_checkpoint: saved by {restored['saved_world']} process(es), resumed "
+                            f"by {self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
                             f"{args.seed}, the step and the rank (dropout/NEFTune noise differs from an unbroken run)")
             self._print(f"resumed from {resume} at step {state.global_step}")
             if state.global_step >= max_steps:
@@ -242,14 +292,14 @@ class Trainer:
         start_time, start_step = time.perf_counter(), state.global_step
         progress = self._progress(max_steps, state.global_step)
         previous_handlers = self._install_stop_signals()
-        logged_loss, logged_steps, nonfinite_in_row = 0.0, 0, 0
-        train_loss_sum, train_loss_steps = 0.0, 0  # over this call's stepped windows: the final train_loss
-        last_grad_norm = None
+        sums = _RunningSums()
         self.control = self.callback_handler.fire("on_train_begin", args, state, self.control, model=model)
         if args.eval_on_start and self.eval_dataset is not None and resume is None:
-            self._evaluate_and_track(state, model)
+            self._evaluate_and_track(state)
         # A run resumed at or past max_steps trains nothing (the epoch loop is empty).
         start_epoch = num_epochs if state.global_step >= max_steps else state.global_step // windows_per_epoch
+
+        # -- train: for each epoch, for each window of micro batches, one optimizer step
         try:
             for epoch in range(start_epoch, num_epochs):
                 first_window = state.global_step - epoch * windows_per_epoch
@@ -264,86 +314,11 @@ class Trainer:
                     self.control = self.callback_handler.fire("on_step_begin", args, state, self.control)
 
                     # 1. forward/backward over the window, each micro loss normalised by the window's targets
-                    num_items = self._loss_normaliser(micro_batches, device)
-                    model.train()
-                    window_loss = torch.zeros((), device=device, dtype=torch.float32)
-                    window_tokens = 0
-                    for i, batch in enumerate(micro_batches):
-                        # Gradients are reduced across ranks once per window, in the last micro step's backward.
-                        with gradient_sync(model, i == len(micro_batches) - 1):
-                            with self._autocast(device, train=True):
-                                loss = self._compute_loss(model, batch, num_items, device)
-                            (self.scaler.scale(loss) if self.scaler else loss).backward()
-                        window_loss += loss.detach().float()
-                        if i < len(micro_batches) - 1:
-                            self.control = self.callback_handler.fire("on_substep_end", args, state, self.control)
-                        tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
-                        throughput.add(tokens, int(batch.get("num_items", 0)))
-                        window_tokens += tokens
-                    global_tokens = None  # (several processes) the window's tokens over all ranks, on the device
-                    if self.world_size > 1:
-                        # Each rank holds its share of the window's loss and tokens: log the sums over all ranks, the
-                        # loss divided by world_size (_loss_normaliser). float64 counts tokens exactly.
-                        totals = torch.stack([window_loss.double(), torch.full((), float(window_tokens),
-                                                                               dtype=torch.float64, device=device)])
-                        torch.distributed.all_reduce(totals)
-                        window_loss, global_tokens = totals[0] / self.world_size, totals[1]
-
-                    # 2. clip, check, step (or skip)
-                    if self.scaler is not None:
-                        self.scaler.unscale_(optimizer)
-                    params = [p for p in model.parameters() if p.grad is not None]
-                    max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
-                    grad_norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if params
-                                 else torch.zeros((), device=device))
-                    if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards (already used to clip)
-                        grad_norm = grad_norm.full_tensor()
-                    # The one host sync per step: one copy of every number the host needs (`.to(device)`: FSDP2 with
-                    # offloaded parameters has the norm on the CPU).
-                    on_device = [window_loss, grad_norm] + ([global_tokens] if global_tokens is not None else [])
-                    host = torch.stack([t.to(device, torch.float64) for t in on_device]).tolist()
-                    loss_value, grad_norm_value = host[0], host[1]
-                    if global_tokens is not None:
-                        window_tokens = int(host[2])
-                    state.num_input_tokens_seen += window_tokens
-                    finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
-                    self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
-                    stepped = False
-                    if self.scaler is not None:
-                        # Non-finite gradients under fp16 are an overflow: the scaler skips the update and
-                        # lowers the scale. Only a non-finite loss counts as a non-finite step then.
-                        finite = math.isfinite(loss_value)
-                        scale_before = self.scaler.get_scale()
-                        self.scaler.step(optimizer)
-                        self.scaler.update()
-                        stepped = self.scaler.get_scale() >= scale_before and finite
-                        if self.scaler.get_scale() < scale_before:
-                            state.overflow_steps += 1
-                    elif finite:
-                        optimizer.step()
-                        stepped = True
-                    optimizer.zero_grad(set_to_none=True)
-                    # The rate this step used, read before the scheduler moves on: what Hugging Face logs.
-                    learning_rate = scheduler.get_last_lr()[0]
-                    if stepped:
-                        scheduler.step()
-                        nonfinite_in_row = 0
-                        logged_loss += loss_value
-                        logged_steps += 1
-                        train_loss_sum += loss_value
-                        train_loss_steps += 1
-                        last_grad_norm = grad_norm_value
-                    elif not finite:
-                        state.nonfinite_steps += 1
-                        nonfinite_in_row += 1
-                        self._print(f"step {state.global_step + 1}: non-finite loss ({loss_value}) or grad_norm "
-                                    f"({grad_norm_value}); update skipped")
-                        if nonfinite_in_row >= args.max_nonfinite_steps:
-                            last = ckpt.latest_checkpoint(args.output_dir)
-                            raise TrainingError(
-                                f"{nonfinite_in_row} non-finite steps in a row (max_nonfinite_steps="
-                                f"{args.max_nonfinite_steps}); stopping. Last good checkpoint: {last or 'none saved'}")
-                    self.control = self.callback_handler.fire("on_optimizer_step", args, state, self.control)
+                    window_loss, window_tokens, global_tokens = self._forward_backward(model, micro_batches, device,
+                                                                                       state, throughput)
+                    # 2. clip, check, step (or skip): the step's one host sync
+                    learning_rate, window_tokens = self._clip_and_step(model, optimizer, scheduler, window_loss,
+                                                                       window_tokens, global_tokens, device, state, sums)
                     state.global_step += 1
                     state.epoch = epoch + (window + 1) / windows_per_epoch
                     if flops_per_token:
@@ -355,35 +330,10 @@ class Trainer:
                     self.control = self.callback_handler.fire("on_step_end", args, state, self.control, model=model)
 
                     # 3. log / evaluate / save on schedule
-                    if _due(args.logging_strategy, state.global_step, state.logging_steps) or \
-                            (args.logging_first_step and state.global_step == 1):
-                        self.control.should_log = True
-                    if _due(args.eval_strategy, state.global_step, state.eval_steps) and state.global_step >= (args.eval_delay or 0):
-                        self.control.should_evaluate = True
-                    # No scheduled save inside a run of non-finite steps: the newest checkpoint stays the last good one.
-                    if args.save_strategy == "steps" and state.global_step % state.save_steps == 0 and not nonfinite_in_row:
-                        self.control.should_save = True
-                    if state.global_step >= max_steps:
-                        self.control.should_training_stop = True
-                    if self.stop_signal is not None:
-                        self.control.should_save = True
-                        self.control.should_training_stop = True
+                    self._mark_due(state, max_steps, sums.nonfinite_in_row)
                     if self.control.should_log:
-                        # Skipped (non-finite) steps are not averaged in; a window of only skipped steps logs no loss.
-                        logs = {"loss": logged_loss / logged_steps if logged_steps else None,
-                                "grad_norm": last_grad_norm, "learning_rate": learning_rate}
-                        speed = throughput.mark()
-                        logs.update(speed)
-                        if peak_flops and flops_per_token:
-                            # tokens_per_second counts this rank's tokens, so this is already the per-device MFU.
-                            logs["mfu"] = flops_per_token * speed["tokens_per_second"] / peak_flops
-                        logs["peak_memory_gb"] = peak_memory_gb(device)
-                        if args.include_num_input_tokens_seen:
-                            logs["num_input_tokens_seen"] = state.num_input_tokens_seen
-                        if state.nonfinite_steps or state.overflow_steps:
-                            logs["skipped_steps"] = state.nonfinite_steps + state.overflow_steps
-                        self._log(state, logs, writer, progress)
-                        logged_loss, logged_steps, last_grad_norm = 0.0, 0, None
+                        self._log_training(state, sums, learning_rate, throughput, device, peak_flops,
+                                           flops_per_token, writer, progress)
                     self._maybe_evaluate_and_save(state, model, optimizer, scheduler, loader, writer, progress)
                     if self.control.should_training_stop or self.control.should_epoch_stop:
                         break
@@ -396,17 +346,19 @@ class Trainer:
                 self._maybe_evaluate_and_save(state, model, optimizer, scheduler, loader, writer, progress)
                 if self.control.should_training_stop:
                     break
+
+            # -- end: Hugging Face's end-of-training metrics, over what this call trained
             runtime = time.perf_counter() - start_time
             steps_trained = state.global_step - start_step
-            training_loss = train_loss_sum / train_loss_steps if train_loss_steps else float("nan")
-            # Hugging Face's end-of-training metrics, over what this call trained. Deliberate differences: after a
-            # resume HF divides the new steps' losses by the whole run's global_step and counts the whole run's
-            # samples and steps against this call's runtime; here all three cover this call's steps only.
+            training_loss = sums.train_loss_sum / sums.train_loss_steps if sums.train_loss_steps else float("nan")
+            # Deliberate differences: after a resume HF divides the new steps' losses by the whole run's global_step
+            # and counts the whole run's samples and steps against this call's runtime; here all three cover this
+            # call's steps only.
             samples_trained = steps_trained * args.total_train_batch_size(self.world_size)
             metrics = {"train_runtime": runtime, "train_samples_per_second": samples_trained / max(runtime, 1e-9),
                        "train_steps_per_second": steps_trained / max(runtime, 1e-9),
                        "total_flos": state.total_flos,
-                       "train_loss": training_loss if train_loss_steps else None}
+                       "train_loss": training_loss if sums.train_loss_steps else None}
             if self.stop_signal is None:  # a stopped run is not at its end: its resume logs them, once
                 self._log(state, metrics, writer, progress)
         except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this point
@@ -420,11 +372,141 @@ class Trainer:
         if self.stop_signal is not None:
             self._print(f"{self.stop_signal.name}: stopped at step {state.global_step}; {self._on_disk()}")
         if args.load_best_model_at_end and state.best_model_checkpoint and self.stop_signal is None:
-            self._load_model_weights(Path(state.best_model_checkpoint))
+            load_model_weights(self.model, Path(state.best_model_checkpoint))
             self._print(f"loaded the best model from {state.best_model_checkpoint} ({args.metric_for_best_model}="
                         f"{state.best_metric})")
         self.control = self.callback_handler.fire("on_train_end", args, state, self.control, model=model)
         return TrainOutput(state.global_step, training_loss, metrics)
+
+    def _forward_backward(self, model, micro_batches, device, state, throughput):
+        """Forward and backward of every micro batch of a window, gradients accumulated in `.grad`. Returns the
+        window's loss (on the device), its tokens (this rank's, on the host) and, with several processes, the
+        window's tokens over all ranks (on the device; the loss is then the sum over all ranks too)."""
+        args = self.args
+        num_items = self._loss_normaliser(micro_batches, device)
+        model.train()
+        window_loss = torch.zeros((), device=device, dtype=torch.float32)
+        window_tokens = 0
+        for i, batch in enumerate(micro_batches):
+            # Gradients are reduced across ranks once per window, in the last micro step's backward.
+            with gradient_sync(model, i == len(micro_batches) - 1):
+                with self._autocast(device, train=True):
+                    loss = self._compute_loss(model, batch, num_items, device)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            window_loss += loss.detach().float()
+            if i < len(micro_batches) - 1:
+                self.control = self.callback_handler.fire("on_substep_end", args, state, self.control)
+            tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+            throughput.add(tokens, int(batch.get("num_items", 0)))
+            window_tokens += tokens
+        global_tokens = None
+        if self.world_size > 1:
+            # Each rank holds its share of the window's loss and tokens: log the sums over all ranks, the loss
+            # divided by world_size (_loss_normaliser). float64 counts tokens exactly.
+            totals = torch.stack([window_loss.double(), torch.full((), float(window_tokens),
+                                                                   dtype=torch.float64, device=device)])
+            torch.distributed.all_reduce(totals)
+            window_loss, global_tokens = totals[0] / self.world_size, totals[1]
+        return window_loss, window_tokens, global_tokens
+
+    def _clip_and_step(self, model, optimizer, scheduler, window_loss, window_tokens: int, global_tokens, device,
+                       state, sums: _RunningSums) -> tuple[float, int]:
+        """Clip the gradients, bring the window's numbers to the host (the step's one sync), then step the optimizer
+        and the scheduler, or skip a non-finite (or fp16-overflowing) update; zero the gradients either way.
+        Returns the learning rate this step used and the window's tokens (over all ranks with several)."""
+        args = self.args
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        params = [p for p in model.parameters() if p.grad is not None]
+        max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
+        grad_norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if params
+                     else torch.zeros((), device=device))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards (already used to clip)
+            grad_norm = grad_norm.full_tensor()
+        # The one host sync per step: one copy of every number the host needs (`.to(device)`: FSDP2 with
+        # offloaded parameters has the norm on the CPU).
+        on_device = [window_loss, grad_norm] + ([global_tokens] if global_tokens is not None else [])
+        host = torch.stack([t.to(device, torch.float64) for t in on_device]).tolist()
+        loss_value, grad_norm_value = host[0], host[1]
+        if global_tokens is not None:
+            window_tokens = int(host[2])
+        state.num_input_tokens_seen += window_tokens
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
+        self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
+        stepped = False
+        if self.scaler is not None:
+            # Non-finite gradients under fp16 are an overflow: the scaler skips the update and
+            # lowers the scale. Only a non-finite loss counts as a non-finite step then.
+            finite = math.isfinite(loss_value)
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale_before and finite
+            if self.scaler.get_scale() < scale_before:
+                state.overflow_steps += 1
+        elif finite:
+            optimizer.step()
+            stepped = True
+        optimizer.zero_grad(set_to_none=True)
+        # The rate this step used, read before the scheduler moves on: what Hugging Face logs.
+        learning_rate = scheduler.get_last_lr()[0]
+        if stepped:
+            scheduler.step()
+            sums.nonfinite_in_row = 0
+            sums.logged_loss += loss_value
+            sums.logged_steps += 1
+            sums.train_loss_sum += loss_value
+            sums.train_loss_steps += 1
+            sums.last_grad_norm = grad_norm_value
+        elif not finite:
+            state.nonfinite_steps += 1
+            sums.nonfinite_in_row += 1
+            self._print(f"step {state.global_step + 1}: non-finite loss ({loss_value}) or grad_norm "
+                        f"({grad_norm_value}); update skipped")
+            if sums.nonfinite_in_row >= args.max_nonfinite_steps:
+                last = ckpt.latest_checkpoint(args.output_dir)
+                raise TrainingError(
+                    f"{sums.nonfinite_in_row} non-finite steps in a row (max_nonfinite_steps="
+                    f"{args.max_nonfinite_steps}); stopping. Last good checkpoint: {last or 'none saved'}")
+        self.control = self.callback_handler.fire("on_optimizer_step", args, state, self.control)
+        return learning_rate, window_tokens
+
+    def _mark_due(self, state, max_steps: int, nonfinite_in_row: int) -> None:
+        """Is a log, an evaluation, a save or the end due after this step? Set in `self.control`, where callbacks
+        may have set some already (on_step_end)."""
+        args, step = self.args, state.global_step
+        if _due(args.logging_strategy, step, state.logging_steps) or (args.logging_first_step and step == 1):
+            self.control.should_log = True
+        if _due(args.eval_strategy, step, state.eval_steps) and step >= (args.eval_delay or 0):
+            self.control.should_evaluate = True
+        # No scheduled save inside a run of non-finite steps: the newest checkpoint stays the last good one.
+        if args.save_strategy == "steps" and step % state.save_steps == 0 and not nonfinite_in_row:
+            self.control.should_save = True
+        if step >= max_steps:
+            self.control.should_training_stop = True
+        if self.stop_signal is not None:  # SIGTERM or a first Ctrl-C: save this step, then stop
+            self.control.should_save = True
+            self.control.should_training_stop = True
+
+    def _log_training(self, state, sums: _RunningSums, learning_rate: float, throughput, device, peak_flops,
+                      flops_per_token, writer, progress) -> None:
+        """The training log line: the mean loss of the steps since the last log, the last gradient norm, the
+        learning rate, the throughput since the last log, MFU and memory; then the sums start over."""
+        # Skipped (non-finite) steps are not averaged in; a window of only skipped steps logs no loss.
+        logs = {"loss": sums.logged_loss / sums.logged_steps if sums.logged_steps else None,
+                "grad_norm": sums.last_grad_norm, "learning_rate": learning_rate}
+        speed = throughput.mark()
+        logs.update(speed)
+        if peak_flops and flops_per_token:
+            # tokens_per_second counts this rank's tokens, so this is already the per-device MFU.
+            logs["mfu"] = flops_per_token * speed["tokens_per_second"] / peak_flops
+        logs["peak_memory_gb"] = peak_memory_gb(device)
+        if self.args.include_num_input_tokens_seen:
+            logs["num_input_tokens_seen"] = state.num_input_tokens_seen
+        if state.nonfinite_steps or state.overflow_steps:
+            logs["skipped_steps"] = state.nonfinite_steps + state.overflow_steps
+        self._log(state, logs, writer, progress)
+        sums.logged_loss, sums.logged_steps, sums.last_grad_norm = 0.0, 0, None
 
     def _print_run_summary(self, model, loader, micro: int, accum: int, num_epochs: int, max_steps: int) -> None:
         """Hugging Face's `***** Running training *****` block, plus one line of ours spelling out the global batch."""
@@ -449,61 +531,11 @@ class Trainer:
             f"  Global batch = {global_batch}",
         ]))
 
-    # ---- resuming -------------------------------------------------------------------------------------
-    def _load_model_and_optimizer(self, resume: Path, model, optimizer) -> None:
-        """Model and optimizer state from a checkpoint saved under any number of processes, in this run's layout."""
-        directory, optimizer_file = resume / ckpt.DCP_DIR, resume / "optimizer.pt"
-        if directory.is_dir():  # saved under FSDP2: DCP reshards to this run's shards, or to whole tensors
-            parallel.load_sharded(model, optimizer, directory)
-            return
-        if not optimizer_file.is_file():
-            raise ckpt.CheckpointError(f"{optimizer_file}: missing (was the checkpoint saved with save_only_model?)")
-        self._load_model_weights(resume)
-        if is_fsdp(model):  # saved by one process or DDP: rank 0 reads the whole state, each rank keeps its rows
-            state = torch.load(optimizer_file, map_location="cpu", weights_only=True) if self.rank == 0 else {}
-            parallel.load_full_optimizer_state(model, optimizer, state)
-        else:
-            optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
-
-    def _check_resume_across_worlds(self, resume: Path, saved_world: int, loader, micro: int, accum: int,
-                                    windows_per_epoch: int) -> None:
-        """Refuse, in one line naming the argument, a resume under another number of processes that could not go on
-        exactly as the saved run would have: each optimizer step must take the same examples. The loader plans one
-        global list of micro batches and deals it round-robin, and each step takes the next processes x accumulation
-        of them, so that holds when the micro batch and the global batch stay the same, the plan does not depend
-        on the number of processes (group_by_length does), and an epoch splits into as many steps as before."""
-        from .batching import same_steps, steps_per_epoch
-
-        args, world_size = self.args, self.world_size
-        saved = json.loads((resume / "training_args.json").read_text())
-        saved_micro, saved_accum = int(saved["per_device_train_batch_size"]), int(saved["gradient_accumulation_steps"])
-        where = f"resume_from_checkpoint: {resume} was saved by {saved_world} process(es), this run has {world_size}"
-        if saved_micro != micro:
-            raise ckpt.CheckpointError(f"{where}: per_device_train_batch_size must stay {saved_micro} (got {micro}); "
-                                       "change gradient_accumulation_steps to keep the global batch instead")
-        saved_global, this_global = saved_micro * saved_world * saved_accum, micro * world_size * accum
-        if saved_global != this_global:
-            fits = saved_global % (micro * world_size) == 0
-            hint = (f"set gradient_accumulation_steps={saved_global // (micro * world_size)} (or global_batch_size="
-                    f"{saved_global})" if fits else f"{saved_global} is not a multiple of {micro * world_size}")
-            raise ckpt.CheckpointError(
-                f"{where}: the global batch (per_device_train_batch_size x processes x gradient_accumulation_steps) "
-                f"was {saved_micro} x {saved_world} x {saved_accum} = {saved_global}, is {this_global}; {hint}")
-        if args.group_by_length:
-            raise ckpt.CheckpointError(f"{where}: group_by_length=True sorts lengths in groups that depend on the "
-                                       f"number of processes; resume with {saved_world}")
-        n, drop = len(loader.global_batches(loader.epoch)), args.dataloader_drop_last
-        if not same_steps(n, drop, (saved_world, saved_accum), (world_size, accum)):
-            raise ckpt.CheckpointError(
-                f"{where}: an epoch of {n} micro batches makes {steps_per_epoch(n, saved_world, saved_accum, drop)} "
-                f"optimizer steps then, {windows_per_epoch} now (dataloader_drop_last={drop}), and its last step would "
-                f"take other examples; resume with {saved_world}")
-
     # ---- pieces of the loop -----------------------------------------------------------------------------
     def _device(self, model) -> torch.device:
         """Where batches go: this rank's device with several processes (FSDP2 with offload_params keeps the
         shards on the CPU, but computes on the accelerator), else wherever the model's parameters are."""
-        return dist.local_device() if self.world_size > 1 else _model_device(model)
+        return local_device() if self.world_size > 1 else _model_device(model)
 
     def _accumulation_steps(self) -> int:
         resolve = getattr(self.args, "resolve_world", None)
@@ -520,7 +552,7 @@ class Trainer:
         backward). Each rank's loss is world_size times its share, so the loop divides the logged sum by world_size.
         A host int where no collective is needed (the kernel makes it a device scalar with a fill, not a copy from
         the host); a window without targets (filler batches) divides by 1."""
-        total = sum(int(b["num_items"]) if "num_items" in b else _count_targets(b["labels"]) for b in micro_batches)
+        total = sum(int(b["num_items"]) if "num_items" in b else count_targets(b["labels"]) for b in micro_batches)
         if self.world_size == 1 or not self.args.average_tokens_across_devices:
             return max(total, 1)
         n = torch.full((), float(total), device=device)  # a fill: no host-to-device copy, no sync
@@ -533,11 +565,11 @@ class Trainer:
         # A model that takes host labels (ours) gets them as the collator built them, so the fused loss skips the
         # ignored rows' matmuls without a device sync. (FSDP2 moves every input to the device before forward: there
         # the loss keeps every row, exactly as before.)
-        host = {"labels"} if getattr(_unwrap(model), "takes_host_labels", False) else set()
+        host = {"labels"} if getattr(unwrap(model), "takes_host_labels", False) else set()
         inputs = {k: v if k in host else (v.pin_memory() if pin else v).to(device, non_blocking=True)
                   for k, v in batch.items() if isinstance(v, torch.Tensor)}
         # remove_unused_columns in effect: only the keys the model's forward takes are passed.
-        accepted = _forward_params(model)
+        accepted = forward_params(model)
         kwargs = {k: v for k, v in inputs.items() if k in accepted or "**" in accepted}
         if "num_items" in accepted:
             kwargs["num_items"] = num_items
@@ -547,11 +579,9 @@ class Trainer:
             return loss
         if loss is not None:
             # A model that averages over its own batch: rescale to sum / window targets (counted on the host copy).
-            targets = batch["num_items"] if "num_items" in batch else _count_targets(batch["labels"])
+            targets = batch["num_items"] if "num_items" in batch else count_targets(batch["labels"])
             return loss * (targets / num_items)
         logits = out if isinstance(out, torch.Tensor) else (out.get("logits") if isinstance(out, dict) else out.logits)
-        import kernels
-
         # The labels move, not the logits (as transformers' ForCausalLMLoss does): logits[:, :-1].reshape(...) copied
         # (B*(T-1), V) in the forward, and autograd filled a zeroed (B, T, V) gradient to slice back into.
         targets = torch.nn.functional.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # (B, T): t predicts t+1
@@ -583,7 +613,7 @@ class Trainer:
             if args.use_liger_kernel:
                 raise ValueError(f"use_liger_kernel: a {name} has no trainer.model.CausalLM inside to run "
                                  "liger-kernel's ops; leave it off for this model")
-            accepted = _forward_params(model)
+            accepted = forward_params(model)
             if (args.label_smoothing_factor or z_loss) and ("labels" in accepted or "**" in accepted):
                 raise ValueError(f"label_smoothing_factor/z_loss: a {name} computes its own loss from labels, which "
                                  "would ignore them; use trainer.model.CausalLM or a model whose forward returns logits")
@@ -604,8 +634,6 @@ class Trainer:
         return torch.autocast(device_type=device.type, dtype=dtype)
 
     def _create_optimizer_and_scheduler(self, model, max_steps):
-        from .optim import build_lr_scheduler, build_optimizer
-
         args = self.args
         if self.optimizer is None:
             self.optimizer = build_optimizer(model, args)
@@ -614,7 +642,7 @@ class Trainer:
         return self.optimizer, self.lr_scheduler
 
     def _flops_per_token(self, model) -> float | None:
-        fn = getattr(_unwrap(model), "flops_per_token", None)
+        fn = getattr(unwrap(model), "flops_per_token", None)
         if fn is None:
             return None
         return float(fn(getattr(self.args, "cutoff_len", 2048) or 2048))
@@ -636,192 +664,34 @@ class Trainer:
         args = self.args
         metrics = None
         if self.control.should_evaluate and self.eval_dataset is not None:
-            metrics = self._evaluate_and_track(state, model, writer=writer, progress=progress)
+            metrics = self._evaluate_and_track(state, writer=writer, progress=progress)
         if args.save_strategy == "best" and metrics is not None and state.best_global_step == state.global_step:
             self.control.should_save = True
         if self.control.should_save and (args.save_strategy != "no" or self.stop_signal is not None):
             self._save_checkpoint(state, model, optimizer, scheduler, loader)
         self.control.reset_step()
 
-    def _evaluate_and_track(self, state, model, writer=None, progress=None) -> dict:
+    def _evaluate_and_track(self, state, writer=None, progress=None) -> dict:
         metrics = self.evaluate()
-        args = self.args
         if writer is not None:
             self._log(state, metrics, writer, progress if progress is not None else _NoProgress())
-        name = args.metric_for_best_model
-        if name:
-            key = name if name.startswith("eval_") else f"eval_{name}"
-            value = metrics.get(key)
-            if value is None:
-                raise ValueError(f"metric_for_best_model: {key!r} is not among the evaluation metrics {sorted(metrics)}")
-            greater = args.greater_is_better if args.greater_is_better is not None else not key.endswith("loss")
-            best = state.best_metric
-            if math.isfinite(value) and (best is None or (value > best if greater else value < best)):
-                state.best_metric = value
-                state.best_global_step = state.global_step
-                state.best_model_checkpoint = str(Path(args.output_dir) / f"{ckpt.PREFIX}-{state.global_step}")
-        self.control = self.callback_handler.fire("on_evaluate", args, state, self.control, metrics=metrics)
+        track_best(state, metrics, self.args)
+        self.control = self.callback_handler.fire("on_evaluate", self.args, state, self.control, metrics=metrics)
         return metrics
 
     def _save_checkpoint(self, state, model, optimizer, scheduler, loader) -> Path:
         args = self.args
         path = ckpt.save_checkpoint(
-            args.output_dir, state.global_step, save_model=lambda d: self._save_model_files(d),
+            args.output_dir, state.global_step,
+            save_model=lambda d: save_model_files(self.model, d, rank=self.rank, tokenizer=self.processing_class),
             optimizer=optimizer, scheduler=scheduler, scaler=self.scaler, data_state=loader.state_dict(),
             trainer_state=state.to_dict(), args_dict=args.to_dict(), rank=self.rank, world_size=self.world_size,
             save_only_model=args.save_only_model,
-            save_sharded=(lambda d: parallel.save_sharded(model, optimizer, d)) if is_fsdp(model) else None)
+            save_sharded=(lambda d: save_sharded(model, optimizer, d)) if is_fsdp(model) else None)
         if self.rank == 0:
             ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
         self.control = self.callback_handler.fire("on_save", args, state, self.control)
         return path
-
-    # ---- model I/O ------------------------------------------------------------------------------------
-    def _save_model_files(self, directory: Path) -> None:
-        """The model in the Hugging Face layout. Called on every rank: under FSDP2 gathering the full weights is a
-        collective; only rank 0 writes."""
-        model = _unwrap(self.model)
-        from .model import CausalLM, save_pretrained
-
-        if is_fsdp(model):
-            model = self._gathered_copy(model)  # None on ranks other than 0
-        if self.rank != 0:
-            return
-        if isinstance(model, CausalLM):
-            save_pretrained(model, directory, tokenizer=self.processing_class)
-            return
-        from safetensors.torch import save_model
-
-        save_model(model, str(Path(directory) / "model.safetensors"))
-        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(directory)
-
-    def _gathered_copy(self, model):
-        """Rank 0: an unsharded CPU copy of an FSDP2 model holding the full weights; other ranks: None."""
-        state = parallel.full_model_state_dict(model)  # a collective; the full tensors land on rank 0 only
-        if self.rank != 0:
-            return None
-        copy = _unsharded_cpu_copy(model)
-        copy.load_state_dict(state)
-        return copy
-
-    def _load_model_weights(self, directory: Path) -> None:
-        model = _unwrap(self.model)
-        from .model import CausalLM, load_state_dict_into
-
-        if is_fsdp(model):
-            if (directory / ckpt.DCP_DIR).is_dir():
-                parallel.load_sharded(model, None, directory / ckpt.DCP_DIR)
-                return
-            if not isinstance(model, CausalLM):
-                raise TypeError(f"loading a {type(model).__name__} sharded with FSDP2 from a Hugging Face directory is "
-                                "not supported (CausalLM only)")
-        if isinstance(model, CausalLM):  # sharded by FSDP2, each rank reads only its rows of each tensor
-            load_state_dict_into(model, directory, local_shard=dist.local_shard)
-            return
-        from safetensors.torch import load_model
-
-        load_model(model, str(Path(directory) / "model.safetensors"))
-
-    def save_model(self, output_dir: str | None = None) -> Path:
-        """Save the model (Hugging Face layout for ours) and the tokenizer to output_dir (args.output_dir)."""
-        out = Path(output_dir or self.args.output_dir)
-        if self.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-        self._save_model_files(out)  # every rank: gathering sharded weights is a collective
-        if self.rank == 0:
-            (out / "training_args.json").write_text(json.dumps(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
-        if self.world_size > 1:
-            torch.distributed.barrier()  # on return the files exist for every rank
-        return out
-
-    # ---- evaluation -----------------------------------------------------------------------------------
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("Trainer.evaluate: no eval_dataset")
-        if isinstance(dataset, dict):
-            metrics = {}
-            for name, ds in dataset.items():
-                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        output = self._prediction_loop(dataset, metric_key_prefix,
-                                       want_predictions=self.compute_metrics is not None and not self.args.prediction_loss_only)
-        return output.metrics
-
-    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
-        return self._prediction_loop(test_dataset, metric_key_prefix, want_predictions=True)
-
-    @torch.no_grad()
-    def _prediction_loop(self, dataset, prefix: str, want_predictions: bool) -> PredictionOutput:
-        model = self.model
-        device = self._device(model)
-        was_training = model.training
-        model.eval()
-        loader = self._eval_loader(dataset)
-        plan = loader.global_batches(loader.epoch)  # every rank's micro batches, in dataset order (no shuffle)
-        start = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        targets = 0
-        preds, labels = [], []
-        pending_preds, pending_labels = [], []
-        accumulation = self.args.eval_accumulation_steps
-        for step, batch in enumerate(loader):
-            one = torch.ones((), device=device)
-            with self._autocast(device, train=False):
-                if want_predictions:
-                    logits = self._forward_logits(model, batch, device)  # (B, T, V)
-                    batch_labels = batch["labels"].to(device)
-                    import kernels
-
-                    loss = kernels.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                                 batch_labels[:, 1:].reshape(-1), reduction="sum")
-                    if self.preprocess_logits_for_metrics is not None:
-                        logits = self.preprocess_logits_for_metrics(logits, batch_labels)
-                    pending_preds.append(logits.detach())
-                    pending_labels.append(batch_labels)
-                    if accumulation and (step + 1) % accumulation == 0:  # move to the host so the device never holds all
-                        preds += [p.cpu() for p in pending_preds]
-                        labels += [lb.cpu() for lb in pending_labels]
-                        pending_preds, pending_labels = [], []
-                else:
-                    loss = self._compute_loss(model, batch, one, device)  # num_items=1: the sum of token losses
-            loss_sum += loss.double()
-            targets += int(batch["num_items"]) if "num_items" in batch else _count_targets(batch["labels"])
-        preds += [p.cpu() for p in pending_preds]
-        labels += [lb.cpu() for lb in pending_labels]
-        samples = sum(len(b) for b in plan)  # the filler batches that keep ranks in step are not samples
-        if self.world_size > 1:
-            # The loss is the token-weighted mean over the whole eval set: sums and target counts over all ranks
-            # (filler batches have no targets).
-            counts = torch.tensor([loss_sum.item(), float(targets)], dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(counts)
-            total, targets = counts[0].item(), int(counts[1].item())
-            if want_predictions:
-                preds, labels = _gather_in_order(preds, len(plan)), _gather_in_order(labels, len(plan))
-        else:
-            total = loss_sum.item()
-        runtime = time.perf_counter() - start
-        eval_loss = total / targets if targets else float("nan")
-        metrics = {f"{prefix}_loss": eval_loss,
-                   f"{prefix}_perplexity": math.exp(eval_loss) if eval_loss < 700 else float("inf"),
-                   f"{prefix}_runtime": runtime, f"{prefix}_samples_per_second": samples / max(runtime, 1e-9)}
-        predictions = label_ids = None
-        if preds:
-            predictions, label_ids = _pad_cat(preds, -100), _pad_cat(labels, -100)
-            if self.compute_metrics is not None:
-                extra = self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
-                metrics.update({(k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"): v for k, v in extra.items()})
-        if was_training:
-            model.train()
-        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
-
-    def _forward_logits(self, model, batch, device):
-        inputs = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "labels"}
-        accepted = _forward_params(model)
-        kwargs = {k: v for k, v in inputs.items() if k in accepted or "**" in accepted}
-        out = model(**kwargs)
-        return out if isinstance(out, torch.Tensor) else (out["logits"] if isinstance(out, dict) else out.logits)
 
     # ---- data -----------------------------------------------------------------------------------------
     def _train_loader(self, micro: int):
@@ -843,9 +713,9 @@ class Trainer:
         seed = args.data_seed if args.data_seed is not None else args.seed
         loader = BatchLoader(
             dataset, batching_strategy=args.batching_strategy if train else "normal", micro_batch_size=micro,
-            max_tokens=args.max_tokens if train else None,
+            max_tokens=self.loader_options.get("max_tokens") if train else None,
             pad_token_id=pad_id if pad_id is not None else 0,
-            pad_to_multiple_of=args.pad_to_multiple_of, shuffle=train and args.train_shuffle,
+            pad_to_multiple_of=self.loader_options.get("pad_to_multiple_of"), shuffle=train and args.train_shuffle,
             seed=seed,
             group_by_length=train and args.group_by_length, drop_last=train and args.dataloader_drop_last,
             rank=self.rank, world_size=self.world_size)
@@ -871,8 +741,6 @@ class Trainer:
         disable = self.args.disable_tqdm or self.rank != 0
         if disable:
             return _NoProgress()
-        from tqdm.auto import tqdm
-
         return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, leave=True)
 
     def _install_stop_signals(self) -> dict:
@@ -918,59 +786,8 @@ class _NoProgress:
 
 
 def threading_main() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
 def _due(strategy, step: int, every: int) -> bool:
     return strategy == "steps" and every > 0 and step % every == 0
-
-
-def _count_targets(labels: torch.Tensor) -> int:
-    return int((labels[:, 1:] != -100).sum())
-
-
-def _forward_params(model) -> set:
-    forward = _unwrap(model).forward
-    params = inspect.signature(forward).parameters
-    names = set(params)
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        names.add("**")
-    return names
-
-
-def _unwrap(model):
-    return getattr(model, "module", model)
-
-
-def _unsharded_cpu_copy(model):
-    """An uninitialised CPU CausalLM with `model`'s config and parameter dtype, to hold full FSDP2 weights."""
-    from .model import CausalLM, empty_model
-
-    if not isinstance(model, CausalLM):
-        raise TypeError(f"saving a {type(model).__name__} sharded with FSDP2 is not supported (CausalLM only)")
-    dtype = next(iter(model.state_dict().values())).dtype
-    return empty_model(model.config, dtype=dtype, device="cpu", use_kernels=False)
-
-
-def _gather_in_order(batches: list[torch.Tensor], num_batches: int) -> list[torch.Tensor]:
-    """The eval set's batches from every rank, each once, in dataset order (a collective). The eval loader deals
-    global batch j to rank j % world_size, and appends filler copies (no targets) after the last real batch to keep
-    the ranks in step: interleave the ranks' lists back and cut the fillers off."""
-    per_rank = dist.gather_batches(batches, -100)
-    world_size = len(per_rank)
-    return [per_rank[j % world_size][j // world_size] for j in range(num_batches)]
-
-
-def _pad_cat(tensors: list[torch.Tensor], pad: int) -> torch.Tensor:
-    """Concatenate (B, T, ...) tensors along B, padding T to the longest with `pad` (Hugging Face's -100)."""
-    if all(t.dim() < 2 for t in tensors) or len({t.shape[1] for t in tensors}) == 1:
-        return torch.cat(tensors)
-    longest = max(t.shape[1] for t in tensors)
-    out = []
-    for t in tensors:
-        shape = list(t.shape)
-        shape[1] = longest - t.shape[1]
-        out.append(torch.cat([t, t.new_full(shape, pad)], dim=1))
-    return torch.cat(out)
