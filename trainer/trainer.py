@@ -144,8 +144,6 @@ class Trainer:
         self.state = TrainerState(is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
         self.scaler = None
-        # Batching options that are not TrainingArguments (the sft CLI sets them): pad_to_multiple_of, max_tokens.
-        self.loader_options: dict = {}
         self.stop_signal: signal.Signals | None = None  # SIGTERM or SIGINT when one stopped the last train()
         self.control = self.callback_handler.fire("on_init_end", args, self.state, self.control)
 
@@ -713,9 +711,9 @@ class Trainer:
         seed = args.data_seed if args.data_seed is not None else args.seed
         loader = BatchLoader(
             dataset, batching_strategy=args.batching_strategy if train else "normal", micro_batch_size=micro,
-            max_tokens=self.loader_options.get("max_tokens") if train else None,
+            max_tokens=args.max_tokens if train else None,
             pad_token_id=pad_id if pad_id is not None else 0,
-            pad_to_multiple_of=self.loader_options.get("pad_to_multiple_of"), shuffle=train and args.train_shuffle,
+            pad_to_multiple_of=args.pad_to_multiple_of, shuffle=train and args.train_shuffle,
             seed=seed,
             group_by_length=train and args.group_by_length, drop_last=train and args.dataloader_drop_last,
             rank=self.rank, world_size=self.world_size)
