@@ -435,7 +435,7 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
 
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer)
     started = time.perf_counter()
-    trainer.train()
+    output = trainer.train()
     state = trainer.state
     elapsed = time.perf_counter() - started
     if trainer.stop_signal is not None:
@@ -444,6 +444,7 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
         return 128 + trainer.stop_signal
     final = trainer.save_model(args.output_dir)
     summary = {"train_runtime_s": round(elapsed, 1), "global_step": state.global_step}
+    summary["train_loss"] = round(output.training_loss, 4)  # the mean over the run's steps, as HF reports it
     train_logs = [h for h in state.log_history if "loss" in h]
     if train_logs:
         summary["final_train_loss"] = train_logs[-1]["loss"]

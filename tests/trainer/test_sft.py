@@ -37,7 +37,9 @@ def test_embedded_default_trains_evaluates_and_saves(demo_run, capsys):
     assert code == 0
     final = json.loads((out / "final_metrics.json").read_text())
     assert final["global_step"] == 3
-    assert {"exact_match_before", "exact_match_after", "eval_loss", "eval_perplexity", "final_train_loss"} <= set(final)
+    assert {"exact_match_before", "exact_match_after", "eval_loss", "eval_perplexity", "final_train_loss",
+            "train_loss"} <= set(final)
+    assert final["train_loss"] > 0  # the run's mean step loss, there even when no step was logged
     assert 0.0 <= final["exact_match_after"] <= 1.0
     model = load_pretrained(out)
     assert model.num_parameters() == build_preset("tiny")[0].num_parameters()
