@@ -12,7 +12,7 @@ Llama-3.2-1B dimensions on a GPU. The parent builds it once (CausalLM.init_weigh
 `LlamaForCausalLM.from_pretrained`.
 
 Same work in every configuration:
-- data: the embedded tasks (trainer/data/tasks_train.jsonl, chat-templated with the byte-level tokenizer) or
+- data: the embedded tasks (trainer/demo_data/tasks_train.jsonl, chat-templated with the byte-level tokenizer) or
   seeded random ids (--data synthetic), concatenated and cut into blocks of exactly seq_len tokens, every token a
   target: no padding, so each micro batch is one dense (micro_batch, seq_len) tensor in both trainers. The
   dataset holds exactly global_batch * steps blocks: one epoch, every block seen once by every configuration;

@@ -15,7 +15,7 @@ at most 21 characters. `generate_tasks(n, seed)` is a pure function of (n, seed)
 n divisible by 5 is balanced), prompts never repeat, and generate_tasks(n) is a prefix of generate_tasks(n + k).
 The shipped files are its first 4000 examples (train) and the next 200 (eval), so their prompts are disjoint:
 
-    python -m trainer.tasks --out trainer/data        # rewrites tasks_train.jsonl and tasks_eval.jsonl bit-identically
+    python -m trainer.tasks --out trainer/demo_data        # rewrites tasks_train.jsonl and tasks_eval.jsonl bit-identically
 
 Randomness comes from a hand-written SplitMix64 rather than `random`/numpy so the files never change with a
 library version.
@@ -27,7 +27,7 @@ import argparse
 import json
 from pathlib import Path
 
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parent / "demo_data"  # not "data/": a folder so named shadowed trainer/data.py
 TRAIN_FILE = DATA_DIR / "tasks_train.jsonl"
 EVAL_FILE = DATA_DIR / "tasks_eval.jsonl"
 NUM_TRAIN, NUM_EVAL, SEED = 4000, 200, 0
@@ -146,7 +146,7 @@ def write_task_files(out_dir: str | Path, num_train: int = NUM_TRAIN, num_eval: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.tasks", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(DATA_DIR), help="output directory (default: the package's data/)")
+    parser.add_argument("--out", default=str(DATA_DIR), help="output directory (default: the package's demo_data/)")
     parser.add_argument("--train", type=int, default=NUM_TRAIN, help="training examples")
     parser.add_argument("--eval", type=int, default=NUM_EVAL, help="held-out examples, prompts disjoint from train")
     parser.add_argument("--seed", type=int, default=SEED)

@@ -568,7 +568,7 @@ def test_metrics_jsonl_of_a_resumed_run_reads_as_one_run(tmp_path, dataset, caps
 
 # ---- process-level: SIGTERM and SIGKILL ------------------------------------------------------------------------
 def _sft(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "trainer.sft", "--model", "tiny", "--data", str(ROOT / "trainer/data/tasks_eval.jsonl"),
+    return [sys.executable, "-m", "trainer.sft", "--model", "tiny", "--data", str(ROOT / "trainer/demo_data/tasks_eval.jsonl"),
             "--output_dir", str(out), "--per_device_train_batch_size", "8", "--max_steps", "6",
             "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2", "--disable_tqdm", "true",
             "--report_to", "jsonl", "--eval_exact_match", "false", "--plot", "false", "--optim", "adamw_torch",
