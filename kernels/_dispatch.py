@@ -32,22 +32,19 @@ _BACKENDS = ("auto", "triton", "reference")
 TRITON_MISSING = "triton is not installed: pip install triton (or the project's extra: pip install -e '.[triton]')"
 
 
-def _env_backend() -> str:
-    name = os.environ.get("KERNELS_BACKEND", "auto").strip().lower() or "auto"
-    if name not in _BACKENDS:
-        raise ValueError(f"KERNELS_BACKEND={name!r} is not one of {', '.join(_BACKENDS)}")
-    return name
-
-
 # Module globals, not thread-locals or os.environ lookups, so that torch.compile can trace `use_triton` (it
-# guards on globals; it cannot read a threading.local). KERNELS_BACKEND is read once, at import.
-_ENV_BACKEND = _env_backend()
+# guards on globals; it cannot read a threading.local). KERNELS_BACKEND is read once, at import, and checked when
+# first used (`current_backend`), so that importing kernels never fails and a CLI can report a bad value in one line.
+_ENV_BACKEND = os.environ.get("KERNELS_BACKEND", "auto").strip().lower() or "auto"
 _override: str | None = None
 
 
 def current_backend() -> str:
     """The backend in force: the innermost `backend(...)` context, else `KERNELS_BACKEND`, else 'auto'."""
-    return _override or _ENV_BACKEND
+    name = _override or _ENV_BACKEND
+    if name not in _BACKENDS:
+        raise ValueError(f"KERNELS_BACKEND={name!r} is not one of {', '.join(_BACKENDS)}")
+    return name
 
 
 @contextlib.contextmanager

@@ -49,6 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import kernels
+
 from .attention import KVCache, make_plan
 from .checkpoint_hf import CheckpointError, load_safetensors, read_json, save_safetensors
 
@@ -272,8 +274,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "kernels":
-            import kernels
-
             return kernels.rms_norm(x, self.weight, self.eps)
         if self.impl == "liger":
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -542,8 +542,6 @@ class CausalLM(nn.Module):
     def _neftune(self, x, attention_mask, position_ids):
         # NEFTune (Jain et al. 2023): x + U(-1, 1) * alpha / sqrt(L * d), L = the token's own document length
         # (real tokens only), no noise on padding. Off the kernels, kernels' plain-PyTorch reference.
-        import kernels
-
         fn = kernels.neftune_noise if self.impl == "kernels" else kernels.neftune_noise_ref
         return fn(x, self.neftune_noise_alpha, attention_mask=attention_mask, position_ids=position_ids, training=True)
 
@@ -565,8 +563,6 @@ class CausalLM(nn.Module):
             denom = max(int(num_items), 1)
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, C)
         if self.impl == "kernels":  # takes host targets and counts as they are
-            import kernels
-
             # Under autocast the kernel casts its inputs to the autocast dtype (as F.linear would) and returns an
             # fp32 loss, so GradScaler's loss * 65536 cannot overflow.
             loss = kernels.fused_linear_cross_entropy(flat, self.lm_head.weight, targets, ignore_index=IGNORE_INDEX,

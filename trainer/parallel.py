@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .dist import local_device, world
+from .model import empty_model
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -109,8 +110,6 @@ def build_fsdp_model(config, args, init, *, dtype=torch.float32, use_kernels: bo
     on this rank's device holding only its shards, rotary buffers recomputed (`trainer.model.empty_model`);
     then `init(model)` fills the shards: `load_state_dict_into(model, path)` (safetensors, own rows only),
     `load_sharded(model, None, dcp_dir)` or `model.init_weights(seed)`."""
-    from .model import empty_model
-
     if not uses_fsdp(args):
         raise ValueError("build_fsdp_model: needs several processes and dist_config name fsdp2")
     # offload_params keeps the shards in host memory (FSDP2 moves them to the device for compute)

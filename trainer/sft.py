@@ -310,8 +310,10 @@ def check_run(args, sft: SFTArguments) -> None:
         if paths:
             resolve_data_files(paths)
     cuda = torch.cuda.is_available()
+    import kernels
+
     try:
-        import kernels  # reads KERNELS_BACKEND at import and refuses an unknown value
+        kernels.current_backend()  # refuses an unknown KERNELS_BACKEND
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     from kernels._dispatch import TRITON_MISSING, interpreter_on
