@@ -237,8 +237,8 @@ def test_custom_op_registration():
     x = torch.randn(2, 3, 40)
     seed = torch.tensor([5], dtype=torch.int64)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(torch.ops.kernels.neftune_fwd, (x, seed, 0.1, None), test_utils=checks)
-    torch.library.opcheck(torch.ops.kernels.neftune_fwd, (x, seed, 0.1, torch.rand(6)), test_utils=checks)
+    torch.library.opcheck(torch.ops.kernelwright.neftune_fwd, (x, seed, 0.1, None), test_utils=checks)
+    torch.library.opcheck(torch.ops.kernelwright.neftune_fwd, (x, seed, 0.1, torch.rand(6)), test_utils=checks)
 
 
 def test_function_is_used_on_the_triton_path():
@@ -309,7 +309,7 @@ def test_triton_on_cuda_with_compile_fullgraph():
 
     seed = torch.tensor([5], dtype=torch.int64, device="cuda")
     for row_scale in (None, torch.rand(B * T, device="cuda")):
-        torch.library.opcheck(torch.ops.kernels.neftune_fwd, (x.detach(), seed, 0.1, row_scale))
+        torch.library.opcheck(torch.ops.kernelwright.neftune_fwd, (x.detach(), seed, 0.1, row_scale))
 
     def step(e, m):
         return neftune_noise(e, ALPHA, attention_mask=m)
