@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import kernels
+from kernels.nn import RMSNorm as KernelRMSNorm
 
 from .attention import KVCache, make_plan
 from .checkpoint_hf import CheckpointError, load_safetensors, read_json, save_safetensors
@@ -265,16 +266,17 @@ def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 IMPLS = ("torch", "kernels", "liger")  # who computes RMSNorm, SwiGLU and the loss; set model-wide
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(KernelRMSNorm):
+    """kernels.nn.RMSNorm (Llama's: weight initialised to ones, no offset) with the model-wide choice of who
+    computes it."""
+
     def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
         self.impl = "kernels"  # set for the whole model by CausalLM (use_kernels / apply_liger_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "kernels":
-            return kernels.rms_norm(x, self.weight, self.eps)
+            return super().forward(x)
         if self.impl == "liger":
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
