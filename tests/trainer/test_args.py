@@ -7,8 +7,6 @@ import dataclasses
 import json
 import math
 import pathlib
-import subprocess
-import sys
 from dataclasses import dataclass, field
 
 import pytest
