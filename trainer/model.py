@@ -471,7 +471,7 @@ class CausalLM(nn.Module):
         Sharded by FSDP2 (DTensor parameters), pass `local_shard=trainer.dist.local_shard`: every rank draws each
         full weight in the same order from the same generator and keeps only its own rows, so the shards are
         bitwise those of the single-process init, and no more than one full weight exists at a time. (The
-        architecture knows nothing of processes: the model build, `trainer/build.py`, passes it.)"""
+        architecture knows nothing of processes: the sharded build, `trainer.sft._load_sharded`, passes it.)"""
         gen = torch.Generator().manual_seed(seed)
         std = self.config.initializer_range
         for module in self.modules():
