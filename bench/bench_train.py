@@ -76,7 +76,7 @@ from bench import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("ours", "hf", "hf_liger")
-# Architecture dims only (random init); Hugging Face config keys. tiny = trainer.model.PRESETS["tiny"].
+# Architecture dims only (random init); Hugging Face config keys. tiny = trainer.build.PRESETS["tiny"].
 MODELS = {
     "tiny": None,
     "qwen2.5-0.5b": {  # Qwen2.5-0.5B's dims in a Llama architecture (no qkv bias)
@@ -131,7 +131,7 @@ def collate(examples: list[dict]) -> dict:
 
 
 def model_config(name: str) -> dict:
-    from trainer.model import PRESETS
+    from trainer.build import PRESETS
 
     return dict(PRESETS["tiny"]) if name == "tiny" else dict(MODELS[name])
 
@@ -145,7 +145,8 @@ def flops_per_token(config: dict, seq_len: int) -> int:
 
 
 def write_model(config: dict, seed: int, path: Path) -> None:
-    from trainer.model import CausalLM, ModelConfig, save_pretrained
+    from trainer.build import save_pretrained
+    from trainer.model import CausalLM, ModelConfig
 
     model = CausalLM(ModelConfig.from_hf(config))
     model.init_weights(seed)
@@ -207,7 +208,7 @@ def worker(spec: dict) -> dict:
     if impl == "ours":
         from trainer.args import TrainingArguments
         from trainer.callbacks import TrainerCallback
-        from trainer.model import load_pretrained
+        from trainer.build import load_pretrained
         from trainer.trainer import Trainer
 
         model = load_pretrained(spec["model_dir"], dtype=torch.float32, device=device, use_kernels=True)

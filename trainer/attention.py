@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 BACKENDS = ("auto", "sdpa", "flex", "flash")
 
@@ -100,8 +101,6 @@ class AttentionPlan:
         return allowed[:, None]  # (B, 1, T, T)
 
     def _flex_mask(self, window):
-        from torch.nn.attention.flex_attention import create_block_mask
-
         doc, valid = self.doc_ids, self.key_valid
 
         def mask_mod(b, h, qi, ki):
@@ -136,8 +135,6 @@ _compiled_flex = None
 
 
 def _flex_fn(on_cuda: bool):
-    from torch.nn.attention.flex_attention import flex_attention
-
     global _compiled_flex
     if not on_cuda:
         return flex_attention  # eager (unfused, materialises scores): for testing the mask logic on CPU

@@ -13,7 +13,7 @@ Writing casts and writes one shard at a time. safetensors creates its files with
 `open()` gives every other file of the directory (0666 less the umask, usually 0644) so that a shared model
 directory stays readable by the group and others.
 
-This module knows nothing about the model; `trainer.model.load_pretrained` / `save_pretrained` use it.
+This module knows nothing about the model; `trainer.build.load_pretrained` / `save_pretrained` use it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -98,8 +100,6 @@ def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Calla
     `rows[name] = (full_shape, start, stop)` says that `targets[name]` holds only rows start:stop of dim 0 of a
     tensor of full_shape (a sharded parameter): the header must show full_shape, and only those rows are read.
     """
-    from safetensors import safe_open
-
     rows = rows or {}
     files = checkpoint_files(Path(path))
     seen, unexpected, mismatched = set(), [], []
@@ -152,8 +152,6 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, max_shard_siz
     Earlier checkpoint files in `path` are removed first: a stale `model.safetensors` would otherwise shadow
     a new sharded index (readers prefer the single file).
     """
-    from safetensors.torch import save_file
-
     limit = parse_size(max_shard_size)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from trainer.batching import BATCHING_STRATEGIES, BatchLoader  # noqa: F401  (re-exported: data.py is the entry point)
 from trainer.tokenizer import DEFAULT_CHAT_TEMPLATE
@@ -615,8 +616,6 @@ def load_sft_dataset(paths, tokenizer, *, data_format: str = "auto", cutoff_len:
 
 
 def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> TokenizedDataset:
-    from tqdm import tqdm
-
     cutoff_len, skip = options["cutoff_len"], options["skip_bad_examples"]
     ids_parts, label_parts, lengths = [], [], [0]
     dropped: Counter = Counter()

@@ -17,6 +17,11 @@ import sys
 
 import torch
 
+from .build import build_model
+from .coerce import ConfigError
+from .model import ModelError, generate
+from .tokenizer import TokenizerError
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
@@ -34,8 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def reply(model, tokenizer, messages_or_text, args, generator) -> str:
-    from .model import generate
-
     if isinstance(messages_or_text, str):
         ids = tokenizer.encode(messages_or_text)
     else:
@@ -55,11 +58,6 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    from .args import ConfigError
-    from .model import ModelError
-    from .sft import load_model_and_tokenizer
-    from .tokenizer import TokenizerError
-
     args = build_parser().parse_args(argv)
     if not args.chat and args.prompt is None:
         print("error: give --prompt TEXT or --chat", file=sys.stderr)
@@ -68,11 +66,11 @@ def _main(argv) -> int:
         print("error: --temperature must be >= 0 and --top_p in (0, 1]", file=sys.stderr)
         return 2
     try:
-        model, tokenizer = load_model_and_tokenizer(args.model, None, use_kernels=True, seed=args.seed)
+        model, tokenizer = build_model(args.model, device=args.device, seed=args.seed)
     except (ConfigError, ModelError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model.to(args.device).eval()
+    model.eval()
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if not args.chat:

@@ -38,11 +38,8 @@ Run the tests: python -m pytest tests/trainer/test_model.py -q
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +50,6 @@ import kernels
 from kernels.nn import RMSNorm as KernelRMSNorm
 
 from .attention import KVCache, make_plan
-from .checkpoint_hf import CheckpointError, load_safetensors, read_json, save_safetensors
 
 IGNORE_INDEX = -100
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -68,8 +64,6 @@ _HF_DEFAULTS = {
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28,
               "head_dim": 128},
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ModelError(ValueError):
@@ -471,7 +465,7 @@ class CausalLM(nn.Module):
         Sharded by FSDP2 (DTensor parameters), pass `local_shard=trainer.dist.local_shard`: every rank draws each
         full weight in the same order from the same generator and keeps only its own rows, so the shards are
         bitwise those of the single-process init, and no more than one full weight exists at a time. (The
-        architecture knows nothing of processes: the sharded build, `trainer.sft._load_sharded`, passes it.)"""
+        architecture knows nothing of processes: the sharded build, `trainer.build.build_model`, passes it.)"""
         gen = torch.Generator().manual_seed(seed)
         std = self.config.initializer_range
         for module in self.modules():
@@ -659,152 +653,3 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Hugging Face checkpoints
-# ------------------------------------------------------------------------------------------------------------
-def _resolve_dtype(value) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
-        return _DTYPES[value.removeprefix("torch.")]
-    raise ModelError(f"dtype {value!r} is not supported (supported: {', '.join(_DTYPES)})")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def read_config(path: str | Path) -> ModelConfig:
-    """ModelConfig from `path`/config.json."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise ModelError(f"{file}: not found (a Hugging Face model directory needs config.json)")
-    try:
-        config = read_json(file)
-    except CheckpointError as exc:
-        raise ModelError(str(exc)) from None
-    return ModelConfig.from_hf(config, source=str(file))
-
-
-def _ignored_key(name: str) -> bool:
-    # older Llama checkpoints store the rotary buffer; ours is recomputed
-    return name.endswith("rotary_emb.inv_freq")
-
-
-def load_pretrained(path: str | Path, dtype=None, device=None, use_kernels: bool = True) -> CausalLM:
-    """Load a Hugging Face model directory (config.json + model.safetensors or shards with an index).
-
-    Built on the meta device, cast to `dtype` there (default: the config's dtype, else fp32), materialised
-    on `device` (default cpu) without initialisation, then each checkpoint tensor is read once into place.
-    A tied checkpoint may or may not contain lm_head.weight; it is skipped either way.
-    """
-    config = read_config(path)
-    model = empty_model(config, dtype=checkpoint_dtype(config, dtype), device=device or "cpu", use_kernels=use_kernels)
-    load_state_dict_into(model, path)
-    return model
-
-
-def checkpoint_dtype(config: ModelConfig, dtype=None) -> torch.dtype:
-    """The dtype to load in: `dtype` if given, else the checkpoint's (config.dtype), else fp32."""
-    return _resolve_dtype(dtype) or _resolve_dtype(config.dtype) or torch.float32
-
-
-def empty_model(config: ModelConfig, *, dtype=torch.float32, device="cpu", use_kernels: bool = True,
-                transform=None) -> CausalLM:
-    """A CausalLM of `config` on `device` with uninitialised weights (load or init them) and its rotary buffers
-    computed. Built on the meta device and cast there, so that no memory is written twice; `transform(model)`
-    (FSDP2's sharding) runs while it is still on meta, so that `to_empty` allocates only what the transformed
-    model keeps: a rank's shards."""
-    with torch.device("meta"):
-        model = CausalLM(config, use_kernels=use_kernels)
-    model.to(dtype=dtype)
-    if transform is not None:
-        model = transform(model)
-    model.to_empty(device=torch.device(device))
-    model.tie_weights()  # to_empty may make new, separate Parameters
-    model.model.rotary_emb.reset_buffers()  # non-persistent: to_empty left garbage
-    return model
-
-
-@torch.no_grad()
-def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=_whole) -> None:
-    """Copy the weights of a model directory (ours or transformers') into `model` in place, keeping its dtype
-    and device: resuming, or taking the best checkpoint at the end. Problems are listed in one ModelError.
-
-    Sharded by FSDP2 (DTensor parameters), pass `local_shard=trainer.dist.local_shard`: each rank reads only the
-    rows of each tensor it holds."""
-    targets, rows = {}, {}
-    for name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
-        targets[name], span = local_shard(param)
-        if span is not None:
-            rows[name] = (tuple(param.shape), *span)
-    tied = model.config.tie_word_embeddings
-    try:
-        load_safetensors(Path(path), targets, ignore=lambda k: _ignored_key(k) or (tied and k == "lm_head.weight"),
-                         rows=rows)
-    except CheckpointError as exc:
-        raise ModelError(str(exc)) from None
-
-
-def save_pretrained(model: CausalLM, path: str | Path, max_shard_size: int | str = "5GB", tokenizer=None,
-                    dtype=None) -> None:
-    """Write config.json, model.safetensors (or shards + index when over max_shard_size) and the tokenizer
-    files; a tied lm_head is written once, as embed_tokens (Hugging Face omits lm_head.weight too)."""
-    dtype = _resolve_dtype(dtype) or model.model.embed_tokens.weight.dtype
-    tensors = dict(model.named_parameters())  # a tied head appears once, as embed_tokens
-    path = Path(path)
-    try:
-        save_safetensors(tensors, path, max_shard_size=max_shard_size, dtype=dtype)
-    except CheckpointError as exc:
-        raise ModelError(str(exc)) from None
-    config = dataclasses.replace(model.config, dtype=_dtype_name(dtype))
-    (path / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-
-
-def load_tokenizer(path: str | Path):
-    """The tokenizer files of a model directory (trainer.tokenizer.Tokenizer.from_pretrained)."""
-    from .tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(path)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Presets
-# ------------------------------------------------------------------------------------------------------------
-PRESETS = {
-    # 0.77M parameters: byte-level vocab (259 ids) rounded up to 320, tied embeddings, GQA 4:2, head_dim 32.
-    # Sized for the CPU demo (trainer/configs/demo.yaml): a step costs a third of hidden 256's, and the steps that
-    # buys matter more than width for learning the embedded tasks (measured; README).
-    "tiny": {"model_type": "llama", "vocab_size": 320, "hidden_size": 128, "intermediate_size": 344,
-             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-             "tie_word_embeddings": True, "initializer_range": 0.02,
-             "bos_token_id": None, "eos_token_id": 258, "pad_token_id": 256},
-}
-
-
-def is_preset(name: str) -> bool:
-    return name in PRESETS
-
-
-def build_preset(name: str, seed: int = 0, use_kernels: bool = True):
-    """(CausalLM, Tokenizer) for a named preset: fp32 on cpu, deterministic Hugging Face-style init from `seed`,
-    with the embedded byte-level tokenizer."""
-    config, tokenizer = preset_config(name)
-    model = CausalLM(config, use_kernels=use_kernels)
-    model.init_weights(seed)
-    return model, tokenizer
-
-
-def preset_config(name: str):
-    """(ModelConfig, Tokenizer) of a named preset, without building the model."""
-    from .tokenizer import byte_level_tokenizer
-
-    if name not in PRESETS:
-        raise ModelError(f"preset {name!r} is unknown (presets: {', '.join(PRESETS)})")
-    config = ModelConfig.from_hf(PRESETS[name], source=f"preset {name!r}")
-    return config, byte_level_tokenizer(model_max_length=config.max_position_embeddings)

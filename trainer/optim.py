@@ -65,6 +65,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
+from kernels import FusedAdamW
+
 from .args import (
     OPTIMIZERS,
     SCHEDULERS,
@@ -149,14 +151,6 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable, args: TrainingA
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd, **optim_args)
     if args.optim == "adamw_torch_fused":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd, fused=True, **optim_args)
-    # adamw_fused: imported here so that the other optimizers work while kernels is being built or broken.
-    try:
-        from kernels import FusedAdamW
-    except ImportError as e:
-        raise ImportError(
-            f"optim='adamw_fused' needs kernels.FusedAdamW, which failed to import ({e}); "
-            "use --optim adamw_torch_fused meanwhile"
-        ) from e
     return FusedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd)
 
 

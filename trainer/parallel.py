@@ -6,13 +6,14 @@
 3. data parallelism for several processes: `apply_fsdp` (FSDP2 `fully_shard` on each decoder block, then
    the root) or `apply_ddp` (DistributedDataParallel).
 
-`apply_all(model, args)` runs them in that order and returns the model to train (a DDP wrapper for ddp; FSDP2
-shards in place). Our `CausalLM` exposes its blocks as `model.model.layers`; any other module is compiled
-whole, checkpointed only if it offers `set_gradient_checkpointing`/`gradient_checkpointing_enable`, and
-sharded as one FSDP unit.
+`apply_transforms(model, args)` runs 1-2 and FSDP2 (safe on the meta device), `apply_data_parallel` wraps DDP
+(after the weights exist: DDP broadcasts rank 0's), `apply_all` both; each is idempotent and returns the model to
+train (a DDP wrapper for ddp; FSDP2 shards in place). Our `CausalLM` exposes its blocks as `model.model.layers`;
+any other module is compiled whole, checkpointed only if it offers
+`set_gradient_checkpointing`/`gradient_checkpointing_enable`, and sharded as one FSDP unit.
 
-FSDP2 without any rank holding the full model (`build_fsdp_model`): the model is built on the meta device, the
-transforms run there, `to_empty` allocates only this rank's shards (FSDP2 splits dim 0 of every parameter as
+FSDP2 without any rank holding the full model (`trainer.build.build_model`): the model is built on the meta
+device, the transforms run there, `to_empty` allocates only this rank's shards (FSDP2 splits dim 0 of every parameter as
 `torch.chunk` does: ceil(rows / world) rows per rank, the last ranks shorter or empty; `local_shard` gives a
 rank its rows), the rotary buffers are recomputed, and the shards are filled from the Hugging Face safetensors
 (each rank reads only its rows from the file), from a DCP copy, or by a preset's seeded init (every rank draws
@@ -33,10 +34,16 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.nn.parallel import DistributedDataParallel
 
+from .coerce import ConfigError
 from .dist import local_device, world
-from .model import empty_model
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -60,64 +67,52 @@ def apply_activation_checkpointing(model: nn.Module, kwargs: dict | None = None)
 
 
 def apply_compile(model: nn.Module, backend: str | None = None, mode: str | None = None) -> nn.Module:
-    """Compile each decoder block (or the whole module when it has no blocks) in place."""
+    """Compile each decoder block (or the whole module when it has no blocks) in place, once."""
     options = {"backend": backend or "inductor"}
     if mode:
         options["mode"] = mode
-    blocks = decoder_blocks(model)
-    if blocks is None:
-        model.compile(**options)
-        return model
-    for block in blocks:
-        block.compile(**options)
+    for module in decoder_blocks(model) or (model,):
+        if module._compiled_call_impl is None:  # what nn.Module.compile sets
+            module.compile(**options)
     return model
 
 
-def apply_all(model: nn.Module, args) -> nn.Module:
-    """Checkpointing -> compile -> FSDP2/DDP, as `args` asks; returns the model to train (maybe a wrapper).
-
-    With several processes and no dist_config the model is replicated with DDP (Hugging Face's default)."""
+def apply_transforms(model: nn.Module, args) -> nn.Module:
+    """Checkpointing -> per-block compile -> FSDP2, as `args` asks; safe on the meta device (`build_model` runs it
+    there, before the weights exist) and idempotent (a model that has had a transform does not get it twice)."""
     if args.gradient_checkpointing:
         apply_activation_checkpointing(model, args.gradient_checkpointing_kwargs)
     if args.torch_compile:
         apply_compile(model, args.torch_compile_backend, args.torch_compile_mode)
-    _, world_size = world()
-    config = args.dist_config or {"name": "ddp"}
-    if world_size > 1 and config["name"] == "fsdp2":
+    if uses_fsdp(args) and not is_fsdp(model):
         if args.fp16:
-            from .args import ConfigError
-
             # The loss scaler checks each rank's own gradient shards for inf/NaN: ranks could disagree and
             # some skip the step while others take it, and the shards would drift apart.
             raise ConfigError("fp16=True with dist_config name fsdp2 is not supported (its loss scaler sees only "
                               "this rank's gradient shards); use --bf16, or dist_config name ddp")
-        model = apply_fsdp(model, config, args.mixed_precision)
-    elif world_size > 1 and config["name"] == "ddp":
-        model = apply_ddp(model)
-    model._kw_transforms_applied = True  # Trainer applies them only to a model that has not had them
+        model = apply_fsdp(model, args.dist_config, args.mixed_precision)
     return model
+
+
+def apply_data_parallel(model: nn.Module, args) -> nn.Module:
+    """DDP around `model` with several processes and no FSDP2 (Hugging Face's default); `model` itself otherwise,
+    or when it is already wrapped. After the weights exist: DDP broadcasts rank 0's at construction."""
+    _, world_size = world()
+    if world_size > 1 and not uses_fsdp(args) and not isinstance(model, DistributedDataParallel):
+        model = apply_ddp(model)
+    return model
+
+
+def apply_all(model: nn.Module, args) -> nn.Module:
+    """`apply_transforms` then `apply_data_parallel`: the model to train (maybe a DDP wrapper). Idempotent, so the
+    Trainer applies it to whatever model it is given, built by `trainer.build.build_model` (transformed already)
+    or by hand."""
+    return apply_data_parallel(apply_transforms(model, args), args)
 
 
 def uses_fsdp(args) -> bool:
     """Whether `args` shard the model with FSDP2 in this process group (several processes, dist_config fsdp2)."""
     return world()[1] > 1 and (args.dist_config or {}).get("name") == "fsdp2"
-
-
-def build_fsdp_model(config, args, init, *, dtype=torch.float32, use_kernels: bool = True) -> nn.Module:
-    """A CausalLM of `config` sharded by FSDP2 whose full weights never exist on any rank (a collective).
-
-    Built on the meta device, transformed there (`apply_all`: checkpointing, compile, fully_shard), materialised
-    on this rank's device holding only its shards, rotary buffers recomputed (`trainer.model.empty_model`);
-    then `init(model)` fills the shards: `load_state_dict_into(model, path)` (safetensors, own rows only),
-    `load_sharded(model, None, dcp_dir)` or `model.init_weights(seed)`."""
-    if not uses_fsdp(args):
-        raise ValueError("build_fsdp_model: needs several processes and dist_config name fsdp2")
-    # offload_params keeps the shards in host memory (FSDP2 moves them to the device for compute)
-    device = torch.device("cpu") if args.dist_config.get("offload_params") else local_device()
-    model = empty_model(config, dtype=dtype, device=device, use_kernels=use_kernels,
-                        transform=lambda m: apply_all(m, args))
-    init(model)
-    return model
 
 
 # ---- data parallelism -------------------------------------------------------------------------------------------
@@ -127,8 +122,6 @@ def apply_ddp(model: nn.Module) -> nn.Module:
     DDP broadcasts rank 0's parameters at construction, so every replica starts identical. Buffers (RoPE
     frequencies) are computed identically on every rank and never change, so they are not re-broadcast at
     every forward (forward_sync_buffers=False)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     device = local_device()
     model.to(device)
     # device_ids=None (allowed for a single-device module): DDP would otherwise move every input to the device, and
@@ -147,9 +140,6 @@ def apply_fsdp(model: nn.Module, dist_config: dict, precision: str = "no") -> nn
     gradients are reduced in fp32 so that summing over many ranks loses nothing. Each block is one
     all-gather/reduce-scatter unit (overlapped with the neighbouring block's compute); the root unit holds
     the embedding, the final norm and the (tied) head."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
     name = dist_config.get("mixed_precision") or precision or "no"
     if name not in _PARAM_DTYPES:
         raise ValueError(f"dist_config.mixed_precision={name!r}: expected one of bf16, fp16, fp32")
@@ -177,8 +167,6 @@ def apply_fsdp(model: nn.Module, dist_config: dict, precision: str = "no") -> nn
 
 
 def is_fsdp(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return isinstance(model, FSDPModule)
 
 
@@ -191,8 +179,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 def gradient_sync(model: nn.Module, enabled: bool):
     """Forward + backward inside reduce gradients across ranks only if `enabled`: the non-final micro steps of an
     accumulation window accumulate locally, and the window's gradient is reduced once, at its last backward."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if enabled:
         yield
     elif isinstance(model, DistributedDataParallel):
@@ -211,8 +197,6 @@ def gradient_sync(model: nn.Module, enabled: bool):
 # ---- checkpoints with several processes ---------------------------------------------------------------------------
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state_dict on rank 0's CPU (empty on the other ranks); a collective for FSDP2."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -221,9 +205,6 @@ def save_sharded(model: nn.Module, optimizer, directory: Path) -> None:
 
     DCP stores each DTensor shard with its global offsets, so the copy loads under any world size for the
     model and optimizer alike (the trainer's per-rank RNG files still want the same one for an exact resume)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
 
@@ -233,9 +214,6 @@ def load_sharded(model: nn.Module, optimizer, directory: Path) -> None:
 
     DCP reshards: the shards of this model's layout (any number of ranks), or whole tensors for a model that is
     not sharded (DDP, or one process without a process group)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
-
     def read(state):
         with warnings.catch_warnings():  # one process without a process group is meant (it resumes alone)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -257,8 +235,6 @@ def load_full_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
     the optimizer's groups) into the optimizer of an FSDP2 model; rank 0 passes it, the others {}; a collective.
     The numbers are mapped to parameter names through this optimizer's groups, which `build_optimizer` forms in
     the same order for the same model, then each rank keeps its rows of every moment."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     if state:
         names = {id(p): name for name, p in model.named_parameters()}
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]

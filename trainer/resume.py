@@ -22,8 +22,9 @@ from safetensors.torch import load_model, save_model
 from . import checkpoint as ckpt
 from . import parallel
 from .batching import same_steps, steps_per_epoch
+from .build import empty_model, load_state_dict_into, save_pretrained
 from .dist import local_shard
-from .model import CausalLM, empty_model, load_state_dict_into, save_pretrained
+from .model import CausalLM
 
 
 def save_model_files(model, directory: Path, *, rank: int, tokenizer=None) -> None:

@@ -12,7 +12,7 @@ held-out conversations is printed before and after training.
 
 Several processes (see docs/multi_gpu.md): `torchrun --nproc_per_node N -m trainer.sft ...` or
 `accelerate launch -m trainer.sft ...`; `--dist_config` picks fsdp2 or ddp (ddp by default). Under fsdp2 the model
-is built sharded, so that no rank ever holds all of it (`load_model_and_tokenizer`). An error on any rank is
+is built sharded, so that no rank ever holds all of it (`trainer.build.build_model`). An error on any rank is
 printed with its rank and ends that process with exit code 1, which ends the job (no hang); bad input, which every
 rank meets alike, is printed once, by rank 0, and every rank exits 2.
 
@@ -39,8 +39,20 @@ from pathlib import Path
 
 import torch
 
+import kernels
+from kernels._dispatch import TRITON_MISSING, interpreter_on
+
 from .args import ConfigError, _arg, parse_args
+from .attention import _flash_attn
+from .build import build_model, check_model_name
+from .checkpoint import CheckpointError
+from .data import DataError, load_sft_dataset, read_examples, resolve_data_files, split_dataset
+from .dist import end_on_error, init_distributed, world
+from .metrics import plot_loss_curve
+from .model import ModelError, generate
 from .tasks import EVAL_FILE, TRAIN_FILE, kind_of
+from .tokenizer import TokenizerError
+from .trainer import Trainer, set_seed
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 # Written into output_dir at the end of a finished run: the arguments it ran with (`run_arguments`). A run with the
@@ -77,86 +89,8 @@ class SFTArguments:
                                     choices=tuple(ATTN_IMPLEMENTATIONS))
 
 
-def load_model_and_tokenizer(name: str, dtype: str | None, use_kernels: bool, seed: int, args=None):
-    """A preset, a local directory, or a hub id -> (model, tokenizer).
-
-    With several processes and dist_config name fsdp2 (`args`), the model comes back sharded and no rank ever
-    holds all of it (`trainer.parallel.build_fsdp_model`): each rank reads only its rows of the safetensors, or
-    its shards of the DCP copy at dist_config.dcp_path (a `dcp/` directory or a checkpoint holding one; the
-    architecture still comes from `name`), or draws a preset's init keeping its rows."""
-    from .model import build_preset, is_preset, load_pretrained, load_tokenizer
-    from .parallel import uses_fsdp
-
-    path = None
-    if not is_preset(name):
-        check_model_name(name)
-        path = Path(name)
-        if not path.exists():
-            path = _download(name)
-    if args is not None and uses_fsdp(args):
-        return _load_sharded(name, path, dtype, use_kernels, seed, args)
-    if path is None:
-        model, tokenizer = build_preset(name, seed=seed, use_kernels=use_kernels)
-        if dtype:
-            model.to(getattr(torch, dtype))
-        return model, tokenizer
-    return load_pretrained(path, dtype=dtype, use_kernels=use_kernels), load_tokenizer(path)
-
-
-def check_model_name(name: str) -> None:
-    """A preset, an existing path, or something shaped like a hub id (owner/name); else a one-line ConfigError."""
-    from .model import is_preset
-
-    if not (is_preset(name) or Path(name).exists() or (name.count("/") == 1 and not name.startswith((".", "/")))):
-        raise ConfigError(f"model: {name!r} is not a preset, a directory, or a hub id (owner/name)")
-
-
-def _load_sharded(name: str, path: Path | None, dtype: str | None, use_kernels: bool, seed: int, args):
-    from .checkpoint import DCP_DIR
-    from .model import checkpoint_dtype, load_state_dict_into, load_tokenizer, preset_config, read_config
-    from .dist import local_shard
-    from .parallel import build_fsdp_model, load_sharded
-
-    if path is None:
-        config, tokenizer = preset_config(name)
-        model_dtype = getattr(torch, dtype) if dtype else torch.float32
-    else:
-        config, tokenizer = read_config(path), load_tokenizer(path)
-        model_dtype = checkpoint_dtype(config, dtype)
-    dcp = args.dist_config.get("dcp_path")
-    if dcp:
-        dcp = Path(dcp) / DCP_DIR if (Path(dcp) / DCP_DIR).is_dir() else Path(dcp)
-        if not (dcp / ".metadata").is_file():
-            raise ConfigError(f"dist_config.dcp_path: {dcp} is not a torch.distributed.checkpoint directory (no .metadata)")
-
-    def init(model):  # fills this rank's shards
-        if dcp:
-            load_sharded(model, None, dcp)
-        elif path is None:
-            model.init_weights(seed, local_shard=local_shard)
-        else:
-            load_state_dict_into(model, path, local_shard=local_shard)
-
-    return build_fsdp_model(config, args, init, dtype=model_dtype, use_kernels=use_kernels), tokenizer
-
-
-def _download(repo_id: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ConfigError(f"model: {repo_id!r} is not a local directory, and huggingface_hub is not installed to "
-                          "download it (pip install huggingface_hub)") from None
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
-    except Exception as exc:
-        raise ConfigError(f"model: could not download {repo_id!r} from the hub ({type(exc).__name__}); "
-                          "without a network, pass a local directory") from None
-
-
 def held_out_conversations(paths, limit: int) -> list[list[dict]]:
     """The first `limit` conversations of the eval files whose last message is the assistant's answer."""
-    from .data import read_examples
-
     out = []
     for example in read_examples(paths):
         messages = example.get("messages")
@@ -222,8 +156,6 @@ def exact_match_by_kind(conversations, flags: list[bool]) -> dict[str, float]:
 @torch.no_grad()
 def sample_answers(model, tokenizer, conversations, max_new_tokens: int) -> list[tuple[str, str, str]]:
     """(prompt, greedy answer, reference) for a few conversations, decoded token by token with the KV cache."""
-    from .model import generate
-
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -248,19 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted; to resume from the newest checkpoint, if any:\n    {resume_command(argv)}", file=sys.stderr)
         return 130
     except Exception as exc:
-        from .dist import end_on_error, world
-
         if world()[1] > 1:  # the other ranks would wait for this one in their next collective
             return end_on_error(exc)
         raise
 
 
 def _run(argv: list[str]) -> int:
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    from .model import ModelError
-    from .tokenizer import TokenizerError
-
     try:
         args, sft = parse_args(argv, extra_dataclasses=(SFTArguments,))
         check_run(args, sft)
@@ -274,8 +199,6 @@ def _user_error(exc: Exception) -> int:
     every rank reads the same arguments and files and meets the same error, and one copy per rank would bury it
     under the launcher's report. (An error only a non-zero rank meets, e.g. a file missing on another node,
     then shows only as that rank's exit code 2 in the launcher's report.) Every rank returns 2."""
-    from .dist import world
-
     rank, world_size = world()
     if world_size == 1:  # the process group is not up yet (bad arguments) or there is none
         rank = int(os.environ.get("RANK", "0"))
@@ -299,8 +222,6 @@ def run_arguments(args, sft: SFTArguments) -> dict:
 def check_run(args, sft: SFTArguments) -> None:
     """Every check of the arguments against this machine and the file system, run before anything expensive
     (building the model, tokenising) or written; each failure is a one-line ConfigError/DataError (exit 2)."""
-    from .data import resolve_data_files
-
     check_model_name(sft.model)
     _check_output_dir(args, sft)
     if sft.train_on_prompt and sft.mask_history:
@@ -310,14 +231,10 @@ def check_run(args, sft: SFTArguments) -> None:
         if paths:
             resolve_data_files(paths)
     cuda = torch.cuda.is_available()
-    import kernels
-
     try:
         kernels.current_backend()  # refuses an unknown KERNELS_BACKEND
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    from kernels._dispatch import TRITON_MISSING, interpreter_on
-
     if args.use_kernels and not args.use_liger_kernel and not kernels.HAS_TRITON and (
             cuda or interpreter_on() or kernels.current_backend() == "triton"):
         raise ConfigError(f"use_kernels: our kernels run on Triton here, but {TRITON_MISSING}; "
@@ -375,8 +292,6 @@ def _check_attention(args, sft: SFTArguments, cuda: bool) -> None:
         raise ConfigError(f"{name} needs a CUDA GPU, and none is visible (on a CPU, flex attention runs forward "
                           "only); use sdpa or auto")
     if backend == "flash":
-        from .attention import _flash_attn
-
         if _flash_attn() is None:
             raise ConfigError(f"{name} needs flash-attn (pip install flash-attn --no-build-isolation)")
         if not (args.bf16 or args.fp16 or sft.model_dtype in ("bfloat16", "float16")):
@@ -397,11 +312,6 @@ def resume_command(argv: list[str]) -> str:
 
 
 def train(args, sft: SFTArguments, argv: list[str]) -> int:
-    from .data import load_sft_dataset, split_dataset
-    from .metrics import plot_loss_curve
-    from .dist import init_distributed
-    from .trainer import Trainer, set_seed
-
     requested = run_arguments(args, sft)  # before anything in args is resolved (check_run compares the same)
     rank, world_size = init_distributed()  # several processes under torchrun/accelerate; (0, 1) otherwise
     args.resolve_world(world_size)  # gradient_accumulation_steps from global_batch_size, before the summary shows it
@@ -409,8 +319,8 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
     if rank == 0:
         print(args.summary(), file=sys.stderr)
     set_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(sft.model, sft.model_dtype, args.use_kernels, args.seed, args)
-    model.attn_backend = ATTN_IMPLEMENTATIONS[sft.attn_implementation]
+    model, tokenizer = build_model(sft.model, args, dtype=sft.model_dtype,
+                                   attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation])
     embedded = not sft.data
     train_files = sft.data or [str(TRAIN_FILE)]
     eval_files = sft.eval_data or ([str(EVAL_FILE)] if embedded else None)

@@ -27,6 +27,10 @@ from pathlib import Path
 
 from jinja2 import nodes
 from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+
+from .checkpoint_hf import CheckpointError, read_json
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -89,8 +93,6 @@ class _GenerationBlocks(Extension):
 
 
 def _compile_template(source: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise TokenizerError(f"chat template: {message}")
 
@@ -221,8 +223,6 @@ class Tokenizer:
     # ---- files ----------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Tokenizer":
-        from tokenizers import Tokenizer as Backend
-
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -273,8 +273,6 @@ class Tokenizer:
 
 def _read_json(file: Path) -> dict:
     """An optional tokenizer file: {} when absent, a one-line TokenizerError when it is not a JSON object."""
-    from .checkpoint_hf import CheckpointError, read_json
-
     if not file.is_file():
         return {}
     try:
@@ -285,8 +283,6 @@ def _read_json(file: Path) -> dict:
 
 def byte_level_tokenizer(model_max_length: int = 2048) -> Tokenizer:
     """The embedded tokenizer: ids 0-255 are bytes, then <|endoftext|>, <|im_start|>, <|im_end|> (259 ids)."""
-    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
-
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     backend = Backend(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

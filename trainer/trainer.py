@@ -58,13 +58,14 @@ import kernels
 
 from . import checkpoint as ckpt
 from .args import TrainingArguments
+from .batching import BatchLoader
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
 from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
 from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
 from .optim import build_lr_scheduler, build_optimizer
 from .dist import init_distributed, local_device, world
 from .model import CausalLM, apply_liger_kernel
-from .parallel import apply_all, gradient_sync, is_fsdp, save_sharded, unwrap
+from .parallel import apply_all, gradient_sync, is_fsdp, save_sharded, unwrap, uses_fsdp
 from .resume import load_model_weights, restore_checkpoint, save_model_files
 
 __all__ = [
@@ -128,6 +129,8 @@ class Trainer:
             raise ValueError("Trainer: pass a model or a model_init")
         self.args = args
         self.model_init = model_init
+        init_distributed()  # under torchrun/accelerate: join the process group (a no-op for one process)
+        self.rank, self.world_size = world()
         self.model = self._configure_model(model if model is not None else self._call_model_init())
         self.data_collator = data_collator
         self.train_dataset = train_dataset
@@ -138,8 +141,6 @@ class Trainer:
         self.optimizer, self.lr_scheduler = optimizers
         if model_init is not None and self.optimizer is not None:
             raise ValueError("Trainer: optimizers cannot be passed together with model_init (the model is rebuilt per train())")
-        init_distributed()  # under torchrun/accelerate: join the process group (a no-op for one process)
-        self.rank, self.world_size = world()
         self.callback_handler = CallbackHandler(callbacks)
         self.state = TrainerState(is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
@@ -239,13 +240,12 @@ class Trainer:
         if self.train_dataset is None:
             raise ValueError("Trainer.train: no train_dataset")
         model = self.model
-        if self.state.global_step == 0 and not getattr(model, "_kw_transforms_applied", False):
-            if self.optimizer is not None and self.world_size > 1 and (args.dist_config or {}).get("name") == "fsdp2":
-                raise ValueError("optimizers: FSDP2 replaces the parameters with sharded ones, so the optimizer must be "
-                                 "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2")
-            # activation checkpointing -> per-block compile -> FSDP2/DDP; before the optimizer is built, which
-            # must see FSDP2's sharded parameters.
-            model = self.model = apply_all(model, args)  # marks the model: never applied twice
+        if self.optimizer is not None and uses_fsdp(args) and not is_fsdp(model):
+            raise ValueError("optimizers: FSDP2 replaces the parameters with sharded ones, so the optimizer must be "
+                             "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2")
+        # activation checkpointing -> per-block compile -> FSDP2/DDP, before the optimizer is built (it must see
+        # FSDP2's sharded parameters); a model from trainer.build.build_model has them already (apply_all is idempotent)
+        model = self.model = apply_all(model, args)
         device = self._device(model)
         loader = self._train_loader(micro)
         micro_per_epoch = len(loader)
@@ -618,6 +618,10 @@ class Trainer:
         if args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
             torch.backends.cudnn.allow_tf32 = bool(args.tf32)
+        if self.world_size == 1:
+            # As transformers' Trainer does: the model goes to the device it trains on (CUDA when there is one);
+            # with several processes DDP/FSDP2 place it. Without this a CPU-built model would train on the CPU.
+            model.to(local_device())
         return model
 
     def _autocast(self, device, train: bool):
@@ -701,8 +705,6 @@ class Trainer:
     def _loader(self, dataset, micro: int, train: bool):
         """Micro batches of a tokenized dataset (`trainer.batching.BatchLoader`), or of `data_collator` over any
         sequence of examples, wrapped so that both shuffle deterministically and resume mid-epoch."""
-        from .batching import BatchLoader
-
         args = self.args
         if train and args.dataloader_num_workers:
             self._print(f"dataloader_num_workers={args.dataloader_num_workers}: batches are collated in the main "

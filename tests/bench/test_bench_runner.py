@@ -69,7 +69,7 @@ def test_both_trainers_get_the_same_dense_blocks():
 def test_hf_llama_loads_our_weights_and_gives_our_loss(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from trainer.model import load_pretrained
+    from trainer.build import load_pretrained
 
     config = bench_train.model_config("tiny")
     bench_train.write_model(config, seed=0, path=tmp_path / "m")

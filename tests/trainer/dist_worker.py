@@ -3,7 +3,7 @@ RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment).
 
     python tests/trainer/dist_worker.py SPEC.json
 
-SPEC: {"data": a JSONL file, "presets": {name: config.json dict} added to trainer.model.PRESETS, "jobs": [job, ...]},
+SPEC: {"data": a JSONL file, "presets": {name: config.json dict} added to trainer.build.PRESETS, "jobs": [job, ...]},
 the jobs run one after the other in the same process group (starting Python and importing torch costs ~5-10 s
 per process on a loaded machine: one launch serves many runs).
 
@@ -13,7 +13,7 @@ tests.trainer.test_distributed.eval_metrics}. Rank 0 writes output/result.json (
 metrics) and every job ends with the consolidated model in output/final.
 
 A build job is {"output", "args", "build": {"model": a preset or directory, "seed": int}}: the model is loaded as
-`python -m trainer.sft` loads it (`load_model_and_tokenizer`; sharded without a full copy under dist_config fsdp2,
+`python -m trainer.sft` loads it (`trainer.build.build_model`; sharded without a full copy under dist_config fsdp2,
 whose dcp_path may name a DCP copy) while `FullSizeWatch` counts full-size tensors and every safetensors read is
 recorded; rank 0 writes output/gathered.safetensors (the model gathered) and result.json (per rank: the reads,
 the peak of full-size tensors alive at once; the greedy tokens the sharded model generates).
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from trainer import checkpoint_hf, model as model_module  # noqa: E402
+from trainer import build as build_module, checkpoint_hf  # noqa: E402
 from trainer.args import TrainingArguments  # noqa: E402
 from trainer.callbacks import TrainerCallback  # noqa: E402
 from trainer.data import load_sft_dataset  # noqa: E402
@@ -114,10 +114,10 @@ def watched_shapes(config, world_size: int, rank: int) -> set:
 
 
 def build(job: dict) -> None:
-    from trainer.model import generate, is_preset, preset_config, read_config
+    from trainer.build import build_model, is_preset, preset_config, read_config
     from trainer.dist import local_shard
+    from trainer.model import generate
     from trainer.parallel import full_model_state_dict
-    from trainer.sft import load_model_and_tokenizer
 
     rank, world_size = init_distributed()
     out = Path(job["output"])
@@ -135,7 +135,7 @@ def build(job: dict) -> None:
     watch = FullSizeWatch(watched_shapes(config, world_size, rank))
     try:
         with watch:
-            model, _ = load_model_and_tokenizer(name, None, True, seed, args)
+            model, _ = build_model(name, args, seed=seed)
     finally:
         checkpoint_hf.read_tensor = read_tensor
     shards = {n: [list(p.shape), list(local_shard(p)[0].shape)] for n, p in model.named_parameters()}
@@ -190,7 +190,7 @@ def run(data: str, job: dict) -> None:
 
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    model_module.PRESETS.update(spec.get("presets") or {})
+    build_module.PRESETS.update(spec.get("presets") or {})
     try:
         for job in spec["jobs"]:
             run(spec["data"], job)

@@ -37,7 +37,8 @@ import torch
 import kernels
 
 from trainer.args import TrainingArguments
-from trainer.model import PRESETS, CausalLM, ModelConfig, build_preset, generate, load_pretrained, save_pretrained
+from trainer.build import PRESETS, build_preset, load_pretrained, save_pretrained
+from trainer.model import CausalLM, ModelConfig, generate
 from trainer.tasks import generate_tasks
 from trainer.trainer import Trainer
 from trainer.data import load_sft_dataset
@@ -502,12 +503,12 @@ def test_fsdp2_build_never_holds_a_full_weight(suite, source):
 def test_dcp_path_that_is_not_a_dcp_copy_is_a_clear_error(tmp_path, monkeypatch):
     from trainer import parallel
     from trainer.args import ConfigError
-    from trainer.sft import load_model_and_tokenizer
+    from trainer.build import build_model
 
     monkeypatch.setattr(parallel, "world", lambda: (0, 2))  # as if launched on 2 processes
     args = TrainingArguments(output_dir=str(tmp_path), dist_config={"name": "fsdp2", "dcp_path": str(tmp_path)})
     with pytest.raises(ConfigError, match=r"dist_config.dcp_path: .* is not a torch.distributed.checkpoint directory"):
-        load_model_and_tokenizer("tiny", None, True, 0, args)
+        build_model("tiny", args)
 
 
 def test_fp16_with_fsdp2_is_refused(monkeypatch, tmp_path):

@@ -17,7 +17,7 @@ import torch
 import kernels
 from trainer.args import TrainingArguments
 from trainer.data import TokenizedDataset
-from trainer.model import load_pretrained
+from trainer.build import load_pretrained
 from trainer.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")

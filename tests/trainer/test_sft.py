@@ -14,7 +14,7 @@ import kernels
 
 from trainer import generate as generate_cli
 from trainer import sft
-from trainer.model import build_preset, load_pretrained
+from trainer.build import build_preset, load_pretrained
 from trainer.tasks import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +137,7 @@ def test_existing_checkpoints_are_not_overwritten_silently(demo_run, capsys):
 
 def test_saved_weights_are_as_readable_as_the_other_files(tmp_path):
     """safetensors creates its files 0600; a model directory's files all get open()'s mode (0644 under umask 022)."""
-    from trainer.model import save_pretrained
+    from trainer.build import save_pretrained
 
     model, tokenizer = build_preset("tiny")
     save_pretrained(model, tmp_path, tokenizer=tokenizer)

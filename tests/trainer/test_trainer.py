@@ -24,7 +24,8 @@ from trainer.args import TrainingArguments
 from trainer.callbacks import EarlyStoppingCallback, TrainerCallback, TrainerState
 from trainer.checkpoint import checkpoints, latest_checkpoint, save_checkpoint
 from trainer.data import TokenizedDataset, load_sft_dataset
-from trainer.model import CausalLM, ModelConfig, load_pretrained
+from trainer.build import load_pretrained
+from trainer.model import CausalLM, ModelConfig
 from trainer.tasks import generate_tasks
 from trainer.tokenizer import byte_level_tokenizer
 from trainer import sft

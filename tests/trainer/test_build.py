@@ -1,0 +1,56 @@
+"""trainer.build.build_model: the one way a model comes to exist (issue 12).
+
+The CLI, trainer.generate and the Python API build through it; the 2-process FSDP2/DDP builds are covered in
+tests/trainer/test_distributed.py (the `build` jobs and every sft run there)."""
+
+import torch
+
+from trainer import trainer as trainer_module
+from trainer.args import TrainingArguments
+from trainer.build import build_model, build_preset, load_pretrained, save_pretrained
+from trainer.model import CausalLM
+from trainer.parallel import apply_all
+from trainer.trainer import Trainer
+
+
+def test_settings_are_given_when_the_model_is_built(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, neftune_noise_alpha=5.0,
+                             use_kernels=False, gradient_checkpointing=True, seed=3)
+    model, tokenizer = build_model("tiny", args)
+    assert isinstance(model, CausalLM)  # one process: no wrapper
+    assert (model.label_smoothing, model.neftune_noise_alpha, model.use_kernels) == (0.1, 5.0, False)
+    assert model.gradient_checkpointing  # the transforms ran at build
+    assert tokenizer.eos_token_id == model.config.eos_token_id
+    # the preset's init is drawn from args.seed: bitwise build_preset's with that seed
+    reference, _ = build_preset("tiny", seed=3)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_directory_and_its_dtype(tmp_path):
+    model, tokenizer = build_preset("tiny", seed=1)
+    save_pretrained(model, tmp_path / "m", tokenizer=tokenizer)
+    built, _ = build_model(str(tmp_path / "m"), dtype="bfloat16", use_kernels=False)
+    assert built.model.embed_tokens.weight.dtype == torch.bfloat16
+    again = load_pretrained(tmp_path / "m")  # the same path without training arguments
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)
+
+
+def test_transforms_are_idempotent(tmp_path):
+    # The Trainer applies them to whatever model it gets: a model from build_model has them already, and a second
+    # application must not compile the blocks again (a fresh torch.compile wrapper recompiles on first use).
+    args = TrainingArguments(output_dir=str(tmp_path), torch_compile=True, gradient_checkpointing=True)
+    model, _ = build_model("tiny", args)
+    compiled = [block._compiled_call_impl for block in model.model.layers]
+    assert all(c is not None for c in compiled)
+    assert apply_all(model, args) is model
+    assert [block._compiled_call_impl for block in model.model.layers] == compiled
+
+
+def test_the_trainer_puts_a_model_on_the_device_it_trains_on(tmp_path, monkeypatch):
+    # transformers' Trainer moves the model to args.device; ours left a CPU-built model on the CPU even where CUDA
+    # was there. "meta" stands in for the accelerator this CPU machine does not have.
+    monkeypatch.setattr(trainer_module, "local_device", lambda: torch.device("meta"))
+    model, _ = build_preset("tiny")
+    Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path)))
+    assert {p.device.type for p in model.parameters()} == {"meta"}

@@ -1,0 +1,284 @@
+"""How a model comes to exist and goes to disk: `build_model`, the one path from a model name and the training
+arguments to the module the loop trains, with the presets and Hugging Face model directories beside it.
+
+`build_model(name, args)`, used by `python -m trainer.sft`, `trainer.generate`, the Python API and every engine:
+
+    name -> config + tokenizer      a preset, a Hugging Face directory, or a hub id (downloaded once)
+         -> CausalLM on meta        with its settings from `args`, given once: kernels or PyTorch (or liger-kernel),
+                                    label smoothing, z-loss, NEFTune, the attention backend
+         -> transforms on meta      `parallel.apply_transforms`: activation checkpointing, per-block compile, FSDP2
+         -> materialised            `to_empty` on this rank's device: under FSDP2 only this rank's shards exist
+         -> weights                 each rank reads its rows of the safetensors, or its DCP shards, or draws the
+                                    preset's seeded init (bitwise the single-process init)
+         -> DDP                     `parallel.apply_data_parallel` with several processes and no FSDP2 (DDP
+                                    broadcasts rank 0's weights, so it comes after them)
+
+`load_pretrained(path)` and `build_preset(name)` are `build_model` without training arguments: a bare CausalLM.
+`save_pretrained` writes our model as transformers writes its own. The safetensors reading and writing underneath
+is `trainer/checkpoint_hf.py`'s; the architecture (`trainer/model.py`) knows nothing of files or processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import DCP_DIR
+from .checkpoint_hf import CheckpointError, load_safetensors, read_json, save_safetensors
+from .coerce import ConfigError
+from .dist import init_distributed, local_device, local_shard
+from .model import CausalLM, ModelConfig, ModelError, apply_liger_kernel
+from .parallel import apply_data_parallel, apply_transforms, load_sharded, uses_fsdp
+from .tokenizer import Tokenizer, byte_level_tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# build_model
+# ------------------------------------------------------------------------------------------------------------
+def build_model(name: str, args=None, *, dtype=None, device=None, seed: int | None = None,
+                use_kernels: bool | None = None, attn_backend: str = "auto") -> tuple[nn.Module, Tokenizer]:
+    """(the model to train or run, its tokenizer) for `name`: a preset, a Hugging Face directory, or a hub id.
+
+    `args` (TrainingArguments) gives the model's settings (use_kernels/use_liger_kernel, label_smoothing_factor,
+    z_loss, neftune_noise_alpha), the seed of a preset's init, and the transforms (gradient_checkpointing,
+    torch_compile, dist_config); without `args` the result is a bare CausalLM. `dtype` (default: the checkpoint's,
+    else fp32), `device` (default: this process's device; the CPU for FSDP2's offload_params), `seed` and
+    `use_kernels` override what `args` would give. With several processes (a launcher's environment) it joins the
+    process group and, under dist_config fsdp2, no rank ever holds the whole model: each reads only its rows of
+    the safetensors, or its shards of the DCP copy at dist_config.dcp_path (a `dcp/` directory or a checkpoint
+    holding one; the architecture still comes from `name`)."""
+    path = locate(name)
+    config, tokenizer = preset_config(name) if path is None else (read_config(path), load_tokenizer(path))
+    model = _build(config, path, args, dtype=dtype, device=device, seed=seed, use_kernels=use_kernels,
+                   attn_backend=attn_backend)
+    return model, tokenizer
+
+
+def _build(config: ModelConfig, path: Path | None, args, *, dtype, device, seed, use_kernels, attn_backend) -> nn.Module:
+    """`build_model` from the config on: the weights come from `path` (a Hugging Face directory), or from the
+    seeded init when it is None, or from dist_config.dcp_path under FSDP2."""
+    settings = {}
+    if args is not None:
+        init_distributed()  # several processes under torchrun/accelerate; a no-op for one
+        settings = dict(label_smoothing=args.label_smoothing_factor, z_loss=getattr(args, "z_loss", 0.0),
+                        neftune_noise_alpha=args.neftune_noise_alpha)
+        if use_kernels is None:
+            use_kernels = bool(args.use_kernels) and not args.use_liger_kernel
+        if seed is None:
+            seed = args.seed
+    sharded = args is not None and uses_fsdp(args)
+    dcp = _dcp_source(args) if sharded else None
+    if device is None:
+        # offload_params keeps the shards in host memory (FSDP2 moves them to the device for compute)
+        device = torch.device("cpu") if sharded and args.dist_config.get("offload_params") else local_device()
+    model = empty_model(config, dtype=checkpoint_dtype(config, dtype), device=device,
+                        use_kernels=True if use_kernels is None else use_kernels,
+                        transform=(lambda m: apply_transforms(m, args)) if args is not None else None, **settings)
+    ours = causal_lm(model)
+    if dcp is not None:
+        load_sharded(model, None, dcp)
+    elif path is None:
+        ours.init_weights(seed or 0, local_shard=local_shard)
+    else:
+        load_state_dict_into(ours, path)
+    if args is not None and args.use_liger_kernel:
+        apply_liger_kernel(ours)
+    ours.attn_backend = attn_backend
+    if args is not None:
+        model = apply_data_parallel(model, args)
+    return model
+
+
+def causal_lm(model: nn.Module) -> CausalLM | None:
+    """Our CausalLM wherever it sits: the module itself (FSDP2 shards in place) or inside a wrapper
+    (torch.compile's `_orig_mod`, DDP's `module`, peft's `base_model.model`); None when there is none."""
+    return next((m for m in model.modules() if isinstance(m, CausalLM)), None)
+
+
+def locate(name: str) -> Path | None:
+    """None for a preset; else the model directory `name` names, downloaded from the hub when it is a hub id
+    (owner/name) that is not a local path. Anything else is a one-line ConfigError."""
+    if is_preset(name):
+        return None
+    check_model_name(name)
+    path = Path(name)
+    return path if path.exists() else _download(name)
+
+
+def check_model_name(name: str) -> None:
+    """A preset, an existing path, or something shaped like a hub id (owner/name); else a one-line ConfigError."""
+    if not (is_preset(name) or Path(name).exists() or (name.count("/") == 1 and not name.startswith((".", "/")))):
+        raise ConfigError(f"model: {name!r} is not a preset, a directory, or a hub id (owner/name)")
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ConfigError(f"model: {repo_id!r} is not a local directory, and huggingface_hub is not installed to "
+                          "download it (pip install huggingface_hub)") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+    except Exception as exc:
+        raise ConfigError(f"model: could not download {repo_id!r} from the hub ({type(exc).__name__}); "
+                          "without a network, pass a local directory") from None
+
+
+def _dcp_source(args) -> Path | None:
+    """dist_config.dcp_path as the DCP directory to read (a checkpoint's `dcp/` inside it), or None."""
+    dcp = args.dist_config.get("dcp_path")
+    if not dcp:
+        return None
+    dcp = Path(dcp) / DCP_DIR if (Path(dcp) / DCP_DIR).is_dir() else Path(dcp)
+    if not (dcp / ".metadata").is_file():
+        raise ConfigError(f"dist_config.dcp_path: {dcp} is not a torch.distributed.checkpoint directory (no .metadata)")
+    return dcp
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hugging Face checkpoints
+# ------------------------------------------------------------------------------------------------------------
+def _resolve_dtype(value) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.removeprefix("torch.")]
+    raise ModelError(f"dtype {value!r} is not supported (supported: {', '.join(_DTYPES)})")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """ModelConfig from `path`/config.json."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ModelError(f"{file}: not found (a Hugging Face model directory needs config.json)")
+    try:
+        config = read_json(file)
+    except CheckpointError as exc:
+        raise ModelError(str(exc)) from None
+    return ModelConfig.from_hf(config, source=str(file))
+
+
+def _ignored_key(name: str) -> bool:
+    # older Llama checkpoints store the rotary buffer; ours is recomputed
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def load_pretrained(path: str | Path, dtype=None, device=None, use_kernels: bool = True) -> CausalLM:
+    """Load a Hugging Face model directory (config.json + model.safetensors or shards with an index).
+
+    Built on the meta device, cast to `dtype` there (default: the config's dtype, else fp32), materialised
+    on `device` (default cpu) without initialisation, then each checkpoint tensor is read once into place.
+    A tied checkpoint may or may not contain lm_head.weight; it is skipped either way.
+    """
+    return _build(read_config(path), Path(path), None, dtype=dtype, device=device or "cpu", seed=None,
+                  use_kernels=use_kernels, attn_backend="auto")
+
+
+def checkpoint_dtype(config: ModelConfig, dtype=None) -> torch.dtype:
+    """The dtype to load in: `dtype` if given, else the checkpoint's (config.dtype), else fp32."""
+    return _resolve_dtype(dtype) or _resolve_dtype(config.dtype) or torch.float32
+
+
+def empty_model(config: ModelConfig, *, dtype=torch.float32, device="cpu", use_kernels: bool = True,
+                transform=None, **settings) -> CausalLM:
+    """A CausalLM of `config` on `device` with uninitialised weights (load or init them) and its rotary buffers
+    computed. Built on the meta device and cast there, so that no memory is written twice; `transform(model)`
+    (FSDP2's sharding) runs while it is still on meta, so that `to_empty` allocates only what the transformed
+    model keeps: a rank's shards."""
+    with torch.device("meta"):
+        model = CausalLM(config, use_kernels=use_kernels, **settings)
+    model.to(dtype=dtype)
+    if transform is not None:
+        model = transform(model)
+    model.to_empty(device=torch.device(device))
+    model.tie_weights()  # to_empty may make new, separate Parameters
+    model.model.rotary_emb.reset_buffers()  # non-persistent: to_empty left garbage
+    return model
+
+
+@torch.no_grad()
+def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=local_shard) -> None:
+    """Copy the weights of a model directory (ours or transformers') into `model` in place, keeping its dtype
+    and device: resuming, or taking the best checkpoint at the end. Problems are listed in one ModelError.
+
+    Sharded by FSDP2 (DTensor parameters), each rank reads only the rows of each tensor it holds
+    (`trainer.dist.local_shard`)."""
+    targets, rows = {}, {}
+    for name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
+        targets[name], span = local_shard(param)
+        if span is not None:
+            rows[name] = (tuple(param.shape), *span)
+    tied = model.config.tie_word_embeddings
+    try:
+        load_safetensors(Path(path), targets, ignore=lambda k: _ignored_key(k) or (tied and k == "lm_head.weight"),
+                         rows=rows)
+    except CheckpointError as exc:
+        raise ModelError(str(exc)) from None
+
+
+def save_pretrained(model: CausalLM, path: str | Path, max_shard_size: int | str = "5GB", tokenizer=None,
+                    dtype=None) -> None:
+    """Write config.json, model.safetensors (or shards + index when over max_shard_size) and the tokenizer
+    files; a tied lm_head is written once, as embed_tokens (Hugging Face omits lm_head.weight too)."""
+    dtype = _resolve_dtype(dtype) or model.model.embed_tokens.weight.dtype
+    tensors = dict(model.named_parameters())  # a tied head appears once, as embed_tokens
+    path = Path(path)
+    try:
+        save_safetensors(tensors, path, max_shard_size=max_shard_size, dtype=dtype)
+    except CheckpointError as exc:
+        raise ModelError(str(exc)) from None
+    config = dataclasses.replace(model.config, dtype=_dtype_name(dtype))
+    (path / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer files of a model directory (trainer.tokenizer.Tokenizer.from_pretrained)."""
+    return Tokenizer.from_pretrained(path)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Presets
+# ------------------------------------------------------------------------------------------------------------
+PRESETS = {
+    # 0.77M parameters: byte-level vocab (259 ids) rounded up to 320, tied embeddings, GQA 4:2, head_dim 32.
+    # Sized for the CPU demo (trainer/configs/demo.yaml): a step costs a third of hidden 256's, and the steps that
+    # buys matter more than width for learning the embedded tasks (measured; README).
+    "tiny": {"model_type": "llama", "vocab_size": 320, "hidden_size": 128, "intermediate_size": 344,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+             "tie_word_embeddings": True, "initializer_range": 0.02,
+             "bos_token_id": None, "eos_token_id": 258, "pad_token_id": 256},
+}
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def build_preset(name: str, seed: int = 0, use_kernels: bool = True):
+    """(CausalLM, Tokenizer) for a named preset: fp32 on cpu, deterministic Hugging Face-style init from `seed`,
+    with the embedded byte-level tokenizer."""
+    config, tokenizer = preset_config(name)
+    model = _build(config, None, None, dtype=None, device="cpu", seed=seed, use_kernels=use_kernels, attn_backend="auto")
+    return model, tokenizer
+
+
+def preset_config(name: str):
+    """(ModelConfig, Tokenizer) of a named preset, without building the model."""
+    if name not in PRESETS:
+        raise ModelError(f"preset {name!r} is unknown (presets: {', '.join(PRESETS)})")
+    config = ModelConfig.from_hf(PRESETS[name], source=f"preset {name!r}")
+    return config, byte_level_tokenizer(model_max_length=config.max_position_embeddings)
