@@ -76,7 +76,9 @@ def apply_compile(model: nn.Module, backend: str | None = None, mode: str | None
 def apply_all(model: nn.Module, args) -> nn.Module:
     """Checkpointing -> compile -> FSDP2/DDP, as `args` asks; returns the model to train (maybe a wrapper).
 
-    With several processes and no dist_config the model is replicated with DDP (Hugging Face's default)."""
+    With several processes and no dist_config the model is replicated with DDP (Hugging Face's default). Under
+    dist_config deepspeed the model stays as it is here: `deepspeed.initialize` wraps it with the optimizer
+    (trainer/deepspeed_engine.py)."""
     if args.gradient_checkpointing:
         apply_activation_checkpointing(model, args.gradient_checkpointing_kwargs)
     if args.torch_compile:
@@ -101,6 +103,12 @@ def apply_all(model: nn.Module, args) -> nn.Module:
 def uses_fsdp(args) -> bool:
     """Whether `args` shard the model with FSDP2 in this process group (several processes, dist_config fsdp2)."""
     return world()[1] > 1 and (args.dist_config or {}).get("name") == "fsdp2"
+
+
+def uses_deepspeed(args) -> bool:
+    """Whether `args` run the model through DeepSpeed's engine (dist_config name deepspeed, or --deepspeed), with
+    any number of processes (trainer/deepspeed_engine.py); the transforms above still apply first."""
+    return (args.dist_config or {}).get("name") == "deepspeed"
 
 
 def build_fsdp_model(config, args, init, *, dtype=torch.float32, use_kernels: bool = True) -> nn.Module:
