@@ -691,9 +691,8 @@ class TrainingArguments:
             return
         path = coerce("deepspeed", deepspeed, str)
         if self.dist_config is not None:
-            given = "fsdp" if isinstance(self.dist_config, dict) and self.dist_config.get("name") == "fsdp2" else "dist_config"
-            raise ConfigError(f"deepspeed and {given} both given; use one (dist_config {{name: deepspeed, config_file: "
-                              f"{path}}} is --deepspeed {path})")
+            raise ConfigError(f"deepspeed and dist_config both given (--fsdp sets dist_config too); use one: "
+                              f"--deepspeed {path} is dist_config {{name: deepspeed, config_file: {path}}}")
         self.dist_config = {"name": "deepspeed", "config_file": path}
 
     @staticmethod

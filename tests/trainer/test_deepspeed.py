@@ -120,11 +120,12 @@ def ds_args(tmp_path: Path, name: str) -> dict:
 @pytest.fixture(scope="module")
 def ds_suite(tmp_path_factory, data_file):  # noqa: F811
     """One 2-process launch: ZeRO-2, ZeRO-3 and ZeRO-3 with offload_optimizer from step 0 (each saves checkpoint-2
-    of 3 steps), and ZeRO-2 and ZeRO-3 resumed from their checkpoint-2."""
+    of 3 steps), ZeRO-2 and ZeRO-3 resumed from their checkpoint-2, and ZeRO-2 with NaN losses at step 2."""
     root = tmp_path_factory.mktemp("ds")
     jobs = [{"name": name, "args": ds_args(root, name)} for name in ZERO]
     jobs += [{"name": f"{name}-resumed", "args": ds_args(root, name),
               "resume": str(root / name / "run" / "checkpoint-2")} for name in ("zero2", "zero3")]
+    jobs.append({"name": "zero2-nan", "args": {**ds_args(root, "zero2"), "save_strategy": "no"}, "nan_at_step": 2})
     return ok(launch(root, data_file, jobs))
 
 
@@ -147,6 +148,15 @@ def test_resume_equals_unbroken_run(ds_suite, name):
     # steps 1-2 come back with the checkpoint's log history, step 3 is trained after the resume
     assert resumed["losses"] == pytest.approx(unbroken["losses"], rel=1e-6)
     assert resumed["eval_loss"] == pytest.approx(unbroken["eval_loss"], rel=1e-6)
+
+
+def test_nonfinite_step_skipped_and_counted(ds_suite, reference_run):  # noqa: F811
+    """NaN losses on one rank at step 2: DeepSpeed skips the update on both ranks, the loop counts it as its own
+    non-finite step and logs no loss for it; the weights stay finite."""
+    result = ds_suite["result"]["zero2-nan"]
+    assert result["nonfinite_steps"] == 1
+    assert len(result["losses"]) == 2 and result["losses"][0] == pytest.approx(reference_run[0][0], rel=1e-5)
+    assert all(torch.isfinite(p).all() for p in load_pretrained(ds_suite["out"]["zero2-nan"] / "final").parameters())
 
 
 def test_zero3_export_loads_in_transformers(ds_suite):
