@@ -58,15 +58,16 @@ ALIAS_HELP = {
     "fsdp": "Hugging Face FSDP options, e.g. 'full_shard auto_wrap' or 'shard_grad_op offload' "
     "(sets dist_config name fsdp2)",
     "fsdp_config": "Hugging Face fsdp_config (dict, JSON or a .json/.yaml path) read with --fsdp",
+    "local_rank": "set by the deepspeed launcher (--local_rank=N); must equal the LOCAL_RANK it sets beside it",
+    "deepspeed": "a DeepSpeed JSON config (ZeRO stage 0-3, offload, bf16/fp16, 'auto' values filled from these "
+    "arguments); sets dist_config {name: deepspeed, config_file: PATH}",
 }
 
 _HUB = "pushing to the Hugging Face Hub is not supported; upload output_dir yourself (huggingface-cli upload)"
 _DIST = "launch with torchrun; distributed settings live in --dist_config"
 _UNIMPLEMENTED = "a Hugging Face TrainingArguments option that kernelwright does not implement"
 REJECTED: dict[str, str] = {
-    "deepspeed": "DeepSpeed is not supported; use --dist_config '{\"name\": \"fsdp2\"}' for ZeRO-3-style sharding",
     "push_to_hub": _HUB,
-    "local_rank": _DIST,
     "use_cpu": "the device follows the environment (CUDA when available); hide GPUs with CUDA_VISIBLE_DEVICES=",
     "no_cuda": "the device follows the environment (CUDA when available); hide GPUs with CUDA_VISIBLE_DEVICES=",
     "optim_target_modules": "GaLore/APOLLO optimizers are not supported",
@@ -385,7 +386,7 @@ def help_text(classes: Sequence[type], prog: str) -> str:
               for a, (t, yes, no) in BOOLEAN_ALIASES.items() if t in specs]
     lines += [
         "",
-        "not supported (rejected with a message): deepspeed, push_to_hub, hub_*, tpu_*, ddp_*, local_rank, "
+        "not supported (rejected with a message): push_to_hub, hub_*, tpu_*, ddp_*, "
         "use_cpu, and other Hugging Face options not listed above.",
     ]
     return "\n".join(lines)

@@ -104,6 +104,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
+from . import deepspeed_engine
 from .arg_parser import (
     SIMPLE_ALIASES,
     field_default,
@@ -188,6 +189,7 @@ DIST_DEFAULTS: dict[str, dict[str, Any]] = {
         "dcp_path": None,
     },
     "ddp": {"name": "ddp"},
+    "deepspeed": {"name": "deepspeed", "config_file": None},
 }
 _DIST_TYPES = {
     "name": str,
@@ -196,6 +198,7 @@ _DIST_TYPES = {
     "offload_params": bool,
     "pin_memory": bool,
     "dcp_path": str | None,
+    "config_file": str | None,
 }
 
 GROUPS = (
@@ -536,7 +539,7 @@ class TrainingArguments:
         None,
         "distributed",
         "Distributed backend: {name: fsdp2|ddp, mixed_precision, reshard_after_forward, offload_params, "
-        "pin_memory, dcp_path} as dict, JSON or a .json/.yaml path.",
+        "pin_memory, dcp_path} or {name: deepspeed, config_file: ds.json} as dict, JSON or a .json/.yaml path.",
     )
 
     # --- extras ---
@@ -560,6 +563,8 @@ class TrainingArguments:
     train_sampling_strategy: InitVar[str | None] = None
     fsdp: InitVar[str | bool | list[str] | None] = None
     fsdp_config: InitVar[dict | str | None] = None
+    deepspeed: InitVar[str | None] = None
+    local_rank: InitVar[int | None] = None
 
     def __post_init__(
         self,
@@ -571,6 +576,8 @@ class TrainingArguments:
         train_sampling_strategy,
         fsdp,
         fsdp_config,
+        deepspeed,
+        local_rank,
     ):
         for f in dataclasses.fields(self):
             setattr(self, f.name, coerce(f.name, getattr(self, f.name), f.type, f.metadata.get("choices")))
@@ -585,6 +592,8 @@ class TrainingArguments:
         )
         self._fold_sampling(train_sampling_strategy)
         self._fold_fsdp(fsdp, fsdp_config)
+        self._fold_deepspeed(deepspeed)
+        self._check_local_rank(local_rank)
         self._normalise()
         self._derive()
         self._validate()
@@ -675,6 +684,28 @@ class TrainingArguments:
                 )
                 raise ConfigError(f"fsdp_config: key {key!r} is not supported; accepted keys: {accepted}")
         self.dist_config = cfg
+
+    def _fold_deepspeed(self, deepspeed: Any) -> None:
+        """Hugging Face's `--deepspeed ds.json` is dist_config {name: deepspeed, config_file: ds.json}."""
+        if deepspeed is None:
+            return
+        path = coerce("deepspeed", deepspeed, str)
+        if self.dist_config is not None:
+            raise ConfigError(f"deepspeed and dist_config both given (--fsdp sets dist_config too); use one: "
+                              f"--deepspeed {path} is dist_config {{name: deepspeed, config_file: {path}}}")
+        self.dist_config = {"name": "deepspeed", "config_file": path}
+
+    @staticmethod
+    def _check_local_rank(local_rank: Any) -> None:
+        """The deepspeed launcher passes --local_rank=N to each process and sets LOCAL_RANK=N beside it, which is
+        what the process group reads (trainer/dist.py); the flag is accepted only when it says the same."""
+        if local_rank is None:
+            return
+        local_rank = coerce("local_rank", local_rank, int)
+        env = os.environ.get("LOCAL_RANK")
+        if env is None or int(env) != local_rank:
+            raise ConfigError(f"local_rank={local_rank}: only a launcher sets it, with LOCAL_RANK={local_rank} in the "
+                              f"environment (LOCAL_RANK is {env}); launch with torchrun or deepspeed")
 
     def _normalise(self) -> None:
         self.output_dir = os.path.expanduser(self.output_dir)
@@ -866,6 +897,10 @@ class TrainingArguments:
             lr_end = self.lr_scheduler_kwargs.get("lr_end", 1e-7)
             check(lr_end < self.learning_rate, "lr_scheduler_kwargs.lr_end", lr_end,
                    f"must be smaller than learning_rate={self.learning_rate!r}")
+        if self.dist_config is not None and self.dist_config["name"] == "deepspeed":
+            # the JSON against these arguments (world size from the launcher's WORLD_SIZE, as Hugging Face's
+            # TrainingArguments.world_size); the Trainer fills it again with the real one
+            deepspeed_engine.check_args(self, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         if self.dist_config is not None:
             mp = self.dist_config.get("mixed_precision")
             if (mp == "fp16" and self.bf16) or (mp == "bf16" and self.fp16):
@@ -1051,10 +1086,11 @@ def _logger_installed(name: str) -> bool:
 
 def _normalise_dist_config(cfg: dict) -> dict:
     if "name" not in cfg:
-        raise ConfigError("dist_config: 'name' is required (fsdp2 or ddp)")
+        raise ConfigError("dist_config: 'name' is required (fsdp2, ddp or deepspeed)")
     name = cfg["name"]
-    if name == "deepspeed":
-        raise ConfigError("dist_config.name='deepspeed' is not supported; use fsdp2 (ZeRO-3-style sharding) or ddp")
+    if name == "deepspeed" and not cfg.get("config_file"):
+        raise ConfigError("dist_config name deepspeed: 'config_file' is required (the DeepSpeed JSON, e.g. "
+                          "ds_z3_config.json)")
     name = choose("dist_config.name", name, tuple(DIST_DEFAULTS))
     defaults = DIST_DEFAULTS[name]
     check_keys("dist_config", cfg, defaults, f"name={name!r}")

@@ -6,6 +6,9 @@ Layout of `output_dir/checkpoint-<step>/` (Hugging Face's, so tools that read Tr
   as `model.safetensors`;
 - `dcp/` under FSDP2: the model and optimizer shards of every rank (torch.distributed.checkpoint), which
   resume reads instead of the model files and `optimizer.pt` (see `trainer.parallel.save_sharded`);
+- `deepspeed/` under DeepSpeed: its own checkpoint (each rank's ZeRO partitions of model and optimizer, and the
+  scheduler), which resume reads instead of the model files, `optimizer.pt` and `scheduler.pt`, on the same
+  number of processes only (trainer/deepspeed_engine.py);
 - `optimizer.pt`, `scheduler.pt`, `scaler.pt` (fp16 only), `rng_state.pth` (per rank: `rng_state_<rank>.pth`
   when there are several), `data_state.json` (the loader's position), `trainer_state.json`, `training_args.json`.
 
@@ -135,10 +138,10 @@ def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, schedu
     """Write checkpoint-<step> atomically; `save_model(dir)` writes the model files. Returns the final path.
 
     With several processes every rank calls this: `save_model` (a collective for a sharded model; it writes on
-    rank 0) and `save_sharded(dir)` (each rank writes its shards of model + optimizer, e.g. DCP) run on all
-    ranks, each rank writes its own RNG file, and rank 0 writes the rest and renames the directory into place
-    once all ranks are done. Without save_sharded the optimizer is identical on every rank (DDP): rank 0
-    saves it."""
+    rank 0) and `save_sharded(dir)` (each rank writes its shards of model + optimizer into a sub-directory of
+    dir: DCP's `dcp/`, DeepSpeed's `deepspeed/`) run on all ranks, each rank writes its own RNG file, and rank 0
+    writes the rest and renames the directory into place once all ranks are done. Without save_sharded the
+    optimizer is identical on every rank (DDP): rank 0 saves it."""
     out = Path(output_dir)
     final = out / f"{PREFIX}-{step}"
     tmp = out / f"{PREFIX}-{step}.tmp"
@@ -151,7 +154,7 @@ def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, schedu
     save_model(tmp)
     if not save_only_model:
         if save_sharded is not None:
-            save_sharded(tmp / DCP_DIR)
+            save_sharded(tmp)
         elif optimizer is not None and writer:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         if writer:

@@ -95,10 +95,13 @@ def apply_transforms(model: nn.Module, args) -> nn.Module:
 
 
 def apply_data_parallel(model: nn.Module, args) -> nn.Module:
-    """DDP around `model` with several processes and no FSDP2 (Hugging Face's default); `model` itself otherwise,
-    or when it is already wrapped. After the weights exist: DDP broadcasts rank 0's at construction."""
+    """DDP around `model` with several processes and dist_config ddp or none (Hugging Face's default); `model` itself
+    otherwise (FSDP2 shards in place; under dist_config deepspeed `deepspeed.initialize` wraps it with the optimizer,
+    trainer/deepspeed_engine.py), or when it is already wrapped. After the weights exist: DDP broadcasts rank 0's
+    at construction."""
     _, world_size = world()
-    if world_size > 1 and not uses_fsdp(args) and not isinstance(model, DistributedDataParallel):
+    name = (args.dist_config or {"name": "ddp"})["name"]
+    if world_size > 1 and name == "ddp" and not isinstance(model, DistributedDataParallel):
         model = apply_ddp(model)
     return model
 
@@ -113,6 +116,12 @@ def apply_all(model: nn.Module, args) -> nn.Module:
 def uses_fsdp(args) -> bool:
     """Whether `args` shard the model with FSDP2 in this process group (several processes, dist_config fsdp2)."""
     return world()[1] > 1 and (args.dist_config or {}).get("name") == "fsdp2"
+
+
+def uses_deepspeed(args) -> bool:
+    """Whether `args` run the model through DeepSpeed's engine (dist_config name deepspeed, or --deepspeed), with
+    any number of processes (trainer/deepspeed_engine.py); the transforms above still apply first."""
+    return (args.dist_config or {}).get("name") == "deepspeed"
 
 
 # ---- data parallelism -------------------------------------------------------------------------------------------

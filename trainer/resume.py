@@ -23,15 +23,20 @@ from . import checkpoint as ckpt
 from . import parallel
 from .batching import same_steps, steps_per_epoch
 from .build import empty_model, load_state_dict_into, save_pretrained
+from .deepspeed_engine import CHECKPOINT_DIR
 from .dist import local_shard
 from .model import CausalLM
 
 
-def save_model_files(model, directory: Path, *, rank: int, tokenizer=None) -> None:
+def save_model_files(model, directory: Path, *, rank: int, tokenizer=None, full_state_dict=None) -> None:
     """The model in the Hugging Face layout. Called on every rank: under FSDP2 gathering the full weights is a
-    collective; only rank 0 writes."""
+    collective; only rank 0 writes. `full_state_dict`: rank 0's full weights, gathered by the caller (DeepSpeed:
+    `DeepSpeedRun.full_state_dict`), written instead of the model's own tensors (partitions under ZeRO-3)."""
     model = parallel.unwrap(model)
-    if parallel.is_fsdp(model):
+    if full_state_dict is not None:
+        model = _unsharded_cpu_copy(model)
+        model.load_state_dict(full_state_dict)
+    elif parallel.is_fsdp(model):
         model = _gathered_copy(model, rank)  # None on ranks other than 0
     if rank != 0:
         return
@@ -60,11 +65,22 @@ def load_model_weights(model, directory: Path) -> None:
 
 
 def restore_checkpoint(resume: Path, *, model, optimizer, scheduler, scaler, loader, args, rank: int,
-                       world_size: int, micro: int, accum: int, windows_per_epoch: int) -> dict:
+                       world_size: int, micro: int, accum: int, windows_per_epoch: int, deepspeed=None) -> dict:
     """Everything a checkpoint holds into this run: model and optimizer (in this run's layout), scheduler, scaler,
     RNG and the loader's position. Returns the saved trainer state (a dict), `saved_world` (how many processes
-    saved it) and `rng_reseeded` (True when the per-rank RNG could not carry over)."""
+    saved it) and `rng_reseeded` (True when the per-rank RNG could not carry over). Under DeepSpeed
+    (`deepspeed`, a DeepSpeedRun) its own checkpoint restores model, optimizer and scheduler, on the same number
+    of processes only."""
     saved_world = ckpt.saved_world_size(resume)
+    if deepspeed is not None:
+        if saved_world != world_size:
+            raise ckpt.CheckpointError(f"resume_from_checkpoint: {resume} was saved by {saved_world} process(es), this "
+                                       f"run has {world_size}: DeepSpeed's ZeRO partitions resume on {saved_world} only")
+        restored = ckpt.load_training_state(resume, rank=rank, world_size=world_size, seed=args.seed)
+        deepspeed.load_checkpoint(resume / CHECKPOINT_DIR)
+        if restored["data_state"] is not None:
+            loader.load_state_dict(restored["data_state"])
+        return {"trainer_state": restored["trainer_state"], "saved_world": saved_world, "rng_reseeded": False}
     if saved_world and saved_world != world_size:
         check_resume_across_worlds(resume, saved_world, args, world_size=world_size, loader=loader, micro=micro,
                                    accum=accum, windows_per_epoch=windows_per_epoch)

@@ -11,8 +11,10 @@ loss curve as `loss_curve.png`, and, with `--eval_exact_match`, the exact-match 
 held-out conversations is printed before and after training.
 
 Several processes (see docs/multi_gpu.md): `torchrun --nproc_per_node N -m trainer.sft ...` or
-`accelerate launch -m trainer.sft ...`; `--dist_config` picks fsdp2 or ddp (ddp by default). Under fsdp2 the model
-is built sharded, so that no rank ever holds all of it (`trainer.build.build_model`). An error on any rank is
+`accelerate launch -m trainer.sft ...`; `--dist_config` picks fsdp2 or ddp (ddp by default), `--deepspeed ds.json`
+DeepSpeed (also under `deepspeed --module trainer.sft ...`; its config is read and checked with the arguments).
+Under fsdp2 the model is built sharded, so that no rank ever holds all of it (`trainer.build.build_model`); under
+DeepSpeed each rank builds it whole and ZeRO partitions it when the engine is made. An error on any rank is
 printed with its rank and ends that process with exit code 1, which ends the job (no hang); bad input, which every
 rank meets alike, is printed once, by rank 0, and every rank exits 2.
 

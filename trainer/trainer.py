@@ -61,11 +61,13 @@ from .args import TrainingArguments
 from .batching import BatchLoader
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
 from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
+from .deepspeed_engine import CHECKPOINT_DIR as DEEPSPEED_DIR, DeepSpeedRun
 from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
 from .optim import build_lr_scheduler, build_optimizer
 from .dist import init_distributed, local_device, world
 from .model import CausalLM, apply_liger_kernel
-from .parallel import apply_all, gradient_sync, is_fsdp, save_sharded, unwrap, uses_fsdp
+from .parallel import apply_all, gradient_sync, is_fsdp, unwrap, uses_deepspeed, uses_fsdp
+from .parallel import save_sharded as save_sharded_state
 from .resume import load_model_weights, restore_checkpoint, save_model_files
 
 __all__ = [
@@ -145,6 +147,7 @@ class Trainer:
         self.state = TrainerState(is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
         self.scaler = None
+        self.deepspeed: DeepSpeedRun | None = None  # the engine's hooks under dist_config deepspeed, once training
         self.stop_signal: signal.Signals | None = None  # SIGTERM or SIGINT when one stopped the last train()
         self.control = self.callback_handler.fire("on_init_end", args, self.state, self.control)
 
@@ -191,8 +194,7 @@ class Trainer:
         out = Path(output_dir or self.args.output_dir)
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-        # every rank: gathering sharded weights is a collective
-        save_model_files(self.model, out, rank=self.rank, tokenizer=self.processing_class)
+        self._save_model_files(out)  # every rank: gathering sharded weights is a collective
         if self.rank == 0:
             (out / "training_args.json").write_text(json.dumps(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
         if self.world_size > 1:
@@ -255,7 +257,8 @@ class Trainer:
         max_steps = args.get_max_steps(micro_per_epoch)
         num_epochs = math.ceil(max_steps / windows_per_epoch)
         optimizer, scheduler = self._create_optimizer_and_scheduler(model, max_steps)
-        if args.fp16 and self.scaler is None:
+        model = self.model  # under dist_config deepspeed: the engine around it
+        if args.fp16 and self.scaler is None and self.deepspeed is None:  # DeepSpeed scales fp16 losses itself
             self.scaler = torch.amp.GradScaler(device.type)
 
         every = args.resolve_steps(max_steps)
@@ -266,7 +269,7 @@ class Trainer:
             restored = restore_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler,
                                           scaler=self.scaler, loader=loader, args=args, rank=self.rank,
                                           world_size=self.world_size, micro=micro, accum=accum,
-                                          windows_per_epoch=windows_per_epoch)
+                                          windows_per_epoch=windows_per_epoch, deepspeed=self.deepspeed)
             state = TrainerState.from_dict({**restored["trainer_state"], "max_steps": max_steps,
                                             "num_train_epochs": num_epochs})
             if restored["rng_reseeded"]:
@@ -370,7 +373,10 @@ class Trainer:
         if self.stop_signal is not None:
             self._print(f"{self.stop_signal.name}: stopped at step {state.global_step}; {self._on_disk()}")
         if args.load_best_model_at_end and state.best_model_checkpoint and self.stop_signal is None:
-            load_model_weights(self.model, Path(state.best_model_checkpoint))
+            if self.deepspeed is not None:
+                self.deepspeed.load_checkpoint(Path(state.best_model_checkpoint) / DEEPSPEED_DIR, weights_only=True)
+            else:
+                load_model_weights(self.model, Path(state.best_model_checkpoint))
             self._print(f"loaded the best model from {state.best_model_checkpoint} ({args.metric_for_best_model}="
                         f"{state.best_metric})")
         self.control = self.callback_handler.fire("on_train_end", args, state, self.control, model=model)
@@ -386,11 +392,15 @@ class Trainer:
         window_loss = torch.zeros((), device=device, dtype=torch.float32)
         window_tokens = 0
         for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
             # Gradients are reduced across ranks once per window, in the last micro step's backward.
-            with gradient_sync(model, i == len(micro_batches) - 1):
+            with gradient_sync(model, last):
                 with self._autocast(device, train=True):
                     loss = self._compute_loss(model, batch, num_items, device)
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                if self.deepspeed is not None:
+                    self.deepspeed.backward(loss, last)
+                else:
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
             window_loss += loss.detach().float()
             if i < len(micro_batches) - 1:
                 self.control = self.callback_handler.fire("on_substep_end", args, state, self.control)
@@ -411,45 +421,57 @@ class Trainer:
                        state, sums: _RunningSums) -> tuple[float, int]:
         """Clip the gradients, bring the window's numbers to the host (the step's one sync), then step the optimizer
         and the scheduler, or skip a non-finite (or fp16-overflowing) update; zero the gradients either way.
-        Returns the learning rate this step used and the window's tokens (over all ranks with several)."""
+        Returns the learning rate this step used and the window's tokens (over all ranks with several).
+
+        Under DeepSpeed its engine clips (gradient_clipping), checks, steps the optimizer and the scheduler and
+        zeroes the gradients in one call, skipping a non-finite or overflowing update itself (its own host syncs
+        included); the loop counts and logs what it did exactly as its own."""
         args = self.args
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-        params = [p for p in model.parameters() if p.grad is not None]
-        max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
-        grad_norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if params
-                     else torch.zeros((), device=device))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards (already used to clip)
-            grad_norm = grad_norm.full_tensor()
-        # The one host sync per step: one copy of every number the host needs (`.to(device)`: FSDP2 with
-        # offloaded parameters has the norm on the CPU).
-        on_device = [window_loss, grad_norm] + ([global_tokens] if global_tokens is not None else [])
-        host = torch.stack([t.to(device, torch.float64) for t in on_device]).tolist()
-        loss_value, grad_norm_value = host[0], host[1]
-        if global_tokens is not None:
-            window_tokens = int(host[2])
-        state.num_input_tokens_seen += window_tokens
-        finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
-        self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
-        stepped = False
-        if self.scaler is not None:
-            # Non-finite gradients under fp16 are an overflow: the scaler skips the update and
-            # lowers the scale. Only a non-finite loss counts as a non-finite step then.
-            finite = math.isfinite(loss_value)
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(optimizer)
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale_before and finite
-            if self.scaler.get_scale() < scale_before:
-                state.overflow_steps += 1
-        elif finite:
-            optimizer.step()
-            stepped = True
-        optimizer.zero_grad(set_to_none=True)
-        # The rate this step used, read before the scheduler moves on: what Hugging Face logs.
+        # The rate this step uses, read before the scheduler moves on: what Hugging Face logs.
         learning_rate = scheduler.get_last_lr()[0]
+        if self.deepspeed is not None:
+            self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
+            applied, grad_norm = self.deepspeed.step()
+            loss_value, grad_norm_value, window_tokens = self._host_numbers(window_loss, grad_norm, window_tokens,
+                                                                            global_tokens, device)
+            state.num_input_tokens_seen += window_tokens
+            finite = math.isfinite(loss_value) and applied
+            stepped = applied and math.isfinite(loss_value)
+            if not applied and args.fp16 and math.isfinite(loss_value):  # DeepSpeed's loss scaler lowered the scale
+                finite = True
+                state.overflow_steps += 1
+        else:
+            if self.scaler is not None:
+                self.scaler.unscale_(optimizer)
+            params = [p for p in model.parameters() if p.grad is not None]
+            max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
+            grad_norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if params
+                         else torch.zeros((), device=device))
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards (already used to clip)
+                grad_norm = grad_norm.full_tensor()
+            loss_value, grad_norm_value, window_tokens = self._host_numbers(window_loss, grad_norm, window_tokens,
+                                                                            global_tokens, device)
+            state.num_input_tokens_seen += window_tokens
+            finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
+            self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
+            stepped = False
+            if self.scaler is not None:
+                # Non-finite gradients under fp16 are an overflow: the scaler skips the update and
+                # lowers the scale. Only a non-finite loss counts as a non-finite step then.
+                finite = math.isfinite(loss_value)
+                scale_before = self.scaler.get_scale()
+                self.scaler.step(optimizer)
+                self.scaler.update()
+                stepped = self.scaler.get_scale() >= scale_before and finite
+                if self.scaler.get_scale() < scale_before:
+                    state.overflow_steps += 1
+            elif finite:
+                optimizer.step()
+                stepped = True
+            optimizer.zero_grad(set_to_none=True)
+            if stepped:
+                scheduler.step()
         if stepped:
-            scheduler.step()
             sums.nonfinite_in_row = 0
             sums.logged_loss += loss_value
             sums.logged_steps += 1
@@ -468,6 +490,20 @@ class Trainer:
                     f"{args.max_nonfinite_steps}); stopping. Last good checkpoint: {last or 'none saved'}")
         self.control = self.callback_handler.fire("on_optimizer_step", args, state, self.control)
         return learning_rate, window_tokens
+
+    def _host_numbers(self, window_loss, grad_norm, window_tokens: int, global_tokens,
+                      device) -> tuple[float, float | None, int]:
+        """The step's one host sync: one copy of every number the host needs, (loss, gradient norm, the window's
+        tokens over all ranks with several). `.to(device)`: FSDP2 with offloaded parameters, and DeepSpeed, have
+        the norm on the CPU; DeepSpeed may have none (stage 0 without clipping)."""
+        on_device = [window_loss] + ([grad_norm] if grad_norm is not None else []) + (
+            [global_tokens] if global_tokens is not None else [])
+        host = torch.stack([t.to(device, torch.float64) for t in on_device]).tolist()
+        loss_value = host.pop(0)
+        grad_norm_value = host.pop(0) if grad_norm is not None else None
+        if global_tokens is not None:
+            window_tokens = int(host.pop(0))
+        return loss_value, grad_norm_value, window_tokens
 
     def _mark_due(self, state, max_steps: int, nonfinite_in_row: int) -> None:
         """Is a log, an evaluation, a save or the end due after this step? Set in `self.control`, where callbacks
@@ -508,7 +544,8 @@ class Trainer:
 
     def _print_run_summary(self, model, loader, micro: int, accum: int, num_epochs: int, max_steps: int) -> None:
         """Hugging Face's `***** Running training *****` block, plus one line of ours spelling out the global batch."""
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # ds_numel: a parameter's full size under DeepSpeed ZeRO-3, which leaves an empty placeholder on each rank
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
         if loader.max_tokens is not None:  # token-budget batching: a micro batch is a token count, not a row count
             global_batch = (f"{processes} x micro batches of up to {loader.max_tokens:,} tokens x {accum} accumulation "
@@ -636,7 +673,19 @@ class Trainer:
         return torch.autocast(device_type=device.type, dtype=dtype)
 
     def _create_optimizer_and_scheduler(self, model, max_steps):
+        """The optimizer and the schedule, built once. Under dist_config deepspeed, `deepspeed.initialize` wraps the
+        model in its engine (`self.model` from then on) with ours as its client optimizer and schedule, or those
+        of the config's sections (trainer/deepspeed_engine.py)."""
         args = self.args
+        if uses_deepspeed(args):
+            if self.deepspeed is None:
+                self.deepspeed = DeepSpeedRun.initialize(
+                    model, args, world_size=self.world_size, max_steps=max_steps,
+                    make_optimizer=lambda m: self.optimizer or build_optimizer(m, args),
+                    make_scheduler=lambda opt: self.lr_scheduler or build_lr_scheduler(opt, args, max_steps))
+                self.model = self.deepspeed.engine
+            self.optimizer, self.lr_scheduler = self.deepspeed.optimizer, self.deepspeed.scheduler
+            return self.optimizer, self.lr_scheduler
         if self.optimizer is None:
             self.optimizer = build_optimizer(model, args)
         if self.lr_scheduler is None:
@@ -683,17 +732,28 @@ class Trainer:
 
     def _save_checkpoint(self, state, model, optimizer, scheduler, loader) -> Path:
         args = self.args
+        if self.deepspeed is not None:  # model, optimizer and scheduler: DeepSpeed's checkpoint in deepspeed/
+            optimizer, scheduler = None, None
+            save_sharded = lambda d: self.deepspeed.save_checkpoint(d / DEEPSPEED_DIR)  # noqa: E731
+        elif is_fsdp(model):
+            save_sharded = lambda d: save_sharded_state(model, optimizer, d / ckpt.DCP_DIR)  # noqa: E731
+        else:
+            save_sharded = None
         path = ckpt.save_checkpoint(
-            args.output_dir, state.global_step,
-            save_model=lambda d: save_model_files(self.model, d, rank=self.rank, tokenizer=self.processing_class),
+            args.output_dir, state.global_step, save_model=self._save_model_files,
             optimizer=optimizer, scheduler=scheduler, scaler=self.scaler, data_state=loader.state_dict(),
             trainer_state=state.to_dict(), args_dict=args.to_dict(), rank=self.rank, world_size=self.world_size,
-            save_only_model=args.save_only_model,
-            save_sharded=(lambda d: save_sharded(model, optimizer, d)) if is_fsdp(model) else None)
+            save_only_model=args.save_only_model, save_sharded=save_sharded)
         if self.rank == 0:
             ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
         self.control = self.callback_handler.fire("on_save", args, state, self.control)
         return path
+
+    def _save_model_files(self, directory: Path) -> None:
+        """The model in the Hugging Face layout into `directory`; every rank calls it (gathering FSDP2 shards or
+        DeepSpeed ZeRO-3 partitions is a collective), rank 0 writes."""
+        full = self.deepspeed.full_state_dict() if self.deepspeed is not None else None
+        save_model_files(self.model, directory, rank=self.rank, tokenizer=self.processing_class, full_state_dict=full)
 
     # ---- data -----------------------------------------------------------------------------------------
     def _train_loader(self, micro: int):

@@ -8,9 +8,10 @@ the jobs run one after the other in the same process group (starting Python and 
 per process on a loaded machine: one launch serves many runs).
 
 A training job is {"output": its directory, "args": TrainingArguments overrides, "resume": a checkpoint path or
-null, "fail_at_step": a step at which rank 1 raises, or null, "metrics": true to evaluate with
+null, "fail_at_step": a step at which rank 1 raises, or null, "nan_at_step": a step whose losses rank 1 makes NaN,
+or null, "metrics": true to evaluate with
 tests.trainer.test_distributed.eval_metrics}. Rank 0 writes output/result.json (the logged losses, the eval
-metrics) and every job ends with the consolidated model in output/final.
+metrics, the non-finite steps counted) and every job ends with the consolidated model in output/final.
 
 A build job is {"output", "args", "build": {"model": a preset or directory, "seed": int}}: the model is loaded as
 `python -m trainer.sft` loads it (`trainer.build.build_model`; sharded without a full copy under dist_config fsdp2,
@@ -58,6 +59,24 @@ class FailAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.rank == 1 and state.global_step == self.step:
             raise RuntimeError(f"injected failure on rank 1 at step {self.step}")
+
+
+class NanAt(TrainerCallback):
+    """Rank 1's training losses of optimizer step `step` become NaN (a forward hook multiplies them), as a
+    diverging model's would: the step must be skipped on every rank."""
+
+    def __init__(self, step: int, rank: int, model):
+        self.step, self.active = step, False
+        if rank == 1:
+            model.register_forward_hook(self.poison)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.active = state.global_step + 1 == self.step
+
+    def poison(self, module, inputs, output):
+        if self.active and module.training and output.loss is not None:
+            output.loss = output.loss * float("nan")
+        return output
 
 
 def file_backed(t: torch.Tensor) -> bool:
@@ -168,6 +187,8 @@ def run(data: str, job: dict) -> None:
     if job.get("metrics"):
         from tests.trainer.test_distributed import eval_metrics as compute_metrics
     model = small_model()
+    if job.get("nan_at_step"):
+        callbacks.append(NanAt(job["nan_at_step"], rank, model))
     loss_grad_outputs = []  # the gradient reaching each training loss: 1.0 unless the loop scales the loss
 
     def record_loss_grad(module, inputs, output):
@@ -185,6 +206,7 @@ def run(data: str, job: dict) -> None:
         losses = [h["loss"] for h in state.log_history if "loss" in h]
         (out / "result.json").write_text(json.dumps({"losses": losses, "world_size": world_size,
                                                      "eval_loss": metrics["eval_loss"], "metrics": metrics,
+                                                     "nonfinite_steps": state.nonfinite_steps,
                                                      "loss_grad_outputs": loss_grad_outputs}))
 
 

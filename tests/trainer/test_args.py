@@ -237,9 +237,10 @@ ERRORS = [
     (dict(global_batch_size=10, per_device_train_batch_size=4),
      "global_batch_size=10: must be a multiple of micro_batch_size"),
     (dict(global_batch_size=16, per_device_train_batch_size=4, gradient_accumulation_steps=8), "global_batch_size=16"),
-    (dict(dist_config={"name": "deepspeed", "config_file": "ds.json"}),
-     "dist_config.name='deepspeed' is not supported"),
-    (dict(dist_config={"name": "fsdp"}), "dist_config.name='fsdp': expected one of fsdp2, ddp (did you mean 'fsdp2'?)"),
+    (dict(dist_config={"name": "deepspeed", "config_file": "ds.json"}), "deepspeed: ds.json: no such file"),
+    (dict(dist_config={"name": "deepspeed"}), "dist_config name deepspeed: 'config_file' is required"),
+    (dict(dist_config={"name": "fsdp"}),
+     "dist_config.name='fsdp': expected one of fsdp2, ddp, deepspeed (did you mean 'fsdp2'?)"),
     (dict(dist_config={"mixed_precision": "bf16"}), "dist_config: 'name' is required"),
     (dict(dist_config={"name": "fsdp2", "reshard": True}), "dist_config: unknown key 'reshard' for name='fsdp2'"),
     (dict(dist_config={"name": "ddp", "offload_params": True}),
@@ -432,7 +433,7 @@ def test_to_dict_is_a_deep_copy():
 def test_from_dict_rejects_unknown_and_unsupported_keys(tmp_path):
     with pytest.raises(ConfigError, match="unknown argument learnig_rate; did you mean learning_rate"):
         TrainingArguments.from_dict({"learnig_rate": 1e-4})
-    with pytest.raises(ConfigError, match="deepspeed is not supported by kernelwright"):
+    with pytest.raises(ConfigError, match="^deepspeed: ds.json: no such file$"):  # read, as HF reads it
         TrainingArguments.from_dict({"deepspeed": "ds.json"})
     with pytest.raises(ConfigError, match="eval_strategy given twice"):
         TrainingArguments.from_dict({"eval_strategy": "no", "evaluation_strategy": "steps"})
@@ -546,14 +547,14 @@ def test_names_users_bring_from_trl_and_llamafactory(tmp_path):
 FLAG_ERRORS = [
     (["--learnig_rate", "1e-4"], "--learnig_rate: unknown argument learnig_rate; did you mean learning_rate?"),
     (["--zzzz", "1"], "unknown argument zzzz; see --help for the arguments"),
-    (["--deepspeed", "ds.json"], "--deepspeed: deepspeed is not supported by kernelwright: DeepSpeed is not supported"),
+    (["--deepspeed", "ds.json"], "deepspeed: ds.json: no such file"),
     (["--push_to_hub"],
      "push_to_hub is not supported by kernelwright: pushing to the Hugging Face Hub is not supported"),
     (["--hub_model_id", "me/model"], "hub_model_id is not supported by kernelwright: pushing to the Hugging Face Hub"),
     (["--push_to_hub_model_id", "x"], "push_to_hub_model_id is not supported by kernelwright"),
     (["--tpu_num_cores", "8"], "tpu_num_cores is not supported by kernelwright: TPUs are not supported"),
     (["--ddp_backend", "nccl"], "ddp_backend is not supported by kernelwright: launch with torchrun"),
-    (["--local_rank", "0"], "local_rank is not supported by kernelwright"),
+    (["--local_rank", "3"], "local_rank=3: only a launcher sets it, with LOCAL_RANK=3 in the environment"),
     (["--adafactor"], "adafactor is not supported by kernelwright: Adafactor is not supported"),
     (["--log_level", "info"], "log_level is not supported by kernelwright"),
     (["--learning_rate"], "--learning_rate expects a value (a number)"),
@@ -682,12 +683,12 @@ def test_help_lists_every_argument_grouped(capsys):
         flag_line = next(i for i, line in enumerate(lines) if line.startswith(f"  --{f.name} "))
         assert "default: " in lines[flag_line] or "(required)" in lines[flag_line], f.name
         assert lines[flag_line + 1].startswith("      ") and len(lines[flag_line + 1].strip()) > 10, f.name
-    for alias in [*SIMPLE_ALIASES, "train_sampling_strategy", "fsdp", "fsdp_config"]:
+    for alias in [*SIMPLE_ALIASES, "train_sampling_strategy", "fsdp", "fsdp_config", "deepspeed"]:
         assert f"--{alias}" in text
     assert "--learning_rate FLOAT  (default: 5e-05)" in text
     assert "--eval_strategy {no,steps,epoch}  (default: no)" in text
     assert "--model STR  (required)" in text
-    assert "deepspeed" in text and "hub_*" in text
+    assert "push_to_hub" in text and "hub_*" in text
     section = lines.index("data:")
     assert any(line.startswith("  --val_size ") for line in lines[section:section + 40])
 
