@@ -1,5 +1,7 @@
 """Transforms applied to a model from outside, always in this order (torchtitan's parallelize.py):
 
+0. `trainer.lora.apply_lora` (use_peft): inject the LoRA adapter, so that the optimizer sees only the adapter as
+   trainable and FSDP2 shards the model with its adapter;
 1. `apply_activation_checkpointing`: recompute each decoder block in backward (non-reentrant);
 2. `apply_compile`: `torch.compile` each decoder block separately (small graphs, fast compiles, one
    graph reused by every block since they share code and shapes);
@@ -35,7 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .dist import local_device, world
+from .dist import local_device, local_shard, world
+from .lora import apply_lora, has_adapter, init_adapter_weights
 from .model import empty_model
 
 
@@ -74,9 +77,10 @@ def apply_compile(model: nn.Module, backend: str | None = None, mode: str | None
 
 
 def apply_all(model: nn.Module, args) -> nn.Module:
-    """Checkpointing -> compile -> FSDP2/DDP, as `args` asks; returns the model to train (maybe a wrapper).
+    """LoRA -> checkpointing -> compile -> FSDP2/DDP, as `args` asks; returns the model to train (maybe a wrapper).
 
     With several processes and no dist_config the model is replicated with DDP (Hugging Face's default)."""
+    model = apply_lora(model, args)
     if args.gradient_checkpointing:
         apply_activation_checkpointing(model, args.gradient_checkpointing_kwargs)
     if args.torch_compile:
@@ -109,7 +113,8 @@ def build_fsdp_model(config, args, init, *, dtype=torch.float32, use_kernels: bo
     Built on the meta device, transformed there (`apply_all`: checkpointing, compile, fully_shard), materialised
     on this rank's device holding only its shards, rotary buffers recomputed (`trainer.model.empty_model`);
     then `init(model)` fills the shards: `load_state_dict_into(model, path)` (safetensors, own rows only),
-    `load_sharded(model, None, dcp_dir)` or `model.init_weights(seed)`."""
+    `load_sharded(model, None, dcp_dir)` or `model.init_weights(seed)`; a LoRA adapter (use_peft) is then
+    initialised from args.seed, each rank keeping its rows (`trainer.lora.init_adapter_weights`)."""
     if not uses_fsdp(args):
         raise ValueError("build_fsdp_model: needs several processes and dist_config name fsdp2")
     # offload_params keeps the shards in host memory (FSDP2 moves them to the device for compute)
@@ -117,6 +122,8 @@ def build_fsdp_model(config, args, init, *, dtype=torch.float32, use_kernels: bo
     model = empty_model(config, dtype=dtype, device=device, use_kernels=use_kernels,
                         transform=lambda m: apply_all(m, args))
     init(model)
+    if has_adapter(model):
+        init_adapter_weights(model, args.seed, local_shard=local_shard)
     return model
 
 
@@ -210,21 +217,25 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 # ---- checkpoints with several processes ---------------------------------------------------------------------------
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state_dict on rank 0's CPU (empty on the other ranks); a collective for FSDP2."""
+    """The whole model's state_dict on rank 0's CPU (empty on the other ranks); a collective for FSDP2. With a LoRA
+    adapter only the trainable weights (the frozen base never changes: gathering it would move the whole model)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=has_adapter(model)))
 
 
 def save_sharded(model: nn.Module, optimizer, directory: Path) -> None:
     """Every rank writes its shards of the model and optimizer state with torch.distributed.checkpoint (DCP).
 
     DCP stores each DTensor shard with its global offsets, so the copy loads under any world size for the
-    model and optimizer alike (the trainer's per-rank RNG files still want the same one for an exact resume)."""
+    model and optimizer alike (the trainer's per-rank RNG files still want the same one for an exact resume). With a
+    LoRA adapter the frozen base is left out: the copy holds the adapter and its optimizer state."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer,
+                                              options=StateDictOptions(ignore_frozen_params=has_adapter(model)))
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
 
 
@@ -234,7 +245,8 @@ def load_sharded(model: nn.Module, optimizer, directory: Path) -> None:
     DCP reshards: the shards of this model's layout (any number of ranks), or whole tensors for a model that is
     not sharded (DDP, or one process without a process group)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 
     def read(state):
         with warnings.catch_warnings():  # one process without a process group is meant (it resumes alone)
@@ -246,10 +258,12 @@ def load_sharded(model: nn.Module, optimizer, directory: Path) -> None:
         read(state)
         set_model_state_dict(model, state["model"])
         return
-    model_state, optim_state = get_state_dict(model, optimizer)
+    adapter = has_adapter(model)  # the copy holds the adapter only (`save_sharded`); the base is the model's own
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=adapter))
     state = {"model": model_state, "optimizer": optim_state}
     read(state)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=adapter, strict=not adapter))
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:

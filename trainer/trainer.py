@@ -63,6 +63,7 @@ from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward
 from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
 from .optim import build_lr_scheduler, build_optimizer
 from .dist import init_distributed, local_device, world
+from .lora import has_adapter, trainable_summary
 from .model import CausalLM, apply_liger_kernel
 from .parallel import apply_all, gradient_sync, is_fsdp, save_sharded, unwrap
 from .resume import load_model_weights, restore_checkpoint, save_model_files
@@ -243,8 +244,8 @@ class Trainer:
             if self.optimizer is not None and self.world_size > 1 and (args.dist_config or {}).get("name") == "fsdp2":
                 raise ValueError("optimizers: FSDP2 replaces the parameters with sharded ones, so the optimizer must be "
                                  "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2")
-            # activation checkpointing -> per-block compile -> FSDP2/DDP; before the optimizer is built, which
-            # must see FSDP2's sharded parameters.
+            # LoRA -> activation checkpointing -> per-block compile -> FSDP2/DDP; before the optimizer is built,
+            # which must see only the adapter as trainable and FSDP2's sharded parameters.
             model = self.model = apply_all(model, args)  # marks the model: never applied twice
         device = self._device(model)
         loader = self._train_loader(micro)
@@ -527,7 +528,7 @@ class Trainer:
             f"  Total optimization steps = {max_steps:,}",
             f"  Number of trainable parameters = {trainable:,}",
             f"  Global batch = {global_batch}",
-        ]))
+        ] + ([trainable_summary(model)] if has_adapter(unwrap(model)) else [])))
 
     # ---- pieces of the loop -----------------------------------------------------------------------------
     def _device(self, model) -> torch.device:
