@@ -14,11 +14,13 @@ import math
 import peft
 import pytest
 import torch
+import transformers
+from safetensors import safe_open
 
 from trainer.args import ConfigError, TrainingArguments, parse_args
 from trainer.batching import BatchLoader
-from trainer.lora import apply_lora
-from trainer.model import MLP, RMSNorm
+from trainer.lora import apply_lora, load_adapter
+from trainer.model import MLP, RMSNorm, load_pretrained
 from trainer.trainer import Trainer
 
 from .test_trainer import dataset, losses, make_args, small_model, tokenizer  # noqa: F401 (fixtures)
@@ -202,3 +204,82 @@ def test_liger_kernel_runs_every_op_under_lora(tmp_path, dataset):
     assert model.impl == "liger"
     switched = [m for m in model.modules() if isinstance(m, (RMSNorm, MLP))]
     assert len(switched) == 9 and all(m.impl == "liger" for m in switched)  # 2 MLPs, 5 norms, 2 copies to save
+
+
+# ---- adapter files --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A transformers-written tiny Llama (untied head, vocab 320 for the byte-level tokenizer's ids)."""
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        pad_token_id=256, eos_token_id=258)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_adapter(hf_dir, dataset, tokenizer, tmp_path_factory):
+    """(our trained model, its output_dir): 3 LoRA steps on every linear layer and the final norm as a module to
+    save, saved by Trainer.save_model, with a checkpoint at step 2."""
+    out = tmp_path_factory.mktemp("lora-run")
+    model = load_pretrained(hf_dir)
+    model.name_or_path = str(hf_dir)
+    args = lora_args(out, output_dir=str(out), max_steps=3, learning_rate=5e-2, save_strategy="steps",
+                     save_steps=2, lora_target_modules=["all-linear"], lora_modules_to_save=["norm"])
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model()
+    return model.eval(), out
+
+
+def _ids():
+    return torch.tensor([[5, 17, 99, 3, 250, 42, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8]])
+
+
+def test_the_adapter_is_saved_in_peft_layout_and_loads_in_peft_and_transformers(hf_dir, trained_adapter, tmp_path):
+    ours, out = trained_adapter
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(hf_dir)
+    assert (saved["peft_type"], saved["task_type"], saved["r"], saved["lora_alpha"]) == ("LORA", "CAUSAL_LM", 4, 8)
+    assert saved["modules_to_save"] == ["norm"] and "lm_head" not in saved["target_modules"]
+
+    # peft's own save of the same adapter over transformers' model: the same keys and config fields
+    reference = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf_dir),
+                                    peft.LoraConfig.from_pretrained(str(out)))
+    reference.save_pretrained(tmp_path / "ref")
+
+    def keys(directory):
+        with safe_open(str(directory / "adapter_model.safetensors"), framework="pt") as f:
+            return set(f.keys())
+
+    assert keys(out) == keys(tmp_path / "ref")
+    assert set(json.loads((tmp_path / "ref" / "adapter_config.json").read_text())) == set(saved)
+
+    theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf_dir), str(out)).eval()
+    with torch.no_grad():
+        expected = ours(_ids()).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()(_ids()).logits
+        torch.testing.assert_close(theirs(input_ids=_ids()).logits, expected, rtol=1e-5, atol=1e-5)
+    assert (expected - base).abs().max() > 1e-2  # the adapter changed the model
+
+
+def test_the_adapter_loads_back_into_our_model(hf_dir, trained_adapter):
+    ours, out = trained_adapter
+    again = load_adapter(load_pretrained(hf_dir), out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(_ids()).logits, ours(_ids()).logits, rtol=0, atol=0)
+
+
+def test_a_lora_checkpoint_holds_the_adapter_and_the_training_state(trained_adapter):
+    _, out = trained_adapter
+    names = {p.name for p in (out / "checkpoint-2").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+            "data_state.json", "trainer_state.json", "training_args.json"} <= names
+    assert "model.safetensors" not in names
