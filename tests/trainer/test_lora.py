@@ -9,21 +9,25 @@ merged weights (W + s B A rounded once) against the unmerged forward to 1e-5.
 from __future__ import annotations
 
 import json
-import math
+import signal
+import subprocess
+import time
 
 import peft
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from trainer.args import ConfigError, TrainingArguments, parse_args
 from trainer.batching import BatchLoader
 from trainer.lora import apply_lora, load_adapter
 from trainer.model import MLP, RMSNorm, load_pretrained
+from trainer.callbacks import TrainerCallback
 from trainer.trainer import Trainer
 
-from .test_trainer import dataset, losses, make_args, small_model, tokenizer  # noqa: F401 (fixtures)
+from .test_trainer import _env, _sft, dataset, losses, make_args, small_model, tokenizer  # noqa: F401 (fixtures)
 
 LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
 
@@ -283,3 +287,48 @@ def test_a_lora_checkpoint_holds_the_adapter_and_the_training_state(trained_adap
     assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
             "data_state.json", "trainer_state.json", "training_args.json"} <= names
     assert "model.safetensors" not in names
+
+
+# ---- resume ---------------------------------------------------------------------------------------------------
+def test_a_lora_resume_is_bitwise_the_unbroken_run(tmp_path, dataset):
+    # LoRA dropout and NEFTune draw random numbers every step: the checkpoint's RNG state must carry them on.
+    common = dict(LORA, lora_dropout=0.1, neftune_noise_alpha=5.0, max_steps=6, save_strategy="steps",
+                  save_steps=3, gradient_accumulation_steps=2, optim="adamw_fused")
+    model = small_model()
+    full = Trainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=dataset)
+    full_curve, full_adapter = train_curve(full), adapter_state(model)
+
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step == 3
+
+    Trainer(model=small_model(), args=make_args(tmp_path / "part", **common), train_dataset=dataset,
+            callbacks=[StopAt3()]).train()
+    model = small_model()
+    resumed = Trainer(model=model, args=make_args(tmp_path / "part", **common, resume_from_checkpoint="auto"),
+                      train_dataset=dataset)
+    assert train_curve(resumed) == full_curve  # steps 1-3 from the checkpoint's log history, 4-6 trained again
+    for name, value in adapter_state(model).items():
+        assert torch.equal(value, full_adapter[name]), name
+
+
+@pytest.mark.slow  # three CLI processes: ~70 s on 2 shared cores, mostly start-up
+def test_sigkill_then_resume_of_a_lora_run_gives_the_same_adapter(tmp_path):
+    lora = ("--use_peft", "--lora_r", "4", "--lora_target_modules", "all-linear", "--learning_rate", "1e-2")
+    full = tmp_path / "full"
+    subprocess.run(_sft(full, *lora), check=True, env=_env(), cwd=tmp_path, capture_output=True, timeout=300)
+    part = tmp_path / "part"
+    proc = subprocess.Popen(_sft(part, *lora), env=_env(), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (part / "checkpoint-2" / "trainer_state.json").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = subprocess.run(_sft(part, *lora, "--resume_from_checkpoint", "auto"), env=_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "LoRA adapter saved to" in done.stderr + done.stdout and "python -m trainer.merge" in done.stderr + done.stdout
+    a, b = load_file(str(full / "adapter_model.safetensors")), load_file(str(part / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((part / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
