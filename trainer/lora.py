@@ -261,7 +261,7 @@ def merged(model: nn.Module, directory: Path) -> nn.Module:
     tuner = peft.LoraModel(model, read_adapter_config(directory), ADAPTER)
     load_adapter_weights(tuner.model, directory)
     out = tuner.merge_and_unload(safe_merge=True)  # safe_merge: refuses a merge that would produce NaN/inf
-    del out.peft_config
+    out.__dict__.pop("peft_config", None)  # a plain model now: saved in full, not as an adapter
     return out
 
 

@@ -23,8 +23,11 @@ from safetensors.torch import load_file
 from trainer.args import ConfigError, TrainingArguments, parse_args
 from trainer.batching import BatchLoader
 from trainer.lora import apply_lora, load_adapter
-from trainer.model import MLP, RMSNorm, load_pretrained
+from trainer import generate as generate_cli
+from trainer import merge
+from trainer.model import MLP, RMSNorm, generate, load_pretrained, load_tokenizer
 from trainer.callbacks import TrainerCallback
+from trainer.tokenizer import byte_level_tokenizer
 from trainer.trainer import Trainer
 
 from .test_trainer import _env, _sft, dataset, losses, make_args, small_model, tokenizer  # noqa: F401 (fixtures)
@@ -215,7 +218,7 @@ def test_liger_kernel_runs_every_op_under_lora(tmp_path, dataset):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """A transformers-written tiny Llama (untied head, vocab 320 for the byte-level tokenizer's ids)."""
+    """A transformers-written tiny Llama (untied head, vocab 320) with the byte-level tokenizer's files."""
     config = transformers.LlamaConfig(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -223,6 +226,7 @@ def hf_dir(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
+    byte_level_tokenizer().save_pretrained(path)
     return path
 
 
@@ -332,3 +336,28 @@ def test_sigkill_then_resume_of_a_lora_run_gives_the_same_adapter(tmp_path):
     a, b = load_file(str(full / "adapter_model.safetensors")), load_file(str(part / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((part / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+
+
+# ---- merge and generate ---------------------------------------------------------------------------------------
+def test_merge_writes_a_plain_model_transformers_loads_with_the_adapters_logits(hf_dir, trained_adapter, tmp_path):
+    ours, out = trained_adapter
+    assert merge.main(["--model", str(hf_dir), "--adapter", str(out), "--output_dir", str(tmp_path / "m")]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "m").iterdir()}
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert not any("lora" in n or "base_layer" in n for n, _ in plain.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=_ids()).logits, ours(_ids()).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_refuses_a_directory_without_an_adapter(hf_dir, tmp_path, capsys):
+    assert merge.main(["--model", str(hf_dir), "--adapter", str(hf_dir), "--output_dir", str(tmp_path / "m")]) == 2
+    assert "adapter_config.json not found" in capsys.readouterr().err
+
+
+def test_generate_with_an_adapter_answers_as_the_trained_model(hf_dir, trained_adapter, capsys):
+    ours, out = trained_adapter
+    assert generate_cli.main(["--model", str(hf_dir), "--adapter", str(out), "--prompt", "hi", "--raw",
+                              "--max_new_tokens", "6"]) == 0
+    tokenizer = load_tokenizer(out)
+    expected = generate(ours, tokenizer.encode("hi"), 6, eos_token_id=tokenizer.eos_token_id)
+    assert capsys.readouterr().out == tokenizer.decode(expected) + "\n"
