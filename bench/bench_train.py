@@ -6,6 +6,10 @@ own subprocess (so peak memory is that configuration's alone and no allocator or
     hf         transformers.Trainer + transformers.LlamaForCausalLM (its default optim adamw_torch_fused)
     hf_liger   the same with use_liger_kernel=True; CUDA only (liger's Triton kernels have no CPU path; on a CPU
                the row is recorded as skipped, with the reason)
+    ours_lora  ours with --use_peft: a LoRA adapter (trainer/lora.py) on every linear layer but lm_head
+    hf_lora    transformers.Trainer over peft.get_peft_model(LlamaForCausalLM, the same LoraConfig)
+               Both LoRA rows: r=16, lora_alpha=32, no dropout; their ratios are against hf_lora. Unavoidable: A's
+               random init differs (ours drawn from --seed's generator, peft's from the global RNG).
 The model is a Llama architecture with random init: `tiny` (the trainer preset) on a CPU, Qwen2.5-0.5B or
 Llama-3.2-1B dimensions on a GPU. The parent builds it once (CausalLM.init_weights(seed)), writes it with
 `save_pretrained`, and every worker loads that directory: ours with `load_pretrained`, HF with
@@ -75,7 +79,9 @@ import torch  # noqa: E402
 from bench import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("ours", "hf", "hf_liger")
+CONFIGS = ("ours", "hf", "hf_liger", "ours_lora", "hf_lora")
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 # Architecture dims only (random init); Hugging Face config keys. tiny = trainer.build.PRESETS["tiny"].
 MODELS = {
     "tiny": None,
@@ -205,14 +211,16 @@ def worker(spec: dict) -> dict:
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    if impl == "ours":
+    if impl.startswith("ours"):
         from trainer.args import TrainingArguments
         from trainer.callbacks import TrainerCallback
         from trainer.build import load_pretrained
         from trainer.trainer import Trainer
 
         model = load_pretrained(spec["model_dir"], dtype=torch.float32, device=device, use_kernels=True)
-        args = TrainingArguments(**common_args, optim=spec["our_optim"], use_kernels=True)
+        lora = dict(use_peft=True, lora_r=LORA["r"], lora_alpha=LORA["lora_alpha"], lora_dropout=LORA["lora_dropout"],
+                    lora_target_modules=LORA["target_modules"]) if impl == "ours_lora" else {}
+        args = TrainingArguments(**common_args, optim=spec["our_optim"], use_kernels=True, **lora)
     else:
         import transformers
         from transformers import LlamaForCausalLM, TrainerCallback, TrainingArguments
@@ -221,6 +229,10 @@ def worker(spec: dict) -> dict:
         transformers.logging.set_verbosity_error()
         model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
         model.to(device)
+        if impl == "hf_lora":
+            import peft
+
+            model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
         args = TrainingArguments(**common_args, optim=spec["hf_optim"], use_liger_kernel=impl == "hf_liger")
     clock = _timer(TrainerCallback)
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[clock])
@@ -247,7 +259,7 @@ def worker(spec: dict) -> dict:
         "status": "ok", "tokens_per_s": step_tokens / median_s, "tokens_per_s_mean": step_tokens * timed / sum(step_s),
         "timed_steps": timed, "train_wall_s": wall, "step_ms": 1e3 * median_s, "peak_memory_gb": peak,
         "peak_memory_kind": kind,
-        "final_loss": heldout_loss(trainer.model if impl == "ours" else model, heldout, device),
+        "final_loss": heldout_loss(trainer.model if impl.startswith("ours") else model, heldout, device),
     }
 
 
@@ -335,7 +347,6 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
         results[impl] = {**ok[(len(ok) - 1) // 2], "repeats": len(ok),
                          "tokens_per_s_all": [round(r["tokens_per_s"], 2) for r in ok]}
     env = common.env_info()
-    hf = results.get("hf", {})
     rows = []
     for impl, r in results.items():
         row = {
@@ -343,12 +354,14 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
             "n_params": config_params(config), "seq_len": args.seq_len, "micro_batch": args.micro_batch,
             "grad_accum": args.grad_accum, "global_batch_tokens": args.micro_batch * args.grad_accum * args.seq_len,
             "steps": args.steps, "precision": "bf16-autocast" if torch.cuda.is_available() else "fp32",
-            "optim": args.our_optim if impl == "ours" else args.hf_optim, "torch_threads": args.threads,
+            "optim": args.our_optim if impl.startswith("ours") else args.hf_optim, "torch_threads": args.threads,
             "load_avg_1min_at_start": load_avg, **r,
         }
         if r["status"] == "ok":
             row["mfu"] = fpt * r["tokens_per_s"] / peak if peak else None
-            if hf.get("status") == "ok" and impl != "hf":
+            baseline = "hf_lora" if impl.endswith("lora") else "hf"  # LoRA against LoRA
+            hf = results.get(baseline, {})
+            if hf.get("status") == "ok" and impl != baseline:
                 row["tokens_per_s_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
                 row["peak_memory_vs_hf"] = r["peak_memory_gb"] / hf["peak_memory_gb"]
                 row["final_loss_minus_hf"] = r["final_loss"] - hf["final_loss"]

@@ -43,6 +43,10 @@ SIMPLE_ALIASES = {
     # TRL's SFTConfig (max_seq_length before TRL 0.20, max_length since) and LlamaFactory's cutoff_len
     "max_seq_length": "cutoff_len",
     "max_length": "cutoff_len",
+    # LlamaFactory's LoRA names (its finetuning_type: lora is TrainingArguments' finetuning_type alias)
+    "lora_rank": "lora_r",
+    "lora_target": "lora_target_modules",
+    "additional_target": "lora_modules_to_save",
 }
 # Booleans from TRL that set another argument (of any of the parser's dataclasses): name -> (target, value when
 # true, value when false), resolved by the parser like SIMPLE_ALIASES. TRL's packing=True packs examples into rows
@@ -61,6 +65,7 @@ ALIAS_HELP = {
     "local_rank": "set by the deepspeed launcher (--local_rank=N); must equal the LOCAL_RANK it sets beside it",
     "deepspeed": "a DeepSpeed JSON config (ZeRO stage 0-3, offload, bf16/fp16, 'auto' values filled from these "
     "arguments); sets dist_config {name: deepspeed, config_file: PATH}",
+    "finetuning_type": "LlamaFactory's: lora (sets use_peft) | full",
 }
 
 _HUB = "pushing to the Hugging Face Hub is not supported; upload output_dir yourself (huggingface-cli upload)"

@@ -215,7 +215,9 @@ GROUPS = (
     "performance",
     "distributed",
     "extras",
+    "lora",
 )
+LORA_FINETUNING_TYPES = ("lora", "full")  # LlamaFactory's finetuning_type values we implement (freeze, oft: not)
 
 
 def _arg(default: Any, group: str, help: str, choices: Sequence[str] | None = None) -> Any:
@@ -554,6 +556,23 @@ class TrainingArguments:
     max_nonfinite_steps: int = _arg(10, "extras", "Stop after this many consecutive steps with a non-finite loss.")
     z_loss: float = _arg(0.0, "extras", "Weight of the z-loss (logsumexp^2) that keeps logits small.")
 
+    # --- lora (TRL's ModelConfig names and defaults; trainer/lora.py) ---
+    use_peft: bool = _arg(
+        False, "lora", "Train a LoRA adapter through peft instead of every weight (pip install 'kernelwright[lora]')."
+    )
+    lora_r: int = _arg(16, "lora", "LoRA rank r of the update B A (B: out x r, A: r x in).")
+    lora_alpha: int = _arg(32, "lora", "LoRA scale numerator: the update is lora_alpha / r * B A.")
+    lora_dropout: float = _arg(0.05, "lora", "Dropout on the input of the LoRA branch while training.")
+    lora_target_modules: list[str] | None = _arg(
+        None, "lora", "Linear layers that get an adapter, by name (q_proj v_proj ...) or all-linear (every linear "
+        "layer but lm_head); default: peft's choice for the architecture (q_proj v_proj)."
+    )
+    lora_modules_to_save: list[str] | None = _arg(
+        None, "lora", "Modules trained in full and saved with the adapter, by name (e.g. norm)."
+    )
+    use_rslora: bool = _arg(False, "lora", "Rank-stabilised LoRA: scale by lora_alpha / sqrt(r) instead of / r.")
+    use_dora: bool = _arg(False, "lora", "DoRA: weight-decomposed LoRA (a trained magnitude per output row).")
+
     # --- input-only aliases (folded into the fields above; not stored) ---
     evaluation_strategy: InitVar[str | None] = None
     micro_batch_size: InitVar[int | None] = None
@@ -565,6 +584,7 @@ class TrainingArguments:
     fsdp_config: InitVar[dict | str | None] = None
     deepspeed: InitVar[str | None] = None
     local_rank: InitVar[int | None] = None
+    finetuning_type: InitVar[str | None] = None
 
     def __post_init__(
         self,
@@ -578,6 +598,7 @@ class TrainingArguments:
         fsdp_config,
         deepspeed,
         local_rank,
+        finetuning_type,
     ):
         for f in dataclasses.fields(self):
             setattr(self, f.name, coerce(f.name, getattr(self, f.name), f.type, f.metadata.get("choices")))
@@ -594,6 +615,7 @@ class TrainingArguments:
         self._fold_fsdp(fsdp, fsdp_config)
         self._fold_deepspeed(deepspeed)
         self._check_local_rank(local_rank)
+        self._fold_finetuning_type(finetuning_type)
         self._normalise()
         self._derive()
         self._validate()
@@ -707,6 +729,15 @@ class TrainingArguments:
             raise ConfigError(f"local_rank={local_rank}: only a launcher sets it, with LOCAL_RANK={local_rank} in the "
                               f"environment (LOCAL_RANK is {env}); launch with torchrun or deepspeed")
 
+    def _fold_finetuning_type(self, finetuning_type: Any) -> None:
+        """LlamaFactory's `finetuning_type`: lora sets use_peft, full leaves it off; freeze and oft are refused."""
+        if finetuning_type is None:
+            return
+        kind = choose("finetuning_type", finetuning_type, LORA_FINETUNING_TYPES)
+        if self.use_peft and kind == "full":
+            raise ConfigError("finetuning_type='full' contradicts use_peft=True; give one of them")
+        self.use_peft = kind == "lora"
+
     def _normalise(self) -> None:
         self.output_dir = os.path.expanduser(self.output_dir)
         if self.run_name is None:
@@ -740,6 +771,9 @@ class TrainingArguments:
         )
         if self.dist_config is not None:
             self.dist_config = _normalise_dist_config(load_mapping("dist_config", self.dist_config))
+
+        for name in ("lora_target_modules", "lora_modules_to_save"):
+            setattr(self, name, _module_names(name, getattr(self, name)))
 
         for name in ("logging_steps", "eval_steps", "save_steps"):
             setattr(self, name, _interval(name, getattr(self, name)))
@@ -887,6 +921,7 @@ class TrainingArguments:
         if self.save_strategy == "steps":
             check(self.save_steps > 0, "save_steps", self.save_steps, "must be > 0 when save_strategy='steps'")
         self._validate_best_model()
+        self._validate_lora()
 
         if self.lr_scheduler_type == "constant" and (self.warmup_steps > 0 or self.warmup_ratio > 0):
             raise ConfigError(
@@ -939,6 +974,17 @@ class TrainingArguments:
                 raise ConfigError(
                     f"load_best_model_at_end: save_steps={save!r} must be a multiple of eval_steps={ev!r}"
                 )
+
+    def _validate_lora(self) -> None:
+        check(self.lora_r >= 1, "lora_r", self.lora_r, "must be a positive integer")
+        check(self.lora_alpha > 0, "lora_alpha", self.lora_alpha, "must be > 0")
+        check(0 <= self.lora_dropout < 1, "lora_dropout", self.lora_dropout, "must be in [0, 1)")
+        if not self.use_peft:  # a LoRA setting without LoRA would be ignored: refuse it
+            given = [f.name for f in dataclasses.fields(self) if f.metadata.get("group") == "lora"
+                     and f.name != "use_peft" and getattr(self, f.name) != field_default(f)]
+            if given:
+                raise ConfigError(f"{given[0]}={getattr(self, given[0])!r} is a LoRA setting, but use_peft is off; "
+                                  "add --use_peft (LlamaFactory: finetuning_type: lora)")
 
     # -- helpers for the loop --------------------------------------------------------------------------------
 
@@ -1100,6 +1146,18 @@ def _normalise_dist_config(cfg: dict) -> dict:
     if out.get("mixed_precision") is not None:
         choose("dist_config.mixed_precision", out["mixed_precision"], MIXED_PRECISIONS)
     return out
+
+
+def _module_names(name: str, value: list[str] | None) -> list[str] | None:
+    """Module names as a list: LlamaFactory's comma-separated strings split ("q_proj,v_proj"), its `all` spelled as
+    TRL's/peft's `all-linear`; None (or nothing) stays None."""
+    names = [part.strip() for item in value or () for part in item.split(",") if part.strip()]
+    if not names:
+        return None
+    names = ["all-linear" if n == "all" else n for n in names]
+    if "all-linear" in names and len(names) > 1:
+        raise ConfigError(f"{name}={names!r}: all-linear already takes every linear layer; give it alone")
+    return names
 
 
 def _interval(name: str, value: float | None) -> float | int | None:

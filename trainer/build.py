@@ -31,6 +31,7 @@ from .checkpoint import DCP_DIR
 from .checkpoint_hf import CheckpointError, load_safetensors, read_json, save_safetensors
 from .coerce import ConfigError
 from .dist import init_distributed, local_device, local_shard
+from .lora import base_name, has_adapter, init_adapter_weights
 from .model import CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from .parallel import apply_data_parallel, apply_transforms, load_sharded, uses_fsdp
 from .tokenizer import Tokenizer, byte_level_tokenizer
@@ -58,6 +59,7 @@ def build_model(name: str, args=None, *, dtype=None, device=None, seed: int | No
     config, tokenizer = preset_config(name) if path is None else (read_config(path), load_tokenizer(path))
     model = _build(config, path, args, dtype=dtype, device=device, seed=seed, use_kernels=use_kernels,
                    attn_backend=attn_backend)
+    causal_lm(model).name_or_path = name  # as transformers' model.name_or_path; a LoRA adapter records it
     return model, tokenizer
 
 
@@ -84,10 +86,13 @@ def _build(config: ModelConfig, path: Path | None, args, *, dtype, device, seed,
     ours = causal_lm(model)
     if dcp is not None:
         load_sharded(model, None, dcp)
-    elif path is None:
-        ours.init_weights(seed or 0, local_shard=local_shard)
     else:
-        load_state_dict_into(ours, path)
+        if path is None:
+            ours.init_weights(seed or 0, local_shard=local_shard)
+        else:
+            load_state_dict_into(ours, path)
+        if has_adapter(ours):  # LoRA (use_peft), injected on meta by apply_transforms: A from args.seed, B = 0
+            init_adapter_weights(ours, args.seed, local_shard=local_shard)
     if args is not None and args.use_liger_kernel:
         apply_liger_kernel(ours)
     ours.attn_backend = attn_backend
@@ -215,7 +220,10 @@ def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=local_sh
     Sharded by FSDP2 (DTensor parameters), each rank reads only the rows of each tensor it holds
     (`trainer.dist.local_shard`)."""
     targets, rows = {}, {}
-    for name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
+    for param_name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
+        name = base_name(param_name)  # under a LoRA adapter: the checkpoint's name; None for the adapter's weights
+        if name is None:
+            continue
         targets[name], span = local_shard(param)
         if span is not None:
             rows[name] = (tuple(param.shape), *span)

@@ -3,6 +3,7 @@
     python -m trainer.generate --model outputs/demo --prompt "reverse: hello"
     python -m trainer.generate --model outputs/demo --prompt "add: 12+30" --temperature 0.8 --top_p 0.9
     python -m trainer.generate --model outputs/demo --chat          # an interactive chat (empty line ends it)
+    python -m trainer.generate --model BASE --adapter outputs/lora --prompt "..."   # a LoRA adapter, unmerged
 
 The prompt is wrapped as a user message and rendered with the model's chat template (`--raw` feeds the text
 as is); decoding is greedy unless `--temperature` > 0. In `--chat` each turn is read after a `> ` prompt
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 from .build import build_model
 from .coerce import ConfigError
+from .lora import load_adapter
 from .model import ModelError, generate
 from .tokenizer import TokenizerError
 
@@ -26,6 +29,7 @@ from .tokenizer import TokenizerError
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face model directory or a preset name")
+    p.add_argument("--adapter", help="a LoRA adapter directory trained on --model (peft's layout), applied unmerged")
     p.add_argument("--prompt", help="the user message (or raw text with --raw)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat on stdin")
     p.add_argument("--system", help="an optional system message")
@@ -67,6 +71,8 @@ def _main(argv) -> int:
         return 2
     try:
         model, tokenizer = build_model(args.model, device=args.device, seed=args.seed)
+        if args.adapter:
+            load_adapter(model, Path(args.adapter))
     except (ConfigError, ModelError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

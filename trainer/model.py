@@ -50,6 +50,7 @@ import kernels
 from kernels.nn import RMSNorm as KernelRMSNorm
 
 from .attention import KVCache, make_plan
+from .lora import is_adapter_name
 
 IGNORE_INDEX = -100
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -427,6 +428,7 @@ class CausalLM(nn.Module):
         self.z_loss = z_loss
         self.neftune_noise_alpha = neftune_noise_alpha
         self.attn_backend = "auto"  # "auto" | "sdpa" | "flex" | "flash" (trainer/attention.py)
+        self.name_or_path: str | None = None  # the model argument it was built from (as transformers'); peft records it
         self.gradient_checkpointing = False
         self._checkpoint_kwargs: dict = {}
 
@@ -468,7 +470,9 @@ class CausalLM(nn.Module):
         architecture knows nothing of processes: the sharded build, `trainer.build.build_model`, passes it.)"""
         gen = torch.Generator().manual_seed(seed)
         std = self.config.initializer_range
-        for module in self.modules():
+        for name, module in self.named_modules():
+            if is_adapter_name(name + "."):  # a LoRA adapter's layers: trainer.lora.init_adapter_weights draws them
+                continue
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.lm_head and self.config.tie_word_embeddings:
                     continue
@@ -491,6 +495,12 @@ class CausalLM(nn.Module):
         hidden = self.hidden_states(input_ids, cache=cache)  # (B, t, C)
         cache.length += input_ids.shape[1]
         return self.lm_head(hidden[:, -1]).float()  # (B, V)
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        """transformers' generation hook, which peft's PeftModelForCausalLM takes from the model it wraps; our
+        decoding is `trainer.model.generate` (KV cache, `decode_step`), not transformers' `generate`."""
+        raise ModelError("generate: use trainer.model.generate(model, input_ids, max_new_tokens), not transformers' "
+                         "generate")
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied head counts once); with exclude_embeddings the input embedding matrix is left
@@ -541,9 +551,15 @@ class CausalLM(nn.Module):
         fn = kernels.neftune_noise if self.impl == "kernels" else kernels.neftune_noise_ref
         return fn(x, self.neftune_noise_alpha, attention_mask=attention_mask, position_ids=position_ids, training=True)
 
-    def forward(self, input_ids, position_ids=None, labels=None, attention_mask=None, num_items=None) -> CausalLMOutput:
+    def forward(self, input_ids, position_ids=None, labels=None, attention_mask=None, num_items=None,
+                inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None) -> CausalLMOutput:
         """Logits, and with `labels` (unshifted, -100 = no target) the loss sum / num_items (default: mean over
-        supervised tokens; 0 when there are none). With labels and use_kernels the logits are never formed."""
+        supervised tokens; 0 when there are none). With labels and use_kernels the logits are never formed.
+        The last four are transformers' arguments, which peft's PeftModelForCausalLM (task_type="CAUSAL_LM")
+        passes as None; another value would be ignored, so it is refused."""
+        if inputs_embeds is not None or output_attentions or output_hidden_states or return_dict is False:
+            raise ModelError("forward: inputs_embeds, output_attentions, output_hidden_states and return_dict=False "
+                             "are not supported (pass input_ids; the output always holds loss and logits)")
         hidden = self.hidden_states(input_ids, position_ids, attention_mask)  # (B, T, C)
         if labels is None:
             return CausalLMOutput(None, self.lm_head(hidden))
@@ -653,3 +669,4 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+from .lora import is_adapter_name

@@ -1,5 +1,7 @@
 """Transforms applied to a model from outside, always in this order (torchtitan's parallelize.py):
 
+0. `trainer.lora.apply_lora` (use_peft): inject the LoRA adapter, so that the optimizer sees only the adapter as
+   trainable and FSDP2 shards the model with its adapter;
 1. `apply_activation_checkpointing`: recompute each decoder block in backward (non-reentrant);
 2. `apply_compile`: `torch.compile` each decoder block separately (small graphs, fast compiles, one
    graph reused by every block since they share code and shapes);
@@ -44,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .coerce import ConfigError
 from .dist import local_device, world
+from .lora import apply_lora, has_adapter
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -78,8 +81,9 @@ def apply_compile(model: nn.Module, backend: str | None = None, mode: str | None
 
 
 def apply_transforms(model: nn.Module, args) -> nn.Module:
-    """Checkpointing -> per-block compile -> FSDP2, as `args` asks; safe on the meta device (`build_model` runs it
+    """LoRA -> checkpointing -> per-block compile -> FSDP2, as `args` asks; safe on the meta device (`build_model` runs it
     there, before the weights exist) and idempotent (a model that has had a transform does not get it twice)."""
+    model = apply_lora(model, args)
     if args.gradient_checkpointing:
         apply_activation_checkpointing(model, args.gradient_checkpointing_kwargs)
     if args.torch_compile:
@@ -205,16 +209,20 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 # ---- checkpoints with several processes ---------------------------------------------------------------------------
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state_dict on rank 0's CPU (empty on the other ranks); a collective for FSDP2."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The whole model's state_dict on rank 0's CPU (empty on the other ranks); a collective for FSDP2. With a LoRA
+    adapter only the trainable weights (the frozen base never changes: gathering it would move the whole model)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=has_adapter(model)))
 
 
 def save_sharded(model: nn.Module, optimizer, directory: Path) -> None:
     """Every rank writes its shards of the model and optimizer state with torch.distributed.checkpoint (DCP).
 
     DCP stores each DTensor shard with its global offsets, so the copy loads under any world size for the
-    model and optimizer alike (the trainer's per-rank RNG files still want the same one for an exact resume)."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model and optimizer alike (the trainer's per-rank RNG files still want the same one for an exact resume). With a
+    LoRA adapter the frozen base is left out: the copy holds the adapter and its optimizer state."""
+    model_state, optim_state = get_state_dict(model, optimizer,
+                                              options=StateDictOptions(ignore_frozen_params=has_adapter(model)))
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
 
 
@@ -233,10 +241,12 @@ def load_sharded(model: nn.Module, optimizer, directory: Path) -> None:
         read(state)
         set_model_state_dict(model, state["model"])
         return
-    model_state, optim_state = get_state_dict(model, optimizer)
+    adapter = has_adapter(model)  # the copy holds the adapter only (`save_sharded`); the base is the model's own
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=adapter))
     state = {"model": model_state, "optimizer": optim_state}
     read(state)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(ignore_frozen_params=adapter, strict=not adapter))
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:

@@ -4,7 +4,8 @@
 nothing of models; this module fills the model's part under every engine (one process, DDP, FSDP2) and restores
 a run:
 - `save_model_files` / `load_model_weights`: our CausalLM in the Hugging Face layout (FSDP2 gathers the full
-  weights on rank 0 with a collective; loading, each rank reads only its rows), any other module as
+  weights on rank 0 with a collective; loading, each rank reads only its rows), or, when it carries a LoRA adapter
+  (use_peft, or a peft model passed in), only the adapter in peft's layout (`trainer.lora`); any other module as
   `model.safetensors`;
 - `restore_checkpoint`: a checkpoint into this run's model, optimizer, scheduler, scaler and loader, after
   `check_resume_across_worlds` has refused a resume under another number of processes that could not go on
@@ -25,14 +26,26 @@ from .batching import same_steps, steps_per_epoch
 from .build import empty_model, load_state_dict_into, save_pretrained
 from .deepspeed_engine import CHECKPOINT_DIR
 from .dist import local_shard
+from .lora import has_adapter, load_adapter_weights, save_adapter
 from .model import CausalLM
 
 
 def save_model_files(model, directory: Path, *, rank: int, tokenizer=None, full_state_dict=None) -> None:
     """The model in the Hugging Face layout. Called on every rank: under FSDP2 gathering the full weights is a
     collective; only rank 0 writes. `full_state_dict`: rank 0's full weights, gathered by the caller (DeepSpeed:
-    `DeepSpeedRun.full_state_dict`), written instead of the model's own tensors (partitions under ZeRO-3)."""
+    `DeepSpeedRun.full_state_dict`), written instead of the model's own tensors (partitions under ZeRO-3). A model
+    carrying a LoRA adapter writes the adapter alone (peft's layout)."""
     model = parallel.unwrap(model)
+    ours = _our_model(model)
+    if ours is not None and has_adapter(ours):
+        state = full_state_dict
+        if state is None and parallel.is_fsdp(ours):
+            state = parallel.full_model_state_dict(ours)  # the trainable weights
+        if rank == 0:
+            save_adapter(ours, directory, state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(directory)
+        return
     if full_state_dict is not None:
         model = _unsharded_cpu_copy(model)
         model.load_state_dict(full_state_dict)
@@ -49,8 +62,13 @@ def save_model_files(model, directory: Path, *, rank: int, tokenizer=None, full_
 
 
 def load_model_weights(model, directory: Path) -> None:
-    """The weights saved in `directory` into `model`, in this run's layout (a collective under FSDP2)."""
+    """The weights saved in `directory` into `model`, in this run's layout (a collective under FSDP2); for a model
+    carrying a LoRA adapter, the adapter saved there (each rank its rows under FSDP2)."""
     model = parallel.unwrap(model)
+    ours = _our_model(model)
+    if ours is not None and has_adapter(ours) and not (directory / ckpt.DCP_DIR).is_dir():
+        load_adapter_weights(ours, directory, local_shard=local_shard)
+        return
     if parallel.is_fsdp(model):
         if (directory / ckpt.DCP_DIR).is_dir():
             parallel.load_sharded(model, None, directory / ckpt.DCP_DIR)
@@ -139,6 +157,11 @@ def check_resume_across_worlds(resume: Path, saved_world: int, args, *, world_si
             f"{where}: an epoch of {n} micro batches makes {steps_per_epoch(n, saved_world, saved_accum, drop)} "
             f"optimizer steps then, {windows_per_epoch} now (dataloader_drop_last={drop}), and its last step would "
             f"take other examples; resume with {saved_world}")
+
+
+def _our_model(model) -> CausalLM | None:
+    """Our CausalLM in `model`: the model itself, or inside a wrapper (peft's PeftModel: `base_model.model`)."""
+    return next((m for m in model.modules() if isinstance(m, CausalLM)), None)
 
 
 def _gathered_copy(model, rank: int):

@@ -46,12 +46,13 @@ from kernels._dispatch import TRITON_MISSING, interpreter_on
 
 from .args import ConfigError, _arg, parse_args
 from .attention import _flash_attn
-from .build import build_model, check_model_name
+from .build import build_model, check_model_name, is_preset, preset_config, read_config
 from .checkpoint import CheckpointError
 from .data import DataError, load_sft_dataset, read_examples, resolve_data_files, split_dataset
 from .dist import end_on_error, init_distributed, world
 from .metrics import plot_loss_curve
-from .model import ModelError, generate
+from .lora import import_peft, lora_config
+from .model import CausalLM, ModelError, generate
 from .tasks import EVAL_FILE, TRAIN_FILE, kind_of
 from .tokenizer import TokenizerError
 from .trainer import Trainer, set_seed
@@ -254,6 +255,19 @@ def check_run(args, sft: SFTArguments) -> None:
         raise ConfigError("bf16: this GPU does not support bfloat16 (it needs compute capability 8.0, Ampere, or "
                           "newer); use --fp16 instead")
     _check_attention(args, sft, cuda)
+    if args.use_peft:
+        _check_lora(args, sft)
+
+
+def _check_lora(args, sft: SFTArguments) -> None:
+    """peft is installed and the LoRA targets and modules to save exist in the model, checked on a copy built on
+    the meta device (no memory, no weights read); a hub id not yet downloaded is checked when it is built."""
+    import_peft()
+    if not (is_preset(sft.model) or Path(sft.model).is_dir()):
+        return
+    config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
+    with torch.device("meta"):
+        lora_config(CausalLM(config), args)
 
 
 def _check_output_dir(args, sft: SFTArguments) -> None:
@@ -275,7 +289,8 @@ def _check_output_dir(args, sft: SFTArguments) -> None:
     if args.overwrite_output_dir or args.resume_from_checkpoint or not out.is_dir():
         return
     trained = ("checkpoints" if any(out.glob("checkpoint-*")) else
-               "a trained model" if any((out / name).exists() for name in ("config.json", "model.safetensors"))
+               "a trained model" if any((out / name).exists()
+                                        for name in ("config.json", "model.safetensors", "adapter_config.json"))
                else None)
     if trained is None:
         return
@@ -378,18 +393,35 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
     (Path(args.output_dir) / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     (Path(args.output_dir) / RUN_ARGS_FILE).write_text(json.dumps(requested, indent=2, sort_keys=True) + "\n")
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
-    transformers_hint = "" if importlib.util.find_spec("transformers") else " (pip install transformers)"
-    print("\n".join([
-        "",
-        f"model saved to {final.resolve()}",
-        f"load it with transformers{transformers_hint}:",
-        "    from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f"    model = AutoModelForCausalLM.from_pretrained({str(final.resolve())!r})",
-        f"    tokenizer = AutoTokenizer.from_pretrained({str(final.resolve())!r})",
-        f"or try it here: python -m trainer.generate --model {final} --prompt \"...\"",
+    print("\n".join([""] + how_to_use(final, sft.model, args.use_peft) + [
         "final metrics: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}),
     ] + ([f"loss curve: {plot}" if plot else "loss curve: not plotted (pip install matplotlib)"] if sft.plot else [])))
     return 0
+
+
+def how_to_use(final: Path, model: str, lora: bool) -> list[str]:
+    """The lines printed at the end: where the model (or the LoRA adapter) is, and how to load and try it."""
+    where = str(final.resolve())
+    if lora:
+        return [
+            f"LoRA adapter saved to {where} (adapter_config.json + adapter_model.safetensors, peft's layout)",
+            "load it with transformers and peft:",
+            "    from peft import PeftModel",
+            "    from transformers import AutoModelForCausalLM",
+            f"    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {where!r})",
+            f"  (BASE: a Hugging Face directory of the base model {model!r})",
+            f"merge it into a plain model: python -m trainer.merge --model {model} --adapter {final} --output_dir OUT",
+            f"or try it here: python -m trainer.generate --model {model} --adapter {final} --prompt \"...\"",
+        ]
+    hint = "" if importlib.util.find_spec("transformers") else " (pip install transformers)"
+    return [
+        f"model saved to {where}",
+        f"load it with transformers{hint}:",
+        "    from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"    model = AutoModelForCausalLM.from_pretrained({where!r})",
+        f"    tokenizer = AutoTokenizer.from_pretrained({where!r})",
+        f"or try it here: python -m trainer.generate --model {final} --prompt \"...\"",
+    ]
 
 
 if __name__ == "__main__":

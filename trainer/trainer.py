@@ -65,6 +65,7 @@ from .deepspeed_engine import CHECKPOINT_DIR as DEEPSPEED_DIR, DeepSpeedRun
 from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
 from .optim import build_lr_scheduler, build_optimizer
 from .dist import init_distributed, local_device, world
+from .lora import has_adapter, trainable_summary
 from .model import CausalLM, apply_liger_kernel
 from .parallel import apply_all, gradient_sync, is_fsdp, unwrap, uses_deepspeed, uses_fsdp
 from .parallel import save_sharded as save_sharded_state
@@ -245,8 +246,8 @@ class Trainer:
         if self.optimizer is not None and uses_fsdp(args) and not is_fsdp(model):
             raise ValueError("optimizers: FSDP2 replaces the parameters with sharded ones, so the optimizer must be "
                              "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2")
-        # activation checkpointing -> per-block compile -> FSDP2/DDP, before the optimizer is built (it must see
-        # FSDP2's sharded parameters); a model from trainer.build.build_model has them already (apply_all is idempotent)
+        # LoRA -> activation checkpointing -> per-block compile -> FSDP2/DDP, before the optimizer is built (it must
+        # see only the adapter as trainable, and FSDP2's sharded parameters); a model from trainer.build.build_model has them already (apply_all is idempotent)
         model = self.model = apply_all(model, args)
         device = self._device(model)
         loader = self._train_loader(micro)
@@ -564,7 +565,7 @@ class Trainer:
             f"  Total optimization steps = {max_steps:,}",
             f"  Number of trainable parameters = {trainable:,}",
             f"  Global batch = {global_batch}",
-        ]))
+        ] + ([trainable_summary(model)] if has_adapter(unwrap(model)) else [])))
 
     # ---- pieces of the loop -----------------------------------------------------------------------------
     def _device(self, model) -> torch.device:

@@ -33,11 +33,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint
+from safetensors.torch import load_file
 
 import kernels
 
 from trainer.args import TrainingArguments
 from trainer.build import PRESETS, build_preset, load_pretrained, save_pretrained
+from trainer.lora import apply_lora, is_adapter_name, peft_key
 from trainer.model import CausalLM, ModelConfig, generate
 from trainer.tasks import generate_tasks
 from trainer.trainer import Trainer
@@ -519,3 +522,54 @@ def test_fp16_with_fsdp2_is_refused(monkeypatch, tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), fp16=True, dist_config={"name": "fsdp2"})
     with pytest.raises(ConfigError, match="fp16=True with dist_config name fsdp2 is not supported"):
         parallel.apply_all(small_model(), args)
+
+
+# ---- LoRA (trainer/lora.py) under DDP and FSDP2 ------------------------------------------------------------------
+LORA_ARGS = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]}
+
+
+@pytest.fixture(scope="module")
+def lora_suite(tmp_path_factory, data_file):
+    """2 processes: LoRA under DDP and FSDP2 (3 steps, checkpoint-2), FSDP2 resumed from its checkpoint-2, and a
+    LoRA model built sharded on the meta device as trainer.sft builds it (the tiny preset, seed 3)."""
+    root = tmp_path_factory.mktemp("lora")
+    jobs = [{"name": name, "args": {**DIST_ARGS, **LORA_ARGS, **CONFIGS[name]}} for name in ("ddp", "fsdp2")]
+    jobs.append({"name": "fsdp2-resume", "args": {**DIST_ARGS, **LORA_ARGS, **CONFIGS["fsdp2"]},
+                 "resume": str(root / "fsdp2" / "run" / "checkpoint-2")})
+    jobs.append({"name": "build", "args": {**BASE, **LORA_ARGS, **CONFIGS["fsdp2"]}, "build": {"model": "tiny", "seed": 3}})
+    return ok(launch(root, data_file, jobs))
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp2-resume"])
+def test_lora_on_two_processes_matches_one_process(lora_suite, data_file, tmp_path, name):
+    with kernels.backend("reference"):
+        losses, model, _ = single_process(tmp_path, data_file, {**ONE_PROCESS_ARGS, **LORA_ARGS})
+    assert lora_suite["result"][name]["losses"] == pytest.approx(losses, rel=1e-5)
+    final = lora_suite["out"][name] / "final"
+    assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
+    saved = load_file(str(final / "adapter_model.safetensors"))
+    ours = {peft_key(n): p.detach() for n, p in model.named_parameters() if is_adapter_name(n)}
+    assert saved.keys() == ours.keys()
+    for key, value in ours.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    if name == "fsdp2":  # the sharded copy holds the adapter and its optimizer state, not the frozen base
+        metadata = torch.distributed.checkpoint.FileSystemReader(
+            str(lora_suite["out"][name] / "run" / "checkpoint-2" / "dcp")).read_metadata()
+        model_keys = {k for k in metadata.state_dict_metadata if k.startswith("model.")}
+        # torch's ignore_frozen_params keeps a tied weight's second name (lm_head = embed_tokens here), nothing else
+        assert {k for k in model_keys if "lora_" not in k} == {"model.lm_head.weight"}
+        assert len(model_keys) == 1 + 2 * 7 * 2
+
+
+def test_a_lora_model_built_sharded_equals_the_one_process_model(lora_suite):
+    gathered = load_file(str(lora_suite["out"]["build"] / "gathered.safetensors"))  # the trainable weights
+    # and, a quirk of torch's ignore_frozen_params, the tied head's second name (see the DCP check above)
+    assert set(gathered) - {n for n in gathered if is_adapter_name(n)} == {"lm_head.weight"}
+    gathered = {n: t for n, t in gathered.items() if is_adapter_name(n)}
+    args = TrainingArguments(output_dir="unused", **BASE, **LORA_ARGS)  # the adapter is drawn from args.seed
+    model = apply_lora(build_preset("tiny", seed=3)[0], args)
+    adapter = {n: p for n, p in model.named_parameters() if is_adapter_name(n)}
+    assert gathered.keys() == adapter.keys() and len(adapter) == 4 * 7 * 2
+    for name, value in adapter.items():
+        assert torch.equal(gathered[name], value.detach()), name
+    assert lora_suite["result"]["build"]["generated"]  # decoding runs through the sharded adapter
