@@ -19,13 +19,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import kernels
 from trainer import sft
 from trainer.args import ConfigError, TrainingArguments
-from trainer.deepspeed_engine import fill_config, read_config
 from trainer.build import load_pretrained
+from trainer.deepspeed_engine import fill_config, read_config
+from trainer.lora import is_adapter_name, peft_key
 
-from .test_distributed import DIST_ARGS, assert_same_weights, data_file, launch, ok, reference_run  # noqa: F401
+from .test_distributed import (  # noqa: F401
+    DIST_ARGS, LORA_ARGS, ONE_PROCESS_ARGS, assert_same_weights, data_file, launch, ok, reference_run, single_process,
+)
 
 pytest.importorskip("deepspeed")
 
@@ -126,6 +131,7 @@ def ds_suite(tmp_path_factory, data_file):  # noqa: F811
     jobs += [{"name": f"{name}-resumed", "args": ds_args(root, name),
               "resume": str(root / name / "run" / "checkpoint-2")} for name in ("zero2", "zero3")]
     jobs.append({"name": "zero2-nan", "args": {**ds_args(root, "zero2"), "save_strategy": "no"}, "nan_at_step": 2})
+    jobs.append({"name": "zero3-lora", "args": {**ds_args(root, "zero3"), **LORA_ARGS}})
     return ok(launch(root, data_file, jobs))
 
 
@@ -157,6 +163,21 @@ def test_nonfinite_step_skipped_and_counted(ds_suite, reference_run):  # noqa: F
     assert result["nonfinite_steps"] == 1
     assert len(result["losses"]) == 2 and result["losses"][0] == pytest.approx(reference_run[0][0], rel=1e-5)
     assert all(torch.isfinite(p).all() for p in load_pretrained(ds_suite["out"]["zero2-nan"] / "final").parameters())
+
+
+def test_lora_under_zero3_equals_one_process(ds_suite, data_file, tmp_path):  # noqa: F811
+    """LoRA (trainer/lora.py) through DeepSpeed ZeRO-3: the losses and the saved adapter equal a one-process LoRA run
+    without DeepSpeed (the run summary's trainable count divided by zero before: ZeRO-3 leaves empty placeholders)."""
+    with kernels.backend("reference"):
+        losses, model, _ = single_process(tmp_path, data_file, {**ONE_PROCESS_ARGS, **LORA_ARGS})
+    assert ds_suite["result"]["zero3-lora"]["losses"] == pytest.approx(losses, rel=1e-5)
+    final = ds_suite["out"]["zero3-lora"] / "final"
+    assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
+    saved = load_file(str(final / "adapter_model.safetensors"))
+    ours = {peft_key(n): p.detach() for n, p in model.named_parameters() if is_adapter_name(n)}
+    assert saved.keys() == ours.keys()
+    for key, value in ours.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_zero3_export_loads_in_transformers(ds_suite):
