@@ -42,13 +42,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checkpoint_hf import CheckpointError
+
 PREFIX = "checkpoint"
 DCP_DIR = "dcp"  # the sharded model + optimizer copy inside a checkpoint (FSDP2)
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from, named with its path and the reason."""
 
 
 def checkpoints(output_dir: str | Path) -> list[Path]:

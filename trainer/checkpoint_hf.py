@@ -36,7 +36,8 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be read or written as asked, in one line naming the file."""
+    """A checkpoint or model directory that cannot be read or written as asked (or resumed from), in one line naming
+    the file and the reason. The one class for both layers: these files and trainer/checkpoint.py's directories."""
 
 
 def read_json(file: Path) -> dict:
@@ -45,7 +46,7 @@ def read_json(file: Path) -> dict:
     try:
         value = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{file}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+        raise CheckpointError(f"{file}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{file}: expected a JSON object")
     return value

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError
+from .checkpoint_hf import CheckpointError, read_json
 from .coerce import ConfigError
 from .dist import local_device
 
@@ -81,14 +81,10 @@ def import_deepspeed():
 def read_config(path: str | Path) -> dict:
     """The user's DeepSpeed JSON as a dict; one ConfigError line for a missing file, invalid JSON or stage."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"deepspeed: {path}: no such file")
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"deepspeed: {path}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"deepspeed: {path}: expected a JSON object, got {type(config).__name__}")
+        config = read_json(path)
+    except CheckpointError as exc:  # a missing file, invalid JSON (file:line:col) or not an object
+        raise ConfigError(f"deepspeed: {exc}") from None
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"deepspeed: {path}: zero_optimization must be an object")

@@ -524,6 +524,16 @@ def test_fp16_with_fsdp2_is_refused(monkeypatch, tmp_path):
         parallel.apply_all(small_model(), args)
 
 
+def assert_same_adapter(final: Path, model) -> None:
+    """`final` holds an adapter alone (peft's layout) whose weights are `model`'s (a LoRA model of one process)."""
+    assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
+    saved = load_file(str(final / "adapter_model.safetensors"))
+    ours = {peft_key(n): p.detach() for n, p in model.named_parameters() if is_adapter_name(n)}
+    assert saved.keys() == ours.keys()
+    for key, value in ours.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
 # ---- LoRA (trainer/lora.py) under DDP and FSDP2 ------------------------------------------------------------------
 LORA_ARGS = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]}
 
@@ -545,13 +555,7 @@ def test_lora_on_two_processes_matches_one_process(lora_suite, data_file, tmp_pa
     with kernels.backend("reference"):
         losses, model, _ = single_process(tmp_path, data_file, {**ONE_PROCESS_ARGS, **LORA_ARGS})
     assert lora_suite["result"][name]["losses"] == pytest.approx(losses, rel=1e-5)
-    final = lora_suite["out"][name] / "final"
-    assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
-    saved = load_file(str(final / "adapter_model.safetensors"))
-    ours = {peft_key(n): p.detach() for n, p in model.named_parameters() if is_adapter_name(n)}
-    assert saved.keys() == ours.keys()
-    for key, value in ours.items():
-        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    assert_same_adapter(lora_suite["out"][name] / "final", model)
     if name == "fsdp2":  # the sharded copy holds the adapter and its optimizer state, not the frozen base
         metadata = torch.distributed.checkpoint.FileSystemReader(
             str(lora_suite["out"][name] / "run" / "checkpoint-2" / "dcp")).read_metadata()

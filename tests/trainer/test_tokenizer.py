@@ -73,7 +73,7 @@ def test_bad_directories(tmp_path):
         Tokenizer.from_pretrained(tmp_path)
     byte_level_tokenizer().save_pretrained(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>",\n "x": }')
-    with pytest.raises(TokenizerError, match="tokenizer_config.json: invalid JSON at line 2"):
+    with pytest.raises(TokenizerError, match=r"tokenizer_config.json:2:\d+: invalid JSON"):
         Tokenizer.from_pretrained(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
     with pytest.raises(TokenizerError, match="eos_token '<nope>' is not in the vocabulary"):
