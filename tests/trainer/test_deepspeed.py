@@ -15,6 +15,8 @@ Tolerance: as tests/trainer/test_distributed.py (the same fp32 terms summed in a
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,12 +26,14 @@ import kernels
 from trainer import sft
 from trainer.args import ConfigError, TrainingArguments
 from trainer.build import load_pretrained
+from trainer.checkpoint import checkpoints
 from trainer.deepspeed_engine import fill_config, read_config
 
 from .test_distributed import (  # noqa: F401
     DIST_ARGS, LORA_ARGS, ONE_PROCESS_ARGS, assert_same_adapter, assert_same_weights, data_file, launch, ok, reference_run,
     single_process,
 )
+from .test_trainer import _env, _sft, wait_for_a_logged_step
 
 pytest.importorskip("deepspeed")
 
@@ -197,3 +201,26 @@ def test_deepspeed_launcher_local_rank_accepted(tmp_path, monkeypatch):
     TrainingArguments.from_dict({"output_dir": str(tmp_path), "local_rank": 1})
     with pytest.raises(ConfigError, match="local_rank=0: only a launcher sets it"):
         TrainingArguments.from_dict({"output_dir": str(tmp_path), "local_rank": 0})
+
+
+def test_sigterm_saves_deepspeeds_checkpoint_and_the_resume_finishes_the_run(tmp_path):
+    """SIGTERM under DeepSpeed stops at the end of the step like any run: a checkpoint holding DeepSpeed's own
+    (deepspeed/) beside our trainer state, exit 143, the resume command printed; resuming it trains to max_steps."""
+    ds = write(tmp_path, {**AUTO, "zero_optimization": ZERO["zero2"]})
+    out = tmp_path / "run"
+    command = _sft(out, "--max_steps", "100000", "--save_strategy", "no", "--deepspeed", str(ds))
+    proc = subprocess.Popen(command, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_a_logged_step(out, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    [saved] = checkpoints(out)
+    assert (saved / "deepspeed").is_dir() and (saved / "trainer_state.json").is_file()
+    step = json.loads((saved / "trainer_state.json").read_text())["global_step"]
+    assert "--resume_from_checkpoint auto" in err
+    finish = _sft(out, "--max_steps", str(step + 2), "--save_strategy", "no", "--deepspeed", str(ds),
+                  "--resume_from_checkpoint", "auto")
+    done = subprocess.run(finish, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed from {saved} at step {step}" in done.stderr
+    assert json.loads((out / "final_metrics.json").read_text())["global_step"] == step + 2

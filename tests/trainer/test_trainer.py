@@ -583,6 +583,14 @@ def _env():
     return env
 
 
+def wait_for_a_logged_step(out: Path, proc) -> None:
+    """Until the run in `proc` has logged a step to out/metrics.jsonl (its stop handlers are installed by then; the
+    file itself exists a little earlier), or it ended, or 240 s passed."""
+    metrics, deadline = out / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and proc.poll() is None and not (metrics.exists() and metrics.read_text().strip()):
+        time.sleep(0.05)
+
+
 def test_sigkill_then_resume_gives_the_same_weights(tmp_path):
     full = tmp_path / "full"
     subprocess.run(_sft(full), check=True, env=_env(), cwd=tmp_path, capture_output=True, timeout=300)
@@ -613,9 +621,7 @@ def test_sigterm_or_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(tmp_
     out = tmp_path / "run"
     command = _sft(out, "--max_steps", "100000", "--save_strategy", "no")
     proc = subprocess.Popen(command, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while not (out / "metrics.jsonl").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
+    wait_for_a_logged_step(out, proc)
     proc.send_signal(stop)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err[-2000:]
