@@ -21,6 +21,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -38,7 +39,10 @@ SPEEDUP = "speedup_vs_"
 
 
 def _name(row: dict) -> str:
-    return str(row.get("provider", row.get("impl", "")))
+    """provider (or impl), with a non-default variant in brackets: cross_entropy --variant all's rows."""
+    name = str(row.get("provider", row.get("impl", "")))
+    variant = row.get("variant")
+    return f"{name}[{variant}]" if variant not in (None, "default") else name
 
 
 def speedup_series(rows: list[dict]) -> tuple[list[str], dict[str, list[float | None]]]:
@@ -62,17 +66,11 @@ def speedup_series(rows: list[dict]) -> tuple[list[str], dict[str, list[float | 
     return labels, series
 
 
-def plot(op: str, rows: list[dict], out: Path) -> Path | None:
-    """<out>/<op>.png: grouped bars of ours' speed-up against each baseline, per shape."""
+def _draw(ax, op: str, rows: list[dict]) -> bool:
+    """Grouped bars of ours' speed-up against each baseline, per shape, on ax; False when no row has speed-ups."""
     labels, series = speedup_series(rows)
     if not labels:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) * max(1, len(series)) + 2), 4.5))
+        return False
     width = 0.8 / max(1, len(series))
     for i, (baseline, values) in enumerate(series.items()):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
@@ -86,6 +84,26 @@ def plot(op: str, rows: list[dict], out: Path) -> Path | None:
     ax.set_title(f"{op} on {first.get('device')} ({first.get('date', '')[:10]}, {first.get('git_sha')}){note}",
                  fontsize=9)
     ax.legend(fontsize=8)
+    return True
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(op: str, rows: list[dict], out: Path) -> Path | None:
+    """<out>/<op>.png: grouped bars of ours' speed-up against each baseline, per shape."""
+    labels, series = speedup_series(rows)
+    if not labels:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) * max(1, len(series)) + 2), 4.5))
+    _draw(ax, op, rows)
     fig.tight_layout()
     path = out / f"{op}.png"
     fig.savefig(path, dpi=120)
@@ -93,14 +111,30 @@ def plot(op: str, rows: list[dict], out: Path) -> Path | None:
     return path
 
 
-def summary(results: dict[str, list[dict]], failures: dict[str, str], out: Path) -> Path:
-    lines = ["# Kernel benchmarks: speed-ups of this run", ""]
+def chart(results: dict[str, list[dict]], path: Path) -> Path | None:
+    """One PNG with a panel per op (the charts of plot() stacked): for runs that may bring back few files."""
+    drawable = [(op, rows) for op, rows in results.items() if speedup_series(rows)[0]]
+    if not drawable:
+        return None
+    plt = _pyplot()
+    widest = max(len(speedup_series(rows)[0]) * max(1, len(speedup_series(rows)[1])) for _, rows in drawable)
+    fig, axes = plt.subplots(len(drawable), 1, figsize=(max(6.0, 0.9 * widest + 2), 4.5 * len(drawable)), squeeze=False)
+    for ax, (op, rows) in zip(axes[:, 0], drawable):
+        _draw(ax, op, rows)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary_lines(results: dict[str, list[dict]], failures: dict[str, str]) -> list[str]:
+    """The speed-ups of this run as one markdown table per op, then each failed benchmark's traceback."""
+    lines = []
     for op, rows in results.items():
         labels, series = speedup_series(rows)
         first = rows[0] if rows else {}
         flag = "" if first.get("perf_figure") else " — CPU run, perf_figure=False: not performance figures"
-        lines += [f"## {op}", "", f"{first.get('device')}, {first.get('date')}, git {first.get('git_sha')}{flag}; "
-                  f"rows in {op}.jsonl / {op}.md, chart {op}.png", ""]
+        lines += [f"## {op}", "", f"{first.get('device')}, {first.get('date')}, git {first.get('git_sha')}{flag}", ""]
         if labels:
             lines.append("| shape | " + " | ".join(f"vs {b}" for b in series) + " |")
             lines.append("|---|" + "---|" * len(series))
@@ -110,9 +144,37 @@ def summary(results: dict[str, list[dict]], failures: dict[str, str], out: Path)
             lines.append("")
     for op, error in failures.items():
         lines += [f"## {op}: FAILED", "", "```", error.strip(), "```", ""]
+    return lines
+
+
+def summary(results: dict[str, list[dict]], failures: dict[str, str], out: Path) -> Path:
+    lines = ["# Kernel benchmarks: speed-ups of this run", "",
+             "Rows in <op>.jsonl / <op>.md, charts <op>.png.", "", *summary_lines(results, failures)]
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def run(ops: list[str], argv_for: Callable[[str], list[str]]) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """Each op's benchmark main(argv_for(op)) in this process: ({op: rows}, {op: traceback of a failure}).
+    Rows are also written by each script to common.RESULTS/<op>.jsonl (+ .md)."""
+    results: dict[str, list[dict]] = {}
+    failures: dict[str, str] = {}
+    for op in ops:
+        print(f"== {op}", flush=True)
+        module = importlib.import_module(f"bench.bench_{op}")
+        try:
+            results[op] = module.main(argv_for(op))
+        except Exception:  # one broken benchmark must not hide the others' results
+            failures[op] = traceback.format_exc()
+            print(failures[op], file=sys.stderr, flush=True)
+    return results, failures
+
+
+def parse_ops(text: str) -> list[str] | None:
+    """The ops of a comma-separated --only value, or None when one is not in OPS (or none is given)."""
+    ops = [o.strip() for o in text.split(",") if o.strip()]
+    return ops if ops and not set(ops) - set(OPS) else None
 
 
 def main(argv=None) -> int:
@@ -122,26 +184,16 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=",".join(OPS), help=f"comma-separated subset of {', '.join(OPS)}")
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib charts")
     args = p.parse_args(argv)
-    ops = [o.strip() for o in args.only.split(",") if o.strip()]
-    if not ops or set(ops) - set(OPS):
+    ops = parse_ops(args.only)
+    if ops is None:
         p.error(f"--only: choose from {', '.join(OPS)}")
     if args.out:
         common.RESULTS = Path(args.out)  # write_rows reads it at call time
     out = common.RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict]] = {}
-    failures: dict[str, str] = {}
-    for op in ops:
-        print(f"== {op}", flush=True)
-        module = importlib.import_module(f"bench.bench_{op}")
-        try:
-            rows = module.main(["--quick"] if args.quick else [])
-        except Exception:  # one broken benchmark must not hide the others' results
-            failures[op] = traceback.format_exc()
-            print(failures[op], file=sys.stderr, flush=True)
-            continue
-        results[op] = rows
-        if not args.no_plots:
+    results, failures = run(ops, lambda op: ["--quick"] if args.quick else [])
+    if not args.no_plots:
+        for op, rows in results.items():
             png = plot(op, rows, out)
             if png:
                 print(f"chart: {png}", flush=True)

@@ -20,6 +20,9 @@ parameters of that dtype with fp32 moments must move:
     ours_bf16_master  14 + 14    min 12 + 10 (the fp32 master copy costs 6 B per element, for exactness)
     ours_bf16_sr      12 + 10    min 12 + 10 Speed-ups are against torch_fused_fp32 and torch_foreach_fp32 measured in the same run.
 GPU target: ours_bf16_master >= 1.0x torch_fused_fp32 and >= 2.5x torch_foreach_fp32.
+ours_*_cuda: the same variants through the CUDA C++ op (csrc/adamw.cu, kernels._C) instead of the Triton kernel, run
+where the extension is built (skipped otherwise, with the reason); kernels/adamw.py's dispatch default
+(_CUDA_OP_MEASURED_FASTER) is to be set from these rows.
 
 Usage:
     python bench/bench_adamw.py              # GPU: the Llama-3.2-1B parameter list
@@ -40,15 +43,20 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
-from kernels import FusedAdamW, use_triton  # noqa: E402
+from kernels import FusedAdamW  # noqa: E402
+from kernels.adamw import adamw_impl, cuda_op_unavailable, forced_impl  # noqa: E402
 
-# name: (param dtype, implementation, bytes per element a step must move)
+# name: (param dtype, implementation, bytes per element a step must move). ours_*_cuda: the same optimizer through
+# the CUDA C++ op (csrc/adamw.cu) instead of the Triton kernel; skipped where kernels._C is not built.
 VARIANTS = {
     "torch_foreach_fp32": (torch.float32, "foreach", 28),
     "torch_fused_fp32": (torch.float32, "fused", 28),
     "ours_fp32": (torch.float32, "ours", 28),
     "ours_bf16_master": (torch.bfloat16, "ours", 28),
     "ours_bf16_sr": (torch.bfloat16, "ours_sr", 22),
+    "ours_fp32_cuda": (torch.float32, "ours", 28),
+    "ours_bf16_master_cuda": (torch.bfloat16, "ours", 28),
+    "ours_bf16_sr_cuda": (torch.bfloat16, "ours_sr", 22),
     "torch_fused_bf16": (torch.bfloat16, "fused", 14),
 }
 # Our variants: bytes read/written per parameter and the minimum for their parameter dtype (module docstring).
@@ -57,6 +65,7 @@ BYTE_MODELS = {
     "ours_bf16_master": common.ByteModel(14, 14, 12, 10),
     "ours_bf16_sr": common.ByteModel(12, 10, 12, 10),
 }
+BYTE_MODELS.update({f"{name}_cuda": model for name, model in BYTE_MODELS.items()})
 # (layers, hidden, intermediate, heads, kv heads, vocab)
 MODELS = {
     "llama-3.2-1b": (16, 2048, 8192, 32, 8, 128256),
@@ -104,12 +113,14 @@ def build(variant: str, shapes: list[tuple], device: torch.device):
 def bench_variant(variant: str, shapes: list[tuple], quick: bool) -> dict:
     device = common.device()
     params, opt = build(variant, shapes, device)
-    opt.step()  # state allocation and compilation outside the timing
-    reps = {"rep": 20, "cpu_reps": 2} if quick else {}
-    timing = common.measure(opt.step, **reps)
-    numel = sum(p.numel() for p in params)
     _, impl, bytes_per_elem = VARIANTS[variant]
-    path = ("triton" if use_triton(params[0]) else "reference") if impl.startswith("ours") else "torch"
+    with forced_impl("cuda" if variant.endswith("_cuda") else "triton"):
+        opt.step()  # state allocation and compilation outside the timing
+        reps = {"rep": 20, "cpu_reps": 2} if quick else {}
+        timing = common.measure(opt.step, **reps)
+        path = adamw_impl(params[0])[0] if impl.startswith("ours") else "torch"
+        peak = common.peak_extra_memory(opt.step)
+    numel = sum(p.numel() for p in params)
     row = {
         "op": "adamw",
         "impl": variant,
@@ -119,7 +130,7 @@ def bench_variant(variant: str, shapes: list[tuple], quick: bool) -> dict:
         "bytes_per_elem": bytes_per_elem,
         **timing,
         **common.physics(timing["ms"], bytes_moved=bytes_per_elem * numel),
-        "peak_extra_bytes": common.peak_extra_memory(opt.step),
+        "peak_extra_bytes": peak,
         **(BYTE_MODELS[variant].columns(numel, timing["ms"]) if variant in BYTE_MODELS else {}),
     }
     del params, opt
@@ -153,6 +164,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     shapes = llama_shapes(*MODELS[args.model])
+    missing = cuda_op_unavailable() if common.on_gpu() else "the CUDA op needs a GPU"
+    if missing:
+        skipped = [v for v in args.variants if v.endswith("_cuda")]
+        if skipped:
+            print(f"skipping {', '.join(skipped)}: {missing}")
+        args.variants = [v for v in args.variants if v not in skipped]
     rows = [bench_variant(v, shapes, args.quick) for v in args.variants]
     env = common.env_info()
     base = {r["impl"]: r["ms"] for r in rows}

@@ -27,6 +27,7 @@ interpreter; those rows are flagged perf_figure=False.
     python bench/bench_cross_entropy.py            # GPU, all shapes
     python bench/bench_cross_entropy.py --quick    # CPU smoke run
     python bench/bench_cross_entropy.py --providers ours --variant all   # the forward variants side by side
+    python bench/bench_cross_entropy.py --tokens 8192 --vocab 128256 --label-smoothing 0.1   # the issue-16 anchor
 """
 
 from __future__ import annotations
@@ -73,22 +74,25 @@ def _liger():
     return liger_cross_entropy
 
 
-def make_loss_fn(provider: str, compile_backend: str):
+def make_loss_fn(provider: str, compile_backend: str, label_smoothing: float = 0.0):
+    ls = label_smoothing
     if provider == "ours":
-        return lambda x, t: cross_entropy(x, t)
+        return lambda x, t: cross_entropy(x, t, label_smoothing=ls)
     if provider == "torch":
-        return lambda x, t: cross_entropy_ref(x, t)
+        return lambda x, t: cross_entropy_ref(x, t, label_smoothing=ls)
     if provider == "torch_native":
-        return lambda x, t: F.cross_entropy(x, t)
+        return lambda x, t: F.cross_entropy(x, t, label_smoothing=ls)
     if provider == "torch_compile":
-        return torch.compile(cross_entropy_ref, backend=compile_backend)
+        compiled = torch.compile(cross_entropy_ref, backend=compile_backend)
+        return lambda x, t: compiled(x, t, label_smoothing=ls)
     if provider == "liger":
-        return _liger()
+        liger = _liger()
+        return None if liger is None else (lambda x, t: liger(x, t, label_smoothing=ls))
     raise ValueError(f"unknown provider {provider!r}; choose from {', '.join(PROVIDERS)}")
 
 
-def bench_one(provider, n_tokens, vocab, dtype, compile_backend, dev, reps=3, variant="default"):
-    fn = make_loss_fn(provider, compile_backend)
+def bench_one(provider, n_tokens, vocab, dtype, compile_backend, dev, reps=3, variant="default", label_smoothing=0.0):
+    fn = make_loss_fn(provider, compile_backend, label_smoothing)
     if fn is None:
         return None
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -120,7 +124,8 @@ def bench_one(provider, n_tokens, vocab, dtype, compile_backend, dev, reps=3, va
         else:
             t = {k: t_full[k] - t_fwd[k] for k in ("ms", "ms_p20", "ms_p80")}
             nbytes = logits_bytes
-        row = {"op": "cross_entropy", "provider": provider, "mode": mode, "tokens": n_tokens, "vocab": vocab, "dtype": str(dtype).replace("torch.", "")}
+        row = {"op": "cross_entropy", "provider": provider, "mode": mode, "tokens": n_tokens, "vocab": vocab,
+               "dtype": str(dtype).replace("torch.", ""), "label_smoothing": label_smoothing}
         if provider == "ours":
             row["variant"] = variant
         row.update(t)
@@ -155,8 +160,12 @@ def main(argv=None):
     parser.add_argument("--providers", nargs="*", choices=PROVIDERS, default=list(PROVIDERS))
     parser.add_argument("--variant", choices=(*FWD_VARIANTS, "all"), default="default",
                         help="our forward kernel's variant (kernels/cross_entropy.py FWD_VARIANTS); all: each as its own row")
+    parser.add_argument("--label-smoothing", type=float, default=0.0, help="for every provider (default 0; the GPU "
+                        "target is stated at 0.1)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for torch_compile (default inductor)")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.label_smoothing <= 1.0:
+        parser.error(f"--label-smoothing {args.label_smoothing} must be in [0, 1]")
 
     dev = common.device()
     shapes = CPU_SHAPES if (args.quick or not common.on_gpu()) else GPU_SHAPES
@@ -172,7 +181,7 @@ def main(argv=None):
         runs = [(p, v) for p in args.providers for v in (variants if p == "ours" else ("default",))]
         for provider, variant in runs:
             result = bench_one(provider, n_tokens, vocab, DTYPES[args.dtype], args.compile_backend, dev,
-                               reps=1 if args.quick else 3, variant=variant)
+                               reps=1 if args.quick else 3, variant=variant, label_smoothing=args.label_smoothing)
             if result is None:
                 print(f"skip {provider}: not installed")
                 continue

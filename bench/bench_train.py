@@ -42,9 +42,12 @@ CPU or unknown device), peak memory (torch.cuda.max_memory_allocated on a GPU; o
 RSS, imports included), and the loss after the last step (mean next-token cross-entropy of a fixed held-out batch,
 fp32, computed by the same code for every configuration). Rows carry ratios against `hf` from the same run.
 
---memory-ladder (GPU only; on a CPU it says so and exits 0): for each configuration, the largest micro batch that
-fits at --seq-len, found by doubling from 1 until out-of-memory, then bisecting between the last fit and the first
-OOM; every probe is a fresh subprocess running 2 optimizer steps (so the optimizer state is allocated).
+--memory-ladder micro_batch,seq_len: for each configuration, the largest micro batch that fits at --seq-len (from
+--micro-batch up) and the longest sequence that fits at micro batch 1 (from --seq-len up), found by doubling until
+out-of-memory, then
+bisecting (--ladder-bisect probes at most); every probe is a fresh subprocess running 2 optimizer steps on synthetic
+ids (so the optimizer state is allocated, and an OOM ends the probe, not the ladder). On a CPU nothing runs out of
+memory: the ladder climbs to its small --ladder-max-* rungs (a smoke run; peak memory is the worker's max RSS).
 
 Committed CPU results (bench/results/train.md, perf_figure=False), one thread on 2 shared cores, seq 128 x micro
 4, fp32. Latest (tiny at 0.77M parameters, `--quick --steps 30 --warmup-steps 5 --repeats 5`): ours 3899 tok/s
@@ -57,7 +60,7 @@ between repeats, hence --threads 1 on a CPU.
 Usage:
     python bench/bench_train.py --quick                  # CPU: tiny model, a couple of minutes
     python bench/bench_train.py --model llama-3.2-1b     # GPU: rows to bench/results/train.jsonl (+ .md)
-    python bench/bench_train.py --memory-ladder --model qwen2.5-0.5b --seq-len 2048
+    python bench/bench_train.py --memory-ladder micro_batch,seq_len --model llama-3.2-1b --seq-len 2048
 """
 
 from __future__ import annotations
@@ -210,6 +213,9 @@ def worker(spec: dict) -> dict:
         gradient_checkpointing=False,
     )
     if device.type == "cuda":
+        if spec.get("max_memory_gb"):
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, spec["max_memory_gb"] * 1e9 / total))
         torch.cuda.reset_peak_memory_stats()
     if impl.startswith("ours"):
         from trainer.args import TrainingArguments
@@ -259,7 +265,9 @@ def worker(spec: dict) -> dict:
         "status": "ok", "tokens_per_s": step_tokens / median_s, "tokens_per_s_mean": step_tokens * timed / sum(step_s),
         "timed_steps": timed, "train_wall_s": wall, "step_ms": 1e3 * median_s, "peak_memory_gb": peak,
         "peak_memory_kind": kind,
-        "final_loss": heldout_loss(trainer.model if impl.startswith("ours") else model, heldout, device),
+        # The memory ladder's probes skip it: its (rows, T, vocab) fp32 logits at long T would be the peak.
+        "final_loss": heldout_loss(trainer.model if impl.startswith("ours") else model, heldout, device)
+        if spec.get("eval_loss", True) else None,
     }
 
 
@@ -305,6 +313,7 @@ def base_spec(args, model_dir: Path, out_dir: Path, config: dict) -> dict:
         "seq_len": args.seq_len, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
         "steps": args.steps, "warmup_steps": args.warmup_steps, "lr": args.lr, "seed": args.seed, "data": args.data,
         "our_optim": args.our_optim, "hf_optim": args.hf_optim, "threads": args.threads,
+        "max_memory_gb": args.max_memory_gb,
     }
 
 
@@ -376,48 +385,92 @@ def config_params(config: dict) -> int:
         return CausalLM(ModelConfig.from_hf(config)).num_parameters()
 
 
-def memory_ladder(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
-    """Per configuration: the largest micro batch at seq_len that trains (2 steps) without running out of memory."""
+LADDERS = ("micro_batch", "seq_len")
+
+
+def memory_ladder(args, config: dict, model_dir: Path, tmp: Path, ladder: str, deadline: float | None = None) -> list[dict]:
+    """Per configuration, the largest `ladder` value (micro batch at --seq-len, or sequence length at micro batch 1)
+    that trains 2 optimizer steps without running out of memory.
+
+    Each rung is a fresh subprocess (run_worker), so an out-of-memory there ends that process, not the ladder:
+    its status is recorded and the ladder goes on by doubling from the first rung until the first OOM (or
+    --ladder-max-*), then bisects between the last fit and the first OOM for at most --ladder-bisect probes. A
+    rung that fails otherwise (an error, a timeout) ends that configuration's ladder with its reason and the next
+    configuration starts. `deadline` (time.monotonic()) stops the ladders cleanly, before a probe that might not
+    finish by it, leaving the bracket found so far. Rows: one "train_memory_rung" per probe (status, peak memory)
+    and one "train_memory" per configuration (max_fit, first_oom)."""
     env = common.env_info()
-    rows = []
+    first, top = ((args.micro_batch, args.ladder_max_micro_batch) if ladder == "micro_batch"
+                  else (args.seq_len, args.ladder_max_seq_len))
+    fixed = {"seq_len": args.seq_len} if ladder == "micro_batch" else {"micro_batch": 1}
+    rows: list[dict] = []
+    longest_probe = 0.0
     for impl in args.configs:
         reason = skip_reason(impl)
         if reason:
-            rows.append({"bench": "train_memory", "impl": impl, "status": "skipped", "reason": reason, **env})
+            rows.append({"bench": "train_memory", "impl": impl, "ladder": ladder, "status": "skipped", "reason": reason,
+                         **env})
             continue
-        probes: dict[int, bool] = {}
+        stopped: str | None = None
 
-        def fits(micro: int) -> bool:
-            spec = {**base_spec(args, model_dir, tmp / f"{impl}_{micro}", config), "impl": impl,
-                    "micro_batch": micro, "grad_accum": 1, "steps": 2, "warmup_steps": 1}
-            r = run_worker(spec, args.timeout)
-            if r["status"] not in ("ok", "oom"):
-                raise RuntimeError(f"{impl} micro_batch={micro}: {r['status']}: {r.get('reason')}")
-            probes[micro] = r["status"] == "ok"
-            print(f"{impl:9s} micro_batch={micro:5d} seq_len={args.seq_len}: {'fits' if probes[micro] else 'OOM'}",
-                  flush=True)
-            return probes[micro]
+        def probe(value: int) -> bool | None:
+            """True: fits; False: out of memory; None: stopped (error, timeout or the deadline)."""
+            nonlocal stopped, longest_probe
+            budget = args.timeout
+            if deadline is not None:
+                budget = min(budget, deadline - time.monotonic())
+                if budget < 1.5 * longest_probe:
+                    stopped = "time budget spent"
+                    return None
+            shape = {**fixed, ladder: value}
+            spec = {**base_spec(args, model_dir, tmp / f"{impl}_{ladder}_{value}", config), "impl": impl,
+                    **shape, "grad_accum": 1, "steps": 2, "warmup_steps": 1, "data": "synthetic", "eval_loss": False}
+            t0 = time.monotonic()
+            r = run_worker(spec, budget)
+            longest_probe = max(longest_probe, time.monotonic() - t0)
+            rows.append({"bench": "train_memory_rung", "impl": impl, "model": args.model, "ladder": ladder, **shape,
+                         "status": r["status"], "peak_memory_gb": r.get("peak_memory_gb"),
+                         "peak_memory_kind": r.get("peak_memory_kind"), "reason": r.get("reason"),
+                         "probe_s": round(time.monotonic() - t0, 1), **env})
+            print(f"{impl:9s} {ladder}={value:6d} ({', '.join(f'{k}={v}' for k, v in fixed.items())}): {r['status']}"
+                  + (f" peak {r['peak_memory_gb']:.2f} GB" if r.get("peak_memory_gb") is not None else "")
+                  + (f" ({r['reason']})" if r["status"] not in ("ok", "oom") else ""), flush=True)
+            if r["status"] in ("ok", "oom"):
+                return r["status"] == "ok"
+            stopped = f"{r['status']} at {ladder}={value}: {r.get('reason')}"
+            return None
 
-        good, bad = 0, None
-        micro = 1
-        while micro <= args.ladder_max:  # doubling
-            if not fits(micro):
-                bad = micro
+        good, bad, n_probes = 0, None, 0
+        value = first
+        while value <= top and stopped is None:  # doubling
+            fit = probe(value)
+            n_probes += fit is not None
+            if fit is None:
                 break
-            good, micro = micro, micro * 2
-        if bad is not None:  # bisection in (good, bad)
-            while bad - good > 1:
-                mid = (good + bad) // 2
-                good, bad = (mid, bad) if fits(mid) else (good, mid)
+            if not fit:
+                bad = value
+                break
+            good, value = value, value * 2
+        bisections = 0
+        while bad is not None and good and bad - good > 1 and bisections < args.ladder_bisect and stopped is None:
+            mid = (good + bad) // 2
+            fit = probe(mid)
+            if fit is None:
+                break
+            n_probes += 1
+            bisections += 1
+            good, bad = (mid, bad) if fit else (good, mid)
         rows.append({
-            "bench": "train_memory", "impl": impl, "model": args.model, "seq_len": args.seq_len,
-            "max_micro_batch": good, "first_oom_micro_batch": bad, "capped_at": None if bad else args.ladder_max,
-            "probes": len(probes), "precision": "bf16-autocast", "status": "ok", **env,
+            "bench": "train_memory", "impl": impl, "model": args.model, "ladder": ladder, **fixed,
+            "max_fit": good or None, "first_oom": bad, "capped_at": top if bad is None and stopped is None else None,
+            "probes": n_probes, "stopped": stopped, "status": "ok" if stopped is None else "incomplete",
+            "precision": "bf16-autocast" if torch.cuda.is_available() else "fp32", **env,
         })
-    ours = next((r for r in rows if r["impl"] == "ours" and r["status"] == "ok"), None)
-    hf = next((r for r in rows if r["impl"] == "hf" and r["status"] == "ok"), None)
-    if ours and hf and hf["max_micro_batch"]:
-        ours["max_micro_batch_vs_hf"] = ours["max_micro_batch"] / hf["max_micro_batch"]
+    summaries = {r["impl"]: r for r in rows if r["bench"] == "train_memory" and r.get("max_fit")}
+    hf = summaries.get("hf")
+    for impl, r in summaries.items():
+        if hf and impl != "hf":
+            r["max_fit_vs_hf"] = r["max_fit"] / hf["max_fit"]
     return rows
 
 
@@ -440,9 +493,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     p.add_argument("--our-optim", default="adamw_fused", help="our Trainer's optim (default: its default)")
     p.add_argument("--hf-optim", default="adamw_torch_fused", help="HF Trainer's optim (default: its default)")
-    p.add_argument("--memory-ladder", action="store_true", help="largest micro batch per configuration (GPU only)")
-    p.add_argument("--ladder-max", type=int, default=1024, help="largest micro batch the ladder tries")
+    p.add_argument("--memory-ladder", default=None, help=f"comma-separated ladders of {', '.join(LADDERS)}: the "
+                   "largest micro batch (at --seq-len) / sequence length (at micro batch 1, from --seq-len) per "
+                   "configuration, instead of the comparison")
+    p.add_argument("--ladder-max-micro-batch", type=int, default=None, help="highest micro batch rung (default 256 "
+                   "on a GPU, 2 x --micro-batch on a CPU)")
+    p.add_argument("--ladder-max-seq-len", type=int, default=None, help="highest sequence length rung (default "
+                   "131072 on a GPU, 2 x --seq-len on a CPU)")
+    p.add_argument("--ladder-bisect", type=int, default=1 << 30, help="most bisection probes between the last fit "
+                   "and the first OOM (default: until they are adjacent)")
+    p.add_argument("--max-memory-gb", type=float, default=None, help="cap each worker's CUDA memory "
+                   "(torch.cuda.set_per_process_memory_fraction), e.g. 79.6 to ladder an H100's memory on an H200")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
+    p.add_argument("--budget-s", type=float, default=None, help="memory ladder: start no probe that might not end "
+                   "within this many seconds of the start (the bracket found so far is reported)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -465,6 +529,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--repeats must be at least 1")
     if not 1 <= args.warmup_steps < args.steps:
         p.error("--warmup-steps must be at least 1 and below --steps")
+    if args.memory_ladder is not None:
+        args.memory_ladder = [x.strip() for x in args.memory_ladder.split(",") if x.strip()]
+        if not args.memory_ladder or set(args.memory_ladder) - set(LADDERS):
+            p.error(f"--memory-ladder: choose from {', '.join(LADDERS)}")
+    if args.ladder_max_micro_batch is None:
+        args.ladder_max_micro_batch = 256 if gpu else 2 * args.micro_batch
+    if args.ladder_max_seq_len is None:
+        args.ladder_max_seq_len = 131072 if gpu else 2 * args.seq_len
+    if args.max_memory_gb is not None and not (gpu and args.max_memory_gb > 0):
+        p.error("--max-memory-gb needs a CUDA device and a positive number of GB")
     return args
 
 
@@ -473,9 +547,6 @@ def main(argv=None) -> list[dict]:
     if args.worker is not None:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return []
-    if args.memory_ladder and not torch.cuda.is_available():
-        print("--memory-ladder needs a CUDA device (out-of-memory is a GPU notion here); nothing to do on a CPU")
-        return []
     if args.out:
         common.RESULTS = Path(args.out)
     config = model_config(args.model)
@@ -483,7 +554,9 @@ def main(argv=None) -> list[dict]:
         tmp = Path(tmp)
         write_model(config, args.seed, tmp / "model")
         if args.memory_ladder:
-            rows = memory_ladder(args, config, tmp / "model", tmp)
+            deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
+            rows = [r for ladder in args.memory_ladder
+                    for r in memory_ladder(args, config, tmp / "model", tmp, ladder, deadline)]
             path = common.write_rows("train_memory", rows)
         else:
             rows = compare(args, config, tmp / "model", tmp)

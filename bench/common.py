@@ -16,11 +16,16 @@ Timing: on CUDA `triton.testing.do_bench` (median, p20, p80 in ms; CUDA graphs v
 from __future__ import annotations
 
 import datetime as _dt
+import functools
+import importlib.metadata
 import json
 import os
 import platform
+import shlex
+import shutil
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +33,8 @@ from typing import Callable
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
 QUANTILES = (0.5, 0.2, 0.8)
 
 
@@ -40,50 +46,67 @@ def device() -> torch.device:
     return torch.device("cuda" if on_gpu() else "cpu")
 
 
-def _version(module: str) -> str | None:
+ABSENT = "absent"  # the version of a package that is not installed
+
+
+def _version(distribution: str) -> str:
+    """The installed version of a distribution (pip's name), or ABSENT."""
     try:
-        return __import__(module).__version__
-    except Exception:
-        return None
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ABSENT
 
 
 def git_sha() -> str:
-    """The short HEAD sha, with "+dirty" when tracked files differ from it (the rows then ran uncommitted code)."""
+    """The short HEAD sha, with "+dirty" when tracked files differ from it (the rows then ran uncommitted code).
+
+    A tree without .git (the device machine gets a copy of the working tree, not the repository) takes the sha
+    from the GIT_SHA environment variable, which whoever starts the run sets (docs/gpu_runbook.md); "unknown"
+    when neither exists."""
+    if not (ROOT / ".git").exists():
+        return os.environ.get("GIT_SHA", "").strip() or "unknown"
     try:
-        here = Path(__file__).parent
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         sha = out.stdout.strip() or "unknown"
         status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=10
         )
         return sha + ("+dirty" if status.stdout.strip() else "")
-    except Exception:
+    except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
+@functools.lru_cache(maxsize=1)
+def driver_version() -> str:
+    """The NVIDIA driver's version as nvidia-smi reports it, or ABSENT (no GPU, or no nvidia-smi)."""
+    if not on_gpu() or shutil.which("nvidia-smi") is None:
+        return ABSENT
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ABSENT
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ABSENT
+
+
 def env_info() -> dict:
-    """Device, date, versions, git sha: the context columns of every result row."""
+    """Device, driver, date, versions, git sha and the command line: the context columns of every result row."""
     name = torch.cuda.get_device_name() if on_gpu() else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     return {
         "device": name,
+        "driver": driver_version(),
+        "cuda": torch.version.cuda or ABSENT,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "torch": torch.__version__,
         "triton": _version("triton"),
-        "liger_kernel": _liger_version(),
+        "liger_kernel": _version("liger_kernel"),
         "transformers": _version("transformers"),
+        "peft": _version("peft"),
         "git_sha": git_sha(),
+        "command": shlex.join(sys.orig_argv),
         "perf_figure": on_gpu(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0") == "1",
     }
-
-
-def _liger_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("liger_kernel")
-    except Exception:
-        return None
 
 
 def measure(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, cuda_graph: bool = False, cpu_reps: int = 3) -> dict:
@@ -195,9 +218,17 @@ def write_rows(name: str, rows: list[dict]) -> Path:
     return path
 
 
+def env_header(env: dict) -> str:
+    """One markdown line naming where and with what a row (or the newest of a table's rows) was measured."""
+    versions = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "triton", "transformers", "peft", "liger_kernel"))
+    return (f"Measured on {env.get('device')} (driver {env.get('driver')}, CUDA {env.get('cuda')}), {versions}; "
+            f"git {env.get('git_sha')}, {env.get('date')}; command `{env.get('command')}`")
+
+
 def render_markdown(path: Path) -> Path:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    context = ("date", "torch", "triton", "liger_kernel", "transformers", "git_sha", "triton_interpret")
+    context = ("date", "driver", "cuda", "torch", "triton", "liger_kernel", "transformers", "peft", "git_sha", "command",
+               "triton_interpret")
     cols: list[str] = []
     for row in rows:
         for key in row:
@@ -210,7 +241,8 @@ def render_markdown(path: Path) -> Path:
             return f"{v:.4g}"
         return "" if v is None else str(v)
 
-    lines = [f"# {path.stem}", "", "Rows with perf_figure=False were measured on a CPU (reference path or Triton interpreter): not performance figures.", ""]
+    lines = [f"# {path.stem}", "", env_header(rows[-1]) if rows else "", "",
+             "Rows with perf_figure=False were measured on a CPU (reference path or Triton interpreter): not performance figures.", ""]
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "---|" * len(cols))
     for row in rows:

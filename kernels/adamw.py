@@ -81,6 +81,7 @@ Bench: python bench/bench_adamw.py               (GPU: Llama-3.2-1B parameter li
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import struct
@@ -602,6 +603,21 @@ _ADAMW_IMPL = os.environ.get("KERNELS_ADAMW_IMPL", "auto").strip().lower() or "a
 if _ADAMW_IMPL not in _ADAMW_IMPLS:
     raise ValueError(f"KERNELS_ADAMW_IMPL={_ADAMW_IMPL!r} is not one of {', '.join(_ADAMW_IMPLS)}")
 _CUDA_OP_MEASURED_FASTER = False  # set True with the bench/results/adamw.jsonl rows that show it
+
+
+@contextlib.contextmanager
+def forced_impl(name: str):
+    """Steps taken inside run as if KERNELS_ADAMW_IMPL=name (one of auto, triton, cuda); for benchmarks and tests
+    that compare the CUDA op with the Triton kernel in one process."""
+    global _ADAMW_IMPL
+    if name not in _ADAMW_IMPLS:
+        raise ValueError(f"forced_impl: {name!r} is not one of {', '.join(_ADAMW_IMPLS)}")
+    previous = _ADAMW_IMPL
+    _ADAMW_IMPL = name
+    try:
+        yield
+    finally:
+        _ADAMW_IMPL = previous
 _warned: set[str] = set()
 
 

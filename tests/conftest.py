@@ -4,6 +4,8 @@ TRITON_INTERPRET=1 must be in the environment before `@triton.jit` decorates any
 here, before anything imports `kernels`. With it, CPU tensors run the Triton kernels through the
 interpreter (the dispatch rule in `kernels._dispatch`); trainer tests switch back to the reference path
 in `tests/trainer/conftest.py` because the interpreter costs ~37 us per program instance.
+`gpu`-marked tests skip without CUDA, and also on CUDA while TRITON_INTERPRET=1 (the interpreter would run the
+kernels instead of the GPU): on a GPU machine they run in their own session, `TRITON_INTERPRET=0 pytest -m gpu`.
 """
 
 import os
@@ -18,9 +20,17 @@ torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+    elif os.environ["TRITON_INTERPRET"] == "1":
+        # The interpreter would run every Triton kernel on host copies of the CUDA tensors: nothing of the GPU
+        # path would be tested. The CPU tests need it, so the two kinds run in separate sessions.
+        skip = pytest.mark.skip(reason="TRITON_INTERPRET=1 would run the Triton kernels in the interpreter, not on "
+                                "the GPU: run TRITON_INTERPRET=0 python -m pytest -m gpu (or python -m bench.gpu --part tests)")
+    else:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        # get_closest_marker, not `"gpu" in item.keywords`: keywords also hold the names of the folders on the
+        # test's path, so every test of a checkout under a folder named gpu was skipped as a GPU test.
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)

@@ -2,7 +2,8 @@
 
 The full training comparison runs subprocesses for minutes, so it is not run here; what is tested: the same data
 and the same weights reach both trainers (HF's LlamaForCausalLM loaded from our save_pretrained gives our model's
-held-out loss), the memory ladder's doubling + bisection, and the CPU behaviour of liger and --memory-ladder.
+held-out loss), the memory ladder's doubling + bisection and how it goes on past an OOM or a crashed rung, and the
+CPU behaviour of liger and the memory cap.
 """
 
 from __future__ import annotations
@@ -87,20 +88,57 @@ def test_memory_ladder_doubles_then_bisects(monkeypatch, tmp_path):
 
     def fake_worker(spec, timeout):  # 37 sequences fit; the ladder must find exactly that
         probes.append(spec["micro_batch"])
-        return {"status": "ok"} if spec["micro_batch"] <= 37 else {"status": "oom", "reason": "test"}
+        assert spec["eval_loss"] is False and spec["steps"] == 2
+        if spec["micro_batch"] <= 37:
+            return {"status": "ok", "peak_memory_gb": spec["micro_batch"] / 10}
+        return {"status": "oom", "reason": "test"}
 
     monkeypatch.setattr(bench_train, "run_worker", fake_worker)
-    args = bench_train.parse_args(["--quick", "--configs", "ours,hf", "--ladder-max", "1024"])
-    rows = bench_train.memory_ladder(args, bench_train.model_config("tiny"), tmp_path, tmp_path)
-    assert [r["max_micro_batch"] for r in rows] == [37, 37]
-    assert [r["first_oom_micro_batch"] for r in rows] == [38, 38]
+    args = bench_train.parse_args(["--quick", "--configs", "ours,hf", "--micro-batch", "1", "--ladder-max-micro-batch",
+                                   "1024"])
+    rows = bench_train.memory_ladder(args, bench_train.model_config("tiny"), tmp_path, tmp_path, "micro_batch")
+    ladders = [r for r in rows if r["bench"] == "train_memory"]
+    assert [r["max_fit"] for r in ladders] == [37, 37] and [r["first_oom"] for r in ladders] == [38, 38]
     assert probes[:7] == [1, 2, 4, 8, 16, 32, 64] and len(probes) == 2 * 12
-    assert rows[0]["max_micro_batch_vs_hf"] == 1.0
+    assert ladders[0]["max_fit_vs_hf"] == 1.0 and ladders[0]["seq_len"] == args.seq_len
+    rungs = [r for r in rows if r["bench"] == "train_memory_rung" and r["impl"] == "ours"]
+    assert [r["status"] for r in rungs[:8]] == ["ok"] * 6 + ["oom", "oom"] and rungs[0]["peak_memory_gb"] == 0.1
+
+
+def test_memory_ladder_goes_on_after_an_oom_or_an_error(monkeypatch, tmp_path):
+    """An OOM ends a ladder's climb; a crashed rung ends that configuration's ladder with its reason; either way
+    the next configuration still runs. A capped ladder says where it stopped; --ladder-bisect bounds the probes."""
+    seen = []
+
+    def fake_worker(spec, timeout):
+        seen.append((spec["impl"], spec["seq_len"]))
+        assert spec["micro_batch"] == 1
+        if spec["impl"] == "ours":
+            return {"status": "error", "reason": "boom"} if spec["seq_len"] == 128 else {"status": "ok"}
+        return {"status": "ok"} if spec["seq_len"] <= 100 else {"status": "oom", "reason": "CUDA out of memory"}
+
+    monkeypatch.setattr(bench_train, "run_worker", fake_worker)
+    args = bench_train.parse_args(["--quick", "--configs", "ours,hf", "--seq-len", "32", "--ladder-max-seq-len",
+                                   "4096", "--ladder-bisect", "2"])
+    rows = bench_train.memory_ladder(args, bench_train.model_config("tiny"), tmp_path, tmp_path, "seq_len")
+    ours, hf = (r for r in rows if r["bench"] == "train_memory")
+    assert ours["status"] == "incomplete" and ours["max_fit"] == 64 and "error at seq_len=128: boom" in ours["stopped"]
+    assert hf["status"] == "ok" and hf["max_fit"] == 96 and hf["first_oom"] == 112 and hf["probes"] == 5
+    assert seen == [("ours", 32), ("ours", 64), ("ours", 128), ("hf", 32), ("hf", 64), ("hf", 128), ("hf", 96),
+                    ("hf", 112)]
+    capped = bench_train.parse_args(["--quick", "--configs", "ours", "--micro-batch", "1", "--ladder-max-micro-batch",
+                                     "4"])
+    monkeypatch.setattr(bench_train, "run_worker", lambda spec, timeout: {"status": "ok"})
+    (*_, summary) = bench_train.memory_ladder(capped, bench_train.model_config("tiny"), tmp_path, tmp_path,
+                                              "micro_batch")
+    assert summary["max_fit"] == 4 and summary["capped_at"] == 4 and summary["first_oom"] is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
-def test_cpu_skips_liger_and_the_memory_ladder(capsys):
+def test_cpu_skips_liger_and_rejects_a_memory_cap():
     assert "CUDA only" in bench_train.skip_reason("hf_liger")
     assert bench_train.skip_reason("hf") is None
-    assert bench_train.main(["--memory-ladder"]) == []
-    assert "needs a CUDA device" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_train.parse_args(["--max-memory-gb", "10"])
+    with pytest.raises(SystemExit):
+        bench_train.parse_args(["--memory-ladder", "vocab"])

@@ -325,6 +325,35 @@ def test_two_gpus_match_one_process(tmp_path, data_file, reference_run, config):
     assert_same_weights(job["out"]["gpu"] / "final", ref_model, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.gpu
+def test_nccl_initialises_with_one_process(tmp_path, monkeypatch):
+    """trainer.dist's backend string (nccl for CUDA tensors, gloo beside it) on one GPU: the group forms, a CUDA
+    all-reduce and a CPU object gather run, and it tears down (issue 16: NCCL initialisation with one process)."""
+    from trainer.dist import init_distributed, world
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # WORLD_SIZE=1 is a no-op for init_distributed (one process needs no group), so the group is formed as it
+    # forms one for several processes: the same backend string, a one-rank TCP store.
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    assert init_distributed() == (0, 1) and not torch.distributed.is_initialized()
+    torch.distributed.init_process_group(backend="cuda:nccl,cpu:gloo", rank=0, world_size=1)
+    try:
+        assert world() == (0, 1)
+        x = torch.arange(4.0, device="cuda")
+        torch.distributed.all_reduce(x)
+        torch.cuda.synchronize()
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
+        gathered = [None]
+        torch.distributed.all_gather_object(gathered, {"rank": 0})
+        assert gathered == [{"rank": 0}]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     """A 1-process gloo group in this process (DDP and FSDP2 need one), destroyed afterwards."""

@@ -1,0 +1,90 @@
+"""`python -m bench.gpu` (bench/gpu.py), the GPU machine's entry point, run end to end on a CPU with --quick.
+
+Each part writes its handful of files to --out, and every row and markdown header names the device, driver,
+versions, git sha, date and command. The train part (two trainer subprocesses, ~20 s here) is left to
+`python -m bench.gpu --part train --quick`; its pieces are tested in test_bench_runner.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import common, gpu
+
+ENV_KEYS = ("device", "driver", "cuda", "date", "torch", "triton", "transformers", "peft", "liger_kernel", "git_sha",
+            "command", "perf_figure")
+
+
+def rows_of(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def assert_env(row):
+    missing = [k for k in ENV_KEYS if row.get(k) in (None, "")]
+    assert not missing, f"env fields missing: {missing}"
+    assert row["perf_figure"] is torch.cuda.is_available()
+
+
+def test_kernels_part_writes_rows_targets_and_one_chart(tmp_path):
+    results_before = common.RESULTS  # another test's in-process `python -m bench --out` may have moved it
+    assert gpu.main(["--part", "kernels", "--quick", "--out", str(tmp_path), "--only", "rms_norm,adamw"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.jsonl", "kernels.log", "kernels.md", "kernels.png"]
+    rows = rows_of(tmp_path / "kernels.jsonl")
+    assert {r["op"] for r in rows} == {"rms_norm", "adamw"}
+    for row in rows:
+        assert_env(row)
+    text = (tmp_path / "kernels.md").read_text()
+    assert "Measured on " in text and "## Targets (H100)" in text and "| rms_norm | forward GB/s |" in text
+    assert "## rms_norm: every row" in text and "## adamw: every row" in text
+    assert (tmp_path / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert common.RESULTS == results_before  # the part's scratch folder is not left behind
+
+
+def test_memory_part_runs_a_rung_in_a_subprocess(tmp_path):
+    assert gpu.main(["--part", "memory", "--quick", "--out", str(tmp_path), "--configs", "ours,hf_liger",
+                     "--ladders", "micro_batch"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.log", "memory.md", "memory.png",
+                                                         "train_memory.jsonl", "train_memory.md"]
+    rows = rows_of(tmp_path / "train_memory.jsonl")
+    rung = next(r for r in rows if r["bench"] == "train_memory_rung")
+    assert rung["impl"] == "ours" and rung["status"] == "ok" and rung["peak_memory_gb"] > 0
+    for row in rows:
+        assert_env(row)
+    text = (tmp_path / "memory.md").read_text()
+    assert "| ours | micro_batch | seq_len 16 | 1 (capped at 1) |" in text
+    if not torch.cuda.is_available():
+        assert "| hf_liger | micro_batch | | | | | | skipped:" in text
+
+
+def test_tests_part_reports_every_case_and_the_csrc_build(tmp_path):
+    assert gpu.main(["--part", "tests", "--quick", "--out", str(tmp_path)]) == 0
+    assert {"tests.md", "tests.jsonl", "tests_junit.xml", "pytest.log", "csrc_build.log"} <= {
+        p.name for p in tmp_path.iterdir()}
+    rows = rows_of(tmp_path / "tests.jsonl")
+    names = {r["test"] for r in rows}
+    assert "tests.test_conftest::test_gpu_session_runs_compiled_kernels_not_the_interpreter" in names
+    assert "csrc build" in names
+    for row in rows:
+        assert_env(row)
+    if not torch.cuda.is_available():
+        assert {r["outcome"] for r in rows if r["test"] != "csrc build"} == {"skipped"}
+        assert "**skipped**" in (tmp_path / "tests.md").read_text()
+
+
+def test_git_sha_from_the_environment_where_the_tree_has_no_git(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "ROOT", tmp_path)  # a copy of the tree without .git, as on the device machine
+    monkeypatch.setenv("GIT_SHA", "abc1234")
+    assert common.git_sha() == "abc1234"
+    monkeypatch.delenv("GIT_SHA")
+    assert common.git_sha() == "unknown"
+
+
+def test_bad_arguments_are_argparse_errors():
+    for argv in (["--part", "kernels", "--out", "x", "--only", "softmax"], ["--part", "gpu", "--out", "x"],
+                 ["--part", "tests", "--out", "x", "--budget-s", "0"]):
+        with pytest.raises(SystemExit) as err:
+            gpu.parse_args(argv)
+        assert err.value.code == 2
