@@ -237,7 +237,7 @@ ERRORS = [
     (dict(global_batch_size=10, per_device_train_batch_size=4),
      "global_batch_size=10: must be a multiple of micro_batch_size"),
     (dict(global_batch_size=16, per_device_train_batch_size=4, gradient_accumulation_steps=8), "global_batch_size=16"),
-    (dict(dist_config={"name": "deepspeed", "config_file": "ds.json"}), "deepspeed: ds.json: no such file"),
+    (dict(dist_config={"name": "deepspeed", "config_file": "ds.json"}), "deepspeed: ds.json: not found"),
     (dict(dist_config={"name": "deepspeed"}), "dist_config name deepspeed: 'config_file' is required"),
     (dict(dist_config={"name": "fsdp"}),
      "dist_config.name='fsdp': expected one of fsdp2, ddp, deepspeed (did you mean 'fsdp2'?)"),
@@ -433,7 +433,7 @@ def test_to_dict_is_a_deep_copy():
 def test_from_dict_rejects_unknown_and_unsupported_keys(tmp_path):
     with pytest.raises(ConfigError, match="unknown argument learnig_rate; did you mean learning_rate"):
         TrainingArguments.from_dict({"learnig_rate": 1e-4})
-    with pytest.raises(ConfigError, match="^deepspeed: ds.json: no such file$"):  # read, as HF reads it
+    with pytest.raises(ConfigError, match="^deepspeed: ds.json: not found$"):  # read, as HF reads it
         TrainingArguments.from_dict({"deepspeed": "ds.json"})
     with pytest.raises(ConfigError, match="eval_strategy given twice"):
         TrainingArguments.from_dict({"eval_strategy": "no", "evaluation_strategy": "steps"})
@@ -547,7 +547,7 @@ def test_names_users_bring_from_trl_and_llamafactory(tmp_path):
 FLAG_ERRORS = [
     (["--learnig_rate", "1e-4"], "--learnig_rate: unknown argument learnig_rate; did you mean learning_rate?"),
     (["--zzzz", "1"], "unknown argument zzzz; see --help for the arguments"),
-    (["--deepspeed", "ds.json"], "deepspeed: ds.json: no such file"),
+    (["--deepspeed", "ds.json"], "deepspeed: ds.json: not found"),
     (["--push_to_hub"],
      "push_to_hub is not supported by kernelwright: pushing to the Hugging Face Hub is not supported"),
     (["--hub_model_id", "me/model"], "hub_model_id is not supported by kernelwright: pushing to the Hugging Face Hub"),
