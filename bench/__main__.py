@@ -87,28 +87,15 @@ def _draw(ax, op: str, rows: list[dict]) -> bool:
     return True
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot(op: str, rows: list[dict], out: Path) -> Path | None:
     """<out>/<op>.png: grouped bars of ours' speed-up against each baseline, per shape."""
     labels, series = speedup_series(rows)
     if not labels:
         return None
-    plt = _pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) * max(1, len(series)) + 2), 4.5))
     _draw(ax, op, rows)
-    fig.tight_layout()
-    path = out / f"{op}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, out / f"{op}.png", dpi=120)
 
 
 def chart(results: dict[str, list[dict]], path: Path) -> Path | None:
@@ -116,15 +103,12 @@ def chart(results: dict[str, list[dict]], path: Path) -> Path | None:
     drawable = [(op, rows) for op, rows in results.items() if speedup_series(rows)[0]]
     if not drawable:
         return None
-    plt = _pyplot()
+    plt = common.pyplot()
     widest = max(len(speedup_series(rows)[0]) * max(1, len(speedup_series(rows)[1])) for _, rows in drawable)
     fig, axes = plt.subplots(len(drawable), 1, figsize=(max(6.0, 0.9 * widest + 2), 4.5 * len(drawable)), squeeze=False)
     for ax, (op, rows) in zip(axes[:, 0], drawable):
         _draw(ax, op, rows)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def summary_lines(results: dict[str, list[dict]], failures: dict[str, str]) -> list[str]:

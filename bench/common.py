@@ -250,3 +250,21 @@ def render_markdown(path: Path) -> Path:
     out = path.with_suffix(".md")
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display); imported on first use: only the charts need it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 100) -> Path:
+    """Lay `fig` out, write it to `path` as a PNG and free it; returns `path`."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path

@@ -166,15 +166,6 @@ def header(title: str) -> list[str]:
     return [f"# {title}", "", common.env_header(common.env_info()), ""]
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 # ---------------------------------------------------------------------------------------------------------
 # tests
 # ---------------------------------------------------------------------------------------------------------
@@ -320,7 +311,7 @@ def train_chart(rows: list[dict], path: Path) -> Path | None:
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return None
-    plt = _pyplot()
+    plt = common.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 4))
     names = [r["impl"] for r in ok]
     axes[0].bar(names, [r["tokens_per_s"] for r in ok])
@@ -331,10 +322,7 @@ def train_chart(rows: list[dict], path: Path) -> Path | None:
     note = "" if first["perf_figure"] else " — CPU run: not performance figures"
     fig.suptitle(f"{first['model']} seq {first['seq_len']} x micro {first['micro_batch']} x accum "
                  f"{first['grad_accum']} on {first['device']} ({first['git_sha']}){note}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def part_train(args, out: Path, deadline: float) -> int:
@@ -380,7 +368,7 @@ def memory_chart(rows: list[dict], path: Path) -> Path | None:
     ladders = sorted({r["ladder"] for r in rungs})
     if not ladders:
         return None
-    plt = _pyplot()
+    plt = common.pyplot()
     fig, axes = plt.subplots(1, len(ladders), figsize=(5 * len(ladders), 4), squeeze=False)
     for ax, ladder in zip(axes[0], ladders):
         for impl in dict.fromkeys(r["impl"] for r in rungs if r["ladder"] == ladder):
@@ -397,10 +385,7 @@ def memory_chart(rows: list[dict], path: Path) -> Path | None:
     first = rows[0]
     fig.suptitle(f"memory ladder on {first['device']} ({first['git_sha']})"
                  + ("" if first["perf_figure"] else " — CPU run: max RSS, no OOM"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def part_memory(args, out: Path, deadline: float) -> int:
