@@ -49,9 +49,9 @@ def build_model(name: str, args=None, *, dtype=None, device=None, seed: int | No
 
     `args` (TrainingArguments) gives the model's settings (use_kernels/use_liger_kernel, label_smoothing_factor,
     z_loss, neftune_noise_alpha), the seed of a preset's init, and the transforms (gradient_checkpointing,
-    torch_compile, dist_config); without `args` the result is a bare CausalLM. `dtype` (default: the checkpoint's,
-    else fp32), `device` (default: this process's device; the CPU for FSDP2's offload_params), `seed` and
-    `use_kernels` override what `args` would give. With several processes (a launcher's environment) it joins the
+    torch_compile, dist_config); without `args` the result is a bare CausalLM (`use_kernels` picks its ops then).
+    `dtype` (default: the checkpoint's, else fp32), `device` (default: this process's device; the CPU for FSDP2's
+    offload_params) and `seed` override what `args` would give. With several processes (a launcher's environment) it joins the
     process group and, under dist_config fsdp2, no rank ever holds the whole model: each reads only its rows of
     the safetensors, or its shards of the DCP copy at dist_config.dcp_path (a `dcp/` directory or a checkpoint
     holding one; the architecture still comes from `name`)."""
@@ -66,13 +66,8 @@ def build_model(name: str, args=None, *, dtype=None, device=None, seed: int | No
 def _build(config: ModelConfig, path: Path | None, args, *, dtype, device, seed, use_kernels, attn_backend) -> nn.Module:
     """`build_model` from the config on: the weights come from `path` (a Hugging Face directory), or from the
     seeded init when it is None, or from dist_config.dcp_path under FSDP2."""
-    settings = {}
     if args is not None:
         init_distributed()  # several processes under torchrun/accelerate; a no-op for one
-        settings = dict(label_smoothing=args.label_smoothing_factor, z_loss=getattr(args, "z_loss", 0.0),
-                        neftune_noise_alpha=args.neftune_noise_alpha)
-        if use_kernels is None:
-            use_kernels = bool(args.use_kernels) and not args.use_liger_kernel
         if seed is None:
             seed = args.seed
     sharded = args is not None and uses_fsdp(args)
@@ -82,7 +77,7 @@ def _build(config: ModelConfig, path: Path | None, args, *, dtype, device, seed,
         device = torch.device("cpu") if sharded and args.dist_config.get("offload_params") else local_device()
     model = empty_model(config, dtype=checkpoint_dtype(config, dtype), device=device,
                         use_kernels=True if use_kernels is None else use_kernels,
-                        transform=(lambda m: apply_transforms(m, args)) if args is not None else None, **settings)
+                        transform=(lambda m: apply_transforms(m, args)) if args is not None else None)
     ours = causal_lm(model)
     if dcp is not None:
         load_sharded(model, None, dcp)
@@ -93,12 +88,24 @@ def _build(config: ModelConfig, path: Path | None, args, *, dtype, device, seed,
             load_state_dict_into(ours, path)
         if has_adapter(ours):  # LoRA (use_peft), injected on meta by apply_transforms: A from args.seed, B = 0
             init_adapter_weights(ours, args.seed, local_shard=local_shard)
-    if args is not None and args.use_liger_kernel:
-        apply_liger_kernel(ours)
+    if args is not None:
+        apply_model_settings(ours, args)
     ours.attn_backend = attn_backend
     if args is not None:
         model = apply_data_parallel(model, args)
     return model
+
+
+def apply_model_settings(ours: CausalLM, args) -> None:
+    """TrainingArguments' model settings onto our CausalLM: its ops (ours, PyTorch's with use_kernels=False, or
+    liger-kernel's), label smoothing, z-loss and NEFTune. The one place they are read: `build_model` gives them when
+    it builds, and the Trainer gives them to a model built without it (and again, alike, to one built with it)."""
+    ours.use_kernels = bool(getattr(args, "use_kernels", True)) and not args.use_liger_kernel
+    if args.use_liger_kernel:
+        apply_liger_kernel(ours)
+    ours.label_smoothing = args.label_smoothing_factor
+    ours.z_loss = getattr(args, "z_loss", 0.0)
+    ours.neftune_noise_alpha = args.neftune_noise_alpha
 
 
 def causal_lm(model: nn.Module) -> CausalLM | None:
@@ -196,13 +203,13 @@ def checkpoint_dtype(config: ModelConfig, dtype=None) -> torch.dtype:
 
 
 def empty_model(config: ModelConfig, *, dtype=torch.float32, device="cpu", use_kernels: bool = True,
-                transform=None, **settings) -> CausalLM:
+                transform=None) -> CausalLM:
     """A CausalLM of `config` on `device` with uninitialised weights (load or init them) and its rotary buffers
     computed. Built on the meta device and cast there, so that no memory is written twice; `transform(model)`
     (FSDP2's sharding) runs while it is still on meta, so that `to_empty` allocates only what the transformed
     model keeps: a rank's shards."""
     with torch.device("meta"):
-        model = CausalLM(config, use_kernels=use_kernels, **settings)
+        model = CausalLM(config, use_kernels=use_kernels)
     model.to(dtype=dtype)
     if transform is not None:
         model = transform(model)

@@ -47,14 +47,13 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from .checkpoint_hf import CheckpointError, read_json
 from .coerce import ConfigError
-from .dist import local_device
+from .dist import init_single_process_group
 
 DEEPSPEED_MISSING = "DeepSpeed is not installed (pip install 'kernelwright[deepspeed]')"
 CHECKPOINT_DIR = "deepspeed"  # DeepSpeed's own checkpoint inside checkpoint-N/
@@ -173,17 +172,6 @@ def check_args(args, world_size: int) -> None:
         raise ConfigError(f"deepspeed: {DEEPSPEED_MISSING}")
 
 
-def _init_single_process_group() -> None:
-    """A process group of this one process, for a run without a launcher: DeepSpeed needs one, and would otherwise
-    look for MPI to find its peers. An in-memory store: no port to pick. DeepSpeed also reads LOCAL_RANK from the
-    environment, which only launchers set: this process is local rank 0."""
-    os.environ.setdefault("LOCAL_RANK", "0")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_device())
-    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-
-
 # ---- the engine --------------------------------------------------------------------------------------------------
 class DeepSpeedRun:
     """The training loop's hooks into one DeepSpeed engine (`self.engine`, an nn.Module wrapping the model).
@@ -198,7 +186,7 @@ class DeepSpeedRun:
     def initialize(cls, model, args, *, world_size: int, max_steps: int, make_optimizer, make_scheduler):
         deepspeed = import_deepspeed()
         if not torch.distributed.is_initialized():
-            _init_single_process_group()
+            init_single_process_group()
         config_file = args.dist_config["config_file"]
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         config = fill_config(read_config(config_file), args, world_size=world_size, max_steps=max_steps,

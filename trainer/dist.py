@@ -46,15 +46,27 @@ def init_distributed() -> tuple[int, int]:
     if missing:
         raise RuntimeError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: launch with torchrun or "
                            "accelerate launch, which set them")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_device())
-        # nccl for the CUDA tensors; gloo beside it for the few CPU-side collectives (object gathers in
-        # DCP planning), which nccl cannot carry.
-        backend = "cuda:nccl,cpu:gloo"
-    else:
-        backend = "gloo"
-    torch.distributed.init_process_group(backend=backend)
+    torch.distributed.init_process_group(backend=_backend_on_local_device())
     return world()
+
+
+def init_single_process_group() -> None:
+    """A process group of this one process, for an engine that needs one without a launcher (DeepSpeed, which would
+    otherwise look for MPI to find its peers). An in-memory store: no port to pick. LOCAL_RANK, which only
+    launchers set and DeepSpeed reads, is 0."""
+    os.environ.setdefault("LOCAL_RANK", "0")
+    torch.distributed.init_process_group(_backend_on_local_device(), store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+
+
+def _backend_on_local_device() -> str:
+    """The process group's backend, with CUDA's current device set to this process's: nccl for the CUDA tensors and
+    gloo beside it for the few CPU-side collectives (object gathers in DCP planning), which nccl cannot carry; gloo
+    alone without CUDA."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    torch.cuda.set_device(local_device())
+    return "cuda:nccl,cpu:gloo"
 
 
 def local_device() -> torch.device:

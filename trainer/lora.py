@@ -280,11 +280,6 @@ def merged(model: nn.Module, directory: Path) -> nn.Module:
     return out
 
 
-def trainable_summary(model: nn.Module) -> str:
+def trainable_summary(trainable: int, total: int) -> str:
     """peft's `print_trainable_parameters` line: trainable params: N || all params: M || trainable%: x."""
-    params = list(model.parameters())  # a tied weight once
-    # ds_numel: a parameter's full size under DeepSpeed ZeRO-3, which leaves an empty placeholder on each rank
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in params]
-    trainable = sum(n for n, grad in sizes if grad)
-    total = sum(n for n, _ in sizes)
     return f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}"

@@ -669,4 +669,3 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-from .lora import is_adapter_name

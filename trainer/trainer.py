@@ -59,6 +59,7 @@ import kernels
 from . import checkpoint as ckpt
 from .args import TrainingArguments
 from .batching import BatchLoader
+from .build import apply_model_settings, causal_lm
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
 from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
 from .deepspeed_engine import CHECKPOINT_DIR as DEEPSPEED_DIR, DeepSpeedRun
@@ -66,7 +67,6 @@ from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, 
 from .optim import build_lr_scheduler, build_optimizer
 from .dist import init_distributed, local_device, world
 from .lora import has_adapter, trainable_summary
-from .model import CausalLM, apply_liger_kernel
 from .parallel import apply_all, gradient_sync, is_fsdp, unwrap, uses_deepspeed, uses_fsdp
 from .parallel import save_sharded as save_sharded_state
 from .resume import load_model_weights, restore_checkpoint, save_model_files
@@ -546,7 +546,8 @@ class Trainer:
     def _print_run_summary(self, model, loader, micro: int, accum: int, num_epochs: int, max_steps: int) -> None:
         """Hugging Face's `***** Running training *****` block, plus one line of ours spelling out the global batch."""
         # ds_numel: a parameter's full size under DeepSpeed ZeRO-3, which leaves an empty placeholder on each rank
-        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # tied: once
+        trainable, total = sum(n for n, grad in sizes if grad), sum(n for n, _ in sizes)
         processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
         if loader.max_tokens is not None:  # token-budget batching: a micro batch is a token count, not a row count
             global_batch = (f"{processes} x micro batches of up to {loader.max_tokens:,} tokens x {accum} accumulation "
@@ -565,7 +566,7 @@ class Trainer:
             f"  Total optimization steps = {max_steps:,}",
             f"  Number of trainable parameters = {trainable:,}",
             f"  Global batch = {global_batch}",
-        ] + ([trainable_summary(model)] if has_adapter(unwrap(model)) else [])))
+        ] + ([trainable_summary(trainable, total)] if has_adapter(unwrap(model)) else [])))
 
     # ---- pieces of the loop -----------------------------------------------------------------------------
     def _device(self, model) -> torch.device:
@@ -633,14 +634,9 @@ class Trainer:
         (`_compute_loss`); a setting it cannot apply is refused, never ignored."""
         args = self.args
         z_loss = getattr(args, "z_loss", 0.0)
-        ours = next((m for m in model.modules() if isinstance(m, CausalLM)), None)
+        ours = causal_lm(model)
         if ours is not None:
-            ours.use_kernels = bool(getattr(args, "use_kernels", True)) and not args.use_liger_kernel
-            if args.use_liger_kernel:
-                apply_liger_kernel(ours)
-            ours.label_smoothing = args.label_smoothing_factor
-            ours.z_loss = z_loss
-            ours.neftune_noise_alpha = args.neftune_noise_alpha
+            apply_model_settings(ours, args)
         else:
             name = type(model).__name__
             if args.neftune_noise_alpha:
