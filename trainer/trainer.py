@@ -545,7 +545,7 @@ class Trainer:
 
     def _print_run_summary(self, model, loader, micro: int, accum: int, num_epochs: int, max_steps: int) -> None:
         """Hugging Face's `***** Running training *****` block, plus one line of ours spelling out the global batch."""
-        # ds_numel: a parameter's full size under DeepSpeed ZeRO-3, which leaves an empty placeholder on each rank
+        # ds_numel: a parameter's full size under DeepSpeed ZeRO-3, which leaves each rank an empty tensor in its place
         sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # tied: once
         trainable, total = sum(n for n, grad in sizes if grad), sum(n for n, _ in sizes)
         processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
