@@ -170,7 +170,8 @@ def test_nonfinite_step_skipped_and_counted(ds_suite, reference_run):  # noqa: F
 
 def test_lora_under_zero3_equals_one_process(ds_suite, data_file, tmp_path):  # noqa: F811
     """LoRA (trainer/lora.py) through DeepSpeed ZeRO-3: the losses and the saved adapter equal a one-process LoRA run
-    without DeepSpeed (the run summary's trainable count divided by zero before: ZeRO-3 leaves each rank empty tensors in place of the parameters)."""
+    without DeepSpeed (the run summary's trainable count divided by zero before: ZeRO-3 leaves each rank empty
+    tensors in place of the parameters)."""
     with kernels.backend("reference"):
         losses, model, _ = single_process(tmp_path, data_file, {**ONE_PROCESS_ARGS, **LORA_ARGS})
     assert ds_suite["result"]["zero3-lora"]["losses"] == pytest.approx(losses, rel=1e-5)
