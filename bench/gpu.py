@@ -60,6 +60,7 @@ ANCHORS = {
     "fused_linear_cross_entropy": ["--tokens", "8192", "--hidden", "4096", "--vocab", "128256"],
     "adamw": ["--model", "llama-3.2-1b"],
     "neftune": ["--shapes", "8x4096x4096"],
+    "swiglu": ["--tokens", "8192", "--inter", "14336"],  # Llama-3-8B's MLP
 }
 # --quick: each script's own tiny CPU shapes; aot_eager keeps torch.compile's baseline to seconds on a CPU.
 QUICK = {op: ["--quick"] + ([] if op == "adamw" else ["--compile-backend", "aot_eager"]) for op in ANCHORS}

@@ -258,12 +258,20 @@ def _neftune():
         y.backward(torch.empty_like(y))
 
 
+def _swiglu():
+    # Llama-3-8B's MLP: 8192 tokens x intermediate 14336.
+    gate, up = _cuda(8192, 14336, grad=True), _cuda(8192, 14336, grad=True)
+    out = kernels.swiglu(gate, up)
+    out.backward(torch.empty_like(out))
+
+
 CASES: dict[str, Callable[[], None]] = {
     "cross_entropy": _cross_entropy,
     "fused_linear_cross_entropy": _fused_linear_cross_entropy,
     "rms_norm": _rms_norm,
     "adamw": _adamw,
     "neftune": _neftune,
+    "swiglu": _swiglu,
 }
 
 

@@ -14,7 +14,7 @@ per head and reads `attention_bias`; llama reads `attention_bias`/`mlp_bias` and
 ("linear", "llama3"); mistral (and qwen with `use_sliding_window`) attends within a sliding window, which is
 honoured on every backend (not rejected): query i sees keys i-W+1..i.
 
-`use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`), the loss
+`use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`), SwiGLU (`kernels.swiglu`), the loss
 (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and NEFTune
 (`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `apply_liger_kernel(model)` sets
 the same three places (RMSNorm, SwiGLU, fused linear cross-entropy) to liger-kernel's ops instead, the
@@ -362,13 +362,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(C, I, bias=bias)
         self.up_proj = nn.Linear(C, I, bias=bias)
         self.down_proj = nn.Linear(I, C, bias=bias)
-        self.impl = "kernels"  # only "liger" changes anything here (kernels has no SwiGLU op)
+        self.impl = "kernels"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "liger":
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
             return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
+        if self.impl == "kernels":
+            # one fused pass (3 bytes per element forward, 5 backward) instead of eager's silu, product and their backward
+            return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
