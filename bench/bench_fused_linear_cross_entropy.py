@@ -14,7 +14,9 @@ skips those rows' matmuls: with half ignored, expect close to half the time. The
 device.
 
 Physics: FLOPs are the matmuls' nominal work over all N tokens, the same for every provider and ignored
-fraction (so TFLOP/s compares times): forward 2*N*H*V, full 6*N*H*V (logits, grad_hidden, grad_weight). Peak extra memory is measured over a full step
+fraction (so TFLOP/s compares times): forward 2*N*H*V, full 6*N*H*V (logits, grad_hidden, grad_weight),
+which is what ours and liger both run for any weight dtype (the kept rows only, for ours; reduction="none"
+with a bf16/fp16 weight, not benchmarked, takes 8*N*H*V). Peak extra memory is measured over a full step
 with hidden and weight already allocated; reported as bytes, as a ratio to the (N, V) logits' size and
 to torch's peak in the same run.
 
@@ -24,13 +26,15 @@ shape through the Triton interpreter; those rows are flagged perf_figure=False.
     python bench/bench_fused_linear_cross_entropy.py            # GPU, all shapes
     python bench/bench_fused_linear_cross_entropy.py --quick    # CPU smoke run
 
-Byte model of our rows, per logit element (s = element size, f = (N*H + V*H) / (N*V): hidden + weight per
-logit; the fp32 grad_weight accumulator's re-read per chunk not counted):
-    forward   ours (4s + s f) read + (2s + 4f) write: each chunk's logits written, read twice by the
+Byte model of our rows, per logit element (s = element size of hidden and weight, which the benchmark gives one
+dtype; fh = H / V and fw = H / N: hidden's and weight's elements per logit, f = fh + fw; w = the bytes of a
+grad_weight element, 4 for an fp32 weight, s for bf16/fp16; grad_weight's re-read per token chunk not counted):
+    forward   ours (4s + s f) read + (2s + 4 fh + w fw) write: each chunk's logits written, read twice by the
               cross-entropy kernel, its gradient written in place and read by both gradient matmuls;
-              fp32 gradients written                                              min s f + 0
-    full      ours (4s + s f + 4f) + (2s + 4f + s f): backward rounds the fp32 gradients   min s f + s f
-    backward  ours 4f + s f                                                       min 0 + s f
+              grad_hidden in fp32, grad_weight in w                               min s f + 0
+    backward  ours (4 fh + w fw) + (s fh + w fw): grad_hidden rounded, grad_weight scaled in place
+                                                                                  min 0 + s f
+    full      the sum                                                             min s f + s f
 """
 
 from __future__ import annotations
@@ -138,11 +142,14 @@ def bench_one(provider, n_tokens, hdim, vocab, dtype, ignored, compile_backend, 
 
 def byte_model(mode: str, s: int, n_tokens: int, hdim: int, vocab: int) -> common.ByteModel:
     """Our bytes read/written per logit element and the minimum (module docstring)."""
-    f = (n_tokens + vocab) * hdim / (n_tokens * vocab)
+    fh, fw = hdim / vocab, hdim / n_tokens
+    f, w = fh + fw, 4 if s == 4 else s
+    fwd_read, fwd_write = 4 * s + s * f, 2 * s + 4 * fh + w * fw
+    bwd_read, bwd_write = 4 * fh + w * fw, s * fh + w * fw
     return {
-        "forward": common.ByteModel(4 * s + s * f, 2 * s + 4 * f, s * f, 0),
-        "full": common.ByteModel(4 * s + s * f + 4 * f, 2 * s + 4 * f + s * f, s * f, s * f),
-        "backward": common.ByteModel(4 * f, s * f, 0, s * f),
+        "forward": common.ByteModel(fwd_read, fwd_write, s * f, 0),
+        "full": common.ByteModel(fwd_read + bwd_read, fwd_write + bwd_write, s * f, s * f),
+        "backward": common.ByteModel(bwd_read, bwd_write, 0, s * f),
     }[mode]
 
 
