@@ -85,6 +85,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
+from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 import kernels
@@ -694,7 +695,7 @@ def _modelled_apply(name: str):
 def modelled_ops():
     """Every Function of MODELS runs its model; FusedAdamW's launcher too; any other Triton launch raises."""
     classes = _function_classes()
-    saved_run = JITFunction.run
+    saved_run, saved_interpreted = JITFunction.run, InterpretedFunction.run
     adamw_module = importlib.import_module("kernels.adamw")
     saved_adamw = adamw_module.fused_adamw_step
 
@@ -704,14 +705,14 @@ def modelled_ops():
     try:
         for name, cls in classes.items():
             cls.apply = _modelled_apply(name)
-        JITFunction.run = refuse
+        JITFunction.run = InterpretedFunction.run = refuse  # compiled or interpreted (TRITON_INTERPRET=1)
         adamw_module.fused_adamw_step = _adamw_model
         yield
     finally:
         for cls in classes.values():
             if "apply" in cls.__dict__:
                 del cls.apply
-        JITFunction.run = saved_run
+        JITFunction.run, InterpretedFunction.run = saved_run, saved_interpreted
         adamw_module.fused_adamw_step = saved_adamw
 
 
