@@ -90,7 +90,9 @@ from triton.runtime.jit import JITFunction
 
 import kernels
 from kernels.fused_linear_cross_entropy import MIN_CHUNK_ROWS, FusedLinearCrossEntropyFunction
+from kernels.rms_norm import _MAX_BWD_BLOCK as RMS_MAX_BWD_BLOCK
 from kernels.rms_norm import RMSNormFunction
+from kernels.rms_norm import launch_config as rms_norm_launch_config
 
 from bench import common
 from bench.sm90 import H100_SMS, fake_cuda
@@ -292,14 +294,18 @@ def aten_bytes(func, args, kwargs, out) -> tuple[int, int]:
     return sum(nbytes(t) for t in ins), write
 
 
+def aten_launches_for(tensors: int, depth: int, chunks: int) -> int:
+    """Launches of one torch multi-tensor op over `tensors` tensors in `depth` lists, `chunks` 65536-element chunks."""
+    return max(1, math.ceil(tensors / _MTA_MAX_TENSORS.get(depth, 30)), math.ceil(chunks / _MTA_BLOCKS))
+
+
 def aten_launches(func, args, kwargs) -> int:
     name = func._overloadpacket.__name__
     if not (name.startswith("_foreach") or name.startswith("_fused")):
         return 1
     lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-    tensors, depth = len(lists[0]), len(lists)
     chunks = sum(math.ceil(t.numel() / _MTA_CHUNK) for t in lists[0])
-    return max(1, math.ceil(tensors / _MTA_MAX_TENSORS.get(depth, 30)), math.ceil(chunks / _MTA_BLOCKS))
+    return aten_launches_for(len(lists[0]), len(lists), chunks)
 
 
 class _Recorder(TorchDispatchMode):
@@ -372,16 +378,59 @@ def _like(t, dtype=None, shape=None):
     return torch.empty(t.shape if shape is None else shape, dtype=dtype or t.dtype, device=t.device)
 
 
-def _row_partials(n_cols: int) -> int:
-    """Bytes of the fp32 (programs, N) dweight partials our and liger's RMSNorm backward write, then torch.sum reads:
-    about two programs per SM (ours), one per SM (liger): the same order; ours is used for both."""
-    return 2 * (2 * H100_SMS) * n_cols * 4
+# Byte models of the Triton kernels, one function per kernel; tests/bench/test_roofline.py checks each against
+# bench/traffic.py's meter running the real kernel under the interpreter at small shapes.
+def rms_norm_bwd_programs(m: int, n: int, num_programs: int = 2 * H100_SMS) -> int:
+    """Programs (rows of fp32 dweight partials) of our RMSNorm backward, as kernels.rms_norm.rms_norm_bwd picks
+    them (about two per SM on an H100); liger's (one per SM) is close enough to share it."""
+    block_m = rms_norm_launch_config(m, n, RMS_MAX_BWD_BLOCK)[0]
+    tiles = math.ceil(m / block_m)
+    return math.ceil(m / (math.ceil(tiles / min(num_programs, tiles)) * block_m))
+
+
+def rms_norm_fwd_bytes(m: int, n: int, s: int, ws: int) -> int:
+    """bench/bench_rms_norm.py's forward model (read x, write y) + the weight and the fp32 rstd."""
+    bm = bench_rms_norm.byte_model("forward", s)
+    return int((bm.read + bm.write) * m * n) + n * ws + 4 * m
+
+
+def rms_norm_bwd_bytes(m: int, n: int, s: int, ws: int, programs: int) -> int:
+    """The backward kernel: bench_rms_norm's model (read x and dy, write dx) + weight, rstd, the dweight partials."""
+    bm = bench_rms_norm.byte_model("backward", s)
+    return int((bm.read + bm.write) * m * n) + n * ws + 4 * m + 4 * programs * n
+
+
+def cross_entropy_fwd_bytes(rows: int, vocab: int, s: int, loss_size: int = 4, lse: bool = True,
+                            scaled: bool = False) -> int:
+    """Ours (and liger's: the same passes) per bench/bench_cross_entropy.py's forward model (two reads and one write
+    per logit: the gradient made in place) + per row the target, its logit, the loss, our lse (liger writes the
+    target's logit again instead) and, where the gradient is scaled (our fused loss: 1 / tokens), the fp32 scale."""
+    bm = bench_cross_entropy.byte_model("forward", s)
+    return int((bm.read + bm.write) * rows * vocab) + rows * (8 + s + loss_size + (4 if lse else s) + 4 * scaled)
+
+
+def rope_bytes(q_rows_elems: int, k_elems: int, s: int, rows: int, half_dim: int, cos_size: int) -> int:
+    """Read and write q and k once, read half a row of cos and of sin per (batch, position) row (the two halves
+    of a rotary row hold the same angles; liger's kernel reads the first half, measured)."""
+    return 2 * (q_rows_elems + k_elems) * s + 2 * rows * half_dim * cos_size
+
+
+def adamw_state_bytes(numels: list[int], master: bool, fp32: bool) -> int:
+    """kernels.adamw's kernel on the parameters and their state: bench/bench_adamw.py's per-element model + the fp32
+    step counter read per tensor."""
+    bm = bench_adamw.BYTE_MODELS["ours_fp32" if fp32 else ("ours_bf16_master" if master else "ours_bf16_sr")]
+    return int((bm.read + bm.write) * sum(numels)) + 4 * len(numels)
+
+
+def adamw_table_bytes(numels: list[int]) -> int:
+    """Its launch tables, at most 64 B per tensor and 8 B per 2048-element block (kernels/adamw.py)."""
+    return 64 * len(numels) + 8 * sum(math.ceil(n / 2048) for n in numels)
 
 
 class RMSNormModel:
     """Ours (RMSNormFunction(x2d, weight, eps, offset, max_block)) and liger's (LigerRMSNormFunction(X, W, ...)):
-    bench/bench_rms_norm.py's byte model (forward: read x, write y; backward: read x and dy, write dx) plus the
-    weight, rstd and dweight partials; forward 1 launch, backward 2 (the kernel, then the partials' sum)."""
+    `rms_norm_fwd_bytes` / `rms_norm_bwd_bytes`; backward then sums the fp32 dweight partials with torch (a second
+    launch)."""
 
     category = "norms"
 
@@ -390,9 +439,7 @@ class RMSNormModel:
 
     def forward(self, ctx, x, weight, *rest):
         m, n = x.numel() // x.shape[-1], x.shape[-1]
-        s = x.element_size()
-        bm = bench_rms_norm.byte_model("forward", s)
-        _rec(self.name, "norms", (bm.read + bm.write) * m * n + nbytes(weight) + 4 * m)
+        _rec(self.name, "norms", rms_norm_fwd_bytes(m, n, x.element_size(), weight.element_size()))
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         ctx.save_for_backward(x, weight, rstd)
         return _like(x)
@@ -400,9 +447,10 @@ class RMSNormModel:
     def backward(self, ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         m, n = x.numel() // x.shape[-1], x.shape[-1]
-        bm = bench_rms_norm.byte_model("backward", x.element_size())
-        _rec(self.name + ".backward", "norms", (bm.read + bm.write) * m * n + 2 * nbytes(weight) + 4 * m
-             + _row_partials(n), launches=2)
+        programs = rms_norm_bwd_programs(m, n)
+        _rec(self.name + ".backward", "norms", rms_norm_bwd_bytes(m, n, x.element_size(), weight.element_size(), programs))
+        _rec(self.name + ".dweight_sum", "norms", 4 * programs * n + n * 4 + (n * (4 + weight.element_size())
+                                                                            if weight.element_size() != 4 else 0))
         return _like(x), _like(weight), *([None] * (ctx.n_rest))
 
 
@@ -428,30 +476,28 @@ class SwiGLUModel:
 
 class RoPEModel:
     """Rotary embedding of q and k (ours: RoPEFunction(q, k, cos, sin); liger: LigerRopeFunction(q, k, cos, sin,
-    ...)): reads q and k once and cos/sin once per (batch, position) row, writes the rotated q and k; backward the
-    same on dq and dk. One launch each way."""
+    ...)): `rope_bytes`, forward on q and k, backward the same on dq and dk. One launch each way."""
 
     category = "rope"
 
     def __init__(self, name):
         self.name = name
 
-    def _cos_bytes(self, q, cos):
-        # one (D,) row of cos and of sin per (b, t): B*T rows, whatever cos's broadcast shape
-        b, t = q.shape[0], q.shape[2] if self.heads_first else q.shape[1]
-        return 2 * b * t * cos.shape[-1] * cos.element_size()
+    def _bytes(self, q, k, cos):
+        # one row of cos and of sin per (b, t): B*T rows, whatever cos's broadcast shape; liger takes HF's
+        # (B, H, T, D) layout, ours the model's (B, T, H, D)
+        rows = q.shape[0] * (q.shape[2] if self.name.startswith("Liger") else q.shape[1])
+        return rope_bytes(q.numel(), k.numel(), q.element_size(), rows, cos.shape[-1] // 2, cos.element_size())
 
     def forward(self, ctx, q, k, cos, sin, *rest):
-        # liger takes HF's (B, H, T, D) layout; ours the model's (B, T, H, D)
-        self.heads_first = self.name.startswith("Liger")
-        _rec(self.name, "rope", 2 * (nbytes(q) + nbytes(k)) + self._cos_bytes(q, cos))
+        _rec(self.name, "rope", self._bytes(q, k, cos))
         ctx.save_for_backward(cos, sin)
         ctx.shapes = (q, k)
         return _like(q), _like(k)
 
     def backward(self, ctx, dq, dk):
         cos, _ = ctx.saved_tensors
-        _rec(self.name + ".backward", "rope", 2 * (nbytes(dq) + nbytes(dk)) + self._cos_bytes(dq, cos))
+        _rec(self.name + ".backward", "rope", self._bytes(dq, dk, cos))
         return _like(dq), _like(dk), *([None] * ctx.n_rest)
 
 
@@ -474,8 +520,10 @@ class FusedAddRMSNormModel:
     def backward(self, ctx, dnormed, dsum):
         total, weight, rstd = ctx.saved_tensors
         m, n = total.numel() // total.shape[-1], total.shape[-1]
+        programs = rms_norm_bwd_programs(m, n)
         _rec(self.name + ".backward", "norms", nbytes(dnormed) + (nbytes(dsum) if dsum is not None else 0)
-             + nbytes(total) + nbytes(total) + 2 * nbytes(weight) + 4 * m + _row_partials(n), launches=2)
+             + nbytes(total) + nbytes(total) + nbytes(weight) + 4 * m + 4 * programs * n)
+        _rec(self.name + ".dweight_sum", "norms", 4 * programs * n + n * weight.element_size())
         dx = _like(total)
         return dx, dx, _like(weight), *([None] * ctx.n_rest)
 
@@ -544,12 +592,11 @@ class OurFLCEModel:
         grad_hidden = torch.empty((k, h), dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty((v, h), dtype=torch.float32, device=hidden.device)
         chunk = max(1, min(k, max(math.ceil(k / math.ceil(v / h)), MIN_CHUNK_ROWS)))
-        ce = bench_cross_entropy.byte_model("forward", s)
         for start in range(0, k, chunk):
             c = min(chunk, k - start)
             logits = torch.empty((c, v), dtype=hidden.dtype, device=hidden.device)  # the chunk's workspace
             _mm("flce.logits", "matmuls", c, h, v, s, s, s)
-            _rec("flce.cross_entropy", "loss", (ce.read + ce.write) * c * v + 12 * c)
+            _rec("flce.cross_entropy", "loss", cross_entropy_fwd_bytes(c, v, s, scaled=True))
             _mm("flce.grad_hidden", "matmuls", c, v, h, s, s, 4)
             _mm("flce.grad_weight", "matmuls", v, c, h, s, s, 4, accumulate=start > 0)
             del logits
@@ -602,14 +649,13 @@ class LigerFLCEModel:
             held.append(torch.empty((v, h), dtype=BF16, device=inp.device))
         inc = math.ceil(v / h)
         chunk = min(1 << max(0, math.ceil(n / inc) - 1).bit_length(), n)
-        ce = bench_cross_entropy.byte_model("forward", lo)
         for start in range(0, n, chunk):
             c = min(chunk, n - start)
             logits = torch.empty((c, v), dtype=BF16, device=inp.device)
             if cast_input:
                 _rec("liger_flce.input_cast", "other_elementwise", c * h * (inp.element_size() + lo), launches=1)
             _mm("liger_flce.logits", "matmuls", c, h, v, lo, lo, lo)
-            _rec("liger_flce.cross_entropy", "loss", (ce.read + ce.write) * c * v + 12 * c)
+            _rec("liger_flce.cross_entropy", "loss", cross_entropy_fwd_bytes(c, v, lo, lse=False))
             _mm("liger_flce.grad_input", "matmuls", c, v, h, lo, lo, lo)
             if inp.element_size() != lo:
                 _rec("liger_flce.grad_input_copy", "other_elementwise", c * h * (lo + inp.element_size()))
@@ -633,10 +679,10 @@ class LigerFLCEModel:
 def _adamw_model(params, grads, exp_avgs, exp_avg_sqs, steps, masters, **hyper):
     """kernels.adamw.fused_adamw_step (one foreach add of the step counters + one Triton launch per bucket), by
     bench/bench_adamw.py's byte model per parameter element."""
-    numel = sum(p.numel() for p in params)
-    fp32 = params[0].dtype == torch.float32
-    bm = bench_adamw.BYTE_MODELS["ours_fp32" if fp32 else ("ours_bf16_master" if masters else "ours_bf16_sr")]
-    _TRACE.add("fused_adamw (Triton)", "optimizer", (bm.read + bm.write) * numel + 8 * len(steps), 0, 2)
+    _TRACE.add("foreach_add (step counters)", "optimizer", 8 * len(steps), 0, aten_launches_for(len(steps), 1, len(steps)))
+    _TRACE.add("fused_adamw (Triton)", "optimizer",
+               adamw_state_bytes([p.numel() for p in params], bool(masters), params[0].dtype == torch.float32)
+               + adamw_table_bytes([p.numel() for p in params]), 0, 1)
 
 
 # Function class name -> (model factory, how many trailing non-tensor arguments its backward returns None for)

@@ -1,5 +1,15 @@
 """bench.roofline: the aten op accounting (FLOPs against FlopCounterMode, bytes of known ops, peak memory of a known
-sequence), the cost models of the modelled ops, and the four stacks at a tiny size (meta tensors: seconds)."""
+sequence), the cost models of the modelled ops, and the four stacks at a tiny size (meta tensors: seconds).
+
+The Triton byte models against bench/traffic.py's meter, running the real kernels under the interpreter at small
+shapes: ours (RMSNorm forward and backward, the cross-entropy kernel inside the fused loss, AdamW) and liger's
+cross-entropy (inside its fused loss) and RoPE. Liger's RMSNorm and SwiGLU kernels call libdevice, which the
+interpreter lacks, so they cannot be metered here: their rows use the same models as ours (RMSNorm: the same passes
+over x, dy and dx; SwiGLU: reads gate and up, writes the product; backward reads dout, gate, up and writes both
+gradients in place), read from liger's source. Which count the model matches: the distinct bytes where a kernel
+re-reads a small operand in every program (RMSNorm's weight, AdamW's launch tables: cache hits on a GPU), the
+issued bytes where it re-reads a large one (the cross-entropy's second pass over the logits row).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import kernels
 from bench import roofline as rf
+from bench import traffic
 from bench.bench_train import model_config
 from bench.sm90 import fake_cuda
 
@@ -99,7 +110,7 @@ def test_swiglu_rope_and_fused_add_norm_models_before_their_kernels_land():
     e = 2 * 8 * 32 * 2
     assert by_name["SwiGLUFunction"].bytes == 3 * e and by_name["SwiGLUFunction.backward"].bytes == 5 * e
     qk = (2 * 8 * 4 * 16 + 2 * 8 * 2 * 16) * 2
-    assert by_name["RoPEFunction"].bytes == 2 * qk + 2 * 2 * 8 * 16 * 2  # cos and sin once per (b, t)
+    assert by_name["RoPEFunction"].bytes == 2 * qk + 2 * 2 * 8 * (16 // 2) * 2  # half a cos and sin row per (b, t)
     assert by_name["RoPEFunction"].category == "rope"
     # reads x, residual and the weight, writes normed, the sum and rstd
     assert by_name["FusedAddRMSNormFunction"].bytes == 4 * 2 * 8 * 32 * 4 + 32 * 4 + 16 * 4
@@ -134,3 +145,73 @@ def test_four_stacks_at_a_tiny_size():
     for row in rows.values():
         assert row["ms_step"] == pytest.approx(sum(row[f"ms_{c}"] for c in rf.CATEGORIES))
         assert row["launches"] > 0 and row["peak_memory_gb"] > 0
+
+
+def _kernel(t: traffic.Traffic, name: str):
+    return t.by_kernel()[name]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_model_equals_the_meter(dtype):
+    from kernels.rms_norm import _CPU_BWD_PROGRAMS, rms_norm_bwd, rms_norm_fwd
+
+    m, n = 37, 200
+    x, dy = torch.randn(m, n, dtype=dtype), torch.randn(m, n, dtype=dtype)
+    w = torch.ones(n)
+    with traffic.measure() as t:
+        _, rstd = rms_norm_fwd(x, w, 1e-5, 0.0)
+    k = _kernel(t, "_rms_norm_fwd_kernel")
+    assert k.distinct_read + k.distinct_write == rf.rms_norm_fwd_bytes(m, n, x.element_size(), 4)
+    with traffic.measure() as t:
+        rms_norm_bwd(dy, x, w, rstd, 0.0, compute_dw=True)
+    k = _kernel(t, "_rms_norm_bwd_kernel")
+    programs = rf.rms_norm_bwd_programs(m, n, _CPU_BWD_PROGRAMS)
+    assert k.distinct_read + k.distinct_write == rf.rms_norm_bwd_bytes(m, n, x.element_size(), 4, programs)
+
+
+def test_our_fused_loss_cross_entropy_kernel_equals_the_meter():
+    n, h, v = 24, 16, 301
+    hidden, weight = torch.randn(n, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+    target[::3] = -100  # skipped rows: the kernel sees the kept ones only
+    kept = int((target != -100).sum())
+    with traffic.measure() as t, torch.autocast("cpu", dtype=torch.bfloat16):
+        kernels.fused_linear_cross_entropy(hidden, weight, target)
+    k = _kernel(t, "_cross_entropy_fwd_kernel")
+    assert k.read + k.write == rf.cross_entropy_fwd_bytes(kept, v, 2, scaled=True)  # one chunk here (MIN_CHUNK_ROWS)
+
+
+def test_adamw_model_equals_the_meter():
+    from kernels.adamw import forced_impl
+
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 85, 4099)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = kernels.FusedAdamW(params)
+    with forced_impl("triton"), traffic.measure() as t:
+        opt.step()
+    numels = [p.numel() for p in params]
+    state = t.by_tensor()[traffic.UNKNOWN]  # parameters, gradients, moments: reached through the tables' pointers
+    assert state.distinct_read + state.distinct_write == rf.adamw_state_bytes(numels, False, True)
+    tables = t.by_tensor()["tensor_table"].distinct_read + t.by_tensor()["block_table"].distinct_read
+    assert 0 < tables <= rf.adamw_table_bytes(numels)
+
+
+def test_liger_cross_entropy_and_rope_models_equal_the_meter():
+    from liger_kernel.ops.rope import LigerRopeFunction
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    n, h, v = 16, 64, 500  # liger's chunks: next_pow2(n / ceil(v / h)) = 2 rows, 8 of them
+    hidden, weight = torch.randn(n, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    with traffic.measure() as t:
+        liger_fused_linear_cross_entropy(hidden, weight, torch.randint(0, v, (n,)))
+    k = _kernel(t, "liger_cross_entropy_kernel")
+    assert k.read + k.write == 8 * rf.cross_entropy_fwd_bytes(2, v, 4, lse=False)
+    b, T, heads, kv_heads, d = 2, 8, 4, 2, 16
+    q = torch.randn(b, T, heads, d, dtype=torch.bfloat16).transpose(1, 2)  # HF's (B, H, T, D) view
+    k_ = torch.randn(b, T, kv_heads, d, dtype=torch.bfloat16).transpose(1, 2)
+    cos, sin = torch.randn(1, T, d), torch.randn(1, T, d)
+    with traffic.measure() as t:
+        LigerRopeFunction.apply(q, k_, cos, sin)
+    k = _kernel(t, "_triton_rope")
+    assert k.read + k.write == rf.rope_bytes(q.numel(), k_.numel(), 2, b * T, d // 2, 4)
