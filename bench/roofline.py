@@ -115,8 +115,8 @@ class Device:
 
 
 DEVICES = {
-    "h100": Device("H100 SXM (modelled)", 3.0e12, 790e12, 4e-6),
-    "h200": Device("H200 (modelled)", 4.3e12, 790e12, 4e-6),
+    "h100": Device("H100 SXM", 3.0e12, 790e12, 4e-6),
+    "h200": Device("H200", 4.3e12, 790e12, 4e-6),
 }
 
 # Targets of issue 20 (modelled): ours / hf_liger step time at 0% and at 50% ignored, ours / hf, peak memory.
@@ -998,7 +998,7 @@ def _verdict(value: float, target: float) -> str:
 
 def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
     lines = [f"# Step roofline (modelled): {args.model}, seq_len {args.seq_len}, micro batch {args.micro_batch}", "",
-             f"Every figure here is **modelled** (bench/roofline.py, its docstring says how), on {dev.name}: "
+             f"Every figure here is **modelled** (bench/roofline.py, its docstring says how) for an {dev.name}: "
              f"{dev.bandwidth / 1e12:.1f} TB/s, {dev.peak_flops / 1e12:.0f} TFLOP/s bf16, "
              f"{dev.launch_s * 1e6:.0f} us per launch. One step: forward (bf16 autocast over fp32 parameters), "
              "backward, clipping, optimizer step.", "",
@@ -1060,8 +1060,8 @@ def chart(rows: list[dict], path: Path) -> Path:
         ax.bar(labels, vals, bottom=bottom, label=c)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("modelled ms per step")
-    ax.set_title(f"Modelled step time by category ({rows[0]['modelled_device']})")
-    ax.legend(fontsize=7, ncol=3)
+    ax.set_title(f"Step time by category, modelled for an {rows[0]['modelled_device']} (not measured)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return common.save_figure(fig, path)
 
 
