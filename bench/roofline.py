@@ -56,7 +56,8 @@ its storage dies; modelled ops allocate their outputs, what they save for backwa
 Categories: matmuls (every mm/addmm/bmm, the LM head's included), attention (the flash model), norms, rope, MLP
 activation, residual adds, loss, optimizer (clipping + step), other elementwise (embedding, autocast's weight casts,
 layout copies). Forward aten ops are categorised by the innermost module running them (and matmul ops as matmuls),
-backward ops by the autograd node they run for (tagged, when the forward call made it, with that call's category).
+backward ops by the autograd node they run for (tagged, when the forward call made it, with that call's category);
+the gradient sums autograd makes where a tensor feeds several ops count with the node whose gradient is added.
 
 Limits: a model, not a measurement: no overlap of launches, no cache effects, no kernel inefficiency (every op runs
 at the roofline), cuBLAS/flash at their peak whatever the shape; CPU-side costs other than launches (host syncs such
@@ -78,6 +79,7 @@ import math
 import warnings
 import weakref
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -409,6 +411,12 @@ def cross_entropy_fwd_bytes(rows: int, vocab: int, s: int, loss_size: int = 4, l
     return int((bm.read + bm.write) * rows * vocab) + rows * (8 + s + loss_size + (4 if lse else s) + 4 * scaled)
 
 
+def round_fp32_bytes(elements: int, s: int) -> int:
+    """Our cross-entropy backward kernel rounding a saved fp32 gradient once into a new tensor of element size s
+    (the fused loss's grad_hidden): read 4, write s per element (+ one fp32 grad_output per program, not counted)."""
+    return elements * (4 + s)
+
+
 def rope_bytes(q_rows_elems: int, k_elems: int, s: int, rows: int, half_dim: int, cos_size: int) -> int:
     """Read and write q and k once, read half a row of cos and of sin per (batch, position) row (the two halves
     of a rotary row hold the same angles; liger's kernel reads the first half, measured)."""
@@ -438,6 +446,7 @@ class RMSNormModel:
         self.name = name
 
     def forward(self, ctx, x, weight, *rest):
+        ctx.n_rest = len(rest)  # eps, offset, ...: no gradient
         m, n = x.numel() // x.shape[-1], x.shape[-1]
         _rec(self.name, "norms", rms_norm_fwd_bytes(m, n, x.element_size(), weight.element_size()))
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -464,6 +473,7 @@ class SwiGLUModel:
         self.name = name
 
     def forward(self, ctx, gate, up, *rest):
+        ctx.n_rest = len(rest)
         _rec(self.name, "mlp_activation", nbytes(gate) + nbytes(up) + nbytes(gate))
         ctx.save_for_backward(gate, up)
         return _like(gate)
@@ -490,6 +500,7 @@ class RoPEModel:
         return rope_bytes(q.numel(), k.numel(), q.element_size(), rows, cos.shape[-1] // 2, cos.element_size())
 
     def forward(self, ctx, q, k, cos, sin, *rest):
+        ctx.n_rest = len(rest) + 2  # cos, sin, and liger's position_ids, unsqueeze_dim: no gradient
         _rec(self.name, "rope", self._bytes(q, k, cos))
         ctx.save_for_backward(cos, sin)
         ctx.shapes = (q, k)
@@ -510,6 +521,7 @@ class FusedAddRMSNormModel:
     category = "norms"
 
     def forward(self, ctx, x, residual, weight, *rest):
+        ctx.n_rest = len(rest)
         m, n = x.numel() // x.shape[-1], x.shape[-1]
         _rec(self.name, "norms", nbytes(x) + nbytes(residual) + nbytes(weight) + 2 * nbytes(x) + 4 * m)
         total = _like(x)
@@ -611,7 +623,7 @@ class OurFLCEModel:
         shape, dtype = ctx.hidden_meta
         k, h = grad_hidden.shape
         s = torch.empty((), dtype=dtype).element_size()
-        _rec("flce.round_grad_hidden", "loss", k * h * (4 + s))
+        _rec("flce.round_grad_hidden", "loss", round_fp32_bytes(k * h, s))
         _rec("flce.scale_grad_weight", "loss", 0)  # grad_output == 1: the kernel reads it and skips
         if ctx.k < ctx.n:
             _rec("flce.scatter_rows", "loss", ctx.n * h * s + 2 * k * h * s, launches=2)
@@ -685,20 +697,18 @@ def _adamw_model(params, grads, exp_avgs, exp_avg_sqs, steps, masters, **hyper):
                + adamw_table_bytes([p.numel() for p in params]), 0, 1)
 
 
-# Function class name -> (model factory, how many trailing non-tensor arguments its backward returns None for)
+# Function class name -> its model (a fresh one per call: it keeps what its backward needs on ctx)
 MODELS = {
-    "RMSNormFunction": lambda args: RMSNormModel("RMSNormFunction"),
-    "LigerRMSNormFunction": lambda args: RMSNormModel("LigerRMSNormFunction"),
-    "SwiGLUFunction": lambda args: SwiGLUModel("SwiGLUFunction"),
-    "LigerSiLUMulFunction": lambda args: SwiGLUModel("LigerSiLUMulFunction"),
-    "RoPEFunction": lambda args: RoPEModel("RoPEFunction"),
-    "LigerRopeFunction": lambda args: RoPEModel("LigerRopeFunction"),
-    "FusedAddRMSNormFunction": lambda args: FusedAddRMSNormModel(),
-    "FusedLinearCrossEntropyFunction": lambda args: OurFLCEModel(),
-    "LigerFusedLinearCrossEntropyFunction": lambda args: LigerFLCEModel(),
+    "RMSNormFunction": lambda: RMSNormModel("RMSNormFunction"),
+    "LigerRMSNormFunction": lambda: RMSNormModel("LigerRMSNormFunction"),
+    "SwiGLUFunction": lambda: SwiGLUModel("SwiGLUFunction"),
+    "LigerSiLUMulFunction": lambda: SwiGLUModel("LigerSiLUMulFunction"),
+    "RoPEFunction": lambda: RoPEModel("RoPEFunction"),
+    "LigerRopeFunction": lambda: RoPEModel("LigerRopeFunction"),
+    "FusedAddRMSNormFunction": FusedAddRMSNormModel,
+    "FusedLinearCrossEntropyFunction": OurFLCEModel,
+    "LigerFusedLinearCrossEntropyFunction": LigerFLCEModel,
 }
-_TENSOR_ARGS = {"RMSNormFunction": 2, "LigerRMSNormFunction": 2, "SwiGLUFunction": 2, "LigerSiLUMulFunction": 2,
-                "RoPEFunction": 2, "LigerRopeFunction": 2, "FusedAddRMSNormFunction": 3}
 
 
 def _function_classes() -> dict[str, type]:
@@ -721,18 +731,10 @@ def _function_classes() -> dict[str, type]:
 
 
 def _modelled_apply(name: str):
+    """A replacement for the `apply` of the Function called `name`: its model runs instead."""
+
     def apply(*args):
-        model = MODELS[name](args)
-        n_tensor = _TENSOR_ARGS.get(name)
-        if n_tensor is not None:
-            model_forward = model.forward
-
-            def forward(ctx, *a):
-                ctx.n_rest = len(a) - n_tensor
-                return model_forward(ctx, *a)
-
-            model.forward = forward
-        return apply_model(model, *args)
+        return apply_model(MODELS[name](), *args)
 
     return staticmethod(apply)
 
@@ -844,7 +846,7 @@ def recording(trace: Trace):
 class Built:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    loss: callable  # (input_ids on the device, labels on the host) -> loss
+    loss: Callable  # (input_ids on the device, labels on the host) -> loss
 
 
 def _ours(config: dict, liger: bool) -> Built:
@@ -1016,6 +1018,12 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
             vals = [sel[s][key] for s in STACKS]
             lines.append(f"| {key} | " + " | ".join(fmt.format(v) for v in vals)
                          + f" | {sel['ours'][key] / sel['hf_liger'][key]:.3f} | {sel['ours'][key] / sel['hf'][key]:.3f} |")
+        lines.append("")
+    zero = {r["stack"]: r for r in rows if r["ignored"] == 0.0}
+    for other in ("hf_liger", "hf"):
+        diffs = sorted(((zero["ours"][f"ms_{c}"] - zero[other][f"ms_{c}"], c) for c in CATEGORIES), key=lambda d: d[0])
+        lines.append(f"ours - {other} at 0% ignored, modelled ms by category (faster first): "
+                     + ", ".join(f"{c} {d:+.2f}" for d, c in diffs if abs(d) >= 0.05) + ".")
         lines.append("")
     lines += ["## Targets (modelled)", ""]
     for r in check_targets(rows):

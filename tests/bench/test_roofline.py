@@ -176,9 +176,14 @@ def test_our_fused_loss_cross_entropy_kernel_equals_the_meter():
     target[::3] = -100  # skipped rows: the kernel sees the kept ones only
     kept = int((target != -100).sum())
     with traffic.measure() as t, torch.autocast("cpu", dtype=torch.bfloat16):
-        kernels.fused_linear_cross_entropy(hidden, weight, target)
+        loss = kernels.fused_linear_cross_entropy(hidden, weight, target)
     k = _kernel(t, "_cross_entropy_fwd_kernel")
     assert k.read + k.write == rf.cross_entropy_fwd_bytes(kept, v, 2, scaled=True)  # one chunk here (MIN_CHUNK_ROWS)
+    with traffic.measure() as t:
+        loss.backward()
+    # grad_output == 1: grad_weight's in-place scale reads only grad_output; grad_hidden is rounded to bf16 once
+    rounding = t.by_tensor()
+    assert rounding["grad_ptr"].read + rounding["out_ptr"].write == rf.round_fp32_bytes(kept * h, 2)
 
 
 def test_adamw_model_equals_the_meter():
