@@ -62,8 +62,9 @@ the gradient sums autograd makes where a tensor feeds several ops count with the
 Limits: a model, not a measurement: no overlap of launches, no cache effects, no kernel inefficiency (every op runs
 at the roofline), cuBLAS/flash at their peak whatever the shape; CPU-side costs other than launches (host syncs such
 as liger's `.item()`, Python overhead) are not modelled. Every figure printed or written here is labelled modelled;
-where bench/results/train.jsonl holds GPU rows of the same model, sequence length and micro batch, the measured step
-time ratio stands beside the modelled one.
+where bench/results/train.jsonl holds GPU rows of the same model, sequence length and micro batch (and no gradient
+accumulation), the measured step time ratio stands beside the modelled one:
+    python bench/bench_train.py --model llama-3.2-1b --seq-len 2048 --micro-batch 4 --grad-accum 1
 
 Results: bench/results/roofline.md (+ .jsonl, + roofline.png). Test: python -m pytest tests/bench/test_roofline.py -q
 """
@@ -981,7 +982,8 @@ def summarise(trace: Trace, dev: Device) -> dict:
 
 
 def _measured(config_name: str, seq_len: int, micro_batch: int) -> dict:
-    """The newest GPU step_ms per impl in bench/results/train.jsonl at this model, sequence and micro batch."""
+    """The newest GPU step_ms per impl in bench/results/train.jsonl at this model, sequence and micro batch, with one
+    micro batch per optimizer step (as modelled here: with accumulation the optimizer's share would differ)."""
     path = common.RESULTS / "train.jsonl"
     out: dict = {}
     if not path.exists():
@@ -989,7 +991,8 @@ def _measured(config_name: str, seq_len: int, micro_batch: int) -> dict:
     for line in path.read_text().splitlines():
         row = json.loads(line)
         if (row.get("perf_figure") and row.get("status") == "ok" and row.get("model") == config_name
-                and row.get("seq_len") == seq_len and row.get("micro_batch") == micro_batch):
+                and row.get("seq_len") == seq_len and row.get("micro_batch") == micro_batch
+                and row.get("grad_accum") == 1):
             out[row["impl"]] = row["step_ms"]
     return out
 

@@ -220,3 +220,25 @@ def test_liger_cross_entropy_and_rope_models_equal_the_meter():
         LigerRopeFunction.apply(q, k_, cos, sin)
     k = _kernel(t, "_triton_rope")
     assert k.read + k.write == rf.rope_bytes(q.numel(), k_.numel(), 2, b * T, d // 2, 4)
+
+
+def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
+    from bench import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    base = {"bench": "train", "perf_figure": True, "status": "ok", "model": "tiny", "seq_len": 32, "micro_batch": 2,
+            "grad_accum": 1}
+    rows = [base | {"impl": "ours", "step_ms": 90.0}, base | {"impl": "hf_liger", "step_ms": 100.0},
+            base | {"impl": "hf", "step_ms": 120.0, "grad_accum": 4},  # accumulation: not this step
+            base | {"impl": "hf", "step_ms": 1.0, "perf_figure": False}]  # a CPU row: not a measurement
+    (tmp_path / "train.jsonl").write_text("\n".join(__import__("json").dumps(r) for r in rows) + "\n")
+    measured = rf._measured("tiny", 32, 2)
+    assert measured == {"ours": 90.0, "hf_liger": 100.0}
+    modelled = [{"stack": s, "ignored": i, "ms_step": ms, "peak_memory_gb": 1.0, **{f"ms_{c}": 0.0 for c in rf.CATEGORIES}}
+                for i in (0.0, 0.5) for s, ms in zip(rf.STACKS, (80.0, 90.0, 100.0, 95.0))]
+    for row in modelled:
+        row.update(launches=1, bytes=1.0, flops=1.0, launch_overhead_ms=0.0)
+    args = rf.parse_args(["--model", "tiny", "--seq_len", "32", "--micro_batch", "2"])
+    text = rf.render(modelled, rf.DEVICES["h100"], measured, args)
+    assert "ours/hf_liger at 0% ignored: measured 0.900" in text and "modelled 0.842" in text
+    assert "ours/hf at 0%" not in text.split("Measured beside modelled")[1]
