@@ -77,6 +77,7 @@ import dataclasses
 import importlib
 import json
 import math
+import pkgutil
 import warnings
 import weakref
 from pathlib import Path
@@ -92,9 +93,8 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 import kernels
-from kernels.fused_linear_cross_entropy import MIN_CHUNK_ROWS, FusedLinearCrossEntropyFunction
+from kernels.fused_linear_cross_entropy import MIN_CHUNK_ROWS
 from kernels.rms_norm import _MAX_BWD_BLOCK as RMS_MAX_BWD_BLOCK
-from kernels.rms_norm import RMSNormFunction
 from kernels.rms_norm import launch_config as rms_norm_launch_config
 
 from bench import common
@@ -713,16 +713,18 @@ MODELS = {
 
 
 def _function_classes() -> dict[str, type]:
-    """The autograd Functions MODELS names that exist now: ours from `kernels`' modules, liger's from its ops."""
-    found = {"RMSNormFunction": RMSNormFunction, "FusedLinearCrossEntropyFunction": FusedLinearCrossEntropyFunction}
-    for mod in ("kernels.rope", "kernels.swiglu", "kernels.fused_add_rms_norm", "kernels.rms_norm"):
+    """The autograd Functions MODELS names that exist now: ours from any module of `kernels` (so a kernel that lands
+    under one of the names is picked up), liger's from its ops."""
+    found = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
         try:
-            module = importlib.import_module(mod)
-        except ImportError:
-            continue  # not written yet: the stack runs PyTorch there
-        for name in ("RoPEFunction", "SwiGLUFunction", "FusedAddRMSNormFunction"):
-            if hasattr(module, name):
-                found[name] = getattr(module, name)
+            module = importlib.import_module(f"kernels.{info.name}")
+        except ImportError:  # e.g. the optional CUDA extension, unbuilt
+            continue
+        for name in MODELS:
+            cls = getattr(module, name, None)
+            if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+                found[name] = cls
     liger = {"LigerRMSNormFunction": "liger_kernel.ops.rms_norm", "LigerSiLUMulFunction": "liger_kernel.ops.swiglu",
              "LigerRopeFunction": "liger_kernel.ops.rope",
              "LigerFusedLinearCrossEntropyFunction": "liger_kernel.ops.fused_linear_cross_entropy"}

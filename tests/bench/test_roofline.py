@@ -13,6 +13,9 @@ issued bytes where it re-reads a large one (the cross-entropy's second pass over
 
 from __future__ import annotations
 
+import importlib
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -231,7 +234,7 @@ def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
     rows = [base | {"impl": "ours", "step_ms": 90.0}, base | {"impl": "hf_liger", "step_ms": 100.0},
             base | {"impl": "hf", "step_ms": 120.0, "grad_accum": 4},  # accumulation: not this step
             base | {"impl": "hf", "step_ms": 1.0, "perf_figure": False}]  # a CPU row: not a measurement
-    (tmp_path / "train.jsonl").write_text("\n".join(__import__("json").dumps(r) for r in rows) + "\n")
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     measured = rf._measured("tiny", 32, 2)
     assert measured == {"ours": 90.0, "hf_liger": 100.0}
     modelled = [{"stack": s, "ignored": i, "ms_step": ms, "peak_memory_gb": 1.0, **{f"ms_{c}": 0.0 for c in rf.CATEGORIES}}
@@ -242,3 +245,20 @@ def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
     text = rf.render(modelled, rf.DEVICES["h100"], measured, args)
     assert "ours/hf_liger at 0% ignored: measured 0.900" in text and "modelled 0.842" in text
     assert "ours/hf at 0%" not in text.split("Measured beside modelled")[1]
+
+
+def test_a_kernel_landing_under_a_modelled_name_runs_its_model(monkeypatch):
+    some_kernel_module = importlib.import_module("kernels.rms_norm")  # (kernels.rms_norm is the function)
+
+    class SwiGLUFunction(torch.autograd.Function):  # stands for the kernel being written (any module of kernels)
+        @staticmethod
+        def forward(ctx, gate, up):
+            raise AssertionError("the model runs instead")
+
+    monkeypatch.setattr(some_kernel_module, "SwiGLUFunction", SwiGLUFunction, raising=False)
+    gate, up = _meta(4, 8, dtype=torch.bfloat16, grad=True), _meta(4, 8, dtype=torch.bfloat16, grad=True)
+    trace = rf.Trace()
+    with rf.recording(trace):
+        out = SwiGLUFunction.apply(gate, up)
+    assert out.shape == (4, 8) and [op.name for op in trace.ops] == ["SwiGLUFunction"]
+    assert "apply" not in SwiGLUFunction.__dict__  # restored on the way out
