@@ -250,8 +250,8 @@ def _check_args(q, k, cos, sin) -> None:
     if D % 2:
         raise ValueError(f"rope: head_dim must be even (rotate-half pairs i and i + D/2), got {D}")
     if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1:] != (T, D):
-        raise ValueError(f"rope: cos and sin must both be ({B} or 1, {T}, {D}), got {tuple(cos.shape)} and "
-                         f"{tuple(sin.shape)}")
+        raise ValueError(f"rope: cos and sin must both be (batch {B} or 1, seq {T}, head_dim {D}), got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     if len({q.device, k.device, cos.device, sin.device}) != 1:
         raise ValueError(f"rope: q, k, cos and sin must share a device, got {q.device}, {k.device}, {cos.device}, "
                          f"{sin.device}")
