@@ -51,6 +51,9 @@ def test_every_op_and_variant_is_compiled(compiled):
     bwd = {(r["constexprs"]["BLOCK_N"], r["constexprs"]["ONE_BLOCK"]) for r in compiled
            if r["kernel"] == "_rms_norm_bwd_kernel"}
     assert {("4096", "True"), ("8192", "True"), ("8192", "False")} <= bwd
+    # RoPE's one kernel, forward and backward (the transpose), at Llama-3-8B's heads.
+    rope = {(r["constexprs"]["BACKWARD"], r["constexprs"]["BLOCK_HQ"]) for r in compiled if r["kernel"] == "_rope_kernel"}
+    assert rope == {("False", "32"), ("True", "32")}
 
 
 def test_no_register_spills(compiled):
