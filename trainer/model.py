@@ -322,7 +322,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by the angles in cos/sin (B, T, D): HF's rotate_half."""
+    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by the angles in cos/sin (B or 1, T, D): HF's rotate_half."""
     cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # (B, T, 1, D)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -356,7 +356,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(B, T, -1))
 
     def _rope(self, q, k, cos, sin):
-        """q (B, T, H, D) and k (B, T, Hkv, D) rotated by cos/sin (B, T, D). The kernels take the (B, H, T, D)
+        """q (B, T, H, D) and k (B, T, Hkv, D) rotated by cos/sin (B or 1, T, D). The kernels take the (B, H, T, D)
         transposes (transformers' shapes) and their Triton kernels write (B, T, H, D) memory: no copy either way."""
         if self.impl == "torch":
             return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -545,14 +545,16 @@ class CausalLM(nn.Module):
         if self.training and self.neftune_noise_alpha:
             x = self._neftune(x, attention_mask, position_ids)
         if cache is not None:
-            rope_pos = torch.arange(cache.length, cache.length + T, device=x.device)[None].expand(B, T)
+            rope_pos = torch.arange(cache.length, cache.length + T, device=x.device)[None]  # (1, T)
             attns = [cache.slot(i) for i in range(len(self.model.layers))]
         else:
-            rope_pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None].expand(B, T)
+            # (1, T) unless given per row: cos/sin (1, T, D) are computed once for the batch, and kernels.rope
+            # reads them once per position instead of once per (row, position)
+            rope_pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None]
             plan = make_plan(position_ids, attention_mask, B, T, x.device, x.dtype, set(self.config.layer_windows),
                              self.attn_backend)
             attns = [plan] * len(self.model.layers)
-        cos, sin = self.model.rotary_emb(rope_pos)  # (B, T, D) fp32
+        cos, sin = self.model.rotary_emb(rope_pos)  # (B or 1, T, D) fp32
         for layer, attn in zip(self.model.layers, attns):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False, **self._checkpoint_kwargs)
