@@ -2,28 +2,28 @@
 Hugging Face model's path), torch.compile of it, and liger-kernel's LigerRopeFunction.
 
 Inputs as the models hold them: q (B, Hq, T, D) and k (B, Hkv, T, D) are transposes of (B, T, H, D) projection
-outputs; cos/sin (Bc, T, D) fp32 from the rotary module (Bc = B as our model builds them from (B, T) positions;
---shared-cos for Bc = 1, Hugging Face's (1, T) positions). The eager and compiled baselines get cos/sin cast to
-q's dtype first, as transformers' rotary module returns them (not timed); liger gets them in fp32, as our model's
-liger path passes them.
+outputs; cos/sin (Bc, T, D) fp32 from the rotary module: Bc = 1 when every row starts at position 0 (our model's
+and Hugging Face's default), Bc = B with --per-row-cos (packed rows, whose position_ids differ per row). The eager
+and compiled baselines get cos/sin cast to q's dtype first, as transformers' rotary module returns them (not
+timed); liger gets them in fp32, as our model's liger path passes them.
 Modes: forward (q_rot, k_rot), backward (dq, dk from a saved forward), full (forward + backward).
 
 Bytes (s = element size of q and k, c = of cos/sin): every row's GB/s is the op's minimum traffic
-    forward   2 (Hq + Hkv) B T D s (read q, k; write q_rot, k_rot) + 2 Bc T D c (cos and sin once per row)
+    forward   2 (Hq + Hkv) B T D s (read q, k; write q_rot, k_rot) + 2 Bc T D c (cos, sin once per row)
     backward  the same with the gradients; full = forward + backward,
 so rows compare directly. Byte model of our rows, per element of q and k (n = (Hq + Hkv) B T D):
     forward   ours s + 2 Bc T D c / n read, s write     min the same (kernels/rope.py's docstring)
-    backward  the same; full the sum.  tests/kernels/test_rope.py measures ours equal to it (bench/traffic.py).
+    backward  the same; full the sum.
 liger-kernel reads half of cos/sin (it assumes duplicated halves) but rotates in place, which a caller that keeps
-q pays for with a copy; transformers' eager path makes about ten passes (two products, a cat, a negation, a sum
-per tensor). Peak extra memory is measured for the full step.
+q pays for with a copy; transformers' eager path is ten launches (per tensor: a product, a negation, a cat, a
+product, a sum). Peak extra memory is measured for the full step.
 
 GPU: Llama-3-8B heads (Hq 32, Hkv 8, D 128), B 1 and 4, T 2048 and 8192, bf16.
 CPU (--quick): one tiny shape through the Triton interpreter; rows say perf_figure=False (not performance).
 
     python bench/bench_rope.py                        # GPU sweep, appends to bench/results/rope.jsonl
     python bench/bench_rope.py --quick                # CPU smoke run
-    python bench/bench_rope.py --shapes 4x8192 --shared-cos
+    python bench/bench_rope.py --shapes 4x8192 --per-row-cos
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _case(name, fn, mode, q, k, cos, sin, dq, dk):
     return lambda: torch.autograd.grad(fn(qg, kg, cos, sin), [qg, kg], [dq, dk])
 
 
-def run(shapes, dtype, modes, providers, *, shared_cos=False, compile_backend="inductor", cpu_reps=3):
+def run(shapes, dtype, modes, providers, *, shared_cos=True, compile_backend="inductor", cpu_reps=3):
     fns = {k: v for k, v in _providers(compile_backend).items() if k in providers}
     dev = common.device()
     env = common.env_info()
@@ -173,7 +173,7 @@ def main(argv=None):
                     help=f"batch x sequence; default on GPU: {' '.join(GPU_SHAPES)}")
     ap.add_argument("--heads", nargs=3, type=int, metavar=("HQ", "HKV", "D"), default=list(HEADS),
                     help="query heads, key/value heads, head_dim (default: Llama-3-8B's 32 8 128)")
-    ap.add_argument("--shared-cos", action="store_true", help="cos/sin (1, T, D), shared by the batch")
+    ap.add_argument("--per-row-cos", action="store_true", help="cos/sin (B, T, D) (packed rows) instead of (1, T, D)")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the compiled baseline")
     args = ap.parse_args(argv)
 
@@ -181,7 +181,7 @@ def main(argv=None):
         shapes = [(b, t, *args.heads) for b, t in (args.shapes or [parse_shape(x) for x in GPU_SHAPES])]
     else:
         shapes = list(CPU_SHAPES)
-    rows = run(shapes, DTYPES[args.dtype], args.modes, args.providers, shared_cos=args.shared_cos,
+    rows = run(shapes, DTYPES[args.dtype], args.modes, args.providers, shared_cos=not args.per_row_cos,
                compile_backend=args.compile_backend, cpu_reps=1 if args.quick else 5)
     path = common.write_rows("rope", rows)
     print(f"wrote {len(rows)} rows to {path}")
