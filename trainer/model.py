@@ -323,7 +323,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + D/2) of x (B, T, H, D) by the angles in cos/sin (B or 1, T, D): HF's rotate_half."""
-    cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # (B, T, 1, D)
+    cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # (B or 1, T, 1, D)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
