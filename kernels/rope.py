@@ -63,7 +63,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements of one half-tile (BLOCK_T x BLOCK_H x BLOCK_D): x1 and x2 are live together, so a program holds twice
 # this many fp32 values, plus the four cos/sin halves broadcast over heads. ptxas (sm_90, bf16, Llama-3-8B heads,
 # `python -m bench.sm90 --only rope`): 1024 -> 80 registers at 4 warps, 2048 -> 96 at 4 warps (5 programs per SM,
-# 16 KB of q in flight each), 4096 -> 128 at 8 warps; none spills. 2048 keeps the most bytes in flight per SM
+# each reading 8 KB of bf16 q per tile), 4096 -> 128 at 8 warps; none spills. 2048 keeps the most bytes in flight per SM
 # short of 128 registers; not yet timed on a GPU (bench/bench_rope.py is the place to revisit it).
 _TILE_ELEMS = 2048
 # Programs below which a batch-shared cos/sin still gets one program per (position block, batch): on CUDA about
