@@ -13,7 +13,7 @@ Bytes (s = element size of q and k, c = of cos/sin): every row's GB/s is the op'
     backward  the same with the gradients; full = forward + backward,
 so rows compare directly. Byte model of our rows, per element of q and k (n = (Hq + Hkv) B T D):
     forward   ours s + 2 Bc T D c / n read, s write     min the same (kernels/rope.py's docstring)
-    backward  the same; full the sum.
+    backward  the same; full the sum.   Measured equal by bench/traffic.py (tests/kernels/test_rope.py).
 liger-kernel reads half of cos/sin (it assumes duplicated halves) but rotates in place, which a caller that keeps
 q pays for with a copy; transformers' eager path is ten launches (per tensor: a product, a negation, a cat, a
 product, a sum). Peak extra memory is measured for the full step.

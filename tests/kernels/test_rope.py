@@ -8,6 +8,8 @@ Tolerance model (tests/tolerance.py):
 - bf16/fp16: our error against the fp32 reference <= 2x transformers' error running apply_rotary_pos_emb in that
   dtype (cos/sin cast to it, as its rotary module does), + 1 bf16 ulp of |ref|max because the interpreter
   truncates fp32->bf16 stores (DESIGN.md).
+Bytes: bench/traffic.py counts the launches' loads and stores; they equal the minimum (read q, k and cos/sin once
+per (cos row, position), write the outputs once; backward the same with the gradients).
 Shapes are small and odd (T = 7, 33; head_dim 80 pads D/2 = 40 to a 64-wide block), GQA head counts (4/2, 6/3,
 5/1); one program covers many positions, so the whole file runs in a few seconds of interpreter time.
 """
@@ -21,6 +23,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kernels
+from bench import traffic
 from kernels.rope import RoPEFunction, launch_config, rope, rope_launch, rope_ref
 from tests.tolerance import assert_lowp_close, max_abs_err
 
@@ -156,6 +159,51 @@ def test_any_input_strides_no_copies_outputs_fully_written(monkeypatch):
     assert poisoned.calls == 4  # q_rot, k_rot, dq, dk
     for o, r, name in zip(ours, ref, NAMES):
         _assert_fp32_close(o, r, name)
+
+
+def _rope_minimum(q, k, cos):
+    """(read, write) bytes a rotation must move: q and k once each way, cos and sin once per (cos row, position)."""
+    qk = (q.numel() + k.numel()) * q.element_size()
+    return qk + 2 * cos.numel() * cos.element_size(), qk
+
+
+@pytest.mark.parametrize("shape, dtype", [((2, 4, 2, 7, 16, 2), torch.bfloat16), ((3, 6, 3, 33, 80, 1), torch.float16)],
+                         ids=str)
+def test_measured_bytes_are_the_minimum(shape, dtype):
+    """bench/traffic.py counts every lane of every load and store: forward and backward are one launch each and
+    move exactly the minimum (issued = distinct: nothing is read twice, cos/sin not once per head; the padded
+    columns of head_dim 80 cost nothing)."""
+    q, k, cos, sin, dq, dk = _make(*shape, dtype)
+    q.requires_grad_()
+    k.requires_grad_()
+    want_read, want_write = _rope_minimum(q, k, cos)
+    with traffic.measure() as fwd:
+        q_rot, k_rot = rope(q, k, cos, sin)
+    with traffic.measure() as bwd:
+        torch.autograd.grad((q_rot, k_rot), (q, k), (dq, dk))
+    for t, inputs, outputs in ((fwd, (q, k), (q_rot, k_rot)), (bwd, (dq, dk), None)):
+        assert [launch.kernel for launch in t.launches] == ["_rope_kernel"], t.summary()
+        assert (t.read_bytes, t.write_bytes) == (want_read, want_write), t.summary()
+        assert (t.distinct_read, t.distinct_write) == (want_read, want_write), t.summary()
+        tensors = t.by_tensor()
+        for name, x in zip(("q_ptr", "k_ptr"), inputs):
+            assert (tensors[name].read, tensors[name].write) == (x.numel() * x.element_size(), 0), t.summary()
+        for name, x in (("cos_ptr", cos), ("sin_ptr", sin)):
+            assert tensors[name].read == x.numel() * 4, t.summary()
+
+
+def test_batch_shared_cos_read_once_per_position_when_looping_over_the_batch():
+    """cos/sin (1, T, D): one program per position block loops over the batch and reads them once; one program
+    per (position block, batch), the launcher's choice when position blocks alone would not fill a GPU, reads
+    them once per batch row (issued B times, distinct once)."""
+    q, k, cos, sin, _, _ = _make(3, 4, 2, 7, 16, 1, torch.bfloat16)
+    cos_bytes = cos.numel() * 4
+    for batches_per_program, issued in ((3, cos_bytes), (1, 3 * cos_bytes)):
+        with traffic.measure() as t:
+            rope_launch(q, k, cos, sin, batches_per_program=batches_per_program)
+        tensors = t.by_tensor()
+        assert (tensors["cos_ptr"].read, tensors["cos_ptr"].distinct_read) == (issued, cos_bytes), t.summary()
+        assert (tensors["sin_ptr"].read, tensors["sin_ptr"].distinct_read) == (issued, cos_bytes), t.summary()
 
 
 def test_batch_shared_cos_same_result_either_grouping():
