@@ -30,10 +30,11 @@ Bytes moved (s = element size of q and k, c = element size of cos/sin; per launc
     read q, k once and write q_rot, k_rot once: 2 (Hq + Hkv) B T D s
     cos and sin once per (cos row, position):   2 Bc T D c     (not once per head: a program loads its positions'
                                                                cos/sin rows once and rotates every head with them)
-That is the minimum, and what the kernel moves: bench/traffic.py counts it exactly, issued = distinct, forward and
-backward (tests/kernels/test_rope.py::test_measured_bytes_are_the_minimum). At Llama-3-8B's heads (Hq 32, Hkv 8, D 128), bf16 q/k and fp32 cos/sin with Bc = B, cos and
-sin are 2 * 4 / (2 * 40 * 2) = 5% of the bytes; liger-kernel reads only their first halves (it assumes
-c1 = c2), which would save 2.5% at the cost of transformers' general semantics.
+That is the minimum, and what the kernel moves: bench/traffic.py counts it exactly (issued = distinct, forward and
+backward: tests/kernels/test_rope.py::test_measured_bytes_are_the_minimum). At Llama-3-8B's heads (Hq 32, Hkv 8,
+D 128) with bf16 q/k and fp32 cos/sin, cos and sin are 2 * 4 / (2 * 40 * 2) = 5% of the bytes with per-row angles
+(Bc = B: packed rows) and 5% / B with the model's default (1, T, D); liger-kernel reads only their first halves
+(it assumes c1 = c2), which would save half of that at the cost of transformers' general semantics.
 
 Launch strategy
     Grid (position blocks, batch groups). A program owns BLOCK_T positions: it loads their cos/sin rows
