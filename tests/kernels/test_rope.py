@@ -101,7 +101,8 @@ def test_matches_reference_and_transformers(shape, dtype):
 
 
 def test_rotary_module_angles_llama3_scaling_and_packed_positions():
-    """cos/sin from transformers' own rotary module (llama3 scaling), positions restarting mid-row (packing)."""
+    """cos/sin from transformers' own rotary module (llama3 scaling), positions restarting mid-row (packing);
+    fp32, and bf16 with the module's bf16 cos/sin."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -110,11 +111,21 @@ def test_rotary_module_angles_llama3_scaling_and_packed_positions():
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
     position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 40, 41], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])
     q, k, _, _, dq, dk = _make(2, 4, 2, 11, 16, 2, torch.float32)
-    cos, sin = LlamaRotaryEmbedding(config)(q, position_ids)  # (2, 11, 16) fp32
+    rotary = LlamaRotaryEmbedding(config)
+    cos, sin = rotary(q, position_ids)  # (2, 11, 16) fp32
     ours = _fwd_bwd(rope, q, k, cos, sin, dq, dk)
     hf = _fwd_bwd(apply_rotary_pos_emb, q, k, cos, sin, dq, dk)
     for o, h, name in zip(ours, hf, NAMES):
         _assert_fp32_close(o, h, name)
+    # A bf16 model: the rotary module hands cos/sin in bf16; we read them as they are and compute in fp32.
+    qb, kb, dqb, dkb = (t.to(torch.bfloat16) for t in (q, k, dq, dk))
+    cos_b, sin_b = rotary(qb, position_ids)
+    assert cos_b.dtype == torch.bfloat16
+    ours = _fwd_bwd(rope, qb, kb, cos_b, sin_b, dqb, dkb)
+    ref32 = _fwd_bwd(rope_ref, qb.float(), kb.float(), cos_b.float(), sin_b.float(), dqb.float(), dkb.float())
+    hf = _fwd_bwd(apply_rotary_pos_emb, qb, kb, cos_b, sin_b, dqb, dkb)
+    for o, r, h, name in zip(ours, ref32, hf, NAMES):
+        assert_lowp_close(o, r, h.float(), torch.bfloat16, name=name, extra_ulps=1)
 
 
 class _PoisonedTorch:
