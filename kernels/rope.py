@@ -68,9 +68,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # each reading 8 KB of bf16 q per tile), 4096 -> 128 at 8 warps; none spills. 2048 keeps the most bytes in flight per SM
 # short of 128 registers; not yet timed on a GPU (bench/bench_rope.py is the place to revisit it).
 _TILE_ELEMS = 2048
-# Programs below which a batch-shared cos/sin still gets one program per (position block, batch): on CUDA about
-# two per SM (so a long sequence keeps every SM streaming while each program reuses cos/sin over the batch); on
-# the interpreter (~37 us per program) one.
+# Position blocks needed before batch-shared cos/sin make one program loop over the whole batch (fewer, longer
+# programs, cos/sin read once per position): on CUDA two per SM, so the loop never leaves an SM idle (Llama's
+# T = 2048 gives 2048 blocks); on the interpreter (~37 us per program) one, i.e. always.
 _CPU_MIN_PROGRAMS = 1
 
 
