@@ -194,6 +194,12 @@ class ByteModel:
             "gb_s_min": gbs(self.min_read + self.min_write),
         }
 
+    @classmethod
+    def from_totals(cls, ours: tuple[int, int], minimum: tuple[int, int], n_elements: int) -> "ByteModel":
+        """Per-element model from total (read, write) bytes of our kernels and of the minimum over n_elements."""
+        n = max(1, n_elements)
+        return cls(ours[0] / n, ours[1] / n, minimum[0] / n, minimum[1] / n)
+
 
 def byte_model_text(row: dict) -> str:
     """The byte model of a row for a printed line, e.g. " | B/elt r+w ours 4+2: 2510 GB/s, min 2+2: 1673 GB/s";
