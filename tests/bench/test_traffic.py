@@ -155,3 +155,24 @@ def test_measure_restores_the_interpreter():
         pass
     _copy_kernel[(1,)](src, torch.empty_like(src), 10, BLOCK=16)  # outside the block: not counted
     assert t.launches == []
+
+
+def test_torch_ops_are_recorded_with_modelled_bytes():
+    a, b = torch.randn(6, 5), torch.randn(5, 3)
+    out = torch.empty(6, 3)
+    src = torch.randn(10)
+    with traffic.measure(torch_ops=True) as t:
+        c = a @ b.t().t()  # the views move nothing
+        torch.mm(a, b, out=out)  # out= is written, not read
+        out.add_(c)  # in place: read and written
+        dst = torch.empty_like(src)
+        _copy_kernel[(1,)](src, dst, 10, BLOCK=16)
+        dst.gather(0, torch.tensor([1, 2]))  # reads the two gathered elements and the index
+    kinds = [launch.kernel for launch in t.launches]
+    assert kinds == ["aten.mm", "aten.mm", "aten.add_", "_copy_kernel", "aten.gather"], t.summary()
+    mm, mm_out, add, _, gather = t.launches
+    assert (mm.read, mm.write) == (4 * 30 + 4 * 15, 4 * 18)
+    assert (mm_out.read, mm_out.write) == (4 * 30 + 4 * 15, 4 * 18)
+    assert (add.read, add.write) == (2 * 4 * 18, 4 * 18)
+    assert (gather.read, gather.write) == (2 * 4 + 2 * 8, 2 * 4)
+    assert torch.equal(dst, src)
