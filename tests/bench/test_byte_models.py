@@ -9,11 +9,13 @@ The models' "torch" entries (ops between the launches: a sum, a cast, a step cou
 so the meter cannot see them; they stay modelled.
 """
 
+import importlib
+
 import pytest
 import torch
 
 import kernels
-from bench import bench_adamw, bench_cross_entropy, bench_neftune, bench_rms_norm, traffic
+from bench import bench_adamw, bench_cross_entropy, bench_fused_linear_cross_entropy, bench_neftune, bench_rms_norm, traffic
 from kernels.cross_entropy import cross_entropy, cross_entropy_fwd
 from kernels.rms_norm import rms_norm_bwd, rms_norm_fwd
 
@@ -21,7 +23,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def assert_matches(model: dict[str, tuple[int, int]], measured: traffic.Traffic, which: str) -> None:
-    """The Triton entries of a model equal the meter's per-kernel issued (read, write) bytes."""
+    """A model's entries equal the meter's per-kernel issued (read, write) bytes: its Triton kernels, and its torch
+    operators ("aten.*") where the meter recorded them (`torch_ops=True`: one pass over each operand)."""
     got = {name: (launch.read, launch.write) for name, launch in measured.by_kernel().items()}
     want = {name: rw for name, rw in model.items() if name != "torch"}
     assert got == want, (
@@ -149,3 +152,32 @@ def test_adamw(variant):
             opt.step()
     numels = [p.numel() for p in params]
     assert_matches(bench_adamw.traffic_parts(variant, numels), m, f"bench/bench_adamw.py {variant}")
+
+
+# ---- fused linear cross-entropy -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)  # fp32: the weight gradient in the token pass; bf16/fp16: the vocabulary pass
+@pytest.mark.parametrize("ignored", ["none", "some", "all"])
+@pytest.mark.parametrize("tiles", ["one", "several"])  # several: chunks of 4 rows, vocabulary tiles of 5 x 48
+def test_fused_linear_cross_entropy(dtype, ignored, tiles, monkeypatch):
+    flce = importlib.import_module("kernels.fused_linear_cross_entropy")  # kernels/__init__ shadows the module name
+    if tiles == "several":
+        monkeypatch.setattr(flce, "MIN_CHUNK_ROWS", 4)
+        monkeypatch.setattr(flce, "VOCAB_TILE_ROWS", 5)
+        monkeypatch.setattr(flce, "VOCAB_TILE_COLS", 48)
+    n, h, v = 11, 16, 100
+    hidden = torch.randn(n, h, dtype=DTYPES[dtype]).requires_grad_()
+    weight = torch.randn(v, h, dtype=DTYPES[dtype]).requires_grad_()
+    target = torch.randint(0, v, (n,))
+    target[{"none": slice(0), "some": slice(None, None, 3), "all": slice(None)}[ignored]] = -100
+    n_ignored = int((target == -100).sum())
+    with kernels.backend("triton"):
+        with traffic.measure(torch_ops=True) as fwd:
+            loss = flce.fused_linear_cross_entropy(hidden, weight, target)
+        with traffic.measure(torch_ops=True) as bwd:
+            loss.backward()
+    s = hidden.element_size()
+    which = f"bench/bench_fused_linear_cross_entropy.py ({dtype}, N={n} H={h} V={v}, {n_ignored} ignored, {tiles} tiles)"
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_fused_linear_cross_entropy.traffic_parts(mode, n, h, v, s, n_ignored, cuda=False)
+        assert_matches(model, measured, f"{which} {mode}")
