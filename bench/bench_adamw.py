@@ -80,12 +80,12 @@ BLOCK = 2048
 
 def traffic_parts(variant: str, numels: list[int]) -> dict[str, tuple[int, int]]:
     """Exact (read, write) bytes of one step of our variant ("ours_fp32", "ours_bf16_master", "ours_bf16_sr") on
-    tensors of these sizes, per launch kind: the Triton kernel and "torch" (the step counters' _foreach_add_)."""
+    tensors of these sizes, per launch: the Triton kernel and the step counters' "aten._foreach_add_"."""
     model = BYTE_MODELS[variant.removesuffix("_cuda")]
     n = sum(numels)
     programs = sum(-(-k // BLOCK) for k in numels)
     return {"_adamw_kernel": (int(model.read * n) + PROGRAM_READ_BYTES * programs, int(model.write * n)),
-            "torch": (4 * len(numels), 4 * len(numels))}
+            "aten._foreach_add_": (4 * len(numels), 4 * len(numels))}
 
 
 def traffic_model(variant: str, numels: list[int]) -> tuple[int, int]:

@@ -118,8 +118,8 @@ def traffic_parts(mode: str, m: int, n: int, s: int, w: int, *, max_block: int |
                   num_programs: int | None = None, compute_dw: bool = True, weight_once: bool = False) -> dict[str, tuple[int, int]]:
     """Exact (read, write) bytes per launch of our RMSNorm on an (m, n) x of element size s, weight of size w.
 
-    Keys: the Triton kernels' names, and "torch" for the dweight finish (sum of the fp32 partials, cast to
-    the weight's dtype). `traffic_model` sums them. max_block / num_programs as the launchers take them.
+    Keys: the Triton kernels' names, and the torch ops of the dweight finish ("aten.sum" of the fp32 partials,
+    "aten._to_copy" to the weight's dtype), as bench/traffic.py's `torch_ops` names and counts them. `traffic_model` sums them. max_block / num_programs as the launchers take them.
     Issued bytes; weight_once counts the weight once per launch instead of once per program (or row tile), which
     is what DRAM sees while the weight (N * w bytes, 8-32 KB) stays in L2: the meter's distinct weight bytes.
     """
@@ -144,8 +144,9 @@ def traffic_parts(mode: str, m: int, n: int, s: int, w: int, *, max_block: int |
             read = 2 * m * n * s + weight + col_blocks * 2 * 4 * m  # rstd and c per column block
         out["_rms_norm_bwd_kernel"] = (read, m * n * s + partials)
         if compute_dw:
-            cast = (4 * n, n * w) if w != 4 else (0, 0)  # .to(weight.dtype) is a no-op for fp32
-            out["torch"] = (partials + cast[0], 4 * n + cast[1])
+            out["aten.sum"] = (partials, 4 * n)  # the partials summed over programs, in fp32
+            if w != 4:  # .to(weight.dtype) is a no-op for fp32
+                out["aten._to_copy"] = (4 * n, n * w)
     return out
 
 

@@ -21,7 +21,7 @@ charged to the tensors passed in `measure(named={...})`, else to "?".
 
 Torch operators between the launches (matmuls, sums, copies) do not run through the interpreter. With
 `measure(torch_ops=True)` a TorchDispatchMode records each one as a launch named "aten.<op>" whose bytes are
-modelled, not measured: every tensor operand read once and every output written once (what a single-pass
+modelled, not measured (ops that move nothing, e.g. views, are not recorded): every tensor operand read once and every output written once (what a single-pass
 kernel moves; a matmul's operand re-reads from cache are not counted), with these exceptions: view ops and
 empty allocations move nothing; an `out=` argument and the destination of copy_/fill_/zero_ are written, not
 read; gather and index_select read only the elements they select; ones_like/zeros_like/full_like read
@@ -308,7 +308,7 @@ class _TorchOps(TorchDispatchMode):
         for tt in launch.tensors.values():
             tt.distinct_read, tt.distinct_write = tt.read, tt.write
         launch.tensors = {k: v for k, v in launch.tensors.items() if v.read or v.write}
-        if self.rec.launch is None:  # not inside a Triton launch's own host-side copies
+        if launch.tensors and self.rec.launch is None:  # moves bytes; not a Triton launch's own host-side copies
             self.rec.traffic.launches.append(launch)
         return out
 
