@@ -164,7 +164,8 @@ def bench_variant(variant: str, shapes: list[tuple], quick: bool) -> dict:
         **timing,
         **common.physics(timing["ms"], bytes_moved=bytes_per_elem * numel),
         "peak_extra_bytes": peak,
-        **(_exact_byte_model(variant, [p.numel() for p in params]).columns(numel, timing["ms"]) if variant in BYTE_MODELS else {}),
+        **(_exact_byte_model(variant, [p.numel() for p in params]).columns(numel, timing["ms"])
+           if variant in BYTE_MODELS else {}),
     }
     del params, opt
     if common.on_gpu():

@@ -164,11 +164,14 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
     """(read, write) bytes of every launch of our op, summed per kernel or torch op name, for `mode` ("forward" with
     every gradient, as the bench runs it; "backward" with grad_output 1; "full"): hidden (N, H) of element size s,
     weight (V, H) of element size w (default s), no bias, int64 targets on the host with n_ignored ignored,
-    reduction "mean". cuda: the CUDA matmuls read bf16/fp16 operands with an fp32 output (no upcast copies), and
-    the launch grids of the GPU. Module docstring for the algorithm."""
+    reduction "mean". w != s is autocast (an fp32 weight with bf16/fp16 hidden states, as the trainer runs it): the
+    weight is cast for the matmuls and the loss is fp32. cuda: the CUDA matmuls read bf16/fp16 operands with an
+    fp32 output (no upcast copies), and the launch grids of the GPU. Module docstring for the algorithm."""
     w = s if w is None else w
     n, h, v, k = n_tokens, hdim, vocab, n_tokens - n_ignored
     vocab_pass = w != 4
+    autocast = w != s
+    loss_size = 4 if autocast else s  # the loss, and so grad_output, in hidden's dtype, fp32 under autocast
     parts: dict[str, list[int]] = {}
 
     def add(name, read, write):
@@ -188,7 +191,7 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
         """cross_entropy_bwd on a flat gradient with a 0-d grad_output of 1 (in the loss's dtype, s)."""
         if numel == 0:
             return
-        g = bench_cross_entropy._bwd_programs(numel, cuda) * s
+        g = bench_cross_entropy._bwd_programs(numel, cuda) * loss_size
         add("_cross_entropy_bwd_kernel", g + (0 if in_place else 4 * numel), 0 if in_place else out_size * numel)
 
     def gather_rows():  # hidden[kept] (and the index), on the device
@@ -211,6 +214,8 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
             add("aten.index_select", 8 * k + 8 * k, 8 * k)  # the kept targets
         gather_rows()
         add("aten.reciprocal", 4, 4)
+        if autocast:
+            add("aten._to_copy", v * h * w, v * h * s)  # the weight in the matmuls' dtype
         if k == 0 and not vocab_pass:
             add("aten.zeros", 0, 4 * v * h)  # grad_weight of no rows
         chunk = _chunk_rows(k, h, v) if k else 1
@@ -224,15 +229,17 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
                 add("aten.gather", 8 * c + c * s, c * s)
                 mm_fp32(c, v, h, s, s, accumulate=False)  # grad_hidden
             else:
-                mm_fp32(c, v, h, 4, 4, accumulate=False)
-                mm_fp32(v, c, h, 4, 4, accumulate=start > 0)  # grad_weight
+                mm_fp32(c, v, h, s, s, accumulate=False)
+                mm_fp32(v, c, h, s, s, accumulate=start > 0)  # grad_weight
         add("aten.div", 8, 4)  # the mean
-        if s != 4:
-            add("aten._to_copy", 4, s)  # the loss in hidden's dtype
+        if loss_size != 4:
+            add("aten._to_copy", 4, loss_size)  # the loss in hidden's dtype
     if mode in ("backward", "full"):
-        add("aten.ones_like", 0, s)  # autograd's grad_output
+        add("aten.ones_like", 0, loss_size)  # autograd's grad_output
         if vocab_pass:
             gather_rows()
+            if autocast:
+                add("aten._to_copy", v * h * w, v * h * s)
             if k == 0:
                 add("aten.zero_", 0, v * h * w)
             tile_rows, tile_cols = _vocab_tile(k, h, v) if k else (1, v)
@@ -250,7 +257,7 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
             bwd_scale(k * h, s, in_place=False)  # grad_hidden rounded once
         else:
             bwd_scale(v * h, 4, in_place=True)  # grad_weight, skipped: grad_output is 1
-            bwd_scale(k * h, 4, in_place=True)  # grad_hidden, skipped
+            bwd_scale(k * h, s, in_place=s == 4)  # grad_hidden: skipped in fp32, else rounded once
         scatter_rows(s)
     return {name: (r, wr) for name, (r, wr) in parts.items()}
 

@@ -115,11 +115,13 @@ def bwd_programs(m: int, n: int, max_block: int | None = None, num_programs: int
 
 
 def traffic_parts(mode: str, m: int, n: int, s: int, w: int, *, max_block: int | None = None,
-                  num_programs: int | None = None, compute_dw: bool = True, weight_once: bool = False) -> dict[str, tuple[int, int]]:
+                  num_programs: int | None = None, compute_dw: bool = True,
+                  weight_once: bool = False) -> dict[str, tuple[int, int]]:
     """Exact (read, write) bytes per launch of our RMSNorm on an (m, n) x of element size s, weight of size w.
 
     Keys: the Triton kernels' names, and the torch ops of the dweight finish ("aten.sum" of the fp32 partials,
-    "aten._to_copy" to the weight's dtype), as bench/traffic.py's `torch_ops` names and counts them. `traffic_model` sums them. max_block / num_programs as the launchers take them.
+    "aten._to_copy" to the weight's dtype), as bench/traffic.py's `torch_ops` names and counts them.
+    `traffic_model` sums them. max_block / num_programs as the launchers take them.
     Issued bytes; weight_once counts the weight once per launch instead of once per program (or row tile), which
     is what DRAM sees while the weight (N * w bytes, 8-32 KB) stays in L2: the meter's distinct weight bytes.
     """

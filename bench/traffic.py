@@ -21,12 +21,12 @@ charged to the tensors passed in `measure(named={...})`, else to "?".
 
 Torch operators between the launches (matmuls, sums, copies) do not run through the interpreter. With
 `measure(torch_ops=True)` a TorchDispatchMode records each one as a launch named "aten.<op>" whose bytes are
-modelled, not measured (ops that move nothing, e.g. views, are not recorded): every tensor operand read once and every output written once (what a single-pass
-kernel moves; a matmul's operand re-reads from cache are not counted), with these exceptions: view ops and
-empty allocations move nothing; an `out=` argument and the destination of copy_/fill_/zero_ are written, not
-read; gather and index_select read only the elements they select; ones_like/zeros_like/full_like read
-nothing; index_copy_ writes only the copied rows. Their distinct bytes
-equal their issued bytes, and `Traffic.distinct_read`/`distinct_write` cover the Triton launches only.
+modelled, not measured (ops that move nothing, e.g. views, are not recorded): every tensor operand read once and
+every output written once (what a single-pass kernel moves; a matmul's re-reads of its operands are not
+counted), with these exceptions: view ops and empty allocations move nothing; an `out=` argument and the
+destination of copy_/fill_/zero_ are written, not read; gather and index_select read only the elements they
+select; ones_like/zeros_like/full_like read nothing; index_copy_ writes only the copied rows. Their distinct
+bytes equal their issued bytes, and `Traffic.distinct_read`/`distinct_write` cover the Triton launches only.
 
     with traffic.measure() as t:
         fn()

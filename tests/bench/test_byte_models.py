@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from bench import bench_adamw, bench_cross_entropy, bench_fused_linear_cross_entropy, bench_neftune, bench_rms_norm, traffic
-from kernels.cross_entropy import cross_entropy, cross_entropy_fwd
+from kernels.cross_entropy import FWD_VARIANTS, cross_entropy, cross_entropy_fwd, fwd_variant
 from kernels.rms_norm import RMSNormFunction, rms_norm_bwd, rms_norm_fwd
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,6 +73,19 @@ def test_cross_entropy_scaled_backward_and_no_grad_forward():
     which = "bench/bench_cross_entropy.py"
     assert_matches(bench_cross_entropy.traffic_parts("backward", n, vocab, 2, 1, grad_output_one=False, cuda=False), bwd, which)
     assert_matches(bench_cross_entropy.traffic_parts("forward_nograd", n, vocab, 2, 1, cuda=False), fwd, which)
+
+
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
+def test_cross_entropy_forward_variants_move_the_same_bytes(variant):
+    # the variants change tiles, cache hints, pipelining and the grid, not what is read or written
+    n, vocab = 6, 1003
+    logits = torch.randn(n, vocab, dtype=torch.bfloat16)
+    target = torch.randint(0, vocab, (n,))
+    target[2] = -100
+    with fwd_variant(variant), traffic.measure() as fwd:
+        cross_entropy_fwd(logits, target, grad_scale=torch.tensor(0.2))
+    model = bench_cross_entropy.traffic_parts("forward", n, vocab, 2, 1, cuda=False)
+    assert_matches(model, fwd, f"bench/bench_cross_entropy.py (variant {variant})")
 
 
 def test_cross_entropy_ignored_rows_cost_one_element_not_three():
@@ -198,4 +211,25 @@ def test_fused_linear_cross_entropy(dtype, ignored, tiles, monkeypatch):
     which = f"bench/bench_fused_linear_cross_entropy.py ({dtype}, N={n} H={h} V={v}, {n_ignored} ignored, {tiles} tiles)"
     for mode, measured in (("forward", fwd), ("backward", bwd)):
         model = bench_fused_linear_cross_entropy.traffic_parts(mode, n, h, v, s, n_ignored, cuda=False)
+        assert_matches(model, measured, f"{which} {mode}")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("ignored", ["none", "some"])
+def test_fused_linear_cross_entropy_fp32_weight_under_autocast(dtype, ignored):
+    # the trainer's case: fp32 master weight, activations in bf16/fp16: the token-pass weight gradient in fp32
+    n, h, v = 11, 16, 100
+    hidden = torch.randn(n, h, dtype=DTYPES[dtype]).requires_grad_()
+    weight = torch.randn(v, h).requires_grad_()
+    target = torch.randint(0, v, (n,))
+    target[{"none": slice(0), "some": slice(None, None, 3)}[ignored]] = -100
+    n_ignored = int((target == -100).sum())
+    with kernels.backend("triton"), torch.autocast("cpu", dtype=DTYPES[dtype]):
+        with traffic.measure(torch_ops=True) as fwd:
+            loss = kernels.fused_linear_cross_entropy(hidden, weight, target)
+        with traffic.measure(torch_ops=True) as bwd:
+            loss.backward()
+    which = f"bench/bench_fused_linear_cross_entropy.py ({dtype} under autocast, fp32 weight, {n_ignored} ignored)"
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_fused_linear_cross_entropy.traffic_parts(mode, n, h, v, hidden.element_size(), n_ignored, w=4, cuda=False)
         assert_matches(model, measured, f"{which} {mode}")
