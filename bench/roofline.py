@@ -23,17 +23,20 @@ index), one launch per op (torch's multi-tensor `_foreach_*`/`_fused_*` ops: one
 per its tensor-list limit). What cannot run on meta tensors enters by its cost model (MODELS below), as one modelled
 op whose forward and backward produce outputs and gradients of the right shapes and record their own bytes, FLOPs
 and launches (the aten ops they run internally are not recorded: they are not what the GPU runs):
-- our Triton ops and liger-kernel's, by the autograd Function class each calls (`RMSNormFunction`,
+- our Triton ops and liger-kernel's, by the autograd Function class each calls (`RMSNormFunction`, `RoPEFunction`,
   `FusedLinearCrossEntropyFunction`, `LigerRMSNormFunction`, `LigerSiLUMulFunction`, `LigerRopeFunction`,
-  `LigerFusedLinearCrossEntropyFunction`; and, for the kernels being written now, `RoPEFunction`,
-  `SwiGLUFunction`, `FusedAddRMSNormFunction`, picked up from `kernels` when they exist) and our FusedAdamW's
-  Triton launcher. Byte models: bench/bench_rms_norm.py's, bench/bench_cross_entropy.py's and
-  bench/bench_adamw.py's per-element models times the sizes; the fused linear cross-entropies split into their
-  matmuls (compute) and their cross-entropy kernel (bytes), chunk by chunk as the source does it (ours: chunks of
-  max(N / ceil(V / H), 2048) kept rows, an fp32 grad_weight accumulated by the chunk matmuls; liger: chunks of
-  next_pow2(N / ceil(V / H)) rows over every row, an fp32 grad_weight read and written by every chunk's addmm, and
-  its backward's element_mul of both gradients by grad_output, which is not 1 after the callers' division by the
-  token count). Any other Triton launch raises: a new kernel must bring its model.
+  `LigerFusedLinearCrossEntropyFunction`; and, for the kernels being written now, `SwiGLUFunction` and
+  `FusedAddRMSNormFunction`, picked up from any module of `kernels` when they exist) and our FusedAdamW's Triton
+  launcher. Ours by the benches' exact byte models (`traffic_parts` of bench/bench_rms_norm.py,
+  bench_fused_linear_cross_entropy.py, bench_adamw.py; bench_rope.py's), one recorded op per launch they name,
+  which tests/bench/test_byte_models.py checks against bench/traffic.py's meter; our fused loss's matmul FLOPs and
+  launches from its own chunking (max(K / ceil(V / H), 2048) of the K kept rows, an fp32 grad_weight accumulated by
+  the chunk matmuls). liger's by the models below, from its source: its cross-entropy and RoPE kernels checked
+  against the meter by tests/bench/test_roofline.py, its RMSNorm and SwiGLU (libdevice: not meterable on a CPU)
+  by ours' passes; its fused loss chunk by chunk (next_pow2(N / ceil(V / H)) rows over every row, an fp32
+  grad_weight read and written by every chunk's addmm, and its backward's element_mul of both gradients by
+  grad_output, which is not 1 after the callers' division by the token count). Any other Triton launch raises:
+  a new kernel must bring its model.
 - attention (SDPA in our model and in HF's) by flash-attention's formulas, the same for all four stacks: causal
   forward 4*B*H*T^2*D/2 FLOPs, backward 2.5x; forward reads q, k, v and writes o and the fp32 lse, backward reads
   q, k, v, o, do, lse and writes dq, dk, dv; 1 launch forward, 2 backward (preprocess + main).
@@ -93,15 +96,14 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 import kernels
-from kernels.fused_linear_cross_entropy import MIN_CHUNK_ROWS
-from kernels.rms_norm import _MAX_BWD_BLOCK as RMS_MAX_BWD_BLOCK
-from kernels.rms_norm import launch_config as rms_norm_launch_config
+from kernels.fused_linear_cross_entropy import _chunk_rows as flce_chunk_rows
 
 from bench import common
 from bench.sm90 import H100_SMS, fake_cuda
 
 # Imported after `kernels` (they set TRITON_INTERPRET for kernels imported later; ours are decorated already).
-from bench import bench_adamw, bench_cross_entropy, bench_rms_norm  # noqa: E402
+from bench import bench_adamw, bench_rms_norm, bench_rope  # noqa: E402
+from bench import bench_fused_linear_cross_entropy as bench_flce  # noqa: E402
 
 STACKS = ("ours", "ours_liger", "hf", "hf_liger")
 CATEGORIES = ("matmuls", "attention", "norms", "rope", "mlp_activation", "residual_adds", "loss", "optimizer",
@@ -381,65 +383,39 @@ def _like(t, dtype=None, shape=None):
     return torch.empty(t.shape if shape is None else shape, dtype=dtype or t.dtype, device=t.device)
 
 
-# Byte models of the Triton kernels, one function per kernel; tests/bench/test_roofline.py checks each against
-# bench/traffic.py's meter running the real kernel under the interpreter at small shapes.
-def rms_norm_bwd_programs(m: int, n: int, num_programs: int = 2 * H100_SMS) -> int:
-    """Programs (rows of fp32 dweight partials) of our RMSNorm backward, as kernels.rms_norm.rms_norm_bwd picks
-    them (about two per SM on an H100); liger's (one per SM) is close enough to share it."""
-    block_m = rms_norm_launch_config(m, n, RMS_MAX_BWD_BLOCK)[0]
-    tiles = math.ceil(m / block_m)
-    return math.ceil(m / (math.ceil(tiles / min(num_programs, tiles)) * block_m))
+# Byte models. Ours: the benches' exact `traffic_parts` (bench/bench_rms_norm.py, bench_fused_linear_cross_entropy.py,
+# bench_adamw.py, bench_rope.py), which tests/bench/test_byte_models.py checks against bench/traffic.py's meter.
+# Liger's, below, one function per kernel, checked against the meter by tests/bench/test_roofline.py.
+def _record_parts(prefix: str, category: str, parts: dict[str, tuple[int, int]], skip=(), launches=None,
+                  flops=None) -> None:
+    """One recorded op per launch name of a bench's `traffic_parts` (bytes read + written); `launches` and `flops`
+    per name where they are not 1 and 0."""
+    for name, (read, write) in parts.items():
+        if name in skip:
+            continue
+        _rec(f"{prefix}:{name}", category(name) if callable(category) else category, read + write,
+             (flops or {}).get(name, 0.0), (launches or {}).get(name, 1))
 
 
-def rms_norm_fwd_bytes(m: int, n: int, s: int, ws: int) -> int:
-    """bench/bench_rms_norm.py's forward model (read x, write y) + the weight and the fp32 rstd."""
-    bm = bench_rms_norm.byte_model("forward", s)
-    return int((bm.read + bm.write) * m * n) + n * ws + 4 * m
+def liger_cross_entropy_bytes(rows: int, vocab: int, s: int, loss_size: int = 4) -> int:
+    """liger's cross-entropy kernel (inside its fused loss, no z-loss): two passes over each row's logits and the
+    gradient written in place (like ours), per row the target (int64) and its logit read, the target's logit
+    written again and the loss."""
+    return 3 * rows * vocab * s + rows * (8 + s) + rows * (s + loss_size)
 
 
-def rms_norm_bwd_bytes(m: int, n: int, s: int, ws: int, programs: int) -> int:
-    """The backward kernel: bench_rms_norm's model (read x and dy, write dx) + weight, rstd, the dweight partials."""
-    bm = bench_rms_norm.byte_model("backward", s)
-    return int((bm.read + bm.write) * m * n) + n * ws + 4 * m + 4 * programs * n
-
-
-def cross_entropy_fwd_bytes(rows: int, vocab: int, s: int, loss_size: int = 4, lse: bool = True,
-                            scaled: bool = False) -> int:
-    """Ours (and liger's: the same passes) per bench/bench_cross_entropy.py's forward model (two reads and one write
-    per logit: the gradient made in place) + per row the target, its logit, the loss, our lse (liger writes the
-    target's logit again instead) and, where the gradient is scaled (our fused loss: 1 / tokens), the fp32 scale."""
-    bm = bench_cross_entropy.byte_model("forward", s)
-    return int((bm.read + bm.write) * rows * vocab) + rows * (8 + s + loss_size + (4 if lse else s) + 4 * scaled)
-
-
-def round_fp32_bytes(elements: int, s: int) -> int:
-    """Our cross-entropy backward kernel rounding a saved fp32 gradient once into a new tensor of element size s
-    (the fused loss's grad_hidden): read 4, write s per element (+ one fp32 grad_output per program, not counted)."""
-    return elements * (4 + s)
-
-
-def rope_bytes(q_rows_elems: int, k_elems: int, s: int, rows: int, half_dim: int, cos_size: int) -> int:
-    """Read and write q and k once, read half a row of cos and of sin per (batch, position) row (the two halves
-    of a rotary row hold the same angles; liger's kernel reads the first half, measured)."""
-    return 2 * (q_rows_elems + k_elems) * s + 2 * rows * half_dim * cos_size
-
-
-def adamw_state_bytes(numels: list[int], master: bool, fp32: bool) -> int:
-    """kernels.adamw's kernel on the parameters and their state: bench/bench_adamw.py's per-element model + the fp32
-    step counter read per tensor."""
-    bm = bench_adamw.BYTE_MODELS["ours_fp32" if fp32 else ("ours_bf16_master" if master else "ours_bf16_sr")]
-    return int((bm.read + bm.write) * sum(numels)) + 4 * len(numels)
-
-
-def adamw_table_bytes(numels: list[int]) -> int:
-    """Its launch tables, at most 64 B per tensor and 8 B per 2048-element block (kernels/adamw.py)."""
-    return 64 * len(numels) + 8 * sum(math.ceil(n / 2048) for n in numels)
+def liger_rope_bytes(q_elems: int, k_elems: int, s: int, rows: int, half_dim: int, cos_size: int) -> int:
+    """liger's RoPE kernel (in place): q and k read and written once; half a row of cos and of sin (the two halves
+    hold the same angles) read per (batch, position) row, issued (the rows of a shared cos stay in cache on a GPU,
+    but liger's program per row asks again)."""
+    return 2 * (q_elems + k_elems) * s + 2 * rows * half_dim * cos_size
 
 
 class RMSNormModel:
-    """Ours (RMSNormFunction(x2d, weight, eps, offset, max_block)) and liger's (LigerRMSNormFunction(X, W, ...)):
-    `rms_norm_fwd_bytes` / `rms_norm_bwd_bytes`; backward then sums the fp32 dweight partials with torch (a second
-    launch)."""
+    """Ours (RMSNormFunction(x2d, weight, eps, offset, max_block)) by bench/bench_rms_norm.py's `traffic_parts` (the
+    weight once per launch: it stays in L2; the dweight partials of about two programs per H100 SM, summed by torch).
+    liger's (LigerRMSNormFunction(X, W, ...)) by the same: its kernels make the same passes over x, dy and dx (one
+    program per SM for dweight), and cannot be metered here (they call libdevice, which the interpreter lacks)."""
 
     category = "norms"
 
@@ -449,7 +425,8 @@ class RMSNormModel:
     def forward(self, ctx, x, weight, *rest):
         ctx.n_rest = len(rest)  # eps, offset, ...: no gradient
         m, n = x.numel() // x.shape[-1], x.shape[-1]
-        _rec(self.name, "norms", rms_norm_fwd_bytes(m, n, x.element_size(), weight.element_size()))
+        _record_parts(self.name, "norms", bench_rms_norm.traffic_parts(
+            "forward", m, n, x.element_size(), weight.element_size(), weight_once=True))
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         ctx.save_for_backward(x, weight, rstd)
         return _like(x)
@@ -457,10 +434,8 @@ class RMSNormModel:
     def backward(self, ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         m, n = x.numel() // x.shape[-1], x.shape[-1]
-        programs = rms_norm_bwd_programs(m, n)
-        _rec(self.name + ".backward", "norms", rms_norm_bwd_bytes(m, n, x.element_size(), weight.element_size(), programs))
-        _rec(self.name + ".dweight_sum", "norms", 4 * programs * n + n * 4 + (n * (4 + weight.element_size())
-                                                                            if weight.element_size() != 4 else 0))
+        _record_parts(self.name + ".backward", "norms", bench_rms_norm.traffic_parts(
+            "backward", m, n, x.element_size(), weight.element_size(), num_programs=2 * H100_SMS, weight_once=True))
         return _like(x), _like(weight), *([None] * (ctx.n_rest))
 
 
@@ -486,8 +461,10 @@ class SwiGLUModel:
 
 
 class RoPEModel:
-    """Rotary embedding of q and k (ours: RoPEFunction(q, k, cos, sin); liger: LigerRopeFunction(q, k, cos, sin,
-    ...)): `rope_bytes`, forward on q and k, backward the same on dq and dk. One launch each way."""
+    """Rotary embedding of q (B, Hq, T, D) and k (B, Hkv, T, D) (transformers' layout, which both take): ours
+    (RoPEFunction(q, k, cos, sin)) by bench/bench_rope.py's model (q and k read and written once, cos and sin read
+    once per row of theirs), liger's (LigerRopeFunction(q, k, cos, sin, ...), in place) by `liger_rope_bytes`;
+    backward the same on dq and dk. One launch each way."""
 
     category = "rope"
 
@@ -495,16 +472,15 @@ class RoPEModel:
         self.name = name
 
     def _bytes(self, q, k, cos):
-        # one row of cos and of sin per (b, t): B*T rows, whatever cos's broadcast shape; liger takes HF's
-        # (B, H, T, D) layout, ours the model's (B, T, H, D)
-        rows = q.shape[0] * (q.shape[2] if self.name.startswith("Liger") else q.shape[1])
-        return rope_bytes(q.numel(), k.numel(), q.element_size(), rows, cos.shape[-1] // 2, cos.element_size())
+        b, hq, t, d = q.shape
+        if self.name.startswith("Liger"):
+            return liger_rope_bytes(q.numel(), k.numel(), q.element_size(), b * t, d // 2, cos.element_size())
+        return bench_rope._bytes("forward", b, t, hq, k.shape[1], d, cos.shape[0], q.element_size(), cos.element_size())
 
     def forward(self, ctx, q, k, cos, sin, *rest):
         ctx.n_rest = len(rest) + 2  # cos, sin, and liger's position_ids, unsqueeze_dim: no gradient
         _rec(self.name, "rope", self._bytes(q, k, cos))
         ctx.save_for_backward(cos, sin)
-        ctx.shapes = (q, k)
         return _like(q), _like(k)
 
     def backward(self, ctx, dq, dk):
@@ -533,7 +509,7 @@ class FusedAddRMSNormModel:
     def backward(self, ctx, dnormed, dsum):
         total, weight, rstd = ctx.saved_tensors
         m, n = total.numel() // total.shape[-1], total.shape[-1]
-        programs = rms_norm_bwd_programs(m, n)
+        programs = bench_rms_norm.bwd_programs(m, n, num_programs=2 * H100_SMS)
         _rec(self.name + ".backward", "norms", nbytes(dnormed) + (nbytes(dsum) if dsum is not None else 0)
              + nbytes(total) + nbytes(total) + nbytes(weight) + 4 * m + 4 * programs * n)
         _rec(self.name + ".dweight_sum", "norms", 4 * programs * n + n * weight.element_size())
@@ -577,14 +553,23 @@ def _mm(name, cat, m, k, n, a_elt, b_elt, out_elt, accumulate=False):
     _rec(name, cat, m * k * a_elt + k * n * b_elt + out * (2 if accumulate else 1), 2 * m * k * n)
 
 
+# Host-side ops of our fused loss (the kept rows and the token count, found on the CPU): not GPU work.
+_FLCE_HOST = ("aten.ne", "aten.sum", "aten.clamp", "aten.nonzero")
+
+
+def _flce_category(name: str) -> str:
+    if name in ("aten.mm", "aten.addmm", "aten.addmm_"):
+        return "matmuls"
+    return "other_elementwise" if name == "aten._to_copy" else "loss"  # the cast is the weight's, to bf16
+
+
 class OurFLCEModel:
     """kernels' FusedLinearCrossEntropyFunction(hidden, weight, target, bias, ls, ignore_index, reduction, z_loss,
-    num_items, out_dtype), as kernels/fused_linear_cross_entropy.py runs it: the K kept rows (target on the host)
-    gathered, the weight cast to hidden's dtype, then per chunk of C rows: logits matmul, the cross-entropy kernel
-    (bench/bench_cross_entropy.py's forward byte model per logit), grad_hidden matmul (fp32 out), grad_weight matmul
-    into the fp32 (V, H) gradient (accumulating after the first chunk). Backward with grad_output 1 ("mean"): the
-    fp32 grad_hidden rounded once (read 4, write 2 per element), grad_weight's in-place scale skipped on the device
-    (one launch), the rows scattered back into zeros."""
+    num_items, out_dtype) by bench/bench_fused_linear_cross_entropy.py's `traffic_parts` (forward with every
+    gradient, backward with grad_output 1, the weight fp32 under autocast): the K kept rows (target on the host)
+    gathered, the weight cast to bf16, per chunk of C rows the logits matmul, the cross-entropy kernel, the
+    grad_hidden matmul and the grad_weight matmul into the fp32 (V, H) gradient; backward rounds grad_hidden once
+    and scatters it back. FLOPs and launches per chunk from the same chunking (kernels' `_chunk_rows`)."""
 
     category = "loss"
 
@@ -593,26 +578,23 @@ class OurFLCEModel:
     def forward(self, ctx, hidden, weight, target, bias, ls, ignore_index, reduction, *rest):
         n, h = hidden.shape
         v = weight.shape[0]
-        s = hidden.element_size()
+        s, w = hidden.element_size(), weight.element_size()
         k = int((target != ignore_index).sum()) if target.device.type == "cpu" else n
-        ctx.n, ctx.k = n, k
-        if k < n:
-            _rec("flce.gather_rows", "loss", 2 * k * h * s + 8 * k)
+        ctx.sizes = (n, h, v, s, w, k)
         held = [torch.empty((k, h), dtype=hidden.dtype, device=hidden.device)] if k < n else []
-        if weight.dtype != hidden.dtype:
-            _rec("flce.weight_cast", "other_elementwise", nbytes(weight) + v * h * s)
-            held.append(torch.empty((v, h), dtype=hidden.dtype, device=hidden.device))
+        if w != s:
+            held.append(torch.empty((v, h), dtype=hidden.dtype, device=hidden.device))  # the weight's bf16 copy
         grad_hidden = torch.empty((k, h), dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty((v, h), dtype=torch.float32, device=hidden.device)
-        chunk = max(1, min(k, max(math.ceil(k / math.ceil(v / h)), MIN_CHUNK_ROWS)))
-        for start in range(0, k, chunk):
-            c = min(chunk, k - start)
-            logits = torch.empty((c, v), dtype=hidden.dtype, device=hidden.device)  # the chunk's workspace
-            _mm("flce.logits", "matmuls", c, h, v, s, s, s)
-            _rec("flce.cross_entropy", "loss", cross_entropy_fwd_bytes(c, v, s, scaled=True))
-            _mm("flce.grad_hidden", "matmuls", c, v, h, s, s, 4)
-            _mm("flce.grad_weight", "matmuls", v, c, h, s, s, 4, accumulate=start > 0)
+        chunk = flce_chunk_rows(k, h, v) if k else 1
+        chunks = math.ceil(k / chunk)
+        flops = {"aten.mm": 2 * k * h * v * 2 + 2 * min(chunk, k) * h * v, "aten.addmm": 2 * max(0, k - chunk) * h * v}
+        launches = {"aten.mm": 2 * chunks + 1, "aten.addmm": chunks - 1, "_cross_entropy_fwd_kernel": chunks}
+        for start in range(0, k, chunk):  # the chunk's logits, for the peak memory
+            logits = torch.empty((min(chunk, k - start), v), dtype=hidden.dtype, device=hidden.device)
             del logits
+        _record_parts("flce", _flce_category, bench_flce.traffic_parts("forward", n, h, v, s, n - k, w=w),
+                      skip=_FLCE_HOST, launches=launches, flops=flops)
         del held
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
@@ -622,12 +604,9 @@ class OurFLCEModel:
     def backward(self, ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
         shape, dtype = ctx.hidden_meta
-        k, h = grad_hidden.shape
-        s = torch.empty((), dtype=dtype).element_size()
-        _rec("flce.round_grad_hidden", "loss", round_fp32_bytes(k * h, s))
-        _rec("flce.scale_grad_weight", "loss", 0)  # grad_output == 1: the kernel reads it and skips
-        if ctx.k < ctx.n:
-            _rec("flce.scatter_rows", "loss", ctx.n * h * s + 2 * k * h * s, launches=2)
+        n, h, v, s, w, k = ctx.sizes
+        _record_parts("flce.backward", _flce_category, bench_flce.traffic_parts("backward", n, h, v, s, n - k, w=w),
+                      launches={"_cross_entropy_bwd_kernel": 2})
         return torch.empty(shape, dtype=dtype, device=grad_hidden.device), grad_weight, None, None, \
             *([None] * ctx.n_rest)
 
@@ -668,7 +647,7 @@ class LigerFLCEModel:
             if cast_input:
                 _rec("liger_flce.input_cast", "other_elementwise", c * h * (inp.element_size() + lo), launches=1)
             _mm("liger_flce.logits", "matmuls", c, h, v, lo, lo, lo)
-            _rec("liger_flce.cross_entropy", "loss", cross_entropy_fwd_bytes(c, v, lo, lse=False))
+            _rec("liger_flce.cross_entropy", "loss", liger_cross_entropy_bytes(c, v, lo))
             _mm("liger_flce.grad_input", "matmuls", c, v, h, lo, lo, lo)
             if inp.element_size() != lo:
                 _rec("liger_flce.grad_input_copy", "other_elementwise", c * h * (lo + inp.element_size()))
@@ -690,12 +669,11 @@ class LigerFLCEModel:
 
 
 def _adamw_model(params, grads, exp_avgs, exp_avg_sqs, steps, masters, **hyper):
-    """kernels.adamw.fused_adamw_step (one foreach add of the step counters + one Triton launch per bucket), by
-    bench/bench_adamw.py's byte model per parameter element."""
-    _TRACE.add("foreach_add (step counters)", "optimizer", 8 * len(steps), 0, aten_launches_for(len(steps), 1, len(steps)))
-    _TRACE.add("fused_adamw (Triton)", "optimizer",
-               adamw_state_bytes([p.numel() for p in params], bool(masters), params[0].dtype == torch.float32)
-               + adamw_table_bytes([p.numel() for p in params]), 0, 1)
+    """kernels.adamw.fused_adamw_step (the step counters' foreach add + one Triton launch per bucket) by
+    bench/bench_adamw.py's `traffic_parts`."""
+    fp32 = params[0].dtype == torch.float32
+    variant = "ours_fp32" if fp32 else ("ours_bf16_master" if masters else "ours_bf16_sr")
+    _record_parts("fused_adamw", "optimizer", bench_adamw.traffic_parts(variant, [p.numel() for p in params]))
 
 
 # Function class name -> its model (a fresh one per call: it keeps what its backward needs on ctx)

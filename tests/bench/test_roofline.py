@@ -1,14 +1,13 @@
 """bench.roofline: the aten op accounting (FLOPs against FlopCounterMode, bytes of known ops, peak memory of a known
 sequence), the cost models of the modelled ops, and the four stacks at a tiny size (meta tensors: seconds).
 
-The Triton byte models against bench/traffic.py's meter, running the real kernels under the interpreter at small
-shapes: ours (RMSNorm forward and backward, the cross-entropy kernel inside the fused loss, AdamW) and liger's
-cross-entropy (inside its fused loss) and RoPE. Liger's RMSNorm and SwiGLU kernels call libdevice, which the
-interpreter lacks, so they cannot be metered here: their rows use the same models as ours (RMSNorm: the same passes
-over x, dy and dx; SwiGLU: reads gate and up, writes the product; backward reads dout, gate, up and writes both
-gradients in place), read from liger's source. Which count the model matches: the distinct bytes where a kernel
-re-reads a small operand in every program (RMSNorm's weight, AdamW's launch tables: cache hits on a GPU), the
-issued bytes where it re-reads a large one (the cross-entropy's second pass over the logits row).
+Ours are recorded through the benches' exact byte models (`traffic_parts`), which tests/bench/test_byte_models.py
+checks against bench/traffic.py's meter; here, that the roofline records exactly those. liger's cross-entropy (inside
+its fused loss) and RoPE are checked against the meter here, running liger's kernels under the interpreter at small
+shapes (issued bytes: what the kernels ask for). liger's RMSNorm and SwiGLU kernels call libdevice, which the
+interpreter lacks, so they cannot be metered: their rows use the models of ours (RMSNorm: the same passes over x, dy
+and dx; SwiGLU: reads gate and up, writes the product; backward reads dout, gate, up and writes both gradients in
+place), read from liger's source.
 """
 
 from __future__ import annotations
@@ -98,8 +97,8 @@ def test_swiglu_rope_and_fused_add_norm_models_before_their_kernels_land():
     """The models keyed by the names of the kernels being written: shapes of outputs and gradients, and bytes."""
     trace = rf.Trace()
     gate, up = _meta(2, 8, 32, dtype=torch.bfloat16, grad=True), _meta(2, 8, 32, dtype=torch.bfloat16, grad=True)
-    q, k = _meta(2, 8, 4, 16, dtype=torch.bfloat16, grad=True), _meta(2, 8, 2, 16, dtype=torch.bfloat16, grad=True)
-    cos, sin = _meta(2, 8, 16, dtype=torch.bfloat16), _meta(2, 8, 16, dtype=torch.bfloat16)
+    q, k = _meta(2, 4, 8, 16, dtype=torch.bfloat16, grad=True), _meta(2, 2, 8, 16, dtype=torch.bfloat16, grad=True)
+    cos, sin = _meta(1, 8, 16), _meta(1, 8, 16)  # (B, H, T, D) q and k; fp32 cos/sin shared by the batch
     x, res, w = _meta(2, 8, 32, grad=True), _meta(2, 8, 32, grad=True), _meta(32, grad=True)
     with rf.recording(trace):
         out = rf._modelled_apply("SwiGLUFunction").__func__(gate, up)
@@ -112,8 +111,8 @@ def test_swiglu_rope_and_fused_add_norm_models_before_their_kernels_land():
     by_name = {op.name: op for op in trace.ops}
     e = 2 * 8 * 32 * 2
     assert by_name["SwiGLUFunction"].bytes == 3 * e and by_name["SwiGLUFunction.backward"].bytes == 5 * e
-    qk = (2 * 8 * 4 * 16 + 2 * 8 * 2 * 16) * 2
-    assert by_name["RoPEFunction"].bytes == 2 * qk + 2 * 2 * 8 * (16 // 2) * 2  # half a cos and sin row per (b, t)
+    qk = (2 * 4 * 8 * 16 + 2 * 2 * 8 * 16) * 2
+    assert by_name["RoPEFunction"].bytes == 2 * qk + 2 * 8 * 16 * 4  # cos and sin read once (bench/bench_rope.py)
     assert by_name["RoPEFunction"].category == "rope"
     # reads x, residual and the weight, writes normed, the sum and rstd
     assert by_name["FusedAddRMSNormFunction"].bytes == 4 * 2 * 8 * 32 * 4 + 32 * 4 + 16 * 4
@@ -135,9 +134,11 @@ def test_four_stacks_at_a_tiny_size():
             assert {"flash_attention", "flash_attention.backward"} <= names
             assert {op.phase for op in trace.ops} == {"forward", "backward", "optimizer"}
             rows[stack, ignored] = rf.summarise(trace, dev) | {"names": names}
-    assert {"RMSNormFunction", "flce.logits", "fused_adamw (Triton)"} <= rows["ours", 0.0]["names"]
+    assert {"RMSNormFunction:_rms_norm_fwd_kernel", "RoPEFunction", "flce:aten.mm", "flce:_cross_entropy_fwd_kernel",
+            "fused_adamw:_adamw_kernel"} <= rows["ours", 0.0]["names"]
     assert {"LigerRopeFunction", "LigerSiLUMulFunction", "liger_flce.logits", "_fused_adamw_"} <= rows["hf_liger", 0.0]["names"]
-    assert {"LigerRMSNormFunction", "LigerSiLUMulFunction", "liger_flce.logits"} <= rows["ours_liger", 0.0]["names"]
+    assert {"LigerRMSNormFunction:_rms_norm_fwd_kernel", "LigerRopeFunction", "LigerSiLUMulFunction",
+            "liger_flce.logits"} <= rows["ours_liger", 0.0]["names"]
     assert "_log_softmax" in rows["hf", 0.0]["names"]
     # Same architecture: the same matmul FLOPs (HF's rotary embedding adds one small matmul: 0.2% here), except
     # that our loss skips the ignored rows.
@@ -154,55 +155,38 @@ def _kernel(t: traffic.Traffic, name: str):
     return t.by_kernel()[name]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_model_equals_the_meter(dtype):
-    from kernels.rms_norm import _CPU_BWD_PROGRAMS, rms_norm_bwd, rms_norm_fwd
+def test_our_ops_are_recorded_by_the_benches_byte_models():
+    """One model per op: the roofline records ours through the benches' `traffic_parts` (which
+    tests/bench/test_byte_models.py checks against the meter), all of it but the fused loss's host-side ops."""
+    from bench import bench_fused_linear_cross_entropy as bench_flce
+    from bench import bench_rms_norm
 
-    m, n = 37, 200
-    x, dy = torch.randn(m, n, dtype=dtype), torch.randn(m, n, dtype=dtype)
-    w = torch.ones(n)
-    with traffic.measure() as t:
-        _, rstd = rms_norm_fwd(x, w, 1e-5, 0.0)
-    k = _kernel(t, "_rms_norm_fwd_kernel")
-    assert k.distinct_read + k.distinct_write == rf.rms_norm_fwd_bytes(m, n, x.element_size(), 4)
-    with traffic.measure() as t:
-        rms_norm_bwd(dy, x, w, rstd, 0.0, compute_dw=True)
-    k = _kernel(t, "_rms_norm_bwd_kernel")
-    programs = rf.rms_norm_bwd_programs(m, n, _CPU_BWD_PROGRAMS)
-    assert k.distinct_read + k.distinct_write == rf.rms_norm_bwd_bytes(m, n, x.element_size(), 4, programs)
+    m, n, h, v = 64, 48, 32, 700
+    x, w = _meta(m, n, grad=True), _meta(n, grad=True)
+    hidden, weight = _meta(m, h, dtype=torch.bfloat16, grad=True), _meta(v, h, grad=True)
+    target = torch.randint(0, v, (m,))
+    target[::4] = -100
+    trace = rf.Trace()
+    with rf.recording(trace):
+        y = rf._modelled_apply("RMSNormFunction").__func__(x, w, 1e-5, 0.0, None)
+        loss = rf._modelled_apply("FusedLinearCrossEntropyFunction").__func__(
+            hidden, weight, target, None, 0.0, -100, "mean", 0.0, None, torch.float32)
+        trace.phase = "backward"
+        torch.autograd.backward([y, loss], [torch.empty_like(y), torch.empty_like(loss)])
 
+    def recorded(prefix):
+        return sum(op.bytes for op in trace.ops if op.name.split(":")[0] == prefix)
 
-def test_our_fused_loss_cross_entropy_kernel_equals_the_meter():
-    n, h, v = 24, 16, 301
-    hidden, weight = torch.randn(n, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
-    target = torch.randint(0, v, (n,))
-    target[::3] = -100  # skipped rows: the kernel sees the kept ones only
+    assert recorded("RMSNormFunction") == sum(bench_rms_norm.traffic_model("forward", m, n, 4, 4, weight_once=True))
+    assert recorded("RMSNormFunction.backward") == sum(bench_rms_norm.traffic_model(
+        "backward", m, n, 4, 4, num_programs=2 * rf.H100_SMS, weight_once=True))
     kept = int((target != -100).sum())
-    with traffic.measure() as t, torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = kernels.fused_linear_cross_entropy(hidden, weight, target)
-    k = _kernel(t, "_cross_entropy_fwd_kernel")
-    assert k.read + k.write == rf.cross_entropy_fwd_bytes(kept, v, 2, scaled=True)  # one chunk here (MIN_CHUNK_ROWS)
-    with traffic.measure() as t:
-        loss.backward()
-    # grad_output == 1: grad_weight's in-place scale reads only grad_output; grad_hidden is rounded to bf16 once
-    rounding = t.by_tensor()
-    assert rounding["grad_ptr"].read + rounding["out_ptr"].write == rf.round_fp32_bytes(kept * h, 2)
-
-
-def test_adamw_model_equals_the_meter():
-    from kernels.adamw import forced_impl
-
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 85, 4099)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = kernels.FusedAdamW(params)
-    with forced_impl("triton"), traffic.measure() as t:
-        opt.step()
-    numels = [p.numel() for p in params]
-    state = t.by_tensor()[traffic.UNKNOWN]  # parameters, gradients, moments: reached through the tables' pointers
-    assert state.distinct_read + state.distinct_write == rf.adamw_state_bytes(numels, False, True)
-    tables = t.by_tensor()["tensor_table"].distinct_read + t.by_tensor()["block_table"].distinct_read
-    assert 0 < tables <= rf.adamw_table_bytes(numels)
+    host = {k: r + wr for k, (r, wr) in bench_flce.traffic_parts("forward", m, h, v, 2, m - kept, w=4).items()
+            if k in rf._FLCE_HOST}
+    assert recorded("flce") == sum(bench_flce.traffic_model("forward", m, h, v, 2, m - kept, w=4)) - sum(host.values())
+    assert recorded("flce.backward") == sum(bench_flce.traffic_model("backward", m, h, v, 2, m - kept, w=4))
+    matmul_flops = sum(op.flops for op in trace.ops if op.name.startswith("flce:aten."))
+    assert matmul_flops == 3 * 2 * kept * h * v  # logits, grad_hidden, grad_weight over the kept rows
 
 
 def test_liger_cross_entropy_and_rope_models_equal_the_meter():
@@ -214,7 +198,7 @@ def test_liger_cross_entropy_and_rope_models_equal_the_meter():
     with traffic.measure() as t:
         liger_fused_linear_cross_entropy(hidden, weight, torch.randint(0, v, (n,)))
     k = _kernel(t, "liger_cross_entropy_kernel")
-    assert k.read + k.write == 8 * rf.cross_entropy_fwd_bytes(2, v, 4, lse=False)
+    assert k.read + k.write == 8 * rf.liger_cross_entropy_bytes(2, v, 4)
     b, T, heads, kv_heads, d = 2, 8, 4, 2, 16
     q = torch.randn(b, T, heads, d, dtype=torch.bfloat16).transpose(1, 2)  # HF's (B, H, T, D) view
     k_ = torch.randn(b, T, kv_heads, d, dtype=torch.bfloat16).transpose(1, 2)
@@ -222,7 +206,7 @@ def test_liger_cross_entropy_and_rope_models_equal_the_meter():
     with traffic.measure() as t:
         LigerRopeFunction.apply(q, k_, cos, sin)
     k = _kernel(t, "_triton_rope")
-    assert k.read + k.write == rf.rope_bytes(q.numel(), k_.numel(), 2, b * T, d // 2, 4)
+    assert k.read + k.write == rf.liger_rope_bytes(q.numel(), k_.numel(), 2, b * T, d // 2, 4)
 
 
 def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
