@@ -18,7 +18,13 @@ credited with 28. Byte model of our rows, per parameter (read + write), against 
 parameters of that dtype with fp32 moments must move:
     ours_fp32         16 + 12    min 16 + 12
     ours_bf16_master  14 + 14    min 12 + 10 (the fp32 master copy costs 6 B per element, for exactness)
-    ours_bf16_sr      12 + 10    min 12 + 10 Speed-ups are against torch_fused_fp32 and torch_foreach_fp32 measured in the same run.
+    ours_bf16_sr      12 + 10    min 12 + 10
+Exact totals: `traffic_model(variant, numels)` -> (read, write) bytes of the step: the per-element bytes above,
+plus 84 B read per 2048-element program (its block-table entry, 8 B; its tensor's table row, 6 addresses and
+numel, 56 B; the betas, 16 B; its step counter, 4 B), plus the step counters' `torch._foreach_add_` (4 B read
+and written per tensor); checked against bench/traffic.py's count by tests/bench/test_byte_models.py (it
+agrees with the per-element figures: the meter measured 16 + 12, 14 + 14 and 12 + 10 exactly).
+Speed-ups are against torch_fused_fp32 and torch_foreach_fp32 measured in the same run.
 GPU target: ours_bf16_master >= 1.0x torch_fused_fp32 and >= 2.5x torch_foreach_fp32.
 ours_*_cuda: the same variants through the CUDA C++ op (csrc/adamw.cu, kernels._C) instead of the Triton kernel, run
 where the extension is built (skipped otherwise, with the reason); kernels/adamw.py's dispatch default
@@ -66,12 +72,39 @@ BYTE_MODELS = {
     "ours_bf16_sr": common.ByteModel(12, 10, 12, 10),
 }
 BYTE_MODELS.update({f"{name}_cuda": model for name, model in BYTE_MODELS.items()})
+# Per 2048-element program of the Triton kernel: block-table entry (8) + table row (6 addresses + numel, 56) + betas
+# (16) + step counter (4), measured with bench/traffic.py.
+PROGRAM_READ_BYTES = 84
+BLOCK = 2048
+
+
+def traffic_parts(variant: str, numels: list[int]) -> dict[str, tuple[int, int]]:
+    """Exact (read, write) bytes of one step of our variant ("ours_fp32", "ours_bf16_master", "ours_bf16_sr") on
+    tensors of these sizes, per launch: the Triton kernel and the step counters' "aten._foreach_add_"."""
+    model = BYTE_MODELS[variant.removesuffix("_cuda")]
+    n = sum(numels)
+    programs = sum(-(-k // BLOCK) for k in numels)
+    return {"_adamw_kernel": (int(model.read * n) + PROGRAM_READ_BYTES * programs, int(model.write * n)),
+            "aten._foreach_add_": (4 * len(numels), 4 * len(numels))}
+
+
+def traffic_model(variant: str, numels: list[int]) -> tuple[int, int]:
+    """(read, write) bytes of one step (`traffic_parts` summed)."""
+    parts = traffic_parts(variant, numels).values()
+    return sum(r for r, _ in parts), sum(w for _, w in parts)
 # (layers, hidden, intermediate, heads, kv heads, vocab)
 MODELS = {
     "llama-3.2-1b": (16, 2048, 8192, 32, 8, 128256),
     "tiny": (2, 64, 256, 4, 2, 512),
     "micro": (1, 32, 64, 2, 1, 96),
 }
+
+
+def _exact_byte_model(variant: str, numels: list[int]) -> common.ByteModel:
+    """Per element: `traffic_model`'s exact bytes and the per-element minimum."""
+    n = sum(numels)
+    per_elem = BYTE_MODELS[variant]
+    return common.ByteModel.from_totals(traffic_model(variant, numels), (per_elem.min_read * n, per_elem.min_write * n), n)
 
 
 def llama_shapes(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int) -> list[tuple]:
@@ -131,7 +164,8 @@ def bench_variant(variant: str, shapes: list[tuple], quick: bool) -> dict:
         **timing,
         **common.physics(timing["ms"], bytes_moved=bytes_per_elem * numel),
         "peak_extra_bytes": peak,
-        **(BYTE_MODELS[variant].columns(numel, timing["ms"]) if variant in BYTE_MODELS else {}),
+        **(_exact_byte_model(variant, [p.numel() for p in params]).columns(numel, timing["ms"])
+           if variant in BYTE_MODELS else {}),
     }
     del params, opt
     if common.on_gpu():

@@ -12,11 +12,18 @@ backward), backward = full - forward (derived: our backward cannot be re-run on 
 Physics: `gb_s` is at the algorithmic minimum, the same for every provider: forward reads the logits
 (N*V*elt), full also writes the gradient (2*N*V*elt). Peak extra memory is measured over a full step with the
 logits already allocated, and given as a ratio to the logits' size.
-Byte model of our rows, per logit element (s = element size; the O(N) targets, losses and lse not counted):
-    forward   ours 2s read + 1s write (the gradient is made here: pass 1, pass 2, store)   min 1s + 0
-    full      ours 2s + 1s (backward skips its pass when grad_output == 1, as here)         min 1s + 1s
-    backward  ours 0 + 0                                                                      min 0 + 1s
-(backward = full - forward, for the minimum too).
+Byte model: `traffic_model(mode, n_tokens, vocab, elt, n_ignored)` -> (read, write) bytes of our kernels (per
+kernel: `traffic_parts`), exact
+(O(N) targets, losses, lse and the gradient scale included; tests/bench/test_byte_models.py checks it against
+bench/traffic.py's count under the interpreter); `min_traffic(...)` the least the op must move; `byte_model`
+divides both by N*V for the printed columns. Per logit element, K = N - I kept rows (s = element size):
+    forward   ours reads each kept row twice (pass 1, pass 2) and writes every row's gradient: 2s K/N + 1s
+              (an ignored row costs 1s, its gradient zeros, not 3s)                       min 1s K/N + 0
+    full      the same: backward skips its pass when grad_output == 1, as here          min 1s K/N + 1s
+    backward  ours 0 + 0 (one grad_output read per program)                             min 0 + 1s
+(backward = full - forward, for the minimum too). The model printed before this meter charged 3s to every
+row: at the bench's 10% ignored rows it overstated our bytes, so GB/s, by 1/(1 - 0.1*2/3) = 7.1% (measured
+with the meter: 2.8s per element, not 3s).
 
 Forward-kernel variants (kernels/cross_entropy.py, FWD_VARIANTS): `--variant all` times every one as its
 own "ours" row (column `variant`) so the first GPU run picks the winner by measurement; default "default".
@@ -57,13 +64,51 @@ CPU_SHAPES = [(8, 1000)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def byte_model(mode: str, elt: int) -> common.ByteModel:
-    """Our bytes read/written per logit element and the minimum (module docstring)."""
-    return {
-        "forward": common.ByteModel(2 * elt, elt, elt, 0),
-        "full": common.ByteModel(2 * elt, elt, elt, elt),
-        "backward": common.ByteModel(0, 0, 0, elt),
-    }[mode]
+def _bwd_programs(n_elements: int, cuda: bool) -> int:
+    """Programs of cross_entropy_bwd's flat launch (kernels/cross_entropy.py): each reads grad_output once."""
+    block = 4096 if cuda else 1 << 18
+    return max(1, min(-(-n_elements // block), 1024 if cuda else 4))
+
+
+def traffic_parts(mode: str, n_tokens: int, vocab: int, elt: int, n_ignored: int = 0, *, target_elt: int = 8,
+                  mean: bool = True, grad_output_one: bool = True, cuda: bool = True) -> dict[str, tuple[int, int]]:
+    """Exact (read, write) bytes per Triton kernel of our cross-entropy for `mode` ("forward" with a gradient, as
+    the bench runs it; "forward_nograd"; "backward"; "full"), N = n_tokens rows of `vocab` logits of `elt` bytes,
+    n_ignored of them ignore_index. mean: reduction "mean" (the forward reads the fp32 1/denominator once per
+    kept row); grad_output_one: backward's grad_output is 1 (0-d, in the logits' dtype), so backward only reads
+    that value, once per program. cuda: the backward's grid. The torch ops around (the loss sum, the
+    denominator) are O(N) and not counted."""
+    n, v, k = n_tokens, vocab, n_tokens - n_ignored
+    out = {}
+    if mode == "forward_nograd":
+        out["_cross_entropy_fwd_kernel"] = (n * target_elt + k * (v + 1) * elt, 8 * n)  # targets, x_y + 1 pass; loss, lse
+    if mode in ("forward", "full"):
+        read = n * target_elt + k * (2 * v + 1) * elt + (4 * k if mean else 0)  # targets; x_y + two passes; scale
+        out["_cross_entropy_fwd_kernel"] = (read, 4 * n + 4 * n + n * v * elt)  # loss, lse, the gradient
+    if mode in ("backward", "full"):
+        g_reads = _bwd_programs(n * v, cuda) * elt
+        grad = 0 if grad_output_one else n * v * elt
+        out["_cross_entropy_bwd_kernel"] = (g_reads + grad, grad)
+    return out
+
+
+def traffic_model(mode: str, n_tokens: int, vocab: int, elt: int, n_ignored: int = 0, **kwargs) -> tuple[int, int]:
+    """(read, write) bytes of our launches (`traffic_parts` summed)."""
+    parts = traffic_parts(mode, n_tokens, vocab, elt, n_ignored, **kwargs).values()
+    return sum(r for r, _ in parts), sum(w for _, w in parts)
+
+
+def min_traffic(mode: str, n_tokens: int, vocab: int, elt: int, n_ignored: int = 0) -> tuple[int, int]:
+    """The least the op must move: the kept rows' logits once (the loss), and the whole gradient once (full)."""
+    logits_read = (n_tokens - n_ignored) * vocab * elt
+    grad_write = n_tokens * vocab * elt
+    return {"forward": (logits_read, 0), "backward": (0, grad_write), "full": (logits_read, grad_write)}[mode]
+
+
+def byte_model(mode: str, n_tokens: int, vocab: int, elt: int, n_ignored: int = 0) -> common.ByteModel:
+    """Our bytes read/written per logit element and the minimum (module docstring; exact totals / (N * V))."""
+    return common.ByteModel.from_totals(traffic_model(mode, n_tokens, vocab, elt, n_ignored, cuda=common.on_gpu()),
+                                        min_traffic(mode, n_tokens, vocab, elt, n_ignored), n_tokens * vocab)
 
 
 def _liger():
@@ -133,7 +178,8 @@ def bench_one(provider, n_tokens, vocab, dtype, compile_backend, dev, reps=3, va
         if t["ms"] > 0:  # a derived backward can come out <= 0 within timing noise on a CPU
             row.update(common.physics(t["ms"], bytes_moved=nbytes))
             if provider == "ours":
-                row.update(byte_model(mode, elt).columns(n_tokens * vocab, t["ms"]))
+                n_ignored = int((target == -100).sum())
+                row.update(byte_model(mode, n_tokens, vocab, elt, n_ignored).columns(n_tokens * vocab, t["ms"]))
         row["peak_extra_bytes"] = peak
         row["peak_extra_over_logits"] = None if peak is None else peak / logits_bytes
         out[mode] = row

@@ -14,9 +14,9 @@ skips those rows' matmuls: with half ignored, expect close to half the time. The
 device.
 
 Physics: FLOPs are the matmuls' nominal work over all N tokens, the same for every provider and ignored
-fraction (so TFLOP/s compares times): forward 2*N*H*V, full 6*N*H*V (logits, grad_hidden, grad_weight),
-which is what ours and liger both run for any weight dtype (the kept rows only, for ours; reduction="none"
-with a bf16/fp16 weight, not benchmarked, takes 8*N*H*V). Peak extra memory is measured over a full step
+fraction (so TFLOP/s compares times): forward 2*N*H*V, full 6*N*H*V (logits, grad_hidden, grad_weight), which
+is what ours (on the kept rows only) and liger run for any weight dtype (reduction="none" with a bf16/fp16
+weight, not benchmarked, takes 8*N*H*V). Peak extra memory is measured over a full step
 with hidden and weight already allocated; reported as bytes, as a ratio to the (N, V) logits' size and
 to torch's peak in the same run.
 
@@ -26,15 +26,31 @@ shape through the Triton interpreter; those rows are flagged perf_figure=False.
     python bench/bench_fused_linear_cross_entropy.py            # GPU, all shapes
     python bench/bench_fused_linear_cross_entropy.py --quick    # CPU smoke run
 
-Byte model of our rows, per logit element (s = element size of hidden and weight, which the benchmark gives one
-dtype; fh = H / V and fw = H / N: hidden's and weight's elements per logit, f = fh + fw; w = the bytes of a
-grad_weight element, 4 for an fp32 weight, s for bf16/fp16; grad_weight's re-read per token chunk not counted):
-    forward   ours (4s + s f) read + (2s + 4 fh + w fw) write: each chunk's logits written, read twice by the
-              cross-entropy kernel, its gradient written in place and read by both gradient matmuls;
-              grad_hidden in fp32, grad_weight in w                               min s f + 0
-    backward  ours (4 fh + w fw) + (s fh + w fw): grad_hidden rounded, grad_weight scaled in place
-                                                                                  min 0 + s f
-    full      the sum                                                             min s f + s f
+Byte model: `traffic_parts(mode, n_tokens, hdim, vocab, s, n_ignored, w=s)` -> {launch: (read, write)} bytes of
+everything our op runs (the Triton kernels exactly; each torch op as one pass over its operands, as
+bench/traffic.py's `torch_ops` counts them: a matmul reads both operands once and writes its output), tested
+equal to the meter by tests/bench/test_byte_models.py; `traffic_model` sums it; `min_traffic` is the least:
+hidden and weight read once, grad_hidden and grad_weight written once. `byte_model` divides both by N*V (per
+logit element, the printed columns). K = N - I kept rows (the ignored ones are skipped on the host), C rows per
+chunk, s the activations' element size. Forward, per chunk: the logits matmul (reads C H s + V H s, writes
+C V s), the cross-entropy kernel (reads the chunk's logits twice, writes the gradient in place), then the
+grad_hidden matmul (an fp32 output; its operands read in their dtype on CUDA, out_dtype=float32, and upcast
+first elsewhere, `cuda=False`: two more copies) and the grad_weight matmul: with an fp32 weight into the fp32
+gradient (reads C V 4 + C H 4, + V H 4 when accumulating; writes V H 4), with a bf16/fp16 weight into the
+gradient in its dtype (reads C V s + C H s, + V H s when accumulating; writes V H s; elsewhere via fp32 copies
+and one rounding copy). Backward (mean, grad_output 1): grad_output reads (grad_weight's in-place scale skipped),
+grad_hidden's rounding (reads K H 4, writes K H s; none in fp32) and its scatter into the ignored rows' zeros.
+Until issue 20 item 4 a bf16/fp16 weight's gradient came from a backward vocabulary pass (the logits matmul
+again, a slice-gradient kernel, an fp32 slice buffer): at N = 8192, H = 4096, V = 128256 bf16 that backward
+moved 16.2 bytes per logit element.
+The per-element model printed before this meter (forward 4s + s f read, 2s + 4f write; f = (N + V) H / (N V))
+counted the weight once, but every token chunk's matmuls re-read it (C = 2048 rows: 4 chunks at N = 8192, two
+weight reads each in bf16, three and a read-modify-write of the fp32 grad_weight in fp32); it left out the bf16
+backward's vocabulary pass (the logits matmul again, the slice kernel, the hidden re-read per vocabulary tile)
+and charged the ignored rows, which are skipped. At N = 8192, H = 4096, V = 128256 (bytes per logit element,
+read + write, new model / old): bf16 forward 18.2 / 15.2 (1.20x), backward 16.2 / 3.2 (5.1x), full 34.4 / 18.4
+(1.87x); with half the rows ignored bf16 full 20.5 / 18.4 (1.11x) and forward 9.2 / 15.2 (0.60x); fp32 full 54.4
+/ 32.5 (1.67x). The GB/s columns moved by those factors.
 """
 
 from __future__ import annotations
@@ -55,8 +71,11 @@ import torch.nn.functional as F  # noqa: E402
 
 import kernels  # noqa: E402
 from bench import common  # noqa: E402
+from bench import bench_cross_entropy  # noqa: E402
 from bench.bench_cross_entropy import DTYPES, add_speedups  # noqa: E402
-from kernels.fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref  # noqa: E402
+from kernels.fused_linear_cross_entropy import (  # noqa: E402
+    _chunk_rows, fused_linear_cross_entropy, fused_linear_cross_entropy_ref,
+)
 
 PROVIDERS = ("ours", "torch", "torch_ref", "torch_compile", "liger")
 MODES = ("forward", "backward", "full")
@@ -132,7 +151,7 @@ def bench_one(provider, n_tokens, hdim, vocab, dtype, ignored, compile_backend, 
         if t["ms"] > 0:  # a derived backward can come out <= 0 within timing noise on a CPU
             row.update(common.physics(t["ms"], flops=flops))
             if provider == "ours":
-                model = byte_model(mode, hidden.element_size(), n_tokens, hdim, vocab)
+                model = byte_model(mode, hidden.element_size(), n_tokens, hdim, vocab, int((target == -100).sum()))
                 row.update(model.columns(n_tokens * vocab, t["ms"]))
         row["peak_extra_bytes"] = peak
         row["peak_extra_over_logits"] = None if peak is None else peak / logits_bytes
@@ -140,17 +159,112 @@ def bench_one(provider, n_tokens, hdim, vocab, dtype, ignored, compile_backend, 
     return out
 
 
-def byte_model(mode: str, s: int, n_tokens: int, hdim: int, vocab: int) -> common.ByteModel:
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ignored: int = 0, *, w: int | None = None,
+                  cuda: bool = True) -> dict[str, tuple[int, int]]:
+    """(read, write) bytes of every launch of our op, summed per kernel or torch op name, for `mode` ("forward" with
+    every gradient, as the bench runs it; "backward" with grad_output 1; "full"): hidden (N, H) of element size s,
+    weight (V, H) of element size w (default s), no bias, int64 targets on the host with n_ignored ignored,
+    reduction "mean". w != s is autocast (an fp32 weight with bf16/fp16 hidden states, as the trainer runs it): the
+    weight is cast for the matmuls and the loss is fp32. cuda: the CUDA matmuls read bf16/fp16 operands with an
+    fp32 output (no upcast copies), and the launch grids of the GPU. Module docstring for the algorithm."""
+    w = s if w is None else w
+    n, h, v, k = n_tokens, hdim, vocab, n_tokens - n_ignored
+    autocast = w != s
+    loss_size = 4 if autocast else s  # the loss, and so grad_output, in hidden's dtype, fp32 under autocast
+    parts: dict[str, list[int]] = {}
+
+    def add(name, read, write):
+        acc = parts.setdefault(name, [0, 0])
+        acc[0] += read
+        acc[1] += write
+
+    def mm_fp32(m_rows, inner, cols, a_size, b_size, accumulate, out_size=4):
+        """_mm_fp32: out (m, cols) of out_size bytes = a (m, inner) @ b (inner, cols), operands of a_size / b_size bytes."""
+        if out_size != 4 and not cuda:  # a bf16/fp16 out elsewhere: fp32 copies, an fp32 product, one rounding copy
+            if accumulate:
+                add("aten._to_copy", m_rows * cols * out_size, 4 * m_rows * cols)
+            add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
+            add("aten.addmm" if accumulate else "aten.mm",
+                4 * (m_rows * inner + inner * cols) + (4 * m_rows * cols if accumulate else 0), 4 * m_rows * cols)
+            add("aten.copy_", 4 * m_rows * cols, out_size * m_rows * cols)
+            return
+        if a_size != 4 and not cuda:  # upcast copies first
+            add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
+            a_size = b_size = 4
+        name = ("aten.addmm_" if a_size == 4 else "aten.addmm") if accumulate else "aten.mm"  # addmm: out_dtype
+        add(name, m_rows * inner * a_size + inner * cols * b_size + (out_size * m_rows * cols if accumulate else 0),
+            out_size * m_rows * cols)
+
+    def bwd_scale(numel, out_size, in_place):
+        """cross_entropy_bwd on a flat gradient with a 0-d grad_output of 1 (in the loss's dtype, s)."""
+        if numel == 0:
+            return
+        g = bench_cross_entropy._bwd_programs(numel, cuda) * loss_size
+        add("_cross_entropy_bwd_kernel", g + (0 if in_place else 4 * numel), 0 if in_place else out_size * numel)
+
+    def gather_rows():  # hidden[kept] (and the index), on the device
+        if k < n:
+            add("aten.index_select", 8 * k + k * h * s, k * h * s)
+
+    def scatter_rows(size):  # grad_hidden into zeros at the kept rows
+        if k < n:
+            add("aten.zeros", 0, n * h * size)
+            add("aten.index_copy_", 8 * k + k * h * size, k * h * size)
+
+    if mode in ("forward", "full"):
+        # the denominator and the kept rows, on the host
+        add("aten.ne", 2 * (8 * n), 2 * n)
+        add("aten.sum", n + 4 * k, 8 + 4)
+        add("aten.clamp", 8, 8)
+        add("aten._to_copy", 8, 4)
+        add("aten.nonzero", n, 8 * k)
+        if k < n:
+            add("aten.index_select", 8 * k + 8 * k, 8 * k)  # the kept targets
+        gather_rows()
+        add("aten.reciprocal", 4, 4)
+        if autocast:
+            add("aten._to_copy", v * h * w, v * h * s)  # the weight in the matmuls' dtype
+        if k == 0:
+            add("aten.zeros", 0, w * v * h)  # grad_weight of no rows
+        chunk = _chunk_rows(k, h, v) if k else 1
+        for start in range(0, k, chunk):
+            c = min(chunk, k - start)
+            add("aten.mm", c * h * s + v * h * s, c * v * s)  # the chunk's logits
+            add("_cross_entropy_fwd_kernel", 8 * c + c * (2 * v + 1) * s + 4 * c, c * v * s + 8 * c)
+            mm_fp32(c, v, h, s, s, accumulate=False)  # grad_hidden
+            mm_fp32(v, c, h, s, s, accumulate=start > 0, out_size=w)  # grad_weight, in the weight's dtype
+        add("aten.div", 8, 4)  # the mean
+        if loss_size != 4:
+            add("aten._to_copy", 4, loss_size)  # the loss in hidden's dtype
+    if mode in ("backward", "full"):
+        add("aten.ones_like", 0, loss_size)  # autograd's grad_output
+        bwd_scale(v * h, w, in_place=True)  # grad_weight, skipped: grad_output is 1
+        bwd_scale(k * h, s, in_place=s == 4)  # grad_hidden: skipped in fp32, else rounded once
+        scatter_rows(s)
+    return {name: (r, wr) for name, (r, wr) in parts.items()}
+
+
+def traffic_model(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ignored: int = 0, **kwargs) -> tuple[int, int]:
+    """(read, write) bytes of our op (`traffic_parts` summed)."""
+    parts = traffic_parts(mode, n_tokens, hdim, vocab, s, n_ignored, **kwargs).values()
+    return sum(r for r, _ in parts), sum(w for _, w in parts)
+
+
+def min_traffic(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ignored: int = 0) -> tuple[int, int]:
+    """The least the op moves: the kept rows of hidden and the weight read once; both gradients written once."""
+    read = ((n_tokens - n_ignored) * hdim + vocab * hdim) * s
+    write = (n_tokens * hdim + vocab * hdim) * s
+    return {"forward": (read, 0), "full": (read, write), "backward": (0, write)}[mode]
+
+
+def byte_model(mode: str, s: int, n_tokens: int, hdim: int, vocab: int, n_ignored: int = 0) -> common.ByteModel:
     """Our bytes read/written per logit element and the minimum (module docstring)."""
-    fh, fw = hdim / vocab, hdim / n_tokens
-    f, w = fh + fw, 4 if s == 4 else s
-    fwd_read, fwd_write = 4 * s + s * f, 2 * s + 4 * fh + w * fw
-    bwd_read, bwd_write = 4 * fh + w * fw, s * fh + w * fw
-    return {
-        "forward": common.ByteModel(fwd_read, fwd_write, s * f, 0),
-        "full": common.ByteModel(fwd_read + bwd_read, fwd_write + bwd_write, s * f, s * f),
-        "backward": common.ByteModel(bwd_read, bwd_write, 0, s * f),
-    }[mode]
+    ours = traffic_model(mode, n_tokens, hdim, vocab, s, n_ignored, cuda=common.on_gpu())
+    return common.ByteModel.from_totals(ours, min_traffic(mode, n_tokens, hdim, vocab, s, n_ignored), n_tokens * vocab)
 
 
 def add_memory_ratio(rows):

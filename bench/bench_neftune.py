@@ -9,8 +9,15 @@ attention mask (a few tiny (B, T) ops, then the same kernel with a per-row scale
 
 GB/s is the effective bandwidth of the minimum traffic, read x + write y = 2 * numel * element size,
 for every row, so the rows compare directly; `frac_copy_bw` puts it against the device's measured copy
-bandwidth. Byte model of our rows, per element (s = element size): ours 1s read + 1s write, min the same;
-ours_mask also reads a (B*T,) fp32 row scale, 4/d bytes per element. GPU target: ours >= 3x hf_eager.
+bandwidth. GPU target: ours >= 3x hf_eager.
+
+Byte model of our rows: `traffic_model(b, t, d, s, mask=False)` -> (read, write) bytes of our kernel, exact, checked
+against bench/traffic.py's count by tests/bench/test_byte_models.py; `min_traffic` the least the op moves;
+`byte_model` both per element. Per element (s = element size): ours 1s read + 1s write, min the same; plus the
+8-byte Philox seed per program, and with `ours_mask` the (B*T,) fp32 row scale, read by each of the row's
+cdiv(d / 4, 1024) column programs: 4/d bytes per element up to d = 4096, 8/d at d = 8192 (the model printed
+before this meter said 4/d everywhere; the difference is 0.012% of the bytes in bf16). The meter agrees with these
+exactly. The torch ops that build the row scale from the mask are (B, T)-sized and not counted.
 
 Usage:
     python bench/bench_neftune.py                 # GPU: 8x4096x4096 bf16 and friends
@@ -38,6 +45,27 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GPU_SHAPES = ["8x4096x4096", "4x4096x4096", "1x8192x8192", "8x2048x2048"]
 CPU_SHAPES = ["2x64x256", "1x128x512"]
 CPU_QUICK_SHAPES = ["2x16x128"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def traffic_model(b: int, t: int, d: int, s: int, mask: bool = False) -> tuple[int, int]:
+    """Exact (read, write) bytes of our kernel on a (b, t, d) input of element size s (kernels/neftune.py's grid)."""
+    n_rows = b * t
+    quarter = _cdiv(d, 4)
+    block_q = min(1 << max(0, (quarter - 1).bit_length()), 1024)
+    block_r = 8192 // (4 * block_q)
+    col_programs = _cdiv(quarter, block_q)
+    programs = _cdiv(n_rows, block_r) * col_programs
+    read = n_rows * d * s + 8 * programs + (4 * n_rows * col_programs if mask else 0)  # x, seed, row scale
+    return read, n_rows * d * s
+
+
+def min_traffic(b: int, t: int, d: int, s: int) -> tuple[int, int]:
+    """The least the op moves: read x, write y."""
+    return b * t * d * s, b * t * d * s
 
 
 def hf_hook(e: torch.Tensor, mag: float) -> torch.Tensor:
@@ -91,7 +119,9 @@ def bench_shape(shape, dtype_name: str, alpha: float, compile_backend: str, quic
     }
     bytes_min = 2 * e.numel() * e.element_size()
     s = e.element_size()
-    byte_models = {"ours": common.ByteModel(s, s, s, s), "ours_mask": common.ByteModel(s + 4 / d, s, s, s)}
+    byte_models = {name: common.ByteModel.from_totals(traffic_model(B, T, d, s, mask=name == "ours_mask"),
+                                                      min_traffic(B, T, d, s), e.numel())
+                   for name in ("ours", "ours_mask")}
     path = "triton" if use_triton(e) else "reference"
     timings = {name: common.measure(fn, **reps) for name, fn in impls.items()}
     env = common.env_info()

@@ -6,10 +6,27 @@ Bytes are the ideal traffic (s = element size of x, w = element size of weight):
     backward 3 M N s (read x and dy, write dx) + 2 N w
     full     the sum (the forward's y is never read back)
 so GB/s is comparable across providers and its fraction of copy bandwidth is how close each gets to
-memory speed. Byte model of our rows, per element of x (weight, rstd and dweight partials are O(N + M)):
-    forward   ours 1s read + 1s write            min the same
-    backward  ours 2s + 1s (x, dy; dx)           min the same (rstd saved, not recomputed)
-    full      ours 3s + 2s                       min 2s + 2s (one kernel could keep x on chip for the backward) Peak extra memory is measured for the full step.
+memory speed. Peak extra memory is measured for the full step.
+
+Byte model of our rows: `traffic_model(mode, m, n, s, w)` -> (read, write) bytes of our launches (per launch:
+`traffic_parts`), exact (every
+O(N + M) term: the weight, read once per program; rstd; the backward's fp32 (programs, N) dweight partials,
+written by the kernel and read back by torch's sum; the column-loop path's second read and its row-dot
+launch), checked against bench/traffic.py's count by tests/bench/test_byte_models.py; `min_traffic` the least
+the op moves; `byte_model` both per element of x. Per element (s = element size of x):
+    forward   ours 1s read + 1s write; above max_block (16384) 2s + 1s (x read twice)   min 1s + 1s
+    backward  ours 2s + 1s (x, dy; dx); above 8192 4s + 1s (the row-dot pass reads x and dy too)   min the same
+              as ours below 8192 (rstd saved, not recomputed)
+    full      ours 3s + 2s (4s + 2s above 8192, 5s + 2s above 16384)                    min 2s + 2s (one kernel
+              could keep x on chip for the backward)
+The weight is issued once per program: from hidden 4096 up a program is one row (BLOCK_M = 1), so the forward and
+the row-dot pass issue one weight element per element of x (bf16: 4 B read per element, not 2); those re-reads
+are of 8-32 KB that stay in L1/L2, so `byte_model` (the GB/s columns) counts the weight once per launch
+(`weight_once=True`), and `traffic_model`'s default is the issued count.
+The model printed before this meter ignored the >8192 (two-pass) backward and the dweight partials (2 * programs
+* N * 4 bytes: written by the kernel, read by the sum). With 264 programs (two per H100 SM), 4096 tokens, bf16,
+our backward moves 1.084x the old model's 3s per element at hidden 4096 (the partials, 0.52 B per element) and
+1.75x at hidden 16384 (x and dy read twice, and the partials): the GB/s printed there was 8% and 75% low.
 
 GPU: hidden 2048/3584/4096/8192 (Llama-3.2-1B/Qwen2.5-7B/Llama-3-8B/Llama-3-70B) x 4K/16K tokens, bf16.
 CPU (--quick): one tiny shape through the Triton interpreter; rows say perf_figure=False (not performance).
@@ -37,7 +54,7 @@ if not torch.cuda.is_available():
 
 import kernels  # noqa: E402
 from bench import common  # noqa: E402
-from kernels.rms_norm import rms_norm, rms_norm_ref  # noqa: E402
+from kernels.rms_norm import _CPU_BWD_PROGRAMS, _MAX_BWD_BLOCK, launch_config, rms_norm, rms_norm_ref  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("forward", "backward", "full")
@@ -83,13 +100,76 @@ def _bytes(mode: str, m: int, n: int, x_size: int, w_size: int) -> int:
     return {"forward": fwd, "backward": bwd, "full": fwd + bwd}[mode]
 
 
-def byte_model(mode: str, s: int) -> common.ByteModel:
-    """Our bytes read/written per element of x and the minimum (module docstring)."""
-    return {
-        "forward": common.ByteModel(s, s, s, s),
-        "backward": common.ByteModel(2 * s, s, 2 * s, s),
-        "full": common.ByteModel(3 * s, 2 * s, 2 * s, 2 * s),
-    }[mode]
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def bwd_programs(m: int, n: int, max_block: int | None = None, num_programs: int | None = None) -> int:
+    """Programs of the backward launch, so rows of the dweight partial buffer (kernels/rms_norm.py's rule)."""
+    if num_programs is None:
+        num_programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count if common.on_gpu() else _CPU_BWD_PROGRAMS
+    block_m, _, _, _ = launch_config(m, n, min(_MAX_BWD_BLOCK, max_block or _MAX_BWD_BLOCK))
+    tiles = _cdiv(m, block_m)
+    rows_per_prog = _cdiv(tiles, min(num_programs, tiles)) * block_m
+    return _cdiv(m, rows_per_prog)
+
+
+def traffic_parts(mode: str, m: int, n: int, s: int, w: int, *, max_block: int | None = None,
+                  num_programs: int | None = None, compute_dw: bool = True,
+                  weight_once: bool = False) -> dict[str, tuple[int, int]]:
+    """Exact (read, write) bytes per launch of our RMSNorm on an (m, n) x of element size s, weight of size w.
+
+    Keys: the Triton kernels' names, and the torch ops of the dweight finish ("aten.sum" of the fp32 partials,
+    "aten._to_copy" to the weight's dtype), as bench/traffic.py's `torch_ops` names and counts them.
+    `traffic_model` sums them. max_block / num_programs as the launchers take them.
+    Issued bytes; weight_once counts the weight once per launch instead of once per program (or row tile), which
+    is what DRAM sees while the weight (N * w bytes, 8-32 KB) stays in L2: the meter's distinct weight bytes.
+    """
+    out: dict[str, tuple[int, int]] = {}
+    if mode in ("forward", "full"):
+        block_m, block_n, one_block, _ = launch_config(m, n, max_block)
+        programs = _cdiv(m, block_m)
+        x_reads = 1 if one_block else 2
+        weight = (1 if weight_once else programs) * n * w
+        out["_rms_norm_fwd_kernel"] = (x_reads * m * n * s + weight, m * n * s + 4 * m)  # + rstd
+    if mode in ("backward", "full"):
+        block_m, block_n, one_block, _ = launch_config(m, n, min(_MAX_BWD_BLOCK, max_block or _MAX_BWD_BLOCK))
+        programs = bwd_programs(m, n, max_block, num_programs)
+        partials = programs * n * 4 if compute_dw else 0
+        weight = (1 if weight_once else programs) * n * w
+        if one_block:
+            read = 2 * m * n * s + weight + 4 * m  # x, dy, weight per program, rstd
+        else:
+            tiles = _cdiv(m, block_m)
+            out["_rms_norm_bwd_rowdot_kernel"] = (2 * m * n * s + (1 if weight_once else tiles) * n * w + 4 * m, 4 * m)  # -> c
+            col_blocks = _cdiv(n, block_n)
+            read = 2 * m * n * s + weight + col_blocks * 2 * 4 * m  # rstd and c per column block
+        out["_rms_norm_bwd_kernel"] = (read, m * n * s + partials)
+        if compute_dw:
+            out["aten.sum"] = (partials, 4 * n)  # the partials summed over programs, in fp32
+            if w != 4:  # .to(weight.dtype) is a no-op for fp32
+                out["aten._to_copy"] = (4 * n, n * w)
+    return out
+
+
+def traffic_model(mode: str, m: int, n: int, s: int, w: int, **kwargs) -> tuple[int, int]:
+    """(read, write) bytes of our launches (`traffic_parts` summed)."""
+    parts = traffic_parts(mode, m, n, s, w, **kwargs).values()
+    return sum(r for r, _ in parts), sum(wr for _, wr in parts)
+
+
+def min_traffic(mode: str, m: int, n: int, s: int, w: int) -> tuple[int, int]:
+    """The least the op must move: `_bytes`'s ideal traffic split into reads and writes (full keeps x on chip)."""
+    fwd = (m * n * s + n * w, m * n * s)
+    bwd = (2 * m * n * s + n * w, m * n * s + n * w)
+    full = (2 * m * n * s + n * w, 2 * m * n * s + n * w)  # x, dy and weight read once; y, dx and dweight written
+    return {"forward": fwd, "backward": bwd, "full": full}[mode]
+
+
+def byte_model(mode: str, m: int, n: int, s: int, w: int) -> common.ByteModel:
+    """Our bytes read/written per element of x (the weight once per launch: it stays in cache) and the minimum."""
+    ours = traffic_model(mode, m, n, s, w, weight_once=True)
+    return common.ByteModel.from_totals(ours, min_traffic(mode, m, n, s, w), m * n)
 
 
 def _case(fn, mode, x, w, dy, eps, offset):
@@ -128,7 +208,7 @@ def run(shapes, dtype, modes, providers, *, offset=0.0, eps=1e-6, compile_backen
                     **env,
                 }
                 if name == "ours":
-                    row.update(byte_model(mode, x.element_size()).columns(m * n, t["ms"]))
+                    row.update(byte_model(mode, m, n, x.element_size(), w.element_size()).columns(m * n, t["ms"]))
                 timings[name] = t["ms"]
                 rows.append(row)
             for row in rows[-len(fns):]:

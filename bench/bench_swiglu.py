@@ -5,7 +5,8 @@ Bytes are the ideal traffic (s = element size; n = tokens x intermediate):
     forward  3 n s (read gate and up, write out)
     backward 5 n s (read dout, gate and up, write dgate and dup)
     full     8 n s
-Byte model of our rows, per element (read + write):
+Byte model of our rows, per element (read + write; `traffic_parts`, equal to bench/traffic.py's meter in
+tests/bench/test_byte_models.py):
     forward   ours 2s + 1s              min the same
     backward  ours 3s + 2s              min the same (silu recomputed from gate, never saved)
     full      ours 5s + 3s              min the same (out is needed by down_proj, gate and up by the backward)
@@ -81,13 +82,22 @@ def _bytes(mode: str, n: int, s: int) -> int:
     return {"forward": 3, "backward": 5, "full": 8}[mode] * n * s
 
 
+def traffic_parts(mode: str, n: int, s: int) -> dict[str, tuple[int, int]]:
+    """(read, write) bytes of our kernels for n elements of s bytes, per kernel (tests/bench/test_byte_models.py
+    holds them equal to the traffic meter)."""
+    parts = {}
+    if mode in ("forward", "full"):
+        parts["_swiglu_fwd_kernel"] = (2 * n * s, n * s)  # gate, up; out
+    if mode in ("backward", "full"):
+        parts["_swiglu_bwd_kernel"] = (3 * n * s, 2 * n * s)  # dout, gate, up; dgate, dup
+    return parts
+
+
 def byte_model(mode: str, s: int) -> common.ByteModel:
-    """Our bytes read/written per element and the minimum (module docstring)."""
-    return {
-        "forward": common.ByteModel(2 * s, s, 2 * s, s),
-        "backward": common.ByteModel(3 * s, 2 * s, 3 * s, 2 * s),
-        "full": common.ByteModel(5 * s, 3 * s, 5 * s, 3 * s),
-    }[mode]
+    """Our bytes read/written per element and the minimum (module docstring): ours is the minimum."""
+    read = sum(r for r, _ in traffic_parts(mode, 1, s).values())
+    write = sum(w for _, w in traffic_parts(mode, 1, s).values())
+    return common.ByteModel(read, write, read, write)
 
 
 def _case(fn, mode, gate, up, dout):

@@ -8,6 +8,18 @@ Byte models: each kernel benchmark states, per element of its op, the bytes our 
 and the least the op itself must move (`ByteModel`), and prints GB/s at both beside the time
 (`ByteModel.columns`, `byte_model_text`). GB/s at our bytes near the copy bandwidth with GB/s at the minimum
 well below it means the shortfall is extra traffic; both low means latency (or compute).
+Each kernel benchmark derives its per-element model from exact totals, `traffic_model(...) -> (read, write)`
+bytes (per launch: `traffic_parts`) and `min_traffic(...)`, documented in its docstring.
+
+Bytes are measured, not only modelled: `bench/traffic.py` runs a kernel under the Triton interpreter and counts
+the global-memory bytes of every load, store, tensor-descriptor access and atomic (active lanes times element
+size), per launch and per tensor argument, as "issued" (every access) and "distinct" (each address once per
+launch); with `torch_ops=True` it also records the torch ops between the launches, with one-pass modelled
+bytes. Real DRAM traffic on a GPU lies between distinct (every re-read a cache hit) and issued (none); the
+models count issued bytes, except where a benchmark says it counts a small re-read tensor (a norm's weight)
+once. tests/bench/test_byte_models.py holds every model equal to the meter at small shapes, for each mode,
+dtype, ignored fraction and algorithm switch: a kernel change that moves its bytes fails there, naming the
+model to update.
 
 Timing: on CUDA `triton.testing.do_bench` (median, p20, p80 in ms; CUDA graphs via
 `do_bench_cudagraph` for very short kernels); on CPU `time.perf_counter` over a few repetitions.
@@ -193,6 +205,12 @@ class ByteModel:
             "gb_s_ours": gbs(self.read + self.write),
             "gb_s_min": gbs(self.min_read + self.min_write),
         }
+
+    @classmethod
+    def from_totals(cls, ours: tuple[int, int], minimum: tuple[int, int], n_elements: int) -> "ByteModel":
+        """Per-element model from total (read, write) bytes of our kernels and of the minimum over n_elements."""
+        n = max(1, n_elements)
+        return cls(ours[0] / n, ours[1] / n, minimum[0] / n, minimum[1] / n)
 
 
 def byte_model_text(row: dict) -> str:

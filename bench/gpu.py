@@ -60,6 +60,9 @@ ANCHORS = {
     "fused_linear_cross_entropy": ["--tokens", "8192", "--hidden", "4096", "--vocab", "128256"],
     "adamw": ["--model", "llama-3.2-1b"],
     "neftune": ["--shapes", "8x4096x4096"],
+    # Llama-3-8B heads (32/8 x 128), bf16: the smallest and the largest of bench_rope's GPU shapes (two, not four,
+    # to keep the part's inductor compiles inside its budget).
+    "rope": ["--shapes", "1x2048", "4x8192"],
     "swiglu": ["--tokens", "8192", "--inter", "14336"],  # Llama-3-8B's MLP
 }
 # --quick: each script's own tiny CPU shapes; aot_eager keeps torch.compile's baseline to seconds on a CPU.
@@ -98,6 +101,8 @@ KERNEL_TARGETS: list[Target] = [
     ("adamw", "CUDA op vs Triton (bf16 master; > 1: the CUDA op is faster, make it the default)",
      {"impl": "ours_bf16_master_cuda"}, "speedup_vs_triton", ">", 1.0),
     ("neftune", "vs the Hugging Face embedding hook", {"impl": "ours"}, "speedup_vs_hf_eager", ">=", 3.0),
+    ("rope", "fwd+bwd vs liger-kernel", {"provider": "ours", "mode": "full"}, "speedup_vs_liger", ">", 1.0),
+    ("rope", "fwd+bwd vs torch.compile", {"provider": "ours", "mode": "full"}, "speedup_vs_torch_compile", ">", 1.0),
 ]
 TRAIN_TARGETS: list[Target] = [
     ("train", "tokens/s vs HF Trainer", {"impl": "ours"}, "tokens_per_s_vs_hf", ">=", 1.2),

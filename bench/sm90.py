@@ -258,6 +258,20 @@ def _neftune():
         y.backward(torch.empty_like(y))
 
 
+def _rope():
+    # bench_rope's shapes (Llama-3-8B heads, q and k as (B, H, T, D) transposes of (B, T, H, D) projections), bf16
+    # and fp32 inputs; cos/sin per row (4 x 8192) and shared by the batch (one program loops over the 4 batches).
+    for dtype, batch, seq, cos_batch in ((torch.bfloat16, 4, 8192, 4), (torch.bfloat16, 4, 8192, 1),
+                                         (torch.float32, 1, 2048, 1)):
+        q = _cuda(batch, seq, 32, 128, dtype=dtype, grad=True).transpose(1, 2)
+        k = _cuda(batch, seq, 8, 128, dtype=dtype, grad=True).transpose(1, 2)
+        cos = sin = _cuda(cos_batch, seq, 128, dtype=torch.float32)
+        q_rot, k_rot = kernels.rope(q, k, cos, sin)
+        # Output gradients as attention's backward hands them: (B, T, H, D) memory.
+        grads = [_cuda(batch, seq, h, 128, dtype=dtype).transpose(1, 2) for h in (32, 8)]
+        torch.autograd.backward([q_rot, k_rot], grads)
+
+
 def _swiglu():
     # Llama-3-8B's MLP: 8192 tokens x intermediate 14336.
     gate, up = _cuda(8192, 14336, grad=True), _cuda(8192, 14336, grad=True)
@@ -271,6 +285,7 @@ CASES: dict[str, Callable[[], None]] = {
     "rms_norm": _rms_norm,
     "adamw": _adamw,
     "neftune": _neftune,
+    "rope": _rope,
     "swiglu": _swiglu,
 }
 

@@ -19,7 +19,14 @@ address (the narrowest range when views overlap; arguments with the same range s
 "a=b"). Addresses outside every argument (e.g. pointers a kernel loads from a table, as AdamW's does) are
 charged to the tensors passed in `measure(named={...})`, else to "?".
 
-Launches of torch operators are not seen: only Triton kernels run through the interpreter.
+Torch operators between the launches (matmuls, sums, copies) do not run through the interpreter. With
+`measure(torch_ops=True)` a TorchDispatchMode records each one as a launch named "aten.<op>" whose bytes are
+modelled, not measured (ops that move nothing, e.g. views, are not recorded): every tensor operand read once and
+every output written once (what a single-pass kernel moves; a matmul's re-reads of its operands are not
+counted), with these exceptions: view ops and empty allocations move nothing; an `out=` argument and the
+destination of copy_/fill_/zero_ are written, not read; gather and index_select read only the elements they
+select; ones_like/zeros_like/full_like read nothing; index_copy_ writes only the copied rows. Their distinct
+bytes equal their issued bytes, and `Traffic.distinct_read`/`distinct_write` cover the Triton launches only.
 
     with traffic.measure() as t:
         fn()
@@ -38,6 +45,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 UNKNOWN = "?"  # the tensor name of addresses outside every known tensor
 
@@ -236,6 +245,73 @@ class _Recorder:
 
 _active: _Recorder | None = None
 
+# write-only destinations (their old contents are not read), and ops that move nothing
+_OVERWRITE = {"copy_", "fill_", "zero_", "uniform_", "normal_", "random_"}
+_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
+               "_local_scalar_dense", "set_", "resize_"}
+
+
+_ROWS_READ = {"gather", "index_select"}  # read as many elements of self as they write
+_NOTHING_READ = {"ones_like", "zeros_like", "full_like"}  # self gives only the shape
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+class _TorchOps(TorchDispatchMode):
+    """Records every torch operator as a launch with modelled bytes (module docstring)."""
+
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        name = schema.name.split("::")[-1]
+        is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        if is_view or name in _NO_TRAFFIC:
+            return out
+        launch = Launch(f"aten.{name}")
+        values = dict(zip((a.name for a in schema.arguments), args))
+        values.update(kwargs)
+        written_args = []
+        for arg in schema.arguments:
+            tensors = _tensors(values.get(arg.name))
+            if not tensors:
+                continue
+            tt = launch.tensors.setdefault(arg.name, TensorTraffic(arg.name))
+            nbytes = sum(_nbytes(t) for t in tensors)
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                written_args += tensors
+                if name == "index_copy_":
+                    tt.write += _nbytes(values.get("source"))
+                    continue
+                tt.write += nbytes
+                if schema.overload_name.endswith("out") or name in _OVERWRITE:
+                    continue
+            if name in _ROWS_READ and arg.name == "self":  # only the selected elements or rows are read
+                nbytes = _nbytes(out)
+            if name in _NOTHING_READ:
+                continue
+            tt.read += nbytes
+        written = {id(t) for t in written_args}
+        result = launch.tensors.setdefault("result", TensorTraffic("result"))
+        result.write += sum(_nbytes(t) for t in _tensors(out) if id(t) not in written
+                            and not any(t.data_ptr() == w.data_ptr() and t.shape == w.shape for w in written_args))
+        for tt in launch.tensors.values():
+            tt.distinct_read, tt.distinct_write = tt.read, tt.write
+        launch.tensors = {k: v for k, v in launch.tensors.items() if v.read or v.write}
+        if launch.tensors and self.rec.launch is None:  # moves bytes; not a Triton launch's own host-side copies
+            self.rec.traffic.launches.append(launch)
+        return out
+
 
 def _tensor_args(executor, args_hst, kwargs_hst) -> dict[str, torch.Tensor]:
     """The launch's tensor arguments (host copies: the addresses the interpreter dereferences) by parameter name."""
@@ -251,11 +327,12 @@ def _tensor_args(executor, args_hst, kwargs_hst) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def measure(named: dict[str, torch.Tensor] | None = None):
+def measure(named: dict[str, torch.Tensor] | None = None, torch_ops: bool = False):
     """Count the global-memory traffic of every Triton launch inside the block (see the module docstring).
 
     `named`: tensors to charge accesses to when they fall outside every argument of the launch (kernels that
-    reach memory through pointers loaded from a table). Yields a `Traffic`, complete when the block exits.
+    reach memory through pointers loaded from a table). torch_ops: also record torch operators, with modelled
+    bytes (module docstring). Yields a `Traffic`, complete when the block exits.
     """
     global _active
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
@@ -321,7 +398,8 @@ def measure(named: dict[str, torch.Tensor] | None = None):
     try:
         for (cls, name), fn in patches.items():
             setattr(cls, name, fn)
-        yield rec.traffic
+        with _TorchOps(rec) if torch_ops else contextlib.nullcontext():
+            yield rec.traffic
     finally:
         for (cls, name), fn in originals.items():
             setattr(cls, name, fn)

@@ -14,10 +14,10 @@ per head and reads `attention_bias`; llama reads `attention_bias`/`mlp_bias` and
 ("linear", "llama3"); mistral (and qwen with `use_sliding_window`) attends within a sliding window, which is
 honoured on every backend (not rejected): query i sees keys i-W+1..i.
 
-`use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`), SwiGLU (`kernels.swiglu`), the loss
-(`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and NEFTune
-(`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `apply_liger_kernel(model)` sets
-the same three places (RMSNorm, SwiGLU, fused linear cross-entropy) to liger-kernel's ops instead, the
+`use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`), RoPE (`kernels.rope`), SwiGLU
+(`kernels.swiglu`), the loss (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and
+NEFTune (`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `apply_liger_kernel(model)` sets
+RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy to liger-kernel's ops instead, the
 baseline our kernels are measured against. Parameter names and state_dict are the same in every mode.
 Attention backends and packing rules: `trainer/attention.py`.
 
@@ -258,7 +258,7 @@ def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-IMPLS = ("torch", "kernels", "liger")  # who computes RMSNorm, SwiGLU and the loss; set model-wide
+IMPLS = ("torch", "kernels", "liger")  # who computes RMSNorm, RoPE, SwiGLU and the loss; set model-wide
 
 
 class RMSNorm(KernelRMSNorm):
@@ -322,8 +322,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by the angles in cos/sin (B, T, D): HF's rotate_half."""
-    cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # (B, T, 1, D)
+    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by the angles in cos/sin (B or 1, T, D): HF's rotate_half."""
+    cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # (B or 1, T, 1, D)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -341,6 +341,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, config.rms_norm_eps)
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.impl = "kernels"  # who rotates q and k; set for the whole model by CausalLM
 
     def forward(self, x, cos, sin, attn) -> torch.Tensor:
         """attn: an AttentionPlan (training/scoring) or a KV-cache slot (decoding)."""
@@ -350,9 +351,23 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._rope(q, k, cos, sin)
         out = attn.attend(q, k, v, self.window)  # (B, T, H, D)
         return self.o_proj(out.reshape(B, T, -1))
+
+    def _rope(self, q, k, cos, sin):
+        """q (B, T, H, D) and k (B, T, Hkv, D) rotated by cos/sin (B or 1, T, D). The kernels take the (B, H, T, D)
+        transposes (transformers' shapes) and their Triton kernels write (B, T, H, D) memory: no copy either way."""
+        if self.impl == "torch":
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.impl == "liger":
+            from liger_kernel.ops.rope import LigerRopeFunction
+
+            # liger rotates in place, into q_proj's/k_proj's (or q_norm's/k_norm's) output, which no backward saved.
+            q_rot, k_rot = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        else:
+            q_rot, k_rot = kernels.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D) views
+        return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -461,7 +476,7 @@ class CausalLM(nn.Module):
     def _set_impl(self, impl: str) -> None:
         self.impl = impl
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
+            if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.impl = impl
 
     def tie_weights(self) -> None:
@@ -548,14 +563,16 @@ class CausalLM(nn.Module):
         if self.training and self.neftune_noise_alpha:
             x = self._neftune(x, attention_mask, position_ids)
         if cache is not None:
-            rope_pos = torch.arange(cache.length, cache.length + T, device=x.device)[None].expand(B, T)
+            rope_pos = torch.arange(cache.length, cache.length + T, device=x.device)[None]  # (1, T)
             attns = [cache.slot(i) for i in range(len(self.model.layers))]
         else:
-            rope_pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None].expand(B, T)
+            # (1, T) unless given per row: cos/sin (1, T, D) are computed once for the batch, and kernels.rope
+            # reads them once per position instead of once per (row, position)
+            rope_pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None]
             plan = make_plan(position_ids, attention_mask, B, T, x.device, x.dtype, set(self.config.layer_windows),
                              self.attn_backend)
             attns = [plan] * len(self.model.layers)
-        cos, sin = self.model.rotary_emb(rope_pos)  # (B, T, D) fp32
+        cos, sin = self.model.rotary_emb(rope_pos)  # (B or 1, T, D) fp32
         for layer, attn in zip(self.model.layers, attns):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False, **self._checkpoint_kwargs)
@@ -621,7 +638,7 @@ class CausalLM(nn.Module):
 
 
 def apply_liger_kernel(model: CausalLM) -> CausalLM:
-    """Run RMSNorm, SwiGLU and the fused linear cross-entropy with liger-kernel (the baseline on a GPU);
+    """Run RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy with liger-kernel (the baseline on a GPU);
     `model.use_kernels = ...` switches back. Liger's Triton kernels need CUDA tensors."""
     try:
         import liger_kernel  # noqa: F401

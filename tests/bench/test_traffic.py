@@ -51,6 +51,15 @@ def _desc_copy_kernel(src_ptr, dst_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr
     dst.store([r, c], src.load([r, c]))
 
 
+@triton.jit
+def _indirect_copy_kernel(table_ptr, n, BLOCK: tl.constexpr):
+    # the source and destination addresses come from an int64 table, as AdamW's tensor table gives them
+    src = tl.load(table_ptr).to(tl.pointer_type(tl.float32))
+    dst = tl.load(table_ptr + 1).to(tl.pointer_type(tl.float32))
+    offs = tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_masked_copy_counts_active_lanes(dtype):
     n, block = 1001, 256  # 4 programs, the last one 233 lanes of 256
@@ -155,3 +164,39 @@ def test_measure_restores_the_interpreter():
         pass
     _copy_kernel[(1,)](src, torch.empty_like(src), 10, BLOCK=16)  # outside the block: not counted
     assert t.launches == []
+
+
+def test_torch_ops_are_recorded_with_modelled_bytes():
+    a, b = torch.randn(6, 5), torch.randn(5, 3)
+    out = torch.empty(6, 3)
+    src = torch.randn(10)
+    with traffic.measure(torch_ops=True) as t:
+        c = a @ b.t().t()  # the views move nothing
+        torch.mm(a, b, out=out)  # out= is written, not read
+        out.add_(c)  # in place: read and written
+        dst = torch.empty_like(src)
+        _copy_kernel[(1,)](src, dst, 10, BLOCK=16)
+        dst.gather(0, torch.tensor([1, 2]))  # reads the two gathered elements and the index
+    kinds = [launch.kernel for launch in t.launches]
+    assert kinds == ["aten.mm", "aten.mm", "aten.add_", "_copy_kernel", "aten.gather"], t.summary()
+    mm, mm_out, add, _, gather = t.launches
+    assert (mm.read, mm.write) == (4 * 30 + 4 * 15, 4 * 18)
+    assert (mm_out.read, mm_out.write) == (4 * 30 + 4 * 15, 4 * 18)
+    assert (add.read, add.write) == (2 * 4 * 18, 4 * 18)
+    assert (gather.read, gather.write) == (2 * 4 + 2 * 8, 2 * 4)
+    assert torch.equal(dst, src)
+
+
+def test_addresses_outside_the_arguments_go_to_named_tensors_or_unknown():
+    src, dst = torch.randn(9), torch.zeros(9)
+    table = torch.tensor([src.data_ptr(), dst.data_ptr()], dtype=torch.int64)
+    with traffic.measure() as unnamed:
+        _indirect_copy_kernel[(1,)](table, 9, BLOCK=16)
+    with traffic.measure(named={"src": src, "dst": dst}) as named:
+        _indirect_copy_kernel[(1,)](table, 9, BLOCK=16)
+    assert torch.equal(dst, src)
+    unknown = unnamed.by_tensor()[traffic.UNKNOWN]
+    assert (unknown.read, unknown.write) == (36, 36), unnamed.summary()
+    tensors = named.by_tensor()
+    assert traffic.UNKNOWN not in tensors
+    assert (tensors["src"].read, tensors["dst"].write, tensors["table_ptr"].read) == (36, 36, 16), named.summary()

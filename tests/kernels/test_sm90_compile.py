@@ -52,6 +52,11 @@ def test_every_op_and_variant_is_compiled(compiled):
     bwd = {(r["constexprs"]["BLOCK_N"], r["constexprs"]["ONE_BLOCK"]) for r in compiled
            if r["kernel"] == "_rms_norm_bwd_kernel"}
     assert {("4096", "True"), ("8192", "True"), ("8192", "False")} <= bwd
+    # RoPE's one kernel, forward and backward (the transpose), at Llama-3-8B's heads, one batch per program and
+    # (batch-shared cos/sin) one program looping over the batch: B_PER_PROG=4 is a runtime int, not specialised.
+    rope = {(r["constexprs"]["BACKWARD"], r["constexprs"]["BLOCK_HQ"], r["constexprs"].get("B_PER_PROG", "loop"))
+            for r in compiled if r["kernel"] == "_rope_kernel"}
+    assert rope == {(backward, "32", per_prog) for backward in ("False", "True") for per_prog in ("1", "loop")}
 
 
 def test_no_register_spills(compiled):

@@ -397,6 +397,38 @@ def test_triton_loss_through_the_interpreter():
     _assert_same_grads(off, on)
 
 
+def test_rope_impls_agree_through_the_interpreter():
+    """Attention's rotation by impl: kernels.rope (Triton, through the interpreter) and liger-kernel's
+    LigerRopeFunction (which rotates in place) against plain apply_rope: values and the gradients of q and k,
+    on (B, T, H, D) projection outputs and the model's own cos/sin for packed positions."""
+    require_kernels("rope")
+    pytest.importorskip("liger_kernel")
+    model = _tiny("llama")  # 4 heads, 2 kv heads, head_dim 16
+    attn = model.model.layers[0].self_attn
+    B, H, Hkv, D = 2, 4, 2, 16
+    packed = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], list(range(3, 3 + T))])  # (B, T) per row
+    g = torch.Generator().manual_seed(0)
+    q_src, k_src = torch.randn(B, T, H * D, generator=g), torch.randn(B, T, Hkv * D, generator=g)
+    dq, dk = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, Hkv, D, generator=g)
+    for position_ids in (packed, torch.arange(T)[None]):  # cos/sin (B, T, D), and the default (1, T, D)
+        cos, sin = model.model.rotary_emb(position_ids)  # fp32
+        results = {}
+        for impl in ("torch", "kernels", "liger"):
+            model._set_impl(impl)
+            assert attn.impl == impl
+            qs, ks = q_src.clone().requires_grad_(), k_src.clone().requires_grad_()
+            # Fresh projection outputs, as q_proj/k_proj give them (liger writes into these buffers).
+            q, k = (qs * 1.0).view(B, T, H, D), (ks * 1.0).view(B, T, Hkv, D)
+            with kernels.backend("triton"):
+                q_rot, k_rot = attn._rope(q, k, cos, sin)
+                grads = torch.autograd.grad((q_rot, k_rot), (qs, ks), (dq, dk))
+            assert q_rot.shape == (B, T, H, D) and k_rot.shape == (B, T, Hkv, D)
+            results[impl] = (q_rot.detach(), k_rot.detach(), *grads)
+        for impl in ("kernels", "liger"):
+            for got, want, name in zip(results[impl], results["torch"], ("q_rot", "k_rot", "dq", "dk")):
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=f"{impl} {name} cos {tuple(cos.shape)}")
+
+
 def test_liger_mode_is_the_same_switch(monkeypatch):
     model = _tiny()
     apply_liger_kernel(model)

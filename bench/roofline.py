@@ -1,0 +1,1106 @@
+"""A modelled roofline of one whole training step, for four stacks, at full model size, without a GPU.
+
+    python -m bench.roofline --model llama-3.2-1b --seq_len 2048 --micro_batch 4 --ignored 0.5 [--device h100|h200]
+
+One step = forward (under bf16 autocast over fp32 parameters, as bench/bench_train.py runs both trainers), backward,
+gradient clipping (max_grad_norm 1.0: both trainers clip) and the optimizer step, for
+    ours        trainer.model.CausalLM(use_kernels=True) + kernels.FusedAdamW (our Trainer's default optim)
+    ours_liger  the same model after trainer.model.apply_liger_kernel (liger's RMSNorm, SwiGLU, fused linear CE)
+    hf          transformers.LlamaForCausalLM (sdpa) + torch.optim.AdamW(fused=True) (transformers 5.23's default
+                optim, `TrainingArguments().optim == "adamw_torch_fused"`), loss with num_items_in_batch as the HF
+                Trainer passes it
+    hf_liger    the same after liger_kernel's apply_liger_kernel_to_llama(model=...) (what use_liger_kernel=True
+                calls: liger RoPE, RMSNorm, SwiGLU MLP, fused linear cross-entropy)
+each at 0% and at --ignored (default 50%) of the targets ignored (-100 at seeded random positions; only our fused
+loss skips those rows: it gets the labels on the host, as our collator builds them).
+
+How it is modelled. The model is built on the meta device and run under bench.sm90's `fake_cuda()` (meta tensors
+that say they are on cuda:0, so every dispatch takes its CUDA path). Every aten op is recorded by a
+TorchDispatchMode: FLOPs by FlopCounterMode's own formulas (`torch.utils.flop_counter.flop_registry`), bytes = the
+tensor inputs read + the outputs written (in-place and out= arguments count as written, not read; a view, an
+allocation or a host-only op moves nothing; embedding, index_select, gather and nll_loss read only the rows they
+index), one launch per op (torch's multi-tensor `_foreach_*`/`_fused_*` ops: one per 320 chunks of 65536 elements or
+per its tensor-list limit). What cannot run on meta tensors enters by its cost model (MODELS below), as one modelled
+op whose forward and backward produce outputs and gradients of the right shapes and record their own bytes, FLOPs
+and launches (the aten ops they run internally are not recorded: they are not what the GPU runs):
+- our Triton ops and liger-kernel's, by the autograd Function class each calls (`RMSNormFunction`, `RoPEFunction`,
+  `FusedLinearCrossEntropyFunction`, `LigerRMSNormFunction`, `LigerSiLUMulFunction`, `LigerRopeFunction`,
+  `LigerFusedLinearCrossEntropyFunction`; and, for the kernels being written now, `SwiGLUFunction` and
+  `FusedAddRMSNormFunction`, picked up from any module of `kernels` when they exist) and our FusedAdamW's Triton
+  launcher. Ours by the benches' exact byte models (`traffic_parts` of bench/bench_rms_norm.py,
+  bench_fused_linear_cross_entropy.py, bench_adamw.py; bench_rope.py's), one recorded op per launch they name,
+  which tests/bench/test_byte_models.py checks against bench/traffic.py's meter; our fused loss's matmul FLOPs and
+  launches from its own chunking (max(K / ceil(V / H), 2048) of the K kept rows, an fp32 grad_weight accumulated by
+  the chunk matmuls). liger's by the models below, from its source: its cross-entropy and RoPE kernels checked
+  against the meter by tests/bench/test_roofline.py, its RMSNorm and SwiGLU (libdevice: not meterable on a CPU)
+  by ours' passes; its fused loss chunk by chunk (next_pow2(N / ceil(V / H)) rows over every row, an fp32
+  grad_weight read and written by every chunk's addmm, and its backward's element_mul of both gradients by
+  grad_output, which is not 1 after the callers' division by the token count). Any other Triton launch raises:
+  a new kernel must bring its model.
+- attention (SDPA in our model and in HF's) by flash-attention's formulas, the same for all four stacks: causal
+  forward 4*B*H*T^2*D/2 FLOPs, backward 2.5x; forward reads q, k, v and writes o and the fp32 lse, backward reads
+  q, k, v, o, do, lse and writes dq, dk, dv; 1 launch forward, 2 backward (preprocess + main).
+Autocast: torch.autocast does not act on meta tensors (its CUDA dispatch key is not theirs), so it is emulated:
+autocast("cuda") is switched on as a flag (our and liger's code read it, and our fused loss casts for itself), and a
+TorchFunctionMode casts fp32 operands of linear/matmul/mm/addmm/bmm/SDPA to bf16 with `.to()` where the flag is on,
+as autocast's lower-precision list does (the casts are recorded aten `_to_copy` ops, their backward the
+gradients' casts back). The ops autocast runs in fp32 are already fp32 in both models (HF and we upcast explicitly).
+
+Time per op = max(bytes / bandwidth, FLOPs / peak) + launches * launch overhead; the step is the sum (no overlap).
+Constants (DEVICES): H100 SXM ~3.0 TB/s (a measured device-to-device copy), ~790 TFLOP/s (a measured bf16 dense
+matmul; every recorded FLOP is costed at it: the step's fp32 FLOPs are elementwise and count 0 in FlopCounterMode);
+H200: ~4.3 TB/s, the same compute. Launch overhead: 4 us per launch on both (an eager PyTorch launch without CUDA
+graphs costs a few microseconds of CPU time; when the GPU work is shorter the CPU is the bottleneck), the
+per-launch cost that the launch count multiplies.
+Peak memory: the largest sum of live tensor bytes through the step: parameters, optimizer state (created by one
+unrecorded step before), then every storage allocated in forward, backward, clipping and the step (each freed when
+its storage dies; modelled ops allocate their outputs, what they save for backward and their main workspaces).
+
+Categories: matmuls (every mm/addmm/bmm, the LM head's included), attention (the flash model), norms, rope, MLP
+activation, residual adds, loss, optimizer (clipping + step), other elementwise (embedding, autocast's weight casts,
+layout copies). Forward aten ops are categorised by the innermost module running them (and matmul ops as matmuls),
+backward ops by the autograd node they run for (tagged, when the forward call made it, with that call's category);
+the gradient sums autograd makes where a tensor feeds several ops count with the node whose gradient is added.
+
+Limits: a model, not a measurement: no overlap of launches, no cache effects, no kernel inefficiency (every op runs
+at the roofline), cuBLAS/flash at their peak whatever the shape; CPU-side costs other than launches (host syncs such
+as liger's `.item()`, Python overhead) are not modelled. Every figure printed or written here is labelled modelled;
+where bench/results/train.jsonl holds GPU rows of the same model, sequence length and micro batch (and no gradient
+accumulation), the measured step time ratio stands beside the modelled one:
+    python bench/bench_train.py --model llama-3.2-1b --seq-len 2048 --micro-batch 4 --grad-accum 1
+
+Results: bench/results/roofline.md (+ .jsonl, + roofline.png). Test: python -m pytest tests/bench/test_roofline.py -q
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import math
+import pkgutil
+import warnings
+import weakref
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+import kernels
+from kernels.fused_linear_cross_entropy import _chunk_rows as flce_chunk_rows
+
+from bench import common
+from bench.sm90 import H100_SMS, fake_cuda
+
+# Imported after `kernels` (they set TRITON_INTERPRET for kernels imported later; ours are decorated already).
+from bench import bench_adamw, bench_rms_norm, bench_rope  # noqa: E402
+from bench import bench_fused_linear_cross_entropy as bench_flce  # noqa: E402
+
+STACKS = ("ours", "ours_liger", "hf", "hf_liger")
+CATEGORIES = ("matmuls", "attention", "norms", "rope", "mlp_activation", "residual_adds", "loss", "optimizer",
+              "other_elementwise")
+BF16 = torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    bandwidth: float  # bytes/s, a measured device-to-device copy
+    peak_flops: float  # FLOP/s, a measured bf16 dense matmul
+    launch_s: float  # seconds per kernel launch (eager, no CUDA graphs)
+
+
+DEVICES = {
+    "h100": Device("H100 SXM", 3.0e12, 790e12, 4e-6),
+    "h200": Device("H200", 4.3e12, 790e12, 4e-6),
+}
+
+# Targets of issue 20 (modelled): ours / hf_liger step time at 0% and at 50% ignored, ours / hf, peak memory.
+TARGET_VS_LIGER = {0.0: 0.97, 0.5: 0.92}
+TARGET_VS_HF = 0.85
+
+
+@dataclasses.dataclass
+class Op:
+    name: str
+    category: str
+    phase: str
+    bytes: float
+    flops: float
+    launches: int
+
+    def seconds(self, dev: Device) -> float:
+        return max(self.bytes / dev.bandwidth, self.flops / dev.peak_flops) + self.launches * dev.launch_s
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    """Distinct bytes a tensor spans (an expanded, stride-0 dimension counts once)."""
+    if t is None or t.numel() == 0:
+        return 0
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    return min(span, t.numel()) * t.element_size()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trace: recorded ops and live memory
+# ---------------------------------------------------------------------------------------------------------
+class Trace:
+    """Ops recorded through one step, and the live tensor bytes (peak) through it."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.phase = "forward"
+        self.live = 0
+        self.peak = 0
+        self.suppress = 0  # > 0 inside a modelled op: its internal aten ops are not recorded
+        self._storages: dict[int, weakref.ref] = {}
+        self.module_stack: list[str] = []
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count t's storage as live until it dies (once per storage)."""
+        # is_meta, not .device: under fake CUDA a meta tensor's .device says cuda:0
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return
+        s = t.untyped_storage()
+        key = id(s)
+        ref = self._storages.get(key)
+        if ref is not None and ref() is s:
+            return
+        size = s.nbytes()
+        self._storages[key] = weakref.ref(s)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(s, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self._storages.pop(key, None)
+        self.live -= size
+
+    def add(self, name: str, category: str, bytes_: float, flops: float = 0.0, launches: int = 1) -> None:
+        category = "optimizer" if self.phase == "optimizer" else category
+        self.ops.append(Op(name, category, self.phase, float(bytes_), float(flops), int(launches)))
+
+    @contextlib.contextmanager
+    def quiet(self):
+        self.suppress += 1
+        try:
+            yield
+        finally:
+            self.suppress -= 1
+
+
+_TRACE: Trace | None = None  # the trace being recorded (modelled ops write into it)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Categories
+# ---------------------------------------------------------------------------------------------------------
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv"}
+ROPE_OPS = {"mul", "add", "sub", "neg", "cat", "slice", "slice_backward", "index", "select", "split", "chunk"}
+_TOP_LEVEL = {"CausalLM", "LlamaForCausalLM"}
+
+
+def category(module: str | None, op: str) -> str:
+    """The table category of op (an aten op or autograd node name, e.g. "mul") run inside module (a class name)."""
+    if op in MATMUL_OPS:
+        return "matmuls"
+    m = module or ""
+    if "RMSNorm" in m:
+        return "norms"
+    if "Rotary" in m:
+        return "rope"
+    if "MLP" in m:
+        return "mlp_activation"
+    if "Attention" in m:
+        return "rope" if op in ROPE_OPS else "other_elementwise"
+    if "DecoderLayer" in m:
+        return "residual_adds" if op in ("add", "add_") else "other_elementwise"
+    if m in _TOP_LEVEL:
+        return "loss"
+    return "other_elementwise"
+
+
+def _node_op(node) -> str:
+    """'MulBackward0' -> 'mul', 'AddmmBackward0' -> 'addmm'."""
+    name = type(node).__name__ if not hasattr(node, "name") else node.name()
+    base = name.split("Backward")[0]
+    return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(base))
+
+
+def _tag_graph(module_name: str | None, outputs) -> None:
+    """Tag the autograd nodes one torch function call created with their category (from the module running it and
+    the node's op), so that their backward ops land in the same category. Called after every call, so the walk back
+    from its outputs stops at the nodes of earlier calls (already tagged)."""
+    stack = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or "roofline" in node.metadata:
+            continue
+        node.metadata["roofline"] = category(module_name, _node_op(node))
+        stack.extend(n for n, _ in node.next_functions)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# aten ops: FLOPs (FlopCounterMode's formulas), bytes (inputs read + outputs written), launches
+# ---------------------------------------------------------------------------------------------------------
+_NO_TRAFFIC = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "detach", "lift_fresh",
+               "_local_scalar_dense", "resize_", "set_", "alias", "_unsafe_view", "view", "_reshape_alias"}
+_WRITE_ONLY_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_"}
+# Ops that read only the rows they index: bytes read = their output (or the indexed values) + the index.
+_INDEXED = {"embedding", "index_select", "gather"}
+_MTA_MAX_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}  # torch's multi_tensor_apply limits per launch, by depth
+_MTA_CHUNK, _MTA_BLOCKS = 65536, 320
+
+
+def aten_flops(func, args, kwargs, out) -> int:
+    fn = flop_registry.get(func._overloadpacket)
+    return int(fn(*args, **kwargs, out_val=out)) if fn is not None else 0
+
+
+def aten_bytes(func, args, kwargs, out) -> tuple[int, int]:
+    """(bytes read, bytes written) of one aten op."""
+    name = func._overloadpacket.__name__
+    schema = func._schema
+    if name in _NO_TRAFFIC or any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+        return 0, 0  # a view or an allocation
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    written_args, skip_read = [], set()
+    for i, a in enumerate(schema.arguments):
+        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        if a.alias_info is not None and a.alias_info.is_write and value is not None:
+            tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+            written_args += tensors
+            if a.kwarg_only or (a.name == "self" and name in _WRITE_ONLY_SELF):
+                skip_read.update(id(t) for t in tensors)  # out= and overwritten arguments are not read
+    ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and id(t) not in skip_read]
+    write = sum(nbytes(t) for t in (outs or written_args))
+    if name in _INDEXED:
+        index = args[1] if name == "embedding" else args[2]
+        return write + nbytes(index), write
+    if name == "nll_loss_forward":  # reads one value per row and the targets
+        return nbytes(args[1]) + args[1].numel() * args[0].element_size(), write
+    if name == "nll_loss_backward":  # self is read for its shape only
+        return nbytes(args[0]) + nbytes(args[2]), write
+    if name in ("_fused_adamw_", "_fused_adam_") and kwargs.get("grad_scale") is None:
+        # the fused kernel stores the gradients back only when it unscales them (grad_scale)
+        write -= sum(nbytes(t) for t in args[1])
+    if name in ("index_copy_", "index_add_", "index_put_"):
+        src = args[-1] if name != "index_put_" else args[2]
+        return nbytes(src) * 2, nbytes(src)
+    return sum(nbytes(t) for t in ins), write
+
+
+def aten_launches_for(tensors: int, depth: int, chunks: int) -> int:
+    """Launches of one torch multi-tensor op over `tensors` tensors in `depth` lists, `chunks` 65536-element chunks."""
+    return max(1, math.ceil(tensors / _MTA_MAX_TENSORS.get(depth, 30)), math.ceil(chunks / _MTA_BLOCKS))
+
+
+def aten_launches(func, args, kwargs) -> int:
+    name = func._overloadpacket.__name__
+    if not (name.startswith("_foreach") or name.startswith("_fused")):
+        return 1
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    chunks = sum(math.ceil(t.numel() / _MTA_CHUNK) for t in lists[0])
+    return aten_launches_for(len(lists[0]), len(lists), chunks)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op on meta (device) tensors into the trace, and tracks the storages it allocates."""
+
+    def __init__(self, trace: Trace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tr = self.trace
+        for t in tree_leaves(out):
+            tr.track(t)
+        if tr.suppress:
+            return out
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if not any(t.is_meta for t in tensors):
+            return out  # host-side (the labels on the CPU): not GPU work
+        read, write = aten_bytes(func, args, kwargs, out)
+        flops = aten_flops(func, args, kwargs, out)
+        if read + write == 0 and flops == 0:
+            return out
+        name = func._overloadpacket.__name__
+        if tr.phase == "backward":
+            node = torch._C._current_autograd_node()
+            cat = "matmuls" if name in MATMUL_OPS else (node.metadata.get("roofline", "other_elementwise")
+                                                          if node is not None else "other_elementwise")
+        else:
+            cat = category(tr.module_stack[-1] if tr.module_stack else None, name)
+        tr.add(name, cat, read + write, flops, aten_launches(func, args, kwargs))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Modelled ops (what cannot run on meta tensors)
+# ---------------------------------------------------------------------------------------------------------
+class ModelledOp(torch.autograd.Function):
+    """Runs a cost model in place of an op: model.forward(ctx, *args) -> outputs (meta tensors of the right shapes,
+    saved tensors via ctx), model.backward(ctx, *grads) -> input gradients; both record their costs."""
+
+    @staticmethod
+    def forward(ctx, model, *args):
+        ctx.model = model
+        with _TRACE.quiet():
+            return model.forward(ctx, *args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        with _TRACE.quiet():
+            return (None, *ctx.model.backward(ctx, *grads))
+
+
+def apply_model(model, *args):
+    """Run `model` as a ModelledOp; its autograd node is tagged with the model's category, so the gradient sums
+    autograd makes with what its backward returns are counted there (as an aten op's are with its node's)."""
+    out = ModelledOp.apply(model, *args)
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            t.grad_fn.metadata.setdefault("roofline", model.category)
+    return out
+
+
+def _rec(name, cat, bytes_, flops=0.0, launches=1):
+    _TRACE.add(name, cat, bytes_, flops, launches)
+
+
+def _like(t, dtype=None, shape=None):
+    return torch.empty(t.shape if shape is None else shape, dtype=dtype or t.dtype, device=t.device)
+
+
+# Byte models. Ours: the benches' exact `traffic_parts` (bench/bench_rms_norm.py, bench_fused_linear_cross_entropy.py,
+# bench_adamw.py, bench_rope.py), which tests/bench/test_byte_models.py checks against bench/traffic.py's meter.
+# Liger's, below, one function per kernel, checked against the meter by tests/bench/test_roofline.py.
+def _record_parts(prefix: str, category: str, parts: dict[str, tuple[int, int]], skip=(), launches=None,
+                  flops=None) -> None:
+    """One recorded op per launch name of a bench's `traffic_parts` (bytes read + written); `launches` and `flops`
+    per name where they are not 1 and 0."""
+    for name, (read, write) in parts.items():
+        if name in skip:
+            continue
+        _rec(f"{prefix}:{name}", category(name) if callable(category) else category, read + write,
+             (flops or {}).get(name, 0.0), (launches or {}).get(name, 1))
+
+
+def liger_cross_entropy_bytes(rows: int, vocab: int, s: int, loss_size: int = 4) -> int:
+    """liger's cross-entropy kernel (inside its fused loss, no z-loss): two passes over each row's logits and the
+    gradient written in place (like ours), per row the target (int64) and its logit read, the target's logit
+    written again and the loss."""
+    return 3 * rows * vocab * s + rows * (8 + s) + rows * (s + loss_size)
+
+
+def liger_rope_bytes(q_elems: int, k_elems: int, s: int, rows: int, half_dim: int, cos_size: int) -> int:
+    """liger's RoPE kernel (in place): q and k read and written once; half a row of cos and of sin (the two halves
+    hold the same angles) read per (batch, position) row, issued (the rows of a shared cos stay in cache on a GPU,
+    but liger's program per row asks again)."""
+    return 2 * (q_elems + k_elems) * s + 2 * rows * half_dim * cos_size
+
+
+class RMSNormModel:
+    """Ours (RMSNormFunction(x2d, weight, eps, offset, max_block)) by bench/bench_rms_norm.py's `traffic_parts` (the
+    weight once per launch: it stays in L2; the dweight partials of about two programs per H100 SM, summed by torch).
+    liger's (LigerRMSNormFunction(X, W, ...)) by the same: its kernels make the same passes over x, dy and dx (one
+    program per SM for dweight), and cannot be metered here (they call libdevice, which the interpreter lacks)."""
+
+    category = "norms"
+
+    def __init__(self, name):
+        self.name = name
+
+    def forward(self, ctx, x, weight, *rest):
+        ctx.n_rest = len(rest)  # eps, offset, ...: no gradient
+        m, n = x.numel() // x.shape[-1], x.shape[-1]
+        _record_parts(self.name, "norms", bench_rms_norm.traffic_parts(
+            "forward", m, n, x.element_size(), weight.element_size(), weight_once=True))
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, weight, rstd)
+        return _like(x)
+
+    def backward(self, ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        m, n = x.numel() // x.shape[-1], x.shape[-1]
+        _record_parts(self.name + ".backward", "norms", bench_rms_norm.traffic_parts(
+            "backward", m, n, x.element_size(), weight.element_size(), num_programs=2 * H100_SMS, weight_once=True))
+        return _like(x), _like(weight), *([None] * (ctx.n_rest))
+
+
+class SwiGLUModel:
+    """silu(gate) * up (ours: SwiGLUFunction(gate, up); liger: LigerSiLUMulFunction(a, b)): forward reads gate and
+    up and writes the product; backward reads dout, gate, up and writes dgate, dup (liger in place: same bytes)."""
+
+    category = "mlp_activation"
+
+    def __init__(self, name):
+        self.name = name
+
+    def forward(self, ctx, gate, up, *rest):
+        ctx.n_rest = len(rest)
+        _rec(self.name, "mlp_activation", nbytes(gate) + nbytes(up) + nbytes(gate))
+        ctx.save_for_backward(gate, up)
+        return _like(gate)
+
+    def backward(self, ctx, dout):
+        gate, up = ctx.saved_tensors
+        _rec(self.name + ".backward", "mlp_activation", nbytes(dout) + 2 * nbytes(gate) + 2 * nbytes(up))
+        return _like(gate), _like(up), *([None] * ctx.n_rest)
+
+
+class RoPEModel:
+    """Rotary embedding of q (B, Hq, T, D) and k (B, Hkv, T, D) (transformers' layout, which both take): ours
+    (RoPEFunction(q, k, cos, sin)) by bench/bench_rope.py's model (q and k read and written once, cos and sin read
+    once per row of theirs), liger's (LigerRopeFunction(q, k, cos, sin, ...), in place) by `liger_rope_bytes`;
+    backward the same on dq and dk. One launch each way."""
+
+    category = "rope"
+
+    def __init__(self, name):
+        self.name = name
+
+    def _bytes(self, q, k, cos):
+        b, hq, t, d = q.shape
+        if self.name.startswith("Liger"):
+            return liger_rope_bytes(q.numel(), k.numel(), q.element_size(), b * t, d // 2, cos.element_size())
+        return bench_rope._bytes("forward", b, t, hq, k.shape[1], d, cos.shape[0], q.element_size(), cos.element_size())
+
+    def forward(self, ctx, q, k, cos, sin, *rest):
+        ctx.n_rest = len(rest) + 2  # cos, sin, and liger's position_ids, unsqueeze_dim: no gradient
+        _rec(self.name, "rope", self._bytes(q, k, cos))
+        ctx.save_for_backward(cos, sin)
+        return _like(q), _like(k)
+
+    def backward(self, ctx, dq, dk):
+        cos, _ = ctx.saved_tensors
+        _rec(self.name + ".backward", "rope", self._bytes(dq, dk, cos))
+        return _like(dq), _like(dk), *([None] * ctx.n_rest)
+
+
+class FusedAddRMSNormModel:
+    """FusedAddRMSNormFunction(x, residual, weight, eps) -> (normed, x + residual). Forward reads x, residual and
+    the weight, writes normed, the sum and rstd; backward (dsum' = dsum + the norm's dx, one tensor serving as the
+    gradient of both x and residual) reads dnormed, dsum, the saved sum and rstd, writes dx and the dweight partials."""
+
+    name = "FusedAddRMSNormFunction"
+    category = "norms"
+
+    def forward(self, ctx, x, residual, weight, *rest):
+        ctx.n_rest = len(rest)
+        m, n = x.numel() // x.shape[-1], x.shape[-1]
+        _rec(self.name, "norms", nbytes(x) + nbytes(residual) + nbytes(weight) + 2 * nbytes(x) + 4 * m)
+        total = _like(x)
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(total, weight, rstd)
+        return _like(x), total
+
+    def backward(self, ctx, dnormed, dsum):
+        total, weight, rstd = ctx.saved_tensors
+        m, n = total.numel() // total.shape[-1], total.shape[-1]
+        programs = bench_rms_norm.bwd_programs(m, n, num_programs=2 * H100_SMS)
+        _rec(self.name + ".backward", "norms", nbytes(dnormed) + (nbytes(dsum) if dsum is not None else 0)
+             + nbytes(total) + nbytes(total) + nbytes(weight) + 4 * m + 4 * programs * n)
+        _rec(self.name + ".dweight_sum", "norms", 4 * programs * n + n * weight.element_size())
+        dx = _like(total)
+        return dx, dx, _like(weight), *([None] * ctx.n_rest)
+
+
+class FlashAttentionModel:
+    """F.scaled_dot_product_attention(q, k, v, ...) as flash attention: (B, H, T, D) q, (B, Hkv, T, D) k and v."""
+
+    name = "flash_attention"
+    category = "attention"
+
+    def __init__(self, causal: bool):
+        self.causal = causal
+
+    def flops(self, q):
+        b, h, t, d = q.shape
+        full = 4 * b * h * t * t * d
+        return full / 2 if self.causal else full
+
+    def forward(self, ctx, q, k, v):
+        b, h, t, _ = q.shape
+        o = _like(q)
+        lse = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
+        _rec(self.name, "attention", nbytes(q) + nbytes(k) + nbytes(v) + nbytes(o) + nbytes(lse), self.flops(q))
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.n_rest = 0
+        return o
+
+    def backward(self, ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        _rec(self.name + ".backward", "attention", nbytes(q) + nbytes(k) + nbytes(v) + nbytes(o) + nbytes(do)
+             + nbytes(lse) + nbytes(q) + nbytes(k) + nbytes(v), 2.5 * self.flops(q), launches=2)
+        return _like(q), _like(k), _like(v)
+
+
+def _mm(name, cat, m, k, n, a_elt, b_elt, out_elt, accumulate=False):
+    """A matmul (m, k) @ (k, n): 2mkn FLOPs; bytes: its operands, its output (read too when it accumulates)."""
+    out = m * n * out_elt
+    _rec(name, cat, m * k * a_elt + k * n * b_elt + out * (2 if accumulate else 1), 2 * m * k * n)
+
+
+# Host-side ops of our fused loss (the kept rows and the token count, found on the CPU): not GPU work.
+_FLCE_HOST = ("aten.ne", "aten.sum", "aten.clamp", "aten.nonzero")
+
+
+def _flce_category(name: str) -> str:
+    if name in ("aten.mm", "aten.addmm", "aten.addmm_"):
+        return "matmuls"
+    return "other_elementwise" if name == "aten._to_copy" else "loss"  # the cast is the weight's, to bf16
+
+
+class OurFLCEModel:
+    """kernels' FusedLinearCrossEntropyFunction(hidden, weight, target, bias, ls, ignore_index, reduction, z_loss,
+    num_items, out_dtype) by bench/bench_fused_linear_cross_entropy.py's `traffic_parts` (forward with every
+    gradient, backward with grad_output 1, the weight fp32 under autocast): the K kept rows (target on the host)
+    gathered, the weight cast to bf16, per chunk of C rows the logits matmul, the cross-entropy kernel, the
+    grad_hidden matmul and the grad_weight matmul into the fp32 (V, H) gradient; backward rounds grad_hidden once
+    and scatters it back. FLOPs and launches per chunk from the same chunking (kernels' `_chunk_rows`)."""
+
+    category = "loss"
+
+    name = "FusedLinearCrossEntropyFunction"
+
+    def forward(self, ctx, hidden, weight, target, bias, ls, ignore_index, reduction, *rest):
+        n, h = hidden.shape
+        v = weight.shape[0]
+        s, w = hidden.element_size(), weight.element_size()
+        k = int((target != ignore_index).sum()) if target.device.type == "cpu" else n
+        ctx.sizes = (n, h, v, s, w, k)
+        held = [torch.empty((k, h), dtype=hidden.dtype, device=hidden.device)] if k < n else []
+        if w != s:
+            held.append(torch.empty((v, h), dtype=hidden.dtype, device=hidden.device))  # the weight's bf16 copy
+        grad_hidden = torch.empty((k, h), dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.empty((v, h), dtype=torch.float32, device=hidden.device)
+        chunk = flce_chunk_rows(k, h, v) if k else 1
+        chunks = math.ceil(k / chunk)
+        flops = {"aten.mm": 2 * k * h * v * 2 + 2 * min(chunk, k) * h * v, "aten.addmm": 2 * max(0, k - chunk) * h * v}
+        launches = {"aten.mm": 2 * chunks + 1, "aten.addmm": chunks - 1, "_cross_entropy_fwd_kernel": chunks}
+        for start in range(0, k, chunk):  # the chunk's logits, for the peak memory
+            logits = torch.empty((min(chunk, k - start), v), dtype=hidden.dtype, device=hidden.device)
+            del logits
+        _record_parts("flce", _flce_category, bench_flce.traffic_parts("forward", n, h, v, s, n - k, w=w),
+                      skip=_FLCE_HOST, launches=launches, flops=flops)
+        del held
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.hidden_meta = (hidden.shape, hidden.dtype)
+        ctx.n_rest = len(rest) + 3  # ls, ignore_index, reduction and the rest: no gradient
+        return torch.empty((), dtype=torch.float32, device=hidden.device)
+
+    def backward(self, ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        shape, dtype = ctx.hidden_meta
+        n, h, v, s, w, k = ctx.sizes
+        _record_parts("flce.backward", _flce_category, bench_flce.traffic_parts("backward", n, h, v, s, n - k, w=w),
+                      launches={"_cross_entropy_bwd_kernel": 2})
+        return torch.empty(shape, dtype=dtype, device=grad_hidden.device), grad_weight, None, None, \
+            *([None] * ctx.n_rest)
+
+
+class LigerFLCEModel:
+    """LigerFusedLinearCrossEntropyFunction(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
+    label_smoothing, reduction, ...) as liger-kernel 0.8 runs it: every row (no skipping), chunks of
+    next_pow2(N / ceil(V / H)) rows; fp32 grad_input and grad_weight zeroed; the weight cast once to bf16 by
+    autocast; per chunk: the input chunk cast to bf16 (fp32 input; twice: for the logits and for grad_weight),
+    logits matmul, liger's cross-entropy kernel (two reads and one write per logit, the same as ours), grad_input
+    matmul (bf16 out) copied into the fp32 grad_input, grad_weight addmm reading and writing the fp32 (V, H) gradient.
+    Backward: grad_output is 1/num_items after the callers' division of the "sum" loss, so liger's element_mul scales
+    grad_input and grad_weight (read + write each)."""
+
+    category = "loss"
+
+    name = "LigerFusedLinearCrossEntropyFunction"
+
+    def forward(self, ctx, inp, weight, target, bias, ce_weight, ignore_index, lse_sq, ls, reduction, *rest):
+        n, h = inp.shape
+        v = weight.shape[0]
+        lo = 2  # bf16 under autocast
+        cast_input = inp.element_size() != lo
+        ctx.scaled = reduction == "sum"
+        _rec("liger_flce.zero_grads", "loss", n * h * inp.element_size() + v * h * weight.element_size() + 4 * n, 0,
+             launches=3)
+        grad_input = _like(inp)
+        grad_weight = _like(weight)
+        held = []
+        if weight.element_size() != lo:
+            _rec("liger_flce.weight_cast", "other_elementwise", nbytes(weight) + v * h * lo)
+            held.append(torch.empty((v, h), dtype=BF16, device=inp.device))
+        inc = math.ceil(v / h)
+        chunk = min(1 << max(0, math.ceil(n / inc) - 1).bit_length(), n)
+        for start in range(0, n, chunk):
+            c = min(chunk, n - start)
+            logits = torch.empty((c, v), dtype=BF16, device=inp.device)
+            if cast_input:
+                _rec("liger_flce.input_cast", "other_elementwise", c * h * (inp.element_size() + lo), launches=1)
+            _mm("liger_flce.logits", "matmuls", c, h, v, lo, lo, lo)
+            _rec("liger_flce.cross_entropy", "loss", liger_cross_entropy_bytes(c, v, lo))
+            _mm("liger_flce.grad_input", "matmuls", c, v, h, lo, lo, lo)
+            if inp.element_size() != lo:
+                _rec("liger_flce.grad_input_copy", "other_elementwise", c * h * (lo + inp.element_size()))
+            if cast_input:
+                _rec("liger_flce.input_cast", "other_elementwise", c * h * (inp.element_size() + lo))
+            _mm("liger_flce.grad_weight", "matmuls", v, c, h, lo, lo, weight.element_size(), accumulate=True)
+            del logits
+        del held
+        ctx.save_for_backward(grad_input, grad_weight)
+        ctx.n_rest = len(rest) + 7  # target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction
+        loss = torch.empty((), dtype=torch.float32, device=inp.device)
+        return loss, None, None, None
+
+    def backward(self, ctx, grad_output, *_):
+        grad_input, grad_weight = ctx.saved_tensors
+        if ctx.scaled:
+            _rec("liger_flce.element_mul", "loss", 2 * (nbytes(grad_input) + nbytes(grad_weight)), launches=2)
+        return grad_input, grad_weight, *([None] * ctx.n_rest)
+
+
+def _adamw_model(params, grads, exp_avgs, exp_avg_sqs, steps, masters, **hyper):
+    """kernels.adamw.fused_adamw_step (the step counters' foreach add + one Triton launch per bucket) by
+    bench/bench_adamw.py's `traffic_parts`."""
+    fp32 = params[0].dtype == torch.float32
+    variant = "ours_fp32" if fp32 else ("ours_bf16_master" if masters else "ours_bf16_sr")
+    _record_parts("fused_adamw", "optimizer", bench_adamw.traffic_parts(variant, [p.numel() for p in params]))
+
+
+# Function class name -> its model (a fresh one per call: it keeps what its backward needs on ctx)
+MODELS = {
+    "RMSNormFunction": lambda: RMSNormModel("RMSNormFunction"),
+    "LigerRMSNormFunction": lambda: RMSNormModel("LigerRMSNormFunction"),
+    "SwiGLUFunction": lambda: SwiGLUModel("SwiGLUFunction"),
+    "LigerSiLUMulFunction": lambda: SwiGLUModel("LigerSiLUMulFunction"),
+    "RoPEFunction": lambda: RoPEModel("RoPEFunction"),
+    "LigerRopeFunction": lambda: RoPEModel("LigerRopeFunction"),
+    "FusedAddRMSNormFunction": FusedAddRMSNormModel,
+    "FusedLinearCrossEntropyFunction": OurFLCEModel,
+    "LigerFusedLinearCrossEntropyFunction": LigerFLCEModel,
+}
+
+
+def _function_classes() -> dict[str, type]:
+    """The autograd Functions MODELS names that exist now: ours from any module of `kernels` (so a kernel that lands
+    under one of the names is picked up), liger's from its ops."""
+    found = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        try:
+            module = importlib.import_module(f"kernels.{info.name}")
+        except ImportError:  # e.g. the optional CUDA extension, unbuilt
+            continue
+        for name in MODELS:
+            cls = getattr(module, name, None)
+            if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+                found[name] = cls
+    liger = {"LigerRMSNormFunction": "liger_kernel.ops.rms_norm", "LigerSiLUMulFunction": "liger_kernel.ops.swiglu",
+             "LigerRopeFunction": "liger_kernel.ops.rope",
+             "LigerFusedLinearCrossEntropyFunction": "liger_kernel.ops.fused_linear_cross_entropy"}
+    for name, mod in liger.items():
+        found[name] = getattr(importlib.import_module(mod), name)
+    return found
+
+
+def _modelled_apply(name: str):
+    """A replacement for the `apply` of the Function called `name`: its model runs instead."""
+
+    def apply(*args):
+        return apply_model(MODELS[name](), *args)
+
+    return staticmethod(apply)
+
+
+@contextlib.contextmanager
+def modelled_ops():
+    """Every Function of MODELS runs its model; FusedAdamW's launcher too; any other Triton launch raises."""
+    classes = _function_classes()
+    saved_run, saved_interpreted = JITFunction.run, InterpretedFunction.run
+    adamw_module = importlib.import_module("kernels.adamw")
+    saved_adamw = adamw_module.fused_adamw_step
+
+    def refuse(kernel, *args, **kwargs):
+        raise RuntimeError(f"bench.roofline: unmodelled Triton launch {kernel.fn.__name__}: give its op a cost model")
+
+    try:
+        for name, cls in classes.items():
+            cls.apply = _modelled_apply(name)
+        JITFunction.run = InterpretedFunction.run = refuse  # compiled or interpreted (TRITON_INTERPRET=1)
+        adamw_module.fused_adamw_step = _adamw_model
+        yield
+    finally:
+        for cls in classes.values():
+            if "apply" in cls.__dict__:
+                del cls.apply
+        JITFunction.run, InterpretedFunction.run = saved_run, saved_interpreted
+        adamw_module.fused_adamw_step = saved_adamw
+
+
+class _AutocastEmulation(TorchFunctionMode):
+    """bf16 autocast for meta tensors (module docstring): fp32 operands of the lower-precision ops are cast with
+    .to() where autocast("cuda") is on; SDPA becomes the flash-attention model. Also tags the autograd nodes each
+    call creates with their category (`_tag_graph`)."""
+
+    _LOW = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+            torch.addmm, torch.bmm, torch.Tensor.bmm, F.scaled_dot_product_attention}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = self._call(func, args, kwargs)
+        if _TRACE is not None and torch.is_grad_enabled():
+            _tag_graph(_TRACE.module_stack[-1] if _TRACE.module_stack else None, out)
+        return out
+
+    def _call(self, func, args, kwargs):
+        if func not in self._LOW:
+            return func(*args, **kwargs)
+        if torch.is_autocast_enabled("cuda"):
+            def cast(t):
+                return t.to(BF16) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        if func is F.scaled_dot_product_attention:
+            # Both models pass is_causal=True (or a causal mask) at these inputs: no padding, one document per row.
+            return apply_model(FlashAttentionModel(causal=True), *args[:3])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def autocast_bf16():
+    """autocast("cuda", bf16) as a flag (torch.autocast refuses "cuda" without a CUDA build)."""
+    enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", BF16)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", dtype)
+
+
+@contextlib.contextmanager
+def module_tracking(trace: Trace):
+    """The trace's module stack: the class names of the modules running, innermost last."""
+
+    def pre(module, args):
+        trace.module_stack.append(type(module).__name__)
+
+    def post(module, args, output):
+        trace.module_stack.pop()
+
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()
+
+
+@contextlib.contextmanager
+def recording(trace: Trace):
+    """Record into `trace`: aten ops, modelled ops, modules, emulated autocast's casts; fake CUDA throughout."""
+    global _TRACE
+    _TRACE = trace
+    try:
+        with fake_cuda(), modelled_ops(), module_tracking(trace), _AutocastEmulation(), _Recorder(trace), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.autocast("cuda", enabled=False) warns without CUDA
+            yield trace
+    finally:
+        _TRACE = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The four stacks
+# ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Built:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: Callable  # (input_ids on the device, labels on the host) -> loss
+
+
+def _ours(config: dict, liger: bool) -> Built:
+    from trainer.model import CausalLM, ModelConfig, apply_liger_kernel
+
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.from_hf(config), use_kernels=True)
+    if liger:
+        apply_liger_kernel(model)
+    opt = kernels.FusedAdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def loss(ids, labels):
+        # our model takes host labels (takes_host_labels); num_items = the window's target count, as our Trainer
+        return model(input_ids=ids, labels=labels, num_items=int((labels[:, 1:] != -100).sum())).loss
+
+    return Built(model, opt, loss)
+
+
+_LIGER_PATCHED = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+
+
+def _hf(config: dict, liger: bool) -> Built:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**config, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from transformers.models.llama import modeling_llama
+
+        saved = {k: getattr(modeling_llama, k) for k in _LIGER_PATCHED}
+        try:
+            apply_liger_kernel_to_llama(model=model)
+            rope = modeling_llama.apply_rotary_pos_emb
+        finally:  # liger patches the module globally: HF eager built later must stay eager
+            for k, v in saved.items():
+                setattr(modeling_llama, k, v)
+        # ... but this model's attention must keep liger's RoPE: bind it for the run (hf_liger's `loss` below)
+        model._roofline_rope = rope
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+
+    def loss(ids, labels):
+        dev_labels = torch.empty(labels.shape, dtype=labels.dtype, device="cuda")  # the HF Trainer moves them
+        n_items = torch.empty((), dtype=torch.int64, device="cuda")  # num_items_in_batch, on the device
+        if not liger:
+            return model(input_ids=ids, labels=dev_labels, num_items_in_batch=n_items).loss
+        from transformers.models.llama import modeling_llama
+
+        saved = modeling_llama.apply_rotary_pos_emb
+        modeling_llama.apply_rotary_pos_emb = model._roofline_rope
+        try:
+            return model(input_ids=ids, labels=dev_labels, num_items_in_batch=n_items).loss
+        finally:
+            modeling_llama.apply_rotary_pos_emb = saved
+
+    return Built(model, opt, loss)
+
+
+def build(stack: str, config: dict) -> Built:
+    return {"ours": lambda: _ours(config, False), "ours_liger": lambda: _ours(config, True),
+            "hf": lambda: _hf(config, False), "hf_liger": lambda: _hf(config, True)}[stack]()
+
+
+def labels_for(batch: int, seq_len: int, ignored: float, seed: int = 0) -> torch.Tensor:
+    """(B, T) host labels: random ids (any in-vocabulary value costs the same) with `ignored` of them -100."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 1000, (batch, seq_len), generator=gen)
+    flat = labels.view(-1)
+    flat[torch.randperm(flat.numel(), generator=gen)[: int(ignored * flat.numel())]] = -100
+    return labels
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_ as it runs on CUDA (its foreach path, which it refuses for meta tensors):
+    both trainers call it with the default foreach=None, which picks these ops on a GPU."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)))
+    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+
+
+def model_step(stack: str, config: dict, batch: int, seq_len: int, ignored: float) -> Trace:
+    """Record one training step of `stack` at full size on meta tensors."""
+    trace = Trace()
+    with fake_cuda(), modelled_ops(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = build(stack, config)
+        built.model.train()
+        params = [p for p in built.model.parameters() if p.requires_grad]
+        global _TRACE
+        _TRACE = Trace()  # the optimizer state's creation: one step outside the trace
+        for p in params:
+            p.grad = torch.empty_like(p)
+        built.optimizer.step()
+        built.optimizer.zero_grad(set_to_none=True)
+        _TRACE = None
+    for t in [*built.model.parameters(), *built.model.buffers(),
+              *(v for s in built.optimizer.state.values() for v in s.values())]:
+        trace.track(t)
+    ids = torch.empty((batch, seq_len), dtype=torch.int64, device="meta")
+    labels = labels_for(batch, seq_len, ignored)
+    with recording(trace):
+        trace.phase = "forward"
+        with autocast_bf16():
+            loss = built.loss(ids, labels)
+        trace.phase = "backward"
+        loss.backward(torch.ones_like(loss))  # bench.sm90's fake CUDA wants the gradient spelled out
+        del loss
+        trace.phase = "optimizer"
+        clip_grad_norm(params, 1.0)
+        built.optimizer.step()
+    return trace
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------------------
+def summarise(trace: Trace, dev: Device) -> dict:
+    ms = {c: 0.0 for c in CATEGORIES}
+    launches = {c: 0 for c in CATEGORIES}
+    total_bytes = total_flops = 0.0
+    for op in trace.ops:
+        ms[op.category] += 1e3 * op.seconds(dev)
+        launches[op.category] += op.launches
+        total_bytes += op.bytes
+        total_flops += op.flops
+    return {"ms_" + c: ms[c] for c in CATEGORIES} | {
+        "ms_step": sum(ms.values()), "launches": sum(launches.values()), "bytes": total_bytes, "flops": total_flops,
+        "peak_memory_gb": trace.peak / 1e9, "launch_overhead_ms": 1e3 * dev.launch_s * sum(launches.values()),
+    }
+
+
+def _measured(config_name: str, seq_len: int, micro_batch: int) -> dict:
+    """The newest GPU step_ms per impl in bench/results/train.jsonl at this model, sequence and micro batch, with one
+    micro batch per optimizer step (as modelled here: with accumulation the optimizer's share would differ)."""
+    path = common.RESULTS / "train.jsonl"
+    out: dict = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if (row.get("perf_figure") and row.get("status") == "ok" and row.get("model") == config_name
+                and row.get("seq_len") == seq_len and row.get("micro_batch") == micro_batch
+                and row.get("grad_accum") == 1):
+            out[row["impl"]] = row["step_ms"]
+    return out
+
+
+def _verdict(value: float, target: float) -> str:
+    return "met" if value <= target else f"MISSED by {100 * (value / target - 1):.1f}%"
+
+
+def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
+    lines = [f"# Step roofline (modelled): {args.model}, seq_len {args.seq_len}, micro batch {args.micro_batch}", "",
+             f"Every figure here is **modelled** (bench/roofline.py, its docstring says how) for an {dev.name}: "
+             f"{dev.bandwidth / 1e12:.1f} TB/s, {dev.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+             f"{dev.launch_s * 1e6:.0f} us per launch. One step: forward (bf16 autocast over fp32 parameters), "
+             "backward, clipping, optimizer step.", "",
+             common.env_header(rows[-1]).replace("Measured on", "Modelled on"), ""]
+    for ignored in sorted({r["ignored"] for r in rows}):
+        sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
+        lines += [f"## {100 * ignored:.0f}% of targets ignored (modelled ms)", "",
+                  "| category | " + " | ".join(STACKS) + " | ours/hf_liger | ours/hf |", "|---|" + "---|" * (len(STACKS) + 2)]
+        for key in [f"ms_{c}" for c in CATEGORIES] + ["ms_step", "launch_overhead_ms"]:
+            vals = [sel[s][key] for s in STACKS]
+            ratio = lambda other: f"{sel['ours'][key] / sel[other][key]:.3f}" if sel[other][key] else "-"
+            label = key[3:] if key.startswith("ms_") else key
+            lines.append(f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {ratio('hf_liger')} | {ratio('hf')} |")
+        for key, fmt in (("launches", "{:.0f}"), ("peak_memory_gb", "{:.2f}"), ("bytes", "{:.3g}"), ("flops", "{:.3g}")):
+            vals = [sel[s][key] for s in STACKS]
+            lines.append(f"| {key} | " + " | ".join(fmt.format(v) for v in vals)
+                         + f" | {sel['ours'][key] / sel['hf_liger'][key]:.3f} | {sel['ours'][key] / sel['hf'][key]:.3f} |")
+        lines.append("")
+    zero = {r["stack"]: r for r in rows if r["ignored"] == 0.0}
+    for other in ("hf_liger", "hf"):
+        diffs = sorted(((zero["ours"][f"ms_{c}"] - zero[other][f"ms_{c}"], c) for c in CATEGORIES), key=lambda d: d[0])
+        lines.append(f"ours - {other} at 0% ignored, modelled ms by category (faster first): "
+                     + ", ".join(f"{c} {d:+.2f}" for d, c in diffs if abs(d) >= 0.05) + ".")
+        lines.append("")
+    lines += ["## Targets (modelled)", ""]
+    for r in check_targets(rows):
+        lines.append(f"- {r}")
+    lines += ["", "## Measured beside modelled", ""]
+    if measured.get("ours") and (measured.get("hf_liger") or measured.get("hf")):
+        zero = {r["stack"]: r for r in rows if r["ignored"] == 0.0}
+        for other in ("hf_liger", "hf"):
+            if measured.get(other):
+                m = measured["ours"] / measured[other]
+                mod = zero["ours"]["ms_step"] / zero[other]["ms_step"]
+                lines.append(f"- ours/{other} at 0% ignored: measured {m:.3f} (bench/results/train.jsonl), modelled "
+                             f"{mod:.3f}, gap {m - mod:+.3f}")
+    else:
+        lines.append("No GPU rows of this model, sequence length and micro batch in bench/results/train.jsonl yet: "
+                     "the measured ratios will stand here beside the modelled ones, and the gap is a finding.")
+    lines += ["", "![modelled step time by category](roofline.png)", ""]
+    return "\n".join(lines)
+
+
+def check_targets(rows: list[dict]) -> list[str]:
+    out = []
+    for ignored in sorted({r["ignored"] for r in rows}):
+        sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
+        target = TARGET_VS_LIGER.get(ignored, TARGET_VS_LIGER[0.5] if ignored > 0 else TARGET_VS_LIGER[0.0])
+        v = sel["ours"]["ms_step"] / sel["hf_liger"]["ms_step"]
+        out.append(f"{100 * ignored:.0f}% ignored: modelled step ours/hf_liger {v:.3f} <= {target}: {_verdict(v, target)}")
+        v = sel["ours"]["ms_step"] / sel["hf"]["ms_step"]
+        out.append(f"{100 * ignored:.0f}% ignored: modelled step ours/hf {v:.3f} <= {TARGET_VS_HF}: {_verdict(v, TARGET_VS_HF)}")
+        v = sel["ours"]["peak_memory_gb"] / sel["hf_liger"]["peak_memory_gb"]
+        out.append(f"{100 * ignored:.0f}% ignored: modelled peak memory ours/hf_liger {v:.3f} <= 1: {_verdict(v, 1.0)}")
+    return out
+
+
+def chart(rows: list[dict], path: Path) -> Path:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(10, 5))
+    labels = [f"{r['stack']}\n{100 * r['ignored']:.0f}% ign." for r in rows]
+    bottom = [0.0] * len(rows)
+    for c in CATEGORIES:
+        vals = [r[f"ms_{c}"] for r in rows]
+        ax.bar(labels, vals, bottom=bottom, label=c)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("modelled ms per step")
+    ax.set_title(f"Step time by category, modelled for an {rows[0]['modelled_device']} (not measured)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return common.save_figure(fig, path)
+
+
+def parse_args(argv=None):
+    from bench.bench_train import MODELS
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.2-1b", choices=sorted(MODELS))
+    p.add_argument("--seq_len", type=int, default=2048)
+    p.add_argument("--micro_batch", type=int, default=4)
+    p.add_argument("--ignored", type=float, default=0.5, help="the second ignored fraction (0 is always run)")
+    p.add_argument("--device", default="h100", choices=sorted(DEVICES))
+    p.add_argument("--stacks", default=",".join(STACKS), help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help="results directory (default bench/results)")
+    args = p.parse_args(argv)
+    if not 0 <= args.ignored < 1:
+        p.error("--ignored must be in [0, 1)")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    from bench.bench_train import model_config
+
+    args = parse_args(argv)
+    if args.out:
+        common.RESULTS = Path(args.out)
+    dev = DEVICES[args.device]
+    config = model_config(args.model)
+    env = common.env_info()
+    rows = []
+    for ignored in sorted({0.0, args.ignored}):
+        for stack in STACKS:
+            trace = model_step(stack, config, args.micro_batch, args.seq_len, ignored)
+            rows.append({"bench": "roofline", "modelled": True, "stack": stack, "ignored": ignored,
+                         "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+                         "modelled_device": dev.name, "bandwidth_bytes_s": dev.bandwidth,
+                         "peak_flops": dev.peak_flops, "launch_s": dev.launch_s, **summarise(trace, dev), **env})
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    jsonl = common.RESULTS / "roofline.jsonl"
+    with jsonl.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    text = render(rows, dev, _measured(args.model, args.seq_len, args.micro_batch), args)
+    (common.RESULTS / "roofline.md").write_text(text)
+    chart(rows, common.RESULTS / "roofline.png")
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

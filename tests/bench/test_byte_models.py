@@ -1,0 +1,252 @@
+"""Every kernel benchmark's byte model (bench/bench_<op>.py `traffic_parts` / `traffic_model`) against the
+traffic meter (bench/traffic.py): the issued bytes each Triton kernel reads and writes, counted under the
+interpreter at small shapes, for every mode, dtype, ignored fraction and both sides of the widths where an
+algorithm changes. Equal, exactly: the models count every O(rows) and O(programs) term, and masked lanes move
+nothing in the meter as in the model. When a kernel's traffic changes, the failure prints the model and the
+measured bytes per kernel and per tensor: update that bench's `traffic_parts`.
+
+The models' "aten.*" entries (torch ops between the launches: matmuls, a sum, a cast, a step counter) are compared
+where the test measures with `torch_ops=True`, which records them with the meter's one-pass rule; the
+cross-entropy model leaves its O(rows) torch ops (the loss sum, the denominator) out and is measured without.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+import kernels
+from bench import bench_adamw, bench_cross_entropy, bench_fused_linear_cross_entropy, bench_neftune, bench_rms_norm, traffic
+from bench import bench_swiglu
+from kernels.cross_entropy import FWD_VARIANTS, cross_entropy, cross_entropy_fwd, fwd_variant
+from kernels.rms_norm import RMSNormFunction, rms_norm_bwd, rms_norm_fwd
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def assert_matches(model: dict[str, tuple[int, int]], measured: traffic.Traffic, which: str) -> None:
+    """A model's entries equal the meter's per-kernel issued (read, write) bytes: its Triton kernels, and its torch
+    operators ("aten.*") where the meter recorded them (`torch_ops=True`: one pass over each operand)."""
+    got = {name: (launch.read, launch.write) for name, launch in measured.by_kernel().items()}
+    # torch ops are compared where the meter recorded them (torch_ops=True), which it does only when they move bytes
+    torch_ops = any(name.startswith("aten.") for name in got)
+    want = {name: rw for name, rw in model.items() if not name.startswith("aten.") or (torch_ops and rw != (0, 0))}
+    assert got == want, (
+        f"{which} disagrees with the traffic meter; update its traffic_parts.\n"
+        f"model    (read, write) per kernel: {want}\nmeasured (read, write) per kernel: {got}\n"
+        f"measured per launch and tensor:\n{measured.summary()}"
+    )
+
+
+# ---- cross-entropy ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ignored", ["none", "some", "all"])
+@pytest.mark.parametrize("vocab", [1003, 8200])  # one tile; two tiles (the interpreter's BLOCK is 8192)
+def test_cross_entropy_forward_and_backward(dtype, ignored, vocab):
+    n = 7 if vocab < 8192 else 3
+    logits = torch.randn(n, vocab, dtype=DTYPES[dtype]).requires_grad_()
+    target = torch.randint(0, vocab, (n,))
+    target[{"none": slice(0), "some": slice(None, None, 3), "all": slice(None)}[ignored]] = -100
+    n_ignored = int((target == -100).sum())
+    elt = logits.element_size()
+    with kernels.backend("triton"):
+        with traffic.measure() as fwd:
+            loss = cross_entropy(logits, target)
+        with traffic.measure() as bwd:
+            loss.backward()
+    which = f"bench/bench_cross_entropy.py ({dtype}, N={n}, V={vocab}, {n_ignored} ignored)"
+    assert_matches(bench_cross_entropy.traffic_parts("forward", n, vocab, elt, n_ignored, cuda=False), fwd, which)
+    assert_matches(bench_cross_entropy.traffic_parts("backward", n, vocab, elt, n_ignored, cuda=False), bwd, which)
+
+
+def test_cross_entropy_scaled_backward_and_no_grad_forward():
+    n, vocab = 6, 1003
+    logits = torch.randn(n, vocab, dtype=torch.bfloat16).requires_grad_()
+    target = torch.randint(0, vocab, (n,))
+    target[1] = -100
+    with kernels.backend("triton"):
+        loss = cross_entropy(logits, target)
+        with traffic.measure() as bwd:
+            (loss * 3).backward()  # grad_output 3: the backward scales the saved gradient in place
+        with traffic.measure() as fwd:
+            cross_entropy_fwd(logits.detach(), target, compute_grad=False)
+    which = "bench/bench_cross_entropy.py"
+    assert_matches(bench_cross_entropy.traffic_parts("backward", n, vocab, 2, 1, grad_output_one=False, cuda=False), bwd, which)
+    assert_matches(bench_cross_entropy.traffic_parts("forward_nograd", n, vocab, 2, 1, cuda=False), fwd, which)
+
+
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
+def test_cross_entropy_forward_variants_move_the_same_bytes(variant):
+    # the variants change tiles, cache hints, pipelining and the grid, not what is read or written
+    n, vocab = 6, 1003
+    logits = torch.randn(n, vocab, dtype=torch.bfloat16)
+    target = torch.randint(0, vocab, (n,))
+    target[2] = -100
+    with fwd_variant(variant), traffic.measure() as fwd:
+        cross_entropy_fwd(logits, target, grad_scale=torch.tensor(0.2))
+    model = bench_cross_entropy.traffic_parts("forward", n, vocab, 2, 1, cuda=False)
+    assert_matches(model, fwd, f"bench/bench_cross_entropy.py (variant {variant})")
+
+
+def test_cross_entropy_ignored_rows_cost_one_element_not_three():
+    # the issue-20 finding: the old per-element model (2s + 1s for every row) overstated the bench's bytes by 7%
+    n, vocab = 8192, 32000  # the bench's first GPU shape
+    ours = sum(bench_cross_entropy.traffic_model("forward", n, vocab, 2, n // 10))
+    old = 3 * 2 * n * vocab
+    assert 1.06 < old / ours < 1.08
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("w_dtype", ["same", "fp32"])
+@pytest.mark.parametrize("max_block", [None, 32])  # one block per row; the column loop (and row-dot pass) forced
+def test_rms_norm_forward_and_backward(dtype, w_dtype, max_block):
+    m, n = 37, 100  # ragged: 37 rows over tiles of 32 (or 128) rows, 100 columns over 32-wide blocks
+    x = torch.randn(m, n, dtype=DTYPES[dtype])
+    w = torch.randn(n, dtype=x.dtype if w_dtype == "same" else torch.float32)
+    dy = torch.randn_like(x)
+    with traffic.measure() as fwd:
+        _, rstd = rms_norm_fwd(x, w, 1e-6, 0.0, max_block=max_block)
+    with traffic.measure() as bwd:
+        rms_norm_bwd(dy, x, w, rstd, 0.0, max_block=max_block)
+    s, ws = x.element_size(), w.element_size()
+    which = f"bench/bench_rms_norm.py ({dtype}, weight {w.dtype}, {m}x{n}, max_block {max_block})"
+    assert_matches(bench_rms_norm.traffic_parts("forward", m, n, s, ws, max_block=max_block), fwd, which)
+    assert_matches(bench_rms_norm.traffic_parts("backward", m, n, s, ws, max_block=max_block), bwd, which)
+
+
+@pytest.mark.parametrize("w_dtype", ["same", "fp32"])
+@pytest.mark.parametrize("max_block", [None, 32])
+def test_rms_norm_full_step_with_torch_ops(w_dtype, max_block):
+    # the autograd path: forward, then backward with the dweight finish (sum of the partials, cast)
+    m, n = 13, 100
+    x = torch.randn(m, n, dtype=torch.bfloat16).requires_grad_()
+    w = torch.randn(n, dtype=x.dtype if w_dtype == "same" else torch.float32).requires_grad_()
+    dy = torch.randn_like(x)
+    with traffic.measure(torch_ops=True) as full:
+        y = RMSNormFunction.apply(x, w, 1e-6, 0.0, max_block)
+        torch.autograd.grad(y, [x, w], dy)
+    model = bench_rms_norm.traffic_parts("full", m, n, 2, w.element_size(), max_block=max_block)
+    assert_matches(model, full, f"bench/bench_rms_norm.py full (weight {w.dtype}, max_block {max_block})")
+
+
+def test_rms_norm_weight_once_is_the_distinct_weight_bytes():
+    # byte_model (the GB/s columns) counts the weight once per launch: issued bytes less the weight's re-reads
+    m, n = 9, 4100  # one row per program, so the weight is re-read by every program
+    x, w = torch.randn(m, n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
+    with traffic.measure() as fwd:
+        _, rstd = rms_norm_fwd(x, w, 1e-6, 0.0)
+    with traffic.measure() as bwd:
+        rms_norm_bwd(torch.randn_like(x), x, w, rstd, 0.0, max_block=1024)
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_rms_norm.traffic_parts(mode, m, n, 2, 2, max_block=None if mode == "forward" else 1024, weight_once=True)
+        got = {name: (launch.read - launch.tensors["w_ptr"].read + launch.tensors["w_ptr"].distinct_read, launch.write)
+               for name, launch in measured.by_kernel().items()}
+        assert got == {k: v for k, v in model.items() if not k.startswith("aten.")}, measured.summary()
+
+
+def test_rms_norm_model_counts_partials_and_the_two_pass_backward():
+    # the old model charged 3s per element to every backward; at 264 programs (two per H100 SM), bf16:
+    # hidden 4096: + the dweight partials, written and summed (2 * 264 * 4 / 4096 = 0.52 B per element): 1.084x
+    # hidden 16384: + the row-dot pass's second read of x and dy (5s, not 3s) and the partials: 1.75x
+    for n, ratio in ((4096, 1.084), (16384, 1.751)):
+        read, write = bench_rms_norm.traffic_model("backward", 4096, n, 2, 2, num_programs=264, weight_once=True)
+        assert abs((read + write) / (3 * 4096 * n * 2) - ratio) < 1e-3
+
+
+# ---- NEFTune ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 5, 24), (1, 3, 4100)])  # one column block; two (quarter 1025 > 1024)
+@pytest.mark.parametrize("mask", [False, True])
+def test_neftune(dtype, shape, mask):
+    b, t, d = shape
+    e = torch.randn(shape, dtype=DTYPES[dtype])
+    attention_mask = torch.ones(b, t, dtype=torch.long)
+    attention_mask[0, -1] = 0
+    with traffic.measure() as m:
+        kernels.neftune_noise(e, 5.0, attention_mask=attention_mask if mask else None)
+    model = {"_neftune_fwd_kernel": bench_neftune.traffic_model(b, t, d, e.element_size(), mask=mask)}
+    assert_matches(model, m, f"bench/bench_neftune.py ({dtype}, {shape}, mask={mask})")
+
+
+# ---- AdamW --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["ours_fp32", "ours_bf16_master", "ours_bf16_sr"])
+def test_adamw(variant):
+    shapes = [(2100,), (3, 7), (33,)]  # one full block + a tail, and two small tensors
+    params, opt = bench_adamw.build(variant, shapes, torch.device("cpu"))
+    with bench_adamw.forced_impl("triton"):
+        opt.step()  # state allocated
+        with traffic.measure(torch_ops=True) as m:
+            opt.step()
+    numels = [p.numel() for p in params]
+    assert_matches(bench_adamw.traffic_parts(variant, numels), m, f"bench/bench_adamw.py {variant}")
+
+
+# ---- fused linear cross-entropy -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)  # every dtype: the weight gradient in the token pass (fp32 or the weight's dtype)
+@pytest.mark.parametrize("ignored", ["none", "some", "all"])
+@pytest.mark.parametrize("tiles", ["one", "several"])  # several: chunks of 4 rows
+def test_fused_linear_cross_entropy(dtype, ignored, tiles, monkeypatch):
+    flce = importlib.import_module("kernels.fused_linear_cross_entropy")  # kernels/__init__ shadows the module name
+    if tiles == "several":
+        monkeypatch.setattr(flce, "MIN_CHUNK_ROWS", 4)
+    n, h, v = 11, 16, 100
+    hidden = torch.randn(n, h, dtype=DTYPES[dtype]).requires_grad_()
+    weight = torch.randn(v, h, dtype=DTYPES[dtype]).requires_grad_()
+    target = torch.randint(0, v, (n,))
+    target[{"none": slice(0), "some": slice(None, None, 3), "all": slice(None)}[ignored]] = -100
+    n_ignored = int((target == -100).sum())
+    with kernels.backend("triton"):
+        with traffic.measure(torch_ops=True) as fwd:
+            loss = flce.fused_linear_cross_entropy(hidden, weight, target)
+        with traffic.measure(torch_ops=True) as bwd:
+            loss.backward()
+    s = hidden.element_size()
+    which = f"bench/bench_fused_linear_cross_entropy.py ({dtype}, N={n} H={h} V={v}, {n_ignored} ignored, {tiles} tiles)"
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_fused_linear_cross_entropy.traffic_parts(mode, n, h, v, s, n_ignored, cuda=False)
+        assert_matches(model, measured, f"{which} {mode}")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("ignored", ["none", "some"])
+def test_fused_linear_cross_entropy_fp32_weight_under_autocast(dtype, ignored):
+    # the trainer's case: fp32 master weight, activations in bf16/fp16: the token-pass weight gradient in fp32
+    n, h, v = 11, 16, 100
+    hidden = torch.randn(n, h, dtype=DTYPES[dtype]).requires_grad_()
+    weight = torch.randn(v, h).requires_grad_()
+    target = torch.randint(0, v, (n,))
+    target[{"none": slice(0), "some": slice(None, None, 3)}[ignored]] = -100
+    n_ignored = int((target == -100).sum())
+    with kernels.backend("triton"), torch.autocast("cpu", dtype=DTYPES[dtype]):
+        with traffic.measure(torch_ops=True) as fwd:
+            loss = kernels.fused_linear_cross_entropy(hidden, weight, target)
+        with traffic.measure(torch_ops=True) as bwd:
+            loss.backward()
+    which = f"bench/bench_fused_linear_cross_entropy.py ({dtype} under autocast, fp32 weight, {n_ignored} ignored)"
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_fused_linear_cross_entropy.traffic_parts(mode, n, h, v, hidden.element_size(), n_ignored, w=4, cuda=False)
+        assert_matches(model, measured, f"{which} {mode}")
+
+
+# ---- SwiGLU -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu(dtype):
+    # 3 x 70001 elements: several interpreter programs, the last one ragged (masked lanes move nothing)
+    gate = torch.randn(3, 70001, dtype=DTYPES[dtype]).requires_grad_()
+    up = torch.randn(3, 70001, dtype=DTYPES[dtype]).requires_grad_()
+    dout = torch.randn(3, 70001, dtype=DTYPES[dtype])
+    with kernels.backend("triton"):
+        with traffic.measure() as fwd:
+            out = kernels.swiglu(gate, up)
+        with traffic.measure() as bwd:
+            out.backward(dout)
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_swiglu.traffic_parts(mode, gate.numel(), gate.element_size())
+        assert_matches(model, measured, f"bench/bench_swiglu.py ({dtype}) {mode}")

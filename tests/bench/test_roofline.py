@@ -1,0 +1,248 @@
+"""bench.roofline: the aten op accounting (FLOPs against FlopCounterMode, bytes of known ops, peak memory of a known
+sequence), the cost models of the modelled ops, and the four stacks at a tiny size (meta tensors: seconds).
+
+Ours are recorded through the benches' exact byte models (`traffic_parts`), which tests/bench/test_byte_models.py
+checks against bench/traffic.py's meter; here, that the roofline records exactly those. liger's cross-entropy (inside
+its fused loss) and RoPE are checked against the meter here, running liger's kernels under the interpreter at small
+shapes (issued bytes: what the kernels ask for). liger's RMSNorm and SwiGLU kernels call libdevice, which the
+interpreter lacks, so they cannot be metered: their rows use the models of ours (RMSNorm: the same passes over x, dy
+and dx; SwiGLU: reads gate and up, writes the product; backward reads dout, gate, up and writes both gradients in
+place), read from liger's source.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+import kernels
+from bench import roofline as rf
+from bench import traffic
+from bench.bench_train import model_config
+from bench.sm90 import fake_cuda
+
+
+def _record(fn):
+    """Run fn under the aten recorder alone (no fake CUDA, no models) and return its trace."""
+    trace = rf.Trace()
+    with rf._Recorder(trace):
+        fn()
+    return trace
+
+
+def _meta(*shape, dtype=torch.float32, grad=False):
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+
+
+def test_aten_flops_equal_flop_counter_mode():
+    a, b, c = _meta(64, 48, grad=True), _meta(48, 80, grad=True), _meta(3, 16, 24)
+    d, bias = _meta(3, 24, 8), _meta(80)
+
+    def step():
+        y = torch.addmm(bias, a, b) @ _meta(80, 8)
+        torch.bmm(c, d)
+        y.sum().backward()
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    trace = _record(step)
+    assert counter.get_total_flops() > 0
+    assert sum(op.flops for op in trace.ops) == counter.get_total_flops()
+
+
+def test_bytes_of_known_ops():
+    x32, x16 = _meta(64, 32), _meta(64, 32, dtype=torch.bfloat16)
+    n = 64 * 32
+    trace = _record(lambda: x32 + x16)
+    assert [(op.name, op.bytes, op.launches) for op in trace.ops] == [("add", n * 4 + n * 2 + n * 4, 1)]
+    assert _record(lambda: x32.add_(x16)).ops[0].bytes == n * 4 + n * 2 + n * 4  # in place: read and written
+    assert _record(lambda: x32.copy_(x16)).ops[0].bytes == n * 2 + n * 4  # the destination is not read
+    assert _record(lambda: (x32.t(), x32.view(-1), torch.empty(5, device="meta"))).ops == []  # views, allocations
+    assert _record(lambda: x32.float()).ops == []  # no copy, no traffic
+    assert _record(lambda: x32.to(torch.bfloat16)).ops[0].bytes == n * 4 + n * 2
+    row = _meta(1, 32).expand(64, 32)  # stride 0: one row read
+    assert _record(lambda: row * x32).ops[0].bytes == 32 * 4 + n * 4 + n * 4
+    a, b = _meta(16, 8, dtype=torch.bfloat16), _meta(8, 4, dtype=torch.bfloat16)
+    op = _record(lambda: a @ b).ops[0]
+    assert (op.name, op.bytes, op.flops) == ("mm", (16 * 8 + 8 * 4 + 16 * 4) * 2, 2 * 16 * 8 * 4)
+    table, ids = _meta(1000, 32), torch.empty(7, dtype=torch.int64, device="meta")
+    assert _record(lambda: F.embedding(ids, table)).ops[0].bytes == 7 * 8 + 2 * 7 * 32 * 4  # only the rows read
+
+
+def test_host_ops_are_not_gpu_work():
+    assert _record(lambda: torch.ones(8) * 2).ops == []
+
+
+def test_peak_memory_of_a_known_sequence():
+    trace = rf.Trace()
+    with rf._Recorder(trace):
+        a = torch.empty(1 << 20, dtype=torch.uint8, device="meta")
+        b = torch.empty(2 << 20, dtype=torch.uint8, device="meta")
+        view = b[:10]  # same storage: counted once
+        del a
+        c = torch.empty(3 << 20, dtype=torch.uint8, device="meta")
+        assert trace.live == 5 << 20
+        del b, view
+        assert trace.live == 3 << 20
+        del c
+    assert trace.peak == 5 << 20 and trace.live == 0
+
+
+def test_swiglu_rope_and_fused_add_norm_models_before_their_kernels_land():
+    """The models keyed by the names of the kernels being written: shapes of outputs and gradients, and bytes."""
+    trace = rf.Trace()
+    gate, up = _meta(2, 8, 32, dtype=torch.bfloat16, grad=True), _meta(2, 8, 32, dtype=torch.bfloat16, grad=True)
+    q, k = _meta(2, 4, 8, 16, dtype=torch.bfloat16, grad=True), _meta(2, 2, 8, 16, dtype=torch.bfloat16, grad=True)
+    cos, sin = _meta(1, 8, 16), _meta(1, 8, 16)  # (B, H, T, D) q and k; fp32 cos/sin shared by the batch
+    x, res, w = _meta(2, 8, 32, grad=True), _meta(2, 8, 32, grad=True), _meta(32, grad=True)
+    with rf.recording(trace):
+        out = rf._modelled_apply("SwiGLUFunction").__func__(gate, up)
+        qr, kr = rf._modelled_apply("RoPEFunction").__func__(q, k, cos, sin)
+        normed, total = rf._modelled_apply("FusedAddRMSNormFunction").__func__(x, res, w, 1e-5)
+        trace.phase = "backward"
+        torch.autograd.backward([out, qr, kr, normed, total], [torch.empty_like(t) for t in (out, qr, kr, normed, total)])
+    assert out.shape == gate.shape and qr.shape == q.shape and kr.shape == k.shape and total.shape == x.shape
+    assert gate.grad.shape == gate.shape and q.grad.shape == q.shape and w.grad.shape == w.shape
+    by_name = {op.name: op for op in trace.ops}
+    e = 2 * 8 * 32 * 2
+    assert by_name["SwiGLUFunction"].bytes == 3 * e and by_name["SwiGLUFunction.backward"].bytes == 5 * e
+    qk = (2 * 4 * 8 * 16 + 2 * 2 * 8 * 16) * 2
+    assert by_name["RoPEFunction"].bytes == 2 * qk + 2 * 8 * 16 * 4  # cos and sin read once (bench/bench_rope.py)
+    assert by_name["RoPEFunction"].category == "rope"
+    # reads x, residual and the weight, writes normed, the sum and rstd
+    assert by_name["FusedAddRMSNormFunction"].bytes == 4 * 2 * 8 * 32 * 4 + 32 * 4 + 16 * 4
+
+
+def test_an_unmodelled_triton_launch_raises():
+    with fake_cuda(), rf.modelled_ops(), pytest.raises(RuntimeError, match="unmodelled Triton launch"):
+        logits = torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
+        kernels.cross_entropy(logits, torch.zeros(4, dtype=torch.int64, device="cuda"))
+
+
+def test_four_stacks_at_a_tiny_size():
+    config, dev = model_config("tiny"), rf.DEVICES["h100"]
+    rows = {}
+    for ignored in (0.0, 0.5):
+        for stack in rf.STACKS:
+            trace = rf.model_step(stack, config, 2, 32, ignored)
+            names = {op.name for op in trace.ops}
+            assert {"flash_attention", "flash_attention.backward"} <= names
+            assert {op.phase for op in trace.ops} == {"forward", "backward", "optimizer"}
+            rows[stack, ignored] = rf.summarise(trace, dev) | {"names": names}
+    assert {"RMSNormFunction:_rms_norm_fwd_kernel", "RoPEFunction", "flce:aten.mm", "flce:_cross_entropy_fwd_kernel",
+            "fused_adamw:_adamw_kernel"} <= rows["ours", 0.0]["names"]
+    assert {"LigerRopeFunction", "LigerSiLUMulFunction", "liger_flce.logits", "_fused_adamw_"} <= rows["hf_liger", 0.0]["names"]
+    assert {"LigerRMSNormFunction:_rms_norm_fwd_kernel", "LigerRopeFunction", "LigerSiLUMulFunction",
+            "liger_flce.logits"} <= rows["ours_liger", 0.0]["names"]
+    assert "_log_softmax" in rows["hf", 0.0]["names"]
+    # Same architecture: the same matmul FLOPs (HF's rotary embedding adds one small matmul: 0.2% here), except
+    # that our loss skips the ignored rows.
+    assert rows["ours", 0.0]["flops"] == pytest.approx(rows["hf", 0.0]["flops"], rel=1e-2)
+    assert rows["hf", 0.0]["flops"] == rows["hf_liger", 0.0]["flops"]
+    assert rows["ours", 0.5]["flops"] < rows["ours", 0.0]["flops"]
+    assert rows["hf", 0.5]["flops"] == rows["hf", 0.0]["flops"]
+    for row in rows.values():
+        assert row["ms_step"] == pytest.approx(sum(row[f"ms_{c}"] for c in rf.CATEGORIES))
+        assert row["launches"] > 0 and row["peak_memory_gb"] > 0
+
+
+def _kernel(t: traffic.Traffic, name: str):
+    return t.by_kernel()[name]
+
+
+def test_our_ops_are_recorded_by_the_benches_byte_models():
+    """One model per op: the roofline records ours through the benches' `traffic_parts` (which
+    tests/bench/test_byte_models.py checks against the meter), all of it but the fused loss's host-side ops."""
+    from bench import bench_fused_linear_cross_entropy as bench_flce
+    from bench import bench_rms_norm
+
+    m, n, h, v = 64, 48, 32, 700
+    x, w = _meta(m, n, grad=True), _meta(n, grad=True)
+    hidden, weight = _meta(m, h, dtype=torch.bfloat16, grad=True), _meta(v, h, grad=True)
+    target = torch.randint(0, v, (m,))
+    target[::4] = -100
+    trace = rf.Trace()
+    with rf.recording(trace):
+        y = rf._modelled_apply("RMSNormFunction").__func__(x, w, 1e-5, 0.0, None)
+        loss = rf._modelled_apply("FusedLinearCrossEntropyFunction").__func__(
+            hidden, weight, target, None, 0.0, -100, "mean", 0.0, None, torch.float32)
+        trace.phase = "backward"
+        torch.autograd.backward([y, loss], [torch.empty_like(y), torch.empty_like(loss)])
+
+    def recorded(prefix):
+        return sum(op.bytes for op in trace.ops if op.name.split(":")[0] == prefix)
+
+    assert recorded("RMSNormFunction") == sum(bench_rms_norm.traffic_model("forward", m, n, 4, 4, weight_once=True))
+    assert recorded("RMSNormFunction.backward") == sum(bench_rms_norm.traffic_model(
+        "backward", m, n, 4, 4, num_programs=2 * rf.H100_SMS, weight_once=True))
+    kept = int((target != -100).sum())
+    host = {k: r + wr for k, (r, wr) in bench_flce.traffic_parts("forward", m, h, v, 2, m - kept, w=4).items()
+            if k in rf._FLCE_HOST}
+    assert recorded("flce") == sum(bench_flce.traffic_model("forward", m, h, v, 2, m - kept, w=4)) - sum(host.values())
+    assert recorded("flce.backward") == sum(bench_flce.traffic_model("backward", m, h, v, 2, m - kept, w=4))
+    matmul_flops = sum(op.flops for op in trace.ops if op.name.startswith("flce:aten."))
+    assert matmul_flops == 3 * 2 * kept * h * v  # logits, grad_hidden, grad_weight over the kept rows
+
+
+def test_liger_cross_entropy_and_rope_models_equal_the_meter():
+    from liger_kernel.ops.rope import LigerRopeFunction
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    n, h, v = 16, 64, 500  # liger's chunks: next_pow2(n / ceil(v / h)) = 2 rows, 8 of them
+    hidden, weight = torch.randn(n, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    with traffic.measure() as t:
+        liger_fused_linear_cross_entropy(hidden, weight, torch.randint(0, v, (n,)))
+    k = _kernel(t, "liger_cross_entropy_kernel")
+    assert k.read + k.write == 8 * rf.liger_cross_entropy_bytes(2, v, 4)
+    b, T, heads, kv_heads, d = 2, 8, 4, 2, 16
+    q = torch.randn(b, T, heads, d, dtype=torch.bfloat16).transpose(1, 2)  # HF's (B, H, T, D) view
+    k_ = torch.randn(b, T, kv_heads, d, dtype=torch.bfloat16).transpose(1, 2)
+    cos, sin = torch.randn(1, T, d), torch.randn(1, T, d)
+    with traffic.measure() as t:
+        LigerRopeFunction.apply(q, k_, cos, sin)
+    k = _kernel(t, "_triton_rope")
+    assert k.read + k.write == rf.liger_rope_bytes(q.numel(), k_.numel(), 2, b * T, d // 2, 4)
+
+
+def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
+    from bench import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    base = {"bench": "train", "perf_figure": True, "status": "ok", "model": "tiny", "seq_len": 32, "micro_batch": 2,
+            "grad_accum": 1}
+    rows = [base | {"impl": "ours", "step_ms": 90.0}, base | {"impl": "hf_liger", "step_ms": 100.0},
+            base | {"impl": "hf", "step_ms": 120.0, "grad_accum": 4},  # accumulation: not this step
+            base | {"impl": "hf", "step_ms": 1.0, "perf_figure": False}]  # a CPU row: not a measurement
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    measured = rf._measured("tiny", 32, 2)
+    assert measured == {"ours": 90.0, "hf_liger": 100.0}
+    modelled = [{"stack": s, "ignored": i, "ms_step": ms, "peak_memory_gb": 1.0, **{f"ms_{c}": 0.0 for c in rf.CATEGORIES}}
+                for i in (0.0, 0.5) for s, ms in zip(rf.STACKS, (80.0, 90.0, 100.0, 95.0))]
+    for row in modelled:
+        row.update(launches=1, bytes=1.0, flops=1.0, launch_overhead_ms=0.0)
+    args = rf.parse_args(["--model", "tiny", "--seq_len", "32", "--micro_batch", "2"])
+    text = rf.render(modelled, rf.DEVICES["h100"], measured, args)
+    assert "ours/hf_liger at 0% ignored: measured 0.900" in text and "modelled 0.842" in text
+    assert "ours/hf at 0%" not in text.split("Measured beside modelled")[1]
+
+
+def test_a_kernel_landing_under_a_modelled_name_runs_its_model(monkeypatch):
+    some_kernel_module = importlib.import_module("kernels.rms_norm")  # (kernels.rms_norm is the function)
+
+    class SwiGLUFunction(torch.autograd.Function):  # stands for the kernel being written (any module of kernels)
+        @staticmethod
+        def forward(ctx, gate, up):
+            raise AssertionError("the model runs instead")
+
+    monkeypatch.setattr(some_kernel_module, "SwiGLUFunction", SwiGLUFunction, raising=False)
+    gate, up = _meta(4, 8, dtype=torch.bfloat16, grad=True), _meta(4, 8, dtype=torch.bfloat16, grad=True)
+    trace = rf.Trace()
+    with rf.recording(trace):
+        out = SwiGLUFunction.apply(gate, up)
+    assert out.shape == (4, 8) and [op.name for op in trace.ops] == ["SwiGLUFunction"]
+    assert "apply" not in SwiGLUFunction.__dict__  # restored on the way out
