@@ -14,7 +14,9 @@ skips those rows' matmuls: with half ignored, expect close to half the time. The
 device.
 
 Physics: FLOPs are the matmuls' nominal work over all N tokens, the same for every provider and ignored
-fraction (so TFLOP/s compares times): forward 2*N*H*V, full 6*N*H*V (logits, grad_hidden, grad_weight). Peak extra memory is measured over a full step
+fraction (so TFLOP/s compares times): forward 2*N*H*V, full 6*N*H*V (logits, grad_hidden, grad_weight), which
+is what ours (on the kept rows only) and liger run for any weight dtype (reduction="none" with a bf16/fp16
+weight, not benchmarked, takes 8*N*H*V). Peak extra memory is measured over a full step
 with hidden and weight already allocated; reported as bytes, as a ratio to the (N, V) logits' size and
 to torch's peak in the same run.
 
@@ -31,14 +33,16 @@ equal to the meter by tests/bench/test_byte_models.py; `traffic_model` sums it; 
 hidden and weight read once, grad_hidden and grad_weight written once. `byte_model` divides both by N*V (per
 logit element, the printed columns). K = N - I kept rows (the ignored ones are skipped on the host), C rows per
 chunk, s the activations' element size. Forward, per chunk: the logits matmul (reads C H s + V H s, writes
-C V s), the cross-entropy kernel (reads the chunk's logits twice, writes the gradient in place), then with an
-fp32 weight grad_hidden and grad_weight matmuls (fp32 operands: C V 4 + V H 4 and C V 4 + C H 4 (+ V H 4 when
-accumulating), writing C H 4 and V H 4); with a bf16/fp16 weight only grad_hidden's matmul, whose operands are
-read in their dtype on CUDA (out_dtype=float32) and upcast first elsewhere (`cuda=False`: two more copies).
-Backward (mean, grad_output 1): fp32 weight, nothing but grad_output reads and the scatter of grad_hidden into
-the ignored rows' zeros; bf16/fp16 weight, the vocabulary pass: the logits matmul again, the slice-gradient
-kernel (reads and writes Ct Vs s per tile), dlogits.T @ hidden into the fp32 slice buffer, its rounding
-(reads V H 4, writes V H s), and grad_hidden's rounding (reads K H 4, writes K H s).
+C V s), the cross-entropy kernel (reads the chunk's logits twice, writes the gradient in place), then the
+grad_hidden matmul (an fp32 output; its operands read in their dtype on CUDA, out_dtype=float32, and upcast
+first elsewhere, `cuda=False`: two more copies) and the grad_weight matmul: with an fp32 weight into the fp32
+gradient (reads C V 4 + C H 4, + V H 4 when accumulating; writes V H 4), with a bf16/fp16 weight into the
+gradient in its dtype (reads C V s + C H s, + V H s when accumulating; writes V H s; elsewhere via fp32 copies
+and one rounding copy). Backward (mean, grad_output 1): grad_output reads (grad_weight's in-place scale skipped),
+grad_hidden's rounding (reads K H 4, writes K H s; none in fp32) and its scatter into the ignored rows' zeros.
+Until issue 20 item 4 a bf16/fp16 weight's gradient came from a backward vocabulary pass (the logits matmul
+again, a slice-gradient kernel, an fp32 slice buffer): at N = 8192, H = 4096, V = 128256 bf16 that backward
+moved 16.2 bytes per logit element.
 The per-element model printed before this meter (forward 4s + s f read, 2s + 4f write; f = (N + V) H / (N V))
 counted the weight once, but every token chunk's matmuls re-read it (C = 2048 rows: 4 chunks at N = 8192, two
 weight reads each in bf16, three and a read-modify-write of the fp32 grad_weight in fp32); it left out the bf16
@@ -70,7 +74,7 @@ from bench import common  # noqa: E402
 from bench import bench_cross_entropy  # noqa: E402
 from bench.bench_cross_entropy import DTYPES, add_speedups  # noqa: E402
 from kernels.fused_linear_cross_entropy import (  # noqa: E402
-    _chunk_rows, _vocab_tile, fused_linear_cross_entropy, fused_linear_cross_entropy_ref,
+    _chunk_rows, fused_linear_cross_entropy, fused_linear_cross_entropy_ref,
 )
 
 PROVIDERS = ("ours", "torch", "torch_ref", "torch_compile", "liger")
@@ -169,7 +173,6 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
     fp32 output (no upcast copies), and the launch grids of the GPU. Module docstring for the algorithm."""
     w = s if w is None else w
     n, h, v, k = n_tokens, hdim, vocab, n_tokens - n_ignored
-    vocab_pass = w != 4
     autocast = w != s
     loss_size = 4 if autocast else s  # the loss, and so grad_output, in hidden's dtype, fp32 under autocast
     parts: dict[str, list[int]] = {}
@@ -179,13 +182,22 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
         acc[0] += read
         acc[1] += write
 
-    def mm_fp32(m_rows, inner, cols, a_size, b_size, accumulate):
-        """_mm_fp32: out (m, cols) fp32 = a (m, inner) @ b (inner, cols), operands of a_size / b_size bytes."""
+    def mm_fp32(m_rows, inner, cols, a_size, b_size, accumulate, out_size=4):
+        """_mm_fp32: out (m, cols) of out_size bytes = a (m, inner) @ b (inner, cols), operands of a_size / b_size bytes."""
+        if out_size != 4 and not cuda:  # a bf16/fp16 out elsewhere: fp32 copies, an fp32 product, one rounding copy
+            if accumulate:
+                add("aten._to_copy", m_rows * cols * out_size, 4 * m_rows * cols)
+            add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
+            add("aten.addmm" if accumulate else "aten.mm",
+                4 * (m_rows * inner + inner * cols) + (4 * m_rows * cols if accumulate else 0), 4 * m_rows * cols)
+            add("aten.copy_", 4 * m_rows * cols, out_size * m_rows * cols)
+            return
         if a_size != 4 and not cuda:  # upcast copies first
             add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
             a_size = b_size = 4
         name = ("aten.addmm_" if a_size == 4 else "aten.addmm") if accumulate else "aten.mm"  # addmm: out_dtype
-        add(name, m_rows * inner * a_size + inner * cols * b_size + (4 * m_rows * cols if accumulate else 0), 4 * m_rows * cols)
+        add(name, m_rows * inner * a_size + inner * cols * b_size + (out_size * m_rows * cols if accumulate else 0),
+            out_size * m_rows * cols)
 
     def bwd_scale(numel, out_size, in_place):
         """cross_entropy_bwd on a flat gradient with a 0-d grad_output of 1 (in the loss's dtype, s)."""
@@ -216,48 +228,22 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
         add("aten.reciprocal", 4, 4)
         if autocast:
             add("aten._to_copy", v * h * w, v * h * s)  # the weight in the matmuls' dtype
-        if k == 0 and not vocab_pass:
-            add("aten.zeros", 0, 4 * v * h)  # grad_weight of no rows
+        if k == 0:
+            add("aten.zeros", 0, w * v * h)  # grad_weight of no rows
         chunk = _chunk_rows(k, h, v) if k else 1
         for start in range(0, k, chunk):
             c = min(chunk, k - start)
             add("aten.mm", c * h * s + v * h * s, c * v * s)  # the chunk's logits
             add("_cross_entropy_fwd_kernel", 8 * c + c * (2 * v + 1) * s + 4 * c, c * v * s + 8 * c)
-            if vocab_pass:
-                add("aten.copy_", 4 * c + c * s, 4 * c + c * s)  # lse and the target column's gradient kept
-                add("aten.clamp", 8 * c, 8 * c)
-                add("aten.gather", 8 * c + c * s, c * s)
-                mm_fp32(c, v, h, s, s, accumulate=False)  # grad_hidden
-            else:
-                mm_fp32(c, v, h, s, s, accumulate=False)
-                mm_fp32(v, c, h, s, s, accumulate=start > 0)  # grad_weight
+            mm_fp32(c, v, h, s, s, accumulate=False)  # grad_hidden
+            mm_fp32(v, c, h, s, s, accumulate=start > 0, out_size=w)  # grad_weight, in the weight's dtype
         add("aten.div", 8, 4)  # the mean
         if loss_size != 4:
             add("aten._to_copy", 4, loss_size)  # the loss in hidden's dtype
     if mode in ("backward", "full"):
         add("aten.ones_like", 0, loss_size)  # autograd's grad_output
-        if vocab_pass:
-            gather_rows()
-            if autocast:
-                add("aten._to_copy", v * h * w, v * h * s)
-            if k == 0:
-                add("aten.zero_", 0, v * h * w)
-            tile_rows, tile_cols = _vocab_tile(k, h, v) if k else (1, v)
-            slice_block = min(1 << max(0, (min(tile_cols, v) - 1).bit_length()), 4096 if cuda else 8192)
-            for col in range(0, v, tile_cols):
-                vs = min(tile_cols, v - col)
-                for start in range(0, k, tile_rows):
-                    ct = min(tile_rows, k - start)
-                    add("aten.mm", ct * h * s + vs * h * s, ct * vs * s)
-                    programs = ct * _cdiv(vs, slice_block)
-                    add("_flce_slice_grad_kernel", ct * vs * s + programs * (8 + 4 + 4 + s), ct * vs * s)
-                    mm_fp32(vs, ct, h, s, s, accumulate=start > 0)
-                if k:
-                    bwd_scale(vs * h, w, in_place=False)  # the slice's rounding into grad_weight
-            bwd_scale(k * h, s, in_place=False)  # grad_hidden rounded once
-        else:
-            bwd_scale(v * h, 4, in_place=True)  # grad_weight, skipped: grad_output is 1
-            bwd_scale(k * h, s, in_place=s == 4)  # grad_hidden: skipped in fp32, else rounded once
+        bwd_scale(v * h, w, in_place=True)  # grad_weight, skipped: grad_output is 1
+        bwd_scale(k * h, s, in_place=s == 4)  # grad_hidden: skipped in fp32, else rounded once
         scatter_rows(s)
     return {name: (r, wr) for name, (r, wr) in parts.items()}
 

@@ -63,6 +63,7 @@ ANCHORS = {
     # Llama-3-8B heads (32/8 x 128), bf16: the smallest and the largest of bench_rope's GPU shapes (two, not four,
     # to keep the part's inductor compiles inside its budget).
     "rope": ["--shapes", "1x2048", "4x8192"],
+    "swiglu": ["--tokens", "8192", "--inter", "14336"],  # Llama-3-8B's MLP
 }
 # --quick: each script's own tiny CPU shapes; aot_eager keeps torch.compile's baseline to seconds on a CPU.
 QUICK = {op: ["--quick"] + ([] if op == "adamw" else ["--compile-backend", "aot_eager"]) for op in ANCHORS}

@@ -272,6 +272,13 @@ def _rope():
         torch.autograd.backward([q_rot, k_rot], grads)
 
 
+def _swiglu():
+    # Llama-3-8B's MLP: 8192 tokens x intermediate 14336.
+    gate, up = _cuda(8192, 14336, grad=True), _cuda(8192, 14336, grad=True)
+    out = kernels.swiglu(gate, up)
+    out.backward(torch.empty_like(out))
+
+
 CASES: dict[str, Callable[[], None]] = {
     "cross_entropy": _cross_entropy,
     "fused_linear_cross_entropy": _fused_linear_cross_entropy,
@@ -279,6 +286,7 @@ CASES: dict[str, Callable[[], None]] = {
     "adamw": _adamw,
     "neftune": _neftune,
     "rope": _rope,
+    "swiglu": _swiglu,
 }
 
 

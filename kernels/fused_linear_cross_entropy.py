@@ -18,48 +18,57 @@ Token pass (N below means the kept rows): the tokens are processed in chunks of 
 logits_c = hidden_c @ weight.T (+ bias) with a torch matmul (C, V); the cross-entropy kernel turns
 logits_c in place into its gradient (that chunk buffer is internal, nobody else can see it) and writes
 the chunk's per-row losses and log-sum-exps; then grad_hidden_c = dlogits_c @ weight, grad_bias +=
-column sums and, for an fp32 weight, grad_weight += dlogits_c.T @ hidden_c.
+column sums and grad_weight += dlogits_c.T @ hidden_c: 3 matmuls, 6 K H V flops for K kept rows, the
+same as liger-kernel's (which computes every row's), whatever the weight's dtype.
 
 Weight gradient. An fp32 weight (our trainer's master weights, also under bf16 autocast, where the
 weight is cast to bf16 for the matmuls inside the op) accumulates grad_weight in fp32 in the tensor that
-backward returns and autograd keeps as .grad: 3 matmuls (6 N H V flops), no separate accumulator, no
-cast pass. A bf16/fp16 weight would need an fp32 (V, H) accumulator across the token chunks (2.1 GB for
-Llama-3-8B's head; liger-kernel accumulates in bf16 instead and loses the accuracy), because every chunk
-touches every vocabulary row. Instead backward runs a vocabulary pass: for each slice of Vs vocabulary
-rows, the slice's logits are recomputed per tile of Ct tokens, turned into their gradient in place from
-the token pass's lse (`_flce_slice_grad_kernel`; the target column takes the token pass's exact value),
-and dlogits_s.T @ hidden_c is summed in an fp32 (Vs, H) buffer, which is multiplied by grad_output and
-rounded once into the slice of grad_weight. Cost: one more logits matmul, 8 N H V flops instead of 6
-(+33%), for an fp32 accumulator of Vs x H instead of V x H. Tiles: Ct = Vs = 8192; up to 8192 tokens
-the slice's sum is one matmul (no accumulator round trip); beyond, each token tile re-reads and re-writes
-the fp32 buffer, 8 Vs H bytes against 4 Ct Vs H flops: ~7% at H100 data-sheet rates (an estimate).
+backward returns and autograd keeps as .grad: no separate accumulator, no cast pass. A bf16/fp16 weight's
+gradient is accumulated in its own dtype: each chunk's dlogits_c.T @ hidden_c is summed in fp32 together
+with the running sum and rounded once per chunk (cuBLAS with a bf16 C and fp32 compute; `_mm_fp32`).
+Why not fp32 across chunks: every chunk touches every vocabulary row, so that needs an fp32 (V, H)
+accumulator (2.1 GB for Llama-3-8B's head, beyond the 0.7 GB this op may add), and the alternative kept
+until issue 20 item 4, a backward pass over vocabulary slices that recomputed the logits into an fp32
+(Vs, H) buffer, cost 8 K H V flops instead of 6 (+33%). Precision: ceil(K / C) roundings of the running
+sum, each at most half an ulp: 4 for 8192 tokens with C = 2048 (liger: 32, with its C = 256); measured
+in tests/ (64 rows, sums growing): 1 chunk 0.0096, 4 chunks 0.016 (as the fp32 accumulator), 16 chunks
+0.065, 64 chunks 0.196 max error, PyTorch's single bf16 matmul 0.010.
 reduction="none" cannot fold a per-row grad_output in ahead of time: its forward computes the losses
-only and its backward runs the token pass with dlogits scaled per row (plus the vocabulary pass).
+only and its backward runs the token pass with dlogits scaled per row; with a bf16/fp16 weight that
+pass leaves grad_weight to the vocabulary pass (`_vocab_pass`, 8 K H V flops in all) so that it is
+still summed in fp32: for each slice of Vs vocabulary rows, the slice's logits are recomputed per tile
+of Ct tokens, turned into their gradient in place from the token pass's lse (`_flce_slice_grad_kernel`;
+the target column takes the token pass's exact value), and dlogits_s.T @ hidden_c is summed in an fp32
+(Vs, H) buffer, rounded once into the slice of grad_weight. Tiles: Ct = Vs = 8192.
 
-Accumulation and rounding: every gradient is accumulated in fp32 (on CUDA with torch >= 2.8 cuBLAS
-reads the bf16/fp16 operands and accumulates into the fp32 output in place, addmm/mm with
-out_dtype=float32; elsewhere the operands are upcast) and multiplied by grad_output before its one
-rounding to the parameter's dtype (no host sync; in place and skipped when grad_output == 1 for fp32).
-Rounding at the end of the forward and scaling in backward would round twice when grad_output != 1
-(e.g. loss / accumulation_steps): measured here, fp16 grad_weight errors then exceed twice PyTorch's own.
+Accumulation and rounding: grad_hidden, grad_bias and an fp32 weight's gradient are accumulated in fp32
+(on CUDA with torch >= 2.8 cuBLAS reads the bf16/fp16 operands and accumulates into the fp32 output in
+place, addmm/mm with out_dtype=float32; elsewhere the operands are upcast) and multiplied by grad_output
+before their one rounding to the parameter's dtype (no host sync; in place for fp32). A bf16/fp16
+weight's gradient (above) is multiplied by grad_output in place in backward, one more rounding unless
+grad_output is a power of two (GradScaler's scales are); the tests hold it to twice PyTorch's error with
+grad_output 2.5 in fp16 and bf16.
 
-Chunk size and memory (bytes for bf16 activations; N tokens, H hidden, V vocab):
+Chunk size and memory (bytes for bf16 activations; N tokens, H hidden, V vocab; K kept rows):
 
     C = min(N, max(ceil(N / ceil(V / H)), MIN_CHUNK_ROWS))        MIN_CHUNK_ROWS = 2048
 
 The first term is Liger's rule (chunk logits about the size of the hidden states, N*H elements). The
 floor exists because with an fp32 weight every chunk re-reads and re-writes grad_weight (4*V*H bytes
-each way): relative to the chunk's 6*C*H*V matmul flops that costs about 8*F / (6*C*B) (F flop/s, B
-bytes/s; on an H100 ~300/C), ~15% at C = 2048 but ~100% at Liger's C = 256 for H = 4096, V = 128256 (an
-estimate from the H100 data sheet, not a measurement; the benchmark reports the real figure). Peak extra
-memory beyond the inputs, the returned gradients and the loss:
-  bf16 weight   forward 2*C*V (chunk logits) + 4*N*H (fp32 grad_hidden); backward 4*N*H + 2*Ct*Vs + 4*Vs*H
-  fp32 weight   forward 2*V*H (its bf16 copy under autocast, as F.linear makes) + 2*C*V + 4*N*H
+each way; half that for a bf16 weight's): relative to the chunk's 6*C*H*V matmul flops that costs about
+8*F / (6*C*B) (F flop/s, B bytes/s; on an H100 ~300/C), ~15% at C = 2048 but ~100% at Liger's C = 256 for
+H = 4096, V = 128256 (an estimate from the H100 data sheet, not a measurement; the benchmark reports the
+real figure); it also bounds a bf16 weight's gradient roundings (above). Peak extra memory beyond the
+inputs, the returned gradients and the loss (all in the forward; backward only rounds and scales):
+  bf16 weight   2*C*V (chunk logits) + 4*K*H (fp32 grad_hidden)
+  fp32 weight   2*V*H (its bf16 copy under autocast, as F.linear makes) + 2*C*V + 4*K*H
   (+ 2*K*H for the gathered rows when some are skipped)
-At N = 8192, H = 4096, V = 128256 that is 0.66 GB for a bf16 weight (the former fp32 (V, H) accumulator
-alone was 2.1 GB; its peak 2.76 GB) and 1.71 GB for an fp32 weight under autocast, measured on meta
-tensors by tests/ (test_peak_extra_memory_at_llama3_8b_head). Never a (N, V) tensor: the tests record
-every tensor the op allocates with forced small tiles.
+  reduction="none" with a bf16 weight: backward 4*K*H + 2*Ct*Vs + 4*Vs*H (the vocabulary pass)
+At N = 8192, H = 4096, V = 128256 that is 0.660 GB for a bf16 weight with every row kept (0.525 GB chunk
+logits + 0.134 GB grad_hidden; 0.626 GB with half the labels ignored on the host; the former fp32 (V, H)
+accumulator alone was 2.1 GB) and 1.71 GB for an fp32 weight under autocast, measured on meta tensors
+by tests/ (test_peak_extra_memory_at_llama3_8b_head). Never a (N, V) tensor: the tests record every
+tensor the op allocates with forced small tiles.
 
 Test: `python -m pytest tests/kernels/test_fused_linear_cross_entropy.py -q` (Triton interpreter on CPU).
 Bench: `python bench/bench_fused_linear_cross_entropy.py` (GPU), `--quick` for a CPU smoke run.
@@ -81,9 +90,10 @@ if HAS_TRITON:
 
 # See the module docstring: below ~2048 rows per chunk the fp32 grad_weight round trips cost >15%.
 MIN_CHUNK_ROWS = 2048
-# Vocabulary pass tile (see the module docstring): 8192 token rows make the fp32 slice accumulator's round
-# trips <= ~7% of the tile's matmul time (an H100 data-sheet estimate) and none at all up to 8192 tokens;
-# 8192 vocabulary rows keep the accumulator at 128 MiB for H = 4096.
+# Vocabulary pass tile (reduction="none" with a bf16/fp16 weight; module docstring): 8192 token rows make
+# the fp32 slice accumulator's round trips <= ~7% of the tile's matmul time (8 Vs H bytes against 4 Ct Vs H
+# flops, an H100 data-sheet estimate) and none at all up to 8192 tokens; 8192 vocabulary rows keep the
+# accumulator at 128 MiB for H = 4096.
 VOCAB_TILE_ROWS = 8192
 VOCAB_TILE_COLS = 8192
 _HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out") and hasattr(torch.ops.aten.mm, "dtype_out")
@@ -141,7 +151,16 @@ def _vocab_tile(n_rows: int, hidden: int, vocab: int) -> tuple[int, int]:
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
-    """out (fp32) = a @ b, or += when accumulate, for a, b of any float dtype with fp32 accumulation; returns out."""
+    """out = a @ b, or += when accumulate, for a, b of any float dtype with fp32 accumulation; returns out.
+
+    A bf16/fp16 out is rounded once per call: the product and out's old values are summed in fp32 (cuBLAS
+    with a bf16 C and fp32 compute does exactly this; elsewhere the operands are upcast)."""
+    if out.dtype != torch.float32:
+        if out.is_cuda and not torch.compiler.is_compiling():
+            a, b = a.to(out.dtype), b.to(out.dtype)
+            return torch.addmm(out, a, b, out=out) if accumulate else torch.mm(a, b, out=out)
+        total = torch.addmm(out.float(), a.float(), b.float()) if accumulate else torch.mm(a.float(), b.float())
+        return out.copy_(total)
     if a.dtype == torch.float32:
         return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
     if out.is_cuda and _HAS_ADDMM_OUT_DTYPE:
@@ -169,8 +188,8 @@ def _token_pass(hidden, weight, bias, target, *, label_smoothing, ignore_index, 
 
     Writes the per-row losses into loss_rows (fp32 (N,)). The gradients are those of the per-row losses
     times grad_scale (fp32, 0-d or (N,), or None for 1), kept in fp32 so that the caller rounds them once:
-    grad_hidden (N, H) and grad_bias (V,) are returned (None where not needed), grad_weight (fp32 (V, H) or
-    None) is accumulated in place. for_vocab_pass also returns what `_vocab_pass` needs: lse (fp32 (N,))
+    grad_hidden (N, H) and grad_bias (V,) are returned (None where not needed), grad_weight ((V, H) in fp32 or
+    the weight's dtype, or None) is accumulated in place. for_vocab_pass also returns what `_vocab_pass` needs: lse (fp32 (N,))
     and the target column's gradient (N,) in hidden's dtype; else those are None.
     """
     n_rows, hdim = hidden.shape
@@ -288,8 +307,9 @@ class _Plan:
 
     @property
     def vocab_pass(self) -> bool:
-        """A bf16/fp16 weight's gradient comes from `_vocab_pass`; an fp32 weight's is accumulated in the token pass."""
-        return self.need_weight and self.weight_dtype != torch.float32
+        """Only reduction="none" with a bf16/fp16 weight takes `_vocab_pass` (its per-row grad_output reaches the
+        weight gradient only in backward); every other weight gradient is accumulated in the token pass."""
+        return self.need_weight and self.weight_dtype != torch.float32 and self.reduction == "none"
 
     @property
     def options(self) -> dict:
@@ -325,8 +345,9 @@ def _scatter_rows(values, rows, n_rows):
 
 
 def _new_weight_grad(weight, n_rows):
+    # fp32 for an fp32 weight (the tensor autograd keeps as .grad), else weight's dtype (module docstring);
     # the first token chunk overwrites it; zeros only matter when there is no row at all
-    return (torch.empty if n_rows else torch.zeros)(weight.shape, dtype=torch.float32, device=weight.device)  # (V, H)
+    return (torch.empty if n_rows else torch.zeros)(weight.shape, dtype=weight.dtype, device=weight.device)  # (V, H)
 
 
 def fused_linear_cross_entropy_fwd(
@@ -352,19 +373,18 @@ def fused_linear_cross_entropy_fwd(
     )
     with_grad = reduction != "none"
     grad_scale = denom.reciprocal() if denom is not None else None
-    # An fp32 weight's gradient is accumulated in the tensor that backward returns and autograd keeps as .grad.
-    grad_weight = _new_weight_grad(weight, hidden_k.shape[0]) if with_grad and need_weight and not plan.vocab_pass else None
+    # The weight's gradient is accumulated in the tensor that backward returns (scaled in place) and autograd
+    # keeps as .grad: fp32 for an fp32 weight, else the weight's dtype (module docstring).
+    grad_weight = _new_weight_grad(weight, hidden_k.shape[0]) if with_grad and need_weight else None
     loss_rows = torch.empty(hidden_k.shape[0], dtype=torch.float32, device=dev)  # (K,)
-    grad_hidden, grad_bias, lse, grad_at_target = _token_pass(
+    grad_hidden, grad_bias, _, _ = _token_pass(
         hidden_k, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype), target_k, **plan.options,
         loss_rows=loss_rows, grad_scale=grad_scale, need_hidden=need_hidden and with_grad, need_bias=need_bias and with_grad,
-        grad_weight=grad_weight, for_vocab_pass=with_grad and plan.vocab_pass,
+        grad_weight=grad_weight, for_vocab_pass=False,
     )
     loss = _reduce(_scatter_rows(loss_rows, rows, n_rows) if reduction == "none" else loss_rows, reduction, denom)
     if not with_grad:
         saved = (rows, hidden, weight, bias, target_k, None, None, None, None, None, None)
-    elif plan.vocab_pass:
-        saved = (rows, hidden, weight, bias, target_k, lse, grad_at_target, grad_scale, grad_hidden, None, grad_bias)
     else:
         saved = (rows, None, None, None, None, None, None, None, grad_hidden, grad_weight, grad_bias)
     return loss.to(out_dtype or hidden.dtype), saved, plan
@@ -373,9 +393,8 @@ def fused_linear_cross_entropy_fwd(
 def fused_linear_cross_entropy_bwd(grad_output, saved, plan):
     """(grad_hidden, grad_weight, grad_bias) of the forward's loss times grad_output (None where not needed).
 
-    mean/sum: the forward's fp32 gradients times grad_output, rounded once (an fp32 weight's in place); a
-    bf16/fp16 weight's gradient from the vocabulary pass. "none": a token pass with grad_output folded in
-    per row, then the vocabulary pass for a bf16/fp16 weight.
+    mean/sum: the forward's gradients times grad_output (fp32 ones rounded once; the weight's in place). "none":
+    a token pass with grad_output folded in per row, then the vocabulary pass for a bf16/fp16 weight.
     """
     rows, hidden, weight, bias, target_k, lse, grad_at_target, grad_scale, grad_hidden, grad_weight, grad_bias = saved
     if hidden is not None:
@@ -406,7 +425,7 @@ def fused_linear_cross_entropy_bwd(grad_output, saved, plan):
         grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)  # (V, H)
         _vocab_pass(hidden, weight_c, bias_c, target_k, lse, grad_at_target, grad_scale, **plan.options, out=grad_weight, out_scale=out_scale)
     elif grad_weight is not None:
-        grad_weight = to_dtype(grad_weight, torch.float32)
+        grad_weight = to_dtype(grad_weight, plan.weight_dtype)
     if grad_hidden is not None:
         grad_hidden = _scatter_rows(to_dtype(grad_hidden, plan.dtype), rows, plan.n_rows)
     if grad_bias is not None:

@@ -14,9 +14,9 @@ per head and reads `attention_bias`; llama reads `attention_bias`/`mlp_bias` and
 ("linear", "llama3"); mistral (and qwen with `use_sliding_window`) attends within a sliding window, which is
 honoured on every backend (not rejected): query i sees keys i-W+1..i.
 
-`use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`), RoPE (`kernels.rope`), the loss
-(`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and NEFTune
-(`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `apply_liger_kernel(model)` sets
+`use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`), RoPE (`kernels.rope`), SwiGLU
+(`kernels.swiglu`), the loss (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and
+NEFTune (`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `apply_liger_kernel(model)` sets
 RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy to liger-kernel's ops instead, the
 baseline our kernels are measured against. Parameter names and state_dict are the same in every mode.
 Attention backends and packing rules: `trainer/attention.py`.
@@ -377,13 +377,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(C, I, bias=bias)
         self.up_proj = nn.Linear(C, I, bias=bias)
         self.down_proj = nn.Linear(I, C, bias=bias)
-        self.impl = "kernels"  # only "liger" changes anything here (kernels has no SwiGLU op)
+        self.impl = "kernels"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "liger":
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
             return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
+        if self.impl == "kernels":
+            # one fused pass (3 bytes per element forward, 5 backward) instead of eager's silu, product and their backward
+            return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -420,11 +423,26 @@ class CausalLMOutput:
 # ------------------------------------------------------------------------------------------------------------
 # The model
 # ------------------------------------------------------------------------------------------------------------
+class HostLabels:
+    """`labels` for `CausalLM.forward` that stay on the host through FSDP2's root pre-forward.
+
+    On an accelerator that hook moves every tensor among forward's arguments to the device
+    (torch.distributed.utils._to_kwargs, as DDP does) and leaves other objects as they are; labels moved there
+    would cost the fused loss its skip of the ignored rows (finding them on the device needs a host sync). The
+    Trainer hands an FSDP2 model its host labels in this holder; forward takes the tensor out."""
+
+    __slots__ = ("labels",)
+
+    def __init__(self, labels: torch.Tensor):
+        self.labels = labels  # (B, T) on the host, as the collator built them
+
+
 class CausalLM(nn.Module):
     """A Llama-family decoder with an LM head; Hugging Face parameter names and checkpoint format."""
 
     # forward takes `labels` on the CPU, as the collator built them: the fused loss then finds the rows with a
     # target on the host (no device sync) and skips the ignored rows' matmuls (kernels/fused_linear_cross_entropy.py).
+    # Under FSDP2 they come wrapped in `HostLabels`, which its input move leaves alone.
     takes_host_labels = True
 
     def __init__(self, config: ModelConfig, use_kernels: bool = True, label_smoothing: float = 0.0,
@@ -570,13 +588,15 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, position_ids=None, labels=None, attention_mask=None, num_items=None,
                 inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None) -> CausalLMOutput:
-        """Logits, and with `labels` (unshifted, -100 = no target) the loss sum / num_items (default: mean over
+        """Logits, and with `labels` (unshifted, -100 = no target; a tensor or `HostLabels`) the loss sum / num_items (default: mean over
         supervised tokens; 0 when there are none). With labels and use_kernels the logits are never formed.
         The last four are transformers' arguments, which peft's PeftModelForCausalLM (task_type="CAUSAL_LM")
         passes as None; another value would be ignored, so it is refused."""
         if inputs_embeds is not None or output_attentions or output_hidden_states or return_dict is False:
             raise ModelError("forward: inputs_embeds, output_attentions, output_hidden_states and return_dict=False "
                              "are not supported (pass input_ids; the output always holds loss and logits)")
+        if isinstance(labels, HostLabels):
+            labels = labels.labels
         hidden = self.hidden_states(input_ids, position_ids, attention_mask)  # (B, T, C)
         if labels is None:
             return CausalLMOutput(None, self.lm_head(hidden))

@@ -63,6 +63,7 @@ from .build import apply_model_settings, causal_lm
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
 from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
 from .deepspeed_engine import CHECKPOINT_DIR as DEEPSPEED_DIR, DeepSpeedRun
+from .model import HostLabels
 from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
 from .optim import build_lr_scheduler, build_optimizer
 from .dist import init_distributed, local_device, world
@@ -600,8 +601,7 @@ class Trainer:
         """Sum of the batch's token losses / num_items, whatever kind of model this is."""
         pin = self.args.dataloader_pin_memory and device.type == "cuda"
         # A model that takes host labels (ours) gets them as the collator built them, so the fused loss skips the
-        # ignored rows' matmuls without a device sync. (FSDP2 moves every input to the device before forward: there
-        # the loss keeps every row, exactly as before.)
+        # ignored rows' matmuls without a device sync.
         host = {"labels"} if getattr(unwrap(model), "takes_host_labels", False) else set()
         inputs = {k: v if k in host else (v.pin_memory() if pin else v).to(device, non_blocking=True)
                   for k, v in batch.items() if isinstance(v, torch.Tensor)}
@@ -610,6 +610,10 @@ class Trainer:
         kwargs = {k: v for k, v in inputs.items() if k in accepted or "**" in accepted}
         if "num_items" in accepted:
             kwargs["num_items"] = num_items
+        if host and is_fsdp(model) and "labels" in kwargs:
+            # FSDP2's root pre-forward moves every tensor argument to the device (and the skip with it); a holder
+            # passes untouched (tests/trainer/test_distributed.py: test_fsdp2_loss_skips_ignored_rows)
+            kwargs["labels"] = HostLabels(kwargs["labels"])
         out = model(**kwargs)
         loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
         if loss is not None and "num_items" in accepted:

@@ -17,6 +17,7 @@ import torch
 
 import kernels
 from bench import bench_adamw, bench_cross_entropy, bench_fused_linear_cross_entropy, bench_neftune, bench_rms_norm, traffic
+from bench import bench_swiglu
 from kernels.cross_entropy import FWD_VARIANTS, cross_entropy, cross_entropy_fwd, fwd_variant
 from kernels.rms_norm import RMSNormFunction, rms_norm_bwd, rms_norm_fwd
 
@@ -187,15 +188,13 @@ def test_adamw(variant):
 
 # ---- fused linear cross-entropy -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES)  # fp32: the weight gradient in the token pass; bf16/fp16: the vocabulary pass
+@pytest.mark.parametrize("dtype", DTYPES)  # every dtype: the weight gradient in the token pass (fp32 or the weight's dtype)
 @pytest.mark.parametrize("ignored", ["none", "some", "all"])
-@pytest.mark.parametrize("tiles", ["one", "several"])  # several: chunks of 4 rows, vocabulary tiles of 5 x 48
+@pytest.mark.parametrize("tiles", ["one", "several"])  # several: chunks of 4 rows
 def test_fused_linear_cross_entropy(dtype, ignored, tiles, monkeypatch):
     flce = importlib.import_module("kernels.fused_linear_cross_entropy")  # kernels/__init__ shadows the module name
     if tiles == "several":
         monkeypatch.setattr(flce, "MIN_CHUNK_ROWS", 4)
-        monkeypatch.setattr(flce, "VOCAB_TILE_ROWS", 5)
-        monkeypatch.setattr(flce, "VOCAB_TILE_COLS", 48)
     n, h, v = 11, 16, 100
     hidden = torch.randn(n, h, dtype=DTYPES[dtype]).requires_grad_()
     weight = torch.randn(v, h, dtype=DTYPES[dtype]).requires_grad_()
@@ -233,3 +232,21 @@ def test_fused_linear_cross_entropy_fp32_weight_under_autocast(dtype, ignored):
     for mode, measured in (("forward", fwd), ("backward", bwd)):
         model = bench_fused_linear_cross_entropy.traffic_parts(mode, n, h, v, hidden.element_size(), n_ignored, w=4, cuda=False)
         assert_matches(model, measured, f"{which} {mode}")
+
+
+# ---- SwiGLU -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu(dtype):
+    # 3 x 70001 elements: several interpreter programs, the last one ragged (masked lanes move nothing)
+    gate = torch.randn(3, 70001, dtype=DTYPES[dtype]).requires_grad_()
+    up = torch.randn(3, 70001, dtype=DTYPES[dtype]).requires_grad_()
+    dout = torch.randn(3, 70001, dtype=DTYPES[dtype])
+    with kernels.backend("triton"):
+        with traffic.measure() as fwd:
+            out = kernels.swiglu(gate, up)
+        with traffic.measure() as bwd:
+            out.backward(dout)
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_swiglu.traffic_parts(mode, gate.numel(), gate.element_size())
+        assert_matches(model, measured, f"bench/bench_swiglu.py ({dtype}) {mode}")

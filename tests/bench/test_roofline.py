@@ -232,14 +232,14 @@ def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
 
 
 def test_a_kernel_landing_under_a_modelled_name_runs_its_model(monkeypatch):
-    some_kernel_module = importlib.import_module("kernels.rms_norm")  # (kernels.rms_norm is the function)
+    swiglu_module = importlib.import_module("kernels.swiglu")  # (kernels.swiglu is the function)
 
-    class SwiGLUFunction(torch.autograd.Function):  # stands for the kernel being written (any module of kernels)
+    class SwiGLUFunction(torch.autograd.Function):  # stands for the kernel that landed there (any module of kernels)
         @staticmethod
         def forward(ctx, gate, up):
             raise AssertionError("the model runs instead")
 
-    monkeypatch.setattr(some_kernel_module, "SwiGLUFunction", SwiGLUFunction, raising=False)
+    monkeypatch.setattr(swiglu_module, "SwiGLUFunction", SwiGLUFunction)
     gate, up = _meta(4, 8, dtype=torch.bfloat16, grad=True), _meta(4, 8, dtype=torch.bfloat16, grad=True)
     trace = rf.Trace()
     with rf.recording(trace):

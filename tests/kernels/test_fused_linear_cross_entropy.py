@@ -73,7 +73,7 @@ CASES = [
 def check_case(case, dtype, monkeypatch, seed=0):
     if case["chunk"] is not None:
         monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: case["chunk"])
-        # bf16/fp16 weights: the vocabulary pass crosses token and vocabulary tile borders too
+        # bf16/fp16 weights with reduction="none": the vocabulary pass crosses token and vocabulary tile borders too
         monkeypatch.setattr(fl_mod, "_vocab_tile", lambda n, h, v: (case["chunk"], 1000))
     hidden, weight, bias, target = make_inputs(case["lead"], case["hdim"], dtype=dtype, bias=case["bias"], seed=seed)
     kw = {k: case[k] for k in ("reduction", "label_smoothing", "z_loss", "num_items") if k in case}
@@ -106,12 +106,16 @@ def test_matches_reference_and_torch(case, dtype, monkeypatch):
     check_case(CASES[case], dtype, monkeypatch)
 
 
-def test_weight_grad_accumulates_in_fp32_across_chunks(monkeypatch):
-    # One row per chunk: 64 accumulations into grad_weight. With a zero weight the softmax is uniform
-    # over V = 256 and dlogits (2^-8, 2^-8 - 1) are exact in bf16, and positive hidden states make the
-    # sums grow: any rounding of the accumulator to bf16 shows. Measured here: a bf16 accumulator ends
-    # 0.196 off (bound 0.052), the fp32 one 0.016 (PyTorch's single bf16 matmul: 0.010).
-    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 1)
+@pytest.mark.parametrize("chunks", [1, 4, 64])
+def test_bf16_weight_grad_rounds_once_per_token_chunk(chunks, monkeypatch):
+    # A bf16 weight's gradient is summed in fp32 within a token chunk and rounded once per chunk into the
+    # bf16 result (no fp32 (V, H) accumulator, no recomputed logits). With a zero weight the softmax is
+    # uniform over V = 256 and dlogits (2^-8, 2^-8 - 1) are exact in bf16, and positive hidden states make
+    # the sums grow, so every rounding of the running sum shows. Measured here (64 rows): 1 chunk 0.0096,
+    # 4 chunks 0.016 (the Llama-3-8B head at 8192 tokens: 4 chunks of 2048; the former fp32 accumulator also
+    # gave 0.016), 16 chunks 0.065, 64 chunks 0.196; PyTorch's single bf16 matmul 0.010, |ref| max 4.0.
+    # Model: each rounding costs at most half an ulp (2^-8 relative) of the largest value.
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 64 // chunks)
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(64, 32, generator=g).abs().to(torch.bfloat16)
     weight = torch.zeros(256, 32, dtype=torch.bfloat16)
@@ -121,7 +125,9 @@ def test_weight_grad_accumulates_in_fp32_across_chunks(monkeypatch):
     _, _, gw, _ = run(fused_linear_cross_entropy, hidden, weight, None, target, up, requires=only_w, reduction="sum")
     _, _, ref_gw, _ = run(fused_linear_cross_entropy_ref, hidden.float(), weight.float(), None, target, 1.0, requires=only_w, reduction="sum")
     _, _, low_gw, _ = run(torch_linear_ce, hidden, weight, None, target, up, requires=only_w, reduction="sum")
-    assert_lowp_close(gw, ref_gw, low_gw, torch.bfloat16, name="grad_weight", extra_ulps=1)
+    assert_lowp_close(gw, ref_gw, low_gw, torch.bfloat16, name="grad_weight", floor=chunks * 2.0**-8 * ref_gw.abs().max().item())
+    if chunks <= 4:
+        assert_lowp_close(gw, ref_gw, low_gw, torch.bfloat16, name="grad_weight", extra_ulps=1)
 
 
 def test_frozen_weight_and_no_grad(monkeypatch):
@@ -313,10 +319,10 @@ def addmm__flop(self_shape, a_shape, b_shape, out_shape=None, **kwargs):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_ignored_rows_cost_no_matmul_flops(dtype, monkeypatch):
-    # Half the targets ignored -> exactly half the matmul flops: 3 matmuls (6 N H V) for an fp32 weight,
-    # 4 (8 N H V, the vocabulary pass's recomputed logits) for a bf16 one. Results equal the unskipped path's.
+    # Half the targets ignored -> exactly half the matmul flops: 3 matmuls (6 N H V, liger's count) for an fp32
+    # and a bf16 weight alike (a bf16 weight once took 4: a vocabulary pass recomputed the logits in backward).
+    # Results equal the unskipped path's.
     monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 5)
-    monkeypatch.setattr(fl_mod, "_vocab_tile", lambda n, h, v: (5, 128))
     n, hdim, vocab = 16, 32, 300
     hidden, weight, bias, target = make_inputs((n,), hdim, vocab=vocab, dtype=dtype, bias=True, ignore_frac=0.0, seed=11)
     half = target.clone()
@@ -328,7 +334,7 @@ def test_ignored_rows_cost_no_matmul_flops(dtype, monkeypatch):
             outs = run(fused_linear_cross_entropy, hidden, weight, bias, t, torch.tensor(1.5, dtype=dtype))
         return counter.get_total_flops(), outs
 
-    matmuls = 3 if dtype == torch.float32 else 4
+    matmuls = 3
     all_flops, _ = flops_and_outputs(target)
     half_flops, skipped = flops_and_outputs(half)
     assert all_flops == matmuls * 2 * n * hdim * vocab
@@ -339,6 +345,9 @@ def test_ignored_rows_cost_no_matmul_flops(dtype, monkeypatch):
     rtol = 1e-6 if dtype == torch.float32 else 0.0  # summation order only; bf16: at most 1 ulp
     for name, o, u in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), skipped, unskipped):
         ulp = 0.0 if dtype == torch.float32 else 2.0**-7 * u.float().abs()
+        if name == "grad_weight" and dtype != torch.float32:
+            # a bf16 weight's gradient is rounded once per token chunk: 2 chunks skipped, 4 unskipped
+            ulp = ulp + 4 * 2.0**-8 * u.float().abs().max()
         assert ((o.float() - u.float()).abs() <= rtol * u.float().abs().max() + ulp).all(), name
     assert torch.equal(skipped[1][half == -100].float(), torch.zeros(n // 2, hdim))
 
@@ -378,8 +387,10 @@ def test_peak_extra_memory_at_llama3_8b_head(monkeypatch):
     # Forward and backward launchers as a GPU runs them, at 8192 tokens x H 4096 x V 128256 (bf16
     # activations): meta tensors that report a CUDA device take every CUDA branch (cuBLAS fp32-output
     # matmuls, launch configs) and Triton launches are no-ops (kernels allocate nothing). Peak extra =
-    # live bytes beyond the inputs, the returned gradients and the loss. Measured here: bf16 weight 0.66 GB
-    # (the former fp32 (V, H) accumulator: 2.76 GB), fp32 weight 1.71 GB of which 1.05 GB is its bf16 copy.
+    # live bytes beyond the inputs, the returned gradients and the loss. Measured here: bf16 weight 0.660 GB
+    # with device labels (2 C V chunk logits 0.525 GB + fp32 grad_hidden 0.134 GB; the backward adds nothing
+    # now that there is no vocabulary pass), 0.626 GB with half the labels ignored on the host (the former fp32
+    # (V, H) accumulator: 2.76 GB); fp32 weight 1.71 GB of which 1.05 GB is its bf16 copy.
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(KernelInterface, "__getitem__", lambda self, grid: lambda *args, **kwargs: None)
     n, hdim, vocab = 8192, 4096, 128256
@@ -398,7 +409,7 @@ def test_peak_extra_memory_at_llama3_8b_head(monkeypatch):
             peaks[weight_dtype, labels] = tracker.peak_excluding(loss, *grads)
     weight_copy = 2 * vocab * hdim  # an fp32 weight's bf16 copy for the matmuls (F.linear under autocast makes it too)
     for labels in ("device", "host, half ignored"):
-        assert peaks[torch.bfloat16, labels] <= 1.3e9, peaks
+        assert peaks[torch.bfloat16, labels] <= 0.7e9, peaks  # issue 20 item 4's bound
         assert peaks[torch.float32, labels] - weight_copy <= 1.3e9, peaks
     assert peaks[torch.bfloat16, "device"] > 0.6e9  # the tracker sees the (C, V) chunk logits
 

@@ -10,7 +10,7 @@ per process on a loaded machine: one launch serves many runs).
 A training job is {"output": its directory, "args": TrainingArguments overrides, "resume": a checkpoint path or
 null, "fail_at_step": a step at which rank 1 raises, or null, "nan_at_step": a step whose losses rank 1 makes NaN,
 or null, "metrics": true to evaluate with
-tests.trainer.test_distributed.eval_metrics}. Rank 0 writes output/result.json (the logged losses, the eval
+tests.trainer.test_distributed.eval_metrics, "host_labels_probe": true to run `HostLabelsProbe`}. Rank 0 writes output/result.json (the logged losses, the eval
 metrics, the non-finite steps counted) and every job ends with the consolidated model in output/final.
 
 A build job is {"output", "args", "build": {"model": a preset or directory, "seed": int}}: the model is loaded as
@@ -77,6 +77,61 @@ class NanAt(TrainerCallback):
         if self.active and module.training and output.loss is not None:
             output.loss = output.loss * float("nan")
         return output
+
+
+class HostLabelsProbe:
+    """What FSDP2's root pre-forward moves to the device and how many rows the fused loss's matmuls see.
+
+    On a CPU mesh FSDP2 skips its input move (it moves only to an accelerator); here its root pre-forward takes
+    that branch anyway (the privateuse1 backend answers "cpu" while it runs), so its own `_to_kwargs` runs and
+    records the tensor arguments it would move. The fused loss runs its Triton path (the interpreter) with the
+    token passes' rows counted: with host labels they are the kept rows only."""
+
+    def __init__(self):
+        import importlib
+
+        import kernels
+        from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+        self.moved = []  # per root pre-forward: names of the tensor keyword arguments FSDP2 moves
+        self.calls = []  # per loss call: [rows the token passes saw, targets kept, targets in all]
+        flce = importlib.import_module("kernels.fused_linear_cross_entropy")
+        to_kwargs, root_pre_forward, token_pass = _fsdp_state._to_kwargs, _fsdp_state.FSDPState._root_pre_forward, flce._token_pass
+        fused = kernels.fused_linear_cross_entropy
+
+        def spy_to_kwargs(args, kwargs, device, use_side_stream):
+            self.moved.append(sorted(k for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)))
+            return to_kwargs(args, kwargs, device, use_side_stream)
+
+        def as_on_an_accelerator(state, module, args, kwargs):
+            state._lazy_init()
+            name = torch._C._get_privateuse1_backend_name
+            torch._C._get_privateuse1_backend_name = lambda: "cpu"
+            try:
+                return root_pre_forward(state, module, args, kwargs)
+            finally:
+                torch._C._get_privateuse1_backend_name = name
+
+        def counted_token_pass(hidden, *args, **kwargs):
+            self.calls[-1][0] += hidden.shape[0]
+            return token_pass(hidden, *args, **kwargs)
+
+        def triton_loss(hidden, weight, target, *args, **kwargs):
+            self.calls.append([0, int((target != -100).sum()), target.numel()])
+            with kernels.backend("triton"):
+                return fused(hidden, weight, target, *args, **kwargs)
+
+        self.saved = [(_fsdp_state, "_to_kwargs", to_kwargs), (_fsdp_state.FSDPState, "_root_pre_forward", root_pre_forward),
+                      (flce, "_token_pass", token_pass), (kernels, "fused_linear_cross_entropy", fused)]
+        _fsdp_state._to_kwargs = spy_to_kwargs
+        _fsdp_state.FSDPState._root_pre_forward = as_on_an_accelerator
+        flce._token_pass = counted_token_pass
+        kernels.fused_linear_cross_entropy = triton_loss
+
+    def close(self):
+        """Put back what __init__ replaced (the next job in this process runs unprobed)."""
+        for owner, name, value in self.saved:
+            setattr(owner, name, value)
 
 
 def file_backed(t: torch.Tensor) -> bool:
@@ -186,6 +241,7 @@ def run(data: str, job: dict) -> None:
     compute_metrics = None
     if job.get("metrics"):
         from tests.trainer.test_distributed import eval_metrics as compute_metrics
+    probe = HostLabelsProbe() if job.get("host_labels_probe") else None
     model = small_model()
     if job.get("nan_at_step"):
         callbacks.append(NanAt(job["nan_at_step"], rank, model))
@@ -207,7 +263,10 @@ def run(data: str, job: dict) -> None:
         (out / "result.json").write_text(json.dumps({"losses": losses, "world_size": world_size,
                                                      "eval_loss": metrics["eval_loss"], "metrics": metrics,
                                                      "nonfinite_steps": state.nonfinite_steps,
-                                                     "loss_grad_outputs": loss_grad_outputs}))
+                                                     "loss_grad_outputs": loss_grad_outputs,
+                                                     "probe": probe and {"moved": probe.moved, "calls": probe.calls}}))
+    if probe is not None:
+        probe.close()
 
 
 def main() -> int:

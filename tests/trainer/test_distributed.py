@@ -194,6 +194,8 @@ def suite(tmp_path_factory, data_file, reference_run, odd_model_dir):
                      "resume": str(root / name / "run" / "checkpoint-2")})
         jobs.append({"name": f"{name}-from-one", "args": {**DIST_ARGS, **CONFIGS[name]}, "resume": str(reference_run[3])})
     jobs.append({"name": "fsdp2-bf16", "args": {**BASE, "gradient_accumulation_steps": 2, **CONFIGS["fsdp2-bf16"]}})
+    jobs.append({"name": "fsdp2-host-labels", "args": {**DIST_ARGS, **CONFIGS["fsdp2"], "save_strategy": "no"},
+                 "host_labels_probe": True})
     fsdp2 = CONFIGS["fsdp2"]["dist_config"]
     checkpoint = root / "fsdp2" / "run" / "checkpoint-2"
     for name, model, dcp in (("build-hf", odd_model_dir, None), ("build-preset", ODD_PRESET, None),
@@ -211,6 +213,25 @@ def test_two_processes_match_one_process(suite, reference_run, name):
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert result["eval_loss"] == pytest.approx(ref_metrics["eval_loss"], rel=1e-5)
     assert_same_weights(suite["out"][name] / "final", ref_model)  # the consolidated export rank 0 wrote
+
+
+def test_fsdp2_loss_skips_ignored_rows(suite, reference_run):
+    """Host labels reach the fused loss through FSDP2's root pre-forward, which moves forward's tensor arguments
+    to the device (there the loss would keep every row: finding the kept ones would need a host sync). The worker
+    makes that move run on this CPU mesh and records what it moves (`dist_worker.HostLabelsProbe`): input_ids,
+    never the labels; the loss's Triton path (interpreter) then runs its matmuls on the kept rows only. Before the
+    Trainer passed FSDP2 models `HostLabels`, "labels" was among the moved tensors. Losses: the one-process run's."""
+    result = suite["result"]["fsdp2-host-labels"]
+    probe = result["probe"]
+    assert probe["moved"] and all("input_ids" in m for m in probe["moved"]), probe["moved"]
+    assert not [m for m in probe["moved"] if "labels" in m], probe["moved"]
+    calls = probe["calls"]
+    # 3 steps x 2 micro batches on rank 0, then the eval loss's batches: every forward with labels took the loss
+    assert len(calls) >= 3 * 2 and len(calls) == len(probe["moved"]), (calls, probe["moved"])
+    assert all(rows == kept for rows, kept, _ in calls), calls
+    # measured: 14 of 94 targets kept in the first micro batch (the prompts are ignored)
+    assert sum(kept for _, kept, _ in calls) < sum(total for _, _, total in calls) / 2, calls
+    assert result["losses"] == pytest.approx(reference_run[0], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])

@@ -23,7 +23,7 @@ from trainer.checkpoint_hf import CheckpointError, parse_size
 from trainer.build import (
     PRESETS, build_preset, is_preset, load_pretrained, load_state_dict_into, load_tokenizer, save_pretrained,
 )
-from trainer.model import CausalLM, ModelConfig, ModelError, apply_liger_kernel, generate, rope_inv_freq
+from trainer.model import CausalLM, HostLabels, ModelConfig, ModelError, apply_liger_kernel, generate, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 
@@ -666,3 +666,23 @@ def test_parallel_knows_no_model_class():
     code = "import sys, trainer.parallel; print('trainer.model' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_host_labels_holder_gives_the_same_loss_and_gradients():
+    """The Trainer hands FSDP2 models their host labels in `HostLabels` (FSDP2 would move a tensor to the device);
+    forward takes the tensor out: the same loss and gradients as plain labels, with and without our kernels."""
+    model = CausalLM(ModelConfig(**BASE))
+    model.init_weights(3)
+    ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[:, : T // 2] = -100
+    for use_kernels in (True, False):
+        model.use_kernels = use_kernels
+        results = []
+        for given in (labels, HostLabels(labels)):
+            model.zero_grad()
+            loss = model(ids, labels=given).loss
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert torch.equal(results[0][0], results[1][0])
+        assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))

@@ -1,0 +1,165 @@
+"""SwiGLU's gating: out = silu(gate) * up, fused forward and backward in Triton (Llama's MLP between its projections).
+
+Math (elementwise; g = gate, u = up; all arithmetic in fp32 whatever the storage dtype)
+    forward   s     = sigmoid(g) = 1 / (1 + exp(-g))
+              out   = g * s * u                              (one rounding: the final cast to gate's dtype)
+    backward  dup   = dout * g * s
+              dgate = dout * u * s * (1 + g * (1 - s))       (d silu / dg = s + g s (1 - s))
+The backward recomputes s from the saved inputs (gate and up, which autograd holds anyway as the outputs
+of the two projections) instead of saving silu(gate): no extra activation memory, one exp per element.
+
+HF's LlamaMLP computes act_fn(gate) * up in the activation dtype (two roundings in bf16: silu, then the
+product); we round once, so in bf16/fp16 we are at least as close to the exact fp32 result as HF and differ
+from it by up to about one unit in the last place; in fp32 the two agree to rounding.
+
+Bytes moved per element (s = element size): forward 3s (read gate and up, write out); backward 5s (read
+dout, gate and up, write dgate and dup). Both are the minimum for these inputs and outputs: nothing is
+read twice and nothing but the outputs is written.
+
+Launch strategy: the three tensors are flattened to 1-D (contiguous; a stride-0 dout from .sum().backward()
+is materialised first) and each program covers BLOCK consecutive elements with int64 offsets. On CUDA
+BLOCK = 2048 over 8 warps is 8 elements per thread per tensor, one 16-byte vector access in bf16 (chosen
+by that arithmetic, not yet timed on a GPU: bench/bench_swiglu.py is the place to revisit it); registers
+and spills: `python -m bench.sm90 --only swiglu`. Under the interpreter (~37 us per program) one program
+covers up to 65536 elements. The gradients are written into fresh tensors, never into gate or up, so the
+caller's tensors stay intact (liger-kernel writes them in place).
+
+Test:  python -m pytest tests/kernels/test_swiglu.py -q   (CPU: Triton interpreter)
+Bench: python bench/bench_swiglu.py                       (GPU: Llama-3-8B's MLP; --quick for a CPU smoke run)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import HAS_TRITON, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# See the module docstring: 8 elements per thread at 8 warps, a 16-byte bf16 vector per tensor.
+_GPU_BLOCK = 2048
+_GPU_WARPS = 8
+# Interpreter: it pays ~37 us per program, so one program covers many elements.
+_CPU_MAX_BLOCK = 65536
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _swiglu_fwd_kernel(
+        gate_ptr,  # (n,) contiguous gate projection
+        up_ptr,  # (n,) contiguous up projection
+        out_ptr,  # (n,) contiguous silu(gate) * up, gate's dtype
+        n,  # number of elements
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        tl.store(out_ptr + offs, (g * s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(
+        dout_ptr,  # (n,) contiguous gradient of out
+        gate_ptr,  # (n,) saved gate
+        up_ptr,  # (n,) saved up
+        dgate_ptr,  # (n,) contiguous gradient of gate (written)
+        dup_ptr,  # (n,) contiguous gradient of up (written)
+        n,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        silu = g * s
+        tl.store(dup_ptr + offs, (dout * silu).to(dup_ptr.dtype.element_ty), mask=mask)
+        dgate = dout * u * (s + silu * (1.0 - s))
+        tl.store(dgate_ptr + offs, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
+
+
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("kernels.swiglu: the Triton path needs triton (pip install triton)")
+
+
+def launch_config(n: int, on_cuda: bool) -> tuple[int, int]:
+    """(BLOCK, num_warps) for n elements (module docstring)."""
+    if on_cuda:
+        return _GPU_BLOCK, _GPU_WARPS
+    return min(_CPU_MAX_BLOCK, triton.next_power_of_2(max(n, 1))), 4
+
+
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Launch the forward on same-shaped gate and up. Returns out (gate's shape and dtype). No autograd."""
+    _require_triton()
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)  # (...,)
+    n = gate.numel()
+    if n == 0:
+        return out
+    block, warps = launch_config(n, gate.is_cuda)
+    _swiglu_fwd_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=warps)
+    return out
+
+
+def swiglu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward. Returns (dgate, dup) in gate's shape and dtype, fresh tensors. No autograd."""
+    _require_triton()
+    dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)  # (...,), (...,)
+    n = gate.numel()
+    if n == 0:
+        return dgate, dup
+    block, warps = launch_config(n, gate.is_cuda)
+    _swiglu_bwd_kernel[(triton.cdiv(n, block),)](dout, gate, up, dgate, dup, n, BLOCK=block, num_warps=warps)
+    return dgate, dup
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """Autograd over the Triton launchers; saves gate and up (the activation is recomputed in backward)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        out = swiglu_fwd(gate, up)
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        dgate, dup = swiglu_bwd(dout, gate, up)
+        return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None)
+
+
+def _check_args(gate, up) -> None:
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"swiglu: {name} must be a float32, bfloat16 or float16 tensor, got {got}")
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(f"swiglu: gate and up must share shape, dtype and device, got {tuple(gate.shape)} {gate.dtype} "
+                         f"{gate.device} and {tuple(up.shape)} {up.dtype} {up.device}")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, any shape, fp32 math, output in gate's dtype.
+
+    CUDA tensors run the Triton kernels, CPU tensors the reference (see `kernels._dispatch`)."""
+    _check_args(gate, up)
+    if not use_triton(gate, up):
+        return swiglu_ref(gate, up)
+    return SwiGLUFunction.apply(gate, up)
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch silu(gate) * up: fp32 math (fp64 for fp64 inputs), one cast back; autograd-differentiable."""
+    compute = torch.promote_types(gate.dtype, torch.float32)
+    return (F.silu(gate.to(compute)) * up.to(compute)).to(gate.dtype)

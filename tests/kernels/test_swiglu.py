@@ -1,0 +1,140 @@
+"""SwiGLU (silu(gate) * up): the Triton kernels (through the interpreter on CPU) against the fp32 reference and PyTorch.
+
+Tolerance model (tests/tolerance.py):
+- fp32: elementwise math of a few operations: |ours - ref| <= 8 eps32 |ref|max for out, dgate and dup.
+- bf16/fp16: our error against the fp32 reference <= 2x PyTorch's own error running F.silu(gate) * up and its
+  autograd in that dtype, + 1 bf16 ulp of |ref|max because the interpreter truncates fp32->bf16 stores.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels.swiglu import SwiGLUFunction, swiglu, swiglu_bwd, swiglu_fwd, swiglu_ref
+from tests.tolerance import assert_lowp_close, max_abs_err, poisoned_like
+
+swiglu_mod = importlib.import_module("kernels.swiglu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend():
+    with kernels.backend("triton"):
+        yield
+
+
+def _make(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # gate spans silu's curved region and both tails (sigmoid saturates past |g| ~ 10)
+    gate = (torch.randn(shape, generator=g) * 4).to(dtype)
+    up = torch.randn(shape, generator=g).to(dtype)
+    dout = torch.randn(shape, generator=g).to(dtype)
+    return gate, up, dout
+
+
+def _fwd_bwd(fn, gate, up, dout):
+    gate = gate.detach().clone().requires_grad_()
+    up = up.detach().clone().requires_grad_()
+    out = fn(gate, up)
+    dgate, dup = torch.autograd.grad(out, [gate, up], dout)
+    return out.detach(), dgate, dup
+
+
+def _assert_fp32_close(ours, ref, name):
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype, f"{name}: {ours.shape}/{ours.dtype} vs {ref.shape}/{ref.dtype}"
+    bound = 8 * EPS32 * ref.abs().max().item()
+    err = max_abs_err(ours, ref)
+    assert err <= bound, f"{name}: fp32 error {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1,), (1823, 781), (3, 7, 1001)], ids=str)
+def test_matches_reference_and_torch(shape, dtype):
+    gate, up, dout = _make(shape, dtype)
+    ours = _fwd_bwd(swiglu, gate, up, dout)
+    assert all(t.dtype == dtype and t.shape == gate.shape for t in ours)
+    ref32 = _fwd_bwd(swiglu_ref, gate.float(), up.float(), dout.float())
+    torch_lowp = _fwd_bwd(lambda a, b: F.silu(a) * b, gate, up, dout)
+    for o, r, t, name in zip(ours, ref32, torch_lowp, ("out", "dgate", "dup")):
+        if dtype == torch.float32:
+            _assert_fp32_close(o, r, name)
+            _assert_fp32_close(o, t, f"{name} vs F.silu * up")
+        else:
+            assert_lowp_close(o, r, t.float(), dtype, name=name, extra_ulps=1 if dtype == torch.bfloat16 else 0)
+
+
+def test_gradient_formula_is_not_silu_alone():
+    """dgate needs silu's derivative s (1 + g (1 - s)), not s: at g = 2 the two differ by 21%."""
+    gate = torch.full((5,), 2.0)
+    up, dout = torch.ones(5), torch.ones(5)
+    _, dgate, dup = _fwd_bwd(swiglu, gate, up, dout)
+    s = torch.sigmoid(gate)
+    _assert_fp32_close(dgate, s * (1 + gate * (1 - s)), "dgate")
+    _assert_fp32_close(dup, gate * s, "dup")
+
+
+def test_saves_inputs_not_the_activation():
+    gate, up, _ = _make((37, 100), torch.bfloat16)
+    gate.requires_grad_()
+    up.requires_grad_()
+    out = swiglu(gate, up)
+    assert type(out.grad_fn).__name__ == "SwiGLUFunctionBackward"
+    saved = out.grad_fn.saved_tensors
+    assert len(saved) == 2
+    assert saved[0].data_ptr() == gate.data_ptr() and saved[1].data_ptr() == up.data_ptr()
+
+
+def test_launchers_write_every_element_and_leave_inputs_intact(monkeypatch):
+    gate, up, dout = _make((3, 70001), torch.float16)  # 210003 elements: four programs under the interpreter, one ragged
+    gate0, up0 = gate.clone(), up.clone()
+    monkeypatch.setattr(swiglu_mod.torch, "empty_like", poisoned_like)
+    out = swiglu_fwd(gate, up)
+    dgate, dup = swiglu_bwd(dout, gate, up)
+    monkeypatch.undo()
+    for t, name in ((out, "out"), (dgate, "dgate"), (dup, "dup")):
+        assert torch.isfinite(t).all(), f"{name} has unwritten (NaN) elements"
+    assert torch.equal(gate, gate0) and torch.equal(up, up0)
+    ref32 = _fwd_bwd(swiglu_ref, gate.float(), up.float(), dout.float())
+    lowp = _fwd_bwd(lambda a, b: F.silu(a) * b, gate, up, dout)
+    for o, r, t, name in zip((out, dgate, dup), ref32, lowp, ("out", "dgate", "dup")):
+        assert_lowp_close(o, r, t.float(), torch.float16, name=name)
+
+
+def test_broadcast_and_noncontiguous():
+    """.sum().backward() hands back a stride-0 dout; transposed gate/up have non-unit strides."""
+    gate, up, _ = _make((781, 5), torch.float32)
+    gt, ut = gate.t().requires_grad_(), up.t().requires_grad_()  # (5, 781), column stride 5
+    swiglu(gt, ut).sum().backward()
+    g32, u32 = gt.detach().clone().requires_grad_(), ut.detach().clone().requires_grad_()
+    swiglu_ref(g32, u32).sum().backward()
+    _assert_fp32_close(gt.grad, g32.grad, "dgate")
+    _assert_fp32_close(ut.grad, u32.grad, "dup")
+
+
+def test_only_needed_gradients_and_empty():
+    gate, up, dout = _make((4, 9), torch.float32)
+    gate.requires_grad_()
+    (dgate,) = torch.autograd.grad(SwiGLUFunction.apply(gate, up), [gate], dout)
+    _assert_fp32_close(dgate, _fwd_bwd(swiglu_ref, gate, up, dout)[1], "dgate")
+    empty = torch.empty(0, 8)
+    assert swiglu(empty, empty).shape == (0, 8)
+
+
+def test_dispatch_and_bad_args():
+    gate, up, _ = _make((4, 9), torch.bfloat16)
+    with kernels.backend("reference"):
+        out = swiglu(gate, up)
+    assert out.grad_fn is None or type(out.grad_fn).__name__ != "SwiGLUFunctionBackward"
+    assert torch.equal(out, swiglu_ref(gate, up))
+    with pytest.raises(ValueError, match="share shape"):
+        swiglu(gate, up[:, :3])
+    with pytest.raises(ValueError, match="share shape"):
+        swiglu(gate, up.float())
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        swiglu(gate.to(torch.int32), up)
