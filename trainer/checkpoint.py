@@ -26,6 +26,13 @@ Resuming under another number of processes (the Trainer checks the conditions, d
 Atomicity: everything is written into `checkpoint-<step>.tmp` and renamed into place as the last act, so a
 crash while saving never leaves a directory named `checkpoint-<step>` behind; `latest_checkpoint` also
 requires `trainer_state.json`, which is written last inside the temporary directory.
+Durability: before the rename every file and directory of the checkpoint is fsynced, and after it the parent
+directory, so a checkpoint that exists after a power cut holds the bytes that were written (not only after a
+killed process, which the page cache already survives).
+Integrity: `manifest.json`, written last before the rename, lists every file with its size and CRC-32 (zlib's,
+6.4 GB/s measured here on one core: a 2.5 GB checkpoint costs about 0.4 s to check). `verify_checkpoint` compares
+the files with it; `resolve_resume` skips a damaged checkpoint for `auto` (one line naming the file) and refuses
+one given by path. Checkpoints written before manifests existed have none and are taken as they are.
 
 `torch.load` is only ever called with `weights_only=True`.
 """
@@ -37,6 +44,8 @@ import os
 import random
 import re
 import shutil
+import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +54,7 @@ import torch
 from .checkpoint_hf import CheckpointError
 
 PREFIX = "checkpoint"
+MANIFEST = "manifest.json"  # file -> size and CRC-32, written last before the rename
 DCP_DIR = "dcp"  # the sharded model + optimizer copy inside a checkpoint (FSDP2)
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 
@@ -72,19 +82,95 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def resolve_resume(resume_from_checkpoint, output_dir) -> Path | None:
-    """`resume_from_checkpoint` as Hugging Face takes it: a path, or True/"auto" for the newest complete one."""
+def resolve_resume(resume_from_checkpoint, output_dir, say=None) -> Path | None:
+    """`resume_from_checkpoint` as Hugging Face takes it: a path, or True/"auto" for the newest complete one.
+
+    "auto" skips checkpoints whose files do not match their manifest, newest first, saying so in one line each
+    through `say` (default: stderr), and starts from step 0 (None) when there is no complete checkpoint at all;
+    a path to a damaged checkpoint is a CheckpointError."""
     if resume_from_checkpoint in (None, False, "", "false", "False"):
         return None
+    say = say or (lambda line: print(line, file=sys.stderr))
     if resume_from_checkpoint is True or str(resume_from_checkpoint).lower() in ("true", "auto", "latest"):
-        path = latest_checkpoint(output_dir)
-        if path is None:
-            raise CheckpointError(f"resume_from_checkpoint: no complete checkpoint-<step> directory in {output_dir}")
-        return path
+        found = checkpoints(output_dir)
+        for path in reversed(found):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return path
+            say(f"resume_from_checkpoint auto: skipping {path.name}, it is damaged ({problem})")
+        if found:
+            raise CheckpointError(f"resume_from_checkpoint: every checkpoint in {output_dir} is damaged "
+                                  f"({len(found)} checked); start again with --overwrite_output_dir")
+        # A run killed before its first save completed: its resume command starts it again (transformers raises
+        # "No valid checkpoint found" here, which left such a run only --overwrite_output_dir).
+        say(f"resume_from_checkpoint auto: no complete checkpoint in {output_dir}; starting from step 0")
+        return None
     path = Path(resume_from_checkpoint)
     if not (path / "trainer_state.json").is_file():
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a complete checkpoint (no trainer_state.json)")
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(f"resume_from_checkpoint: {path} is damaged ({problem}); give an earlier checkpoint, "
+                              "or --resume_from_checkpoint auto to take the newest intact one")
     return path
+
+
+def _crc32(file: Path) -> int:
+    crc = 0
+    with file.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(directory: Path) -> None:
+    """manifest.json: every file under directory (relative path) with its size and CRC-32."""
+    entries = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)}
+               for p in _files(directory)}
+    (directory / MANIFEST).write_text(json.dumps({"files": entries}, indent=1, sort_keys=True) + "\n")
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """None when every file of the checkpoint matches its manifest (or it predates manifests), else the first
+    problem, naming the file: missing, another size, another checksum, or an unreadable manifest."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+        items = [(name, int(e["size"]), int(e["crc32"])) for name, e in entries.items()]
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        return f"{manifest}: unreadable"
+    for name, size, crc in items:
+        file = path / name
+        if not file.is_file():
+            return f"{file}: missing"
+        actual = file.stat().st_size
+        if actual != size:
+            return f"{file}: {actual} bytes, {size} when saved"
+        if _crc32(file) != crc:
+            return f"{file}: contents changed since it was saved (CRC-32 mismatch)"
+    return None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file and directory under directory, and directory itself."""
+    for p in sorted(directory.rglob("*"), key=lambda q: len(q.parts), reverse=True):
+        _fsync(p)
+    _fsync(directory)
 
 
 def rng_state() -> dict:
@@ -168,9 +254,12 @@ def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, schedu
         (tmp / "training_args.json").write_text(json.dumps(args_dict, indent=2, sort_keys=True, default=str) + "\n")
         # trainer_state.json last: its presence marks the directory complete.
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str) + "\n")
+        write_manifest(tmp)
+        fsync_tree(tmp)  # the bytes reach the disk before the name does: a power cut leaves no half checkpoint
         if final.exists():  # re-saving the same step (e.g. SIGTERM right after a scheduled save)
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync(out)  # the rename itself
     _barrier(world_size)  # no rank goes on (and maybe reads it) before the checkpoint is in place
     return final
 

@@ -47,7 +47,7 @@ from kernels._dispatch import TRITON_MISSING, interpreter_on
 from .args import ConfigError, _arg, parse_args
 from .attention import _flash_attn
 from .build import build_model, check_model_name, is_preset, preset_config, read_config
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, checkpoints, resolve_resume
 from .data import DataError, load_sft_dataset, read_examples, resolve_data_files, split_dataset
 from .dist import end_on_error, init_distributed, world
 from .metrics import plot_loss_curve
@@ -227,6 +227,8 @@ def check_run(args, sft: SFTArguments) -> None:
     (building the model, tokenising) or written; each failure is a one-line ConfigError/DataError (exit 2)."""
     check_model_name(sft.model)
     _check_output_dir(args, sft)
+    if args.resume_from_checkpoint and str(args.resume_from_checkpoint).lower() not in ("true", "auto", "latest"):
+        resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a damaged or missing one: exit 2, nothing built
     if sft.train_on_prompt and sft.mask_history:
         raise ConfigError("train_on_prompt and mask_history cannot both be set (train_on_prompt trains every token, "
                           "mask_history the last assistant turn only)")
@@ -288,7 +290,8 @@ def _check_output_dir(args, sft: SFTArguments) -> None:
         raise ConfigError(f"output_dir: {out} cannot be written (no write permission on {existing})")
     if args.overwrite_output_dir or args.resume_from_checkpoint or not out.is_dir():
         return
-    trained = ("checkpoints" if any(out.glob("checkpoint-*")) else
+    # complete checkpoints only: a run killed during its first save left a checkpoint-N.tmp, and its re-run starts
+    trained = ("checkpoints" if checkpoints(out) else
                "a trained model" if any((out / name).exists()
                                         for name in ("config.json", "model.safetensors", "adapter_config.json"))
                else None)

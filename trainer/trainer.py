@@ -171,7 +171,7 @@ class Trainer:
         if self.model_init is not None:
             self.model = self._configure_model(self._call_model_init())
             self.optimizer, self.lr_scheduler = None, None
-        resume = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir)
+        resume = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir, say=self._print)
         while True:
             try:
                 return self._train_loop(resume)

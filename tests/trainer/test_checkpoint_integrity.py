@@ -1,0 +1,129 @@
+"""Issue 21 items 4, 6 and 8: checkpoint manifests (a damaged file is found and named), fsync before and after the
+rename, and a run whose first save never completed starts again instead of being stuck."""
+
+import json
+import os
+
+import pytest
+
+import kernels
+from trainer import checkpoint as ckpt
+from trainer import sft
+
+FEW_STEPS = ["--model", "tiny", "--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "8",
+             "--exact_match_examples", "0", "--logging_steps", "1", "--disable_tqdm", "true"]
+
+
+def _save(out, step, payload=b"weights" * 100):
+    def save_model(directory):
+        (directory / "model.safetensors").write_bytes(payload)
+
+    return ckpt.save_checkpoint(out, step, save_model=save_model, data_state={"position": step},
+                                trainer_state={"global_step": step}, args_dict={"lr": 1e-3})
+
+
+def test_manifest_lists_every_file_and_an_intact_checkpoint_verifies(tmp_path):
+    path = _save(tmp_path, 2)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())["files"]
+    on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {ckpt.MANIFEST}
+    assert set(manifest) == on_disk and "trainer_state.json" in manifest and "rng_state.pth" in manifest
+    assert manifest["model.safetensors"]["size"] == 700
+    assert ckpt.verify_checkpoint(path) is None
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda p: p.joinpath("model.safetensors").write_bytes(b"weights" * 50), "350 bytes, 700 when saved"),
+    (lambda p: p.joinpath("model.safetensors").write_bytes(b"garbage" * 100), "CRC-32 mismatch"),
+    (lambda p: p.joinpath("rng_state.pth").write_bytes(b""), "0 bytes"),
+    (lambda p: p.joinpath("data_state.json").unlink(), "missing"),
+    (lambda p: p.joinpath(ckpt.MANIFEST).write_text("{not json"), "unreadable"),
+])
+def test_a_damaged_file_is_named(tmp_path, damage, expected):
+    path = _save(tmp_path, 2)
+    damage(path)
+    problem = ckpt.verify_checkpoint(path)
+    assert problem is not None and expected in problem
+    assert str(path) in problem  # names the file (or the manifest) in the checkpoint
+
+
+def test_auto_skips_a_damaged_newest_checkpoint_and_a_path_to_it_is_refused(tmp_path):
+    _save(tmp_path, 2)
+    newest = _save(tmp_path, 4)
+    (newest / "model.safetensors").write_bytes(b"w")
+    said = []
+    assert ckpt.resolve_resume("auto", tmp_path, say=said.append) == tmp_path / "checkpoint-2"
+    assert len(said) == 1 and "skipping checkpoint-4" in said[0] and "model.safetensors" in said[0]
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint-4 is damaged .*model.safetensors"):
+        ckpt.resolve_resume(str(newest), tmp_path)
+
+
+def test_auto_without_a_complete_checkpoint_starts_from_step_0(tmp_path):
+    (tmp_path / "checkpoint-2.tmp").mkdir()  # a first save that was killed
+    said = []
+    assert ckpt.resolve_resume("auto", tmp_path, say=said.append) is None
+    assert said == [f"resume_from_checkpoint auto: no complete checkpoint in {tmp_path}; starting from step 0"]
+
+
+def test_a_checkpoint_without_manifest_is_taken_as_it_is(tmp_path):
+    path = _save(tmp_path, 2)
+    (path / ckpt.MANIFEST).unlink()  # written before manifests existed
+    assert ckpt.verify_checkpoint(path) is None
+
+
+def test_every_file_and_both_directories_are_fsynced(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = _save(tmp_path, 2)
+    tmp = str(tmp_path / "checkpoint-2.tmp")
+    files = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
+    assert {f"{tmp}/{name}" for name in files} <= set(synced)  # every file, the manifest included, before the rename
+    assert tmp in synced  # the checkpoint's own directory entries
+    assert synced[-1] == str(tmp_path)  # the rename, last
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: "), err
+    assert "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoints(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "out"
+    with kernels.backend("reference"):
+        assert sft.main([*FEW_STEPS, "--output_dir", str(out)]) == 0
+    return out
+
+
+def test_cli_resume_auto_skips_the_damaged_checkpoint_and_a_damaged_path_exits_2(run_with_checkpoints, capsys):
+    out = run_with_checkpoints
+    assert [p.name for p in ckpt.checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    weights = out / "checkpoint-4" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    capsys.readouterr()
+    assert sft.main([*FEW_STEPS, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-4")]) == 2
+    line = _one_line_error(capsys)
+    assert "checkpoint-4 is damaged" in line and "model.safetensors" in line
+    assert sft.main([*FEW_STEPS, "--output_dir", str(out), "--resume_from_checkpoint", "auto"]) == 0
+    err = capsys.readouterr().err
+    assert "skipping checkpoint-4, it is damaged" in err and "Traceback" not in err
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and ckpt.verify_checkpoint(out / "checkpoint-4") is None  # saved again, whole
+
+
+def test_cli_a_first_save_killed_leaves_a_run_that_the_same_command_restarts(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "checkpoint-2.tmp").mkdir(parents=True)  # SIGKILL during the first save leaves only this
+    with kernels.backend("reference"):
+        assert sft.main([*FEW_STEPS, "--max_steps", "2", "--output_dir", str(out)]) == 0
+        assert [p.name for p in ckpt.checkpoints(out)] == ["checkpoint-2"]
+        assert sft.main([*FEW_STEPS, "--max_steps", "2", "--output_dir", str(tmp_path / "o2"),
+                         "--resume_from_checkpoint", "auto"]) == 0
+    assert "no complete checkpoint" in capsys.readouterr().err
