@@ -39,6 +39,7 @@ one given by path. Checkpoints written before manifests existed have none and ar
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -57,6 +58,23 @@ PREFIX = "checkpoint"
 MANIFEST = "manifest.json"  # file -> size and CRC-32, written last before the rename
 DCP_DIR = "dcp"  # the sharded model + optimizer copy inside a checkpoint (FSDP2)
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
+
+
+class OutOfSpaceError(OSError):
+    """A checkpoint does not fit on its device: the message says how much it needs and how much is free."""
+
+
+# Less than this free after a failed write means the device filled up: torch.save reports a full disk as
+# "unexpected pos N vs M", not as ENOSPC (seen on a 200 MB tmpfs).
+_FULL_BYTES = 16 << 20
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n} bytes"
+
+
+def _tree_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
 
 
 def checkpoints(output_dir: str | Path) -> list[Path]:
@@ -233,8 +251,37 @@ def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, schedu
     if writer:
         if tmp.exists():
             shutil.rmtree(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        previous = latest_checkpoint(out)
+        needed, free = _tree_bytes(previous) if previous else 0, shutil.disk_usage(out).free
+        if needed > free:  # the last checkpoint's size is the best estimate of this one's: refuse before writing
+            raise OutOfSpaceError(errno.ENOSPC, f"no space for {final.name}: it needs about {_gb(needed)} (the size of "
+                                  f"{previous.name}) and {out} has {_gb(free)} free")
         tmp.mkdir(parents=True)
     _barrier(world_size)  # the directory exists before any rank writes into it
+    try:
+        _write_checkpoint(tmp, final, out, writer=writer, rank=rank, world_size=world_size, save_model=save_model,
+                          optimizer=optimizer, scheduler=scheduler, scaler=scaler, data_state=data_state,
+                          trainer_state=trainer_state, args_dict=args_dict, save_only_model=save_only_model,
+                          save_sharded=save_sharded)
+    except Exception as exc:
+        written, free = _tree_bytes(tmp), shutil.disk_usage(out).free
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint must not hold the space it filled
+        full = (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or free < _FULL_BYTES
+        if not full:
+            raise
+        raise OutOfSpaceError(errno.ENOSPC, f"the device of {out} is out of space: {final.name} needs more than the "
+                              f"{_gb(written)} written when it filled up ({_gb(free)} free); the partial "
+                              f"{tmp.name} was removed, earlier checkpoints are untouched") from None
+    _barrier(world_size)  # no rank goes on (and maybe reads it) before the checkpoint is in place
+    return final
+
+
+def _write_checkpoint(tmp: Path, final: Path, out: Path, *, writer: bool, rank: int, world_size: int, save_model,
+                      optimizer, scheduler, scaler, data_state, trainer_state, args_dict, save_only_model,
+                      save_sharded) -> None:
+    """save_checkpoint's writes into tmp, then the rename to final (rank 0)."""
     save_model(tmp)
     if not save_only_model:
         if save_sharded is not None:
@@ -260,8 +307,6 @@ def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, schedu
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(out)  # the rename itself
-    _barrier(world_size)  # no rank goes on (and maybe reads it) before the checkpoint is in place
-    return final
 
 
 def _barrier(world_size: int) -> None:

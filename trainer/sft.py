@@ -23,13 +23,14 @@ data tokenised or anything written. A trained model is never replaced unasked: a
 checkpoints takes only --overwrite_output_dir, --resume_from_checkpoint, or the very arguments that produced it
 (saved as sft_args.json at the end; running the same command again works).
 
-Exit codes: 0 done, 1 an error on some rank of a multi-process job, 2 bad input (one line on stderr, no
-traceback), 130 stopped by Ctrl-C (the first saves a checkpoint at the end of the step, a second aborts at once),
+Exit codes: 0 done, 1 an error on some rank of a multi-process job, or the disk full (one line saying how much a
+checkpoint needs and how much is free, and the resume command), 2 bad input (one line on stderr, no traceback), 130 stopped by Ctrl-C (the first saves a checkpoint at the end of the step, a second aborts at once),
 143 stopped by SIGTERM after saving; a stopped run prints the command that resumes it.
 """
 
 import contextlib
 import dataclasses
+import errno
 import importlib.util
 import json
 import os
@@ -47,7 +48,7 @@ from kernels._dispatch import TRITON_MISSING, interpreter_on
 from .args import ConfigError, _arg, parse_args
 from .attention import _flash_attn
 from .build import build_model, check_model_name, is_preset, preset_config, read_config
-from .checkpoint import CheckpointError, checkpoints, resolve_resume
+from .checkpoint import CheckpointError, OutOfSpaceError, checkpoints, resolve_resume
 from .data import DataError, load_sft_dataset, read_examples, resolve_data_files, split_dataset
 from .dist import end_on_error, init_distributed, world
 from .metrics import plot_loss_curve
@@ -185,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if world()[1] > 1:  # the other ranks would wait for this one in their next collective
             return end_on_error(exc)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            # OutOfSpaceError from a checkpoint (it removed its partial copy), or any other write on a full disk
+            print(f"error: {exc.strerror if isinstance(exc, OutOfSpaceError) else exc}; free space, then resume from "
+                  f"the newest checkpoint with:\n    {resume_command(argv)}", file=sys.stderr)
+            return 1
         raise
 
 

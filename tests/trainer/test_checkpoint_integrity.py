@@ -127,3 +127,58 @@ def test_cli_a_first_save_killed_leaves_a_run_that_the_same_command_restarts(tmp
         assert sft.main([*FEW_STEPS, "--max_steps", "2", "--output_dir", str(tmp_path / "o2"),
                          "--resume_from_checkpoint", "auto"]) == 0
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+class _FullDisk:
+    """torch.save that fills the disk half way through a file (as torch reports it: "unexpected pos"), and a
+    shutil.disk_usage that reports the device full from then on."""
+
+    def __init__(self, monkeypatch, when="optimizer.pt"):
+        self.full = False
+        real_save, real_usage = ckpt.torch.save, ckpt.shutil.disk_usage
+
+        def save(obj, file, *a, **k):
+            if when in str(file):
+                self.full = True
+                open(file, "wb").write(b"\0" * 4096)
+                raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing "
+                                   "file data/0: file write failed; unexpected pos 14038400 vs 14038292")
+            return real_save(obj, file, *a, **k)
+
+        def usage(path):
+            total, used, free = real_usage(path)
+            return type(real_usage(path))(total, used, 1 << 20 if self.full else free)
+
+        monkeypatch.setattr(ckpt.torch, "save", save)
+        monkeypatch.setattr(ckpt.shutil, "disk_usage", usage)
+
+
+def test_disk_full_during_a_save_removes_the_partial_copy_and_says_so(tmp_path, monkeypatch):
+    earlier = _save(tmp_path, 2)
+    _FullDisk(monkeypatch, when="rng_state")
+    with pytest.raises(ckpt.OutOfSpaceError, match=r"out of space: checkpoint-4 needs more than the \d+ bytes written .*\(1\.0 MB free\)"):
+        _save(tmp_path, 4)
+    assert not (tmp_path / "checkpoint-4.tmp").exists() and not (tmp_path / "checkpoint-4").exists()
+    assert ckpt.verify_checkpoint(earlier) is None
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
+    _save(tmp_path, 2, payload=b"w" * (3 << 20))
+    disk = _FullDisk(monkeypatch)
+    disk.full = True  # 1 MB free, the last checkpoint holds 3 MB
+    with pytest.raises(ckpt.OutOfSpaceError, match=r"checkpoint-4: it needs about 3\.2 MB .* 1\.0 MB free"):
+        _save(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+def test_cli_disk_full_is_one_line_with_the_resume_command_and_exit_1(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    _FullDisk(monkeypatch, when="checkpoint-4.tmp/optimizer.pt")
+    with kernels.backend("reference"):
+        assert sft.main([*FEW_STEPS, "--output_dir", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert err[-2].startswith("error: the device of") and "out of space" in err[-2] and "1.0 MB free" in err[-2]
+    assert err[-1].strip().endswith("--resume_from_checkpoint auto")
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    assert ckpt.verify_checkpoint(out / "checkpoint-2") is None
