@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint_hf import CheckpointError
+from .checkpoint_hf import CheckpointError, to_json
 
 PREFIX = "checkpoint"
 MANIFEST = "manifest.json"  # file -> size and CRC-32, written last before the rename
@@ -294,13 +294,13 @@ def _write_checkpoint(tmp: Path, final: Path, out: Path, *, writer: bool, rank: 
             if scaler is not None:
                 torch.save(scaler.state_dict(), tmp / "scaler.pt")
             if data_state is not None:
-                (tmp / "data_state.json").write_text(json.dumps(data_state, indent=2) + "\n")
+                (tmp / "data_state.json").write_text(to_json(data_state, indent=2) + "\n")
         torch.save(_python_rng_to_tensorable(rng_state()), tmp / _rng_file(rank, world_size))
     _barrier(world_size)  # every rank's files are written
     if writer:
-        (tmp / "training_args.json").write_text(json.dumps(args_dict, indent=2, sort_keys=True, default=str) + "\n")
+        (tmp / "training_args.json").write_text(to_json(args_dict, indent=2, sort_keys=True, default=str) + "\n")
         # trainer_state.json last: its presence marks the directory complete.
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str) + "\n")
+        (tmp / "trainer_state.json").write_text(to_json(trainer_state, indent=2, default=str) + "\n")
         write_manifest(tmp)
         fsync_tree(tmp)  # the bytes reach the disk before the name does: a power cut leaves no half checkpoint
         if final.exists():  # re-saving the same step (e.g. SIGTERM right after a scheduled save)

@@ -19,6 +19,7 @@ This module knows nothing about the model; `trainer.build.load_pretrained` / `sa
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -50,6 +51,31 @@ def read_json(file: Path) -> dict:
     if not isinstance(value, dict):
         raise CheckpointError(f"{file}: expected a JSON object")
     return value
+
+
+NON_FINITE_SUFFIX = "_non_finite"  # beside a key whose number was NaN or infinite: the value it had
+
+
+def _finite_only(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            out[key] = _finite_only(item)
+            if isinstance(item, float) and not math.isfinite(item):
+                out[f"{key}{NON_FINITE_SUFFIX}"] = str(item)  # "nan", "inf" or "-inf"
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_finite_only(item) for item in value]
+    return value
+
+
+def to_json(value, **kwargs) -> str:
+    """json.dumps that a strict reader parses: a NaN or infinite number becomes null, with the value it had beside
+    it under `<key>_non_finite` ("nan", "inf", "-inf"; in a list, null alone). Python's json writes bare NaN, which
+    is not JSON; transformers' trainer_state.json has it after a NaN loss (a deliberate difference)."""
+    return json.dumps(_finite_only(value), allow_nan=False, **kwargs)
 
 
 def parse_size(value: int | str) -> int:

@@ -40,6 +40,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .checkpoint_hf import to_json
+
 # The package each report_to name needs (the pip name is the same); jsonl needs none.
 LOGGER_PACKAGES = {
     "tensorboard": "tensorboard",
@@ -111,7 +113,7 @@ class JsonlLogger:
         self.file = path.open("a")
 
     def log(self, logs: dict, step: int) -> None:
-        self.file.write(json.dumps({"step": step, **logs}) + "\n")
+        self.file.write(to_json({"step": step, **logs}) + "\n")
         self.file.flush()
 
     def finish(self) -> None:

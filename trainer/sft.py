@@ -23,8 +23,9 @@ data tokenised or anything written. A trained model is never replaced unasked: a
 checkpoints takes only --overwrite_output_dir, --resume_from_checkpoint, or the very arguments that produced it
 (saved as sft_args.json at the end; running the same command again works).
 
-Exit codes: 0 done, 1 an error on some rank of a multi-process job, or the disk full (one line saying how much a
-checkpoint needs and how much is free, and the resume command), 2 bad input (one line on stderr, no traceback), 130 stopped by Ctrl-C (the first saves a checkpoint at the end of the step, a second aborts at once),
+Exit codes: 0 done, 1 a failed run: an error on some rank of a multi-process job, training that cannot go on
+(every step non-finite, or max_nonfinite_steps in a row: one line, no final model saved), or the disk full (one line
+saying how much a checkpoint needs and how much is free, and the resume command), 2 bad input (one line on stderr, no traceback), 130 stopped by Ctrl-C (the first saves a checkpoint at the end of the step, a second aborts at once),
 143 stopped by SIGTERM after saving; a stopped run prints the command that resumes it.
 """
 
@@ -49,6 +50,7 @@ from .args import ConfigError, _arg, parse_args
 from .attention import _flash_attn
 from .build import build_model, check_model_name, is_preset, preset_config, read_config
 from .checkpoint import CheckpointError, OutOfSpaceError, checkpoints, resolve_resume
+from .checkpoint_hf import to_json
 from .data import DataError, load_sft_dataset, read_examples, resolve_data_files, split_dataset
 from .dist import end_on_error, init_distributed, world
 from .metrics import plot_loss_curve
@@ -56,7 +58,7 @@ from .lora import import_peft, lora_config
 from .model import CausalLM, ModelError, generate
 from .tasks import EVAL_FILE, TRAIN_FILE, kind_of
 from .tokenizer import TokenizerError
-from .trainer import Trainer, set_seed
+from .trainer import Trainer, TrainingError, set_seed
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 # Written into output_dir at the end of a finished run: the arguments it ran with (`run_arguments`). A run with the
@@ -186,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if world()[1] > 1:  # the other ranks would wait for this one in their next collective
             return end_on_error(exc)
+        if isinstance(exc, TrainingError):  # the run cannot go on; the message says why and what is on disk
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             # OutOfSpaceError from a checkpoint (it removed its partial copy), or any other write on a full disk
             print(f"error: {exc.strerror if isinstance(exc, OutOfSpaceError) else exc}; free space, then resume from "
@@ -399,7 +404,7 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
                 print(f"  {prompt!r} -> {answer!r} (reference {reference!r})", file=sys.stderr)
     if rank != 0:  # the files and the report below are rank 0's
         return 0
-    (Path(args.output_dir) / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (Path(args.output_dir) / "final_metrics.json").write_text(to_json(summary, indent=2) + "\n")
     (Path(args.output_dir) / RUN_ARGS_FILE).write_text(json.dumps(requested, indent=2, sort_keys=True) + "\n")
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
     print("\n".join([""] + how_to_use(final, sft.model, args.use_peft) + [

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import json
 import math
 import os
 import random
@@ -60,6 +59,7 @@ from . import checkpoint as ckpt
 from .args import TrainingArguments
 from .batching import BatchLoader
 from .build import apply_model_settings, causal_lm
+from .checkpoint_hf import to_json
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
 from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
 from .deepspeed_engine import CHECKPOINT_DIR as DEEPSPEED_DIR, DeepSpeedRun
@@ -198,7 +198,7 @@ class Trainer:
             out.mkdir(parents=True, exist_ok=True)
         self._save_model_files(out)  # every rank: gathering sharded weights is a collective
         if self.rank == 0:
-            (out / "training_args.json").write_text(json.dumps(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+            (out / "training_args.json").write_text(to_json(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
         if self.world_size > 1:
             torch.distributed.barrier()  # on return the files exist for every rank
         return out
@@ -292,7 +292,7 @@ class Trainer:
         peak_flops = device_peak_flops(device)
         flops_per_token = self._flops_per_token(model)
         self._print_run_summary(model, loader, micro, accum, num_epochs, max_steps)
-        start_time, start_step = time.perf_counter(), state.global_step
+        start_time, start_step, start_nonfinite = time.perf_counter(), state.global_step, state.nonfinite_steps
         progress = self._progress(max_steps, state.global_step)
         previous_handlers = self._install_stop_signals()
         sums = _RunningSums()
@@ -374,6 +374,12 @@ class Trainer:
             writer.close()
         if self.stop_signal is not None:
             self._print(f"{self.stop_signal.name}: stopped at step {state.global_step}; {self._on_disk()}")
+        elif steps_trained and state.nonfinite_steps - start_nonfinite == steps_trained:
+            # Every step was skipped: the weights are the starting ones, and a caller saving them as "the trained
+            # model" would replace a good model with an untrained one (transformers goes on and saves it).
+            raise TrainingError(f"training failed: all {steps_trained} steps had a non-finite loss or gradient norm, "
+                                f"so no update reached the weights (lower the learning rate, check the data, or try "
+                                f"bf16 instead of fp16); {self._on_disk()}")
         if args.load_best_model_at_end and state.best_model_checkpoint and self.stop_signal is None:
             if self.deepspeed is not None:
                 self.deepspeed.load_checkpoint(Path(state.best_model_checkpoint) / DEEPSPEED_DIR, weights_only=True)
