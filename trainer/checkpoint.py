@@ -39,13 +39,16 @@ one given by path. Checkpoints written before manifests existed have none and ar
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -75,6 +78,61 @@ def _gb(n: int) -> str:
 
 def _tree_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
+
+
+LOCK_FILE = ".run.lock"  # flock-ed by the run that owns output_dir; holds its pid
+# What a run writes at the top of output_dir besides checkpoints (model, tokenizer, adapter, results); an overwriting
+# run moves the earlier run's aside. The data cache, the lock and metrics.jsonl (the jsonl logger moves it) stay.
+RUN_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+             "model-*-of-*.safetensors", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
+             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "training_args.json",
+             "final_metrics.json", "sft_args.json", "loss_curve.png")
+
+
+@contextlib.contextmanager
+def hold_output_dir(output_dir: str | Path, rank: int = 0):
+    """Own output_dir for the duration: an exclusive flock on output_dir/.run.lock (rank 0 only). The kernel releases
+    it on any exit, SIGKILL included, so a stale lock never blocks; a second run is refused with the holder's pid."""
+    if rank != 0:
+        yield
+        return
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise CheckpointError(f"output_dir: {out} is in use by another run (pid {holder}); wait for it to end or "
+                                  "give another --output_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def move_aside_previous_run(output_dir: str | Path) -> Path | None:
+    """Move an earlier run's checkpoints and model files into output_dir/overwritten-<time>/ (a rename: no copy),
+    so that nothing of it outranks this run's (rotation, "newest", resume auto) and nothing is lost. Returns the
+    folder, or None when there was nothing to move."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return None
+    found = sorted({p for p in out.glob(f"{PREFIX}-*") if p.is_dir()} |
+                   {p for pattern in RUN_FILES for p in out.glob(pattern) if p.is_file()})
+    if not found:
+        return None
+    aside = out / time.strftime("overwritten-%Y%m%d-%H%M%S")
+    n = 1
+    while aside.exists():
+        aside, n = aside.with_name(f"{aside.name.split('.')[0]}.{n}"), n + 1
+    aside.mkdir()
+    for p in found:
+        os.replace(p, aside / p.name)
+    _fsync(out)
+    return aside
 
 
 def checkpoints(output_dir: str | Path) -> list[Path]:

@@ -49,7 +49,8 @@ from kernels._dispatch import TRITON_MISSING, interpreter_on
 from .args import ConfigError, _arg, parse_args
 from .attention import _flash_attn
 from .build import build_model, check_model_name, is_preset, preset_config, read_config
-from .checkpoint import CheckpointError, OutOfSpaceError, checkpoints, resolve_resume
+from .checkpoint import CheckpointError, OutOfSpaceError, checkpoints, hold_output_dir, move_aside_previous_run
+from .checkpoint import resolve_resume
 from .checkpoint_hf import to_json
 from .data import DataError, load_sft_dataset, read_examples, resolve_data_files, split_dataset
 from .dist import end_on_error, init_distributed, world
@@ -203,7 +204,8 @@ def _run(argv: list[str]) -> int:
     try:
         args, sft = parse_args(argv, extra_dataclasses=(SFTArguments,))
         check_run(args, sft)
-        return train(args, sft, argv)
+        with hold_output_dir(args.output_dir, rank=int(os.environ.get("RANK", "0"))):  # one run per output_dir
+            return train(args, sft, argv)
     except (ConfigError, DataError, ModelError, TokenizerError, CheckpointError) as exc:
         return _user_error(exc)
 
@@ -349,6 +351,11 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
     out = Path(args.output_dir)
     if rank == 0:
         print(args.summary(), file=sys.stderr)
+        if args.overwrite_output_dir and not args.resume_from_checkpoint:
+            aside = move_aside_previous_run(out)
+            if aside is not None:
+                print(f"overwrite_output_dir: moved the earlier run's checkpoints and model files in {out} to "
+                      f"{aside.name}/ (delete it when you no longer need them)", file=sys.stderr)
     set_seed(args.seed)
     model, tokenizer = build_model(sft.model, args, dtype=sft.model_dtype,
                                    attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation])

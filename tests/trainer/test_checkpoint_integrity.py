@@ -1,8 +1,12 @@
-"""Issue 21 items 4, 6 and 8: checkpoint manifests (a damaged file is found and named), fsync before and after the
-rename, and a run whose first save never completed starts again instead of being stuck."""
+"""Issue 21: one run per output_dir (a lock; overwriting moves the earlier run aside), checkpoint manifests (a damaged
+file is found and named), fsync before and after the rename, disk full, and a run whose first save never completed
+starts again instead of being stuck."""
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +14,7 @@ import kernels
 from trainer import checkpoint as ckpt
 from trainer import sft
 
+ROOT = Path(__file__).resolve().parents[2]
 FEW_STEPS = ["--model", "tiny", "--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "8",
              "--exact_match_examples", "0", "--logging_steps", "1", "--disable_tqdm", "true"]
 
@@ -182,3 +187,45 @@ def test_cli_disk_full_is_one_line_with_the_resume_command_and_exit_1(tmp_path, 
     assert err[-1].strip().endswith("--resume_from_checkpoint auto")
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
     assert ckpt.verify_checkpoint(out / "checkpoint-2") is None
+
+
+def test_overwrite_moves_the_earlier_run_aside_so_its_checkpoints_never_outrank_this_runs(tmp_path, capsys):
+    """Issue 21 item 1: the old checkpoint-15/20 used to stay 'newest', and rotation deleted the new run's."""
+    out = tmp_path / "out"
+    for step in (15, 20):
+        _save(out, step)
+    (out / "model.safetensors").write_bytes(b"old model")
+    (out / "final_metrics.json").write_text("{}\n")
+    with kernels.backend("reference"):
+        assert sft.main([*FEW_STEPS, "--output_dir", str(out), "--overwrite_output_dir", "--save_total_limit", "2"]) == 0
+    assert [p.name for p in ckpt.checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+    assert (out / "model.safetensors").read_bytes() != b"old model"
+    aside = [p for p in out.iterdir() if p.name.startswith("overwritten-")]
+    assert len(aside) == 1
+    assert sorted(p.name for p in aside[0].iterdir()) == ["checkpoint-15", "checkpoint-20", "final_metrics.json",
+                                                          "model.safetensors"]
+    assert f"moved the earlier run's checkpoints and model files in {out} to {aside[0].name}/" in capsys.readouterr().err
+
+
+def test_a_second_run_in_the_same_output_dir_is_refused_and_a_killed_holder_leaves_no_stale_lock(tmp_path, capsys):
+    """Issue 21 item 2: another process holds output_dir (as a running trainer.sft does); a run there is refused in
+    one line naming the holder's pid, exit 2, nothing written; SIGKILL of the holder frees the directory."""
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from trainer.checkpoint import hold_output_dir\n"
+        f"with hold_output_dir({str(out)!r}):\n    print('held', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = sorted(p.name for p in out.iterdir())
+        with kernels.backend("reference"):
+            assert sft.main([*FEW_STEPS, "--output_dir", str(out)]) == 2
+        line = _one_line_error(capsys)
+        assert f"output_dir: {out} is in use by another run (pid {holder.pid})" in line
+        assert sorted(p.name for p in out.iterdir()) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    with kernels.backend("reference"):
+        assert sft.main([*FEW_STEPS, "--output_dir", str(out)]) == 0
