@@ -113,6 +113,31 @@ def hold_output_dir(output_dir: str | Path, rank: int = 0):
         os.close(fd)  # releases the lock
 
 
+# safetensors writes through a Rust NamedTempFile (".tmp" + 6 characters) renamed into place: a kill during the final
+# save leaves one, as large as the model.
+_SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
+
+
+def clean_leftovers(output_dir: str | Path) -> list[str]:
+    """Remove what interrupted runs leave in output_dir (call it holding the lock: no other run is writing there):
+    partial checkpoints (checkpoint-N.tmp), half-deleted ones (checkpoint-N.deleting) and safetensors' temporary
+    files. Returns their names."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    removed = []
+    for p in sorted(out.iterdir()):
+        if p.is_dir() and _CKPT_RE.match(p.name.removesuffix(".tmp").removesuffix(".deleting")) and p.suffix in (
+                ".tmp", ".deleting"):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.is_file() and _SAFETENSORS_TMP.match(p.name):
+            p.unlink()
+        else:
+            continue
+        removed.append(p.name)
+    return removed
+
+
 def move_aside_previous_run(output_dir: str | Path) -> Path | None:
     """Move an earlier run's checkpoints and model files into output_dir/overwritten-<time>/ (a rename: no copy),
     so that nothing of it outranks this run's (rotation, "newest", resume auto) and nothing is lost. Returns the
@@ -445,6 +470,10 @@ def rotate_checkpoints(output_dir, save_total_limit: int | None, best_checkpoint
     deleted = []
     for p in found:
         if p.resolve() not in keep:
-            shutil.rmtree(p, ignore_errors=True)
+            # Renamed first: a kill during the removal leaves a .deleting directory (cleaned at the next start), never
+            # a half-deleted checkpoint-N that still looks complete.
+            doomed = p.with_name(p.name + ".deleting")
+            os.replace(p, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
             deleted.append(p)
     return deleted

@@ -49,8 +49,8 @@ from kernels._dispatch import TRITON_MISSING, interpreter_on
 from .args import ConfigError, _arg, parse_args
 from .attention import _flash_attn
 from .build import build_model, check_model_name, is_preset, preset_config, read_config
-from .checkpoint import CheckpointError, OutOfSpaceError, checkpoints, hold_output_dir, move_aside_previous_run
-from .checkpoint import resolve_resume
+from .checkpoint import (CheckpointError, OutOfSpaceError, checkpoints, clean_leftovers, hold_output_dir,
+                         move_aside_previous_run, resolve_resume)
 from .checkpoint_hf import to_json
 from .data import DataError, load_sft_dataset, read_examples, resolve_data_files, split_dataset
 from .dist import end_on_error, init_distributed, world
@@ -351,6 +351,9 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
     out = Path(args.output_dir)
     if rank == 0:
         print(args.summary(), file=sys.stderr)
+        leftovers = clean_leftovers(out)  # this run holds output_dir's lock: nothing else is writing there
+        if leftovers:
+            print(f"output_dir: removed what an interrupted run left: {', '.join(leftovers)}", file=sys.stderr)
         if args.overwrite_output_dir and not args.resume_from_checkpoint:
             aside = move_aside_previous_run(out)
             if aside is not None:

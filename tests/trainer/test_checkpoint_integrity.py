@@ -229,3 +229,29 @@ def test_a_second_run_in_the_same_output_dir_is_refused_and_a_killed_holder_leav
         holder.wait()
     with kernels.backend("reference"):
         assert sft.main([*FEW_STEPS, "--output_dir", str(out)]) == 0
+
+
+def test_leftovers_of_killed_saves_and_rotations_are_removed_at_start(tmp_path, capsys):
+    """Issue 21 item 9: safetensors' temporary file of a killed final save, a partial checkpoint and a half-deleted
+    one; a rotation renames before removing, so a kill mid-way never leaves a checkpoint-N that looks complete."""
+    out = tmp_path / "out"
+    _save(out, 1)
+    (out / ".tmpAb12Cd").write_bytes(b"\0" * 1000)  # safetensors' NamedTempFile
+    (out / "checkpoint-3.tmp").mkdir()
+    half = _save(out, 2)
+    os.replace(half, out / "checkpoint-2.deleting")
+    with kernels.backend("reference"):
+        assert sft.main([*FEW_STEPS, "--output_dir", str(out), "--overwrite_output_dir"]) == 0
+    err = capsys.readouterr().err
+    assert "removed what an interrupted run left: .tmpAb12Cd, checkpoint-2.deleting, checkpoint-3.tmp" in err
+    assert not (out / ".tmpAb12Cd").exists() and not list(out.glob("*.deleting")) and not list(out.glob("*.tmp"))
+
+
+def test_rotation_renames_before_it_removes(tmp_path, monkeypatch):
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    seen = []
+    monkeypatch.setattr(ckpt.shutil, "rmtree", lambda p, **k: seen.append(Path(p).name))
+    ckpt.rotate_checkpoints(tmp_path, 2)
+    assert seen == ["checkpoint-1.deleting"]
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3"]
