@@ -37,7 +37,6 @@ CPU (--quick): one tiny shape through the Triton interpreter; rows say perf_figu
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -211,22 +210,12 @@ def run(shapes, dtype, modes, providers, *, offset=0.0, eps=1e-6, compile_backen
                     row.update(byte_model(mode, m, n, x.element_size(), w.element_size()).columns(m * n, t["ms"]))
                 timings[name] = t["ms"]
                 rows.append(row)
-            for row in rows[-len(fns):]:
-                if row["provider"] == "ours":
-                    for base, ms in timings.items():
-                        if base != "ours":
-                            row[f"speedup_vs_{base}"] = ms / row["ms"]
-            print(" | ".join(f"{m}x{n} {mode:8s} {k}: {v:.3f} ms" for k, v in timings.items())
-                  + "".join(common.byte_model_text(r) for r in rows[-len(fns):]))
+            common.finish_case(rows[-len(fns):], timings, f"{m}x{n} {mode:8s}")
     return rows
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one tiny shape, few repetitions (CPU smoke run)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation and weight dtype")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    ap = common.provider_parser(__doc__, DTYPES, MODES, PROVIDERS, "activation and weight dtype")
     ap.add_argument("--tokens", nargs="+", type=int, help="rows (batch x sequence); default: real-model sweep on GPU")
     ap.add_argument("--hidden", nargs="+", type=int, help="hidden sizes; default: real-model sweep on GPU")
     ap.add_argument("--offset", type=float, default=0.0, help="0 (Llama) or 1 (Gemma)")

@@ -153,22 +153,12 @@ def run(shapes, dtype, modes, providers, *, shared_cos=True, compile_backend="in
                     row.update(byte_model(mode, B, Hq, Hkv, Bc, s, c).columns((Hq + Hkv) * B * T * D, t["ms"]))
                 timings[name] = t["ms"]
                 rows.append(row)
-            for row in rows[-len(fns):]:
-                if row["provider"] == "ours":
-                    for base, ms in timings.items():
-                        if base != "ours":
-                            row[f"speedup_vs_{base}"] = ms / row["ms"]
-            print(" | ".join(f"{B}x{T}x{Hq}/{Hkv}x{D} {mode:8s} {k}: {v:.3f} ms" for k, v in timings.items())
-                  + "".join(common.byte_model_text(r) for r in rows[-len(fns):]))
+            common.finish_case(rows[-len(fns):], timings, f"{B}x{T}x{Hq}/{Hkv}x{D} {mode:8s}")
     return rows
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one tiny shape, few repetitions (CPU smoke run)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="q and k dtype (cos/sin are fp32)")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    ap = common.provider_parser(__doc__, DTYPES, MODES, PROVIDERS, "q and k dtype (cos/sin are fp32)")
     ap.add_argument("--shapes", nargs="+", type=parse_shape, metavar="BxT",
                     help=f"batch x sequence; default on GPU: {' '.join(GPU_SHAPES)}")
     ap.add_argument("--heads", nargs=3, type=int, metavar=("HQ", "HKV", "D"), default=list(HEADS),

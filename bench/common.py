@@ -27,6 +27,7 @@ Timing: on CUDA `triton.testing.do_bench` (median, p20, p80 in ms; CUDA graphs v
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import functools
 import importlib.metadata
@@ -223,6 +224,26 @@ def byte_model_text(row: dict) -> str:
         return "-" if v is None else f"{v:.4g} GB/s"
 
     return f" | B/elt r+w ours {row['bytes_rw']}: {fmt(row['gb_s_ours'])}, min {row['bytes_rw_min']}: {fmt(row['gb_s_min'])}"
+
+
+def finish_case(case_rows: list[dict], timings: dict[str, float], label: str) -> None:
+    """One shape and mode of a provider bench (rms_norm, rope, swiglu): give our row speedup_vs_<provider> (their
+    median time over ours) and print the times with our byte model."""
+    for row in case_rows:
+        if row["provider"] == "ours":
+            row.update({f"speedup_vs_{base}": ms / row["ms"] for base, ms in timings.items() if base != "ours"})
+    print(" | ".join(f"{label} {k}: {v:.3f} ms" for k, v in timings.items())
+          + "".join(byte_model_text(r) for r in case_rows))
+
+
+def provider_parser(doc: str, dtypes: dict, modes: tuple, providers: tuple, dtype_help: str):
+    """The arguments every provider bench shares: --quick, --dtype, --modes, --providers."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one tiny shape, few repetitions (CPU smoke run)")
+    ap.add_argument("--dtype", choices=sorted(dtypes), default="bf16", help=dtype_help)
+    ap.add_argument("--modes", nargs="+", choices=modes, default=list(modes))
+    ap.add_argument("--providers", nargs="+", choices=providers, default=list(providers))
+    return ap
 
 
 def write_rows(name: str, rows: list[dict]) -> Path:
