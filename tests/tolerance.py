@@ -39,3 +39,28 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.is_floating_point:
         return torch.full_like(t, float("nan"))
     return torch.full_like(t, torch.iinfo(t.dtype).max)
+
+
+def fwd_bwd(fn, a: torch.Tensor, b: torch.Tensor, grad_out: torch.Tensor):
+    """(fn(a, b), d/da, d/db) for the upstream gradient grad_out, on fresh leaf copies of a and b."""
+    a = a.detach().clone().requires_grad_()
+    b = b.detach().clone().requires_grad_()
+    out = fn(a, b)
+    da, db = torch.autograd.grad(out, [a, b], grad_out)
+    return out.detach(), da, db
+
+
+class PoisonedTorch:
+    """Stands in for `torch` inside a kernel module (monkeypatch its `torch`): every floating torch.empty comes back
+    full of NaN, so an output element a launcher forgets to write shows up."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *args, **kwargs):
+        self.calls += 1
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype.is_floating_point else t

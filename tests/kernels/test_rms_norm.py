@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import kernels
 from kernels.nn import RMSNorm
 from kernels.rms_norm import RMSNormFunction, launch_config, rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_ref
-from tests.tolerance import assert_lowp_close, eps, max_abs_err
+from tests.tolerance import PoisonedTorch, assert_lowp_close, eps, fwd_bwd, max_abs_err
 
 # `kernels.rms_norm` the attribute is the function; the module itself is reached through sys.modules.
 rms_mod = importlib.import_module("kernels.rms_norm")
@@ -45,14 +45,6 @@ def _make(shape, dtype, offset, *, w_dtype=None, seed=0):
     w = (torch.randn(n, generator=g) * 0.2 + (0.0 if offset else 1.0)).to(w_dtype or dtype)
     dy = torch.randn(shape, generator=g).to(dtype)
     return x, w, dy
-
-
-def _fwd_bwd(fn, x, w, dy):
-    x = x.detach().clone().requires_grad_()
-    w = w.detach().clone().requires_grad_()
-    y = fn(x, w)
-    dx, dw = torch.autograd.grad(y, [x, w], dy)
-    return y.detach(), dx, dw
 
 
 def _assert_fp32_close(ours, ref, name, rows=1):
@@ -95,10 +87,10 @@ def _check_all(ours, ref32, torch_lowp, dtype, rows):
 def test_matches_reference_and_torch(shape, dtype, offset):
     x, w, dy = _make(shape, dtype, offset)
     n = shape[-1]
-    ours = _fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6, offset), x, w, dy)
+    ours = fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6, offset), x, w, dy)
     assert ours[0].dtype == dtype and ours[1].dtype == dtype and ours[2].dtype == dtype
-    ref32 = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, offset), x.float(), w.float(), dy.float())
-    torch_lowp = _fwd_bwd(lambda a, b: F.rms_norm(a, (n,), offset + b, 1e-6), x, w, dy)
+    ref32 = fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, offset), x.float(), w.float(), dy.float())
+    torch_lowp = fwd_bwd(lambda a, b: F.rms_norm(a, (n,), offset + b, 1e-6), x, w, dy)
     rows = x.numel() // n
     _check_all(ours, ref32, torch_lowp, dtype, rows)
     if dtype == torch.float32:
@@ -120,10 +112,10 @@ def test_multi_block_loop_path(dtype, offset):
     def looped(a, b):
         return RMSNormFunction.apply(a.reshape(-1, n), b, 1e-6, offset, 1024).view(shape)
 
-    ours = _fwd_bwd(looped, x, w, dy)
-    one_block = _fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6, offset), x, w, dy)
-    ref32 = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, offset), x.float(), w.float(), dy.float())
-    torch_lowp = _fwd_bwd(lambda a, b: F.rms_norm(a, (n,), offset + b, 1e-6), x, w, dy)
+    ours = fwd_bwd(looped, x, w, dy)
+    one_block = fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6, offset), x, w, dy)
+    ref32 = fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, offset), x.float(), w.float(), dy.float())
+    torch_lowp = fwd_bwd(lambda a, b: F.rms_norm(a, (n,), offset + b, 1e-6), x, w, dy)
     _check_all(ours, ref32, torch_lowp, dtype, rows=10)
     _check_all(one_block, ref32, torch_lowp, dtype, rows=10)
 
@@ -143,10 +135,10 @@ def test_wide_rows_backward_takes_the_column_loop(monkeypatch):
             return rowdot[grid]
 
     monkeypatch.setattr(rms_mod, "_rms_norm_bwd_rowdot_kernel", _Counting())
-    ours = _fwd_bwd(lambda a, b: rms_norm(a, b), x, w, dy)
+    ours = fwd_bwd(lambda a, b: rms_norm(a, b), x, w, dy)
     assert launch_config(3, n)[2] is True and len(rowdot_launches) == 1
-    ref32 = _fwd_bwd(lambda a, b: rms_norm_ref(a, b), x.float(), w.float(), dy.float())
-    torch_lowp = _fwd_bwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6), x, w, dy)
+    ref32 = fwd_bwd(lambda a, b: rms_norm_ref(a, b), x.float(), w.float(), dy.float())
+    torch_lowp = fwd_bwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6), x, w, dy)
     _check_all(ours, ref32, torch_lowp, torch.bfloat16, rows=3)
 
 
@@ -156,9 +148,9 @@ def test_eps_matters(max_block):
     shape, e = (6, 4096 + 17), 1e-2
     x, w, dy = _make(shape, torch.float32, 0.0)
     x = x * 0.1
-    ours = _fwd_bwd(lambda a, b: RMSNormFunction.apply(a, b, e, 0.0, max_block), x, w, dy)
-    ref = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, e), x, w, dy)
-    loose = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, 0.0), x, w, dy)
+    ours = fwd_bwd(lambda a, b: RMSNormFunction.apply(a, b, e, 0.0, max_block), x, w, dy)
+    ref = fwd_bwd(lambda a, b: rms_norm_ref(a, b, e), x, w, dy)
+    loose = fwd_bwd(lambda a, b: rms_norm_ref(a, b, 0.0), x, w, dy)
     assert max_abs_err(loose[0], ref[0]) > 100 * 8 * EPS32 * ref[0].abs().max().item()
     for o, r, name in zip(ours, ref, ("y", "dx", "dweight")):
         _assert_fp32_close(o, r, name, rows=6 if name == "dweight" else 1)
@@ -168,11 +160,11 @@ def test_eps_matters(max_block):
 def test_mixed_dtypes_bf16_x_fp32_weight(offset):
     shape = (3, 7, 781)
     x, w, dy = _make(shape, torch.bfloat16, offset, w_dtype=torch.float32)
-    y, dx, dw = _fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6, offset), x, w, dy)
+    y, dx, dw = fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6, offset), x, w, dy)
     assert (y.dtype, dx.dtype, dw.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
-    ref32 = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, offset), x.float(), w, dy.float())
+    ref32 = fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, offset), x.float(), w, dy.float())
     # PyTorch in the same mixed dtypes: the reference's autograd on bf16 x with the fp32 weight.
-    lowp = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, offset), x, w, dy)
+    lowp = fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, offset), x, w, dy)
     assert_lowp_close(y, ref32[0], lowp[0], torch.bfloat16, name="y", extra_ulps=1)
     assert_lowp_close(dx, ref32[1], lowp[1], torch.bfloat16, name="dx", extra_ulps=1)
     # dweight stays fp32 end to end: only the bf16 rounding of x and dy separates it from fp32 math on them.
@@ -192,9 +184,9 @@ def test_against_hf_llama_and_gemma_semantics():
         def run_module(mod):
             with torch.no_grad():
                 mod.weight.copy_(w)
-            return _fwd_bwd(lambda a, b: torch.func.functional_call(mod, {"weight": b}, (a,)), x, w, dy)
+            return fwd_bwd(lambda a, b: torch.func.functional_call(mod, {"weight": b}, (a,)), x, w, dy)
 
-        ours = _fwd_bwd(lambda a, b: rms_norm(a, b), x, w, dy)
+        ours = fwd_bwd(lambda a, b: rms_norm(a, b), x, w, dy)
         hf_out, tnn_out = run_module(hf), run_module(tnn)
         if dtype == torch.float32:
             # Same semantics in fp32: the cast HF does before the weight is a no-op.
@@ -203,7 +195,7 @@ def test_against_hf_llama_and_gemma_semantics():
                 _assert_fp32_close(o, h, f"{name} vs LlamaRMSNorm", rows)
                 _assert_fp32_close(o, t, f"{name} vs nn.RMSNorm", rows)
         else:
-            ref32 = _fwd_bwd(lambda a, b: rms_norm_ref(a, b), x.float(), w.float(), dy.float())
+            ref32 = fwd_bwd(lambda a, b: rms_norm_ref(a, b), x.float(), w.float(), dy.float())
             assert_lowp_close(ours[0], ref32[0], hf_out[0], dtype, name="y vs HF error", extra_ulps=1)
             assert_lowp_close(ours[1], ref32[1], hf_out[1], dtype, name="dx vs HF error", extra_ulps=1)
             # HF rounds twice (<= 1.5 ulp), the interpreter truncates once (<= 1 ulp): within 3 ulp of each other.
@@ -229,26 +221,11 @@ def test_saves_fp32_rstd_per_row():
     _assert_fp32_close(saved[0], ref, "rstd")
 
 
-class _PoisonedTorch:
-    """Stands in for `torch` inside kernels.rms_norm: every torch.empty comes back full of NaN."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def empty(self, *args, **kwargs):
-        self.calls += 1
-        t = torch.empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.dtype.is_floating_point else t
-
-
 @pytest.mark.parametrize("max_block", [None, 1024])
 def test_launcher_buffers_fully_written(monkeypatch, max_block):
     shape = (9, 4096 + 17) if max_block else (37, 781)
     x, w, dy = _make(shape, torch.float16, 1.0)
-    poisoned = _PoisonedTorch()
+    poisoned = PoisonedTorch()
     monkeypatch.setattr(rms_mod, "torch", poisoned)
     y, rstd = rms_norm_fwd(x, w, 1e-6, 1.0, max_block=max_block)
     dx, dw = rms_norm_bwd(dy, x, w, rstd, 1.0, max_block=max_block)
@@ -257,8 +234,8 @@ def test_launcher_buffers_fully_written(monkeypatch, max_block):
     assert poisoned.calls == (5 if max_block else 4)
     for t, name in ((y, "y"), (rstd, "rstd"), (dx, "dx"), (dw, "dweight")):
         assert torch.isfinite(t).all(), f"{name} has unwritten (NaN) elements"
-    ref32 = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, 1.0), x.float(), w.float(), dy.float())
-    lowp = _fwd_bwd(lambda a, b: F.rms_norm(a, (shape[-1],), 1.0 + b, 1e-6), x, w, dy)
+    ref32 = fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, 1.0), x.float(), w.float(), dy.float())
+    lowp = fwd_bwd(lambda a, b: F.rms_norm(a, (shape[-1],), 1.0 + b, 1e-6), x, w, dy)
     _check_all((y, dx, dw), ref32, lowp, torch.float16, rows=shape[0])
 
 
@@ -267,7 +244,7 @@ def test_dweight_partials_any_program_count(num_programs):
     x, w, dy = _make((37, 1000), torch.float32, 0.0)
     y, rstd = rms_norm_fwd(x, w, 1e-6, 0.0)
     _, dw = rms_norm_bwd(dy, x, w, rstd, 0.0, num_programs=num_programs)
-    ref = _fwd_bwd(lambda a, b: rms_norm_ref(a, b), x, w, dy)[2]
+    ref = fwd_bwd(lambda a, b: rms_norm_ref(a, b), x, w, dy)[2]
     _assert_fp32_close(dw, ref, "dweight", rows=37)
 
 
@@ -338,7 +315,7 @@ def test_frozen_weight_and_empty_input():
     x.requires_grad_()
     y = rms_norm(x, w)  # weight does not require grad: the backward skips the dweight partials
     (dx,) = torch.autograd.grad(y, [x], dy)
-    ref = _fwd_bwd(lambda a, b: rms_norm_ref(a, b), x, w, dy)[1]
+    ref = fwd_bwd(lambda a, b: rms_norm_ref(a, b), x, w, dy)[1]
     _assert_fp32_close(dx, ref, "dx")
 
     empty = torch.empty(0, 3, 64, requires_grad=True)
@@ -419,8 +396,8 @@ def test_torch_compile_fullgraph_cpu():
         module.weight.copy_(w)
     compiled_fn = torch.compile(lambda a, b: rms_norm(a, b, 1e-6, 1.0), fullgraph=True, backend="aot_eager")
     compiled_mod = torch.compile(module, fullgraph=True, backend="aot_eager")
-    got = _fwd_bwd(compiled_fn, x, w, dy)
-    want = _fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, 1.0), x, w, dy)
+    got = fwd_bwd(compiled_fn, x, w, dy)
+    want = fwd_bwd(lambda a, b: rms_norm_ref(a, b, 1e-6, 1.0), x, w, dy)
     for g, r, name in zip(got, want, ("y", "dx", "dweight")):
         assert torch.equal(g, r), f"compiled {name} differs from the eager reference"
     xm = x.clone().requires_grad_()

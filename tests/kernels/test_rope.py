@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import kernels
 from bench import traffic
 from kernels.rope import RoPEFunction, launch_config, rope, rope_launch, rope_ref
-from tests.tolerance import assert_lowp_close, max_abs_err
+from tests.tolerance import PoisonedTorch, assert_lowp_close, max_abs_err
 
 rope_mod = importlib.import_module("kernels.rope")
 
@@ -128,20 +128,6 @@ def test_rotary_module_angles_llama3_scaling_and_packed_positions():
         assert_lowp_close(o, r, h.float(), torch.bfloat16, name=name, extra_ulps=1)
 
 
-class _PoisonedTorch:
-    """Stands in for `torch` inside kernels.rope: every torch.empty comes back full of NaN."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def empty(self, *args, **kwargs):
-        self.calls += 1
-        return torch.empty(*args, **kwargs).fill_(float("nan"))
-
-
 def test_any_input_strides_no_copies_outputs_fully_written(monkeypatch):
     """q and k sliced out of one fused (B, T, Hq + 2 Hkv, D) projection (non-dense strides), a contiguous
     (B, H, T, D) k, cos with a stride-0 batch (expand) and sin also read through a transposed buffer; no input is
@@ -162,7 +148,7 @@ def test_any_input_strides_no_copies_outputs_fully_written(monkeypatch):
     def no_copy(self, *args, **kwargs):
         raise AssertionError("kernels.rope copied an input")
 
-    poisoned = _PoisonedTorch()
+    poisoned = PoisonedTorch()
     monkeypatch.setattr(rope_mod, "torch", poisoned)
     monkeypatch.setattr(torch.Tensor, "contiguous", no_copy)
     ours = _fwd_bwd(rope, q, k, cos, sin, dq, dk)

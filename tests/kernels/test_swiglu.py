@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels.swiglu import SwiGLUFunction, swiglu, swiglu_bwd, swiglu_fwd, swiglu_ref
-from tests.tolerance import assert_lowp_close, max_abs_err, poisoned_like
+from tests.tolerance import assert_lowp_close, fwd_bwd, max_abs_err, poisoned_like
 
 swiglu_mod = importlib.import_module("kernels.swiglu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -38,14 +38,6 @@ def _make(shape, dtype, seed=0):
     return gate, up, dout
 
 
-def _fwd_bwd(fn, gate, up, dout):
-    gate = gate.detach().clone().requires_grad_()
-    up = up.detach().clone().requires_grad_()
-    out = fn(gate, up)
-    dgate, dup = torch.autograd.grad(out, [gate, up], dout)
-    return out.detach(), dgate, dup
-
-
 def _assert_fp32_close(ours, ref, name):
     assert ours.shape == ref.shape and ours.dtype == ref.dtype, f"{name}: {ours.shape}/{ours.dtype} vs {ref.shape}/{ref.dtype}"
     bound = 8 * EPS32 * ref.abs().max().item()
@@ -57,10 +49,10 @@ def _assert_fp32_close(ours, ref, name):
 @pytest.mark.parametrize("shape", [(1,), (1823, 781), (3, 7, 1001)], ids=str)
 def test_matches_reference_and_torch(shape, dtype):
     gate, up, dout = _make(shape, dtype)
-    ours = _fwd_bwd(swiglu, gate, up, dout)
+    ours = fwd_bwd(swiglu, gate, up, dout)
     assert all(t.dtype == dtype and t.shape == gate.shape for t in ours)
-    ref32 = _fwd_bwd(swiglu_ref, gate.float(), up.float(), dout.float())
-    torch_lowp = _fwd_bwd(lambda a, b: F.silu(a) * b, gate, up, dout)
+    ref32 = fwd_bwd(swiglu_ref, gate.float(), up.float(), dout.float())
+    torch_lowp = fwd_bwd(lambda a, b: F.silu(a) * b, gate, up, dout)
     for o, r, t, name in zip(ours, ref32, torch_lowp, ("out", "dgate", "dup")):
         if dtype == torch.float32:
             _assert_fp32_close(o, r, name)
@@ -73,7 +65,7 @@ def test_gradient_formula_is_not_silu_alone():
     """dgate needs silu's derivative s (1 + g (1 - s)), not s: at g = 2 the two differ by 21%."""
     gate = torch.full((5,), 2.0)
     up, dout = torch.ones(5), torch.ones(5)
-    _, dgate, dup = _fwd_bwd(swiglu, gate, up, dout)
+    _, dgate, dup = fwd_bwd(swiglu, gate, up, dout)
     s = torch.sigmoid(gate)
     _assert_fp32_close(dgate, s * (1 + gate * (1 - s)), "dgate")
     _assert_fp32_close(dup, gate * s, "dup")
@@ -100,8 +92,8 @@ def test_launchers_write_every_element_and_leave_inputs_intact(monkeypatch):
     for t, name in ((out, "out"), (dgate, "dgate"), (dup, "dup")):
         assert torch.isfinite(t).all(), f"{name} has unwritten (NaN) elements"
     assert torch.equal(gate, gate0) and torch.equal(up, up0)
-    ref32 = _fwd_bwd(swiglu_ref, gate.float(), up.float(), dout.float())
-    lowp = _fwd_bwd(lambda a, b: F.silu(a) * b, gate, up, dout)
+    ref32 = fwd_bwd(swiglu_ref, gate.float(), up.float(), dout.float())
+    lowp = fwd_bwd(lambda a, b: F.silu(a) * b, gate, up, dout)
     for o, r, t, name in zip((out, dgate, dup), ref32, lowp, ("out", "dgate", "dup")):
         assert_lowp_close(o, r, t.float(), torch.float16, name=name)
 
@@ -121,7 +113,7 @@ def test_only_needed_gradients_and_empty():
     gate, up, dout = _make((4, 9), torch.float32)
     gate.requires_grad_()
     (dgate,) = torch.autograd.grad(SwiGLUFunction.apply(gate, up), [gate], dout)
-    _assert_fp32_close(dgate, _fwd_bwd(swiglu_ref, gate, up, dout)[1], "dgate")
+    _assert_fp32_close(dgate, fwd_bwd(swiglu_ref, gate, up, dout)[1], "dgate")
     empty = torch.empty(0, 8)
     assert swiglu(empty, empty).shape == (0, 8)
 
