@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 
-import kernels
-
 from . import checkpoint as ckpt
 from .dist import gather_batches
 from .parallel import unwrap
@@ -47,10 +45,12 @@ class PredictionOutput:
 
 @torch.no_grad()
 def prediction_loop(model, loader, *, device: torch.device, prefix: str, want_predictions: bool, autocast,
-                    compute_loss, compute_metrics=None, preprocess_logits_for_metrics=None,
+                    compute_loss, logits_loss, compute_metrics=None, preprocess_logits_for_metrics=None,
                     eval_accumulation_steps: int | None = None, world_size: int = 1) -> PredictionOutput:
     """Every micro batch of `loader` through `model` (already in eval mode). `autocast()` gives the eval precision's
-    context; `compute_loss(model, batch, num_items, device)` the sum of the batch's token losses over num_items."""
+    context; `compute_loss(model, batch, num_items, device)` the sum of the batch's token losses over num_items,
+    `logits_loss(logits, labels, num_items)` the same from logits already computed (the predictions path): both
+    with the run's label smoothing and z-loss, so the eval loss does not depend on whether predictions are kept."""
     plan = loader.global_batches(loader.epoch)  # every rank's micro batches, in dataset order (no shuffle)
     start = time.perf_counter()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -63,8 +63,7 @@ def prediction_loop(model, loader, *, device: torch.device, prefix: str, want_pr
             if want_predictions:
                 logits = forward_logits(model, batch, device)  # (B, T, V)
                 batch_labels = batch["labels"].to(device)
-                loss = kernels.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                             batch_labels[:, 1:].reshape(-1), reduction="sum")
+                loss = logits_loss(logits, batch_labels, one)  # num_items=1: the sum of token losses
                 if preprocess_logits_for_metrics is not None:
                     logits = preprocess_logits_for_metrics(logits, batch_labels)
                 pending_preds.append(logits.detach())

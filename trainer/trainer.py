@@ -229,7 +229,8 @@ class Trainer:
         loader = self._eval_loader(dataset)
         output = prediction_loop(model, loader, device=device, prefix=prefix, want_predictions=want_predictions,
                                  autocast=functools.partial(self._autocast, device, train=False),
-                                 compute_loss=self._compute_loss, compute_metrics=self.compute_metrics,
+                                 compute_loss=self._compute_loss, logits_loss=self._logits_loss,
+                                 compute_metrics=self.compute_metrics,
                                  preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
                                  eval_accumulation_steps=self.args.eval_accumulation_steps, world_size=self.world_size)
         if was_training:
@@ -629,11 +630,17 @@ class Trainer:
             targets = batch["num_items"] if "num_items" in batch else count_targets(batch["labels"])
             return loss * (targets / num_items)
         logits = out if isinstance(out, torch.Tensor) else (out.get("logits") if isinstance(out, dict) else out.logits)
+        return self._logits_loss(logits, inputs["labels"], num_items)
+
+    def _logits_loss(self, logits, labels, num_items):
+        """The sum of the token losses of (B, T, V) logits against unshifted labels / num_items, with the arguments'
+        label smoothing and z-loss: in training and in evaluation, with or without predictions (transformers applies
+        its LabelSmoother in both)."""
         # The labels move, not the logits (as transformers' ForCausalLMLoss does): logits[:, :-1].reshape(...) copied
         # (B*(T-1), V) in the forward, and autograd filled a zeroed (B, T, V) gradient to slice back into.
-        targets = torch.nn.functional.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # (B, T): t predicts t+1
+        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): t predicts t+1
         return kernels.cross_entropy(logits, targets, label_smoothing=self.args.label_smoothing_factor,
-                                     z_loss=getattr(self.args, "z_loss", 0.0), num_items=num_items)
+                                     z_loss=self.args.z_loss, num_items=num_items)
 
     def _configure_model(self, model):
         """Apply the arguments' model settings once, when the Trainer gets its model (at construction, or from

@@ -114,3 +114,30 @@ def test_kernels_on_and_off_train_the_same(hf_dir, tmp_path):
     np.testing.assert_allclose(kernel_losses, plain_losses, rtol=1e-5, atol=1e-6)
     for name, value in plain_weights.items():
         torch.testing.assert_close(kernel_weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_eval_loss_with_label_smoothing_matches_transformers_with_and_without_compute_metrics(hf_dir, tmp_path):
+    """One eval-loss path (issue 23 item 4): with label_smoothing_factor the eval loss is transformers' (its
+    LabelSmoother applies in evaluation too), whether or not compute_metrics asks for the predictions. One eval
+    batch, so transformers' mean of batch means is the token-weighted mean we report. Before the fix the
+    predictions path computed plain cross-entropy: 5.8319 without compute_metrics, 5.8359 with."""
+    examples = _examples(n=8, seed=9)
+    settings = dict(COMMON, label_smoothing_factor=0.1, per_device_eval_batch_size=len(examples))
+
+    def compute_metrics(pred):
+        return {"rows": float(len(pred.label_ids))}
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, remove_unused_columns=False,
+                                             dataloader_num_workers=0, **settings)
+    hf_loss = transformers.Trainer(model=model, args=hf_args, data_collator=_pad,
+                                   eval_dataset=examples).evaluate()["eval_loss"]
+    ours = {}
+    for name, metrics_fn in (("plain", None), ("metrics", compute_metrics)):
+        args = TrainingArguments(output_dir=str(tmp_path / name), **settings)
+        trainer = Trainer(model=load_pretrained(hf_dir, use_kernels=False), args=args,
+                          eval_dataset=TokenizedDataset.from_examples(examples), compute_metrics=metrics_fn)
+        ours[name] = trainer.evaluate()
+    assert ours["metrics"]["eval_rows"] == len(examples)
+    assert ours["plain"]["eval_loss"] == pytest.approx(hf_loss, rel=1e-5)
+    assert ours["metrics"]["eval_loss"] == pytest.approx(hf_loss, rel=1e-5)
