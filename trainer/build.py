@@ -100,11 +100,11 @@ def apply_model_settings(ours: CausalLM, args) -> None:
     """TrainingArguments' model settings onto our CausalLM: its ops (ours, PyTorch's with use_kernels=False, or
     liger-kernel's), label smoothing, z-loss and NEFTune. The one place they are read: `build_model` gives them when
     it builds, and the Trainer gives them to a model built without it (and again, alike, to one built with it)."""
-    ours.use_kernels = bool(getattr(args, "use_kernels", True)) and not args.use_liger_kernel
+    ours.use_kernels = args.use_kernels and not args.use_liger_kernel
     if args.use_liger_kernel:
         apply_liger_kernel(ours)
     ours.label_smoothing = args.label_smoothing_factor
-    ours.z_loss = getattr(args, "z_loss", 0.0)
+    ours.z_loss = args.z_loss
     ours.neftune_noise_alpha = args.neftune_noise_alpha
 
 

@@ -583,9 +583,7 @@ class Trainer:
         return local_device() if self.world_size > 1 else _model_device(model)
 
     def _accumulation_steps(self) -> int:
-        resolve = getattr(self.args, "resolve_world", None)
-        if callable(resolve):
-            resolve(self.world_size)
+        self.args.resolve_world(self.world_size)
         return self.args.gradient_accumulation_steps
 
     def _loss_normaliser(self, micro_batches, device) -> int | torch.Tensor:
@@ -650,7 +648,7 @@ class Trainer:
         lost. A module without our model inside takes label smoothing and z-loss only through the logits path
         (`_compute_loss`); a setting it cannot apply is refused, never ignored."""
         args = self.args
-        z_loss = getattr(args, "z_loss", 0.0)
+        z_loss = args.z_loss
         ours = causal_lm(model)
         if ours is not None:
             apply_model_settings(ours, args)
@@ -710,7 +708,7 @@ class Trainer:
         fn = getattr(unwrap(model), "flops_per_token", None)
         if fn is None:
             return None
-        return float(fn(getattr(self.args, "cutoff_len", 2048) or 2048))
+        return float(fn(self.args.cutoff_len))
 
     def _log(self, state, logs: dict, writer, progress) -> None:
         logs = {"epoch": round(state.epoch, 4), **{k: v for k, v in logs.items() if v is not None}}
