@@ -290,13 +290,7 @@ def normalize_record(record: dict, data_format: str) -> dict:
     if data_format == "messages":
         if "messages" not in record:
             raise _Bad("missing_field", "missing field 'messages' (expected messages: a list of {role, content})")
-        out = {"messages": _check_messages(record["messages"], "messages")}
-        tools = record.get("tools")
-        if tools is not None:
-            if not isinstance(tools, list):
-                raise _Bad("wrong_type", f"field 'tools' is {_json_type(tools)} (expected a list of tool schemas)")
-            out["tools"] = tools
-        return out
+        return {"messages": _check_messages(record["messages"], "messages"), **tools_field(record)}
     if data_format == "sharegpt":
         if "conversations" not in record:
             raise _Bad("missing_field", "missing field 'conversations' (expected sharegpt: a list of {from, value})")
@@ -307,21 +301,8 @@ def normalize_record(record: dict, data_format: str) -> dict:
         return {"messages": messages}
     if data_format == "alpaca":
         expected = "alpaca: instruction, input, output"
-        instruction = _field(record, "instruction", expected)
-        extra_input = _field(record, "input", expected, optional=True, allow_empty=True)
-        output = _field(record, "output", expected)
-        system = _field(record, "system", expected, optional=True, allow_empty=True)
-        messages = [{"role": "system", "content": system}] if system else []
-        history = record.get("history")
-        if history is not None:
-            if not isinstance(history, list) or not all(
-                    isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) and s.strip() for s in p)
-                    for p in history):
-                raise _Bad("wrong_type", "field 'history' is malformed (expected a list of [user, assistant] strings)")
-            for user, assistant in history:
-                messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-        user = instruction + ("\n" + extra_input if extra_input and extra_input.strip() else "")
-        return {"messages": messages + [{"role": "user", "content": user}, {"role": "assistant", "content": output}]}
+        prompt = alpaca_prompt(record, expected)
+        return {"messages": prompt + [{"role": "assistant", "content": _field(record, "output", expected)}]}
     if data_format == "prompt_completion":
         expected = "prompt_completion: prompt and completion, both strings or both lists of messages"
         for name in ("prompt", "completion"):
@@ -334,6 +315,79 @@ def normalize_record(record: dict, data_format: str) -> dict:
         return {"messages": [{"role": "user", "content": _field(record, "prompt", expected)},
                              {"role": "assistant", "content": _field(record, "completion", expected)}]}
     raise ValueError(f"data_format={data_format!r}: expected one of {', '.join(DATA_FORMATS)}")
+
+
+def tools_field(record: dict) -> dict:
+    """{"tools": [...]} when the record gives tool schemas for the template, else {}."""
+    tools = record.get("tools")
+    if tools is None:
+        return {}
+    if not isinstance(tools, list):
+        raise _Bad("wrong_type", f"field 'tools' is {_json_type(tools)} (expected a list of tool schemas)")
+    return {"tools": tools}
+
+
+def alpaca_prompt(record: dict, expected: str) -> list[dict]:
+    """The messages before the answer of an alpaca record: system, the history's turns, instruction + input."""
+    instruction = _field(record, "instruction", expected)
+    extra_input = _field(record, "input", expected, optional=True, allow_empty=True)
+    system = _field(record, "system", expected, optional=True, allow_empty=True)
+    messages = [{"role": "system", "content": system}] if system else []
+    history = record.get("history")
+    if history is not None:
+        if not isinstance(history, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) and s.strip() for s in p)
+                for p in history):
+            raise _Bad("wrong_type", "field 'history' is malformed (expected a list of [user, assistant] strings)")
+        for user, assistant in history:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    user = instruction + ("\n" + extra_input if extra_input and extra_input.strip() else "")
+    return messages + [{"role": "user", "content": user}]
+
+
+_SFT_FORMATS_TEXT = "messages, conversations, instruction/output, prompt/completion or text"
+
+
+def checked_records(files: list[Path], data_format: str, formats: dict, detect=None,
+                    expected: str = _SFT_FORMATS_TEXT) -> Iterator[tuple[str, object]]:
+    """(where, (record, format)) for every record of `files`, or (where, `_Bad`) for one that is not a JSON object
+    of a known format. The format is found per file from its first valid record by `detect` (default
+    `detect_format`; None: unknown, `expected` says what is known) unless `data_format` names one; `formats`
+    receives each file's."""
+    detect = detect or detect_format
+    for path in files:
+        fmt = None if data_format == "auto" else data_format
+        for where, record in _records(path):
+            if isinstance(record, _Bad):
+                yield where, record
+            elif not isinstance(record, dict):
+                yield where, _Bad("not_an_object", f"a record is {_json_type(record)} (expected a JSON object)")
+            elif fmt is None and (fmt := detect(record)) is None:
+                yield where, _Bad("unknown_format", f"cannot tell the data format from the keys {sorted(record)} "
+                                  f"(expected {expected}; or set data_format)")
+            else:
+                yield where, (record, fmt)
+        formats[str(path)] = fmt or "unknown"
+
+
+def load_cached(cache_dir, name: str, files: list[Path], tokenizer, options: dict, dataset_cls, build):
+    """`build()`'s dataset, read from `<cache_dir>/<name>-<key>.npz` when there (key: the files' contents, the
+    tokenizer and `options`) and written there when not; `dataset_cls.load/save` read and write it."""
+    cache_file = None
+    if cache_dir is not None:
+        cache_file = Path(cache_dir) / f"{name}-{_cache_key(files, tokenizer, options)[:32]}.npz"
+        if cache_file.is_file():
+            try:
+                ds = dataset_cls.load(cache_file)
+                ds.summary.update(cache=str(cache_file), cache_hit=True)
+                return ds
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+                logger.warning("data cache %s is unreadable (%s); tokenizing again", cache_file, exc)
+    ds = build()
+    if cache_file is not None:
+        ds.summary.update(cache=str(cache_file), cache_hit=False)
+        ds.save(cache_file)
+    return ds
 
 
 # ---- rendering and masking --------------------------------------------------------------------------------
@@ -598,21 +652,8 @@ def load_sft_dataset(paths, tokenizer, *, data_format: str = "auto", cutoff_len:
     files = resolve_data_files(paths)
     options = {"data_format": data_format, "cutoff_len": cutoff_len, "train_on_prompt": train_on_prompt,
                "mask_history": mask_history, "skip_bad_examples": skip_bad_examples}
-    cache_file = None
-    if cache_dir is not None:
-        cache_file = Path(cache_dir) / f"data-{_cache_key(files, tokenizer, options)[:32]}.npz"
-        if cache_file.is_file():
-            try:
-                ds = TokenizedDataset.load(cache_file)
-                ds.summary.update(cache=str(cache_file), cache_hit=True)
-                return ds
-            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-                logger.warning("data cache %s is unreadable (%s); tokenizing again", cache_file, exc)
-    ds = _build(files, tokenizer, options, show_progress)
-    if cache_file is not None:
-        ds.summary.update(cache=str(cache_file), cache_hit=False)
-        ds.save(cache_file)
-    return ds
+    return load_cached(cache_dir, "data", files, tokenizer, options, TokenizedDataset,
+                       lambda: _build(files, tokenizer, options, show_progress))
 
 
 def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> TokenizedDataset:
@@ -634,49 +675,38 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
         drop(where, exc.reason, exc.message)
 
     try:
-        for path in files:
-            fmt = None if options["data_format"] == "auto" else options["data_format"]
-            for where, record in _records(path):
-                read += 1
-                progress.update()
-                try:
-                    if isinstance(record, _Bad):
-                        raise record
-                    if not isinstance(record, dict):
-                        raise _Bad("not_an_object", f"a record is {_json_type(record)} (expected a JSON object)")
-                    if fmt is None:
-                        fmt = detect_format(record)
-                        if fmt is None:
-                            raise _Bad("unknown_format", f"cannot tell the data format from the keys "
-                                       f"{sorted(record)} (expected messages, conversations, instruction/output, "
-                                       "prompt/completion or text; or set data_format)")
-                    example = normalize_record(record, fmt)
-                    if "text" in example:
-                        ids, supervised = _encode_text(tokenizer, example["text"])
-                    else:
-                        ids, supervised = _encode_conversation(tokenizer, example["messages"], example.get("tools"),
-                                                               options["train_on_prompt"], options["mask_history"])
-                except _Bad as exc:
-                    bad(where, exc)
-                    continue
-                except _TemplateMismatch as exc:
-                    raise DataError(f"{where}: {exc}") from None
-                ids, labels = _labels(ids, supervised)
-                had_targets = bool((labels != IGNORE_INDEX).any())
-                if cutoff_len is not None and len(ids) > cutoff_len:
-                    truncated += 1
-                    ids, labels = ids[:cutoff_len], labels[:cutoff_len]
-                if not (labels != IGNORE_INDEX).any():
-                    if had_targets:
-                        drop(where, "no_targets_after_truncation", f"no target token left after truncation to "
-                             f"cutoff_len {cutoff_len} (the answer starts later; raise cutoff_len to keep it)")
-                    else:
-                        drop(where, "no_targets", "no target token (no assistant answer to train on)")
-                    continue
-                ids_parts.append(ids)
-                label_parts.append(labels)
-                lengths.append(len(ids))
-            formats[str(path)] = fmt or "unknown"
+        for where, item in checked_records(files, options["data_format"], formats):
+            read += 1
+            progress.update()
+            try:
+                if isinstance(item, _Bad):
+                    raise item
+                example = normalize_record(*item)
+                if "text" in example:
+                    ids, supervised = _encode_text(tokenizer, example["text"])
+                else:
+                    ids, supervised = _encode_conversation(tokenizer, example["messages"], example.get("tools"),
+                                                           options["train_on_prompt"], options["mask_history"])
+            except _Bad as exc:
+                bad(where, exc)
+                continue
+            except _TemplateMismatch as exc:
+                raise DataError(f"{where}: {exc}") from None
+            ids, labels = _labels(ids, supervised)
+            had_targets = bool((labels != IGNORE_INDEX).any())
+            if cutoff_len is not None and len(ids) > cutoff_len:
+                truncated += 1
+                ids, labels = ids[:cutoff_len], labels[:cutoff_len]
+            if not (labels != IGNORE_INDEX).any():
+                if had_targets:
+                    drop(where, "no_targets_after_truncation", f"no target token left after truncation to "
+                         f"cutoff_len {cutoff_len} (the answer starts later; raise cutoff_len to keep it)")
+                else:
+                    drop(where, "no_targets", "no target token (no assistant answer to train on)")
+                continue
+            ids_parts.append(ids)
+            label_parts.append(labels)
+            lengths.append(len(ids))
     finally:
         progress.close()
 
@@ -698,22 +728,14 @@ def read_examples(paths, *, data_format: str = "auto", skip_bad_examples: bool =
     """The normalised records ({"messages"} or {"text"}, plus "source": "file:line"), e.g. to prompt for evals."""
     _check_options(data_format, None, False, False)
     out = []
-    for path in resolve_data_files(paths):
-        fmt = None if data_format == "auto" else data_format
-        for where, record in _records(path):
-            try:
-                if isinstance(record, _Bad):
-                    raise record
-                if not isinstance(record, dict):
-                    raise _Bad("not_an_object", f"a record is {_json_type(record)} (expected a JSON object)")
-                fmt = fmt or detect_format(record)
-                if fmt is None:
-                    raise _Bad("unknown_format", f"cannot tell the data format from the keys {sorted(record)} "
-                               "(expected messages, conversations, instruction/output, prompt/completion or text)")
-                out.append({**normalize_record(record, fmt), "source": where})
-            except _Bad as exc:
-                if not skip_bad_examples:
-                    raise DataError(f"{where}: {exc.message}") from None
+    for where, item in checked_records(resolve_data_files(paths), data_format, {}):
+        try:
+            if isinstance(item, _Bad):
+                raise item
+            out.append({**normalize_record(*item), "source": where})
+        except _Bad as exc:
+            if not skip_bad_examples:
+                raise DataError(f"{where}: {exc.message}") from None
     return out
 
 
