@@ -1,4 +1,4 @@
-"""The embedded demo dataset: short instruction tasks whose answers can be checked exactly.
+"""The embedded demo dataset: short instruction tasks whose answers can be checked exactly, and their preference pairs.
 
 The `tiny` preset (0.77M parameters, byte-level tokenizer) must visibly learn something on a CPU in minutes, so
 the tasks are short string manipulations a small transformer picks up fast, and whose answers are either right
@@ -16,6 +16,9 @@ n divisible by 5 is balanced), prompts never repeat, and generate_tasks(n) is a 
 The shipped files are its first 4000 examples (train) and the next 200 (eval), so their prompts are disjoint:
 
     python -m trainer.tasks --out trainer/demo_data        # rewrites tasks_train.jsonl and tasks_eval.jsonl bit-identically
+
+The DPO demo turns the same conversations into preference pairs (`preference_pair`): the right answer chosen,
+a plausible wrong one rejected (`wrong_answer`: an off-by-one sum, a misordered sort, ...); no extra files ship.
 
 Randomness comes from a hand-written SplitMix64 rather than `random`/numpy so the files never change with a
 library version.
@@ -121,6 +124,34 @@ def solve(prompt: str) -> str:
         factor = {(a, b): f for a, b, f in _CONVERSIONS}[(src, dst)]
         return str(int(value) * factor)
     raise ValueError(f"not a task prompt: {prompt!r} (expected one of {', '.join(KINDS)} followed by ': ')")
+
+
+def wrong_answer(prompt: str) -> str:
+    """A plausible wrong answer to a task prompt, the rejected side of the demo's preference pairs: a sum off by
+    one, digits sorted but for one adjacent swap (or one missing when all are equal), a word left unreversed (two
+    letters swapped for a palindrome), only the first letter in capitals, a conversion by a tenth of the factor."""
+    right = solve(prompt)
+    head, _, arg = prompt.partition(": ")
+    if head == "add":
+        return str(int(right) + (1 if int(right) % 2 == 0 else -1))
+    if head == "sort":
+        i = next((k for k in range(len(right) - 1) if right[k] != right[k + 1]), None)
+        return right[:-1] if i is None else right[:i] + right[i + 1] + right[i] + right[i + 2:]
+    if head == "reverse":
+        if arg != right:
+            return arg
+        return right[1] + right[0] + right[2:] if right[0] != right[1] else right[:-1]
+    if head == "upper":
+        return arg[0].upper() + arg[1:]
+    return str(int(right) // 10)  # every factor is at least 10, so this is the right digits with one zero short
+
+
+def preference_pair(example: dict) -> dict:
+    """A task conversation as a preference pair in TRL's conversational format: the right answer chosen, a
+    plausible wrong one (`wrong_answer`) rejected."""
+    user, assistant = example["messages"]
+    return {"prompt": [user], "chosen": [assistant],
+            "rejected": [{"role": "assistant", "content": wrong_answer(user["content"])}]}
 
 
 def exact_match(prediction: str, reference: str) -> bool:

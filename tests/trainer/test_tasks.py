@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from trainer.data import load_sft_dataset
-from trainer.tasks import (EVAL_FILE, KINDS, NUM_EVAL, NUM_TRAIN, TRAIN_FILE, exact_match, generate_tasks, kind_of, solve,
-                           write_task_files)
+from trainer.preference_data import load_preference_dataset
+from trainer.tasks import (EVAL_FILE, KINDS, NUM_EVAL, NUM_TRAIN, TRAIN_FILE, exact_match, generate_tasks, kind_of,
+                           preference_pair, solve, wrong_answer, write_task_files)
 from trainer.tokenizer import byte_level_tokenizer
 
 
@@ -73,3 +74,19 @@ def test_files_load_as_sft_data_without_loss():
     s = ds.summary
     assert len(ds) == 200 and s["dropped"] == {} and s["truncated"] == 0
     assert s["length"]["max"] <= 64  # short enough for the tiny preset's context
+
+
+def test_preference_pairs_reject_a_plausible_wrong_answer(tmp_path):
+    """The DPO demo's pairs: every rejected answer is wrong, non-empty and of the same kind as the right one; the
+    pairs load as TRL conversational preference data with the same prompt on both sides."""
+    examples = generate_tasks(NUM_TRAIN + NUM_EVAL)
+    for ex in examples:
+        wrong = wrong_answer(prompt(ex))
+        assert wrong.strip() and not exact_match(wrong, solve(prompt(ex))), prompt(ex)
+    assert wrong_answer("add: 31+17") == "49" and wrong_answer("sort: 90163") == "10369"
+    assert wrong_answer("reverse: abba") == "baba" and wrong_answer("convert: 5 km to m") == "500"
+    pairs = [preference_pair(ex) for ex in examples[:50]]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    ds = load_preference_dataset(path, byte_level_tokenizer(), show_progress=False)
+    assert len(ds) == 50 and ds.summary["dropped"] == {}
