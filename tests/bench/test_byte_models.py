@@ -213,6 +213,35 @@ def test_fused_linear_cross_entropy(dtype, ignored, tiles, monkeypatch):
         assert_matches(model, measured, f"{which} {mode}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)  # fp32: the token pass's weight gradient; bf16/fp16: the vocabulary pass
+@pytest.mark.parametrize("ignored", ["none", "some", "all"])
+@pytest.mark.parametrize("tiles", ["one", "several"])  # several: token chunks of 4 rows, vocabulary tiles of 3 x 64
+def test_fused_linear_cross_entropy_per_row_losses(dtype, ignored, tiles, monkeypatch):
+    # reduction="none": the forward computes the losses only; the backward takes a per-row grad_output
+    flce = importlib.import_module("kernels.fused_linear_cross_entropy")
+    if tiles == "several":
+        monkeypatch.setattr(flce, "MIN_CHUNK_ROWS", 4)
+        monkeypatch.setattr(flce, "VOCAB_TILE_ROWS", 3)
+        monkeypatch.setattr(flce, "VOCAB_TILE_COLS", 64)
+    n, h, v = 11, 16, 100
+    hidden = torch.randn(n, h, dtype=DTYPES[dtype]).requires_grad_()
+    weight = torch.randn(v, h, dtype=DTYPES[dtype]).requires_grad_()
+    target = torch.randint(0, v, (n,))
+    target[{"none": slice(0), "some": slice(None, None, 3), "all": slice(None)}[ignored]] = -100
+    n_ignored = int((target == -100).sum())
+    with kernels.backend("triton"):
+        with traffic.measure(torch_ops=True) as fwd:
+            loss = flce.fused_linear_cross_entropy(hidden, weight, target, reduction="none")
+        grad_output = torch.linspace(-1, 2, n, dtype=loss.dtype)
+        with traffic.measure(torch_ops=True) as bwd:
+            loss.backward(grad_output)
+    which = f"bench/bench_fused_linear_cross_entropy.py reduction none ({dtype}, {n_ignored} ignored, {tiles} tiles)"
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_fused_linear_cross_entropy.traffic_parts(mode, n, h, v, hidden.element_size(), n_ignored, cuda=False,
+                                                               reduction="none")
+        assert_matches(model, measured, f"{which} {mode}")
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("ignored", ["none", "some"])
 def test_fused_linear_cross_entropy_fp32_weight_under_autocast(dtype, ignored):
