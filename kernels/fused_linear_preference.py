@@ -137,6 +137,7 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
         )
         ctx.save_for_backward(seq, *saved)
         ctx.mark_non_differentiable(out.counts, out.mean_logits)
+        ctx.set_materialize_grads(False)  # no zero gradients for counts and mean_logits; logps is the only one used
         return tuple(out)
 
     @staticmethod
