@@ -126,23 +126,16 @@ def bench_one(provider, n_tokens, hdim, vocab, dtype, ignored, compile_backend, 
         hidden.grad = weight.grad = None
         fn(hidden, weight, target).backward()
 
-    with kernels.backend("triton" if provider == "ours" else "auto"):
-        t_fwd = common.measure(forward, cpu_reps=reps)
-        t_full = common.measure(full, cpu_reps=reps)
+    def reset():
         hidden.grad = weight.grad = None
-        peak = common.peak_extra_memory(full)
-    hidden.grad = weight.grad = None
+
+    with kernels.backend("triton" if provider == "ours" else "auto"):
+        times, peak = common.mode_times(forward, full, reset, reps)
     logits_bytes = n_tokens * vocab * hidden.element_size()
     matmul = 2 * n_tokens * hdim * vocab
     out = {}
     for mode in MODES:
-        if mode == "forward":
-            t, flops = t_fwd, matmul
-        elif mode == "full":
-            t, flops = t_full, 3 * matmul
-        else:
-            t = {k: t_full[k] - t_fwd[k] for k in ("ms", "ms_p20", "ms_p80")}
-            flops = 2 * matmul
+        t, flops = times[mode], {"forward": 1, "backward": 2, "full": 3}[mode] * matmul
         row = {
             "op": "fused_linear_cross_entropy", "provider": provider, "mode": mode, "tokens": n_tokens,
             "hidden": hdim, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""), "ignored": ignored, "derived": mode == "backward",
@@ -325,11 +318,11 @@ def byte_model(mode: str, s: int, n_tokens: int, hdim: int, vocab: int, n_ignore
     return common.ByteModel.from_totals(ours, min_traffic(mode, n_tokens, hdim, vocab, s, n_ignored), n_tokens * vocab)
 
 
-def add_memory_ratio(rows):
-    """peak_vs_torch on every row: its peak extra memory over torch eager's, same shape."""
-    torch_peaks = {tuple(r[k] for k in KEYS): r["peak_extra_bytes"] for r in rows if r["provider"] == "torch"}
+def add_memory_ratio(rows, keys=KEYS):
+    """peak_vs_torch on every row: its peak extra memory over torch eager's, same shape (keys)."""
+    torch_peaks = {tuple(r[k] for k in keys): r["peak_extra_bytes"] for r in rows if r["provider"] == "torch"}
     for row in rows:
-        base = torch_peaks.get(tuple(row[k] for k in KEYS))
+        base = torch_peaks.get(tuple(row[k] for k in keys))
         row["peak_vs_torch"] = row["peak_extra_bytes"] / base if base and row["peak_extra_bytes"] is not None else None
 
 

@@ -201,16 +201,28 @@ def test_fp32_weight_under_autocast(monkeypatch):
         assert_lowp_close(o, r, lp, torch.bfloat16, name=name, extra_ulps=1)
 
 
-def test_matmul_flops_skip_the_prompt(monkeypatch):
-    # K answer rows of N: 2 K H V forward, 6 K H V backward (the chunk logits recomputed, then grad_hidden and
-    # grad_weight; fp32 weight), plus the mean-logit matmul (N, H) x (H, 2); eager is 6 N H V (module docstring)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_matmul_flops_skip_the_prompt(dtype, monkeypatch):
+    # K answer rows of N: the matmuls run on K rows only; bench/bench_fused_linear_preference.py's matmul_flops
+    # (2 K H V + 4 N H forward; 6 K H V backward, 8 K H V for a bf16 weight's vocabulary pass) is what runs
+    import bench.bench_fused_linear_preference as bench_pref
+
     monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 5)
-    hidden, weight, _, target = make_batch(4, 8, 32, vocab=300, seed=9)
-    n, hdim, vocab, k = target.numel(), 32, 300, int((target != -100).sum())
-    assert k < n
-    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm__flop}) as counter:
-        run(fused_linear_preference, hidden, weight, None, target, torch.ones(4))
-    assert counter.get_total_flops() == 8 * k * hdim * vocab + 4 * n * hdim
+    monkeypatch.setattr(fl_mod, "_vocab_tile", lambda n, h, v: (5, 128))
+    hidden, weight, _, target = make_batch(4, 8, 32, vocab=300, dtype=dtype, seed=9)
+    n_ignored = int((target == -100).sum())
+    assert 0 < n_ignored < target.numel()
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    flops = {}
+    for mode in ("forward", "backward"):
+        with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm__flop}) as counter:
+            if mode == "forward":
+                logps = fused_linear_preference(h, w, target).logps
+            else:
+                logps.backward(torch.ones(4))
+        flops[mode] = counter.get_total_flops()
+        assert flops[mode] == bench_pref.matmul_flops(mode, 4, 8, 32, 300, n_ignored, weight.element_size()), mode
 
 
 def test_peak_extra_memory_at_llama_3_2_1b_head(monkeypatch):
