@@ -41,7 +41,9 @@ the loss's gradient inside the forward, chunk by chunk of whole pairs (the loss 
 which needs the loss function inside the op; here the loss is plain torch on the (S,) outputs, so the gradient
 of a row is known only in backward and its chunk's logits must be recomputed. Peak extra memory: as fused
 linear cross-entropy's reduction="none" (a chunk of logits; the backward's fp32 grad_hidden of the K rows and
-for a bf16/fp16 weight a vocabulary tile and its fp32 (Vs, H) accumulator), plus (N,) and (S,) vectors.
+for a bf16/fp16 weight a vocabulary tile and its fp32 (Vs, H) accumulator), plus (N,) and (S,) vectors: at
+Llama-3.2-1B's head (H 2048, V 128256, bf16) with 8 pairs of 1024 tokens, half prompt, 0.63 GB (forward 0.56 GB)
+against eager's 25 GB, measured on meta tensors by tests/.
 
 Loss functions (plain torch on the per-sequence tensors; TRL v0.24's formulas, sequences [chosen; rejected]):
   sigmoid   -logsigmoid(b d) (1 - ls) - logsigmoid(-b d) ls, d = (pi_c - pi_r) - (ref_c - ref_r); ls > 0 is
@@ -212,11 +214,11 @@ def fused_linear_preference(
     autocast dtype. For the reference model call it under torch.no_grad(): the forward alone, nothing saved.
     """
     _check_args(hidden, weight, target, bias, sequence_ids, num_sequences, ignore_index)
-    n_seqs = hidden.shape[0] if sequence_ids is None else num_sequences
-    seq = _sequence_index(hidden, sequence_ids)  # (N,)
     if not use_triton(hidden, weight, bias):
         return fused_linear_preference_ref(hidden, weight, target.to(hidden.device, non_blocking=True), bias,
                                            ignore_index=ignore_index, sequence_ids=sequence_ids, num_sequences=num_sequences)
+    n_seqs = hidden.shape[0] if sequence_ids is None else num_sequences
+    seq = _sequence_index(hidden, sequence_ids)  # (N,)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # As F.linear under autocast: the matmuls in the autocast dtype; weight and bias are cast inside, so an
