@@ -102,12 +102,12 @@ def fused_linear_preference_fwd(hidden, weight, target, seq, n_seqs, bias=None, 
         hidden, weight, target, bias, ignore_index=ignore_index, reduction="none",
         need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias, out_dtype=torch.float32,
     )  # (N,) fp32, 0 on ignored rows
-    rows = saved[0]  # (K,) the answer rows on hidden's device, None when every row is one
+    rows = saved[0]  # fused_linear_cross_entropy_fwd saves the kept (answer) rows first: (K,) on hidden's device, or None
     seq_k = seq if rows is None else seq.index_select(0, rows)  # (K,)
     logps = _per_sequence(-nll_rows, seq, n_seqs)  # (S,)
     counts = _per_sequence(torch.ones_like(seq_k), seq_k, n_seqs)  # (S,)
     # mean over the vocabulary of row t's logits = h_t . mean_v w_v + mean_v b_v (module docstring). The fp32 mean
-    # enters the matmul in hidden's dtype as a sum of two parts, hi + lo: rounding it to bf16 alone cost 2.6x
+    # enters the matmul in hidden's dtype as a sum of two parts, hi + lo: rounded once to hidden's dtype it cost 2.6x
     # PyTorch's own error (fp16, tests/), since the mean over V of the logits is far smaller than the logits.
     weight_mean = weight.mean(0, dtype=torch.float32)  # (H,)
     high = weight_mean.to(hidden.dtype)
