@@ -32,7 +32,7 @@ if not torch.cuda.is_available():
 
 from bench import common  # noqa: E402
 
-OPS = ("rms_norm", "cross_entropy", "fused_linear_cross_entropy", "adamw", "neftune", "rope", "swiglu")
+OPS = ("rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_preference", "adamw", "neftune", "rope", "swiglu")
 # Row keys that identify a shape (in this order in the label); the rest are measurements or context.
 SHAPE_KEYS = ("mode", "model", "shape", "tokens", "hidden", "vocab", "dtype")
 SPEEDUP = "speedup_vs_"

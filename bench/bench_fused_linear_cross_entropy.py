@@ -74,7 +74,7 @@ from bench import common  # noqa: E402
 from bench import bench_cross_entropy  # noqa: E402
 from bench.bench_cross_entropy import DTYPES, add_speedups  # noqa: E402
 from kernels.fused_linear_cross_entropy import (  # noqa: E402
-    _chunk_rows, fused_linear_cross_entropy, fused_linear_cross_entropy_ref,
+    _chunk_rows, _vocab_tile, fused_linear_cross_entropy, fused_linear_cross_entropy_ref,
 )
 
 PROVIDERS = ("ours", "torch", "torch_ref", "torch_compile", "liger")
@@ -126,23 +126,16 @@ def bench_one(provider, n_tokens, hdim, vocab, dtype, ignored, compile_backend, 
         hidden.grad = weight.grad = None
         fn(hidden, weight, target).backward()
 
-    with kernels.backend("triton" if provider == "ours" else "auto"):
-        t_fwd = common.measure(forward, cpu_reps=reps)
-        t_full = common.measure(full, cpu_reps=reps)
+    def reset():
         hidden.grad = weight.grad = None
-        peak = common.peak_extra_memory(full)
-    hidden.grad = weight.grad = None
+
+    with kernels.backend("triton" if provider == "ours" else "auto"):
+        times, peak = common.mode_times(forward, full, reset, reps)
     logits_bytes = n_tokens * vocab * hidden.element_size()
     matmul = 2 * n_tokens * hdim * vocab
     out = {}
     for mode in MODES:
-        if mode == "forward":
-            t, flops = t_fwd, matmul
-        elif mode == "full":
-            t, flops = t_full, 3 * matmul
-        else:
-            t = {k: t_full[k] - t_fwd[k] for k in ("ms", "ms_p20", "ms_p80")}
-            flops = 2 * matmul
+        t, flops = times[mode], {"forward": 1, "backward": 2, "full": 3}[mode] * matmul
         row = {
             "op": "fused_linear_cross_entropy", "provider": provider, "mode": mode, "tokens": n_tokens,
             "hidden": hdim, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""), "ignored": ignored, "derived": mode == "backward",
@@ -164,17 +157,22 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ignored: int = 0, *, w: int | None = None,
-                  cuda: bool = True) -> dict[str, tuple[int, int]]:
+                  cuda: bool = True, reduction: str = "mean", loss_size: int | None = None) -> dict[str, tuple[int, int]]:
     """(read, write) bytes of every launch of our op, summed per kernel or torch op name, for `mode` ("forward" with
     every gradient, as the bench runs it; "backward" with grad_output 1; "full"): hidden (N, H) of element size s,
     weight (V, H) of element size w (default s), no bias, int64 targets on the host with n_ignored ignored,
     reduction "mean". w != s is autocast (an fp32 weight with bf16/fp16 hidden states, as the trainer runs it): the
     weight is cast for the matmuls and the loss is fp32. cuda: the CUDA matmuls read bf16/fp16 operands with an
-    fp32 output (no upcast copies), and the launch grids of the GPU. Module docstring for the algorithm."""
+    fp32 output (no upcast copies), and the launch grids of the GPU. Module docstring for the algorithm.
+    reduction "none" (the per-row losses, kernels.fused_linear_preference's use): the forward computes the losses
+    only; the backward, with a per-row grad_output of loss_size bytes (default: the loss's dtype), runs the token
+    pass and, for a bf16/fp16 weight, the vocabulary pass."""
     w = s if w is None else w
     n, h, v, k = n_tokens, hdim, vocab, n_tokens - n_ignored
     autocast = w != s
-    loss_size = 4 if autocast else s  # the loss, and so grad_output, in hidden's dtype, fp32 under autocast
+    if loss_size is None:
+        loss_size = 4 if autocast else s  # the loss, and so grad_output, in hidden's dtype, fp32 under autocast
+    none = reduction == "none"
     parts: dict[str, list[int]] = {}
 
     def add(name, read, write):
@@ -215,32 +213,85 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
             add("aten.zeros", 0, n * h * size)
             add("aten.index_copy_", 8 * k + k * h * size, k * h * size)
 
+    def chunk_starts():
+        chunk = _chunk_rows(k, h, v) if k else 1
+        return [(start, min(chunk, k - start)) for start in range(0, k, chunk)]
+
     if mode in ("forward", "full"):
-        # the denominator and the kept rows, on the host
-        add("aten.ne", 2 * (8 * n), 2 * n)
-        add("aten.sum", n + 4 * k, 8 + 4)
-        add("aten.clamp", 8, 8)
-        add("aten._to_copy", 8, 4)
+        # the kept rows (and for "mean" the denominator), on the host
+        add("aten.ne", (1 if none else 2) * 8 * n, (1 if none else 2) * n)
+        if not none:
+            add("aten.sum", n + 4 * k, 8 + 4)
+            add("aten.clamp", 8, 8)
+            add("aten._to_copy", 8, 4)
         add("aten.nonzero", n, 8 * k)
         if k < n:
             add("aten.index_select", 8 * k + 8 * k, 8 * k)  # the kept targets
         gather_rows()
-        add("aten.reciprocal", 4, 4)
+        if not none:
+            add("aten.reciprocal", 4, 4)
         if autocast:
             add("aten._to_copy", v * h * w, v * h * s)  # the weight in the matmuls' dtype
-        if k == 0:
+        if k == 0 and not none:
             add("aten.zeros", 0, w * v * h)  # grad_weight of no rows
-        chunk = _chunk_rows(k, h, v) if k else 1
-        for start in range(0, k, chunk):
-            c = min(chunk, k - start)
+        for start, c in chunk_starts():
             add("aten.mm", c * h * s + v * h * s, c * v * s)  # the chunk's logits
+            if none:  # the losses only
+                add("_cross_entropy_fwd_kernel", 8 * c + c * (v + 1) * s, 8 * c)
+                continue
             add("_cross_entropy_fwd_kernel", 8 * c + c * (2 * v + 1) * s + 4 * c, c * v * s + 8 * c)
             mm_fp32(c, v, h, s, s, accumulate=False)  # grad_hidden
             mm_fp32(v, c, h, s, s, accumulate=start > 0, out_size=w)  # grad_weight, in the weight's dtype
-        add("aten.div", 8, 4)  # the mean
+        if none:
+            if k < n:  # the kept rows' losses into zeros
+                add("aten.zeros", 0, 4 * n)
+                add("aten.index_copy_", 8 * k + 4 * k, 4 * k)
+            if loss_size != 4:
+                add("aten._to_copy", 4 * n, loss_size * n)
+        else:
+            add("aten.div", 8, 4)  # the mean
+            if loss_size != 4:
+                add("aten._to_copy", 4, loss_size)  # the loss in hidden's dtype
+    if mode in ("backward", "full") and none:
+        # grad_output per row in fp32 at the kept rows, then the token pass with it folded in
         if loss_size != 4:
-            add("aten._to_copy", 4, loss_size)  # the loss in hidden's dtype
-    if mode in ("backward", "full"):
+            add("aten._to_copy", loss_size * n, 4 * n)
+        if k < n:
+            add("aten.index_select", 8 * k + 4 * k, 4 * k)
+        gather_rows()
+        if autocast:
+            add("aten._to_copy", v * h * w, v * h * s)
+        vocab_pass = w != 4  # a bf16/fp16 weight's gradient is summed in fp32 per vocabulary slice
+        if k == 0 and not vocab_pass:
+            add("aten.zeros", 0, w * v * h)
+        for start, c in chunk_starts():
+            add("aten.mm", c * h * s + v * h * s, c * v * s)
+            add("_cross_entropy_fwd_kernel", 8 * c + c * (2 * v + 1) * s + 4 * c, c * v * s + 8 * c)
+            if vocab_pass:  # lse and the target column's gradient kept for the vocabulary pass
+                add("aten.copy_", 4 * c + c * s, 4 * c + c * s)
+                add("aten.clamp", 8 * c, 8 * c)
+                add("aten.gather", 8 * c + c * s, c * s)
+            mm_fp32(c, v, h, s, s, accumulate=False)  # grad_hidden
+            if not vocab_pass:
+                mm_fp32(v, c, h, s, s, accumulate=start > 0, out_size=w)
+        if vocab_pass and k == 0:
+            add("aten.zero_", 0, w * v * h)
+        elif vocab_pass:
+            tile_rows, tile_cols = _vocab_tile(k, h, v)
+            for col_start in range(0, v, tile_cols):
+                cols = min(tile_cols, v - col_start)
+                block = min(1 << (cols - 1).bit_length(), 4096 if cuda else 8192)  # _slice_grad_'s tile
+                for start in range(0, k, tile_rows):
+                    c = min(tile_rows, k - start)
+                    add("aten.mm", c * h * s + cols * h * s, c * cols * s)  # the slice's logits
+                    programs = c * _cdiv(cols, block)  # each reads its row's target, lse, scale and target gradient
+                    add("_flce_slice_grad_kernel", programs * (8 + 4 + 4 + s) + c * cols * s, c * cols * s)
+                    mm_fp32(cols, c, h, s, s, accumulate=start > 0)  # into the fp32 slice accumulator
+                add("aten.copy_", 4 * cols * h, w * cols * h)  # rounded once into grad_weight
+        if s != 4:
+            add("aten._to_copy", 4 * k * h, s * k * h)  # grad_hidden rounded once
+        scatter_rows(s)
+    elif mode in ("backward", "full"):
         add("aten.ones_like", 0, loss_size)  # autograd's grad_output
         bwd_scale(v * h, w, in_place=True)  # grad_weight, skipped: grad_output is 1
         bwd_scale(k * h, s, in_place=s == 4)  # grad_hidden: skipped in fp32, else rounded once
@@ -267,11 +318,11 @@ def byte_model(mode: str, s: int, n_tokens: int, hdim: int, vocab: int, n_ignore
     return common.ByteModel.from_totals(ours, min_traffic(mode, n_tokens, hdim, vocab, s, n_ignored), n_tokens * vocab)
 
 
-def add_memory_ratio(rows):
-    """peak_vs_torch on every row: its peak extra memory over torch eager's, same shape."""
-    torch_peaks = {tuple(r[k] for k in KEYS): r["peak_extra_bytes"] for r in rows if r["provider"] == "torch"}
+def add_memory_ratio(rows, keys=KEYS):
+    """peak_vs_torch on every row: its peak extra memory over torch eager's, same shape (keys)."""
+    torch_peaks = {tuple(r[k] for k in keys): r["peak_extra_bytes"] for r in rows if r["provider"] == "torch"}
     for row in rows:
-        base = torch_peaks.get(tuple(row[k] for k in KEYS))
+        base = torch_peaks.get(tuple(row[k] for k in keys))
         row["peak_vs_torch"] = row["peak_extra_bytes"] / base if base and row["peak_extra_bytes"] is not None else None
 
 

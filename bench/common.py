@@ -154,6 +154,18 @@ def peak_extra_memory(fn: Callable[[], object]) -> int | None:
     return torch.cuda.max_memory_allocated() - base
 
 
+def mode_times(forward: Callable[[], object], full: Callable[[], object], reset: Callable[[], None], reps: int):
+    """({"forward", "backward", "full"} -> measure()'s times, peak extra memory of full): backward is full - forward
+    (derived; it can come out <= 0 within timing noise on a CPU). reset() frees the gradients before the peak is taken."""
+    t_fwd = measure(forward, cpu_reps=reps)
+    t_full = measure(full, cpu_reps=reps)
+    reset()
+    peak = peak_extra_memory(full)
+    reset()
+    t_bwd = {k: t_full[k] - t_fwd[k] for k in ("ms", "ms_p20", "ms_p80")}
+    return {"forward": t_fwd, "backward": t_bwd, "full": t_full}, peak
+
+
 _COPY_BW: float | None = None
 
 

@@ -58,6 +58,7 @@ ANCHORS = {
     "rms_norm": ["--tokens", "8192", "--hidden", "4096"],
     "cross_entropy": ["--tokens", "8192", "--vocab", "128256", "--label-smoothing", "0.1", "--variant", "all"],
     "fused_linear_cross_entropy": ["--tokens", "8192", "--hidden", "4096", "--vocab", "128256"],
+    "fused_linear_preference": [],  # its GPU shapes: the issue's Llama-3.2-1B head at 8 pairs x 1024 tokens, and 8B's
     "adamw": ["--model", "llama-3.2-1b"],
     "neftune": ["--shapes", "8x4096x4096"],
     # Llama-3-8B heads (32/8 x 128), bf16: the smallest and the largest of bench_rope's GPU shapes (two, not four,
@@ -66,7 +67,8 @@ ANCHORS = {
     "swiglu": ["--tokens", "8192", "--inter", "14336"],  # Llama-3-8B's MLP
 }
 # --quick: each script's own tiny CPU shapes; aot_eager keeps torch.compile's baseline to seconds on a CPU.
-QUICK = {op: ["--quick"] + ([] if op == "adamw" else ["--compile-backend", "aot_eager"]) for op in ANCHORS}
+QUICK = {op: ["--quick"] + ([] if op in ("adamw", "fused_linear_preference") else ["--compile-backend", "aot_eager"])
+         for op in ANCHORS}
 QUICK["cross_entropy"] += ["--label-smoothing", "0.1"]
 TRAIN_CONFIGS = "ours,hf,hf_liger"
 TRAIN_GPU = ["--model", "llama-3.2-1b", "--seq-len", "2048", "--micro-batch", "4", "--grad-accum", "2", "--steps", "30",
@@ -91,6 +93,8 @@ KERNEL_TARGETS: list[Target] = [
     ("fused_linear_cross_entropy", "fwd+bwd vs liger-kernel", _FLCE, "speedup_vs_liger", ">=", 1.3),
     ("fused_linear_cross_entropy", "time with half the labels ignored / none ignored (close to half)",
      _FLCE, "half_ignored_time_ratio", "<=", 0.6),
+    ("fused_linear_preference", "DPO head peak memory / eager's (the issue: <= 10%)",
+     {"provider": "ours", "mode": "full", "pairs": 8}, "peak_vs_torch", "<=", 0.10),
     ("rms_norm", "forward GB/s", {"provider": "ours", "mode": "forward"}, "gb_s", ">=", 2700.0),
     ("rms_norm", "backward time, ms", {"provider": "ours", "mode": "backward"}, "ms", "<=", 0.090),
     ("rms_norm", "forward vs torch.compile", {"provider": "ours", "mode": "forward"}, "speedup_vs_torch_compile", ">", 1.0),

@@ -232,6 +232,18 @@ def _fused_linear_cross_entropy():
         loss.backward(torch.empty_like(loss))
 
 
+def _fused_linear_preference():
+    # A DPO step's LM head at Llama-3.2-1B (bench_fused_linear_preference.py): 8 pairs of 1024 tokens, half of each a
+    # prompt, labels on the host; the reference pass under no_grad, then the policy's forward and backward (bf16
+    # weight: the token pass with per-row scales and the vocabulary pass).
+    hidden, weight = _cuda(16, 1024, 2048, grad=True), _cuda(128256, 2048, grad=True)
+    target = torch.randint(0, 128256, (16, 1024))
+    target[:, :512] = -100
+    with torch.no_grad():
+        kernels.fused_linear_preference(hidden, weight, target)
+    kernels.fused_linear_preference(hidden, weight, target).logps.backward(_cuda(16, dtype=torch.float32))
+
+
 def _rms_norm():
     # The benchmark widths, plus two narrow ones whose tiles hold several rows (BLOCK_M 32 and 4).
     for hidden in (128, 1024, 4096, 8192, 16384, 32768):
@@ -282,6 +294,7 @@ def _swiglu():
 CASES: dict[str, Callable[[], None]] = {
     "cross_entropy": _cross_entropy,
     "fused_linear_cross_entropy": _fused_linear_cross_entropy,
+    "fused_linear_preference": _fused_linear_preference,
     "rms_norm": _rms_norm,
     "adamw": _adamw,
     "neftune": _neftune,

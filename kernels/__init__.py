@@ -11,6 +11,7 @@ from ._dispatch import HAS_TRITON, backend, current_backend, use_triton
 from .adamw import FusedAdamW, adamw_step_ref
 from .cross_entropy import cross_entropy, cross_entropy_ref
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
+from .fused_linear_preference import PreferenceLogps, fused_linear_preference, fused_linear_preference_ref, preference_loss
 from .neftune import NEFTuneFunction, neftune_noise, neftune_noise_ref
 from .rms_norm import rms_norm, rms_norm_ref
 from .rope import rope, rope_ref
@@ -23,3 +24,4 @@ __all__ += ["rope", "rope_ref"]
 __all__ += ["swiglu", "swiglu_ref"]
 __all__ += ["FusedAdamW", "adamw_step_ref"]
 __all__ += ["cross_entropy", "cross_entropy_ref", "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]
+__all__ += ["PreferenceLogps", "fused_linear_preference", "fused_linear_preference_ref", "preference_loss"]

@@ -219,6 +219,7 @@ def _token_pass(hidden, weight, bias, target, *, label_smoothing, ignore_index, 
             loss_out=loss_rows.narrow(0, start, size),
         )[1]
         if not compute_grad:
+            del logits  # before the next chunk's matmul, or two chunks are alive (reduction="none"'s forward did that)
             continue
         # logits now holds dloss/dlogits for the chunk.
         if for_vocab_pass:

@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from bench import bench_adamw, bench_cross_entropy, bench_fused_linear_cross_entropy, bench_neftune, bench_rms_norm, traffic
-from bench import bench_swiglu
+from bench import bench_fused_linear_preference, bench_swiglu
 from kernels.cross_entropy import FWD_VARIANTS, cross_entropy, cross_entropy_fwd, fwd_variant
 from kernels.rms_norm import RMSNormFunction, rms_norm_bwd, rms_norm_fwd
 
@@ -213,6 +213,45 @@ def test_fused_linear_cross_entropy(dtype, ignored, tiles, monkeypatch):
         assert_matches(model, measured, f"{which} {mode}")
 
 
+def use_tiles(monkeypatch, tiles):
+    """tiles "several": fused linear cross-entropy's token chunks of 4 rows and vocabulary tiles of 3 x 64 ("one": its own)."""
+    if tiles == "several":
+        flce = importlib.import_module("kernels.fused_linear_cross_entropy")  # kernels/__init__ shadows the module name
+        monkeypatch.setattr(flce, "MIN_CHUNK_ROWS", 4)
+        monkeypatch.setattr(flce, "VOCAB_TILE_ROWS", 3)
+        monkeypatch.setattr(flce, "VOCAB_TILE_COLS", 64)
+
+
+def lm_head_inputs(lead, hdim, vocab, dtype):
+    """hidden (*lead, H) and weight (V, H) requiring gradients, targets (*lead) in [0, V)."""
+    hidden = torch.randn(*lead, hdim, dtype=dtype).requires_grad_()
+    weight = torch.randn(vocab, hdim, dtype=dtype).requires_grad_()
+    return hidden, weight, torch.randint(0, vocab, lead)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)  # fp32: the token pass's weight gradient; bf16/fp16: the vocabulary pass
+@pytest.mark.parametrize("ignored", ["none", "some", "all"])
+@pytest.mark.parametrize("tiles", ["one", "several"])  # several: token chunks of 4 rows, vocabulary tiles of 3 x 64
+def test_fused_linear_cross_entropy_per_row_losses(dtype, ignored, tiles, monkeypatch):
+    # reduction="none": the forward computes the losses only; the backward takes a per-row grad_output
+    use_tiles(monkeypatch, tiles)
+    n, h, v = 11, 16, 100
+    hidden, weight, target = lm_head_inputs((n,), h, v, DTYPES[dtype])
+    target[{"none": slice(0), "some": slice(None, None, 3), "all": slice(None)}[ignored]] = -100
+    n_ignored = int((target == -100).sum())
+    with kernels.backend("triton"):
+        with traffic.measure(torch_ops=True) as fwd:
+            loss = kernels.fused_linear_cross_entropy(hidden, weight, target, reduction="none")
+        grad_output = torch.linspace(-1, 2, n, dtype=loss.dtype)
+        with traffic.measure(torch_ops=True) as bwd:
+            loss.backward(grad_output)
+    which = f"bench/bench_fused_linear_cross_entropy.py reduction none ({dtype}, {n_ignored} ignored, {tiles} tiles)"
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_fused_linear_cross_entropy.traffic_parts(mode, n, h, v, hidden.element_size(), n_ignored, cuda=False,
+                                                               reduction="none")
+        assert_matches(model, measured, f"{which} {mode}")
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("ignored", ["none", "some"])
 def test_fused_linear_cross_entropy_fp32_weight_under_autocast(dtype, ignored):
@@ -232,6 +271,48 @@ def test_fused_linear_cross_entropy_fp32_weight_under_autocast(dtype, ignored):
     for mode, measured in (("forward", fwd), ("backward", bwd)):
         model = bench_fused_linear_cross_entropy.traffic_parts(mode, n, h, v, hidden.element_size(), n_ignored, w=4, cuda=False)
         assert_matches(model, measured, f"{which} {mode}")
+
+
+# ---- fused linear preference --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ignored", ["none", "prompt", "all"])
+@pytest.mark.parametrize("tiles", ["one", "several"])  # several: token chunks of 4 rows, vocabulary tiles of 3 x 64
+def test_fused_linear_preference(dtype, ignored, tiles, monkeypatch):
+    use_tiles(monkeypatch, tiles)
+    n_seqs, seq_len, h, v = 4, 5, 16, 100
+    hidden, weight, target = lm_head_inputs((n_seqs, seq_len), h, v, DTYPES[dtype])
+    target[:, {"none": slice(0), "prompt": slice(0, 2), "all": slice(None)}[ignored]] = -100
+    n_ignored = int((target == -100).sum())
+    with kernels.backend("triton"):
+        with torch.no_grad(), traffic.measure(torch_ops=True) as reference:
+            kernels.fused_linear_preference(hidden, weight, target)
+        with traffic.measure(torch_ops=True) as fwd:
+            logps = kernels.fused_linear_preference(hidden, weight, target).logps
+        upstream = torch.tensor([1.0, -2.0, 0.5, 3.0])
+        with traffic.measure(torch_ops=True) as bwd:
+            logps.backward(upstream)
+    which = f"bench/bench_fused_linear_preference.py ({dtype}, {n_ignored} ignored, {tiles} tiles)"
+    for mode, measured in (("forward", reference), ("forward", fwd), ("backward", bwd)):
+        model = bench_fused_linear_preference.traffic_parts(mode, n_seqs, seq_len, h, v, hidden.element_size(), n_ignored,
+                                                            cuda=False)
+        assert_matches(model, measured, f"{which} {mode}")
+
+
+def test_fused_linear_preference_fp32_weight_under_autocast():
+    n_seqs, seq_len, h, v = 4, 5, 16, 100
+    hidden, _, target = lm_head_inputs((n_seqs, seq_len), h, v, torch.bfloat16)
+    weight = torch.randn(v, h).requires_grad_()
+    target[:, :2] = -100
+    with kernels.backend("triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+        with traffic.measure(torch_ops=True) as fwd:
+            logps = kernels.fused_linear_preference(hidden, weight, target).logps
+        upstream = torch.ones(n_seqs)
+        with traffic.measure(torch_ops=True) as bwd:
+            logps.backward(upstream)
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_fused_linear_preference.traffic_parts(mode, n_seqs, seq_len, h, v, 2, 8, w=4, cuda=False)
+        assert_matches(model, measured, f"bench/bench_fused_linear_preference.py (bf16 under autocast, fp32 weight) {mode}")
 
 
 # ---- SwiGLU -------------------------------------------------------------------------------------------------

@@ -46,6 +46,10 @@ def test_every_op_and_variant_is_compiled(compiled):
     assert ("cross_entropy", "_cross_entropy_fwd_kernel") in kernels
     assert ("cross_entropy", "_cross_entropy_bwd_kernel") in kernels
     assert {("swiglu", "_swiglu_fwd_kernel"), ("swiglu", "_swiglu_bwd_kernel")} <= kernels
+    # the preference head: cross-entropy without (reference, policy forward) and with per-row scales, the vocabulary pass
+    assert {("fused_linear_preference", "_cross_entropy_fwd_kernel"), ("fused_linear_preference", "_flce_slice_grad_kernel")} <= kernels
+    assert {r["constexprs"]["COMPUTE_GRAD"] for r in compiled
+            if (r["case"], r["kernel"]) == ("fused_linear_preference", "_cross_entropy_fwd_kernel")} == {"False", "True"}
     adamw = {(r["constexprs"]["P_DTYPE"], r["constexprs"]["HAS_MASTER"]) for r in compiled if r["case"] == "adamw"}
     assert {("fp32", "False"), ("bf16", "True"), ("bf16", "False")} <= adamw
     # Every RMSNorm width the benchmark uses, both backward strategies (row in registers, column loop).
