@@ -41,7 +41,9 @@ the loss's gradient inside the forward, chunk by chunk of whole pairs (the loss 
 which needs the loss function inside the op; here the loss is plain torch on the (S,) outputs, so the gradient
 of a row is known only in backward and its chunk's logits must be recomputed. Peak extra memory: as fused
 linear cross-entropy's reduction="none" (a chunk of logits; the backward's fp32 grad_hidden of the K rows and
-for a bf16/fp16 weight a vocabulary tile and its fp32 (Vs, H) accumulator), plus (N,) and (S,) vectors.
+for a bf16/fp16 weight a vocabulary tile and its fp32 (Vs, H) accumulator), plus (N,) and (S,) vectors: at
+Llama-3.2-1B's head (H 2048, V 128256, bf16) with 8 pairs of 1024 tokens, half prompt, 0.63 GB (forward 0.56 GB)
+against eager's 25 GB, measured on meta tensors by tests/.
 
 Loss functions (plain torch on the per-sequence tensors; TRL v0.24's formulas, sequences [chosen; rejected]):
   sigmoid   -logsigmoid(b d) (1 - ls) - logsigmoid(-b d) ls, d = (pi_c - pi_r) - (ref_c - ref_r); ls > 0 is
@@ -100,12 +102,12 @@ def fused_linear_preference_fwd(hidden, weight, target, seq, n_seqs, bias=None, 
         hidden, weight, target, bias, ignore_index=ignore_index, reduction="none",
         need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias, out_dtype=torch.float32,
     )  # (N,) fp32, 0 on ignored rows
-    rows = saved[0]  # (K,) the answer rows on hidden's device, None when every row is one
+    rows = saved[0]  # fused_linear_cross_entropy_fwd saves the kept (answer) rows first: (K,) on hidden's device, or None
     seq_k = seq if rows is None else seq.index_select(0, rows)  # (K,)
     logps = _per_sequence(-nll_rows, seq, n_seqs)  # (S,)
     counts = _per_sequence(torch.ones_like(seq_k), seq_k, n_seqs)  # (S,)
     # mean over the vocabulary of row t's logits = h_t . mean_v w_v + mean_v b_v (module docstring). The fp32 mean
-    # enters the matmul in hidden's dtype as a sum of two parts, hi + lo: rounding it to bf16 alone cost 2.6x
+    # enters the matmul in hidden's dtype as a sum of two parts, hi + lo: rounded once to hidden's dtype it cost 2.6x
     # PyTorch's own error (fp16, tests/), since the mean over V of the logits is far smaller than the logits.
     weight_mean = weight.mean(0, dtype=torch.float32)  # (H,)
     high = weight_mean.to(hidden.dtype)
@@ -212,11 +214,11 @@ def fused_linear_preference(
     autocast dtype. For the reference model call it under torch.no_grad(): the forward alone, nothing saved.
     """
     _check_args(hidden, weight, target, bias, sequence_ids, num_sequences, ignore_index)
-    n_seqs = hidden.shape[0] if sequence_ids is None else num_sequences
-    seq = _sequence_index(hidden, sequence_ids)  # (N,)
     if not use_triton(hidden, weight, bias):
         return fused_linear_preference_ref(hidden, weight, target.to(hidden.device, non_blocking=True), bias,
                                            ignore_index=ignore_index, sequence_ids=sequence_ids, num_sequences=num_sequences)
+    n_seqs = hidden.shape[0] if sequence_ids is None else num_sequences
+    seq = _sequence_index(hidden, sequence_ids)  # (N,)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # As F.linear under autocast: the matmuls in the autocast dtype; weight and bias are cast inside, so an

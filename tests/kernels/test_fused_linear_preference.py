@@ -259,6 +259,23 @@ def test_peak_extra_memory_at_llama_3_2_1b_head(monkeypatch):
     assert peak <= 0.03 * eager.peak_excluding(), (peak, eager.peak_excluding())
 
 
+def test_torch_compile_fullgraph_cpu():
+    # compiled CPU code takes the reference (the interpreter cannot be traced); the functional and the loss trace
+    torch._dynamo.reset()
+    hidden, weight, bias, target = make_batch(4, 6, 32, vocab=211, bias=True, seed=15)
+
+    def step(h, w, t, b):
+        return preference_loss(fused_linear_preference(h, w, t, b), None, loss_type="ipo", beta=0.2)[0]
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+    compiled(h, w, target, b).backward()
+    hr, wr, br = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+    step(hr, wr, target, br).backward()
+    for o, r in zip((h.grad, w.grad, b.grad), (hr.grad, wr.grad, br.grad)):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-6)
+
+
 # ---- the losses ------------------------------------------------------------------------------------------------
 
 
