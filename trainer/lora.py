@@ -39,6 +39,8 @@ Test: python -m pytest tests/trainer/test_lora.py -q
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import json
 import math
@@ -93,6 +95,29 @@ def peft_key(name: str) -> str:
 def has_adapter(model: nn.Module) -> bool:
     """Whether `model` carries a peft adapter (injected by `apply_lora`, `load_adapter` or peft itself)."""
     return bool(getattr(model, "peft_config", None))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model for the block: every adapter layer of `model` computes its base layer only (peft's
+    enable_adapters(False)), as peft's `disable_adapter()` context does for a PeftModel; a model without an adapter
+    is left as it is. Preference training's reference, with no second copy of the weights."""
+    if not has_adapter(model):
+        yield model
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p in trainable:  # enable_adapters sets requires_grad as peft sees fit; the run's choice stands
+            p.requires_grad_(True)
 
 
 # ---- the config -----------------------------------------------------------------------------------------------

@@ -418,6 +418,7 @@ class Backbone(nn.Module):
 class CausalLMOutput:
     loss: torch.Tensor | None  # () fp32, or None without labels
     logits: torch.Tensor | None  # (B, T, V) in the model dtype; None when the fused loss computed it away
+    sequence_logps: kernels.PreferenceLogps | None = None  # per row of the batch, with sequence_logps=True
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -587,9 +588,13 @@ class CausalLM(nn.Module):
         return fn(x, self.neftune_noise_alpha, attention_mask=attention_mask, position_ids=position_ids, training=True)
 
     def forward(self, input_ids, position_ids=None, labels=None, attention_mask=None, num_items=None,
-                inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None) -> CausalLMOutput:
+                inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None,
+                sequence_logps: bool = False) -> CausalLMOutput:
         """Logits, and with `labels` (unshifted, -100 = no target; a tensor or `HostLabels`) the loss sum / num_items (default: mean over
         supervised tokens; 0 when there are none). With labels and use_kernels the logits are never formed.
+        With `sequence_logps` (and labels) no loss: each row's sum of its targets' log-probabilities, their count
+        and mean logit (`kernels.fused_linear_preference`: preference training's per-sequence numbers, computed
+        in here so that wrappers that gather the weights for forward, FSDP2's, hold the LM head's).
         The last four are transformers' arguments, which peft's PeftModelForCausalLM (task_type="CAUSAL_LM")
         passes as None; another value would be ignored, so it is refused."""
         if inputs_embeds is not None or output_attentions or output_hidden_states or return_dict is False:
@@ -604,6 +609,12 @@ class CausalLM(nn.Module):
             raise ModelError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)} (labels are unshifted)")
         # (B*T,) position t predicts t+1; on the labels' device (the host for host labels: see takes_host_labels)
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        if sequence_logps:
+            fn = kernels.fused_linear_preference if self.impl == "kernels" else kernels.fused_linear_preference_ref
+            if self.impl != "kernels":
+                targets = targets.to(hidden.device, non_blocking=True)
+            logps = fn(hidden, self.lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX)
+            return CausalLMOutput(None, None, logps)
         if num_items is None:
             denom = (targets != IGNORE_INDEX).sum().clamp(min=1)
         elif torch.is_tensor(num_items):

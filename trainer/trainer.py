@@ -414,7 +414,7 @@ class Trainer:
             if i < len(micro_batches) - 1:
                 self.control = self.callback_handler.fire("on_substep_end", args, state, self.control)
             tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
-            throughput.add(tokens, int(batch.get("num_items", 0)))
+            throughput.add(tokens, count_targets(batch["labels"]))  # on the host copy of the labels
             window_tokens += tokens
         global_tokens = None
         if self.world_size > 1:
@@ -537,7 +537,7 @@ class Trainer:
         learning rate, the throughput since the last log, MFU and memory; then the sums start over."""
         # Skipped (non-finite) steps are not averaged in; a window of only skipped steps logs no loss.
         logs = {"loss": sums.logged_loss / sums.logged_steps if sums.logged_steps else None,
-                "grad_norm": sums.last_grad_norm, "learning_rate": learning_rate}
+                "grad_norm": sums.last_grad_norm, "learning_rate": learning_rate, **self._extra_logs()}
         speed = throughput.mark()
         logs.update(speed)
         if peak_flops and flops_per_token:
@@ -550,6 +550,10 @@ class Trainer:
             logs["skipped_steps"] = state.nonfinite_steps + state.overflow_steps
         self._log(state, logs, writer, progress)
         sums.logged_loss, sums.logged_steps, sums.last_grad_norm = 0.0, 0, None
+
+    def _extra_logs(self) -> dict:
+        """What a trainer built on this loop adds to each training log (trainer/preference.py: TRL's metrics)."""
+        return {}
 
     def _print_run_summary(self, model, loader, micro: int, accum: int, num_epochs: int, max_steps: int) -> None:
         """Hugging Face's `***** Running training *****` block, plus one line of ours spelling out the global batch."""
