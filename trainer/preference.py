@@ -228,11 +228,15 @@ class PreferenceTrainer(Trainer):
         out = np.zeros((len(dataset), 2), dtype=np.float32)
         plan = loader.global_batches(loader.epoch)
         try:
-            for indices, batch in zip(plan[self.rank::self.world_size], loader):
+            # every rank runs as many forwards (the loader evens them out with filler batches: sharded models
+            # gather in each), and rank r's k-th batch is the plan's batch r + k * world_size
+            for k, batch in enumerate(loader):
                 with self._autocast(device, train=False):
                     logps = self._reference_logps(batch, device)
-                k = len(indices)
-                out[np.asarray(indices)] = logps.float().view(2, k).T.cpu().numpy()
+                j = self.rank + k * self.world_size
+                if j < len(plan):
+                    indices = np.asarray(plan[j], dtype=np.int64)
+                    out[indices] = logps.float().view(2, len(indices)).T.cpu().numpy()
         finally:
             model.train(was_training)
         if self.world_size > 1:  # each rank filled its share of the pairs; the rest are zeros

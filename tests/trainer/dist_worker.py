@@ -13,6 +13,9 @@ or null, "metrics": true to evaluate with
 tests.trainer.test_distributed.eval_metrics, "host_labels_probe": true to run `HostLabelsProbe`}. Rank 0 writes output/result.json (the logged losses, the eval
 metrics, the non-finite steps counted) and every job ends with the consolidated model in output/final.
 
+A preference job is {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments}: DPO
+(`trainer.preference.PreferenceTrainer`) on the pairs, then an evaluation on them; rank 0 writes result.json.
+
 A build job is {"output", "args", "build": {"model": a preset or directory, "seed": int}}: the model is loaded as
 `python -m trainer.sft` loads it (`trainer.build.build_model`; sharded without a full copy under dist_config fsdp2,
 whose dcp_path may name a DCP copy) while `FullSizeWatch` counts full-size tensors and every safetensors read is
@@ -228,11 +231,37 @@ def build(job: dict) -> None:
                                                      "sharded": type(model).__name__}))
 
 
+def run_preference(job: dict) -> None:
+    """A preference job, {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments}: DPO on
+    the pairs; rank 0 writes result.json (the logged losses and reward margins, the eval metrics)."""
+    from tests.trainer.test_trainer import small_model
+    from trainer.preference import PreferenceArguments, PreferenceTrainer
+    from trainer.preference_data import load_preference_dataset
+
+    rank, world_size = init_distributed()
+    out = Path(job["output"])
+    tokenizer = byte_level_tokenizer()
+    pairs = load_preference_dataset([job["pairs"]], tokenizer, show_progress=False)
+    trainer = PreferenceTrainer(model=small_model(), args=TrainingArguments(output_dir=str(out / "run"), **job["args"]),
+                                pref=PreferenceArguments(**job["pref"]), train_dataset=pairs, eval_dataset=pairs,
+                                processing_class=tokenizer)
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model(str(out / "final"))
+    if rank == 0:
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        (out / "result.json").write_text(json.dumps({"world_size": world_size, "losses": [h["loss"] for h in logs],
+                                                     "margins": [h["rewards/margins"] for h in logs],
+                                                     "metrics": metrics}))
+
+
 def run(data: str, job: dict) -> None:
     from tests.trainer.test_trainer import small_model
 
     if "build" in job:
         return build(job)
+    if "pairs" in job:
+        return run_preference(job)
     rank, world_size = init_distributed()
     out = Path(job["output"])
     dataset = load_sft_dataset([data], byte_level_tokenizer(), cutoff_len=64, show_progress=False)

@@ -14,6 +14,8 @@ optimizer step sees the same 8 examples, and the loss is normalised by the windo
 - an FSDP2 model built as `trainer.sft` builds it (meta device, sharded, then filled) equals the one-process model
   bitwise, from a Hugging Face directory (uneven shards, several safetensors files), a preset and a DCP copy,
   while no rank holds a full-size weight (a preset: one at a time), and it generates;
+- preference training (DPO) under DDP and FSDP2, the reference a frozen copy or precomputed, logs the same
+  losses, reward margins and eval metrics and ends with the same weights;
 - an exception on one rank ends the whole job with its message and a non-zero exit, never a hang.
 Every spawn is bounded by a timeout. GPU-marked tests (NCCL, offload_params) run only where CUDA exists.
 Tolerance: the 1-process and 2-process runs sum the same fp32 terms in a different order (per-rank partial
@@ -42,9 +44,11 @@ from trainer.args import TrainingArguments
 from trainer.build import PRESETS, build_preset, load_pretrained, save_pretrained
 from trainer.lora import apply_lora, is_adapter_name, peft_key
 from trainer.model import CausalLM, ModelConfig, generate
-from trainer.tasks import generate_tasks
+from trainer.tasks import generate_tasks, preference_pair
 from trainer.trainer import Trainer
 from trainer.data import load_sft_dataset
+from trainer.preference import PreferenceArguments, PreferenceTrainer
+from trainer.preference_data import load_preference_dataset
 from trainer.tokenizer import byte_level_tokenizer
 
 from .test_trainer import small_model
@@ -232,6 +236,43 @@ def test_fsdp2_loss_skips_ignored_rows(suite, reference_run):
     # measured: 14 of 94 targets kept in the first micro batch (the prompts are ignored)
     assert sum(kept for _, kept, _ in calls) < sum(total for _, _, total in calls) / 2, calls
     assert result["losses"] == pytest.approx(reference_run[0], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(preference_pair(ex)) + "\n" for ex in generate_tasks(24, seed=5)))
+    return path
+
+
+def test_preference_training_on_two_processes_matches_one(tmp_path, data_file, pairs_file):
+    """DPO (issue 22 item 5) under DDP, FSDP2 and FSDP2 with precomputed reference log-probs on 2 processes: the
+    losses, reward margins, eval metrics and final weights of one process on the same global batch of 8 pairs."""
+    args = {**BASE, "use_kernels": True}
+    pref = {"beta": 0.1}
+    with kernels.backend("reference"):
+        pairs = load_preference_dataset([pairs_file], byte_level_tokenizer(), show_progress=False)
+        model = small_model()
+        trainer = PreferenceTrainer(model=model, pref=PreferenceArguments(**pref), train_dataset=pairs,
+                                    eval_dataset=pairs, processing_class=byte_level_tokenizer(),
+                                    args=TrainingArguments(output_dir=str(tmp_path / "single"), **args,
+                                                           gradient_accumulation_steps=4))
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        metrics = trainer.evaluate()
+    jobs = [{"name": name, "pairs": str(pairs_file), "pref": {**pref, **extra},
+             "args": {**args, "gradient_accumulation_steps": 2, **CONFIGS[config]}}
+            for name, config, extra in (("ddp", "ddp", {}), ("fsdp2", "fsdp2", {}),
+                                        ("fsdp2-precomputed", "fsdp2", {"precompute_ref_log_probs": True}))]
+    runs = ok(launch(tmp_path / "dist", data_file, jobs))
+    for name in ("ddp", "fsdp2", "fsdp2-precomputed"):
+        result = runs["result"][name]
+        assert result["world_size"] == 2
+        assert result["losses"] == pytest.approx([h["loss"] for h in logs], rel=1e-5), name
+        assert result["margins"] == pytest.approx([h["rewards/margins"] for h in logs], rel=1e-4, abs=1e-7), name
+        for key in ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen"):
+            assert result["metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-7), (name, key)
+        assert_same_weights(runs["out"][name] / "final", model)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
