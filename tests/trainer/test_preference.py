@@ -201,3 +201,19 @@ def test_kernels_through_the_interpreter_train_as_plain_pytorch(tmp_path, pairs,
     np.testing.assert_allclose([h["loss"] for h in fused], [h["loss"] for h in plain], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose([h["rewards/margins"] for h in fused], [h["rewards/margins"] for h in plain],
                                rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_resume_is_exact(tmp_path, pairs, tokenizer, precompute):
+    """A run resumed from its step-2 checkpoint logs the unbroken run's losses and metrics for steps 3-4: the
+    reference (a copy of the model as given, or the table precomputed from it) is the starting model's again,
+    not the checkpoint's."""
+    pref = PreferenceArguments(precompute_ref_log_probs=precompute)
+    _, unbroken = run(tmp_path / "a", pairs, tokenizer, pref=pref, save_strategy="steps", save_steps=2)
+    trainer = PreferenceTrainer(model=small_model(), pref=pref, train_dataset=pairs, processing_class=tokenizer,
+                                args=make_args(tmp_path / "a", save_strategy="steps", save_steps=2))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
+    resumed = [h for h in trainer.state.log_history if "loss" in h and h["step"] > 2]
+    assert [h["step"] for h in resumed] == [3, 4]
+    for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        assert [h[key] for h in resumed] == [h[key] for h in unbroken[2:]], key
