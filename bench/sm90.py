@@ -240,6 +240,17 @@ def _rms_norm():
         y.backward(torch.empty_like(y))
 
 
+def _fused_add_rms_norm():
+    # The RMSNorm widths, bf16 x and residual with both outputs' gradients; and the model's case under autocast at
+    # Llama-3-8B's width: a bf16 update added to the fp32 residual stream (h, normed and dresidual fp32, dx bf16).
+    cases = [(hidden, torch.bfloat16) for hidden in (128, 1024, 4096, 8192, 16384, 32768)] + [(4096, torch.float32)]
+    for hidden, res_dtype in cases:
+        x, w = _cuda(8192, hidden, grad=True), _cuda(hidden, dtype=res_dtype, grad=True)
+        residual = _cuda(8192, hidden, dtype=res_dtype, grad=True)
+        normed, h = kernels.fused_add_rms_norm(x, residual, w)
+        torch.autograd.backward([normed, h], [torch.empty_like(normed), torch.empty_like(h)])
+
+
 def _adamw():
     # A Llama-like parameter list (an embedding, projections, a norm), fp32 and bf16 with fp32 masters.
     shapes = [(128256, 2048), (2048, 2048), (8192, 2048), (2048,)]
@@ -283,6 +294,7 @@ CASES: dict[str, Callable[[], None]] = {
     "cross_entropy": _cross_entropy,
     "fused_linear_cross_entropy": _fused_linear_cross_entropy,
     "rms_norm": _rms_norm,
+    "fused_add_rms_norm": _fused_add_rms_norm,
     "adamw": _adamw,
     "neftune": _neftune,
     "rope": _rope,

@@ -62,6 +62,19 @@ def _assert_ulps(ours, other, dtype, ulps, name):
     assert worst <= 0, f"{name}: {int((diff > bound).sum())} elements beyond {ulps} ulp (worst excess {worst:.3e})"
 
 
+def count_launches(monkeypatch, kernel_name):
+    """The grids of every launch of kernels.rms_norm's `kernel_name` from now on (the list fills as they run)."""
+    grids, kernel = [], getattr(rms_mod, kernel_name)
+
+    class _Counting:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(rms_mod, kernel_name, _Counting())
+    return grids
+
+
 def _autograd_nodes(t):
     """Names of the autograd nodes behind t, outermost first (a view follows the Function)."""
     names, node = [], t.grad_fn
@@ -126,15 +139,7 @@ def test_wide_rows_backward_takes_the_column_loop(monkeypatch):
     shape = (3, 8192 + 24)
     n = shape[-1]
     x, w, dy = _make(shape, torch.bfloat16, 0.0, seed=2)
-    rowdot_launches = []
-    rowdot = rms_mod._rms_norm_bwd_rowdot_kernel
-
-    class _Counting:
-        def __getitem__(self, grid):
-            rowdot_launches.append(grid)
-            return rowdot[grid]
-
-    monkeypatch.setattr(rms_mod, "_rms_norm_bwd_rowdot_kernel", _Counting())
+    rowdot_launches = count_launches(monkeypatch, "_rms_norm_bwd_rowdot_kernel")
     ours = fwd_bwd(lambda a, b: rms_norm(a, b), x, w, dy)
     assert launch_config(3, n)[2] is True and len(rowdot_launches) == 1
     ref32 = fwd_bwd(lambda a, b: rms_norm_ref(a, b), x.float(), w.float(), dy.float())
