@@ -19,7 +19,8 @@ import kernels
 from bench import bench_adamw, bench_cross_entropy, bench_fused_linear_cross_entropy, bench_neftune, bench_rms_norm, traffic
 from bench import bench_swiglu
 from kernels.cross_entropy import FWD_VARIANTS, cross_entropy, cross_entropy_fwd, fwd_variant
-from kernels.rms_norm import RMSNormFunction, rms_norm_bwd, rms_norm_fwd
+from kernels.rms_norm import (FusedAddRMSNormFunction, fused_add_rms_norm_bwd, fused_add_rms_norm_fwd, RMSNormFunction,
+                              rms_norm_bwd, rms_norm_fwd)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -154,6 +155,48 @@ def test_rms_norm_model_counts_partials_and_the_two_pass_backward():
     for n, ratio in ((4096, 1.084), (16384, 1.751)):
         read, write = bench_rms_norm.traffic_model("backward", 4096, n, 2, 2, num_programs=264, weight_once=True)
         assert abs((read + write) / (3 * 4096 * n * 2) - ratio) < 1e-3
+
+
+@pytest.mark.parametrize("dtypes", ["fp32", "bf16", "fp16", "bf16+fp32"])  # x's dtype (+ the residual's where it differs)
+@pytest.mark.parametrize("w_dtype", ["same", "fp32"])
+@pytest.mark.parametrize("max_block", [None, 32])  # one block per row; the column loops (h read back, row-dot pass)
+@pytest.mark.parametrize("grad_h", [True, False])  # False: no gradient at h (the model's final norm)
+def test_fused_add_rms_norm_forward_and_backward(dtypes, w_dtype, max_block, grad_h):
+    x_dtype, res_dtype = (DTYPES[d] for d in (dtypes.split("+") * 2)[:2])
+    m, n = 37, 100
+    x, residual = torch.randn(m, n, dtype=x_dtype), torch.randn(m, n, dtype=res_dtype)
+    w = torch.randn(n, dtype=x_dtype if w_dtype == "same" else torch.float32)
+    with traffic.measure() as fwd:
+        _, h, rstd = fused_add_rms_norm_fwd(x, residual, w, 1e-6, 0.0, max_block=max_block)
+    with traffic.measure() as bwd:
+        fused_add_rms_norm_bwd(torch.randn_like(h), torch.randn_like(h) if grad_h else None, h, w, rstd, 0.0, x_dtype,
+                               res_dtype, max_block=max_block)
+    s, ws, rs = x.element_size(), w.element_size(), residual.element_size()
+    which = f"bench/bench_rms_norm.py fused add ({dtypes}, weight {w.dtype}, {m}x{n}, max_block {max_block})"
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_rms_norm.traffic_parts(mode, m, n, s, ws, max_block=max_block, residual_size=rs, grad_h=grad_h)
+        assert_matches(model, measured, f"{which} {mode}")
+    # where the row is in registers our model is the minimum but for O(M + N): rstd (4 B a row, written and read),
+    # one program's fp32 dweight partial row summed and cast (the weight counted once, as DRAM sees it)
+    if max_block is None and grad_h:
+        for mode in ("forward", "backward", "full"):
+            ours = bench_rms_norm.traffic_model(mode, m, n, s, ws, residual_size=rs, weight_once=True, num_programs=1)
+            low = bench_rms_norm.min_traffic(mode, m, n, s, ws, residual_size=rs)
+            assert all(0 <= o - lo <= 4 * m + 12 * n for o, lo in zip(ours, low)), (mode, ours, low)
+
+
+@pytest.mark.parametrize("max_block", [None, 32])
+def test_fused_add_rms_norm_full_step_with_torch_ops(max_block):
+    m, n = 13, 100
+    x = torch.randn(m, n, dtype=torch.bfloat16).requires_grad_()
+    residual = torch.randn(m, n).requires_grad_()  # fp32 stream, bf16 update: the model under autocast
+    w = torch.randn(n).requires_grad_()
+    dnormed, dh = torch.randn(m, n), torch.randn(m, n)
+    with traffic.measure(torch_ops=True) as full:
+        normed, h = FusedAddRMSNormFunction.apply(x, residual, w, 1e-6, 0.0, max_block)
+        torch.autograd.grad([normed, h], [x, residual, w], [dnormed, dh])
+    model = bench_rms_norm.traffic_parts("full", m, n, 2, 4, max_block=max_block, residual_size=4)
+    assert_matches(model, full, f"bench/bench_rms_norm.py fused add full (max_block {max_block})")
 
 
 # ---- NEFTune ------------------------------------------------------------------------------------------------

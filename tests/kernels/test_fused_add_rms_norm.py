@@ -208,3 +208,18 @@ def test_reference_path_and_compile_cpu():
     got_compiled = _run(compiled, x, residual, w, dnormed, dh)
     for g, c, r, name in zip(got, got_compiled, want, NAMES):
         assert torch.equal(g, r) and torch.equal(c, r), f"{name} differs from the eager reference"
+
+
+def test_bench_fused_add_runs(tmp_path, monkeypatch):
+    import bench.common
+    from bench import bench_rms_norm
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    rows = bench_rms_norm.main(["--quick", "--op", "fused_add_rms_norm", "--compile-backend", "aot_eager"])
+    assert {r["op"] for r in rows} == {"fused_add_rms_norm"} and {r["mode"] for r in rows} == {"forward", "backward", "full"}
+    assert {"ours", "torch", "torch_compile"} <= {r["provider"] for r in rows}
+    ours = {r["mode"]: r for r in rows if r["provider"] == "ours"}
+    # 8 x 781 bf16: forward reads x and residual (2 + 2 B an element) and the weight once (0.25 B an element over 8
+    # rows), writes h and normed (2 + 2); backward reads d_normed, d_h_out, h (6) and the weight, writes d_h and dweight
+    assert ours["forward"]["bytes_rw_min"] == "4.25+4" and ours["backward"]["bytes_rw_min"] == "6.25+2.25"
+    assert all(r["ms"] > 0 and r["perf_figure"] is False for r in rows)
