@@ -225,7 +225,9 @@ def category(module: str | None, op: str) -> str:
     if "DecoderLayer" in m:
         return "residual_adds" if op in ("add", "add_") else "other_elementwise"
     if m in _TOP_LEVEL:
-        return "loss"
+        # our CausalLM's one add outside the loss: the last MLP output added to the stream before the final norm
+        # (trainer/model.py's add_rms_norm, unfused off our kernels); HF's last add runs in its last decoder layer
+        return "residual_adds" if op in ("add", "add_") else "loss"
     return "other_elementwise"
 
 

@@ -152,6 +152,9 @@ def test_four_stacks_at_a_tiny_size():
     assert rows["hf", 0.0]["flops"] == rows["hf_liger", 0.0]["flops"]
     assert rows["ours", 0.5]["flops"] < rows["ours", 0.0]["flops"]
     assert rows["hf", 0.5]["flops"] == rows["hf", 0.0]["flops"]
+    # our residual adds are fused into the norms (kernels.fused_add_rms_norm); unfused, ours_liger makes HF's adds
+    assert rows["ours", 0.0]["ms_residual_adds"] == 0 and "FusedAddRMSNormFunction:_rms_norm_fwd_kernel" in rows["ours", 0.0]["names"]
+    assert rows["ours_liger", 0.0]["ms_residual_adds"] == pytest.approx(rows["hf", 0.0]["ms_residual_adds"])
     for row in rows.values():
         assert row["ms_step"] == pytest.approx(sum(row[f"ms_{c}"] for c in rf.CATEGORIES))
         assert row["launches"] > 0 and row["peak_memory_gb"] > 0
