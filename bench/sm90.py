@@ -233,8 +233,9 @@ def _fused_linear_cross_entropy():
 
 
 def _rms_norm():
-    # The benchmark widths, plus two narrow ones whose tiles hold several rows (BLOCK_M 32 and 4).
-    for hidden in (128, 1024, 4096, 8192, 16384, 32768):
+    # The benchmark widths, plus two narrow ones whose tiles hold several rows (BLOCK_M 32 and 4), and 12288: a
+    # 16384-wide backward block with masked columns (unpipelined, kernels/rms_norm.py's bwd_launch_config).
+    for hidden in (128, 1024, 4096, 8192, 12288, 16384, 32768):
         x, w = _cuda(8192, hidden, grad=True), _cuda(hidden, grad=True)
         y = kernels.rms_norm(x, w)
         y.backward(torch.empty_like(y))

@@ -31,8 +31,8 @@ dtype (HF promotes to fp32 when the weight is fp32 and x is bf16); dweight comes
 Bytes moved per element (s = element size of x; weight, rstd and the dweight partials are O(N + M)):
     forward 2s (read x, write y); backward 3s (read x and dy, write dx); the backward reads rstd instead of
     recomputing the sum of squares, which would cost nothing in bytes but a second reduction per row.
-    Hidden sizes above `max_block` (forward) or 8192 (backward) cost one extra read of x (forward) or of x
-    and dy (backward).
+    Hidden sizes above `max_block` (forward) or 8192 (backward; 16384 when x and dy are bf16) cost one extra read
+    of x (forward) or of x and dy (backward).
     fused_add_rms_norm (s = element size of every (M, N) tensor): forward 2s + 2s (read x and residual, write h and
     normed); backward 3s + 1s (read d_normed, d_h_out and h, write d_h), + 1s written in x's dtype when it differs.
     The same extra reads above the widths: the forward's second pass reads h back (after a block barrier, so every
@@ -40,8 +40,8 @@ Bytes moved per element (s = element size of x; weight, rstd and the dweight par
 
 Launch strategy
     Rows are flattened to an (M, N) matrix with a contiguous last dim and an arbitrary row stride. A tile is
-    BLOCK_M rows x BLOCK_N columns, with BLOCK_N = next_pow2(N) capped at `max_block` (and at 8192 in the
-    backward, `_MAX_BWD_BLOCK`, which keeps it spill-free) and BLOCK_M chosen so a tile holds about
+    BLOCK_M rows x BLOCK_N columns, with BLOCK_N = next_pow2(N) capped at `max_block` (and in the backward at 8192,
+    or 16384 for bf16 x and dy, which keeps it spill-free: `bwd_launch_config`) and BLOCK_M chosen so a tile holds about
     `_TILE_ELEMS` elements (several short rows per program, one long row per program).
     - ONE_BLOCK (N <= BLOCK_N): the row lives in registers; x is read once.
     - otherwise: a loop over column blocks accumulates sum(x^2) (forward) or sum(dy w' x) (backward, in
@@ -79,11 +79,17 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # tensor (x and w'); ptxas for sm_90 gives 59 registers, no spills. Larger hidden sizes take the column loop.
 _MAX_BLOCK = 16384
 # The backward keeps x, dy, w' and the dweight accumulator live across the row reduction, four row-sized
-# tensors. ptxas (sm_90, bf16, `python -m bench.sm90`): one block of 16384 took 128 registers and spilled
-# 176 bytes per thread; 8192 takes 106 (16 warps), 4096 106 (8 warps), and the column loop at 8192 per
-# block 63 (and 50 for the row-dot pass), none spilling. So hidden sizes above 8192 pay one extra read of
-# x and dy (5 bytes moved per element instead of 3, in units of s) rather than spilling; not yet timed on a GPU.
+# tensors. ptxas (sm_90, `python -m bench.sm90`): 8192 takes 106 registers (16 warps), 4096 106 (8 warps), and the
+# column loop at 8192 per block 63 (and 50 for the row-dot pass), none spilling. One block of 16384 with fp32 copies
+# of x and dy live took 128 registers at 16 warps and spilled 176 bytes per thread (132 at 32 warps, 64 registers).
+# bf16 x and dy are kept as loaded across the reduction (two to a register, `_upcast_again`): at 32 warps, 64
+# registers and 16 values per thread of each row tensor, 12 bytes still spilled, and none once the column predicate
+# went (EVEN_N: hidden exactly 16384), or, for a masked 12288..16383, without the cp.async pipelining (STAGES=1).
+# So bf16 rows up to 16384 are read once (3 bytes moved per element in units of s, as liger's); fp32 and fp16
+# rows above 8192 pay one extra read of x and dy (5 s) rather than spilling (fp16's second upcast is merged with
+# the first by the compiler: 72 bytes spilled). Not yet timed on a GPU.
 _MAX_BWD_BLOCK = 8192
+_MAX_BWD_BLOCK_BF16 = 16384
 # Elements per tile: rows narrower than this are packed several to a program so short rows still give each
 # program enough work (and the interpreter, at ~37 us per program, far fewer programs).
 _TILE_ELEMS = 4096
@@ -95,16 +101,27 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def launch_config(n_rows: int, n_cols: int, max_block: int | None = None) -> tuple[int, int, bool, int]:
+def launch_config(n_rows: int, n_cols: int, max_block: int | None = None, max_warps: int = 16) -> tuple[int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, ONE_BLOCK, num_warps) for an (n_rows, n_cols) problem."""
     cap = _MAX_BLOCK if max_block is None else max_block
     if cap < 16 or cap & (cap - 1):
         raise ValueError(f"max_block={cap} must be a power of two >= 16")
     block_n = min(_next_pow2(n_cols), cap)
     block_m = max(1, min(_TILE_ELEMS // block_n, _next_pow2(n_rows)))
-    # 512 elements per warp (16 fp32 per thread) up to 16 warps; never fewer than 4 so loads stay wide.
-    num_warps = min(16, max(4, _next_pow2(block_m * block_n // 512)))
+    # 512 elements per warp (16 fp32 per thread) up to 16 warps (32 for the backward's 16384-wide bf16 rows); never
+    # fewer than 4 so loads stay wide.
+    num_warps = min(max_warps, max(4, _next_pow2(block_m * block_n // 512)))
     return block_m, block_n, n_cols <= block_n, num_warps
+
+
+def bwd_launch_config(n_rows: int, n_cols: int, bf16: bool, max_block: int | None = None):
+    """(BLOCK_M, BLOCK_N, ONE_BLOCK, num_warps, STAGES) of the backward: bf16 rows (x and dy) up to 16384 wide stay
+    in registers (32 warps at 16384), other dtypes up to 8192 (`_MAX_BWD_BLOCK`); the row loop is pipelined
+    (2 stages) except in a 16384 block with masked columns, where that would spill."""
+    cap = _MAX_BWD_BLOCK_BF16 if bf16 else _MAX_BWD_BLOCK
+    block_m, block_n, one_block, num_warps = launch_config(n_rows, n_cols, min(cap, max_block or cap), max_warps=32)
+    stages = 1 if one_block and block_n > _MAX_BWD_BLOCK and n_cols != block_n else 2
+    return block_m, block_n, one_block, num_warps, stages
 
 
 @torch.compiler.assume_constant_result
@@ -219,6 +236,16 @@ if HAS_TRITON:
         tl.store(c_ptr + rows, tl.sum(acc, axis=1) * rstd / N, mask=row_mask)
 
     @triton.jit
+    def _upcast_again(v):
+        """v as fp32, for a second use after a first `.to(tl.float32)` of the same v. bf16: the 16 bits shifted into
+        the top of an fp32 (exactly the conversion), an integer path the compiler does not merge with the first
+        conversion, so the bf16 values (two to a register) stay live instead of their fp32 copies. Other dtypes: a
+        plain conversion (merged with the first)."""
+        if v.dtype == tl.bfloat16:
+            return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        return v.to(tl.float32)
+
+    @triton.jit
     def _store_dx(dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2,
                   HAS_DH: tl.constexpr, TWO_DX: tl.constexpr):
         """Store the fp32 input gradient dx (BLOCK_M, BLOCK_N) of rows64 x cols: plus the gradient arriving at the sum
@@ -255,6 +282,8 @@ if HAS_TRITON:
         COMPUTE_DW: tl.constexpr,
         HAS_DH: tl.constexpr,
         TWO_DX: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
         off32 = tl.cast(offset, tl.float32)
         pid = tl.program_id(0)
@@ -263,27 +292,32 @@ if HAS_TRITON:
         dw_row = dw_ptr + pid.to(tl.int64) * N
         if ONE_BLOCK:
             cols = tl.arange(0, BLOCK_N)
-            col_mask = cols < N
+            # EVEN_N (N == BLOCK_N): no per-column predicate; at BLOCK_N 16384 that is what fits 64 registers
+            col_mask = cols < (BLOCK_N if EVEN_N else N)
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32  # (BLOCK_N,)
             dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            # num_stages=2: the next tile's x, dy and rstd stream into shared memory (cp.async) while this
+            # STAGES=2: the next tile's x, dy and rstd stream into shared memory (cp.async) while this
             # one is computed. ptxas, sm_90, bf16: 120 -> 106 registers at hidden 4096 and 8192; without it
-            # each row waited on its own loads (one row per iteration, 1-2 blocks per SM).
-            for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=2):
+            # each row waited on its own loads (one row per iteration, 1-2 blocks per SM). 1 where 2 would spill
+            # (`bwd_launch_config`).
+            for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
                 rows = r0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
                 row_mask = rows < row_end
                 rows64 = rows.to(tl.int64)
                 mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x_st = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)  # storage dtype
+                dy_st = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
-                xh = x * rstd[:, None]  # (BLOCK_M, BLOCK_N)
-                g = dy * w[None, :]
-                c = tl.sum(g * xh, axis=1) / N  # (BLOCK_M,)
-                dx = (g - xh * c[:, None]) * rstd[:, None]
-                _store_dx(dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2, HAS_DH, TWO_DX)
+                xh = x_st.to(tl.float32) * rstd[:, None]  # (BLOCK_M, BLOCK_N)
+                dy = dy_st.to(tl.float32)
                 if COMPUTE_DW:
                     dw_acc += tl.sum(dy * xh, axis=0)
+                c = tl.sum(dy * w[None, :] * xh, axis=1) / N  # (BLOCK_M,)
+                # After the row reduction x and dy are upcast again from their storage dtype, so that what stays live
+                # across it is x and dy as loaded (bf16: two to a register), not their fp32 copies (_upcast_again).
+                xh = _upcast_again(x_st) * rstd[:, None]
+                dx = (_upcast_again(dy_st) * w[None, :] - xh * c[:, None]) * rstd[:, None]
+                _store_dx(dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2, HAS_DH, TWO_DX)
             if COMPUTE_DW:
                 tl.store(dw_row + cols, dw_acc, mask=col_mask)
         else:
@@ -374,7 +408,8 @@ def _bwd(dy2d, x2d, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, 
     if M == 0:
         dw = torch.zeros((N,), dtype=weight.dtype, device=weight.device) if compute_dw else None
         return dxs, dw
-    block_m, block_n, one_block, num_warps = launch_config(M, N, min(_MAX_BWD_BLOCK, max_block or _MAX_BWD_BLOCK))
+    bf16 = x2d.dtype == dy2d.dtype == torch.bfloat16
+    block_m, block_n, one_block, num_warps, stages = bwd_launch_config(M, N, bf16, max_block)
     if num_programs is None:
         # About two programs per SM keeps every SM streaming while one waits on memory (not yet tuned on a
         # GPU: bench/bench_rms_norm.py is the place to revisit it).
@@ -401,7 +436,7 @@ def _bwd(dy2d, x2d, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, 
         dy2d, x2d, weight, rstd, c, dh_in, dx, dx2, dw_partial, M, N, rows_per_prog,
         dy2d.stride(0), x2d.stride(0), dh_in.stride(0), dx.stride(0), dx2.stride(0), offset,
         BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, COMPUTE_DW=compute_dw, HAS_DH=dh is not None,
-        TWO_DX=len(dxs) == 2, num_warps=num_warps,
+        TWO_DX=len(dxs) == 2, EVEN_N=N == block_n, STAGES=stages, num_warps=num_warps,
     )
     dw = dw_partial.sum(dim=0).to(weight.dtype) if compute_dw else None  # (N,), summed in fp32
     return dxs, dw

@@ -95,8 +95,9 @@ def test_matches_reference_and_torch(shape, dtype, offset):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("max_block", [None, 1024], ids=["one_block", "column_loop"])
 def test_wide_rows_both_algorithms(dtype, max_block):
-    """Hidden 8192 + 24: the backward's column loop (and its row-dot pass) always; with max_block 1024 the forward's
-    too, which writes h in its first pass and reads it back in the second (5 column blocks, the last ragged)."""
+    """Hidden 8192 + 24: in fp32 the backward's column loop (and its row-dot pass), in bf16 its one 16384-wide block;
+    with max_block 1024 both loop, and so does the forward, which writes h in its first pass and reads it back in
+    the second (9 column blocks, the last ragged)."""
     shape = (3, 8192 + 24)
     n = shape[-1]
     assert launch_config(3, n)[2] is True and launch_config(3, n, max_block=1024)[2] is False
