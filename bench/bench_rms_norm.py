@@ -92,12 +92,16 @@ def _liger_fn(op: str):
         return None, f"liger-kernel not importable ({exc.__class__.__name__}); pip install liger-kernel"
     # casting_mode "gemma" is fp32 until the final cast, the same semantics as ours.
     if op == "fused_add_rms_norm":
-        return (lambda x, r, w, eps, offset: LigerFusedAddRMSNormFunction.apply(x, r, w, eps, offset, "gemma", False)), None
+        def liger(x, r, w, eps, offset):
+            return LigerFusedAddRMSNormFunction.apply(x, r, w, eps, offset, "gemma", False)
+
+        return liger, None
     return (lambda x, w, eps, offset: LigerRMSNormFunction.apply(x, w, eps, offset, "gemma", False)), None
 
 
 def _providers(op: str, compile_backend: str) -> dict:
-    fn, ref = {"rms_norm": (rms_norm, rms_norm_ref), "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_ref)}[op]
+    fn, ref = {"rms_norm": (rms_norm, rms_norm_ref),
+               "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_ref)}[op]
 
     def ours(*args):
         with kernels.backend("triton"):
@@ -129,7 +133,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bwd_programs(m: int, n: int, max_block: int | None = None, num_programs: int | None = None, bf16: bool = True) -> int:
+def bwd_programs(m: int, n: int, max_block: int | None = None, num_programs: int | None = None,
+                 bf16: bool = True) -> int:
     """Programs of the backward launch, so rows of the dweight partial buffer (kernels/rms_norm.py's rule)."""
     if num_programs is None:
         num_programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count if common.on_gpu() else _CPU_BWD_PROGRAMS
@@ -141,7 +146,8 @@ def bwd_programs(m: int, n: int, max_block: int | None = None, num_programs: int
 
 def traffic_parts(mode: str, m: int, n: int, s: int, w: int, *, max_block: int | None = None,
                   num_programs: int | None = None, compute_dw: bool = True, weight_once: bool = False,
-                  residual_size: int | None = None, grad_h: bool = True, fp16: bool = False) -> dict[str, tuple[int, int]]:
+                  residual_size: int | None = None, grad_h: bool = True,
+                  fp16: bool = False) -> dict[str, tuple[int, int]]:
     """Exact (read, write) bytes per launch of our RMSNorm on an (m, n) x of element size s, weight of size w; with
     residual_size, of fused_add_rms_norm(x, residual) (h, normed and the gradients at both outputs in
     promote(x, residual)'s size, dresidual in the residual's, dx in x's when it differs: written by the same launch;

@@ -79,7 +79,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # tensor (x and w'); ptxas for sm_90 gives 59 registers, no spills. Larger hidden sizes take the column loop.
 _MAX_BLOCK = 16384
 # The backward keeps x, dy, w' and the dweight accumulator live across the row reduction, four row-sized
-# tensors. ptxas (sm_90, `python -m bench.sm90`): 8192 takes 106 registers (16 warps), 4096 106 (8 warps), and the
+# tensors. ptxas (sm_90, `python -m bench.sm90`): 8192 takes 108 registers (16 warps), 4096 108 (8 warps), and the
 # column loop at 8192 per block 63 (and 50 for the row-dot pass), none spilling. One block of 16384 with fp32 copies
 # of x and dy live took 128 registers at 16 warps and spilled 176 bytes per thread (132 at 32 warps, 64 registers).
 # bf16 x and dy are kept as loaded across the reduction (two to a register, `_upcast_again`): at 32 warps, 64
@@ -101,7 +101,8 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def launch_config(n_rows: int, n_cols: int, max_block: int | None = None, max_warps: int = 16) -> tuple[int, int, bool, int]:
+def launch_config(n_rows: int, n_cols: int, max_block: int | None = None,
+                  max_warps: int = 16) -> tuple[int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, ONE_BLOCK, num_warps) for an (n_rows, n_cols) problem."""
     cap = _MAX_BLOCK if max_block is None else max_block
     if cap < 16 or cap & (cap - 1):
