@@ -48,7 +48,7 @@ CPU (--quick): one tiny shape through the Triton interpreter; rows say perf_figu
 
     python bench/bench_rms_norm.py                    # GPU sweep, appends to bench/results/rms_norm.jsonl
     python bench/bench_rms_norm.py --quick            # CPU smoke run
-    python bench/bench_rms_norm.py --op fused_add_rms_norm   # the fused add + RMSNorm, same shapes
+    python bench/bench_rms_norm.py --op fused_add_rms_norm   # the fused add + RMSNorm, same shapes (or both ops)
 """
 
 from __future__ import annotations
@@ -280,7 +280,8 @@ def main(argv=None):
     ap = common.provider_parser(__doc__, DTYPES, MODES, PROVIDERS, "activation and weight dtype")
     ap.add_argument("--tokens", nargs="+", type=int, help="rows (batch x sequence); default: real-model sweep on GPU")
     ap.add_argument("--hidden", nargs="+", type=int, help="hidden sizes; default: real-model sweep on GPU")
-    ap.add_argument("--op", choices=OPS, default="rms_norm", help="RMSNorm, or the fused residual add + RMSNorm")
+    ap.add_argument("--op", nargs="+", choices=OPS, default=["rms_norm"],
+                    help="RMSNorm and/or the fused residual add + RMSNorm (rows say which in `op`)")
     ap.add_argument("--offset", type=float, default=0.0, help="0 (Llama) or 1 (Gemma)")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the compiled baseline")
     args = ap.parse_args(argv)
@@ -291,10 +292,10 @@ def main(argv=None):
         shapes = list(CPU_SHAPES)
     else:
         shapes = [(t, h) for t in GPU_TOKENS for h in GPU_HIDDEN]
-    rows = run(
-        shapes, DTYPES[args.dtype], args.modes, args.providers, op=args.op,
+    rows = [row for op in args.op for row in run(
+        shapes, DTYPES[args.dtype], args.modes, args.providers, op=op,
         offset=args.offset, compile_backend=args.compile_backend, cpu_reps=1 if args.quick else 5,
-    )
+    )]
     path = common.write_rows("rms_norm", rows)
     print(f"wrote {len(rows)} rows to {path}")
     return rows
