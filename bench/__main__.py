@@ -54,11 +54,14 @@ def speedup_series(rows: list[dict]) -> tuple[list[str], dict[str, list[float | 
     if any(_name(r).startswith("ours") for r in ours):  # scripts that give every row speed-ups: keep ours only
         ours = [r for r in ours if _name(r).startswith("ours")]
     names = {_name(r) for r in ours}
+    ops = {r.get("op") for r in ours}  # several where one script benches two ops (rms_norm and fused_add_rms_norm)
     labels, series = [], {}
     for r in ours:
         parts = [str(r[k]) for k in SHAPE_KEYS if r.get(k) is not None]
         if len(names) > 1:
             parts.insert(0, _name(r))
+        if len(ops) > 1:
+            parts.insert(0, str(r.get("op")))
         labels.append(" ".join(parts))
     baselines = sorted({k[len(SPEEDUP):] for r in ours for k in r if k.startswith(SPEEDUP)})
     for b in baselines:

@@ -1,6 +1,9 @@
-"""Benchmark RMSNorm: ours (Triton) vs torch eager (the reference), torch.compile of the reference, liger-kernel.
+"""Benchmark RMSNorm and the fused add + RMSNorm: ours (Triton) vs torch eager (the reference), torch.compile of the
+reference, liger-kernel (LigerRMSNormFunction; LigerFusedAddRMSNormFunction with --op fused_add_rms_norm).
 
 Modes: forward (y from x), backward (dx and dweight from a saved forward), full (forward + backward).
+--op fused_add_rms_norm: (normed, h) = (rms_norm(x + residual), x + residual); its backward takes gradients at both
+outputs and gives dx = dresidual and dweight.
 Bytes are the ideal traffic (s = element size of x, w = element size of weight):
     forward  M N s (read x) + M N s (write y) + N w
     backward 3 M N s (read x and dy, write dx) + 2 N w
@@ -15,10 +18,10 @@ written by the kernel and read back by torch's sum; the column-loop path's secon
 launch), checked against bench/traffic.py's count by tests/bench/test_byte_models.py; `min_traffic` the least
 the op moves; `byte_model` both per element of x. Per element (s = element size of x):
     forward   ours 1s read + 1s write; above max_block (16384) 2s + 1s (x read twice)   min 1s + 1s
-    backward  ours 2s + 1s (x, dy; dx); above 8192 4s + 1s (the row-dot pass reads x and dy too)   min the same
-              as ours below 8192 (rstd saved, not recomputed)
-    full      ours 3s + 2s (4s + 2s above 8192, 5s + 2s above 16384)                    min 2s + 2s (one kernel
-              could keep x on chip for the backward)
+    backward  ours 2s + 1s (x, dy; dx); above 8192 (16384 in bf16) 4s + 1s (the row-dot pass reads x and dy too)
+              min the same as ours in one block (rstd saved, not recomputed)
+    full      ours 3s + 2s (5s + 2s where the backward loops, 6s + 2s above 16384)   min 2s + 2s (one kernel could
+              keep x on chip for the backward)
 The weight is issued once per program: from hidden 4096 up a program is one row (BLOCK_M = 1), so the forward and
 the row-dot pass issue one weight element per element of x (bf16: 4 B read per element, not 2); those re-reads
 are of 8-32 KB that stay in L1/L2, so `byte_model` (the GB/s columns) counts the weight once per launch
@@ -26,13 +29,26 @@ are of 8-32 KB that stay in L1/L2, so `byte_model` (the GB/s columns) counts the
 The model printed before this meter ignored the >8192 (two-pass) backward and the dweight partials (2 * programs
 * N * 4 bytes: written by the kernel, read by the sum). With 264 programs (two per H100 SM), 4096 tokens, bf16,
 our backward moves 1.084x the old model's 3s per element at hidden 4096 (the partials, 0.52 B per element) and
-1.75x at hidden 16384 (x and dy read twice, and the partials): the GB/s printed there was 8% and 75% low.
+1.75x at hidden 16384 (x and dy read twice, and the partials): the GB/s printed there was 8% and 75% low. Since
+the bf16 backward keeps 16384-wide rows in one block it moves 1.084x there too (6.50 B per element; liger's one
+block with 132 partial rows: 6.26, so ours is 1.04x liger's); fp16 and fp32 still 1.75x.
 
-GPU: hidden 2048/3584/4096/8192 (Llama-3.2-1B/Qwen2.5-7B/Llama-3-8B/Llama-3-70B) x 4K/16K tokens, bf16.
+fused_add_rms_norm, per element (s = element size of x, residual and h; `residual_size` in the functions below when
+the residual's (and so h's) differs, as under autocast):
+    forward   ours 2s read (x, residual) + 2s write (h, normed); above max_block 3s + 2s (h read back)   min 2s + 2s
+    backward  ours 3s + 1s (d_normed, d_h_out, h; d_h); above 8192 (16384 in bf16) 5s + 1s (the row-dot pass reads h
+              and d_normed)
+              min 3s + 1s; a second dtype of x adds its write (1 element of x's size) to both
+    full      ours 5s + 3s                                                                  min the same (forward and
+              backward minima: h is an output, and nothing stays on chip between the two)
+
+GPU: hidden 2048/3584/4096/8192/16384 (Llama-3.2-1B/Qwen2.5-7B/Llama-3-8B/Llama-3-70B/Llama-3-405B) x 4K/16K
+tokens, bf16.
 CPU (--quick): one tiny shape through the Triton interpreter; rows say perf_figure=False (not performance).
 
     python bench/bench_rms_norm.py                    # GPU sweep, appends to bench/results/rms_norm.jsonl
     python bench/bench_rms_norm.py --quick            # CPU smoke run
+    python bench/bench_rms_norm.py --op fused_add_rms_norm   # the fused add + RMSNorm, same shapes (or both ops)
 """
 
 from __future__ import annotations
@@ -53,39 +69,50 @@ if not torch.cuda.is_available():
 
 import kernels  # noqa: E402
 from bench import common  # noqa: E402
-from kernels.rms_norm import _CPU_BWD_PROGRAMS, _MAX_BWD_BLOCK, launch_config, rms_norm, rms_norm_ref  # noqa: E402
+from kernels.rms_norm import (_CPU_BWD_PROGRAMS, bwd_launch_config, fused_add_rms_norm,  # noqa: E402
+                              fused_add_rms_norm_ref, launch_config, rms_norm, rms_norm_ref)
 
+OPS = ("rms_norm", "fused_add_rms_norm")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("forward", "backward", "full")
 PROVIDERS = ("ours", "torch", "torch_compile", "liger")
 GPU_TOKENS = (4096, 16384)
-GPU_HIDDEN = (2048, 3584, 4096, 8192)
+GPU_HIDDEN = (2048, 3584, 4096, 8192, 16384)
 CPU_SHAPES = ((8, 781),)
 
 
-def _liger_fn():
-    """liger-kernel's RMSNorm as f(x, w, eps, offset), or None with the reason."""
+def _liger_fn(op: str):
+    """liger-kernel's op as f(*inputs, eps, offset), or None with the reason."""
     if not torch.cuda.is_available():
         return None, "liger-kernel's RMSNorm needs libdevice, which the Triton interpreter lacks"
     try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     except Exception as exc:  # optional baseline
         return None, f"liger-kernel not importable ({exc.__class__.__name__}); pip install liger-kernel"
     # casting_mode "gemma" is fp32 until the final cast, the same semantics as ours.
+    if op == "fused_add_rms_norm":
+        def liger(x, r, w, eps, offset):
+            return LigerFusedAddRMSNormFunction.apply(x, r, w, eps, offset, "gemma", False)
+
+        return liger, None
     return (lambda x, w, eps, offset: LigerRMSNormFunction.apply(x, w, eps, offset, "gemma", False)), None
 
 
-def _providers(compile_backend: str) -> dict:
-    def ours(x, w, eps, offset):
+def _providers(op: str, compile_backend: str) -> dict:
+    fn, ref = {"rms_norm": (rms_norm, rms_norm_ref),
+               "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_ref)}[op]
+
+    def ours(*args):
         with kernels.backend("triton"):
-            return rms_norm(x, w, eps, offset)
+            return fn(*args)
 
     fns = {
         "ours": ours,
-        "torch": rms_norm_ref,
-        "torch_compile": torch.compile(rms_norm_ref, backend=compile_backend, dynamic=False),
+        "torch": ref,
+        "torch_compile": torch.compile(ref, backend=compile_backend, dynamic=False),
     }
-    liger, why = _liger_fn()
+    liger, why = _liger_fn(op)
     if liger is not None:
         fns["liger"] = liger
     else:
@@ -93,7 +120,10 @@ def _providers(compile_backend: str) -> dict:
     return fns
 
 
-def _bytes(mode: str, m: int, n: int, x_size: int, w_size: int) -> int:
+def _bytes(mode: str, m: int, n: int, x_size: int, w_size: int, residual_size: int | None = None) -> int:
+    """The ideal traffic every provider's GB/s column is computed from."""
+    if residual_size is not None:
+        return sum(min_traffic(mode, m, n, x_size, w_size, residual_size=residual_size))
     fwd = 2 * m * n * x_size + n * w_size
     bwd = 3 * m * n * x_size + 2 * n * w_size
     return {"forward": fwd, "backward": bwd, "full": fwd + bwd}[mode]
@@ -103,20 +133,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bwd_programs(m: int, n: int, max_block: int | None = None, num_programs: int | None = None) -> int:
+def bwd_programs(m: int, n: int, max_block: int | None = None, num_programs: int | None = None,
+                 bf16: bool = True) -> int:
     """Programs of the backward launch, so rows of the dweight partial buffer (kernels/rms_norm.py's rule)."""
     if num_programs is None:
         num_programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count if common.on_gpu() else _CPU_BWD_PROGRAMS
-    block_m, _, _, _ = launch_config(m, n, min(_MAX_BWD_BLOCK, max_block or _MAX_BWD_BLOCK))
+    block_m = bwd_launch_config(m, n, bf16, max_block)[0]
     tiles = _cdiv(m, block_m)
     rows_per_prog = _cdiv(tiles, min(num_programs, tiles)) * block_m
     return _cdiv(m, rows_per_prog)
 
 
 def traffic_parts(mode: str, m: int, n: int, s: int, w: int, *, max_block: int | None = None,
-                  num_programs: int | None = None, compute_dw: bool = True,
-                  weight_once: bool = False) -> dict[str, tuple[int, int]]:
-    """Exact (read, write) bytes per launch of our RMSNorm on an (m, n) x of element size s, weight of size w.
+                  num_programs: int | None = None, compute_dw: bool = True, weight_once: bool = False,
+                  residual_size: int | None = None, grad_h: bool = True,
+                  fp16: bool = False) -> dict[str, tuple[int, int]]:
+    """Exact (read, write) bytes per launch of our RMSNorm on an (m, n) x of element size s, weight of size w; with
+    residual_size, of fused_add_rms_norm(x, residual) (h, normed and the gradients at both outputs in
+    promote(x, residual)'s size, dresidual in the residual's, dx in x's when it differs: written by the same launch;
+    grad_h=False: no gradient arrived at h, as when the sum is not used later, so d_h_out is not read).
+    A 2-byte x (h) is bf16 unless fp16: the backward keeps bf16 rows up to 16384 wide in one block, others up to 8192.
 
     Keys: the Triton kernels' names, and the torch ops of the dweight finish ("aten.sum" of the fp32 partials,
     "aten._to_copy" to the weight's dtype), as bench/traffic.py's `torch_ops` names and counts them.
@@ -125,25 +161,33 @@ def traffic_parts(mode: str, m: int, n: int, s: int, w: int, *, max_block: int |
     is what DRAM sees while the weight (N * w bytes, 8-32 KB) stays in L2: the meter's distinct weight bytes.
     """
     out: dict[str, tuple[int, int]] = {}
+    mn = m * n
+    add = residual_size is not None
+    h = max(s, residual_size) if add else s  # the norm's input and output: h (promote(x, residual)) or x
     if mode in ("forward", "full"):
         block_m, block_n, one_block, _ = launch_config(m, n, max_block)
         programs = _cdiv(m, block_m)
-        x_reads = 1 if one_block else 2
         weight = (1 if weight_once else programs) * n * w
-        out["_rms_norm_fwd_kernel"] = (x_reads * m * n * s + weight, m * n * s + 4 * m)  # + rstd
+        inputs = mn * (s + residual_size) if add else mn * s  # x (and the residual) read once
+        reread = 0 if one_block else mn * h  # the column loop's second pass reads x (or the h it wrote) again
+        written = mn * h * (2 if add else 1) + 4 * m  # y (and h), rstd
+        out["_rms_norm_fwd_kernel"] = (inputs + reread + weight, written)
     if mode in ("backward", "full"):
-        block_m, block_n, one_block, _ = launch_config(m, n, min(_MAX_BWD_BLOCK, max_block or _MAX_BWD_BLOCK))
-        programs = bwd_programs(m, n, max_block, num_programs)
+        bf16 = h == 2 and not fp16
+        block_m, block_n, one_block, _, _ = bwd_launch_config(m, n, bf16, max_block)
+        programs = bwd_programs(m, n, max_block, num_programs, bf16)
         partials = programs * n * 4 if compute_dw else 0
         weight = (1 if weight_once else programs) * n * w
+        rows_in = mn * h * (3 if add and grad_h else 2)  # dy and x (h), and d_h_out
         if one_block:
-            read = 2 * m * n * s + weight + 4 * m  # x, dy, weight per program, rstd
+            read = rows_in + weight + 4 * m  # weight per program, rstd
         else:
             tiles = _cdiv(m, block_m)
-            out["_rms_norm_bwd_rowdot_kernel"] = (2 * m * n * s + (1 if weight_once else tiles) * n * w + 4 * m, 4 * m)  # -> c
+            out["_rms_norm_bwd_rowdot_kernel"] = (2 * mn * h + (1 if weight_once else tiles) * n * w + 4 * m, 4 * m)  # -> c
             col_blocks = _cdiv(n, block_n)
-            read = 2 * m * n * s + weight + col_blocks * 2 * 4 * m  # rstd and c per column block
-        out["_rms_norm_bwd_kernel"] = (read, m * n * s + partials)
+            read = rows_in + weight + col_blocks * 2 * 4 * m  # rstd and c per column block
+        dx = mn * (residual_size + (s if s != residual_size else 0)) if add else mn * s
+        out["_rms_norm_bwd_kernel"] = (read, dx + partials)
         if compute_dw:
             out["aten.sum"] = (partials, 4 * n)  # the partials summed over programs, in fp32
             if w != 4:  # .to(weight.dtype) is a no-op for fp32
@@ -157,33 +201,44 @@ def traffic_model(mode: str, m: int, n: int, s: int, w: int, **kwargs) -> tuple[
     return sum(r for r, _ in parts), sum(wr for _, wr in parts)
 
 
-def min_traffic(mode: str, m: int, n: int, s: int, w: int) -> tuple[int, int]:
-    """The least the op must move: `_bytes`'s ideal traffic split into reads and writes (full keeps x on chip)."""
+def min_traffic(mode: str, m: int, n: int, s: int, w: int, residual_size: int | None = None) -> tuple[int, int]:
+    """The least the op must move: `_bytes`'s ideal traffic split into reads and writes (full keeps x on chip).
+    fused_add_rms_norm (residual_size given): forward reads x, residual and the weight, writes h and normed; backward
+    reads d_normed, d_h_out, h and the weight, writes dresidual (and dx in x's dtype where it differs) and dweight;
+    full is the two (h, an output, is read back: nothing stays on chip between forward and backward)."""
+    mn = m * n
+    if residual_size is not None:
+        h = max(s, residual_size)
+        fwd = (mn * (s + residual_size) + n * w, 2 * mn * h)
+        bwd = (3 * mn * h + n * w, mn * (residual_size + (s if s != residual_size else 0)) + n * w)
+        return {"forward": fwd, "backward": bwd, "full": (fwd[0] + bwd[0], fwd[1] + bwd[1])}[mode]
     fwd = (m * n * s + n * w, m * n * s)
     bwd = (2 * m * n * s + n * w, m * n * s + n * w)
     full = (2 * m * n * s + n * w, 2 * m * n * s + n * w)  # x, dy and weight read once; y, dx and dweight written
     return {"forward": fwd, "backward": bwd, "full": full}[mode]
 
 
-def byte_model(mode: str, m: int, n: int, s: int, w: int) -> common.ByteModel:
+def byte_model(mode: str, m: int, n: int, s: int, w: int, residual_size: int | None = None) -> common.ByteModel:
     """Our bytes read/written per element of x (the weight once per launch: it stays in cache) and the minimum."""
-    ours = traffic_model(mode, m, n, s, w, weight_once=True)
-    return common.ByteModel.from_totals(ours, min_traffic(mode, m, n, s, w), m * n)
+    ours = traffic_model(mode, m, n, s, w, weight_once=True, residual_size=residual_size)
+    return common.ByteModel.from_totals(ours, min_traffic(mode, m, n, s, w, residual_size), m * n)
 
 
-def _case(fn, mode, x, w, dy, eps, offset):
-    """A zero-argument callable timing `mode` of fn; the backward reuses one saved forward graph."""
+def _case(fn, mode, inputs, grads, eps, offset):
+    """A zero-argument callable timing `mode` of fn(*inputs, eps, offset) (the inputs' gradients from `grads`, one per
+    output); the backward reuses one saved forward graph."""
     if mode == "forward":
-        return lambda: fn(x, w, eps, offset)
-    xg, wg = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        return lambda: fn(*inputs, eps, offset)
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
     if mode == "backward":
-        y = fn(xg, wg, eps, offset)
-        return lambda: torch.autograd.grad(y, [xg, wg], dy, retain_graph=True)
-    return lambda: torch.autograd.grad(fn(xg, wg, eps, offset), [xg, wg], dy)
+        out = fn(*leaves, eps, offset)
+        return lambda: torch.autograd.grad(out, leaves, grads, retain_graph=True)
+    return lambda: torch.autograd.grad(fn(*leaves, eps, offset), leaves, grads)
 
 
-def run(shapes, dtype, modes, providers, *, offset=0.0, eps=1e-6, compile_backend="inductor", cpu_reps=3):
-    fns = {k: v for k, v in _providers(compile_backend).items() if k in providers}
+def run(shapes, dtype, modes, providers, *, op="rms_norm", offset=0.0, eps=1e-6, compile_backend="inductor",
+        cpu_reps=3):
+    fns = {k: v for k, v in _providers(op, compile_backend).items() if k in providers}
     dev = common.device()
     env = common.env_info()
     rows = []
@@ -192,14 +247,20 @@ def run(shapes, dtype, modes, providers, *, offset=0.0, eps=1e-6, compile_backen
         x = torch.randn(m, n, device=dev, dtype=dtype, generator=g)
         w = (1.0 + 0.1 * torch.randn(n, device=dev, generator=g)).to(dtype)
         dy = torch.randn(m, n, device=dev, dtype=dtype, generator=g)
+        if op == "fused_add_rms_norm":
+            residual = torch.randn(m, n, device=dev, dtype=dtype, generator=g)
+            inputs, grads = (x, residual, w), (dy, torch.randn(m, n, device=dev, dtype=dtype, generator=g))
+            residual_size = x.element_size()
+        else:
+            inputs, grads, residual_size = (x, w), dy, None
         for mode in modes:
             timings = {}
             for name, fn in fns.items():
-                step = _case(fn, mode, x, w, dy, eps, offset)
+                step = _case(fn, mode, inputs, grads, eps, offset)
                 t = common.measure(step, cpu_reps=cpu_reps)
-                moved = _bytes(mode, m, n, x.element_size(), w.element_size())
+                moved = _bytes(mode, m, n, x.element_size(), w.element_size(), residual_size)
                 row = {
-                    "op": "rms_norm", "provider": name, "mode": mode, "tokens": m, "hidden": n,
+                    "op": op, "provider": name, "mode": mode, "tokens": m, "hidden": n,
                     "dtype": str(dtype).replace("torch.", ""), "offset": offset,
                     "compile_backend": compile_backend if name == "torch_compile" else None,
                     **t, "bytes": moved, **common.physics(t["ms"], bytes_moved=moved),
@@ -207,7 +268,8 @@ def run(shapes, dtype, modes, providers, *, offset=0.0, eps=1e-6, compile_backen
                     **env,
                 }
                 if name == "ours":
-                    row.update(byte_model(mode, m, n, x.element_size(), w.element_size()).columns(m * n, t["ms"]))
+                    row.update(byte_model(mode, m, n, x.element_size(), w.element_size(), residual_size).columns(
+                        m * n, t["ms"]))
                 timings[name] = t["ms"]
                 rows.append(row)
             common.finish_case(rows[-len(fns):], timings, f"{m}x{n} {mode:8s}")
@@ -218,6 +280,8 @@ def main(argv=None):
     ap = common.provider_parser(__doc__, DTYPES, MODES, PROVIDERS, "activation and weight dtype")
     ap.add_argument("--tokens", nargs="+", type=int, help="rows (batch x sequence); default: real-model sweep on GPU")
     ap.add_argument("--hidden", nargs="+", type=int, help="hidden sizes; default: real-model sweep on GPU")
+    ap.add_argument("--op", nargs="+", choices=OPS, default=["rms_norm"],
+                    help="RMSNorm and/or the fused residual add + RMSNorm (rows say which in `op`)")
     ap.add_argument("--offset", type=float, default=0.0, help="0 (Llama) or 1 (Gemma)")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the compiled baseline")
     args = ap.parse_args(argv)
@@ -228,10 +292,10 @@ def main(argv=None):
         shapes = list(CPU_SHAPES)
     else:
         shapes = [(t, h) for t in GPU_TOKENS for h in GPU_HIDDEN]
-    rows = run(
-        shapes, DTYPES[args.dtype], args.modes, args.providers,
+    rows = [row for op in args.op for row in run(
+        shapes, DTYPES[args.dtype], args.modes, args.providers, op=op,
         offset=args.offset, compile_backend=args.compile_backend, cpu_reps=1 if args.quick else 5,
-    )
+    )]
     path = common.write_rows("rms_norm", rows)
     print(f"wrote {len(rows)} rows to {path}")
     return rows

@@ -55,7 +55,7 @@ from bench import bench_train, common  # noqa: E402
 PARTS = ("tests", "kernels", "train", "memory")
 # The anchor shapes, per benchmark script (its own flags).
 ANCHORS = {
-    "rms_norm": ["--tokens", "8192", "--hidden", "4096"],
+    "rms_norm": ["--tokens", "8192", "--hidden", "4096", "--op", "rms_norm", "fused_add_rms_norm"],
     "cross_entropy": ["--tokens", "8192", "--vocab", "128256", "--label-smoothing", "0.1", "--variant", "all"],
     "fused_linear_cross_entropy": ["--tokens", "8192", "--hidden", "4096", "--vocab", "128256"],
     "fused_linear_preference": [],  # its GPU shapes: the Llama-3.2-1B head at 8 pairs x 1024 tokens, and 8B's
@@ -70,6 +70,7 @@ ANCHORS = {
 QUICK = {op: ["--quick"] + ([] if op in ("adamw", "fused_linear_preference") else ["--compile-backend", "aot_eager"])
          for op in ANCHORS}
 QUICK["cross_entropy"] += ["--label-smoothing", "0.1"]
+QUICK["rms_norm"] += ["--op", "rms_norm", "fused_add_rms_norm"]
 TRAIN_CONFIGS = "ours,hf,hf_liger"
 TRAIN_GPU = ["--model", "llama-3.2-1b", "--seq-len", "2048", "--micro-batch", "4", "--grad-accum", "2", "--steps", "30",
              "--warmup-steps", "5", "--repeats", "1"]

@@ -23,11 +23,11 @@ index), one launch per op (torch's multi-tensor `_foreach_*`/`_fused_*` ops: one
 per its tensor-list limit). What cannot run on meta tensors enters by its cost model (MODELS below), as one modelled
 op whose forward and backward produce outputs and gradients of the right shapes and record their own bytes, FLOPs
 and launches (the aten ops they run internally are not recorded: they are not what the GPU runs):
-- our Triton ops and liger-kernel's, by the autograd Function class each calls (`RMSNormFunction`, `RoPEFunction`,
-  `FusedLinearCrossEntropyFunction`, `LigerRMSNormFunction`, `LigerSiLUMulFunction`, `LigerRopeFunction`,
-  `LigerFusedLinearCrossEntropyFunction`; and, for the kernels being written now, `SwiGLUFunction` and
-  `FusedAddRMSNormFunction`, picked up from any module of `kernels` when they exist) and our FusedAdamW's Triton
-  launcher. Ours by the benches' exact byte models (`traffic_parts` of bench/bench_rms_norm.py,
+- our Triton ops and liger-kernel's, by the autograd Function class each calls (`RMSNormFunction`,
+  `FusedAddRMSNormFunction`, `RoPEFunction`, `SwiGLUFunction`, `FusedLinearCrossEntropyFunction`,
+  `LigerRMSNormFunction`, `LigerSiLUMulFunction`, `LigerRopeFunction`, `LigerFusedLinearCrossEntropyFunction`; ours
+  are picked up from any module of `kernels`) and our FusedAdamW's Triton launcher. Ours by the benches' exact byte
+  models (`traffic_parts` of bench/bench_rms_norm.py (RMSNorm and the fused add + RMSNorm),
   bench_fused_linear_cross_entropy.py, bench_adamw.py; bench_rope.py's), one recorded op per launch they name,
   which tests/bench/test_byte_models.py checks against bench/traffic.py's meter; our fused loss's matmul FLOPs and
   launches from its own chunking (max(K / ceil(V / H), 2048) of the K kept rows, an fp32 grad_weight accumulated by
@@ -225,7 +225,9 @@ def category(module: str | None, op: str) -> str:
     if "DecoderLayer" in m:
         return "residual_adds" if op in ("add", "add_") else "other_elementwise"
     if m in _TOP_LEVEL:
-        return "loss"
+        # our CausalLM's one add outside the loss: the last MLP output added to the stream before the final norm
+        # (trainer/model.py's add_rms_norm, unfused off our kernels); HF's last add runs in its last decoder layer
+        return "residual_adds" if op in ("add", "add_") else "loss"
     return "other_elementwise"
 
 
@@ -490,31 +492,37 @@ class RoPEModel:
 
 
 class FusedAddRMSNormModel:
-    """FusedAddRMSNormFunction(x, residual, weight, eps) -> (normed, x + residual). Forward reads x, residual and
-    the weight, writes normed, the sum and rstd; backward (dsum' = dsum + the norm's dx, one tensor serving as the
-    gradient of both x and residual) reads dnormed, dsum, the saved sum and rstd, writes dx and the dweight partials."""
+    """Ours, FusedAddRMSNormFunction(x, residual, weight, eps, offset, max_block) -> (normed, h = x + residual), by
+    bench/bench_rms_norm.py's `traffic_parts` with the residual (the weight once per launch; the dweight partials of
+    about two programs per H100 SM, summed by torch): forward reads x and residual, writes h and normed (in
+    promote(x, residual)'s dtype) and rstd; backward reads d_normed, d_h_out (when h's later use gave it one) and h,
+    writes d_h once per input dtype (under autocast: fp32 for the residual stream, bf16 for the added update)."""
 
     name = "FusedAddRMSNormFunction"
     category = "norms"
 
     def forward(self, ctx, x, residual, weight, *rest):
-        ctx.n_rest = len(rest)
+        ctx.n_rest = len(rest)  # eps, offset, max_block: no gradient
         m, n = x.numel() // x.shape[-1], x.shape[-1]
-        _rec(self.name, "norms", nbytes(x) + nbytes(residual) + nbytes(weight) + 2 * nbytes(x) + 4 * m)
-        total = _like(x)
+        _record_parts(self.name, "norms", bench_rms_norm.traffic_parts(
+            "forward", m, n, x.element_size(), weight.element_size(), weight_once=True,
+            residual_size=residual.element_size()))
+        total = _like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         ctx.save_for_backward(total, weight, rstd)
-        return _like(x), total
+        ctx.dtypes = (x.dtype, residual.dtype)
+        return _like(total), total
 
     def backward(self, ctx, dnormed, dsum):
         total, weight, rstd = ctx.saved_tensors
+        x_dtype, res_dtype = ctx.dtypes
         m, n = total.numel() // total.shape[-1], total.shape[-1]
-        programs = bench_rms_norm.bwd_programs(m, n, num_programs=2 * H100_SMS)
-        _rec(self.name + ".backward", "norms", nbytes(dnormed) + (nbytes(dsum) if dsum is not None else 0)
-             + nbytes(total) + nbytes(total) + nbytes(weight) + 4 * m + 4 * programs * n)
-        _rec(self.name + ".dweight_sum", "norms", 4 * programs * n + n * weight.element_size())
-        dx = _like(total)
-        return dx, dx, _like(weight), *([None] * ctx.n_rest)
+        _record_parts(self.name + ".backward", "norms", bench_rms_norm.traffic_parts(
+            "backward", m, n, x_dtype.itemsize, weight.element_size(), num_programs=2 * H100_SMS, weight_once=True,
+            residual_size=res_dtype.itemsize, grad_h=dsum is not None))
+        dres = _like(total, dtype=res_dtype)
+        dx = dres if x_dtype == res_dtype else _like(total, dtype=x_dtype)
+        return dx, dres, _like(weight), *([None] * ctx.n_rest)
 
 
 class FlashAttentionModel:

@@ -245,11 +245,23 @@ def _fused_linear_preference():
 
 
 def _rms_norm():
-    # The benchmark widths, plus two narrow ones whose tiles hold several rows (BLOCK_M 32 and 4).
-    for hidden in (128, 1024, 4096, 8192, 16384, 32768):
+    # The benchmark widths, plus two narrow ones whose tiles hold several rows (BLOCK_M 32 and 4), and 12288: a
+    # 16384-wide backward block with masked columns (unpipelined, kernels/rms_norm.py's bwd_launch_config).
+    for hidden in (128, 1024, 4096, 8192, 12288, 16384, 32768):
         x, w = _cuda(8192, hidden, grad=True), _cuda(hidden, grad=True)
         y = kernels.rms_norm(x, w)
         y.backward(torch.empty_like(y))
+
+
+def _fused_add_rms_norm():
+    # The RMSNorm widths, bf16 x and residual with both outputs' gradients; and the model's case under autocast at
+    # Llama-3-8B's width: a bf16 update added to the fp32 residual stream (h, normed and dresidual fp32, dx bf16).
+    cases = [(hidden, torch.bfloat16) for hidden in (128, 1024, 4096, 8192, 16384, 32768)] + [(4096, torch.float32)]
+    for hidden, res_dtype in cases:
+        x, w = _cuda(8192, hidden, grad=True), _cuda(hidden, dtype=res_dtype, grad=True)
+        residual = _cuda(8192, hidden, dtype=res_dtype, grad=True)
+        normed, h = kernels.fused_add_rms_norm(x, residual, w)
+        torch.autograd.backward([normed, h], [torch.empty_like(normed), torch.empty_like(h)])
 
 
 def _adamw():
@@ -296,6 +308,7 @@ CASES: dict[str, Callable[[], None]] = {
     "fused_linear_cross_entropy": _fused_linear_cross_entropy,
     "fused_linear_preference": _fused_linear_preference,
     "rms_norm": _rms_norm,
+    "fused_add_rms_norm": _fused_add_rms_norm,
     "adamw": _adamw,
     "neftune": _neftune,
     "rope": _rope,

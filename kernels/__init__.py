@@ -13,13 +13,13 @@ from .cross_entropy import cross_entropy, cross_entropy_ref
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 from .fused_linear_preference import PreferenceLogps, fused_linear_preference, fused_linear_preference_ref, preference_loss
 from .neftune import NEFTuneFunction, neftune_noise, neftune_noise_ref
-from .rms_norm import rms_norm, rms_norm_ref
+from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from .rope import rope, rope_ref
 from .swiglu import swiglu, swiglu_ref
 
 __all__ = ["HAS_TRITON", "backend", "current_backend", "use_triton"]
 __all__ += ["NEFTuneFunction", "neftune_noise", "neftune_noise_ref"]
-__all__ += ["rms_norm", "rms_norm_ref"]
+__all__ += ["rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref"]
 __all__ += ["rope", "rope_ref"]
 __all__ += ["swiglu", "swiglu_ref"]
 __all__ += ["FusedAdamW", "adamw_step_ref"]

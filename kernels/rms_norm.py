@@ -11,6 +11,16 @@ Math (one row x of width N; w' = offset + weight; all arithmetic in fp32 whateve
 
 offset=0 is Llama/Qwen/Mistral; offset=1 with weight initialised to zeros is Gemma's (1 + weight).
 
+fused_add_rms_norm(x, residual, weight) -> (normed, h): the pre-norm residual step of a decoder layer in one pass,
+by the same kernels with a constexpr flag (HAS_RESIDUAL forward, HAS_DH backward):
+    forward   h    = x + residual                             (fp32 add, rounded once to promote(x, residual)'s dtype,
+                                                               as torch's add; written)
+              normed = rms_norm(h)                            (from that rounded h: equal to rms_norm(x + residual))
+    backward  d_h  = d_h_out + rms_norm's dx(d_normed)        (fp32, one rounding per output dtype)
+              dx   = dresidual = d_h                          (one tensor; when x and residual differ in dtype, as a
+                                                               bf16 update on the fp32 stream under autocast, the
+                                                               same launch writes it in both dtypes)
+
 The one deliberate difference from Hugging Face `LlamaRMSNorm`: HF casts the normalised x back to the
 input dtype *before* multiplying by the weight (two roundings in bf16: xh, then xh * w). We keep fp32 until
 the single final cast, so in bf16/fp16 our output is at least as close to the exact fp32 result as HF's and
@@ -21,13 +31,17 @@ dtype (HF promotes to fp32 when the weight is fp32 and x is bf16); dweight comes
 Bytes moved per element (s = element size of x; weight, rstd and the dweight partials are O(N + M)):
     forward 2s (read x, write y); backward 3s (read x and dy, write dx); the backward reads rstd instead of
     recomputing the sum of squares, which would cost nothing in bytes but a second reduction per row.
-    Hidden sizes above `max_block` (forward) or 8192 (backward) cost one extra read of x (forward) or of x
-    and dy (backward).
+    Hidden sizes above `max_block` (forward) or 8192 (backward; 16384 when x and dy are bf16) cost one extra read
+    of x (forward) or of x and dy (backward).
+    fused_add_rms_norm (s = element size of every (M, N) tensor): forward 2s + 2s (read x and residual, write h and
+    normed); backward 3s + 1s (read d_normed, d_h_out and h, write d_h), + 1s written in x's dtype when it differs.
+    The same extra reads above the widths: the forward's second pass reads h back (after a block barrier, so every
+    thread sees the whole block's writes), the backward's row-dot pass reads h and d_normed.
 
 Launch strategy
     Rows are flattened to an (M, N) matrix with a contiguous last dim and an arbitrary row stride. A tile is
-    BLOCK_M rows x BLOCK_N columns, with BLOCK_N = next_pow2(N) capped at `max_block` (and at 8192 in the
-    backward, `_MAX_BWD_BLOCK`, which keeps it spill-free) and BLOCK_M chosen so a tile holds about
+    BLOCK_M rows x BLOCK_N columns, with BLOCK_N = next_pow2(N) capped at `max_block` (and in the backward at 8192,
+    or 16384 for bf16 x and dy, which keeps it spill-free: `bwd_launch_config`) and BLOCK_M chosen so a tile holds about
     `_TILE_ELEMS` elements (several short rows per program, one long row per program).
     - ONE_BLOCK (N <= BLOCK_N): the row lives in registers; x is read once.
     - otherwise: a loop over column blocks accumulates sum(x^2) (forward) or sum(dy w' x) (backward, in
@@ -43,8 +57,9 @@ Launch strategy
     Float arguments (eps, offset) are cast to fp32 inside the kernels: under torch.compile Inductor may pass
     Python floats as fp64, which would otherwise drag the row math into fp64.
 
-Test:  python -m pytest tests/kernels/test_rms_norm.py -q   (CPU: Triton interpreter; GPU tests auto-run on CUDA)
-Bench: python bench/bench_rms_norm.py            (GPU: real-model shapes; --quick for a CPU smoke run)
+Test:  python -m pytest tests/kernels/test_rms_norm.py tests/kernels/test_fused_add_rms_norm.py -q
+       (CPU: Triton interpreter; GPU tests auto-run on CUDA)
+Bench: python bench/bench_rms_norm.py [--op fused_add_rms_norm]   (GPU: real-model shapes; --quick for a CPU smoke run)
 """
 
 from __future__ import annotations
@@ -64,11 +79,17 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # tensor (x and w'); ptxas for sm_90 gives 59 registers, no spills. Larger hidden sizes take the column loop.
 _MAX_BLOCK = 16384
 # The backward keeps x, dy, w' and the dweight accumulator live across the row reduction, four row-sized
-# tensors. ptxas (sm_90, bf16, `python -m bench.sm90`): one block of 16384 took 128 registers and spilled
-# 176 bytes per thread; 8192 takes 106 (16 warps), 4096 106 (8 warps), and the column loop at 8192 per
-# block 63 (and 50 for the row-dot pass), none spilling. So hidden sizes above 8192 pay one extra read of
-# x and dy (5 bytes moved per element instead of 3, in units of s) rather than spilling; not yet timed on a GPU.
+# tensors. ptxas (sm_90, `python -m bench.sm90`): 8192 takes 108 registers (16 warps), 4096 108 (8 warps), and the
+# column loop at 8192 per block 63 (and 50 for the row-dot pass), none spilling. One block of 16384 with fp32 copies
+# of x and dy live took 128 registers at 16 warps and spilled 176 bytes per thread (132 at 32 warps, 64 registers).
+# bf16 x and dy are kept as loaded across the reduction (two to a register, `_upcast_again`): at 32 warps, 64
+# registers and 16 values per thread of each row tensor, 12 bytes still spilled, and none once the column predicate
+# went (EVEN_N: hidden exactly 16384), or, for a masked 12288..16383, without the cp.async pipelining (STAGES=1).
+# So bf16 rows up to 16384 are read once (3 bytes moved per element in units of s, as liger's); fp32 and fp16
+# rows above 8192 pay one extra read of x and dy (5 s) rather than spilling (fp16's second upcast is merged with
+# the first by the compiler: 72 bytes spilled). Not yet timed on a GPU.
 _MAX_BWD_BLOCK = 8192
+_MAX_BWD_BLOCK_BF16 = 16384
 # Elements per tile: rows narrower than this are packed several to a program so short rows still give each
 # program enough work (and the interpreter, at ~37 us per program, far fewer programs).
 _TILE_ELEMS = 4096
@@ -80,16 +101,28 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def launch_config(n_rows: int, n_cols: int, max_block: int | None = None) -> tuple[int, int, bool, int]:
+def launch_config(n_rows: int, n_cols: int, max_block: int | None = None,
+                  max_warps: int = 16) -> tuple[int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, ONE_BLOCK, num_warps) for an (n_rows, n_cols) problem."""
     cap = _MAX_BLOCK if max_block is None else max_block
     if cap < 16 or cap & (cap - 1):
         raise ValueError(f"max_block={cap} must be a power of two >= 16")
     block_n = min(_next_pow2(n_cols), cap)
     block_m = max(1, min(_TILE_ELEMS // block_n, _next_pow2(n_rows)))
-    # 512 elements per warp (16 fp32 per thread) up to 16 warps; never fewer than 4 so loads stay wide.
-    num_warps = min(16, max(4, _next_pow2(block_m * block_n // 512)))
+    # 512 elements per warp (16 fp32 per thread) up to 16 warps (32 for the backward's 16384-wide bf16 rows); never
+    # fewer than 4 so loads stay wide.
+    num_warps = min(max_warps, max(4, _next_pow2(block_m * block_n // 512)))
     return block_m, block_n, n_cols <= block_n, num_warps
+
+
+def bwd_launch_config(n_rows: int, n_cols: int, bf16: bool, max_block: int | None = None):
+    """(BLOCK_M, BLOCK_N, ONE_BLOCK, num_warps, STAGES) of the backward: bf16 rows (x and dy) up to 16384 wide stay
+    in registers (32 warps at 16384), other dtypes up to 8192 (`_MAX_BWD_BLOCK`); the row loop is pipelined
+    (2 stages) except in a 16384 block with masked columns, where that would spill."""
+    cap = _MAX_BWD_BLOCK_BF16 if bf16 else _MAX_BWD_BLOCK
+    block_m, block_n, one_block, num_warps = launch_config(n_rows, n_cols, min(cap, max_block or cap), max_warps=32)
+    stages = 1 if one_block and block_n > _MAX_BWD_BLOCK and n_cols != block_n else 2
+    return block_m, block_n, one_block, num_warps, stages
 
 
 @torch.compiler.assume_constant_result
@@ -103,18 +136,23 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_fwd_kernel(
         x_ptr,  # (M, N) input, row stride stride_x, unit column stride
+        res_ptr,  # (M, N) residual added to x when HAS_RESIDUAL (else unused), row stride stride_res
         w_ptr,  # (N,) weight, any float dtype
-        y_ptr,  # (M, N) output in x's dtype, row stride stride_y
-        rstd_ptr,  # (M,) fp32 output: 1 / sqrt(mean(x^2) + eps), saved for the backward
+        y_ptr,  # (M, N) output in h's dtype (x's without a residual), row stride stride_y
+        h_ptr,  # (M, N) output when HAS_RESIDUAL: h = x + residual rounded once to its dtype; row stride stride_h
+        rstd_ptr,  # (M,) fp32 output: 1 / sqrt(mean(h^2) + eps), saved for the backward
         M,
         N,
         stride_x,
+        stride_res,
         stride_y,
+        stride_h,
         eps,
         offset,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         ONE_BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
     ):
         eps32 = tl.cast(eps, tl.float32)
         off32 = tl.cast(offset, tl.float32)
@@ -122,12 +160,19 @@ if HAS_TRITON:
         row_mask = rows < M
         rows64 = rows.to(tl.int64)  # M * N may pass 2^31
         x_rows = x_ptr + rows64[:, None] * stride_x  # (BLOCK_M, 1)
+        res_rows = res_ptr + rows64[:, None] * stride_res  # (BLOCK_M, 1)
         y_rows = y_ptr + rows64[:, None] * stride_y  # (BLOCK_M, 1)
+        h_rows = h_ptr + rows64[:, None] * stride_h  # (BLOCK_M, 1)
         if ONE_BLOCK:
             cols = tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
+            if HAS_RESIDUAL:
+                # Rounded to h's dtype before the norm reads it, as torch's x + residual is: normed = rms_norm(h).
+                h = (x + tl.load(res_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+                tl.store(h_rows + cols[None, :], h, mask=mask)
+                x = h.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps32)  # (BLOCK_M,)
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32  # (BLOCK_N,)
             y = x * rstd[:, None] * w[None, :]
@@ -138,13 +183,23 @@ if HAS_TRITON:
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = row_mask[:, None] & (cols < N)[None, :]
                 x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    h = (x + tl.load(res_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+                    tl.store(h_rows + cols[None, :], h, mask=mask)
+                    x = h.to(tl.float32)
                 acc += x * x
             rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps32)  # (BLOCK_M,)
+            src_rows = x_rows
+            if HAS_RESIDUAL:
+                # The second pass reads back the h this program wrote: the barrier makes every thread's stores
+                # visible to the whole block (bar.sync orders global memory within a block).
+                tl.debug_barrier()
+                src_rows = h_rows
             for start in tl.range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < N
                 mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(src_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32
                 y = x * rstd[:, None] * w[None, :]
                 tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -182,25 +237,54 @@ if HAS_TRITON:
         tl.store(c_ptr + rows, tl.sum(acc, axis=1) * rstd / N, mask=row_mask)
 
     @triton.jit
+    def _upcast_again(v):
+        """v as fp32, for a second use after a first `.to(tl.float32)` of the same v. bf16: the 16 bits shifted into
+        the top of an fp32 (exactly the conversion), an integer path the compiler does not merge with the first
+        conversion, so the bf16 values (two to a register) stay live instead of their fp32 copies. Other dtypes: a
+        plain conversion (merged with the first)."""
+        if v.dtype == tl.bfloat16:
+            return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        return v.to(tl.float32)
+
+    @triton.jit
+    def _store_dx(dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2,
+                  HAS_DH: tl.constexpr, TWO_DX: tl.constexpr):
+        """Store the fp32 input gradient dx (BLOCK_M, BLOCK_N) of rows64 x cols: plus the gradient arriving at the sum
+        (HAS_DH: d_h = d_h_out + dx, the gradient of both x and the residual), rounded once to each output's dtype."""
+        if HAS_DH:
+            dx += tl.load(dh_ptr + rows64[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if TWO_DX:
+            tl.store(dx2_ptr + rows64[:, None] * stride_dx2 + cols[None, :], dx.to(dx2_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rms_norm_bwd_kernel(
         dy_ptr,  # (M, N) upstream gradient, row stride stride_dy
         x_ptr,  # (M, N) forward input, row stride stride_x
         w_ptr,  # (N,) weight
         rstd_ptr,  # (M,) fp32 rstd from the forward
         c_ptr,  # (M,) fp32 per-row c from _rms_norm_bwd_rowdot_kernel; read only when not ONE_BLOCK
-        dx_ptr,  # (M, N) output in x's dtype, row stride stride_dx
+        dh_ptr,  # (M, N) gradient arriving at h = x + residual when HAS_DH (else unused), row stride stride_dh
+        dx_ptr,  # (M, N) output (the residual's dtype with HAS_DH, else x's), row stride stride_dx
+        dx2_ptr,  # (M, N) the same gradient in a second dtype when TWO_DX (the added x's), row stride stride_dx2
         dw_ptr,  # (programs, N) fp32 output: this program's partial sum of dy * xh over its rows
         M,
         N,
         rows_per_prog,
         stride_dy,
         stride_x,
+        stride_dh,
         stride_dx,
+        stride_dx2,
         offset,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         ONE_BLOCK: tl.constexpr,
         COMPUTE_DW: tl.constexpr,
+        HAS_DH: tl.constexpr,
+        TWO_DX: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
         off32 = tl.cast(offset, tl.float32)
         pid = tl.program_id(0)
@@ -209,27 +293,32 @@ if HAS_TRITON:
         dw_row = dw_ptr + pid.to(tl.int64) * N
         if ONE_BLOCK:
             cols = tl.arange(0, BLOCK_N)
-            col_mask = cols < N
+            # EVEN_N (N == BLOCK_N): no per-column predicate; at BLOCK_N 16384 that is what fits 64 registers
+            col_mask = cols < (BLOCK_N if EVEN_N else N)
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32  # (BLOCK_N,)
             dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            # num_stages=2: the next tile's x, dy and rstd stream into shared memory (cp.async) while this
+            # STAGES=2: the next tile's x, dy and rstd stream into shared memory (cp.async) while this
             # one is computed. ptxas, sm_90, bf16: 120 -> 106 registers at hidden 4096 and 8192; without it
-            # each row waited on its own loads (one row per iteration, 1-2 blocks per SM).
-            for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=2):
+            # each row waited on its own loads (one row per iteration, 1-2 blocks per SM). 1 where 2 would spill
+            # (`bwd_launch_config`).
+            for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
                 rows = r0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
                 row_mask = rows < row_end
                 rows64 = rows.to(tl.int64)
                 mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x_st = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)  # storage dtype
+                dy_st = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
-                xh = x * rstd[:, None]  # (BLOCK_M, BLOCK_N)
-                g = dy * w[None, :]
-                c = tl.sum(g * xh, axis=1) / N  # (BLOCK_M,)
-                dx = (g - xh * c[:, None]) * rstd[:, None]
-                tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                xh = x_st.to(tl.float32) * rstd[:, None]  # (BLOCK_M, BLOCK_N)
+                dy = dy_st.to(tl.float32)
                 if COMPUTE_DW:
                     dw_acc += tl.sum(dy * xh, axis=0)
+                c = tl.sum(dy * w[None, :] * xh, axis=1) / N  # (BLOCK_M,)
+                # After the row reduction x and dy are upcast again from their storage dtype, so that what stays live
+                # across it is x and dy as loaded (bf16: two to a register), not their fp32 copies (_upcast_again).
+                xh = _upcast_again(x_st) * rstd[:, None]
+                dx = (_upcast_again(dy_st) * w[None, :] - xh * c[:, None]) * rstd[:, None]
+                _store_dx(dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2, HAS_DH, TWO_DX)
             if COMPUTE_DW:
                 tl.store(dw_row + cols, dw_acc, mask=col_mask)
         else:
@@ -252,7 +341,8 @@ if HAS_TRITON:
                     c = tl.load(c_ptr + rows, mask=row_mask, other=0.0)
                     xh = x * rstd[:, None]
                     dx = (dy * w[None, :] - xh * c[:, None]) * rstd[:, None]
-                    tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                    _store_dx(dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2, HAS_DH,
+                              TWO_DX)
                     if COMPUTE_DW:
                         dw_acc += tl.sum(dy * xh, axis=0)
                 if COMPUTE_DW:
@@ -269,48 +359,58 @@ def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-def rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, *, max_block: int | None = None):
-    """Launch the forward on an (M, N) input. Returns y (M, N) in x's dtype and rstd (M,) fp32. No autograd."""
+def _fwd(x2d, residual, weight, eps, offset, max_block):
+    """The forward launch: (y, h, rstd); h = x + residual (None without a residual) and y in promote(x, residual)."""
     _require_triton()
     x2d = _unit_col_stride(x2d)
     weight = weight.contiguous()
     M, N = x2d.shape
-    y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)  # (M, N)
+    if residual is None:
+        out_dtype, h = x2d.dtype, None
+    else:
+        residual = _unit_col_stride(residual)
+        out_dtype = torch.promote_types(x2d.dtype, residual.dtype)  # as torch's x + residual
+        h = torch.empty((M, N), dtype=out_dtype, device=x2d.device)  # (M, N)
+    y = torch.empty((M, N), dtype=out_dtype, device=x2d.device)  # (M, N)
     rstd = torch.empty((M,), dtype=torch.float32, device=x2d.device)  # (M,)
     if M == 0:
-        return y, rstd
+        return y, h, rstd
     block_m, block_n, one_block, num_warps = launch_config(M, N, max_block)
-    grid = (triton.cdiv(M, block_m),)
-    _rms_norm_fwd_kernel[grid](
-        x2d, weight, y, rstd, M, N, x2d.stride(0), y.stride(0), eps, offset,
-        BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, num_warps=num_warps,
+    res, h_out = (x2d, y) if residual is None else (residual, h)  # unused pointers when there is no residual
+    _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+        x2d, res, weight, y, h_out, rstd, M, N, x2d.stride(0), res.stride(0), y.stride(0), h_out.stride(0), eps, offset,
+        BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
     )
+    return y, h, rstd
+
+
+def rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, *, max_block: int | None = None):
+    """Launch the forward on an (M, N) input. Returns y (M, N) in x's dtype and rstd (M,) fp32. No autograd."""
+    y, _, rstd = _fwd(x2d, None, weight, eps, offset, max_block)
     return y, rstd
 
 
-def rms_norm_bwd(
-    dy2d: torch.Tensor,
-    x2d: torch.Tensor,
-    weight: torch.Tensor,
-    rstd: torch.Tensor,
-    offset: float,
-    *,
-    compute_dw: bool = True,
-    max_block: int | None = None,
-    num_programs: int | None = None,
-):
-    """Launch the backward. Returns dx (M, N) in x's dtype and dweight (N,) in weight's dtype (None when
-    compute_dw is False). `num_programs` overrides the number of backward programs (dweight partial rows)."""
+def fused_add_rms_norm_fwd(x2d: torch.Tensor, res2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, *,
+                           max_block: int | None = None):
+    """Launch the forward of rms_norm(x + residual) on (M, N) inputs, one pass. Returns normed and h = x + residual
+    (M, N) in promote(x, residual)'s dtype and rstd (M,) fp32. No autograd."""
+    return _fwd(x2d, res2d, weight, eps, offset, max_block)
+
+
+def _bwd(dy2d, x2d, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, num_programs):
+    """The backward launches: ([dx in each of dx_dtypes (one or two)], dweight or None); with dh, dx includes it."""
     _require_triton()
     dy2d = _unit_col_stride(dy2d)
     x2d = _unit_col_stride(x2d)
+    dh = None if dh is None else _unit_col_stride(dh)
     weight = weight.contiguous()
     M, N = x2d.shape
-    dx = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)  # (M, N)
+    dxs = [torch.empty((M, N), dtype=d, device=x2d.device) for d in dx_dtypes]  # (M, N) each
     if M == 0:
         dw = torch.zeros((N,), dtype=weight.dtype, device=weight.device) if compute_dw else None
-        return dx, dw
-    block_m, block_n, one_block, num_warps = launch_config(M, N, min(_MAX_BWD_BLOCK, max_block or _MAX_BWD_BLOCK))
+        return dxs, dw
+    bf16 = x2d.dtype == dy2d.dtype == torch.bfloat16
+    block_m, block_n, one_block, num_warps, stages = bwd_launch_config(M, N, bf16, max_block)
     if num_programs is None:
         # About two programs per SM keeps every SM streaming while one waits on memory (not yet tuned on a
         # GPU: bench/bench_rms_norm.py is the place to revisit it).
@@ -331,13 +431,55 @@ def rms_norm_bwd(
             dy2d, x2d, weight, rstd, c, M, N, dy2d.stride(0), x2d.stride(0), offset,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
+    dx, dx2 = dxs[0], dxs[-1]
+    dh_in = dy2d if dh is None else dh  # unused pointer without dh
     _rms_norm_bwd_kernel[(programs,)](
-        dy2d, x2d, weight, rstd, c, dx, dw_partial, M, N, rows_per_prog,
-        dy2d.stride(0), x2d.stride(0), dx.stride(0), offset,
-        BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, COMPUTE_DW=compute_dw, num_warps=num_warps,
+        dy2d, x2d, weight, rstd, c, dh_in, dx, dx2, dw_partial, M, N, rows_per_prog,
+        dy2d.stride(0), x2d.stride(0), dh_in.stride(0), dx.stride(0), dx2.stride(0), offset,
+        BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, COMPUTE_DW=compute_dw, HAS_DH=dh is not None,
+        TWO_DX=len(dxs) == 2, EVEN_N=N == block_n, STAGES=stages, num_warps=num_warps,
     )
     dw = dw_partial.sum(dim=0).to(weight.dtype) if compute_dw else None  # (N,), summed in fp32
+    return dxs, dw
+
+
+def rms_norm_bwd(
+    dy2d: torch.Tensor,
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    *,
+    compute_dw: bool = True,
+    max_block: int | None = None,
+    num_programs: int | None = None,
+):
+    """Launch the backward. Returns dx (M, N) in x's dtype and dweight (N,) in weight's dtype (None when
+    compute_dw is False). `num_programs` overrides the number of backward programs (dweight partial rows)."""
+    (dx,), dw = _bwd(dy2d, x2d, weight, rstd, offset, None, [x2d.dtype], compute_dw, max_block, num_programs)
     return dx, dw
+
+
+def fused_add_rms_norm_bwd(
+    dnormed: torch.Tensor,
+    dh_out: torch.Tensor | None,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    x_dtype: torch.dtype,
+    res_dtype: torch.dtype,
+    *,
+    compute_dw: bool = True,
+    max_block: int | None = None,
+    num_programs: int | None = None,
+):
+    """Launch the backward of (normed, h) = fused_add_rms_norm(x, residual): d_h = dh_out + the norm's dx, which is
+    the gradient of both x and the residual. Returns (dx in x_dtype, dresidual in res_dtype: the same tensor when the
+    dtypes agree, else written by the same launch), dweight (None when compute_dw is False)."""
+    dtypes = [res_dtype] if x_dtype == res_dtype else [res_dtype, x_dtype]
+    dxs, dw = _bwd(dnormed, h, weight, rstd, offset, dh_out, dtypes, compute_dw, max_block, num_programs)
+    return dxs[-1], dxs[0], dw
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -359,23 +501,45 @@ class RMSNormFunction(torch.autograd.Function):
         return (dx if need_dx else None), dw, None, None, None
 
 
-def _check_args(x, weight, eps, offset) -> None:
+class FusedAddRMSNormFunction(torch.autograd.Function):
+    """Autograd over the Triton launchers for (normed, h) = (rms_norm(x + residual), x + residual); 2-D (M, N) inputs.
+    Saves h (which the caller keeps anyway as the residual stream), the weight and rstd."""
+
+    @staticmethod
+    def forward(ctx, x2d, res2d, weight, eps, offset, max_block=None):
+        y, h, rstd = fused_add_rms_norm_fwd(x2d, res2d, weight, eps, offset, max_block=max_block)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.offset, ctx.max_block, ctx.dtypes = offset, max_block, (x2d.dtype, res2d.dtype)
+        ctx.set_materialize_grads(False)  # an unused h hands back None: no zero tensor to read
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dnormed, dh):
+        h, weight, rstd = ctx.saved_tensors
+        if dnormed is None:  # normed unused: the norm adds nothing to d_h
+            dnormed = torch.zeros_like(h)
+        dx, dres, dw = fused_add_rms_norm_bwd(dnormed, dh, h, weight, rstd, ctx.offset, *ctx.dtypes,
+                                              compute_dw=ctx.needs_input_grad[2], max_block=ctx.max_block)
+        return dx, dres, dw, None, None, None
+
+
+def _check_args(x, weight, eps, offset, op="rms_norm") -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"rms_norm: x must be a float32, bfloat16 or float16 tensor, got {got}")
+        raise TypeError(f"{op}: x must be a float32, bfloat16 or float16 tensor, got {got}")
     if x.dim() < 1 or x.shape[-1] < 1:
-        raise ValueError(f"rms_norm: x must have a last dim (the hidden size) >= 1, got shape {tuple(x.shape)}")
+        raise ValueError(f"{op}: x must have a last dim (the hidden size) >= 1, got shape {tuple(x.shape)}")
     if not isinstance(weight, torch.Tensor) or weight.dtype not in _DTYPES:
         got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise TypeError(f"rms_norm: weight must be a float32, bfloat16 or float16 tensor, got {got}")
+        raise TypeError(f"{op}: weight must be a float32, bfloat16 or float16 tensor, got {got}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
+        raise ValueError(f"{op}: weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
     if weight.device != x.device:
-        raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}; they must share a device")
+        raise ValueError(f"{op}: weight is on {weight.device} but x is on {x.device}; they must share a device")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
-        raise ValueError(f"rms_norm: eps must be a real number >= 0, got {eps!r}")
+        raise ValueError(f"{op}: eps must be a real number >= 0, got {eps!r}")
     if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
-        raise ValueError(f"rms_norm: offset must be a real number (0.0 for Llama, 1.0 for Gemma), got {offset!r}")
+        raise ValueError(f"{op}: offset must be a real number (0.0 for Llama, 1.0 for Gemma), got {offset!r}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
@@ -391,9 +555,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     return y.view(shape)
 
 
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                       offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h, weight, eps, offset), h) with h = x + residual, in one pass: the pre-norm residual step of a
+    decoder layer. h is rounded once to promote(x, residual)'s dtype, as torch's add is, and normed is computed from
+    that h; both come back in that dtype. The gradient reaching h (from normed and from h's own later use) is the
+    gradient of both x and residual.
+
+    CUDA tensors run the Triton kernels, CPU tensors the reference (see `kernels._dispatch`)."""
+    _check_args(x, weight, eps, offset, "fused_add_rms_norm")
+    if not isinstance(residual, torch.Tensor) or residual.dtype not in _DTYPES:
+        got = residual.dtype if isinstance(residual, torch.Tensor) else type(residual).__name__
+        raise TypeError(f"fused_add_rms_norm: residual must be a float32, bfloat16 or float16 tensor, got {got}")
+    if residual.shape != x.shape or residual.device != x.device:
+        raise ValueError(f"fused_add_rms_norm: residual must have x's shape {tuple(x.shape)} and device {x.device}, "
+                         f"got {tuple(residual.shape)} on {residual.device}")
+    if not use_triton(x, residual, weight):
+        return fused_add_rms_norm_ref(x, residual, weight, eps, offset)
+    shape, n = x.shape, x.shape[-1]
+    y, h = FusedAddRMSNormFunction.apply(x.reshape(-1, n), residual.reshape(-1, n), weight, float(eps), float(offset),
+                                         None)  # (M, N) each
+    return y.view(shape), h.view(shape)
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
     """Plain PyTorch RMSNorm: fp32 math (fp64 for fp64 inputs), one cast back to x's dtype; autograd-differentiable."""
     compute = torch.promote_types(x.dtype, torch.float32)
     xc = x.to(compute)  # (..., N)
     rstd = torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
     return (xc * rstd * (offset + weight.to(compute))).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                           offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch (rms_norm_ref(x + residual), x + residual); autograd-differentiable."""
+    h = x + residual
+    return rms_norm_ref(h, weight, eps, offset), h

@@ -8,13 +8,17 @@ remap and `transformers.AutoModelForCausalLM.from_pretrained` reads what we writ
     per layer:  x = x + o_proj(attn(rope(q_norm?(q_proj(n1(x)))), rope(k_norm?(k_proj(..))), v_proj(..)))
                 x = x + down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))
     logits = lm_head(norm(x))                      n1, n2, norm: RMSNorm  y = w * x / sqrt(mean(x^2) + eps)
+Each residual add is done by the norm that reads its sum (`add_rms_norm`): the attention's add by n2, the MLP's by
+the next layer's n1 or the final norm, so a layer hands on (x, mlp output) and with `use_kernels` each add and its
+norm are one pass (`kernels.fused_add_rms_norm`), as liger's LigerFusedAddRMSNorm does for Hugging Face layers.
 
 Architecture differences (all read from config.json): qwen2 has q/k/v biases; qwen3 RMS-normalises q and k
 per head and reads `attention_bias`; llama reads `attention_bias`/`mlp_bias` and `rope_scaling`
 ("linear", "llama3"); mistral (and qwen with `use_sliding_window`) attends within a sliding window, which is
 honoured on every backend (not rejected): query i sees keys i-W+1..i.
 
-`use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`), RoPE (`kernels.rope`), SwiGLU
+`use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`, and with the residual add before it
+`kernels.fused_add_rms_norm`), RoPE (`kernels.rope`), SwiGLU
 (`kernels.swiglu`), the loss (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and
 NEFTune (`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `apply_liger_kernel(model)` sets
 RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy to liger-kernel's ops instead, the
@@ -279,6 +283,19 @@ class RMSNorm(KernelRMSNorm):
         return rms_norm_plain(x, self.weight, self.eps)
 
 
+def add_rms_norm(norm: nn.Module, x: torch.Tensor, update: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + update), x + update) (x itself when update is None): Hugging Face's `residual + hidden_states`
+    followed by the next norm. With our kernels one pass (`kernels.fused_add_rms_norm`: the sum rounded once to the
+    stream's dtype, the norm computed from it); otherwise the add, then the norm (also for a norm a LoRA
+    modules_to_save wrapper holds)."""
+    if update is None:
+        return norm(x), x
+    if isinstance(norm, RMSNorm) and norm.impl == "kernels":
+        return kernels.fused_add_rms_norm(update, x, norm.weight, norm.eps, norm.offset)
+    x = x + update
+    return norm(x), x
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """(head_dim / 2,) fp32 inverse frequencies theta^(-2i/D), with "linear" or "llama3" scaling."""
     dim = config.head_dim
@@ -398,9 +415,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, update, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; update: the previous layer's MLP output, not yet added to it (None in the first
+        layer). Returns the stream after the attention's add and this layer's MLP output, which the next layer's input
+        norm (or the final norm) adds: each add is fused with the norm that reads its sum."""
+        normed, x = add_rms_norm(self.input_layernorm, x, update)
+        normed, x = add_rms_norm(self.post_attention_layernorm, x, self.self_attn(normed, cos, sin, attn))
+        return x, self.mlp(normed)
 
 
 class Backbone(nn.Module):
@@ -574,12 +595,13 @@ class CausalLM(nn.Module):
                              self.attn_backend)
             attns = [plan] * len(self.model.layers)
         cos, sin = self.model.rotary_emb(rope_pos)  # (B or 1, T, D) fp32
+        update = None  # the last MLP output, added to x by the next norm (DecoderLayer.forward)
         for layer, attn in zip(self.model.layers, attns):
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False, **self._checkpoint_kwargs)
+                x, update = checkpoint(layer, x, update, cos, sin, attn, use_reentrant=False, **self._checkpoint_kwargs)
             else:
-                x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+                x, update = layer(x, update, cos, sin, attn)
+        return add_rms_norm(self.model.norm, x, update)[0]
 
     def _neftune(self, x, attention_mask, position_ids):
         # NEFTune (Jain et al. 2023): x + U(-1, 1) * alpha / sqrt(L * d), L = the token's own document length

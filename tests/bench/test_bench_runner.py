@@ -34,6 +34,10 @@ def test_speedup_series_labels_and_filter():
             {"impl": "ours_b", "model": "m", "speedup_vs_torch_fused": 4.0}]
     labels, series = runner.speedup_series(rows)
     assert labels == ["ours_a m", "ours_b m"] and series == {"torch_fused": [3.0, 4.0]}
+    # one script benching two ops (bench_rms_norm --op rms_norm fused_add_rms_norm): the op names the shape
+    rows = [{"op": op, "provider": "ours", "mode": "forward", "tokens": 8, "speedup_vs_torch": 2.0}
+            for op in ("rms_norm", "fused_add_rms_norm")]
+    assert runner.speedup_series(rows)[0] == ["rms_norm forward 8", "fused_add_rms_norm forward 8"]
 
 
 def test_python_m_bench_quick_writes_rows_tables_charts(tmp_path):

@@ -93,8 +93,10 @@ def test_peak_memory_of_a_known_sequence():
     assert trace.peak == 5 << 20 and trace.live == 0
 
 
-def test_swiglu_rope_and_fused_add_norm_models_before_their_kernels_land():
-    """The models keyed by the names of the kernels being written: shapes of outputs and gradients, and bytes."""
+def test_swiglu_rope_and_fused_add_norm_models():
+    """The models of SwiGLU, RoPE and the fused add + RMSNorm: shapes of outputs and gradients, and bytes."""
+    from bench import bench_rms_norm
+
     trace = rf.Trace()
     gate, up = _meta(2, 8, 32, dtype=torch.bfloat16, grad=True), _meta(2, 8, 32, dtype=torch.bfloat16, grad=True)
     q, k = _meta(2, 4, 8, 16, dtype=torch.bfloat16, grad=True), _meta(2, 2, 8, 16, dtype=torch.bfloat16, grad=True)
@@ -114,8 +116,12 @@ def test_swiglu_rope_and_fused_add_norm_models_before_their_kernels_land():
     qk = (2 * 4 * 8 * 16 + 2 * 2 * 8 * 16) * 2
     assert by_name["RoPEFunction"].bytes == 2 * qk + 2 * 8 * 16 * 4  # cos and sin read once (bench/bench_rope.py)
     assert by_name["RoPEFunction"].category == "rope"
-    # reads x, residual and the weight, writes normed, the sum and rstd
-    assert by_name["FusedAddRMSNormFunction"].bytes == 4 * 2 * 8 * 32 * 4 + 32 * 4 + 16 * 4
+    # reads x, residual and the weight, writes normed, the sum and rstd (bench/bench_rms_norm.py's model)
+    assert by_name["FusedAddRMSNormFunction:_rms_norm_fwd_kernel"].bytes == 4 * 2 * 8 * 32 * 4 + 32 * 4 + 16 * 4
+    assert x.grad.shape == res.grad.shape == x.shape
+    backward = sum(op.bytes for op in trace.ops if op.name.startswith("FusedAddRMSNormFunction.backward:"))
+    assert backward == sum(bench_rms_norm.traffic_model("backward", 16, 32, 4, 4, num_programs=2 * rf.H100_SMS,
+                                                        weight_once=True, residual_size=4))
 
 
 def test_an_unmodelled_triton_launch_raises():
@@ -146,6 +152,9 @@ def test_four_stacks_at_a_tiny_size():
     assert rows["hf", 0.0]["flops"] == rows["hf_liger", 0.0]["flops"]
     assert rows["ours", 0.5]["flops"] < rows["ours", 0.0]["flops"]
     assert rows["hf", 0.5]["flops"] == rows["hf", 0.0]["flops"]
+    # our residual adds are fused into the norms (kernels.fused_add_rms_norm); unfused, ours_liger makes HF's adds
+    assert rows["ours", 0.0]["ms_residual_adds"] == 0 and "FusedAddRMSNormFunction:_rms_norm_fwd_kernel" in rows["ours", 0.0]["names"]
+    assert rows["ours_liger", 0.0]["ms_residual_adds"] == pytest.approx(rows["hf", 0.0]["ms_residual_adds"])
     for row in rows.values():
         assert row["ms_step"] == pytest.approx(sum(row[f"ms_{c}"] for c in rf.CATEGORIES))
         assert row["launches"] > 0 and row["peak_memory_gb"] > 0

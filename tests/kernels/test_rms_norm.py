@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 import kernels
 from kernels.nn import RMSNorm
-from kernels.rms_norm import RMSNormFunction, launch_config, rms_norm, rms_norm_bwd, rms_norm_fwd, rms_norm_ref
+from kernels.rms_norm import (RMSNormFunction, bwd_launch_config, launch_config, rms_norm, rms_norm_bwd, rms_norm_fwd,
+                              rms_norm_ref)
 from tests.tolerance import PoisonedTorch, assert_lowp_close, eps, fwd_bwd, max_abs_err
 
 # `kernels.rms_norm` the attribute is the function; the module itself is reached through sys.modules.
@@ -60,6 +61,19 @@ def _assert_ulps(ours, other, dtype, ulps, name):
     bound = ulps * eps(dtype) * torch.maximum(ours.double().abs(), other.double().abs())
     worst = (diff - bound).max().item()
     assert worst <= 0, f"{name}: {int((diff > bound).sum())} elements beyond {ulps} ulp (worst excess {worst:.3e})"
+
+
+def count_launches(monkeypatch, kernel_name):
+    """The grids of every launch of kernels.rms_norm's `kernel_name` from now on (the list fills as they run)."""
+    grids, kernel = [], getattr(rms_mod, kernel_name)
+
+    class _Counting:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(rms_mod, kernel_name, _Counting())
+    return grids
 
 
 def _autograd_nodes(t):
@@ -120,26 +134,22 @@ def test_multi_block_loop_path(dtype, offset):
     _check_all(one_block, ref32, torch_lowp, dtype, rows=10)
 
 
-def test_wide_rows_backward_takes_the_column_loop(monkeypatch):
-    """Hidden 8192 < N <= 16384: the forward keeps the row in registers, the backward (capped at 8192 so that
-    it never spills on sm_90, see tests/kernels/test_sm90_compile.py) loops over two column blocks."""
-    shape = (3, 8192 + 24)
-    n = shape[-1]
-    x, w, dy = _make(shape, torch.bfloat16, 0.0, seed=2)
-    rowdot_launches = []
-    rowdot = rms_mod._rms_norm_bwd_rowdot_kernel
-
-    class _Counting:
-        def __getitem__(self, grid):
-            rowdot_launches.append(grid)
-            return rowdot[grid]
-
-    monkeypatch.setattr(rms_mod, "_rms_norm_bwd_rowdot_kernel", _Counting())
+@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 8192 + 24), (torch.bfloat16, 16384), (torch.float16, 8192 + 24),
+                                      (torch.float32, 16384)], ids=str)
+def test_wide_rows_backward(monkeypatch, dtype, n):
+    """Hidden 8192 < N <= 16384: the forward keeps the row in registers; so does the backward for bf16 (one 16384-wide
+    block, 32 warps; pipelined where N is exactly 16384), while fp16 and fp32 (capped at 8192 so that they never
+    spill on sm_90, see tests/kernels/test_sm90_compile.py) loop over two column blocks after a row-dot pass."""
+    shape = (3, n)
+    x, w, dy = _make(shape, dtype, 0.0, seed=2)
+    rowdot_launches = count_launches(monkeypatch, "_rms_norm_bwd_rowdot_kernel")
     ours = fwd_bwd(lambda a, b: rms_norm(a, b), x, w, dy)
-    assert launch_config(3, n)[2] is True and len(rowdot_launches) == 1
+    bf16 = dtype == torch.bfloat16
+    assert launch_config(3, n)[2] is True and len(rowdot_launches) == (0 if bf16 else 1)
+    assert bwd_launch_config(3, n, bf16) == ((1, 16384, True, 32, 2 if n == 16384 else 1) if bf16 else (1, 8192, False, 16, 2))
     ref32 = fwd_bwd(lambda a, b: rms_norm_ref(a, b), x.float(), w.float(), dy.float())
     torch_lowp = fwd_bwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6), x, w, dy)
-    _check_all(ours, ref32, torch_lowp, torch.bfloat16, rows=3)
+    _check_all(ours, ref32, torch_lowp, dtype, rows=3)
 
 
 @pytest.mark.parametrize("max_block", [None, 1024])

@@ -52,10 +52,17 @@ def test_every_op_and_variant_is_compiled(compiled):
             if (r["case"], r["kernel"]) == ("fused_linear_preference", "_cross_entropy_fwd_kernel")} == {"False", "True"}
     adamw = {(r["constexprs"]["P_DTYPE"], r["constexprs"]["HAS_MASTER"]) for r in compiled if r["case"] == "adamw"}
     assert {("fp32", "False"), ("bf16", "True"), ("bf16", "False")} <= adamw
-    # Every RMSNorm width the benchmark uses, both backward strategies (row in registers, column loop).
+    # Every RMSNorm width the benchmark uses, both backward strategies (row in registers, up to 16384 wide in bf16;
+    # column loop).
     bwd = {(r["constexprs"]["BLOCK_N"], r["constexprs"]["ONE_BLOCK"]) for r in compiled
            if r["kernel"] == "_rms_norm_bwd_kernel"}
-    assert {("4096", "True"), ("8192", "True"), ("8192", "False")} <= bwd
+    assert {("4096", "True"), ("8192", "True"), ("16384", "True"), ("16384", "False")} <= bwd
+    # fused_add_rms_norm: the same kernels with the residual (forward) and d_h_out (backward), and the autocast case's
+    # second gradient dtype (bf16 dx beside the fp32 dresidual).
+    fused = {(r["kernel"], r["constexprs"].get("HAS_RESIDUAL"), r["constexprs"].get("HAS_DH"), r["constexprs"].get("TWO_DX"))
+             for r in compiled if r["case"] == "fused_add_rms_norm"}
+    assert {("_rms_norm_fwd_kernel", "True", None, None), ("_rms_norm_bwd_kernel", None, "True", "False"),
+            ("_rms_norm_bwd_kernel", None, "True", "True")} <= fused
     # RoPE's one kernel, forward and backward (the transpose), at Llama-3-8B's heads, one batch per program and
     # (batch-shared cos/sin) one program looping over the batch: B_PER_PROG=4 is a runtime int, not specialised.
     rope = {(r["constexprs"]["BACKWARD"], r["constexprs"]["BLOCK_HQ"], r["constexprs"].get("B_PER_PROG", "loop"))
