@@ -48,7 +48,8 @@ against eager's 25 GB, measured on meta tensors by tests/.
 Loss functions (plain torch on the per-sequence tensors; TRL v0.24's formulas, sequences [chosen; rejected]):
   sigmoid   -logsigmoid(b d) (1 - ls) - logsigmoid(-b d) ls, d = (pi_c - pi_r) - (ref_c - ref_r); ls > 0 is
             conservative DPO (DPOTrainer.dpo_loss)
-  ipo       (d - 1 / (2 b))^2 on length-averaged logps (policy and reference)
+  ipo       (d - 1 / (2 b))^2 on length-averaged logps (policy and reference); rewards and logps metrics on
+            the sums, as for the other types (TRL 1.x)
   hinge     relu(1 - b d)
   robust    (-logsigmoid(b d) (1 - ls) + logsigmoid(-b d) ls) / (1 - 2 ls)
   apo_zero  1 - sigmoid(b (pi_c - ref_c)) + sigmoid(b (pi_r - ref_r))
@@ -58,7 +59,7 @@ Loss functions (plain torch on the per-sequence tensors; TRL v0.24's formulas, s
             "simpo"), plus cpo_alpha * nll; no reference
   rpo_alpha (any DPO type) adds rpo_alpha * nll, nll = the chosen answer tokens' mean cross-entropy
             = -sum(chosen logps) / sum(chosen counts)
-Rewards (metrics): b (pi - ref) for the DPO types (on the averaged logps for ipo), b a for orpo and simpo.
+Rewards (metrics): b (pi - ref) for the DPO types (on the sums, ipo included), b a for orpo and simpo.
 
 Test: `python -m pytest tests/kernels/test_fused_linear_preference.py -q` (Triton interpreter on CPU).
 Bench: `python bench/bench_fused_linear_preference.py` (GPU), `--quick` for a CPU smoke run.
@@ -327,10 +328,10 @@ def preference_loss(policy: PreferenceLogps, ref_logps: torch.Tensor | None = No
     if loss_type in DPO_LOSS_TYPES:
         ref = torch.zeros_like(policy.logps) if ref_logps is None else ref_logps.to(policy.logps.dtype)
         logps = policy.logps
-        if loss_type == "ipo":  # TRL averages the policy's and the reference's logps over the answer for ipo
-            lengths = counts.clamp(min=1)
-            logps, ref = logps / lengths, ref / lengths
-        losses = dpo_losses(logps[:n_pairs], logps[n_pairs:], ref[:n_pairs], ref[n_pairs:], loss_type=loss_type,
+        # ipo's loss takes the log-ratios averaged over each answer's tokens (TRL); its metrics, like every other
+        # type's, the sums (TRL 1.x; v0.24 logged the averages)
+        scale = counts.clamp(min=1) if loss_type == "ipo" else 1.0
+        losses = dpo_losses(*((logps / scale).chunk(2)), *((ref / scale).chunk(2)), loss_type=loss_type,
                             beta=beta, label_smoothing=label_smoothing)
         rewards = beta * (logps - ref).detach()
         loss = losses.mean()

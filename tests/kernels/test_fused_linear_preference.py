@@ -313,9 +313,10 @@ def test_dpo_losses_equal_trl(loss_type, ls, rpo):
     beta, p = 0.3, 5
     loss, metrics = preference_loss(policy, ref, loss_type=loss_type, beta=beta, label_smoothing=ls, rpo_alpha=rpo)
     logps, ref_logps = policy.logps, ref
-    if loss_type == "ipo":  # TRL: all_logps / loss_mask.sum(-1) in concatenated_forward, the reference included
-        logps, ref_logps = logps / policy.counts, ref / policy.counts
-    losses, chosen_rewards, rejected_rewards = trl_dpo(logps[:p], logps[p:], ref_logps[:p], ref_logps[p:], loss_type, beta, ls)
+    # ipo: TRL averages the log-ratios over each answer's tokens for the loss, and logs the sums (TRL 1.x)
+    scaled, scaled_ref = (logps / policy.counts, ref_logps / policy.counts) if loss_type == "ipo" else (logps, ref_logps)
+    losses = trl_dpo(scaled[:p], scaled[p:], scaled_ref[:p], scaled_ref[p:], loss_type, beta, ls)[0]
+    _, chosen_rewards, rejected_rewards = trl_dpo(logps[:p], logps[p:], ref_logps[:p], ref_logps[p:], "sigmoid", beta, 0)
     nll = -policy.logps[:p].sum() / policy.counts[:p].sum()  # F.cross_entropy over the chosen answer tokens
     expected = (losses + (rpo * nll if rpo is not None else 0.0)).mean()
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
