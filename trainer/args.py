@@ -876,8 +876,10 @@ class TrainingArguments:
             raise ConfigError("bf16_full_eval and fp16_full_eval are both set; choose at most one")
 
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "cutoff_len", "max_nonfinite_steps"):
+                     "max_nonfinite_steps"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be a positive integer")
+        # a 1-token example has nothing to predict (the first token is never a target): the data pipeline's rule
+        check(self.cutoff_len >= 2, "cutoff_len", self.cutoff_len, "must be an integer >= 2")
         for name in ("eval_accumulation_steps", "save_total_limit", "torch_empty_cache_steps",
                      "dataloader_prefetch_factor", "global_batch_size"):
             value = getattr(self, name)
