@@ -47,13 +47,11 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .args import optimizer_steps
+from .args import BATCHING_STRATEGIES, TOKEN_BUDGET_STRATEGIES, optimizer_steps
 from .coerce import ConfigError
 
 IGNORE_INDEX = -100
-BATCHING_STRATEGIES = ("normal", "padding_free", "dynamic_batching", "dynamic_padding_free")
 _PACKED = ("padding_free", "dynamic_padding_free")
-_TOKEN_BUDGET = ("dynamic_batching", "dynamic_padding_free")
 # HF's LengthGroupedSampler multiplier: sort within ~50 micro batches, enough to group lengths well while the
 # megabatch order stays random.
 _MEGABATCH_MULT = 50
@@ -156,8 +154,8 @@ class BatchLoader:
         if group_by_length and batching_strategy != "normal":
             raise ValueError(f"group_by_length applies to batching_strategy='normal' (got {batching_strategy!r}; "
                              "the other strategies already avoid padding)")
-        if max_tokens is not None and batching_strategy not in _TOKEN_BUDGET:
-            raise ValueError(f"max_tokens applies to {' and '.join(_TOKEN_BUDGET)} "
+        if max_tokens is not None and batching_strategy not in TOKEN_BUDGET_STRATEGIES:
+            raise ValueError(f"max_tokens applies to {' and '.join(TOKEN_BUDGET_STRATEGIES)} "
                              f"(got batching_strategy={batching_strategy!r}; use micro_batch_size)")
         self.dataset = dataset
         lengths = getattr(dataset, "lengths", None)
@@ -173,7 +171,7 @@ class BatchLoader:
         self.shuffle, self.seed, self.group_by_length, self.drop_last = shuffle, seed, group_by_length, drop_last
         self.rank, self.world_size = rank, world_size
         longest = int(self.lengths.max())
-        if batching_strategy in _TOKEN_BUDGET:
+        if batching_strategy in TOKEN_BUDGET_STRATEGIES:
             # Default budget: what a normal micro batch of the longest examples would hold.
             max_tokens = max_tokens if max_tokens is not None else micro_batch_size * _round_up(longest, pad_to_multiple_of)
             if not isinstance(max_tokens, int) or max_tokens < longest:

@@ -57,6 +57,7 @@ from .checkpoint_hf import to_json
 from .data import (DataError, TokenizedDataset, load_sft_dataset, read_examples, resolve_data_files, save_to_cache,
                    split_dataset)
 from .dist import end_on_error, init_distributed, world
+from .evaluation import EVAL_METRICS
 from .metrics import plot_loss_curve
 from .lora import import_peft, lora_config
 from .model import CausalLM, ModelError, generate
@@ -296,7 +297,8 @@ def _check_sft_values(sft: SFTArguments) -> None:
 
 def _check_eval_data(args, sft: SFTArguments) -> None:
     """Evaluation data where the arguments evaluate, and one source of it: --eval_data, --val_size (held out of
-    --data), or the embedded tasks' eval file when --data is not given."""
+    --data), or the embedded tasks' eval file when --data is not given; a metric_for_best_model that evaluation
+    reports."""
     if sft.val_size and (sft.eval_data or not sft.data):
         given = "--eval_data" if sft.eval_data else "the embedded tasks' own eval set (no --data)"
         raise ConfigError(f"val_size={sft.val_size:g} holds out part of --data for evaluation, but {given} is the "
@@ -307,6 +309,10 @@ def _check_eval_data(args, sft: SFTArguments) -> None:
         raise ConfigError(f"{' and '.join(evaluates)} asks for evaluation, but there is no evaluation data: give "
                           "--eval_data FILE or --val_size N (held out of --data), or turn evaluation off "
                           "(--eval_strategy no, no --eval_on_start)")
+    best = args.metric_for_best_model
+    if best and best.removeprefix("eval_") not in EVAL_METRICS:  # the command has no compute_metrics
+        raise ConfigError(f"metric_for_best_model={best!r}: the evaluation reports "
+                          f"{', '.join(EVAL_METRICS)} (as eval_<name> or <name>)")
 
 
 def _check_lora(args, sft: SFTArguments) -> None:

@@ -78,9 +78,9 @@ def test_a_damaged_model_directory_stops_in_one_line_naming_the_file(inputs, tmp
 
 def test_argument_values_the_data_rules_out_stop_in_one_line(inputs, tmp_path):
     """Item 10: values that were tracebacks after the build (dataloader_drop_last with fewer examples than a batch,
-    val_size leaving nothing to train on, max_tokens under the longest example, cutoff_len 1) or were ignored
-    (val_size beside eval data, evaluation without eval data, a fractional count, negative exact-match and
-    answer lengths)."""
+    val_size leaving nothing to train on, max_tokens under the longest example, a metric_for_best_model evaluation
+    does not report) or were ignored (val_size beside eval data, evaluation without eval data, a fractional count,
+    negative exact-match and answer lengths). Values wrong on their own are TrainingArguments' (tests/trainer/test_args.py)."""
     good = ["--model", str(inputs / "model"), "--data", str(inputs / "good.jsonl")]
     cases = [
         (["--dataloader_drop_last", "--per_device_train_batch_size", "8"],
@@ -96,7 +96,8 @@ def test_argument_values_the_data_rules_out_stop_in_one_line(inputs, tmp_path):
          "eval_strategy='steps' asks for evaluation, but there is no evaluation data"),
         (["--batching_strategy", "dynamic_batching", "--max_tokens", "4"],
          "max_tokens=4: expected an int >= the longest example"),
-        (["--cutoff_len", "1"], "cutoff_len=1: must be an integer >= 2"),
+        (["--val_size", "1", "--eval_strategy", "steps", "--eval_steps", "1", "--metric_for_best_model", "accuracy"],
+         "metric_for_best_model='accuracy': the evaluation reports loss, perplexity, runtime, samples_per_second"),
         (["--exact_match_examples", "-1"], "exact_match_examples=-1: expected a count >= 0 (0: no exact-match check)"),
         (["--max_new_tokens", "0"], "max_new_tokens=0: must be a positive integer"),
     ]
