@@ -104,6 +104,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
+import torch
+
 from . import deepspeed_engine
 from .arg_parser import (
     SIMPLE_ALIASES,
@@ -879,6 +881,12 @@ class TrainingArguments:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "max_nonfinite_steps"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be a positive integer")
+        # numpy's generators (the data order) take no negative seed
+        check(self.seed >= 0, "seed", self.seed, "must be an integer >= 0")
+        check(self.data_seed is None or self.data_seed >= 0, "data_seed", self.data_seed, "must be an integer >= 0 or unset")
+        # torch.compile would name a wrong backend only at the first step; the message lists the usual ones
+        if self.torch_compile and self.torch_compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+            choose("torch_compile_backend", self.torch_compile_backend, torch._dynamo.list_backends())
         # a 1-token example has nothing to predict (the first token is never a target): the data pipeline's rule
         check(self.cutoff_len >= 2, "cutoff_len", self.cutoff_len, "must be an integer >= 2")
         for name in ("eval_accumulation_steps", "save_total_limit", "torch_empty_cache_steps",
