@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from .args import BATCHING_STRATEGIES, TOKEN_BUDGET_STRATEGIES, optimizer_steps
+from .checkpoint_hf import CheckpointError
 from .coerce import ConfigError
 
 IGNORE_INDEX = -100
@@ -352,6 +353,8 @@ class BatchLoader:
         """Resume from `state_dict()`: the next iteration yields exactly the batches that were still to come."""
         mine = self._config()
         diffs = [f"{k} was {state.get(k)!r}, is {v!r}" for k, v in mine.items() if state.get(k) != v]
-        if diffs:
-            raise ValueError("cannot resume the data loader: the batch plan would differ (" + "; ".join(diffs) + ")")
+        if diffs:  # a user's choice of data or arguments, one line (exit 2 from the CLI)
+            raise CheckpointError("cannot resume the data loader: the batch plan would differ (" + "; ".join(diffs) +
+                                  "); resume with the data and batching arguments the checkpoint was saved with "
+                                  "(its training_args.json), or start again (--overwrite_output_dir)")
         self.epoch, self._consumed = int(state["epoch"]), int(state["consumed"])

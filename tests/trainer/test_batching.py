@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trainer.batching import BATCHING_STRATEGIES, BatchLoader, best_fit_decreasing, same_steps, steps_per_epoch
+from trainer.checkpoint_hf import CheckpointError
 from trainer.coerce import ConfigError
 from trainer.data import TokenizedDataset
 
@@ -209,8 +210,11 @@ def test_resume_under_a_different_world_size_consumes_each_example_once():
 
 
 def test_load_state_dict_refuses_a_different_plan():
+    """A CheckpointError (one line, exit 2 from the CLI; was a ValueError traceback, issue 21 item 10) saying how to
+    resume."""
     state = loader("normal", seed=1).state_dict()
-    with pytest.raises(ValueError, match="seed was 1, is 2"):
+    with pytest.raises(CheckpointError, match=r"seed was 1, is 2\); resume with the data and batching arguments the "
+                                              r"checkpoint was saved with \(its training_args.json\)"):
         loader("normal", seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="batching_strategy was 'normal', is 'padding_free'"):
         loader("padding_free", seed=1).load_state_dict(state)
