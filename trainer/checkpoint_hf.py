@@ -6,7 +6,8 @@ every file carries the metadata {"format": "pt"}. Sizes are decimal as in Huggin
 "5GiB" = 5 * 2**30).
 
 Reading never holds more than one tensor beyond the destination: keys and shapes are checked first from the
-headers (no data read), then each tensor is read once and copied (with its dtype cast) into its destination.
+headers (no data read; `check_safetensors`, which also refuses a truncated or damaged file in one line naming it),
+then each tensor is read once and copied (with its dtype cast) into its destination.
 A destination that holds only some rows of a tensor (a rank's FSDP2 shard) gets only those rows read from the
 file (`safe_open(...).get_slice(name)[start:stop]`): the whole tensor is never materialised.
 Writing casts and writes one shard at a time. safetensors creates its files with mode 0600; they are set to what
