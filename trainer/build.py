@@ -71,7 +71,7 @@ def _build(config: ModelConfig, path: Path | None, args, *, dtype, device, seed,
         if seed is None:
             seed = args.seed
     sharded = args is not None and uses_fsdp(args)
-    dcp = _dcp_source(args) if sharded else None
+    dcp = dcp_source(args) if sharded else None
     if device is None:
         # offload_params keeps the shards in host memory (FSDP2 moves them to the device for compute)
         device = torch.device("cpu") if sharded and args.dist_config.get("offload_params") else local_device()
@@ -163,7 +163,7 @@ def _download(repo_id: str) -> Path:
                           "without a network, pass a local directory") from None
 
 
-def _dcp_source(args) -> Path | None:
+def dcp_source(args) -> Path | None:
     """dist_config.dcp_path as the DCP directory to read (a checkpoint's `dcp/` inside it), or None."""
     dcp = args.dist_config.get("dcp_path")
     if not dcp:

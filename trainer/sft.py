@@ -50,7 +50,7 @@ from kernels._dispatch import TRITON_MISSING, interpreter_on
 from .args import ConfigError, _arg, parse_args
 from .attention import _flash_attn
 from .batching import BatchLoader
-from .build import build_model, check_model_name, is_preset, preset_config, read_config, read_model_files
+from .build import build_model, check_model_name, dcp_source, is_preset, preset_config, read_config, read_model_files
 from .checkpoint import (CheckpointError, OutOfSpaceError, checkpoints, clean_leftovers, hold_output_dir,
                          move_aside_previous_run, resolve_resume)
 from .checkpoint_hf import to_json
@@ -253,6 +253,8 @@ def check_run(args, sft: SFTArguments) -> None:
                           "mask_history the last assistant turn only)")
     _check_sft_values(sft)
     _check_eval_data(args, sft)
+    if args.dist_config is not None and args.dist_config.get("dcp_path"):
+        dcp_source(args)  # the fsdp2 build's weights: a DCP directory
     for paths in (sft.data, sft.eval_data):
         if paths:
             resolve_data_files(paths)

@@ -106,11 +106,15 @@ def test_argument_values_the_data_rules_out_stop_in_one_line(inputs, tmp_path):
 
 def test_a_data_error_comes_before_the_summary_the_build_and_any_write(inputs, tmp_path):
     """Item 13: a bad record, in the training or in the eval data (after good training data, whose tokenisation was
-    cached in output_dir/.cache before the error), stops before the argument summary, with output_dir not created."""
+    cached in output_dir/.cache before the error), or a dist_config.dcp_path that holds no DCP copy (read by the
+    build), stops before the argument summary, with output_dir not created."""
     model = ["--model", str(inputs / "model")]
     cases = [
         (model + ["--data", str(inputs / "bad.jsonl")], f"{inputs / 'bad.jsonl'}:2: invalid JSON"),
         (model + ["--data", str(inputs / "good.jsonl"), "--eval_data", str(inputs / "bad.jsonl")],
          f"{inputs / 'bad.jsonl'}:2: invalid JSON"),
+        (model + ["--data", str(inputs / "good.jsonl"), "--dist_config",
+                  json.dumps({"name": "fsdp2", "dcp_path": str(inputs / "model")})],
+         f"dist_config.dcp_path: {inputs / 'model'} is not a torch.distributed.checkpoint directory"),
     ]
     _assert_stops_first(cases, tmp_path / "out")
