@@ -883,7 +883,8 @@ class TrainingArguments:
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be a positive integer")
         # numpy's generators (the data order) take no negative seed
         check(self.seed >= 0, "seed", self.seed, "must be an integer >= 0")
-        check(self.data_seed is None or self.data_seed >= 0, "data_seed", self.data_seed, "must be an integer >= 0 or unset")
+        check(self.data_seed is None or self.data_seed >= 0, "data_seed", self.data_seed,
+              "must be an integer >= 0 or unset")
         # torch.compile would name a wrong backend only at the first step; the message lists the usual ones
         if self.torch_compile and self.torch_compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
             choose("torch_compile_backend", self.torch_compile_backend, torch._dynamo.list_backends())

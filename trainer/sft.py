@@ -20,9 +20,10 @@ rank meets alike, is printed once, by rank 0, and every rank exits 2.
 
 Every argument is checked against the machine and the file system (`check_run`), then every file the run reads
 (`read_inputs`: the model directory's config, tokenizer and safetensors headers, the data tokenised, the val_size
-split and the batch plan), before the argument summary, the model build or anything written. A trained model is never replaced unasked: an output_dir holding a model or
-checkpoints takes only --overwrite_output_dir, --resume_from_checkpoint, or the very arguments that produced it
-(saved as sft_args.json at the end; running the same command again works).
+split and the batch plan), before the argument summary, the model build or anything written. A trained model is
+never replaced unasked: an output_dir holding a model or checkpoints takes only --overwrite_output_dir,
+--resume_from_checkpoint, or the very arguments that produced it (saved as sft_args.json at the end; running the
+same command again works).
 
 Exit codes: 0 done, 1 a failed run: an error on some rank of a multi-process job, training that cannot go on
 (every step non-finite, or max_nonfinite_steps in a row: one line, no final model saved), or the disk full (one line

@@ -775,8 +775,9 @@ class Trainer:
             self._print(f"dataloader_num_workers={args.dataloader_num_workers}: batches are collated in the main "
                         "process from in-memory token arrays (microseconds each); no worker processes are started")
         pad_id = getattr(self.processing_class, "pad_token_id", None)
-        loader = BatchLoader.from_args(dataset, args, micro, train=train, pad_token_id=pad_id if pad_id is not None else 0,
-                                       rank=self.rank, world_size=self.world_size)
+        loader = BatchLoader.from_args(dataset, args, micro, train=train,
+                                       pad_token_id=pad_id if pad_id is not None else 0, rank=self.rank,
+                                       world_size=self.world_size)
         if self.data_collator is not None:
             def collate(indices, is_padding=False):
                 batch = self.data_collator([dataset[i] for i in indices])

@@ -707,7 +707,8 @@ def test_help_lists_every_argument_grouped(capsys):
 
 
 def test_batching_options_are_training_arguments_saved_and_read_back_on_resume(tmp_path):
-    args, *_ = parse_args(["--pad_to_multiple_of", "8", "--max_tokens", "512", "--batching_strategy", "dynamic_batching"])
+    args, *_ = parse_args(["--pad_to_multiple_of", "8", "--max_tokens", "512",
+                           "--batching_strategy", "dynamic_batching"])
     assert (args.pad_to_multiple_of, args.max_tokens) == (8, 512)
     assert TrainingArguments().pad_to_multiple_of is None and TrainingArguments().max_tokens is None
 

@@ -362,7 +362,8 @@ def test_a_truncated_adapter_is_one_line_naming_the_file(hf_dir, trained_adapter
     cut.mkdir()
     for f in out.iterdir():
         if f.is_file():
-            (cut / f.name).write_bytes(f.read_bytes()[:500] if f.name == "adapter_model.safetensors" else f.read_bytes())
+            data = f.read_bytes()
+            (cut / f.name).write_bytes(data[:500] if f.name == "adapter_model.safetensors" else data)
     assert generate_cli.main(["--model", str(hf_dir), "--adapter", str(cut), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: adapter: {cut / 'adapter_model.safetensors'}: not a complete "

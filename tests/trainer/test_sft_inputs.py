@@ -63,7 +63,8 @@ def test_a_damaged_model_directory_stops_in_one_line_naming_the_file(inputs, tmp
     damaged = {
         "truncated": (inputs / "model", _truncate("model.safetensors", 100_000), "model.safetensors: not a complete"),
         "empty": (inputs / "model", _truncate("model.safetensors", 0), "model.safetensors: not a complete"),
-        "config": (inputs / "model", lambda d: (d / "config.json").write_text("{oops"), "config.json:1:2: invalid JSON"),
+        "config": (inputs / "model", lambda d: (d / "config.json").write_text("{oops"),
+                   "config.json:1:2: invalid JSON"),
         "tokenizer": (inputs / "model", lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json: not found"),
         "shard": (inputs / "sharded", _truncate(shards[1], 1000), f"{shards[1]}: not a complete safetensors file"),
         "missing_shard": (inputs / "sharded", lambda d: (d / shards[0]).unlink(),
@@ -80,7 +81,8 @@ def test_argument_values_the_data_rules_out_stop_in_one_line(inputs, tmp_path):
     """Item 10: values that were tracebacks after the build (dataloader_drop_last with fewer examples than a batch,
     val_size leaving nothing to train on, max_tokens under the longest example, a metric_for_best_model evaluation
     does not report) or were ignored (val_size beside eval data, evaluation without eval data, a fractional count,
-    negative exact-match and answer lengths). Values wrong on their own are TrainingArguments' (tests/trainer/test_args.py)."""
+    negative exact-match and answer lengths). Values wrong on their own are TrainingArguments'
+    (tests/trainer/test_args.py)."""
     good = ["--model", str(inputs / "model"), "--data", str(inputs / "good.jsonl")]
     cases = [
         (["--dataloader_drop_last", "--per_device_train_batch_size", "8"],
