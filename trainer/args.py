@@ -104,6 +104,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
+import torch
+
 from . import deepspeed_engine
 from .arg_parser import (
     SIMPLE_ALIASES,
@@ -145,6 +147,7 @@ SCHEDULERS = (
 )
 REPORTERS = ("jsonl", *LOGGER_PACKAGES)  # jsonl needs no package; the services are optional dependencies
 BATCHING_STRATEGIES = ("normal", "padding_free", "dynamic_batching", "dynamic_padding_free")
+TOKEN_BUDGET_STRATEGIES = ("dynamic_batching", "dynamic_padding_free")  # the ones max_tokens applies to
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 TOKENS_SEEN_MODES = ("no", "all", "non_padding")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt")
@@ -876,12 +879,29 @@ class TrainingArguments:
             raise ConfigError("bf16_full_eval and fp16_full_eval are both set; choose at most one")
 
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "cutoff_len", "max_nonfinite_steps"):
+                     "max_nonfinite_steps"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be a positive integer")
+        # numpy's generators (the data order) take no negative seed
+        check(self.seed >= 0, "seed", self.seed, "must be an integer >= 0")
+        check(self.data_seed is None or self.data_seed >= 0, "data_seed", self.data_seed,
+              "must be an integer >= 0 or unset")
+        # torch.compile would name a wrong backend only at the first step; the message lists the usual ones
+        if self.torch_compile and self.torch_compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+            choose("torch_compile_backend", self.torch_compile_backend, torch._dynamo.list_backends())
+        # a 1-token example has nothing to predict (the first token is never a target): the data pipeline's rule
+        check(self.cutoff_len >= 2, "cutoff_len", self.cutoff_len, "must be an integer >= 2")
         for name in ("eval_accumulation_steps", "save_total_limit", "torch_empty_cache_steps",
-                     "dataloader_prefetch_factor", "global_batch_size"):
+                     "dataloader_prefetch_factor", "global_batch_size", "pad_to_multiple_of", "max_tokens"):
             value = getattr(self, name)
             check(value is None or value >= 1, name, value, "must be a positive integer or unset")
+        # the batching options each strategy takes (trainer/batching.py), refused here rather than when the loop
+        # makes its loader
+        if self.group_by_length and self.batching_strategy != "normal":
+            raise ConfigError(f"group_by_length applies to batching_strategy='normal' (got {self.batching_strategy!r}; "
+                              "the other strategies already avoid padding): drop one of them")
+        if self.max_tokens is not None and self.batching_strategy not in TOKEN_BUDGET_STRATEGIES:
+            raise ConfigError(f"max_tokens applies to batching_strategy {' or '.join(TOKEN_BUDGET_STRATEGIES)} (got "
+                              f"{self.batching_strategy!r}; it batches per_device_train_batch_size examples)")
         if self.global_batch_size is not None:
             per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
             check(

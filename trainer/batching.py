@@ -47,12 +47,12 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .args import optimizer_steps
+from .args import BATCHING_STRATEGIES, TOKEN_BUDGET_STRATEGIES, optimizer_steps
+from .checkpoint_hf import CheckpointError
+from .coerce import ConfigError
 
 IGNORE_INDEX = -100
-BATCHING_STRATEGIES = ("normal", "padding_free", "dynamic_batching", "dynamic_padding_free")
 _PACKED = ("padding_free", "dynamic_padding_free")
-_TOKEN_BUDGET = ("dynamic_batching", "dynamic_padding_free")
 # HF's LengthGroupedSampler multiplier: sort within ~50 micro batches, enough to group lengths well while the
 # megabatch order stays random.
 _MEGABATCH_MULT = 50
@@ -155,8 +155,8 @@ class BatchLoader:
         if group_by_length and batching_strategy != "normal":
             raise ValueError(f"group_by_length applies to batching_strategy='normal' (got {batching_strategy!r}; "
                              "the other strategies already avoid padding)")
-        if max_tokens is not None and batching_strategy not in _TOKEN_BUDGET:
-            raise ValueError(f"max_tokens applies to {' and '.join(_TOKEN_BUDGET)} "
+        if max_tokens is not None and batching_strategy not in TOKEN_BUDGET_STRATEGIES:
+            raise ValueError(f"max_tokens applies to {' and '.join(TOKEN_BUDGET_STRATEGIES)} "
                              f"(got batching_strategy={batching_strategy!r}; use micro_batch_size)")
         self.dataset = dataset
         lengths = getattr(dataset, "lengths", None)
@@ -172,19 +172,38 @@ class BatchLoader:
         self.shuffle, self.seed, self.group_by_length, self.drop_last = shuffle, seed, group_by_length, drop_last
         self.rank, self.world_size = rank, world_size
         longest = int(self.lengths.max())
-        if batching_strategy in _TOKEN_BUDGET:
+        if batching_strategy in TOKEN_BUDGET_STRATEGIES:
             # Default budget: what a normal micro batch of the longest examples would hold.
             max_tokens = max_tokens if max_tokens is not None else micro_batch_size * _round_up(longest, pad_to_multiple_of)
             if not isinstance(max_tokens, int) or max_tokens < longest:
-                raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= the longest example ({longest} "
-                                 "tokens); set it to at least cutoff_len")
+                raise ConfigError(f"max_tokens={max_tokens!r}: expected an int >= the longest example ({longest} "
+                                  "tokens); set it to at least cutoff_len")
         self.max_tokens = max_tokens
         self.epoch = 0
         self._consumed = 0  # global micro batches of self.epoch already yielded (by all ranks together)
         self._plan_cache: tuple[int, list[np.ndarray]] | None = None
         if len(self) == 0:
-            raise ValueError(f"BatchLoader: {len(self.lengths)} examples give no micro batch per rank with "
-                             f"world_size={world_size} and drop_last=True (expected more data or drop_last=False)")
+            raise ConfigError(f"dataloader_drop_last: {len(self.lengths)} examples give no full micro batch of "
+                              f"{micro_batch_size} per rank with world_size={world_size}, and drop_last drops the "
+                              f"partial ones, so nothing would train; expected at least "
+                              f"{micro_batch_size * world_size} examples, a smaller per_device_train_batch_size, or "
+                              "dataloader_drop_last false")
+
+    @classmethod
+    def from_args(cls, dataset, args, micro_batch_size: int, *, train: bool, pad_token_id: int = 0, rank: int = 0,
+                  world_size: int = 1) -> "BatchLoader":
+        """The loader TrainingArguments `args` ask for: for training, their batching strategy, token budget, shuffle,
+        grouping and drop_last; for evaluation, normal batches in the dataset's order. The Trainer's loaders, and the
+        CLI's check of the batch plan against the tokenised data before the model is built. Arguments that leave
+        nothing to train (dataloader_drop_last with fewer examples than a batch, max_tokens under the longest
+        example) are one-line ConfigErrors."""
+        return cls(dataset, batching_strategy=args.batching_strategy if train else "normal",
+                   micro_batch_size=micro_batch_size, max_tokens=args.max_tokens if train else None,
+                   pad_token_id=pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of,
+                   shuffle=train and args.train_shuffle,
+                   seed=args.data_seed if args.data_seed is not None else args.seed,
+                   group_by_length=train and args.group_by_length, drop_last=train and args.dataloader_drop_last,
+                   rank=rank, world_size=world_size)
 
     # ---- planning ---------------------------------------------------------------------------------------------
     def _rng(self, epoch: int) -> np.random.Generator:
@@ -334,6 +353,8 @@ class BatchLoader:
         """Resume from `state_dict()`: the next iteration yields exactly the batches that were still to come."""
         mine = self._config()
         diffs = [f"{k} was {state.get(k)!r}, is {v!r}" for k, v in mine.items() if state.get(k) != v]
-        if diffs:
-            raise ValueError("cannot resume the data loader: the batch plan would differ (" + "; ".join(diffs) + ")")
+        if diffs:  # a user's choice of data or arguments, one line (exit 2 from the CLI)
+            raise CheckpointError("cannot resume the data loader: the batch plan would differ (" + "; ".join(diffs) +
+                                  "); resume with the data and batching arguments the checkpoint was saved with "
+                                  "(its training_args.json), or start again (--overwrite_output_dir)")
         self.epoch, self._consumed = int(state["epoch"]), int(state["consumed"])

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .checkpoint import DCP_DIR
-from .checkpoint_hf import CheckpointError, load_safetensors, read_json, save_safetensors
+from .checkpoint_hf import CheckpointError, check_safetensors, load_safetensors, read_json, save_safetensors
 from .coerce import ConfigError
 from .dist import init_distributed, local_device, local_shard
 from .lora import base_name, has_adapter, init_adapter_weights
@@ -71,7 +71,7 @@ def _build(config: ModelConfig, path: Path | None, args, *, dtype, device, seed,
         if seed is None:
             seed = args.seed
     sharded = args is not None and uses_fsdp(args)
-    dcp = _dcp_source(args) if sharded else None
+    dcp = dcp_source(args) if sharded else None
     if device is None:
         # offload_params keeps the shards in host memory (FSDP2 moves them to the device for compute)
         device = torch.device("cpu") if sharded and args.dist_config.get("offload_params") else local_device()
@@ -124,6 +124,26 @@ def locate(name: str) -> Path | None:
     return path if path.exists() else _download(name)
 
 
+def read_model_files(name: str) -> tuple[ModelConfig, Tokenizer]:
+    """(config, tokenizer) of `name` (a preset, a Hugging Face directory, or a hub id, downloaded once), with every
+    file of a model directory read and checked before anything is built: config.json, the tokenizer files, and each
+    safetensors file's header against the config's parameters (a complete file, the keys and shapes; no tensor data
+    is read, so it costs milliseconds at any model size). A damaged file is one line naming it (ModelError,
+    TokenizerError): the same readers `build_model` uses, here run first so that `python -m trainer.sft` stops
+    before its summary, the build or any write."""
+    path = locate(name)
+    if path is None:
+        return preset_config(name)
+    config, tokenizer = read_config(path), load_tokenizer(path)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in CausalLM(config).named_parameters()}  # a tied head appears once
+    try:
+        check_safetensors(path, shapes, ignore=_ignore_for(config))
+    except CheckpointError as exc:
+        raise ModelError(str(exc)) from None
+    return config, tokenizer
+
+
 def check_model_name(name: str) -> None:
     """A preset, an existing path, or something shaped like a hub id (owner/name); else a one-line ConfigError."""
     if not (is_preset(name) or Path(name).exists() or (name.count("/") == 1 and not name.startswith((".", "/")))):
@@ -143,7 +163,7 @@ def _download(repo_id: str) -> Path:
                           "without a network, pass a local directory") from None
 
 
-def _dcp_source(args) -> Path | None:
+def dcp_source(args) -> Path | None:
     """dist_config.dcp_path as the DCP directory to read (a checkpoint's `dcp/` inside it), or None."""
     dcp = args.dist_config.get("dcp_path")
     if not dcp:
@@ -181,9 +201,11 @@ def read_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(config, source=str(file))
 
 
-def _ignored_key(name: str) -> bool:
-    # older Llama checkpoints store the rotary buffer; ours is recomputed
-    return name.endswith("rotary_emb.inv_freq")
+def _ignore_for(config: ModelConfig):
+    """Which checkpoint keys loading skips: the rotary buffer older Llama checkpoints store (ours is recomputed), and
+    lm_head.weight when the config ties it to the embedding (a tied checkpoint may or may not hold it)."""
+    tied = config.tie_word_embeddings
+    return lambda name: name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
 
 
 def load_pretrained(path: str | Path, dtype=None, device=None, use_kernels: bool = True) -> CausalLM:
@@ -234,10 +256,8 @@ def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=local_sh
         targets[name], span = local_shard(param)
         if span is not None:
             rows[name] = (tuple(param.shape), *span)
-    tied = model.config.tie_word_embeddings
     try:
-        load_safetensors(Path(path), targets, ignore=lambda k: _ignored_key(k) or (tied and k == "lm_head.weight"),
-                         rows=rows)
+        load_safetensors(Path(path), targets, ignore=_ignore_for(model.config), rows=rows)
     except CheckpointError as exc:
         raise ModelError(str(exc)) from None
 

@@ -6,7 +6,8 @@ every file carries the metadata {"format": "pt"}. Sizes are decimal as in Huggin
 "5GiB" = 5 * 2**30).
 
 Reading never holds more than one tensor beyond the destination: keys and shapes are checked first from the
-headers (no data read), then each tensor is read once and copied (with its dtype cast) into its destination.
+headers (no data read; `check_safetensors`, which also refuses a truncated or damaged file in one line naming it),
+then each tensor is read once and copied (with its dtype cast) into its destination.
 A destination that holds only some rows of a tensor (a rank's FSDP2 shard) gets only those rows read from the
 file (`safe_open(...).get_slice(name)[start:stop]`): the whole tensor is never materialised.
 Writing casts and writes one shard at a time. safetensors creates its files with mode 0600; they are set to what
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 SINGLE_FILE = "model.safetensors"
@@ -118,32 +119,38 @@ def read_tensor(f, name: str, rows: tuple[int, int] | None = None) -> torch.Tens
     return f.get_slice(name)[rows[0]:rows[1]]
 
 
-def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Callable[[str], bool] = lambda k: False,
-                     rows: dict[str, tuple[tuple[int, ...], int, int]] | None = None) -> None:
-    """Copy every tensor of the checkpoint at `path` into `targets[name]` (cast to the target's dtype/device).
+def open_safetensors(file: Path):
+    """`safe_open(file)` (CPU, torch); a file that is not a complete safetensors file is one CheckpointError line
+    naming it. safetensors checks the header when it opens a file, and that its offsets cover the file exactly, so a
+    truncated file (an interrupted download or copy) is refused here, before any tensor is read."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file}: not a complete safetensors file ({exc}); the file is damaged or truncated "
+                              "(an interrupted download or copy?): download or copy it again") from None
 
-    All problems (missing keys, unexpected keys, shape mismatches) are collected from the file headers
-    before any data is read and reported together; keys for which `ignore(name)` holds are skipped.
-    `rows[name] = (full_shape, start, stop)` says that `targets[name]` holds only rows start:stop of dim 0 of a
-    tensor of full_shape (a sharded parameter): the header must show full_shape, and only those rows are read.
-    """
-    rows = rows or {}
+
+def check_safetensors(path: Path, shapes: dict[str, tuple[int, ...]],
+                      ignore: Callable[[str], bool] = lambda k: False) -> list[Path]:
+    """The safetensors files of the checkpoint at `path`, after checking from their headers alone (no tensor data
+    read) that each file is complete and that they hold exactly the tensors `shapes` names, with those shapes (keys
+    for which `ignore(name)` holds are skipped). Every problem is one CheckpointError line naming the file, or
+    listing the missing, unexpected and mismatched keys together."""
     files = checkpoint_files(Path(path))
     seen, unexpected, mismatched = set(), [], []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if ignore(name):
                     continue
-                if name not in targets:
+                if name not in shapes:
                     unexpected.append(name)
                     continue
                 seen.add(name)
                 shape = tuple(f.get_slice(name).get_shape())
-                expected = tuple(rows[name][0]) if name in rows else tuple(targets[name].shape)
-                if shape != expected:
-                    mismatched.append(f"{name} {list(shape)} vs model {list(expected)}")
-    missing = [name for name in targets if name not in seen]
+                if shape != tuple(shapes[name]):
+                    mismatched.append(f"{name} {list(shape)} vs model {list(shapes[name])}")
+    missing = [name for name in shapes if name not in seen]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} keys: {_listing(missing)}")
@@ -153,9 +160,24 @@ def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Calla
         problems.append(f"{len(mismatched)} shape mismatches: {_listing(mismatched)}")
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match the model config: " + "; ".join(problems))
+    return files
+
+
+def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Callable[[str], bool] = lambda k: False,
+                     rows: dict[str, tuple[tuple[int, ...], int, int]] | None = None) -> None:
+    """Copy every tensor of the checkpoint at `path` into `targets[name]` (cast to the target's dtype/device).
+
+    All problems (damaged files, missing keys, unexpected keys, shape mismatches) are found from the file headers
+    before any data is read (`check_safetensors`); keys for which `ignore(name)` holds are skipped.
+    `rows[name] = (full_shape, start, stop)` says that `targets[name]` holds only rows start:stop of dim 0 of a
+    tensor of full_shape (a sharded parameter): the header must show full_shape, and only those rows are read.
+    """
+    rows = rows or {}
+    shapes = {name: tuple(rows[name][0]) if name in rows else tuple(t.shape) for name, t in targets.items()}
+    files = check_safetensors(path, shapes, ignore)
     with torch.no_grad():
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with open_safetensors(file) as f:
                 for name in f.keys():
                     if ignore(name):
                         continue

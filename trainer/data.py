@@ -58,6 +58,7 @@ import numpy as np
 from tqdm import tqdm
 
 from trainer.batching import BATCHING_STRATEGIES, BatchLoader  # noqa: F401  (re-exported: data.py is the entry point)
+from trainer.coerce import ConfigError
 from trainer.tokenizer import DEFAULT_CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
@@ -370,9 +371,11 @@ def checked_records(files: list[Path], data_format: str, formats: dict, detect=N
         formats[str(path)] = fmt or "unknown"
 
 
-def load_cached(cache_dir, name: str, files: list[Path], tokenizer, options: dict, dataset_cls, build):
+def load_cached(cache_dir, name: str, files: list[Path], tokenizer, options: dict, dataset_cls, build, *,
+                write: bool = True):
     """`build()`'s dataset, read from `<cache_dir>/<name>-<key>.npz` when there (key: the files' contents, the
-    tokenizer and `options`) and written there when not; `dataset_cls.load/save` read and write it."""
+    tokenizer and `options`) and written there when not (`write=False`: not yet, `save_to_cache` does it later);
+    `dataset_cls.load/save` read and write it."""
     cache_file = None
     if cache_dir is not None:
         cache_file = Path(cache_dir) / f"{name}-{_cache_key(files, tokenizer, options)[:32]}.npz"
@@ -386,7 +389,8 @@ def load_cached(cache_dir, name: str, files: list[Path], tokenizer, options: dic
     ds = build()
     if cache_file is not None:
         ds.summary.update(cache=str(cache_file), cache_hit=False)
-        ds.save(cache_file)
+        if write:
+            ds.save(cache_file)
     return ds
 
 
@@ -646,14 +650,24 @@ def _check_options(data_format, cutoff_len, train_on_prompt, mask_history) -> No
 
 def load_sft_dataset(paths, tokenizer, *, data_format: str = "auto", cutoff_len: int | None = 2048,
                      train_on_prompt: bool = False, mask_history: bool = False, skip_bad_examples: bool = False,
-                     cache_dir: str | Path | None = None, show_progress: bool = True) -> TokenizedDataset:
-    """Read, normalise, render, mask, truncate and tokenize `paths` once (cached under `cache_dir`)."""
+                     cache_dir: str | Path | None = None, show_progress: bool = True,
+                     write_cache: bool = True) -> TokenizedDataset:
+    """Read, normalise, render, mask, truncate and tokenize `paths` once (cached under `cache_dir`). With
+    `write_cache=False` a dataset tokenised anew is not saved yet: `save_to_cache(ds)` saves it once the caller may
+    write (the CLI reads and checks every input before it writes anything)."""
     _check_options(data_format, cutoff_len, train_on_prompt, mask_history)
     files = resolve_data_files(paths)
     options = {"data_format": data_format, "cutoff_len": cutoff_len, "train_on_prompt": train_on_prompt,
                "mask_history": mask_history, "skip_bad_examples": skip_bad_examples}
     return load_cached(cache_dir, "data", files, tokenizer, options, TokenizedDataset,
-                       lambda: _build(files, tokenizer, options, show_progress))
+                       lambda: _build(files, tokenizer, options, show_progress), write=write_cache)
+
+
+def save_to_cache(ds: TokenizedDataset) -> None:
+    """Save a dataset that `load_sft_dataset(..., write_cache=False)` tokenised into its cache file (a no-op for one
+    read from the cache, or loaded without a cache_dir)."""
+    if ds.summary.get("cache") and not ds.summary.get("cache_hit"):
+        ds.save(ds.summary["cache"])
 
 
 def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> TokenizedDataset:
@@ -740,19 +754,24 @@ def read_examples(paths, *, data_format: str = "auto", skip_bad_examples: bool =
 
 
 def split_dataset(ds: TokenizedDataset, val_size: int | float, seed: int = 0) -> tuple[TokenizedDataset, TokenizedDataset]:
-    """A held-out split: (train, val), val_size a count (int) or a fraction in (0, 1); deterministic for a seed."""
+    """A held-out split: (train, val), val_size a count (int) or a fraction in (0, 1); deterministic for a seed.
+    A val_size that leaves no example on either side is a one-line ConfigError (a ValueError) naming the count."""
     n = len(ds)
     if isinstance(val_size, bool) or not isinstance(val_size, (int, float)):
-        raise ValueError(f"val_size={val_size!r}: expected an int count or a float fraction in (0, 1)")
+        raise ConfigError(f"val_size={val_size!r}: expected an int count or a float fraction in (0, 1)")
     if isinstance(val_size, float):
         if not 0.0 < val_size < 1.0:
-            raise ValueError(f"val_size={val_size!r}: a fraction must lie in (0, 1)")
+            raise ConfigError(f"val_size={val_size!r}: a fraction must lie in (0, 1)")
         n_val = max(1, int(round(n * val_size)))
     else:
         n_val = val_size
+    if n < 2:
+        raise ConfigError(f"val_size={val_size!r}: the training data holds {n} example, too few to hold one out and "
+                          "train on the rest; expected val_size 0 (no held-out split), or more data")
     if not 1 <= n_val < n:
-        raise ValueError(f"val_size={val_size!r} gives {n_val} validation examples out of {n} (expected at least 1, "
-                         "leaving at least 1 for training)")
+        raise ConfigError(f"val_size={val_size!r} holds out {n_val} of the {n} training examples, leaving "
+                          f"{max(n - n_val, 0)} to train on; expected a count from 1 to {n - 1} or a fraction in "
+                          "(0, 1) that leaves at least one example to train on")
     perm = np.random.default_rng(seed).permutation(n)
     # Both halves keep the dataset's order, so a split reads like a filter of the file.
     return ds.select(np.sort(perm[n_val:])), ds.select(np.sort(perm[:n_val]))

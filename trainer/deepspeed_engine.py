@@ -8,7 +8,9 @@ thing. This module owns everything DeepSpeed:
   expensive work.
 - `fill_config`: "auto" values filled from our arguments exactly as transformers' `HfTrainerDeepSpeedConfig`
   does (`trainer_config_process` + `trainer_config_finalize`); a value that is not "auto" and differs from the
-  argument is a contradiction, reported in one line naming both (all of them, joined with "; ").
+  argument is a contradiction, reported in one line naming both (all of them, joined with "; "). The batch keys
+  (train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size) are filled when absent too
+  (a deliberate difference: transformers leaves them out and DeepSpeed stops with an assertion).
 - `DeepSpeedRun`: the loop's hooks into one engine: `backward`, `step`, `save_checkpoint`, `load_checkpoint` and
   `full_state_dict` (ZeRO-3 gathered on rank 0, for the consolidated Hugging Face export).
 
@@ -115,20 +117,23 @@ def fill_config(config: dict, args, *, world_size: int, max_steps: int | None = 
     config = copy.deepcopy(config)
     mismatches = []
 
-    def fill(key, value, arg, must_match=True):
+    def fill(key, value, arg, must_match=True, absent=False):
         node, leaf = _node(config, key)
-        if node is None or leaf not in node:
+        if node is None or (leaf not in node and not absent):
             return
-        if node[leaf] == "auto":
+        if node.get(leaf, "auto") == "auto":
             node[leaf] = value
         elif must_match and node[leaf] != value:
             mismatches.append(f"{key}={json.dumps(node[leaf])} contradicts {arg}={value!r}")
 
     micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
-    fill("gradient_accumulation_steps", accum, "gradient_accumulation_steps")
+    # the batch keys DeepSpeed needs are filled from the arguments when absent too, as when "auto" (transformers
+    # leaves them out, and DeepSpeed stops with an assertion that names no argument)
+    fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", absent=True)
+    fill("gradient_accumulation_steps", accum, "gradient_accumulation_steps", absent=True)
     fill("train_batch_size", world_size * micro * accum,
-         f"processes x per_device_train_batch_size x gradient_accumulation_steps = {world_size} x {micro} x {accum}")
+         f"processes x per_device_train_batch_size x gradient_accumulation_steps = {world_size} x {micro} x {accum}",
+         absent=True)
     fill("gradient_clipping", args.max_grad_norm, "max_grad_norm")
     fill("optimizer.params.lr", args.learning_rate, "learning_rate")
     fill("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "[adam_beta1, adam_beta2]")

@@ -25,6 +25,9 @@ from . import checkpoint as ckpt
 from .dist import gather_batches
 from .parallel import unwrap
 
+# What every evaluation reports, as <prefix>_<name>; compute_metrics adds its own.
+EVAL_METRICS = ("loss", "perplexity", "runtime", "samples_per_second")
+
 
 @dataclass
 class EvalPrediction:
@@ -92,7 +95,7 @@ def prediction_loop(model, loader, *, device: torch.device, prefix: str, want_pr
         total = loss_sum.item()
     runtime = time.perf_counter() - start
     eval_loss = total / targets if targets else float("nan")
-    metrics = {f"{prefix}_loss": eval_loss,
+    metrics = {f"{prefix}_loss": eval_loss,  # the names EVAL_METRICS lists
                f"{prefix}_perplexity": math.exp(eval_loss) if eval_loss < 700 else float("inf"),
                f"{prefix}_runtime": runtime, f"{prefix}_samples_per_second": samples / max(runtime, 1e-9)}
     predictions = label_ids = None

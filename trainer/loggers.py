@@ -23,7 +23,9 @@ so a resumed run continues the same logged run instead of starting a new one.
 
 Each service's package is imported when its logger opens (a guarded optional dependency); whether it is
 installed is checked earlier, when the arguments are validated (`trainer.args`), so a missing package is one
-line and exit 2 before any expensive work. `open_logger` is called on rank 0 only.
+line and exit 2 before any expensive work. A service that cannot start its run (wandb without a login in a
+non-interactive shell, an unreachable MLflow server) is one line too, exit 2, when the loop opens its loggers.
+`open_logger` is called on rank 0 only.
 
 Test: `python -m pytest tests/trainer/test_loggers.py -q` (wandb offline and MLflow's file store for real;
 SwanLab and Trackio through stand-in modules that record the calls).
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint_hf import to_json
+from .coerce import ConfigError
 
 # The package each report_to name needs (the pip name is the same); jsonl needs none.
 LOGGER_PACKAGES = {
@@ -245,7 +248,13 @@ def open_logger(name: str, *, output_dir: str | Path, logging_dir: str | Path | 
         return JsonlLogger(output_dir, resumed_step)
     if name == "tensorboard":
         return TensorBoardLogger(logging_dir or Path(output_dir) / "runs")
-    return _SERVICES[name](run_name, config, run_id)
+    try:
+        return _SERVICES[name](run_name, config, run_id)
+    except Exception as exc:  # the service's own setup (a login, a server): its message, in one line
+        message = " ".join(str(exc).split())
+        raise ConfigError(f"report_to={name}: {LOGGER_PACKAGES[name]} could not start a run ({type(exc).__name__}: "
+                          f"{message}); set it up (e.g. wandb login, or WANDB_MODE=offline) or leave {name} out of "
+                          "report_to") from None
 
 
 __all__ = ["LOGGER_PACKAGES", "open_logger", "JsonlLogger", "TensorBoardLogger", "WandbLogger", "MlflowLogger",

@@ -47,10 +47,10 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from .checkpoint_hf import CheckpointError, open_safetensors
 from .coerce import ConfigError
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -272,7 +272,11 @@ def load_adapter_weights(model: nn.Module, directory: Path, local_shard=_whole) 
     if not file.is_file():
         raise ConfigError(f"adapter: {file} not found")
     targets = {peft_key(n): p for n, p in model.named_parameters() if is_adapter_name(n)}
-    with safe_open(str(file), framework="pt", device="cpu") as f:
+    try:
+        opened = open_safetensors(file)
+    except CheckpointError as exc:  # a truncated or damaged file
+        raise ConfigError(f"adapter: {exc}") from None
+    with opened as f:
         keys = set(f.keys())
         missing, unexpected = sorted(set(targets) - keys), sorted(keys - set(targets))
         if missing or unexpected:

@@ -18,10 +18,12 @@ DeepSpeed each rank builds it whole and ZeRO partitions it when the engine is ma
 printed with its rank and ends that process with exit code 1, which ends the job (no hang); bad input, which every
 rank meets alike, is printed once, by rank 0, and every rank exits 2.
 
-Every argument is checked against the machine and the file system (`check_run`) before the model is built, the
-data tokenised or anything written. A trained model is never replaced unasked: an output_dir holding a model or
-checkpoints takes only --overwrite_output_dir, --resume_from_checkpoint, or the very arguments that produced it
-(saved as sft_args.json at the end; running the same command again works).
+Every argument is checked against the machine and the file system (`check_run`), then every file the run reads
+(`read_inputs`: the model directory's config, tokenizer and safetensors headers, the data tokenised, the val_size
+split and the batch plan), before the argument summary, the model build or anything written. A trained model is
+never replaced unasked: an output_dir holding a model or checkpoints takes only --overwrite_output_dir,
+--resume_from_checkpoint, or the very arguments that produced it (saved as sft_args.json at the end; running the
+same command again works).
 
 Exit codes: 0 done, 1 a failed run: an error on some rank of a multi-process job, training that cannot go on
 (every step non-finite, or max_nonfinite_steps in a row: one line, no final model saved), or the disk full (one line
@@ -48,12 +50,15 @@ from kernels._dispatch import TRITON_MISSING, interpreter_on
 
 from .args import ConfigError, _arg, parse_args
 from .attention import _flash_attn
-from .build import build_model, check_model_name, is_preset, preset_config, read_config
+from .batching import BatchLoader
+from .build import build_model, check_model_name, dcp_source, is_preset, preset_config, read_config, read_model_files
 from .checkpoint import (CheckpointError, OutOfSpaceError, checkpoints, clean_leftovers, hold_output_dir,
                          move_aside_previous_run, resolve_resume)
 from .checkpoint_hf import to_json
-from .data import DataError, load_sft_dataset, read_examples, resolve_data_files, split_dataset
+from .data import (DataError, TokenizedDataset, load_sft_dataset, read_examples, resolve_data_files, save_to_cache,
+                   split_dataset)
 from .dist import end_on_error, init_distributed, world
+from .evaluation import EVAL_METRICS
 from .metrics import plot_loss_curve
 from .lora import import_peft, lora_config
 from .model import CausalLM, ModelError, generate
@@ -88,7 +93,8 @@ class SFTArguments:
                             choices=("float32", "bfloat16", "float16"))
     eval_exact_match: bool | None = _arg(None, "sft", "Report exact-match accuracy of greedy answers on held-out conversations "
                                   "before and after training (default: on for the embedded tasks).")
-    exact_match_examples: int = _arg(200, "sft", "How many held-out conversations the exact-match evaluation uses.")
+    exact_match_examples: int = _arg(200, "sft", "How many held-out conversations the exact-match evaluation uses "
+                                    "(0: none).")
     max_new_tokens: int = _arg(32, "sft", "Longest answer generated for the sample answers printed at the end.")
     plot: bool = _arg(True, "sft", "Save the train/eval loss curve as output_dir/loss_curve.png (needs matplotlib).")
     attn_implementation: str = _arg("auto", "sft", "Attention backend, by transformers' names (auto: flash-attn on "
@@ -100,11 +106,11 @@ def held_out_conversations(paths, limit: int) -> list[list[dict]]:
     """The first `limit` conversations of the eval files whose last message is the assistant's answer."""
     out = []
     for example in read_examples(paths):
+        if len(out) >= limit:
+            break
         messages = example.get("messages")
         if messages and messages[-1]["role"] == "assistant":
             out.append(messages)
-        if len(out) >= limit:
-            break
     return out
 
 
@@ -204,8 +210,9 @@ def _run(argv: list[str]) -> int:
     try:
         args, sft = parse_args(argv, extra_dataclasses=(SFTArguments,))
         check_run(args, sft)
+        inputs = read_inputs(args, sft)  # every file read and checked before the summary, the build or any write
         with hold_output_dir(args.output_dir, rank=int(os.environ.get("RANK", "0"))):  # one run per output_dir
-            return train(args, sft, argv)
+            return train(args, sft, argv, inputs)
     except (ConfigError, DataError, ModelError, TokenizerError, CheckpointError) as exc:
         return _user_error(exc)
 
@@ -245,6 +252,10 @@ def check_run(args, sft: SFTArguments) -> None:
     if sft.train_on_prompt and sft.mask_history:
         raise ConfigError("train_on_prompt and mask_history cannot both be set (train_on_prompt trains every token, "
                           "mask_history the last assistant turn only)")
+    _check_sft_values(sft)
+    _check_eval_data(args, sft)
+    if args.dist_config is not None and args.dist_config.get("dcp_path"):
+        dcp_source(args)  # the fsdp2 build's weights: a DCP directory
     for paths in (sft.data, sft.eval_data):
         if paths:
             resolve_data_files(paths)
@@ -272,6 +283,39 @@ def check_run(args, sft: SFTArguments) -> None:
     _check_attention(args, sft, cuda)
     if args.use_peft:
         _check_lora(args, sft)
+
+
+def _check_sft_values(sft: SFTArguments) -> None:
+    """The sft command's own numbers: val_size a count (a whole number >= 1) or a fraction in (0, 1),
+    exact_match_examples >= 0 (0: no exact-match check) and max_new_tokens >= 1."""
+    if sft.val_size < 0 or (sft.val_size >= 1 and sft.val_size != int(sft.val_size)):
+        raise ConfigError(f"val_size={sft.val_size:g}: expected 0 (no held-out split), a count of examples (a whole "
+                          "number >= 1) or a fraction in (0, 1)")
+    if sft.exact_match_examples < 0:
+        raise ConfigError(f"exact_match_examples={sft.exact_match_examples}: expected a count >= 0 (0: no exact-match "
+                          "check)")
+    if sft.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={sft.max_new_tokens}: must be a positive integer")
+
+
+def _check_eval_data(args, sft: SFTArguments) -> None:
+    """Evaluation data where the arguments evaluate, and one source of it: --eval_data, --val_size (held out of
+    --data), or the embedded tasks' eval file when --data is not given; a metric_for_best_model that evaluation
+    reports."""
+    if sft.val_size and (sft.eval_data or not sft.data):
+        given = "--eval_data" if sft.eval_data else "the embedded tasks' own eval set (no --data)"
+        raise ConfigError(f"val_size={sft.val_size:g} holds out part of --data for evaluation, but {given} is the "
+                          "evaluation data already; give one of them")
+    evaluates = [f"{name}={getattr(args, name)!r}" for name, off in (("eval_strategy", "no"), ("eval_on_start", False))
+                 if getattr(args, name) != off]
+    if evaluates and sft.data and not sft.eval_data and not sft.val_size:
+        raise ConfigError(f"{' and '.join(evaluates)} asks for evaluation, but there is no evaluation data: give "
+                          "--eval_data FILE or --val_size N (held out of --data), or turn evaluation off "
+                          "(--eval_strategy no, no --eval_on_start)")
+    best = args.metric_for_best_model
+    if best and best.removeprefix("eval_") not in EVAL_METRICS:  # the command has no compute_metrics
+        raise ConfigError(f"metric_for_best_model={best!r}: the evaluation reports "
+                          f"{', '.join(EVAL_METRICS)} (as eval_<name> or <name>)")
 
 
 def _check_lora(args, sft: SFTArguments) -> None:
@@ -331,6 +375,48 @@ def _check_attention(args, sft: SFTArguments, cuda: bool) -> None:
             raise ConfigError(f"{name} needs bf16 or fp16 tensors: pass --bf16 (or --fp16)")
 
 
+@dataclass
+class RunInputs:
+    """What `read_inputs` read and checked before anything was written: the tokenised data (train and eval, after a
+    val_size split), the datasets as loaded (whose new tokenisations `train` saves in output_dir/.cache), and the
+    held-out conversations of the exact-match check."""
+
+    train_ds: TokenizedDataset
+    eval_ds: TokenizedDataset | None
+    loaded: list[TokenizedDataset]
+    conversations: list[list[dict]]
+    embedded: bool  # the embedded tasks (no --data)
+
+
+def read_inputs(args, sft: SFTArguments) -> RunInputs:
+    """Every file the run reads, read and checked before the argument summary, the model build or any write, each
+    problem one line (exit 2): the model directory's files (`build.read_model_files`: config.json, the tokenizer,
+    every safetensors header), the training and eval data tokenised (read from output_dir/.cache when it holds them;
+    not written yet), the val_size split, the batch plan the arguments make of that data, and the held-out
+    conversations of the exact-match check."""
+    _, tokenizer = read_model_files(sft.model)  # a hub id not yet here is downloaded first
+    embedded = not sft.data
+    train_files = sft.data or [str(TRAIN_FILE)]
+    eval_files = sft.eval_data or ([str(EVAL_FILE)] if embedded else None)
+    options = dict(data_format=sft.data_format, cutoff_len=args.cutoff_len, train_on_prompt=sft.train_on_prompt,
+                   mask_history=sft.mask_history, skip_bad_examples=sft.skip_bad_examples,
+                   cache_dir=Path(args.output_dir) / ".cache", show_progress=not args.disable_tqdm, write_cache=False)
+    train_ds = load_sft_dataset(train_files, tokenizer, **options)
+    loaded, eval_ds = [train_ds], None
+    if eval_files:
+        eval_ds = load_sft_dataset(eval_files, tokenizer, **options)
+        loaded.append(eval_ds)
+    elif sft.val_size:
+        val = int(sft.val_size) if sft.val_size >= 1 else sft.val_size
+        train_ds, eval_ds = split_dataset(train_ds, val, seed=args.data_seed if args.data_seed is not None else args.seed)
+    # the plan every rank will make (world size from the launcher's WORLD_SIZE): one that trains nothing is refused
+    BatchLoader.from_args(train_ds, args, args.per_device_train_batch_size, train=True,
+                          world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
+    conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
+    return RunInputs(train_ds, eval_ds, loaded, conversations, embedded)
+
+
 def resume_command(argv: list[str]) -> str:
     """The command line that continues a stopped run: the same arguments with --resume_from_checkpoint auto."""
     kept, skip_value = [], False
@@ -344,7 +430,7 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["python", "-m", "trainer.sft", *kept, "--resume_from_checkpoint", "auto"])
 
 
-def train(args, sft: SFTArguments, argv: list[str]) -> int:
+def train(args, sft: SFTArguments, argv: list[str], inputs: RunInputs) -> int:
     requested = run_arguments(args, sft)  # before anything in args is resolved (check_run compares the same)
     rank, world_size = init_distributed()  # several processes under torchrun/accelerate; (0, 1) otherwise
     args.resolve_world(world_size)  # gradient_accumulation_steps from global_batch_size, before the summary shows it
@@ -359,29 +445,16 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
             if aside is not None:
                 print(f"overwrite_output_dir: moved the earlier run's checkpoints and model files in {out} to "
                       f"{aside.name}/ (delete it when you no longer need them)", file=sys.stderr)
+    for loaded in inputs.loaded:  # every rank, as each reads the cache; rank 0 holds output_dir's lock by now
+        save_to_cache(loaded)
+    train_ds, eval_ds, conversations, embedded = inputs.train_ds, inputs.eval_ds, inputs.conversations, inputs.embedded
+    if rank == 0:
+        print(f"train data: {inputs.loaded[0].summary_text()}", file=sys.stderr)
+        if eval_ds is not None:
+            print(f"eval data: {len(eval_ds)} examples", file=sys.stderr)
     set_seed(args.seed)
     model, tokenizer = build_model(sft.model, args, dtype=sft.model_dtype,
                                    attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation])
-    embedded = not sft.data
-    train_files = sft.data or [str(TRAIN_FILE)]
-    eval_files = sft.eval_data or ([str(EVAL_FILE)] if embedded else None)
-    options = dict(data_format=sft.data_format, cutoff_len=args.cutoff_len, train_on_prompt=sft.train_on_prompt,
-                   mask_history=sft.mask_history, skip_bad_examples=sft.skip_bad_examples,
-                   cache_dir=out / ".cache", show_progress=not args.disable_tqdm)
-    train_ds = load_sft_dataset(train_files, tokenizer, **options)
-    if rank == 0:
-        print(f"train data: {train_ds.summary_text()}", file=sys.stderr)
-    eval_ds = None
-    if eval_files:
-        eval_ds = load_sft_dataset(eval_files, tokenizer, **options)
-    elif sft.val_size:
-        val = int(sft.val_size) if sft.val_size >= 1 else sft.val_size
-        train_ds, eval_ds = split_dataset(train_ds, val, seed=args.data_seed if args.data_seed is not None else args.seed)
-    if eval_ds is not None and rank == 0:
-        print(f"eval data: {len(eval_ds)} examples", file=sys.stderr)
-
-    check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
-    conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
     before = exact_match_accuracy(model, tokenizer, conversations) if conversations else None
     if before is not None and rank == 0:
         print(f"exact match before training: {before:.1%} of {len(conversations)} held-out conversations", file=sys.stderr)

@@ -253,9 +253,7 @@ class Trainer:
         model = self.model = apply_all(model, args)
         device = self._device(model)
         loader = self._train_loader(micro)
-        micro_per_epoch = len(loader)
-        if micro_per_epoch == 0:
-            raise ValueError("Trainer.train: the train dataset yields no batch (empty, or smaller than one batch with dataloader_drop_last)")
+        micro_per_epoch = len(loader)  # at least 1: BatchLoader refuses a plan with none
         windows_per_epoch = args.steps_per_epoch(micro_per_epoch)  # floor(micro batches / accum), at least 1
         max_steps = args.get_max_steps(micro_per_epoch)
         num_epochs = math.ceil(max_steps / windows_per_epoch)
@@ -786,15 +784,9 @@ class Trainer:
             self._print(f"dataloader_num_workers={args.dataloader_num_workers}: batches are collated in the main "
                         "process from in-memory token arrays (microseconds each); no worker processes are started")
         pad_id = getattr(self.processing_class, "pad_token_id", None)
-        seed = args.data_seed if args.data_seed is not None else args.seed
-        loader = BatchLoader(
-            dataset, batching_strategy=args.batching_strategy if train else "normal", micro_batch_size=micro,
-            max_tokens=args.max_tokens if train else None,
-            pad_token_id=pad_id if pad_id is not None else 0,
-            pad_to_multiple_of=args.pad_to_multiple_of, shuffle=train and args.train_shuffle,
-            seed=seed,
-            group_by_length=train and args.group_by_length, drop_last=train and args.dataloader_drop_last,
-            rank=self.rank, world_size=self.world_size)
+        loader = BatchLoader.from_args(dataset, args, micro, train=train,
+                                       pad_token_id=pad_id if pad_id is not None else 0, rank=self.rank,
+                                       world_size=self.world_size)
         if self.data_collator is not None:
             def collate(indices, is_padding=False):
                 batch = self.data_collator([dataset[i] for i in indices])

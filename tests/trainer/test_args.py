@@ -192,6 +192,16 @@ ERRORS = [
     (dict(label_smoothing_factor=1.0), "label_smoothing_factor=1.0"),
     (dict(neftune_noise_alpha=0), "neftune_noise_alpha=0.0"),
     (dict(cutoff_len=0), "cutoff_len=0"),
+    (dict(cutoff_len=1), "cutoff_len=1: must be an integer >= 2"),
+    (dict(seed=-1), "seed=-1: must be an integer >= 0"),
+    (dict(data_seed=-5), "data_seed=-5: must be an integer >= 0 or unset"),
+    (dict(torch_compile_backend="inductr"), "torch_compile_backend='inductr': expected one of"),
+    (dict(pad_to_multiple_of=0), "pad_to_multiple_of=0: must be a positive integer or unset"),
+    (dict(batching_strategy="dynamic_batching", max_tokens=0), "max_tokens=0: must be a positive integer or unset"),
+    (dict(group_by_length=True, batching_strategy="padding_free"),
+     "group_by_length applies to batching_strategy='normal' (got 'padding_free'"),
+    (dict(max_tokens=512), "max_tokens applies to batching_strategy dynamic_batching or dynamic_padding_free (got "
+                           "'normal'"),
     (dict(max_nonfinite_steps=0), "max_nonfinite_steps=0"),
     (dict(z_loss=-0.1), "z_loss=-0.1"),
     # best-model rules (Hugging Face's, plus: evaluation must be on)
@@ -697,7 +707,8 @@ def test_help_lists_every_argument_grouped(capsys):
 
 
 def test_batching_options_are_training_arguments_saved_and_read_back_on_resume(tmp_path):
-    args, *_ = parse_args(["--pad_to_multiple_of", "8", "--max_tokens", "512"])
+    args, *_ = parse_args(["--pad_to_multiple_of", "8", "--max_tokens", "512",
+                           "--batching_strategy", "dynamic_batching"])
     assert (args.pad_to_multiple_of, args.max_tokens) == (8, 512)
     assert TrainingArguments().pad_to_multiple_of is None and TrainingArguments().max_tokens is None
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from trainer.batching import BATCHING_STRATEGIES, BatchLoader, best_fit_decreasing, same_steps, steps_per_epoch
+from trainer.checkpoint_hf import CheckpointError
+from trainer.coerce import ConfigError
 from trainer.data import TokenizedDataset
 
 IGN = -100
@@ -208,8 +210,11 @@ def test_resume_under_a_different_world_size_consumes_each_example_once():
 
 
 def test_load_state_dict_refuses_a_different_plan():
+    """A CheckpointError (one line, exit 2 from the CLI; was a ValueError traceback, issue 21 item 10) saying how to
+    resume."""
     state = loader("normal", seed=1).state_dict()
-    with pytest.raises(ValueError, match="seed was 1, is 2"):
+    with pytest.raises(CheckpointError, match=r"seed was 1, is 2\); resume with the data and batching arguments the "
+                                              r"checkpoint was saved with \(its training_args.json\)"):
         loader("normal", seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="batching_strategy was 'normal', is 'padding_free'"):
         loader("padding_free", seed=1).load_state_dict(state)
@@ -249,7 +254,8 @@ def test_padding_batches_have_no_targets():
 def test_rank_arguments_are_checked():
     with pytest.raises(ValueError, match="rank=2, world_size=2"):
         loader("normal", rank=2, world_size=2)
-    with pytest.raises(ValueError, match="no micro batch per rank"):
+    with pytest.raises(ConfigError, match="dataloader_drop_last: 3 examples give no full micro batch of 1 per rank "
+                                          "with world_size=4"):
         BatchLoader(make_dataset(n=3), micro_batch_size=1, world_size=4, drop_last=True)
 
 
@@ -289,7 +295,7 @@ def test_normal_drop_last_and_small_last_batch():
 
 
 def test_option_errors_name_the_argument():
-    with pytest.raises(ValueError, match="max_tokens=10: expected an int >= the longest example"):
+    with pytest.raises(ConfigError, match="max_tokens=10: expected an int >= the longest example"):
         loader("dynamic_padding_free", max_tokens=10)
     with pytest.raises(ValueError, match="max_tokens applies to"):
         loader("normal", max_tokens=64)

@@ -7,12 +7,14 @@ encoded one by one."""
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from trainer.data import (DataError, TokenizedDataset, load_sft_dataset, read_examples, split_dataset,
-                          tokenize_conversation, tokenize_text)
+from trainer.coerce import ConfigError
+from trainer.data import (DataError, TokenizedDataset, load_sft_dataset, read_examples, save_to_cache,
+                          split_dataset, tokenize_conversation, tokenize_text)
 from trainer.tokenizer import Tokenizer, byte_level_tokenizer
 
 IGN = -100
@@ -450,6 +452,21 @@ def test_cache_second_load_does_not_tokenize_and_key_follows_inputs(tmp_path):
     assert CountingTokenizer.calls == 15
 
 
+def test_a_cache_written_later_is_the_one_read_next(tmp_path):
+    """write_cache=False reads the cache but writes nothing (the CLI checks every input before any write);
+    save_to_cache then writes what it tokenised, and a later load reads it."""
+    f = write_jsonl(tmp_path / "c.jsonl", [GOOD])
+    cache = tmp_path / "cache"
+    CountingTokenizer.calls = 0
+    first = load_sft_dataset(f, counting_tok(), cache_dir=cache, show_progress=False, write_cache=False)
+    assert not cache.exists() and first.summary["cache_hit"] is False
+    save_to_cache(first)
+    again = load_sft_dataset(f, counting_tok(), cache_dir=cache, show_progress=False, write_cache=False)
+    assert CountingTokenizer.calls == 1 and again.summary["cache_hit"] is True
+    save_to_cache(again)  # read from the cache: nothing to write
+    assert [p.name for p in cache.iterdir()] == [Path(first.summary["cache"]).name]
+
+
 # ---- parquet ------------------------------------------------------------------------------------------------
 def test_parquet_without_pyarrow_says_how_to_install(tmp_path, tok, monkeypatch):
     f = tmp_path / "d.parquet"
@@ -487,8 +504,12 @@ def test_split_is_deterministic_disjoint_and_complete():
     assert len(split_dataset(ds, 7, seed=0)[1]) == 7
     assert val.summary["examples"] == 10 and val.summary["tokens"] == 20
     for bad in (0, 100, 1.5, "3"):
-        with pytest.raises(ValueError, match="val_size"):
+        with pytest.raises(ConfigError, match="val_size"):
             split_dataset(ds, bad, seed=0)
+    with pytest.raises(ConfigError, match="val_size=0.999 holds out 100 of the 100 training examples, leaving 0"):
+        split_dataset(ds, 0.999, seed=0)
+    with pytest.raises(ConfigError, match="val_size=1: the training data holds 1 example, too few"):
+        split_dataset(ds.select([0]), 1, seed=0)
 
 
 def test_dataset_indexing_and_round_trip(tmp_path):

@@ -101,6 +101,23 @@ def test_auto_filled_from_arguments(tmp_path):
     assert "zero_allow_untested_optimizer" not in config  # DeepSpeed builds the optimizer of the section
 
 
+def test_absent_batch_keys_follow_the_arguments(tmp_path, capsys):
+    """Issue 21 item 10: a config without the batch keys ended, after the build, in DeepSpeed's assertion "Either
+    train_batch_size or train_micro_batch_size_per_gpu needs to be provided"; absent, they follow the arguments as
+    "auto" does, and the run trains."""
+    path = write(tmp_path, {"zero_optimization": {"stage": 0}})
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=str(path), per_device_train_batch_size=3,
+                             gradient_accumulation_steps=5)
+    config = fill_config(read_config(path), args, world_size=2)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (3, 5, 30)
+    out = tmp_path / "o"
+    assert sft.main(["--model", "tiny", "--output_dir", str(out), "--deepspeed", str(path), "--max_steps", "1",
+                     "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--plot", "false"]) == 0
+    assert json.loads((out / "final_metrics.json").read_text())["global_step"] == 1
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_deepspeed_and_dist_config_together_refused(tmp_path):
     path = write(tmp_path, AUTO)
     with pytest.raises(ConfigError, match="deepspeed and dist_config both given"):

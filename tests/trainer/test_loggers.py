@@ -111,6 +111,21 @@ def fake_module(name: str) -> types.ModuleType:
     return module
 
 
+def test_a_service_that_cannot_start_its_run_is_one_line(tmp_path, monkeypatch):
+    """Issue 21 item 10: wandb without a login in a non-interactive shell was wandb's UsageError traceback."""
+    swanlab = fake_module("swanlab")
+
+    def refuse(**kwargs):
+        raise RuntimeError("No API key configured.\nRun `swanlab login`.")
+
+    swanlab.init = refuse
+    monkeypatch.setitem(sys.modules, "swanlab", swanlab)
+    with pytest.raises(ConfigError, match=r"^report_to=swanlab: swanlab could not start a run \(RuntimeError: No API "
+                                          r"key configured. Run `swanlab login`.\); set it up .* or leave swanlab out "
+                                          r"of report_to$"):
+        MetricsWriter(tmp_path, ["swanlab"], run_name="r", config={})
+
+
 def test_swanlab_names_logs_and_resumes_the_run(tmp_path, monkeypatch):
     swanlab = fake_module("swanlab")
     monkeypatch.setitem(sys.modules, "swanlab", swanlab)

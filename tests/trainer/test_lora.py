@@ -355,6 +355,21 @@ def test_merge_refuses_a_directory_without_an_adapter(hf_dir, tmp_path, capsys):
     assert "adapter_config.json not found" in capsys.readouterr().err
 
 
+def test_a_truncated_adapter_is_one_line_naming_the_file(hf_dir, trained_adapter, tmp_path, capsys):
+    """Issue 21 item 7 for adapters: a cut-short adapter_model.safetensors was safetensors' traceback."""
+    _, out = trained_adapter
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for f in out.iterdir():
+        if f.is_file():
+            data = f.read_bytes()
+            (cut / f.name).write_bytes(data[:500] if f.name == "adapter_model.safetensors" else data)
+    assert generate_cli.main(["--model", str(hf_dir), "--adapter", str(cut), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: adapter: {cut / 'adapter_model.safetensors'}: not a complete "
+                                               "safetensors file"), err
+
+
 def test_generate_with_an_adapter_answers_as_the_trained_model(hf_dir, trained_adapter, capsys):
     ours, out = trained_adapter
     assert generate_cli.main(["--model", str(hf_dir), "--adapter", str(out), "--prompt", "hi", "--raw",
