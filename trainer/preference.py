@@ -63,7 +63,7 @@ class PreferenceArguments:
     rpo_alpha: float | None = _arg(None, "dpo", "Add rpo_alpha x the chosen answers' NLL to a DPO-type loss (RPO).")
     simpo_gamma: float = _arg(0.5, "dpo", "SimPO's target reward margin.")
     cpo_alpha: float = _arg(1.0, "dpo", "Weight of the chosen answers' NLL in simpo (TRL's CPOConfig; the SimPO paper: 0).")
-    max_length: int | None = _arg(1024, "dpo", "Longest prompt + answer sequence, in tokens (None: no truncation).")
+    # TRL's max_length is the command's cutoff_len (max_length is its alias): the longest prompt + answer sequence
     max_prompt_length: int | None = _arg(None, "dpo", "Longest prompt, in tokens (its end is kept).")
     truncation_mode: str = _arg("keep_start", "dpo", "Which end of a too long sequence to keep.",
                                 choices=TRUNCATION_MODES)
@@ -205,6 +205,28 @@ class PreferenceTrainer(Trainer):
         self._sums.pop("eval", None)
         metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         return {**metrics, **self._take_metrics("eval", f"{metric_key_prefix}_")}
+
+    @torch.no_grad()
+    def preference_accuracy(self, dataset: PreferenceDataset) -> float:
+        """The fraction of `dataset`'s pairs whose chosen answer the model finds likelier than the rejected one (the
+        sums of the answer tokens' log-probabilities): the demo's before/after figure, free of the reference."""
+        model, device = self.model, self._device(self.model)
+        was_training = model.training
+        model.eval()
+        counts = torch.zeros(2, dtype=torch.float64, device=device)  # (pairs ahead, pairs)
+        try:
+            for batch in self._eval_loader(dataset):
+                with self._autocast(device, train=False):
+                    logps = self._sequence_logps(model, batch, device).logps
+                k = int(batch["num_pairs"])
+                chosen, rejected = logps[:k], logps[len(logps) // 2:len(logps) // 2 + k]
+                counts += torch.stack([(chosen > rejected).sum().double(), torch.tensor(float(k), device=device)])
+        finally:
+            model.train(was_training)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(counts)
+        ahead, total = counts.tolist()
+        return ahead / max(total, 1.0)
 
     # ---- the reference ----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None):

@@ -314,22 +314,40 @@ def _check_options(data_format, max_length, max_prompt_length, truncation_mode) 
 def load_preference_dataset(paths, tokenizer, *, data_format: str = "auto", max_length: int | None = 1024,
                             max_prompt_length: int | None = None, truncation_mode: str = "keep_start",
                             skip_bad_examples: bool = False, cache_dir: str | Path | None = None,
-                            show_progress: bool = True) -> PreferenceDataset:
-    """Read, normalise, render, split, truncate and tokenize the pairs of `paths` once (cached under `cache_dir`)."""
+                            show_progress: bool = True, write_cache: bool = True) -> PreferenceDataset:
+    """Read, normalise, render, split, truncate and tokenize the pairs of `paths` once (cached under `cache_dir`;
+    with write_cache=False a new tokenisation is saved later, by `trainer.data.save_to_cache`)."""
     _check_options(data_format, max_length, max_prompt_length, truncation_mode)
     files = resolve_data_files(paths)
     options = {"kind": _CACHE_VERSION, "data_format": data_format, "max_length": max_length,
                "max_prompt_length": max_prompt_length, "truncation_mode": truncation_mode,
                "skip_bad_examples": skip_bad_examples}
+    formats: dict[str, str] = {}
+    items = checked_records(files, data_format, formats, detect_preference_format,
+                            "chosen and rejected, with prompt, conversations or instruction")
     return load_cached(cache_dir, "pairs", files, tokenizer, options, PreferenceDataset,
-                       lambda: _build(files, tokenizer, options, show_progress))
+                       lambda: _build(items, [str(f) for f in files], formats, tokenizer, options, show_progress),
+                       write=write_cache)
 
 
-def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> PreferenceDataset:
+def pairs_dataset(records: list[dict], source: str, tokenizer, *, max_length: int | None = 1024,
+                  max_prompt_length: int | None = None, truncation_mode: str = "keep_start",
+                  show_progress: bool = True) -> PreferenceDataset:
+    """Pairs given as TRL conversational records in memory (the embedded demo's, trainer.tasks.preference_pair)
+    rather than files; `source` names them in errors ("source:N") and the summary. Not cached."""
+    _check_options("conversational", max_length, max_prompt_length, truncation_mode)
+    options = {"kind": _CACHE_VERSION, "data_format": "conversational", "max_length": max_length,
+               "max_prompt_length": max_prompt_length, "truncation_mode": truncation_mode, "skip_bad_examples": False}
+    items = ((f"{source}:{i}", (record, "conversational")) for i, record in enumerate(records, 1))
+    return _build(items, [source], {source: "conversational"}, tokenizer, options, show_progress)
+
+
+def _build(items, sources: list[str], formats: dict, tokenizer, options: dict, show_progress: bool) -> PreferenceDataset:
+    """The dataset of `items`, (where, (record, format)) or (where, `_Bad`) as `checked_records` yields them;
+    `sources` and `formats` (filled while reading) for the summary."""
     skip = options["skip_bad_examples"]
     pairs: list[dict] = []
     dropped: Counter = Counter()
-    formats: dict[str, str] = {}
     read = truncated = 0
     progress = tqdm(desc="tokenizing pairs", unit=" pairs", disable=not show_progress, mininterval=0.5)
 
@@ -341,8 +359,7 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
             logger.warning("%s %s: %s", "skipping" if bad else "dropping", where, message)
 
     try:
-        for where, item in checked_records(files, options["data_format"], formats, detect_preference_format,
-                                           "chosen and rejected, with prompt, conversations or instruction"):
+        for where, item in items:
             read += 1
             progress.update()
             try:
@@ -364,9 +381,9 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
         progress.close()
     if not pairs:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "the files hold no records"
-        raise DataError(f"{', '.join(map(str, files))}: no usable pairs ({reasons}) (expected at least one pair with "
+        raise DataError(f"{', '.join(sources)}: no usable pairs ({reasons}) (expected at least one pair with "
                         "answer tokens on both sides)")
     ds = PreferenceDataset.from_pairs(pairs)
-    ds.summary = {"files": [str(f) for f in files], "formats": formats, "options": options, "pairs_read": read,
+    ds.summary = {"files": sources, "formats": formats, "options": options, "pairs_read": read,
                   "dropped": dict(sorted(dropped.items())), "truncated": truncated, **ds.summary}
     return ds

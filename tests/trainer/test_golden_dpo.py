@@ -98,7 +98,7 @@ def assert_same_logs(ours, theirs, rtol):
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_dpo_matches_trl(setup, tmp_path, loss_type):
     theirs = trl_run(setup, tmp_path / "trl", [loss_type])
-    ours = our_run(setup, tmp_path / "ours", PreferenceArguments(beta=0.1, loss_type=loss_type, max_length=None))
+    ours = our_run(setup, tmp_path / "ours", PreferenceArguments(beta=0.1, loss_type=loss_type))
     assert_same_logs(ours, theirs, rtol=2e-5)
     assert ours[-1]["rewards/margins"] > 0  # it learned, so the comparison covers a moving run
 
@@ -106,7 +106,7 @@ def test_dpo_matches_trl(setup, tmp_path, loss_type):
 def test_rpo_alpha_matches_trls_sft_term(setup, tmp_path):
     """rpo_alpha (TRL < 1.0) is TRL 1.x's loss_type ["sigmoid", "sft"] with loss_weights [1, rpo_alpha]."""
     theirs = trl_run(setup, tmp_path / "trl", ["sigmoid", "sft"], loss_weights=[1.0, 0.5])
-    ours = our_run(setup, tmp_path / "ours", PreferenceArguments(beta=0.1, rpo_alpha=0.5, max_length=None))
+    ours = our_run(setup, tmp_path / "ours", PreferenceArguments(beta=0.1, rpo_alpha=0.5))
     assert_same_logs(ours, theirs, rtol=2e-5)
 
 
@@ -115,7 +115,7 @@ def test_lora_matches_trl(setup, tmp_path):
     target = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=target, task_type="CAUSAL_LM")
     theirs = trl_run(setup, tmp_path / "trl", ["sigmoid"], lora=config)
-    ours = our_run(setup, tmp_path / "ours", PreferenceArguments(beta=0.1, max_length=None),
+    ours = our_run(setup, tmp_path / "ours", PreferenceArguments(beta=0.1),
                    adapter=tmp_path / "trl" / "adapter0", use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0,
                    lora_target_modules=target)
     assert_same_logs(ours, theirs, rtol=2e-5)
