@@ -605,6 +605,7 @@ def load_sft_dataset(paths, tokenizer, *, data_format: str = "auto", cutoff_len:
             try:
                 ds = TokenizedDataset.load(cache_file)
                 ds.summary.update(cache=str(cache_file), cache_hit=True)
+                _keep_chat_template(tokenizer, ds)
                 return ds
             except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
                 logger.warning("data cache %s is unreadable (%s); tokenizing again", cache_file, exc)
@@ -612,7 +613,19 @@ def load_sft_dataset(paths, tokenizer, *, data_format: str = "auto", cutoff_len:
     if cache_file is not None:
         ds.summary.update(cache=str(cache_file), cache_hit=False)
         ds.save(cache_file)
+    _keep_chat_template(tokenizer, ds)
     return ds
+
+
+def _keep_chat_template(tokenizer, ds: TokenizedDataset) -> None:
+    """Conversations rendered with ChatML because the tokenizer has no template: say so once, and make ChatML the
+    tokenizer's template, so that it is saved with the model and generation (here and in transformers) renders the
+    same way."""
+    rendered = any(fmt not in ("text", "unknown") for fmt in ds.summary.get("formats", {}).values())
+    if rendered and tokenizer.adopt_default_chat_template():
+        logger.warning("tokenizer: %s has no chat template; the conversations are rendered with ChatML "
+                       "(<|im_start|>role ...<|im_end|>), which is saved with the model (chat_template.jinja) so that "
+                       "generation uses it too", tokenizer.name_or_path or "the tokenizer")
 
 
 def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> TokenizedDataset:

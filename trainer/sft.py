@@ -50,13 +50,14 @@ from .args import ConfigError, _arg, parse_args
 from .attention import _flash_attn
 from .build import build_model, check_model_name, is_preset, preset_config, read_config
 from .checkpoint import (CheckpointError, OutOfSpaceError, checkpoints, clean_leftovers, hold_output_dir,
-                         move_aside_previous_run, resolve_resume)
+                         move_aside_previous_run, resolve_resume, saved_world_size)
 from .checkpoint_hf import to_json
 from .data import DataError, load_sft_dataset, read_examples, resolve_data_files, split_dataset
 from .dist import end_on_error, init_distributed, world
 from .metrics import plot_loss_curve
 from .lora import import_peft, lora_config
-from .model import CausalLM, ModelError, generate
+from .model import CausalLM, ModelError, context_length_warning, generate
+from .resume import check_resume_arguments, saved_arguments
 from .tasks import EVAL_FILE, TRAIN_FILE, kind_of
 from .tokenizer import TokenizerError
 from .trainer import Trainer, TrainingError, set_seed
@@ -242,6 +243,7 @@ def check_run(args, sft: SFTArguments) -> None:
     _check_output_dir(args, sft)
     if args.resume_from_checkpoint and str(args.resume_from_checkpoint).lower() not in ("true", "auto", "latest"):
         resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a damaged or missing one: exit 2, nothing built
+    _check_resume_arguments(args)
     if sft.train_on_prompt and sft.mask_history:
         raise ConfigError("train_on_prompt and mask_history cannot both be set (train_on_prompt trains every token, "
                           "mask_history the last assistant turn only)")
@@ -270,8 +272,43 @@ def check_run(args, sft: SFTArguments) -> None:
         raise ConfigError("bf16: this GPU does not support bfloat16 (it needs compute capability 8.0, Ampere, or "
                           "newer); use --fp16 instead")
     _check_attention(args, sft, cuda)
+    _check_context_length(args, sft)
     if args.use_peft:
         _check_lora(args, sft)
+
+
+def _check_context_length(args, sft: SFTArguments) -> None:
+    """cutoff_len (the longest document: packed rows restart positions per document) against the model's context
+    (trainer.model.context_length_warning): a warning line when beyond it, exit 2 when RoPE cannot represent it; a
+    hub id not yet downloaded is checked when it is built."""
+    if not (is_preset(sft.model) or (Path(sft.model) / "config.json").is_file()):
+        return
+    config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
+    warning = context_length_warning(config, args.cutoff_len, f"preset {sft.model!r}" if is_preset(sft.model)
+                                     else str(Path(sft.model) / "config.json"))
+    if warning and int(os.environ.get("RANK", "0")) == 0:
+        print(warning, file=sys.stderr)
+
+
+def _check_resume_arguments(args) -> None:
+    """A resume with an argument that the checkpoint's state cannot follow (trainer.resume.check_resume_arguments)
+    stops here, before the build; the Trainer checks again the checkpoint it resumes ("auto": the newest intact)."""
+    if not args.resume_from_checkpoint:
+        return
+    if str(args.resume_from_checkpoint).lower() in ("true", "auto", "latest"):
+        found = checkpoints(args.output_dir)
+        if not found:
+            return
+        resume = found[-1]
+    else:
+        resume = Path(args.resume_from_checkpoint)
+    if saved_world_size(resume) not in (0, int(os.environ.get("WORLD_SIZE", "1"))):
+        return  # saved by another number of processes: the Trainer names the batch such a resume needs
+    try:
+        saved = saved_arguments(resume)
+    except (OSError, ValueError):  # damaged: resume auto skips it (and a path to it was refused above)
+        return
+    check_resume_arguments(resume, args, saved)
 
 
 def _check_lora(args, sft: SFTArguments) -> None:
@@ -415,6 +452,7 @@ def train(args, sft: SFTArguments, argv: list[str]) -> int:
     if rank != 0:  # the files and the report below are rank 0's
         return 0
     (Path(args.output_dir) / "final_metrics.json").write_text(to_json(summary, indent=2) + "\n")
+    requested.update(trainer.checkpoint_arguments)  # what ran: a resume keeps the checkpoint's learning rate, ...
     (Path(args.output_dir) / RUN_ARGS_FILE).write_text(json.dumps(requested, indent=2, sort_keys=True) + "\n")
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
     print("\n".join([""] + how_to_use(final, sft.model, args.use_peft) + [
