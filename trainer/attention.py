@@ -89,6 +89,9 @@ class AttentionPlan:
             for window in {_effective(w, self.seq_len) for w in windows}:
                 self._masks[window] = self._flex_mask(window)
 
+    # Run eagerly inside a per-block torch.compile: the loops depend on the batch's document lengths (python ints),
+    # which a compiled graph would specialise on, recompiling for every new packing.
+    @torch.compiler.disable
     def _sdpa(self, q, k, v, window):
         if self.documents is None:
             return causal_attention(q, k, v, window)
