@@ -20,6 +20,8 @@ Backends, chosen per forward by `make_plan` (`backend="auto"`):
   padding only after the last real token, which causal order already hides) run as one batched call; otherwise
   the real tokens are split at document boundaries, as for the varlen kernel, and each document attends alone.
   A window shorter than a document runs in blocks of `window` queries against their 2 * window - 1 keys.
+  (Padding inside a document, which our batching never makes, is dropped before the window is counted on flash
+  and on sdpa alike: there a window spans `window` real tokens.)
 GQA: key/value heads are shared by `n_heads // n_kv_heads` query heads (`enable_gqa`, no copies).
 Outputs at padding positions are not defined (they are never read: padding is no target and no real query
 attends to it): zeros on flash and on sdpa's per-document path, whatever the backend computes otherwise.
