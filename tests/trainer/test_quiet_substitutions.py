@@ -126,6 +126,65 @@ def test_a_resume_says_which_value_applies_and_records_it(stopped_run, tmp_path,
     assert rates and max(rates) <= 1e-3  # the schedule's base rate stayed the checkpoint's
 
 
+FIRST = dict(learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.999, max_steps=2)
+CHANGED = dict(learning_rate=5e-2, weight_decay=0.2, adam_beta2=0.9, max_steps=4, warmup_steps=1)
+
+
+def _applied(trainer) -> dict:
+    """The values a resumed trainer runs with, under the arguments' names."""
+    groups = trainer.optimizer.param_groups
+    return {"learning_rate": trainer.lr_scheduler.base_lrs[0], "weight_decay": max(g["weight_decay"] for g in groups),
+            "adam_beta2": groups[0]["betas"][1], "max_steps": trainer.state.max_steps}
+
+
+def test_which_value_applies_is_what_transformers_trainer_applies(tmp_path):
+    """The reference: transformers' Trainer resumed with the same changes. Both run with the checkpoint's learning
+    rate, decay and betas; ours says so and its args (training_args.json) hold them, transformers' hold the new ones."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    from trainer.args import TrainingArguments
+    from trainer.data import TokenizedDataset
+    from trainer.model import CausalLM, ModelConfig
+    from trainer.trainer import Trainer
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 64, (16,), generator=gen) for _ in range(32)]
+    common = dict(per_device_train_batch_size=4, save_steps=2, save_strategy="steps", logging_steps=1,
+                  lr_scheduler_type="linear", report_to=[], disable_tqdm=True)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return {"input_ids": rows[i], "labels": rows[i]}
+
+    def hf_trainer(**kw):
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, **common, **kw)
+        return transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=Rows())
+
+    def our_trainer(**kw):
+        model = CausalLM(ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2), use_kernels=False)
+        args = TrainingArguments(output_dir=str(tmp_path / "ours"), optim="adamw_torch", **common, **kw)
+        data = TokenizedDataset.from_examples([(r.numpy(), r.numpy()) for r in rows])
+        return Trainer(model=model, args=args, train_dataset=data)
+
+    applied = {}
+    for name, make in (("transformers", hf_trainer), ("ours", our_trainer)):
+        make(**FIRST).train()
+        resumed = make(**CHANGED)
+        resumed.train(resume_from_checkpoint=str(tmp_path / ("hf" if name == "transformers" else "ours")
+                                                 / "checkpoint-2"))
+        applied[name] = _applied(resumed)
+        if name == "ours":
+            recorded = {k: getattr(resumed.args, k) for k in applied[name]}
+    assert applied["ours"] == applied["transformers"] == {**FIRST, "max_steps": CHANGED["max_steps"]}
+    assert recorded == applied["ours"]  # transformers' args would say learning_rate=0.05: not what ran
+
+
 def test_a_resume_the_saved_state_cannot_follow_stops_first_in_one_line(stopped_run):
     out, argv = stopped_run
     before = sorted(p.name for p in out.rglob("*"))
