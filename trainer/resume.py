@@ -92,7 +92,8 @@ FROM_CHECKPOINT = {"learning_rate": "the optimizer's param groups and the schedu
                    "weight_decay": _GROUPS, "adam_beta1": _GROUPS, "adam_beta2": _GROUPS, "adam_epsilon": _GROUPS,
                    "optim_args": _GROUPS}
 # What the saved state cannot follow: the data plan the saved position counts in (transformers would go on with other
-# examples, unsaid) and the optimizer whose state is saved. Refused in one line.
+# examples, unsaid), the optimizer whose state is saved, and the shape of the saved LoRA adapter (its scale,
+# lora_alpha/use_rslora, and its dropout are read anew, as peft does). Refused in one line.
 REFUSED = {"per_device_train_batch_size": "the data position counts micro batches of its size",
            "batching_strategy": "the data position counts its micro batches",
            "max_tokens": "the data position counts micro batches of this budget",
@@ -100,7 +101,12 @@ REFUSED = {"per_device_train_batch_size": "the data position counts micro batche
            "train_shuffle": "the data position is in its order",
            "group_by_length": "the data position is in its order",
            "dataloader_drop_last": "the data position counts its micro batches",
-           "optim": "the saved optimizer state belongs to it"}
+           "optim": "the saved optimizer state belongs to it",
+           "use_peft": "the saved weights and optimizer state are of the full model or of an adapter",
+           "lora_r": "the saved adapter and its optimizer state have this rank",
+           "lora_target_modules": "the saved adapter is on these layers",
+           "lora_modules_to_save": "the saved adapter carries these modules",
+           "use_dora": "the saved adapter has (or lacks) DoRA's magnitudes"}
 NOT_COMPARED = ("output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir")
 
 

@@ -189,7 +189,8 @@ def test_a_resume_the_saved_state_cannot_follow_stops_first_in_one_line(stopped_
     out, argv = stopped_run
     before = sorted(p.name for p in out.rglob("*"))
     for change, name in ((["--seed", "7"], "seed"), (["--per_device_train_batch_size", "2"],
-                                                     "per_device_train_batch_size"), (["--optim", "sgd"], "optim")):
+                                                     "per_device_train_batch_size"), (["--optim", "sgd"], "optim"),
+                         (["--use_peft"], "use_peft")):
         run = _cli([*argv, "--resume_from_checkpoint", str(out / "checkpoint-2"), *change])
         lines = run.stderr.strip().splitlines()
         assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), run.stderr[-2000:]
