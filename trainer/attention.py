@@ -91,22 +91,12 @@ class AttentionPlan:
             for window in {_effective(w, self.seq_len) for w in windows}:
                 self._masks[window] = self._flex_mask(window)
 
-    # Run eagerly inside a per-block torch.compile: the loops depend on the batch's document lengths (python ints),
-    # which a compiled graph would specialise on, recompiling for every new packing.
-    @torch.compiler.disable
     def _sdpa(self, q, k, v, window):
         if self.documents is None:
             return causal_attention(q, k, v, window)
-        index, bounds = self.documents
-        B, T, H, D = q.shape
+        return _per_document(q, k, v, window, *self.documents)
+
         qf, kf, vf = (x.reshape(B * T, x.shape[2], D) for x in (q, k, v))  # (B * T, heads, D)
-        if index is not None:  # padding dropped
-            qf, kf, vf = (x.index_select(0, index) for x in (qf, kf, vf))  # (N, heads, D)
-        out = torch.cat([causal_attention(qf[None, s:e], kf[None, s:e], vf[None, s:e], window)[0]
-                         for s, e in zip(bounds[:-1], bounds[1:])])  # (N, H, D)
-        if index is not None:
-            out = out.new_zeros(B * T, H, D).index_copy(0, index, out)
-        return out.view(B, T, H, D)
 
     def _flex_mask(self, window):
         doc, valid = self.doc_ids, self.key_valid
@@ -137,6 +127,23 @@ class AttentionPlan:
         full = out.new_zeros(B * T, H, D)
         full.index_copy_(0, index, out)
         return full.view(B, T, H, D)
+
+
+# Eager inside a per-block torch.compile: the loop follows the batch's document lengths (python ints), which a
+# compiled graph would specialise on, recompiling for every new packing.
+@torch.compiler.disable
+def _per_document(q, k, v, window, index, bounds):
+    """`causal_attention` of each document of the flattened tokens on its own: documents are (start, end) of
+    consecutive `bounds` in the (B * T) tokens, or in those `index` keeps (padding dropped, its outputs zero)."""
+    B, T, H, D = q.shape
+    qf, kf, vf = (x.reshape(B * T, x.shape[2], D) for x in (q, k, v))  # (B * T, heads, D)
+    if index is not None:
+        qf, kf, vf = (x.index_select(0, index) for x in (qf, kf, vf))  # (N, heads, D)
+    out = torch.cat([causal_attention(qf[None, s:e], kf[None, s:e], vf[None, s:e], window)[0]
+                     for s, e in zip(bounds[:-1], bounds[1:])])  # (N, H, D)
+    if index is not None:
+        out = out.new_zeros(B * T, H, D).index_copy(0, index, out)
+    return out.view(B, T, H, D)
 
 
 _compiled_flex = None
