@@ -14,12 +14,17 @@ Backends, chosen per forward by `make_plan` (`backend="auto"`):
   `torch.nn.attention.flex_attention` (compiled) with a `BlockMask` from the document ids; no (T, T) mask
   is materialised and no host sync happens. Also runs eagerly on CPU (forward only), which is how its mask
   logic is tested here.
-- "sdpa" (CPU; and CUDA for plain causal rows): `F.scaled_dot_product_attention` with a boolean
-  (B, 1, T, T) mask built from the document ids, or `is_causal=True` when there are neither position ids
-  nor padding nor a window shorter than the row (nothing to separate). A query
-  whose every key is masked (a padding token) is let attend to itself, so softmax never sees an empty row
-  and no NaN appears; its output is discarded anyway.
+- "sdpa" (CPU; and CUDA for plain causal rows): `F.scaled_dot_product_attention` with `is_causal=True`, per
+  document: no (T, T) mask is ever built, so memory is linear in T (PyTorch's CPU and CUDA kernels work in
+  tiles; a 110,000-token packed row needs no 12 GB mask). Rows with nothing to separate (one document each,
+  padding only after the last real token, which causal order already hides) run as one batched call; otherwise
+  the real tokens are split at document boundaries, as for the varlen kernel, and each document attends alone.
+  A window shorter than a document runs in blocks of `window` queries against their 2 * window - 1 keys.
+  (Padding inside a document, which our batching never makes, is dropped before the window is counted on flash
+  and on sdpa alike: there a window spans `window` real tokens.)
 GQA: key/value heads are shared by `n_heads // n_kv_heads` query heads (`enable_gqa`, no copies).
+Outputs at padding positions are not defined (they are never read: padding is no target and no real query
+attends to it): zeros on flash and on sdpa's per-document path, whatever the backend computes otherwise.
 
 Shapes: q (B, T, H, D), k and v (B, T, Hkv, D), output (B, T, H, D).
 """
@@ -65,40 +70,33 @@ class AttentionPlan:
     doc_ids: torch.Tensor | None  # (B, T) or None: one document per row
     key_valid: torch.Tensor | None  # (B, T) bool or None: no padding
     flash_index: tuple | None = None  # (token indices, cu_seqlens, max_seqlen) for the varlen kernel
-    _masks: dict = field(default_factory=dict)  # window -> SDPA bool mask or flex BlockMask
+    # sdpa: (token indices or None, document boundaries) of the flattened (B * T) tokens, as python ints; None: the
+    # rows have nothing to separate and attend in one batched causal call
+    documents: tuple[torch.Tensor | None, list[int]] | None = None
+    _masks: dict = field(default_factory=dict)  # window -> flex BlockMask
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
         window = _effective(window, self.seq_len)
         if self.backend == "flash":
             return self._flash(q, k, v, window)
+        if self.backend == "sdpa":
+            return self._sdpa(q, k, v, window)
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        gqa = q.shape[2] != k.shape[2]
-        mask = self._masks[window]
-        if self.backend == "flex":
-            out = _flex_fn(q.is_cuda)(qt, kt, vt, block_mask=mask, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        out = _flex_fn(q.is_cuda)(qt, kt, vt, block_mask=self._masks[window], enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)  # (B, T, H, D)
 
     def build_masks(self, windows) -> None:
         # Built eagerly, outside the layers, so that a per-block torch.compile sees only tensor reads.
-        for window in {_effective(w, self.seq_len) for w in windows}:
-            if self.backend == "sdpa":
-                self._masks[window] = self._sdpa_mask(window)
-            elif self.backend == "flex":
+        if self.backend == "flex":
+            for window in {_effective(w, self.seq_len) for w in windows}:
                 self._masks[window] = self._flex_mask(window)
 
-    def _sdpa_mask(self, window):
-        if self.doc_ids is None and self.key_valid is None and window is None:
-            return None  # plain causal: SDPA's is_causal path, no mask tensor
-        allowed = causal_mask(self.seq_len, self.seq_len, window, self.device)[None]  # (1, T, T)
-        if self.doc_ids is not None:
-            allowed = allowed & (self.doc_ids[:, :, None] == self.doc_ids[:, None, :])  # (B, T, T)
-        if self.key_valid is not None:
-            allowed = allowed & self.key_valid[:, None, :]
-            eye = torch.eye(self.seq_len, dtype=torch.bool, device=self.device)
-            allowed = allowed | (eye & ~self.key_valid[:, :, None])  # padding queries see themselves
-        return allowed[:, None]  # (B, 1, T, T)
+    def _sdpa(self, q, k, v, window):
+        if self.documents is None:
+            return causal_attention(q, k, v, window)
+        return _per_document(q, k, v, window, *self.documents)
+
+        qf, kf, vf = (x.reshape(B * T, x.shape[2], D) for x in (q, k, v))  # (B * T, heads, D)
 
     def _flex_mask(self, window):
         doc, valid = self.doc_ids, self.key_valid
@@ -131,6 +129,23 @@ class AttentionPlan:
         return full.view(B, T, H, D)
 
 
+# Eager inside a per-block torch.compile: the loop follows the batch's document lengths (python ints), which a
+# compiled graph would specialise on, recompiling for every new packing.
+@torch.compiler.disable
+def _per_document(q, k, v, window, index, bounds):
+    """`causal_attention` of each document of the flattened tokens on its own: documents are (start, end) of
+    consecutive `bounds` in the (B * T) tokens, or in those `index` keeps (padding dropped, its outputs zero)."""
+    B, T, H, D = q.shape
+    qf, kf, vf = (x.reshape(B * T, x.shape[2], D) for x in (q, k, v))  # (B * T, heads, D)
+    if index is not None:
+        qf, kf, vf = (x.index_select(0, index) for x in (qf, kf, vf))  # (N, heads, D)
+    out = torch.cat([causal_attention(qf[None, s:e], kf[None, s:e], vf[None, s:e], window)[0]
+                     for s, e in zip(bounds[:-1], bounds[1:])])  # (N, H, D)
+    if index is not None:
+        out = out.new_zeros(B * T, H, D).index_copy(0, index, out)
+    return out.view(B, T, H, D)
+
+
 _compiled_flex = None
 
 
@@ -149,6 +164,25 @@ def _flex_fn(on_cuda: bool):
 def _effective(window: int | None, seq_len: int) -> int | None:
     # a window that covers the whole row is plain causal attention: share its mask (or is_causal path)
     return None if window is None or window >= seq_len else window
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal attention of (B, L, H, D) queries over (B, L, Hkv, D) keys/values within `window`, in memory linear in
+    L: SDPA's `is_causal` (tiled kernels, no mask tensor), or with a window shorter than L, blocks of `window`
+    queries each against its own 2 * window - 1 keys (a (window, 2 * window - 1) mask per block)."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, L, D)
+    gqa, L = q.shape[2] != k.shape[2], q.shape[1]
+    if window is None or window >= L:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
+    else:
+        blocks = []
+        for start in range(0, L, window):
+            end, first_key = min(start + window, L), max(0, start - window + 1)
+            mask = causal_mask(end - start, end - first_key, window, q.device)  # (block, keys)
+            blocks.append(F.scaled_dot_product_attention(qt[:, :, start:end], kt[:, :, first_key:end],
+                                                         vt[:, :, first_key:end], attn_mask=mask, enable_gqa=gqa))
+        out = torch.cat(blocks, dim=2)
+    return out.transpose(1, 2)  # (B, L, H, D)
 
 
 def causal_mask(q_len: int, k_len: int, window: int | None, device) -> torch.Tensor:
@@ -184,8 +218,24 @@ def make_plan(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | 
     plan = AttentionPlan(backend, batch, seq_len, device, doc, valid)
     if backend == "flash":
         plan.flash_index = _varlen_index(doc, valid, batch, seq_len, device)
+    elif backend == "sdpa":
+        plan.documents = _sdpa_documents(doc, valid, batch, seq_len, device)
     plan.build_masks(windows)
     return plan
+
+
+def _sdpa_documents(doc, valid, B, seq_len, device):
+    """What the sdpa path separates (host syncs, as every varlen path pays): None when every row is one document
+    whose padding, if any, follows its last real token (causal order hides it); else (token indices without the
+    padding, or None when there is none, and the boundaries of each (row, document) in those tokens)."""
+    if valid is not None and bool((valid[:, 1:] <= valid[:, :-1]).all()):
+        valid = None  # padding only at the ends of rows
+    if doc is not None and bool((doc == 1).all()):
+        doc = None  # one document per row
+    if doc is None and valid is None:
+        return None
+    index, cu, _ = _varlen_index(doc, valid, B, seq_len, device)
+    return (index if valid is not None else None), cu.tolist()
 
 
 def _varlen_index(doc, valid, B, seq_len, device):
@@ -237,6 +287,8 @@ class _CacheSlot:
             raise AttentionError(f"KV cache holds {keys.shape[1]} positions, {end} needed")
         keys[:, start:end] = k
         values[:, start:end] = v
+        if start == 0:  # the prompt: causal over itself, no (T, T) mask
+            return causal_attention(q, keys[:, :end], values[:, :end], window)
         kt, vt = keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)  # (B, Hkv, S, D)
         mask = causal_mask(q.shape[1], end, window, q.device)  # (Tq, S)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, attn_mask=mask,

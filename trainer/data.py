@@ -659,8 +659,10 @@ def load_sft_dataset(paths, tokenizer, *, data_format: str = "auto", cutoff_len:
     files = resolve_data_files(paths)
     options = {"data_format": data_format, "cutoff_len": cutoff_len, "train_on_prompt": train_on_prompt,
                "mask_history": mask_history, "skip_bad_examples": skip_bad_examples}
-    return load_cached(cache_dir, "data", files, tokenizer, options, TokenizedDataset,
-                       lambda: _build(files, tokenizer, options, show_progress), write=write_cache)
+    ds = load_cached(cache_dir, "data", files, tokenizer, options, TokenizedDataset,
+                     lambda: _build(files, tokenizer, options, show_progress), write=write_cache)
+    _keep_chat_template(tokenizer, ds)
+    return ds
 
 
 def save_to_cache(ds: TokenizedDataset) -> None:
@@ -668,6 +670,17 @@ def save_to_cache(ds: TokenizedDataset) -> None:
     read from the cache, or loaded without a cache_dir)."""
     if ds.summary.get("cache") and not ds.summary.get("cache_hit"):
         ds.save(ds.summary["cache"])
+
+
+def _keep_chat_template(tokenizer, ds: TokenizedDataset) -> None:
+    """Conversations rendered with ChatML because the tokenizer has no template: say so once, and make ChatML the
+    tokenizer's template, so that it is saved with the model and generation (here and in transformers) renders the
+    same way."""
+    rendered = any(fmt not in ("text", "unknown") for fmt in ds.summary.get("formats", {}).values())
+    if rendered and tokenizer.adopt_default_chat_template():
+        logger.warning("tokenizer: %s has no chat template; the conversations are rendered with ChatML "
+                       "(<|im_start|>role ...<|im_end|>), which is saved with the model (chat_template.jinja) so that "
+                       "generation uses it too", tokenizer.name_or_path or "the tokenizer")
 
 
 def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> TokenizedDataset:

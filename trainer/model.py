@@ -253,6 +253,30 @@ def _normalise_rope(scaling: dict | None, max_positions: int) -> dict | None:
     return out
 
 
+EXACT_POSITIONS = 2 ** 24  # RoPE's angles are fp32 position x frequency: positions are exact integers up to here
+
+
+def context_length_warning(config: ModelConfig, length: int, source: str) -> str | None:
+    """Whether rows of `length` positions suit the model: None when within max_position_embeddings; a one-line
+    warning when beyond it (allowed, as transformers allows it: RoPE computes every position's rotation, no table
+    is indexed, but the model never saw positions that far; rope scaling, already counted in
+    max_position_embeddings, is how a model declares a longer context); a ModelError when positions past 2^24
+    would be rounded in fp32, so that different positions would get the same rotation."""
+    if length > EXACT_POSITIONS:
+        raise ModelError(f"cutoff_len {length:,} exceeds {EXACT_POSITIONS:,} positions: RoPE computes its angles from "
+                         "fp32 positions, which are exact only up to 2^24, so positions past that would share "
+                         "rotations; lower cutoff_len")
+    limit = config.max_position_embeddings
+    if length <= limit:
+        return None
+    scaling = config.rope_scaling
+    rope = (f"rope_scaling {scaling['rope_type']} x{scaling['factor']:g}" if scaling else "no rope_scaling")
+    return (f"warning: cutoff_len {length:,} exceeds max_position_embeddings {limit:,} of {source} ({rope}): RoPE "
+            f"rotates any position, so it runs, but the model never saw positions past {limit:,} and examples "
+            "longer than that may train poorly; lower cutoff_len, or use a model whose config declares a longer "
+            "context")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Layers
 # ------------------------------------------------------------------------------------------------------------

@@ -82,33 +82,120 @@ def load_model_weights(model, directory: Path) -> None:
     load_model(model, str(Path(directory) / "model.safetensors"))
 
 
+# A resume with an argument that differs from the checkpoint's training_args.json. transformers' Trainer is the
+# reference: it loads the optimizer's and the scheduler's state over the new arguments, so what those hold wins (the
+# param groups' lr, betas, eps, weight decay and optim_args; the schedule's base rate; with the RNG streams, the
+# seed's effect), and every other argument is read anew (max_steps, epochs, the schedule's type and warmup,
+# accumulation, clipping, logging, saving, ...).
+_GROUPS = "the optimizer's param groups are restored"
+FROM_CHECKPOINT = {"learning_rate": "the optimizer's param groups and the schedule's base rate are restored",
+                   "weight_decay": _GROUPS, "adam_beta1": _GROUPS, "adam_beta2": _GROUPS, "adam_epsilon": _GROUPS,
+                   "optim_args": _GROUPS}
+# What the saved state cannot follow: the data plan the saved position counts in (transformers would go on with other
+# examples, unsaid), the optimizer whose state is saved, and the shape of the saved LoRA adapter (its scale,
+# lora_alpha/use_rslora, and its dropout are read anew, as peft does). Refused in one line.
+REFUSED = {"per_device_train_batch_size": "the data position counts micro batches of its size",
+           "batching_strategy": "the data position counts its micro batches",
+           "max_tokens": "the data position counts micro batches of this budget",
+           "pad_to_multiple_of": "the data position counts its micro batches",
+           "train_shuffle": "the data position is in its order",
+           "group_by_length": "the data position is in its order",
+           "dataloader_drop_last": "the data position counts its micro batches",
+           "optim": "the saved optimizer state belongs to it",
+           "use_peft": "the saved weights and optimizer state are of the full model or of an adapter",
+           "lora_r": "the saved adapter and its optimizer state have this rank",
+           "lora_target_modules": "the saved adapter is on these layers",
+           "lora_modules_to_save": "the saved adapter carries these modules",
+           "use_dora": "the saved adapter has (or lacks) DoRA's magnitudes"}
+NOT_COMPARED = ("output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir")
+
+
+def saved_arguments(resume: Path) -> dict:
+    """The checkpoint's training_args.json (its run's resolved arguments); {} when it has none (a checkpoint that a
+    hand-made loop saved), so nothing is compared."""
+    file = Path(resume) / "training_args.json"
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _comparable(value):
+    return json.loads(json.dumps(value, default=str))
+
+
+def check_resume_arguments(resume: Path, args, saved: dict | None = None) -> None:
+    """A CheckpointError naming the first argument changed from the checkpoint's that the saved state cannot follow
+    (`REFUSED`, and the seed that orders the data when data_seed is not set)."""
+    saved = saved_arguments(resume) if saved is None else saved
+    refused = dict(REFUSED)
+    refused["data_seed" if args.data_seed is not None or saved.get("data_seed") is not None else "seed"] = \
+        "the data position is in the order it shuffles"
+    for name, why in refused.items():
+        given = _comparable(getattr(args, name))
+        if name in saved and saved[name] != given:
+            raise ckpt.CheckpointError(
+                f"resume_from_checkpoint: {name} is {given!r} here but {saved[name]!r} in {resume}, and a resume "
+                f"cannot change it ({why}); resume with {name}={saved[name]!r}, or start a new run")
+
+
+def apply_checkpoint_arguments(resume: Path, args, saved: dict, rng_reseeded: bool) -> tuple[dict, list[str]]:
+    """After a resume: the arguments whose value came from the checkpoint's state (set on `args`, so that what is
+    recorded is what ran) and one line per argument that differs from the checkpoint's, with the value that applies."""
+    from_checkpoint = dict(FROM_CHECKPOINT)
+    if args.data_seed is not None and not rng_reseeded:  # the seed only seeds the RNG, whose state is restored
+        from_checkpoint["seed"] = "the random number generators' state is restored"
+    taken, lines = {}, []
+    for name, given in args.to_dict().items():
+        given = _comparable(given)
+        if name in NOT_COMPARED or name not in saved or saved[name] == given:
+            continue
+        if name in from_checkpoint:
+            taken[name] = saved[name]
+            setattr(args, name, saved[name])
+            lines.append(f"resume_from_checkpoint: {name} is {given!r} here but {saved[name]!r} in {resume}: "
+                         f"{saved[name]!r} applies ({from_checkpoint[name]}, as in transformers; start a new run "
+                         "to change it)")
+        else:
+            lines.append(f"resume_from_checkpoint: {name} {given!r} applies (it was {saved[name]!r} in {resume})")
+    return taken, lines
+
+
 def restore_checkpoint(resume: Path, *, model, optimizer, scheduler, scaler, loader, args, rank: int,
                        world_size: int, micro: int, accum: int, windows_per_epoch: int, deepspeed=None) -> dict:
     """Everything a checkpoint holds into this run: model and optimizer (in this run's layout), scheduler, scaler,
     RNG and the loader's position. Returns the saved trainer state (a dict), `saved_world` (how many processes
     saved it) and `rng_reseeded` (True when the per-rank RNG could not carry over). Under DeepSpeed
     (`deepspeed`, a DeepSpeedRun) its own checkpoint restores model, optimizer and scheduler, on the same number
-    of processes only."""
+    of processes only. Arguments changed from the checkpoint's are refused before anything is loaded when the saved
+    state cannot follow them (`check_resume_arguments`, after the checks of a resume under another number of
+    processes, which name the batch it needs); `apply_checkpoint_arguments` says, after, which value the others take."""
     saved_world = ckpt.saved_world_size(resume)
     if deepspeed is not None:
         if saved_world != world_size:
             raise ckpt.CheckpointError(f"resume_from_checkpoint: {resume} was saved by {saved_world} process(es), this "
                                        f"run has {world_size}: DeepSpeed's ZeRO partitions resume on {saved_world} only")
+        check_resume_arguments(resume, args)
         restored = ckpt.load_training_state(resume, rank=rank, world_size=world_size, seed=args.seed)
         deepspeed.load_checkpoint(resume / CHECKPOINT_DIR)
-        if restored["data_state"] is not None:
-            loader.load_state_dict(restored["data_state"])
+        _restore_position(resume, loader, restored["data_state"])
         return {"trainer_state": restored["trainer_state"], "saved_world": saved_world, "rng_reseeded": False}
     if saved_world and saved_world != world_size:
         check_resume_across_worlds(resume, saved_world, args, world_size=world_size, loader=loader, micro=micro,
                                    accum=accum, windows_per_epoch=windows_per_epoch)
+    check_resume_arguments(resume, args)
     restored = ckpt.load_training_state(resume, scheduler=scheduler, scaler=scaler, rank=rank,
                                         world_size=world_size, seed=args.seed)
     load_model_and_optimizer(resume, model, optimizer, rank=rank)
-    if restored["data_state"] is not None:
-        loader.load_state_dict(restored["data_state"])
+    _restore_position(resume, loader, restored["data_state"])
     return {"trainer_state": restored["trainer_state"], "saved_world": saved_world,
             "rng_reseeded": restored["rng_reseeded"]}
+
+
+def _restore_position(resume: Path, loader, data_state: dict | None) -> None:
+    if data_state is None:
+        return
+    try:
+        loader.load_state_dict(data_state)
+    except ValueError as exc:  # other data, or another plan: one line naming the checkpoint
+        raise ckpt.CheckpointError(f"resume_from_checkpoint: {resume}: {exc}") from None
 
 
 def load_model_and_optimizer(resume: Path, model, optimizer, *, rank: int) -> None:

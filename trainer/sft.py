@@ -53,7 +53,7 @@ from .attention import _flash_attn
 from .batching import BatchLoader
 from .build import build_model, check_model_name, dcp_source, is_preset, preset_config, read_config, read_model_files
 from .checkpoint import (CheckpointError, OutOfSpaceError, checkpoints, clean_leftovers, hold_output_dir,
-                         move_aside_previous_run, resolve_resume)
+                         move_aside_previous_run, resolve_resume, saved_world_size)
 from .checkpoint_hf import to_json
 from .data import (DataError, TokenizedDataset, load_sft_dataset, read_examples, resolve_data_files, save_to_cache,
                    split_dataset)
@@ -61,7 +61,8 @@ from .dist import end_on_error, init_distributed, world
 from .evaluation import EVAL_METRICS
 from .metrics import plot_loss_curve
 from .lora import import_peft, lora_config
-from .model import CausalLM, ModelError, generate
+from .model import CausalLM, ModelError, context_length_warning, generate
+from .resume import check_resume_arguments, saved_arguments
 from .tasks import EVAL_FILE, TRAIN_FILE, kind_of
 from .tokenizer import TokenizerError
 from .trainer import Trainer, TrainingError, set_seed
@@ -249,6 +250,7 @@ def check_run(args, sft: SFTArguments) -> None:
     _check_output_dir(args, sft)
     if args.resume_from_checkpoint and str(args.resume_from_checkpoint).lower() not in ("true", "auto", "latest"):
         resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a damaged or missing one: exit 2, nothing built
+    _check_resume_arguments(args)
     if sft.train_on_prompt and sft.mask_history:
         raise ConfigError("train_on_prompt and mask_history cannot both be set (train_on_prompt trains every token, "
                           "mask_history the last assistant turn only)")
@@ -281,6 +283,7 @@ def check_run(args, sft: SFTArguments) -> None:
         raise ConfigError("bf16: this GPU does not support bfloat16 (it needs compute capability 8.0, Ampere, or "
                           "newer); use --fp16 instead")
     _check_attention(args, sft, cuda)
+    _check_context_length(args, sft)
     if args.use_peft:
         _check_lora(args, sft)
 
@@ -316,6 +319,40 @@ def _check_eval_data(args, sft: SFTArguments) -> None:
     if best and best.removeprefix("eval_") not in EVAL_METRICS:  # the command has no compute_metrics
         raise ConfigError(f"metric_for_best_model={best!r}: the evaluation reports "
                           f"{', '.join(EVAL_METRICS)} (as eval_<name> or <name>)")
+
+
+def _check_context_length(args, sft: SFTArguments) -> None:
+    """cutoff_len (the longest document: packed rows restart positions per document) against the model's context
+    (trainer.model.context_length_warning): a warning line when beyond it, exit 2 when RoPE cannot represent it; a
+    hub id not yet downloaded is checked when it is built."""
+    if not (is_preset(sft.model) or (Path(sft.model) / "config.json").is_file()):
+        return
+    config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
+    warning = context_length_warning(config, args.cutoff_len, f"preset {sft.model!r}" if is_preset(sft.model)
+                                     else str(Path(sft.model) / "config.json"))
+    if warning and int(os.environ.get("RANK", "0")) == 0:
+        print(warning, file=sys.stderr)
+
+
+def _check_resume_arguments(args) -> None:
+    """A resume with an argument that the checkpoint's state cannot follow (trainer.resume.check_resume_arguments)
+    stops here, before the build; the Trainer checks again the checkpoint it resumes ("auto": the newest intact)."""
+    if not args.resume_from_checkpoint:
+        return
+    if str(args.resume_from_checkpoint).lower() in ("true", "auto", "latest"):
+        found = checkpoints(args.output_dir)
+        if not found:
+            return
+        resume = found[-1]
+    else:
+        resume = Path(args.resume_from_checkpoint)
+    if saved_world_size(resume) not in (0, int(os.environ.get("WORLD_SIZE", "1"))):
+        return  # saved by another number of processes: the Trainer names the batch such a resume needs
+    try:
+        saved = saved_arguments(resume)
+    except (OSError, ValueError):  # damaged: resume auto skips it (and a path to it was refused above)
+        return
+    check_resume_arguments(resume, args, saved)
 
 
 def _check_lora(args, sft: SFTArguments) -> None:
@@ -386,6 +423,7 @@ class RunInputs:
     loaded: list[TokenizedDataset]
     conversations: list[list[dict]]
     embedded: bool  # the embedded tasks (no --data)
+    tokenizer: object  # the one the data was rendered with (a ChatML template adopted, when it had none)
 
 
 def read_inputs(args, sft: SFTArguments) -> RunInputs:
@@ -414,7 +452,7 @@ def read_inputs(args, sft: SFTArguments) -> RunInputs:
                           world_size=int(os.environ.get("WORLD_SIZE", "1")))
     check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
     conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
-    return RunInputs(train_ds, eval_ds, loaded, conversations, embedded)
+    return RunInputs(train_ds, eval_ds, loaded, conversations, embedded, tokenizer)
 
 
 def resume_command(argv: list[str]) -> str:
@@ -453,8 +491,9 @@ def train(args, sft: SFTArguments, argv: list[str], inputs: RunInputs) -> int:
         if eval_ds is not None:
             print(f"eval data: {len(eval_ds)} examples", file=sys.stderr)
     set_seed(args.seed)
-    model, tokenizer = build_model(sft.model, args, dtype=sft.model_dtype,
-                                   attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation])
+    model, _ = build_model(sft.model, args, dtype=sft.model_dtype,
+                           attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation])
+    tokenizer = inputs.tokenizer  # saved with the model: the template the data was rendered with
     before = exact_match_accuracy(model, tokenizer, conversations) if conversations else None
     if before is not None and rank == 0:
         print(f"exact match before training: {before:.1%} of {len(conversations)} held-out conversations", file=sys.stderr)
@@ -488,6 +527,7 @@ def train(args, sft: SFTArguments, argv: list[str], inputs: RunInputs) -> int:
     if rank != 0:  # the files and the report below are rank 0's
         return 0
     (Path(args.output_dir) / "final_metrics.json").write_text(to_json(summary, indent=2) + "\n")
+    requested.update(trainer.checkpoint_arguments)  # what ran: a resume keeps the checkpoint's learning rate, ...
     (Path(args.output_dir) / RUN_ARGS_FILE).write_text(json.dumps(requested, indent=2, sort_keys=True) + "\n")
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
     print("\n".join([""] + how_to_use(final, sft.model, args.use_peft) + [

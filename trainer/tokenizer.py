@@ -4,7 +4,8 @@ Reads and writes the Hugging Face layout so that a model directory works both he
 - `tokenizer.json`: the fast tokenizer (loaded with the `tokenizers` library, no `transformers` at run time);
 - `tokenizer_config.json`: bos/eos/pad/unk tokens, `chat_template` (a string, or a list of named templates
   of which "default" is used), `model_max_length`, `add_bos_token`/`add_eos_token`;
-- `chat_template.jinja` (newer transformers write the template there): read when present, wins over the config;
+- `chat_template.jinja` (transformers 5 writes the template there, and reads it before the config's): read when
+  present, wins over the config; written beside the config's copy (older transformers read only that);
 - `special_tokens_map.json`: read for special tokens the config does not name.
 
 Chat templates render in a sandboxed jinja2 environment (`ImmutableSandboxedEnvironment`, `trim_blocks`,
@@ -124,8 +125,10 @@ class Tokenizer:
 
     def __init__(self, backend, *, bos_token=None, eos_token=None, pad_token=None, unk_token=None,
                  chat_template: str | None = None, model_max_length: int | None = None,
-                 add_bos_token: bool = False, add_eos_token: bool = False, extra_config: dict | None = None):
+                 add_bos_token: bool = False, add_eos_token: bool = False, extra_config: dict | None = None,
+                 name_or_path: str = ""):
         self.backend = backend  # tokenizers.Tokenizer
+        self.name_or_path = name_or_path  # the directory it was read from ("" when built here)
         self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
         self.chat_template = chat_template
         self.model_max_length = model_max_length
@@ -250,10 +253,20 @@ class Tokenizer:
                    model_max_length=int(max_len) if isinstance(max_len, (int, float)) and max_len < 1e12 else None,
                    add_bos_token=bool(config.get("add_bos_token", False)),
                    add_eos_token=bool(config.get("add_eos_token", False)),
-                   extra_config={k: v for k, v in config.items() if k not in known and k != "added_tokens_decoder"})
+                   extra_config={k: v for k, v in config.items() if k not in known and k != "added_tokens_decoder"},
+                   name_or_path=str(path))
+
+    def adopt_default_chat_template(self) -> bool:
+        """Make ChatML (`DEFAULT_CHAT_TEMPLATE`, what rendering falls back to) this tokenizer's own template when it has
+        none, so that it is saved with the model and generation renders as training did; True when it had none."""
+        if self.chat_template is not None:
+            return False
+        self.chat_template = DEFAULT_CHAT_TEMPLATE
+        return True
 
     def save_pretrained(self, path: str | Path) -> None:
-        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json (loadable by AutoTokenizer)."""
+        """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and chat_template.jinja (loadable by
+        AutoTokenizer)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path / "tokenizer.json"))
@@ -265,8 +278,12 @@ class Tokenizer:
         config["tokenizer_class"] = "PreTrainedTokenizerFast"  # we save the fast tokenizer only
         if self.model_max_length is not None:
             config["model_max_length"] = self.model_max_length
+        jinja_file = path / "chat_template.jinja"
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
+            jinja_file.write_text(self.chat_template)
+        else:
+            jinja_file.unlink(missing_ok=True)  # another tokenizer's, which would win over this config
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         (path / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, ensure_ascii=False) + "\n")
 

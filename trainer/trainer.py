@@ -70,7 +70,8 @@ from .dist import init_distributed, local_device, world
 from .lora import has_adapter, trainable_summary
 from .parallel import apply_all, gradient_sync, is_fsdp, unwrap, uses_deepspeed, uses_fsdp
 from .parallel import save_sharded as save_sharded_state
-from .resume import load_model_weights, restore_checkpoint, save_model_files
+from .resume import (apply_checkpoint_arguments, load_model_weights, restore_checkpoint, save_model_files,
+                     saved_arguments)
 
 __all__ = [
     "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "EarlyStoppingCallback", "EvalPrediction",
@@ -151,6 +152,8 @@ class Trainer:
         self.scaler = None
         self.deepspeed: DeepSpeedRun | None = None  # the engine's hooks under dist_config deepspeed, once training
         self.stop_signal: signal.Signals | None = None  # SIGTERM or SIGINT when one stopped the last train()
+        # after a resume: arguments given otherwise whose checkpoint's value applied (and is now in args)
+        self.checkpoint_arguments: dict = {}
         self.control = self.callback_handler.fire("on_init_end", args, self.state, self.control)
 
     # ---- public API -----------------------------------------------------------------------------------
@@ -273,6 +276,10 @@ class Trainer:
                                           windows_per_epoch=windows_per_epoch, deepspeed=self.deepspeed)
             state = TrainerState.from_dict({**restored["trainer_state"], "max_steps": max_steps,
                                             "num_train_epochs": num_epochs})
+            self.checkpoint_arguments, changes = apply_checkpoint_arguments(resume, args, saved_arguments(resume),
+                                                                           restored["rng_reseeded"])
+            for line in changes:
+                self._print(line)
             if restored["rng_reseeded"]:
                 self._print(f"warning: resume_from_checkpoint: saved by {restored['saved_world']} process(es), resumed "
                             f"by {self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
