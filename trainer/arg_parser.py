@@ -47,6 +47,10 @@ SIMPLE_ALIASES = {
     "lora_rank": "lora_r",
     "lora_target": "lora_target_modules",
     "additional_target": "lora_modules_to_save",
+    # LlamaFactory's preference names (stage: dpo)
+    "pref_beta": "beta",
+    "pref_loss": "loss_type",
+    "pref_ftx": "rpo_alpha",
 }
 # Booleans from TRL that set another argument (of any of the parser's dataclasses): name -> (target, value when
 # true, value when false), resolved by the parser like SIMPLE_ALIASES. TRL's packing=True packs examples into rows

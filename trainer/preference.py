@@ -23,8 +23,6 @@ What differs from SFT, and how (the rest, from schedule to checkpoints and resum
   They accumulate on the device and reach the host at the log step only.
 """
 
-from __future__ import annotations
-
 import copy
 from dataclasses import dataclass
 
@@ -48,7 +46,8 @@ REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 
 @dataclass
 class PreferenceArguments:
-    """TRL's DPOConfig (and CPOConfig/ORPOConfig) names for what preference training adds to TrainingArguments."""
+    """TRL's DPOConfig (and CPOConfig/ORPOConfig) names for what preference training adds to TrainingArguments (no
+    `from __future__ import annotations` in this module: the argument parser reads these annotations as types)."""
 
     beta: float = _arg(0.1, "dpo", "The loss's beta: the reference's pull for DPO types, lambda for orpo, the reward "
                        "scale for simpo.")
@@ -77,7 +76,7 @@ class PreferenceArguments:
         if not 0.0 <= self.label_smoothing < high or (high == 1.0 and self.label_smoothing > 1.0):
             raise ConfigError(f"label_smoothing={self.label_smoothing!r}: must be in [0, {high}) for loss_type "
                               f"{self.loss_type!r}")
-        if self.rpo_alpha is not None and self.loss_type in REFERENCE_FREE_LOSSES:
+        if self.rpo_alpha and self.loss_type in REFERENCE_FREE_LOSSES:
             raise ConfigError(f"rpo_alpha: adds an NLL term to DPO-type losses; loss_type {self.loss_type!r} has its "
                               "own (cpo_alpha for simpo, built into orpo)")
         if self.uses_reference and self.reference_free and (self.ref_model or self.precompute_ref_log_probs):
@@ -174,7 +173,7 @@ class PreferenceTrainer(Trainer):
         pairs = int(batch["num_pairs"])
         loss, metrics = kernels.preference_loss(
             policy, ref, loss_type=self.pref.loss_type, beta=self.pref.beta, label_smoothing=self.pref.label_smoothing,
-            rpo_alpha=self.pref.rpo_alpha, simpo_gamma=self.pref.simpo_gamma, cpo_alpha=self.pref.cpo_alpha)
+            rpo_alpha=self.pref.rpo_alpha or None, simpo_gamma=self.pref.simpo_gamma, cpo_alpha=self.pref.cpo_alpha)
         if pairs:
             sums = self._sums.setdefault("train" if model.training else "eval", {"pairs": 0})
             sums["pairs"] += pairs

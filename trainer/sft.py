@@ -1,6 +1,8 @@
-"""`python -m trainer.sft`: supervised fine-tuning from the command line.
+"""`python -m trainer.sft`: supervised fine-tuning from the command line, and (`--stage dpo`, which
+`python -m trainer.dpo` sets) preference training on the same pipeline.
 
     python -m trainer.sft                                   # the embedded demo (trainer/configs/demo.yaml)
+    python -m trainer.dpo                                   # the DPO demo (trainer/configs/dpo_demo.yaml)
     python -m trainer.sft --model PATH_OR_PRESET --data FILE [--eval_data FILE] [--bf16] [any TrainingArguments flag]
     python -m trainer.sft config.yaml [--learning_rate 1e-5]  # flags win over the file
 
@@ -62,15 +64,22 @@ from .evaluation import EVAL_METRICS
 from .metrics import plot_loss_curve
 from .lora import import_peft, lora_config
 from .model import CausalLM, ModelError, context_length_warning, generate
+from .preference import PreferenceArguments, PreferenceTrainer
+from .preference_data import PREFERENCE_FORMATS, load_preference_dataset, pairs_dataset
 from .resume import check_resume_arguments, saved_arguments
-from .tasks import EVAL_FILE, TRAIN_FILE, kind_of
+from .tasks import EVAL_FILE, TRAIN_FILE, kind_of, preference_pair
 from .tokenizer import TokenizerError
 from .trainer import Trainer, TrainingError, set_seed
 
-DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
-# Written into output_dir at the end of a finished run: the arguments it ran with (`run_arguments`). A run with the
-# same arguments may write there again (it reproduces the same model); any other run needs --overwrite_output_dir.
-RUN_ARGS_FILE = "sft_args.json"
+STAGES = ("sft", "dpo")
+# Per stage: the command, its embedded default, and the file written into output_dir at the end of a finished run
+# with the arguments it ran with (`run_arguments`): a run with the same arguments may write there again (it
+# reproduces the same model); any other run needs --overwrite_output_dir.
+COMMANDS = {"sft": "trainer.sft", "dpo": "trainer.dpo"}
+DEMO_CONFIGS = {stage: Path(__file__).parent / "configs" / name for stage, name in (("sft", "demo.yaml"),
+                                                                                     ("dpo", "dpo_demo.yaml"))}
+RUN_ARGS_FILES = {"sft": "sft_args.json", "dpo": "dpo_args.json"}
+SFT_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 # transformers' attn_implementation values -> our attention backends (trainer/attention.py). transformers'
 # "eager" (the unfused softmax(QK^T)V) has no counterpart here: sdpa computes the same attention.
 ATTN_IMPLEMENTATIONS = {"auto": "auto", "sdpa": "sdpa", "flex_attention": "flex", "flash_attention_2": "flash"}
@@ -81,12 +90,14 @@ class SFTArguments:
     """Options of the sft command that are not TrainingArguments (no `from __future__ import annotations` in
     this module: the argument parser reads these annotations as types)."""
 
+    stage: str = _arg("sft", "sft", "What to train: sft (supervised), or dpo (preference pairs, with the dpo group's "
+                      "options; python -m trainer.dpo sets it; LlamaFactory's name).", choices=STAGES)
     model: str = _arg("tiny", "sft", "Model: a Hugging Face directory, a preset (tiny), or a hub id.")
     data: list[str] | None = _arg(None, "sft", "Training data files or directories (JSONL/JSON/Parquet); default: the embedded tasks.")
     eval_data: list[str] | None = _arg(None, "sft", "Held-out data files; default: the embedded eval tasks when --data is not given.")
     val_size: float = _arg(0.0, "sft", "Hold out this many training examples (int) or this fraction (<1) for evaluation.")
-    data_format: str = _arg("auto", "sft", "Record format.",
-                            choices=("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"))
+    data_format: str = _arg("auto", "sft", "Record format (stage dpo: auto, standard, conversational, sharegpt or "
+                            "alpaca preference pairs).", choices=tuple(dict.fromkeys(SFT_FORMATS + PREFERENCE_FORMATS)))
     train_on_prompt: bool = _arg(False, "sft", "Also train on prompt tokens (default: assistant/completion tokens only).")
     mask_history: bool = _arg(False, "sft", "Train only on the last assistant turn of each conversation.")
     skip_bad_examples: bool = _arg(False, "sft", "Turn malformed examples into counted warnings instead of errors.")
@@ -183,15 +194,20 @@ def sample_answers(model, tokenizer, conversations, max_new_tokens: int) -> list
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stage: str = "sft") -> int:
+    """The command of `stage` (`python -m trainer.dpo` is stage dpo): a config file and flags, or nothing for the
+    embedded default."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("--") and "--help" not in argv and "-h" not in argv
                     and not any(a.split("=")[0] in ("--model", "--data") for a in argv)):
-        argv = [str(DEMO_CONFIG)] + argv  # the embedded default; flags still win
+        argv = [str(DEMO_CONFIGS[stage])] + argv  # the embedded default; flags still win
+    if stage != "sft":
+        argv = [*argv[:1], "--stage", stage, *argv[1:]] if argv and not argv[0].startswith("-") else ["--stage", stage, *argv]
     try:
-        return _run(argv)
+        return _run(argv, stage)
     except KeyboardInterrupt:
-        print(f"interrupted; to resume from the newest checkpoint, if any:\n    {resume_command(argv)}", file=sys.stderr)
+        print(f"interrupted; to resume from the newest checkpoint, if any:\n    {resume_command(argv, stage)}",
+              file=sys.stderr)
         return 130
     except Exception as exc:
         if world()[1] > 1:  # the other ranks would wait for this one in their next collective
@@ -202,18 +218,19 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             # OutOfSpaceError from a checkpoint (it removed its partial copy), or any other write on a full disk
             print(f"error: {exc.strerror if isinstance(exc, OutOfSpaceError) else exc}; free space, then resume from "
-                  f"the newest checkpoint with:\n    {resume_command(argv)}", file=sys.stderr)
+                  f"the newest checkpoint with:\n    {resume_command(argv, stage)}", file=sys.stderr)
             return 1
         raise
 
 
-def _run(argv: list[str]) -> int:
+def _run(argv: list[str], stage: str) -> int:
     try:
-        args, sft = parse_args(argv, extra_dataclasses=(SFTArguments,))
-        check_run(args, sft)
-        inputs = read_inputs(args, sft)  # every file read and checked before the summary, the build or any write
+        args, sft, pref = parse_args(argv, extra_dataclasses=(SFTArguments, PreferenceArguments),
+                                     prog=f"python -m {COMMANDS[stage]}")
+        check_run(args, sft, pref)
+        inputs = read_inputs(args, sft, pref)  # every file read and checked before the summary, the build or a write
         with hold_output_dir(args.output_dir, rank=int(os.environ.get("RANK", "0"))):  # one run per output_dir
-            return train(args, sft, argv, inputs)
+            return train(args, sft, pref, argv, inputs)
     except (ConfigError, DataError, ModelError, TokenizerError, CheckpointError) as exc:
         return _user_error(exc)
 
@@ -234,20 +251,21 @@ def _user_error(exc: Exception) -> int:
     return 2
 
 
-def run_arguments(args, sft: SFTArguments) -> dict:
-    """What a run was asked to do, as saved in output_dir/sft_args.json: every argument, resolved, except a
-    logging_dir derived from the clock (output_dir/runs/<date>_<host>)."""
-    values = {**args.to_dict(), **dataclasses.asdict(sft)}
+def run_arguments(args, sft: SFTArguments, pref: PreferenceArguments) -> dict:
+    """What a run was asked to do, as saved in output_dir/sft_args.json (dpo_args.json): every argument, resolved,
+    except a logging_dir derived from the clock (output_dir/runs/<date>_<host>); the dpo options in a dpo run's."""
+    values = {**args.to_dict(), **dataclasses.asdict(sft), **(dataclasses.asdict(pref) if sft.stage == "dpo" else {})}
     if os.path.dirname(values["logging_dir"]) == os.path.join(args.output_dir, "runs"):
         del values["logging_dir"]
     return json.loads(json.dumps(values, default=str))
 
 
-def check_run(args, sft: SFTArguments) -> None:
+def check_run(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
     """Every check of the arguments against this machine and the file system, run before anything expensive
     (building the model, tokenising) or written; each failure is a one-line ConfigError/DataError (exit 2)."""
     check_model_name(sft.model)
-    _check_output_dir(args, sft)
+    _check_stage(args, sft, pref)
+    _check_output_dir(args, sft, pref)
     if args.resume_from_checkpoint and str(args.resume_from_checkpoint).lower() not in ("true", "auto", "latest"):
         resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a damaged or missing one: exit 2, nothing built
     _check_resume_arguments(args)
@@ -286,6 +304,31 @@ def check_run(args, sft: SFTArguments) -> None:
     _check_context_length(args, sft)
     if args.use_peft:
         _check_lora(args, sft)
+
+
+def _check_stage(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
+    """The options of the other stage are not silently ignored: a dpo option in an sft run, or an sft-only one in
+    a dpo run, is one line; so is a data format or batching the stage cannot read."""
+    if sft.stage == "sft":
+        given = [f.name for f in dataclasses.fields(pref) if getattr(pref, f.name) != f.default]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: preference options, but stage is sft; use python -m trainer.dpo "
+                              "(or --stage dpo)")
+        if sft.data_format not in SFT_FORMATS:
+            raise ConfigError(f"data_format={sft.data_format!r}: a preference format; stage sft reads "
+                              f"{', '.join(SFT_FORMATS)}")
+        return
+    if sft.data_format not in PREFERENCE_FORMATS:
+        raise ConfigError(f"data_format={sft.data_format!r}: stage dpo reads preference pairs: "
+                          f"{', '.join(PREFERENCE_FORMATS)}")
+    for name in ("train_on_prompt", "mask_history"):
+        if getattr(sft, name):
+            raise ConfigError(f"{name}: stage dpo trains on the answers of preference pairs only; leave it off")
+    if args.batching_strategy != "normal":
+        raise ConfigError(f"batching_strategy={args.batching_strategy!r}: stage dpo batches pairs with "
+                          "batching_strategy='normal' only")
+    if pref.ref_model:
+        check_model_name(pref.ref_model)
 
 
 def _check_sft_values(sft: SFTArguments) -> None:
@@ -366,7 +409,7 @@ def _check_lora(args, sft: SFTArguments) -> None:
         lora_config(CausalLM(config), args)
 
 
-def _check_output_dir(args, sft: SFTArguments) -> None:
+def _check_output_dir(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
     """output_dir can be written, and holds no trained model or checkpoints that this run would replace unasked.
 
     Hugging Face's example scripts refuse a non-empty output_dir ("Use --overwrite_output_dir to overcome.");
@@ -391,8 +434,8 @@ def _check_output_dir(args, sft: SFTArguments) -> None:
                else None)
     if trained is None:
         return
-    saved = out / RUN_ARGS_FILE
-    if saved.is_file() and json.loads(saved.read_text()) == run_arguments(args, sft):
+    saved = out / RUN_ARGS_FILES[sft.stage]
+    if saved.is_file() and json.loads(saved.read_text()) == run_arguments(args, sft, pref):
         return
     raise ConfigError(f"output_dir: {out} already holds {trained} of another run (it is not empty); use "
                       "--overwrite_output_dir to overcome, --resume_from_checkpoint auto to continue it, or another "
@@ -426,23 +469,37 @@ class RunInputs:
     tokenizer: object  # the one the data was rendered with (a ChatML template adopted, when it had none)
 
 
-def read_inputs(args, sft: SFTArguments) -> RunInputs:
+def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs:
     """Every file the run reads, read and checked before the argument summary, the model build or any write, each
     problem one line (exit 2): the model directory's files (`build.read_model_files`: config.json, the tokenizer,
     every safetensors header), the training and eval data tokenised (read from output_dir/.cache when it holds them;
     not written yet), the val_size split, the batch plan the arguments make of that data, and the held-out
-    conversations of the exact-match check."""
+    conversations of the exact-match check. Stage dpo: preference pairs (the embedded tasks' as pairs, in memory)."""
     _, tokenizer = read_model_files(sft.model)  # a hub id not yet here is downloaded first
     embedded = not sft.data
     train_files = sft.data or [str(TRAIN_FILE)]
     eval_files = sft.eval_data or ([str(EVAL_FILE)] if embedded else None)
-    options = dict(data_format=sft.data_format, cutoff_len=args.cutoff_len, train_on_prompt=sft.train_on_prompt,
-                   mask_history=sft.mask_history, skip_bad_examples=sft.skip_bad_examples,
-                   cache_dir=Path(args.output_dir) / ".cache", show_progress=not args.disable_tqdm, write_cache=False)
-    train_ds = load_sft_dataset(train_files, tokenizer, **options)
+    cache = dict(cache_dir=Path(args.output_dir) / ".cache", show_progress=not args.disable_tqdm, write_cache=False)
+    if sft.stage == "sft":
+        def load(files):
+            return load_sft_dataset(files, tokenizer, data_format=sft.data_format, cutoff_len=args.cutoff_len,
+                                    train_on_prompt=sft.train_on_prompt, mask_history=sft.mask_history,
+                                    skip_bad_examples=sft.skip_bad_examples, **cache)
+    else:
+        truncation = dict(max_length=args.cutoff_len, max_prompt_length=pref.max_prompt_length,
+                          truncation_mode=pref.truncation_mode, show_progress=not args.disable_tqdm)
+
+        def load(files):
+            if embedded:  # the embedded tasks, each with a plausible wrong answer rejected (trainer.tasks)
+                pairs = [preference_pair(ex) for ex in read_examples(files)]
+                return pairs_dataset(pairs, Path(files[0]).name, tokenizer, **truncation)
+            return load_preference_dataset(files, tokenizer, data_format=sft.data_format,
+                                           skip_bad_examples=sft.skip_bad_examples, **truncation,
+                                           cache_dir=cache["cache_dir"], write_cache=False)
+    train_ds = load(train_files)
     loaded, eval_ds = [train_ds], None
     if eval_files:
-        eval_ds = load_sft_dataset(eval_files, tokenizer, **options)
+        eval_ds = load(eval_files)
         loaded.append(eval_ds)
     elif sft.val_size:
         val = int(sft.val_size) if sft.val_size >= 1 else sft.val_size
@@ -455,21 +512,21 @@ def read_inputs(args, sft: SFTArguments) -> RunInputs:
     return RunInputs(train_ds, eval_ds, loaded, conversations, embedded, tokenizer)
 
 
-def resume_command(argv: list[str]) -> str:
+def resume_command(argv: list[str], stage: str = "sft") -> str:
     """The command line that continues a stopped run: the same arguments with --resume_from_checkpoint auto."""
     kept, skip_value = [], False
     for arg in argv:
         if skip_value:
             skip_value = False
-        elif arg == "--resume_from_checkpoint":
+        elif arg in ("--resume_from_checkpoint", "--stage"):  # the command names the stage
             skip_value = True
-        elif not arg.startswith("--resume_from_checkpoint="):
+        elif not arg.startswith(("--resume_from_checkpoint=", "--stage=")):
             kept.append(arg)
-    return shlex.join(["python", "-m", "trainer.sft", *kept, "--resume_from_checkpoint", "auto"])
+    return shlex.join(["python", "-m", COMMANDS[stage], *kept, "--resume_from_checkpoint", "auto"])
 
 
-def train(args, sft: SFTArguments, argv: list[str], inputs: RunInputs) -> int:
-    requested = run_arguments(args, sft)  # before anything in args is resolved (check_run compares the same)
+def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], inputs: RunInputs) -> int:
+    requested = run_arguments(args, sft, pref)  # before anything in args is resolved (check_run compares the same)
     rank, world_size = init_distributed()  # several processes under torchrun/accelerate; (0, 1) otherwise
     args.resolve_world(world_size)  # gradient_accumulation_steps from global_batch_size, before the summary shows it
     out = Path(args.output_dir)
@@ -489,7 +546,7 @@ def train(args, sft: SFTArguments, argv: list[str], inputs: RunInputs) -> int:
     if rank == 0:
         print(f"train data: {inputs.loaded[0].summary_text()}", file=sys.stderr)
         if eval_ds is not None:
-            print(f"eval data: {len(eval_ds)} examples", file=sys.stderr)
+            print(f"eval data: {len(eval_ds)} {'pairs' if sft.stage == 'dpo' else 'examples'}", file=sys.stderr)
     set_seed(args.seed)
     model, _ = build_model(sft.model, args, dtype=sft.model_dtype,
                            attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation])
@@ -498,14 +555,27 @@ def train(args, sft: SFTArguments, argv: list[str], inputs: RunInputs) -> int:
     if before is not None and rank == 0:
         print(f"exact match before training: {before:.1%} of {len(conversations)} held-out conversations", file=sys.stderr)
 
-    trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer)
+    if sft.stage == "dpo":
+        # a reference model given by name is built like the policy, without the policy's LoRA adapter
+        ref_model = None if not pref.ref_model else build_model(
+            pref.ref_model, dataclasses.replace(args, use_peft=False), dtype=sft.model_dtype,
+            attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation])[0]
+        trainer = PreferenceTrainer(model=model, args=args, pref=pref, ref_model=ref_model, train_dataset=train_ds,
+                                    eval_dataset=eval_ds, processing_class=tokenizer)
+    else:
+        trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                          processing_class=tokenizer)
+    preferred = trainer.preference_accuracy(eval_ds) if sft.stage == "dpo" and eval_ds is not None else None
+    if preferred is not None and rank == 0:
+        print(f"preference accuracy before training: {preferred:.1%} of {len(eval_ds)} held-out pairs (the chosen "
+              "answer likelier than the rejected one)", file=sys.stderr)
     started = time.perf_counter()
     output = trainer.train()
     state = trainer.state
     elapsed = time.perf_counter() - started
     if trainer.stop_signal is not None:
         print(f"stopped by {trainer.stop_signal.name} at step {state.global_step}; resume with:\n"
-              f"    {resume_command(argv)}", file=sys.stderr)
+              f"    {resume_command(argv, sft.stage)}", file=sys.stderr)
         return 128 + trainer.stop_signal
     final = trainer.save_model(args.output_dir)
     summary = {"train_runtime_s": round(elapsed, 1), "global_step": state.global_step}
@@ -515,6 +585,9 @@ def train(args, sft: SFTArguments, argv: list[str], inputs: RunInputs) -> int:
         summary["final_train_loss"] = train_logs[-1]["loss"]
     if eval_ds is not None:
         summary.update(trainer.evaluate())
+    if preferred is not None:
+        summary.update({"preference_accuracy_before": preferred,
+                        "preference_accuracy_after": trainer.preference_accuracy(eval_ds)})
     if before is not None:
         flags = exact_match_flags(model, tokenizer, conversations)
         summary.update({"exact_match_before": before, "exact_match_after": sum(flags) / len(flags)})
@@ -528,7 +601,7 @@ def train(args, sft: SFTArguments, argv: list[str], inputs: RunInputs) -> int:
         return 0
     (Path(args.output_dir) / "final_metrics.json").write_text(to_json(summary, indent=2) + "\n")
     requested.update(trainer.checkpoint_arguments)  # what ran: a resume keeps the checkpoint's learning rate, ...
-    (Path(args.output_dir) / RUN_ARGS_FILE).write_text(json.dumps(requested, indent=2, sort_keys=True) + "\n")
+    (Path(args.output_dir) / RUN_ARGS_FILES[sft.stage]).write_text(json.dumps(requested, indent=2, sort_keys=True) + "\n")
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
     print("\n".join([""] + how_to_use(final, sft.model, args.use_peft) + [
         "final metrics: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}),

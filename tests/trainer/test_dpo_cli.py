@@ -1,0 +1,76 @@
+"""`python -m trainer.dpo` (trainer/dpo.py, the sft pipeline's stage dpo) as a user runs it: a short run on the
+embedded pairs with its files and before/after figures, LlamaFactory's names, and bad input in one line, exit 2,
+nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["--model", "tiny", "--max_steps", "2", "--per_device_train_batch_size", "4", "--cutoff_len", "64",
+        "--disable_tqdm", "true", "--report_to", "jsonl", "--exact_match_examples", "0", "--plot", "false",
+        "--logging_steps", "1"]
+
+
+def run(*args, module="trainer.dpo", timeout=300):
+    env = {**os.environ, "KERNELS_BACKEND": "reference"}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_short_run_on_the_embedded_pairs(tmp_path):
+    out = tmp_path / "out"
+    done = run(*FAST, "--output_dir", str(out), "--per_device_eval_batch_size", "50")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "preference accuracy before training:" in done.stderr
+    metrics = json.loads((out / "final_metrics.json").read_text())
+    assert 0 <= metrics["preference_accuracy_before"] <= 1 and 0 <= metrics["preference_accuracy_after"] <= 1
+    assert {"eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen"} <= set(metrics)
+    saved = json.loads((out / "dpo_args.json").read_text())
+    assert saved["stage"] == "dpo" and saved["beta"] == 0.1 and saved["loss_type"] == "sigmoid"
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("rewards/margins" in row for row in logged)
+    again = run(*FAST, "--output_dir", str(out), "--per_device_eval_batch_size", "50")  # the same command: allowed
+    assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_llamafactory_yaml_runs_as_it_is(tmp_path):
+    config = tmp_path / "dpo.yaml"
+    config.write_text("stage: dpo\nmodel: tiny\npref_beta: 0.2\npref_loss: ipo\npref_ftx: 0\nmax_length: 64\n"
+                      f"output_dir: {tmp_path / 'out'}\nmax_steps: 1\nper_device_train_batch_size: 4\n"
+                      "exact_match_examples: 0\nplot: false\ndisable_tqdm: true\nreport_to: none\n")
+    done = run(str(config), module="trainer.sft")  # LlamaFactory's one command: the stage picks the trainer
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads((tmp_path / "out" / "dpo_args.json").read_text())
+    assert (saved["beta"], saved["loss_type"], saved["cutoff_len"]) == (0.2, "ipo", 64)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--beta", "0"], "error: beta=0.0: must be > 0"),
+    (["--loss_type", "kto_pair"], "loss_type"),
+    (["--train_on_prompt", "true"], "error: train_on_prompt: stage dpo trains on the answers of preference pairs"),
+    (["--batching_strategy", "padding_free"], "stage dpo batches pairs with batching_strategy='normal' only"),
+    (["--data_format", "messages"], "data_format='messages': stage dpo reads preference pairs"),
+])
+def test_bad_dpo_arguments_are_one_line(tmp_path, args, message):
+    out = tmp_path / "out"
+    done = run(*FAST, "--output_dir", str(out), *args)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not out.exists()
+
+
+def test_sft_data_given_to_dpo_and_dpo_options_given_to_sft(tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    done = run(*FAST, "--output_dir", str(tmp_path / "a"), "--data", str(data))
+    assert done.returncode == 2 and f"{data}:1: cannot tell the data format from the keys ['messages']" in done.stderr
+    done = run(*FAST, "--output_dir", str(tmp_path / "b"), "--beta", "0.3", module="trainer.sft")
+    assert done.returncode == 2 and "beta: preference options, but stage is sft" in done.stderr
