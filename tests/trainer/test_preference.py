@@ -14,23 +14,21 @@ import torch
 import torch.nn.functional as F
 
 from trainer.args import ConfigError, TrainingArguments
-from trainer.model import CausalLM, ModelConfig
+from trainer.model import CausalLM
 from trainer.preference import PreferenceArguments, PreferenceTrainer
 from trainer.preference_data import collate_pairs, load_preference_dataset
 from trainer.tasks import generate_tasks, preference_pair
 from trainer.tokenizer import byte_level_tokenizer
+
+from .test_trainer import small_model as trainer_small_model
 
 STEPS, PAIRS_PER_STEP = 4, 4
 LN2 = float(np.log(2.0))
 
 
 def small_model(seed: int = 0) -> CausalLM:
-    config = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, eos_token_id=258, pad_token_id=256)
-    model = CausalLM(config, use_kernels=False)
-    model.init_weights(seed)
-    return model
+    """test_trainer's small model with its own LM head, on the plain PyTorch path."""
+    return trainer_small_model(seed, tie_word_embeddings=False, use_kernels=False)
 
 
 @pytest.fixture(scope="module")

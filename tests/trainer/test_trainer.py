@@ -34,11 +34,11 @@ from trainer.trainer import Trainer, TrainingError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def small_model(seed: int = 0) -> CausalLM:
+def small_model(seed: int = 0, *, tie_word_embeddings: bool = True, use_kernels: bool = True) -> CausalLM:
     config = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, eos_token_id=258, pad_token_id=256)
-    model = CausalLM(config, use_kernels=True)
+                         tie_word_embeddings=tie_word_embeddings, eos_token_id=258, pad_token_id=256)
+    model = CausalLM(config, use_kernels=use_kernels)
     model.init_weights(seed)
     return model
 
