@@ -41,14 +41,16 @@ def test_a_short_run_on_the_embedded_pairs(tmp_path):
 
 
 def test_llamafactory_yaml_runs_as_it_is(tmp_path):
+    """LlamaFactory's names through trainer.sft, and a reference model given by name (built like the policy)."""
     config = tmp_path / "dpo.yaml"
-    config.write_text("stage: dpo\nmodel: tiny\npref_beta: 0.2\npref_loss: ipo\npref_ftx: 0\nmax_length: 64\n"
+    config.write_text("stage: dpo\nmodel: tiny\nref_model: tiny\npref_beta: 0.2\npref_loss: ipo\npref_ftx: 0\n"
+                      "max_length: 64\n"
                       f"output_dir: {tmp_path / 'out'}\nmax_steps: 1\nper_device_train_batch_size: 4\n"
                       "exact_match_examples: 0\nplot: false\ndisable_tqdm: true\nreport_to: none\n")
     done = run(str(config), module="trainer.sft")  # LlamaFactory's one command: the stage picks the trainer
     assert done.returncode == 0, done.stderr[-3000:]
     saved = json.loads((tmp_path / "out" / "dpo_args.json").read_text())
-    assert (saved["beta"], saved["loss_type"], saved["cutoff_len"]) == (0.2, "ipo", 64)
+    assert (saved["beta"], saved["loss_type"], saved["cutoff_len"], saved["ref_model"]) == (0.2, "ipo", 64, "tiny")
 
 
 @pytest.mark.parametrize("args, message", [
