@@ -31,7 +31,7 @@ from .checkpoint import DCP_DIR
 from .checkpoint_hf import CheckpointError, check_safetensors, load_safetensors, read_json, save_safetensors
 from .coerce import ConfigError
 from .dist import init_distributed, local_device, local_shard
-from .lora import base_name, has_adapter, init_adapter_weights
+from .lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
 from .model import CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from .parallel import apply_data_parallel, apply_transforms, load_sharded, uses_fsdp
 from .tokenizer import Tokenizer, byte_level_tokenizer
@@ -83,7 +83,8 @@ def _build(config: ModelConfig, path: Path | None, args, *, dtype, device, seed,
         load_sharded(model, None, dcp)
     else:
         if path is None:
-            ours.init_weights(seed or 0, local_shard=local_shard)
+            # the adapter's layers are init_adapter_weights' (below)
+            ours.init_weights(seed or 0, local_shard=local_shard, skip=lambda name: is_adapter_name(name + "."))
         else:
             load_state_dict_into(ours, path)
         if has_adapter(ours):  # LoRA (use_peft), injected on meta by apply_transforms: A from args.seed, B = 0

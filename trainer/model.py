@@ -54,7 +54,6 @@ import kernels
 from kernels.nn import RMSNorm as KernelRMSNorm
 
 from .attention import KVCache, make_plan
-from .lora import is_adapter_name
 
 IGNORE_INDEX = -100
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -539,9 +538,11 @@ class CausalLM(nn.Module):
         self._checkpoint_kwargs = kwargs
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, local_shard=_whole) -> None:
+    def init_weights(self, seed: int = 0, local_shard=_whole, skip=None) -> None:
         """Hugging Face's init, deterministic from `seed`: N(0, initializer_range) for linear and embedding weights
-        (padding row zeroed), zeros for biases, ones for norms; rotary buffers recomputed.
+        (padding row zeroed), zeros for biases, ones for norms; rotary buffers recomputed. `skip(module_name)`: the
+        modules a transform owns and initialises itself (build.py passes LoRA's adapter layers), drawn from nothing,
+        so the base weights are those of the model without the transform.
 
         Sharded by FSDP2 (DTensor parameters), pass `local_shard=trainer.dist.local_shard`: every rank draws each
         full weight in the same order from the same generator and keeps only its own rows, so the shards are
@@ -550,7 +551,7 @@ class CausalLM(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         std = self.config.initializer_range
         for name, module in self.named_modules():
-            if is_adapter_name(name + "."):  # a LoRA adapter's layers: trainer.lora.init_adapter_weights draws them
+            if skip is not None and skip(name):
                 continue
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.lm_head and self.config.tie_word_embeddings:

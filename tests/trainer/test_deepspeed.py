@@ -112,8 +112,12 @@ def test_absent_batch_keys_follow_the_arguments(tmp_path, capsys):
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (3, 5, 30)
     out = tmp_path / "o"
-    assert sft.main(["--model", "tiny", "--output_dir", str(out), "--deepspeed", str(path), "--max_steps", "1",
-                     "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--plot", "false"]) == 0
+    try:
+        assert sft.main(["--model", "tiny", "--output_dir", str(out), "--deepspeed", str(path), "--max_steps", "1",
+                         "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--plot", "false"]) == 0
+    finally:  # the engine set up a one-process group in this process; later tests make their own
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert json.loads((out / "final_metrics.json").read_text())["global_step"] == 1
     assert "Traceback" not in capsys.readouterr().err
 
