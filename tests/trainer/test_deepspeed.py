@@ -15,6 +15,7 @@ Tolerance: as tests/trainer/test_distributed.py (the same fp32 terms summed in a
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -112,12 +113,16 @@ def test_absent_batch_keys_follow_the_arguments(tmp_path, capsys):
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (3, 5, 30)
     out = tmp_path / "o"
+    environ = dict(os.environ)
     try:
         assert sft.main(["--model", "tiny", "--output_dir", str(out), "--deepspeed", str(path), "--max_steps", "1",
                          "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--plot", "false"]) == 0
-    finally:  # the engine set up a one-process group in this process; later tests make their own
+    finally:  # the engine set up a one-process group (and its RANK/WORLD_SIZE/... variables) in this process;
+        # later tests in this process make their own, or none
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
     assert json.loads((out / "final_metrics.json").read_text())["global_step"] == 1
     assert "Traceback" not in capsys.readouterr().err
 

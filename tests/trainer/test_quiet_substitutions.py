@@ -210,9 +210,9 @@ def test_changed_data_is_one_line_not_a_traceback(stopped_run, tmp_path, capsys)
 # ---- item 14: cutoff_len against the model's context ---------------------------------------------------------
 def test_cutoff_len_beyond_the_model_context_is_a_warning(tmp_path, capsys):
     for cutoff, warned in ((2048, False), (110_000, True)):
-        args, extra = parse_args(["--output_dir", str(tmp_path / "o"), "--cutoff_len", str(cutoff)],
-                                 extra_dataclasses=(sft.SFTArguments,))
-        sft.check_run(args, extra)
+        args, extra, pref = parse_args(["--output_dir", str(tmp_path / "o"), "--cutoff_len", str(cutoff)],
+                                       extra_dataclasses=(sft.SFTArguments, sft.PreferenceArguments))
+        sft.check_run(args, extra, pref)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == int(warned), err
     assert err[0].startswith("warning: cutoff_len 110,000 exceeds max_position_embeddings 2,048 of preset 'tiny'")

@@ -153,9 +153,10 @@ def test_a_different_run_never_replaces_a_trained_model_but_the_same_command_run
     line = _one_line_error(capsys)
     assert "already holds checkpoints of another run" in line and "--overwrite_output_dir to overcome" in line
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == saved
-    args, sft_args = sft.parse_args([str(sft.DEMO_CONFIG), "--output_dir", str(out), "--max_steps", "2",
-                                     "--overwrite_output_dir"], extra_dataclasses=(sft.SFTArguments,))
-    sft.check_run(args, sft_args)  # asked for: allowed
+    args, sft_args, pref = sft.parse_args([str(sft.DEMO_CONFIGS["sft"]), "--output_dir", str(out), "--max_steps", "2",
+                                           "--overwrite_output_dir"],
+                                          extra_dataclasses=(sft.SFTArguments, sft.PreferenceArguments))
+    sft.check_run(args, sft_args, pref)  # asked for: allowed
     assert sft.main(["--output_dir", str(out), *FEW_STEPS]) == 0  # the same command again
     assert json.loads((out / "final_metrics.json").read_text())["global_step"] == 3
 
