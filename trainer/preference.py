@@ -42,6 +42,11 @@ from .preference_data import TRUNCATION_MODES, PreferenceDataset, collate_pairs
 from .trainer import Trainer
 
 REFERENCE_FREE_LOSSES = ("orpo", "simpo")
+# What evaluate() reports, as eval_<name> (metric_for_best_model may name any): the loss, the evaluation's timing,
+# and kernels.preference_loss's metrics (nll_loss with rpo_alpha, orpo and simpo; the log odds with orpo)
+EVAL_METRICS = ("loss", "runtime", "samples_per_second", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
+                "log_odds_ratio", "log_odds_chosen")
 
 
 @dataclass
@@ -201,8 +206,11 @@ class PreferenceTrainer(Trainer):
         return self._take_metrics("train")
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """The Trainer's evaluation (the mean preference loss over the pairs) with TRL's metrics; no perplexity,
+        which exp(a preference loss) is not (TRL's DPOTrainer reports none)."""
         self._sums.pop("eval", None)
         metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        metrics.pop(f"{metric_key_prefix}_perplexity", None)
         return {**metrics, **self._take_metrics("eval", f"{metric_key_prefix}_")}
 
     @torch.no_grad()

@@ -64,7 +64,7 @@ from .evaluation import EVAL_METRICS
 from .metrics import plot_loss_curve
 from .lora import import_peft, lora_config
 from .model import CausalLM, ModelError, context_length_warning, generate
-from .preference import PreferenceArguments, PreferenceTrainer
+from .preference import EVAL_METRICS as PREFERENCE_EVAL_METRICS, PreferenceArguments, PreferenceTrainer
 from .preference_data import PREFERENCE_FORMATS, load_preference_dataset, pairs_dataset
 from .resume import check_resume_arguments, saved_arguments
 from .tasks import EVAL_FILE, TRAIN_FILE, kind_of, preference_pair
@@ -359,9 +359,10 @@ def _check_eval_data(args, sft: SFTArguments) -> None:
                           "--eval_data FILE or --val_size N (held out of --data), or turn evaluation off "
                           "(--eval_strategy no, no --eval_on_start)")
     best = args.metric_for_best_model
-    if best and best.removeprefix("eval_") not in EVAL_METRICS:  # the command has no compute_metrics
+    reported = PREFERENCE_EVAL_METRICS if sft.stage == "dpo" else EVAL_METRICS
+    if best and best.removeprefix("eval_") not in reported:  # the command has no compute_metrics
         raise ConfigError(f"metric_for_best_model={best!r}: the evaluation reports "
-                          f"{', '.join(EVAL_METRICS)} (as eval_<name> or <name>)")
+                          f"{', '.join(reported)} (as eval_<name> or <name>)")
 
 
 def _check_context_length(args, sft: SFTArguments) -> None:

@@ -26,7 +26,9 @@ def run(*args, module="trainer.dpo", timeout=300):
 
 def test_a_short_run_on_the_embedded_pairs(tmp_path):
     out = tmp_path / "out"
-    done = run(*FAST, "--output_dir", str(out), "--per_device_eval_batch_size", "50")
+    best = ["--eval_strategy", "steps", "--eval_steps", "2", "--save_steps", "2",
+            "--metric_for_best_model", "rewards/accuracies"]
+    done = run(*FAST, "--output_dir", str(out), "--per_device_eval_batch_size", "50", *best)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "preference accuracy before training:" in done.stderr
     metrics = json.loads((out / "final_metrics.json").read_text())
@@ -36,7 +38,9 @@ def test_a_short_run_on_the_embedded_pairs(tmp_path):
     assert saved["stage"] == "dpo" and saved["beta"] == 0.1 and saved["loss_type"] == "sigmoid"
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("rewards/margins" in row for row in logged)
-    again = run(*FAST, "--output_dir", str(out), "--per_device_eval_batch_size", "50")  # the same command: allowed
+    state = json.loads(next(out.glob("checkpoint-*/trainer_state.json")).read_text())
+    assert state["best_metric"] == metrics["eval_rewards/accuracies"]  # TRL's metric picks the best checkpoint
+    again = run(*FAST, "--output_dir", str(out), "--per_device_eval_batch_size", "50", *best)  # the same: allowed
     assert again.returncode == 0, again.stderr[-2000:]
 
 
@@ -59,6 +63,8 @@ def test_llamafactory_yaml_runs_as_it_is(tmp_path):
     (["--train_on_prompt", "true"], "error: train_on_prompt: stage dpo trains on the answers of preference pairs"),
     (["--batching_strategy", "padding_free"], "stage dpo batches pairs with batching_strategy='normal' only"),
     (["--data_format", "messages"], "data_format='messages': stage dpo reads preference pairs"),
+    (["--metric_for_best_model", "perplexity", "--eval_strategy", "steps"],
+     "metric_for_best_model='perplexity': the evaluation reports loss, runtime, samples_per_second, rewards/chosen"),
 ])
 def test_bad_dpo_arguments_are_one_line(tmp_path, args, message):
     out = tmp_path / "out"

@@ -109,6 +109,7 @@ def test_first_step_metrics_have_trls_names_and_values(tmp_path, pairs, tokenize
     assert any("rewards/margins" in row for row in written)
     metrics = trainer.evaluate(pairs)
     assert {"eval_loss", "eval_rewards/chosen", "eval_rewards/accuracies", "eval_logps/rejected"} <= set(metrics)
+    assert "eval_perplexity" not in metrics  # exp(a preference loss) is no perplexity
 
 
 @pytest.mark.parametrize("source", ["given", "precomputed"])
