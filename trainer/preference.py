@@ -149,8 +149,9 @@ class PreferenceTrainer(Trainer):
     # ---- the loss -------------------------------------------------------------------------------------------
     def _sequence_logps(self, model, batch, device) -> kernels.PreferenceLogps:
         """Each row's answer log-probability sum, count and mean logit, through the model's forward."""
+        accepted = forward_params(model)  # inspect.signature: once per call, not once per key
         inputs = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask", "position_ids")
-                  if k in forward_params(model) or "**" in forward_params(model)}
+                  if k in accepted or "**" in accepted}
         # labels stay on the host (the fused op skips the prompt rows without a device sync); FSDP2 moves
         # tensor arguments, so they travel in a holder (see Trainer._compute_loss)
         labels = HostLabels(batch["labels"]) if is_fsdp(model) else batch["labels"]
