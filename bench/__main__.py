@@ -20,8 +20,8 @@ import importlib
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -32,7 +32,16 @@ if not torch.cuda.is_available():
 
 from bench import common  # noqa: E402
 
-OPS = ("rms_norm", "cross_entropy", "fused_linear_cross_entropy", "fused_linear_preference", "adamw", "neftune", "rope", "swiglu")
+OPS = (
+    "rms_norm",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+    "fused_linear_preference",
+    "adamw",
+    "neftune",
+    "rope",
+    "swiglu",
+)
 # Row keys that identify a shape (in this order in the label); the rest are measurements or context.
 SHAPE_KEYS = ("mode", "model", "shape", "tokens", "hidden", "vocab", "dtype")
 SPEEDUP = "speedup_vs_"
@@ -63,7 +72,7 @@ def speedup_series(rows: list[dict]) -> tuple[list[str], dict[str, list[float | 
         if len(ops) > 1:
             parts.insert(0, str(r.get("op")))
         labels.append(" ".join(parts))
-    baselines = sorted({k[len(SPEEDUP):] for r in ours for k in r if k.startswith(SPEEDUP)})
+    baselines = sorted({k[len(SPEEDUP) :] for r in ours for k in r if k.startswith(SPEEDUP)})
     for b in baselines:
         series[b] = [r.get(SPEEDUP + b) for r in ours]
     return labels, series
@@ -84,8 +93,9 @@ def _draw(ax, op: str, rows: list[dict]) -> bool:
     ax.set_ylabel("speed-up (baseline time / ours)")
     first = rows[0]
     note = "" if first.get("perf_figure") else "\nCPU run (reference / Triton interpreter): not performance figures"
-    ax.set_title(f"{op} on {first.get('device')} ({first.get('date', '')[:10]}, {first.get('git_sha')}){note}",
-                 fontsize=9)
+    ax.set_title(
+        f"{op} on {first.get('device')} ({first.get('date', '')[:10]}, {first.get('git_sha')}){note}", fontsize=9
+    )
     ax.legend(fontsize=8)
     return True
 
@@ -135,8 +145,13 @@ def summary_lines(results: dict[str, list[dict]], failures: dict[str, str]) -> l
 
 
 def summary(results: dict[str, list[dict]], failures: dict[str, str], out: Path) -> Path:
-    lines = ["# Kernel benchmarks: speed-ups of this run", "",
-             "Rows in <op>.jsonl / <op>.md, charts <op>.png.", "", *summary_lines(results, failures)]
+    lines = [
+        "# Kernel benchmarks: speed-ups of this run",
+        "",
+        "Rows in <op>.jsonl / <op>.md, charts <op>.png.",
+        "",
+        *summary_lines(results, failures),
+    ]
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -165,7 +180,9 @@ def parse_ops(text: str) -> list[str] | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="forwarded to every benchmark: tiny shapes (CPU smoke run)")
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     p.add_argument("--only", default=",".join(OPS), help=f"comma-separated subset of {', '.join(OPS)}")

@@ -84,14 +84,18 @@ def traffic_parts(variant: str, numels: list[int]) -> dict[str, tuple[int, int]]
     model = BYTE_MODELS[variant.removesuffix("_cuda")]
     n = sum(numels)
     programs = sum(-(-k // BLOCK) for k in numels)
-    return {"_adamw_kernel": (int(model.read * n) + PROGRAM_READ_BYTES * programs, int(model.write * n)),
-            "aten._foreach_add_": (4 * len(numels), 4 * len(numels))}
+    return {
+        "_adamw_kernel": (int(model.read * n) + PROGRAM_READ_BYTES * programs, int(model.write * n)),
+        "aten._foreach_add_": (4 * len(numels), 4 * len(numels)),
+    }
 
 
 def traffic_model(variant: str, numels: list[int]) -> tuple[int, int]:
     """(read, write) bytes of one step (`traffic_parts` summed)."""
     parts = traffic_parts(variant, numels).values()
     return sum(r for r, _ in parts), sum(w for _, w in parts)
+
+
 # (layers, hidden, intermediate, heads, kv heads, vocab)
 MODELS = {
     "llama-3.2-1b": (16, 2048, 8192, 32, 8, 128256),
@@ -104,7 +108,9 @@ def _exact_byte_model(variant: str, numels: list[int]) -> common.ByteModel:
     """Per element: `traffic_model`'s exact bytes and the per-element minimum."""
     n = sum(numels)
     per_elem = BYTE_MODELS[variant]
-    return common.ByteModel.from_totals(traffic_model(variant, numels), (per_elem.min_read * n, per_elem.min_write * n), n)
+    return common.ByteModel.from_totals(
+        traffic_model(variant, numels), (per_elem.min_read * n, per_elem.min_write * n), n
+    )
 
 
 def llama_shapes(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int) -> list[tuple]:
@@ -164,8 +170,11 @@ def bench_variant(variant: str, shapes: list[tuple], quick: bool) -> dict:
         **timing,
         **common.physics(timing["ms"], bytes_moved=bytes_per_elem * numel),
         "peak_extra_bytes": peak,
-        **(_exact_byte_model(variant, [p.numel() for p in params]).columns(numel, timing["ms"])
-           if variant in BYTE_MODELS else {}),
+        **(
+            _exact_byte_model(variant, [p.numel() for p in params]).columns(numel, timing["ms"])
+            if variant in BYTE_MODELS
+            else {}
+        ),
     }
     del params, opt
     if common.on_gpu():

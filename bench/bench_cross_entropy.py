@@ -70,8 +70,18 @@ def _bwd_programs(n_elements: int, cuda: bool) -> int:
     return max(1, min(-(-n_elements // block), 1024 if cuda else 4))
 
 
-def traffic_parts(mode: str, n_tokens: int, vocab: int, elt: int, n_ignored: int = 0, *, target_elt: int = 8,
-                  mean: bool = True, grad_output_one: bool = True, cuda: bool = True) -> dict[str, tuple[int, int]]:
+def traffic_parts(
+    mode: str,
+    n_tokens: int,
+    vocab: int,
+    elt: int,
+    n_ignored: int = 0,
+    *,
+    target_elt: int = 8,
+    mean: bool = True,
+    grad_output_one: bool = True,
+    cuda: bool = True,
+) -> dict[str, tuple[int, int]]:
     """Exact (read, write) bytes per Triton kernel of our cross-entropy for `mode` ("forward" with a gradient, as
     the bench runs it; "forward_nograd"; "backward"; "full"), N = n_tokens rows of `vocab` logits of `elt` bytes,
     n_ignored of them ignore_index. mean: reduction "mean" (the forward reads the fp32 1/denominator once per
@@ -81,7 +91,10 @@ def traffic_parts(mode: str, n_tokens: int, vocab: int, elt: int, n_ignored: int
     n, v, k = n_tokens, vocab, n_tokens - n_ignored
     out = {}
     if mode == "forward_nograd":
-        out["_cross_entropy_fwd_kernel"] = (n * target_elt + k * (v + 1) * elt, 8 * n)  # targets, x_y + 1 pass; loss, lse
+        out["_cross_entropy_fwd_kernel"] = (
+            n * target_elt + k * (v + 1) * elt,
+            8 * n,
+        )  # targets, x_y + 1 pass; loss, lse
     if mode in ("forward", "full"):
         read = n * target_elt + k * (2 * v + 1) * elt + (4 * k if mean else 0)  # targets; x_y + two passes; scale
         out["_cross_entropy_fwd_kernel"] = (read, 4 * n + 4 * n + n * v * elt)  # loss, lse, the gradient
@@ -107,8 +120,11 @@ def min_traffic(mode: str, n_tokens: int, vocab: int, elt: int, n_ignored: int =
 
 def byte_model(mode: str, n_tokens: int, vocab: int, elt: int, n_ignored: int = 0) -> common.ByteModel:
     """Our bytes read/written per logit element and the minimum (module docstring; exact totals / (N * V))."""
-    return common.ByteModel.from_totals(traffic_model(mode, n_tokens, vocab, elt, n_ignored, cuda=common.on_gpu()),
-                                        min_traffic(mode, n_tokens, vocab, elt, n_ignored), n_tokens * vocab)
+    return common.ByteModel.from_totals(
+        traffic_model(mode, n_tokens, vocab, elt, n_ignored, cuda=common.on_gpu()),
+        min_traffic(mode, n_tokens, vocab, elt, n_ignored),
+        n_tokens * vocab,
+    )
 
 
 def _liger():
@@ -169,8 +185,15 @@ def bench_one(provider, n_tokens, vocab, dtype, compile_backend, dev, reps=3, va
         else:
             t = {k: t_full[k] - t_fwd[k] for k in ("ms", "ms_p20", "ms_p80")}
             nbytes = logits_bytes
-        row = {"op": "cross_entropy", "provider": provider, "mode": mode, "tokens": n_tokens, "vocab": vocab,
-               "dtype": str(dtype).replace("torch.", ""), "label_smoothing": label_smoothing}
+        row = {
+            "op": "cross_entropy",
+            "provider": provider,
+            "mode": mode,
+            "tokens": n_tokens,
+            "vocab": vocab,
+            "dtype": str(dtype).replace("torch.", ""),
+            "label_smoothing": label_smoothing,
+        }
         if provider == "ours":
             row["variant"] = variant
         row.update(t)
@@ -198,17 +221,29 @@ def add_speedups(rows, keys=("mode", "tokens", "vocab", "dtype")):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--quick", action="store_true", help="one tiny shape (CPU smoke run)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--tokens", type=int, nargs="*", help="override the token counts")
     parser.add_argument("--vocab", type=int, nargs="*", help="override the vocabulary sizes")
     parser.add_argument("--providers", nargs="*", choices=PROVIDERS, default=list(PROVIDERS))
-    parser.add_argument("--variant", choices=(*FWD_VARIANTS, "all"), default="default",
-                        help="our forward kernel's variant (kernels/cross_entropy.py FWD_VARIANTS); all: each as its own row")
-    parser.add_argument("--label-smoothing", type=float, default=0.0, help="for every provider (default 0; the GPU "
-                        "target is stated at 0.1)")
-    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for torch_compile (default inductor)")
+    parser.add_argument(
+        "--variant",
+        choices=(*FWD_VARIANTS, "all"),
+        default="default",
+        help="our forward kernel's variant (kernels/cross_entropy.py FWD_VARIANTS); all: each as its own row",
+    )
+    parser.add_argument(
+        "--label-smoothing",
+        type=float,
+        default=0.0,
+        help="for every provider (default 0; the GPU target is stated at 0.1)",
+    )
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend for torch_compile (default inductor)"
+    )
     args = parser.parse_args(argv)
     if not 0.0 <= args.label_smoothing <= 1.0:
         parser.error(f"--label-smoothing {args.label_smoothing} must be in [0, 1]")
@@ -226,8 +261,17 @@ def main(argv=None):
         variants = FWD_VARIANTS if args.variant == "all" else (args.variant,)
         runs = [(p, v) for p in args.providers for v in (variants if p == "ours" else ("default",))]
         for provider, variant in runs:
-            result = bench_one(provider, n_tokens, vocab, DTYPES[args.dtype], args.compile_backend, dev,
-                               reps=1 if args.quick else 3, variant=variant, label_smoothing=args.label_smoothing)
+            result = bench_one(
+                provider,
+                n_tokens,
+                vocab,
+                DTYPES[args.dtype],
+                args.compile_backend,
+                dev,
+                reps=1 if args.quick else 3,
+                variant=variant,
+                label_smoothing=args.label_smoothing,
+            )
             if result is None:
                 print(f"skip {provider}: not installed")
                 continue

@@ -70,11 +70,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch.nn.functional as F  # noqa: E402
 
 import kernels  # noqa: E402
-from bench import common  # noqa: E402
-from bench import bench_cross_entropy  # noqa: E402
+from bench import (
+    bench_cross_entropy,  # noqa: E402
+    common,  # noqa: E402
+)
 from bench.bench_cross_entropy import DTYPES, add_speedups  # noqa: E402
 from kernels.fused_linear_cross_entropy import (  # noqa: E402
-    _chunk_rows, _vocab_tile, fused_linear_cross_entropy, fused_linear_cross_entropy_ref,
+    _chunk_rows,
+    _vocab_tile,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_ref,
 )
 
 PROVIDERS = ("ours", "torch", "torch_ref", "torch_compile", "liger")
@@ -137,8 +142,15 @@ def bench_one(provider, n_tokens, hdim, vocab, dtype, ignored, compile_backend, 
     for mode in MODES:
         t, flops = times[mode], {"forward": 1, "backward": 2, "full": 3}[mode] * matmul
         row = {
-            "op": "fused_linear_cross_entropy", "provider": provider, "mode": mode, "tokens": n_tokens,
-            "hidden": hdim, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""), "ignored": ignored, "derived": mode == "backward",
+            "op": "fused_linear_cross_entropy",
+            "provider": provider,
+            "mode": mode,
+            "tokens": n_tokens,
+            "hidden": hdim,
+            "vocab": vocab,
+            "dtype": str(dtype).replace("torch.", ""),
+            "ignored": ignored,
+            "derived": mode == "backward",
         }
         row.update(t)
         if t["ms"] > 0:  # a derived backward can come out <= 0 within timing noise on a CPU
@@ -156,8 +168,19 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ignored: int = 0, *, w: int | None = None,
-                  cuda: bool = True, reduction: str = "mean", loss_size: int | None = None) -> dict[str, tuple[int, int]]:
+def traffic_parts(
+    mode: str,
+    n_tokens: int,
+    hdim: int,
+    vocab: int,
+    s: int,
+    n_ignored: int = 0,
+    *,
+    w: int | None = None,
+    cuda: bool = True,
+    reduction: str = "mean",
+    loss_size: int | None = None,
+) -> dict[str, tuple[int, int]]:
     """(read, write) bytes of every launch of our op, summed per kernel or torch op name, for `mode` ("forward" with
     every gradient, as the bench runs it; "backward" with grad_output 1; "full"): hidden (N, H) of element size s,
     weight (V, H) of element size w (default s), no bias, int64 targets on the host with n_ignored ignored,
@@ -186,16 +209,22 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
             if accumulate:
                 add("aten._to_copy", m_rows * cols * out_size, 4 * m_rows * cols)
             add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
-            add("aten.addmm" if accumulate else "aten.mm",
-                4 * (m_rows * inner + inner * cols) + (4 * m_rows * cols if accumulate else 0), 4 * m_rows * cols)
+            add(
+                "aten.addmm" if accumulate else "aten.mm",
+                4 * (m_rows * inner + inner * cols) + (4 * m_rows * cols if accumulate else 0),
+                4 * m_rows * cols,
+            )
             add("aten.copy_", 4 * m_rows * cols, out_size * m_rows * cols)
             return
         if a_size != 4 and not cuda:  # upcast copies first
             add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
             a_size = b_size = 4
         name = ("aten.addmm_" if a_size == 4 else "aten.addmm") if accumulate else "aten.mm"  # addmm: out_dtype
-        add(name, m_rows * inner * a_size + inner * cols * b_size + (out_size * m_rows * cols if accumulate else 0),
-            out_size * m_rows * cols)
+        add(
+            name,
+            m_rows * inner * a_size + inner * cols * b_size + (out_size * m_rows * cols if accumulate else 0),
+            out_size * m_rows * cols,
+        )
 
     def bwd_scale(numel, out_size, in_place):
         """cross_entropy_bwd on a flat gradient with a 0-d grad_output of 1 (in the loss's dtype, s)."""
@@ -299,7 +328,9 @@ def traffic_parts(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ign
     return {name: (r, wr) for name, (r, wr) in parts.items()}
 
 
-def traffic_model(mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ignored: int = 0, **kwargs) -> tuple[int, int]:
+def traffic_model(
+    mode: str, n_tokens: int, hdim: int, vocab: int, s: int, n_ignored: int = 0, **kwargs
+) -> tuple[int, int]:
     """(read, write) bytes of our op (`traffic_parts` summed)."""
     parts = traffic_parts(mode, n_tokens, hdim, vocab, s, n_ignored, **kwargs).values()
     return sum(r for r, _ in parts), sum(w for _, w in parts)
@@ -327,15 +358,21 @@ def add_memory_ratio(rows, keys=KEYS):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--quick", action="store_true", help="one tiny shape (CPU smoke run)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--tokens", type=int, nargs="*", help="override the token counts")
     parser.add_argument("--hidden", type=int, nargs="*", help="override the hidden sizes")
     parser.add_argument("--vocab", type=int, nargs="*", help="override the vocabulary sizes")
     parser.add_argument("--providers", nargs="*", choices=PROVIDERS, default=list(PROVIDERS))
-    parser.add_argument("--ignored", type=float, nargs="*", default=list(IGNORED), help="fractions of ignored targets (default 0 0.5)")
-    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for torch_compile (default inductor)")
+    parser.add_argument(
+        "--ignored", type=float, nargs="*", default=list(IGNORED), help="fractions of ignored targets (default 0 0.5)"
+    )
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend for torch_compile (default inductor)"
+    )
     args = parser.parse_args(argv)
     bad = [f for f in args.ignored if not 0.0 <= f < 1.0]
     if bad:
@@ -353,7 +390,17 @@ def main(argv=None):
     for (n_tokens, hdim, vocab), ignored in ((shape, f) for shape in shapes for f in args.ignored):
         shape_rows = []
         for provider in args.providers:
-            result = bench_one(provider, n_tokens, hdim, vocab, DTYPES[args.dtype], ignored, args.compile_backend, dev, reps=1 if args.quick else 3)
+            result = bench_one(
+                provider,
+                n_tokens,
+                hdim,
+                vocab,
+                DTYPES[args.dtype],
+                ignored,
+                args.compile_backend,
+                dev,
+                reps=1 if args.quick else 3,
+            )
             if result is None:
                 print(f"skip {provider}: not installed")
                 continue
@@ -366,7 +413,8 @@ def main(argv=None):
         print(
             f"{row['provider']:>13} {row['mode']:>8} N={row['tokens']} H={row['hidden']} V={row['vocab']} "
             f"ignored={row['ignored']:g} {row['ms']:.3f} ms"
-            + (f" {row['tflop_s']:.3g} TFLOP/s" if row.get("tflop_s") else "") + common.byte_model_text(row)
+            + (f" {row['tflop_s']:.3g} TFLOP/s" if row.get("tflop_s") else "")
+            + common.byte_model_text(row)
         )
     path = common.write_rows("fused_linear_cross_entropy", rows)
     print(f"wrote {path}")

@@ -128,19 +128,32 @@ def bench_one(provider, pairs, seq_len, hdim, vocab, dtype, prompt, dev, reps=3)
         times, peak = common.mode_times(forward, full, reset, reps)
     n_seqs, s = 2 * pairs, hidden.element_size()
     n_rows, n_ignored = n_seqs * seq_len, int((target == -100).sum())
-    logits_flops = 2 * n_rows * hdim * vocab  # eager: reference and policy logits forward, the policy's gradients backward
+    logits_flops = (
+        2 * n_rows * hdim * vocab
+    )  # eager: reference and policy logits forward, the policy's gradients backward
     out = {}
     for mode in MODES:
         t, flops = times[mode], {"forward": 2, "backward": 2, "full": 4}[mode] * logits_flops
-        row = {"op": "fused_linear_preference", "provider": provider, "mode": mode, "pairs": pairs, "seq_len": seq_len,
-               "hidden": hdim, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""), "prompt": prompt,
-               "derived": mode == "backward"}
+        row = {
+            "op": "fused_linear_preference",
+            "provider": provider,
+            "mode": mode,
+            "pairs": pairs,
+            "seq_len": seq_len,
+            "hidden": hdim,
+            "vocab": vocab,
+            "dtype": str(dtype).replace("torch.", ""),
+            "prompt": prompt,
+            "derived": mode == "backward",
+        }
         row.update(t)
         if t["ms"] > 0:  # a derived backward can come out <= 0 within timing noise on a CPU
             row.update(common.physics(t["ms"], flops=flops))
             if provider == "ours":
                 row["matmul_flops_ours"] = step_flops(mode, n_seqs, seq_len, hdim, vocab, n_ignored, s)
-                row.update(byte_model(mode, s, n_seqs, seq_len, hdim, vocab, n_ignored).columns(n_rows * vocab, t["ms"]))
+                row.update(
+                    byte_model(mode, s, n_seqs, seq_len, hdim, vocab, n_ignored).columns(n_rows * vocab, t["ms"])
+                )
         row["peak_extra_bytes"] = peak
         row["peak_extra_over_logits"] = None if peak is None else peak / (n_rows * vocab * s)
         out[mode] = row
@@ -163,15 +176,29 @@ def step_flops(mode, n_seqs, seq_len, hdim, vocab, n_ignored, w):
     return {"forward": 2 * forward, "backward": backward, "full": 2 * forward + backward}[mode]
 
 
-def traffic_parts(mode: str, n_seqs: int, seq_len: int, hdim: int, vocab: int, s: int, n_ignored: int = 0, *,
-                  w: int | None = None, cuda: bool = True) -> dict[str, tuple[int, int]]:
+def traffic_parts(
+    mode: str,
+    n_seqs: int,
+    seq_len: int,
+    hdim: int,
+    vocab: int,
+    s: int,
+    n_ignored: int = 0,
+    *,
+    w: int | None = None,
+    cuda: bool = True,
+) -> dict[str, tuple[int, int]]:
     """(read, write) bytes of one call of our op per kernel or torch op name (module docstring): hidden (S, T, H) of
     s bytes, weight (V, H) of w bytes (default s; w != s is autocast), no bias, host targets, n_ignored ignored."""
     w = s if w is None else w
     n, h, v, n_s = n_seqs * seq_len, hdim, vocab, n_seqs
     k = n - n_ignored
-    parts = {name: list(rw) for name, rw in bench_flce.traffic_parts(
-        mode, n, h, v, s, n_ignored, w=w, cuda=cuda, reduction="none", loss_size=4).items()}
+    parts = {
+        name: list(rw)
+        for name, rw in bench_flce.traffic_parts(
+            mode, n, h, v, s, n_ignored, w=w, cuda=cuda, reduction="none", loss_size=4
+        ).items()
+    }
 
     def add(name, read, write):
         acc = parts.setdefault(name, [0, 0])
@@ -209,15 +236,18 @@ def traffic_parts(mode: str, n_seqs: int, seq_len: int, hdim: int, vocab: int, s
     return {name: (r, wr) for name, (r, wr) in parts.items()}
 
 
-def traffic_model(mode: str, n_seqs: int, seq_len: int, hdim: int, vocab: int, s: int, n_ignored: int = 0,
-                  **kwargs) -> tuple[int, int]:
+def traffic_model(
+    mode: str, n_seqs: int, seq_len: int, hdim: int, vocab: int, s: int, n_ignored: int = 0, **kwargs
+) -> tuple[int, int]:
     """(read, write) bytes of the bench's step: the reference forward, the policy forward and (full) its backward."""
     calls = {"forward": ("forward", "forward"), "backward": ("backward",), "full": ("forward", "full")}[mode]
     totals = [traffic_parts(m, n_seqs, seq_len, hdim, vocab, s, n_ignored, **kwargs).values() for m in calls]
     return sum(r for parts in totals for r, _ in parts), sum(w for parts in totals for _, w in parts)
 
 
-def min_traffic(mode: str, n_seqs: int, seq_len: int, hdim: int, vocab: int, s: int, n_ignored: int = 0) -> tuple[int, int]:
+def min_traffic(
+    mode: str, n_seqs: int, seq_len: int, hdim: int, vocab: int, s: int, n_ignored: int = 0
+) -> tuple[int, int]:
     """The least the step moves: the kept rows of both hidden states and both weights read once; the gradients written once."""
     n = n_seqs * seq_len
     read = 2 * ((n - n_ignored) * hdim + vocab * hdim) * s
@@ -225,7 +255,9 @@ def min_traffic(mode: str, n_seqs: int, seq_len: int, hdim: int, vocab: int, s: 
     return {"forward": (read, 0), "full": (read, write), "backward": (0, write)}[mode]
 
 
-def byte_model(mode: str, s: int, n_seqs: int, seq_len: int, hdim: int, vocab: int, n_ignored: int = 0) -> common.ByteModel:
+def byte_model(
+    mode: str, s: int, n_seqs: int, seq_len: int, hdim: int, vocab: int, n_ignored: int = 0
+) -> common.ByteModel:
     """Our bytes read/written per logit element of the policy's N x V and the minimum (module docstring)."""
     ours = traffic_model(mode, n_seqs, seq_len, hdim, vocab, s, n_ignored, cuda=common.on_gpu())
     minimum = min_traffic(mode, n_seqs, seq_len, hdim, vocab, s, n_ignored)
@@ -233,12 +265,15 @@ def byte_model(mode: str, s: int, n_seqs: int, seq_len: int, hdim: int, vocab: i
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--quick", action="store_true", help="one tiny shape (CPU smoke run)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--providers", nargs="*", choices=PROVIDERS, default=list(PROVIDERS))
-    parser.add_argument("--prompt", type=float, default=0.5, help="fraction of each sequence that is prompt (default 0.5)")
+    parser.add_argument(
+        "--prompt", type=float, default=0.5, help="fraction of each sequence that is prompt (default 0.5)"
+    )
     args = parser.parse_args(argv)
     if not 0.0 <= args.prompt < 1.0:
         parser.error(f"--prompt {args.prompt} must be a fraction in [0, 1)")
@@ -249,8 +284,9 @@ def main(argv=None):
     for pairs, seq_len, hdim, vocab in shapes:
         shape_rows = []
         for provider in args.providers:
-            result, why = bench_one(provider, pairs, seq_len, hdim, vocab, DTYPES[args.dtype], args.prompt, dev,
-                                    reps=1 if args.quick else 3)
+            result, why = bench_one(
+                provider, pairs, seq_len, hdim, vocab, DTYPES[args.dtype], args.prompt, dev, reps=1 if args.quick else 3
+            )
             if result is None:
                 print(f"skip {provider}: {why}")
                 continue
@@ -260,9 +296,12 @@ def main(argv=None):
         rows.extend(shape_rows)
     for row in rows:
         row.update(env)
-        print(f"{row['provider']:>6} {row['mode']:>8} P={row['pairs']} T={row['seq_len']} H={row['hidden']} V={row['vocab']} "
-              f"prompt={row['prompt']:g} {row['ms']:.3f} ms" + (f" {row['tflop_s']:.3g} TFLOP/s" if row.get("tflop_s") else "")
-              + common.byte_model_text(row))
+        print(
+            f"{row['provider']:>6} {row['mode']:>8} P={row['pairs']} T={row['seq_len']} H={row['hidden']} V={row['vocab']} "
+            f"prompt={row['prompt']:g} {row['ms']:.3f} ms"
+            + (f" {row['tflop_s']:.3g} TFLOP/s" if row.get("tflop_s") else "")
+            + common.byte_model_text(row)
+        )
     path = common.write_rows("fused_linear_preference", rows)
     print(f"wrote {path}")
     return rows

@@ -84,13 +84,17 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="one tiny shape and few repetitions (CPU smoke run)")
     p.add_argument("--shapes", type=str, default=None, help="comma-separated BxTxD (default: by device)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--alpha", type=float, default=5.0, help="NEFTune alpha (default 5.0)")
     p.add_argument(
-        "--compile-backend", default="inductor", help="torch.compile backend for the hf_compile baseline (default inductor)"
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend for the hf_compile baseline (default inductor)",
     )
     args = p.parse_args(argv)
     if args.alpha < 0 or not math.isfinite(args.alpha):
@@ -119,9 +123,12 @@ def bench_shape(shape, dtype_name: str, alpha: float, compile_backend: str, quic
     }
     bytes_min = 2 * e.numel() * e.element_size()
     s = e.element_size()
-    byte_models = {name: common.ByteModel.from_totals(traffic_model(B, T, d, s, mask=name == "ours_mask"),
-                                                      min_traffic(B, T, d, s), e.numel())
-                   for name in ("ours", "ours_mask")}
+    byte_models = {
+        name: common.ByteModel.from_totals(
+            traffic_model(B, T, d, s, mask=name == "ours_mask"), min_traffic(B, T, d, s), e.numel()
+        )
+        for name in ("ours", "ours_mask")
+    }
     path = "triton" if use_triton(e) else "reference"
     timings = {name: common.measure(fn, **reps) for name, fn in impls.items()}
     env = common.env_info()
@@ -157,8 +164,10 @@ def main(argv=None) -> list[dict]:
     path = common.write_rows("neftune", rows)
     for r in rows:
         gbs = f"{r['gb_s']:.1f} GB/s" if r.get("gb_s") is not None else ""
-        print(f"{r['shape']:>14} {r['dtype']} {r['impl']:<11} {r['ms']:.4f} ms  {gbs}  x{r['speedup_vs_hf_eager']:.2f} vs hf_eager"
-              + common.byte_model_text(r))
+        print(
+            f"{r['shape']:>14} {r['dtype']} {r['impl']:<11} {r['ms']:.4f} ms  {gbs}  x{r['speedup_vs_hf_eager']:.2f} vs hf_eager"
+            + common.byte_model_text(r)
+        )
     print(f"rows -> {path}")
     return rows
 

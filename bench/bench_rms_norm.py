@@ -69,8 +69,15 @@ if not torch.cuda.is_available():
 
 import kernels  # noqa: E402
 from bench import common  # noqa: E402
-from kernels.rms_norm import (_CPU_BWD_PROGRAMS, bwd_launch_config, fused_add_rms_norm,  # noqa: E402
-                              fused_add_rms_norm_ref, launch_config, rms_norm, rms_norm_ref)
+from kernels.rms_norm import (
+    _CPU_BWD_PROGRAMS,
+    bwd_launch_config,
+    fused_add_rms_norm,  # noqa: E402
+    fused_add_rms_norm_ref,
+    launch_config,
+    rms_norm,
+    rms_norm_ref,
+)
 
 OPS = ("rms_norm", "fused_add_rms_norm")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -92,6 +99,7 @@ def _liger_fn(op: str):
         return None, f"liger-kernel not importable ({exc.__class__.__name__}); pip install liger-kernel"
     # casting_mode "gemma" is fp32 until the final cast, the same semantics as ours.
     if op == "fused_add_rms_norm":
+
         def liger(x, r, w, eps, offset):
             return LigerFusedAddRMSNormFunction.apply(x, r, w, eps, offset, "gemma", False)
 
@@ -100,8 +108,10 @@ def _liger_fn(op: str):
 
 
 def _providers(op: str, compile_backend: str) -> dict:
-    fn, ref = {"rms_norm": (rms_norm, rms_norm_ref),
-               "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_ref)}[op]
+    fn, ref = {
+        "rms_norm": (rms_norm, rms_norm_ref),
+        "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_ref),
+    }[op]
 
     def ours(*args):
         with kernels.backend("triton"):
@@ -133,21 +143,35 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bwd_programs(m: int, n: int, max_block: int | None = None, num_programs: int | None = None,
-                 bf16: bool = True) -> int:
+def bwd_programs(
+    m: int, n: int, max_block: int | None = None, num_programs: int | None = None, bf16: bool = True
+) -> int:
     """Programs of the backward launch, so rows of the dweight partial buffer (kernels/rms_norm.py's rule)."""
     if num_programs is None:
-        num_programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count if common.on_gpu() else _CPU_BWD_PROGRAMS
+        num_programs = (
+            2 * torch.cuda.get_device_properties(0).multi_processor_count if common.on_gpu() else _CPU_BWD_PROGRAMS
+        )
     block_m = bwd_launch_config(m, n, bf16, max_block)[0]
     tiles = _cdiv(m, block_m)
     rows_per_prog = _cdiv(tiles, min(num_programs, tiles)) * block_m
     return _cdiv(m, rows_per_prog)
 
 
-def traffic_parts(mode: str, m: int, n: int, s: int, w: int, *, max_block: int | None = None,
-                  num_programs: int | None = None, compute_dw: bool = True, weight_once: bool = False,
-                  residual_size: int | None = None, grad_h: bool = True,
-                  fp16: bool = False) -> dict[str, tuple[int, int]]:
+def traffic_parts(
+    mode: str,
+    m: int,
+    n: int,
+    s: int,
+    w: int,
+    *,
+    max_block: int | None = None,
+    num_programs: int | None = None,
+    compute_dw: bool = True,
+    weight_once: bool = False,
+    residual_size: int | None = None,
+    grad_h: bool = True,
+    fp16: bool = False,
+) -> dict[str, tuple[int, int]]:
     """Exact (read, write) bytes per launch of our RMSNorm on an (m, n) x of element size s, weight of size w; with
     residual_size, of fused_add_rms_norm(x, residual) (h, normed and the gradients at both outputs in
     promote(x, residual)'s size, dresidual in the residual's, dx in x's when it differs: written by the same launch;
@@ -183,7 +207,10 @@ def traffic_parts(mode: str, m: int, n: int, s: int, w: int, *, max_block: int |
             read = rows_in + weight + 4 * m  # weight per program, rstd
         else:
             tiles = _cdiv(m, block_m)
-            out["_rms_norm_bwd_rowdot_kernel"] = (2 * mn * h + (1 if weight_once else tiles) * n * w + 4 * m, 4 * m)  # -> c
+            out["_rms_norm_bwd_rowdot_kernel"] = (
+                2 * mn * h + (1 if weight_once else tiles) * n * w + 4 * m,
+                4 * m,
+            )  # -> c
             col_blocks = _cdiv(n, block_n)
             read = rows_in + weight + col_blocks * 2 * 4 * m  # rstd and c per column block
         dx = mn * (residual_size + (s if s != residual_size else 0)) if add else mn * s
@@ -236,8 +263,9 @@ def _case(fn, mode, inputs, grads, eps, offset):
     return lambda: torch.autograd.grad(fn(*leaves, eps, offset), leaves, grads)
 
 
-def run(shapes, dtype, modes, providers, *, op="rms_norm", offset=0.0, eps=1e-6, compile_backend="inductor",
-        cpu_reps=3):
+def run(
+    shapes, dtype, modes, providers, *, op="rms_norm", offset=0.0, eps=1e-6, compile_backend="inductor", cpu_reps=3
+):
     fns = {k: v for k, v in _providers(op, compile_backend).items() if k in providers}
     dev = common.device()
     env = common.env_info()
@@ -260,19 +288,29 @@ def run(shapes, dtype, modes, providers, *, op="rms_norm", offset=0.0, eps=1e-6,
                 t = common.measure(step, cpu_reps=cpu_reps)
                 moved = _bytes(mode, m, n, x.element_size(), w.element_size(), residual_size)
                 row = {
-                    "op": op, "provider": name, "mode": mode, "tokens": m, "hidden": n,
-                    "dtype": str(dtype).replace("torch.", ""), "offset": offset,
+                    "op": op,
+                    "provider": name,
+                    "mode": mode,
+                    "tokens": m,
+                    "hidden": n,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "offset": offset,
                     "compile_backend": compile_backend if name == "torch_compile" else None,
-                    **t, "bytes": moved, **common.physics(t["ms"], bytes_moved=moved),
+                    **t,
+                    "bytes": moved,
+                    **common.physics(t["ms"], bytes_moved=moved),
                     "peak_extra_bytes": common.peak_extra_memory(step) if mode == "full" else None,
                     **env,
                 }
                 if name == "ours":
-                    row.update(byte_model(mode, m, n, x.element_size(), w.element_size(), residual_size).columns(
-                        m * n, t["ms"]))
+                    row.update(
+                        byte_model(mode, m, n, x.element_size(), w.element_size(), residual_size).columns(
+                            m * n, t["ms"]
+                        )
+                    )
                 timings[name] = t["ms"]
                 rows.append(row)
-            common.finish_case(rows[-len(fns):], timings, f"{m}x{n} {mode:8s}")
+            common.finish_case(rows[-len(fns) :], timings, f"{m}x{n} {mode:8s}")
     return rows
 
 
@@ -280,8 +318,13 @@ def main(argv=None):
     ap = common.provider_parser(__doc__, DTYPES, MODES, PROVIDERS, "activation and weight dtype")
     ap.add_argument("--tokens", nargs="+", type=int, help="rows (batch x sequence); default: real-model sweep on GPU")
     ap.add_argument("--hidden", nargs="+", type=int, help="hidden sizes; default: real-model sweep on GPU")
-    ap.add_argument("--op", nargs="+", choices=OPS, default=["rms_norm"],
-                    help="RMSNorm and/or the fused residual add + RMSNorm (rows say which in `op`)")
+    ap.add_argument(
+        "--op",
+        nargs="+",
+        choices=OPS,
+        default=["rms_norm"],
+        help="RMSNorm and/or the fused residual add + RMSNorm (rows say which in `op`)",
+    )
     ap.add_argument("--offset", type=float, default=0.0, help="0 (Llama) or 1 (Gemma)")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the compiled baseline")
     args = ap.parse_args(argv)
@@ -292,10 +335,20 @@ def main(argv=None):
         shapes = list(CPU_SHAPES)
     else:
         shapes = [(t, h) for t in GPU_TOKENS for h in GPU_HIDDEN]
-    rows = [row for op in args.op for row in run(
-        shapes, DTYPES[args.dtype], args.modes, args.providers, op=op,
-        offset=args.offset, compile_backend=args.compile_backend, cpu_reps=1 if args.quick else 5,
-    )]
+    rows = [
+        row
+        for op in args.op
+        for row in run(
+            shapes,
+            DTYPES[args.dtype],
+            args.modes,
+            args.providers,
+            op=op,
+            offset=args.offset,
+            compile_backend=args.compile_backend,
+            cpu_reps=1 if args.quick else 5,
+        )
+    ]
     path = common.write_rows("rms_norm", rows)
     print(f"wrote {len(rows)} rows to {path}")
     return rows

@@ -141,11 +141,21 @@ def run(shapes, dtype, modes, providers, *, shared_cos=True, compile_backend="in
                 t = common.measure(step, cpu_reps=cpu_reps)
                 moved = _bytes(mode, B, T, Hq, Hkv, D, Bc, s, c)
                 row = {
-                    "op": "rope", "provider": name, "mode": mode, "shape": f"{B}x{T}x{Hq}/{Hkv}x{D}",
-                    "batch": B, "seq": T, "q_heads": Hq, "kv_heads": Hkv, "head_dim": D, "cos_batch": Bc,
+                    "op": "rope",
+                    "provider": name,
+                    "mode": mode,
+                    "shape": f"{B}x{T}x{Hq}/{Hkv}x{D}",
+                    "batch": B,
+                    "seq": T,
+                    "q_heads": Hq,
+                    "kv_heads": Hkv,
+                    "head_dim": D,
+                    "cos_batch": Bc,
                     "dtype": str(dtype).replace("torch.", ""),
                     "compile_backend": compile_backend if name == "torch_compile" else None,
-                    **t, "bytes": moved, **common.physics(t["ms"], bytes_moved=moved),
+                    **t,
+                    "bytes": moved,
+                    **common.physics(t["ms"], bytes_moved=moved),
                     "peak_extra_bytes": common.peak_extra_memory(step) if mode == "full" else None,
                     **env,
                 }
@@ -153,16 +163,27 @@ def run(shapes, dtype, modes, providers, *, shared_cos=True, compile_backend="in
                     row.update(byte_model(mode, B, Hq, Hkv, Bc, s, c).columns((Hq + Hkv) * B * T * D, t["ms"]))
                 timings[name] = t["ms"]
                 rows.append(row)
-            common.finish_case(rows[-len(fns):], timings, f"{B}x{T}x{Hq}/{Hkv}x{D} {mode:8s}")
+            common.finish_case(rows[-len(fns) :], timings, f"{B}x{T}x{Hq}/{Hkv}x{D} {mode:8s}")
     return rows
 
 
 def main(argv=None):
     ap = common.provider_parser(__doc__, DTYPES, MODES, PROVIDERS, "q and k dtype (cos/sin are fp32)")
-    ap.add_argument("--shapes", nargs="+", type=parse_shape, metavar="BxT",
-                    help=f"batch x sequence; default on GPU: {' '.join(GPU_SHAPES)}")
-    ap.add_argument("--heads", nargs=3, type=int, metavar=("HQ", "HKV", "D"), default=list(HEADS),
-                    help="query heads, key/value heads, head_dim (default: Llama-3-8B's 32 8 128)")
+    ap.add_argument(
+        "--shapes",
+        nargs="+",
+        type=parse_shape,
+        metavar="BxT",
+        help=f"batch x sequence; default on GPU: {' '.join(GPU_SHAPES)}",
+    )
+    ap.add_argument(
+        "--heads",
+        nargs=3,
+        type=int,
+        metavar=("HQ", "HKV", "D"),
+        default=list(HEADS),
+        help="query heads, key/value heads, head_dim (default: Llama-3-8B's 32 8 128)",
+    )
     ap.add_argument("--per-row-cos", action="store_true", help="cos/sin (B, T, D) (packed rows) instead of (1, T, D)")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the compiled baseline")
     args = ap.parse_args(argv)
@@ -171,8 +192,15 @@ def main(argv=None):
         shapes = [(b, t, *args.heads) for b, t in (args.shapes or [parse_shape(x) for x in GPU_SHAPES])]
     else:
         shapes = list(CPU_SHAPES)
-    rows = run(shapes, DTYPES[args.dtype], args.modes, args.providers, shared_cos=not args.per_row_cos,
-               compile_backend=args.compile_backend, cpu_reps=1 if args.quick else 5)
+    rows = run(
+        shapes,
+        DTYPES[args.dtype],
+        args.modes,
+        args.providers,
+        shared_cos=not args.per_row_cos,
+        compile_backend=args.compile_backend,
+        cpu_reps=1 if args.quick else 5,
+    )
     path = common.write_rows("rope", rows)
     print(f"wrote {len(rows)} rows to {path}")
     return rows

@@ -68,7 +68,11 @@ def _providers(compile_backend: str) -> dict:
         with kernels.backend("triton"):
             return swiglu(gate, up)
 
-    fns = {"ours": ours, "torch": _eager, "torch_compile": torch.compile(_eager, backend=compile_backend, dynamic=False)}
+    fns = {
+        "ours": ours,
+        "torch": _eager,
+        "torch_compile": torch.compile(_eager, backend=compile_backend, dynamic=False),
+    }
     liger, why = _liger_fn()
     if liger is not None:
         fns["liger"] = liger
@@ -129,10 +133,16 @@ def run(shapes, dtype, modes, providers, *, compile_backend="inductor", cpu_reps
                 t = common.measure(step, cpu_reps=cpu_reps)
                 moved = _bytes(mode, m * n, gate.element_size())
                 row = {
-                    "op": "swiglu", "provider": name, "mode": mode, "tokens": m, "hidden": n,
+                    "op": "swiglu",
+                    "provider": name,
+                    "mode": mode,
+                    "tokens": m,
+                    "hidden": n,
                     "dtype": str(dtype).replace("torch.", ""),
                     "compile_backend": compile_backend if name == "torch_compile" else None,
-                    **t, "bytes": moved, **common.physics(t["ms"], bytes_moved=moved),
+                    **t,
+                    "bytes": moved,
+                    **common.physics(t["ms"], bytes_moved=moved),
                     "peak_extra_bytes": common.peak_extra_memory(step) if mode == "full" else None,
                     **env,
                 }
@@ -140,7 +150,7 @@ def run(shapes, dtype, modes, providers, *, compile_backend="inductor", cpu_reps
                     row.update(byte_model(mode, gate.element_size()).columns(m * n, t["ms"]))
                 timings[name] = t["ms"]
                 rows.append(row)
-            common.finish_case(rows[-len(fns):], timings, f"{m}x{n} {mode:8s}")
+            common.finish_case(rows[-len(fns) :], timings, f"{m}x{n} {mode:8s}")
     return rows
 
 
@@ -157,8 +167,14 @@ def main(argv=None):
         shapes = list(CPU_SHAPES)
     else:
         shapes = [(t, i) for t in GPU_TOKENS for i in GPU_INTER]
-    rows = run(shapes, DTYPES[args.dtype], args.modes, args.providers, compile_backend=args.compile_backend,
-               cpu_reps=1 if args.quick else 5)
+    rows = run(
+        shapes,
+        DTYPES[args.dtype],
+        args.modes,
+        args.providers,
+        compile_backend=args.compile_backend,
+        cpu_reps=1 if args.quick else 5,
+    )
     path = common.write_rows("swiglu", rows)
     print(f"wrote {len(rows)} rows to {path}")
     return rows

@@ -83,22 +83,46 @@ from bench import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("ours", "hf", "hf_liger", "ours_lora", "hf_lora")
-LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+LORA = dict(
+    r=16,
+    lora_alpha=32,
+    lora_dropout=0.0,
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+)
 # Architecture dims only (random init); Hugging Face config keys. tiny = trainer.build.PRESETS["tiny"].
 MODELS = {
     "tiny": None,
     "qwen2.5-0.5b": {  # Qwen2.5-0.5B's dims in a Llama architecture (no qkv bias)
-        "model_type": "llama", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
-        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "initializer_range": 0.02,
-        "eos_token_id": 258, "pad_token_id": 256,
+        "model_type": "llama",
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+        "eos_token_id": 258,
+        "pad_token_id": 256,
     },
     "llama-3.2-1b": {
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True, "initializer_range": 0.02,
-        "eos_token_id": 258, "pad_token_id": 256,
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+        "eos_token_id": 258,
+        "pad_token_id": 256,
     },
 }
 EVAL_BLOCKS = 8  # held-out blocks for the final loss
@@ -205,11 +229,26 @@ def worker(spec: dict) -> dict:
     train, heldout = blocks(spec)
     bf16 = device.type == "cuda"
     common_args = dict(
-        output_dir=spec["output_dir"], per_device_train_batch_size=spec["micro_batch"],
-        gradient_accumulation_steps=spec["grad_accum"], max_steps=spec["steps"], learning_rate=spec["lr"],
-        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.1, lr_scheduler_type="constant",
-        warmup_steps=0, max_grad_norm=1.0, seed=spec["seed"], bf16=bf16, eval_strategy="no", save_strategy="no",
-        logging_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=spec["grad_accum"],
+        max_steps=spec["steps"],
+        learning_rate=spec["lr"],
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-8,
+        weight_decay=0.1,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        seed=spec["seed"],
+        bf16=bf16,
+        eval_strategy="no",
+        save_strategy="no",
+        logging_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
         gradient_checkpointing=False,
     )
     if device.type == "cuda":
@@ -219,18 +258,26 @@ def worker(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     if impl.startswith("ours"):
         from trainer.args import TrainingArguments
-        from trainer.callbacks import TrainerCallback
         from trainer.build import load_pretrained
+        from trainer.callbacks import TrainerCallback
         from trainer.trainer import Trainer
 
         model = load_pretrained(spec["model_dir"], dtype=torch.float32, device=device, use_kernels=True)
-        lora = dict(use_peft=True, lora_r=LORA["r"], lora_alpha=LORA["lora_alpha"], lora_dropout=LORA["lora_dropout"],
-                    lora_target_modules=LORA["target_modules"]) if impl == "ours_lora" else {}
+        lora = (
+            dict(
+                use_peft=True,
+                lora_r=LORA["r"],
+                lora_alpha=LORA["lora_alpha"],
+                lora_dropout=LORA["lora_dropout"],
+                lora_target_modules=LORA["target_modules"],
+            )
+            if impl == "ours_lora"
+            else {}
+        )
         args = TrainingArguments(**common_args, optim=spec["our_optim"], use_kernels=True, **lora)
     else:
         import transformers
-        from transformers import LlamaForCausalLM, TrainerCallback, TrainingArguments
-        from transformers import Trainer
+        from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
         transformers.logging.set_verbosity_error()
         model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
@@ -253,8 +300,8 @@ def worker(spec: dict) -> dict:
         raise RuntimeError(f"{impl}: {len(clock.times)} steps ran, {spec['steps']} expected")
     timed = spec["steps"] - w
     step_tokens = spec["micro_batch"] * spec["grad_accum"] * spec["seq_len"]
-    step_s = sorted(b - a for a, b in zip(clock.times[w - 1:], clock.times[w:]))  # (timed,) per-step seconds
-    median_s = step_s[len(step_s) // 2] if len(step_s) % 2 else sum(step_s[len(step_s) // 2 - 1:][:2]) / 2
+    step_s = sorted(b - a for a, b in zip(clock.times[w - 1 :], clock.times[w:]))  # (timed,) per-step seconds
+    median_s = step_s[len(step_s) // 2] if len(step_s) % 2 else sum(step_s[len(step_s) // 2 - 1 :][:2]) / 2
     if device.type == "cuda":
         peak, kind = torch.cuda.max_memory_allocated() / 1e9, "cuda_max_allocated"
     else:
@@ -262,12 +309,18 @@ def worker(spec: dict) -> dict:
 
         peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "cpu_max_rss"
     return {
-        "status": "ok", "tokens_per_s": step_tokens / median_s, "tokens_per_s_mean": step_tokens * timed / sum(step_s),
-        "timed_steps": timed, "train_wall_s": wall, "step_ms": 1e3 * median_s, "peak_memory_gb": peak,
+        "status": "ok",
+        "tokens_per_s": step_tokens / median_s,
+        "tokens_per_s_mean": step_tokens * timed / sum(step_s),
+        "timed_steps": timed,
+        "train_wall_s": wall,
+        "step_ms": 1e3 * median_s,
+        "peak_memory_gb": peak,
         "peak_memory_kind": kind,
         # The memory ladder's probes skip it: its (rows, T, vocab) fp32 logits at long T would be the peak.
         "final_loss": heldout_loss(trainer.model if impl.startswith("ours") else model, heldout, device)
-        if spec.get("eval_loss", True) else None,
+        if spec.get("eval_loss", True)
+        else None,
     }
 
 
@@ -287,7 +340,7 @@ def run_worker(spec: dict, timeout: float) -> dict:
         tail = (out.stderr.strip().splitlines() or ["(no stderr)"])[-1]
         oom = "OutOfMemoryError" in out.stderr or "out of memory" in out.stderr
         return {"status": "oom" if oom else "error", "reason": tail[:300]}
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -309,10 +362,20 @@ def skip_reason(impl: str) -> str | None:
 
 def base_spec(args, model_dir: Path, out_dir: Path, config: dict) -> dict:
     return {
-        "model_dir": str(model_dir), "output_dir": str(out_dir), "vocab_size": config["vocab_size"],
-        "seq_len": args.seq_len, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
-        "steps": args.steps, "warmup_steps": args.warmup_steps, "lr": args.lr, "seed": args.seed, "data": args.data,
-        "our_optim": args.our_optim, "hf_optim": args.hf_optim, "threads": args.threads,
+        "model_dir": str(model_dir),
+        "output_dir": str(out_dir),
+        "vocab_size": config["vocab_size"],
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "lr": args.lr,
+        "seed": args.seed,
+        "data": args.data,
+        "our_optim": args.our_optim,
+        "hf_optim": args.hf_optim,
+        "threads": args.threads,
         "max_memory_gb": args.max_memory_gb,
     }
 
@@ -342,8 +405,11 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
             r = run_worker(spec, args.timeout)
             runs.setdefault(impl, []).append(r)
             if r["status"] == "ok":
-                print(f"{impl:9s} run {rep}: {r['tokens_per_s']:10.1f} tok/s  {r['step_ms']:8.1f} ms/step (median)  "
-                      f"peak {r['peak_memory_gb']:.3f} GB ({r['peak_memory_kind']})  loss {r['final_loss']:.4f}", flush=True)
+                print(
+                    f"{impl:9s} run {rep}: {r['tokens_per_s']:10.1f} tok/s  {r['step_ms']:8.1f} ms/step (median)  "
+                    f"peak {r['peak_memory_gb']:.3f} GB ({r['peak_memory_kind']})  loss {r['final_loss']:.4f}",
+                    flush=True,
+                )
             else:
                 print(f"{impl:9s} run {rep}: {r['status']}: {r.get('reason')}", flush=True)
     for impl in active:
@@ -353,18 +419,30 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
             continue
         # The repeat with the median tokens/s stands for the configuration; all repeats' tokens/s are kept.
         ok.sort(key=lambda r: r["tokens_per_s"])
-        results[impl] = {**ok[(len(ok) - 1) // 2], "repeats": len(ok),
-                         "tokens_per_s_all": [round(r["tokens_per_s"], 2) for r in ok]}
+        results[impl] = {
+            **ok[(len(ok) - 1) // 2],
+            "repeats": len(ok),
+            "tokens_per_s_all": [round(r["tokens_per_s"], 2) for r in ok],
+        }
     env = common.env_info()
     rows = []
     for impl, r in results.items():
         row = {
-            "bench": "train", "impl": impl, "model": args.model, "data": args.data,
-            "n_params": config_params(config), "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-            "grad_accum": args.grad_accum, "global_batch_tokens": args.micro_batch * args.grad_accum * args.seq_len,
-            "steps": args.steps, "precision": "bf16-autocast" if torch.cuda.is_available() else "fp32",
-            "optim": args.our_optim if impl.startswith("ours") else args.hf_optim, "torch_threads": args.threads,
-            "load_avg_1min_at_start": load_avg, **r,
+            "bench": "train",
+            "impl": impl,
+            "model": args.model,
+            "data": args.data,
+            "n_params": config_params(config),
+            "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch,
+            "grad_accum": args.grad_accum,
+            "global_batch_tokens": args.micro_batch * args.grad_accum * args.seq_len,
+            "steps": args.steps,
+            "precision": "bf16-autocast" if torch.cuda.is_available() else "fp32",
+            "optim": args.our_optim if impl.startswith("ours") else args.hf_optim,
+            "torch_threads": args.threads,
+            "load_avg_1min_at_start": load_avg,
+            **r,
         }
         if r["status"] == "ok":
             row["mfu"] = fpt * r["tokens_per_s"] / peak if peak else None
@@ -388,7 +466,9 @@ def config_params(config: dict) -> int:
 LADDERS = ("micro_batch", "seq_len")
 
 
-def memory_ladder(args, config: dict, model_dir: Path, tmp: Path, ladder: str, deadline: float | None = None) -> list[dict]:
+def memory_ladder(
+    args, config: dict, model_dir: Path, tmp: Path, ladder: str, deadline: float | None = None
+) -> list[dict]:
     """Per configuration, the largest `ladder` value (micro batch at --seq-len, or sequence length at micro batch 1)
     that trains 2 optimizer steps without running out of memory.
 
@@ -400,16 +480,20 @@ def memory_ladder(args, config: dict, model_dir: Path, tmp: Path, ladder: str, d
     finish by it, leaving the bracket found so far. Rows: one "train_memory_rung" per probe (status, peak memory)
     and one "train_memory" per configuration (max_fit, first_oom)."""
     env = common.env_info()
-    first, top = ((args.micro_batch, args.ladder_max_micro_batch) if ladder == "micro_batch"
-                  else (args.seq_len, args.ladder_max_seq_len))
+    first, top = (
+        (args.micro_batch, args.ladder_max_micro_batch)
+        if ladder == "micro_batch"
+        else (args.seq_len, args.ladder_max_seq_len)
+    )
     fixed = {"seq_len": args.seq_len} if ladder == "micro_batch" else {"micro_batch": 1}
     rows: list[dict] = []
     longest_probe = 0.0
     for impl in args.configs:
         reason = skip_reason(impl)
         if reason:
-            rows.append({"bench": "train_memory", "impl": impl, "ladder": ladder, "status": "skipped", "reason": reason,
-                         **env})
+            rows.append(
+                {"bench": "train_memory", "impl": impl, "ladder": ladder, "status": "skipped", "reason": reason, **env}
+            )
             continue
         stopped: str | None = None
 
@@ -423,18 +507,40 @@ def memory_ladder(args, config: dict, model_dir: Path, tmp: Path, ladder: str, d
                     stopped = "time budget spent"
                     return None
             shape = {**fixed, ladder: value}
-            spec = {**base_spec(args, model_dir, tmp / f"{impl}_{ladder}_{value}", config), "impl": impl,
-                    **shape, "grad_accum": 1, "steps": 2, "warmup_steps": 1, "data": "synthetic", "eval_loss": False}
+            spec = {
+                **base_spec(args, model_dir, tmp / f"{impl}_{ladder}_{value}", config),
+                "impl": impl,
+                **shape,
+                "grad_accum": 1,
+                "steps": 2,
+                "warmup_steps": 1,
+                "data": "synthetic",
+                "eval_loss": False,
+            }
             t0 = time.monotonic()
             r = run_worker(spec, budget)
             longest_probe = max(longest_probe, time.monotonic() - t0)
-            rows.append({"bench": "train_memory_rung", "impl": impl, "model": args.model, "ladder": ladder, **shape,
-                         "status": r["status"], "peak_memory_gb": r.get("peak_memory_gb"),
-                         "peak_memory_kind": r.get("peak_memory_kind"), "reason": r.get("reason"),
-                         "probe_s": round(time.monotonic() - t0, 1), **env})
-            print(f"{impl:9s} {ladder}={value:6d} ({', '.join(f'{k}={v}' for k, v in fixed.items())}): {r['status']}"
-                  + (f" peak {r['peak_memory_gb']:.2f} GB" if r.get("peak_memory_gb") is not None else "")
-                  + (f" ({r['reason']})" if r["status"] not in ("ok", "oom") else ""), flush=True)
+            rows.append(
+                {
+                    "bench": "train_memory_rung",
+                    "impl": impl,
+                    "model": args.model,
+                    "ladder": ladder,
+                    **shape,
+                    "status": r["status"],
+                    "peak_memory_gb": r.get("peak_memory_gb"),
+                    "peak_memory_kind": r.get("peak_memory_kind"),
+                    "reason": r.get("reason"),
+                    "probe_s": round(time.monotonic() - t0, 1),
+                    **env,
+                }
+            )
+            print(
+                f"{impl:9s} {ladder}={value:6d} ({', '.join(f'{k}={v}' for k, v in fixed.items())}): {r['status']}"
+                + (f" peak {r['peak_memory_gb']:.2f} GB" if r.get("peak_memory_gb") is not None else "")
+                + (f" ({r['reason']})" if r["status"] not in ("ok", "oom") else ""),
+                flush=True,
+            )
             if r["status"] in ("ok", "oom"):
                 return r["status"] == "ok"
             stopped = f"{r['status']} at {ladder}={value}: {r.get('reason')}"
@@ -460,12 +566,23 @@ def memory_ladder(args, config: dict, model_dir: Path, tmp: Path, ladder: str, d
             n_probes += 1
             bisections += 1
             good, bad = (mid, bad) if fit else (good, mid)
-        rows.append({
-            "bench": "train_memory", "impl": impl, "model": args.model, "ladder": ladder, **fixed,
-            "max_fit": good or None, "first_oom": bad, "capped_at": top if bad is None and stopped is None else None,
-            "probes": n_probes, "stopped": stopped, "status": "ok" if stopped is None else "incomplete",
-            "precision": "bf16-autocast" if torch.cuda.is_available() else "fp32", **env,
-        })
+        rows.append(
+            {
+                "bench": "train_memory",
+                "impl": impl,
+                "model": args.model,
+                "ladder": ladder,
+                **fixed,
+                "max_fit": good or None,
+                "first_oom": bad,
+                "capped_at": top if bad is None and stopped is None else None,
+                "probes": n_probes,
+                "stopped": stopped,
+                "status": "ok" if stopped is None else "incomplete",
+                "precision": "bf16-autocast" if torch.cuda.is_available() else "fp32",
+                **env,
+            }
+        )
     summaries = {r["impl"]: r for r in rows if r["bench"] == "train_memory" and r.get("max_fit")}
     hf = summaries.get("hf")
     for impl, r in summaries.items():
@@ -475,8 +592,12 @@ def memory_ladder(args, config: dict, model_dir: Path, tmp: Path, ladder: str, d
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model, short run (the CPU comparison, a couple of minutes)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model, short run (the CPU comparison, a couple of minutes)"
+    )
     p.add_argument("--model", choices=sorted(MODELS), default=None, help="default: llama-3.2-1b on GPU, tiny on CPU")
     p.add_argument("--data", choices=("tasks", "synthetic"), default="tasks")
     p.add_argument("--seq-len", type=int, default=None)
@@ -484,29 +605,65 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup-steps", type=int, default=None, help="steps left out of tokens/s (compile, caches)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per configuration, alternating order; the "
-                   "median run is reported (default 3 on a CPU, whose cores are shared; 1 on a GPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per worker (default 1 on a "
-                   "CPU: on shared cores a 2-thread op waits for its slower thread; the torch default on a GPU)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs per configuration, alternating order; the "
+        "median run is reported (default 3 on a CPU, whose cores are shared; 1 on a GPU)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads per worker (default 1 on a "
+        "CPU: on shared cores a 2-thread op waits for its slower thread; the torch default on a GPU)",
+    )
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     p.add_argument("--our-optim", default="adamw_fused", help="our Trainer's optim (default: its default)")
     p.add_argument("--hf-optim", default="adamw_torch_fused", help="HF Trainer's optim (default: its default)")
-    p.add_argument("--memory-ladder", default=None, help=f"comma-separated ladders of {', '.join(LADDERS)}: the "
-                   "largest micro batch (at --seq-len) / sequence length (at micro batch 1, from --seq-len) per "
-                   "configuration, instead of the comparison")
-    p.add_argument("--ladder-max-micro-batch", type=int, default=None, help="highest micro batch rung (default 256 "
-                   "on a GPU, 2 x --micro-batch on a CPU)")
-    p.add_argument("--ladder-max-seq-len", type=int, default=None, help="highest sequence length rung (default "
-                   "131072 on a GPU, 2 x --seq-len on a CPU)")
-    p.add_argument("--ladder-bisect", type=int, default=1 << 30, help="most bisection probes between the last fit "
-                   "and the first OOM (default: until they are adjacent)")
-    p.add_argument("--max-memory-gb", type=float, default=None, help="cap each worker's CUDA memory "
-                   "(torch.cuda.set_per_process_memory_fraction), e.g. 79.6 to ladder an H100's memory on an H200")
+    p.add_argument(
+        "--memory-ladder",
+        default=None,
+        help=f"comma-separated ladders of {', '.join(LADDERS)}: the "
+        "largest micro batch (at --seq-len) / sequence length (at micro batch 1, from --seq-len) per "
+        "configuration, instead of the comparison",
+    )
+    p.add_argument(
+        "--ladder-max-micro-batch",
+        type=int,
+        default=None,
+        help="highest micro batch rung (default 256 on a GPU, 2 x --micro-batch on a CPU)",
+    )
+    p.add_argument(
+        "--ladder-max-seq-len",
+        type=int,
+        default=None,
+        help="highest sequence length rung (default 131072 on a GPU, 2 x --seq-len on a CPU)",
+    )
+    p.add_argument(
+        "--ladder-bisect",
+        type=int,
+        default=1 << 30,
+        help="most bisection probes between the last fit and the first OOM (default: until they are adjacent)",
+    )
+    p.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=None,
+        help="cap each worker's CUDA memory "
+        "(torch.cuda.set_per_process_memory_fraction), e.g. 79.6 to ladder an H100's memory on an H200",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
-    p.add_argument("--budget-s", type=float, default=None, help="memory ladder: start no probe that might not end "
-                   "within this many seconds of the start (the bracket found so far is reported)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="memory ladder: start no probe that might not end "
+        "within this many seconds of the start (the bracket found so far is reported)",
+    )
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -555,8 +712,11 @@ def main(argv=None) -> list[dict]:
         write_model(config, args.seed, tmp / "model")
         if args.memory_ladder:
             deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
-            rows = [r for ladder in args.memory_ladder
-                    for r in memory_ladder(args, config, tmp / "model", tmp, ladder, deadline)]
+            rows = [
+                r
+                for ladder in args.memory_ladder
+                for r in memory_ladder(args, config, tmp / "model", tmp, ladder, deadline)
+            ]
             path = common.write_rows("train_memory", rows)
         else:
             rows = compare(args, config, tmp / "model", tmp)

@@ -40,9 +40,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -79,10 +79,16 @@ def git_sha() -> str:
     if not (ROOT / ".git").exists():
         return os.environ.get("GIT_SHA", "").strip() or "unknown"
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
         sha = out.stdout.strip() or "unknown"
         status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
         return sha + ("+dirty" if status.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
@@ -95,8 +101,12 @@ def driver_version() -> str:
     if not on_gpu() or shutil.which("nvidia-smi") is None:
         return ABSENT
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.SubprocessError):
         return ABSENT
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ABSENT
@@ -104,7 +114,11 @@ def driver_version() -> str:
 
 def env_info() -> dict:
     """Device, driver, date, versions, git sha and the command line: the context columns of every result row."""
-    name = torch.cuda.get_device_name() if on_gpu() else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    name = (
+        torch.cuda.get_device_name()
+        if on_gpu()
+        else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    )
     return {
         "device": name,
         "driver": driver_version(),
@@ -122,7 +136,9 @@ def env_info() -> dict:
     }
 
 
-def measure(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, cuda_graph: bool = False, cpu_reps: int = 3) -> dict:
+def measure(
+    fn: Callable[[], object], *, warmup: int = 25, rep: int = 100, cuda_graph: bool = False, cpu_reps: int = 3
+) -> dict:
     """Median, p20 and p80 of fn's runtime in milliseconds."""
     if on_gpu():
         import triton.testing as tt
@@ -220,7 +236,7 @@ class ByteModel:
         }
 
     @classmethod
-    def from_totals(cls, ours: tuple[int, int], minimum: tuple[int, int], n_elements: int) -> "ByteModel":
+    def from_totals(cls, ours: tuple[int, int], minimum: tuple[int, int], n_elements: int) -> ByteModel:
         """Per-element model from total (read, write) bytes of our kernels and of the minimum over n_elements."""
         n = max(1, n_elements)
         return cls(ours[0] / n, ours[1] / n, minimum[0] / n, minimum[1] / n)
@@ -244,8 +260,10 @@ def finish_case(case_rows: list[dict], timings: dict[str, float], label: str) ->
     for row in case_rows:
         if row["provider"] == "ours":
             row.update({f"speedup_vs_{base}": ms / row["ms"] for base, ms in timings.items() if base != "ours"})
-    print(" | ".join(f"{label} {k}: {v:.3f} ms" for k, v in timings.items())
-          + "".join(byte_model_text(r) for r in case_rows))
+    print(
+        " | ".join(f"{label} {k}: {v:.3f} ms" for k, v in timings.items())
+        + "".join(byte_model_text(r) for r in case_rows)
+    )
 
 
 def provider_parser(doc: str, dtypes: dict, modes: tuple, providers: tuple, dtype_help: str):
@@ -272,14 +290,27 @@ def write_rows(name: str, rows: list[dict]) -> Path:
 def env_header(env: dict) -> str:
     """One markdown line naming where and with what a row (or the newest of a table's rows) was measured."""
     versions = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "triton", "transformers", "peft", "liger_kernel"))
-    return (f"Measured on {env.get('device')} (driver {env.get('driver')}, CUDA {env.get('cuda')}), {versions}; "
-            f"git {env.get('git_sha')}, {env.get('date')}; command `{env.get('command')}`")
+    return (
+        f"Measured on {env.get('device')} (driver {env.get('driver')}, CUDA {env.get('cuda')}), {versions}; "
+        f"git {env.get('git_sha')}, {env.get('date')}; command `{env.get('command')}`"
+    )
 
 
 def render_markdown(path: Path) -> Path:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    context = ("date", "driver", "cuda", "torch", "triton", "liger_kernel", "transformers", "peft", "git_sha", "command",
-               "triton_interpret")
+    context = (
+        "date",
+        "driver",
+        "cuda",
+        "torch",
+        "triton",
+        "liger_kernel",
+        "transformers",
+        "peft",
+        "git_sha",
+        "command",
+        "triton_interpret",
+    )
     cols: list[str] = []
     for row in rows:
         for key in row:
@@ -292,8 +323,14 @@ def render_markdown(path: Path) -> Path:
             return f"{v:.4g}"
         return "" if v is None else str(v)
 
-    lines = [f"# {path.stem}", "", env_header(rows[-1]) if rows else "", "",
-             "Rows with perf_figure=False were measured on a CPU (reference path or Triton interpreter): not performance figures.", ""]
+    lines = [
+        f"# {path.stem}",
+        "",
+        env_header(rows[-1]) if rows else "",
+        "",
+        "Rows with perf_figure=False were measured on a CPU (reference path or Triton interpreter): not performance figures.",
+        "",
+    ]
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "---|" * len(cols))
     for row in rows:

@@ -67,18 +67,65 @@ ANCHORS = {
     "swiglu": ["--tokens", "8192", "--inter", "14336"],  # Llama-3-8B's MLP
 }
 # --quick: each script's own tiny CPU shapes; aot_eager keeps torch.compile's baseline to seconds on a CPU.
-QUICK = {op: ["--quick"] + ([] if op in ("adamw", "fused_linear_preference") else ["--compile-backend", "aot_eager"])
-         for op in ANCHORS}
+QUICK = {
+    op: ["--quick"] + ([] if op in ("adamw", "fused_linear_preference") else ["--compile-backend", "aot_eager"])
+    for op in ANCHORS
+}
 QUICK["cross_entropy"] += ["--label-smoothing", "0.1"]
 QUICK["rms_norm"] += ["--op", "rms_norm", "fused_add_rms_norm"]
 TRAIN_CONFIGS = "ours,hf,hf_liger"
-TRAIN_GPU = ["--model", "llama-3.2-1b", "--seq-len", "2048", "--micro-batch", "4", "--grad-accum", "2", "--steps", "30",
-             "--warmup-steps", "5", "--repeats", "1"]
-TRAIN_QUICK = ["--quick", "--seq-len", "32", "--micro-batch", "2", "--steps", "3", "--warmup-steps", "1", "--repeats", "1"]
-MEMORY_GPU = ["--model", "llama-3.2-1b", "--seq-len", "2048", "--micro-batch", "4", "--ladder-bisect", "1",
-              "--timeout", "300"]
-MEMORY_QUICK = ["--quick", "--seq-len", "16", "--micro-batch", "1", "--ladder-max-micro-batch", "1",
-                "--ladder-max-seq-len", "16"]
+TRAIN_GPU = [
+    "--model",
+    "llama-3.2-1b",
+    "--seq-len",
+    "2048",
+    "--micro-batch",
+    "4",
+    "--grad-accum",
+    "2",
+    "--steps",
+    "30",
+    "--warmup-steps",
+    "5",
+    "--repeats",
+    "1",
+]
+TRAIN_QUICK = [
+    "--quick",
+    "--seq-len",
+    "32",
+    "--micro-batch",
+    "2",
+    "--steps",
+    "3",
+    "--warmup-steps",
+    "1",
+    "--repeats",
+    "1",
+]
+MEMORY_GPU = [
+    "--model",
+    "llama-3.2-1b",
+    "--seq-len",
+    "2048",
+    "--micro-batch",
+    "4",
+    "--ladder-bisect",
+    "1",
+    "--timeout",
+    "300",
+]
+MEMORY_QUICK = [
+    "--quick",
+    "--seq-len",
+    "16",
+    "--micro-batch",
+    "1",
+    "--ladder-max-micro-batch",
+    "1",
+    "--ladder-max-seq-len",
+    "16",
+]
 
 # The issue's targets (on an H100), as (op, what, which row, value, comparison, threshold).
 Target = tuple[str, str, dict, str, str, float]
@@ -92,19 +139,51 @@ KERNEL_TARGETS: list[Target] = [
     ("fused_linear_cross_entropy", "fwd+bwd vs eager linear + cross-entropy", _FLCE, "speedup_vs_torch", ">=", 1.0),
     ("fused_linear_cross_entropy", "peak memory / eager's", _FLCE, "peak_vs_torch", "<=", 0.35),
     ("fused_linear_cross_entropy", "fwd+bwd vs liger-kernel", _FLCE, "speedup_vs_liger", ">=", 1.3),
-    ("fused_linear_cross_entropy", "time with half the labels ignored / none ignored (close to half)",
-     _FLCE, "half_ignored_time_ratio", "<=", 0.6),
-    ("fused_linear_preference", "DPO head peak memory / eager's (the issue: <= 10%)",
-     {"provider": "ours", "mode": "full", "pairs": 8}, "peak_vs_torch", "<=", 0.10),
+    (
+        "fused_linear_cross_entropy",
+        "time with half the labels ignored / none ignored (close to half)",
+        _FLCE,
+        "half_ignored_time_ratio",
+        "<=",
+        0.6,
+    ),
+    (
+        "fused_linear_preference",
+        "DPO head peak memory / eager's (the issue: <= 10%)",
+        {"provider": "ours", "mode": "full", "pairs": 8},
+        "peak_vs_torch",
+        "<=",
+        0.10,
+    ),
     ("rms_norm", "forward GB/s", {"provider": "ours", "mode": "forward"}, "gb_s", ">=", 2700.0),
     ("rms_norm", "backward time, ms", {"provider": "ours", "mode": "backward"}, "ms", "<=", 0.090),
-    ("rms_norm", "forward vs torch.compile", {"provider": "ours", "mode": "forward"}, "speedup_vs_torch_compile", ">", 1.0),
-    ("rms_norm", "backward vs torch.compile", {"provider": "ours", "mode": "backward"}, "speedup_vs_torch_compile", ">", 1.0),
+    (
+        "rms_norm",
+        "forward vs torch.compile",
+        {"provider": "ours", "mode": "forward"},
+        "speedup_vs_torch_compile",
+        ">",
+        1.0,
+    ),
+    (
+        "rms_norm",
+        "backward vs torch.compile",
+        {"provider": "ours", "mode": "backward"},
+        "speedup_vs_torch_compile",
+        ">",
+        1.0,
+    ),
     ("adamw", "bf16 + fp32 master, effective GB/s", {"impl": "ours_bf16_master"}, "gb_s", ">=", 2600.0),
     ("adamw", "vs torch AdamW(fused=True)", {"impl": "ours_bf16_master"}, "speedup_vs_torch_fused_fp32", ">=", 1.0),
     ("adamw", "vs torch AdamW(foreach=True)", {"impl": "ours_bf16_master"}, "speedup_vs_torch_foreach_fp32", ">=", 2.5),
-    ("adamw", "CUDA op vs Triton (bf16 master; > 1: the CUDA op is faster, make it the default)",
-     {"impl": "ours_bf16_master_cuda"}, "speedup_vs_triton", ">", 1.0),
+    (
+        "adamw",
+        "CUDA op vs Triton (bf16 master; > 1: the CUDA op is faster, make it the default)",
+        {"impl": "ours_bf16_master_cuda"},
+        "speedup_vs_triton",
+        ">",
+        1.0,
+    ),
     ("neftune", "vs the Hugging Face embedding hook", {"impl": "ours"}, "speedup_vs_hf_eager", ">=", 3.0),
     ("rope", "fwd+bwd vs liger-kernel", {"provider": "ours", "mode": "full"}, "speedup_vs_liger", ">", 1.0),
     ("rope", "fwd+bwd vs torch.compile", {"provider": "ours", "mode": "full"}, "speedup_vs_torch_compile", ">", 1.0),
@@ -139,8 +218,11 @@ class _Tee:
 
 @contextlib.contextmanager
 def logged(path: Path):
-    with path.open("a") as log, contextlib.redirect_stdout(_Tee(sys.stdout, log)), \
-            contextlib.redirect_stderr(_Tee(sys.stderr, log)):
+    with (
+        path.open("a") as log,
+        contextlib.redirect_stdout(_Tee(sys.stdout, log)),
+        contextlib.redirect_stderr(_Tee(sys.stderr, log)),
+    ):
         yield
 
 
@@ -199,8 +281,14 @@ def build_csrc(log: Path, timeout: float) -> dict:
     t0 = time.monotonic()
     with log.open("w") as f:
         try:
-            proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=common.ROOT, env=env,
-                                  stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.run(
+                [sys.executable, "setup.py", "build_ext", "--inplace"],
+                cwd=common.ROOT,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            )
             status = "built" if proc.returncode == 0 else "failed"
             reason = None if proc.returncode == 0 else f"exit status {proc.returncode} (see csrc_build.log)"
         except subprocess.TimeoutExpired:
@@ -217,44 +305,88 @@ def junit_rows(path: Path) -> list[dict]:
             node = case.find(tag)
             if node is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                message = (node.get("message") or node.text or "").strip().splitlines()[0][:300] if (
-                    node.get("message") or node.text) else ""
+                message = (
+                    (node.get("message") or node.text or "").strip().splitlines()[0][:300]
+                    if (node.get("message") or node.text)
+                    else ""
+                )
                 break
-        rows.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                     "seconds": float(case.get("time") or 0.0), "message": message})
+        rows.append(
+            {
+                "test": f"{case.get('classname')}::{case.get('name')}",
+                "outcome": outcome,
+                "seconds": float(case.get("time") or 0.0),
+                "message": message,
+            }
+        )
     return rows
 
 
 def part_tests(args, out: Path, deadline: float) -> int:
     build = build_csrc(out / "csrc_build.log", max(60.0, (deadline - time.monotonic()) / 2))
-    print(f"csrc: {build['status']}" + (f" ({build['reason']})" if build["reason"] else "") + f", {build['seconds']} s",
-          flush=True)
+    print(
+        f"csrc: {build['status']}" + (f" ({build['reason']})" if build["reason"] else "") + f", {build['seconds']} s",
+        flush=True,
+    )
     env = dict(os.environ)
     if common.on_gpu():
         env["TRITON_INTERPRET"] = "0"  # compiled kernels on the GPU (tests/conftest.py skips gpu tests otherwise)
     junit = out / "tests_junit.xml"
     paths = ["tests/test_conftest.py", "tests/csrc"] if args.quick else ["tests"]
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}", *paths]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-rfEs",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        *paths,
+    ]
     print("$ " + " ".join(cmd[1:]), flush=True)
     with (out / "pytest.log").open("w") as log:
         try:
-            proc = subprocess.run(cmd, cwd=common.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=max(30.0, deadline - time.monotonic()))
+            proc = subprocess.run(
+                cmd,
+                cwd=common.ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=max(30.0, deadline - time.monotonic()),
+            )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = None
     cases = junit_rows(junit) if junit.exists() else []
     env_row = common.env_info()
-    write_jsonl(out / "tests.jsonl", [{"part": "tests", **case, **env_row} for case in cases]
-                + [{"part": "tests", "test": "csrc build", "outcome": build["status"], "seconds": build["seconds"],
-                    "message": build["reason"], **env_row}])
+    write_jsonl(
+        out / "tests.jsonl",
+        [{"part": "tests", **case, **env_row} for case in cases]
+        + [
+            {
+                "part": "tests",
+                "test": "csrc build",
+                "outcome": build["status"],
+                "seconds": build["seconds"],
+                "message": build["reason"],
+                **env_row,
+            }
+        ],
+    )
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
     pytest_state = "timed out (budget spent)" if rc is None else f"exit status {rc}"
     lines = header("GPU tests: pytest -m gpu") + [
         f"csrc build (setup.py build_ext --inplace): **{build['status']}**"
-        + (f" — {build['reason']}" if build["reason"] else "") + f", {build['seconds']} s", "",
-        f"pytest {' '.join(paths)}: {pytest_state}; " + ", ".join(f"{n} {k}" for k, n in counts.items()), "",
-        "| outcome | test | message |", "|---|---|---|"]
+        + (f" — {build['reason']}" if build["reason"] else "")
+        + f", {build['seconds']} s",
+        "",
+        f"pytest {' '.join(paths)}: {pytest_state}; " + ", ".join(f"{n} {k}" for k, n in counts.items()),
+        "",
+        "| outcome | test | message |",
+        "|---|---|---|",
+    ]
     lines += [f"| {c['outcome']} | {c['test']} | {c['message'] or ''} |" for c in cases if c["outcome"] != "passed"]
     lines += ["", f"Passed ({counts['passed']}): " + ", ".join(c["test"] for c in cases if c["outcome"] == "passed")]
     (out / "tests.md").write_text("\n".join(lines) + "\n")
@@ -274,8 +406,17 @@ def derived_kernel_ratios(results: dict[str, list[dict]]) -> None:
     flce = results.get("fused_linear_cross_entropy", [])
     for row in flce:
         if row.get("provider") == "ours" and row.get("ignored") == 0.0:
-            half = matching(flce, {"provider": "ours", "mode": row["mode"], "ignored": 0.5, "tokens": row["tokens"],
-                                   "hidden": row["hidden"], "vocab": row["vocab"]})
+            half = matching(
+                flce,
+                {
+                    "provider": "ours",
+                    "mode": row["mode"],
+                    "ignored": 0.5,
+                    "tokens": row["tokens"],
+                    "hidden": row["hidden"],
+                    "vocab": row["vocab"],
+                },
+            )
             row["half_ignored_time_ratio"] = half["ms"] / row["ms"] if half and row["ms"] > 0 else None
     adamw = {r["impl"]: r for r in results.get("adamw", [])}
     for impl, row in adamw.items():
@@ -299,10 +440,18 @@ def part_kernels(args, out: Path, deadline: float) -> int:
     write_jsonl(out / "kernels.jsonl", rows)
     png = kernel_runner.chart(results, out / "kernels.png")
     lines = header("Kernel benchmarks at the issue-16 anchor shapes")
-    lines += ["Flags per benchmark: " + "; ".join(f"{op} `{' '.join(QUICK[op] if args.quick else ANCHORS[op])}`" for op in ops), "",
-              "## Targets (H100)", "", *evaluate([t for t in KERNEL_TARGETS if t[0] in results], rows), "",
-              f"## Speed-ups of this run (chart: {png.name if png else 'none'})", "",
-              *kernel_runner.summary_lines(results, failures)]
+    lines += [
+        "Flags per benchmark: "
+        + "; ".join(f"{op} `{' '.join(QUICK[op] if args.quick else ANCHORS[op])}`" for op in ops),
+        "",
+        "## Targets (H100)",
+        "",
+        *evaluate([t for t in KERNEL_TARGETS if t[0] in results], rows),
+        "",
+        f"## Speed-ups of this run (chart: {png.name if png else 'none'})",
+        "",
+        *kernel_runner.summary_lines(results, failures),
+    ]
     for op, table in tables.items():
         lines += [f"## {op}: every row", "", table]
     (out / "kernels.md").write_text("\n".join(lines) + "\n")
@@ -331,8 +480,11 @@ def train_chart(rows: list[dict], path: Path) -> Path | None:
     axes[1].set_ylabel(f"peak memory, GB ({ok[0]['peak_memory_kind']})")
     first = ok[0]
     note = "" if first["perf_figure"] else " — CPU run: not performance figures"
-    fig.suptitle(f"{first['model']} seq {first['seq_len']} x micro {first['micro_batch']} x accum "
-                 f"{first['grad_accum']} on {first['device']} ({first['git_sha']}){note}", fontsize=9)
+    fig.suptitle(
+        f"{first['model']} seq {first['seq_len']} x micro {first['micro_batch']} x accum "
+        f"{first['grad_accum']} on {first['device']} ({first['git_sha']}){note}",
+        fontsize=9,
+    )
     return common.save_figure(fig, path)
 
 
@@ -341,8 +493,14 @@ def part_train(args, out: Path, deadline: float) -> int:
     n = len(configs.split(","))
     timeout = max(60.0, (deadline - time.monotonic() - 60) / n)  # the parent's model write takes the rest
     with tempfile.TemporaryDirectory(prefix="bench_gpu_train_") as scratch:
-        argv = (TRAIN_QUICK if args.quick else TRAIN_GPU) + ["--configs", configs, "--timeout", f"{timeout:.0f}",
-                                                           "--out", scratch]
+        argv = (TRAIN_QUICK if args.quick else TRAIN_GPU) + [
+            "--configs",
+            configs,
+            "--timeout",
+            f"{timeout:.0f}",
+            "--out",
+            scratch,
+        ]
         rows = bench_train.main(argv)
         (out / "train_table.md").write_text((Path(scratch) / "train.md").read_text())
     hf_liger = next((r for r in rows if r["impl"] == "hf_liger" and r["status"] == "ok"), None)
@@ -353,23 +511,37 @@ def part_train(args, out: Path, deadline: float) -> int:
     write_jsonl(out / "train.jsonl", rows)
     png = train_chart(rows, out / "train.png")
     lines = header("End to end: our Trainer vs Hugging Face Trainer (+ liger-kernel)")
-    lines += [f"`python bench/bench_train.py {' '.join(argv[:-2])}`; every row in train.jsonl, all columns in "
-              f"train_table.md, chart {png.name if png else 'none'}.", "", "## Targets (H100)", "",
-              *evaluate(TRAIN_TARGETS, [{**r, "bench": "train"} for r in rows]), "", "## Headline", "",
-              "| trainer | status | tokens/s | vs HF | MFU | peak memory GB | vs HF | held-out loss after "
-              f"{rows[0]['steps']} steps | minus HF |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        f"`python bench/bench_train.py {' '.join(argv[:-2])}`; every row in train.jsonl, all columns in "
+        f"train_table.md, chart {png.name if png else 'none'}.",
+        "",
+        "## Targets (H100)",
+        "",
+        *evaluate(TRAIN_TARGETS, [{**r, "bench": "train"} for r in rows]),
+        "",
+        "## Headline",
+        "",
+        "| trainer | status | tokens/s | vs HF | MFU | peak memory GB | vs HF | held-out loss after "
+        f"{rows[0]['steps']} steps | minus HF |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def fmt(v, spec=".4g"):
         return "" if v is None else format(v, spec)
 
     for r in rows:
-        lines.append(f"| {r['impl']} | {r['status']}{' (' + r['reason'] + ')' if r.get('reason') else ''} | "
-                     f"{fmt(r.get('tokens_per_s'), '.0f')} | {fmt(r.get('tokens_per_s_vs_hf'), '.3g')} | "
-                     f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_memory_gb'), '.3g')} | "
-                     f"{fmt(r.get('peak_memory_vs_hf'), '.3g')} | {fmt(r.get('final_loss'))} | "
-                     f"{fmt(r.get('final_loss_minus_hf'), '+.3g')} |")
-    lines += ["", "The three held-out losses should agree to bf16 noise; ours sees the blocks in another order than "
-              "HF's sampler (bench_train.py's docstring), which adds its own difference."]
+        lines.append(
+            f"| {r['impl']} | {r['status']}{' (' + r['reason'] + ')' if r.get('reason') else ''} | "
+            f"{fmt(r.get('tokens_per_s'), '.0f')} | {fmt(r.get('tokens_per_s_vs_hf'), '.3g')} | "
+            f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_memory_gb'), '.3g')} | "
+            f"{fmt(r.get('peak_memory_vs_hf'), '.3g')} | {fmt(r.get('final_loss'))} | "
+            f"{fmt(r.get('final_loss_minus_hf'), '+.3g')} |"
+        )
+    lines += [
+        "",
+        "The three held-out losses should agree to bf16 noise; ours sees the blocks in another order than "
+        "HF's sampler (bench_train.py's docstring), which adds its own difference.",
+    ]
     (out / "train.md").write_text("\n".join(lines) + "\n")
     return 0 if all(r["status"] in ("ok", "skipped") for r in rows) else 1
 
@@ -394,8 +566,11 @@ def memory_chart(rows: list[dict], path: Path) -> Path | None:
         ax.set_ylabel("peak memory, GB")
         ax.legend(fontsize=8)
     first = rows[0]
-    fig.suptitle(f"memory ladder on {first['device']} ({first['git_sha']})"
-                 + ("" if first["perf_figure"] else " — CPU run: max RSS, no OOM"), fontsize=9)
+    fig.suptitle(
+        f"memory ladder on {first['device']} ({first['git_sha']})"
+        + ("" if first["perf_figure"] else " — CPU run: max RSS, no OOM"),
+        fontsize=9,
+    )
     return common.save_figure(fig, path)
 
 
@@ -403,16 +578,27 @@ def part_memory(args, out: Path, deadline: float) -> int:
     configs = args.configs or TRAIN_CONFIGS
     budget = max(30.0, deadline - time.monotonic() - 60)  # the parent's model write and the files take the rest
     argv = (MEMORY_QUICK if args.quick else MEMORY_GPU) + [
-        "--memory-ladder", args.ladders, "--configs", configs, "--budget-s", f"{budget:.0f}", "--out", str(out)]
+        "--memory-ladder",
+        args.ladders,
+        "--configs",
+        configs,
+        "--budget-s",
+        f"{budget:.0f}",
+        "--out",
+        str(out),
+    ]
     if args.max_memory_gb:
         argv += ["--max-memory-gb", str(args.max_memory_gb)]
     rows = bench_train.main(argv)  # writes train_memory.jsonl and train_memory.md to out
     png = memory_chart(rows, out / "memory.png")
     lines = header("Memory ladder: what fits, per trainer")
-    lines += [f"`python bench/bench_train.py {' '.join(argv[:-2])}`; every rung in train_memory.jsonl / "
-              f"train_memory.md, chart {png.name if png else 'none'}.", "",
-              "| trainer | ladder | at | largest that fits | first OOM | vs HF | probes | status |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        f"`python bench/bench_train.py {' '.join(argv[:-2])}`; every rung in train_memory.jsonl / "
+        f"train_memory.md, chart {png.name if png else 'none'}.",
+        "",
+        "| trainer | ladder | at | largest that fits | first OOM | vs HF | probes | status |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["bench"] != "train_memory":
             continue
@@ -422,9 +608,11 @@ def part_memory(args, out: Path, deadline: float) -> int:
         at = f"seq_len {r['seq_len']}" if r["ladder"] == "micro_batch" else f"micro_batch {r['micro_batch']}"
         capped = f" (capped at {r['capped_at']})" if r.get("capped_at") else ""
         vs = r.get("max_fit_vs_hf")
-        lines.append(f"| {r['impl']} | {r['ladder']} | {at} | {r['max_fit'] or 'nothing'}{capped} | "
-                     f"{r['first_oom'] or ''} | {'' if vs is None else f'{vs:.3g}x'} | {r['probes']} | "
-                     f"{r['status']}{': ' + r['stopped'] if r.get('stopped') else ''} |")
+        lines.append(
+            f"| {r['impl']} | {r['ladder']} | {at} | {r['max_fit'] or 'nothing'}{capped} | "
+            f"{r['first_oom'] or ''} | {'' if vs is None else f'{vs:.3g}x'} | {r['probes']} | "
+            f"{r['status']}{': ' + r['stopped'] if r.get('stopped') else ''} |"
+        )
     (out / "memory.md").write_text("\n".join(lines) + "\n")
     return 0 if all(r["status"] in ("ok", "skipped") for r in rows if r["bench"] == "train_memory") else 1
 
@@ -437,22 +625,42 @@ RUN = {"tests": part_tests, "kernels": part_kernels, "train": part_train, "memor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gpu",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--part", required=True, choices=(*PARTS, "all"))
     p.add_argument("--out", required=True, help="folder for the part's files (created)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a CPU smoke run of the entry point")
-    p.add_argument("--budget-s", type=float, default=540.0, help="seconds a part may take (default 540; the "
-                   "device tool stops a command at 600)")
-    p.add_argument("--only", default=",".join(kernel_runner.OPS), help="kernels: comma-separated subset of "
-                   + ", ".join(kernel_runner.OPS))
-    p.add_argument("--configs", default=None, help=f"train, memory: comma-separated subset of "
-                   f"{', '.join(bench_train.CONFIGS)} (default {TRAIN_CONFIGS})")
-    p.add_argument("--ladders", default=",".join(bench_train.LADDERS), help="memory: comma-separated subset of "
-                   + ", ".join(bench_train.LADDERS))
-    p.add_argument("--max-memory-gb", type=float, default=None, help="memory: cap each worker's CUDA memory (79.6 "
-                   "ladders an H100's memory on an H200)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="seconds a part may take (default 540; the device tool stops a command at 600)",
+    )
+    p.add_argument(
+        "--only",
+        default=",".join(kernel_runner.OPS),
+        help="kernels: comma-separated subset of " + ", ".join(kernel_runner.OPS),
+    )
+    p.add_argument(
+        "--configs",
+        default=None,
+        help=f"train, memory: comma-separated subset of {', '.join(bench_train.CONFIGS)} (default {TRAIN_CONFIGS})",
+    )
+    p.add_argument(
+        "--ladders",
+        default=",".join(bench_train.LADDERS),
+        help="memory: comma-separated subset of " + ", ".join(bench_train.LADDERS),
+    )
+    p.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=None,
+        help="memory: cap each worker's CUDA memory (79.6 ladders an H100's memory on an H200)",
+    )
     args = p.parse_args(argv)
     if kernel_runner.parse_ops(args.only) is None:
         p.error(f"--only: choose from {', '.join(kernel_runner.OPS)}")

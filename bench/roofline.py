@@ -83,8 +83,8 @@ import math
 import pkgutil
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -96,18 +96,25 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 import kernels
-from kernels.fused_linear_cross_entropy import _chunk_rows as flce_chunk_rows
-
-from bench import common
-from bench.sm90 import H100_SMS, fake_cuda
 
 # Imported after `kernels` (they set TRITON_INTERPRET for kernels imported later; ours are decorated already).
-from bench import bench_adamw, bench_rms_norm, bench_rope  # noqa: E402
+from bench import bench_adamw, bench_rms_norm, bench_rope, common  # noqa: E402
 from bench import bench_fused_linear_cross_entropy as bench_flce  # noqa: E402
+from bench.sm90 import H100_SMS, fake_cuda
+from kernels.fused_linear_cross_entropy import _chunk_rows as flce_chunk_rows
 
 STACKS = ("ours", "ours_liger", "hf", "hf_liger")
-CATEGORIES = ("matmuls", "attention", "norms", "rope", "mlp_activation", "residual_adds", "loss", "optimizer",
-              "other_elementwise")
+CATEGORIES = (
+    "matmuls",
+    "attention",
+    "norms",
+    "rope",
+    "mlp_activation",
+    "residual_adds",
+    "loss",
+    "optimizer",
+    "other_elementwise",
+)
 BF16 = torch.bfloat16
 
 
@@ -254,8 +261,22 @@ def _tag_graph(module_name: str | None, outputs) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # aten ops: FLOPs (FlopCounterMode's formulas), bytes (inputs read + outputs written), launches
 # ---------------------------------------------------------------------------------------------------------
-_NO_TRAFFIC = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "detach", "lift_fresh",
-               "_local_scalar_dense", "resize_", "set_", "alias", "_unsafe_view", "view", "_reshape_alias"}
+_NO_TRAFFIC = {
+    "empty",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "empty_like",
+    "detach",
+    "lift_fresh",
+    "_local_scalar_dense",
+    "resize_",
+    "set_",
+    "alias",
+    "_unsafe_view",
+    "view",
+    "_reshape_alias",
+}
 _WRITE_ONLY_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_"}
 # Ops that read only the rows they index: bytes read = their output (or the indexed values) + the index.
 _INDEXED = {"embedding", "index_select", "gather"}
@@ -340,8 +361,11 @@ class _Recorder(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if tr.phase == "backward":
             node = torch._C._current_autograd_node()
-            cat = "matmuls" if name in MATMUL_OPS else (node.metadata.get("roofline", "other_elementwise")
-                                                          if node is not None else "other_elementwise")
+            cat = (
+                "matmuls"
+                if name in MATMUL_OPS
+                else (node.metadata.get("roofline", "other_elementwise") if node is not None else "other_elementwise")
+            )
         else:
             cat = category(tr.module_stack[-1] if tr.module_stack else None, name)
         tr.add(name, cat, read + write, flops, aten_launches(func, args, kwargs))
@@ -388,15 +412,21 @@ def _like(t, dtype=None, shape=None):
 # Byte models. Ours: the benches' exact `traffic_parts` (bench/bench_rms_norm.py, bench_fused_linear_cross_entropy.py,
 # bench_adamw.py, bench_rope.py), which tests/bench/test_byte_models.py checks against bench/traffic.py's meter.
 # Liger's, below, one function per kernel, checked against the meter by tests/bench/test_roofline.py.
-def _record_parts(prefix: str, category: str, parts: dict[str, tuple[int, int]], skip=(), launches=None,
-                  flops=None) -> None:
+def _record_parts(
+    prefix: str, category: str, parts: dict[str, tuple[int, int]], skip=(), launches=None, flops=None
+) -> None:
     """One recorded op per launch name of a bench's `traffic_parts` (bytes read + written); `launches` and `flops`
     per name where they are not 1 and 0."""
     for name, (read, write) in parts.items():
         if name in skip:
             continue
-        _rec(f"{prefix}:{name}", category(name) if callable(category) else category, read + write,
-             (flops or {}).get(name, 0.0), (launches or {}).get(name, 1))
+        _rec(
+            f"{prefix}:{name}",
+            category(name) if callable(category) else category,
+            read + write,
+            (flops or {}).get(name, 0.0),
+            (launches or {}).get(name, 1),
+        )
 
 
 def liger_cross_entropy_bytes(rows: int, vocab: int, s: int, loss_size: int = 4) -> int:
@@ -427,8 +457,11 @@ class RMSNormModel:
     def forward(self, ctx, x, weight, *rest):
         ctx.n_rest = len(rest)  # eps, offset, ...: no gradient
         m, n = x.numel() // x.shape[-1], x.shape[-1]
-        _record_parts(self.name, "norms", bench_rms_norm.traffic_parts(
-            "forward", m, n, x.element_size(), weight.element_size(), weight_once=True))
+        _record_parts(
+            self.name,
+            "norms",
+            bench_rms_norm.traffic_parts("forward", m, n, x.element_size(), weight.element_size(), weight_once=True),
+        )
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         ctx.save_for_backward(x, weight, rstd)
         return _like(x)
@@ -436,8 +469,13 @@ class RMSNormModel:
     def backward(self, ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         m, n = x.numel() // x.shape[-1], x.shape[-1]
-        _record_parts(self.name + ".backward", "norms", bench_rms_norm.traffic_parts(
-            "backward", m, n, x.element_size(), weight.element_size(), num_programs=2 * H100_SMS, weight_once=True))
+        _record_parts(
+            self.name + ".backward",
+            "norms",
+            bench_rms_norm.traffic_parts(
+                "backward", m, n, x.element_size(), weight.element_size(), num_programs=2 * H100_SMS, weight_once=True
+            ),
+        )
         return _like(x), _like(weight), *([None] * (ctx.n_rest))
 
 
@@ -504,9 +542,19 @@ class FusedAddRMSNormModel:
     def forward(self, ctx, x, residual, weight, *rest):
         ctx.n_rest = len(rest)  # eps, offset, max_block: no gradient
         m, n = x.numel() // x.shape[-1], x.shape[-1]
-        _record_parts(self.name, "norms", bench_rms_norm.traffic_parts(
-            "forward", m, n, x.element_size(), weight.element_size(), weight_once=True,
-            residual_size=residual.element_size()))
+        _record_parts(
+            self.name,
+            "norms",
+            bench_rms_norm.traffic_parts(
+                "forward",
+                m,
+                n,
+                x.element_size(),
+                weight.element_size(),
+                weight_once=True,
+                residual_size=residual.element_size(),
+            ),
+        )
         total = _like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         ctx.save_for_backward(total, weight, rstd)
@@ -517,9 +565,21 @@ class FusedAddRMSNormModel:
         total, weight, rstd = ctx.saved_tensors
         x_dtype, res_dtype = ctx.dtypes
         m, n = total.numel() // total.shape[-1], total.shape[-1]
-        _record_parts(self.name + ".backward", "norms", bench_rms_norm.traffic_parts(
-            "backward", m, n, x_dtype.itemsize, weight.element_size(), num_programs=2 * H100_SMS, weight_once=True,
-            residual_size=res_dtype.itemsize, grad_h=dsum is not None))
+        _record_parts(
+            self.name + ".backward",
+            "norms",
+            bench_rms_norm.traffic_parts(
+                "backward",
+                m,
+                n,
+                x_dtype.itemsize,
+                weight.element_size(),
+                num_programs=2 * H100_SMS,
+                weight_once=True,
+                residual_size=res_dtype.itemsize,
+                grad_h=dsum is not None,
+            ),
+        )
         dres = _like(total, dtype=res_dtype)
         dx = dres if x_dtype == res_dtype else _like(total, dtype=x_dtype)
         return dx, dres, _like(weight), *([None] * ctx.n_rest)
@@ -550,8 +610,21 @@ class FlashAttentionModel:
 
     def backward(self, ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        _rec(self.name + ".backward", "attention", nbytes(q) + nbytes(k) + nbytes(v) + nbytes(o) + nbytes(do)
-             + nbytes(lse) + nbytes(q) + nbytes(k) + nbytes(v), 2.5 * self.flops(q), launches=2)
+        _rec(
+            self.name + ".backward",
+            "attention",
+            nbytes(q)
+            + nbytes(k)
+            + nbytes(v)
+            + nbytes(o)
+            + nbytes(do)
+            + nbytes(lse)
+            + nbytes(q)
+            + nbytes(k)
+            + nbytes(v),
+            2.5 * self.flops(q),
+            launches=2,
+        )
         return _like(q), _like(k), _like(v)
 
 
@@ -601,8 +674,14 @@ class OurFLCEModel:
         for start in range(0, k, chunk):  # the chunk's logits, for the peak memory
             logits = torch.empty((min(chunk, k - start), v), dtype=hidden.dtype, device=hidden.device)
             del logits
-        _record_parts("flce", _flce_category, bench_flce.traffic_parts("forward", n, h, v, s, n - k, w=w),
-                      skip=_FLCE_HOST, launches=launches, flops=flops)
+        _record_parts(
+            "flce",
+            _flce_category,
+            bench_flce.traffic_parts("forward", n, h, v, s, n - k, w=w),
+            skip=_FLCE_HOST,
+            launches=launches,
+            flops=flops,
+        )
         del held
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
@@ -613,10 +692,19 @@ class OurFLCEModel:
         grad_hidden, grad_weight = ctx.saved_tensors
         shape, dtype = ctx.hidden_meta
         n, h, v, s, w, k = ctx.sizes
-        _record_parts("flce.backward", _flce_category, bench_flce.traffic_parts("backward", n, h, v, s, n - k, w=w),
-                      launches={"_cross_entropy_bwd_kernel": 2})
-        return torch.empty(shape, dtype=dtype, device=grad_hidden.device), grad_weight, None, None, \
-            *([None] * ctx.n_rest)
+        _record_parts(
+            "flce.backward",
+            _flce_category,
+            bench_flce.traffic_parts("backward", n, h, v, s, n - k, w=w),
+            launches={"_cross_entropy_bwd_kernel": 2},
+        )
+        return (
+            torch.empty(shape, dtype=dtype, device=grad_hidden.device),
+            grad_weight,
+            None,
+            None,
+            *([None] * ctx.n_rest),
+        )
 
 
 class LigerFLCEModel:
@@ -639,8 +727,13 @@ class LigerFLCEModel:
         lo = 2  # bf16 under autocast
         cast_input = inp.element_size() != lo
         ctx.scaled = reduction == "sum"
-        _rec("liger_flce.zero_grads", "loss", n * h * inp.element_size() + v * h * weight.element_size() + 4 * n, 0,
-             launches=3)
+        _rec(
+            "liger_flce.zero_grads",
+            "loss",
+            n * h * inp.element_size() + v * h * weight.element_size() + 4 * n,
+            0,
+            launches=3,
+        )
         grad_input = _like(inp)
         grad_weight = _like(weight)
         held = []
@@ -665,7 +758,9 @@ class LigerFLCEModel:
             del logits
         del held
         ctx.save_for_backward(grad_input, grad_weight)
-        ctx.n_rest = len(rest) + 7  # target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction
+        ctx.n_rest = (
+            len(rest) + 7
+        )  # target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction
         loss = torch.empty((), dtype=torch.float32, device=inp.device)
         return loss, None, None, None
 
@@ -711,9 +806,12 @@ def _function_classes() -> dict[str, type]:
             cls = getattr(module, name, None)
             if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
                 found[name] = cls
-    liger = {"LigerRMSNormFunction": "liger_kernel.ops.rms_norm", "LigerSiLUMulFunction": "liger_kernel.ops.swiglu",
-             "LigerRopeFunction": "liger_kernel.ops.rope",
-             "LigerFusedLinearCrossEntropyFunction": "liger_kernel.ops.fused_linear_cross_entropy"}
+    liger = {
+        "LigerRMSNormFunction": "liger_kernel.ops.rms_norm",
+        "LigerSiLUMulFunction": "liger_kernel.ops.swiglu",
+        "LigerRopeFunction": "liger_kernel.ops.rope",
+        "LigerFusedLinearCrossEntropyFunction": "liger_kernel.ops.fused_linear_cross_entropy",
+    }
     for name, mod in liger.items():
         found[name] = getattr(importlib.import_module(mod), name)
     return found
@@ -758,8 +856,18 @@ class _AutocastEmulation(TorchFunctionMode):
     .to() where autocast("cuda") is on; SDPA becomes the flash-attention model. Also tags the autograd nodes each
     call creates with their category (`_tag_graph`)."""
 
-    _LOW = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
-            torch.addmm, torch.bmm, torch.Tensor.bmm, F.scaled_dot_product_attention}
+    _LOW = {
+        F.linear,
+        torch.matmul,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.mm,
+        torch.Tensor.mm,
+        torch.addmm,
+        torch.bmm,
+        torch.Tensor.bmm,
+        F.scaled_dot_product_attention,
+    }
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -772,8 +880,10 @@ class _AutocastEmulation(TorchFunctionMode):
         if func not in self._LOW:
             return func(*args, **kwargs)
         if torch.is_autocast_enabled("cuda"):
+
             def cast(t):
                 return t.to(BF16) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
         if func is F.scaled_dot_product_attention:
@@ -820,8 +930,14 @@ def recording(trace: Trace):
     global _TRACE
     _TRACE = trace
     try:
-        with fake_cuda(), modelled_ops(), module_tracking(trace), _AutocastEmulation(), _Recorder(trace), \
-                warnings.catch_warnings():
+        with (
+            fake_cuda(),
+            modelled_ops(),
+            module_tracking(trace),
+            _AutocastEmulation(),
+            _Recorder(trace),
+            warnings.catch_warnings(),
+        ):
             warnings.simplefilter("ignore")  # torch.autocast("cuda", enabled=False) warns without CUDA
             yield trace
     finally:
@@ -896,8 +1012,12 @@ def _hf(config: dict, liger: bool) -> Built:
 
 
 def build(stack: str, config: dict) -> Built:
-    return {"ours": lambda: _ours(config, False), "ours_liger": lambda: _ours(config, True),
-            "hf": lambda: _hf(config, False), "hf_liger": lambda: _hf(config, True)}[stack]()
+    return {
+        "ours": lambda: _ours(config, False),
+        "ours_liger": lambda: _ours(config, True),
+        "hf": lambda: _hf(config, False),
+        "hf_liger": lambda: _hf(config, True),
+    }[stack]()
 
 
 def labels_for(batch: int, seq_len: int, ignored: float, seed: int = 0) -> torch.Tensor:
@@ -933,8 +1053,11 @@ def model_step(stack: str, config: dict, batch: int, seq_len: int, ignored: floa
         built.optimizer.step()
         built.optimizer.zero_grad(set_to_none=True)
         _TRACE = None
-    for t in [*built.model.parameters(), *built.model.buffers(),
-              *(v for s in built.optimizer.state.values() for v in s.values())]:
+    for t in [
+        *built.model.parameters(),
+        *built.model.buffers(),
+        *(v for s in built.optimizer.state.values() for v in s.values()),
+    ]:
         trace.track(t)
     ids = torch.empty((batch, seq_len), dtype=torch.int64, device="meta")
     labels = labels_for(batch, seq_len, ignored)
@@ -964,8 +1087,12 @@ def summarise(trace: Trace, dev: Device) -> dict:
         total_bytes += op.bytes
         total_flops += op.flops
     return {"ms_" + c: ms[c] for c in CATEGORIES} | {
-        "ms_step": sum(ms.values()), "launches": sum(launches.values()), "bytes": total_bytes, "flops": total_flops,
-        "peak_memory_gb": trace.peak / 1e9, "launch_overhead_ms": 1e3 * dev.launch_s * sum(launches.values()),
+        "ms_step": sum(ms.values()),
+        "launches": sum(launches.values()),
+        "bytes": total_bytes,
+        "flops": total_flops,
+        "peak_memory_gb": trace.peak / 1e9,
+        "launch_overhead_ms": 1e3 * dev.launch_s * sum(launches.values()),
     }
 
 
@@ -978,9 +1105,14 @@ def _measured(config_name: str, seq_len: int, micro_batch: int) -> dict:
         return out
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        if (row.get("perf_figure") and row.get("status") == "ok" and row.get("model") == config_name
-                and row.get("seq_len") == seq_len and row.get("micro_batch") == micro_batch
-                and row.get("grad_accum") == 1):
+        if (
+            row.get("perf_figure")
+            and row.get("status") == "ok"
+            and row.get("model") == config_name
+            and row.get("seq_len") == seq_len
+            and row.get("micro_batch") == micro_batch
+            and row.get("grad_accum") == 1
+        ):
             out[row["impl"]] = row["step_ms"]
     return out
 
@@ -990,31 +1122,53 @@ def _verdict(value: float, target: float) -> str:
 
 
 def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
-    lines = [f"# Step roofline (modelled): {args.model}, seq_len {args.seq_len}, micro batch {args.micro_batch}", "",
-             f"Every figure here is **modelled** (bench/roofline.py, its docstring says how) for an {dev.name}: "
-             f"{dev.bandwidth / 1e12:.1f} TB/s, {dev.peak_flops / 1e12:.0f} TFLOP/s bf16, "
-             f"{dev.launch_s * 1e6:.0f} us per launch. One step: forward (bf16 autocast over fp32 parameters), "
-             "backward, clipping, optimizer step.", "",
-             common.env_header(rows[-1]).replace("Measured on", "Modelled on"), ""]
+    lines = [
+        f"# Step roofline (modelled): {args.model}, seq_len {args.seq_len}, micro batch {args.micro_batch}",
+        "",
+        f"Every figure here is **modelled** (bench/roofline.py, its docstring says how) for an {dev.name}: "
+        f"{dev.bandwidth / 1e12:.1f} TB/s, {dev.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+        f"{dev.launch_s * 1e6:.0f} us per launch. One step: forward (bf16 autocast over fp32 parameters), "
+        "backward, clipping, optimizer step.",
+        "",
+        common.env_header(rows[-1]).replace("Measured on", "Modelled on"),
+        "",
+    ]
     for ignored in sorted({r["ignored"] for r in rows}):
         sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
-        lines += [f"## {100 * ignored:.0f}% of targets ignored (modelled ms)", "",
-                  "| category | " + " | ".join(STACKS) + " | ours/hf_liger | ours/hf |", "|---|" + "---|" * (len(STACKS) + 2)]
+        lines += [
+            f"## {100 * ignored:.0f}% of targets ignored (modelled ms)",
+            "",
+            "| category | " + " | ".join(STACKS) + " | ours/hf_liger | ours/hf |",
+            "|---|" + "---|" * (len(STACKS) + 2),
+        ]
         for key in [f"ms_{c}" for c in CATEGORIES] + ["ms_step", "launch_overhead_ms"]:
             vals = [sel[s][key] for s in STACKS]
             ratio = lambda other: f"{sel['ours'][key] / sel[other][key]:.3f}" if sel[other][key] else "-"
             label = key[3:] if key.startswith("ms_") else key
-            lines.append(f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {ratio('hf_liger')} | {ratio('hf')} |")
-        for key, fmt in (("launches", "{:.0f}"), ("peak_memory_gb", "{:.2f}"), ("bytes", "{:.3g}"), ("flops", "{:.3g}")):
+            lines.append(
+                f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {ratio('hf_liger')} | {ratio('hf')} |"
+            )
+        for key, fmt in (
+            ("launches", "{:.0f}"),
+            ("peak_memory_gb", "{:.2f}"),
+            ("bytes", "{:.3g}"),
+            ("flops", "{:.3g}"),
+        ):
             vals = [sel[s][key] for s in STACKS]
-            lines.append(f"| {key} | " + " | ".join(fmt.format(v) for v in vals)
-                         + f" | {sel['ours'][key] / sel['hf_liger'][key]:.3f} | {sel['ours'][key] / sel['hf'][key]:.3f} |")
+            lines.append(
+                f"| {key} | "
+                + " | ".join(fmt.format(v) for v in vals)
+                + f" | {sel['ours'][key] / sel['hf_liger'][key]:.3f} | {sel['ours'][key] / sel['hf'][key]:.3f} |"
+            )
         lines.append("")
     zero = {r["stack"]: r for r in rows if r["ignored"] == 0.0}
     for other in ("hf_liger", "hf"):
         diffs = sorted(((zero["ours"][f"ms_{c}"] - zero[other][f"ms_{c}"], c) for c in CATEGORIES), key=lambda d: d[0])
-        lines.append(f"ours - {other} at 0% ignored, modelled ms by category (faster first): "
-                     + ", ".join(f"{c} {d:+.2f}" for d, c in diffs if abs(d) >= 0.05) + ".")
+        lines.append(
+            f"ours - {other} at 0% ignored, modelled ms by category (faster first): "
+            + ", ".join(f"{c} {d:+.2f}" for d, c in diffs if abs(d) >= 0.05)
+            + "."
+        )
         lines.append("")
     lines += ["## Targets (modelled)", ""]
     for r in check_targets(rows):
@@ -1026,11 +1180,15 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
             if measured.get(other):
                 m = measured["ours"] / measured[other]
                 mod = zero["ours"]["ms_step"] / zero[other]["ms_step"]
-                lines.append(f"- ours/{other} at 0% ignored: measured {m:.3f} (bench/results/train.jsonl), modelled "
-                             f"{mod:.3f}, gap {m - mod:+.3f}")
+                lines.append(
+                    f"- ours/{other} at 0% ignored: measured {m:.3f} (bench/results/train.jsonl), modelled "
+                    f"{mod:.3f}, gap {m - mod:+.3f}"
+                )
     else:
-        lines.append("No GPU rows of this model, sequence length and micro batch in bench/results/train.jsonl yet: "
-                     "the measured ratios will stand here beside the modelled ones, and the gap is a finding.")
+        lines.append(
+            "No GPU rows of this model, sequence length and micro batch in bench/results/train.jsonl yet: "
+            "the measured ratios will stand here beside the modelled ones, and the gap is a finding."
+        )
     lines += ["", "![modelled step time by category](roofline.png)", ""]
     return "\n".join(lines)
 
@@ -1041,9 +1199,13 @@ def check_targets(rows: list[dict]) -> list[str]:
         sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
         target = TARGET_VS_LIGER.get(ignored, TARGET_VS_LIGER[0.5] if ignored > 0 else TARGET_VS_LIGER[0.0])
         v = sel["ours"]["ms_step"] / sel["hf_liger"]["ms_step"]
-        out.append(f"{100 * ignored:.0f}% ignored: modelled step ours/hf_liger {v:.3f} <= {target}: {_verdict(v, target)}")
+        out.append(
+            f"{100 * ignored:.0f}% ignored: modelled step ours/hf_liger {v:.3f} <= {target}: {_verdict(v, target)}"
+        )
         v = sel["ours"]["ms_step"] / sel["hf"]["ms_step"]
-        out.append(f"{100 * ignored:.0f}% ignored: modelled step ours/hf {v:.3f} <= {TARGET_VS_HF}: {_verdict(v, TARGET_VS_HF)}")
+        out.append(
+            f"{100 * ignored:.0f}% ignored: modelled step ours/hf {v:.3f} <= {TARGET_VS_HF}: {_verdict(v, TARGET_VS_HF)}"
+        )
         v = sel["ours"]["peak_memory_gb"] / sel["hf_liger"]["peak_memory_gb"]
         out.append(f"{100 * ignored:.0f}% ignored: modelled peak memory ours/hf_liger {v:.3f} <= 1: {_verdict(v, 1.0)}")
     return out
@@ -1094,10 +1256,23 @@ def main(argv=None) -> list[dict]:
     for ignored in sorted({0.0, args.ignored}):
         for stack in STACKS:
             trace = model_step(stack, config, args.micro_batch, args.seq_len, ignored)
-            rows.append({"bench": "roofline", "modelled": True, "stack": stack, "ignored": ignored,
-                         "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-                         "modelled_device": dev.name, "bandwidth_bytes_s": dev.bandwidth,
-                         "peak_flops": dev.peak_flops, "launch_s": dev.launch_s, **summarise(trace, dev), **env})
+            rows.append(
+                {
+                    "bench": "roofline",
+                    "modelled": True,
+                    "stack": stack,
+                    "ignored": ignored,
+                    "model": args.model,
+                    "seq_len": args.seq_len,
+                    "micro_batch": args.micro_batch,
+                    "modelled_device": dev.name,
+                    "bandwidth_bytes_s": dev.bandwidth,
+                    "peak_flops": dev.peak_flops,
+                    "launch_s": dev.launch_s,
+                    **summarise(trace, dev),
+                    **env,
+                }
+            )
     common.RESULTS.mkdir(parents=True, exist_ok=True)
     jsonl = common.RESULTS / "roofline.jsonl"
     with jsonl.open("a") as f:

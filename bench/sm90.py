@@ -34,8 +34,8 @@ import re
 import sys
 import tempfile
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch._library.triton import set_wrap_triton_enabled
@@ -82,8 +82,9 @@ class _FakeCuda(TorchFunctionMode):
             # push it back and call the engine directly (every public entry point would come back here).
             gradient = args[1] if len(args) > 1 else kwargs["gradient"]
             with self:
-                return _engine_run_backward((args[0],), (gradient,), False, False, (), allow_unreachable=True,
-                                            accumulate_grad=True)
+                return _engine_run_backward(
+                    (args[0],), (gradient,), False, False, (), allow_unreachable=True, accumulate_grad=True
+                )
         return func(*args, **kwargs)
 
 
@@ -176,16 +177,20 @@ def _specialise(launch: Launch, backend):
     kwargs = dict(launch.kwargs, debug=False)
     bound_args, specialization, options = binder(*launch.args, **kwargs)
     key = (kernel, str(specialization), str(options))
-    return (key, *kernel._pack_args(backend, kwargs, bound_args, specialization, options)[1:],
-            backend.parse_options(kwargs))
+    return (
+        key,
+        *kernel._pack_args(backend, kwargs, bound_args, specialization, options)[1:],
+        backend.parse_options(kwargs),
+    )
 
 
 def compile_sm90(case: str, launch: Launch, signature, constexprs, attrs, options) -> Compiled:
     """Compile one specialised launch for sm_90 and read ptxas's report."""
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # knobs.nvidia.dump_ptxas_log prints ptxas -v's report
-        compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=TARGET,
-                                  options=options.__dict__)
+        compiled = triton.compile(
+            ASTSource(launch.kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__
+        )
     text = log.getvalue()
     registers = [int(n) for n in _REGISTERS.findall(text)]
     frames = [tuple(map(int, f)) for f in _FRAME.findall(text)]
@@ -285,8 +290,11 @@ def _neftune():
 def _rope():
     # bench_rope's shapes (Llama-3-8B heads, q and k as (B, H, T, D) transposes of (B, T, H, D) projections), bf16
     # and fp32 inputs; cos/sin per row (4 x 8192) and shared by the batch (one program loops over the 4 batches).
-    for dtype, batch, seq, cos_batch in ((torch.bfloat16, 4, 8192, 4), (torch.bfloat16, 4, 8192, 1),
-                                         (torch.float32, 1, 2048, 1)):
+    for dtype, batch, seq, cos_batch in (
+        (torch.bfloat16, 4, 8192, 4),
+        (torch.bfloat16, 4, 8192, 1),
+        (torch.float32, 1, 2048, 1),
+    ):
         q = _cuda(batch, seq, 32, 128, dtype=dtype, grad=True).transpose(1, 2)
         k = _cuda(batch, seq, 8, 128, dtype=dtype, grad=True).transpose(1, 2)
         cos = sin = _cuda(cos_batch, seq, 128, dtype=torch.float32)
@@ -325,8 +333,12 @@ def compile_cases(names=None) -> list[Compiled]:
         raise ValueError(f"bench.sm90: unknown case(s) {', '.join(unknown)} (allowed: {', '.join(CASES)})")
     backend = make_backend(TARGET)
     results = []
-    with tempfile.TemporaryDirectory() as cache, triton.knobs.cache.scope(), triton.knobs.compilation.scope(), \
-            triton.knobs.nvidia.scope():
+    with (
+        tempfile.TemporaryDirectory() as cache,
+        triton.knobs.cache.scope(),
+        triton.knobs.compilation.scope(),
+        triton.knobs.nvidia.scope(),
+    ):
         triton.knobs.cache.dir = cache
         triton.knobs.compilation.always_compile = True
         triton.knobs.nvidia.dump_ptxas_log = True
@@ -363,11 +375,15 @@ def main(argv=None) -> int:
         for r in results:
             print(json.dumps(dataclasses.asdict(r)))
     else:
-        print(f"{'case':<27}{'kernel':<30}{'warps':>6}{'stages':>7}{'regs':>6}{'spill st/ld':>13}{'shared':>8}  constexprs")
+        print(
+            f"{'case':<27}{'kernel':<30}{'warps':>6}{'stages':>7}{'regs':>6}{'spill st/ld':>13}{'shared':>8}  constexprs"
+        )
         for r in results:
             consts = " ".join(f"{k}={v}" for k, v in r.constexprs.items())
-            print(f"{r.case:<27}{r.kernel:<30}{r.num_warps:>6}{r.num_stages:>7}{r.registers:>6}"
-                  f"{f'{r.spill_stores}/{r.spill_loads}':>13}{r.shared:>8}  {consts}")
+            print(
+                f"{r.case:<27}{r.kernel:<30}{r.num_warps:>6}{r.num_stages:>7}{r.registers:>6}"
+                f"{f'{r.spill_stores}/{r.spill_loads}':>13}{r.shared:>8}  {consts}"
+            )
     return 1 if spilled(results) else 0
 
 

@@ -62,7 +62,7 @@ class TensorTraffic:
     distinct_write: int = 0
     atomic: int = 0  # issued bytes of atomic lanes (also counted in read and write)
 
-    def add(self, other: "TensorTraffic") -> None:
+    def add(self, other: TensorTraffic) -> None:
         for key in ("read", "write", "distinct_read", "distinct_write", "atomic"):
             setattr(self, key, getattr(self, key) + getattr(other, key))
 
@@ -123,7 +123,9 @@ class Traffic:
         return sum(launch.write for launch in self.launches)
 
     def _distinct(self, kind: str) -> int:
-        return _pairs_bytes(_unique_pairs([launch._touched[kind] for launch in self.launches if kind in launch._touched]))
+        return _pairs_bytes(
+            _unique_pairs([launch._touched[kind] for launch in self.launches if kind in launch._touched])
+        )
 
     @property
     def distinct_read(self) -> int:
@@ -156,14 +158,20 @@ class Traffic:
         """A readable table: one block per launch, one line per tensor, then the totals."""
         lines = []
         for i, launch in enumerate(self.launches):
-            lines.append(f"launch {i} {launch.kernel}: {launch.programs} programs, read {launch.read} B "
-                         f"(distinct {launch.distinct_read}), write {launch.write} B (distinct {launch.distinct_write})")
+            lines.append(
+                f"launch {i} {launch.kernel}: {launch.programs} programs, read {launch.read} B "
+                f"(distinct {launch.distinct_read}), write {launch.write} B (distinct {launch.distinct_write})"
+            )
             for tt in sorted(launch.tensors.values(), key=lambda t: t.name):
                 atomic = f", atomic {tt.atomic}" if tt.atomic else ""
-                lines.append(f"    {tt.name:<28} read {tt.read:>10} (distinct {tt.distinct_read:>10})  "
-                             f"write {tt.write:>10} (distinct {tt.distinct_write:>10}){atomic}")
-        lines.append(f"total: {len(self.launches)} launches, read {self.read_bytes} B (distinct {self.distinct_read}), "
-                     f"write {self.write_bytes} B (distinct {self.distinct_write})")
+                lines.append(
+                    f"    {tt.name:<28} read {tt.read:>10} (distinct {tt.distinct_read:>10})  "
+                    f"write {tt.write:>10} (distinct {tt.distinct_write:>10}){atomic}"
+                )
+        lines.append(
+            f"total: {len(self.launches)} launches, read {self.read_bytes} B (distinct {self.distinct_read}), "
+            f"write {self.write_bytes} B (distinct {self.distinct_write})"
+        )
         return "\n".join(lines)
 
 
@@ -247,8 +255,18 @@ _active: _Recorder | None = None
 
 # write-only destinations (their old contents are not read), and ops that move nothing
 _OVERWRITE = {"copy_", "fill_", "zero_", "uniform_", "normal_", "random_"}
-_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
-               "_local_scalar_dense", "set_", "resize_"}
+_NO_TRAFFIC = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "detach",
+    "lift_fresh",
+    "_local_scalar_dense",
+    "set_",
+    "resize_",
+}
 
 
 _ROWS_READ = {"gather", "index_select"}  # read as many elements of self as they write
@@ -303,8 +321,12 @@ class _TorchOps(TorchDispatchMode):
             tt.read += nbytes
         written = {id(t) for t in written_args}
         result = launch.tensors.setdefault("result", TensorTraffic("result"))
-        result.write += sum(_nbytes(t) for t in _tensors(out) if id(t) not in written
-                            and not any(t.data_ptr() == w.data_ptr() and t.shape == w.shape for w in written_args))
+        result.write += sum(
+            _nbytes(t)
+            for t in _tensors(out)
+            if id(t) not in written
+            and not any(t.data_ptr() == w.data_ptr() and t.shape == w.shape for w in written_args)
+        )
         for tt in launch.tensors.values():
             tt.distinct_read, tt.distinct_write = tt.read, tt.write
         launch.tensors = {k: v for k, v in launch.tensors.items() if v.read or v.write}

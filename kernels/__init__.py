@@ -11,7 +11,12 @@ from ._dispatch import HAS_TRITON, backend, current_backend, use_triton
 from .adamw import FusedAdamW, adamw_step_ref
 from .cross_entropy import cross_entropy, cross_entropy_ref
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
-from .fused_linear_preference import PreferenceLogps, fused_linear_preference, fused_linear_preference_ref, preference_loss
+from .fused_linear_preference import (
+    PreferenceLogps,
+    fused_linear_preference,
+    fused_linear_preference_ref,
+    preference_loss,
+)
 from .neftune import NEFTuneFunction, neftune_noise, neftune_noise_ref
 from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from .rope import rope, rope_ref

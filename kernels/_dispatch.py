@@ -76,15 +76,19 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     on_cuda = all(t.is_cuda for t in tensors if t is not None)
     if on_cuda:
         if not HAS_TRITON:
-            raise RuntimeError(f"kernels: CUDA tensors run the Triton kernels, but {TRITON_MISSING}; "
-                               "or run the reference with KERNELS_BACKEND=reference")
+            raise RuntimeError(
+                f"kernels: CUDA tensors run the Triton kernels, but {TRITON_MISSING}; "
+                "or run the reference with KERNELS_BACKEND=reference"
+            )
         return True
     if torch.compiler.is_compiling():
         return False  # the interpreter cannot be traced; compiled CPU code takes the reference
     if name == "triton" or interpreter_on():
         if not HAS_TRITON:
-            raise RuntimeError(f"kernels: the Triton backend was forced (KERNELS_BACKEND=triton or TRITON_INTERPRET=1) "
-                               f"but {TRITON_MISSING}")
+            raise RuntimeError(
+                f"kernels: the Triton backend was forced (KERNELS_BACKEND=triton or TRITON_INTERPRET=1) "
+                f"but {TRITON_MISSING}"
+            )
         if not interpreter_on():
             raise RuntimeError(
                 "kernels: Triton on CPU tensors needs the interpreter: set TRITON_INTERPRET=1 before importing kernels"

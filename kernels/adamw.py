@@ -247,11 +247,47 @@ if HAS_TRITON:
         row = tensor_table + 8 * (t.to(tl.int64) + 1)  # _ROW int64 slots per tensor, after the betas row
         numel = tl.load(row + 6)
         if start + BLOCK <= numel:
-            _adamw_block(tensor_table, row, t, start, numel, lr, one_minus_beta1, beta2, one_minus_beta2, eps,
-                         decay, P_DTYPE, HAS_MASTER, STOCHASTIC, MAXIMIZE, ALIGNED, True, BLOCK)
+            _adamw_block(
+                tensor_table,
+                row,
+                t,
+                start,
+                numel,
+                lr,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                eps,
+                decay,
+                P_DTYPE,
+                HAS_MASTER,
+                STOCHASTIC,
+                MAXIMIZE,
+                ALIGNED,
+                True,
+                BLOCK,
+            )
         else:
-            _adamw_block(tensor_table, row, t, start, numel, lr, one_minus_beta1, beta2, one_minus_beta2, eps,
-                         decay, P_DTYPE, HAS_MASTER, STOCHASTIC, MAXIMIZE, ALIGNED, False, BLOCK)
+            _adamw_block(
+                tensor_table,
+                row,
+                t,
+                start,
+                numel,
+                lr,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                eps,
+                decay,
+                P_DTYPE,
+                HAS_MASTER,
+                STOCHASTIC,
+                MAXIMIZE,
+                ALIGNED,
+                False,
+                BLOCK,
+            )
 
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -282,7 +318,9 @@ class _LaunchTables:
         self.tensor_key: tuple | None = None
         self.tensors: torch.Tensor | None = None
 
-    def block_tables(self, numels: list[int], aligned: list[bool], device: torch.device) -> list[tuple[bool, torch.Tensor]]:
+    def block_tables(
+        self, numels: list[int], aligned: list[bool], device: torch.device
+    ) -> list[tuple[bool, torch.Tensor]]:
         """(ALIGNED, block table) per launch: the aligned tensors' blocks, then the misaligned ones' (if any)."""
         key = (device, tuple(numels), tuple(aligned))
         if key != self.block_key:
@@ -294,7 +332,9 @@ class _LaunchTables:
                     continue
                 counts_t = torch.tensor(counts, dtype=torch.int64)  # (T',)
                 tensor = torch.repeat_interleave(torch.tensor(members, dtype=torch.int64), counts_t)  # (NB,)
-                first = torch.repeat_interleave(torch.cumsum(counts_t, 0) - counts_t, counts_t)  # (NB,) its tensor's first
+                first = torch.repeat_interleave(
+                    torch.cumsum(counts_t, 0) - counts_t, counts_t
+                )  # (NB,) its tensor's first
                 block = torch.arange(tensor.numel()) - first  # (NB,) block index within its tensor
                 table = torch.stack([tensor, block], dim=1).to(torch.int32)  # (NB, 2)
                 self.blocks.append((flag, _to_device(table.reshape(-1), device)))  # (NB * 2,)
@@ -378,8 +418,16 @@ def fused_adamw_step(
     rows = [_f64_bits(beta1), _f64_bits(beta2), 0, 0, 0, 0, 0, 0]
     for i, p in enumerate(params):
         w = masters[i].data_ptr() if masters is not None else 0
-        rows += (p.data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), w,
-                 steps[i].data_ptr(), p.numel(), 0)
+        rows += (
+            p.data_ptr(),
+            grads[i].data_ptr(),
+            exp_avgs[i].data_ptr(),
+            exp_avg_sqs[i].data_ptr(),
+            w,
+            steps[i].data_ptr(),
+            p.numel(),
+            0,
+        )
     # New pointers or sizes are checked once, before the kernel dereferences them.
     tensor_table = tables.tensor_table(
         rows, device, lambda: _check_bucket(params, grads, exp_avgs, exp_avg_sqs, steps, masters, stochastic_rounding)
@@ -455,7 +503,11 @@ class FusedAdamW(torch.optim.Optimizer):
         _check_hyper("FusedAdamW", lr, betas, eps, weight_decay)
         self._tables: dict[tuple, _LaunchTables] = {}
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize),
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=bool(maximize),
             master_weights=bool(master_weights),
         )
         super().__init__(params, defaults)
@@ -560,16 +612,27 @@ class FusedAdamW(torch.optim.Optimizer):
                 if not grad.is_contiguous():
                     grad = grad.contiguous()
                 bucket = buckets.setdefault((p.device, p.dtype), ([], [], [], [], [], []))
-                for lst, x in zip(bucket, (p, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])):
+                for lst, x in zip(
+                    bucket, (p, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])
+                ):
                     lst.append(x)
                 if use_master:
                     bucket[5].append(_local(state["master_param"]))
             beta1, beta2 = group["betas"]
             for (device, dtype), (ps, gs, ms, vs, ss, ws) in buckets.items():
                 _step_bucket(
-                    ps, gs, ms, vs, ss, ws or None,
-                    lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), maximize=bool(group["maximize"]),
+                    ps,
+                    gs,
+                    ms,
+                    vs,
+                    ss,
+                    ws or None,
+                    lr=float(group["lr"]),
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    maximize=bool(group["maximize"]),
                     stochastic_rounding=dtype == torch.bfloat16 and not ws,
                     tables=self._tables.setdefault((gi, device, dtype), _LaunchTables()),
                 )
@@ -619,6 +682,8 @@ def forced_impl(name: str):
         yield
     finally:
         _ADAMW_IMPL = previous
+
+
 _warned: set[str] = set()
 
 
@@ -632,11 +697,16 @@ def cuda_op_unavailable() -> str | None:
         try:
             import kernels._C  # noqa: F401  (loading the library registers the ops)
         except ImportError as exc:
-            _MISSING = (f"the CUDA extension kernels._C is not built ({exc}); build it where nvcc and a CUDA "
-                        "PyTorch exist: pip install --no-build-isolation .")
+            _MISSING = (
+                f"the CUDA extension kernels._C is not built ({exc}); build it where nvcc and a CUDA "
+                "PyTorch exist: pip install --no-build-isolation ."
+            )
         else:
-            _MISSING = None if hasattr(torch.ops.kernelwright, "fused_adamw_") else (
-                "kernels._C is loaded but does not register kernelwright::fused_adamw_ (a stale build?)")
+            _MISSING = (
+                None
+                if hasattr(torch.ops.kernelwright, "fused_adamw_")
+                else ("kernels._C is loaded but does not register kernelwright::fused_adamw_ (a stale build?)")
+            )
     return _MISSING
 
 
@@ -649,8 +719,12 @@ def adamw_impl(param: torch.Tensor) -> tuple[str, str]:
     if not param.is_cuda:
         if use_triton(param):
             return "triton", f"parameters on {param.device.type}: the CUDA op needs CUDA tensors"
-        if (param.device.type == "cpu" and param.dtype == torch.float32 and current_backend() == "auto"
-                and _HAS_TORCH_FUSED):
+        if (
+            param.device.type == "cpu"
+            and param.dtype == torch.float32
+            and current_backend() == "auto"
+            and _HAS_TORCH_FUSED
+        ):
             # Not a kernel of ours: on a CPU, torch's own fused AdamW (the one torch.optim.AdamW(fused=True) and
             # Hugging Face's adamw_torch_fused run) does the same math in one pass over each tensor, where the
             # reference's ~12 tensor ops per parameter cost ~8% of a step of the tiny preset (bench_train). fp32
@@ -665,7 +739,9 @@ def adamw_impl(param: torch.Tensor) -> tuple[str, str]:
             return "cuda", "KERNELS_ADAMW_IMPL=cuda"
         if missing not in _warned:
             _warned.add(missing)
-            warnings.warn(f"kernels.adamw: KERNELS_ADAMW_IMPL=cuda but {missing}; using the Triton kernel", stacklevel=3)
+            warnings.warn(
+                f"kernels.adamw: KERNELS_ADAMW_IMPL=cuda but {missing}; using the Triton kernel", stacklevel=3
+            )
         return ("triton" if use_triton(param) else "reference"), f"KERNELS_ADAMW_IMPL=cuda but {missing}"
     if missing is None and _CUDA_OP_MEASURED_FASTER:
         return "cuda", "KERNELS_ADAMW_IMPL=auto and the CUDA op was measured faster"
@@ -679,16 +755,42 @@ def _step_bucket(params, grads, exp_avgs, exp_avg_sqs, steps, masters, *, tables
     impl, _ = adamw_impl(params[0])
     if impl == "cuda":
         torch.ops.kernelwright.fused_adamw_(
-            params, grads, exp_avgs, exp_avg_sqs, masters or [], steps, hyper["lr"], hyper["beta1"], hyper["beta2"],
-            hyper["eps"], hyper["weight_decay"], hyper["maximize"], hyper["stochastic_rounding"])
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            masters or [],
+            steps,
+            hyper["lr"],
+            hyper["beta1"],
+            hyper["beta2"],
+            hyper["eps"],
+            hyper["weight_decay"],
+            hyper["maximize"],
+            hyper["stochastic_rounding"],
+        )
     elif impl == "triton":
         fused_adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, masters, tables=tables, **hyper)
     elif impl == "torch_cpu":  # exactly torch.optim.AdamW(fused=True), which wants grads in the parameters' dtype
         grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
         torch._foreach_add_(steps, 1)
-        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=hyper["lr"], beta1=hyper["beta1"],
-                            beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
-                            amsgrad=False, maximize=hyper["maximize"], grad_scale=None, found_inf=None)
+        torch._fused_adamw_(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            lr=hyper["lr"],
+            beta1=hyper["beta1"],
+            beta2=hyper["beta2"],
+            weight_decay=hyper["weight_decay"],
+            eps=hyper["eps"],
+            amsgrad=False,
+            maximize=hyper["maximize"],
+            grad_scale=None,
+            found_inf=None,
+        )
     else:
         _adamw_bucket_ref(params, grads, exp_avgs, exp_avg_sqs, steps, masters, **hyper)
 

@@ -95,8 +95,19 @@ if HAS_TRITON:
     @triton.jit
     def _cross_entropy_row(
         row,  # int64 row index into the flattened (N, V) logits
-        logits_ptr, grad_ptr, target_ptr, loss_ptr, lse_ptr, scale_ptr,  # as in _cross_entropy_fwd_kernel
-        n_cols, seq_len, stride_lb, stride_lt, stride_grad, scale_stride, ignore_index,
+        logits_ptr,
+        grad_ptr,
+        target_ptr,
+        loss_ptr,
+        lse_ptr,
+        scale_ptr,  # as in _cross_entropy_fwd_kernel
+        n_cols,
+        seq_len,
+        stride_lb,
+        stride_lt,
+        stride_grad,
+        scale_stride,
+        ignore_index,
         LABEL_SMOOTHING: tl.constexpr,
         Z_LOSS: tl.constexpr,
         HAS_SCALE: tl.constexpr,
@@ -137,17 +148,24 @@ if HAS_TRITON:
                     offs = b * BLOCK + cols
                     mask = offs < n_cols
                     x = tl.load(logits_row + offs, mask=mask, other=-float("inf"), eviction_policy="evict_last")
-                    m, d_other, x_sum = _lse_tile(x.to(tl.float32), offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING)
+                    m, d_other, x_sum = _lse_tile(
+                        x.to(tl.float32), offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING
+                    )
             else:
                 # The next tile is loaded before this one is reduced (register prefetch; a masked-off load past
                 # the end touches no memory) so its latency hides behind the reductions.
-                x_next = tl.load(logits_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy="evict_last")
+                x_next = tl.load(
+                    logits_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy="evict_last"
+                )
                 for b in range(0, n_blocks):
                     offs = b * BLOCK + cols
                     mask = offs < n_cols
                     x = x_next.to(tl.float32)
                     x_next = tl.load(
-                        logits_row + offs + BLOCK, mask=offs + BLOCK < n_cols, other=-float("inf"), eviction_policy="evict_last"
+                        logits_row + offs + BLOCK,
+                        mask=offs + BLOCK < n_cols,
+                        other=-float("inf"),
+                        eviction_policy="evict_last",
                     )
                     m, d_other, x_sum = _lse_tile(x, offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING)
 
@@ -187,7 +205,9 @@ if HAS_TRITON:
                         offs = (n_blocks - 1 - i) * BLOCK + cols
                         mask = offs < n_cols
                         x = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-                        _grad_tile(grad_row, x.to(tl.float32), offs, mask, y_safe, m, coef, shift, grad_y, GRAD_EVICTION)
+                        _grad_tile(
+                            grad_row, x.to(tl.float32), offs, mask, y_safe, m, coef, shift, grad_y, GRAD_EVICTION
+                        )
                 else:
                     # Same register prefetch as pass 1; a tile index of -1 is fully masked.
                     last = (n_blocks - 1) * BLOCK + cols
@@ -229,15 +249,51 @@ if HAS_TRITON:
         if PERSISTENT:
             for row in range(pid, n_rows, tl.num_programs(0)):
                 _cross_entropy_row(
-                    row, logits_ptr, grad_ptr, target_ptr, loss_ptr, lse_ptr, scale_ptr,
-                    n_cols, seq_len, stride_lb, stride_lt, stride_grad, scale_stride, ignore_index,
-                    LABEL_SMOOTHING, Z_LOSS, HAS_SCALE, COMPUTE_GRAD, BLOCK, GRAD_EVICTION, NUM_STAGES,
+                    row,
+                    logits_ptr,
+                    grad_ptr,
+                    target_ptr,
+                    loss_ptr,
+                    lse_ptr,
+                    scale_ptr,
+                    n_cols,
+                    seq_len,
+                    stride_lb,
+                    stride_lt,
+                    stride_grad,
+                    scale_stride,
+                    ignore_index,
+                    LABEL_SMOOTHING,
+                    Z_LOSS,
+                    HAS_SCALE,
+                    COMPUTE_GRAD,
+                    BLOCK,
+                    GRAD_EVICTION,
+                    NUM_STAGES,
                 )
         else:
             _cross_entropy_row(
-                pid, logits_ptr, grad_ptr, target_ptr, loss_ptr, lse_ptr, scale_ptr,
-                n_cols, seq_len, stride_lb, stride_lt, stride_grad, scale_stride, ignore_index,
-                LABEL_SMOOTHING, Z_LOSS, HAS_SCALE, COMPUTE_GRAD, BLOCK, GRAD_EVICTION, NUM_STAGES,
+                pid,
+                logits_ptr,
+                grad_ptr,
+                target_ptr,
+                loss_ptr,
+                lse_ptr,
+                scale_ptr,
+                n_cols,
+                seq_len,
+                stride_lb,
+                stride_lt,
+                stride_grad,
+                scale_stride,
+                ignore_index,
+                LABEL_SMOOTHING,
+                Z_LOSS,
+                HAS_SCALE,
+                COMPUTE_GRAD,
+                BLOCK,
+                GRAD_EVICTION,
+                NUM_STAGES,
             )
 
     @triton.jit
@@ -425,7 +481,16 @@ def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.
         n_tiles = triton.cdiv(n_cols, block)
     grid = (max(1, min(n_tiles, 1024 if grad.is_cuda else 4)),)
     _cross_entropy_bwd_kernel[grid](
-        grad, out, g, n_rows, n_cols, g_stride, PER_ROW=per_row, IN_PLACE=out is grad, BLOCK=block, num_warps=8 if grad.is_cuda else 4
+        grad,
+        out,
+        g,
+        n_rows,
+        n_cols,
+        g_stride,
+        PER_ROW=per_row,
+        IN_PLACE=out is grad,
+        BLOCK=block,
+        num_warps=8 if grad.is_cuda else 4,
     )
     return out
 
@@ -452,7 +517,11 @@ def _scale_saved_(grad: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dt
 def _check_args(name, logits_or_hidden, target, label_smoothing, ignore_index, reduction, z_loss, num_items):
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{name}: reduction={reduction!r} is not one of {', '.join(map(repr, _REDUCTIONS))}")
-    if not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool) or not 0.0 <= label_smoothing <= 1.0:
+    if (
+        not isinstance(label_smoothing, (int, float))
+        or isinstance(label_smoothing, bool)
+        or not 0.0 <= label_smoothing <= 1.0
+    ):
         raise ValueError(f"{name}: label_smoothing={label_smoothing!r} must be a float in [0, 1]")
     if not isinstance(z_loss, (int, float)) or isinstance(z_loss, bool) or z_loss < 0.0:
         raise ValueError(f"{name}: z_loss={z_loss!r} must be a float >= 0")
@@ -467,7 +536,9 @@ def _check_args(name, logits_or_hidden, target, label_smoothing, ignore_index, r
             raise ValueError(f"{name}: num_items is only valid with reduction='mean', got reduction={reduction!r}")
         if isinstance(num_items, torch.Tensor):
             if num_items.numel() != 1:
-                raise ValueError(f"{name}: num_items must be an int or a one-element tensor, got shape {tuple(num_items.shape)}")
+                raise ValueError(
+                    f"{name}: num_items must be an int or a one-element tensor, got shape {tuple(num_items.shape)}"
+                )
         elif not isinstance(num_items, int) or isinstance(num_items, bool) or num_items <= 0:
             raise ValueError(f"{name}: num_items={num_items!r} must be a positive int or a one-element tensor")
 
@@ -542,8 +613,13 @@ def cross_entropy(
         )
     if not use_triton(logits, target):
         return cross_entropy_ref(
-            logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index,
-            reduction=reduction, z_loss=z_loss, num_items=num_items,
+            logits,
+            target,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            z_loss=z_loss,
+            num_items=num_items,
         )
     # Not flattened here: reshaping strided 3-D logits (logits[:, :-1]) would copy them; the kernel
     # takes their strides instead.
@@ -551,11 +627,18 @@ def cross_entropy(
     # anyway, so only the loss's dtype changes (the gradient keeps the logits' dtype).
     out_dtype = torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
     if torch.is_grad_enabled() and logits.requires_grad:
-        loss = CrossEntropyFunction.apply(logits, target, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items, out_dtype)
+        loss = CrossEntropyFunction.apply(
+            logits, target, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items, out_dtype
+        )
     else:
         denom = _denominator(target, ignore_index, reduction, num_items, logits.device)
         loss_rows, _, _ = cross_entropy_fwd(
-            logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss, compute_grad=False
+            logits,
+            target,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+            z_loss=z_loss,
+            compute_grad=False,
         )
         loss = _reduce(loss_rows, reduction, denom).to(out_dtype)
     return loss.reshape(target.shape) if reduction == "none" else loss

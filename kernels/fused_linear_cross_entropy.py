@@ -82,7 +82,15 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import HAS_TRITON, use_triton
-from .cross_entropy import _check_args, _denominator, _reduce, _scale_saved_, cross_entropy_bwd, cross_entropy_fwd, cross_entropy_ref
+from .cross_entropy import (
+    _check_args,
+    _denominator,
+    _reduce,
+    _scale_saved_,
+    cross_entropy_bwd,
+    cross_entropy_fwd,
+    cross_entropy_ref,
+)
 
 if HAS_TRITON:
     import triton
@@ -166,7 +174,11 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bo
     if out.is_cuda and _HAS_ADDMM_OUT_DTYPE:
         # cuBLAS reads bf16/fp16 operands and reads/writes the fp32 out: no upcast copies.
         if torch.compiler.is_compiling():
-            return out.copy_(torch.addmm(out, a, b, out_dtype=torch.float32) if accumulate else torch.mm(a, b, out_dtype=torch.float32))
+            return out.copy_(
+                torch.addmm(out, a, b, out_dtype=torch.float32)
+                if accumulate
+                else torch.mm(a, b, out_dtype=torch.float32)
+            )
         if accumulate:
             return torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
         return torch.mm(a, b, out_dtype=torch.float32, out=out)
@@ -183,7 +195,22 @@ def _rows(t, start, size):
     return t if t is None or t.dim() == 0 else t.narrow(0, start, size)
 
 
-def _token_pass(hidden, weight, bias, target, *, label_smoothing, ignore_index, z_loss, loss_rows, grad_scale, need_hidden, need_bias, grad_weight, for_vocab_pass):
+def _token_pass(
+    hidden,
+    weight,
+    bias,
+    target,
+    *,
+    label_smoothing,
+    ignore_index,
+    z_loss,
+    loss_rows,
+    grad_scale,
+    need_hidden,
+    need_bias,
+    grad_weight,
+    for_vocab_pass,
+):
     """One pass over the token chunks of 2-D hidden (N, H) (weight, bias in hidden's dtype); no autograd.
 
     Writes the per-row losses into loss_rows (fp32 (N,)). The gradients are those of the per-row losses
@@ -224,7 +251,9 @@ def _token_pass(hidden, weight, bias, target, *, label_smoothing, ignore_index, 
         # logits now holds dloss/dlogits for the chunk.
         if for_vocab_pass:
             lse.narrow(0, start, size).copy_(lse_c)
-            grad_at_target.narrow(0, start, size).copy_(logits.gather(1, target_c.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1))
+            grad_at_target.narrow(0, start, size).copy_(
+                logits.gather(1, target_c.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
+            )
         if need_hidden:
             _mm_fp32(logits, weight, grad_hidden.narrow(0, start, size), accumulate=False)
         if grad_weight is not None:
@@ -235,7 +264,9 @@ def _token_pass(hidden, weight, bias, target, *, label_smoothing, ignore_index, 
     return grad_hidden, grad_bias, lse, grad_at_target
 
 
-def _slice_grad_(logits, target, lse, grad_at_target, grad_scale, *, col_start, vocab, label_smoothing, ignore_index, z_loss):
+def _slice_grad_(
+    logits, target, lse, grad_at_target, grad_scale, *, col_start, vocab, label_smoothing, ignore_index, z_loss
+):
     """Launch `_flce_slice_grad_kernel`: logits (R, S) of columns [col_start, col_start + S) -> their gradient, in place."""
     n_rows, n_cols = logits.shape
     if n_rows == 0 or n_cols == 0:
@@ -245,14 +276,39 @@ def _slice_grad_(logits, target, lse, grad_at_target, grad_scale, *, col_start, 
     block = min(triton.next_power_of_2(n_cols), 4096 if logits.is_cuda else 8192)
     scale_stride = grad_scale.stride(0) if grad_scale is not None and grad_scale.dim() == 1 else 0
     _flce_slice_grad_kernel[(n_rows, triton.cdiv(n_cols, block))](
-        logits, target, lse, grad_at_target, grad_scale if grad_scale is not None else lse,
-        n_cols, col_start, vocab, scale_stride, ignore_index,
-        LABEL_SMOOTHING=float(label_smoothing), Z_LOSS=float(z_loss), HAS_SCALE=grad_scale is not None,
-        BLOCK=block, num_warps=8 if logits.is_cuda else 4,
+        logits,
+        target,
+        lse,
+        grad_at_target,
+        grad_scale if grad_scale is not None else lse,
+        n_cols,
+        col_start,
+        vocab,
+        scale_stride,
+        ignore_index,
+        LABEL_SMOOTHING=float(label_smoothing),
+        Z_LOSS=float(z_loss),
+        HAS_SCALE=grad_scale is not None,
+        BLOCK=block,
+        num_warps=8 if logits.is_cuda else 4,
     )
 
 
-def _vocab_pass(hidden, weight, bias, target, lse, grad_at_target, grad_scale, *, label_smoothing, ignore_index, z_loss, out, out_scale):
+def _vocab_pass(
+    hidden,
+    weight,
+    bias,
+    target,
+    lse,
+    grad_at_target,
+    grad_scale,
+    *,
+    label_smoothing,
+    ignore_index,
+    z_loss,
+    out,
+    out_scale,
+):
     """grad_weight of the per-row losses, vocabulary slice by slice, into `out` (V, H) (weight's dtype); no autograd.
 
     hidden (N, H), weight (V, H), bias in one (compute) dtype; lse and grad_at_target from `_token_pass`
@@ -276,9 +332,16 @@ def _vocab_pass(hidden, weight, bias, target, lse, grad_at_target, grad_scale, *
             hidden_c = hidden.narrow(0, start, size)  # (Ct, H)
             logits = _logits(hidden_c, weight_s, bias_s)  # (Ct, Vs)
             _slice_grad_(
-                logits, target.narrow(0, start, size), lse.narrow(0, start, size), grad_at_target.narrow(0, start, size),
-                _rows(grad_scale, start, size), col_start=col_start, vocab=vocab,
-                label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss,
+                logits,
+                target.narrow(0, start, size),
+                lse.narrow(0, start, size),
+                grad_at_target.narrow(0, start, size),
+                _rows(grad_scale, start, size),
+                col_start=col_start,
+                vocab=vocab,
+                label_smoothing=label_smoothing,
+                ignore_index=ignore_index,
+                z_loss=z_loss,
             )
             _mm_fp32(logits.t(), hidden_c, acc, accumulate=start > 0)
             del logits
@@ -342,7 +405,9 @@ def _scatter_rows(values, rows, n_rows):
     """values (K, ...) placed at `rows` of zeros (N, ...); values itself when rows is None."""
     if rows is None:
         return values
-    return torch.zeros((n_rows, *values.shape[1:]), dtype=values.dtype, device=values.device).index_copy_(0, rows, values)
+    return torch.zeros((n_rows, *values.shape[1:]), dtype=values.dtype, device=values.device).index_copy_(
+        0, rows, values
+    )
 
 
 def _new_weight_grad(weight, n_rows):
@@ -352,8 +417,20 @@ def _new_weight_grad(weight, n_rows):
 
 
 def fused_linear_cross_entropy_fwd(
-    hidden, weight, target, bias=None, *, label_smoothing=0.0, ignore_index=-100, z_loss=0.0, reduction="mean", num_items=None,
-    need_hidden=False, need_weight=False, need_bias=False, out_dtype=None,
+    hidden,
+    weight,
+    target,
+    bias=None,
+    *,
+    label_smoothing=0.0,
+    ignore_index=-100,
+    z_loss=0.0,
+    reduction="mean",
+    num_items=None,
+    need_hidden=False,
+    need_weight=False,
+    need_bias=False,
+    out_dtype=None,
 ):
     """Launcher on 2-D hidden (N, H), weight (V, H), bias (V,), target (N,) on hidden's device or the CPU; no autograd.
 
@@ -369,8 +446,17 @@ def fused_linear_cross_entropy_fwd(
     denom = None if denom is None else denom.to(dev, non_blocking=True)  # counted on the host for a host target
     rows, hidden_k, target_k = _skip_ignored(hidden, target, ignore_index)
     plan = _Plan(
-        reduction, float(label_smoothing), ignore_index, float(z_loss), n_rows, hidden.dtype, need_hidden, need_weight, need_bias,
-        weight.dtype, None if bias is None else bias.dtype,
+        reduction,
+        float(label_smoothing),
+        ignore_index,
+        float(z_loss),
+        n_rows,
+        hidden.dtype,
+        need_hidden,
+        need_weight,
+        need_bias,
+        weight.dtype,
+        None if bias is None else bias.dtype,
     )
     with_grad = reduction != "none"
     grad_scale = denom.reciprocal() if denom is not None else None
@@ -379,9 +465,17 @@ def fused_linear_cross_entropy_fwd(
     grad_weight = _new_weight_grad(weight, hidden_k.shape[0]) if with_grad and need_weight else None
     loss_rows = torch.empty(hidden_k.shape[0], dtype=torch.float32, device=dev)  # (K,)
     grad_hidden, grad_bias, _, _ = _token_pass(
-        hidden_k, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype), target_k, **plan.options,
-        loss_rows=loss_rows, grad_scale=grad_scale, need_hidden=need_hidden and with_grad, need_bias=need_bias and with_grad,
-        grad_weight=grad_weight, for_vocab_pass=False,
+        hidden_k,
+        weight.to(hidden.dtype),
+        None if bias is None else bias.to(hidden.dtype),
+        target_k,
+        **plan.options,
+        loss_rows=loss_rows,
+        grad_scale=grad_scale,
+        need_hidden=need_hidden and with_grad,
+        need_bias=need_bias and with_grad,
+        grad_weight=grad_weight,
+        for_vocab_pass=False,
     )
     loss = _reduce(_scatter_rows(loss_rows, rows, n_rows) if reduction == "none" else loss_rows, reduction, denom)
     if not with_grad:
@@ -412,9 +506,17 @@ def fused_linear_cross_entropy_bwd(grad_output, saved, plan):
         n_kept = hidden.shape[0]
         grad_weight = _new_weight_grad(weight, n_kept) if plan.need_weight and not plan.vocab_pass else None
         grad_hidden, grad_bias, lse, grad_at_target = _token_pass(
-            hidden, weight_c, bias_c, target_k, **plan.options,
-            loss_rows=torch.empty(n_kept, dtype=torch.float32, device=hidden.device), grad_scale=grad_scale,
-            need_hidden=plan.need_hidden, need_bias=plan.need_bias, grad_weight=grad_weight, for_vocab_pass=plan.vocab_pass,
+            hidden,
+            weight_c,
+            bias_c,
+            target_k,
+            **plan.options,
+            loss_rows=torch.empty(n_kept, dtype=torch.float32, device=hidden.device),
+            grad_scale=grad_scale,
+            need_hidden=plan.need_hidden,
+            need_bias=plan.need_bias,
+            grad_weight=grad_weight,
+            for_vocab_pass=plan.vocab_pass,
         )
     else:
         out_scale = grad_output
@@ -424,7 +526,18 @@ def fused_linear_cross_entropy_bwd(grad_output, saved, plan):
 
     if plan.vocab_pass:
         grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)  # (V, H)
-        _vocab_pass(hidden, weight_c, bias_c, target_k, lse, grad_at_target, grad_scale, **plan.options, out=grad_weight, out_scale=out_scale)
+        _vocab_pass(
+            hidden,
+            weight_c,
+            bias_c,
+            target_k,
+            lse,
+            grad_at_target,
+            grad_scale,
+            **plan.options,
+            out=grad_weight,
+            out_scale=out_scale,
+        )
     elif grad_weight is not None:
         grad_weight = to_dtype(grad_weight, plan.weight_dtype)
     if grad_hidden is not None:
@@ -438,11 +551,22 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd wrapper around the launchers; hidden arrives in the matmuls' dtype, weight and bias in their own."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, num_items, out_dtype):
+    def forward(
+        ctx, hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, num_items, out_dtype
+    ):
         loss, saved, ctx.plan = fused_linear_cross_entropy_fwd(
-            hidden, weight, target, bias,
-            label_smoothing=label_smoothing, ignore_index=ignore_index, z_loss=z_loss, reduction=reduction, num_items=num_items,
-            need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1], need_bias=ctx.needs_input_grad[3],
+            hidden,
+            weight,
+            target,
+            bias,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+            z_loss=z_loss,
+            reduction=reduction,
+            num_items=num_items,
+            need_hidden=ctx.needs_input_grad[0],
+            need_weight=ctx.needs_input_grad[1],
+            need_bias=ctx.needs_input_grad[3],
             out_dtype=out_dtype,
         )
         ctx.save_for_backward(*saved)
@@ -462,11 +586,17 @@ def _check_shapes(hidden, weight, target, bias):
             f"fused_linear_cross_entropy: hidden must be (..., H) and weight (V, H); got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
         )
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"fused_linear_cross_entropy: target shape {tuple(target.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}")
+        raise ValueError(
+            f"fused_linear_cross_entropy: target shape {tuple(target.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}"
+        )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"fused_linear_cross_entropy: bias must be (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+        raise ValueError(
+            f"fused_linear_cross_entropy: bias must be (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}"
+        )
     if target.device != hidden.device and target.device.type != "cpu":
-        raise ValueError(f"fused_linear_cross_entropy: target must be on hidden's device ({hidden.device}) or the CPU, got {target.device}")
+        raise ValueError(
+            f"fused_linear_cross_entropy: target must be on hidden's device ({hidden.device}) or the CPU, got {target.device}"
+        )
     dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
     if len(dtypes) != 1 and not torch.is_autocast_enabled(hidden.device.type):
         raise ValueError(
@@ -495,12 +625,21 @@ def fused_linear_cross_entropy(
     Returns a 0-d loss ("mean"/"sum") or the per-token losses shaped like target ("none"), in hidden's
     dtype (fp32 under autocast).
     """
-    _check_args("fused_linear_cross_entropy", hidden, target, label_smoothing, ignore_index, reduction, z_loss, num_items)
+    _check_args(
+        "fused_linear_cross_entropy", hidden, target, label_smoothing, ignore_index, reduction, z_loss, num_items
+    )
     _check_shapes(hidden, weight, target, bias)
     if not use_triton(hidden, weight, bias):
         return fused_linear_cross_entropy_ref(
-            hidden, weight, target.to(hidden.device, non_blocking=True), bias, label_smoothing=label_smoothing,
-            ignore_index=ignore_index, reduction=reduction, z_loss=z_loss, num_items=num_items,
+            hidden,
+            weight,
+            target.to(hidden.device, non_blocking=True),
+            bias,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            z_loss=z_loss,
+            num_items=num_items,
         )
     device_type = hidden.device.type
     out_dtype = hidden.dtype
@@ -513,17 +652,36 @@ def fused_linear_cross_entropy(
         out_dtype = torch.float32
     hidden2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # (N, H)
     target1d = target.reshape(-1)  # (N,)
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
     # Our matmuls pick their dtypes themselves (fp32 accumulation): autocast must not recast them.
     with torch.autocast(device_type, enabled=False):
         if needs_grad:
             loss = FusedLinearCrossEntropyFunction.apply(
-                hidden2d, weight, target1d, bias, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items, out_dtype
+                hidden2d,
+                weight,
+                target1d,
+                bias,
+                float(label_smoothing),
+                ignore_index,
+                reduction,
+                float(z_loss),
+                num_items,
+                out_dtype,
             )
         else:
             loss = fused_linear_cross_entropy_fwd(
-                hidden2d, weight, target1d, bias, label_smoothing=float(label_smoothing), ignore_index=ignore_index,
-                z_loss=float(z_loss), reduction=reduction, num_items=num_items, out_dtype=out_dtype,
+                hidden2d,
+                weight,
+                target1d,
+                bias,
+                label_smoothing=float(label_smoothing),
+                ignore_index=ignore_index,
+                z_loss=float(z_loss),
+                reduction=reduction,
+                num_items=num_items,
+                out_dtype=out_dtype,
             )[0]
     return loss.reshape(target.shape) if reduction == "none" else loss
 
@@ -542,6 +700,11 @@ def fused_linear_cross_entropy_ref(
 ) -> torch.Tensor:
     """The unfused reference: F.linear in the inputs' (or autocast) dtype, then `cross_entropy_ref` (fp32 math)."""
     return cross_entropy_ref(
-        F.linear(hidden, weight, bias), target, label_smoothing=label_smoothing, ignore_index=ignore_index,
-        reduction=reduction, z_loss=z_loss, num_items=num_items,
+        F.linear(hidden, weight, bias),
+        target,
+        label_smoothing=label_smoothing,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        z_loss=z_loss,
+        num_items=num_items,
     )

@@ -92,18 +92,39 @@ def _per_sequence(values, seq, n_seqs):
     return torch.zeros(n_seqs, dtype=values.dtype, device=values.device).index_add_(0, seq, values)
 
 
-def fused_linear_preference_fwd(hidden, weight, target, seq, n_seqs, bias=None, *, ignore_index=-100,
-                                need_hidden=False, need_weight=False, need_bias=False):
+def fused_linear_preference_fwd(
+    hidden,
+    weight,
+    target,
+    seq,
+    n_seqs,
+    bias=None,
+    *,
+    ignore_index=-100,
+    need_hidden=False,
+    need_weight=False,
+    need_bias=False,
+):
     """Launcher on 2-D hidden (N, H), weight (V, H), bias (V,), target (N,) on hidden's device or the CPU and seq
     (N,) int64 on hidden's device (the sequence of each row, in [0, n_seqs)); no autograd.
 
     Returns (PreferenceLogps, saved, plan): `fused_linear_preference_bwd(grad_logps, seq, saved, plan)` gives the
     gradients of logps. The matmuls run in hidden's dtype (weight and bias are cast to it)."""
     nll_rows, saved, plan = fused_linear_cross_entropy_fwd(
-        hidden, weight, target, bias, ignore_index=ignore_index, reduction="none",
-        need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias, out_dtype=torch.float32,
+        hidden,
+        weight,
+        target,
+        bias,
+        ignore_index=ignore_index,
+        reduction="none",
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
+        out_dtype=torch.float32,
     )  # (N,) fp32, 0 on ignored rows
-    rows = saved[0]  # fused_linear_cross_entropy_fwd saves the kept (answer) rows first: (K,) on hidden's device, or None
+    rows = saved[
+        0
+    ]  # fused_linear_cross_entropy_fwd saves the kept (answer) rows first: (K,) on hidden's device, or None
     seq_k = seq if rows is None else seq.index_select(0, rows)  # (K,)
     logps = _per_sequence(-nll_rows, seq, n_seqs)  # (S,)
     counts = _per_sequence(torch.ones_like(seq_k), seq_k, n_seqs)  # (S,)
@@ -113,8 +134,9 @@ def fused_linear_preference_fwd(hidden, weight, target, seq, n_seqs, bias=None, 
     weight_mean = weight.mean(0, dtype=torch.float32)  # (H,)
     high = weight_mean.to(hidden.dtype)
     parts = torch.stack([high, (weight_mean - high.float()).to(hidden.dtype)], 1)  # (H, 2)
-    row_means = _mm_fp32(hidden, parts, torch.empty((hidden.shape[0], 2), dtype=torch.float32, device=hidden.device),
-                         accumulate=False).sum(1)  # (N,)
+    row_means = _mm_fp32(
+        hidden, parts, torch.empty((hidden.shape[0], 2), dtype=torch.float32, device=hidden.device), accumulate=False
+    ).sum(1)  # (N,)
     if bias is not None:
         row_means = row_means + bias.mean(dtype=torch.float32)
     row_means = row_means if rows is None else row_means.index_select(0, rows)  # (K,)
@@ -135,8 +157,16 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, seq, n_seqs, ignore_index):
         out, saved, ctx.plan = fused_linear_preference_fwd(
-            hidden, weight, target, seq, n_seqs, bias, ignore_index=ignore_index,
-            need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1], need_bias=ctx.needs_input_grad[3],
+            hidden,
+            weight,
+            target,
+            seq,
+            n_seqs,
+            bias,
+            ignore_index=ignore_index,
+            need_hidden=ctx.needs_input_grad[0],
+            need_weight=ctx.needs_input_grad[1],
+            need_bias=ctx.needs_input_grad[3],
         )
         ctx.save_for_backward(seq, *saved)
         ctx.mark_non_differentiable(out.counts, out.mean_logits)
@@ -155,21 +185,34 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
 def _check_args(hidden, weight, target, bias, sequence_ids, num_sequences, ignore_index):
     name = "fused_linear_preference"
     if weight.dim() != 2 or hidden.shape[-1:] != weight.shape[1:]:
-        raise ValueError(f"{name}: weight must be (V, H) with H = hidden.shape[-1]; got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"{name}: weight must be (V, H) with H = hidden.shape[-1]; got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
+        )
     if sequence_ids is None:
         if hidden.dim() != 3:
-            raise ValueError(f"{name}: hidden must be (S, T, H) (one row per sequence), or pass sequence_ids; got {tuple(hidden.shape)}")
+            raise ValueError(
+                f"{name}: hidden must be (S, T, H) (one row per sequence), or pass sequence_ids; got {tuple(hidden.shape)}"
+            )
         if num_sequences is not None:
-            raise ValueError(f"{name}: num_sequences goes with sequence_ids (without them the sequences are hidden's rows)")
+            raise ValueError(
+                f"{name}: num_sequences goes with sequence_ids (without them the sequences are hidden's rows)"
+            )
     else:
-        if tuple(sequence_ids.shape) != tuple(hidden.shape[:-1]) or sequence_ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name}: sequence_ids must be int32/int64 of hidden's leading shape {tuple(hidden.shape[:-1])}, "
-                             f"got {sequence_ids.dtype} {tuple(sequence_ids.shape)}")
+        if tuple(sequence_ids.shape) != tuple(hidden.shape[:-1]) or sequence_ids.dtype not in (
+            torch.int32,
+            torch.int64,
+        ):
+            raise ValueError(
+                f"{name}: sequence_ids must be int32/int64 of hidden's leading shape {tuple(hidden.shape[:-1])}, "
+                f"got {sequence_ids.dtype} {tuple(sequence_ids.shape)}"
+            )
         if not isinstance(num_sequences, int) or isinstance(num_sequences, bool) or num_sequences <= 0:
             raise ValueError(f"{name}: num_sequences={num_sequences!r} must be a positive int with sequence_ids")
     if tuple(target.shape) != tuple(hidden.shape[:-1]) or target.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: target must be int32/int64 of hidden's leading shape {tuple(hidden.shape[:-1])}, "
-                         f"got {target.dtype} {tuple(target.shape)}")
+        raise ValueError(
+            f"{name}: target must be int32/int64 of hidden's leading shape {tuple(hidden.shape[:-1])}, "
+            f"got {target.dtype} {tuple(target.shape)}"
+        )
     if target.device != hidden.device and target.device.type != "cpu":
         raise ValueError(f"{name}: target must be on hidden's device ({hidden.device}) or the CPU, got {target.device}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
@@ -178,8 +221,10 @@ def _check_args(hidden, weight, target, bias, sequence_ids, num_sequences, ignor
         raise ValueError(f"{name}: ignore_index={ignore_index!r} must be an int")
     dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
     if not hidden.dtype.is_floating_point or (len(dtypes) != 1 and not torch.is_autocast_enabled(hidden.device.type)):
-        raise ValueError(f"{name}: hidden, weight and bias must share one floating dtype, got hidden {hidden.dtype}, "
-                         f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+        raise ValueError(
+            f"{name}: hidden, weight and bias must share one floating dtype, got hidden {hidden.dtype}, "
+            f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}"
+        )
 
 
 def _sequence_index(hidden, sequence_ids):
@@ -216,8 +261,15 @@ def fused_linear_preference(
     """
     _check_args(hidden, weight, target, bias, sequence_ids, num_sequences, ignore_index)
     if not use_triton(hidden, weight, bias):
-        return fused_linear_preference_ref(hidden, weight, target.to(hidden.device, non_blocking=True), bias,
-                                           ignore_index=ignore_index, sequence_ids=sequence_ids, num_sequences=num_sequences)
+        return fused_linear_preference_ref(
+            hidden,
+            weight,
+            target.to(hidden.device, non_blocking=True),
+            bias,
+            ignore_index=ignore_index,
+            sequence_ids=sequence_ids,
+            num_sequences=num_sequences,
+        )
     n_seqs = hidden.shape[0] if sequence_ids is None else num_sequences
     seq = _sequence_index(hidden, sequence_ids)  # (N,)
     device_type = hidden.device.type
@@ -227,15 +279,20 @@ def fused_linear_preference(
         hidden = hidden.to(torch.get_autocast_dtype(device_type))
     hidden2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # (N, H)
     target1d = target.reshape(-1)  # (N,)
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
     with torch.autocast(device_type, enabled=False):
         if needs_grad:
-            return PreferenceLogps(*FusedLinearPreferenceFunction.apply(hidden2d, weight, target1d, bias, seq, n_seqs, ignore_index))
+            return PreferenceLogps(
+                *FusedLinearPreferenceFunction.apply(hidden2d, weight, target1d, bias, seq, n_seqs, ignore_index)
+            )
         return fused_linear_preference_fwd(hidden2d, weight, target1d, seq, n_seqs, bias, ignore_index=ignore_index)[0]
 
 
-def fused_linear_preference_ref(hidden, weight, target, bias=None, *, ignore_index=-100, sequence_ids=None,
-                                num_sequences=None) -> PreferenceLogps:
+def fused_linear_preference_ref(
+    hidden, weight, target, bias=None, *, ignore_index=-100, sequence_ids=None, num_sequences=None
+) -> PreferenceLogps:
     """The unfused reference: F.linear in the inputs' (or autocast) dtype, log_softmax and gather in fp32, sums by sequence."""
     logits = F.linear(hidden, weight, bias).float()  # (..., V)
     logits = logits.reshape(-1, logits.shape[-1])  # (N, V)
@@ -256,8 +313,16 @@ def fused_linear_preference_ref(hidden, weight, target, bias=None, *, ignore_ind
 # ---- the losses on the per-sequence tensors (TRL's formulas; module docstring) ---------------------------------
 
 
-def dpo_losses(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, loss_type="sigmoid", beta=0.1,
-               label_smoothing=0.0):
+def dpo_losses(
+    chosen_logps,
+    rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    *,
+    loss_type="sigmoid",
+    beta=0.1,
+    label_smoothing=0.0,
+):
     """Per-pair DPO losses (P,) for loss_type in DPO_LOSS_TYPES (TRL DPOTrainer.dpo_loss); the logps as the loss uses
     them (length-averaged for ipo). A reference-free run passes zeros for the reference."""
     chosen_logratios = chosen_logps - ref_chosen_logps
@@ -270,7 +335,9 @@ def dpo_losses(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logp
     if loss_type == "hinge":
         return torch.relu(1 - beta * delta)
     if loss_type == "robust":
-        return (-F.logsigmoid(beta * delta) * (1 - label_smoothing) + F.logsigmoid(-beta * delta) * label_smoothing) / (1 - 2 * label_smoothing)
+        return (-F.logsigmoid(beta * delta) * (1 - label_smoothing) + F.logsigmoid(-beta * delta) * label_smoothing) / (
+            1 - 2 * label_smoothing
+        )
     if loss_type == "apo_zero":
         return 1 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
     raise ValueError(f"dpo_losses: loss_type={loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
@@ -280,7 +347,8 @@ def orpo_losses(chosen_avg_logps, rejected_avg_logps, *, beta=0.1):
     """(losses (P,), log_odds (P,)): ORPO's odds-ratio term beta * logsigmoid(log_odds), which the loss subtracts from
     the NLL (TRL ORPOTrainer.odds_ratio_loss), on length-averaged logps."""
     log_odds = (chosen_avg_logps - rejected_avg_logps) - (
-        torch.log1p(-torch.exp(chosen_avg_logps)) - torch.log1p(-torch.exp(rejected_avg_logps)))
+        torch.log1p(-torch.exp(chosen_avg_logps)) - torch.log1p(-torch.exp(rejected_avg_logps))
+    )
     return beta * F.logsigmoid(log_odds), log_odds
 
 
@@ -301,14 +369,26 @@ def _check_loss_args(policy, ref_logps, loss_type, beta, label_smoothing):
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{name}: label_smoothing={label_smoothing!r} must be in [0, 1]")
     if policy.logps.dim() != 1 or policy.logps.shape[0] % 2:
-        raise ValueError(f"{name}: the per-sequence tensors must be (2P,) = [chosen; rejected], got {tuple(policy.logps.shape)}")
+        raise ValueError(
+            f"{name}: the per-sequence tensors must be (2P,) = [chosen; rejected], got {tuple(policy.logps.shape)}"
+        )
     if ref_logps is not None and ref_logps.shape != policy.logps.shape:
-        raise ValueError(f"{name}: ref_logps shape {tuple(ref_logps.shape)} != the policy's {tuple(policy.logps.shape)}")
+        raise ValueError(
+            f"{name}: ref_logps shape {tuple(ref_logps.shape)} != the policy's {tuple(policy.logps.shape)}"
+        )
 
 
-def preference_loss(policy: PreferenceLogps, ref_logps: torch.Tensor | None = None, *, loss_type: str = "sigmoid",
-                    beta: float = 0.1, label_smoothing: float = 0.0, rpo_alpha: float | None = None,
-                    simpo_gamma: float = 0.5, cpo_alpha: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def preference_loss(
+    policy: PreferenceLogps,
+    ref_logps: torch.Tensor | None = None,
+    *,
+    loss_type: str = "sigmoid",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    rpo_alpha: float | None = None,
+    simpo_gamma: float = 0.5,
+    cpo_alpha: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics) of a batch of P pairs: the mean over pairs of the per-pair loss, plus the NLL terms.
 
     policy: `fused_linear_preference`'s output for the [chosen; rejected] sequences (2P,); ref_logps: the reference
@@ -331,8 +411,13 @@ def preference_loss(policy: PreferenceLogps, ref_logps: torch.Tensor | None = No
         # ipo's loss takes the log-ratios averaged over each answer's tokens (TRL); its metrics, like every other
         # type's, the sums (TRL 1.x; v0.24 logged the averages)
         scale = counts.clamp(min=1) if loss_type == "ipo" else 1.0
-        losses = dpo_losses(*((logps / scale).chunk(2)), *((ref / scale).chunk(2)), loss_type=loss_type,
-                            beta=beta, label_smoothing=label_smoothing)
+        losses = dpo_losses(
+            *((logps / scale).chunk(2)),
+            *((ref / scale).chunk(2)),
+            loss_type=loss_type,
+            beta=beta,
+            label_smoothing=label_smoothing,
+        )
         rewards = beta * (logps - ref).detach()
         loss = losses.mean()
         if rpo_alpha is not None:
@@ -347,20 +432,23 @@ def preference_loss(policy: PreferenceLogps, ref_logps: torch.Tensor | None = No
             metrics["log_odds_ratio"] = (losses / beta).mean().detach()
             metrics["log_odds_chosen"] = log_odds.mean().detach()
         else:
-            losses = simpo_losses(logps[:n_pairs], logps[n_pairs:], beta=beta, simpo_gamma=simpo_gamma,
-                                  label_smoothing=label_smoothing)
+            losses = simpo_losses(
+                logps[:n_pairs], logps[n_pairs:], beta=beta, simpo_gamma=simpo_gamma, label_smoothing=label_smoothing
+            )
             loss = losses.mean() + cpo_alpha * nll
         metrics["nll_loss"] = nll.detach()
     chosen_rewards, rejected_rewards = rewards[:n_pairs], rewards[n_pairs:]
     logit_sums = policy.mean_logits * counts
-    metrics.update({
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-        "logps/chosen": logps[:n_pairs].detach().mean(),
-        "logps/rejected": logps[n_pairs:].detach().mean(),
-        "logits/chosen": logit_sums[:n_pairs].sum() / chosen_counts.sum().clamp(min=1),
-        "logits/rejected": logit_sums[n_pairs:].sum() / rejected_counts.sum().clamp(min=1),
-    })
+    metrics.update(
+        {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": logps[:n_pairs].detach().mean(),
+            "logps/rejected": logps[n_pairs:].detach().mean(),
+            "logits/chosen": logit_sums[:n_pairs].sum() / chosen_counts.sum().clamp(min=1),
+            "logits/rejected": logit_sums[n_pairs:].sum() / rejected_counts.sum().clamp(min=1),
+        }
+    )
     return loss, metrics

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
 
 import torch
 
@@ -141,8 +140,8 @@ def neftune_fwd(
     x: torch.Tensor,
     seed: torch.Tensor,
     scale: float,
-    row_scale: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
+    row_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the kernel: x + U(-1, 1) * magnitude, magnitude = row_scale[row] if given else scale.
 
@@ -198,7 +197,9 @@ def neftune_fwd(
 # One op namespace for the project: csrc/ops.cpp defines `kernelwright` with TORCH_LIBRARY, and this Python fragment
 # joins it (checked: loading the C++ library after this registration keeps both ops).
 @(torch.library.triton_op if HAS_TRITON else torch.library.custom_op)("kernelwright::neftune_fwd", mutates_args=())
-def _neftune_fwd_op(x: torch.Tensor, seed: torch.Tensor, scale: float, row_scale: Optional[torch.Tensor]) -> torch.Tensor:
+def _neftune_fwd_op(
+    x: torch.Tensor, seed: torch.Tensor, scale: float, row_scale: torch.Tensor | None
+) -> torch.Tensor:
     return neftune_fwd(x, seed, scale, row_scale)
 
 
@@ -226,21 +227,31 @@ class NEFTuneFunction(torch.autograd.Function):
 
 def _check_args(embeds, alpha, attention_mask, generator, position_ids, training, name):
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.dtype not in _DTYPES:
-        got = f"shape {tuple(embeds.shape)} {embeds.dtype}" if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+        got = (
+            f"shape {tuple(embeds.shape)} {embeds.dtype}" if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+        )
         raise ValueError(f"{name}: embeds must be a (batch, seq, hidden) float32/bfloat16/float16 tensor, got {got}")
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha < 0:
         raise ValueError(f"{name}: alpha must be a finite number >= 0 (0 disables the noise), got {alpha!r}")
     bt = tuple(embeds.shape[:2])
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != bt:
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            got = (
+                tuple(attention_mask.shape)
+                if isinstance(attention_mask, torch.Tensor)
+                else type(attention_mask).__name__
+            )
             raise ValueError(f"{name}: attention_mask must be a (batch, seq) = {bt} tensor, got {got}")
         if attention_mask.device != embeds.device:
             raise ValueError(f"{name}: attention_mask is on {attention_mask.device}, embeds on {embeds.device}")
     if position_ids is not None:
         ok = isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[1] == bt[1]
         if not ok or position_ids.shape[0] not in (1, bt[0]) or position_ids.dtype.is_floating_point:
-            got = f"{tuple(position_ids.shape)} {position_ids.dtype}" if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+            got = (
+                f"{tuple(position_ids.shape)} {position_ids.dtype}"
+                if isinstance(position_ids, torch.Tensor)
+                else type(position_ids).__name__
+            )
             raise ValueError(f"{name}: position_ids must be an integer (batch or 1, seq) = {bt} tensor, got {got}")
         if position_ids.device != embeds.device:
             raise ValueError(f"{name}: position_ids is on {position_ids.device}, embeds on {embeds.device}")
@@ -250,7 +261,7 @@ def _check_args(embeds, alpha, attention_mask, generator, position_ids, training
         raise ValueError(f"{name}: training must be True or False, got {training!r}")
 
 
-def _row_scale(shape, alpha: float, attention_mask, position_ids) -> Optional[torch.Tensor]:
+def _row_scale(shape, alpha: float, attention_mask, position_ids) -> torch.Tensor | None:
     """Per-token alpha / sqrt(L * d), 0 on padding, as a (B*T,) fp32 tensor; None when L = T for all.
 
     Only device ops over (B, T): no host sync, traceable by torch.compile.
@@ -277,7 +288,7 @@ def _row_scale(shape, alpha: float, attention_mask, position_ids) -> Optional[to
     return scale.reshape(-1)  # (B*T,)
 
 
-def _draw_seed(generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
+def _draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     # Drawn where the generator lives: no host sync for a generator on the embeddings' device.
     where = generator.device if generator is not None else device
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=where, generator=generator)  # (1,)

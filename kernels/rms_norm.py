@@ -101,8 +101,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def launch_config(n_rows: int, n_cols: int, max_block: int | None = None,
-                  max_warps: int = 16) -> tuple[int, int, bool, int]:
+def launch_config(
+    n_rows: int, n_cols: int, max_block: int | None = None, max_warps: int = 16
+) -> tuple[int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, ONE_BLOCK, num_warps) for an (n_rows, n_cols) problem."""
     cap = _MAX_BLOCK if max_block is None else max_block
     if cap < 16 or cap & (cap - 1):
@@ -170,7 +171,9 @@ if HAS_TRITON:
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
             if HAS_RESIDUAL:
                 # Rounded to h's dtype before the norm reads it, as torch's x + residual is: normed = rms_norm(h).
-                h = (x + tl.load(res_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+                h = (x + tl.load(res_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)).to(
+                    h_ptr.dtype.element_ty
+                )
                 tl.store(h_rows + cols[None, :], h, mask=mask)
                 x = h.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps32)  # (BLOCK_M,)
@@ -184,7 +187,9 @@ if HAS_TRITON:
                 mask = row_mask[:, None] & (cols < N)[None, :]
                 x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 if HAS_RESIDUAL:
-                    h = (x + tl.load(res_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+                    h = (x + tl.load(res_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)).to(
+                        h_ptr.dtype.element_ty
+                    )
                     tl.store(h_rows + cols[None, :], h, mask=mask)
                     x = h.to(tl.float32)
                 acc += x * x
@@ -247,8 +252,20 @@ if HAS_TRITON:
         return v.to(tl.float32)
 
     @triton.jit
-    def _store_dx(dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2,
-                  HAS_DH: tl.constexpr, TWO_DX: tl.constexpr):
+    def _store_dx(
+        dx,
+        dh_ptr,
+        dx_ptr,
+        dx2_ptr,
+        rows64,
+        cols,
+        mask,
+        stride_dh,
+        stride_dx,
+        stride_dx2,
+        HAS_DH: tl.constexpr,
+        TWO_DX: tl.constexpr,
+    ):
         """Store the fp32 input gradient dx (BLOCK_M, BLOCK_N) of rows64 x cols: plus the gradient arriving at the sum
         (HAS_DH: d_h = d_h_out + dx, the gradient of both x and the residual), rounded once to each output's dtype."""
         if HAS_DH:
@@ -306,7 +323,9 @@ if HAS_TRITON:
                 row_mask = rows < row_end
                 rows64 = rows.to(tl.int64)
                 mask = row_mask[:, None] & col_mask[None, :]
-                x_st = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)  # storage dtype
+                x_st = tl.load(
+                    x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0
+                )  # storage dtype
                 dy_st = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
                 xh = x_st.to(tl.float32) * rstd[:, None]  # (BLOCK_M, BLOCK_N)
@@ -318,7 +337,9 @@ if HAS_TRITON:
                 # across it is x and dy as loaded (bf16: two to a register), not their fp32 copies (_upcast_again).
                 xh = _upcast_again(x_st) * rstd[:, None]
                 dx = (_upcast_again(dy_st) * w[None, :] - xh * c[:, None]) * rstd[:, None]
-                _store_dx(dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2, HAS_DH, TWO_DX)
+                _store_dx(
+                    dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2, HAS_DH, TWO_DX
+                )
             if COMPUTE_DW:
                 tl.store(dw_row + cols, dw_acc, mask=col_mask)
         else:
@@ -336,13 +357,27 @@ if HAS_TRITON:
                     rows64 = rows.to(tl.int64)
                     mask = row_mask[:, None] & col_mask[None, :]
                     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                    dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                    dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(
+                        tl.float32
+                    )
                     rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
                     c = tl.load(c_ptr + rows, mask=row_mask, other=0.0)
                     xh = x * rstd[:, None]
                     dx = (dy * w[None, :] - xh * c[:, None]) * rstd[:, None]
-                    _store_dx(dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2, HAS_DH,
-                              TWO_DX)
+                    _store_dx(
+                        dx,
+                        dh_ptr,
+                        dx_ptr,
+                        dx2_ptr,
+                        rows64,
+                        cols,
+                        mask,
+                        stride_dh,
+                        stride_dx,
+                        stride_dx2,
+                        HAS_DH,
+                        TWO_DX,
+                    )
                     if COMPUTE_DW:
                         dw_acc += tl.sum(dy * xh, axis=0)
                 if COMPUTE_DW:
@@ -378,8 +413,25 @@ def _fwd(x2d, residual, weight, eps, offset, max_block):
     block_m, block_n, one_block, num_warps = launch_config(M, N, max_block)
     res, h_out = (x2d, y) if residual is None else (residual, h)  # unused pointers when there is no residual
     _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
-        x2d, res, weight, y, h_out, rstd, M, N, x2d.stride(0), res.stride(0), y.stride(0), h_out.stride(0), eps, offset,
-        BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        x2d,
+        res,
+        weight,
+        y,
+        h_out,
+        rstd,
+        M,
+        N,
+        x2d.stride(0),
+        res.stride(0),
+        y.stride(0),
+        h_out.stride(0),
+        eps,
+        offset,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        ONE_BLOCK=one_block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=num_warps,
     )
     return y, h, rstd
 
@@ -390,8 +442,15 @@ def rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
     return y, rstd
 
 
-def fused_add_rms_norm_fwd(x2d: torch.Tensor, res2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, *,
-                           max_block: int | None = None):
+def fused_add_rms_norm_fwd(
+    x2d: torch.Tensor,
+    res2d: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    *,
+    max_block: int | None = None,
+):
     """Launch the forward of rms_norm(x + residual) on (M, N) inputs, one pass. Returns normed and h = x + residual
     (M, N) in promote(x, residual)'s dtype and rstd (M,) fp32. No autograd."""
     return _fwd(x2d, res2d, weight, eps, offset, max_block)
@@ -428,16 +487,50 @@ def _bwd(dy2d, x2d, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, 
     else:
         c = torch.empty((M,), dtype=torch.float32, device=x2d.device)  # (M,)
         _rms_norm_bwd_rowdot_kernel[(tiles,)](
-            dy2d, x2d, weight, rstd, c, M, N, dy2d.stride(0), x2d.stride(0), offset,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            dy2d,
+            x2d,
+            weight,
+            rstd,
+            c,
+            M,
+            N,
+            dy2d.stride(0),
+            x2d.stride(0),
+            offset,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
         )
     dx, dx2 = dxs[0], dxs[-1]
     dh_in = dy2d if dh is None else dh  # unused pointer without dh
     _rms_norm_bwd_kernel[(programs,)](
-        dy2d, x2d, weight, rstd, c, dh_in, dx, dx2, dw_partial, M, N, rows_per_prog,
-        dy2d.stride(0), x2d.stride(0), dh_in.stride(0), dx.stride(0), dx2.stride(0), offset,
-        BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, COMPUTE_DW=compute_dw, HAS_DH=dh is not None,
-        TWO_DX=len(dxs) == 2, EVEN_N=N == block_n, STAGES=stages, num_warps=num_warps,
+        dy2d,
+        x2d,
+        weight,
+        rstd,
+        c,
+        dh_in,
+        dx,
+        dx2,
+        dw_partial,
+        M,
+        N,
+        rows_per_prog,
+        dy2d.stride(0),
+        x2d.stride(0),
+        dh_in.stride(0),
+        dx.stride(0),
+        dx2.stride(0),
+        offset,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        ONE_BLOCK=one_block,
+        COMPUTE_DW=compute_dw,
+        HAS_DH=dh is not None,
+        TWO_DX=len(dxs) == 2,
+        EVEN_N=N == block_n,
+        STAGES=stages,
+        num_warps=num_warps,
     )
     dw = dw_partial.sum(dim=0).to(weight.dtype) if compute_dw else None  # (N,), summed in fp32
     return dxs, dw
@@ -518,8 +611,17 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         h, weight, rstd = ctx.saved_tensors
         if dnormed is None:  # normed unused: the norm adds nothing to d_h
             dnormed = torch.zeros_like(h)
-        dx, dres, dw = fused_add_rms_norm_bwd(dnormed, dh, h, weight, rstd, ctx.offset, *ctx.dtypes,
-                                              compute_dw=ctx.needs_input_grad[2], max_block=ctx.max_block)
+        dx, dres, dw = fused_add_rms_norm_bwd(
+            dnormed,
+            dh,
+            h,
+            weight,
+            rstd,
+            ctx.offset,
+            *ctx.dtypes,
+            compute_dw=ctx.needs_input_grad[2],
+            max_block=ctx.max_block,
+        )
         return dx, dres, dw, None, None, None
 
 
@@ -533,7 +635,9 @@ def _check_args(x, weight, eps, offset, op="rms_norm") -> None:
         got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise TypeError(f"{op}: weight must be a float32, bfloat16 or float16 tensor, got {got}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"{op}: weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
+        raise ValueError(
+            f"{op}: weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}"
+        )
     if weight.device != x.device:
         raise ValueError(f"{op}: weight is on {weight.device} but x is on {x.device}; they must share a device")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
@@ -555,8 +659,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     return y.view(shape)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                       offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(h, weight, eps, offset), h) with h = x + residual, in one pass: the pre-norm residual step of a
     decoder layer. h is rounded once to promote(x, residual)'s dtype, as torch's add is, and normed is computed from
     that h; both come back in that dtype. The gradient reaching h (from normed and from h's own later use) is the
@@ -568,13 +673,16 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         got = residual.dtype if isinstance(residual, torch.Tensor) else type(residual).__name__
         raise TypeError(f"fused_add_rms_norm: residual must be a float32, bfloat16 or float16 tensor, got {got}")
     if residual.shape != x.shape or residual.device != x.device:
-        raise ValueError(f"fused_add_rms_norm: residual must have x's shape {tuple(x.shape)} and device {x.device}, "
-                         f"got {tuple(residual.shape)} on {residual.device}")
+        raise ValueError(
+            f"fused_add_rms_norm: residual must have x's shape {tuple(x.shape)} and device {x.device}, "
+            f"got {tuple(residual.shape)} on {residual.device}"
+        )
     if not use_triton(x, residual, weight):
         return fused_add_rms_norm_ref(x, residual, weight, eps, offset)
     shape, n = x.shape, x.shape[-1]
-    y, h = FusedAddRMSNormFunction.apply(x.reshape(-1, n), residual.reshape(-1, n), weight, float(eps), float(offset),
-                                         None)  # (M, N) each
+    y, h = FusedAddRMSNormFunction.apply(
+        x.reshape(-1, n), residual.reshape(-1, n), weight, float(eps), float(offset), None
+    )  # (M, N) each
     return y.view(shape), h.view(shape)
 
 
@@ -586,8 +694,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offse
     return (xc * rstd * (offset + weight.to(compute))).to(x.dtype)
 
 
-def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                           offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain PyTorch (rms_norm_ref(x + residual), x + residual); autograd-differentiable."""
     h = x + residual
     return rms_norm_ref(h, weight, eps, offset), h

@@ -103,14 +103,21 @@ if HAS_TRITON:
     def _rope_heads(
         x_ptr,  # this batch's (H, T, D) input, strides (s_xh, s_xt, s_xd)
         o_ptr,  # this batch's (H, T, D) output, strides (s_oh, s_ot, s_od)
-        c1, c2, s1, s2,  # (BLOCK_T, 1, BLOCK_D) fp32 halves of cos and sin, sin already negated/swapped for backward
+        c1,
+        c2,
+        s1,
+        s2,  # (BLOCK_T, 1, BLOCK_D) fp32 halves of cos and sin, sin already negated/swapped for backward
         t64,  # (BLOCK_T, 1, 1) int64 positions
         d,  # (1, 1, BLOCK_D) column indices of the first half
         td_mask,  # (BLOCK_T, 1, BLOCK_D) valid positions and columns
         H,
         HALF,
-        s_xh, s_xt, s_xd,
-        s_oh, s_ot, s_od,
+        s_xh,
+        s_xt,
+        s_xd,
+        s_oh,
+        s_ot,
+        s_od,
         BLOCK_H: tl.constexpr,
     ):
         x_rows = x_ptr + t64 * s_xt + d * s_xd  # (BLOCK_T, 1, BLOCK_D)
@@ -141,12 +148,28 @@ if HAS_TRITON:
         HKV,
         HALF,  # D / 2
         B_PER_PROG,  # batches per program (they share cos/sin: B when cos/sin are batch-shared, else 1)
-        s_qb, s_qh, s_qt, s_qd,
-        s_kb, s_kh, s_kt, s_kd,
-        s_cb, s_ct, s_cd,
-        s_sb, s_st, s_sd,
-        s_qob, s_qoh, s_qot, s_qod,
-        s_kob, s_koh, s_kot, s_kod,
+        s_qb,
+        s_qh,
+        s_qt,
+        s_qd,
+        s_kb,
+        s_kh,
+        s_kt,
+        s_kd,
+        s_cb,
+        s_ct,
+        s_cd,
+        s_sb,
+        s_st,
+        s_sd,
+        s_qob,
+        s_qoh,
+        s_qot,
+        s_qod,
+        s_kob,
+        s_koh,
+        s_kot,
+        s_kod,
         BLOCK_T: tl.constexpr,
         BLOCK_HQ: tl.constexpr,
         BLOCK_HK: tl.constexpr,
@@ -169,10 +192,46 @@ if HAS_TRITON:
             s1, s2 = -s2, -s1
         for i in tl.range(0, B_PER_PROG):
             b = b0 + i
-            _rope_heads(q_ptr + b * s_qb, qo_ptr + b * s_qob, c1, c2, s1, s2, t64, d, td_mask, HQ, HALF,
-                        s_qh, s_qt, s_qd, s_qoh, s_qot, s_qod, BLOCK_HQ)
-            _rope_heads(k_ptr + b * s_kb, ko_ptr + b * s_kob, c1, c2, s1, s2, t64, d, td_mask, HKV, HALF,
-                        s_kh, s_kt, s_kd, s_koh, s_kot, s_kod, BLOCK_HK)
+            _rope_heads(
+                q_ptr + b * s_qb,
+                qo_ptr + b * s_qob,
+                c1,
+                c2,
+                s1,
+                s2,
+                t64,
+                d,
+                td_mask,
+                HQ,
+                HALF,
+                s_qh,
+                s_qt,
+                s_qd,
+                s_qoh,
+                s_qot,
+                s_qod,
+                BLOCK_HQ,
+            )
+            _rope_heads(
+                k_ptr + b * s_kb,
+                ko_ptr + b * s_kob,
+                c1,
+                c2,
+                s1,
+                s2,
+                t64,
+                d,
+                td_mask,
+                HKV,
+                HALF,
+                s_kh,
+                s_kt,
+                s_kd,
+                s_koh,
+                s_kot,
+                s_kod,
+                BLOCK_HK,
+            )
 
 
 def _require_triton() -> None:
@@ -190,8 +249,15 @@ def _batch_stride(t: torch.Tensor) -> int:
     return 0 if t.shape[0] == 1 else t.stride(0)
 
 
-def rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bool = False,
-                batches_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    backward: bool = False,
+    batches_per_program: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch rotating q (B, Hq, T, D) and k (B, Hkv, T, D) by cos/sin (Bc, T, D); backward=True applies the
     transpose (q, k are then the output gradients). Returns two new (B, H, T, D) views of (B, T, H, D) memory.
     No autograd. `batches_per_program` overrides the batch grouping (1, or B with batch-shared cos/sin)."""
@@ -211,10 +277,30 @@ def rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     if batches_per_program not in (1, B) or (batches_per_program > 1 and not shared):
         raise ValueError(f"batches_per_program={batches_per_program} must be 1, or B={B} with batch-shared cos/sin")
     _rope_kernel[(t_blocks, B // batches_per_program)](
-        q, k, cos, sin, q_out, k_out, T, Hq, Hkv, D // 2, batches_per_program,
-        *q.stride(), *k.stride(), cos_sb, *cos.stride()[1:], sin_sb, *sin.stride()[1:],
-        *q_out.stride(), *k_out.stride(),
-        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward,
+        q,
+        k,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        T,
+        Hq,
+        Hkv,
+        D // 2,
+        batches_per_program,
+        *q.stride(),
+        *k.stride(),
+        cos_sb,
+        *cos.stride()[1:],
+        sin_sb,
+        *sin.stride()[1:],
+        *q_out.stride(),
+        *k_out.stride(),
+        BLOCK_T=block_t,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        BLOCK_D=block_d,
+        BACKWARD=backward,
         num_warps=num_warps,
     )
     return q_out, k_out
@@ -255,14 +341,18 @@ def _check_args(q, k, cos, sin) -> None:
     if D % 2:
         raise ValueError(f"rope: head_dim must be even (rotate-half pairs i and i + D/2), got {D}")
     if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1:] != (T, D):
-        raise ValueError(f"rope: cos and sin must both be (batch {B} or 1, seq {T}, head_dim {D}), got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+        raise ValueError(
+            f"rope: cos and sin must both be (batch {B} or 1, seq {T}, head_dim {D}), got "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     if len({q.device, k.device, cos.device, sin.device}) != 1:
-        raise ValueError(f"rope: q, k, cos and sin must share a device, got {q.device}, {k.device}, {cos.device}, "
-                         f"{sin.device}")
+        raise ValueError(
+            f"rope: q, k, cos and sin must share a device, got {q.device}, {k.device}, {cos.device}, {sin.device}"
+        )
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-        raise ValueError("rope: cos and sin take no gradient (they come from positions and fixed frequencies); "
-                         "pass them detached")
+        raise ValueError(
+            "rope: cos and sin take no gradient (they come from positions and fixed frequencies); pass them detached"
+        )
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +367,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return RoPEFunction.apply(q, k, cos, sin)
 
 
-def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain PyTorch RoPE: fp32 math (fp64 for fp64 inputs), one cast back; autograd-differentiable."""
     compute = torch.promote_types(q.dtype, torch.float32)
     c, s = cos[:, None].to(compute), sin[:, None].to(compute)  # (Bc, 1, T, D)

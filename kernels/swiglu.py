@@ -145,8 +145,10 @@ def _check_args(gate, up) -> None:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"swiglu: {name} must be a float32, bfloat16 or float16 tensor, got {got}")
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
-        raise ValueError(f"swiglu: gate and up must share shape, dtype and device, got {tuple(gate.shape)} {gate.dtype} "
-                         f"{gate.device} and {tuple(up.shape)} {up.dtype} {up.device}")
+        raise ValueError(
+            f"swiglu: gate and up must share shape, dtype and device, got {tuple(gate.shape)} {gate.dtype} "
+            f"{gate.device} and {tuple(up.shape)} {up.dtype} {up.device}"
+        )
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,10 @@ def pytest_collection_modifyitems(config, items):
     elif os.environ["TRITON_INTERPRET"] == "1":
         # The interpreter would run every Triton kernel on host copies of the CUDA tensors: nothing of the GPU
         # path would be tested. The CPU tests need it, so the two kinds run in separate sessions.
-        skip = pytest.mark.skip(reason="TRITON_INTERPRET=1 would run the Triton kernels in the interpreter, not on "
-                                "the GPU: run TRITON_INTERPRET=0 python -m pytest -m gpu (or python -m bench.gpu --part tests)")
+        skip = pytest.mark.skip(
+            reason="TRITON_INTERPRET=1 would run the Triton kernels in the interpreter, not on "
+            "the GPU: run TRITON_INTERPRET=0 python -m pytest -m gpu (or python -m bench.gpu --part tests)"
+        )
     else:
         return
     for item in items:

@@ -24,8 +24,14 @@ def test_gpu_marker_comes_from_markers_not_from_folder_names(tmp_path):
         "import pytest\n\ndef test_cpu():\n    pass\n\n@pytest.mark.gpu\ndef test_gpu():\n    pass\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(folder)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(folder)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "1 passed, 1 skipped" in out.stdout, out.stdout + out.stderr
     assert "needs a CUDA device" in out.stdout
 

@@ -86,7 +86,7 @@ REJECTED: dict[str, str] = {
     "per_gpu_train_batch_size": "renamed per_device_train_batch_size (or micro_batch_size)",
     "per_gpu_eval_batch_size": "renamed per_device_eval_batch_size",
     "adafactor": "Adafactor is not supported; choose --optim adamw_fused, adamw_torch, adamw_torch_fused or sgd",
-    "sharded_ddp": "use --dist_config '{\"name\": \"fsdp2\"}' for sharded data parallelism",
+    "sharded_ddp": 'use --dist_config \'{"name": "fsdp2"}\' for sharded data parallelism',
     "fsdp_min_num_params": "kernelwright wraps each decoder block; size-based wrapping is not supported",
     "fsdp_transformer_layer_cls_to_wrap": "kernelwright always wraps each decoder block; drop this option",
     **{
@@ -391,8 +391,11 @@ def help_text(classes: Sequence[type], prog: str) -> str:
                 lines.append(f"      {s.help}")
     lines += ["", "renamed aliases:"]
     lines += [f"  --{a} -> --{t}" for a, t in SIMPLE_ALIASES.items() if t in specs]
-    lines += [f"  --{a} -> --{t} {show_value(yes)} (false: {show_value(no)})"
-              for a, (t, yes, no) in BOOLEAN_ALIASES.items() if t in specs]
+    lines += [
+        f"  --{a} -> --{t} {show_value(yes)} (false: {show_value(no)})"
+        for a, (t, yes, no) in BOOLEAN_ALIASES.items()
+        if t in specs
+    ]
     lines += [
         "",
         "not supported (rejected with a message): push_to_hub, hub_*, tpu_*, ddp_*, "

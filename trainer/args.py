@@ -129,7 +129,6 @@ from .coerce import (
 )
 from .loggers import LOGGER_PACKAGES
 
-
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 LOGGING_STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
@@ -230,13 +229,10 @@ def _arg(default: Any, group: str, help: str, choices: Sequence[str] | None = No
     return field(default=default, metadata=metadata)
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # optim_args and lr_scheduler_kwargs: parsed and validated here so that a bad value fails at startup, and
 # reused by trainer.optim when the optimizer and schedule are built.
 # ---------------------------------------------------------------------------------------------------------
-
-
 
 
 def parse_optim_args(
@@ -429,18 +425,22 @@ class TrainingArguments:
         None, "optimizer", "Extra optimizer options, 'k=v,k=v' or JSON (sgd: momentum, dampening, nesterov)."
     )
     optim_config: dict | str | None = _arg(
-        None, "optimizer", "{name: a registered optimizer or 'module:attribute', ...its options} (instead of "
-        "optim/optim_args); a class is called as cls(param_groups, lr=learning_rate, **options)."
+        None,
+        "optimizer",
+        "{name: a registered optimizer or 'module:attribute', ...its options} (instead of "
+        "optim/optim_args); a class is called as cls(param_groups, lr=learning_rate, **options).",
     )
 
     # --- schedule ---
     lr_scheduler_type: str = _arg("linear", "schedule", "Learning-rate schedule.", SCHEDULERS)
     lr_scheduler_kwargs: dict | str | None = _arg(
-        None, "schedule", "Schedule options as a dict or JSON, e.g. {\"num_cycles\": 2} (HF names)."
+        None, "schedule", 'Schedule options as a dict or JSON, e.g. {"num_cycles": 2} (HF names).'
     )
     lr_scheduler_config: dict | str | None = _arg(
-        None, "schedule", "{name: a registered schedule or 'module:attribute', ...its options} (instead of "
-        "lr_scheduler_type/kwargs); a factory is called as fn(optimizer, **options)."
+        None,
+        "schedule",
+        "{name: a registered schedule or 'module:attribute', ...its options} (instead of "
+        "lr_scheduler_type/kwargs); a factory is called as fn(optimizer, **options).",
     )
     warmup_ratio: float = _arg(0.0, "schedule", "Warmup as a fraction of total steps; used when warmup_steps is 0.")
     warmup_steps: float = _arg(
@@ -526,7 +526,7 @@ class TrainingArguments:
         False, "performance", "Recompute activations in backward to save memory (alias: activation_checkpointing)."
     )
     gradient_checkpointing_kwargs: dict | str | None = _arg(
-        None, "performance", "Options for activation checkpointing as a dict or JSON, e.g. {\"use_reentrant\": false}."
+        None, "performance", 'Options for activation checkpointing as a dict or JSON, e.g. {"use_reentrant": false}.'
     )
     torch_empty_cache_steps: int | None = _arg(
         None, "performance", "Empty the device cache every this many steps (lower peak memory, ~10% slower)."
@@ -567,8 +567,10 @@ class TrainingArguments:
     lora_alpha: int = _arg(32, "lora", "LoRA scale numerator: the update is lora_alpha / r * B A.")
     lora_dropout: float = _arg(0.05, "lora", "Dropout on the input of the LoRA branch while training.")
     lora_target_modules: list[str] | None = _arg(
-        None, "lora", "Linear layers that get an adapter, by name (q_proj v_proj ...) or all-linear (every linear "
-        "layer but lm_head); default: peft's choice for the architecture (q_proj v_proj)."
+        None,
+        "lora",
+        "Linear layers that get an adapter, by name (q_proj v_proj ...) or all-linear (every linear "
+        "layer but lm_head); default: peft's choice for the architecture (q_proj v_proj).",
     )
     lora_modules_to_save: list[str] | None = _arg(
         None, "lora", "Modules trained in full and saved with the adapter, by name (e.g. norm)."
@@ -716,8 +718,10 @@ class TrainingArguments:
             return
         path = coerce("deepspeed", deepspeed, str)
         if self.dist_config is not None:
-            raise ConfigError(f"deepspeed and dist_config both given (--fsdp sets dist_config too); use one: "
-                              f"--deepspeed {path} is dist_config {{name: deepspeed, config_file: {path}}}")
+            raise ConfigError(
+                f"deepspeed and dist_config both given (--fsdp sets dist_config too); use one: "
+                f"--deepspeed {path} is dist_config {{name: deepspeed, config_file: {path}}}"
+            )
         self.dist_config = {"name": "deepspeed", "config_file": path}
 
     @staticmethod
@@ -729,8 +733,10 @@ class TrainingArguments:
         local_rank = coerce("local_rank", local_rank, int)
         env = os.environ.get("LOCAL_RANK")
         if env is None or int(env) != local_rank:
-            raise ConfigError(f"local_rank={local_rank}: only a launcher sets it, with LOCAL_RANK={local_rank} in the "
-                              f"environment (LOCAL_RANK is {env}); launch with torchrun or deepspeed")
+            raise ConfigError(
+                f"local_rank={local_rank}: only a launcher sets it, with LOCAL_RANK={local_rank} in the "
+                f"environment (LOCAL_RANK is {env}); launch with torchrun or deepspeed"
+            )
 
     def _fold_finetuning_type(self, finetuning_type: Any) -> None:
         """LlamaFactory's `finetuning_type`: lora sets use_peft, full leaves it off; freeze and oft are refused."""
@@ -802,9 +808,11 @@ class TrainingArguments:
                 )
             self.optim, self.optim_args = name, options
         else:
-            for key, instead in (("params", "the trainer passes the parameter groups"),
-                                 ("lr", "set learning_rate, which the schedule and the logs read"),
-                                 ("weight_decay", "set weight_decay, which each parameter group carries")):
+            for key, instead in (
+                ("params", "the trainer passes the parameter groups"),
+                ("lr", "set learning_rate, which the schedule and the logs read"),
+                ("weight_decay", "set weight_decay, which each parameter group carries"),
+            ):
                 if key in options:
                     raise ConfigError(f"optim_config.{key}: {instead}")
             if self.optim != field_default(_field(type(self), "optim")) or self.optim_args:
@@ -832,12 +840,17 @@ class TrainingArguments:
                 )
             self.lr_scheduler_type, self.lr_scheduler_kwargs = name, options
         else:
-            for key, instead in (("optimizer", "the trainer passes the optimizer"),
-                                 ("num_training_steps", "the trainer passes it (max_steps or the epochs' steps)"),
-                                 ("num_warmup_steps", "set warmup_steps or warmup_ratio")):
+            for key, instead in (
+                ("optimizer", "the trainer passes the optimizer"),
+                ("num_training_steps", "the trainer passes it (max_steps or the epochs' steps)"),
+                ("num_warmup_steps", "set warmup_steps or warmup_ratio"),
+            ):
                 if key in options:
                     raise ConfigError(f"{what}.{key}: {instead}")
-            if self.lr_scheduler_type != field_default(_field(type(self), "lr_scheduler_type")) or self.lr_scheduler_kwargs:
+            if (
+                self.lr_scheduler_type != field_default(_field(type(self), "lr_scheduler_type"))
+                or self.lr_scheduler_kwargs
+            ):
                 raise ConfigError(
                     f"{what}.name={name!r} chooses the schedule; drop lr_scheduler_type/lr_scheduler_kwargs"
                 )
@@ -878,30 +891,49 @@ class TrainingArguments:
         if self.bf16_full_eval and self.fp16_full_eval:
             raise ConfigError("bf16_full_eval and fp16_full_eval are both set; choose at most one")
 
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "max_nonfinite_steps"):
+        for name in (
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "max_nonfinite_steps",
+        ):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be a positive integer")
         # numpy's generators (the data order) take no negative seed
         check(self.seed >= 0, "seed", self.seed, "must be an integer >= 0")
-        check(self.data_seed is None or self.data_seed >= 0, "data_seed", self.data_seed,
-              "must be an integer >= 0 or unset")
+        check(
+            self.data_seed is None or self.data_seed >= 0,
+            "data_seed",
+            self.data_seed,
+            "must be an integer >= 0 or unset",
+        )
         # torch.compile would name a wrong backend only at the first step; the message lists the usual ones
         if self.torch_compile and self.torch_compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
             choose("torch_compile_backend", self.torch_compile_backend, torch._dynamo.list_backends())
         # a 1-token example has nothing to predict (the first token is never a target): the data pipeline's rule
         check(self.cutoff_len >= 2, "cutoff_len", self.cutoff_len, "must be an integer >= 2")
-        for name in ("eval_accumulation_steps", "save_total_limit", "torch_empty_cache_steps",
-                     "dataloader_prefetch_factor", "global_batch_size", "pad_to_multiple_of", "max_tokens"):
+        for name in (
+            "eval_accumulation_steps",
+            "save_total_limit",
+            "torch_empty_cache_steps",
+            "dataloader_prefetch_factor",
+            "global_batch_size",
+            "pad_to_multiple_of",
+            "max_tokens",
+        ):
             value = getattr(self, name)
             check(value is None or value >= 1, name, value, "must be a positive integer or unset")
         # the batching options each strategy takes (trainer/batching.py), refused here rather than when the loop
         # makes its loader
         if self.group_by_length and self.batching_strategy != "normal":
-            raise ConfigError(f"group_by_length applies to batching_strategy='normal' (got {self.batching_strategy!r}; "
-                              "the other strategies already avoid padding): drop one of them")
+            raise ConfigError(
+                f"group_by_length applies to batching_strategy='normal' (got {self.batching_strategy!r}; "
+                "the other strategies already avoid padding): drop one of them"
+            )
         if self.max_tokens is not None and self.batching_strategy not in TOKEN_BUDGET_STRATEGIES:
-            raise ConfigError(f"max_tokens applies to batching_strategy {' or '.join(TOKEN_BUDGET_STRATEGIES)} (got "
-                              f"{self.batching_strategy!r}; it batches per_device_train_batch_size examples)")
+            raise ConfigError(
+                f"max_tokens applies to batching_strategy {' or '.join(TOKEN_BUDGET_STRATEGIES)} (got "
+                f"{self.batching_strategy!r}; it batches per_device_train_batch_size examples)"
+            )
         if self.global_batch_size is not None:
             per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
             check(
@@ -911,8 +943,15 @@ class TrainingArguments:
                 f"must be a multiple of micro_batch_size x gradient_accumulation_steps = {per_step}",
             )
 
-        for name in ("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "eval_delay", "z_loss",
-                     "warmup_steps"):
+        for name in (
+            "learning_rate",
+            "weight_decay",
+            "adam_epsilon",
+            "max_grad_norm",
+            "eval_delay",
+            "z_loss",
+            "warmup_steps",
+        ):
             check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):
             check(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
@@ -921,7 +960,9 @@ class TrainingArguments:
         check(0 <= smoothing < 1, "label_smoothing_factor", smoothing, "must be in [0, 1)")
         check(
             self.neftune_noise_alpha is None or self.neftune_noise_alpha > 0,
-            "neftune_noise_alpha", self.neftune_noise_alpha, "must be > 0 or unset",
+            "neftune_noise_alpha",
+            self.neftune_noise_alpha,
+            "must be > 0 or unset",
         )
         steps = self.max_steps
         check(steps == -1 or steps > 0, "max_steps", steps, "must be -1 or a positive integer")
@@ -930,10 +971,18 @@ class TrainingArguments:
             check(epochs > 0, "num_train_epochs", epochs, "must be > 0 when max_steps is -1")
         check(self.dataloader_num_workers >= 0, "dataloader_num_workers", self.dataloader_num_workers, "must be >= 0")
         if self.dataloader_num_workers == 0:
-            check(self.dataloader_prefetch_factor is None, "dataloader_prefetch_factor",
-                   self.dataloader_prefetch_factor, "needs dataloader_num_workers > 0")
-            check(not self.dataloader_persistent_workers, "dataloader_persistent_workers", True,
-                   "needs dataloader_num_workers > 0")
+            check(
+                self.dataloader_prefetch_factor is None,
+                "dataloader_prefetch_factor",
+                self.dataloader_prefetch_factor,
+                "needs dataloader_num_workers > 0",
+            )
+            check(
+                not self.dataloader_persistent_workers,
+                "dataloader_persistent_workers",
+                True,
+                "needs dataloader_num_workers > 0",
+            )
 
         if self.logging_strategy == "steps":
             logging = self.logging_steps
@@ -950,8 +999,12 @@ class TrainingArguments:
             )
         if self.lr_scheduler_type == "polynomial":
             lr_end = self.lr_scheduler_kwargs.get("lr_end", 1e-7)
-            check(lr_end < self.learning_rate, "lr_scheduler_kwargs.lr_end", lr_end,
-                   f"must be smaller than learning_rate={self.learning_rate!r}")
+            check(
+                lr_end < self.learning_rate,
+                "lr_scheduler_kwargs.lr_end",
+                lr_end,
+                f"must be smaller than learning_rate={self.learning_rate!r}",
+            )
         if self.dist_config is not None and self.dist_config["name"] == "deepspeed":
             # the JSON against these arguments (world size from the launcher's WORLD_SIZE, as Hugging Face's
             # TrainingArguments.world_size); the Trainer fills it again with the real one
@@ -969,9 +1022,7 @@ class TrainingArguments:
         if self.save_strategy == "best":
             if self.metric_for_best_model is None:
                 raise ConfigError("save_strategy='best' needs metric_for_best_model (e.g. loss)")
-            check(
-                self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch when save_strategy='best'"
-            )
+            check(self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch when save_strategy='best'")
         if not self.load_best_model_at_end:
             return
         check(self.eval_strategy != "no", "eval_strategy", "no", "must be steps or epoch with load_best_model_at_end")
@@ -1000,11 +1051,18 @@ class TrainingArguments:
         check(self.lora_alpha > 0, "lora_alpha", self.lora_alpha, "must be > 0")
         check(0 <= self.lora_dropout < 1, "lora_dropout", self.lora_dropout, "must be in [0, 1)")
         if not self.use_peft:  # a LoRA setting without LoRA would be ignored: refuse it
-            given = [f.name for f in dataclasses.fields(self) if f.metadata.get("group") == "lora"
-                     and f.name != "use_peft" and getattr(self, f.name) != field_default(f)]
+            given = [
+                f.name
+                for f in dataclasses.fields(self)
+                if f.metadata.get("group") == "lora"
+                and f.name != "use_peft"
+                and getattr(self, f.name) != field_default(f)
+            ]
             if given:
-                raise ConfigError(f"{given[0]}={getattr(self, given[0])!r} is a LoRA setting, but use_peft is off; "
-                                  "add --use_peft (LlamaFactory: finetuning_type: lora)")
+                raise ConfigError(
+                    f"{given[0]}={getattr(self, given[0])!r} is a LoRA setting, but use_peft is off; "
+                    "add --use_peft (LlamaFactory: finetuning_type: lora)"
+                )
 
     # -- helpers for the loop --------------------------------------------------------------------------------
 
@@ -1155,8 +1213,9 @@ def _normalise_dist_config(cfg: dict) -> dict:
         raise ConfigError("dist_config: 'name' is required (fsdp2, ddp or deepspeed)")
     name = cfg["name"]
     if name == "deepspeed" and not cfg.get("config_file"):
-        raise ConfigError("dist_config name deepspeed: 'config_file' is required (the DeepSpeed JSON, e.g. "
-                          "ds_z3_config.json)")
+        raise ConfigError(
+            "dist_config name deepspeed: 'config_file' is required (the DeepSpeed JSON, e.g. ds_z3_config.json)"
+        )
     name = choose("dist_config.name", name, tuple(DIST_DEFAULTS))
     defaults = DIST_DEFAULTS[name]
     check_keys("dist_config", cfg, defaults, f"name={name!r}")
@@ -1207,7 +1266,6 @@ def _copy(value: Any) -> Any:
 
 def _field(cls: type, name: str) -> dataclasses.Field:
     return cls.__dataclass_fields__[name]
-
 
 
 _DEFAULTS_CACHE: dict[type, dict[str, Any]] = {}

@@ -96,8 +96,6 @@ class AttentionPlan:
             return causal_attention(q, k, v, window)
         return _per_document(q, k, v, window, *self.documents)
 
-        qf, kf, vf = (x.reshape(B * T, x.shape[2], D) for x in (q, k, v))  # (B * T, heads, D)
-
     def _flex_mask(self, window):
         doc, valid = self.doc_ids, self.key_valid
 
@@ -122,8 +120,17 @@ class AttentionPlan:
         kf = k.reshape(B * T, k.shape[2], D).index_select(0, index)  # (N, Hkv, D)
         vf = v.reshape(B * T, v.shape[2], D).index_select(0, index)  # (N, Hkv, D)
         # flash-attn's window (left, right) counts keys besides the query itself: HF's W -> (W - 1, 0)
-        out = fn(qf, kf, vf, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True,
-                 window_size=(-1, -1) if window is None else (window - 1, 0))  # (N, H, D)
+        out = fn(
+            qf,
+            kf,
+            vf,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            causal=True,
+            window_size=(-1, -1) if window is None else (window - 1, 0),
+        )  # (N, H, D)
         full = out.new_zeros(B * T, H, D)
         full.index_copy_(0, index, out)
         return full.view(B, T, H, D)
@@ -139,8 +146,12 @@ def _per_document(q, k, v, window, index, bounds):
     qf, kf, vf = (x.reshape(B * T, x.shape[2], D) for x in (q, k, v))  # (B * T, heads, D)
     if index is not None:
         qf, kf, vf = (x.index_select(0, index) for x in (qf, kf, vf))  # (N, heads, D)
-    out = torch.cat([causal_attention(qf[None, s:e], kf[None, s:e], vf[None, s:e], window)[0]
-                     for s, e in zip(bounds[:-1], bounds[1:])])  # (N, H, D)
+    out = torch.cat(
+        [
+            causal_attention(qf[None, s:e], kf[None, s:e], vf[None, s:e], window)[0]
+            for s, e in zip(bounds[:-1], bounds[1:])
+        ]
+    )  # (N, H, D)
     if index is not None:
         out = out.new_zeros(B * T, H, D).index_copy(0, index, out)
     return out.view(B, T, H, D)
@@ -179,8 +190,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
         for start in range(0, L, window):
             end, first_key = min(start + window, L), max(0, start - window + 1)
             mask = causal_mask(end - start, end - first_key, window, q.device)  # (block, keys)
-            blocks.append(F.scaled_dot_product_attention(qt[:, :, start:end], kt[:, :, first_key:end],
-                                                         vt[:, :, first_key:end], attn_mask=mask, enable_gqa=gqa))
+            blocks.append(
+                F.scaled_dot_product_attention(
+                    qt[:, :, start:end],
+                    kt[:, :, first_key:end],
+                    vt[:, :, first_key:end],
+                    attn_mask=mask,
+                    enable_gqa=gqa,
+                )
+            )
         out = torch.cat(blocks, dim=2)
     return out.transpose(1, 2)  # (B, L, H, D)
 
@@ -195,13 +213,23 @@ def causal_mask(q_len: int, k_len: int, window: int | None, device) -> torch.Ten
     return allowed  # (Tq, Tk)
 
 
-def make_plan(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, seq_len: int,
-              device: torch.device, dtype: torch.dtype, windows=(None,), backend: str = "auto") -> AttentionPlan:
+def make_plan(
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    windows=(None,),
+    backend: str = "auto",
+) -> AttentionPlan:
     """Resolve the backend and precompute what it needs to keep documents and padding apart."""
     if backend not in BACKENDS:
         raise AttentionError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        plain_causal = position_ids is None and attention_mask is None and all(_effective(w, seq_len) is None for w in windows)
+        plain_causal = (
+            position_ids is None and attention_mask is None and all(_effective(w, seq_len) is None for w in windows)
+        )
         if device.type != "cuda":
             backend = "sdpa"
         elif _flash_attn() is not None and dtype in (torch.float16, torch.bfloat16):
@@ -210,9 +238,13 @@ def make_plan(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | 
             backend = "sdpa" if plain_causal else "flex"
     if backend == "flash":
         if _flash_attn() is None:
-            raise AttentionError("attention backend 'flash' needs flash-attn (pip install flash-attn --no-build-isolation)")
+            raise AttentionError(
+                "attention backend 'flash' needs flash-attn (pip install flash-attn --no-build-isolation)"
+            )
         if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-            raise AttentionError(f"attention backend 'flash' needs fp16/bf16 CUDA tensors, got {dtype} on {device.type}")
+            raise AttentionError(
+                f"attention backend 'flash' needs fp16/bf16 CUDA tensors, got {dtype} on {device.type}"
+            )
     doc = document_ids(position_ids) if position_ids is not None else None
     valid = attention_mask.to(device=device, dtype=torch.bool) if attention_mask is not None else None
     plan = AttentionPlan(backend, batch, seq_len, device, doc, valid)
@@ -264,14 +296,22 @@ class KVCache:
     caller advances `length` once all layers have run. Rows must be unpadded (equal-length prompts).
     """
 
-    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         shape = (batch, max_len, n_kv_heads, head_dim)  # (B, S, Hkv, D)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.length = 0
 
-    def slot(self, layer: int) -> "_CacheSlot":
+    def slot(self, layer: int) -> _CacheSlot:
         return _CacheSlot(self, layer)
 
 
@@ -291,6 +331,7 @@ class _CacheSlot:
             return causal_attention(q, keys[:, :end], values[:, :end], window)
         kt, vt = keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)  # (B, Hkv, S, D)
         mask = causal_mask(q.shape[1], end, window, q.device)  # (Tq, S)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, attn_mask=mask,
-                                             enable_gqa=q.shape[2] != k.shape[2])  # (B, H, Tq, D)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), kt, vt, attn_mask=mask, enable_gqa=q.shape[2] != k.shape[2]
+        )  # (B, H, Tq, D)
         return out.transpose(1, 2)  # (B, Tq, H, D)

@@ -42,7 +42,7 @@ another number of processes needs.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -77,7 +77,9 @@ def same_steps(num_batches: int, drop_last: bool, a: tuple[int, int], b: tuple[i
     no targets; drop_last drops the tail that does not fill all ranks). So: the same W*A, the same number of steps,
     and with drop_last the same tail dropped."""
     (wa, ka), (wb, kb) = a, b
-    if wa * ka != wb * kb or steps_per_epoch(num_batches, wa, ka, drop_last) != steps_per_epoch(num_batches, wb, kb, drop_last):
+    if wa * ka != wb * kb or steps_per_epoch(num_batches, wa, ka, drop_last) != steps_per_epoch(
+        num_batches, wb, kb, drop_last
+    ):
         return False
     return not drop_last or num_batches // wa * wa == num_batches // wb * wb
 
@@ -140,12 +142,26 @@ class BatchLoader:
     Each `for batch in loader` runs the rest of the current epoch, then moves to the next; `len(loader)` is the
     micro batches per epoch on this rank. `shuffle=False` (the eval loader) keeps the dataset's order."""
 
-    def __init__(self, dataset, *, batching_strategy: str = "normal", micro_batch_size: int = 1,
-                 max_tokens: int | None = None, pad_token_id: int = 0, pad_to_multiple_of: int | None = None,
-                 shuffle: bool = True, seed: int = 0, group_by_length: bool = False, drop_last: bool = False,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        dataset,
+        *,
+        batching_strategy: str = "normal",
+        micro_batch_size: int = 1,
+        max_tokens: int | None = None,
+        pad_token_id: int = 0,
+        pad_to_multiple_of: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        group_by_length: bool = False,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         if batching_strategy not in BATCHING_STRATEGIES:
-            raise ValueError(f"batching_strategy={batching_strategy!r}: expected one of {', '.join(BATCHING_STRATEGIES)}")
+            raise ValueError(
+                f"batching_strategy={batching_strategy!r}: expected one of {', '.join(BATCHING_STRATEGIES)}"
+            )
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size!r}: expected an int >= 1")
         if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
@@ -153,11 +169,15 @@ class BatchLoader:
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r}, world_size={world_size!r}: expected 0 <= rank < world_size")
         if group_by_length and batching_strategy != "normal":
-            raise ValueError(f"group_by_length applies to batching_strategy='normal' (got {batching_strategy!r}; "
-                             "the other strategies already avoid padding)")
+            raise ValueError(
+                f"group_by_length applies to batching_strategy='normal' (got {batching_strategy!r}; "
+                "the other strategies already avoid padding)"
+            )
         if max_tokens is not None and batching_strategy not in TOKEN_BUDGET_STRATEGIES:
-            raise ValueError(f"max_tokens applies to {' and '.join(TOKEN_BUDGET_STRATEGIES)} "
-                             f"(got batching_strategy={batching_strategy!r}; use micro_batch_size)")
+            raise ValueError(
+                f"max_tokens applies to {' and '.join(TOKEN_BUDGET_STRATEGIES)} "
+                f"(got batching_strategy={batching_strategy!r}; use micro_batch_size)"
+            )
         self.dataset = dataset
         lengths = getattr(dataset, "lengths", None)
         if lengths is None:
@@ -174,36 +194,58 @@ class BatchLoader:
         longest = int(self.lengths.max())
         if batching_strategy in TOKEN_BUDGET_STRATEGIES:
             # Default budget: what a normal micro batch of the longest examples would hold.
-            max_tokens = max_tokens if max_tokens is not None else micro_batch_size * _round_up(longest, pad_to_multiple_of)
+            max_tokens = (
+                max_tokens if max_tokens is not None else micro_batch_size * _round_up(longest, pad_to_multiple_of)
+            )
             if not isinstance(max_tokens, int) or max_tokens < longest:
-                raise ConfigError(f"max_tokens={max_tokens!r}: expected an int >= the longest example ({longest} "
-                                  "tokens); set it to at least cutoff_len")
+                raise ConfigError(
+                    f"max_tokens={max_tokens!r}: expected an int >= the longest example ({longest} "
+                    "tokens); set it to at least cutoff_len"
+                )
         self.max_tokens = max_tokens
         self.epoch = 0
         self._consumed = 0  # global micro batches of self.epoch already yielded (by all ranks together)
         self._plan_cache: tuple[int, list[np.ndarray]] | None = None
         if len(self) == 0:
-            raise ConfigError(f"dataloader_drop_last: {len(self.lengths)} examples give no full micro batch of "
-                              f"{micro_batch_size} per rank with world_size={world_size}, and drop_last drops the "
-                              f"partial ones, so nothing would train; expected at least "
-                              f"{micro_batch_size * world_size} examples, a smaller per_device_train_batch_size, or "
-                              "dataloader_drop_last false")
+            raise ConfigError(
+                f"dataloader_drop_last: {len(self.lengths)} examples give no full micro batch of "
+                f"{micro_batch_size} per rank with world_size={world_size}, and drop_last drops the "
+                f"partial ones, so nothing would train; expected at least "
+                f"{micro_batch_size * world_size} examples, a smaller per_device_train_batch_size, or "
+                "dataloader_drop_last false"
+            )
 
     @classmethod
-    def from_args(cls, dataset, args, micro_batch_size: int, *, train: bool, pad_token_id: int = 0, rank: int = 0,
-                  world_size: int = 1) -> "BatchLoader":
+    def from_args(
+        cls,
+        dataset,
+        args,
+        micro_batch_size: int,
+        *,
+        train: bool,
+        pad_token_id: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> BatchLoader:
         """The loader TrainingArguments `args` ask for: for training, their batching strategy, token budget, shuffle,
         grouping and drop_last; for evaluation, normal batches in the dataset's order. The Trainer's loaders, and the
         CLI's check of the batch plan against the tokenised data before the model is built. Arguments that leave
         nothing to train (dataloader_drop_last with fewer examples than a batch, max_tokens under the longest
         example) are one-line ConfigErrors."""
-        return cls(dataset, batching_strategy=args.batching_strategy if train else "normal",
-                   micro_batch_size=micro_batch_size, max_tokens=args.max_tokens if train else None,
-                   pad_token_id=pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of,
-                   shuffle=train and args.train_shuffle,
-                   seed=args.data_seed if args.data_seed is not None else args.seed,
-                   group_by_length=train and args.group_by_length, drop_last=train and args.dataloader_drop_last,
-                   rank=rank, world_size=world_size)
+        return cls(
+            dataset,
+            batching_strategy=args.batching_strategy if train else "normal",
+            micro_batch_size=micro_batch_size,
+            max_tokens=args.max_tokens if train else None,
+            pad_token_id=pad_token_id,
+            pad_to_multiple_of=args.pad_to_multiple_of,
+            shuffle=train and args.train_shuffle,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            group_by_length=train and args.group_by_length,
+            drop_last=train and args.dataloader_drop_last,
+            rank=rank,
+            world_size=world_size,
+        )
 
     # ---- planning ---------------------------------------------------------------------------------------------
     def _rng(self, epoch: int) -> np.random.Generator:
@@ -219,7 +261,7 @@ class BatchLoader:
             if self.group_by_length:
                 order = self._group_by_length(order)
             mbs = self.micro_batch_size
-            batches = [order[i:i + mbs] for i in range(0, n, mbs)]
+            batches = [order[i : i + mbs] for i in range(0, n, mbs)]
             if self.drop_last and len(batches[-1]) < mbs:
                 batches.pop()
             if self.group_by_length and batches:
@@ -247,7 +289,7 @@ class BatchLoader:
         per_step = self.micro_batch_size * self.world_size
         # Small datasets still get at least ~4 megabatches, so grouping keeps some randomness (as HF does).
         mega = per_step * max(1, min(_MEGABATCH_MULT, len(order) // (per_step * 4)))
-        chunks = [order[i:i + mega] for i in range(0, len(order), mega)]
+        chunks = [order[i : i + mega] for i in range(0, len(order), mega)]
         return np.concatenate([c[np.argsort(-self.lengths[c], kind="stable")] for c in chunks])
 
     def _deal(self, epoch: int, consumed: int) -> list[tuple[np.ndarray, bool]]:
@@ -255,11 +297,11 @@ class BatchLoader:
         plan = self.global_batches(epoch)
         rest = [(b, False) for b in plan[consumed:]]
         if self.drop_last:
-            rest = rest[:len(rest) // self.world_size * self.world_size]
+            rest = rest[: len(rest) // self.world_size * self.world_size]
         else:
             need = -len(rest) % self.world_size
             rest += [(plan[i % len(plan)], True) for i in range(need)]
-        return rest[self.rank::self.world_size]
+        return rest[self.rank :: self.world_size]
 
     def __len__(self) -> int:
         n = len(self.global_batches(self.epoch))
@@ -314,7 +356,12 @@ class BatchLoader:
             attention_mask[r, :n] = 1
         labels[:, 0] = IGNORE_INDEX
         position_ids = np.broadcast_to(np.arange(width, dtype=np.int64), (rows, width)).copy()
-        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "attention_mask": attention_mask}
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": position_ids,
+            "attention_mask": attention_mask,
+        }
 
     def _collate_packed(self, examples: list[dict]) -> dict:
         lengths = [len(ex["input_ids"]) for ex in examples]
@@ -326,24 +373,38 @@ class BatchLoader:
         position_ids = np.empty(width, dtype=np.int64)
         start = 0
         for ex, n in zip(examples, lengths):
-            input_ids[start:start + n] = ex["input_ids"]
-            labels[start:start + n] = ex["labels"]
+            input_ids[start : start + n] = ex["input_ids"]
+            labels[start : start + n] = ex["labels"]
             labels[start] = IGNORE_INDEX  # the previous document's last position must not predict this token
-            position_ids[start:start + n] = np.arange(n)
+            position_ids[start : start + n] = np.arange(n)
             start += n
         attention_mask[:total] = 1
         # Padding (only with pad_to_multiple_of) is one more document of its own, so positions restart there too.
         position_ids[total:] = np.arange(width - total)
-        return {k: v[None, :] for k, v in (("input_ids", input_ids), ("labels", labels),
-                                            ("position_ids", position_ids), ("attention_mask", attention_mask))}
+        return {
+            k: v[None, :]
+            for k, v in (
+                ("input_ids", input_ids),
+                ("labels", labels),
+                ("position_ids", position_ids),
+                ("attention_mask", attention_mask),
+            )
+        }
 
     # ---- resume -----------------------------------------------------------------------------------------------
     def _config(self) -> dict:
-        return {"batching_strategy": self.strategy, "micro_batch_size": self.micro_batch_size,
-                "max_tokens": self.max_tokens, "pad_to_multiple_of": self.pad_to_multiple_of, "shuffle": self.shuffle,
-                "seed": self.seed, "group_by_length": self.group_by_length, "drop_last": self.drop_last,
-                "num_examples": len(self.lengths),
-                "lengths_sha256": hashlib.sha256(self.lengths.tobytes()).hexdigest()[:16]}
+        return {
+            "batching_strategy": self.strategy,
+            "micro_batch_size": self.micro_batch_size,
+            "max_tokens": self.max_tokens,
+            "pad_to_multiple_of": self.pad_to_multiple_of,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "group_by_length": self.group_by_length,
+            "drop_last": self.drop_last,
+            "num_examples": len(self.lengths),
+            "lengths_sha256": hashlib.sha256(self.lengths.tobytes()).hexdigest()[:16],
+        }
 
     def state_dict(self) -> dict:
         """Where the iteration stands: the epoch, the global micro batches consumed, and what the plan depends on."""
@@ -354,7 +415,10 @@ class BatchLoader:
         mine = self._config()
         diffs = [f"{k} was {state.get(k)!r}, is {v!r}" for k, v in mine.items() if state.get(k) != v]
         if diffs:  # a user's choice of data or arguments, one line (exit 2 from the CLI)
-            raise CheckpointError("cannot resume the data loader: the batch plan would differ (" + "; ".join(diffs) +
-                                  "); resume with the data and batching arguments the checkpoint was saved with "
-                                  "(its training_args.json), or start again (--overwrite_output_dir)")
+            raise CheckpointError(
+                "cannot resume the data loader: the batch plan would differ ("
+                + "; ".join(diffs)
+                + "); resume with the data and batching arguments the checkpoint was saved with "
+                "(its training_args.json), or start again (--overwrite_output_dir)"
+            )
         self.epoch, self._consumed = int(state["epoch"]), int(state["consumed"])

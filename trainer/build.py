@@ -36,15 +36,29 @@ from .model import CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from .parallel import apply_data_parallel, apply_transforms, load_sharded, uses_fsdp
 from .tokenizer import Tokenizer, byte_level_tokenizer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 # ------------------------------------------------------------------------------------------------------------
 # build_model
 # ------------------------------------------------------------------------------------------------------------
-def build_model(name: str, args=None, *, dtype=None, device=None, seed: int | None = None,
-                use_kernels: bool | None = None, attn_backend: str = "auto") -> tuple[nn.Module, Tokenizer]:
+def build_model(
+    name: str,
+    args=None,
+    *,
+    dtype=None,
+    device=None,
+    seed: int | None = None,
+    use_kernels: bool | None = None,
+    attn_backend: str = "auto",
+) -> tuple[nn.Module, Tokenizer]:
     """(the model to train or run, its tokenizer) for `name`: a preset, a Hugging Face directory, or a hub id.
 
     `args` (TrainingArguments) gives the model's settings (use_kernels/use_liger_kernel, label_smoothing_factor,
@@ -57,13 +71,16 @@ def build_model(name: str, args=None, *, dtype=None, device=None, seed: int | No
     holding one; the architecture still comes from `name`)."""
     path = locate(name)
     config, tokenizer = preset_config(name) if path is None else (read_config(path), load_tokenizer(path))
-    model = _build(config, path, args, dtype=dtype, device=device, seed=seed, use_kernels=use_kernels,
-                   attn_backend=attn_backend)
+    model = _build(
+        config, path, args, dtype=dtype, device=device, seed=seed, use_kernels=use_kernels, attn_backend=attn_backend
+    )
     causal_lm(model).name_or_path = name  # as transformers' model.name_or_path; a LoRA adapter records it
     return model, tokenizer
 
 
-def _build(config: ModelConfig, path: Path | None, args, *, dtype, device, seed, use_kernels, attn_backend) -> nn.Module:
+def _build(
+    config: ModelConfig, path: Path | None, args, *, dtype, device, seed, use_kernels, attn_backend
+) -> nn.Module:
     """`build_model` from the config on: the weights come from `path` (a Hugging Face directory), or from the
     seeded init when it is None, or from dist_config.dcp_path under FSDP2."""
     if args is not None:
@@ -75,9 +92,13 @@ def _build(config: ModelConfig, path: Path | None, args, *, dtype, device, seed,
     if device is None:
         # offload_params keeps the shards in host memory (FSDP2 moves them to the device for compute)
         device = torch.device("cpu") if sharded and args.dist_config.get("offload_params") else local_device()
-    model = empty_model(config, dtype=checkpoint_dtype(config, dtype), device=device,
-                        use_kernels=True if use_kernels is None else use_kernels,
-                        transform=(lambda m: apply_transforms(m, args)) if args is not None else None)
+    model = empty_model(
+        config,
+        dtype=checkpoint_dtype(config, dtype),
+        device=device,
+        use_kernels=True if use_kernels is None else use_kernels,
+        transform=(lambda m: apply_transforms(m, args)) if args is not None else None,
+    )
     ours = causal_lm(model)
     if dcp is not None:
         load_sharded(model, None, dcp)
@@ -155,13 +176,17 @@ def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ConfigError(f"model: {repo_id!r} is not a local directory, and huggingface_hub is not installed to "
-                          "download it (pip install huggingface_hub)") from None
+        raise ConfigError(
+            f"model: {repo_id!r} is not a local directory, and huggingface_hub is not installed to "
+            "download it (pip install huggingface_hub)"
+        ) from None
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
     except Exception as exc:
-        raise ConfigError(f"model: could not download {repo_id!r} from the hub ({type(exc).__name__}); "
-                          "without a network, pass a local directory") from None
+        raise ConfigError(
+            f"model: could not download {repo_id!r} from the hub ({type(exc).__name__}); "
+            "without a network, pass a local directory"
+        ) from None
 
 
 def dcp_source(args) -> Path | None:
@@ -216,8 +241,16 @@ def load_pretrained(path: str | Path, dtype=None, device=None, use_kernels: bool
     on `device` (default cpu) without initialisation, then each checkpoint tensor is read once into place.
     A tied checkpoint may or may not contain lm_head.weight; it is skipped either way.
     """
-    return _build(read_config(path), Path(path), None, dtype=dtype, device=device or "cpu", seed=None,
-                  use_kernels=use_kernels, attn_backend="auto")
+    return _build(
+        read_config(path),
+        Path(path),
+        None,
+        dtype=dtype,
+        device=device or "cpu",
+        seed=None,
+        use_kernels=use_kernels,
+        attn_backend="auto",
+    )
 
 
 def checkpoint_dtype(config: ModelConfig, dtype=None) -> torch.dtype:
@@ -225,8 +258,9 @@ def checkpoint_dtype(config: ModelConfig, dtype=None) -> torch.dtype:
     return _resolve_dtype(dtype) or _resolve_dtype(config.dtype) or torch.float32
 
 
-def empty_model(config: ModelConfig, *, dtype=torch.float32, device="cpu", use_kernels: bool = True,
-                transform=None) -> CausalLM:
+def empty_model(
+    config: ModelConfig, *, dtype=torch.float32, device="cpu", use_kernels: bool = True, transform=None
+) -> CausalLM:
     """A CausalLM of `config` on `device` with uninitialised weights (load or init them) and its rotary buffers
     computed. Built on the meta device and cast there, so that no memory is written twice; `transform(model)`
     (FSDP2's sharding) runs while it is still on meta, so that `to_empty` allocates only what the transformed
@@ -263,8 +297,9 @@ def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=local_sh
         raise ModelError(str(exc)) from None
 
 
-def save_pretrained(model: CausalLM, path: str | Path, max_shard_size: int | str = "5GB", tokenizer=None,
-                    dtype=None) -> None:
+def save_pretrained(
+    model: CausalLM, path: str | Path, max_shard_size: int | str = "5GB", tokenizer=None, dtype=None
+) -> None:
     """Write config.json, model.safetensors (or shards + index when over max_shard_size) and the tokenizer
     files; a tied lm_head is written once, as embed_tokens (Hugging Face omits lm_head.weight too)."""
     dtype = _resolve_dtype(dtype) or model.model.embed_tokens.weight.dtype
@@ -292,11 +327,23 @@ PRESETS = {
     # 0.77M parameters: byte-level vocab (259 ids) rounded up to 320, tied embeddings, GQA 4:2, head_dim 32.
     # Sized for the CPU demo (trainer/configs/demo.yaml): a step costs a third of hidden 256's, and the steps that
     # buys matter more than width for learning the embedded tasks (measured; README).
-    "tiny": {"model_type": "llama", "vocab_size": 320, "hidden_size": 128, "intermediate_size": 344,
-             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-             "tie_word_embeddings": True, "initializer_range": 0.02,
-             "bos_token_id": None, "eos_token_id": 258, "pad_token_id": 256},
+    "tiny": {
+        "model_type": "llama",
+        "vocab_size": 320,
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+        "bos_token_id": None,
+        "eos_token_id": 258,
+        "pad_token_id": 256,
+    },
 }
 
 
@@ -308,7 +355,9 @@ def build_preset(name: str, seed: int = 0, use_kernels: bool = True):
     """(CausalLM, Tokenizer) for a named preset: fp32 on cpu, deterministic Hugging Face-style init from `seed`,
     with the embedded byte-level tokenizer."""
     config, tokenizer = preset_config(name)
-    model = _build(config, None, None, dtype=None, device="cpu", seed=seed, use_kernels=use_kernels, attn_backend="auto")
+    model = _build(
+        config, None, None, dtype=None, device="cpu", seed=seed, use_kernels=use_kernels, attn_backend="auto"
+    )
     return model, tokenizer
 
 

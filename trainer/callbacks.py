@@ -40,7 +40,7 @@ class TrainerState:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TrainerState":
+    def from_dict(cls, data: dict) -> TrainerState:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -132,7 +132,9 @@ class EarlyStoppingCallback(TrainerCallback):
         if value is None or not math.isfinite(value):
             return
         greater = args.greater_is_better if args.greater_is_better is not None else not key.endswith("loss")
-        improved = self.best is None or (value - self.best > self.threshold if greater else self.best - value > self.threshold)
+        improved = self.best is None or (
+            value - self.best > self.threshold if greater else self.best - value > self.threshold
+        )
         if improved:
             self.best = value
             self.bad_evals = 0

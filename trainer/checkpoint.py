@@ -83,10 +83,23 @@ def _tree_bytes(directory: Path) -> int:
 LOCK_FILE = ".run.lock"  # flock-ed by the run that owns output_dir; holds its pid
 # What a run writes at the top of output_dir besides checkpoints (model, tokenizer, adapter, results); an overwriting
 # run moves the earlier run's aside. The data cache, the lock and metrics.jsonl (the jsonl logger moves it) stay.
-RUN_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-             "model-*-of-*.safetensors", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
-             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "training_args.json",
-             "final_metrics.json", "sft_args.json", "loss_curve.png")
+RUN_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*-of-*.safetensors",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "training_args.json",
+    "final_metrics.json",
+    "sft_args.json",
+    "loss_curve.png",
+)
 
 
 @contextlib.contextmanager
@@ -104,8 +117,10 @@ def hold_output_dir(output_dir: str | Path, rank: int = 0):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise CheckpointError(f"output_dir: {out} is in use by another run (pid {holder}); wait for it to end or "
-                                  "give another --output_dir") from None
+            raise CheckpointError(
+                f"output_dir: {out} is in use by another run (pid {holder}); wait for it to end or "
+                "give another --output_dir"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
@@ -127,8 +142,11 @@ def clean_leftovers(output_dir: str | Path) -> list[str]:
         return []
     removed = []
     for p in sorted(out.iterdir()):
-        if p.is_dir() and _CKPT_RE.match(p.name.removesuffix(".tmp").removesuffix(".deleting")) and p.suffix in (
-                ".tmp", ".deleting"):
+        if (
+            p.is_dir()
+            and _CKPT_RE.match(p.name.removesuffix(".tmp").removesuffix(".deleting"))
+            and p.suffix in (".tmp", ".deleting")
+        ):
             shutil.rmtree(p, ignore_errors=True)
         elif p.is_file() and _SAFETENSORS_TMP.match(p.name):
             p.unlink()
@@ -145,8 +163,10 @@ def move_aside_previous_run(output_dir: str | Path) -> Path | None:
     out = Path(output_dir)
     if not out.is_dir():
         return None
-    found = sorted({p for p in out.glob(f"{PREFIX}-*") if p.is_dir()} |
-                   {p for pattern in RUN_FILES for p in out.glob(pattern) if p.is_file()})
+    found = sorted(
+        {p for p in out.glob(f"{PREFIX}-*") if p.is_dir()}
+        | {p for pattern in RUN_FILES for p in out.glob(pattern) if p.is_file()}
+    )
     if not found:
         return None
     aside = out / time.strftime("overwritten-%Y%m%d-%H%M%S")
@@ -200,8 +220,10 @@ def resolve_resume(resume_from_checkpoint, output_dir, say=None) -> Path | None:
                 return path
             say(f"resume_from_checkpoint auto: skipping {path.name}, it is damaged ({problem})")
         if found:
-            raise CheckpointError(f"resume_from_checkpoint: every checkpoint in {output_dir} is damaged "
-                                  f"({len(found)} checked); start again with --overwrite_output_dir")
+            raise CheckpointError(
+                f"resume_from_checkpoint: every checkpoint in {output_dir} is damaged "
+                f"({len(found)} checked); start again with --overwrite_output_dir"
+            )
         # A run killed before its first save completed: its resume command starts it again (transformers raises
         # "No valid checkpoint found" here, which left such a run only --overwrite_output_dir).
         say(f"resume_from_checkpoint auto: no complete checkpoint in {output_dir}; starting from step 0")
@@ -211,8 +233,10 @@ def resolve_resume(resume_from_checkpoint, output_dir, say=None) -> Path | None:
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a complete checkpoint (no trainer_state.json)")
     problem = verify_checkpoint(path)
     if problem is not None:
-        raise CheckpointError(f"resume_from_checkpoint: {path} is damaged ({problem}); give an earlier checkpoint, "
-                              "or --resume_from_checkpoint auto to take the newest intact one")
+        raise CheckpointError(
+            f"resume_from_checkpoint: {path} is damaged ({problem}); give an earlier checkpoint, "
+            "or --resume_from_checkpoint auto to take the newest intact one"
+        )
     return path
 
 
@@ -230,8 +254,9 @@ def _files(directory: Path) -> list[Path]:
 
 def write_manifest(directory: Path) -> None:
     """manifest.json: every file under directory (relative path) with its size and CRC-32."""
-    entries = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)}
-               for p in _files(directory)}
+    entries = {
+        p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in _files(directory)
+    }
     (directory / MANIFEST).write_text(json.dumps({"files": entries}, indent=1, sort_keys=True) + "\n")
 
 
@@ -304,7 +329,13 @@ def _python_rng_to_tensorable(state: dict) -> dict:
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
     out = dict(state)
     out["python"] = [py_version, list(py_state), py_gauss]
-    out["numpy"] = [np_name, torch.from_numpy(np.asarray(np_keys, dtype=np.int64)), int(np_pos), int(np_has_gauss), float(np_gauss)]
+    out["numpy"] = [
+        np_name,
+        torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+        int(np_pos),
+        int(np_has_gauss),
+        float(np_gauss),
+    ]
     return out
 
 
@@ -317,9 +348,22 @@ def _python_rng_from_tensorable(state: dict) -> dict:
     return out
 
 
-def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, scheduler=None, scaler=None,
-                    data_state: dict | None = None, trainer_state: dict, args_dict: dict,
-                    rank: int = 0, world_size: int = 1, save_only_model: bool = False, save_sharded=None) -> Path:
+def save_checkpoint(
+    output_dir,
+    step: int,
+    *,
+    save_model,
+    optimizer=None,
+    scheduler=None,
+    scaler=None,
+    data_state: dict | None = None,
+    trainer_state: dict,
+    args_dict: dict,
+    rank: int = 0,
+    world_size: int = 1,
+    save_only_model: bool = False,
+    save_sharded=None,
+) -> Path:
     """Write checkpoint-<step> atomically; `save_model(dir)` writes the model files. Returns the final path.
 
     With several processes every rank calls this: `save_model` (a collective for a sharded model; it writes on
@@ -338,15 +382,31 @@ def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, schedu
         previous = latest_checkpoint(out)
         needed, free = _tree_bytes(previous) if previous else 0, shutil.disk_usage(out).free
         if needed > free:  # the last checkpoint's size is the best estimate of this one's: refuse before writing
-            raise OutOfSpaceError(errno.ENOSPC, f"no space for {final.name}: it needs about {_gb(needed)} (the size of "
-                                  f"{previous.name}) and {out} has {_gb(free)} free")
+            raise OutOfSpaceError(
+                errno.ENOSPC,
+                f"no space for {final.name}: it needs about {_gb(needed)} (the size of "
+                f"{previous.name}) and {out} has {_gb(free)} free",
+            )
         tmp.mkdir(parents=True)
     _barrier(world_size)  # the directory exists before any rank writes into it
     try:
-        _write_checkpoint(tmp, final, out, writer=writer, rank=rank, world_size=world_size, save_model=save_model,
-                          optimizer=optimizer, scheduler=scheduler, scaler=scaler, data_state=data_state,
-                          trainer_state=trainer_state, args_dict=args_dict, save_only_model=save_only_model,
-                          save_sharded=save_sharded)
+        _write_checkpoint(
+            tmp,
+            final,
+            out,
+            writer=writer,
+            rank=rank,
+            world_size=world_size,
+            save_model=save_model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            data_state=data_state,
+            trainer_state=trainer_state,
+            args_dict=args_dict,
+            save_only_model=save_only_model,
+            save_sharded=save_sharded,
+        )
     except Exception as exc:
         written, free = _tree_bytes(tmp), shutil.disk_usage(out).free
         if writer:
@@ -354,16 +414,34 @@ def save_checkpoint(output_dir, step: int, *, save_model, optimizer=None, schedu
         full = (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or free < _FULL_BYTES
         if not full:
             raise
-        raise OutOfSpaceError(errno.ENOSPC, f"the device of {out} is out of space: {final.name} needs more than the "
-                              f"{_gb(written)} written when it filled up ({_gb(free)} free); the partial "
-                              f"{tmp.name} was removed, earlier checkpoints are untouched") from None
+        raise OutOfSpaceError(
+            errno.ENOSPC,
+            f"the device of {out} is out of space: {final.name} needs more than the "
+            f"{_gb(written)} written when it filled up ({_gb(free)} free); the partial "
+            f"{tmp.name} was removed, earlier checkpoints are untouched",
+        ) from None
     _barrier(world_size)  # no rank goes on (and maybe reads it) before the checkpoint is in place
     return final
 
 
-def _write_checkpoint(tmp: Path, final: Path, out: Path, *, writer: bool, rank: int, world_size: int, save_model,
-                      optimizer, scheduler, scaler, data_state, trainer_state, args_dict, save_only_model,
-                      save_sharded) -> None:
+def _write_checkpoint(
+    tmp: Path,
+    final: Path,
+    out: Path,
+    *,
+    writer: bool,
+    rank: int,
+    world_size: int,
+    save_model,
+    optimizer,
+    scheduler,
+    scaler,
+    data_state,
+    trainer_state,
+    args_dict,
+    save_only_model,
+    save_sharded,
+) -> None:
     """save_checkpoint's writes into tmp, then the rename to final (rank 0)."""
     save_model(tmp)
     if not save_only_model:
@@ -403,8 +481,9 @@ def saved_world_size(path) -> int:
     return len(list(path.glob("rng_state_*.pth"))) or (1 if (path / "rng_state.pth").is_file() else 0)
 
 
-def load_training_state(path, *, optimizer=None, scheduler=None, scaler=None, rank: int = 0, world_size: int = 1,
-                        seed: int = 0) -> dict:
+def load_training_state(
+    path, *, optimizer=None, scheduler=None, scaler=None, rank: int = 0, world_size: int = 1, seed: int = 0
+) -> dict:
     """Restore optimizer/scheduler/scaler/RNG from a checkpoint; returns {'trainer_state', 'data_state',
     'rng_reseeded'}.
 

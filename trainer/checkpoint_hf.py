@@ -23,8 +23,8 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,8 +33,18 @@ from safetensors.torch import save_file
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class CheckpointError(ValueError):
@@ -85,7 +95,9 @@ def parse_size(value: int | str) -> int:
         return value
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(value), flags=re.IGNORECASE)
     if match is None or float(match.group(1)) <= 0:
-        raise CheckpointError(f"max_shard_size {value!r}: expected a positive number of bytes or a string like '500MB' or '5GB'")
+        raise CheckpointError(
+            f"max_shard_size {value!r}: expected a positive number of bytes or a string like '500MB' or '5GB'"
+        )
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
@@ -102,8 +114,10 @@ def checkpoint_files(path: Path) -> list[Path]:
             if not file.is_file():
                 raise CheckpointError(f"{file}: shard listed in {INDEX_FILE} not found")
         return files
-    raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are read; "
-                          "convert .bin files with transformers' save_pretrained)")
+    raise CheckpointError(
+        f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are read; "
+        "convert .bin files with transformers' save_pretrained)"
+    )
 
 
 def _listing(names: list[str], limit: int = 8) -> str:
@@ -116,7 +130,7 @@ def read_tensor(f, name: str, rows: tuple[int, int] | None = None) -> torch.Tens
     alone: the other rows are never loaded)."""
     if rows is None:
         return f.get_tensor(name)
-    return f.get_slice(name)[rows[0]:rows[1]]
+    return f.get_slice(name)[rows[0] : rows[1]]
 
 
 def open_safetensors(file: Path):
@@ -126,12 +140,15 @@ def open_safetensors(file: Path):
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{file}: not a complete safetensors file ({exc}); the file is damaged or truncated "
-                              "(an interrupted download or copy?): download or copy it again") from None
+        raise CheckpointError(
+            f"{file}: not a complete safetensors file ({exc}); the file is damaged or truncated "
+            "(an interrupted download or copy?): download or copy it again"
+        ) from None
 
 
-def check_safetensors(path: Path, shapes: dict[str, tuple[int, ...]],
-                      ignore: Callable[[str], bool] = lambda k: False) -> list[Path]:
+def check_safetensors(
+    path: Path, shapes: dict[str, tuple[int, ...]], ignore: Callable[[str], bool] = lambda k: False
+) -> list[Path]:
     """The safetensors files of the checkpoint at `path`, after checking from their headers alone (no tensor data
     read) that each file is complete and that they hold exactly the tensors `shapes` names, with those shapes (keys
     for which `ignore(name)` holds are skipped). Every problem is one CheckpointError line naming the file, or
@@ -163,8 +180,12 @@ def check_safetensors(path: Path, shapes: dict[str, tuple[int, ...]],
     return files
 
 
-def load_safetensors(path: Path, targets: dict[str, torch.Tensor], ignore: Callable[[str], bool] = lambda k: False,
-                     rows: dict[str, tuple[tuple[int, ...], int, int]] | None = None) -> None:
+def load_safetensors(
+    path: Path,
+    targets: dict[str, torch.Tensor],
+    ignore: Callable[[str], bool] = lambda k: False,
+    rows: dict[str, tuple[tuple[int, ...], int, int]] | None = None,
+) -> None:
     """Copy every tensor of the checkpoint at `path` into `targets[name]` (cast to the target's dtype/device).
 
     All problems (damaged files, missing keys, unexpected keys, shape mismatches) are found from the file headers
@@ -194,8 +215,9 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, max_shard_size: int | str = "5GB",
-                     dtype: torch.dtype | None = None) -> list[Path]:
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
+) -> list[Path]:
     """Write `tensors` (cast to `dtype` when given) as one file or as shards plus an index; return the files.
 
     Earlier checkpoint files in `path` are removed first: a stale `model.safetensors` would otherwise shadow
@@ -219,8 +241,11 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, max_shard_siz
         size += nbytes(t)
     shards.append(current)
 
-    names = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                                    for i in range(len(shards))]
+    names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map = {}
     for file_name, shard in zip(names, shards):
         # one shard's cast copies at a time: never a full second copy of the model

@@ -51,8 +51,8 @@ import os
 import re
 import zipfile
 from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -67,8 +67,15 @@ IGNORE_INDEX = -100
 DATA_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 ROLES = ("system", "user", "assistant", "tool")
 EXTENSIONS = (".jsonl", ".json", ".parquet")
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system", "tool": "tool", "observation": "tool"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+}
 # Roles that must say something: an empty user turn or answer is almost always a broken export.
 _NEEDS_CONTENT = ("user", "assistant")
 # Bumped whenever the cached arrays would change for the same inputs (masking rules, array layout).
@@ -121,8 +128,15 @@ def resolve_data_files(paths) -> list[Path]:
 
 
 def _json_type(value) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number", type(None): "null"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -137,8 +151,10 @@ def _jsonl_records(path: Path, lines: Iterable[bytes], first_line: int = 1) -> I
         except UnicodeDecodeError:
             yield where, _Bad("bad_json", "not valid UTF-8 (expected UTF-8 encoded JSON)")
         except json.JSONDecodeError as exc:
-            yield where, _Bad("bad_json", f"invalid JSON: {exc.msg} at column {exc.colno} "
-                                          "(expected one JSON object per line)")
+            yield (
+                where,
+                _Bad("bad_json", f"invalid JSON: {exc.msg} at column {exc.colno} (expected one JSON object per line)"),
+            )
 
 
 _WS = re.compile(r"[ \t\n\r]*")
@@ -169,28 +185,34 @@ def _json_array_records(path: Path) -> Iterator[tuple[str, object]]:
         try:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg} at column {exc.colno} "
-                            "(expected a JSON list of objects)") from None
+            raise DataError(
+                f"{path}:{exc.lineno}: invalid JSON: {exc.msg} at column {exc.colno} (expected a JSON list of objects)"
+            ) from None
         yield f"{path}:{line}", value
         pos = _WS.match(text, end).end()
         if text.startswith(",", pos):
             pos = _WS.match(text, pos + 1).end()
         elif text.startswith("]", pos):
             if _WS.match(text, pos + 1).end() != len(text):
-                raise DataError(f"{path}:{text.count(chr(10), 0, pos) + 1}: invalid JSON: text after the closing ']' "
-                                "(expected a JSON list of objects)")
+                raise DataError(
+                    f"{path}:{text.count(chr(10), 0, pos) + 1}: invalid JSON: text after the closing ']' "
+                    "(expected a JSON list of objects)"
+                )
             return
         else:
-            raise DataError(f"{path}:{text.count(chr(10), 0, pos) + 1}: invalid JSON: expected ',' or ']' after a "
-                            "list element (expected a JSON list of objects)")
+            raise DataError(
+                f"{path}:{text.count(chr(10), 0, pos) + 1}: invalid JSON: expected ',' or ']' after a "
+                "list element (expected a JSON list of objects)"
+            )
 
 
 def _import_pyarrow_parquet(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow: install pyarrow "
-                        "(pip install kernelwright[parquet])") from None
+        raise DataError(
+            f"{path}: reading Parquet needs pyarrow: install pyarrow (pip install kernelwright[parquet])"
+        ) from None
     return pq
 
 
@@ -250,8 +272,9 @@ def _field(record: dict, name: str, expected: str, *, optional: bool = False, al
     return value
 
 
-def _check_messages(messages, field: str, role_key: str = "role", content_key: str = "content",
-                    role_map: dict | None = None) -> list[dict]:
+def _check_messages(
+    messages, field: str, role_key: str = "role", content_key: str = "content", role_map: dict | None = None
+) -> list[dict]:
     if not isinstance(messages, list):
         raise _Bad("wrong_type", f"field {field!r} is {_json_type(messages)} (expected a list of messages)")
     if not messages:
@@ -261,7 +284,9 @@ def _check_messages(messages, field: str, role_key: str = "role", content_key: s
     for i, m in enumerate(messages):
         at = f"{field}[{i}]"
         if not isinstance(m, dict):
-            raise _Bad("wrong_type", f"{at} is {_json_type(m)} (expected an object with {role_key!r} and {content_key!r})")
+            raise _Bad(
+                "wrong_type", f"{at} is {_json_type(m)} (expected an object with {role_key!r} and {content_key!r})"
+            )
         if role_key not in m or m[role_key] is None:
             raise _Bad("missing_field", f"{at} has no {role_key!r} (expected one of {', '.join(allowed)})")
         role = m[role_key]
@@ -313,8 +338,12 @@ def normalize_record(record: dict, data_format: str) -> dict:
         if isinstance(prompt, list) and isinstance(completion, list):
             messages = _check_messages(prompt, "prompt") + _check_messages(completion, "completion")
             return {"messages": messages}
-        return {"messages": [{"role": "user", "content": _field(record, "prompt", expected)},
-                             {"role": "assistant", "content": _field(record, "completion", expected)}]}
+        return {
+            "messages": [
+                {"role": "user", "content": _field(record, "prompt", expected)},
+                {"role": "assistant", "content": _field(record, "completion", expected)},
+            ]
+        }
     raise ValueError(f"data_format={data_format!r}: expected one of {', '.join(DATA_FORMATS)}")
 
 
@@ -337,8 +366,8 @@ def alpaca_prompt(record: dict, expected: str) -> list[dict]:
     history = record.get("history")
     if history is not None:
         if not isinstance(history, list) or not all(
-                isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) and s.strip() for s in p)
-                for p in history):
+            isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) and s.strip() for s in p) for p in history
+        ):
             raise _Bad("wrong_type", "field 'history' is malformed (expected a list of [user, assistant] strings)")
         for user, assistant in history:
             messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
@@ -349,8 +378,9 @@ def alpaca_prompt(record: dict, expected: str) -> list[dict]:
 _SFT_FORMATS_TEXT = "messages, conversations, instruction/output, prompt/completion or text"
 
 
-def checked_records(files: list[Path], data_format: str, formats: dict, detect=None,
-                    expected: str = _SFT_FORMATS_TEXT) -> Iterator[tuple[str, object]]:
+def checked_records(
+    files: list[Path], data_format: str, formats: dict, detect=None, expected: str = _SFT_FORMATS_TEXT
+) -> Iterator[tuple[str, object]]:
     """(where, (record, format)) for every record of `files`, or (where, `_Bad`) for one that is not a JSON object
     of a known format. The format is found per file from its first valid record by `detect` (default
     `detect_format`; None: unknown, `expected` says what is known) unless `data_format` names one; `formats`
@@ -364,15 +394,22 @@ def checked_records(files: list[Path], data_format: str, formats: dict, detect=N
             elif not isinstance(record, dict):
                 yield where, _Bad("not_an_object", f"a record is {_json_type(record)} (expected a JSON object)")
             elif fmt is None and (fmt := detect(record)) is None:
-                yield where, _Bad("unknown_format", f"cannot tell the data format from the keys {sorted(record)} "
-                                  f"(expected {expected}; or set data_format)")
+                yield (
+                    where,
+                    _Bad(
+                        "unknown_format",
+                        f"cannot tell the data format from the keys {sorted(record)} "
+                        f"(expected {expected}; or set data_format)",
+                    ),
+                )
             else:
                 yield where, (record, fmt)
         formats[str(path)] = fmt or "unknown"
 
 
-def load_cached(cache_dir, name: str, files: list[Path], tokenizer, options: dict, dataset_cls, build, *,
-                write: bool = True):
+def load_cached(
+    cache_dir, name: str, files: list[Path], tokenizer, options: dict, dataset_cls, build, *, write: bool = True
+):
     """`build()`'s dataset, read from `<cache_dir>/<name>-<key>.npz` when there (key: the files' contents, the
     tokenizer and `options`) and written there when not (`write=False`: not yet, `save_to_cache` does it later);
     `dataset_cls.load/save` read and write it."""
@@ -400,8 +437,10 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools)
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     except Exception as exc:  # the template is user code: raise_exception, undefined names, type errors
-        raise _Bad("template_error", f"the chat template failed on this conversation: {exc} "
-                                     "(expected a conversation the template accepts)") from None
+        raise _Bad(
+            "template_error",
+            f"the chat template failed on this conversation: {exc} (expected a conversation the template accepts)",
+        ) from None
 
 
 def _assistant_spans(tokenizer, messages: list[dict], text: str, tools, last_only: bool) -> list[tuple[int, int]]:
@@ -412,20 +451,27 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str, tools, last_onl
     for i in turns:
         before = _render(tokenizer, messages[:i], True, tools)
         # The last turn's rendering is the whole text, already at hand (a third of the renders, single-turn).
-        through = text if i + 1 == len(messages) else _render(tokenizer, messages[:i + 1], False, tools)
+        through = text if i + 1 == len(messages) else _render(tokenizer, messages[: i + 1], False, tools)
         if not through.startswith(before) or not text.startswith(through):
-            part = "messages[:{0}] with the generation prompt".format(i) if not through.startswith(before) \
+            part = (
+                f"messages[:{i}] with the generation prompt"
+                if not through.startswith(before)
                 else f"messages[:{i + 1}]"
+            )
             # Templates that rewrite earlier turns (Qwen3 drops the reasoning of answers before the last user
             # message) still render the last turn as a continuation of the rest: mask_history trains that one.
-            way_out = ("set mask_history=True (--mask_history) to train on the last assistant turn only, "
-                       "train_on_prompt=True, or a template" if not last_only else
-                       "set train_on_prompt=True, or use a template")
+            way_out = (
+                "set mask_history=True (--mask_history) to train on the last assistant turn only, "
+                "train_on_prompt=True, or a template"
+                if not last_only
+                else "set train_on_prompt=True, or use a template"
+            )
             raise _TemplateMismatch(
                 f"chat template problem: the rendering of {part} is not a prefix of the rendering of the whole "
                 "conversation (the template rewrites earlier turns), so assistant turns cannot be located; "
                 f"{way_out} whose rendering of a conversation's prefix is a prefix of the whole, or one that marks "
-                "answers with {% generation %} blocks")
+                "answers with {% generation %} blocks"
+            )
         spans.append((len(before), len(through)))
     return spans
 
@@ -446,8 +492,10 @@ def _generation_spans(tokenizer, messages: list[dict], tools) -> tuple[str, list
     try:
         return tokenizer.render_with_generation_spans(messages, add_generation_prompt=False, **kwargs)
     except Exception as exc:  # user code, as in _render
-        raise _Bad("template_error", f"the chat template failed on this conversation: {exc} "
-                                     "(expected a conversation the template accepts)") from None
+        raise _Bad(
+            "template_error",
+            f"the chat template failed on this conversation: {exc} (expected a conversation the template accepts)",
+        ) from None
 
 
 def _encode_conversation(tokenizer, messages, tools, train_on_prompt, mask_history) -> tuple[list[int], np.ndarray]:
@@ -469,8 +517,10 @@ def _encode_text(tokenizer, text: str) -> tuple[list[int], np.ndarray]:
     if tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id] + ids
     if tokenizer.eos_token_id is None:
-        raise DataError("the text format appends EOS, but the tokenizer names no eos_token (expected an eos_token "
-                        "in tokenizer_config.json)")
+        raise DataError(
+            "the text format appends EOS, but the tokenizer names no eos_token (expected an eos_token "
+            "in tokenizer_config.json)"
+        )
     ids.append(tokenizer.eos_token_id)  # the model must learn where a document ends
     return ids, np.ones(len(ids), dtype=bool)
 
@@ -483,8 +533,9 @@ def _labels(ids: list[int], supervised: np.ndarray) -> tuple[np.ndarray, np.ndar
     return ids, labels
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], *, train_on_prompt: bool = False,
-                          mask_history: bool = False, tools=None) -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    tokenizer, messages: list[dict], *, train_on_prompt: bool = False, mask_history: bool = False, tools=None
+) -> tuple[list[int], list[int]]:
     """Render and tokenize one conversation -> (input_ids, labels), labels unshifted with -100 off target."""
     try:
         ids, supervised = _encode_conversation(tokenizer, messages, tools, train_on_prompt, mask_history)
@@ -513,14 +564,15 @@ class TokenizedDataset(Sequence):
         self.summary = dict(summary) if summary is not None else _stats(self)
 
     @classmethod
-    def from_examples(cls, examples: Iterable, summary: dict | None = None) -> "TokenizedDataset":
+    def from_examples(cls, examples: Iterable, summary: dict | None = None) -> TokenizedDataset:
         """From (input_ids, labels) pairs or {"input_ids", "labels"} dicts, e.g. for tests or custom pipelines."""
         ids, labels, lengths = [], [], [0]
         for ex in examples:
             i, lab = (ex["input_ids"], ex["labels"]) if isinstance(ex, dict) else ex
             if len(i) != len(lab) or len(i) == 0:
-                raise ValueError("TokenizedDataset.from_examples: each example needs equally long, non-empty "
-                                 "input_ids and labels")
+                raise ValueError(
+                    "TokenizedDataset.from_examples: each example needs equally long, non-empty input_ids and labels"
+                )
             ids.append(np.asarray(i, dtype=np.int32))
             labels.append(np.asarray(lab, dtype=np.int32))
             lengths.append(len(i))
@@ -543,7 +595,7 @@ class TokenizedDataset(Sequence):
         """Tokens per example (int64)."""
         return np.diff(self.offsets)
 
-    def select(self, indices) -> "TokenizedDataset":
+    def select(self, indices) -> TokenizedDataset:
         """A new dataset of the given examples, in that order (the summary's statistics are recomputed)."""
         indices = np.asarray(indices, dtype=np.int64)
         if len(indices) == 0:
@@ -564,12 +616,17 @@ class TokenizedDataset(Sequence):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
-            np.savez(f, input_ids=self.input_ids, labels=self.labels, offsets=self.offsets,
-                     summary=np.frombuffer(json.dumps(self.summary).encode(), dtype=np.uint8))
+            np.savez(
+                f,
+                input_ids=self.input_ids,
+                labels=self.labels,
+                offsets=self.offsets,
+                summary=np.frombuffer(json.dumps(self.summary).encode(), dtype=np.uint8),
+            )
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "TokenizedDataset":
+    def load(cls, path: str | Path) -> TokenizedDataset:
         with np.load(path, allow_pickle=False) as z:
             summary = json.loads(z["summary"].tobytes().decode())
             return cls(z["input_ids"], z["labels"], z["offsets"], summary)
@@ -582,11 +639,21 @@ def _stats(ds: TokenizedDataset) -> dict:
     if len(lengths):
         # pXX = the smallest length that XX% of the examples do not exceed (an actual example length).
         p50, p90, p99 = (int(v) for v in np.percentile(lengths, [50, 90, 99], method="inverted_cdf"))
-        length = {"p50": p50, "p90": p90, "p99": p99, "max": int(lengths.max()), "mean": round(float(lengths.mean()), 1)}
+        length = {
+            "p50": p50,
+            "p90": p90,
+            "p99": p99,
+            "max": int(lengths.max()),
+            "mean": round(float(lengths.mean()), 1),
+        }
     else:
         length = {"p50": 0, "p90": 0, "p99": 0, "max": 0, "mean": 0.0}
-    return {"examples": len(ds), "tokens": int(lengths.sum()), "supervised_tokens": int(targets.sum()),
-            "length": length}
+    return {
+        "examples": len(ds),
+        "tokens": int(lengths.sum()),
+        "supervised_tokens": int(targets.sum()),
+        "length": length,
+    }
 
 
 def summary_text(summary: dict) -> str:
@@ -601,12 +668,16 @@ def summary_text(summary: dict) -> str:
     if "examples_read" in summary:
         counts = sorted(summary.get("dropped", {}).items())  # bad records and examples without a target, by reason
         line = f"  read {summary['examples_read']:,}"
-        for what, kinds in (("skipped bad", {k: v for k, v in counts if k not in _NO_TARGETS}),
-                            ("dropped", {k: v for k, v in counts if k in _NO_TARGETS})):
+        for what, kinds in (
+            ("skipped bad", {k: v for k, v in counts if k not in _NO_TARGETS}),
+            ("dropped", {k: v for k, v in counts if k in _NO_TARGETS}),
+        ):
             if kinds or what == "dropped":
                 reasons = ", ".join(f"{k} {v:,}" for k, v in kinds.items())
                 line += f", {what} {sum(kinds.values()):,}" + (f" ({reasons})" if reasons else "")
-        lines.append(line + f", truncated {summary.get('truncated', 0):,} (cutoff_len {summary['options']['cutoff_len']})")
+        lines.append(
+            line + f", truncated {summary.get('truncated', 0):,} (cutoff_len {summary['options']['cutoff_len']})"
+        )
     tokens, sup = summary["tokens"], summary["supervised_tokens"]
     lines.append(f"  tokens {tokens:,}, supervised {sup:,} ({100.0 * sup / max(tokens, 1):.1f}%)")
     ln = summary["length"]
@@ -627,9 +698,13 @@ def _file_digest(path: Path) -> str:
 
 def _cache_key(files: list[Path], tokenizer, options: dict) -> str:
     h = hashlib.sha256()
-    parts = [_CACHE_VERSION, json.dumps(options, sort_keys=True), tokenizer.backend.to_str(),
-             tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE,
-             json.dumps([tokenizer.bos_token, tokenizer.eos_token, tokenizer.add_bos_token])]
+    parts = [
+        _CACHE_VERSION,
+        json.dumps(options, sort_keys=True),
+        tokenizer.backend.to_str(),
+        tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE,
+        json.dumps([tokenizer.bos_token, tokenizer.eos_token, tokenizer.add_bos_token]),
+    ]
     # The suffix decides how a file is parsed; the name and location do not matter.
     parts += [f"{f.suffix}:{_file_digest(f)}" for f in files]
     for part in parts:
@@ -644,23 +719,47 @@ def _check_options(data_format, cutoff_len, train_on_prompt, mask_history) -> No
     if cutoff_len is not None and (not isinstance(cutoff_len, int) or cutoff_len < 2):
         raise ValueError(f"cutoff_len={cutoff_len!r}: expected an int >= 2, or None for no truncation")
     if train_on_prompt and mask_history:
-        raise ValueError("train_on_prompt and mask_history cannot both be set (train_on_prompt supervises every "
-                         "token, mask_history only the last assistant turn)")
+        raise ValueError(
+            "train_on_prompt and mask_history cannot both be set (train_on_prompt supervises every "
+            "token, mask_history only the last assistant turn)"
+        )
 
 
-def load_sft_dataset(paths, tokenizer, *, data_format: str = "auto", cutoff_len: int | None = 2048,
-                     train_on_prompt: bool = False, mask_history: bool = False, skip_bad_examples: bool = False,
-                     cache_dir: str | Path | None = None, show_progress: bool = True,
-                     write_cache: bool = True) -> TokenizedDataset:
+def load_sft_dataset(
+    paths,
+    tokenizer,
+    *,
+    data_format: str = "auto",
+    cutoff_len: int | None = 2048,
+    train_on_prompt: bool = False,
+    mask_history: bool = False,
+    skip_bad_examples: bool = False,
+    cache_dir: str | Path | None = None,
+    show_progress: bool = True,
+    write_cache: bool = True,
+) -> TokenizedDataset:
     """Read, normalise, render, mask, truncate and tokenize `paths` once (cached under `cache_dir`). With
     `write_cache=False` a dataset tokenised anew is not saved yet: `save_to_cache(ds)` saves it once the caller may
     write (the CLI reads and checks every input before it writes anything)."""
     _check_options(data_format, cutoff_len, train_on_prompt, mask_history)
     files = resolve_data_files(paths)
-    options = {"data_format": data_format, "cutoff_len": cutoff_len, "train_on_prompt": train_on_prompt,
-               "mask_history": mask_history, "skip_bad_examples": skip_bad_examples}
-    ds = load_cached(cache_dir, "data", files, tokenizer, options, TokenizedDataset,
-                     lambda: _build(files, tokenizer, options, show_progress), write=write_cache)
+    options = {
+        "data_format": data_format,
+        "cutoff_len": cutoff_len,
+        "train_on_prompt": train_on_prompt,
+        "mask_history": mask_history,
+        "skip_bad_examples": skip_bad_examples,
+    }
+    ds = load_cached(
+        cache_dir,
+        "data",
+        files,
+        tokenizer,
+        options,
+        TokenizedDataset,
+        lambda: _build(files, tokenizer, options, show_progress),
+        write=write_cache,
+    )
     _keep_chat_template(tokenizer, ds)
     return ds
 
@@ -678,9 +777,12 @@ def _keep_chat_template(tokenizer, ds: TokenizedDataset) -> None:
     same way."""
     rendered = any(fmt not in ("text", "unknown") for fmt in ds.summary.get("formats", {}).values())
     if rendered and tokenizer.adopt_default_chat_template():
-        logger.warning("tokenizer: %s has no chat template; the conversations are rendered with ChatML "
-                       "(<|im_start|>role ...<|im_end|>), which is saved with the model (chat_template.jinja) so that "
-                       "generation uses it too", tokenizer.name_or_path or "the tokenizer")
+        logger.warning(
+            "tokenizer: %s has no chat template; the conversations are rendered with ChatML "
+            "(<|im_start|>role ...<|im_end|>), which is saved with the model (chat_template.jinja) so that "
+            "generation uses it too",
+            tokenizer.name_or_path or "the tokenizer",
+        )
 
 
 def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> TokenizedDataset:
@@ -712,8 +814,13 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
                 if "text" in example:
                     ids, supervised = _encode_text(tokenizer, example["text"])
                 else:
-                    ids, supervised = _encode_conversation(tokenizer, example["messages"], example.get("tools"),
-                                                           options["train_on_prompt"], options["mask_history"])
+                    ids, supervised = _encode_conversation(
+                        tokenizer,
+                        example["messages"],
+                        example.get("tools"),
+                        options["train_on_prompt"],
+                        options["mask_history"],
+                    )
             except _Bad as exc:
                 bad(where, exc)
                 continue
@@ -726,8 +833,12 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
                 ids, labels = ids[:cutoff_len], labels[:cutoff_len]
             if not (labels != IGNORE_INDEX).any():
                 if had_targets:
-                    drop(where, "no_targets_after_truncation", f"no target token left after truncation to "
-                         f"cutoff_len {cutoff_len} (the answer starts later; raise cutoff_len to keep it)")
+                    drop(
+                        where,
+                        "no_targets_after_truncation",
+                        f"no target token left after truncation to "
+                        f"cutoff_len {cutoff_len} (the answer starts later; raise cutoff_len to keep it)",
+                    )
                 else:
                     drop(where, "no_targets", "no target token (no assistant answer to train on)")
                 continue
@@ -739,15 +850,27 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
 
     if not ids_parts:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "the files hold no records"
-        raise DataError(f"{', '.join(map(str, files))}: no usable examples ({reasons}) (expected at least one example "
-                        "with a target token)")
+        raise DataError(
+            f"{', '.join(map(str, files))}: no usable examples ({reasons}) (expected at least one example "
+            "with a target token)"
+        )
     unnamed = {reason: n - _MAX_WARNINGS for reason, n in sorted(dropped.items()) if n > _MAX_WARNINGS}
     if unnamed:
-        logger.warning("not named above: %s (the first %d of each kind are)", ", ".join(
-            f"{n:,} more {reason} ({dropped[reason]:,} in all)" for reason, n in unnamed.items()), _MAX_WARNINGS)
+        logger.warning(
+            "not named above: %s (the first %d of each kind are)",
+            ", ".join(f"{n:,} more {reason} ({dropped[reason]:,} in all)" for reason, n in unnamed.items()),
+            _MAX_WARNINGS,
+        )
     ds = TokenizedDataset(np.concatenate(ids_parts), np.concatenate(label_parts), np.cumsum(lengths))
-    ds.summary = {"files": [str(f) for f in files], "formats": formats, "options": options, "examples_read": read,
-                  "dropped": dict(sorted(dropped.items())), "truncated": truncated, **ds.summary}
+    ds.summary = {
+        "files": [str(f) for f in files],
+        "formats": formats,
+        "options": options,
+        "examples_read": read,
+        "dropped": dict(sorted(dropped.items())),
+        "truncated": truncated,
+        **ds.summary,
+    }
     return ds
 
 
@@ -766,7 +889,9 @@ def read_examples(paths, *, data_format: str = "auto", skip_bad_examples: bool =
     return out
 
 
-def split_dataset(ds: TokenizedDataset, val_size: int | float, seed: int = 0) -> tuple[TokenizedDataset, TokenizedDataset]:
+def split_dataset(
+    ds: TokenizedDataset, val_size: int | float, seed: int = 0
+) -> tuple[TokenizedDataset, TokenizedDataset]:
     """A held-out split: (train, val), val_size a count (int) or a fraction in (0, 1); deterministic for a seed.
     A val_size that leaves no example on either side is a one-line ConfigError (a ValueError) naming the count."""
     n = len(ds)
@@ -779,12 +904,16 @@ def split_dataset(ds: TokenizedDataset, val_size: int | float, seed: int = 0) ->
     else:
         n_val = val_size
     if n < 2:
-        raise ConfigError(f"val_size={val_size!r}: the training data holds {n} example, too few to hold one out and "
-                          "train on the rest; expected val_size 0 (no held-out split), or more data")
+        raise ConfigError(
+            f"val_size={val_size!r}: the training data holds {n} example, too few to hold one out and "
+            "train on the rest; expected val_size 0 (no held-out split), or more data"
+        )
     if not 1 <= n_val < n:
-        raise ConfigError(f"val_size={val_size!r} holds out {n_val} of the {n} training examples, leaving "
-                          f"{max(n - n_val, 0)} to train on; expected a count from 1 to {n - 1} or a fraction in "
-                          "(0, 1) that leaves at least one example to train on")
+        raise ConfigError(
+            f"val_size={val_size!r} holds out {n_val} of the {n} training examples, leaving "
+            f"{max(n - n_val, 0)} to train on; expected a count from 1 to {n - 1} or a fraction in "
+            "(0, 1) that leaves at least one example to train on"
+        )
     perm = np.random.default_rng(seed).permutation(n)
     # Both halves keep the dataset's order, so a split reads like a filter of the file.
     return ds.select(np.sort(perm[n_val:])), ds.select(np.sort(perm[:n_val]))

@@ -109,8 +109,15 @@ def _node(config: dict, key: str):
     return config, leaf
 
 
-def fill_config(config: dict, args, *, world_size: int, max_steps: int | None = None,
-                hidden_size: int | None = None, source: str = "deepspeed config") -> dict:
+def fill_config(
+    config: dict,
+    args,
+    *,
+    world_size: int,
+    max_steps: int | None = None,
+    hidden_size: int | None = None,
+    source: str = "deepspeed config",
+) -> dict:
     """A copy of `config` with "auto" filled from `args` as transformers' HfTrainerDeepSpeedConfig does; raises one
     ConfigError line listing every value that contradicts an argument. `max_steps` and `hidden_size` (known once
     the data and the model are) fill the scheduler's steps and the bucket sizes; without them those stay as given."""
@@ -131,9 +138,12 @@ def fill_config(config: dict, args, *, world_size: int, max_steps: int | None = 
     # leaves them out, and DeepSpeed stops with an assertion that names no argument)
     fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", absent=True)
     fill("gradient_accumulation_steps", accum, "gradient_accumulation_steps", absent=True)
-    fill("train_batch_size", world_size * micro * accum,
-         f"processes x per_device_train_batch_size x gradient_accumulation_steps = {world_size} x {micro} x {accum}",
-         absent=True)
+    fill(
+        "train_batch_size",
+        world_size * micro * accum,
+        f"processes x per_device_train_batch_size x gradient_accumulation_steps = {world_size} x {micro} x {accum}",
+        absent=True,
+    )
     fill("gradient_clipping", args.max_grad_norm, "max_grad_norm")
     fill("optimizer.params.lr", args.learning_rate, "learning_rate")
     fill("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "[adam_beta1, adam_beta2]")
@@ -150,12 +160,17 @@ def fill_config(config: dict, args, *, world_size: int, max_steps: int | None = 
     if hidden_size is not None:
         fill("zero_optimization.reduce_bucket_size", hidden_size * hidden_size, "", must_match=False)
         if zero_stage(config) == 3:
-            fill("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size), "",
-                 must_match=False)
+            fill(
+                "zero_optimization.stage3_prefetch_bucket_size",
+                int(0.9 * hidden_size * hidden_size),
+                "",
+                must_match=False,
+            )
             fill("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size, "", must_match=False)
     if mismatches:
-        raise ConfigError(f"deepspeed: {source}: " + "; ".join(mismatches) + " (set them to \"auto\" to follow the "
-                          "arguments)")
+        raise ConfigError(
+            f"deepspeed: {source}: " + "; ".join(mismatches) + ' (set them to "auto" to follow the arguments)'
+        )
     if "optimizer" not in config:  # our optimizer as DeepSpeed's client optimizer (see the module docstring)
         config.setdefault("zero_allow_untested_optimizer", True)
         config.setdefault("zero_force_ds_cpu_optimizer", False)
@@ -168,8 +183,10 @@ def check_args(args, world_size: int) -> None:
     path = args.dist_config["config_file"]
     if args.auto_find_batch_size:
         # the engine is built once, for one micro batch; a retry with half of it would need another engine
-        raise ConfigError("auto_find_batch_size=True with deepspeed is not supported; set per_device_train_batch_size "
-                          "(and the config's train_micro_batch_size_per_gpu, or \"auto\")")
+        raise ConfigError(
+            "auto_find_batch_size=True with deepspeed is not supported; set per_device_train_batch_size "
+            '(and the config\'s train_micro_batch_size_per_gpu, or "auto")'
+        )
     resolved = copy.copy(args)
     resolved.resolve_world(world_size)  # gradient_accumulation_steps from global_batch_size, as the loop will
     fill_config(read_config(path), resolved, world_size=world_size, source=str(path))
@@ -194,13 +211,20 @@ class DeepSpeedRun:
             init_single_process_group()
         config_file = args.dist_config["config_file"]
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        config = fill_config(read_config(config_file), args, world_size=world_size, max_steps=max_steps,
-                             hidden_size=hidden, source=str(config_file))
+        config = fill_config(
+            read_config(config_file),
+            args,
+            world_size=world_size,
+            max_steps=max_steps,
+            hidden_size=hidden,
+            source=str(config_file),
+        )
         optimizer = None if "optimizer" in config else make_optimizer(model)
         scheduler = None if "scheduler" in config else make_scheduler
         params = [p for p in model.parameters() if p.requires_grad]
         engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+            model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
         return cls(engine, optimizer, scheduler, config)
 
     @property
@@ -233,9 +257,13 @@ class DeepSpeedRun:
         """DeepSpeed's checkpoint in `directory` into the engine: model, optimizer and scheduler, or the model only."""
         if not (directory / _TAG).is_dir():
             raise CheckpointError(f"{directory}: no DeepSpeed checkpoint (no {_TAG}/ directory)")
-        loaded, _ = self.engine.load_checkpoint(str(directory), tag=_TAG, load_optimizer_states=not weights_only,
-                                                load_lr_scheduler_states=not weights_only,
-                                                load_module_only=weights_only)
+        loaded, _ = self.engine.load_checkpoint(
+            str(directory),
+            tag=_TAG,
+            load_optimizer_states=not weights_only,
+            load_lr_scheduler_states=not weights_only,
+            load_module_only=weights_only,
+        )
         if loaded is None:
             raise CheckpointError(f"{directory}: DeepSpeed could not load its checkpoint")
 

@@ -45,8 +45,10 @@ def init_distributed() -> tuple[int, int]:
         return 0, 1
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise RuntimeError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: launch with torchrun or "
-                           "accelerate launch, which set them")
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: launch with torchrun or "
+            "accelerate launch, which set them"
+        )
     torch.distributed.init_process_group(backend=_backend_on_local_device())
     return world()
 
@@ -56,8 +58,9 @@ def init_single_process_group() -> None:
     otherwise look for MPI to find its peers). An in-memory store: no port to pick. LOCAL_RANK, which only
     launchers set and DeepSpeed reads, is 0."""
     os.environ.setdefault("LOCAL_RANK", "0")
-    torch.distributed.init_process_group(_backend_on_local_device(), store=torch.distributed.HashStore(), rank=0,
-                                         world_size=1)
+    torch.distributed.init_process_group(
+        _backend_on_local_device(), store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
 
 
 def _backend_on_local_device() -> str:
@@ -113,7 +116,6 @@ def _leave_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-
 def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """(the tensor this rank holds, its rows start:stop of dim 0 in the full parameter) for a DTensor parameter
     (FSDP2 shards dim 0 unevenly as torch.chunk does; the local tensor has no padding, an empty one has no rows);
@@ -123,8 +125,10 @@ def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | No
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     local = param.to_local()
     if tuple(shape[1:]) != tuple(param.shape[1:]) or any(offset[1:]) or tuple(local.shape) != tuple(shape):
-        raise ValueError(f"a parameter of shape {tuple(param.shape)} placed as {param.placements} is not split "
-                         "along dim 0 only (FSDP2 without tensor parallelism)")
+        raise ValueError(
+            f"a parameter of shape {tuple(param.shape)} placed as {param.placements} is not split "
+            "along dim 0 only (FSDP2 without tensor parallelism)"
+        )
     return local, (offset[0], offset[0] + shape[0])
 
 

@@ -20,11 +20,13 @@ SFT_DEMO_MODEL = Path("outputs/demo")
 
 def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    embedded = not any(a.split("=")[0] in ("--model", "--data", "-h", "--help") or not a.startswith("-")
-                       for a in argv)
+    embedded = not any(a.split("=")[0] in ("--model", "--data", "-h", "--help") or not a.startswith("-") for a in argv)
     if embedded and not (SFT_DEMO_MODEL / "config.json").is_file():
-        print(f"the DPO demo starts from the SFT demo's model, which is not in {SFT_DEMO_MODEL}: training it first "
-              f"(python -m trainer.sft, about 15 minutes on 2 CPU cores; {DEMO_CONFIGS['sft']})", file=sys.stderr)
+        print(
+            f"the DPO demo starts from the SFT demo's model, which is not in {SFT_DEMO_MODEL}: training it first "
+            f"(python -m trainer.sft, about 15 minutes on 2 CPU cores; {DEMO_CONFIGS['sft']})",
+            file=sys.stderr,
+        )
         code = main([], "sft")
         if code:
             return code

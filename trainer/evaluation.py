@@ -47,9 +47,21 @@ class PredictionOutput:
 
 
 @torch.no_grad()
-def prediction_loop(model, loader, *, device: torch.device, prefix: str, want_predictions: bool, autocast,
-                    compute_loss, logits_loss, compute_metrics=None, preprocess_logits_for_metrics=None,
-                    eval_accumulation_steps: int | None = None, world_size: int = 1) -> PredictionOutput:
+def prediction_loop(
+    model,
+    loader,
+    *,
+    device: torch.device,
+    prefix: str,
+    want_predictions: bool,
+    autocast,
+    compute_loss,
+    logits_loss,
+    compute_metrics=None,
+    preprocess_logits_for_metrics=None,
+    eval_accumulation_steps: int | None = None,
+    world_size: int = 1,
+) -> PredictionOutput:
     """Every micro batch of `loader` through `model` (already in eval mode). `autocast()` gives the eval precision's
     context; `compute_loss(model, batch, num_items, device)` the sum of the batch's token losses over num_items,
     `logits_loss(logits, labels, num_items)` the same from logits already computed (the predictions path): both
@@ -95,9 +107,12 @@ def prediction_loop(model, loader, *, device: torch.device, prefix: str, want_pr
         total = loss_sum.item()
     runtime = time.perf_counter() - start
     eval_loss = total / targets if targets else float("nan")
-    metrics = {f"{prefix}_loss": eval_loss,  # the names EVAL_METRICS lists
-               f"{prefix}_perplexity": math.exp(eval_loss) if eval_loss < 700 else float("inf"),
-               f"{prefix}_runtime": runtime, f"{prefix}_samples_per_second": samples / max(runtime, 1e-9)}
+    metrics = {
+        f"{prefix}_loss": eval_loss,  # the names EVAL_METRICS lists
+        f"{prefix}_perplexity": math.exp(eval_loss) if eval_loss < 700 else float("inf"),
+        f"{prefix}_runtime": runtime,
+        f"{prefix}_samples_per_second": samples / max(runtime, 1e-9),
+    }
     predictions = label_ids = None
     if preds:
         predictions, label_ids = _pad_cat(preds, -100), _pad_cat(labels, -100)

@@ -48,9 +48,16 @@ def reply(model, tokenizer, messages_or_text, args, generator) -> str:
     else:
         ids = tokenizer.apply_chat_template(messages_or_text, add_generation_prompt=True, tokenize=True)
     prompt = torch.tensor([ids], device=args.device)
-    out = generate(model, prompt, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                   temperature=args.temperature, top_p=args.top_p, generator=generator)
-    return tokenizer.decode(out[0, len(ids):].tolist())
+    out = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        generator=generator,
+    )
+    return tokenizer.decode(out[0, len(ids) :].tolist())
 
 
 def main(argv=None) -> int:
@@ -80,8 +87,15 @@ def _main(argv) -> int:
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if not args.chat:
-        print(reply(model, tokenizer, args.prompt if args.raw else system + [{"role": "user", "content": args.prompt}],
-                    args, generator))
+        print(
+            reply(
+                model,
+                tokenizer,
+                args.prompt if args.raw else system + [{"role": "user", "content": args.prompt}],
+                args,
+                generator,
+            )
+        )
         return 0
     history = list(system)
     prompt = "> " if sys.stdin.isatty() else ""

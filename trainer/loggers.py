@@ -71,8 +71,7 @@ def _import(name: str) -> Any:
 def _scalars(logs: dict) -> dict[str, float]:
     """The finite numbers in `logs` (services log scalars; strings, None and NaN/Inf are left out)."""
     return {
-        k: v for k, v in logs.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     }
 
 
@@ -83,7 +82,7 @@ def _hf_keys(logs: dict, step: int) -> dict:
     for key, value in logs.items():
         for prefix in ("eval", "test"):
             if key.startswith(prefix + "_"):
-                out[f"{prefix}/{key[len(prefix) + 1:]}"] = value
+                out[f"{prefix}/{key[len(prefix) + 1 :]}"] = value
                 break
         else:
             out[f"train/{key}"] = value
@@ -111,8 +110,11 @@ class JsonlLogger:
                 n += 1
             aside = out / f"metrics.{n}.jsonl"
             os.replace(path, aside)
-            print(f"metrics.jsonl: {out} held an earlier run's metrics; moved them to {aside.name}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"metrics.jsonl: {out} held an earlier run's metrics; moved them to {aside.name}",
+                file=sys.stderr,
+                flush=True,
+            )
         self.file = path.open("a")
 
     def log(self, logs: dict, step: int) -> None:
@@ -136,7 +138,6 @@ def _truncate_after(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)
-
 
 
 class TensorBoardLogger:
@@ -193,7 +194,7 @@ class MlflowLogger:
         if run_id is None:  # params are immutable in MLflow: a resumed run keeps the ones it started with
             params = [(k, v) for k, v in config.items() if len(str(v)) <= _MLFLOW_MAX_PARAM_LENGTH]
             for i in range(0, len(params), _MLFLOW_PARAMS_PER_CALL):
-                mlflow.log_params(dict(params[i:i + _MLFLOW_PARAMS_PER_CALL]))
+                mlflow.log_params(dict(params[i : i + _MLFLOW_PARAMS_PER_CALL]))
             tags = os.getenv("MLFLOW_TAGS")
             if tags:
                 mlflow.set_tags(json.loads(tags))
@@ -240,8 +241,16 @@ class TrackioLogger:
 _SERVICES = {"wandb": WandbLogger, "mlflow": MlflowLogger, "swanlab": SwanlabLogger, "trackio": TrackioLogger}
 
 
-def open_logger(name: str, *, output_dir: str | Path, logging_dir: str | Path | None, run_name: str | None,
-                config: dict, run_id: str | None, resumed_step: int | None = None):
+def open_logger(
+    name: str,
+    *,
+    output_dir: str | Path,
+    logging_dir: str | Path | None,
+    run_name: str | None,
+    config: dict,
+    run_id: str | None,
+    resumed_step: int | None = None,
+):
     """The logger for report_to name `name`; `run_id` (from a checkpoint) continues that logged run, `resumed_step`
     is the step a resumed run starts from (None for a fresh run)."""
     if name == "jsonl":
@@ -252,10 +261,20 @@ def open_logger(name: str, *, output_dir: str | Path, logging_dir: str | Path | 
         return _SERVICES[name](run_name, config, run_id)
     except Exception as exc:  # the service's own setup (a login, a server): its message, in one line
         message = " ".join(str(exc).split())
-        raise ConfigError(f"report_to={name}: {LOGGER_PACKAGES[name]} could not start a run ({type(exc).__name__}: "
-                          f"{message}); set it up (e.g. wandb login, or WANDB_MODE=offline) or leave {name} out of "
-                          "report_to") from None
+        raise ConfigError(
+            f"report_to={name}: {LOGGER_PACKAGES[name]} could not start a run ({type(exc).__name__}: "
+            f"{message}); set it up (e.g. wandb login, or WANDB_MODE=offline) or leave {name} out of "
+            "report_to"
+        ) from None
 
 
-__all__ = ["LOGGER_PACKAGES", "open_logger", "JsonlLogger", "TensorBoardLogger", "WandbLogger", "MlflowLogger",
-           "SwanlabLogger", "TrackioLogger"]
+__all__ = [
+    "LOGGER_PACKAGES",
+    "open_logger",
+    "JsonlLogger",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "MlflowLogger",
+    "SwanlabLogger",
+    "TrackioLogger",
+]

@@ -40,7 +40,6 @@ Test: python -m pytest tests/trainer/test_lora.py -q
 from __future__ import annotations
 
 import contextlib
-
 import copy
 import json
 import math
@@ -133,8 +132,10 @@ def resolve_target_modules(model: nn.Module, names: list[str] | None) -> list[st
         defaults = import_peft().utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in defaults:
-            raise ConfigError(f"lora_target_modules: peft has no default for model_type {model_type!r}; name the "
-                              "layers (e.g. q_proj v_proj) or give all-linear")
+            raise ConfigError(
+                f"lora_target_modules: peft has no default for model_type {model_type!r}; name the "
+                "layers (e.g. q_proj v_proj) or give all-linear"
+            )
         return list(defaults[model_type])
     if names == ["all-linear"]:
         leaves = dict.fromkeys(n.rsplit(".", 1)[-1] for n in linear)
@@ -142,11 +143,15 @@ def resolve_target_modules(model: nn.Module, names: list[str] | None) -> list[st
     leaves = ", ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linear if not n.endswith(_NOT_ADAPTABLE)))
     for name in names:
         if name.rsplit(".", 1)[-1] in _NOT_ADAPTABLE:
-            raise ConfigError(f"lora_target_modules: {name!r} cannot take an adapter here (the fused loss reads "
-                              f"lm_head.weight directly, and tied models share it with embed_tokens); adapt: {leaves}")
+            raise ConfigError(
+                f"lora_target_modules: {name!r} cannot take an adapter here (the fused loss reads "
+                f"lm_head.weight directly, and tied models share it with embed_tokens); adapt: {leaves}"
+            )
         if not any(_matches(n, name) for n in linear):
-            raise ConfigError(f"lora_target_modules: {name!r} matches no linear layer of the model; its linear "
-                              f"layers are {leaves} (or give all-linear)")
+            raise ConfigError(
+                f"lora_target_modules: {name!r} matches no linear layer of the model; its linear "
+                f"layers are {leaves} (or give all-linear)"
+            )
     return list(names)
 
 
@@ -154,8 +159,10 @@ def check_modules_to_save(model: nn.Module, names: list[str] | None) -> list[str
     """`names`, each checked to match a module of the model (and not lm_head/embed_tokens)."""
     for name in names or ():
         if name.rsplit(".", 1)[-1] in _NOT_ADAPTABLE:
-            raise ConfigError(f"lora_modules_to_save: {name!r} is not supported (the fused loss reads lm_head.weight "
-                              "directly, and tied models share it with embed_tokens)")
+            raise ConfigError(
+                f"lora_modules_to_save: {name!r} is not supported (the fused loss reads lm_head.weight "
+                "directly, and tied models share it with embed_tokens)"
+            )
         if not any(_matches(n, name) for n, _ in model.named_modules()):
             raise ConfigError(f"lora_modules_to_save: {name!r} matches no module of the model")
     return names
@@ -165,10 +172,15 @@ def lora_config(model: nn.Module, args):
     """peft's LoraConfig from the arguments (TRL's names), targets resolved against `model`."""
     peft = import_peft()
     return peft.LoraConfig(
-        task_type="CAUSAL_LM", r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        task_type="CAUSAL_LM",
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
         target_modules=resolve_target_modules(model, args.lora_target_modules),
         modules_to_save=check_modules_to_save(model, args.lora_modules_to_save),
-        use_rslora=args.use_rslora, use_dora=args.use_dora)
+        use_rslora=args.use_rslora,
+        use_dora=args.use_dora,
+    )
 
 
 # ---- applying and initialising --------------------------------------------------------------------------------
@@ -183,8 +195,10 @@ def apply_lora(model: nn.Module, args) -> nn.Module:
         return model
     on_meta = any(p.is_meta for p in model.parameters())
     if args.use_dora and on_meta:
-        raise ConfigError("use_dora: DoRA computes its magnitudes from the base weights when it is applied, which a "
-                          "model built sharded (dist_config fsdp2) does not have yet; use dist_config ddp, or LoRA")
+        raise ConfigError(
+            "use_dora: DoRA computes its magnitudes from the base weights when it is applied, which a "
+            "model built sharded (dist_config fsdp2) does not have yet; use dist_config ddp, or LoRA"
+        )
     peft = import_peft()
     config = lora_config(model, args)
     with torch.random.fork_rng(devices=[]):  # peft's own draws of A must not move the run's random stream (NEFTune)
@@ -194,19 +208,29 @@ def apply_lora(model: nn.Module, args) -> nn.Module:
     return model
 
 
-_ADAPTER_SETTINGS = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-                     "use_rslora": "use_rslora", "use_dora": "use_dora"}
+_ADAPTER_SETTINGS = {
+    "lora_r": "r",
+    "lora_alpha": "lora_alpha",
+    "lora_dropout": "lora_dropout",
+    "use_rslora": "use_rslora",
+    "use_dora": "use_dora",
+}
 
 
 def _check_same_adapter(model: nn.Module, args) -> None:
     """The adapter a model already carries is the one `args` ask for; else a one-line ConfigError (a second adapter,
     or arguments that would be ignored)."""
     config = model.peft_config.get(ADAPTER) if isinstance(model.peft_config, dict) else None
-    differ = [f"{arg}={getattr(args, arg)!r} vs {getattr(config, key, None)!r}" for arg, key in _ADAPTER_SETTINGS.items()
-              if config is None or getattr(config, key, None) != getattr(args, arg)]
+    differ = [
+        f"{arg}={getattr(args, arg)!r} vs {getattr(config, key, None)!r}"
+        for arg, key in _ADAPTER_SETTINGS.items()
+        if config is None or getattr(config, key, None) != getattr(args, arg)
+    ]
     if differ:
-        raise ConfigError(f"use_peft: the model already carries a peft adapter that differs from the arguments "
-                          f"({', '.join(differ)}); pass the bare model, or train the peft model with use_peft off")
+        raise ConfigError(
+            f"use_peft: the model already carries a peft adapter that differs from the arguments "
+            f"({', '.join(differ)}); pass the bare model, or train the peft model with use_peft off"
+        )
 
 
 def _whole(param: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -227,7 +251,7 @@ def init_adapter_weights(model: nn.Module, seed: int, local_shard=_whole) -> Non
             bound = 1.0 / math.sqrt(param.shape[1])
             full = torch.empty(param.shape).uniform_(-bound, bound, generator=gen)  # a DTensor's shape is the full one
             local, rows = local_shard(param)
-            local.copy_(full if rows is None else full[rows[0]:rows[1]])
+            local.copy_(full if rows is None else full[rows[0] : rows[1]])
         elif ".lora_B." in name:
             local_shard(param)[0].zero_()
         elif f".modules_to_save.{ADAPTER}." in name:
@@ -256,8 +280,9 @@ def read_adapter_config(directory: Path):
     peft = import_peft()
     file = Path(directory) / ADAPTER_CONFIG_FILE
     if not file.is_file():
-        raise ConfigError(f"adapter: {file} not found (an adapter directory holds {ADAPTER_CONFIG_FILE} and "
-                          f"{ADAPTER_WEIGHTS_FILE})")
+        raise ConfigError(
+            f"adapter: {file} not found (an adapter directory holds {ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE})"
+        )
     peft_type = json.loads(file.read_text()).get("peft_type")
     if peft_type != "LORA":
         raise ConfigError(f"adapter: {file} holds a {peft_type} adapter; only LoRA is supported")
@@ -280,14 +305,16 @@ def load_adapter_weights(model: nn.Module, directory: Path, local_shard=_whole) 
         keys = set(f.keys())
         missing, unexpected = sorted(set(targets) - keys), sorted(keys - set(targets))
         if missing or unexpected:
-            raise ConfigError(f"adapter: {file} does not match the model's adapter (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
+            raise ConfigError(
+                f"adapter: {file} does not match the model's adapter (missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]})"
+            )
         for key, param in targets.items():
             local, rows = local_shard(param)
             tensor = f.get_slice(key)
             if rows is not None and rows[1] <= rows[0]:
                 continue  # an empty shard (more ranks than rows)
-            local.copy_(tensor[rows[0]:rows[1]] if rows is not None else tensor[:])
+            local.copy_(tensor[rows[0] : rows[1]] if rows is not None else tensor[:])
 
 
 def load_adapter(model: nn.Module, directory: Path) -> nn.Module:

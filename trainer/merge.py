@@ -35,8 +35,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.output_dir)
     if out.resolve() == Path(args.adapter).resolve():
-        print("error: --output_dir must not be the adapter directory (the merged model would mix with the adapter)",
-              file=sys.stderr)
+        print(
+            "error: --output_dir must not be the adapter directory (the merged model would mix with the adapter)",
+            file=sys.stderr,
+        )
         return 2
     try:
         model, tokenizer = build_model(args.model, device="cpu")

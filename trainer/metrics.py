@@ -76,15 +76,30 @@ class MetricsWriter:
     `self.run_ids` holds the ids of this run's loggers, for the checkpoint. `resumed_step` (the step a resumed run
     starts from) makes metrics.jsonl read as one unbroken run (trainer.loggers.JsonlLogger)."""
 
-    def __init__(self, output_dir: str | Path, report_to: list[str], logging_dir: str | None = None, enabled: bool = True,
-                 *, run_name: str | None = None, config: dict | None = None, run_ids: dict[str, str] | None = None,
-                 resumed_step: int | None = None):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        report_to: list[str],
+        logging_dir: str | None = None,
+        enabled: bool = True,
+        *,
+        run_name: str | None = None,
+        config: dict | None = None,
+        run_ids: dict[str, str] | None = None,
+        resumed_step: int | None = None,
+    ):
         self.loggers = {}
         if enabled:
             for name in report_to:
-                self.loggers[name] = open_logger(name, output_dir=output_dir, logging_dir=logging_dir, run_name=run_name,
-                                                 config=config or {}, run_id=(run_ids or {}).get(name),
-                                                 resumed_step=resumed_step)
+                self.loggers[name] = open_logger(
+                    name,
+                    output_dir=output_dir,
+                    logging_dir=logging_dir,
+                    run_name=run_name,
+                    config=config or {},
+                    run_id=(run_ids or {}).get(name),
+                    resumed_step=resumed_step,
+                )
         self.run_ids = {name: lg.run_id for name, lg in self.loggers.items() if lg.run_id is not None}
 
     def write(self, logs: dict, step: int) -> None:

@@ -58,15 +58,29 @@ from .attention import KVCache, make_plan
 IGNORE_INDEX = -100
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # Hugging Face's defaults where they differ by architecture (used only for keys a config.json omits)
 _HF_DEFAULTS = {
     "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
     "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
-    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
-    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28,
-              "head_dim": 128},
+    "qwen2": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "qwen3": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "head_dim": 128,
+    },
 }
 
 
@@ -119,7 +133,9 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelError(f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ModelError(
+                f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -129,41 +145,56 @@ class ModelConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
+            raise ModelError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.head_dim % 2:
             raise ModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         self.rope_scaling = _normalise_rope(self.rope_scaling, self.max_position_embeddings)
         if self.model_type == "mistral":  # every layer slides when a window is set
-            self.layer_types = ["sliding_attention" if self.sliding_window else "full_attention"] * self.num_hidden_layers
+            self.layer_types = [
+                "sliding_attention" if self.sliding_window else "full_attention"
+            ] * self.num_hidden_layers
         elif self.model_type == "llama":
             self.sliding_window, self.layer_types = None, ["full_attention"] * self.num_hidden_layers
         elif self.layer_types is None:  # qwen: as Hugging Face derives it
             first = self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
-            self.layer_types = ["sliding_attention" if self.sliding_window is not None and i >= first
-                                else "full_attention" for i in range(self.num_hidden_layers)]
-        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {"full_attention", "sliding_attention"}:
-            raise ModelError(f"layer_types must list 'full_attention'/'sliding_attention' once per layer "
-                             f"({self.num_hidden_layers}), got {self.layer_types!r}")
+            self.layer_types = [
+                "sliding_attention" if self.sliding_window is not None and i >= first else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {
+            "full_attention",
+            "sliding_attention",
+        }:
+            raise ModelError(
+                f"layer_types must list 'full_attention'/'sliding_attention' once per layer "
+                f"({self.num_hidden_layers}), got {self.layer_types!r}"
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelError(f"sliding_window must be positive or null, got {self.sliding_window!r}")
         self.layer_windows = tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
-        self.qkv_bias = {"llama": self.attention_bias, "qwen3": self.attention_bias, "qwen2": True}.get(self.model_type, False)
+        self.qkv_bias = {"llama": self.attention_bias, "qwen3": self.attention_bias, "qwen2": True}.get(
+            self.model_type, False
+        )
         self.o_bias = self.attention_bias if self.model_type in ("llama", "qwen3") else False
         self.qk_norm = self.model_type == "qwen3"
         if self.model_type not in ("llama",):
             self.mlp_bias = False
 
     @classmethod
-    def from_hf(cls, config: dict, source: str = "config.json") -> "ModelConfig":
+    def from_hf(cls, config: dict, source: str = "config.json") -> ModelConfig:
         """Build from a Hugging Face config.json dict (transformers 4.x `rope_scaling`/`rope_theta` or 5.x
         `rope_parameters`); `source` names the file in errors."""
         try:
             model_type = config.get("model_type")
             if model_type not in SUPPORTED_MODEL_TYPES:
-                raise ModelError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+                raise ModelError(
+                    f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                )
             defaults = _HF_DEFAULTS[model_type]
 
             def get(key, default=None):  # an absent key takes Hugging Face's default for this architecture
@@ -183,19 +214,30 @@ class ModelConfig:
             if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
                 sliding = None
             return cls(
-                model_type=model_type, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-                intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_hidden_layers"],
-                num_attention_heads=config["num_attention_heads"], num_key_value_heads=get("num_key_value_heads"),
-                head_dim=get("head_dim"), hidden_act=value("hidden_act", "silu"),
+                model_type=model_type,
+                vocab_size=config["vocab_size"],
+                hidden_size=config["hidden_size"],
+                intermediate_size=config["intermediate_size"],
+                num_hidden_layers=config["num_hidden_layers"],
+                num_attention_heads=config["num_attention_heads"],
+                num_key_value_heads=get("num_key_value_heads"),
+                head_dim=get("head_dim"),
+                hidden_act=value("hidden_act", "silu"),
                 max_position_embeddings=value("max_position_embeddings", 2048),
                 rms_norm_eps=float(value("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta), rope_scaling=rope or None,
+                rope_theta=float(theta),
+                rope_scaling=rope or None,
                 tie_word_embeddings=bool(value("tie_word_embeddings", False)),
-                attention_bias=bool(value("attention_bias", False)), mlp_bias=bool(value("mlp_bias", False)),
-                sliding_window=sliding, layer_types=config.get("layer_types") if model_type in ("qwen2", "qwen3") else None,
-                max_window_layers=get("max_window_layers"), initializer_range=float(value("initializer_range", 0.02)),
-                bos_token_id=config.get("bos_token_id"), eos_token_id=config.get("eos_token_id"),
-                pad_token_id=config.get("pad_token_id"), dtype=config.get("dtype") or config.get("torch_dtype"),
+                attention_bias=bool(value("attention_bias", False)),
+                mlp_bias=bool(value("mlp_bias", False)),
+                sliding_window=sliding,
+                layer_types=config.get("layer_types") if model_type in ("qwen2", "qwen3") else None,
+                max_window_layers=get("max_window_layers"),
+                initializer_range=float(value("initializer_range", 0.02)),
+                bos_token_id=config.get("bos_token_id"),
+                eos_token_id=config.get("eos_token_id"),
+                pad_token_id=config.get("pad_token_id"),
+                dtype=config.get("dtype") or config.get("torch_dtype"),
             )
         except ModelError as exc:
             raise ModelError(f"{source}: {exc}") from None
@@ -212,7 +254,9 @@ class ModelConfig:
             out["rope_scaling"] = dict(self.rope_scaling)
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
-            out["max_window_layers"] = self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
+            out["max_window_layers"] = (
+                self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
+            )
             out["layer_types"] = list(self.layer_types)
         if self.model_type not in ("mistral", "qwen2", "qwen3"):
             out.pop("sliding_window")
@@ -252,7 +296,7 @@ def _normalise_rope(scaling: dict | None, max_positions: int) -> dict | None:
     return out
 
 
-EXACT_POSITIONS = 2 ** 24  # RoPE's angles are fp32 position x frequency: positions are exact integers up to here
+EXACT_POSITIONS = 2**24  # RoPE's angles are fp32 position x frequency: positions are exact integers up to here
 
 
 def context_length_warning(config: ModelConfig, length: int, source: str) -> str | None:
@@ -262,18 +306,22 @@ def context_length_warning(config: ModelConfig, length: int, source: str) -> str
     max_position_embeddings, is how a model declares a longer context); a ModelError when positions past 2^24
     would be rounded in fp32, so that different positions would get the same rotation."""
     if length > EXACT_POSITIONS:
-        raise ModelError(f"cutoff_len {length:,} exceeds {EXACT_POSITIONS:,} positions: RoPE computes its angles from "
-                         "fp32 positions, which are exact only up to 2^24, so positions past that would share "
-                         "rotations; lower cutoff_len")
+        raise ModelError(
+            f"cutoff_len {length:,} exceeds {EXACT_POSITIONS:,} positions: RoPE computes its angles from "
+            "fp32 positions, which are exact only up to 2^24, so positions past that would share "
+            "rotations; lower cutoff_len"
+        )
     limit = config.max_position_embeddings
     if length <= limit:
         return None
     scaling = config.rope_scaling
-    rope = (f"rope_scaling {scaling['rope_type']} x{scaling['factor']:g}" if scaling else "no rope_scaling")
-    return (f"warning: cutoff_len {length:,} exceeds max_position_embeddings {limit:,} of {source} ({rope}): RoPE "
-            f"rotates any position, so it runs, but the model never saw positions past {limit:,} and examples "
-            "longer than that may train poorly; lower cutoff_len, or use a model whose config declares a longer "
-            "context")
+    rope = f"rope_scaling {scaling['rope_type']} x{scaling['factor']:g}" if scaling else "no rope_scaling"
+    return (
+        f"warning: cutoff_len {length:,} exceeds max_position_embeddings {limit:,} of {source} ({rope}): RoPE "
+        f"rotates any position, so it runs, but the model never saw positions past {limit:,} and examples "
+        "longer than that may train poorly; lower cutoff_len, or use a model whose config declares a longer "
+        "context"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -331,7 +379,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv / factor
     # llama3: wavelengths longer than the original context / low_freq_factor are stretched by `factor`,
     # those shorter than context / high_freq_factor kept, the band between blended linearly in 1/wavelength.
-    lo, hi, context = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_position_embeddings"]
+    lo, hi, context = (
+        scaling["low_freq_factor"],
+        scaling["high_freq_factor"],
+        scaling["original_max_position_embeddings"],
+    )
     wavelen = 2 * math.pi / inv
     stretched = torch.where(wavelen > context / lo, inv / factor, inv)
     blend = (context / wavelen - lo) / (hi - lo)
@@ -490,8 +542,14 @@ class CausalLM(nn.Module):
     # Under FSDP2 they come wrapped in `HostLabels`, which its input move leaves alone.
     takes_host_labels = True
 
-    def __init__(self, config: ModelConfig, use_kernels: bool = True, label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, neftune_noise_alpha: float | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        use_kernels: bool = True,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        neftune_noise_alpha: float | None = None,
+    ):
         """The training settings are given here, once (the Trainer applies TrainingArguments' to the CausalLM it
         finds inside its model once, at its construction): `use_kernels` (ours, else plain PyTorch;
         `apply_liger_kernel` for liger-kernel's), `label_smoothing` (transformers' label_smoothing_factor),
@@ -556,11 +614,13 @@ class CausalLM(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.lm_head and self.config.tie_word_embeddings:
                     continue
-                full = torch.empty(module.weight.shape).normal_(0.0, std, generator=gen)  # a DTensor's shape is the full one
+                full = torch.empty(module.weight.shape).normal_(
+                    0.0, std, generator=gen
+                )  # a DTensor's shape is the full one
                 if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                     full[module.padding_idx].zero_()
                 local, rows = local_shard(module.weight)
-                local.copy_(full if rows is None else full[rows[0]:rows[1]])
+                local.copy_(full if rows is None else full[rows[0] : rows[1]])
                 del full
                 if getattr(module, "bias", None) is not None:
                     local_shard(module.bias)[0].zero_()
@@ -579,8 +639,9 @@ class CausalLM(nn.Module):
     def prepare_inputs_for_generation(self, *args, **kwargs):
         """transformers' generation hook, which peft's PeftModelForCausalLM takes from the model it wraps; our
         decoding is `trainer.model.generate` (KV cache, `decode_step`), not transformers' `generate`."""
-        raise ModelError("generate: use trainer.model.generate(model, input_ids, max_new_tokens), not transformers' "
-                         "generate")
+        raise ModelError(
+            "generate: use trainer.model.generate(model, input_ids, max_new_tokens), not transformers' generate"
+        )
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied head counts once); with exclude_embeddings the input embedding matrix is left
@@ -594,7 +655,9 @@ class CausalLM(nn.Module):
         L layers, H_q = heads * head_dim, T = seq_len. The attention term counts full (non-causal) score and
         value matmuls, as PaLM does."""
         c = self.config
-        n = self.num_parameters(exclude_embeddings=True) + (c.vocab_size * c.hidden_size if c.tie_word_embeddings else 0)
+        n = self.num_parameters(exclude_embeddings=True) + (
+            c.vocab_size * c.hidden_size if c.tie_word_embeddings else 0
+        )
         return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
 
     def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None):
@@ -616,8 +679,9 @@ class CausalLM(nn.Module):
             # (1, T) unless given per row: cos/sin (1, T, D) are computed once for the batch, and kernels.rope
             # reads them once per position instead of once per (row, position)
             rope_pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None]
-            plan = make_plan(position_ids, attention_mask, B, T, x.device, x.dtype, set(self.config.layer_windows),
-                             self.attn_backend)
+            plan = make_plan(
+                position_ids, attention_mask, B, T, x.device, x.dtype, set(self.config.layer_windows), self.attn_backend
+            )
             attns = [plan] * len(self.model.layers)
         cos, sin = self.model.rotary_emb(rope_pos)  # (B or 1, T, D) fp32
         update = None  # the last MLP output, added to x by the next norm (DecoderLayer.forward)
@@ -634,9 +698,19 @@ class CausalLM(nn.Module):
         fn = kernels.neftune_noise if self.impl == "kernels" else kernels.neftune_noise_ref
         return fn(x, self.neftune_noise_alpha, attention_mask=attention_mask, position_ids=position_ids, training=True)
 
-    def forward(self, input_ids, position_ids=None, labels=None, attention_mask=None, num_items=None,
-                inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None,
-                sequence_logps: bool = False) -> CausalLMOutput:
+    def forward(
+        self,
+        input_ids,
+        position_ids=None,
+        labels=None,
+        attention_mask=None,
+        num_items=None,
+        inputs_embeds=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        sequence_logps: bool = False,
+    ) -> CausalLMOutput:
         """Logits, and with `labels` (unshifted, -100 = no target; a tensor or `HostLabels`) the loss sum / num_items (default: mean over
         supervised tokens; 0 when there are none). With labels and use_kernels the logits are never formed.
         With `sequence_logps` (and labels) no loss: each row's sum of its targets' log-probabilities, their count
@@ -645,15 +719,19 @@ class CausalLM(nn.Module):
         The last four are transformers' arguments, which peft's PeftModelForCausalLM (task_type="CAUSAL_LM")
         passes as None; another value would be ignored, so it is refused."""
         if inputs_embeds is not None or output_attentions or output_hidden_states or return_dict is False:
-            raise ModelError("forward: inputs_embeds, output_attentions, output_hidden_states and return_dict=False "
-                             "are not supported (pass input_ids; the output always holds loss and logits)")
+            raise ModelError(
+                "forward: inputs_embeds, output_attentions, output_hidden_states and return_dict=False "
+                "are not supported (pass input_ids; the output always holds loss and logits)"
+            )
         if isinstance(labels, HostLabels):
             labels = labels.labels
         hidden = self.hidden_states(input_ids, position_ids, attention_mask)  # (B, T, C)
         if labels is None:
             return CausalLMOutput(None, self.lm_head(hidden))
         if labels.shape != input_ids.shape:
-            raise ModelError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)} (labels are unshifted)")
+            raise ModelError(
+                f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)} (labels are unshifted)"
+            )
         # (B*T,) position t predicts t+1; on the labels' device (the host for host labels: see takes_host_labels)
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
         if sequence_logps:
@@ -672,9 +750,15 @@ class CausalLM(nn.Module):
         if self.impl == "kernels":  # takes host targets and counts as they are
             # Under autocast the kernel casts its inputs to the autocast dtype (as F.linear would) and returns an
             # fp32 loss, so GradScaler's loss * 65536 cannot overflow.
-            loss = kernels.fused_linear_cross_entropy(flat, self.lm_head.weight, targets, ignore_index=IGNORE_INDEX,
-                                                      label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-                                                      num_items=denom)
+            loss = kernels.fused_linear_cross_entropy(
+                flat,
+                self.lm_head.weight,
+                targets,
+                ignore_index=IGNORE_INDEX,
+                label_smoothing=self.label_smoothing,
+                z_loss=self.z_loss,
+                num_items=denom,
+            )
             return CausalLMOutput(loss, None)
         targets = targets.to(hidden.device, non_blocking=True)
         if torch.is_tensor(denom):
@@ -682,13 +766,15 @@ class CausalLM(nn.Module):
         if self.impl == "liger":
             from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-            total = LigerFusedLinearCrossEntropyFunction.apply(flat, self.lm_head.weight, targets, None, None,
-                                                               IGNORE_INDEX, self.z_loss, self.label_smoothing, "sum")[0]
+            total = LigerFusedLinearCrossEntropyFunction.apply(
+                flat, self.lm_head.weight, targets, None, None, IGNORE_INDEX, self.z_loss, self.label_smoothing, "sum"
+            )[0]
             return CausalLMOutput(total / denom, None)
         logits = self.lm_head(hidden)  # (B, T, V)
         flat_logits = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
-        total = F.cross_entropy(flat_logits, targets, ignore_index=IGNORE_INDEX, reduction="sum",
-                                label_smoothing=self.label_smoothing)
+        total = F.cross_entropy(
+            flat_logits, targets, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=self.label_smoothing
+        )
         if self.z_loss:
             lse = torch.logsumexp(flat_logits, dim=-1)  # (B*T,)
             total = total + self.z_loss * (lse.square() * (targets != IGNORE_INDEX)).sum()
@@ -710,8 +796,16 @@ def apply_liger_kernel(model: CausalLM) -> CausalLM:
 # Decoding
 # ------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def generate(model: CausalLM, input_ids, max_new_tokens: int, *, eos_token_id=None, temperature: float = 0.0,
-             top_p: float = 1.0, generator: torch.Generator | None = None):
+def generate(
+    model: CausalLM,
+    input_ids,
+    max_new_tokens: int,
+    *,
+    eos_token_id=None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+):
     """Greedy (temperature 0) or nucleus-sampled decoding with a KV cache.
 
     input_ids: a list of ints or a 1-D tensor -> the list of new tokens (eos included when hit); or a
@@ -724,15 +818,27 @@ def generate(model: CausalLM, input_ids, max_new_tokens: int, *, eos_token_id=No
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
     ids = ids.view(1, -1) if as_list else ids
     if ids.dim() != 2 or ids.shape[1] == 0:
-        raise ModelError(f"generate: input_ids must be a non-empty list, 1-D or (batch, seq) tensor, got shape {tuple(ids.shape)}")
+        raise ModelError(
+            f"generate: input_ids must be a non-empty list, 1-D or (batch, seq) tensor, got shape {tuple(ids.shape)}"
+        )
     if temperature < 0 or not 0 < top_p <= 1:
         raise ModelError(f"generate: temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
-    eos = None if eos_token_id is None else torch.tensor(
-        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    eos = (
+        None
+        if eos_token_id is None
+        else torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    )
     c = model.config
     B, T = ids.shape
-    cache = KVCache(c.num_hidden_layers, B, T + max_new_tokens, c.num_key_value_heads, c.head_dim,
-                    model.lm_head.weight.dtype, device)
+    cache = KVCache(
+        c.num_hidden_layers,
+        B,
+        T + max_new_tokens,
+        c.num_key_value_heads,
+        c.head_dim,
+        model.lm_head.weight.dtype,
+        device,
+    )
     was_training = model.training
     model.eval()
     try:

@@ -86,10 +86,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     """Trainable parameters split into a decayed group and a weight_decay=0 group (see the module docstring);
     each group is {"params", "param_names", "weight_decay"}, empty groups are left out."""
     norm_owned = {
-        id(p)
-        for module in model.modules()
-        if "Norm" in type(module).__name__
-        for p in module.parameters(recurse=False)
+        id(p) for module in model.modules() if "Norm" in type(module).__name__ for p in module.parameters(recurse=False)
     }
     decay: dict[str, list] = {"params": [], "param_names": []}
     no_decay: dict[str, list] = {"params": [], "param_names": []}
@@ -234,7 +231,14 @@ def _shape(kind: str, progress: float, rising: bool, num_cycles: float) -> float
 
 
 def _wsd(
-    s: int, *, w: int, stable: int, decay: int, warmup_type: str, decay_type: str, min_lr_ratio: float,
+    s: int,
+    *,
+    w: int,
+    stable: int,
+    decay: int,
+    warmup_type: str,
+    decay_type: str,
+    min_lr_ratio: float,
     num_cycles: float,
 ) -> float:
     if s < w:
@@ -257,8 +261,7 @@ def build_scheduler(
 ) -> LambdaLR:
     """A LambdaLR for schedule `name` (a `lr_scheduler_type`) with Hugging Face's formulas; `kwargs` are the
     schedule's `lr_scheduler_kwargs` (see the module docstring), checked here: a direct caller's only check."""
-    return _lambda_schedule(check_scheduler_kwargs(name, kwargs), name, optimizer, num_warmup_steps,
-                            num_training_steps)
+    return _lambda_schedule(check_scheduler_kwargs(name, kwargs), name, optimizer, num_warmup_steps, num_training_steps)
 
 
 def _lambda_schedule(
@@ -314,8 +317,9 @@ def _lambda_schedule(
     return LambdaLR(optimizer, fn)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments,
-                       num_training_steps: int) -> LRScheduler:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, args: TrainingArguments, num_training_steps: int
+) -> LRScheduler:
     """The schedule `args` ask for over `num_training_steps`: lr_scheduler_config's 'module:attribute' (called as
     fn(optimizer, **options), plus num_training_steps and num_warmup_steps where its signature takes them), else
     `build_scheduler`'s schedule for lr_scheduler_type and lr_scheduler_kwargs (validated by TrainingArguments,
@@ -323,8 +327,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments
     warmup = args.get_warmup_steps(num_training_steps)
     config = args.lr_scheduler_config or {}
     if not config or config["name"] in SCHEDULERS:  # a registered name set lr_scheduler_type/kwargs
-        return _lambda_schedule(args.lr_scheduler_kwargs, args.lr_scheduler_type, optimizer, warmup,
-                                num_training_steps)
+        return _lambda_schedule(args.lr_scheduler_kwargs, args.lr_scheduler_type, optimizer, warmup, num_training_steps)
     spec = config["name"]
     fn = resolve_callable("lr_scheduler_config", spec)
     options = {k: v for k, v in config.items() if k != "name"}

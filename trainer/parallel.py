@@ -38,10 +38,22 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from .coerce import ConfigError
@@ -92,8 +104,10 @@ def apply_transforms(model: nn.Module, args) -> nn.Module:
         if args.fp16:
             # The loss scaler checks each rank's own gradient shards for inf/NaN: ranks could disagree and
             # some skip the step while others take it, and the shards would drift apart.
-            raise ConfigError("fp16=True with dist_config name fsdp2 is not supported (its loss scaler sees only "
-                              "this rank's gradient shards); use --bf16, or dist_config name ddp")
+            raise ConfigError(
+                "fp16=True with dist_config name fsdp2 is not supported (its loss scaler sees only "
+                "this rank's gradient shards); use --bf16, or dist_config name ddp"
+            )
         model = apply_fsdp(model, args.dist_config, args.mixed_precision)
     return model
 
@@ -159,14 +173,19 @@ def apply_fsdp(model: nn.Module, dist_config: dict, precision: str = "no") -> nn
     offload = None
     if dist_config.get("offload_params", False):
         if not torch.cuda.is_available():
-            raise ValueError("dist_config.offload_params=true needs a CUDA device (FSDP2 offloads parameters from "
-                             "an accelerator to the CPU); set it to false on a CPU-only machine")
+            raise ValueError(
+                "dist_config.offload_params=true needs a CUDA device (FSDP2 offloads parameters from "
+                "an accelerator to the CPU); set it to false on a CPU-only machine"
+            )
         offload = CPUOffloadPolicy(pin_memory=bool(dist_config.get("pin_memory", True)))
     device = local_device()
     _, world_size = world()
     mesh = init_device_mesh(device.type, (world_size,))
-    options = dict(mesh=mesh, reshard_after_forward=bool(dist_config.get("reshard_after_forward", True)),
-                   mp_policy=MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[name], reduce_dtype=torch.float32))
+    options = dict(
+        mesh=mesh,
+        reshard_after_forward=bool(dist_config.get("reshard_after_forward", True)),
+        mp_policy=MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[name], reduce_dtype=torch.float32),
+    )
     if offload is not None:
         options["offload_policy"] = offload
     elif not any(p.is_meta for p in model.parameters()):  # on meta, `to_empty` places the shards afterwards
@@ -211,8 +230,9 @@ def gradient_sync(model: nn.Module, enabled: bool):
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state_dict on rank 0's CPU (empty on the other ranks); a collective for FSDP2. With a LoRA
     adapter only the trainable weights (the frozen base never changes: gathering it would move the whole model)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                ignore_frozen_params=has_adapter(model)))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=has_adapter(model))
+    )
 
 
 def save_sharded(model: nn.Module, optimizer, directory: Path) -> None:
@@ -221,8 +241,9 @@ def save_sharded(model: nn.Module, optimizer, directory: Path) -> None:
     DCP stores each DTensor shard with its global offsets, so the copy loads under any world size for the
     model and optimizer alike (the trainer's per-rank RNG files still want the same one for an exact resume). With a
     LoRA adapter the frozen base is left out: the copy holds the adapter and its optimizer state."""
-    model_state, optim_state = get_state_dict(model, optimizer,
-                                              options=StateDictOptions(ignore_frozen_params=has_adapter(model)))
+    model_state, optim_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(ignore_frozen_params=has_adapter(model))
+    )
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
 
 
@@ -231,6 +252,7 @@ def load_sharded(model: nn.Module, optimizer, directory: Path) -> None:
 
     DCP reshards: the shards of this model's layout (any number of ranks), or whole tensors for a model that is
     not sharded (DDP, or one process without a process group)."""
+
     def read(state):
         with warnings.catch_warnings():  # one process without a process group is meant (it resumes alone)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -245,8 +267,13 @@ def load_sharded(model: nn.Module, optimizer, directory: Path) -> None:
     model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=adapter))
     state = {"model": model_state, "optimizer": optim_state}
     read(state)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=adapter, strict=not adapter))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=adapter, strict=not adapter),
+    )
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
@@ -259,9 +286,14 @@ def load_full_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         saved = [i for group in state["param_groups"] for i in group["params"]]
         if len(saved) != len(order):
-            raise ValueError(f"optimizer.pt holds {len(saved)} parameters, this optimizer {len(order)}: saved for "
-                             "another model or other parameter groups")
-        state = {"state": {order[i]: s for i, s in state["state"].items()},
-                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, state,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            raise ValueError(
+                f"optimizer.pt holds {len(saved)} parameters, this optimizer {len(order)}: saved for "
+                "another model or other parameter groups"
+            )
+        state = {
+            "state": {order[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
+    set_optimizer_state_dict(
+        model, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )

@@ -44,9 +44,22 @@ from .trainer import Trainer
 REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 # What evaluate() reports, as eval_<name> (metric_for_best_model may name any): the loss, the evaluation's timing,
 # and kernels.preference_loss's metrics (nll_loss with rpo_alpha, orpo and simpo; the log odds with orpo)
-EVAL_METRICS = ("loss", "runtime", "samples_per_second", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
-                "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
-                "log_odds_ratio", "log_odds_chosen")
+EVAL_METRICS = (
+    "loss",
+    "runtime",
+    "samples_per_second",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+    "nll_loss",
+    "log_odds_ratio",
+    "log_odds_chosen",
+)
 
 
 @dataclass
@@ -54,23 +67,36 @@ class PreferenceArguments:
     """TRL's DPOConfig (and CPOConfig/ORPOConfig) names for what preference training adds to TrainingArguments (no
     `from __future__ import annotations` in this module: the argument parser reads these annotations as types)."""
 
-    beta: float = _arg(0.1, "dpo", "The loss's beta: the reference's pull for DPO types, lambda for orpo, the reward "
-                       "scale for simpo.")
-    loss_type: str = _arg("sigmoid", "dpo", "The preference loss (sigmoid = DPO; orpo and simpo need no reference).",
-                          choices=LOSS_TYPES)
+    beta: float = _arg(
+        0.1, "dpo", "The loss's beta: the reference's pull for DPO types, lambda for orpo, the reward scale for simpo."
+    )
+    loss_type: str = _arg(
+        "sigmoid", "dpo", "The preference loss (sigmoid = DPO; orpo and simpo need no reference).", choices=LOSS_TYPES
+    )
     label_smoothing: float = _arg(0.0, "dpo", "Conservative DPO / robust DPO's assumed label noise, in [0, 0.5).")
     reference_free: bool = _arg(False, "dpo", "Use no reference model (a uniform one: its log-probs are zero).")
-    ref_model: str | None = _arg(None, "dpo", "The reference model (a path or preset); default: the starting model, "
-                                 "frozen (with LoRA: the base model, adapter disabled).")
-    precompute_ref_log_probs: bool = _arg(False, "dpo", "Compute the reference's log-probs of every training pair "
-                                          "once before training, and hold no reference model while training.")
+    ref_model: str | None = _arg(
+        None,
+        "dpo",
+        "The reference model (a path or preset); default: the starting model, "
+        "frozen (with LoRA: the base model, adapter disabled).",
+    )
+    precompute_ref_log_probs: bool = _arg(
+        False,
+        "dpo",
+        "Compute the reference's log-probs of every training pair "
+        "once before training, and hold no reference model while training.",
+    )
     rpo_alpha: float | None = _arg(None, "dpo", "Add rpo_alpha x the chosen answers' NLL to a DPO-type loss (RPO).")
     simpo_gamma: float = _arg(0.5, "dpo", "SimPO's target reward margin.")
-    cpo_alpha: float = _arg(1.0, "dpo", "Weight of the chosen answers' NLL in simpo (TRL's CPOConfig; the SimPO paper: 0).")
+    cpo_alpha: float = _arg(
+        1.0, "dpo", "Weight of the chosen answers' NLL in simpo (TRL's CPOConfig; the SimPO paper: 0)."
+    )
     # TRL's max_length is the command's cutoff_len (max_length is its alias): the longest prompt + answer sequence
     max_prompt_length: int | None = _arg(None, "dpo", "Longest prompt, in tokens (its end is kept).")
-    truncation_mode: str = _arg("keep_start", "dpo", "Which end of a too long sequence to keep.",
-                                choices=TRUNCATION_MODES)
+    truncation_mode: str = _arg(
+        "keep_start", "dpo", "Which end of a too long sequence to keep.", choices=TRUNCATION_MODES
+    )
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -79,14 +105,19 @@ class PreferenceArguments:
             raise ConfigError(f"beta={self.beta!r}: must be > 0")
         high = 0.5 if self.loss_type == "robust" else 1.0
         if not 0.0 <= self.label_smoothing < high or (high == 1.0 and self.label_smoothing > 1.0):
-            raise ConfigError(f"label_smoothing={self.label_smoothing!r}: must be in [0, {high}) for loss_type "
-                              f"{self.loss_type!r}")
+            raise ConfigError(
+                f"label_smoothing={self.label_smoothing!r}: must be in [0, {high}) for loss_type {self.loss_type!r}"
+            )
         if self.rpo_alpha and self.loss_type in REFERENCE_FREE_LOSSES:
-            raise ConfigError(f"rpo_alpha: adds an NLL term to DPO-type losses; loss_type {self.loss_type!r} has its "
-                              "own (cpo_alpha for simpo, built into orpo)")
+            raise ConfigError(
+                f"rpo_alpha: adds an NLL term to DPO-type losses; loss_type {self.loss_type!r} has its "
+                "own (cpo_alpha for simpo, built into orpo)"
+            )
         if self.uses_reference and self.reference_free and (self.ref_model or self.precompute_ref_log_probs):
-            raise ConfigError("reference_free: no reference model is used, so ref_model and precompute_ref_log_probs "
-                              "do not apply; set one or the other")
+            raise ConfigError(
+                "reference_free: no reference model is used, so ref_model and precompute_ref_log_probs "
+                "do not apply; set one or the other"
+            )
 
     @property
     def uses_reference(self) -> bool:
@@ -103,17 +134,23 @@ class PreferenceTrainer(Trainer):
     def __init__(self, model=None, args=None, pref: PreferenceArguments | None = None, ref_model=None, **kwargs):
         for name in ("data_collator", "compute_metrics", "preprocess_logits_for_metrics"):
             if kwargs.get(name) is not None:
-                raise ValueError(f"PreferenceTrainer: {name} is not supported (pairs are collated by "
-                                 "trainer.preference_data.collate_pairs; the logits are never formed)")
+                raise ValueError(
+                    f"PreferenceTrainer: {name} is not supported (pairs are collated by "
+                    "trainer.preference_data.collate_pairs; the logits are never formed)"
+                )
         super().__init__(model=model, args=args, **kwargs)
         self.pref = pref or PreferenceArguments()
         if self.args.batching_strategy != "normal":
-            raise ConfigError(f"batching_strategy={self.args.batching_strategy!r}: preference training batches pairs "
-                              "with batching_strategy='normal' only")
+            raise ConfigError(
+                f"batching_strategy={self.args.batching_strategy!r}: preference training batches pairs "
+                "with batching_strategy='normal' only"
+            )
         for name, ds in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
             if ds is not None and not isinstance(ds, PreferenceDataset):
-                raise ValueError(f"PreferenceTrainer: {name} must be a trainer.preference_data.PreferenceDataset, "
-                                 f"got {type(ds).__name__}")
+                raise ValueError(
+                    f"PreferenceTrainer: {name} must be a trainer.preference_data.PreferenceDataset, "
+                    f"got {type(ds).__name__}"
+                )
         # The reference model: the one given, else (unless precomputing, which reads the model before its first
         # step, or LoRA, whose base model is the reference) a frozen copy of the model as it was given
         self.ref_model = None
@@ -150,8 +187,11 @@ class PreferenceTrainer(Trainer):
     def _sequence_logps(self, model, batch, device) -> kernels.PreferenceLogps:
         """Each row's answer log-probability sum, count and mean logit, through the model's forward."""
         accepted = forward_params(model)  # inspect.signature: once per call, not once per key
-        inputs = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask", "position_ids")
-                  if k in accepted or "**" in accepted}
+        inputs = {
+            k: batch[k].to(device, non_blocking=True)
+            for k in ("input_ids", "attention_mask", "position_ids")
+            if k in accepted or "**" in accepted
+        }
         # labels stay on the host (the fused op skips the prompt rows without a device sync); FSDP2 moves
         # tensor arguments, so they travel in a holder (see Trainer._compute_loss)
         labels = HostLabels(batch["labels"]) if is_fsdp(model) else batch["labels"]
@@ -163,8 +203,10 @@ class PreferenceTrainer(Trainer):
         if "ref_logps" in batch:
             return batch["ref_logps"].to(device, non_blocking=True)
         if self.ref_model is None and not has_adapter(unwrap(self.model)) and self.state.global_step > 0:
-            raise ValueError("precompute_ref_log_probs: this dataset's reference log-probs were not precomputed "
-                             "before training, and the model has trained since (pass it as eval_dataset)")
+            raise ValueError(
+                "precompute_ref_log_probs: this dataset's reference log-probs were not precomputed "
+                "before training, and the model has trained since (pass it as eval_dataset)"
+            )
         with torch.no_grad():
             if self.ref_model is not None:
                 return self._sequence_logps(self.ref_model, batch, device).logps
@@ -178,8 +220,15 @@ class PreferenceTrainer(Trainer):
         policy = self._sequence_logps(model, batch, device)
         pairs = int(batch["num_pairs"])
         loss, metrics = kernels.preference_loss(
-            policy, ref, loss_type=self.pref.loss_type, beta=self.pref.beta, label_smoothing=self.pref.label_smoothing,
-            rpo_alpha=self.pref.rpo_alpha or None, simpo_gamma=self.pref.simpo_gamma, cpo_alpha=self.pref.cpo_alpha)
+            policy,
+            ref,
+            loss_type=self.pref.loss_type,
+            beta=self.pref.beta,
+            label_smoothing=self.pref.label_smoothing,
+            rpo_alpha=self.pref.rpo_alpha or None,
+            simpo_gamma=self.pref.simpo_gamma,
+            cpo_alpha=self.pref.cpo_alpha,
+        )
         if pairs:
             sums = self._sums.setdefault("train" if model.training else "eval", {"pairs": 0})
             sums["pairs"] += pairs
@@ -227,7 +276,7 @@ class PreferenceTrainer(Trainer):
                 with self._autocast(device, train=False):
                     logps = self._sequence_logps(model, batch, device).logps
                 k = int(batch["num_pairs"])
-                chosen, rejected = logps[:k], logps[len(logps) // 2:len(logps) // 2 + k]
+                chosen, rejected = logps[:k], logps[len(logps) // 2 : len(logps) // 2 + k]
                 counts += torch.stack([(chosen > rejected).sum().double(), torch.tensor(float(k), device=device)])
         finally:
             model.train(was_training)
@@ -239,8 +288,13 @@ class PreferenceTrainer(Trainer):
     # ---- the reference ----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None):
         if self.pref.needs_reference and self.pref.precompute_ref_log_probs and not self._ref_tables:
-            evals = (self.eval_dataset.values() if isinstance(self.eval_dataset, dict)
-                     else [self.eval_dataset] if self.eval_dataset is not None else [])
+            evals = (
+                self.eval_dataset.values()
+                if isinstance(self.eval_dataset, dict)
+                else [self.eval_dataset]
+                if self.eval_dataset is not None
+                else []
+            )
             for ds in (self.train_dataset, *evals):
                 self._ref_tables[id(ds)] = self.reference_table(ds)
             self.ref_model = None  # nothing of the reference is held while training

@@ -40,15 +40,30 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from .data import (IGNORE_INDEX, _MAX_WARNINGS, _SHAREGPT_ROLES, DataError, _Bad, _check_messages, _field, _json_type,
-                   _render, alpaca_prompt, checked_records, load_cached, logger, resolve_data_files, tools_field)
+from .data import (
+    _MAX_WARNINGS,
+    _SHAREGPT_ROLES,
+    IGNORE_INDEX,
+    DataError,
+    _Bad,
+    _check_messages,
+    _field,
+    _json_type,
+    _render,
+    alpaca_prompt,
+    checked_records,
+    load_cached,
+    logger,
+    resolve_data_files,
+    tools_field,
+)
 
 PREFERENCE_FORMATS = ("auto", "standard", "conversational", "sharegpt", "alpaca")
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -86,10 +101,12 @@ def _answer(messages: list[dict], part: str) -> list[dict]:
 
 def normalize_pair(record: dict, data_format: str) -> dict:
     """One record -> {"prompt": messages, "chosen": messages, "rejected": messages}; raises `_Bad` for bad records."""
-    expected = {"standard": "standard: prompt, chosen and rejected strings",
-                "conversational": "conversational: chosen and rejected message lists, prompt optional",
-                "sharegpt": "sharegpt: conversations, chosen and rejected {from, value}",
-                "alpaca": "alpaca: instruction, chosen and rejected strings"}.get(data_format)
+    expected = {
+        "standard": "standard: prompt, chosen and rejected strings",
+        "conversational": "conversational: chosen and rejected message lists, prompt optional",
+        "sharegpt": "sharegpt: conversations, chosen and rejected {from, value}",
+        "alpaca": "alpaca: instruction, chosen and rejected strings",
+    }.get(data_format)
     if expected is None:
         raise ValueError(f"data_format={data_format!r}: expected one of {', '.join(PREFERENCE_FORMATS)}")
     for name in ("chosen", "rejected"):
@@ -102,8 +119,11 @@ def normalize_pair(record: dict, data_format: str) -> dict:
             cut = _shared_prefix(chosen, rejected)
             prompt, chosen, rejected = chosen[:cut], chosen[cut:], rejected[cut:]
             if not prompt.strip():
-                raise _Bad("no_prompt", "chosen and rejected share no prompt text (expected a 'prompt' field, or "
-                                        "answers that start with the same prompt)")
+                raise _Bad(
+                    "no_prompt",
+                    "chosen and rejected share no prompt text (expected a 'prompt' field, or "
+                    "answers that start with the same prompt)",
+                )
         pair = {"prompt": [{"role": "user", "content": prompt}]}
         for name, text in (("chosen", chosen), ("rejected", rejected)):
             if not text.strip():
@@ -118,12 +138,17 @@ def normalize_pair(record: dict, data_format: str) -> dict:
             cut = _shared_prefix(chosen, rejected)
             prompt, chosen, rejected = chosen[:cut], chosen[cut:], rejected[cut:]
             if not prompt:
-                raise _Bad("no_prompt", "chosen and rejected share no first message (expected a 'prompt' field, or "
-                                        "conversations that start with the same prompt)")
+                raise _Bad(
+                    "no_prompt",
+                    "chosen and rejected share no first message (expected a 'prompt' field, or "
+                    "conversations that start with the same prompt)",
+                )
         for name, messages in (("chosen", chosen), ("rejected", rejected)):
             if not messages:
-                raise _Bad("empty_content", f"the {name} answer is empty (chosen and rejected are the same "
-                                            "conversation up to its end)")
+                raise _Bad(
+                    "empty_content",
+                    f"the {name} answer is empty (chosen and rejected are the same conversation up to its end)",
+                )
         pair = {"prompt": prompt, "chosen": _answer(chosen, "chosen"), "rejected": _answer(rejected, "rejected")}
     elif data_format == "sharegpt":
         if "conversations" not in record:
@@ -143,8 +168,9 @@ def normalize_pair(record: dict, data_format: str) -> dict:
         for name in ("chosen", "rejected"):
             pair[name] = [{"role": "assistant", "content": _field(record, name, expected)}]
     if pair["chosen"] == pair["rejected"]:
-        raise _Bad("identical_answers", "chosen and rejected are identical (expected two different answers, one to "
-                                        "prefer)")
+        raise _Bad(
+            "identical_answers", "chosen and rejected are identical (expected two different answers, one to prefer)"
+        )
     return pair | tools_field(record)
 
 
@@ -168,8 +194,15 @@ def tokenize_pair(tokenizer, pair: dict) -> tuple[list[int], list[int], list[int
     return prompt[:cut], chosen[cut:], rejected[cut:]
 
 
-def truncate_pair(prompt: list[int], chosen: list[int], rejected: list[int], *, max_length: int | None,
-                  max_prompt_length: int | None, truncation_mode: str) -> tuple[list[int], list[int], list[int]]:
+def truncate_pair(
+    prompt: list[int],
+    chosen: list[int],
+    rejected: list[int],
+    *,
+    max_length: int | None,
+    max_prompt_length: int | None,
+    truncation_mode: str,
+) -> tuple[list[int], list[int], list[int]]:
     """The pair after truncation (module docstring, step 4); a side may come back without answer tokens."""
     if max_prompt_length is not None:
         prompt = prompt[-max_prompt_length:]
@@ -202,7 +235,7 @@ class PreferenceDataset(Sequence):
         self.summary = dict(summary) if summary is not None else _stats(self)
 
     @classmethod
-    def from_pairs(cls, pairs, summary: dict | None = None) -> "PreferenceDataset":
+    def from_pairs(cls, pairs, summary: dict | None = None) -> PreferenceDataset:
         """From {"prompt_ids", "chosen_ids", "rejected_ids"} dicts (tests, custom pipelines)."""
         ids = {k: [] for k in _PARTS}
         for pair in pairs:
@@ -217,7 +250,7 @@ class PreferenceDataset(Sequence):
 
     def _part(self, name: str, i: int) -> np.ndarray:
         o = self.offsets[name]
-        return self.ids[name][o[i]:o[i + 1]]
+        return self.ids[name][o[i] : o[i + 1]]
 
     def __len__(self) -> int:
         return len(self.offsets["prompt"]) - 1
@@ -234,7 +267,7 @@ class PreferenceDataset(Sequence):
         prompt = np.diff(self.offsets["prompt"])
         return prompt + np.maximum(np.diff(self.offsets["chosen"]), np.diff(self.offsets["rejected"]))
 
-    def select(self, indices) -> "PreferenceDataset":
+    def select(self, indices) -> PreferenceDataset:
         """A new dataset of the given pairs, in that order."""
         pairs = [self[int(i)] for i in np.asarray(indices, dtype=np.int64)]
         out = PreferenceDataset.from_pairs(pairs)
@@ -243,14 +276,26 @@ class PreferenceDataset(Sequence):
 
     def summary_text(self) -> str:
         s = self.summary
-        lines = [f"preference data: {s['pairs']:,} pairs" + (f" from {len(s['formats'])} file(s): " + ", ".join(
-            f"{Path(f).name} ({fmt})" for f, fmt in s["formats"].items()) if s.get("formats") else "")]
+        lines = [
+            f"preference data: {s['pairs']:,} pairs"
+            + (
+                f" from {len(s['formats'])} file(s): "
+                + ", ".join(f"{Path(f).name} ({fmt})" for f, fmt in s["formats"].items())
+                if s.get("formats")
+                else ""
+            )
+        ]
         if "pairs_read" in s:
             reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(s.get("dropped", {}).items()))
-            lines.append(f"  read {s['pairs_read']:,}, dropped {sum(s.get('dropped', {}).values()):,}"
-                         + (f" ({reasons})" if reasons else "") + f", truncated {s.get('truncated', 0):,}")
-        lines.append(f"  tokens: prompt {s['prompt_tokens']:,}, chosen {s['chosen_tokens']:,}, rejected "
-                     f"{s['rejected_tokens']:,}; longest sequence {s['max_length']}")
+            lines.append(
+                f"  read {s['pairs_read']:,}, dropped {sum(s.get('dropped', {}).values()):,}"
+                + (f" ({reasons})" if reasons else "")
+                + f", truncated {s.get('truncated', 0):,}"
+            )
+        lines.append(
+            f"  tokens: prompt {s['prompt_tokens']:,}, chosen {s['chosen_tokens']:,}, rejected "
+            f"{s['rejected_tokens']:,}; longest sequence {s['max_length']}"
+        )
         if s.get("cache"):
             lines.append(f"  cache {s['cache']}" + (" (loaded)" if s.get("cache_hit") else " (written)"))
         return "\n".join(lines)
@@ -266,7 +311,7 @@ class PreferenceDataset(Sequence):
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "PreferenceDataset":
+    def load(cls, path: str | Path) -> PreferenceDataset:
         with np.load(path, allow_pickle=False) as z:
             summary = json.loads(z["summary"].tobytes().decode())
             return cls({k: z[f"{k}_ids"] for k in _PARTS}, {k: z[f"{k}_offsets"] for k in _PARTS}, summary)
@@ -293,8 +338,10 @@ def collate_pairs(pairs: list[dict], pad_token_id: int, pad_to_multiple_of: int 
         labels[r, p:n] = answer
         attention_mask[r, :n] = 1
     labels[:, 0] = IGNORE_INDEX  # no position predicts the first token
-    out = {k: torch.from_numpy(v) for k, v in (("input_ids", input_ids), ("labels", labels),
-                                                ("attention_mask", attention_mask))}
+    out = {
+        k: torch.from_numpy(v)
+        for k, v in (("input_ids", input_ids), ("labels", labels), ("attention_mask", attention_mask))
+    }
     out["position_ids"] = torch.arange(width).expand(len(rows), width).clone()
     out["num_pairs"] = len(pairs)
     return out
@@ -311,38 +358,79 @@ def _check_options(data_format, max_length, max_prompt_length, truncation_mode) 
         raise ValueError(f"truncation_mode={truncation_mode!r}: expected one of {', '.join(TRUNCATION_MODES)}")
 
 
-def load_preference_dataset(paths, tokenizer, *, data_format: str = "auto", max_length: int | None = 1024,
-                            max_prompt_length: int | None = None, truncation_mode: str = "keep_start",
-                            skip_bad_examples: bool = False, cache_dir: str | Path | None = None,
-                            show_progress: bool = True, write_cache: bool = True) -> PreferenceDataset:
+def load_preference_dataset(
+    paths,
+    tokenizer,
+    *,
+    data_format: str = "auto",
+    max_length: int | None = 1024,
+    max_prompt_length: int | None = None,
+    truncation_mode: str = "keep_start",
+    skip_bad_examples: bool = False,
+    cache_dir: str | Path | None = None,
+    show_progress: bool = True,
+    write_cache: bool = True,
+) -> PreferenceDataset:
     """Read, normalise, render, split, truncate and tokenize the pairs of `paths` once (cached under `cache_dir`;
     with write_cache=False a new tokenisation is saved later, by `trainer.data.save_to_cache`)."""
     _check_options(data_format, max_length, max_prompt_length, truncation_mode)
     files = resolve_data_files(paths)
-    options = {"kind": _CACHE_VERSION, "data_format": data_format, "max_length": max_length,
-               "max_prompt_length": max_prompt_length, "truncation_mode": truncation_mode,
-               "skip_bad_examples": skip_bad_examples}
+    options = {
+        "kind": _CACHE_VERSION,
+        "data_format": data_format,
+        "max_length": max_length,
+        "max_prompt_length": max_prompt_length,
+        "truncation_mode": truncation_mode,
+        "skip_bad_examples": skip_bad_examples,
+    }
     formats: dict[str, str] = {}
-    items = checked_records(files, data_format, formats, detect_preference_format,
-                            "chosen and rejected, with prompt, conversations or instruction")
-    return load_cached(cache_dir, "pairs", files, tokenizer, options, PreferenceDataset,
-                       lambda: _build(items, [str(f) for f in files], formats, tokenizer, options, show_progress),
-                       write=write_cache)
+    items = checked_records(
+        files,
+        data_format,
+        formats,
+        detect_preference_format,
+        "chosen and rejected, with prompt, conversations or instruction",
+    )
+    return load_cached(
+        cache_dir,
+        "pairs",
+        files,
+        tokenizer,
+        options,
+        PreferenceDataset,
+        lambda: _build(items, [str(f) for f in files], formats, tokenizer, options, show_progress),
+        write=write_cache,
+    )
 
 
-def pairs_dataset(records: list[dict], source: str, tokenizer, *, max_length: int | None = 1024,
-                  max_prompt_length: int | None = None, truncation_mode: str = "keep_start",
-                  show_progress: bool = True) -> PreferenceDataset:
+def pairs_dataset(
+    records: list[dict],
+    source: str,
+    tokenizer,
+    *,
+    max_length: int | None = 1024,
+    max_prompt_length: int | None = None,
+    truncation_mode: str = "keep_start",
+    show_progress: bool = True,
+) -> PreferenceDataset:
     """Pairs given as TRL conversational records in memory (the embedded demo's, trainer.tasks.preference_pair)
     rather than files; `source` names them in errors ("source:N") and the summary. Not cached."""
     _check_options("conversational", max_length, max_prompt_length, truncation_mode)
-    options = {"kind": _CACHE_VERSION, "data_format": "conversational", "max_length": max_length,
-               "max_prompt_length": max_prompt_length, "truncation_mode": truncation_mode, "skip_bad_examples": False}
+    options = {
+        "kind": _CACHE_VERSION,
+        "data_format": "conversational",
+        "max_length": max_length,
+        "max_prompt_length": max_prompt_length,
+        "truncation_mode": truncation_mode,
+        "skip_bad_examples": False,
+    }
     items = ((f"{source}:{i}", (record, "conversational")) for i, record in enumerate(records, 1))
     return _build(items, [source], {source: "conversational"}, tokenizer, options, show_progress)
 
 
-def _build(items, sources: list[str], formats: dict, tokenizer, options: dict, show_progress: bool) -> PreferenceDataset:
+def _build(
+    items, sources: list[str], formats: dict, tokenizer, options: dict, show_progress: bool
+) -> PreferenceDataset:
     """The dataset of `items`, (where, (record, format)) or (where, `_Bad`) as `checked_records` yields them;
     `sources` and `formats` (filled while reading) for the summary."""
     skip = options["skip_bad_examples"]
@@ -369,21 +457,39 @@ def _build(items, sources: list[str], formats: dict, tokenizer, options: dict, s
             except _Bad as exc:
                 drop(where, exc.reason, exc.message, bad=True)
                 continue
-            kept = truncate_pair(*ids, max_length=options["max_length"], max_prompt_length=options["max_prompt_length"],
-                                 truncation_mode=options["truncation_mode"])
+            kept = truncate_pair(
+                *ids,
+                max_length=options["max_length"],
+                max_prompt_length=options["max_prompt_length"],
+                truncation_mode=options["truncation_mode"],
+            )
             truncated += kept != ids
             if not kept[1] or not kept[2]:
-                drop(where, "no_targets_after_truncation", f"no answer token left after truncation to max_length "
-                     f"{options['max_length']} (raise max_length, or set max_prompt_length)", bad=False)
+                drop(
+                    where,
+                    "no_targets_after_truncation",
+                    f"no answer token left after truncation to max_length "
+                    f"{options['max_length']} (raise max_length, or set max_prompt_length)",
+                    bad=False,
+                )
                 continue
             pairs.append(dict(zip(("prompt_ids", "chosen_ids", "rejected_ids"), kept)))
     finally:
         progress.close()
     if not pairs:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "the files hold no records"
-        raise DataError(f"{', '.join(sources)}: no usable pairs ({reasons}) (expected at least one pair with "
-                        "answer tokens on both sides)")
+        raise DataError(
+            f"{', '.join(sources)}: no usable pairs ({reasons}) (expected at least one pair with "
+            "answer tokens on both sides)"
+        )
     ds = PreferenceDataset.from_pairs(pairs)
-    ds.summary = {"files": sources, "formats": formats, "options": options, "pairs_read": read,
-                  "dropped": dict(sorted(dropped.items())), "truncated": truncated, **ds.summary}
+    ds.summary = {
+        "files": sources,
+        "formats": formats,
+        "options": options,
+        "pairs_read": read,
+        "dropped": dict(sorted(dropped.items())),
+        "truncated": truncated,
+        **ds.summary,
+    }
     return ds

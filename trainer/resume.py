@@ -74,8 +74,10 @@ def load_model_weights(model, directory: Path) -> None:
             parallel.load_sharded(model, None, directory / ckpt.DCP_DIR)
             return
         if not isinstance(model, CausalLM):
-            raise TypeError(f"loading a {type(model).__name__} sharded with FSDP2 from a Hugging Face directory is "
-                            "not supported (CausalLM only)")
+            raise TypeError(
+                f"loading a {type(model).__name__} sharded with FSDP2 from a Hugging Face directory is "
+                "not supported (CausalLM only)"
+            )
     if isinstance(model, CausalLM):  # sharded by FSDP2, each rank reads only its rows of each tensor
         load_state_dict_into(model, directory, local_shard=local_shard)
         return
@@ -88,25 +90,32 @@ def load_model_weights(model, directory: Path) -> None:
 # seed's effect), and every other argument is read anew (max_steps, epochs, the schedule's type and warmup,
 # accumulation, clipping, logging, saving, ...).
 _GROUPS = "the optimizer's param groups are restored"
-FROM_CHECKPOINT = {"learning_rate": "the optimizer's param groups and the schedule's base rate are restored",
-                   "weight_decay": _GROUPS, "adam_beta1": _GROUPS, "adam_beta2": _GROUPS, "adam_epsilon": _GROUPS,
-                   "optim_args": _GROUPS}
+FROM_CHECKPOINT = {
+    "learning_rate": "the optimizer's param groups and the schedule's base rate are restored",
+    "weight_decay": _GROUPS,
+    "adam_beta1": _GROUPS,
+    "adam_beta2": _GROUPS,
+    "adam_epsilon": _GROUPS,
+    "optim_args": _GROUPS,
+}
 # What the saved state cannot follow: the data plan the saved position counts in (transformers would go on with other
 # examples, unsaid), the optimizer whose state is saved, and the shape of the saved LoRA adapter (its scale,
 # lora_alpha/use_rslora, and its dropout are read anew, as peft does). Refused in one line.
-REFUSED = {"per_device_train_batch_size": "the data position counts micro batches of its size",
-           "batching_strategy": "the data position counts its micro batches",
-           "max_tokens": "the data position counts micro batches of this budget",
-           "pad_to_multiple_of": "the data position counts its micro batches",
-           "train_shuffle": "the data position is in its order",
-           "group_by_length": "the data position is in its order",
-           "dataloader_drop_last": "the data position counts its micro batches",
-           "optim": "the saved optimizer state belongs to it",
-           "use_peft": "the saved weights and optimizer state are of the full model or of an adapter",
-           "lora_r": "the saved adapter and its optimizer state have this rank",
-           "lora_target_modules": "the saved adapter is on these layers",
-           "lora_modules_to_save": "the saved adapter carries these modules",
-           "use_dora": "the saved adapter has (or lacks) DoRA's magnitudes"}
+REFUSED = {
+    "per_device_train_batch_size": "the data position counts micro batches of its size",
+    "batching_strategy": "the data position counts its micro batches",
+    "max_tokens": "the data position counts micro batches of this budget",
+    "pad_to_multiple_of": "the data position counts its micro batches",
+    "train_shuffle": "the data position is in its order",
+    "group_by_length": "the data position is in its order",
+    "dataloader_drop_last": "the data position counts its micro batches",
+    "optim": "the saved optimizer state belongs to it",
+    "use_peft": "the saved weights and optimizer state are of the full model or of an adapter",
+    "lora_r": "the saved adapter and its optimizer state have this rank",
+    "lora_target_modules": "the saved adapter is on these layers",
+    "lora_modules_to_save": "the saved adapter carries these modules",
+    "use_dora": "the saved adapter has (or lacks) DoRA's magnitudes",
+}
 NOT_COMPARED = ("output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir")
 
 
@@ -126,14 +135,16 @@ def check_resume_arguments(resume: Path, args, saved: dict | None = None) -> Non
     (`REFUSED`, and the seed that orders the data when data_seed is not set)."""
     saved = saved_arguments(resume) if saved is None else saved
     refused = dict(REFUSED)
-    refused["data_seed" if args.data_seed is not None or saved.get("data_seed") is not None else "seed"] = \
+    refused["data_seed" if args.data_seed is not None or saved.get("data_seed") is not None else "seed"] = (
         "the data position is in the order it shuffles"
+    )
     for name, why in refused.items():
         given = _comparable(getattr(args, name))
         if name in saved and saved[name] != given:
             raise ckpt.CheckpointError(
                 f"resume_from_checkpoint: {name} is {given!r} here but {saved[name]!r} in {resume}, and a resume "
-                f"cannot change it ({why}); resume with {name}={saved[name]!r}, or start a new run")
+                f"cannot change it ({why}); resume with {name}={saved[name]!r}, or start a new run"
+            )
 
 
 def apply_checkpoint_arguments(resume: Path, args, saved: dict, rng_reseeded: bool) -> tuple[dict, list[str]]:
@@ -150,16 +161,32 @@ def apply_checkpoint_arguments(resume: Path, args, saved: dict, rng_reseeded: bo
         if name in from_checkpoint:
             taken[name] = saved[name]
             setattr(args, name, saved[name])
-            lines.append(f"resume_from_checkpoint: {name} is {given!r} here but {saved[name]!r} in {resume}: "
-                         f"{saved[name]!r} applies ({from_checkpoint[name]}, as in transformers; start a new run "
-                         "to change it)")
+            lines.append(
+                f"resume_from_checkpoint: {name} is {given!r} here but {saved[name]!r} in {resume}: "
+                f"{saved[name]!r} applies ({from_checkpoint[name]}, as in transformers; start a new run "
+                "to change it)"
+            )
         else:
             lines.append(f"resume_from_checkpoint: {name} {given!r} applies (it was {saved[name]!r} in {resume})")
     return taken, lines
 
 
-def restore_checkpoint(resume: Path, *, model, optimizer, scheduler, scaler, loader, args, rank: int,
-                       world_size: int, micro: int, accum: int, windows_per_epoch: int, deepspeed=None) -> dict:
+def restore_checkpoint(
+    resume: Path,
+    *,
+    model,
+    optimizer,
+    scheduler,
+    scaler,
+    loader,
+    args,
+    rank: int,
+    world_size: int,
+    micro: int,
+    accum: int,
+    windows_per_epoch: int,
+    deepspeed=None,
+) -> dict:
     """Everything a checkpoint holds into this run: model and optimizer (in this run's layout), scheduler, scaler,
     RNG and the loader's position. Returns the saved trainer state (a dict), `saved_world` (how many processes
     saved it) and `rng_reseeded` (True when the per-rank RNG could not carry over). Under DeepSpeed
@@ -170,23 +197,37 @@ def restore_checkpoint(resume: Path, *, model, optimizer, scheduler, scaler, loa
     saved_world = ckpt.saved_world_size(resume)
     if deepspeed is not None:
         if saved_world != world_size:
-            raise ckpt.CheckpointError(f"resume_from_checkpoint: {resume} was saved by {saved_world} process(es), this "
-                                       f"run has {world_size}: DeepSpeed's ZeRO partitions resume on {saved_world} only")
+            raise ckpt.CheckpointError(
+                f"resume_from_checkpoint: {resume} was saved by {saved_world} process(es), this "
+                f"run has {world_size}: DeepSpeed's ZeRO partitions resume on {saved_world} only"
+            )
         check_resume_arguments(resume, args)
         restored = ckpt.load_training_state(resume, rank=rank, world_size=world_size, seed=args.seed)
         deepspeed.load_checkpoint(resume / CHECKPOINT_DIR)
         _restore_position(resume, loader, restored["data_state"])
         return {"trainer_state": restored["trainer_state"], "saved_world": saved_world, "rng_reseeded": False}
     if saved_world and saved_world != world_size:
-        check_resume_across_worlds(resume, saved_world, args, world_size=world_size, loader=loader, micro=micro,
-                                   accum=accum, windows_per_epoch=windows_per_epoch)
+        check_resume_across_worlds(
+            resume,
+            saved_world,
+            args,
+            world_size=world_size,
+            loader=loader,
+            micro=micro,
+            accum=accum,
+            windows_per_epoch=windows_per_epoch,
+        )
     check_resume_arguments(resume, args)
-    restored = ckpt.load_training_state(resume, scheduler=scheduler, scaler=scaler, rank=rank,
-                                        world_size=world_size, seed=args.seed)
+    restored = ckpt.load_training_state(
+        resume, scheduler=scheduler, scaler=scaler, rank=rank, world_size=world_size, seed=args.seed
+    )
     load_model_and_optimizer(resume, model, optimizer, rank=rank)
     _restore_position(resume, loader, restored["data_state"])
-    return {"trainer_state": restored["trainer_state"], "saved_world": saved_world,
-            "rng_reseeded": restored["rng_reseeded"]}
+    return {
+        "trainer_state": restored["trainer_state"],
+        "saved_world": saved_world,
+        "rng_reseeded": restored["rng_reseeded"],
+    }
 
 
 def _restore_position(resume: Path, loader, data_state: dict | None) -> None:
@@ -214,8 +255,9 @@ def load_model_and_optimizer(resume: Path, model, optimizer, *, rank: int) -> No
         optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
 
 
-def check_resume_across_worlds(resume: Path, saved_world: int, args, *, world_size: int, loader, micro: int,
-                               accum: int, windows_per_epoch: int) -> None:
+def check_resume_across_worlds(
+    resume: Path, saved_world: int, args, *, world_size: int, loader, micro: int, accum: int, windows_per_epoch: int
+) -> None:
     """Refuse, in one line naming the argument, a resume under another number of processes that could not go on
     exactly as the saved run would have: each optimizer step must take the same examples. The loader plans one
     global list of micro batches and deals it round-robin, and each step takes the next processes x accumulation
@@ -225,25 +267,35 @@ def check_resume_across_worlds(resume: Path, saved_world: int, args, *, world_si
     saved_micro, saved_accum = int(saved["per_device_train_batch_size"]), int(saved["gradient_accumulation_steps"])
     where = f"resume_from_checkpoint: {resume} was saved by {saved_world} process(es), this run has {world_size}"
     if saved_micro != micro:
-        raise ckpt.CheckpointError(f"{where}: per_device_train_batch_size must stay {saved_micro} (got {micro}); "
-                                   "change gradient_accumulation_steps to keep the global batch instead")
+        raise ckpt.CheckpointError(
+            f"{where}: per_device_train_batch_size must stay {saved_micro} (got {micro}); "
+            "change gradient_accumulation_steps to keep the global batch instead"
+        )
     saved_global, this_global = saved_micro * saved_world * saved_accum, micro * world_size * accum
     if saved_global != this_global:
         fits = saved_global % (micro * world_size) == 0
-        hint = (f"set gradient_accumulation_steps={saved_global // (micro * world_size)} (or global_batch_size="
-                f"{saved_global})" if fits else f"{saved_global} is not a multiple of {micro * world_size}")
+        hint = (
+            f"set gradient_accumulation_steps={saved_global // (micro * world_size)} (or global_batch_size="
+            f"{saved_global})"
+            if fits
+            else f"{saved_global} is not a multiple of {micro * world_size}"
+        )
         raise ckpt.CheckpointError(
             f"{where}: the global batch (per_device_train_batch_size x processes x gradient_accumulation_steps) "
-            f"was {saved_micro} x {saved_world} x {saved_accum} = {saved_global}, is {this_global}; {hint}")
+            f"was {saved_micro} x {saved_world} x {saved_accum} = {saved_global}, is {this_global}; {hint}"
+        )
     if args.group_by_length:
-        raise ckpt.CheckpointError(f"{where}: group_by_length=True sorts lengths in groups that depend on the "
-                                   f"number of processes; resume with {saved_world}")
+        raise ckpt.CheckpointError(
+            f"{where}: group_by_length=True sorts lengths in groups that depend on the "
+            f"number of processes; resume with {saved_world}"
+        )
     n, drop = len(loader.global_batches(loader.epoch)), args.dataloader_drop_last
     if not same_steps(n, drop, (saved_world, saved_accum), (world_size, accum)):
         raise ckpt.CheckpointError(
             f"{where}: an epoch of {n} micro batches makes {steps_per_epoch(n, saved_world, saved_accum, drop)} "
             f"optimizer steps then, {windows_per_epoch} now (dataloader_drop_last={drop}), and its last step would "
-            f"take other examples; resume with {saved_world}")
+            f"take other examples; resume with {saved_world}"
+        )
 
 
 def _our_model(model) -> CausalLM | None:

@@ -54,17 +54,33 @@ from .args import ConfigError, _arg, parse_args
 from .attention import _flash_attn
 from .batching import BatchLoader
 from .build import build_model, check_model_name, dcp_source, is_preset, preset_config, read_config, read_model_files
-from .checkpoint import (CheckpointError, OutOfSpaceError, checkpoints, clean_leftovers, hold_output_dir,
-                         move_aside_previous_run, resolve_resume, saved_world_size)
+from .checkpoint import (
+    CheckpointError,
+    OutOfSpaceError,
+    checkpoints,
+    clean_leftovers,
+    hold_output_dir,
+    move_aside_previous_run,
+    resolve_resume,
+    saved_world_size,
+)
 from .checkpoint_hf import to_json
-from .data import (DataError, TokenizedDataset, load_sft_dataset, read_examples, resolve_data_files, save_to_cache,
-                   split_dataset)
+from .data import (
+    DataError,
+    TokenizedDataset,
+    load_sft_dataset,
+    read_examples,
+    resolve_data_files,
+    save_to_cache,
+    split_dataset,
+)
 from .dist import end_on_error, init_distributed, world
 from .evaluation import EVAL_METRICS
-from .metrics import plot_loss_curve
 from .lora import import_peft, lora_config
+from .metrics import plot_loss_curve
 from .model import CausalLM, ModelError, context_length_warning, generate
-from .preference import EVAL_METRICS as PREFERENCE_EVAL_METRICS, PreferenceArguments, PreferenceTrainer
+from .preference import EVAL_METRICS as PREFERENCE_EVAL_METRICS
+from .preference import PreferenceArguments, PreferenceTrainer
 from .preference_data import PREFERENCE_FORMATS, load_preference_dataset, pairs_dataset
 from .resume import check_resume_arguments, saved_arguments
 from .tasks import EVAL_FILE, TRAIN_FILE, kind_of, preference_pair
@@ -76,8 +92,9 @@ STAGES = ("sft", "dpo")
 # with the arguments it ran with (`run_arguments`): a run with the same arguments may write there again (it
 # reproduces the same model); any other run needs --overwrite_output_dir.
 COMMANDS = {"sft": "trainer.sft", "dpo": "trainer.dpo"}
-DEMO_CONFIGS = {stage: Path(__file__).parent / "configs" / name for stage, name in (("sft", "demo.yaml"),
-                                                                                     ("dpo", "dpo_demo.yaml"))}
+DEMO_CONFIGS = {
+    stage: Path(__file__).parent / "configs" / name for stage, name in (("sft", "demo.yaml"), ("dpo", "dpo_demo.yaml"))
+}
 RUN_ARGS_FILES = {"sft": "sft_args.json", "dpo": "dpo_args.json"}
 SFT_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 # transformers' attn_implementation values -> our attention backends (trainer/attention.py). transformers'
@@ -90,28 +107,58 @@ class SFTArguments:
     """Options of the sft command that are not TrainingArguments (no `from __future__ import annotations` in
     this module: the argument parser reads these annotations as types)."""
 
-    stage: str = _arg("sft", "sft", "What to train: sft (supervised), or dpo (preference pairs, with the dpo group's "
-                      "options; python -m trainer.dpo sets it; LlamaFactory's name).", choices=STAGES)
+    stage: str = _arg(
+        "sft",
+        "sft",
+        "What to train: sft (supervised), or dpo (preference pairs, with the dpo group's "
+        "options; python -m trainer.dpo sets it; LlamaFactory's name).",
+        choices=STAGES,
+    )
     model: str = _arg("tiny", "sft", "Model: a Hugging Face directory, a preset (tiny), or a hub id.")
-    data: list[str] | None = _arg(None, "sft", "Training data files or directories (JSONL/JSON/Parquet); default: the embedded tasks.")
-    eval_data: list[str] | None = _arg(None, "sft", "Held-out data files; default: the embedded eval tasks when --data is not given.")
-    val_size: float = _arg(0.0, "sft", "Hold out this many training examples (int) or this fraction (<1) for evaluation.")
-    data_format: str = _arg("auto", "sft", "Record format (stage dpo: auto, standard, conversational, sharegpt or "
-                            "alpaca preference pairs).", choices=tuple(dict.fromkeys(SFT_FORMATS + PREFERENCE_FORMATS)))
-    train_on_prompt: bool = _arg(False, "sft", "Also train on prompt tokens (default: assistant/completion tokens only).")
+    data: list[str] | None = _arg(
+        None, "sft", "Training data files or directories (JSONL/JSON/Parquet); default: the embedded tasks."
+    )
+    eval_data: list[str] | None = _arg(
+        None, "sft", "Held-out data files; default: the embedded eval tasks when --data is not given."
+    )
+    val_size: float = _arg(
+        0.0, "sft", "Hold out this many training examples (int) or this fraction (<1) for evaluation."
+    )
+    data_format: str = _arg(
+        "auto",
+        "sft",
+        "Record format (stage dpo: auto, standard, conversational, sharegpt or alpaca preference pairs).",
+        choices=tuple(dict.fromkeys(SFT_FORMATS + PREFERENCE_FORMATS)),
+    )
+    train_on_prompt: bool = _arg(
+        False, "sft", "Also train on prompt tokens (default: assistant/completion tokens only)."
+    )
     mask_history: bool = _arg(False, "sft", "Train only on the last assistant turn of each conversation.")
     skip_bad_examples: bool = _arg(False, "sft", "Turn malformed examples into counted warnings instead of errors.")
-    model_dtype: str | None = _arg(None, "sft", "Load the weights in this dtype (default: the checkpoint's).",
-                            choices=("float32", "bfloat16", "float16"))
-    eval_exact_match: bool | None = _arg(None, "sft", "Report exact-match accuracy of greedy answers on held-out conversations "
-                                  "before and after training (default: on for the embedded tasks).")
-    exact_match_examples: int = _arg(200, "sft", "How many held-out conversations the exact-match evaluation uses "
-                                    "(0: none).")
+    model_dtype: str | None = _arg(
+        None,
+        "sft",
+        "Load the weights in this dtype (default: the checkpoint's).",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    eval_exact_match: bool | None = _arg(
+        None,
+        "sft",
+        "Report exact-match accuracy of greedy answers on held-out conversations "
+        "before and after training (default: on for the embedded tasks).",
+    )
+    exact_match_examples: int = _arg(
+        200, "sft", "How many held-out conversations the exact-match evaluation uses (0: none)."
+    )
     max_new_tokens: int = _arg(32, "sft", "Longest answer generated for the sample answers printed at the end.")
     plot: bool = _arg(True, "sft", "Save the train/eval loss curve as output_dir/loss_curve.png (needs matplotlib).")
-    attn_implementation: str = _arg("auto", "sft", "Attention backend, by transformers' names (auto: flash-attn on "
-                                    "CUDA in bf16/fp16 when installed, else flex or sdpa; sdpa on CPU).",
-                                    choices=tuple(ATTN_IMPLEMENTATIONS))
+    attn_implementation: str = _arg(
+        "auto",
+        "sft",
+        "Attention backend, by transformers' names (auto: flash-attn on "
+        "CUDA in bf16/fp16 when installed, else flex or sdpa; sdpa on CPU).",
+        choices=tuple(ATTN_IMPLEMENTATIONS),
+    )
 
 
 def held_out_conversations(paths, limit: int) -> list[list[dict]]:
@@ -149,7 +196,7 @@ def exact_match_flags(model, tokenizer, conversations, batch_size: int = 64) -> 
     right = []
     for start in range(0, len(conversations), batch_size):
         rows, spans = [], []
-        for messages in conversations[start:start + batch_size]:
+        for messages in conversations[start : start + batch_size]:
             prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
             answer = tokenizer.encode(messages[-1]["content"]) + [tokenizer.eos_token_id]
             rows.append(prompt + answer)
@@ -158,11 +205,11 @@ def exact_match_flags(model, tokenizer, conversations, batch_size: int = 64) -> 
         ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-            mask[i, :len(r)] = 1
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
         predicted = model(ids.to(device), attention_mask=mask.to(device)).logits.argmax(-1).cpu()  # (B, T)
         for i, (p, n) in enumerate(spans):
-            right.append(bool(torch.equal(predicted[i, p - 1:p - 1 + n], ids[i, p:p + n])))
+            right.append(bool(torch.equal(predicted[i, p - 1 : p - 1 + n], ids[i, p : p + n])))
     model.train(was_training)
     return right
 
@@ -187,9 +234,12 @@ def sample_answers(model, tokenizer, conversations, max_new_tokens: int) -> list
     out = []
     for messages in conversations:
         prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
-        ids = generate(model, torch.tensor([prompt], device=device), max_new_tokens, eos_token_id=tokenizer.eos_token_id)
-        out.append((messages[-2]["content"], tokenizer.decode(ids[0, len(prompt):].tolist()).strip(),
-                    messages[-1]["content"]))
+        ids = generate(
+            model, torch.tensor([prompt], device=device), max_new_tokens, eos_token_id=tokenizer.eos_token_id
+        )
+        out.append(
+            (messages[-2]["content"], tokenizer.decode(ids[0, len(prompt) :].tolist()).strip(), messages[-1]["content"])
+        )
     model.train(was_training)
     return out
 
@@ -198,16 +248,26 @@ def main(argv: list[str] | None = None, stage: str = "sft") -> int:
     """The command of `stage` (`python -m trainer.dpo` is stage dpo): a config file and flags, or nothing for the
     embedded default."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("--") and "--help" not in argv and "-h" not in argv
-                    and not any(a.split("=")[0] in ("--model", "--data") for a in argv)):
+    if not argv or (
+        argv[0].startswith("--")
+        and "--help" not in argv
+        and "-h" not in argv
+        and not any(a.split("=")[0] in ("--model", "--data") for a in argv)
+    ):
         argv = [str(DEMO_CONFIGS[stage])] + argv  # the embedded default; flags still win
     if stage != "sft":
-        argv = [*argv[:1], "--stage", stage, *argv[1:]] if argv and not argv[0].startswith("-") else ["--stage", stage, *argv]
+        argv = (
+            [*argv[:1], "--stage", stage, *argv[1:]]
+            if argv and not argv[0].startswith("-")
+            else ["--stage", stage, *argv]
+        )
     try:
         return _run(argv, stage)
     except KeyboardInterrupt:
-        print(f"interrupted; to resume from the newest checkpoint, if any:\n    {resume_command(argv, stage)}",
-              file=sys.stderr)
+        print(
+            f"interrupted; to resume from the newest checkpoint, if any:\n    {resume_command(argv, stage)}",
+            file=sys.stderr,
+        )
         return 130
     except Exception as exc:
         if world()[1] > 1:  # the other ranks would wait for this one in their next collective
@@ -217,16 +277,20 @@ def main(argv: list[str] | None = None, stage: str = "sft") -> int:
             return 1
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             # OutOfSpaceError from a checkpoint (it removed its partial copy), or any other write on a full disk
-            print(f"error: {exc.strerror if isinstance(exc, OutOfSpaceError) else exc}; free space, then resume from "
-                  f"the newest checkpoint with:\n    {resume_command(argv, stage)}", file=sys.stderr)
+            print(
+                f"error: {exc.strerror if isinstance(exc, OutOfSpaceError) else exc}; free space, then resume from "
+                f"the newest checkpoint with:\n    {resume_command(argv, stage)}",
+                file=sys.stderr,
+            )
             return 1
         raise
 
 
 def _run(argv: list[str], stage: str) -> int:
     try:
-        args, sft, pref = parse_args(argv, extra_dataclasses=(SFTArguments, PreferenceArguments),
-                                     prog=f"python -m {COMMANDS[stage]}")
+        args, sft, pref = parse_args(
+            argv, extra_dataclasses=(SFTArguments, PreferenceArguments), prog=f"python -m {COMMANDS[stage]}"
+        )
         check_run(args, sft, pref)
         inputs = read_inputs(args, sft, pref)  # every file read and checked before the summary, the build or a write
         with hold_output_dir(args.output_dir, rank=int(os.environ.get("RANK", "0"))):  # one run per output_dir
@@ -270,8 +334,10 @@ def check_run(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
         resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a damaged or missing one: exit 2, nothing built
     _check_resume_arguments(args)
     if sft.train_on_prompt and sft.mask_history:
-        raise ConfigError("train_on_prompt and mask_history cannot both be set (train_on_prompt trains every token, "
-                          "mask_history the last assistant turn only)")
+        raise ConfigError(
+            "train_on_prompt and mask_history cannot both be set (train_on_prompt trains every token, "
+            "mask_history the last assistant turn only)"
+        )
     _check_sft_values(sft)
     _check_eval_data(args, sft)
     if args.dist_config is not None and args.dist_config.get("dcp_path"):
@@ -284,22 +350,37 @@ def check_run(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
         kernels.current_backend()  # refuses an unknown KERNELS_BACKEND
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if args.use_kernels and not args.use_liger_kernel and not kernels.HAS_TRITON and (
-            cuda or interpreter_on() or kernels.current_backend() == "triton"):
-        raise ConfigError(f"use_kernels: our kernels run on Triton here, but {TRITON_MISSING}; "
-                          "or pass --use_kernels false")
+    if (
+        args.use_kernels
+        and not args.use_liger_kernel
+        and not kernels.HAS_TRITON
+        and (cuda or interpreter_on() or kernels.current_backend() == "triton")
+    ):
+        raise ConfigError(
+            f"use_kernels: our kernels run on Triton here, but {TRITON_MISSING}; or pass --use_kernels false"
+        )
     if args.use_kernels and not cuda and kernels.current_backend() == "triton" and not interpreter_on():
-        raise ConfigError("KERNELS_BACKEND=triton: Triton kernels on a CPU need the interpreter (TRITON_INTERPRET=1, "
-                          "about 37 us per program: for tests); unset it to run the PyTorch references")
+        raise ConfigError(
+            "KERNELS_BACKEND=triton: Triton kernels on a CPU need the interpreter (TRITON_INTERPRET=1, "
+            "about 37 us per program: for tests); unset it to run the PyTorch references"
+        )
     if args.use_liger_kernel:
         if not cuda:
-            raise ConfigError("use_liger_kernel: liger-kernel's Triton kernels need a CUDA GPU, and none is visible; "
-                              "leave it off (--use_kernels runs kernelwright's, with a CPU reference)")
+            raise ConfigError(
+                "use_liger_kernel: liger-kernel's Triton kernels need a CUDA GPU, and none is visible; "
+                "leave it off (--use_kernels runs kernelwright's, with a CPU reference)"
+            )
         if importlib.util.find_spec("liger_kernel") is None:
             raise ConfigError("use_liger_kernel: liger-kernel is not installed (pip install liger-kernel)")
-    if cuda and (args.bf16 or args.bf16_full_eval or sft.model_dtype == "bfloat16") and not torch.cuda.is_bf16_supported():
-        raise ConfigError("bf16: this GPU does not support bfloat16 (it needs compute capability 8.0, Ampere, or "
-                          "newer); use --fp16 instead")
+    if (
+        cuda
+        and (args.bf16 or args.bf16_full_eval or sft.model_dtype == "bfloat16")
+        and not torch.cuda.is_bf16_supported()
+    ):
+        raise ConfigError(
+            "bf16: this GPU does not support bfloat16 (it needs compute capability 8.0, Ampere, or "
+            "newer); use --fp16 instead"
+        )
     _check_attention(args, sft, cuda)
     _check_context_length(args, sft)
     if args.use_peft:
@@ -312,21 +393,26 @@ def _check_stage(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
     if sft.stage == "sft":
         given = [f.name for f in dataclasses.fields(pref) if getattr(pref, f.name) != f.default]
         if given:
-            raise ConfigError(f"{', '.join(given)}: preference options, but stage is sft; use python -m trainer.dpo "
-                              "(or --stage dpo)")
+            raise ConfigError(
+                f"{', '.join(given)}: preference options, but stage is sft; use python -m trainer.dpo (or --stage dpo)"
+            )
         if sft.data_format not in SFT_FORMATS:
-            raise ConfigError(f"data_format={sft.data_format!r}: a preference format; stage sft reads "
-                              f"{', '.join(SFT_FORMATS)}")
+            raise ConfigError(
+                f"data_format={sft.data_format!r}: a preference format; stage sft reads {', '.join(SFT_FORMATS)}"
+            )
         return
     if sft.data_format not in PREFERENCE_FORMATS:
-        raise ConfigError(f"data_format={sft.data_format!r}: stage dpo reads preference pairs: "
-                          f"{', '.join(PREFERENCE_FORMATS)}")
+        raise ConfigError(
+            f"data_format={sft.data_format!r}: stage dpo reads preference pairs: {', '.join(PREFERENCE_FORMATS)}"
+        )
     for name in ("train_on_prompt", "mask_history"):
         if getattr(sft, name):
             raise ConfigError(f"{name}: stage dpo trains on the answers of preference pairs only; leave it off")
     if args.batching_strategy != "normal":
-        raise ConfigError(f"batching_strategy={args.batching_strategy!r}: stage dpo batches pairs with "
-                          "batching_strategy='normal' only")
+        raise ConfigError(
+            f"batching_strategy={args.batching_strategy!r}: stage dpo batches pairs with "
+            "batching_strategy='normal' only"
+        )
     if pref.ref_model:
         check_model_name(pref.ref_model)
 
@@ -335,11 +421,14 @@ def _check_sft_values(sft: SFTArguments) -> None:
     """The sft command's own numbers: val_size a count (a whole number >= 1) or a fraction in (0, 1),
     exact_match_examples >= 0 (0: no exact-match check) and max_new_tokens >= 1."""
     if sft.val_size < 0 or (sft.val_size >= 1 and sft.val_size != int(sft.val_size)):
-        raise ConfigError(f"val_size={sft.val_size:g}: expected 0 (no held-out split), a count of examples (a whole "
-                          "number >= 1) or a fraction in (0, 1)")
+        raise ConfigError(
+            f"val_size={sft.val_size:g}: expected 0 (no held-out split), a count of examples (a whole "
+            "number >= 1) or a fraction in (0, 1)"
+        )
     if sft.exact_match_examples < 0:
-        raise ConfigError(f"exact_match_examples={sft.exact_match_examples}: expected a count >= 0 (0: no exact-match "
-                          "check)")
+        raise ConfigError(
+            f"exact_match_examples={sft.exact_match_examples}: expected a count >= 0 (0: no exact-match check)"
+        )
     if sft.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={sft.max_new_tokens}: must be a positive integer")
 
@@ -350,19 +439,27 @@ def _check_eval_data(args, sft: SFTArguments) -> None:
     reports."""
     if sft.val_size and (sft.eval_data or not sft.data):
         given = "--eval_data" if sft.eval_data else "the embedded tasks' own eval set (no --data)"
-        raise ConfigError(f"val_size={sft.val_size:g} holds out part of --data for evaluation, but {given} is the "
-                          "evaluation data already; give one of them")
-    evaluates = [f"{name}={getattr(args, name)!r}" for name, off in (("eval_strategy", "no"), ("eval_on_start", False))
-                 if getattr(args, name) != off]
+        raise ConfigError(
+            f"val_size={sft.val_size:g} holds out part of --data for evaluation, but {given} is the "
+            "evaluation data already; give one of them"
+        )
+    evaluates = [
+        f"{name}={getattr(args, name)!r}"
+        for name, off in (("eval_strategy", "no"), ("eval_on_start", False))
+        if getattr(args, name) != off
+    ]
     if evaluates and sft.data and not sft.eval_data and not sft.val_size:
-        raise ConfigError(f"{' and '.join(evaluates)} asks for evaluation, but there is no evaluation data: give "
-                          "--eval_data FILE or --val_size N (held out of --data), or turn evaluation off "
-                          "(--eval_strategy no, no --eval_on_start)")
+        raise ConfigError(
+            f"{' and '.join(evaluates)} asks for evaluation, but there is no evaluation data: give "
+            "--eval_data FILE or --val_size N (held out of --data), or turn evaluation off "
+            "(--eval_strategy no, no --eval_on_start)"
+        )
     best = args.metric_for_best_model
     reported = PREFERENCE_EVAL_METRICS if sft.stage == "dpo" else EVAL_METRICS
     if best and best.removeprefix("eval_") not in reported:  # the command has no compute_metrics
-        raise ConfigError(f"metric_for_best_model={best!r}: the evaluation reports "
-                          f"{', '.join(reported)} (as eval_<name> or <name>)")
+        raise ConfigError(
+            f"metric_for_best_model={best!r}: the evaluation reports {', '.join(reported)} (as eval_<name> or <name>)"
+        )
 
 
 def _check_context_length(args, sft: SFTArguments) -> None:
@@ -372,8 +469,11 @@ def _check_context_length(args, sft: SFTArguments) -> None:
     if not (is_preset(sft.model) or (Path(sft.model) / "config.json").is_file()):
         return
     config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
-    warning = context_length_warning(config, args.cutoff_len, f"preset {sft.model!r}" if is_preset(sft.model)
-                                     else str(Path(sft.model) / "config.json"))
+    warning = context_length_warning(
+        config,
+        args.cutoff_len,
+        f"preset {sft.model!r}" if is_preset(sft.model) else str(Path(sft.model) / "config.json"),
+    )
     if warning and int(os.environ.get("RANK", "0")) == 0:
         print(warning, file=sys.stderr)
 
@@ -429,26 +529,33 @@ def _check_output_dir(args, sft: SFTArguments, pref: PreferenceArguments) -> Non
     if args.overwrite_output_dir or args.resume_from_checkpoint or not out.is_dir():
         return
     # complete checkpoints only: a run killed during its first save left a checkpoint-N.tmp, and its re-run starts
-    trained = ("checkpoints" if checkpoints(out) else
-               "a trained model" if any((out / name).exists()
-                                        for name in ("config.json", "model.safetensors", "adapter_config.json"))
-               else None)
+    trained = (
+        "checkpoints"
+        if checkpoints(out)
+        else "a trained model"
+        if any((out / name).exists() for name in ("config.json", "model.safetensors", "adapter_config.json"))
+        else None
+    )
     if trained is None:
         return
     saved = out / RUN_ARGS_FILES[sft.stage]
     if saved.is_file() and json.loads(saved.read_text()) == run_arguments(args, sft, pref):
         return
-    raise ConfigError(f"output_dir: {out} already holds {trained} of another run (it is not empty); use "
-                      "--overwrite_output_dir to overcome, --resume_from_checkpoint auto to continue it, or another "
-                      "--output_dir")
+    raise ConfigError(
+        f"output_dir: {out} already holds {trained} of another run (it is not empty); use "
+        "--overwrite_output_dir to overcome, --resume_from_checkpoint auto to continue it, or another "
+        "--output_dir"
+    )
 
 
 def _check_attention(args, sft: SFTArguments, cuda: bool) -> None:
     backend = ATTN_IMPLEMENTATIONS[sft.attn_implementation]
     name = f"attn_implementation={sft.attn_implementation!r}"
     if backend in ("flex", "flash") and not cuda:
-        raise ConfigError(f"{name} needs a CUDA GPU, and none is visible (on a CPU, flex attention runs forward "
-                          "only); use sdpa or auto")
+        raise ConfigError(
+            f"{name} needs a CUDA GPU, and none is visible (on a CPU, flex attention runs forward "
+            "only); use sdpa or auto"
+        )
     if backend == "flash":
         if _flash_attn() is None:
             raise ConfigError(f"{name} needs flash-attn (pip install flash-attn --no-build-isolation)")
@@ -482,21 +589,40 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
     eval_files = sft.eval_data or ([str(EVAL_FILE)] if embedded else None)
     cache = dict(cache_dir=Path(args.output_dir) / ".cache", show_progress=not args.disable_tqdm, write_cache=False)
     if sft.stage == "sft":
+
         def load(files):
-            return load_sft_dataset(files, tokenizer, data_format=sft.data_format, cutoff_len=args.cutoff_len,
-                                    train_on_prompt=sft.train_on_prompt, mask_history=sft.mask_history,
-                                    skip_bad_examples=sft.skip_bad_examples, **cache)
+            return load_sft_dataset(
+                files,
+                tokenizer,
+                data_format=sft.data_format,
+                cutoff_len=args.cutoff_len,
+                train_on_prompt=sft.train_on_prompt,
+                mask_history=sft.mask_history,
+                skip_bad_examples=sft.skip_bad_examples,
+                **cache,
+            )
     else:
-        truncation = dict(max_length=args.cutoff_len, max_prompt_length=pref.max_prompt_length,
-                          truncation_mode=pref.truncation_mode, show_progress=not args.disable_tqdm)
+        truncation = dict(
+            max_length=args.cutoff_len,
+            max_prompt_length=pref.max_prompt_length,
+            truncation_mode=pref.truncation_mode,
+            show_progress=not args.disable_tqdm,
+        )
 
         def load(files):
             if embedded:  # the embedded tasks, each with a plausible wrong answer rejected (trainer.tasks)
                 pairs = [preference_pair(ex) for ex in read_examples(files)]
                 return pairs_dataset(pairs, Path(files[0]).name, tokenizer, **truncation)
-            return load_preference_dataset(files, tokenizer, data_format=sft.data_format,
-                                           skip_bad_examples=sft.skip_bad_examples, **truncation,
-                                           cache_dir=cache["cache_dir"], write_cache=False)
+            return load_preference_dataset(
+                files,
+                tokenizer,
+                data_format=sft.data_format,
+                skip_bad_examples=sft.skip_bad_examples,
+                **truncation,
+                cache_dir=cache["cache_dir"],
+                write_cache=False,
+            )
+
     train_ds = load(train_files)
     loaded, eval_ds = [train_ds], None
     if eval_files:
@@ -504,10 +630,13 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
         loaded.append(eval_ds)
     elif sft.val_size:
         val = int(sft.val_size) if sft.val_size >= 1 else sft.val_size
-        train_ds, eval_ds = split_dataset(train_ds, val, seed=args.data_seed if args.data_seed is not None else args.seed)
+        train_ds, eval_ds = split_dataset(
+            train_ds, val, seed=args.data_seed if args.data_seed is not None else args.seed
+        )
     # the plan every rank will make (world size from the launcher's WORLD_SIZE): one that trains nothing is refused
-    BatchLoader.from_args(train_ds, args, args.per_device_train_batch_size, train=True,
-                          world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    BatchLoader.from_args(
+        train_ds, args, args.per_device_train_batch_size, train=True, world_size=int(os.environ.get("WORLD_SIZE", "1"))
+    )
     check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
     conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
     return RunInputs(train_ds, eval_ds, loaded, conversations, embedded, tokenizer)
@@ -539,8 +668,11 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
         if args.overwrite_output_dir and not args.resume_from_checkpoint:
             aside = move_aside_previous_run(out)
             if aside is not None:
-                print(f"overwrite_output_dir: moved the earlier run's checkpoints and model files in {out} to "
-                      f"{aside.name}/ (delete it when you no longer need them)", file=sys.stderr)
+                print(
+                    f"overwrite_output_dir: moved the earlier run's checkpoints and model files in {out} to "
+                    f"{aside.name}/ (delete it when you no longer need them)",
+                    file=sys.stderr,
+                )
     for loaded in inputs.loaded:  # every rank, as each reads the cache; rank 0 holds output_dir's lock by now
         save_to_cache(loaded)
     train_ds, eval_ds, conversations, embedded = inputs.train_ds, inputs.eval_ds, inputs.conversations, inputs.embedded
@@ -549,34 +681,58 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
         if eval_ds is not None:
             print(f"eval data: {len(eval_ds)} {'pairs' if sft.stage == 'dpo' else 'examples'}", file=sys.stderr)
     set_seed(args.seed)
-    model, _ = build_model(sft.model, args, dtype=sft.model_dtype,
-                           attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation])
+    model, _ = build_model(
+        sft.model, args, dtype=sft.model_dtype, attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation]
+    )
     tokenizer = inputs.tokenizer  # saved with the model: the template the data was rendered with
     before = exact_match_accuracy(model, tokenizer, conversations) if conversations else None
     if before is not None and rank == 0:
-        print(f"exact match before training: {before:.1%} of {len(conversations)} held-out conversations", file=sys.stderr)
+        print(
+            f"exact match before training: {before:.1%} of {len(conversations)} held-out conversations", file=sys.stderr
+        )
 
     if sft.stage == "dpo":
         # a reference model given by name is built like the policy, without the policy's LoRA adapter
-        ref_model = None if not pref.ref_model else build_model(
-            pref.ref_model, dataclasses.replace(args, use_peft=False), dtype=sft.model_dtype,
-            attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation])[0]
-        trainer = PreferenceTrainer(model=model, args=args, pref=pref, ref_model=ref_model, train_dataset=train_ds,
-                                    eval_dataset=eval_ds, processing_class=tokenizer)
+        ref_model = (
+            None
+            if not pref.ref_model
+            else build_model(
+                pref.ref_model,
+                dataclasses.replace(args, use_peft=False),
+                dtype=sft.model_dtype,
+                attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation],
+            )[0]
+        )
+        trainer = PreferenceTrainer(
+            model=model,
+            args=args,
+            pref=pref,
+            ref_model=ref_model,
+            train_dataset=train_ds,
+            eval_dataset=eval_ds,
+            processing_class=tokenizer,
+        )
     else:
-        trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                          processing_class=tokenizer)
+        trainer = Trainer(
+            model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer
+        )
     preferred = trainer.preference_accuracy(eval_ds) if sft.stage == "dpo" and eval_ds is not None else None
     if preferred is not None and rank == 0:
-        print(f"preference accuracy before training: {preferred:.1%} of {len(eval_ds)} held-out pairs (the chosen "
-              "answer likelier than the rejected one)", file=sys.stderr)
+        print(
+            f"preference accuracy before training: {preferred:.1%} of {len(eval_ds)} held-out pairs (the chosen "
+            "answer likelier than the rejected one)",
+            file=sys.stderr,
+        )
     started = time.perf_counter()
     output = trainer.train()
     state = trainer.state
     elapsed = time.perf_counter() - started
     if trainer.stop_signal is not None:
-        print(f"stopped by {trainer.stop_signal.name} at step {state.global_step}; resume with:\n"
-              f"    {resume_command(argv, sft.stage)}", file=sys.stderr)
+        print(
+            f"stopped by {trainer.stop_signal.name} at step {state.global_step}; resume with:\n"
+            f"    {resume_command(argv, sft.stage)}",
+            file=sys.stderr,
+        )
         return 128 + trainer.stop_signal
     final = trainer.save_model(args.output_dir)
     summary = {"train_runtime_s": round(elapsed, 1), "global_step": state.global_step}
@@ -587,8 +743,9 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
     if eval_ds is not None:
         summary.update(trainer.evaluate())
     if preferred is not None:
-        summary.update({"preference_accuracy_before": preferred,
-                        "preference_accuracy_after": trainer.preference_accuracy(eval_ds)})
+        summary.update(
+            {"preference_accuracy_before": preferred, "preference_accuracy_after": trainer.preference_accuracy(eval_ds)}
+        )
     if before is not None:
         flags = exact_match_flags(model, tokenizer, conversations)
         summary.update({"exact_match_before": before, "exact_match_after": sum(flags) / len(flags)})
@@ -602,11 +759,25 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
         return 0
     (Path(args.output_dir) / "final_metrics.json").write_text(to_json(summary, indent=2) + "\n")
     requested.update(trainer.checkpoint_arguments)  # what ran: a resume keeps the checkpoint's learning rate, ...
-    (Path(args.output_dir) / RUN_ARGS_FILES[sft.stage]).write_text(json.dumps(requested, indent=2, sort_keys=True) + "\n")
+    (Path(args.output_dir) / RUN_ARGS_FILES[sft.stage]).write_text(
+        json.dumps(requested, indent=2, sort_keys=True) + "\n"
+    )
     plot = plot_loss_curve(state.log_history, Path(args.output_dir) / "loss_curve.png") if sft.plot else None
-    print("\n".join([""] + how_to_use(final, sft.model, args.use_peft) + [
-        "final metrics: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}),
-    ] + ([f"loss curve: {plot}" if plot else "loss curve: not plotted (pip install matplotlib)"] if sft.plot else [])))
+    print(
+        "\n".join(
+            [""]
+            + how_to_use(final, sft.model, args.use_peft)
+            + [
+                "final metrics: "
+                + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}),
+            ]
+            + (
+                [f"loss curve: {plot}" if plot else "loss curve: not plotted (pip install matplotlib)"]
+                if sft.plot
+                else []
+            )
+        )
+    )
     return 0
 
 
@@ -622,7 +793,7 @@ def how_to_use(final: Path, model: str, lora: bool) -> list[str]:
             f"    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {where!r})",
             f"  (BASE: a Hugging Face directory of the base model {model!r})",
             f"merge it into a plain model: python -m trainer.merge --model {model} --adapter {final} --output_dir OUT",
-            f"or try it here: python -m trainer.generate --model {model} --adapter {final} --prompt \"...\"",
+            f'or try it here: python -m trainer.generate --model {model} --adapter {final} --prompt "..."',
         ]
     hint = "" if importlib.util.find_spec("transformers") else " (pip install transformers)"
     return [
@@ -631,7 +802,7 @@ def how_to_use(final: Path, model: str, lora: bool) -> list[str]:
         "    from transformers import AutoModelForCausalLM, AutoTokenizer",
         f"    model = AutoModelForCausalLM.from_pretrained({where!r})",
         f"    tokenizer = AutoTokenizer.from_pretrained({where!r})",
-        f"or try it here: python -m trainer.generate --model {final} --prompt \"...\"",
+        f'or try it here: python -m trainer.generate --model {final} --prompt "..."',
     ]
 
 

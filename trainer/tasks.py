@@ -37,8 +37,16 @@ NUM_TRAIN, NUM_EVAL, SEED = 4000, 200, 0
 KINDS = ("reverse", "sort", "add", "upper", "convert")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 # (from, to, factor): metric conversions to a smaller unit, so every answer is an integer.
-_CONVERSIONS = (("km", "m", 1000), ("m", "cm", 100), ("cm", "mm", 10), ("m", "mm", 1000), ("kg", "g", 1000),
-                ("g", "mg", 1000), ("l", "ml", 1000), ("t", "kg", 1000))
+_CONVERSIONS = (
+    ("km", "m", 1000),
+    ("m", "cm", 100),
+    ("cm", "mm", 10),
+    ("m", "mm", 1000),
+    ("kg", "g", 1000),
+    ("g", "mg", 1000),
+    ("l", "ml", 1000),
+    ("t", "kg", 1000),
+)
 _MASK64 = (1 << 64) - 1
 
 
@@ -136,7 +144,7 @@ def wrong_answer(prompt: str) -> str:
         return str(int(right) + (1 if int(right) % 2 == 0 else -1))
     if head == "sort":
         i = next((k for k in range(len(right) - 1) if right[k] != right[k + 1]), None)
-        return right[:-1] if i is None else right[:i] + right[i + 1] + right[i] + right[i + 2:]
+        return right[:-1] if i is None else right[:i] + right[i + 1] + right[i] + right[i + 2 :]
     if head == "reverse":
         if arg != right:
             return arg
@@ -150,8 +158,11 @@ def preference_pair(example: dict) -> dict:
     """A task conversation as a preference pair in TRL's conversational format: the right answer chosen, a
     plausible wrong one (`wrong_answer`) rejected."""
     user, assistant = example["messages"]
-    return {"prompt": [user], "chosen": [assistant],
-            "rejected": [{"role": "assistant", "content": wrong_answer(user["content"])}]}
+    return {
+        "prompt": [user],
+        "chosen": [assistant],
+        "rejected": [{"role": "assistant", "content": wrong_answer(user["content"])}],
+    }
 
 
 def exact_match(prediction: str, reference: str) -> bool:
@@ -163,8 +174,9 @@ def _dumps(examples: list[dict]) -> str:
     return "".join(json.dumps(ex, ensure_ascii=False) + "\n" for ex in examples)
 
 
-def write_task_files(out_dir: str | Path, num_train: int = NUM_TRAIN, num_eval: int = NUM_EVAL,
-                     seed: int = SEED) -> tuple[Path, Path]:
+def write_task_files(
+    out_dir: str | Path, num_train: int = NUM_TRAIN, num_eval: int = NUM_EVAL, seed: int = SEED
+) -> tuple[Path, Path]:
     """Write tasks_train.jsonl and tasks_eval.jsonl under out_dir; returns their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,8 @@ from pathlib import Path
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
 
 from .checkpoint_hf import CheckpointError, read_json
 
@@ -51,7 +52,9 @@ class TokenizerError(ValueError):
 def _bytes_to_unicode() -> dict[int, str]:
     # The byte-level alphabet GPT-2 introduced: printable bytes map to themselves, the rest to code points
     # from 256 up, so every byte is one visible character the BPE model can hold in its vocabulary.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = list(printable)
     extra = 0
     for b in range(256):
@@ -103,8 +106,9 @@ def _compile_template(source: str):
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlocks])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationBlocks]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -123,10 +127,21 @@ def _token_content(value) -> str | None:
 class Tokenizer:
     """Encode, decode and render chat templates; the special-token ids the data pipeline needs."""
 
-    def __init__(self, backend, *, bos_token=None, eos_token=None, pad_token=None, unk_token=None,
-                 chat_template: str | None = None, model_max_length: int | None = None,
-                 add_bos_token: bool = False, add_eos_token: bool = False, extra_config: dict | None = None,
-                 name_or_path: str = ""):
+    def __init__(
+        self,
+        backend,
+        *,
+        bos_token=None,
+        eos_token=None,
+        pad_token=None,
+        unk_token=None,
+        chat_template: str | None = None,
+        model_max_length: int | None = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+        extra_config: dict | None = None,
+        name_or_path: str = "",
+    ):
         self.backend = backend  # tokenizers.Tokenizer
         self.name_or_path = name_or_path  # the directory it was read from ("" when built here)
         self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
@@ -196,12 +211,22 @@ class Tokenizer:
             self._template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         return self._template
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False,
-                            chat_template: str | None = None, **kwargs):
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        tokenize: bool = False,
+        chat_template: str | None = None,
+        **kwargs,
+    ):
         """Render `messages` with the model's chat template (or the default ChatML one) -> text or ids."""
-        text = self._compiled(chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                                    **kwargs)
+        text = self._compiled(chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
         return self.encode(text) if tokenize else text
 
     @property
@@ -216,8 +241,9 @@ class Tokenizer:
         tracker = next(e for e in template.environment.extensions.values() if isinstance(e, _GenerationBlocks))
         tracker.rendered, tracker.spans = [], []
         try:
-            for piece in template.generate(messages=messages, bos_token=self.bos_token or "",
-                                           eos_token=self.eos_token or "", **kwargs):
+            for piece in template.generate(
+                messages=messages, bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs
+            ):
                 tracker.rendered.append(piece)
             return "".join(tracker.rendered), tracker.spans
         finally:
@@ -225,11 +251,13 @@ class Tokenizer:
 
     # ---- files ----------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "Tokenizer":
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise TokenizerError(f"{tok_file}: not found (a fast tokenizer file is required; convert with transformers once)")
+            raise TokenizerError(
+                f"{tok_file}: not found (a fast tokenizer file is required; convert with transformers once)"
+            )
         try:
             backend = Backend.from_file(str(tok_file))
         except Exception as exc:
@@ -246,15 +274,27 @@ class Tokenizer:
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
             template = jinja_file.read_text()
-        known = {"bos_token", "eos_token", "pad_token", "unk_token", "chat_template", "model_max_length",
-                 "add_bos_token", "add_eos_token"}
+        known = {
+            "bos_token",
+            "eos_token",
+            "pad_token",
+            "unk_token",
+            "chat_template",
+            "model_max_length",
+            "add_bos_token",
+            "add_eos_token",
+        }
         max_len = config.get("model_max_length")
-        return cls(backend, **names, chat_template=template,
-                   model_max_length=int(max_len) if isinstance(max_len, (int, float)) and max_len < 1e12 else None,
-                   add_bos_token=bool(config.get("add_bos_token", False)),
-                   add_eos_token=bool(config.get("add_eos_token", False)),
-                   extra_config={k: v for k, v in config.items() if k not in known and k != "added_tokens_decoder"},
-                   name_or_path=str(path))
+        return cls(
+            backend,
+            **names,
+            chat_template=template,
+            model_max_length=int(max_len) if isinstance(max_len, (int, float)) and max_len < 1e12 else None,
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            add_eos_token=bool(config.get("add_eos_token", False)),
+            extra_config={k: v for k, v in config.items() if k not in known and k != "added_tokens_decoder"},
+            name_or_path=str(path),
+        )
 
     def adopt_default_chat_template(self) -> bool:
         """Make ChatML (`DEFAULT_CHAT_TEMPLATE`, what rendering falls back to) this tokenizer's own template when it has
@@ -270,11 +310,24 @@ class Tokenizer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path / "tokenizer.json"))
-        specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
-                                      ("pad_token", self.pad_token), ("unk_token", self.unk_token)) if v is not None}
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.extra_config, **specials,
-                  "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token,
-                  "clean_up_tokenization_spaces": False}
+        specials = {
+            k: v
+            for k, v in (
+                ("bos_token", self.bos_token),
+                ("eos_token", self.eos_token),
+                ("pad_token", self.pad_token),
+                ("unk_token", self.unk_token),
+            )
+            if v is not None
+        }
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **self.extra_config,
+            **specials,
+            "add_bos_token": self.add_bos_token,
+            "add_eos_token": self.add_eos_token,
+            "clean_up_tokenization_spaces": False,
+        }
         config["tokenizer_class"] = "PreTrainedTokenizerFast"  # we save the fast tokenizer only
         if self.model_max_length is not None:
             config["model_max_length"] = self.model_max_length
@@ -305,5 +358,10 @@ def byte_level_tokenizer(model_max_length: int = 2048) -> Tokenizer:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHATML_SPECIALS])
-    return Tokenizer(backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=DEFAULT_CHAT_TEMPLATE,
-                     model_max_length=model_max_length)
+    return Tokenizer(
+        backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=DEFAULT_CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+    )

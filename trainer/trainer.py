@@ -59,23 +59,37 @@ from . import checkpoint as ckpt
 from .args import TrainingArguments
 from .batching import BatchLoader
 from .build import apply_model_settings, causal_lm
-from .checkpoint_hf import to_json
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
-from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
-from .deepspeed_engine import CHECKPOINT_DIR as DEEPSPEED_DIR, DeepSpeedRun
-from .model import HostLabels
-from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
-from .optim import build_lr_scheduler, build_optimizer
+from .checkpoint_hf import to_json
+from .deepspeed_engine import CHECKPOINT_DIR as DEEPSPEED_DIR
+from .deepspeed_engine import DeepSpeedRun
 from .dist import init_distributed, local_device, world
+from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
 from .lora import has_adapter, trainable_summary
+from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
+from .model import HostLabels
+from .optim import build_lr_scheduler, build_optimizer
 from .parallel import apply_all, gradient_sync, is_fsdp, unwrap, uses_deepspeed, uses_fsdp
 from .parallel import save_sharded as save_sharded_state
-from .resume import (apply_checkpoint_arguments, load_model_weights, restore_checkpoint, save_model_files,
-                     saved_arguments)
+from .resume import (
+    apply_checkpoint_arguments,
+    load_model_weights,
+    restore_checkpoint,
+    save_model_files,
+    saved_arguments,
+)
 
 __all__ = [
-    "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "EarlyStoppingCallback", "EvalPrediction",
-    "PredictionOutput", "TrainOutput", "TrainingError", "set_seed",
+    "Trainer",
+    "TrainerCallback",
+    "TrainerControl",
+    "TrainerState",
+    "EarlyStoppingCallback",
+    "EvalPrediction",
+    "PredictionOutput",
+    "TrainOutput",
+    "TrainingError",
+    "set_seed",
 ]
 
 
@@ -125,9 +139,20 @@ def _model_device(model: nn.Module) -> torch.device:
 class Trainer:
     """Hugging Face's `Trainer` constructor and methods, over our loop. See the module docstring."""
 
-    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, model_init=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), preprocess_logits_for_metrics=None):
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+    ):
         if args is None:
             args = TrainingArguments()
         if model is None and model_init is None:
@@ -145,7 +170,9 @@ class Trainer:
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         if model_init is not None and self.optimizer is not None:
-            raise ValueError("Trainer: optimizers cannot be passed together with model_init (the model is rebuilt per train())")
+            raise ValueError(
+                "Trainer: optimizers cannot be passed together with model_init (the model is rebuilt per train())"
+            )
         self.callback_handler = CallbackHandler(callbacks)
         self.state = TrainerState(is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
@@ -191,8 +218,10 @@ class Trainer:
                 self.optimizer, self.lr_scheduler = None, None
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                self._print(f"auto_find_batch_size: out of memory; retrying with per_device_train_batch_size={micro}, "
-                            f"gradient_accumulation_steps={accum}")
+                self._print(
+                    f"auto_find_batch_size: out of memory; retrying with per_device_train_batch_size={micro}, "
+                    f"gradient_accumulation_steps={accum}"
+                )
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """Save the model (Hugging Face layout for ours) and the tokenizer to output_dir (args.output_dir)."""
@@ -201,7 +230,9 @@ class Trainer:
             out.mkdir(parents=True, exist_ok=True)
         self._save_model_files(out)  # every rank: gathering sharded weights is a collective
         if self.rank == 0:
-            (out / "training_args.json").write_text(to_json(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+            (out / "training_args.json").write_text(
+                to_json(self.args.to_dict(), indent=2, sort_keys=True, default=str) + "\n"
+            )
         if self.world_size > 1:
             torch.distributed.barrier()  # on return the files exist for every rank
         return out
@@ -215,8 +246,11 @@ class Trainer:
             for name, ds in dataset.items():
                 metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
-        output = self._prediction_loop(dataset, metric_key_prefix,
-                                       want_predictions=self.compute_metrics is not None and not self.args.prediction_loss_only)
+        output = self._prediction_loop(
+            dataset,
+            metric_key_prefix,
+            want_predictions=self.compute_metrics is not None and not self.args.prediction_loss_only,
+        )
         return output.metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
@@ -230,12 +264,20 @@ class Trainer:
         was_training = model.training
         model.eval()
         loader = self._eval_loader(dataset)
-        output = prediction_loop(model, loader, device=device, prefix=prefix, want_predictions=want_predictions,
-                                 autocast=functools.partial(self._autocast, device, train=False),
-                                 compute_loss=self._compute_loss, logits_loss=self._logits_loss,
-                                 compute_metrics=self.compute_metrics,
-                                 preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
-                                 eval_accumulation_steps=self.args.eval_accumulation_steps, world_size=self.world_size)
+        output = prediction_loop(
+            model,
+            loader,
+            device=device,
+            prefix=prefix,
+            want_predictions=want_predictions,
+            autocast=functools.partial(self._autocast, device, train=False),
+            compute_loss=self._compute_loss,
+            logits_loss=self._logits_loss,
+            compute_metrics=self.compute_metrics,
+            preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
+            eval_accumulation_steps=self.args.eval_accumulation_steps,
+            world_size=self.world_size,
+        )
         if was_training:
             model.train()
         return output
@@ -249,8 +291,10 @@ class Trainer:
             raise ValueError("Trainer.train: no train_dataset")
         model = self.model
         if self.optimizer is not None and uses_fsdp(args) and not is_fsdp(model):
-            raise ValueError("optimizers: FSDP2 replaces the parameters with sharded ones, so the optimizer must be "
-                             "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2")
+            raise ValueError(
+                "optimizers: FSDP2 replaces the parameters with sharded ones, so the optimizer must be "
+                "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2"
+            )
         # LoRA -> activation checkpointing -> per-block compile -> FSDP2/DDP, before the optimizer is built (it must
         # see only the adapter as trainable, and FSDP2's sharded parameters); a model from trainer.build.build_model has them already (apply_all is idempotent)
         model = self.model = apply_all(model, args)
@@ -266,33 +310,63 @@ class Trainer:
             self.scaler = torch.amp.GradScaler(device.type)
 
         every = args.resolve_steps(max_steps)
-        state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs, is_world_process_zero=self.rank == 0,
-                             train_batch_size=micro, logging_steps=every["logging_steps"],
-                             eval_steps=every["eval_steps"] or every["logging_steps"], save_steps=every["save_steps"])
+        state = TrainerState(
+            max_steps=max_steps,
+            num_train_epochs=num_epochs,
+            is_world_process_zero=self.rank == 0,
+            train_batch_size=micro,
+            logging_steps=every["logging_steps"],
+            eval_steps=every["eval_steps"] or every["logging_steps"],
+            save_steps=every["save_steps"],
+        )
         if resume is not None:
-            restored = restore_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler,
-                                          scaler=self.scaler, loader=loader, args=args, rank=self.rank,
-                                          world_size=self.world_size, micro=micro, accum=accum,
-                                          windows_per_epoch=windows_per_epoch, deepspeed=self.deepspeed)
-            state = TrainerState.from_dict({**restored["trainer_state"], "max_steps": max_steps,
-                                            "num_train_epochs": num_epochs})
-            self.checkpoint_arguments, changes = apply_checkpoint_arguments(resume, args, saved_arguments(resume),
-                                                                           restored["rng_reseeded"])
+            restored = restore_checkpoint(
+                resume,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                scaler=self.scaler,
+                loader=loader,
+                args=args,
+                rank=self.rank,
+                world_size=self.world_size,
+                micro=micro,
+                accum=accum,
+                windows_per_epoch=windows_per_epoch,
+                deepspeed=self.deepspeed,
+            )
+            state = TrainerState.from_dict(
+                {**restored["trainer_state"], "max_steps": max_steps, "num_train_epochs": num_epochs}
+            )
+            self.checkpoint_arguments, changes = apply_checkpoint_arguments(
+                resume, args, saved_arguments(resume), restored["rng_reseeded"]
+            )
             for line in changes:
                 self._print(line)
             if restored["rng_reseeded"]:
-                self._print(f"warning: resume_from_checkpoint: saved by {restored['saved_world']} process(es), resumed "
-                            f"by {self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
-                            f"{args.seed}, the step and the rank (dropout/NEFTune noise differs from an unbroken run)")
+                self._print(
+                    f"warning: resume_from_checkpoint: saved by {restored['saved_world']} process(es), resumed "
+                    f"by {self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
+                    f"{args.seed}, the step and the rank (dropout/NEFTune noise differs from an unbroken run)"
+                )
             self._print(f"resumed from {resume} at step {state.global_step}")
             if state.global_step >= max_steps:
-                self._print(f"resume_from_checkpoint: {resume} is at step {state.global_step} and max_steps is "
-                            f"{max_steps}: nothing left to train; the weights are the checkpoint's")
+                self._print(
+                    f"resume_from_checkpoint: {resume} is at step {state.global_step} and max_steps is "
+                    f"{max_steps}: nothing left to train; the weights are the checkpoint's"
+                )
         self.state = state
         self.control = TrainerControl()
-        writer = MetricsWriter(args.output_dir, args.report_to, args.logging_dir, enabled=self.rank == 0,
-                               run_name=args.run_name, config=args.to_dict(), run_ids=state.logger_run_ids,
-                               resumed_step=state.global_step if resume is not None else None)
+        writer = MetricsWriter(
+            args.output_dir,
+            args.report_to,
+            args.logging_dir,
+            enabled=self.rank == 0,
+            run_name=args.run_name,
+            config=args.to_dict(),
+            run_ids=state.logger_run_ids,
+            resumed_step=state.global_step if resume is not None else None,
+        )
         state.logger_run_ids = writer.run_ids  # saved in every checkpoint, so that a resume logs to the same runs
         throughput = Throughput()
         peak_flops = device_peak_flops(device)
@@ -318,31 +392,47 @@ class Trainer:
                 self.control = self.callback_handler.fire("on_epoch_begin", args, state, self.control)
                 for window in range(first_window, windows_per_epoch):
                     # The last window of an epoch takes the leftover micro batches too (see the docstring).
-                    size = accum if window < windows_per_epoch - 1 else micro_per_epoch - accum * (windows_per_epoch - 1)
+                    size = (
+                        accum if window < windows_per_epoch - 1 else micro_per_epoch - accum * (windows_per_epoch - 1)
+                    )
                     micro_batches = [next(batches) for _ in range(size)]
                     self.control = self.callback_handler.fire("on_step_begin", args, state, self.control)
 
                     # 1. forward/backward over the window, each micro loss normalised by the window's targets
-                    window_loss, window_tokens, global_tokens = self._forward_backward(model, micro_batches, device,
-                                                                                       state, throughput)
+                    window_loss, window_tokens, global_tokens = self._forward_backward(
+                        model, micro_batches, device, state, throughput
+                    )
                     # 2. clip, check, step (or skip): the step's one host sync
-                    learning_rate, window_tokens = self._clip_and_step(model, optimizer, scheduler, window_loss,
-                                                                       window_tokens, global_tokens, device, state, sums)
+                    learning_rate, window_tokens = self._clip_and_step(
+                        model, optimizer, scheduler, window_loss, window_tokens, global_tokens, device, state, sums
+                    )
                     state.global_step += 1
                     state.epoch = epoch + (window + 1) / windows_per_epoch
                     if flops_per_token:
                         state.total_flos += flops_per_token * window_tokens
                     progress.update(1)
-                    if args.torch_empty_cache_steps and state.global_step % args.torch_empty_cache_steps == 0 \
-                            and device.type == "cuda":
+                    if (
+                        args.torch_empty_cache_steps
+                        and state.global_step % args.torch_empty_cache_steps == 0
+                        and device.type == "cuda"
+                    ):
                         torch.cuda.empty_cache()
                     self.control = self.callback_handler.fire("on_step_end", args, state, self.control, model=model)
 
                     # 3. log / evaluate / save on schedule
                     self._mark_due(state, max_steps, sums.nonfinite_in_row)
                     if self.control.should_log:
-                        self._log_training(state, sums, learning_rate, throughput, device, peak_flops,
-                                           flops_per_token, writer, progress)
+                        self._log_training(
+                            state,
+                            sums,
+                            learning_rate,
+                            throughput,
+                            device,
+                            peak_flops,
+                            flops_per_token,
+                            writer,
+                            progress,
+                        )
                     self._maybe_evaluate_and_save(state, model, optimizer, scheduler, loader, writer, progress)
                     if self.control.should_training_stop or self.control.should_epoch_stop:
                         break
@@ -364,15 +454,17 @@ class Trainer:
             # and counts the whole run's samples and steps against this call's runtime; here all three cover this
             # call's steps only.
             samples_trained = steps_trained * args.total_train_batch_size(self.world_size)
-            metrics = {"train_runtime": runtime, "train_samples_per_second": samples_trained / max(runtime, 1e-9),
-                       "train_steps_per_second": steps_trained / max(runtime, 1e-9),
-                       "total_flos": state.total_flos,
-                       "train_loss": training_loss if sums.train_loss_steps else None}
+            metrics = {
+                "train_runtime": runtime,
+                "train_samples_per_second": samples_trained / max(runtime, 1e-9),
+                "train_steps_per_second": steps_trained / max(runtime, 1e-9),
+                "total_flos": state.total_flos,
+                "train_loss": training_loss if sums.train_loss_steps else None,
+            }
             if self.stop_signal is None:  # a stopped run is not at its end: its resume logs them, once
                 self._log(state, metrics, writer, progress)
         except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this point
-            self._print(f"aborted by a second Ctrl-C after step {state.global_step}, without saving; "
-                        f"{self._on_disk()}")
+            self._print(f"aborted by a second Ctrl-C after step {state.global_step}, without saving; {self._on_disk()}")
             raise
         finally:
             progress.close()
@@ -383,16 +475,20 @@ class Trainer:
         elif steps_trained and state.nonfinite_steps - start_nonfinite == steps_trained:
             # Every step was skipped: the weights are the starting ones, and a caller saving them as "the trained
             # model" would replace a good model with an untrained one (transformers goes on and saves it).
-            raise TrainingError(f"training failed: all {steps_trained} steps had a non-finite loss or gradient norm, "
-                                f"so no update reached the weights (lower the learning rate, check the data, or try "
-                                f"bf16 instead of fp16); {self._on_disk()}")
+            raise TrainingError(
+                f"training failed: all {steps_trained} steps had a non-finite loss or gradient norm, "
+                f"so no update reached the weights (lower the learning rate, check the data, or try "
+                f"bf16 instead of fp16); {self._on_disk()}"
+            )
         if args.load_best_model_at_end and state.best_model_checkpoint and self.stop_signal is None:
             if self.deepspeed is not None:
                 self.deepspeed.load_checkpoint(Path(state.best_model_checkpoint) / DEEPSPEED_DIR, weights_only=True)
             else:
                 load_model_weights(self.model, Path(state.best_model_checkpoint))
-            self._print(f"loaded the best model from {state.best_model_checkpoint} ({args.metric_for_best_model}="
-                        f"{state.best_metric})")
+            self._print(
+                f"loaded the best model from {state.best_model_checkpoint} ({args.metric_for_best_model}="
+                f"{state.best_metric})"
+            )
         self.control = self.callback_handler.fire("on_train_end", args, state, self.control, model=model)
         return TrainOutput(state.global_step, training_loss, metrics)
 
@@ -425,14 +521,25 @@ class Trainer:
         if self.world_size > 1:
             # Each rank holds its share of the window's loss and tokens: log the sums over all ranks, the loss
             # divided by world_size (_loss_normaliser). float64 counts tokens exactly.
-            totals = torch.stack([window_loss.double(), torch.full((), float(window_tokens),
-                                                                   dtype=torch.float64, device=device)])
+            totals = torch.stack(
+                [window_loss.double(), torch.full((), float(window_tokens), dtype=torch.float64, device=device)]
+            )
             torch.distributed.all_reduce(totals)
             window_loss, global_tokens = totals[0] / self.world_size, totals[1]
         return window_loss, window_tokens, global_tokens
 
-    def _clip_and_step(self, model, optimizer, scheduler, window_loss, window_tokens: int, global_tokens, device,
-                       state, sums: _RunningSums) -> tuple[float, int]:
+    def _clip_and_step(
+        self,
+        model,
+        optimizer,
+        scheduler,
+        window_loss,
+        window_tokens: int,
+        global_tokens,
+        device,
+        state,
+        sums: _RunningSums,
+    ) -> tuple[float, int]:
         """Clip the gradients, bring the window's numbers to the host (the step's one sync), then step the optimizer
         and the scheduler, or skip a non-finite (or fp16-overflowing) update; zero the gradients either way.
         Returns the learning rate this step used and the window's tokens (over all ranks with several).
@@ -446,8 +553,9 @@ class Trainer:
         if self.deepspeed is not None:
             self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
             applied, grad_norm = self.deepspeed.step()
-            loss_value, grad_norm_value, window_tokens = self._host_numbers(window_loss, grad_norm, window_tokens,
-                                                                            global_tokens, device)
+            loss_value, grad_norm_value, window_tokens = self._host_numbers(
+                window_loss, grad_norm, window_tokens, global_tokens, device
+            )
             state.num_input_tokens_seen += window_tokens
             finite = math.isfinite(loss_value) and applied
             stepped = applied and math.isfinite(loss_value)
@@ -459,12 +567,12 @@ class Trainer:
                 self.scaler.unscale_(optimizer)
             params = [p for p in model.parameters() if p.grad is not None]
             max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
-            grad_norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if params
-                         else torch.zeros((), device=device))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros((), device=device)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards (already used to clip)
                 grad_norm = grad_norm.full_tensor()
-            loss_value, grad_norm_value, window_tokens = self._host_numbers(window_loss, grad_norm, window_tokens,
-                                                                            global_tokens, device)
+            loss_value, grad_norm_value, window_tokens = self._host_numbers(
+                window_loss, grad_norm, window_tokens, global_tokens, device
+            )
             state.num_input_tokens_seen += window_tokens
             finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
             self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
@@ -495,23 +603,30 @@ class Trainer:
         elif not finite:
             state.nonfinite_steps += 1
             sums.nonfinite_in_row += 1
-            self._print(f"step {state.global_step + 1}: non-finite loss ({loss_value}) or grad_norm "
-                        f"({grad_norm_value}); update skipped")
+            self._print(
+                f"step {state.global_step + 1}: non-finite loss ({loss_value}) or grad_norm "
+                f"({grad_norm_value}); update skipped"
+            )
             if sums.nonfinite_in_row >= args.max_nonfinite_steps:
                 last = ckpt.latest_checkpoint(args.output_dir)
                 raise TrainingError(
                     f"{sums.nonfinite_in_row} non-finite steps in a row (max_nonfinite_steps="
-                    f"{args.max_nonfinite_steps}); stopping. Last good checkpoint: {last or 'none saved'}")
+                    f"{args.max_nonfinite_steps}); stopping. Last good checkpoint: {last or 'none saved'}"
+                )
         self.control = self.callback_handler.fire("on_optimizer_step", args, state, self.control)
         return learning_rate, window_tokens
 
-    def _host_numbers(self, window_loss, grad_norm, window_tokens: int, global_tokens,
-                      device) -> tuple[float, float | None, int]:
+    def _host_numbers(
+        self, window_loss, grad_norm, window_tokens: int, global_tokens, device
+    ) -> tuple[float, float | None, int]:
         """The step's one host sync: one copy of every number the host needs, (loss, gradient norm, the window's
         tokens over all ranks with several). `.to(device)`: FSDP2 with offloaded parameters, and DeepSpeed, have
         the norm on the CPU; DeepSpeed may have none (stage 0 without clipping)."""
-        on_device = [window_loss] + ([grad_norm] if grad_norm is not None else []) + (
-            [global_tokens] if global_tokens is not None else [])
+        on_device = (
+            [window_loss]
+            + ([grad_norm] if grad_norm is not None else [])
+            + ([global_tokens] if global_tokens is not None else [])
+        )
         host = torch.stack([t.to(device, torch.float64) for t in on_device]).tolist()
         loss_value = host.pop(0)
         grad_norm_value = host.pop(0) if grad_norm is not None else None
@@ -536,13 +651,27 @@ class Trainer:
             self.control.should_save = True
             self.control.should_training_stop = True
 
-    def _log_training(self, state, sums: _RunningSums, learning_rate: float, throughput, device, peak_flops,
-                      flops_per_token, writer, progress) -> None:
+    def _log_training(
+        self,
+        state,
+        sums: _RunningSums,
+        learning_rate: float,
+        throughput,
+        device,
+        peak_flops,
+        flops_per_token,
+        writer,
+        progress,
+    ) -> None:
         """The training log line: the mean loss of the steps since the last log, the last gradient norm, the
         learning rate, the throughput since the last log, MFU and memory; then the sums start over."""
         # Skipped (non-finite) steps are not averaged in; a window of only skipped steps logs no loss.
-        logs = {"loss": sums.logged_loss / sums.logged_steps if sums.logged_steps else None,
-                "grad_norm": sums.last_grad_norm, "learning_rate": learning_rate, **self._extra_logs()}
+        logs = {
+            "loss": sums.logged_loss / sums.logged_steps if sums.logged_steps else None,
+            "grad_norm": sums.last_grad_norm,
+            "learning_rate": learning_rate,
+            **self._extra_logs(),
+        }
         speed = throughput.mark()
         logs.update(speed)
         if peak_flops and flops_per_token:
@@ -567,23 +696,32 @@ class Trainer:
         trainable, total = sum(n for n, grad in sizes if grad), sum(n for n, _ in sizes)
         processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
         if loader.max_tokens is not None:  # token-budget batching: a micro batch is a token count, not a row count
-            global_batch = (f"{processes} x micro batches of up to {loader.max_tokens:,} tokens x {accum} accumulation "
-                            f"= {self.world_size * accum} micro batches per step")
+            global_batch = (
+                f"{processes} x micro batches of up to {loader.max_tokens:,} tokens x {accum} accumulation "
+                f"= {self.world_size * accum} micro batches per step"
+            )
         else:
-            global_batch = (f"{processes} x {micro} micro batch x {accum} accumulation = "
-                            f"{self.world_size * micro * accum} sequences per step")
-        self._print("\n".join([
-            "***** Running training *****",
-            f"  Num examples = {len(self.train_dataset):,}",
-            f"  Num Epochs = {num_epochs:,}",
-            f"  Instantaneous batch size per device = {micro:,}",
-            f"  Total train batch size (w. parallel, distributed & accumulation) = "
-            f"{self.args.total_train_batch_size(self.world_size):,}",
-            f"  Gradient Accumulation steps = {accum}",
-            f"  Total optimization steps = {max_steps:,}",
-            f"  Number of trainable parameters = {trainable:,}",
-            f"  Global batch = {global_batch}",
-        ] + ([trainable_summary(trainable, total)] if has_adapter(unwrap(model)) else [])))
+            global_batch = (
+                f"{processes} x {micro} micro batch x {accum} accumulation = "
+                f"{self.world_size * micro * accum} sequences per step"
+            )
+        self._print(
+            "\n".join(
+                [
+                    "***** Running training *****",
+                    f"  Num examples = {len(self.train_dataset):,}",
+                    f"  Num Epochs = {num_epochs:,}",
+                    f"  Instantaneous batch size per device = {micro:,}",
+                    f"  Total train batch size (w. parallel, distributed & accumulation) = "
+                    f"{self.args.total_train_batch_size(self.world_size):,}",
+                    f"  Gradient Accumulation steps = {accum}",
+                    f"  Total optimization steps = {max_steps:,}",
+                    f"  Number of trainable parameters = {trainable:,}",
+                    f"  Global batch = {global_batch}",
+                ]
+                + ([trainable_summary(trainable, total)] if has_adapter(unwrap(model)) else [])
+            )
+        )
 
     # ---- pieces of the loop -----------------------------------------------------------------------------
     def _device(self, model) -> torch.device:
@@ -617,8 +755,11 @@ class Trainer:
         # A model that takes host labels (ours) gets them as the collator built them, so the fused loss skips the
         # ignored rows' matmuls without a device sync.
         host = {"labels"} if getattr(unwrap(model), "takes_host_labels", False) else set()
-        inputs = {k: v if k in host else (v.pin_memory() if pin else v).to(device, non_blocking=True)
-                  for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        inputs = {
+            k: v if k in host else (v.pin_memory() if pin else v).to(device, non_blocking=True)
+            for k, v in batch.items()
+            if isinstance(v, torch.Tensor)
+        }
         # remove_unused_columns in effect: only the keys the model's forward takes are passed.
         accepted = forward_params(model)
         kwargs = {k: v for k, v in inputs.items() if k in accepted or "**" in accepted}
@@ -646,8 +787,13 @@ class Trainer:
         # The labels move, not the logits (as transformers' ForCausalLMLoss does): logits[:, :-1].reshape(...) copied
         # (B*(T-1), V) in the forward, and autograd filled a zeroed (B, T, V) gradient to slice back into.
         targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): t predicts t+1
-        return kernels.cross_entropy(logits, targets, label_smoothing=self.args.label_smoothing_factor,
-                                     z_loss=self.args.z_loss, num_items=num_items)
+        return kernels.cross_entropy(
+            logits,
+            targets,
+            label_smoothing=self.args.label_smoothing_factor,
+            z_loss=self.args.z_loss,
+            num_items=num_items,
+        )
 
     def _configure_model(self, model):
         """Apply the arguments' model settings once, when the Trainer gets its model (at construction, or from
@@ -664,15 +810,21 @@ class Trainer:
         else:
             name = type(model).__name__
             if args.neftune_noise_alpha:
-                raise ValueError(f"neftune_noise_alpha: a {name} has no trainer.model.CausalLM inside to add the "
-                                 "noise; leave it unset for this model")
+                raise ValueError(
+                    f"neftune_noise_alpha: a {name} has no trainer.model.CausalLM inside to add the "
+                    "noise; leave it unset for this model"
+                )
             if args.use_liger_kernel:
-                raise ValueError(f"use_liger_kernel: a {name} has no trainer.model.CausalLM inside to run "
-                                 "liger-kernel's ops; leave it off for this model")
+                raise ValueError(
+                    f"use_liger_kernel: a {name} has no trainer.model.CausalLM inside to run "
+                    "liger-kernel's ops; leave it off for this model"
+                )
             accepted = forward_params(model)
             if (args.label_smoothing_factor or z_loss) and ("labels" in accepted or "**" in accepted):
-                raise ValueError(f"label_smoothing_factor/z_loss: a {name} computes its own loss from labels, which "
-                                 "would ignore them; use trainer.model.CausalLM or a model whose forward returns logits")
+                raise ValueError(
+                    f"label_smoothing_factor/z_loss: a {name} computes its own loss from labels, which "
+                    "would ignore them; use trainer.model.CausalLM or a model whose forward returns logits"
+                )
         if args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
             torch.backends.cudnn.allow_tf32 = bool(args.tf32)
@@ -687,8 +839,13 @@ class Trainer:
         if train:
             dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         else:
-            dtype = (torch.bfloat16 if args.bf16 or args.bf16_full_eval else
-                     torch.float16 if args.fp16 or args.fp16_full_eval else None)
+            dtype = (
+                torch.bfloat16
+                if args.bf16 or args.bf16_full_eval
+                else torch.float16
+                if args.fp16 or args.fp16_full_eval
+                else None
+            )
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=dtype)
@@ -701,9 +858,13 @@ class Trainer:
         if uses_deepspeed(args):
             if self.deepspeed is None:
                 self.deepspeed = DeepSpeedRun.initialize(
-                    model, args, world_size=self.world_size, max_steps=max_steps,
+                    model,
+                    args,
+                    world_size=self.world_size,
+                    max_steps=max_steps,
                     make_optimizer=lambda m: self.optimizer or build_optimizer(m, args),
-                    make_scheduler=lambda opt: self.lr_scheduler or build_lr_scheduler(opt, args, max_steps))
+                    make_scheduler=lambda opt: self.lr_scheduler or build_lr_scheduler(opt, args, max_steps),
+                )
                 self.model = self.deepspeed.engine
             self.optimizer, self.lr_scheduler = self.deepspeed.optimizer, self.deepspeed.scheduler
             return self.optimizer, self.lr_scheduler
@@ -728,8 +889,14 @@ class Trainer:
             if progress.disable:
                 self._print(f"step {state.global_step}/{state.max_steps} {format_logs(logs)}")
             else:
-                progress.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items()
-                                      if k in ("loss", "eval_loss", "learning_rate", "tokens_per_second")}, refresh=False)
+                progress.set_postfix(
+                    {
+                        k: (f"{v:.4g}" if isinstance(v, float) else v)
+                        for k, v in logs.items()
+                        if k in ("loss", "eval_loss", "learning_rate", "tokens_per_second")
+                    },
+                    refresh=False,
+                )
                 progress.write(f"step {state.global_step}/{state.max_steps} {format_logs(logs)}")
 
     def _maybe_evaluate_and_save(self, state, model, optimizer, scheduler, loader, writer, progress) -> None:
@@ -761,10 +928,20 @@ class Trainer:
         else:
             save_sharded = None
         path = ckpt.save_checkpoint(
-            args.output_dir, state.global_step, save_model=self._save_model_files,
-            optimizer=optimizer, scheduler=scheduler, scaler=self.scaler, data_state=loader.state_dict(),
-            trainer_state=state.to_dict(), args_dict=args.to_dict(), rank=self.rank, world_size=self.world_size,
-            save_only_model=args.save_only_model, save_sharded=save_sharded)
+            args.output_dir,
+            state.global_step,
+            save_model=self._save_model_files,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=self.scaler,
+            data_state=loader.state_dict(),
+            trainer_state=state.to_dict(),
+            args_dict=args.to_dict(),
+            rank=self.rank,
+            world_size=self.world_size,
+            save_only_model=args.save_only_model,
+            save_sharded=save_sharded,
+        )
         if self.rank == 0:
             ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
         self.control = self.callback_handler.fire("on_save", args, state, self.control)
@@ -788,13 +965,22 @@ class Trainer:
         sequence of examples, wrapped so that both shuffle deterministically and resume mid-epoch."""
         args = self.args
         if train and args.dataloader_num_workers:
-            self._print(f"dataloader_num_workers={args.dataloader_num_workers}: batches are collated in the main "
-                        "process from in-memory token arrays (microseconds each); no worker processes are started")
+            self._print(
+                f"dataloader_num_workers={args.dataloader_num_workers}: batches are collated in the main "
+                "process from in-memory token arrays (microseconds each); no worker processes are started"
+            )
         pad_id = getattr(self.processing_class, "pad_token_id", None)
-        loader = BatchLoader.from_args(dataset, args, micro, train=train,
-                                       pad_token_id=pad_id if pad_id is not None else 0, rank=self.rank,
-                                       world_size=self.world_size)
+        loader = BatchLoader.from_args(
+            dataset,
+            args,
+            micro,
+            train=train,
+            pad_token_id=pad_id if pad_id is not None else 0,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         if self.data_collator is not None:
+
             def collate(indices, is_padding=False):
                 batch = self.data_collator([dataset[i] for i in indices])
                 if is_padding:  # a filler batch that keeps ranks in step: it must not train
@@ -839,8 +1025,10 @@ class Trainer:
         last = ckpt.latest_checkpoint(self.args.output_dir)
         if last is None:
             return "no checkpoint on disk: a new run starts from the beginning"
-        return (f"the newest checkpoint is {last} (step {ckpt.checkpoint_step(last)}); resume with "
-                "resume_from_checkpoint='auto' or that path")
+        return (
+            f"the newest checkpoint is {last} (step {ckpt.checkpoint_step(last)}); resume with "
+            "resume_from_checkpoint='auto' or that path"
+        )
 
     def _restore_stop_signals(self, previous: dict) -> None:
         for sig, handler in previous.items():
@@ -856,7 +1044,9 @@ class _NoProgress:
 
     def update(self, n=1): ...
     def close(self): ...
-    def write(self, s): print(s, file=sys.stderr, flush=True)
+    def write(self, s):
+        print(s, file=sys.stderr, flush=True)
+
     def set_postfix(self, *a, **k): ...
 
 

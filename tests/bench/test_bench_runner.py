@@ -20,23 +20,41 @@ from bench import bench_train
 def test_speedup_series_labels_and_filter():
     rows = [
         {"provider": "torch", "mode": "forward", "tokens": 8, "hidden": 64, "dtype": "bf16"},
-        {"provider": "ours", "mode": "forward", "tokens": 8, "hidden": 64, "dtype": "bf16", "speedup_vs_torch": 2.0,
-         "speedup_vs_liger": None},
-        {"provider": "ours", "mode": "full", "tokens": 8, "hidden": 64, "dtype": "bf16", "speedup_vs_torch": 1.5,
-         "speedup_vs_liger": 0.5},
+        {
+            "provider": "ours",
+            "mode": "forward",
+            "tokens": 8,
+            "hidden": 64,
+            "dtype": "bf16",
+            "speedup_vs_torch": 2.0,
+            "speedup_vs_liger": None,
+        },
+        {
+            "provider": "ours",
+            "mode": "full",
+            "tokens": 8,
+            "hidden": 64,
+            "dtype": "bf16",
+            "speedup_vs_torch": 1.5,
+            "speedup_vs_liger": 0.5,
+        },
     ]
     labels, series = runner.speedup_series(rows)
     assert labels == ["forward 8 64 bf16", "full 8 64 bf16"]
     assert series == {"liger": [None, 0.5], "torch": [2.0, 1.5]}
     # every row with speed-ups (adamw, neftune): baselines' own rows are dropped, our variants named
-    rows = [{"impl": "torch_fused", "model": "m", "speedup_vs_torch_fused": 1.0},
-            {"impl": "ours_a", "model": "m", "speedup_vs_torch_fused": 3.0},
-            {"impl": "ours_b", "model": "m", "speedup_vs_torch_fused": 4.0}]
+    rows = [
+        {"impl": "torch_fused", "model": "m", "speedup_vs_torch_fused": 1.0},
+        {"impl": "ours_a", "model": "m", "speedup_vs_torch_fused": 3.0},
+        {"impl": "ours_b", "model": "m", "speedup_vs_torch_fused": 4.0},
+    ]
     labels, series = runner.speedup_series(rows)
     assert labels == ["ours_a m", "ours_b m"] and series == {"torch_fused": [3.0, 4.0]}
     # one script benching two ops (bench_rms_norm --op rms_norm fused_add_rms_norm): the op names the shape
-    rows = [{"op": op, "provider": "ours", "mode": "forward", "tokens": 8, "speedup_vs_torch": 2.0}
-            for op in ("rms_norm", "fused_add_rms_norm")]
+    rows = [
+        {"op": op, "provider": "ours", "mode": "forward", "tokens": 8, "speedup_vs_torch": 2.0}
+        for op in ("rms_norm", "fused_add_rms_norm")
+    ]
     assert runner.speedup_series(rows)[0] == ["rms_norm forward 8", "fused_add_rms_norm forward 8"]
 
 
@@ -98,8 +116,9 @@ def test_memory_ladder_doubles_then_bisects(monkeypatch, tmp_path):
         return {"status": "oom", "reason": "test"}
 
     monkeypatch.setattr(bench_train, "run_worker", fake_worker)
-    args = bench_train.parse_args(["--quick", "--configs", "ours,hf", "--micro-batch", "1", "--ladder-max-micro-batch",
-                                   "1024"])
+    args = bench_train.parse_args(
+        ["--quick", "--configs", "ours,hf", "--micro-batch", "1", "--ladder-max-micro-batch", "1024"]
+    )
     rows = bench_train.memory_ladder(args, bench_train.model_config("tiny"), tmp_path, tmp_path, "micro_batch")
     ladders = [r for r in rows if r["bench"] == "train_memory"]
     assert [r["max_fit"] for r in ladders] == [37, 37] and [r["first_oom"] for r in ladders] == [38, 38]
@@ -122,19 +141,30 @@ def test_memory_ladder_goes_on_after_an_oom_or_an_error(monkeypatch, tmp_path):
         return {"status": "ok"} if spec["seq_len"] <= 100 else {"status": "oom", "reason": "CUDA out of memory"}
 
     monkeypatch.setattr(bench_train, "run_worker", fake_worker)
-    args = bench_train.parse_args(["--quick", "--configs", "ours,hf", "--seq-len", "32", "--ladder-max-seq-len",
-                                   "4096", "--ladder-bisect", "2"])
+    args = bench_train.parse_args(
+        ["--quick", "--configs", "ours,hf", "--seq-len", "32", "--ladder-max-seq-len", "4096", "--ladder-bisect", "2"]
+    )
     rows = bench_train.memory_ladder(args, bench_train.model_config("tiny"), tmp_path, tmp_path, "seq_len")
     ours, hf = (r for r in rows if r["bench"] == "train_memory")
     assert ours["status"] == "incomplete" and ours["max_fit"] == 64 and "error at seq_len=128: boom" in ours["stopped"]
     assert hf["status"] == "ok" and hf["max_fit"] == 96 and hf["first_oom"] == 112 and hf["probes"] == 5
-    assert seen == [("ours", 32), ("ours", 64), ("ours", 128), ("hf", 32), ("hf", 64), ("hf", 128), ("hf", 96),
-                    ("hf", 112)]
-    capped = bench_train.parse_args(["--quick", "--configs", "ours", "--micro-batch", "1", "--ladder-max-micro-batch",
-                                     "4"])
+    assert seen == [
+        ("ours", 32),
+        ("ours", 64),
+        ("ours", 128),
+        ("hf", 32),
+        ("hf", 64),
+        ("hf", 128),
+        ("hf", 96),
+        ("hf", 112),
+    ]
+    capped = bench_train.parse_args(
+        ["--quick", "--configs", "ours", "--micro-batch", "1", "--ladder-max-micro-batch", "4"]
+    )
     monkeypatch.setattr(bench_train, "run_worker", lambda spec, timeout: {"status": "ok"})
-    (*_, summary) = bench_train.memory_ladder(capped, bench_train.model_config("tiny"), tmp_path, tmp_path,
-                                              "micro_batch")
+    (*_, summary) = bench_train.memory_ladder(
+        capped, bench_train.model_config("tiny"), tmp_path, tmp_path, "micro_batch"
+    )
     assert summary["max_fit"] == 4 and summary["capped_at"] == 4 and summary["first_oom"] is None
 
 

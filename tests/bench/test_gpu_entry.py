@@ -14,8 +14,20 @@ import torch
 
 from bench import common, gpu
 
-ENV_KEYS = ("device", "driver", "cuda", "date", "torch", "triton", "transformers", "peft", "liger_kernel", "git_sha",
-            "command", "perf_figure")
+ENV_KEYS = (
+    "device",
+    "driver",
+    "cuda",
+    "date",
+    "torch",
+    "triton",
+    "transformers",
+    "peft",
+    "liger_kernel",
+    "git_sha",
+    "command",
+    "perf_figure",
+)
 
 
 def rows_of(path):
@@ -44,10 +56,29 @@ def test_kernels_part_writes_rows_targets_and_one_chart(tmp_path):
 
 
 def test_memory_part_runs_a_rung_in_a_subprocess(tmp_path):
-    assert gpu.main(["--part", "memory", "--quick", "--out", str(tmp_path), "--configs", "ours,hf_liger",
-                     "--ladders", "micro_batch"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.log", "memory.md", "memory.png",
-                                                         "train_memory.jsonl", "train_memory.md"]
+    assert (
+        gpu.main(
+            [
+                "--part",
+                "memory",
+                "--quick",
+                "--out",
+                str(tmp_path),
+                "--configs",
+                "ours,hf_liger",
+                "--ladders",
+                "micro_batch",
+            ]
+        )
+        == 0
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "memory.log",
+        "memory.md",
+        "memory.png",
+        "train_memory.jsonl",
+        "train_memory.md",
+    ]
     rows = rows_of(tmp_path / "train_memory.jsonl")
     rung = next(r for r in rows if r["bench"] == "train_memory_rung")
     assert rung["impl"] == "ours" and rung["status"] == "ok" and rung["peak_memory_gb"] > 0
@@ -62,7 +93,8 @@ def test_memory_part_runs_a_rung_in_a_subprocess(tmp_path):
 def test_tests_part_reports_every_case_and_the_csrc_build(tmp_path):
     assert gpu.main(["--part", "tests", "--quick", "--out", str(tmp_path)]) == 0
     assert {"tests.md", "tests.jsonl", "tests_junit.xml", "pytest.log", "csrc_build.log"} <= {
-        p.name for p in tmp_path.iterdir()}
+        p.name for p in tmp_path.iterdir()
+    }
     rows = rows_of(tmp_path / "tests.jsonl")
     names = {r["test"] for r in rows}
     assert "tests.test_conftest::test_gpu_session_runs_compiled_kernels_not_the_interpreter" in names
@@ -83,8 +115,11 @@ def test_git_sha_from_the_environment_where_the_tree_has_no_git(tmp_path, monkey
 
 
 def test_bad_arguments_are_argparse_errors():
-    for argv in (["--part", "kernels", "--out", "x", "--only", "softmax"], ["--part", "gpu", "--out", "x"],
-                 ["--part", "tests", "--out", "x", "--budget-s", "0"]):
+    for argv in (
+        ["--part", "kernels", "--out", "x", "--only", "softmax"],
+        ["--part", "gpu", "--out", "x"],
+        ["--part", "tests", "--out", "x", "--budget-s", "0"],
+    ):
         with pytest.raises(SystemExit) as err:
             gpu.parse_args(argv)
         assert err.value.code == 2

@@ -107,7 +107,9 @@ def test_swiglu_rope_and_fused_add_norm_models():
         qr, kr = rf._modelled_apply("RoPEFunction").__func__(q, k, cos, sin)
         normed, total = rf._modelled_apply("FusedAddRMSNormFunction").__func__(x, res, w, 1e-5)
         trace.phase = "backward"
-        torch.autograd.backward([out, qr, kr, normed, total], [torch.empty_like(t) for t in (out, qr, kr, normed, total)])
+        torch.autograd.backward(
+            [out, qr, kr, normed, total], [torch.empty_like(t) for t in (out, qr, kr, normed, total)]
+        )
     assert out.shape == gate.shape and qr.shape == q.shape and kr.shape == k.shape and total.shape == x.shape
     assert gate.grad.shape == gate.shape and q.grad.shape == q.shape and w.grad.shape == w.shape
     by_name = {op.name: op for op in trace.ops}
@@ -120,8 +122,11 @@ def test_swiglu_rope_and_fused_add_norm_models():
     assert by_name["FusedAddRMSNormFunction:_rms_norm_fwd_kernel"].bytes == 4 * 2 * 8 * 32 * 4 + 32 * 4 + 16 * 4
     assert x.grad.shape == res.grad.shape == x.shape
     backward = sum(op.bytes for op in trace.ops if op.name.startswith("FusedAddRMSNormFunction.backward:"))
-    assert backward == sum(bench_rms_norm.traffic_model("backward", 16, 32, 4, 4, num_programs=2 * rf.H100_SMS,
-                                                        weight_once=True, residual_size=4))
+    assert backward == sum(
+        bench_rms_norm.traffic_model(
+            "backward", 16, 32, 4, 4, num_programs=2 * rf.H100_SMS, weight_once=True, residual_size=4
+        )
+    )
 
 
 def test_an_unmodelled_triton_launch_raises():
@@ -140,11 +145,22 @@ def test_four_stacks_at_a_tiny_size():
             assert {"flash_attention", "flash_attention.backward"} <= names
             assert {op.phase for op in trace.ops} == {"forward", "backward", "optimizer"}
             rows[stack, ignored] = rf.summarise(trace, dev) | {"names": names}
-    assert {"RMSNormFunction:_rms_norm_fwd_kernel", "RoPEFunction", "flce:aten.mm", "flce:_cross_entropy_fwd_kernel",
-            "fused_adamw:_adamw_kernel"} <= rows["ours", 0.0]["names"]
-    assert {"LigerRopeFunction", "LigerSiLUMulFunction", "liger_flce.logits", "_fused_adamw_"} <= rows["hf_liger", 0.0]["names"]
-    assert {"LigerRMSNormFunction:_rms_norm_fwd_kernel", "LigerRopeFunction", "LigerSiLUMulFunction",
-            "liger_flce.logits"} <= rows["ours_liger", 0.0]["names"]
+    assert {
+        "RMSNormFunction:_rms_norm_fwd_kernel",
+        "RoPEFunction",
+        "flce:aten.mm",
+        "flce:_cross_entropy_fwd_kernel",
+        "fused_adamw:_adamw_kernel",
+    } <= rows["ours", 0.0]["names"]
+    assert {"LigerRopeFunction", "LigerSiLUMulFunction", "liger_flce.logits", "_fused_adamw_"} <= rows["hf_liger", 0.0][
+        "names"
+    ]
+    assert {
+        "LigerRMSNormFunction:_rms_norm_fwd_kernel",
+        "LigerRopeFunction",
+        "LigerSiLUMulFunction",
+        "liger_flce.logits",
+    } <= rows["ours_liger", 0.0]["names"]
     assert "_log_softmax" in rows["hf", 0.0]["names"]
     # Same architecture: the same matmul FLOPs (HF's rotary embedding adds one small matmul: 0.2% here), except
     # that our loss skips the ignored rows.
@@ -153,7 +169,10 @@ def test_four_stacks_at_a_tiny_size():
     assert rows["ours", 0.5]["flops"] < rows["ours", 0.0]["flops"]
     assert rows["hf", 0.5]["flops"] == rows["hf", 0.0]["flops"]
     # our residual adds are fused into the norms (kernels.fused_add_rms_norm); unfused, ours_liger makes HF's adds
-    assert rows["ours", 0.0]["ms_residual_adds"] == 0 and "FusedAddRMSNormFunction:_rms_norm_fwd_kernel" in rows["ours", 0.0]["names"]
+    assert (
+        rows["ours", 0.0]["ms_residual_adds"] == 0
+        and "FusedAddRMSNormFunction:_rms_norm_fwd_kernel" in rows["ours", 0.0]["names"]
+    )
     assert rows["ours_liger", 0.0]["ms_residual_adds"] == pytest.approx(rows["hf", 0.0]["ms_residual_adds"])
     for row in rows.values():
         assert row["ms_step"] == pytest.approx(sum(row[f"ms_{c}"] for c in rf.CATEGORIES))
@@ -179,7 +198,8 @@ def test_our_ops_are_recorded_by_the_benches_byte_models():
     with rf.recording(trace):
         y = rf._modelled_apply("RMSNormFunction").__func__(x, w, 1e-5, 0.0, None)
         loss = rf._modelled_apply("FusedLinearCrossEntropyFunction").__func__(
-            hidden, weight, target, None, 0.0, -100, "mean", 0.0, None, torch.float32)
+            hidden, weight, target, None, 0.0, -100, "mean", 0.0, None, torch.float32
+        )
         trace.phase = "backward"
         torch.autograd.backward([y, loss], [torch.empty_like(y), torch.empty_like(loss)])
 
@@ -187,11 +207,15 @@ def test_our_ops_are_recorded_by_the_benches_byte_models():
         return sum(op.bytes for op in trace.ops if op.name.split(":")[0] == prefix)
 
     assert recorded("RMSNormFunction") == sum(bench_rms_norm.traffic_model("forward", m, n, 4, 4, weight_once=True))
-    assert recorded("RMSNormFunction.backward") == sum(bench_rms_norm.traffic_model(
-        "backward", m, n, 4, 4, num_programs=2 * rf.H100_SMS, weight_once=True))
+    assert recorded("RMSNormFunction.backward") == sum(
+        bench_rms_norm.traffic_model("backward", m, n, 4, 4, num_programs=2 * rf.H100_SMS, weight_once=True)
+    )
     kept = int((target != -100).sum())
-    host = {k: r + wr for k, (r, wr) in bench_flce.traffic_parts("forward", m, h, v, 2, m - kept, w=4).items()
-            if k in rf._FLCE_HOST}
+    host = {
+        k: r + wr
+        for k, (r, wr) in bench_flce.traffic_parts("forward", m, h, v, 2, m - kept, w=4).items()
+        if k in rf._FLCE_HOST
+    }
     assert recorded("flce") == sum(bench_flce.traffic_model("forward", m, h, v, 2, m - kept, w=4)) - sum(host.values())
     assert recorded("flce.backward") == sum(bench_flce.traffic_model("backward", m, h, v, 2, m - kept, w=4))
     matmul_flops = sum(op.flops for op in trace.ops if op.name.startswith("flce:aten."))
@@ -222,16 +246,29 @@ def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
     from bench import common
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    base = {"bench": "train", "perf_figure": True, "status": "ok", "model": "tiny", "seq_len": 32, "micro_batch": 2,
-            "grad_accum": 1}
-    rows = [base | {"impl": "ours", "step_ms": 90.0}, base | {"impl": "hf_liger", "step_ms": 100.0},
-            base | {"impl": "hf", "step_ms": 120.0, "grad_accum": 4},  # accumulation: not this step
-            base | {"impl": "hf", "step_ms": 1.0, "perf_figure": False}]  # a CPU row: not a measurement
+    base = {
+        "bench": "train",
+        "perf_figure": True,
+        "status": "ok",
+        "model": "tiny",
+        "seq_len": 32,
+        "micro_batch": 2,
+        "grad_accum": 1,
+    }
+    rows = [
+        base | {"impl": "ours", "step_ms": 90.0},
+        base | {"impl": "hf_liger", "step_ms": 100.0},
+        base | {"impl": "hf", "step_ms": 120.0, "grad_accum": 4},  # accumulation: not this step
+        base | {"impl": "hf", "step_ms": 1.0, "perf_figure": False},
+    ]  # a CPU row: not a measurement
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     measured = rf._measured("tiny", 32, 2)
     assert measured == {"ours": 90.0, "hf_liger": 100.0}
-    modelled = [{"stack": s, "ignored": i, "ms_step": ms, "peak_memory_gb": 1.0, **{f"ms_{c}": 0.0 for c in rf.CATEGORIES}}
-                for i in (0.0, 0.5) for s, ms in zip(rf.STACKS, (80.0, 90.0, 100.0, 95.0))]
+    modelled = [
+        {"stack": s, "ignored": i, "ms_step": ms, "peak_memory_gb": 1.0, **{f"ms_{c}": 0.0 for c in rf.CATEGORIES}}
+        for i in (0.0, 0.5)
+        for s, ms in zip(rf.STACKS, (80.0, 90.0, 100.0, 95.0))
+    ]
     for row in modelled:
         row.update(launches=1, bytes=1.0, flops=1.0, launch_overhead_ms=0.0)
     args = rf.parse_args(["--model", "tiny", "--seq_len", "32", "--micro_batch", "2"])

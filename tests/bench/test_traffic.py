@@ -69,7 +69,9 @@ def test_masked_copy_counts_active_lanes(dtype):
         _copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block)
     assert torch.equal(dst, src)
     nbytes = n * src.element_size()
-    assert (t.read_bytes, t.write_bytes, t.distinct_read, t.distinct_write) == (nbytes, nbytes, nbytes, nbytes), t.summary()
+    assert (t.read_bytes, t.write_bytes, t.distinct_read, t.distinct_write) == (nbytes, nbytes, nbytes, nbytes), (
+        t.summary()
+    )
     (launch,) = t.launches
     assert launch.kernel == "_copy_kernel" and launch.programs == 4
     tensors = t.by_tensor()
@@ -111,7 +113,9 @@ def test_atomic_reads_and_writes_its_element():
     tensors = t.by_tensor()
     acc = tensors["out_ptr"]
     # n atomic lanes of 4 bytes, each a read and a write, all on one 4-byte address
-    assert (acc.read, acc.write, acc.atomic, acc.distinct_read, acc.distinct_write) == (4 * n, 4 * n, 4 * n, 4, 4), t.summary()
+    assert (acc.read, acc.write, acc.atomic, acc.distinct_read, acc.distinct_write) == (4 * n, 4 * n, 4 * n, 4, 4), (
+        t.summary()
+    )
     assert (tensors["src_ptr"].read, tensors["src_ptr"].atomic) == (4 * n, 0)
 
 

@@ -44,8 +44,9 @@ FP32_TOL = {"param": (2e-6, 2e-6), "exp_avg": (2e-7, 1e-6), "exp_avg_sq": (1e-8,
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("KERNELWRIGHT_", "KERNELS_ADAMW"))}
     full_env.update(env)
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=120
+    )
 
 
 def _schema() -> str:
@@ -136,8 +137,21 @@ def test_pure_install_imports_and_cuda_forced_on_cpu_steps_on_the_reference():
 def test_schema_parses_with_the_expected_mutability():
     schema = torch._C.parse_schema(_schema())
     names = [a.name for a in schema.arguments]
-    assert names == ["params", "grads", "exp_avgs", "exp_avg_sqs", "masters", "steps", "lr", "beta1", "beta2", "eps",
-                     "weight_decay", "maximize", "stochastic_rounding"]
+    assert names == [
+        "params",
+        "grads",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "masters",
+        "steps",
+        "lr",
+        "beta1",
+        "beta2",
+        "eps",
+        "weight_decay",
+        "maximize",
+        "stochastic_rounding",
+    ]
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert written == {"params", "exp_avgs", "exp_avg_sqs", "masters", "steps"}
     assert not schema.returns
@@ -151,12 +165,37 @@ def test_optimizer_calls_the_op_in_schema_order(monkeypatch):
     lib.define(_schema().split("::", 1)[1])
     calls = []
 
-    def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps, weight_decay,
-                     maximize, stochastic_rounding):
+    def fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        masters,
+        steps,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        maximize,
+        stochastic_rounding,
+    ):
         calls.append((len(params), len(masters), lr, beta1, beta2, eps, weight_decay, maximize, stochastic_rounding))
-        kadamw._adamw_bucket_ref(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps),
-                                 list(masters) or None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                 weight_decay=weight_decay, maximize=maximize, stochastic_rounding=stochastic_rounding)
+        kadamw._adamw_bucket_ref(
+            list(params),
+            list(grads),
+            list(exp_avgs),
+            list(exp_avg_sqs),
+            list(steps),
+            list(masters) or None,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            stochastic_rounding=stochastic_rounding,
+        )
 
     lib.impl("fused_adamw_", fused_adamw_, "CPU")
     try:
@@ -166,10 +205,12 @@ def test_optimizer_calls_the_op_in_schema_order(monkeypatch):
         for dtype, master in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
             ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
             ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-            opt = FusedAdamW(ps, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, maximize=True,
-                             master_weights=master)
-            opt_ref = FusedAdamW(ref, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, maximize=True,
-                                 master_weights=master)
+            opt = FusedAdamW(
+                ps, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, maximize=True, master_weights=master
+            )
+            opt_ref = FusedAdamW(
+                ref, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, maximize=True, master_weights=master
+            )
             for _ in range(3):
                 for p, r in zip(ps, ref):
                     p.grad = torch.randn(p.shape, generator=g).to(dtype)
@@ -196,8 +237,9 @@ def test_optimizer_calls_the_op_in_schema_order(monkeypatch):
 def _setup_name(**env) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELWRIGHT_")}
     full_env.update(env)
-    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "setup.py", "--name"], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_setup_skips_the_build_when_asked():
@@ -294,8 +336,11 @@ def test_cuda_op_maximize_and_many_tensors():
     """More tensors than one launch holds (384 with CUDA >= 12.1, 48 before), maximize, other betas."""
     shapes = [(17 + i,) for i in range(400)]
     hyper = dict(betas=(0.8, 0.95), eps=1e-6, maximize=True)
-    _compare(_run_opt("cuda", torch.float32, False, shapes=shapes, **hyper),
-             _run_opt("reference", torch.float32, False, shapes=shapes, **hyper), torch.float32)
+    _compare(
+        _run_opt("cuda", torch.float32, False, shapes=shapes, **hyper),
+        _run_opt("reference", torch.float32, False, shapes=shapes, **hyper),
+        torch.float32,
+    )
 
 
 @pytest.mark.gpu

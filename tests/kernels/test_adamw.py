@@ -323,8 +323,19 @@ def test_reference_function_matches_torch():
     ref = torch.optim.AdamW(qs, lr=3e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.2, maximize=True, foreach=False)
     for _ in range(3):
         with torch.no_grad():
-            adamw_step_ref([p.data for p in ps], grads, ms, vs, steps, lr=3e-3, beta1=0.8, beta2=0.9, eps=1e-6,
-                           weight_decay=0.2, maximize=True)
+            adamw_step_ref(
+                [p.data for p in ps],
+                grads,
+                ms,
+                vs,
+                steps,
+                lr=3e-3,
+                beta1=0.8,
+                beta2=0.9,
+                eps=1e-6,
+                weight_decay=0.2,
+                maximize=True,
+            )
         for q, g in zip(qs, grads):
             q.grad = g.clone()
         ref.step()

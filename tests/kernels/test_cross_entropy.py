@@ -196,7 +196,13 @@ def test_every_output_element_is_written():
     grad = poisoned_like(logits)
     loss_rows = torch.full((9,), float("nan"))
     out_rows, lse, out_grad = ce_mod.cross_entropy_fwd(
-        logits, target, label_smoothing=0.1, z_loss=1e-3, grad_scale=torch.tensor(0.5), grad_out=grad, loss_out=loss_rows
+        logits,
+        target,
+        label_smoothing=0.1,
+        z_loss=1e-3,
+        grad_scale=torch.tensor(0.5),
+        grad_out=grad,
+        loss_out=loss_rows,
     )
     assert out_grad is grad and out_rows is loss_rows
     assert torch.isfinite(grad.float()).all() and torch.isfinite(loss_rows).all() and torch.isfinite(lse).all()
@@ -274,7 +280,9 @@ def test_no_grad_path_and_out_of_range_target():
     logits, target = make_inputs((7,), vocab=911, seed=10)
     with torch.no_grad():
         ours = cross_entropy(logits, target, reduction="none", label_smoothing=0.1)
-    torch.testing.assert_close(ours, F.cross_entropy(logits, target, reduction="none", label_smoothing=0.1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        ours, F.cross_entropy(logits, target, reduction="none", label_smoothing=0.1), rtol=1e-5, atol=1e-6
+    )
     target[2] = 911  # out of range: NaN for that row on the Triton path (no host-side check)
     x = logits.clone().requires_grad_()
     loss = cross_entropy(x, target, reduction="none")
@@ -325,7 +333,9 @@ def test_torch_compile_fullgraph_cpu():
 
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     loss, grad = run(lambda x, t: compiled(x, t), logits, target, 1.0)
-    ref_loss, ref_grad = run(lambda x, t: cross_entropy_ref(x, t, label_smoothing=0.1, z_loss=1e-3, num_items=9), logits, target, 1.0)
+    ref_loss, ref_grad = run(
+        lambda x, t: cross_entropy_ref(x, t, label_smoothing=0.1, z_loss=1e-3, num_items=9), logits, target, 1.0
+    )
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
 
@@ -341,7 +351,9 @@ def test_gpu_triton_compiles_fullgraph_matches_and_keeps_fp32():
     def fn(x, t, ls, z):
         return cross_entropy(x, t, label_smoothing=ls, z_loss=z)
 
-    ref_loss, ref_grad = run(lambda x, t: cross_entropy_ref(x.float(), t, label_smoothing=0.1, z_loss=1e-4), logits, target, 1.0)
+    ref_loss, ref_grad = run(
+        lambda x, t: cross_entropy_ref(x.float(), t, label_smoothing=0.1, z_loss=1e-4), logits, target, 1.0
+    )
     low_loss, low_grad = run(lambda x, t: torch_lowp(x, t, label_smoothing=0.1, z_loss=1e-4), logits, target, 1.0)
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -349,14 +361,18 @@ def test_gpu_triton_compiles_fullgraph_matches_and_keeps_fp32():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     recorder = EagerAndRecordGraphs()
-    rec_loss, _ = run(lambda x, t: torch.compile(fn, backend=recorder, fullgraph=True)(x, t, 0.1, 1e-4), logits, target, 1.0)
+    rec_loss, _ = run(
+        lambda x, t: torch.compile(fn, backend=recorder, fullgraph=True)(x, t, 0.1, 1e-4), logits, target, 1.0
+    )
     # Python floats (label_smoothing, z_loss) must stay constants, not become fp64 graph tensors; the
     # autograd.Function's forward/backward live in subgraphs.
     for gm in recorder.graphs:
         for sub in gm.modules():
             for node in sub.graph.nodes if isinstance(sub, torch.fx.GraphModule) else ():
                 val = node.meta.get("example_value")
-                assert not (isinstance(val, torch.Tensor) and val.dtype == torch.float64), f"fp64 tensor in graph: {node}"
+                assert not (isinstance(val, torch.Tensor) and val.dtype == torch.float64), (
+                    f"fp64 tensor in graph: {node}"
+                )
     comp_loss, comp_grad = run(lambda x, t: torch.compile(fn, fullgraph=True)(x, t, 0.1, 1e-4), logits, target, 1.0)
     for loss, grad in ((eager_loss, eager_grad), (comp_loss, comp_grad)):
         assert loss.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16

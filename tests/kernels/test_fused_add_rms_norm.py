@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.rms_norm import FusedAddRMSNormFunction, fused_add_rms_norm, fused_add_rms_norm_ref, launch_config, rms_norm
+from kernels.rms_norm import (
+    FusedAddRMSNormFunction,
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    launch_config,
+    rms_norm,
+)
 from tests.kernels.test_rms_norm import _assert_fp32_close, _assert_ulps, count_launches
 from tests.tolerance import assert_lowp_close
 
@@ -53,18 +59,28 @@ def _run(fn, x, residual, w, dnormed, dh):
 
 def _torch_lowp(offset, eps=1e-6):
     """PyTorch in the inputs' dtypes: the add, then F.rms_norm (the low-precision baseline of the tolerance model)."""
+
     def fn(x, residual, w):
         h = x + residual
         return F.rms_norm(h, (h.shape[-1],), (offset + w).to(h.dtype), eps), h
+
     return fn
 
 
 def _check(ours, x, residual, w, dnormed, dh, offset, rows):
-    ref32 = _run(lambda a, b, c: fused_add_rms_norm_ref(a, b, c, 1e-6, offset), x.float(), residual.float(), w.float(),
-                 dnormed.float(), dh.float())
+    ref32 = _run(
+        lambda a, b, c: fused_add_rms_norm_ref(a, b, c, 1e-6, offset),
+        x.float(),
+        residual.float(),
+        w.float(),
+        dnormed.float(),
+        dh.float(),
+    )
     lowp = _run(_torch_lowp(offset), x, residual, w, dnormed, dh)
     for o, r, t, name in zip(ours, ref32, lowp, NAMES):
-        want_dtype = {"dx": x.dtype, "dresidual": residual.dtype, "dweight": w.dtype}.get(name, torch.promote_types(x.dtype, residual.dtype))
+        want_dtype = {"dx": x.dtype, "dresidual": residual.dtype, "dweight": w.dtype}.get(
+            name, torch.promote_types(x.dtype, residual.dtype)
+        )
         assert o.dtype == want_dtype, f"{name}: {o.dtype}, want {want_dtype}"
         if o.dtype == torch.float32:
             _assert_fp32_close(o, r, name, rows=rows if name == "dweight" else 1)
@@ -154,8 +170,14 @@ def test_frozen_weight_and_empty_input():
     xg, rg = x.clone().requires_grad_(), residual.clone().requires_grad_()
     normed, h = fused_add_rms_norm(xg, rg, w)  # the weight needs no gradient: no dweight partials
     dx, dres = torch.autograd.grad([normed, h], [xg, rg], [dnormed, dh])
-    ref = _run(lambda a, b, c: fused_add_rms_norm_ref(a, b, c), x.float(), residual.float(), w.float(), dnormed.float(),
-               dh.float())
+    ref = _run(
+        lambda a, b, c: fused_add_rms_norm_ref(a, b, c),
+        x.float(),
+        residual.float(),
+        w.float(),
+        dnormed.float(),
+        dh.float(),
+    )
     lowp = _run(_torch_lowp(0.0), x, residual, w, dnormed, dh)
     assert_lowp_close(dx, ref[2], lowp[2].float(), torch.bfloat16, name="dx", extra_ulps=1)
 
@@ -185,7 +207,10 @@ def test_no_host_sync(monkeypatch):
 @pytest.mark.parametrize(
     "args, match",
     [
-        ((torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8), torch.ones(8)), "fused_add_rms_norm: x must be a float32"),
+        (
+            (torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8), torch.ones(8)),
+            "fused_add_rms_norm: x must be a float32",
+        ),
         ((torch.ones(4, 8), torch.ones(4, 8, dtype=torch.float64), torch.ones(8)), "residual must be a float32"),
         ((torch.ones(4, 8), torch.ones(4, 7), torch.ones(8)), r"residual must have x's shape \(4, 8\)"),
         ((torch.ones(4, 8), torch.ones(1, 8), torch.ones(8)), r"residual must have x's shape \(4, 8\)"),
@@ -205,7 +230,9 @@ def test_reference_path_and_compile_cpu():
     with kernels.backend("reference"):
         got = _run(lambda a, b, c: fused_add_rms_norm(a, b, c, 1e-6, 1.0), x, residual, w, dnormed, dh)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda a, b, c: fused_add_rms_norm(a, b, c, 1e-6, 1.0), fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(
+        lambda a, b, c: fused_add_rms_norm(a, b, c, 1e-6, 1.0), fullgraph=True, backend="aot_eager"
+    )
     got_compiled = _run(compiled, x, residual, w, dnormed, dh)
     for g, c, r, name in zip(got, got_compiled, want, NAMES):
         assert torch.equal(g, r) and torch.equal(c, r), f"{name} differs from the eager reference"
@@ -217,7 +244,11 @@ def test_bench_fused_add_runs(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
     rows = bench_rms_norm.main(["--quick", "--op", "fused_add_rms_norm", "--compile-backend", "aot_eager"])
-    assert {r["op"] for r in rows} == {"fused_add_rms_norm"} and {r["mode"] for r in rows} == {"forward", "backward", "full"}
+    assert {r["op"] for r in rows} == {"fused_add_rms_norm"} and {r["mode"] for r in rows} == {
+        "forward",
+        "backward",
+        "full",
+    }
     assert {"ours", "torch", "torch_compile"} <= {r["provider"] for r in rows}
     ours = {r["mode"]: r for r in rows if r["provider"] == "ours"}
     # 8 x 781 bf16: forward reads x and residual (2 + 2 B an element) and the weight once (0.25 B an element over 8

@@ -66,7 +66,17 @@ CASES = [
     dict(lead=(9,), hdim=781, bias=True, chunk=4, reduction="mean", label_smoothing=0.0, z_loss=0.0, up=1.0),
     dict(lead=(2, 4), hdim=1000, bias=False, chunk=3, reduction="sum", label_smoothing=0.1, z_loss=1e-3, up=2.5),
     dict(lead=(7,), hdim=781, bias=True, chunk=3, reduction="none", label_smoothing=0.1, z_loss=0.0, up=None),
-    dict(lead=(2, 3), hdim=1000, bias=False, chunk=None, reduction="mean", label_smoothing=0.0, z_loss=1e-3, up=0.5, num_items=20),
+    dict(
+        lead=(2, 3),
+        hdim=1000,
+        bias=False,
+        chunk=None,
+        reduction="mean",
+        label_smoothing=0.0,
+        z_loss=1e-3,
+        up=0.5,
+        num_items=20,
+    ),
 ]
 
 
@@ -123,9 +133,20 @@ def test_bf16_weight_grad_rounds_once_per_token_chunk(chunks, monkeypatch):
     up = torch.tensor(1.0, dtype=torch.bfloat16)
     only_w = (False, True, False)
     _, _, gw, _ = run(fused_linear_cross_entropy, hidden, weight, None, target, up, requires=only_w, reduction="sum")
-    _, _, ref_gw, _ = run(fused_linear_cross_entropy_ref, hidden.float(), weight.float(), None, target, 1.0, requires=only_w, reduction="sum")
+    _, _, ref_gw, _ = run(
+        fused_linear_cross_entropy_ref,
+        hidden.float(),
+        weight.float(),
+        None,
+        target,
+        1.0,
+        requires=only_w,
+        reduction="sum",
+    )
     _, _, low_gw, _ = run(torch_linear_ce, hidden, weight, None, target, up, requires=only_w, reduction="sum")
-    assert_lowp_close(gw, ref_gw, low_gw, torch.bfloat16, name="grad_weight", floor=chunks * 2.0**-8 * ref_gw.abs().max().item())
+    assert_lowp_close(
+        gw, ref_gw, low_gw, torch.bfloat16, name="grad_weight", floor=chunks * 2.0**-8 * ref_gw.abs().max().item()
+    )
     if chunks <= 4:
         assert_lowp_close(gw, ref_gw, low_gw, torch.bfloat16, name="grad_weight", extra_ulps=1)
 
@@ -133,14 +154,34 @@ def test_bf16_weight_grad_rounds_once_per_token_chunk(chunks, monkeypatch):
 def test_frozen_weight_and_no_grad(monkeypatch):
     monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 5)
     hidden, weight, bias, target = make_inputs((12,), 96, vocab=701, bias=True, seed=3)
-    loss, gh, gw, gb = run(fused_linear_cross_entropy, hidden, weight, bias, target, 1.0, requires=(True, False, False), label_smoothing=0.1)
-    ref = run(fused_linear_cross_entropy_ref, hidden, weight, bias, target, 1.0, requires=(True, False, False), label_smoothing=0.1)
+    loss, gh, gw, gb = run(
+        fused_linear_cross_entropy,
+        hidden,
+        weight,
+        bias,
+        target,
+        1.0,
+        requires=(True, False, False),
+        label_smoothing=0.1,
+    )
+    ref = run(
+        fused_linear_cross_entropy_ref,
+        hidden,
+        weight,
+        bias,
+        target,
+        1.0,
+        requires=(True, False, False),
+        label_smoothing=0.1,
+    )
     assert gw is None and gb is None
     torch.testing.assert_close(loss, ref[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gh, ref[1], rtol=1e-5, atol=1e-5 * ref[1].abs().max().item())
     with torch.no_grad():
         rows = fused_linear_cross_entropy(hidden, weight, target, bias, reduction="none")
-    torch.testing.assert_close(rows, F.cross_entropy(F.linear(hidden, weight, bias), target, reduction="none"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        rows, F.cross_entropy(F.linear(hidden, weight, bias), target, reduction="none"), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_all_ignored_gives_zero_not_nan(monkeypatch):
@@ -247,7 +288,14 @@ def test_torch_compile_fullgraph_cpu():
 
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     ours = run(lambda h, w, t, b: compiled(h, w, t, b), hidden, weight, bias, target, 1.0)
-    ref = run(lambda h, w, t, b: fused_linear_cross_entropy_ref(h, w, t, b, label_smoothing=0.1, z_loss=1e-3, num_items=5), hidden, weight, bias, target, 1.0)
+    ref = run(
+        lambda h, w, t, b: fused_linear_cross_entropy_ref(h, w, t, b, label_smoothing=0.1, z_loss=1e-3, num_items=5),
+        hidden,
+        weight,
+        bias,
+        target,
+        1.0,
+    )
     for o, r in zip(ours, ref):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-6)
 
@@ -264,23 +312,43 @@ def test_gpu_triton_compiles_fullgraph_matches_and_keeps_fp32():
         return fused_linear_cross_entropy(h, w, t, b, label_smoothing=ls, z_loss=z)
 
     f32 = (hidden.float(), weight.float(), bias.float(), target)
-    ref = run(lambda h, w, t, b: fused_linear_cross_entropy_ref(h, w, t, b, label_smoothing=0.1, z_loss=1e-4), *f32, 1.0)
-    low = run(lambda h, w, t, b: torch_linear_ce(h, w, t, b, label_smoothing=0.1, z_loss=1e-4), hidden, weight, bias, target, 1.0)
+    ref = run(
+        lambda h, w, t, b: fused_linear_cross_entropy_ref(h, w, t, b, label_smoothing=0.1, z_loss=1e-4), *f32, 1.0
+    )
+    low = run(
+        lambda h, w, t, b: torch_linear_ce(h, w, t, b, label_smoothing=0.1, z_loss=1e-4),
+        hidden,
+        weight,
+        bias,
+        target,
+        1.0,
+    )
     torch.cuda.set_sync_debug_mode("error")
     try:
         eager = run(lambda h, w, t, b: fn(h, w, t, b, 0.1, 1e-4), hidden, weight, bias, target, 1.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     recorder = EagerAndRecordGraphs()
-    run(lambda h, w, t, b: torch.compile(fn, backend=recorder, fullgraph=True)(h, w, t, b, 0.1, 1e-4), hidden, weight, bias, target, 1.0)
+    run(
+        lambda h, w, t, b: torch.compile(fn, backend=recorder, fullgraph=True)(h, w, t, b, 0.1, 1e-4),
+        hidden,
+        weight,
+        bias,
+        target,
+        1.0,
+    )
     # Python floats (label_smoothing, z_loss) must stay constants, not become fp64 graph tensors; the
     # autograd.Function's forward/backward live in subgraphs.
     for gm in recorder.graphs:
         for sub in gm.modules():
             for node in sub.graph.nodes if isinstance(sub, torch.fx.GraphModule) else ():
                 val = node.meta.get("example_value")
-                assert not (isinstance(val, torch.Tensor) and val.dtype == torch.float64), f"fp64 tensor in graph: {node}"
-    compiled = run(lambda h, w, t, b: torch.compile(fn, fullgraph=True)(h, w, t, b, 0.1, 1e-4), hidden, weight, bias, target, 1.0)
+                assert not (isinstance(val, torch.Tensor) and val.dtype == torch.float64), (
+                    f"fp64 tensor in graph: {node}"
+                )
+    compiled = run(
+        lambda h, w, t, b: torch.compile(fn, fullgraph=True)(h, w, t, b, 0.1, 1e-4), hidden, weight, bias, target, 1.0
+    )
     for outs in (eager, compiled):
         for name, o, r, lp in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), outs, ref, low):
             assert o.dtype == torch.bfloat16, name
@@ -324,7 +392,9 @@ def test_ignored_rows_cost_no_matmul_flops(dtype, monkeypatch):
     # Results equal the unskipped path's.
     monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 5)
     n, hdim, vocab = 16, 32, 300
-    hidden, weight, bias, target = make_inputs((n,), hdim, vocab=vocab, dtype=dtype, bias=True, ignore_frac=0.0, seed=11)
+    hidden, weight, bias, target = make_inputs(
+        (n,), hdim, vocab=vocab, dtype=dtype, bias=True, ignore_frac=0.0, seed=11
+    )
     half = target.clone()
     half[torch.randperm(n, generator=torch.Generator().manual_seed(12))[: n // 2]] = -100
 
@@ -365,7 +435,11 @@ class LiveStorageBytes(TorchDispatchMode):
         self.timeline = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {
+            StorageWeakRef(t.untyped_storage()).cdata
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
         out = func(*args, **(kwargs or {}))
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
         for t in tree_leaves(out):
@@ -398,12 +472,19 @@ def test_peak_extra_memory_at_llama3_8b_head(monkeypatch):
     half_ignored[::2] = -100
     peaks = {}
     for weight_dtype in (torch.bfloat16, torch.float32):
-        for labels, target in (("device", torch.empty(n, dtype=torch.long, device="meta")), ("host, half ignored", half_ignored)):
+        for labels, target in (
+            ("device", torch.empty(n, dtype=torch.long, device="meta")),
+            ("host, half ignored", half_ignored),
+        ):
             hidden = torch.empty(n, hdim, dtype=torch.bfloat16, device="meta")
             weight = torch.empty(vocab, hdim, dtype=weight_dtype, device="meta")
             with LiveStorageBytes() as tracker:
-                loss, saved, plan = fl_mod.fused_linear_cross_entropy_fwd(hidden, weight, target, need_hidden=True, need_weight=True)
-                grads = fl_mod.fused_linear_cross_entropy_bwd(torch.ones((), dtype=torch.bfloat16, device="meta"), saved, plan)
+                loss, saved, plan = fl_mod.fused_linear_cross_entropy_fwd(
+                    hidden, weight, target, need_hidden=True, need_weight=True
+                )
+                grads = fl_mod.fused_linear_cross_entropy_bwd(
+                    torch.ones((), dtype=torch.bfloat16, device="meta"), saved, plan
+                )
                 del saved
             assert grads[0].shape == (n, hdim) and grads[1].dtype == weight_dtype
             peaks[weight_dtype, labels] = tracker.peak_excluding(loss, *grads)

@@ -44,7 +44,7 @@ def make_batch(n_seqs, seq_len, hdim, vocab=V, dtype=torch.float32, bias=False, 
     for s in range(n_seqs):
         start = 1 + s % 3
         length = 1 if s == 1 else max(1, seq_len - start - (s * 2) % 5)
-        target[s, start:start + length] = torch.randint(0, vocab, (min(length, seq_len - start),), generator=g)
+        target[s, start : start + length] = torch.randint(0, vocab, (min(length, seq_len - start),), generator=g)
     return hidden, weight, b, target
 
 
@@ -94,7 +94,9 @@ def test_matches_reference(case, dtype, monkeypatch):
     if c["chunk"] is not None:
         monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: c["chunk"])
         monkeypatch.setattr(fl_mod, "_vocab_tile", lambda n, h, v: (c["chunk"], 1000))  # bf16/fp16 weight's pass
-    hidden, weight, bias, target = make_batch(c["n_seqs"], c["seq_len"], c["hdim"], dtype=dtype, bias=c["bias"], seed=case)
+    hidden, weight, bias, target = make_batch(
+        c["n_seqs"], c["seq_len"], c["hdim"], dtype=dtype, bias=c["bias"], seed=case
+    )
     upstream = torch.linspace(-1.5, 2.0, c["n_seqs"])  # the loss's dL/dlogps, both signs
     ours = run(fused_linear_preference, hidden, weight, bias, target, upstream)
     f32 = (hidden.float(), weight.float(), None if bias is None else bias.float(), target)
@@ -121,7 +123,9 @@ def test_padding_free_sequence_ids_match_the_padded_batch(monkeypatch):
     upstream = torch.tensor([0.5, -1.0, 2.0, 1.5])
     padded = run(fused_linear_preference, hidden, weight, bias, target, upstream)
     packed = run(fused_linear_preference, packed_h, weight, bias, packed_t, upstream, sequence_ids=ids, num_sequences=4)
-    reference = run(fused_linear_preference_ref, packed_h, weight, bias, packed_t, upstream, sequence_ids=ids, num_sequences=4)
+    reference = run(
+        fused_linear_preference_ref, packed_h, weight, bias, packed_t, upstream, sequence_ids=ids, num_sequences=4
+    )
     for name, a, b, r in zip(NAMES, padded, packed, reference):
         if name == "grad_hidden":
             a = torch.cat([a[s, :n] for s, n in enumerate(lengths)]).unsqueeze(0)
@@ -242,8 +246,9 @@ def test_peak_extra_memory_at_llama_3_2_1b_head(monkeypatch):
     weight = torch.empty(vocab, hdim, dtype=torch.bfloat16, device="meta")
     seq = torch.arange(n, device="meta") // seq_len
     with LiveStorageBytes() as ours:
-        out, saved, plan = pref_mod.fused_linear_preference_fwd(hidden, weight, target.reshape(-1), seq, n_seqs,
-                                                                need_hidden=True, need_weight=True)
+        out, saved, plan = pref_mod.fused_linear_preference_fwd(
+            hidden, weight, target.reshape(-1), seq, n_seqs, need_hidden=True, need_weight=True
+        )
         grads = pref_mod.fused_linear_preference_bwd(torch.ones(n_seqs, device="meta"), seq, saved, plan)
         del saved
     assert grads[1].shape == (vocab, hdim)
@@ -304,29 +309,47 @@ def per_sequence_inputs(seed=10, pairs=5):
     return PreferenceLogps(logps.requires_grad_(), counts, mean_logits), ref
 
 
-@pytest.mark.parametrize("loss_type, ls, rpo", [
-    ("sigmoid", 0.0, None), ("sigmoid", 0.2, None), ("sigmoid", 0.0, 0.7), ("ipo", 0.0, None), ("ipo", 0.0, 1.0),
-    ("hinge", 0.0, None), ("robust", 0.1, None), ("apo_zero", 0.0, None),
-])
+@pytest.mark.parametrize(
+    "loss_type, ls, rpo",
+    [
+        ("sigmoid", 0.0, None),
+        ("sigmoid", 0.2, None),
+        ("sigmoid", 0.0, 0.7),
+        ("ipo", 0.0, None),
+        ("ipo", 0.0, 1.0),
+        ("hinge", 0.0, None),
+        ("robust", 0.1, None),
+        ("apo_zero", 0.0, None),
+    ],
+)
 def test_dpo_losses_equal_trl(loss_type, ls, rpo):
     policy, ref = per_sequence_inputs()
     beta, p = 0.3, 5
     loss, metrics = preference_loss(policy, ref, loss_type=loss_type, beta=beta, label_smoothing=ls, rpo_alpha=rpo)
     logps, ref_logps = policy.logps, ref
     # ipo: TRL averages the log-ratios over each answer's tokens for the loss, and logs the sums (TRL 1.x)
-    scaled, scaled_ref = (logps / policy.counts, ref_logps / policy.counts) if loss_type == "ipo" else (logps, ref_logps)
+    scaled, scaled_ref = (
+        (logps / policy.counts, ref_logps / policy.counts) if loss_type == "ipo" else (logps, ref_logps)
+    )
     losses = trl_dpo(scaled[:p], scaled[p:], scaled_ref[:p], scaled_ref[p:], loss_type, beta, ls)[0]
-    _, chosen_rewards, rejected_rewards = trl_dpo(logps[:p], logps[p:], ref_logps[:p], ref_logps[p:], "sigmoid", beta, 0)
+    _, chosen_rewards, rejected_rewards = trl_dpo(
+        logps[:p], logps[p:], ref_logps[:p], ref_logps[p:], "sigmoid", beta, 0
+    )
     nll = -policy.logps[:p].sum() / policy.counts[:p].sum()  # F.cross_entropy over the chosen answer tokens
     expected = (losses + (rpo * nll if rpo is not None else 0.0)).mean()
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
-    grad, expected_grad = torch.autograd.grad(loss, policy.logps, retain_graph=True)[0], torch.autograd.grad(expected, policy.logps)[0]
+    grad, expected_grad = (
+        torch.autograd.grad(loss, policy.logps, retain_graph=True)[0],
+        torch.autograd.grad(expected, policy.logps)[0],
+    )
     torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-15)
     trl_metrics = {
-        "rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
         "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
         "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-        "logps/chosen": logps[:p].mean(), "logps/rejected": logps[p:].mean(),
+        "logps/chosen": logps[:p].mean(),
+        "logps/rejected": logps[p:].mean(),
         # mean over the chosen answer tokens and the vocabulary of the logits
         "logits/chosen": (policy.mean_logits[:p] * policy.counts[:p]).sum() / policy.counts[:p].sum(),
         "logits/rejected": (policy.mean_logits[p:] * policy.counts[p:]).sum() / policy.counts[p:].sum(),
@@ -348,8 +371,13 @@ def test_orpo_equals_trl():
     ratio = F.logsigmoid(log_odds)
     nll = -policy.logps[:p].sum() / policy.counts[:p].sum()
     torch.testing.assert_close(loss, nll - (beta * ratio).mean(), rtol=1e-12, atol=0)
-    expected = {"log_odds_ratio": ratio.mean(), "log_odds_chosen": log_odds.mean(), "nll_loss": nll,
-                "rewards/chosen": (beta * chosen).mean(), "logps/rejected": rejected.mean()}
+    expected = {
+        "log_odds_ratio": ratio.mean(),
+        "log_odds_chosen": log_odds.mean(),
+        "nll_loss": nll,
+        "rewards/chosen": (beta * chosen).mean(),
+        "logps/rejected": rejected.mean(),
+    }
     for name, value in expected.items():
         torch.testing.assert_close(metrics[name].double(), value.detach(), rtol=1e-12, atol=0, msg=name)
 
@@ -358,13 +386,17 @@ def test_orpo_equals_trl():
 def test_simpo_equals_trl(cpo_alpha, ls):
     policy, _ = per_sequence_inputs(seed=12)
     beta, gamma, p = 2.0, 0.8, 5
-    loss, metrics = preference_loss(policy, loss_type="simpo", beta=beta, simpo_gamma=gamma, cpo_alpha=cpo_alpha, label_smoothing=ls)
+    loss, metrics = preference_loss(
+        policy, loss_type="simpo", beta=beta, simpo_gamma=gamma, cpo_alpha=cpo_alpha, label_smoothing=ls
+    )
     avg = policy.logps / policy.counts
     logits = (avg[:p] - avg[p:]) - gamma / beta
     losses = -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
     nll = -policy.logps[:p].sum() / policy.counts[:p].sum()
     torch.testing.assert_close(loss, losses.mean() + cpo_alpha * nll, rtol=1e-12, atol=0)
-    torch.testing.assert_close(metrics["rewards/margins"].double(), (beta * (avg[:p] - avg[p:])).mean().detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        metrics["rewards/margins"].double(), (beta * (avg[:p] - avg[p:])).mean().detach(), rtol=1e-12, atol=0
+    )
 
 
 def test_dpo_step_through_the_kernel_matches_the_reference(monkeypatch):
@@ -386,27 +418,35 @@ def test_dpo_step_through_the_kernel_matches_the_reference(monkeypatch):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5 * r.abs().max().item())
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(hidden=torch.zeros(4, 8)), "hidden must be \\(S, T, H\\)"),
-    (dict(weight=torch.zeros(10, 7)), "weight must be"),
-    (dict(target=torch.zeros(2, 3, dtype=torch.long)), "target must be"),
-    (dict(bias=torch.zeros(9)), "bias must be"),
-    (dict(sequence_ids=torch.zeros(2, 4, dtype=torch.long)), "num_sequences=None"),
-    (dict(num_sequences=2), "num_sequences goes with sequence_ids"),
-    (dict(weight=torch.zeros(10, 8, dtype=torch.float64)), "share one floating dtype"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(hidden=torch.zeros(4, 8)), "hidden must be \\(S, T, H\\)"),
+        (dict(weight=torch.zeros(10, 7)), "weight must be"),
+        (dict(target=torch.zeros(2, 3, dtype=torch.long)), "target must be"),
+        (dict(bias=torch.zeros(9)), "bias must be"),
+        (dict(sequence_ids=torch.zeros(2, 4, dtype=torch.long)), "num_sequences=None"),
+        (dict(num_sequences=2), "num_sequences goes with sequence_ids"),
+        (dict(weight=torch.zeros(10, 8, dtype=torch.float64)), "share one floating dtype"),
+    ],
+)
 def test_bad_arguments_raise_clear_errors(change, match):
-    args = dict(hidden=torch.zeros(2, 4, 8), weight=torch.zeros(10, 8), target=torch.zeros(2, 4, dtype=torch.long), bias=None)
+    args = dict(
+        hidden=torch.zeros(2, 4, 8), weight=torch.zeros(10, 8), target=torch.zeros(2, 4, dtype=torch.long), bias=None
+    )
     args.update(change)
     with pytest.raises(ValueError, match=match):
         fused_linear_preference(args.pop("hidden"), args.pop("weight"), args.pop("target"), args.pop("bias"), **args)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(loss_type="kto"), "loss_type='kto' is not one of"),
-    (dict(beta=0.0), "beta=0.0 must be > 0"),
-    (dict(loss_type="robust", label_smoothing=0.5), "\\[0, 0.5\\)"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(loss_type="kto"), "loss_type='kto' is not one of"),
+        (dict(beta=0.0), "beta=0.0 must be > 0"),
+        (dict(loss_type="robust", label_smoothing=0.5), "\\[0, 0.5\\)"),
+    ],
+)
 def test_bad_loss_arguments(kw, match):
     policy, ref = per_sequence_inputs()
     with pytest.raises(ValueError, match=match):

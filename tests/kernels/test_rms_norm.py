@@ -21,8 +21,15 @@ import torch.nn.functional as F
 
 import kernels
 from kernels.nn import RMSNorm
-from kernels.rms_norm import (RMSNormFunction, bwd_launch_config, launch_config, rms_norm, rms_norm_bwd, rms_norm_fwd,
-                              rms_norm_ref)
+from kernels.rms_norm import (
+    RMSNormFunction,
+    bwd_launch_config,
+    launch_config,
+    rms_norm,
+    rms_norm_bwd,
+    rms_norm_fwd,
+    rms_norm_ref,
+)
 from tests.tolerance import PoisonedTorch, assert_lowp_close, eps, fwd_bwd, max_abs_err
 
 # `kernels.rms_norm` the attribute is the function; the module itself is reached through sys.modules.
@@ -49,7 +56,9 @@ def _make(shape, dtype, offset, *, w_dtype=None, seed=0):
 
 
 def _assert_fp32_close(ours, ref, name, rows=1):
-    assert ours.shape == ref.shape and ours.dtype == ref.dtype, f"{name}: {ours.shape}/{ours.dtype} vs {ref.shape}/{ref.dtype}"
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype, (
+        f"{name}: {ours.shape}/{ours.dtype} vs {ref.shape}/{ref.dtype}"
+    )
     bound = 8 * EPS32 * math.sqrt(rows) * ref.abs().max().item()
     err = max_abs_err(ours, ref)
     assert err <= bound, f"{name}: fp32 error {err:.3e} > {bound:.3e}"
@@ -134,8 +143,11 @@ def test_multi_block_loop_path(dtype, offset):
     _check_all(one_block, ref32, torch_lowp, dtype, rows=10)
 
 
-@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 8192 + 24), (torch.bfloat16, 16384), (torch.float16, 8192 + 24),
-                                      (torch.float32, 16384)], ids=str)
+@pytest.mark.parametrize(
+    "dtype, n",
+    [(torch.bfloat16, 8192 + 24), (torch.bfloat16, 16384), (torch.float16, 8192 + 24), (torch.float32, 16384)],
+    ids=str,
+)
 def test_wide_rows_backward(monkeypatch, dtype, n):
     """Hidden 8192 < N <= 16384: the forward keeps the row in registers; so does the backward for bf16 (one 16384-wide
     block, 32 warps; pipelined where N is exactly 16384), while fp16 and fp32 (capped at 8192 so that they never
@@ -146,7 +158,9 @@ def test_wide_rows_backward(monkeypatch, dtype, n):
     ours = fwd_bwd(lambda a, b: rms_norm(a, b), x, w, dy)
     bf16 = dtype == torch.bfloat16
     assert launch_config(3, n)[2] is True and len(rowdot_launches) == (0 if bf16 else 1)
-    assert bwd_launch_config(3, n, bf16) == ((1, 16384, True, 32, 2 if n == 16384 else 1) if bf16 else (1, 8192, False, 16, 2))
+    assert bwd_launch_config(3, n, bf16) == (
+        (1, 16384, True, 32, 2 if n == 16384 else 1) if bf16 else (1, 8192, False, 16, 2)
+    )
     ref32 = fwd_bwd(lambda a, b: rms_norm_ref(a, b), x.float(), w.float(), dy.float())
     torch_lowp = fwd_bwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6), x, w, dy)
     _check_all(ours, ref32, torch_lowp, dtype, rows=3)

@@ -68,7 +68,9 @@ def _hf(q, k, cos, sin):
 
 
 def _assert_fp32_close(ours, ref, name):
-    assert ours.shape == ref.shape and ours.dtype == ref.dtype, f"{name}: {ours.shape}/{ours.dtype} vs {ref.shape}/{ref.dtype}"
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype, (
+        f"{name}: {ours.shape}/{ours.dtype} vs {ref.shape}/{ref.dtype}"
+    )
     bound = 2 * EPS32 * ref.abs().max().item()
     err = max_abs_err(ours, ref)
     assert err <= bound, f"{name}: fp32 error {err:.3e} > {bound:.3e}"
@@ -106,9 +108,19 @@ def test_rotary_module_angles_llama3_scaling_and_packed_positions():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
     position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 40, 41], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])
     q, k, _, _, dq, dk = _make(2, 4, 2, 11, 16, 2, torch.float32)
     rotary = LlamaRotaryEmbedding(config)
@@ -164,8 +176,9 @@ def _rope_minimum(q, k, cos):
     return qk + 2 * cos.numel() * cos.element_size(), qk
 
 
-@pytest.mark.parametrize("shape, dtype", [((2, 4, 2, 7, 16, 2), torch.bfloat16), ((3, 6, 3, 33, 80, 1), torch.float16)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "shape, dtype", [((2, 4, 2, 7, 16, 2), torch.bfloat16), ((3, 6, 3, 33, 80, 1), torch.float16)], ids=str
+)
 def test_measured_bytes_are_the_minimum(shape, dtype):
     """bench/traffic.py counts every lane of every load and store: forward and backward are one launch each and
     move exactly the minimum (issued = distinct: nothing is read twice, cos/sin not once per head; the padded
@@ -255,7 +268,10 @@ def test_cos_sin_take_no_gradient():
     "shapes, match",
     [
         (((1, 2, 5, 8), (1, 1, 5, 8), (1, 5, 7), (1, 5, 7)), "cos and sin must both be"),
-        (((1, 2, 5, 8), (1, 1, 5, 8), (2, 5, 8), (2, 5, 8)), r"cos and sin must both be \(batch 1 or 1, seq 5, head_dim 8\)"),
+        (
+            ((1, 2, 5, 8), (1, 1, 5, 8), (2, 5, 8), (2, 5, 8)),
+            r"cos and sin must both be \(batch 1 or 1, seq 5, head_dim 8\)",
+        ),
         (((1, 2, 5, 8), (1, 1, 5, 8), (1, 5, 8), (5, 8)), "cos and sin must both be"),
         (((1, 2, 5, 7), (1, 1, 5, 7), (1, 5, 7), (1, 5, 7)), "head_dim must be even"),
         (((1, 2, 5, 8), (2, 1, 5, 8), (1, 5, 8), (1, 5, 8)), "must match q"),

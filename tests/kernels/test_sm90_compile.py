@@ -31,8 +31,9 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "bench.sm90", "--json"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.sm90", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     # Exit status 1 means "compiled, but something spills": the assertions below say what.
     assert run.returncode in (0, 1), f"python -m bench.sm90 failed ({run.returncode}):\n{run.stderr[-4000:]}"
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
@@ -47,33 +48,54 @@ def test_every_op_and_variant_is_compiled(compiled):
     assert ("cross_entropy", "_cross_entropy_bwd_kernel") in kernels
     assert {("swiglu", "_swiglu_fwd_kernel"), ("swiglu", "_swiglu_bwd_kernel")} <= kernels
     # the preference head: cross-entropy without (reference, policy forward) and with per-row scales, the vocabulary pass
-    assert {("fused_linear_preference", "_cross_entropy_fwd_kernel"), ("fused_linear_preference", "_flce_slice_grad_kernel")} <= kernels
-    assert {r["constexprs"]["COMPUTE_GRAD"] for r in compiled
-            if (r["case"], r["kernel"]) == ("fused_linear_preference", "_cross_entropy_fwd_kernel")} == {"False", "True"}
+    assert {
+        ("fused_linear_preference", "_cross_entropy_fwd_kernel"),
+        ("fused_linear_preference", "_flce_slice_grad_kernel"),
+    } <= kernels
+    assert {
+        r["constexprs"]["COMPUTE_GRAD"]
+        for r in compiled
+        if (r["case"], r["kernel"]) == ("fused_linear_preference", "_cross_entropy_fwd_kernel")
+    } == {"False", "True"}
     adamw = {(r["constexprs"]["P_DTYPE"], r["constexprs"]["HAS_MASTER"]) for r in compiled if r["case"] == "adamw"}
     assert {("fp32", "False"), ("bf16", "True"), ("bf16", "False")} <= adamw
     # Every RMSNorm width the benchmark uses, both backward strategies (row in registers, up to 16384 wide in bf16;
     # column loop).
-    bwd = {(r["constexprs"]["BLOCK_N"], r["constexprs"]["ONE_BLOCK"]) for r in compiled
-           if r["kernel"] == "_rms_norm_bwd_kernel"}
+    bwd = {
+        (r["constexprs"]["BLOCK_N"], r["constexprs"]["ONE_BLOCK"])
+        for r in compiled
+        if r["kernel"] == "_rms_norm_bwd_kernel"
+    }
     assert {("4096", "True"), ("8192", "True"), ("16384", "True"), ("16384", "False")} <= bwd
     # fused_add_rms_norm: the same kernels with the residual (forward) and d_h_out (backward), and the autocast case's
     # second gradient dtype (bf16 dx beside the fp32 dresidual).
-    fused = {(r["kernel"], r["constexprs"].get("HAS_RESIDUAL"), r["constexprs"].get("HAS_DH"), r["constexprs"].get("TWO_DX"))
-             for r in compiled if r["case"] == "fused_add_rms_norm"}
-    assert {("_rms_norm_fwd_kernel", "True", None, None), ("_rms_norm_bwd_kernel", None, "True", "False"),
-            ("_rms_norm_bwd_kernel", None, "True", "True")} <= fused
+    fused = {
+        (r["kernel"], r["constexprs"].get("HAS_RESIDUAL"), r["constexprs"].get("HAS_DH"), r["constexprs"].get("TWO_DX"))
+        for r in compiled
+        if r["case"] == "fused_add_rms_norm"
+    }
+    assert {
+        ("_rms_norm_fwd_kernel", "True", None, None),
+        ("_rms_norm_bwd_kernel", None, "True", "False"),
+        ("_rms_norm_bwd_kernel", None, "True", "True"),
+    } <= fused
     # RoPE's one kernel, forward and backward (the transpose), at Llama-3-8B's heads, one batch per program and
     # (batch-shared cos/sin) one program looping over the batch: B_PER_PROG=4 is a runtime int, not specialised.
-    rope = {(r["constexprs"]["BACKWARD"], r["constexprs"]["BLOCK_HQ"], r["constexprs"].get("B_PER_PROG", "loop"))
-            for r in compiled if r["kernel"] == "_rope_kernel"}
+    rope = {
+        (r["constexprs"]["BACKWARD"], r["constexprs"]["BLOCK_HQ"], r["constexprs"].get("B_PER_PROG", "loop"))
+        for r in compiled
+        if r["kernel"] == "_rope_kernel"
+    }
     assert rope == {(backward, "32", per_prog) for backward in ("False", "True") for per_prog in ("1", "loop")}
 
 
 def test_no_register_spills(compiled):
-    spills = [f"{r['case']}: {r['kernel']} {r['constexprs']} warps={r['num_warps']}: {r['registers']} registers, "
-              f"{r['spill_stores']} B spill stores / {r['spill_loads']} B spill loads"
-              for r in compiled if r["spill_stores"] or r["spill_loads"]]
+    spills = [
+        f"{r['case']}: {r['kernel']} {r['constexprs']} warps={r['num_warps']}: {r['registers']} registers, "
+        f"{r['spill_stores']} B spill stores / {r['spill_loads']} B spill loads"
+        for r in compiled
+        if r["spill_stores"] or r["spill_loads"]
+    ]
     assert not spills, "sm_90 register spills:\n" + "\n".join(spills)
 
 
@@ -81,4 +103,6 @@ def test_fits_an_sm(compiled):
     # H100: 227 KB of shared memory per block, 255 registers per thread, 64K registers per SM.
     for r in compiled:
         assert r["shared"] <= 227 * 1024, f"{r['kernel']} {r['constexprs']}: {r['shared']} B of shared memory"
-        assert r["registers"] * r["num_warps"] * 32 <= 65536, f"{r['kernel']} {r['constexprs']}: {r['registers']} registers"
+        assert r["registers"] * r["num_warps"] * 32 <= 65536, (
+            f"{r['kernel']} {r['constexprs']}: {r['registers']} registers"
+        )

@@ -39,7 +39,9 @@ def _make(shape, dtype, seed=0):
 
 
 def _assert_fp32_close(ours, ref, name):
-    assert ours.shape == ref.shape and ours.dtype == ref.dtype, f"{name}: {ours.shape}/{ours.dtype} vs {ref.shape}/{ref.dtype}"
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype, (
+        f"{name}: {ours.shape}/{ours.dtype} vs {ref.shape}/{ref.dtype}"
+    )
     bound = 8 * EPS32 * ref.abs().max().item()
     err = max_abs_err(ours, ref)
     assert err <= bound, f"{name}: fp32 error {err:.3e} > {bound:.3e}"
@@ -83,7 +85,9 @@ def test_saves_inputs_not_the_activation():
 
 
 def test_launchers_write_every_element_and_leave_inputs_intact(monkeypatch):
-    gate, up, dout = _make((3, 70001), torch.float16)  # 210003 elements: four programs under the interpreter, one ragged
+    gate, up, dout = _make(
+        (3, 70001), torch.float16
+    )  # 210003 elements: four programs under the interpreter, one ragged
     gate0, up0 = gate.clone(), up.clone()
     monkeypatch.setattr(swiglu_mod.torch, "empty_like", poisoned_like)
     out = swiglu_fwd(gate, up)

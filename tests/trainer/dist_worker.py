@@ -42,7 +42,8 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from trainer import build as build_module, checkpoint_hf  # noqa: E402
+from trainer import build as build_module  # noqa: E402
+from trainer import checkpoint_hf
 from trainer.args import TrainingArguments  # noqa: E402
 from trainer.callbacks import TrainerCallback  # noqa: E402
 from trainer.data import load_sft_dataset  # noqa: E402
@@ -93,13 +94,18 @@ class HostLabelsProbe:
     def __init__(self):
         import importlib
 
-        import kernels
         from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+        import kernels
 
         self.moved = []  # per root pre-forward: names of the tensor keyword arguments FSDP2 moves
         self.calls = []  # per loss call: [rows the token passes saw, targets kept, targets in all]
         flce = importlib.import_module("kernels.fused_linear_cross_entropy")
-        to_kwargs, root_pre_forward, token_pass = _fsdp_state._to_kwargs, _fsdp_state.FSDPState._root_pre_forward, flce._token_pass
+        to_kwargs, root_pre_forward, token_pass = (
+            _fsdp_state._to_kwargs,
+            _fsdp_state.FSDPState._root_pre_forward,
+            flce._token_pass,
+        )
         fused = kernels.fused_linear_cross_entropy
 
         def spy_to_kwargs(args, kwargs, device, use_side_stream):
@@ -124,8 +130,12 @@ class HostLabelsProbe:
             with kernels.backend("triton"):
                 return fused(hidden, weight, target, *args, **kwargs)
 
-        self.saved = [(_fsdp_state, "_to_kwargs", to_kwargs), (_fsdp_state.FSDPState, "_root_pre_forward", root_pre_forward),
-                      (flce, "_token_pass", token_pass), (kernels, "fused_linear_cross_entropy", fused)]
+        self.saved = [
+            (_fsdp_state, "_to_kwargs", to_kwargs),
+            (_fsdp_state.FSDPState, "_root_pre_forward", root_pre_forward),
+            (flce, "_token_pass", token_pass),
+            (kernels, "fused_linear_cross_entropy", fused),
+        ]
         _fsdp_state._to_kwargs = spy_to_kwargs
         _fsdp_state.FSDPState._root_pre_forward = as_on_an_accelerator
         flce._token_pass = counted_token_pass
@@ -163,7 +173,12 @@ class FullSizeWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if type(t) is not torch.Tensor or t.is_meta or not t.is_floating_point() or tuple(t.shape) not in self.shapes:
+            if (
+                type(t) is not torch.Tensor
+                or t.is_meta
+                or not t.is_floating_point()
+                or tuple(t.shape) not in self.shapes
+            ):
                 continue
             storage = t.untyped_storage()
             key = storage.data_ptr()
@@ -216,8 +231,14 @@ def build(job: dict) -> None:
     finally:
         checkpoint_hf.read_tensor = read_tensor
     shards = {n: [list(p.shape), list(local_shard(p)[0].shape)] for n, p in model.named_parameters()}
-    mine = {"rank": rank, "reads": reads, "peak_full_size_alive": watch.peak, "watched_shapes": len(watch.shapes),
-            "full_size_file_views": watch.file_views, "shards": shards}
+    mine = {
+        "rank": rank,
+        "reads": reads,
+        "peak_full_size_alive": watch.peak,
+        "watched_shapes": len(watch.shapes),
+        "full_size_file_views": watch.file_views,
+        "shards": shards,
+    }
     everyone = [None] * world_size
     torch.distributed.all_gather_object(everyone, mine)
     tokens = generate(model, [5, 6, 7, 8], 6)  # decode_step gathers the root's weights (a collective)
@@ -227,8 +248,9 @@ def build(job: dict) -> None:
 
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.clone() for k, v in state.items()}, str(out / "gathered.safetensors"))
-        (out / "result.json").write_text(json.dumps({"ranks": everyone, "generated": tokens,
-                                                     "sharded": type(model).__name__}))
+        (out / "result.json").write_text(
+            json.dumps({"ranks": everyone, "generated": tokens, "sharded": type(model).__name__})
+        )
 
 
 def run_preference(job: dict) -> None:
@@ -242,17 +264,29 @@ def run_preference(job: dict) -> None:
     out = Path(job["output"])
     tokenizer = byte_level_tokenizer()
     pairs = load_preference_dataset([job["pairs"]], tokenizer, show_progress=False)
-    trainer = PreferenceTrainer(model=small_model(), args=TrainingArguments(output_dir=str(out / "run"), **job["args"]),
-                                pref=PreferenceArguments(**job["pref"]), train_dataset=pairs, eval_dataset=pairs,
-                                processing_class=tokenizer)
+    trainer = PreferenceTrainer(
+        model=small_model(),
+        args=TrainingArguments(output_dir=str(out / "run"), **job["args"]),
+        pref=PreferenceArguments(**job["pref"]),
+        train_dataset=pairs,
+        eval_dataset=pairs,
+        processing_class=tokenizer,
+    )
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(str(out / "final"))
     if rank == 0:
         logs = [h for h in trainer.state.log_history if "loss" in h]
-        (out / "result.json").write_text(json.dumps({"world_size": world_size, "losses": [h["loss"] for h in logs],
-                                                     "margins": [h["rewards/margins"] for h in logs],
-                                                     "metrics": metrics}))
+        (out / "result.json").write_text(
+            json.dumps(
+                {
+                    "world_size": world_size,
+                    "losses": [h["loss"] for h in logs],
+                    "margins": [h["rewards/margins"] for h in logs],
+                    "metrics": metrics,
+                }
+            )
+        )
 
 
 def run(data: str, job: dict) -> None:
@@ -281,19 +315,34 @@ def run(data: str, job: dict) -> None:
             output.loss.register_hook(lambda g: loss_grad_outputs.append(g.item()))
 
     model.register_forward_hook(record_loss_grad)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset,
-                      callbacks=callbacks, compute_metrics=compute_metrics, processing_class=byte_level_tokenizer())
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        eval_dataset=dataset,
+        callbacks=callbacks,
+        compute_metrics=compute_metrics,
+        processing_class=byte_level_tokenizer(),
+    )
     trainer.train(resume_from_checkpoint=job.get("resume"))
     state = trainer.state
     metrics = trainer.evaluate()
     trainer.save_model(str(out / "final"))
     if rank == 0:
         losses = [h["loss"] for h in state.log_history if "loss" in h]
-        (out / "result.json").write_text(json.dumps({"losses": losses, "world_size": world_size,
-                                                     "eval_loss": metrics["eval_loss"], "metrics": metrics,
-                                                     "nonfinite_steps": state.nonfinite_steps,
-                                                     "loss_grad_outputs": loss_grad_outputs,
-                                                     "probe": probe and {"moved": probe.moved, "calls": probe.calls}}))
+        (out / "result.json").write_text(
+            json.dumps(
+                {
+                    "losses": losses,
+                    "world_size": world_size,
+                    "eval_loss": metrics["eval_loss"],
+                    "metrics": metrics,
+                    "nonfinite_steps": state.nonfinite_steps,
+                    "loss_grad_outputs": loss_grad_outputs,
+                    "probe": probe and {"moved": probe.moved, "calls": probe.calls},
+                }
+            )
+        )
     if probe is not None:
         probe.close()
 

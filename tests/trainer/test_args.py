@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from trainer.arg_parser import REJECTED, REJECTED_PREFIXES, SIMPLE_ALIASES
-from trainer.data import load_sft_dataset
 from trainer.args import (
     ConfigError,
     TrainingArguments,
@@ -21,6 +20,7 @@ from trainer.args import (
     parse_dict,
     parse_optim_args,
 )
+from trainer.data import load_sft_dataset
 from trainer.tasks import generate_tasks
 from trainer.tokenizer import byte_level_tokenizer
 from trainer.trainer import Trainer
@@ -161,18 +161,24 @@ ERRORS = [
     (dict(max_steps=0), "max_steps=0: must be -1 or a positive integer"),
     (dict(num_train_epochs=0), "num_train_epochs=0.0"),
     (dict(eval_strategy="sometimes"), "eval_strategy='sometimes': expected one of no, steps, epoch"),
-    (dict(evaluation_strategy="step"),
-     "eval_strategy='step': expected one of no, steps, epoch (did you mean 'steps'?)"),
+    (
+        dict(evaluation_strategy="step"),
+        "eval_strategy='step': expected one of no, steps, epoch (did you mean 'steps'?)",
+    ),
     (dict(logging_strategy="always"), "logging_strategy='always': expected one of no, steps, epoch"),
     (dict(save_strategy="bestest"), "save_strategy='bestest': expected one of no, steps, epoch, best"),
     (dict(lr_scheduler_type="cosine_annealing"), "lr_scheduler_type='cosine_annealing' is not a supported schedule"),
     (dict(lr_scheduler_type="reduce_lr_on_plateau"), "expected one of linear, cosine, cosine_with_restarts"),
-    (dict(optim="adafactor"),
-     "optim='adafactor' is not a supported optimizer: "
-     "expected one of adamw_fused, adamw_torch, adamw_torch_fused, sgd"),
+    (
+        dict(optim="adafactor"),
+        "optim='adafactor' is not a supported optimizer: "
+        "expected one of adamw_fused, adamw_torch, adamw_torch_fused, sgd",
+    ),
     (dict(optim="adamw_8bit"), "optim='adamw_8bit' is not a supported optimizer"),
-    (dict(report_to="comet_ml"),
-     "report_to='comet_ml' is not supported; expected none, all or some of jsonl, tensorboard, wandb, mlflow"),
+    (
+        dict(report_to="comet_ml"),
+        "report_to='comet_ml' is not supported; expected none, all or some of jsonl, tensorboard, wandb, mlflow",
+    ),
     (dict(report_to=["jsonl", "none"]), "report_to="),
     (dict(batching_strategy="packed"), "batching_strategy='packed': expected one of normal, padding_free"),
     (dict(include_num_input_tokens_seen="some"), "include_num_input_tokens_seen='some'"),
@@ -198,69 +204,109 @@ ERRORS = [
     (dict(torch_compile_backend="inductr"), "torch_compile_backend='inductr': expected one of"),
     (dict(pad_to_multiple_of=0), "pad_to_multiple_of=0: must be a positive integer or unset"),
     (dict(batching_strategy="dynamic_batching", max_tokens=0), "max_tokens=0: must be a positive integer or unset"),
-    (dict(group_by_length=True, batching_strategy="padding_free"),
-     "group_by_length applies to batching_strategy='normal' (got 'padding_free'"),
-    (dict(max_tokens=512), "max_tokens applies to batching_strategy dynamic_batching or dynamic_padding_free (got "
-                           "'normal'"),
+    (
+        dict(group_by_length=True, batching_strategy="padding_free"),
+        "group_by_length applies to batching_strategy='normal' (got 'padding_free'",
+    ),
+    (
+        dict(max_tokens=512),
+        "max_tokens applies to batching_strategy dynamic_batching or dynamic_padding_free (got 'normal'",
+    ),
     (dict(max_nonfinite_steps=0), "max_nonfinite_steps=0"),
     (dict(z_loss=-0.1), "z_loss=-0.1"),
     # best-model rules (Hugging Face's, plus: evaluation must be on)
-    (dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch"),
-     "load_best_model_at_end needs save_strategy == eval_strategy"),
-    (dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=300, save_steps=500),
-     "save_steps=500 must be a multiple of eval_steps=300"),
-    (dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=0.1, save_steps=500),
-     "mix a ratio and a step count"),
-    (dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=0.2, save_steps=0.3),
-     "save_steps=0.3 must be a multiple of eval_steps=0.2"),
+    (
+        dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch"),
+        "load_best_model_at_end needs save_strategy == eval_strategy",
+    ),
+    (
+        dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=300, save_steps=500),
+        "save_steps=500 must be a multiple of eval_steps=300",
+    ),
+    (
+        dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=0.1, save_steps=500),
+        "mix a ratio and a step count",
+    ),
+    (
+        dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=0.2, save_steps=0.3),
+        "save_steps=0.3 must be a multiple of eval_steps=0.2",
+    ),
     (dict(load_best_model_at_end=True), "eval_strategy='no': must be steps or epoch with load_best_model_at_end"),
     (dict(save_strategy="best", eval_strategy="steps"), "save_strategy='best' needs metric_for_best_model"),
-    (dict(save_strategy="best", metric_for_best_model="loss"),
-     "eval_strategy='no': must be steps or epoch when save_strategy='best'"),
+    (
+        dict(save_strategy="best", metric_for_best_model="loss"),
+        "eval_strategy='no': must be steps or epoch when save_strategy='best'",
+    ),
     # schedules and optimizer options
-    (dict(lr_scheduler_type="cosine", lr_scheduler_kwargs={"num_cycle": 2}),
-     "lr_scheduler_kwargs: unknown key 'num_cycle' for lr_scheduler_type='cosine' (did you mean 'num_cycles'?)"),
-    (dict(lr_scheduler_kwargs={"num_cycles": 2}),
-     "lr_scheduler_kwargs: unknown key 'num_cycles' for lr_scheduler_type='linear'"),
+    (
+        dict(lr_scheduler_type="cosine", lr_scheduler_kwargs={"num_cycle": 2}),
+        "lr_scheduler_kwargs: unknown key 'num_cycle' for lr_scheduler_type='cosine' (did you mean 'num_cycles'?)",
+    ),
+    (
+        dict(lr_scheduler_kwargs={"num_cycles": 2}),
+        "lr_scheduler_kwargs: unknown key 'num_cycles' for lr_scheduler_type='linear'",
+    ),
     (dict(lr_scheduler_type="cosine", lr_scheduler_kwargs="{bad json"), "lr_scheduler_kwargs"),
-    (dict(lr_scheduler_type="cosine", lr_scheduler_kwargs={"num_cycles": "many"}),
-     "lr_scheduler_kwargs.num_cycles: expected a number"),
-    (dict(lr_scheduler_type="polynomial", learning_rate=1e-4, lr_scheduler_kwargs={"lr_end": 1e-3}),
-     "lr_scheduler_kwargs.lr_end=0.001: must be smaller than learning_rate=0.0001"),
+    (
+        dict(lr_scheduler_type="cosine", lr_scheduler_kwargs={"num_cycles": "many"}),
+        "lr_scheduler_kwargs.num_cycles: expected a number",
+    ),
+    (
+        dict(lr_scheduler_type="polynomial", learning_rate=1e-4, lr_scheduler_kwargs={"lr_end": 1e-3}),
+        "lr_scheduler_kwargs.lr_end=0.001: must be smaller than learning_rate=0.0001",
+    ),
     (dict(lr_scheduler_type="constant", warmup_steps=10), "lr_scheduler_type='constant' has no warmup"),
     (dict(lr_scheduler_type="constant", warmup_ratio=0.1), "lr_scheduler_type='constant' has no warmup"),
     (dict(lr_scheduler_type="cosine_with_min_lr"), "cosine_with_min_lr needs exactly one of min_lr or min_lr_rate"),
-    (dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 1e-6, "min_lr_rate": 0.1}),
-     "exactly one of"),
+    (
+        dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 1e-6, "min_lr_rate": 0.1}),
+        "exactly one of",
+    ),
     (dict(lr_scheduler_type="warmup_stable_decay"), "warmup_stable_decay needs num_decay_steps"),
-    (dict(lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs={"num_decay_steps": 5, "decay_type": "exp"}),
-     "lr_scheduler_kwargs.decay_type='exp': expected one of linear, cosine, 1-sqrt"),
+    (
+        dict(lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs={"num_decay_steps": 5, "decay_type": "exp"}),
+        "lr_scheduler_kwargs.decay_type='exp': expected one of linear, cosine, 1-sqrt",
+    ),
     (dict(lr_scheduler_type="inverse_sqrt", lr_scheduler_kwargs={"timescale": 0}), "lr_scheduler_kwargs.timescale=0"),
-    (dict(optim_args="momentum=0.9"),
-     "optim_args: unknown key 'momentum' for optim='adamw_fused'; accepted keys: none"),
+    (
+        dict(optim_args="momentum=0.9"),
+        "optim_args: unknown key 'momentum' for optim='adamw_fused'; accepted keys: none",
+    ),
     (dict(optim="adamw_torch", optim_args="amsgrad=true,betas=0.9"), "unknown key 'betas' for optim='adamw_torch'"),
     (dict(optim="sgd", optim_args="momentum"), "optim_args='momentum': expected 'key=value,key=value'"),
     (dict(optim="sgd", optim_args="momentum=fast"), "optim_args.momentum: expected a number"),
     (dict(optim="sgd", optim_args="nesterov=true"), "optim_args.nesterov=True: needs momentum > 0 and dampening = 0"),
     (dict(optim="sgd", optim_args={"momentum": -0.9}), "optim_args.momentum=-0.9"),
     # batch sizes and distributed
-    (dict(global_batch_size=10, per_device_train_batch_size=4),
-     "global_batch_size=10: must be a multiple of micro_batch_size"),
+    (
+        dict(global_batch_size=10, per_device_train_batch_size=4),
+        "global_batch_size=10: must be a multiple of micro_batch_size",
+    ),
     (dict(global_batch_size=16, per_device_train_batch_size=4, gradient_accumulation_steps=8), "global_batch_size=16"),
     (dict(dist_config={"name": "deepspeed", "config_file": "ds.json"}), "deepspeed: ds.json: not found"),
     (dict(dist_config={"name": "deepspeed"}), "dist_config name deepspeed: 'config_file' is required"),
-    (dict(dist_config={"name": "fsdp"}),
-     "dist_config.name='fsdp': expected one of fsdp2, ddp, deepspeed (did you mean 'fsdp2'?)"),
+    (
+        dict(dist_config={"name": "fsdp"}),
+        "dist_config.name='fsdp': expected one of fsdp2, ddp, deepspeed (did you mean 'fsdp2'?)",
+    ),
     (dict(dist_config={"mixed_precision": "bf16"}), "dist_config: 'name' is required"),
     (dict(dist_config={"name": "fsdp2", "reshard": True}), "dist_config: unknown key 'reshard' for name='fsdp2'"),
-    (dict(dist_config={"name": "ddp", "offload_params": True}),
-     "dist_config: unknown key 'offload_params' for name='ddp'"),
-    (dict(dist_config={"name": "fsdp2", "mixed_precision": "fp8"}),
-     "dist_config.mixed_precision='fp8': expected one of bf16, fp16, fp32"),
-    (dict(dist_config={"name": "fsdp2", "offload_params": "sometimes"}),
-     "dist_config.offload_params: expected a boolean"),
-    (dict(fp16=True, dist_config={"name": "fsdp2", "mixed_precision": "bf16"}),
-     "dist_config.mixed_precision='bf16' contradicts --fp16"),
+    (
+        dict(dist_config={"name": "ddp", "offload_params": True}),
+        "dist_config: unknown key 'offload_params' for name='ddp'",
+    ),
+    (
+        dict(dist_config={"name": "fsdp2", "mixed_precision": "fp8"}),
+        "dist_config.mixed_precision='fp8': expected one of bf16, fp16, fp32",
+    ),
+    (
+        dict(dist_config={"name": "fsdp2", "offload_params": "sometimes"}),
+        "dist_config.offload_params: expected a boolean",
+    ),
+    (
+        dict(fp16=True, dist_config={"name": "fsdp2", "mixed_precision": "bf16"}),
+        "dist_config.mixed_precision='bf16' contradicts --fp16",
+    ),
     (dict(dist_config="cluster"), "dist_config='cluster': expected a dict, a JSON object or a .json/.yaml file path"),
     (dict(dist_config="missing.yaml"), "dist_config: file not found: missing.yaml"),
 ]
@@ -286,7 +332,9 @@ def test_best_model_combinations_hugging_face_accepts():
 
 def test_optim_args_parsing_is_typed():
     assert parse_optim_args("sgd", "momentum=0.9, dampening=0,nesterov=false") == {
-        "momentum": 0.9, "dampening": 0.0, "nesterov": False,
+        "momentum": 0.9,
+        "dampening": 0.0,
+        "nesterov": False,
     }
     assert parse_optim_args("sgd", '{"momentum": 0.5, "nesterov": true}') == {"momentum": 0.5, "nesterov": True}
     assert TrainingArguments(optim="adamw_torch_fused", optim_args="amsgrad=1").optim_args == {"amsgrad": True}
@@ -294,8 +342,14 @@ def test_optim_args_parsing_is_typed():
 
 
 def test_dist_config_from_dict_json_and_yaml_file(tmp_path):
-    full = {"name": "fsdp2", "mixed_precision": None, "reshard_after_forward": True, "offload_params": False,
-            "pin_memory": True, "dcp_path": None}
+    full = {
+        "name": "fsdp2",
+        "mixed_precision": None,
+        "reshard_after_forward": True,
+        "offload_params": False,
+        "pin_memory": True,
+        "dcp_path": None,
+    }
     assert TrainingArguments(dist_config={"name": "fsdp2"}).dist_config == full
     assert TrainingArguments(dist_config='{"name": "ddp"}').dist_config == {"name": "ddp"}
     path = tmp_path / "dist.yaml"
@@ -320,8 +374,12 @@ def test_simple_aliases_fold_into_their_targets():
     assert "micro_batch_size is an alias of per_device_train_batch_size" in message
     message = error(evaluation_strategy="steps", eval_strategy="epoch")
     assert "evaluation_strategy is an alias of eval_strategy" in message
-    assert set(SIMPLE_ALIASES) >= {"evaluation_strategy", "micro_batch_size", "enable_activation_checkpointing",
-                                   "activation_checkpointing"}
+    assert set(SIMPLE_ALIASES) >= {
+        "evaluation_strategy",
+        "micro_batch_size",
+        "enable_activation_checkpointing",
+        "activation_checkpointing",
+    }
 
 
 def test_train_sampling_strategy_maps_onto_our_fields():
@@ -346,8 +404,17 @@ def test_hugging_face_fsdp_options_become_dist_config(tmp_path):
     assert TrainingArguments(fsdp=["true"]).dist_config["name"] == "fsdp2"
     assert TrainingArguments(fsdp="").dist_config is None
     path = tmp_path / "fsdp.json"
-    path.write_text(json.dumps({"fsdp_version": 2, "fsdp_cpu_offload": True, "activation_checkpointing": True,
-                                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": False}))
+    path.write_text(
+        json.dumps(
+            {
+                "fsdp_version": 2,
+                "fsdp_cpu_offload": True,
+                "activation_checkpointing": True,
+                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                "reshard_after_forward": False,
+            }
+        )
+    )
     c = TrainingArguments(fsdp=True, fsdp_config=str(path))
     assert (c.dist_config["offload_params"], c.dist_config["reshard_after_forward"]) == (True, False)
     assert c.gradient_checkpointing is True
@@ -410,11 +477,25 @@ def test_max_steps_from_epochs_is_the_seeds_floor_formula():
 
 def rich_args() -> TrainingArguments:
     return TrainingArguments(
-        output_dir="out", learning_rate=3e-4, lr_scheduler_type="warmup_stable_decay",
-        lr_scheduler_kwargs={"num_decay_steps": 10, "min_lr_ratio": 0.1}, warmup_steps=0.05, optim="sgd",
-        optim_args="momentum=0.9", report_to=["jsonl"], eval_strategy="steps", eval_steps=0.1, save_steps=0.2,
-        load_best_model_at_end=True, fsdp="shard_grad_op", bf16=True, micro_batch_size=2, global_batch_size=32,
-        resume_from_checkpoint=True, gradient_checkpointing_kwargs={"use_reentrant": False}, max_grad_norm=float("inf"),
+        output_dir="out",
+        learning_rate=3e-4,
+        lr_scheduler_type="warmup_stable_decay",
+        lr_scheduler_kwargs={"num_decay_steps": 10, "min_lr_ratio": 0.1},
+        warmup_steps=0.05,
+        optim="sgd",
+        optim_args="momentum=0.9",
+        report_to=["jsonl"],
+        eval_strategy="steps",
+        eval_steps=0.1,
+        save_steps=0.2,
+        load_best_model_at_end=True,
+        fsdp="shard_grad_op",
+        bf16=True,
+        micro_batch_size=2,
+        global_batch_size=32,
+        resume_from_checkpoint=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        max_grad_norm=float("inf"),
         train_sampling_strategy="group_by_length",
     )
 
@@ -495,21 +576,49 @@ def test_flag_forms():
     assert (args.max_steps, args.warmup_steps, args.seed, args.learning_rate) == (-1, 0.1, 7, 3.0)  # last repeat wins
 
 
-@pytest.mark.parametrize("tokens, value", [
-    ([], True), (["true"], True), (["false"], False), (["1"], True), (["0"], False), (["yes"], True), (["no"], False),
-])
+@pytest.mark.parametrize(
+    "tokens, value",
+    [
+        ([], True),
+        (["true"], True),
+        (["false"], False),
+        (["1"], True),
+        (["0"], False),
+        (["yes"], True),
+        (["no"], False),
+    ],
+)
 def test_boolean_flags(tokens, value):
     (args,) = parse_args(["--bf16", *tokens, "--do_train"])
     assert args.bf16 is value and args.do_train is True
 
 
 def test_negated_booleans_optionals_lists_and_dicts(tensorboard_installed):
-    (args,) = parse_args([
-        "--no_remove_unused_columns", "--data_seed", "none", "--eval_steps", "0.25", "--eval_strategy", "steps",
-        "--report_to", "jsonl", "tensorboard", "--lr_scheduler_type", "cosine_with_restarts",
-        "--lr_scheduler_kwargs", '{"num_cycles": 3}', "--resume_from_checkpoint", "--optim", "sgd",
-        "--optim_args", "momentum=0.9,nesterov=true", "--dist_config", '{"name": "fsdp2", "offload_params": true}',
-    ])
+    (args,) = parse_args(
+        [
+            "--no_remove_unused_columns",
+            "--data_seed",
+            "none",
+            "--eval_steps",
+            "0.25",
+            "--eval_strategy",
+            "steps",
+            "--report_to",
+            "jsonl",
+            "tensorboard",
+            "--lr_scheduler_type",
+            "cosine_with_restarts",
+            "--lr_scheduler_kwargs",
+            '{"num_cycles": 3}',
+            "--resume_from_checkpoint",
+            "--optim",
+            "sgd",
+            "--optim_args",
+            "momentum=0.9,nesterov=true",
+            "--dist_config",
+            '{"name": "fsdp2", "offload_params": true}',
+        ]
+    )
     assert args.remove_unused_columns is False and args.data_seed is None and args.eval_steps == 0.25
     assert args.report_to == ["jsonl", "tensorboard"] and args.lr_scheduler_kwargs == {"num_cycles": 3}
     assert args.resume_from_checkpoint == "auto" and args.optim_args == {"momentum": 0.9, "nesterov": True}
@@ -521,12 +630,26 @@ def test_negated_booleans_optionals_lists_and_dicts(tensorboard_installed):
 
 
 def test_aliases_and_sampling_on_the_command_line():
-    (args,) = parse_args(["--evaluation_strategy", "epoch", "--micro_batch_size", "2",
-                          "--enable_activation_checkpointing", "--train_sampling_strategy", "sequential"])
+    (args,) = parse_args(
+        [
+            "--evaluation_strategy",
+            "epoch",
+            "--micro_batch_size",
+            "2",
+            "--enable_activation_checkpointing",
+            "--train_sampling_strategy",
+            "sequential",
+        ]
+    )
     assert (args.eval_strategy, args.per_device_train_batch_size, args.gradient_checkpointing, args.train_shuffle) == (
-        "epoch", 2, True, False)
+        "epoch",
+        2,
+        True,
+        False,
+    )
     assert "--evaluation_strategy and --eval_strategy set the same argument" in parse_error(
-        ["--eval_strategy", "steps", "--evaluation_strategy", "epoch"])
+        ["--eval_strategy", "steps", "--evaluation_strategy", "epoch"]
+    )
 
 
 def test_names_users_bring_from_trl_and_llamafactory(tmp_path):
@@ -547,7 +670,8 @@ def test_names_users_bring_from_trl_and_llamafactory(tmp_path):
     assert (args.cutoff_len, args.batching_strategy, masking.train_on_prompt) == (64, "padding_free", True)
     assert TrainingArguments.from_dict({"max_seq_length": 32, "packing": True}).batching_strategy == "padding_free"
     assert "--packing and --batching_strategy set the same argument" in parse_error(
-        ["--batching_strategy", "normal", "--packing"])
+        ["--batching_strategy", "normal", "--packing"]
+    )
     assert "packing: expected a boolean, got 'bfd'" in parse_error(["--packing", "bfd"])
     assert "did you mean max_length" in parse_error(["--max_lenght", "8"])
     assert "did you mean packing" in parse_error(["--pakcing"])
@@ -558,8 +682,10 @@ FLAG_ERRORS = [
     (["--learnig_rate", "1e-4"], "--learnig_rate: unknown argument learnig_rate; did you mean learning_rate?"),
     (["--zzzz", "1"], "unknown argument zzzz; see --help for the arguments"),
     (["--deepspeed", "ds.json"], "deepspeed: ds.json: not found"),
-    (["--push_to_hub"],
-     "push_to_hub is not supported by kernelwright: pushing to the Hugging Face Hub is not supported"),
+    (
+        ["--push_to_hub"],
+        "push_to_hub is not supported by kernelwright: pushing to the Hugging Face Hub is not supported",
+    ),
     (["--hub_model_id", "me/model"], "hub_model_id is not supported by kernelwright: pushing to the Hugging Face Hub"),
     (["--push_to_hub_model_id", "x"], "push_to_hub_model_id is not supported by kernelwright"),
     (["--tpu_num_cores", "8"], "tpu_num_cores is not supported by kernelwright: TPUs are not supported"),
@@ -581,8 +707,10 @@ FLAG_ERRORS = [
     (["--"], "unexpected argument '--'"),
     (["run.txt"], "config file 'run.txt': expected a .yaml, .yml or .json file"),
     (["missing.yaml"], "config file: file not found: missing.yaml"),
-    (["--micro_batch_size", "3", "--global_batch_size", "16"],
-     "global_batch_size=16: must be a multiple of micro_batch_size"),
+    (
+        ["--micro_batch_size", "3", "--global_batch_size", "16"],
+        "global_batch_size=16: must be a multiple of micro_batch_size",
+    ),
 ]
 
 
@@ -593,16 +721,38 @@ def test_flag_errors(argv, expected):
 
 def test_extra_dataclasses_share_the_command_line():
     args, data = parse_args(
-        ["--model", "tiny-llama", "--data", "a.jsonl", "b.jsonl", "--train_on_prompt", "--val_size", "0.1",
-         "--bf16", "--max_samples", "null", "--cache_dir", "/tmp/c"], [DataArgs])
+        [
+            "--model",
+            "tiny-llama",
+            "--data",
+            "a.jsonl",
+            "b.jsonl",
+            "--train_on_prompt",
+            "--val_size",
+            "0.1",
+            "--bf16",
+            "--max_samples",
+            "null",
+            "--cache_dir",
+            "/tmp/c",
+        ],
+        [DataArgs],
+    )
     assert isinstance(args, TrainingArguments) and args.bf16 is True
-    assert data == DataArgs(model="tiny-llama", data=["a.jsonl", "b.jsonl"], val_size=0.1, train_on_prompt=True,
-                            cache_dir=pathlib.Path("/tmp/c"))
+    assert data == DataArgs(
+        model="tiny-llama",
+        data=["a.jsonl", "b.jsonl"],
+        val_size=0.1,
+        train_on_prompt=True,
+        cache_dir=pathlib.Path("/tmp/c"),
+    )
     assert "max_samples: expected an integer or null, got 'many'" in parse_error(
-        ["--model", "m", "--max_samples", "many"], [DataArgs])
+        ["--model", "m", "--max_samples", "many"], [DataArgs]
+    )
     assert "--model is required (Model name or path.)" in parse_error(["--bf16"], [DataArgs])
     assert "data_format='xml': expected one of auto, alpaca, sharegpt" in parse_error(
-        ["--model", "m", "--data_format", "xml"], [DataArgs])
+        ["--model", "m", "--data_format", "xml"], [DataArgs]
+    )
     assert "did you mean val_size" in parse_error(["--model", "m", "--val_sze", "0.1"], [DataArgs])
 
 
@@ -656,7 +806,7 @@ def test_json_file_and_file_errors(tmp_path):
         "twice.yaml": ("eval_strategy: steps\nevaluation_strategy: epoch\n", "eval_strategy given twice"),
         "list.yaml": ("- 1\n- 2\n", "expected a mapping of argument names to values"),
         "broken.yaml": ("a: [1,\n", "cannot parse"),
-        "broken.json": ("{\"a\": ", "cannot parse"),
+        "broken.json": ('{"a": ', "cannot parse"),
     }
     for name, (text, expected) in cases.items():
         (tmp_path / name).write_text(text)
@@ -686,8 +836,21 @@ def test_help_lists_every_argument_grouped(capsys):
     assert text == format_help([DataArgs]) + "\n"
     lines = text.splitlines()
     headers = [line[:-1] for line in lines if line and not line.startswith(" ") and line.endswith(":")]
-    assert headers[:13] == ["output", "control", "batching", "evaluation", "optimizer", "schedule", "logging",
-                            "checkpoints", "data", "precision", "performance", "distributed", "extras"]
+    assert headers[:13] == [
+        "output",
+        "control",
+        "batching",
+        "evaluation",
+        "optimizer",
+        "schedule",
+        "logging",
+        "checkpoints",
+        "data",
+        "precision",
+        "performance",
+        "distributed",
+        "extras",
+    ]
     assert "model" in headers and "DataArgs" in headers and "aliases" in headers
     for f in [*dataclasses.fields(TrainingArguments), *dataclasses.fields(DataArgs)]:
         flag_line = next(i for i, line in enumerate(lines) if line.startswith(f"  --{f.name} "))
@@ -702,15 +865,16 @@ def test_help_lists_every_argument_grouped(capsys):
     assert "--model STR  (required)" in text
     assert "push_to_hub" in text and "hub_*" in text
     section = lines.index("data:")
-    assert any(line.startswith("  --val_size ") for line in lines[section:section + 40])
+    assert any(line.startswith("  --val_size ") for line in lines[section : section + 40])
 
 
 # --- batching options: TrainingArguments, read by the loop's loader, saved in training_args.json ---------------
 
 
 def test_batching_options_are_training_arguments_saved_and_read_back_on_resume(tmp_path):
-    args, *_ = parse_args(["--pad_to_multiple_of", "8", "--max_tokens", "512",
-                           "--batching_strategy", "dynamic_batching"])
+    args, *_ = parse_args(
+        ["--pad_to_multiple_of", "8", "--max_tokens", "512", "--batching_strategy", "dynamic_batching"]
+    )
     assert (args.pad_to_multiple_of, args.max_tokens) == (8, 512)
     assert TrainingArguments().pad_to_multiple_of is None and TrainingArguments().max_tokens is None
 
@@ -727,9 +891,12 @@ def test_batching_options_are_training_arguments_saved_and_read_back_on_resume(t
     back = TrainingArguments.from_json_file(checkpoint / "training_args.json")
     assert back.pad_to_multiple_of == 8
     (pathlib.Path(args.output_dir) / "checkpoint-2").rename(tmp_path / "finished")  # the resumed run saves it anew
-    with pytest.raises(ValueError, match="pad_to_multiple_of is None here but 8 in .*checkpoint-1, and a resume cannot change it"):
-        Trainer(model=small_model(), args=dataclasses.replace(back, pad_to_multiple_of=None),
-                train_dataset=dataset).train(resume_from_checkpoint=str(checkpoint))
+    with pytest.raises(
+        ValueError, match="pad_to_multiple_of is None here but 8 in .*checkpoint-1, and a resume cannot change it"
+    ):
+        Trainer(
+            model=small_model(), args=dataclasses.replace(back, pad_to_multiple_of=None), train_dataset=dataset
+        ).train(resume_from_checkpoint=str(checkpoint))
     resumed = Trainer(model=small_model(), args=back, train_dataset=dataset)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 2

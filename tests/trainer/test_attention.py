@@ -25,8 +25,13 @@ def dense_reference(q, k, v, position_ids, attention_mask, window):
         valid = attention_mask.bool()
         allowed = allowed & valid[:, None, :]
         allowed = allowed | (torch.eye(T, dtype=torch.bool) & ~valid[:, :, None])
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=allowed[:, None], enable_gqa=q.shape[2] != k.shape[2])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=allowed[:, None],
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
     return out.transpose(1, 2)
 
 
@@ -67,8 +72,7 @@ def test_sdpa_equals_the_dense_mask_path(name):
     B = 1 if position_ids is None else position_ids.shape[0]
     T, H, Hkv, D = 24, 4, 2, 8
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, T, h, D, generator=gen, dtype=torch.float64, requires_grad=True)
-               for h in (H, Hkv, Hkv))
+    q, k, v = (torch.randn(B, T, h, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (H, Hkv, Hkv))
     weight = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)
     real = (attention_mask if attention_mask is not None else torch.ones(B, T)).bool()[..., None, None]
     results = []
@@ -101,16 +105,26 @@ class _LargestTensor(TorchDispatchMode):
 
 def _largest_in_training_step(T: int, window: int | None) -> int:
     """Forward and backward of a small model on one packed row of T tokens: one long document and short ones."""
-    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T,
-                         sliding_window=window, model_type="mistral" if window else "llama")
+    config = ModelConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=T,
+        sliding_window=window,
+        model_type="mistral" if window else "llama",
+    )
     torch.manual_seed(0)
     model = CausalLM(config, use_kernels=False)
     lengths = [T // 2, T // 4, T // 8, T - T // 2 - T // 4 - T // 8]
     position_ids = _packed(lengths)
     ids = torch.randint(0, 32, (1, T))
     with _LargestTensor() as meter:
-        model(ids, position_ids=position_ids, attention_mask=torch.ones(1, T, dtype=torch.long), labels=ids).loss.backward()
+        model(
+            ids, position_ids=position_ids, attention_mask=torch.ones(1, T, dtype=torch.long), labels=ids
+        ).loss.backward()
     return meter.largest
 
 

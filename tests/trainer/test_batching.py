@@ -24,7 +24,7 @@ def make_dataset(n=60, seed=0, max_len=24):
         length = int(rng.integers(1, max_len + 1))
         ids = [i + 1] * length
         prompt = int(rng.integers(0, length))  # a masked prompt of random length, sometimes the whole example
-        examples.append((ids, [IGN] * max(prompt, 1) + ids[max(prompt, 1):]))
+        examples.append((ids, [IGN] * max(prompt, 1) + ids[max(prompt, 1) :]))
     return TokenizedDataset.from_examples(examples)
 
 
@@ -80,7 +80,7 @@ def test_normal_pads_to_longest_rounded_up():
         longest = int(mask.sum(1).max())
         assert ids.shape == (4, -(-longest // 8) * 8)
         assert torch.equal(batch["position_ids"], torch.arange(ids.shape[1]).expand_as(ids))
-        assert all(mask[r, :int(mask[r].sum())].all() for r in range(4))  # right padding
+        assert all(mask[r, : int(mask[r].sum())].all() for r in range(4))  # right padding
         docs = documents(batch)
         assert len(docs) == 4
         check_docs_match_dataset(docs)
@@ -213,8 +213,11 @@ def test_load_state_dict_refuses_a_different_plan():
     """A CheckpointError (one line, exit 2 from the CLI; was a ValueError traceback, issue 21 item 10) saying how to
     resume."""
     state = loader("normal", seed=1).state_dict()
-    with pytest.raises(CheckpointError, match=r"seed was 1, is 2\); resume with the data and batching arguments the "
-                                              r"checkpoint was saved with \(its training_args.json\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"seed was 1, is 2\); resume with the data and batching arguments the "
+        r"checkpoint was saved with \(its training_args.json\)",
+    ):
         loader("normal", seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="batching_strategy was 'normal', is 'padding_free'"):
         loader("padding_free", seed=1).load_state_dict(state)
@@ -254,8 +257,9 @@ def test_padding_batches_have_no_targets():
 def test_rank_arguments_are_checked():
     with pytest.raises(ValueError, match="rank=2, world_size=2"):
         loader("normal", rank=2, world_size=2)
-    with pytest.raises(ConfigError, match="dataloader_drop_last: 3 examples give no full micro batch of 1 per rank "
-                                          "with world_size=4"):
+    with pytest.raises(
+        ConfigError, match="dataloader_drop_last: 3 examples give no full micro batch of 1 per rank with world_size=4"
+    ):
         BatchLoader(make_dataset(n=3), micro_batch_size=1, world_size=4, drop_last=True)
 
 
@@ -269,7 +273,7 @@ def test_group_by_length_sorts_megabatches_longest_first_and_pads_less():
     mega = 2 * 50  # 400 // (2 * 4) = 50 micro batches per megabatch
     # Inside a megabatch the batches come in decreasing length (the first megabatch lost its head to the swap).
     for start in range(mega // 2, len(lengths), mega // 2):
-        chunk = lengths[start:start + mega // 2 - 1]
+        chunk = lengths[start : start + mega // 2 - 1]
         assert chunk == sorted(chunk, reverse=True)
     pads = lambda ld: sum(int((b["attention_mask"] == 0).sum()) for b in ld)  # noqa: E731
     assert pads(ld) * 5 < pads(BatchLoader(ds, micro_batch_size=2, seed=0))
@@ -285,7 +289,9 @@ def test_eval_loader_keeps_dataset_order():
     assert epoch_examples(loader("padding_free", shuffle=False)) == list(range(len(DS)))
     # Token-budget strategies read the examples in length order when not shuffling; still each exactly once.
     once = epoch_examples(loader("dynamic_padding_free", shuffle=False))
-    assert sorted(once) == list(range(len(DS))) and once == epoch_examples(loader("dynamic_padding_free", shuffle=False))
+    assert sorted(once) == list(range(len(DS))) and once == epoch_examples(
+        loader("dynamic_padding_free", shuffle=False)
+    )
 
 
 def test_normal_drop_last_and_small_last_batch():
@@ -316,13 +322,30 @@ def test_same_steps_says_exactly_when_two_layouts_give_each_step_the_same_batche
     """Brute force over epochs of 1-30 micro batches and layouts with equal world_size x accumulation: deal the plan
     to every rank, cut each rank's share into steps as the Trainer does (`accum` per step, at least one step, the
     leftovers in the last), and compare the real (non-filler) micro batches of each step."""
+
     def steps(n, world_size, accum):
-        ranks = [BatchLoader([{"input_ids": [1], "labels": [1]}] * n, micro_batch_size=1, shuffle=False,
-                             drop_last=drop_last, rank=r, world_size=world_size)._deal(0, 0) for r in range(world_size)]
+        ranks = [
+            BatchLoader(
+                [{"input_ids": [1], "labels": [1]}] * n,
+                micro_batch_size=1,
+                shuffle=False,
+                drop_last=drop_last,
+                rank=r,
+                world_size=world_size,
+            )._deal(0, 0)
+            for r in range(world_size)
+        ]
         per_rank, count = len(ranks[0]), steps_per_epoch(n, world_size, accum, drop_last)
         assert count == max(per_rank // accum, 1)
-        return [sorted(int(b[0]) for share in ranks for b, filler in share[k * accum:(k + 1) * accum if k < count - 1 else per_rank]
-                       if not filler) for k in range(count)]
+        return [
+            sorted(
+                int(b[0])
+                for share in ranks
+                for b, filler in share[k * accum : (k + 1) * accum if k < count - 1 else per_rank]
+                if not filler
+            )
+            for k in range(count)
+        ]
 
     layouts = [(1, 4), (2, 2), (4, 1), (1, 6), (2, 3), (3, 2), (6, 1)]
     verdicts = []

@@ -14,8 +14,14 @@ from trainer.trainer import Trainer
 
 
 def test_settings_are_given_when_the_model_is_built(tmp_path):
-    args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, neftune_noise_alpha=5.0,
-                             use_kernels=False, gradient_checkpointing=True, seed=3)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        label_smoothing_factor=0.1,
+        neftune_noise_alpha=5.0,
+        use_kernels=False,
+        gradient_checkpointing=True,
+        seed=3,
+    )
     model, tokenizer = build_model("tiny", args)
     assert isinstance(model, CausalLM)  # one process: no wrapper
     assert (model.label_smoothing, model.neftune_noise_alpha, model.use_kernels) == (0.1, 5.0, False)

@@ -15,16 +15,36 @@ from trainer import checkpoint as ckpt
 from trainer import sft
 
 ROOT = Path(__file__).resolve().parents[2]
-FEW_STEPS = ["--model", "tiny", "--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "8",
-             "--exact_match_examples", "0", "--logging_steps", "1", "--disable_tqdm", "true"]
+FEW_STEPS = [
+    "--model",
+    "tiny",
+    "--max_steps",
+    "4",
+    "--save_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "8",
+    "--exact_match_examples",
+    "0",
+    "--logging_steps",
+    "1",
+    "--disable_tqdm",
+    "true",
+]
 
 
 def _save(out, step, payload=b"weights" * 100):
     def save_model(directory):
         (directory / "model.safetensors").write_bytes(payload)
 
-    return ckpt.save_checkpoint(out, step, save_model=save_model, data_state={"position": step},
-                                trainer_state={"global_step": step}, args_dict={"lr": 1e-3})
+    return ckpt.save_checkpoint(
+        out,
+        step,
+        save_model=save_model,
+        data_state={"position": step},
+        trainer_state={"global_step": step},
+        args_dict={"lr": 1e-3},
+    )
 
 
 def test_manifest_lists_every_file_and_an_intact_checkpoint_verifies(tmp_path):
@@ -36,13 +56,16 @@ def test_manifest_lists_every_file_and_an_intact_checkpoint_verifies(tmp_path):
     assert ckpt.verify_checkpoint(path) is None
 
 
-@pytest.mark.parametrize("damage, expected", [
-    (lambda p: p.joinpath("model.safetensors").write_bytes(b"weights" * 50), "350 bytes, 700 when saved"),
-    (lambda p: p.joinpath("model.safetensors").write_bytes(b"garbage" * 100), "CRC-32 mismatch"),
-    (lambda p: p.joinpath("rng_state.pth").write_bytes(b""), "0 bytes"),
-    (lambda p: p.joinpath("data_state.json").unlink(), "missing"),
-    (lambda p: p.joinpath(ckpt.MANIFEST).write_text("{not json"), "unreadable"),
-])
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda p: p.joinpath("model.safetensors").write_bytes(b"weights" * 50), "350 bytes, 700 when saved"),
+        (lambda p: p.joinpath("model.safetensors").write_bytes(b"garbage" * 100), "CRC-32 mismatch"),
+        (lambda p: p.joinpath("rng_state.pth").write_bytes(b""), "0 bytes"),
+        (lambda p: p.joinpath("data_state.json").unlink(), "missing"),
+        (lambda p: p.joinpath(ckpt.MANIFEST).write_text("{not json"), "unreadable"),
+    ],
+)
 def test_a_damaged_file_is_named(tmp_path, damage, expected):
     path = _save(tmp_path, 2)
     damage(path)
@@ -129,8 +152,20 @@ def test_cli_a_first_save_killed_leaves_a_run_that_the_same_command_restarts(tmp
     with kernels.backend("reference"):
         assert sft.main([*FEW_STEPS, "--max_steps", "2", "--output_dir", str(out)]) == 0
         assert [p.name for p in ckpt.checkpoints(out)] == ["checkpoint-2"]
-        assert sft.main([*FEW_STEPS, "--max_steps", "2", "--output_dir", str(tmp_path / "o2"),
-                         "--resume_from_checkpoint", "auto"]) == 0
+        assert (
+            sft.main(
+                [
+                    *FEW_STEPS,
+                    "--max_steps",
+                    "2",
+                    "--output_dir",
+                    str(tmp_path / "o2"),
+                    "--resume_from_checkpoint",
+                    "auto",
+                ]
+            )
+            == 0
+        )
     assert "no complete checkpoint" in capsys.readouterr().err
 
 
@@ -146,8 +181,10 @@ class _FullDisk:
             if when in str(file):
                 self.full = True
                 open(file, "wb").write(b"\0" * 4096)
-                raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing "
-                                   "file data/0: file write failed; unexpected pos 14038400 vs 14038292")
+                raise RuntimeError(
+                    "[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing "
+                    "file data/0: file write failed; unexpected pos 14038400 vs 14038292"
+                )
             return real_save(obj, file, *a, **k)
 
         def usage(path):
@@ -161,7 +198,10 @@ class _FullDisk:
 def test_disk_full_during_a_save_removes_the_partial_copy_and_says_so(tmp_path, monkeypatch):
     earlier = _save(tmp_path, 2)
     _FullDisk(monkeypatch, when="rng_state")
-    with pytest.raises(ckpt.OutOfSpaceError, match=r"out of space: checkpoint-4 needs more than the \d+ bytes written .*\(1\.0 MB free\)"):
+    with pytest.raises(
+        ckpt.OutOfSpaceError,
+        match=r"out of space: checkpoint-4 needs more than the \d+ bytes written .*\(1\.0 MB free\)",
+    ):
         _save(tmp_path, 4)
     assert not (tmp_path / "checkpoint-4.tmp").exists() and not (tmp_path / "checkpoint-4").exists()
     assert ckpt.verify_checkpoint(earlier) is None
@@ -197,25 +237,43 @@ def test_overwrite_moves_the_earlier_run_aside_so_its_checkpoints_never_outrank_
     (out / "model.safetensors").write_bytes(b"old model")
     (out / "final_metrics.json").write_text("{}\n")
     with kernels.backend("reference"):
-        assert sft.main([*FEW_STEPS, "--output_dir", str(out), "--overwrite_output_dir", "--save_total_limit", "2"]) == 0
+        assert (
+            sft.main([*FEW_STEPS, "--output_dir", str(out), "--overwrite_output_dir", "--save_total_limit", "2"]) == 0
+        )
     assert [p.name for p in ckpt.checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
     assert (out / "model.safetensors").read_bytes() != b"old model"
     aside = [p for p in out.iterdir() if p.name.startswith("overwritten-")]
     assert len(aside) == 1
-    assert sorted(p.name for p in aside[0].iterdir()) == ["checkpoint-15", "checkpoint-20", "final_metrics.json",
-                                                          "model.safetensors"]
-    assert f"moved the earlier run's checkpoints and model files in {out} to {aside[0].name}/" in capsys.readouterr().err
+    assert sorted(p.name for p in aside[0].iterdir()) == [
+        "checkpoint-15",
+        "checkpoint-20",
+        "final_metrics.json",
+        "model.safetensors",
+    ]
+    assert (
+        f"moved the earlier run's checkpoints and model files in {out} to {aside[0].name}/" in capsys.readouterr().err
+    )
 
 
 def test_a_second_run_in_the_same_output_dir_is_refused_and_a_killed_holder_leaves_no_stale_lock(tmp_path, capsys):
     """Issue 21 item 2: another process holds output_dir (as a running trainer.sft does); a run there is refused in
     one line naming the holder's pid, exit 2, nothing written; SIGKILL of the holder frees the directory."""
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from trainer.checkpoint import hold_output_dir\n"
-        f"with hold_output_dir({str(out)!r}):\n    print('held', flush=True); time.sleep(120)")],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from trainer.checkpoint import hold_output_dir\n"
+                f"with hold_output_dir({str(out)!r}):\n    print('held', flush=True); time.sleep(120)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         before = sorted(p.name for p in out.iterdir())

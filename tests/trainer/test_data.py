@@ -13,8 +13,16 @@ import numpy as np
 import pytest
 
 from trainer.coerce import ConfigError
-from trainer.data import (DataError, TokenizedDataset, load_sft_dataset, read_examples, save_to_cache,
-                          split_dataset, tokenize_conversation, tokenize_text)
+from trainer.data import (
+    DataError,
+    TokenizedDataset,
+    load_sft_dataset,
+    read_examples,
+    save_to_cache,
+    split_dataset,
+    tokenize_conversation,
+    tokenize_text,
+)
 from trainer.tokenizer import Tokenizer, byte_level_tokenizer
 
 IGN = -100
@@ -37,8 +45,12 @@ def llama_tok():
     from tokenizers import AddedToken
 
     backend = byte_level_tokenizer().backend
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in
-                                ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")])
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t in ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+        ]
+    )
     return Tokenizer(backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", chat_template=LLAMA3_TEMPLATE)
 
 
@@ -63,16 +75,26 @@ def write_jsonl(path, records):
     return path
 
 
-CONV = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4"}]
+CONV = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
 
 
 # ---- masking ------------------------------------------------------------------------------------------------
 def test_chatml_multi_turn_mask_token_by_token(tok):
     ids, labels = tokenize_conversation(tok, CONV)
-    want = expected(tok, chatml("system", "be brief") + chatml("user", "hi") + chatml("assistant", "hello", True)
-                    + chatml("user", "2+2?") + chatml("assistant", "4", True))
+    want = expected(
+        tok,
+        chatml("system", "be brief")
+        + chatml("user", "hi")
+        + chatml("assistant", "hello", True)
+        + chatml("user", "2+2?")
+        + chatml("assistant", "4", True),
+    )
     assert (ids, labels) == want
     # The stop token is a target, the next turn's header is not.
     im_end = tok.token_to_id("<|im_end|>")
@@ -81,8 +103,14 @@ def test_chatml_multi_turn_mask_token_by_token(tok):
 
 def test_mask_history_trains_only_last_turn(tok):
     _, labels = tokenize_conversation(tok, CONV, mask_history=True)
-    want = expected(tok, chatml("system", "be brief") + chatml("user", "hi") + chatml("assistant", "hello")
-                    + chatml("user", "2+2?") + chatml("assistant", "4", True))
+    want = expected(
+        tok,
+        chatml("system", "be brief")
+        + chatml("user", "hi")
+        + chatml("assistant", "hello")
+        + chatml("user", "2+2?")
+        + chatml("assistant", "4", True),
+    )
     assert labels == want[1]
 
 
@@ -97,14 +125,23 @@ def test_llama3_like_template_mask_token_by_token(llama_tok):
     def turn(role, content, sup=False):
         return [(f"<|start_header_id|>{role}<|end_header_id|>\n\n", False), (f"{content}<|eot_id|>", sup)]
 
-    want = expected(llama_tok, [("<|begin_of_text|>", False)] + turn("system", "be brief") + turn("user", "hi")
-                    + turn("assistant", "hello", True) + turn("user", "2+2?") + turn("assistant", "4", True))
+    want = expected(
+        llama_tok,
+        [("<|begin_of_text|>", False)]
+        + turn("system", "be brief")
+        + turn("user", "hi")
+        + turn("assistant", "hello", True)
+        + turn("user", "2+2?")
+        + turn("assistant", "4", True),
+    )
     assert (ids, labels) == want
     assert ids[0] == llama_tok.bos_token_id
 
 
 def test_multibyte_characters_are_supervised_whole(tok):
-    ids, labels = tokenize_conversation(tok, [{"role": "user", "content": "é?"}, {"role": "assistant", "content": "ü🌍"}])
+    ids, labels = tokenize_conversation(
+        tok, [{"role": "user", "content": "é?"}, {"role": "assistant", "content": "ü🌍"}]
+    )
     sup = [i for i, lab in zip(ids, labels) if lab != IGN]
     assert tok.decode(sup, skip_special_tokens=False) == "ü🌍<|im_end|>\n"
 
@@ -114,13 +151,16 @@ def test_mask_equals_transformers_assistant_mask(tmp_path, tok):
     transformers = pytest.importorskip("transformers")
     tok.save_pretrained(tmp_path)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    tagged = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-              "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>\\n' }}"
-              "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
-              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    tagged = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>\\n' }}"
+        "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
     msgs = CONV[:2] + [{"role": "assistant", "content": "hé 🌍"}] + CONV[3:]
-    out = hf.apply_chat_template(msgs, chat_template=tagged, tokenize=True, return_dict=True,
-                                 return_assistant_tokens_mask=True)
+    out = hf.apply_chat_template(
+        msgs, chat_template=tagged, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids, labels = tokenize_conversation(tok, msgs)
     assert ids == out["input_ids"]
     assert [int(lab != IGN) for lab in labels] == out["assistant_masks"]
@@ -128,8 +168,12 @@ def test_mask_equals_transformers_assistant_mask(tmp_path, tok):
 
 def test_template_that_breaks_the_prefix_property_is_a_clear_error(tmp_path, tok):
     # Prints the message count first: a prefix of the conversation renders with a different first character.
-    bad = Tokenizer(tok.backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                    chat_template="{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    bad = Tokenizer(
+        tok.backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template="{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
     f = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONV[1:3]}])
     with pytest.raises(DataError, match=r"c\.jsonl:1: chat template problem: .* not a prefix"):
         load_sft_dataset(f, bad, show_progress=False)
@@ -139,10 +183,12 @@ def test_template_that_breaks_the_prefix_property_is_a_clear_error(tmp_path, tok
 
 # ChatML whose assistant content sits in {% generation %} blocks, the end-of-turn left out of them: the blocks,
 # not the prefix rule (which would also supervise '<|im_end|>\n'), must decide the targets.
-TAGGED_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-                   "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
-                   "{% else %}{{ message['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
-                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TAGGED_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def test_generation_blocks_load_and_decide_the_targets(tmp_path, tok):
@@ -155,19 +201,25 @@ def test_generation_blocks_load_and_decide_the_targets(tmp_path, tok):
         return [(f"<|im_start|>{role}\n", False), (content, sup), ("<|im_end|>\n", False)]
 
     head = turn("system", "be brief") + turn("user", "hi")
-    assert tokenize_conversation(tagged, msgs) == expected(tagged, head + turn("assistant", "hé 🌍 ok", True)
-                                                           + turn("user", "2+2?") + turn("assistant", "4", True))
+    assert tokenize_conversation(tagged, msgs) == expected(
+        tagged, head + turn("assistant", "hé 🌍 ok", True) + turn("user", "2+2?") + turn("assistant", "4", True)
+    )
     _, last_only = tokenize_conversation(tagged, msgs, mask_history=True)
-    assert last_only == expected(tagged, head + turn("assistant", "hé 🌍 ok") + turn("user", "2+2?")
-                                 + turn("assistant", "4", True))[1]
+    assert (
+        last_only
+        == expected(tagged, head + turn("assistant", "hé 🌍 ok") + turn("user", "2+2?") + turn("assistant", "4", True))[
+            1
+        ]
+    )
     assert tagged.apply_chat_template(msgs) == tok.apply_chat_template(msgs)  # the tag renders its body unchanged
     f = write_jsonl(tmp_path / "g.jsonl", [{"messages": msgs}])
     assert len(load_sft_dataset(f, tagged, show_progress=False)) == 1
     transformers = pytest.importorskip("transformers")  # oracle: transformers' assistant_masks on the same template
     tok.save_pretrained(tmp_path / "hf")
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    out = hf.apply_chat_template(msgs, chat_template=TAGGED_TEMPLATE, tokenize=True, return_dict=True,
-                                 return_assistant_tokens_mask=True)
+    out = hf.apply_chat_template(
+        msgs, chat_template=TAGGED_TEMPLATE, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids, labels = tokenize_conversation(tagged, msgs)
     assert ids == out["input_ids"] and [int(lab != IGN) for lab in labels] == out["assistant_masks"]
 
@@ -180,27 +232,43 @@ REWRITING_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
     "{% if m['role'] == 'assistant' and loop.index0 > ns.last_user %}{{ '<think>' + m['reasoning'] + '</think>' }}"
     "{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def test_template_that_rewrites_earlier_turns_names_mask_history(tmp_path, tok):
-    rewriting = Tokenizer(tok.backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                          chat_template=REWRITING_TEMPLATE)
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning": "greet"},
-            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning": "add"}]
+    rewriting = Tokenizer(
+        tok.backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=REWRITING_TEMPLATE
+    )
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "reasoning": "greet"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning": "add"},
+    ]
     f = write_jsonl(tmp_path / "q.jsonl", [{"messages": msgs}])
     with pytest.raises(DataError, match=r"q\.jsonl:1: chat template problem: .*rewrites earlier turns.*--mask_history"):
         load_sft_dataset(f, rewriting, show_progress=False)
     ds = load_sft_dataset(f, rewriting, mask_history=True, show_progress=False)
-    want = expected(rewriting, chatml("user", "hi") + chatml("assistant", "hello") + chatml("user", "2+2?")
-                    + [("<|im_start|>assistant\n", False), ("<think>add</think>4<|im_end|>\n", True)])
+    want = expected(
+        rewriting,
+        chatml("user", "hi")
+        + chatml("assistant", "hello")
+        + chatml("user", "2+2?")
+        + [("<|im_start|>assistant\n", False), ("<think>add</think>4<|im_end|>\n", True)],
+    )
     assert (ds[0]["input_ids"].tolist(), ds[0]["labels"].tolist()) == want
 
 
 def test_template_raise_exception_is_a_bad_example(tmp_path, tok):
-    strict = Tokenizer(tok.backend, eos_token="<|im_end|>", chat_template=(
-        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
-        "{{ m['content'] }}|{% endfor %}"))
+    strict = Tokenizer(
+        tok.backend,
+        eos_token="<|im_end|>",
+        chat_template=(
+            "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+            "{{ m['content'] }}|{% endfor %}"
+        ),
+    )
     f = write_jsonl(tmp_path / "t.jsonl", [{"messages": CONV[1:3]}, {"messages": CONV}])
     with pytest.raises(DataError, match=r"t\.jsonl:2: the chat template failed .*no system role"):
         load_sft_dataset(f, strict, show_progress=False)
@@ -214,8 +282,10 @@ FORMAT_RECORDS = {
     "sharegpt": {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
     "alpaca": {"instruction": "hi", "input": "", "output": "yo"},
     "prompt_completion": {"prompt": "hi", "completion": "yo"},
-    "prompt_completion_lists": {"prompt": [{"role": "user", "content": "hi"}],
-                                "completion": [{"role": "assistant", "content": "yo"}]},
+    "prompt_completion_lists": {
+        "prompt": [{"role": "user", "content": "hi"}],
+        "completion": [{"role": "assistant", "content": "yo"}],
+    },
 }
 
 
@@ -230,17 +300,34 @@ def test_conversational_formats_normalise_to_the_same_tokens(tmp_path, tok, name
 
 
 def test_alpaca_input_system_and_history(tmp_path, tok):
-    f = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "add", "input": "1 2", "output": "3", "system": "calc",
-                                            "history": [["hi", "hello"]]}])
+    f = write_jsonl(
+        tmp_path / "a.jsonl",
+        [{"instruction": "add", "input": "1 2", "output": "3", "system": "calc", "history": [["hi", "hello"]]}],
+    )
     (msgs,) = [e["messages"] for e in read_examples(f)]
-    assert msgs == [{"role": "system", "content": "calc"}, {"role": "user", "content": "hi"},
-                    {"role": "assistant", "content": "hello"}, {"role": "user", "content": "add\n1 2"},
-                    {"role": "assistant", "content": "3"}]
+    assert msgs == [
+        {"role": "system", "content": "calc"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "add\n1 2"},
+        {"role": "assistant", "content": "3"},
+    ]
 
 
 def test_sharegpt_system_and_roles(tmp_path, tok):
-    f = write_jsonl(tmp_path / "s.jsonl", [{"system": "sys", "conversations": [
-        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}, {"from": "observation", "value": "o"}]}])
+    f = write_jsonl(
+        tmp_path / "s.jsonl",
+        [
+            {
+                "system": "sys",
+                "conversations": [
+                    {"from": "human", "value": "q"},
+                    {"from": "gpt", "value": "a"},
+                    {"from": "observation", "value": "o"},
+                ],
+            }
+        ],
+    )
     assert [m["role"] for m in read_examples(f)[0]["messages"]] == ["system", "user", "assistant", "tool"]
 
 
@@ -284,13 +371,24 @@ def test_json_list_files_report_element_lines(tmp_path, tok):
 
 
 def test_tool_role_and_tools_pass_through_to_the_template(tmp_path, tok):
-    tool_tok = Tokenizer(tok.backend, eos_token="<|im_end|>", chat_template=(
-        "{% if tools %}[{{ tools | length }} tools]{% endif %}{% for m in messages %}"
-        "<{{ m['role'] }}>{{ m['content'] }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}<|im_end|>"
-        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"))
-    rec = {"tools": [{"name": "calc"}], "messages": [
-        {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": None, "tool_calls": [{"name": "calc"}]},
-        {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2"}]}
+    tool_tok = Tokenizer(
+        tok.backend,
+        eos_token="<|im_end|>",
+        chat_template=(
+            "{% if tools %}[{{ tools | length }} tools]{% endif %}{% for m in messages %}"
+            "<{{ m['role'] }}>{{ m['content'] }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}<|im_end|>"
+            "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+        ),
+    )
+    rec = {
+        "tools": [{"name": "calc"}],
+        "messages": [
+            {"role": "user", "content": "1+1?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"name": "calc"}]},
+            {"role": "tool", "content": "2"},
+            {"role": "assistant", "content": "2"},
+        ],
+    }
     ds = load_sft_dataset(write_jsonl(tmp_path / "t.jsonl", [rec]), tool_tok, show_progress=False)
     text = tok.decode(ds[0]["input_ids"], skip_special_tokens=False)
     assert text.startswith("[1 tools]<user>1+1?") and "<tool>2<|im_end|>" in text
@@ -303,14 +401,26 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 BAD_LINES = [
     ('{"messages": [', "bad_json", r"invalid JSON: .*\(expected one JSON object per line\)"),
     ("[1, 2]", "not_an_object", r"a record is a list \(expected a JSON object\)"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}, "unknown_role",
-     r"messages\[1\]\.role is 'bot' \(expected one of system, user, assistant, tool\)"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, "missing_field",
-     r"messages\[1\] has no 'content'"),
-    ({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}, "wrong_type",
-     r"messages\[0\]\.content is a number \(expected a string\)"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}, "empty_content",
-     r"messages\[1\]\.content is empty"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]},
+        "unknown_role",
+        r"messages\[1\]\.role is 'bot' \(expected one of system, user, assistant, tool\)",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
+        "missing_field",
+        r"messages\[1\] has no 'content'",
+    ),
+    (
+        {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
+        "wrong_type",
+        r"messages\[0\]\.content is a number \(expected a string\)",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]},
+        "empty_content",
+        r"messages\[1\]\.content is empty",
+    ),
     ({"messages": "hi"}, "wrong_type", r"field 'messages' is a string \(expected a list of messages\)"),
 ]
 
@@ -326,9 +436,18 @@ def test_bad_record_on_line_3_names_file_line_and_expectation(tmp_path, tok, lin
 
 
 def test_skip_bad_examples_counts_by_reason_and_detects_from_first_valid(tmp_path, tok):
-    f = write_jsonl(tmp_path / "x.jsonl", ["not json", '"a string"', {"instruction": "a", "output": "b"},
-                                           {"instruction": "c"}, {"instruction": "d", "output": 7}, "",
-                                           {"instruction": "e", "output": "f"}])
+    f = write_jsonl(
+        tmp_path / "x.jsonl",
+        [
+            "not json",
+            '"a string"',
+            {"instruction": "a", "output": "b"},
+            {"instruction": "c"},
+            {"instruction": "d", "output": 7},
+            "",
+            {"instruction": "e", "output": "f"},
+        ],
+    )
     ds = load_sft_dataset(f, tok, skip_bad_examples=True, show_progress=False)
     assert len(ds) == 2
     assert ds.summary["formats"] == {str(f): "alpaca"}
@@ -352,14 +471,19 @@ def test_skipped_and_dropped_examples_are_named_and_counted_per_kind(tmp_path, t
     assert any(m.startswith(f"skipping {f}:2: field 'messages' is a string") for m in messages), messages
     named = [m for m in messages if m.startswith("dropping ") and "after truncation to cutoff_len 40" in m]
     assert [m.split(": ")[0] for m in named] == [f"dropping {f}:{line}" for line in range(3, 8)]
-    assert messages[-1] == "not named above: 40 more no_targets_after_truncation (45 in all) (the first 5 of each kind are)"
+    assert (
+        messages[-1]
+        == "not named above: 40 more no_targets_after_truncation (45 in all) (the first 5 of each kind are)"
+    )
     assert not any("bad examples" in m for m in messages)
     assert "read 47, skipped bad 1 (wrong_type 1), dropped 45 (no_targets_after_truncation 45)" in ds.summary_text()
 
 
 def test_unknown_format_and_missing_paths(tmp_path, tok):
     f = write_jsonl(tmp_path / "u.jsonl", [{"question": "q", "answer": "a"}])
-    with pytest.raises(DataError, match=r"u\.jsonl:1: cannot tell the data format from the keys \['answer', 'question'\]"):
+    with pytest.raises(
+        DataError, match=r"u\.jsonl:1: cannot tell the data format from the keys \['answer', 'question'\]"
+    ):
         load_sft_dataset(f, tok, show_progress=False)
     with pytest.raises(DataError, match="no such file"):
         load_sft_dataset(tmp_path / "nope.jsonl", tok, show_progress=False)
@@ -417,8 +541,9 @@ class CountingTokenizer(Tokenizer):
 
 def counting_tok():
     base = byte_level_tokenizer()
-    return CountingTokenizer(base.backend, eos_token=base.eos_token, pad_token=base.pad_token,
-                             chat_template=base.chat_template)
+    return CountingTokenizer(
+        base.backend, eos_token=base.eos_token, pad_token=base.pad_token, chat_template=base.chat_template
+    )
 
 
 def test_cache_second_load_does_not_tokenize_and_key_follows_inputs(tmp_path):
@@ -481,8 +606,11 @@ def test_parquet_rows(tmp_path, tok):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    rows = [{"instruction": "a", "input": None, "output": "b"}, {"instruction": "c", "input": "d", "output": "e"},
-            {"instruction": "f", "input": None, "output": None}]
+    rows = [
+        {"instruction": "a", "input": None, "output": "b"},
+        {"instruction": "c", "input": "d", "output": "e"},
+        {"instruction": "f", "input": None, "output": None},
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     with pytest.raises(DataError, match=r"d\.parquet:row 3: field 'output' is null"):
         load_sft_dataset(tmp_path / "d.parquet", tok, show_progress=False)

@@ -31,17 +31,34 @@ from trainer.checkpoint import checkpoints
 from trainer.deepspeed_engine import fill_config, read_config
 
 from .test_distributed import (  # noqa: F401
-    DIST_ARGS, LORA_ARGS, ONE_PROCESS_ARGS, assert_same_adapter, assert_same_weights, data_file, launch, ok, reference_run,
+    DIST_ARGS,
+    LORA_ARGS,
+    ONE_PROCESS_ARGS,
+    assert_same_adapter,
+    assert_same_weights,
+    data_file,
+    launch,
+    ok,
+    reference_run,
     single_process,
 )
 from .test_trainer import _env, _sft, wait_for_a_logged_step
 
 pytest.importorskip("deepspeed")
 
-AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-        "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
-ZERO = {"zero2": {"stage": 2}, "zero3": {"stage": 3},
-        "zero3-offload": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}}}
+AUTO = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+}
+ZERO = {
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero3-offload": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+}
 
 
 def write(tmp_path: Path, config, name="ds.json") -> Path:
@@ -79,24 +96,53 @@ def test_contradictions_name_both_sides(tmp_path):
 
 
 def test_auto_filled_from_arguments(tmp_path):
-    path = write(tmp_path, {**AUTO, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
-                                                           "stage3_prefetch_bucket_size": "auto"},
-                            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                                      "weight_decay": "auto"}},
-                            "scheduler": {"type": "WarmupDecayLR", "params": {
-                                "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
-                                "total_num_steps": "auto"}}})
-    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=str(path), per_device_train_batch_size=3,
-                             gradient_accumulation_steps=5, max_grad_norm=0.5, bf16=True, learning_rate=2e-4,
-                             weight_decay=0.1, warmup_steps=7)
+    path = write(
+        tmp_path,
+        {
+            **AUTO,
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+            },
+            "scheduler": {
+                "type": "WarmupDecayLR",
+                "params": {
+                    "warmup_min_lr": "auto",
+                    "warmup_max_lr": "auto",
+                    "warmup_num_steps": "auto",
+                    "total_num_steps": "auto",
+                },
+            },
+        },
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        deepspeed=str(path),
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=5,
+        max_grad_norm=0.5,
+        bf16=True,
+        learning_rate=2e-4,
+        weight_decay=0.1,
+        warmup_steps=7,
+    )
     assert args.dist_config == {"name": "deepspeed", "config_file": str(path)}
     config = fill_config(read_config(path), args, world_size=4, max_steps=100, hidden_size=64)
-    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
-            config["train_batch_size"], config["gradient_clipping"]) == (3, 5, 60, 0.5)
+    assert (
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+        config["train_batch_size"],
+        config["gradient_clipping"],
+    ) == (3, 5, 60, 0.5)
     assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
     assert config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}
-    assert config["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 2e-4, "warmup_num_steps": 7,
-                                             "total_num_steps": 100}
+    assert config["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 2e-4,
+        "warmup_num_steps": 7,
+        "total_num_steps": 100,
+    }
     assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
     assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
     assert "zero_allow_untested_optimizer" not in config  # DeepSpeed builds the optimizer of the section
@@ -107,16 +153,39 @@ def test_absent_batch_keys_follow_the_arguments(tmp_path, capsys):
     train_batch_size or train_micro_batch_size_per_gpu needs to be provided"; absent, they follow the arguments as
     "auto" does, and the run trains."""
     path = write(tmp_path, {"zero_optimization": {"stage": 0}})
-    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=str(path), per_device_train_batch_size=3,
-                             gradient_accumulation_steps=5)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), deepspeed=str(path), per_device_train_batch_size=3, gradient_accumulation_steps=5
+    )
     config = fill_config(read_config(path), args, world_size=2)
-    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
-            config["train_batch_size"]) == (3, 5, 30)
+    assert (
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+        config["train_batch_size"],
+    ) == (3, 5, 30)
     out = tmp_path / "o"
     environ = dict(os.environ)
     try:
-        assert sft.main(["--model", "tiny", "--output_dir", str(out), "--deepspeed", str(path), "--max_steps", "1",
-                         "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--plot", "false"]) == 0
+        assert (
+            sft.main(
+                [
+                    "--model",
+                    "tiny",
+                    "--output_dir",
+                    str(out),
+                    "--deepspeed",
+                    str(path),
+                    "--max_steps",
+                    "1",
+                    "--per_device_train_batch_size",
+                    "4",
+                    "--disable_tqdm",
+                    "true",
+                    "--plot",
+                    "false",
+                ]
+            )
+            == 0
+        )
     finally:  # the engine set up a one-process group (and its RANK/WORLD_SIZE/... variables) in this process;
         # later tests in this process make their own, or none
         if torch.distributed.is_initialized():
@@ -133,12 +202,20 @@ def test_deepspeed_and_dist_config_together_refused(tmp_path):
         TrainingArguments(output_dir=str(tmp_path), deepspeed=str(path), dist_config={"name": "ddp"})
 
 
-@pytest.mark.parametrize("config", ['{"zero_optimization": {"stage": 2},}', {"zero_optimization": {"stage": "x"}},
-                                    {**AUTO, "gradient_clipping": 3.0}, None])
+@pytest.mark.parametrize(
+    "config",
+    [
+        '{"zero_optimization": {"stage": 2},}',
+        {"zero_optimization": {"stage": "x"}},
+        {**AUTO, "gradient_clipping": 3.0},
+        None,
+    ],
+)
 def test_cli_bad_config_exits_2_with_one_line(tmp_path, capsys, config):
     path = write(tmp_path, config) if config is not None else tmp_path / "missing.json"
-    code = sft.main(["--model", "tiny", "--output_dir", str(tmp_path / "o"), "--deepspeed", str(path),
-                     "--max_steps", "1"])
+    code = sft.main(
+        ["--model", "tiny", "--output_dir", str(tmp_path / "o"), "--deepspeed", str(path), "--max_steps", "1"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: deepspeed: ") and str(path) in err[0], err
@@ -157,8 +234,10 @@ def ds_suite(tmp_path_factory, data_file):  # noqa: F811
     of 3 steps), ZeRO-2 and ZeRO-3 resumed from their checkpoint-2, and ZeRO-2 with NaN losses at step 2."""
     root = tmp_path_factory.mktemp("ds")
     jobs = [{"name": name, "args": ds_args(root, name)} for name in ZERO]
-    jobs += [{"name": f"{name}-resumed", "args": ds_args(root, name),
-              "resume": str(root / name / "run" / "checkpoint-2")} for name in ("zero2", "zero3")]
+    jobs += [
+        {"name": f"{name}-resumed", "args": ds_args(root, name), "resume": str(root / name / "run" / "checkpoint-2")}
+        for name in ("zero2", "zero3")
+    ]
     jobs.append({"name": "zero2-nan", "args": {**ds_args(root, "zero2"), "save_strategy": "no"}, "nan_at_step": 2})
     jobs.append({"name": "zero3-lora", "args": {**ds_args(root, "zero3"), **LORA_ARGS}})
     return ok(launch(root, data_file, jobs))
@@ -217,8 +296,14 @@ def test_zero3_export_loads_in_transformers(ds_suite):
 @pytest.mark.slow  # 16 s on 2 shared cores: its own launch (the 2-process suite is ~40 s and stays in CI)
 def test_one_process_without_launcher(tmp_path, data_file, reference_run):  # noqa: F811
     """DeepSpeed with world size 1 and no launcher's process group: it forms its own, and equals no DeepSpeed."""
-    job = ok(launch(tmp_path, data_file, [{"name": "zero2", "args": {**ds_args(tmp_path, "zero2"),
-                                                                       "gradient_accumulation_steps": 4}}], nproc=1))
+    job = ok(
+        launch(
+            tmp_path,
+            data_file,
+            [{"name": "zero2", "args": {**ds_args(tmp_path, "zero2"), "gradient_accumulation_steps": 4}}],
+            nproc=1,
+        )
+    )
     assert job["result"]["zero2"]["losses"] == pytest.approx(reference_run[0], rel=1e-5)
 
 
@@ -236,7 +321,9 @@ def test_sigterm_saves_deepspeeds_checkpoint_and_the_resume_finishes_the_run(tmp
     ds = write(tmp_path, {**AUTO, "zero_optimization": ZERO["zero2"]})
     out = tmp_path / "run"
     command = _sft(out, "--max_steps", "100000", "--save_strategy", "no", "--deepspeed", str(ds))
-    proc = subprocess.Popen(command, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_for_a_logged_step(out, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -245,8 +332,17 @@ def test_sigterm_saves_deepspeeds_checkpoint_and_the_resume_finishes_the_run(tmp
     assert (saved / "deepspeed").is_dir() and (saved / "trainer_state.json").is_file()
     step = json.loads((saved / "trainer_state.json").read_text())["global_step"]
     assert "--resume_from_checkpoint auto" in err
-    finish = _sft(out, "--max_steps", str(step + 2), "--save_strategy", "no", "--deepspeed", str(ds),
-                  "--resume_from_checkpoint", "auto")
+    finish = _sft(
+        out,
+        "--max_steps",
+        str(step + 2),
+        "--save_strategy",
+        "no",
+        "--deepspeed",
+        str(ds),
+        "--resume_from_checkpoint",
+        "auto",
+    )
     done = subprocess.run(finish, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed from {saved} at step {step}" in done.stderr

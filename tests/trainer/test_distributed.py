@@ -39,17 +39,16 @@ import torch.distributed.checkpoint
 from safetensors.torch import load_file
 
 import kernels
-
 from trainer.args import TrainingArguments
 from trainer.build import PRESETS, build_preset, load_pretrained, save_pretrained
+from trainer.data import load_sft_dataset
 from trainer.lora import apply_lora, is_adapter_name, peft_key
 from trainer.model import CausalLM, ModelConfig, generate
-from trainer.tasks import generate_tasks, preference_pair
-from trainer.trainer import Trainer
-from trainer.data import load_sft_dataset
 from trainer.preference import PreferenceArguments, PreferenceTrainer
 from trainer.preference_data import load_preference_dataset
+from trainer.tasks import generate_tasks, preference_pair
 from trainer.tokenizer import byte_level_tokenizer
+from trainer.trainer import Trainer
 
 from .test_trainer import small_model
 
@@ -57,9 +56,19 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT_S = 150  # per spawned job; the 2-process runs take ~10-40 s on 2 shared cores
 
-BASE = dict(per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=0,
-            logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=7, optim="adamw_fused",
-            max_steps=3)
+BASE = dict(
+    per_device_train_batch_size=2,
+    learning_rate=1e-2,
+    lr_scheduler_type="linear",
+    warmup_steps=0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    disable_tqdm=True,
+    seed=7,
+    optim="adamw_fused",
+    max_steps=3,
+)
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +92,13 @@ def eval_metrics(prediction) -> dict:
     mask = targets != -100
     right = (logits[:, :-1].argmax(-1) == targets) & mask
     rows = torch.arange(1, labels.shape[0] + 1, dtype=torch.float64)[:, None]  # (N, 1)
-    return {"accuracy": right.sum().item() / mask.sum().item(), "rows": labels.shape[0], "width": labels.shape[1],
-            "targets": int(mask.sum()), "order": float((rows * labels.clamp(min=0)).sum())}
+    return {
+        "accuracy": right.sum().item() / mask.sum().item(),
+        "rows": labels.shape[0],
+        "width": labels.shape[1],
+        "targets": int(mask.sum()),
+        "order": float((rows * labels.clamp(min=0)).sum()),
+    }
 
 
 def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2, presets: dict | None = None) -> dict:
@@ -94,16 +108,34 @@ def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2, pr
     tmp_path.mkdir(parents=True, exist_ok=True)
     dirs = {job["name"]: tmp_path / job["name"] for job in jobs}
     spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps({"data": str(data_file), "presets": presets or {}, "jobs": [
-        {"output": str(dirs[job["name"]]), **{k: v for k, v in job.items() if k != "name"}} for job in jobs]}))
-    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-                "WORLD_SIZE": str(nproc), "KERNELS_BACKEND": "reference", "OMP_NUM_THREADS": "1"}
+    spec_file.write_text(
+        json.dumps(
+            {
+                "data": str(data_file),
+                "presets": presets or {},
+                "jobs": [
+                    {"output": str(dirs[job["name"]]), **{k: v for k, v in job.items() if k != "name"}} for job in jobs
+                ],
+            }
+        )
+    )
+    env_base = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(nproc),
+        "KERNELS_BACKEND": "reference",
+        "OMP_NUM_THREADS": "1",
+    }
     procs, logs = [], []
     for rank in range(nproc):
         log = open(tmp_path / f"rank{rank}.log", "w+")
         env = {**env_base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec_file)], cwd=ROOT, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(spec_file)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
         logs.append(log)
     deadline = time.monotonic() + TIMEOUT_S
     rcs = []
@@ -122,13 +154,17 @@ def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2, pr
         log.seek(0)
         texts.append(log.read())
         log.close()
-    results = {name: json.loads((d / "result.json").read_text()) if (d / "result.json").is_file() else None
-               for name, d in dirs.items()}
+    results = {
+        name: json.loads((d / "result.json").read_text()) if (d / "result.json").is_file() else None
+        for name, d in dirs.items()
+    }
     return {"rcs": rcs, "logs": texts, "out": dirs, "result": results}
 
 
 def ok(job: dict) -> dict:
-    assert job["rcs"] == [0] * len(job["logs"]), "\n\n".join(f"--- rank {r} ---\n{t[-3000:]}" for r, t in enumerate(job["logs"]))
+    assert job["rcs"] == [0] * len(job["logs"]), "\n\n".join(
+        f"--- rank {r} ---\n{t[-3000:]}" for r, t in enumerate(job["logs"])
+    )
     return job
 
 
@@ -136,8 +172,13 @@ def single_process(tmp_path: Path, data_file: Path, args: dict, resume=None):
     """(losses, model, eval metrics with eval_metrics) of a run in this process, from step 0 or from `resume`."""
     dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
     model = small_model()
-    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "single"), **args),
-                      train_dataset=dataset, eval_dataset=dataset, compute_metrics=eval_metrics)
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(output_dir=str(tmp_path / "single"), **args),
+        train_dataset=dataset,
+        eval_dataset=dataset,
+        compute_metrics=eval_metrics,
+    )
     trainer.train(resume_from_checkpoint=resume)
     state = trainer.state
     return [h["loss"] for h in state.log_history if "loss" in h], model, trainer.evaluate()
@@ -153,8 +194,11 @@ def assert_same_weights(directory: Path, model, rtol=1e-4, atol=1e-5):
 # All runs that train save checkpoint-2 (of 3 steps), which the resume runs continue from.
 DIST_ARGS = {**BASE, "gradient_accumulation_steps": 2, "save_strategy": "steps", "save_steps": 2}
 ONE_PROCESS_ARGS = {**DIST_ARGS, "gradient_accumulation_steps": 4}  # the same global batch of 8 on one process
-CONFIGS = {"ddp": {}, "fsdp2": {"dist_config": {"name": "fsdp2", "mixed_precision": "fp32"}},
-           "fsdp2-bf16": {"dist_config": {"name": "fsdp2", "mixed_precision": "bf16"}}}
+CONFIGS = {
+    "ddp": {},
+    "fsdp2": {"dist_config": {"name": "fsdp2", "mixed_precision": "fp32"}},
+    "fsdp2-bf16": {"dist_config": {"name": "fsdp2", "mixed_precision": "bf16"}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +212,20 @@ def reference_run(tmp_path_factory, data_file):
 
 # Models the 2-process build jobs load: FSDP2 splits every odd dim 0 unevenly (vocab 321: 161 + 160 rows), and no
 # parameter's full shape equals another's shard shape on either rank, so full-size tensors can be told apart.
-ODD = {"model_type": "llama", "vocab_size": 321, "hidden_size": 48, "intermediate_size": 100, "num_hidden_layers": 2,
-       "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 256, "tie_word_embeddings": True,
-       "pad_token_id": 256, "eos_token_id": 258, "rms_norm_eps": 1e-5}
+ODD = {
+    "model_type": "llama",
+    "vocab_size": 321,
+    "hidden_size": 48,
+    "intermediate_size": 100,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    "pad_token_id": 256,
+    "eos_token_id": 258,
+    "rms_norm_eps": 1e-5,
+}
 ODD_PRESET = "odd-test-preset"
 
 
@@ -194,18 +249,38 @@ def suite(tmp_path_factory, data_file, reference_run, odd_model_dir):
     jobs = []
     for name in ("ddp", "fsdp2"):
         jobs.append({"name": name, "args": {**DIST_ARGS, **CONFIGS[name]}, "metrics": True})
-        jobs.append({"name": f"{name}-resumed", "args": {**DIST_ARGS, **CONFIGS[name]},
-                     "resume": str(root / name / "run" / "checkpoint-2")})
-        jobs.append({"name": f"{name}-from-one", "args": {**DIST_ARGS, **CONFIGS[name]}, "resume": str(reference_run[3])})
+        jobs.append(
+            {
+                "name": f"{name}-resumed",
+                "args": {**DIST_ARGS, **CONFIGS[name]},
+                "resume": str(root / name / "run" / "checkpoint-2"),
+            }
+        )
+        jobs.append(
+            {"name": f"{name}-from-one", "args": {**DIST_ARGS, **CONFIGS[name]}, "resume": str(reference_run[3])}
+        )
     jobs.append({"name": "fsdp2-bf16", "args": {**BASE, "gradient_accumulation_steps": 2, **CONFIGS["fsdp2-bf16"]}})
-    jobs.append({"name": "fsdp2-host-labels", "args": {**DIST_ARGS, **CONFIGS["fsdp2"], "save_strategy": "no"},
-                 "host_labels_probe": True})
+    jobs.append(
+        {
+            "name": "fsdp2-host-labels",
+            "args": {**DIST_ARGS, **CONFIGS["fsdp2"], "save_strategy": "no"},
+            "host_labels_probe": True,
+        }
+    )
     fsdp2 = CONFIGS["fsdp2"]["dist_config"]
     checkpoint = root / "fsdp2" / "run" / "checkpoint-2"
-    for name, model, dcp in (("build-hf", odd_model_dir, None), ("build-preset", ODD_PRESET, None),
-                             ("build-dcp", checkpoint, checkpoint / "dcp")):
-        jobs.append({"name": name, "build": {"model": str(model), "seed": 5},
-                     "args": {**BASE, "dist_config": {**fsdp2, "dcp_path": str(dcp) if dcp else None}}})
+    for name, model, dcp in (
+        ("build-hf", odd_model_dir, None),
+        ("build-preset", ODD_PRESET, None),
+        ("build-dcp", checkpoint, checkpoint / "dcp"),
+    ):
+        jobs.append(
+            {
+                "name": name,
+                "build": {"model": str(model), "seed": 5},
+                "args": {**BASE, "dist_config": {**fsdp2, "dcp_path": str(dcp) if dcp else None}},
+            }
+        )
     return ok(launch(root, data_file, jobs, presets={ODD_PRESET: ODD}))
 
 
@@ -253,17 +328,30 @@ def test_preference_training_on_two_processes_matches_one(tmp_path, data_file, p
     with kernels.backend("reference"):
         pairs = load_preference_dataset([pairs_file], byte_level_tokenizer(), show_progress=False)
         model = small_model()
-        trainer = PreferenceTrainer(model=model, pref=PreferenceArguments(**pref), train_dataset=pairs,
-                                    eval_dataset=pairs, processing_class=byte_level_tokenizer(),
-                                    args=TrainingArguments(output_dir=str(tmp_path / "single"), **args,
-                                                           gradient_accumulation_steps=4))
+        trainer = PreferenceTrainer(
+            model=model,
+            pref=PreferenceArguments(**pref),
+            train_dataset=pairs,
+            eval_dataset=pairs,
+            processing_class=byte_level_tokenizer(),
+            args=TrainingArguments(output_dir=str(tmp_path / "single"), **args, gradient_accumulation_steps=4),
+        )
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
         metrics = trainer.evaluate()
-    jobs = [{"name": name, "pairs": str(pairs_file), "pref": {**pref, **extra},
-             "args": {**args, "gradient_accumulation_steps": 2, **CONFIGS[config]}}
-            for name, config, extra in (("ddp", "ddp", {}), ("fsdp2", "fsdp2", {}),
-                                        ("fsdp2-precomputed", "fsdp2", {"precompute_ref_log_probs": True}))]
+    jobs = [
+        {
+            "name": name,
+            "pairs": str(pairs_file),
+            "pref": {**pref, **extra},
+            "args": {**args, "gradient_accumulation_steps": 2, **CONFIGS[config]},
+        }
+        for name, config, extra in (
+            ("ddp", "ddp", {}),
+            ("fsdp2", "fsdp2", {}),
+            ("fsdp2-precomputed", "fsdp2", {"precompute_ref_log_probs": True}),
+        )
+    ]
     runs = ok(launch(tmp_path / "dist", data_file, jobs))
     for name in ("ddp", "fsdp2", "fsdp2-precomputed"):
         result = runs["result"][name]
@@ -300,8 +388,15 @@ def test_compute_metrics_sees_the_whole_eval_set_once_in_order(suite, reference_
 def test_checkpoint_layout(suite, name):
     checkpoint = suite["out"][name] / "run" / "checkpoint-2"
     files = {p.name for p in checkpoint.iterdir()}
-    assert {"model.safetensors", "config.json", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt",
-            "trainer_state.json", "data_state.json"} <= files
+    assert {
+        "model.safetensors",
+        "config.json",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "scheduler.pt",
+        "trainer_state.json",
+        "data_state.json",
+    } <= files
     if name == "fsdp2":  # model + optimizer shards of both ranks, instead of optimizer.pt
         assert "dcp" in files and "optimizer.pt" not in files and (checkpoint / "dcp" / ".metadata").is_file()
     else:
@@ -374,9 +469,15 @@ def test_init_distributed_is_a_no_op_for_one_process(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("config", [None, {"name": "fsdp2", "mixed_precision": "fp32"},
-                                    {"name": "fsdp2", "mixed_precision": "fp32", "offload_params": True}],
-                         ids=["ddp-nccl", "fsdp2-nccl", "fsdp2-offload"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        {"name": "fsdp2", "mixed_precision": "fp32"},
+        {"name": "fsdp2", "mixed_precision": "fp32", "offload_params": True},
+    ],
+    ids=["ddp-nccl", "fsdp2-nccl", "fsdp2-offload"],
+)
 def test_two_gpus_match_one_process(tmp_path, data_file, reference_run, config):
     """On 2 GPUs (nccl; offload_params keeps the shards in pinned CPU memory): the same run as on the CPU."""
     args = {**BASE, "gradient_accumulation_steps": 2, **({"dist_config": config} if config else {})}
@@ -398,8 +499,13 @@ def test_nccl_initialises_with_one_process(tmp_path, monkeypatch):
         port = s.getsockname()[1]
     # WORLD_SIZE=1 is a no-op for init_distributed (one process needs no group), so the group is formed as it
     # forms one for several processes: the same backend string, a one-rank TCP store.
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(key, value)
     assert init_distributed() == (0, 1) and not torch.distributed.is_initialized()
     torch.distributed.init_process_group(backend="cuda:nccl,cpu:gloo", rank=0, world_size=1)
@@ -491,7 +597,11 @@ def test_fused_adamw_updates_dtensor_shards_like_plain_tensors(one_rank_group, b
             opt = kernels.FusedAdamW(params, lr=1e-2, weight_decay=0.1)
             for step in range(2):
                 for p, g in zip(params, grads):
-                    p.grad = distribute_tensor(g * (step + 1), mesh, [Shard(0)]) if isinstance(p, DTensor) else g * (step + 1)
+                    p.grad = (
+                        distribute_tensor(g * (step + 1), mesh, [Shard(0)])
+                        if isinstance(p, DTensor)
+                        else g * (step + 1)
+                    )
                 opt.step()
     for p, q in zip(plain, sharded):
         assert isinstance(q, DTensor) and isinstance(opt.state[q]["exp_avg"], DTensor)
@@ -525,11 +635,17 @@ def test_one_process_checkpoint_resumes_on_two_processes(suite, reference_run, n
     assert_same_weights(suite["out"][f"{name}-from-one"] / "final", ref_model)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"gradient_accumulation_steps": 2}, r"the global batch .* was 2 x 2 x 2 = 8, is 4; set gradient_accumulation_steps=4"),
-    ({"per_device_train_batch_size": 4}, r"per_device_train_batch_size must stay 2 \(got 4\)"),
-    ({"group_by_length": True}, r"group_by_length=True"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"gradient_accumulation_steps": 2},
+            r"the global batch .* was 2 x 2 x 2 = 8, is 4; set gradient_accumulation_steps=4",
+        ),
+        ({"per_device_train_batch_size": 4}, r"per_device_train_batch_size must stay 2 \(got 4\)"),
+        ({"group_by_length": True}, r"group_by_length=True"),
+    ],
+)
 def test_resuming_under_another_number_of_processes_needs_the_same_batches(suite, data_file, tmp_path, change, message):
     from trainer.checkpoint import CheckpointError
 
@@ -590,7 +706,9 @@ def test_fsdp2_build_never_holds_a_full_weight(suite, source):
     for name, spans in covered.items():
         spans.sort()
         full_rows = ranks[0]["shards"][name][0][0]
-        assert spans[0][0] == 0 and spans[-1][1] == full_rows and all(a[1] == b[0] for a, b in itertools.pairwise(spans)), name
+        assert (
+            spans[0][0] == 0 and spans[-1][1] == full_rows and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        ), name
     assert sorted(r[0] for r in covered["model.embed_tokens.weight"]) == [0, 161]  # uneven: 161 + 160 rows
 
 
@@ -635,9 +753,16 @@ def lora_suite(tmp_path_factory, data_file):
     LoRA model built sharded on the meta device as trainer.sft builds it (the tiny preset, seed 3)."""
     root = tmp_path_factory.mktemp("lora")
     jobs = [{"name": name, "args": {**DIST_ARGS, **LORA_ARGS, **CONFIGS[name]}} for name in ("ddp", "fsdp2")]
-    jobs.append({"name": "fsdp2-resume", "args": {**DIST_ARGS, **LORA_ARGS, **CONFIGS["fsdp2"]},
-                 "resume": str(root / "fsdp2" / "run" / "checkpoint-2")})
-    jobs.append({"name": "build", "args": {**BASE, **LORA_ARGS, **CONFIGS["fsdp2"]}, "build": {"model": "tiny", "seed": 3}})
+    jobs.append(
+        {
+            "name": "fsdp2-resume",
+            "args": {**DIST_ARGS, **LORA_ARGS, **CONFIGS["fsdp2"]},
+            "resume": str(root / "fsdp2" / "run" / "checkpoint-2"),
+        }
+    )
+    jobs.append(
+        {"name": "build", "args": {**BASE, **LORA_ARGS, **CONFIGS["fsdp2"]}, "build": {"model": "tiny", "seed": 3}}
+    )
     return ok(launch(root, data_file, jobs))
 
 
@@ -649,7 +774,8 @@ def test_lora_on_two_processes_matches_one_process(lora_suite, data_file, tmp_pa
     assert_same_adapter(lora_suite["out"][name] / "final", model)
     if name == "fsdp2":  # the sharded copy holds the adapter and its optimizer state, not the frozen base
         metadata = torch.distributed.checkpoint.FileSystemReader(
-            str(lora_suite["out"][name] / "run" / "checkpoint-2" / "dcp")).read_metadata()
+            str(lora_suite["out"][name] / "run" / "checkpoint-2" / "dcp")
+        ).read_metadata()
         model_keys = {k for k in metadata.state_dict_metadata if k.startswith("model.")}
         # torch's ignore_frozen_params keeps a tied weight's second name (lm_head = embed_tokens here), nothing else
         assert {k for k in model_keys if "lora_" not in k} == {"model.lm_head.weight"}

@@ -13,21 +13,47 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["--model", "tiny", "--max_steps", "2", "--per_device_train_batch_size", "4", "--cutoff_len", "64",
-        "--disable_tqdm", "true", "--report_to", "jsonl", "--exact_match_examples", "0", "--plot", "false",
-        "--logging_steps", "1"]
+FAST = [
+    "--model",
+    "tiny",
+    "--max_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "4",
+    "--cutoff_len",
+    "64",
+    "--disable_tqdm",
+    "true",
+    "--report_to",
+    "jsonl",
+    "--exact_match_examples",
+    "0",
+    "--plot",
+    "false",
+    "--logging_steps",
+    "1",
+]
 
 
 def run(*args, module="trainer.dpo", timeout=300):
     env = {**os.environ, "KERNELS_BACKEND": "reference"}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_a_short_run_on_the_embedded_pairs(tmp_path):
     out = tmp_path / "out"
-    best = ["--eval_strategy", "steps", "--eval_steps", "2", "--save_steps", "2",
-            "--metric_for_best_model", "rewards/accuracies"]
+    best = [
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "2",
+        "--save_steps",
+        "2",
+        "--metric_for_best_model",
+        "rewards/accuracies",
+    ]
     done = run(*FAST, "--output_dir", str(out), "--per_device_eval_batch_size", "50", *best)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "preference accuracy before training:" in done.stderr
@@ -47,25 +73,32 @@ def test_a_short_run_on_the_embedded_pairs(tmp_path):
 def test_llamafactory_yaml_runs_as_it_is(tmp_path):
     """LlamaFactory's names through trainer.sft, and a reference model given by name (built like the policy)."""
     config = tmp_path / "dpo.yaml"
-    config.write_text("stage: dpo\nmodel: tiny\nref_model: tiny\npref_beta: 0.2\npref_loss: ipo\npref_ftx: 0\n"
-                      "max_length: 64\n"
-                      f"output_dir: {tmp_path / 'out'}\nmax_steps: 1\nper_device_train_batch_size: 4\n"
-                      "exact_match_examples: 0\nplot: false\ndisable_tqdm: true\nreport_to: none\n")
+    config.write_text(
+        "stage: dpo\nmodel: tiny\nref_model: tiny\npref_beta: 0.2\npref_loss: ipo\npref_ftx: 0\n"
+        "max_length: 64\n"
+        f"output_dir: {tmp_path / 'out'}\nmax_steps: 1\nper_device_train_batch_size: 4\n"
+        "exact_match_examples: 0\nplot: false\ndisable_tqdm: true\nreport_to: none\n"
+    )
     done = run(str(config), module="trainer.sft")  # LlamaFactory's one command: the stage picks the trainer
     assert done.returncode == 0, done.stderr[-3000:]
     saved = json.loads((tmp_path / "out" / "dpo_args.json").read_text())
     assert (saved["beta"], saved["loss_type"], saved["cutoff_len"], saved["ref_model"]) == (0.2, "ipo", 64, "tiny")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--beta", "0"], "error: beta=0.0: must be > 0"),
-    (["--loss_type", "kto_pair"], "loss_type"),
-    (["--train_on_prompt", "true"], "error: train_on_prompt: stage dpo trains on the answers of preference pairs"),
-    (["--batching_strategy", "padding_free"], "stage dpo batches pairs with batching_strategy='normal' only"),
-    (["--data_format", "messages"], "data_format='messages': stage dpo reads preference pairs"),
-    (["--metric_for_best_model", "perplexity", "--eval_strategy", "steps"],
-     "metric_for_best_model='perplexity': the evaluation reports loss, runtime, samples_per_second, rewards/chosen"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--beta", "0"], "error: beta=0.0: must be > 0"),
+        (["--loss_type", "kto_pair"], "loss_type"),
+        (["--train_on_prompt", "true"], "error: train_on_prompt: stage dpo trains on the answers of preference pairs"),
+        (["--batching_strategy", "padding_free"], "stage dpo batches pairs with batching_strategy='normal' only"),
+        (["--data_format", "messages"], "data_format='messages': stage dpo reads preference pairs"),
+        (
+            ["--metric_for_best_model", "perplexity", "--eval_strategy", "steps"],
+            "metric_for_best_model='perplexity': the evaluation reports loss, runtime, samples_per_second, rewards/chosen",
+        ),
+    ],
+)
 def test_bad_dpo_arguments_are_one_line(tmp_path, args, message):
     out = tmp_path / "out"
     done = run(*FAST, "--output_dir", str(out), *args)
@@ -76,8 +109,9 @@ def test_bad_dpo_arguments_are_one_line(tmp_path, args, message):
 
 def test_sft_data_given_to_dpo_and_dpo_options_given_to_sft(tmp_path):
     data = tmp_path / "sft.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n"
+    )
     done = run(*FAST, "--output_dir", str(tmp_path / "a"), "--data", str(data))
     assert done.returncode == 2 and f"{data}:1: cannot tell the data format from the keys ['messages']" in done.stderr
     done = run(*FAST, "--output_dir", str(tmp_path / "b"), "--beta", "0.3", module="trainer.sft")

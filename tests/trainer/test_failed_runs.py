@@ -4,15 +4,27 @@ exit 1, without saving a final model; every JSON file a run writes parses under 
 import json
 import math
 
-import pytest
-
 import kernels
 from trainer import sft
 from trainer.checkpoint_hf import to_json
 from trainer.model import CausalLM
 
-FEW_STEPS = ["--model", "tiny", "--max_steps", "3", "--save_steps", "2", "--per_device_train_batch_size", "8",
-             "--exact_match_examples", "0", "--logging_steps", "1", "--disable_tqdm", "true"]
+FEW_STEPS = [
+    "--model",
+    "tiny",
+    "--max_steps",
+    "3",
+    "--save_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "8",
+    "--exact_match_examples",
+    "0",
+    "--logging_steps",
+    "1",
+    "--disable_tqdm",
+    "true",
+]
 
 
 def _strict(text: str):
@@ -36,8 +48,14 @@ def _nan_loss(monkeypatch, training=True):
 
 def test_to_json_writes_null_with_the_value_beside_it():
     text = to_json({"loss": float("nan"), "norm": float("inf"), "lr": 1e-3, "hist": [1.0, float("-inf")]})
-    assert _strict(text) == {"loss": None, "loss_non_finite": "nan", "norm": None, "norm_non_finite": "inf",
-                             "lr": 1e-3, "hist": [1.0, None]}
+    assert _strict(text) == {
+        "loss": None,
+        "loss_non_finite": "nan",
+        "norm": None,
+        "norm_non_finite": "inf",
+        "lr": 1e-3,
+        "hist": [1.0, None],
+    }
 
 
 def test_a_run_whose_every_step_is_non_finite_fails_in_one_line_and_saves_no_model(tmp_path, monkeypatch, capsys):
@@ -65,13 +83,27 @@ def test_every_json_file_is_strict_json_even_with_a_nan_eval_loss(tmp_path, monk
     out = tmp_path / "out"
     _nan_loss(monkeypatch, training=False)  # training is fine, evaluation gives NaN
     with kernels.backend("reference"):
-        assert sft.main([*FEW_STEPS, "--output_dir", str(out), "--report_to", "jsonl", "--eval_strategy", "steps",
-                         "--eval_steps", "2"]) == 0
+        assert (
+            sft.main(
+                [
+                    *FEW_STEPS,
+                    "--output_dir",
+                    str(out),
+                    "--report_to",
+                    "jsonl",
+                    "--eval_strategy",
+                    "steps",
+                    "--eval_steps",
+                    "2",
+                ]
+            )
+            == 0
+        )
     final = _strict((out / "final_metrics.json").read_text())  # a bare NaN here before
     assert math.isfinite(final["train_loss"])
     assert final["eval_loss"] is None and final["eval_loss_non_finite"] == "nan"
     files = [f for f in [*out.rglob("*.json"), *out.rglob("*.jsonl")] if ".cache" not in f.parts]
     assert any(f.name == "trainer_state.json" for f in files) and any(f.name == "metrics.jsonl" for f in files)
     for file in files:
-        for line in (file.read_text().splitlines() if file.suffix == ".jsonl" else [file.read_text()]):
+        for line in file.read_text().splitlines() if file.suffix == ".jsonl" else [file.read_text()]:
             _strict(line)  # the eval rows of metrics.jsonl and trainer_state.json's log_history included

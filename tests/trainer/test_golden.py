@@ -16,8 +16,8 @@ import torch
 
 import kernels
 from trainer.args import TrainingArguments
-from trainer.data import TokenizedDataset
 from trainer.build import load_pretrained
+from trainer.data import TokenizedDataset
 from trainer.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -56,9 +56,19 @@ def _pad(batch: list[dict]) -> dict:
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -66,17 +76,30 @@ def hf_dir(tmp_path_factory):
     return path
 
 
-COMMON = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=3e-3,
-              lr_scheduler_type="linear", warmup_steps=10, weight_decay=0.1, max_grad_norm=1.0, max_steps=STEPS,
-              logging_steps=1, save_strategy="no", report_to="none", seed=0, optim="adamw_torch",
-              train_sampling_strategy="sequential", disable_tqdm=True)
+COMMON = dict(
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    learning_rate=3e-3,
+    lr_scheduler_type="linear",
+    warmup_steps=10,
+    weight_decay=0.1,
+    max_grad_norm=1.0,
+    max_steps=STEPS,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+    optim="adamw_torch",
+    train_sampling_strategy="sequential",
+    disable_tqdm=True,
+)
 
 
 def _hf_run(path, examples, out):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="sdpa")
-    args = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, remove_unused_columns=False,
-                                          dataloader_num_workers=0, **COMMON)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    args = transformers.TrainingArguments(
+        output_dir=str(out), use_cpu=True, remove_unused_columns=False, dataloader_num_workers=0, **COMMON
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=examples, data_collator=_pad)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -128,15 +151,21 @@ def test_eval_loss_with_label_smoothing_matches_transformers_with_and_without_co
         return {"rows": float(len(pred.label_ids))}
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
-    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, remove_unused_columns=False,
-                                             dataloader_num_workers=0, **settings)
-    hf_loss = transformers.Trainer(model=model, args=hf_args, data_collator=_pad,
-                                   eval_dataset=examples).evaluate()["eval_loss"]
+    hf_args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, remove_unused_columns=False, dataloader_num_workers=0, **settings
+    )
+    hf_loss = transformers.Trainer(model=model, args=hf_args, data_collator=_pad, eval_dataset=examples).evaluate()[
+        "eval_loss"
+    ]
     ours = {}
     for name, metrics_fn in (("plain", None), ("metrics", compute_metrics)):
         args = TrainingArguments(output_dir=str(tmp_path / name), **settings)
-        trainer = Trainer(model=load_pretrained(hf_dir, use_kernels=False), args=args,
-                          eval_dataset=TokenizedDataset.from_examples(examples), compute_metrics=metrics_fn)
+        trainer = Trainer(
+            model=load_pretrained(hf_dir, use_kernels=False),
+            args=args,
+            eval_dataset=TokenizedDataset.from_examples(examples),
+            compute_metrics=metrics_fn,
+        )
         ours[name] = trainer.evaluate()
     assert ours["metrics"]["eval_rows"] == len(examples)
     assert ours["plain"]["eval_loss"] == pytest.approx(hf_loss, rel=1e-5)

@@ -29,11 +29,34 @@ datasets = pytest.importorskip("datasets")
 peft = pytest.importorskip("peft")
 
 STEPS = 20
-METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-           "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected")
-COMMON = dict(per_device_train_batch_size=4, gradient_accumulation_steps=1, learning_rate=1e-3,
-              lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_steps=STEPS,
-              logging_steps=1, save_strategy="no", report_to="none", seed=0, optim="adamw_torch", disable_tqdm=True)
+METRICS = (
+    "loss",
+    "grad_norm",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+)
+COMMON = dict(
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=1,
+    learning_rate=1e-3,
+    lr_scheduler_type="constant",
+    warmup_steps=0,
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+    max_steps=STEPS,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+    optim="adamw_torch",
+    disable_tqdm=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +67,19 @@ def setup(tmp_path_factory):
     tok.chat_template = DEFAULT_CHAT_TEMPLATE
     tok.save_pretrained(root / "model")
     config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        pad_token_id=tok.pad_token_id, bos_token_id=None, eos_token_id=tok.eos_token_id)
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "model")
     pairs = [preference_pair(ex) for ex in generate_tasks(STEPS * 4, seed=4)]
@@ -58,17 +91,31 @@ def trl_run(setup, out, loss_type, loss_weights=None, lora=None):
     """TRL's run; with `lora` (a peft LoraConfig) the model is wrapped by peft, and its starting adapter saved in
     out/adapter0 for our run to start from."""
     root, pairs, _ = setup
-    model = transformers.AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32,
-                                                              attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        root / "model", dtype=torch.float32, attn_implementation="sdpa"
+    )
     if lora is not None:
         torch.manual_seed(1)
         model = peft.get_peft_model(model, lora)
         model.save_pretrained(out / "adapter0")
-    config = trl.DPOConfig(output_dir=str(out), use_cpu=True, bf16=False, beta=0.1, loss_type=loss_type,
-                           loss_weights=loss_weights, max_length=None, dataloader_num_workers=0,
-                           train_sampling_strategy="sequential", **COMMON)
-    trainer = trl.DPOTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_list(pairs),
-                             processing_class=transformers.AutoTokenizer.from_pretrained(root / "model"))
+    config = trl.DPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        beta=0.1,
+        loss_type=loss_type,
+        loss_weights=loss_weights,
+        max_length=None,
+        dataloader_num_workers=0,
+        train_sampling_strategy="sequential",
+        **COMMON,
+    )
+    trainer = trl.DPOTrainer(
+        model=model,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(pairs),
+        processing_class=transformers.AutoTokenizer.from_pretrained(root / "model"),
+    )
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h]
 
@@ -81,9 +128,13 @@ def our_run(setup, out, pref, adapter=None, **overrides):
     if adapter is not None:
         model = apply_lora(model, args)
         load_adapter_weights(model, adapter)
-    trainer = PreferenceTrainer(model=model, args=args, pref=pref, processing_class=tok,
-                                train_dataset=load_preference_dataset(root / "pairs.jsonl", tok, max_length=None,
-                                                                      show_progress=False))
+    trainer = PreferenceTrainer(
+        model=model,
+        args=args,
+        pref=pref,
+        processing_class=tok,
+        train_dataset=load_preference_dataset(root / "pairs.jsonl", tok, max_length=None, show_progress=False),
+    )
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h]
 
@@ -115,7 +166,15 @@ def test_lora_matches_trl(setup, tmp_path):
     target = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=target, task_type="CAUSAL_LM")
     theirs = trl_run(setup, tmp_path / "trl", ["sigmoid"], lora=config)
-    ours = our_run(setup, tmp_path / "ours", PreferenceArguments(beta=0.1),
-                   adapter=tmp_path / "trl" / "adapter0", use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0,
-                   lora_target_modules=target)
+    ours = our_run(
+        setup,
+        tmp_path / "ours",
+        PreferenceArguments(beta=0.1),
+        adapter=tmp_path / "trl" / "adapter0",
+        use_peft=True,
+        lora_r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        lora_target_modules=target,
+    )
     assert_same_logs(ours, theirs, rtol=2e-5)

@@ -82,12 +82,21 @@ def test_all_is_jsonl_and_every_installed_logger(monkeypatch):
 @pytest.mark.parametrize("name", ["tensorboard", "wandb"])
 def test_cli_missing_logger_exits_2_with_one_line_before_any_work(name, tmp_path):
     out = tmp_path / "out"
-    code = ("import runpy, sys; sys.modules[sys.argv[1]] = None; del sys.argv[1]; "
-            "runpy.run_module('trainer.sft', run_name='__main__', alter_sys=True)")
-    proc = subprocess.run([sys.executable, "-c", code, name, "--report_to", name, "--max_steps", "1",
-                           "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    code = (
+        "import runpy, sys; sys.modules[sys.argv[1]] = None; del sys.argv[1]; "
+        "runpy.run_module('trainer.sft', run_name='__main__', alter_sys=True)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, name, "--report_to", name, "--max_steps", "1", "--output_dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"error: report_to={name}: {name} is not installed (pip install {name})"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: report_to={name}: {name} is not installed (pip install {name})"
+    ]
     assert not out.exists()
 
 
@@ -120,9 +129,12 @@ def test_a_service_that_cannot_start_its_run_is_one_line(tmp_path, monkeypatch):
 
     swanlab.init = refuse
     monkeypatch.setitem(sys.modules, "swanlab", swanlab)
-    with pytest.raises(ConfigError, match=r"^report_to=swanlab: swanlab could not start a run \(RuntimeError: No API "
-                                          r"key configured. Run `swanlab login`.\); set it up .* or leave swanlab out "
-                                          r"of report_to$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^report_to=swanlab: swanlab could not start a run \(RuntimeError: No API "
+        r"key configured. Run `swanlab login`.\); set it up .* or leave swanlab out "
+        r"of report_to$",
+    ):
         MetricsWriter(tmp_path, ["swanlab"], run_name="r", config={})
 
 
@@ -141,8 +153,10 @@ def test_swanlab_names_logs_and_resumes_the_run(tmp_path, monkeypatch):
     ]
     swanlab.calls.clear()
     MetricsWriter(tmp_path, ["swanlab"], run_name="r", config={}, run_ids=writer.run_ids).close()
-    assert swanlab.calls[0] == ("init", {"project": "kw", "experiment_name": "r", "config": {}, "id": "run-1",
-                                         "resume": "allow"})
+    assert swanlab.calls[0] == (
+        "init",
+        {"project": "kw", "experiment_name": "r", "config": {}, "id": "run-1", "resume": "allow"},
+    )
 
 
 def test_trackio_resumes_by_run_name(tmp_path, monkeypatch):
@@ -152,8 +166,10 @@ def test_trackio_resumes_by_run_name(tmp_path, monkeypatch):
     writer.write({"loss": 1.0, "grad_norm": float("nan")}, step=2)
     writer.close()
     assert writer.run_ids == {"trackio": "first-name"}
-    assert trackio.calls[0] == ("init", {"project": "huggingface", "name": "first-name", "config": {},
-                                         "resume": "allow"})
+    assert trackio.calls[0] == (
+        "init",
+        {"project": "huggingface", "name": "first-name", "config": {}, "resume": "allow"},
+    )
     assert trackio.calls[1] == ("log", {"loss": 1.0}, 2)  # NaN left out
     trackio.calls.clear()
     MetricsWriter(tmp_path, ["trackio"], run_name="renamed", config={}, run_ids=writer.run_ids).close()

@@ -20,14 +20,14 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from trainer.args import ConfigError, TrainingArguments, parse_args
-from trainer.batching import BatchLoader
-from trainer.lora import apply_lora, load_adapter
 from trainer import generate as generate_cli
 from trainer import merge
+from trainer.args import ConfigError, TrainingArguments, parse_args
+from trainer.batching import BatchLoader
 from trainer.build import load_pretrained, load_tokenizer
-from trainer.model import MLP, RMSNorm, generate
 from trainer.callbacks import TrainerCallback
+from trainer.lora import apply_lora, load_adapter
+from trainer.model import MLP, RMSNorm, generate
 from trainer.tokenizer import byte_level_tokenizer
 from trainer.trainer import Trainer
 
@@ -51,17 +51,40 @@ def adapter_state(model) -> dict:
 
 # ---- arguments ------------------------------------------------------------------------------------------------
 def test_trl_names_and_llamafactory_aliases_from_flags_and_yaml(tmp_path):
-    (args,) = parse_args(["--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1",
-                          "--lora_target_modules", "q_proj", "v_proj", "--lora_modules_to_save", "norm",
-                          "--use_rslora", "--use_dora"])
+    (args,) = parse_args(
+        [
+            "--use_peft",
+            "--lora_r",
+            "8",
+            "--lora_alpha",
+            "16",
+            "--lora_dropout",
+            "0.1",
+            "--lora_target_modules",
+            "q_proj",
+            "v_proj",
+            "--lora_modules_to_save",
+            "norm",
+            "--use_rslora",
+            "--use_dora",
+        ]
+    )
     assert (args.use_peft, args.lora_r, args.lora_alpha, args.lora_dropout) == (True, 8, 16, 0.1)
     assert (args.lora_target_modules, args.lora_modules_to_save, args.use_rslora, args.use_dora) == (
-        ["q_proj", "v_proj"], ["norm"], True, True)
+        ["q_proj", "v_proj"],
+        ["norm"],
+        True,
+        True,
+    )
     config = tmp_path / "run.yaml"
     config.write_text("finetuning_type: lora\nlora_rank: 8\nlora_target: all\nadditional_target: norm\n")
     (args,) = parse_args([str(config)])
     assert (args.use_peft, args.lora_r, args.lora_target_modules, args.lora_modules_to_save) == (
-        True, 8, ["all-linear"], ["norm"])
+        True,
+        8,
+        ["all-linear"],
+        ["norm"],
+    )
     config.write_text("finetuning_type: lora\nlora_target: q_proj,v_proj\n")
     assert parse_args([str(config)])[0].lora_target_modules == ["q_proj", "v_proj"]
     assert parse_args(["--finetuning_type", "full"])[0].use_peft is False
@@ -69,25 +92,31 @@ def test_trl_names_and_llamafactory_aliases_from_flags_and_yaml(tmp_path):
     assert TrainingArguments.from_dict(saved.to_dict()) == saved
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--use_peft", "--lora_r", "0"], "lora_r=0: must be a positive integer"),
-    (["--use_peft", "--lora_alpha", "-1"], "lora_alpha=-1: must be > 0"),
-    (["--use_peft", "--lora_dropout", "1"], "lora_dropout=1.0: must be in"),
-    (["--lora_r", "8"], "lora_r=8 is a LoRA setting, but use_peft is off"),
-    (["--finetuning_type", "freeze"], "finetuning_type='freeze': expected one of lora, full"),
-    (["--use_peft", "--finetuning_type", "full"], "finetuning_type='full' contradicts use_peft=True"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--use_peft", "--lora_r", "0"], "lora_r=0: must be a positive integer"),
+        (["--use_peft", "--lora_alpha", "-1"], "lora_alpha=-1: must be > 0"),
+        (["--use_peft", "--lora_dropout", "1"], "lora_dropout=1.0: must be in"),
+        (["--lora_r", "8"], "lora_r=8 is a LoRA setting, but use_peft is off"),
+        (["--finetuning_type", "freeze"], "finetuning_type='freeze': expected one of lora, full"),
+        (["--use_peft", "--finetuning_type", "full"], "finetuning_type='full' contradicts use_peft=True"),
+    ],
+)
 def test_bad_lora_arguments_are_one_line_errors(argv, message):
     with pytest.raises(ConfigError, match=message) as info:
         parse_args(argv)
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("option, message", [
-    ({"lora_target_modules": ["qkv_proj"]}, "lora_target_modules: 'qkv_proj' matches no linear layer"),
-    ({"lora_target_modules": ["lm_head"]}, "lora_target_modules: 'lm_head' cannot take an adapter"),
-    ({"lora_modules_to_save": ["nope"]}, "lora_modules_to_save: 'nope' matches no module"),
-])
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"lora_target_modules": ["qkv_proj"]}, "lora_target_modules: 'qkv_proj' matches no linear layer"),
+        ({"lora_target_modules": ["lm_head"]}, "lora_target_modules: 'lm_head' cannot take an adapter"),
+        ({"lora_modules_to_save": ["nope"]}, "lora_modules_to_save: 'nope' matches no module"),
+    ],
+)
 def test_targets_that_match_nothing_are_refused_before_training(tmp_path, dataset, option, message):
     trainer = Trainer(model=small_model(), args=lora_args(tmp_path, max_steps=1, **option), train_dataset=dataset)
     with pytest.raises(ConfigError, match=message):
@@ -97,8 +126,9 @@ def test_targets_that_match_nothing_are_refused_before_training(tmp_path, datase
 def test_the_cli_checks_the_targets_before_building_anything(tmp_path, capsys):
     from trainer import sft
 
-    code = sft.main(["--model", "tiny", "--output_dir", str(tmp_path / "out"), "--use_peft",
-                     "--lora_target_modules", "q_projj"])
+    code = sft.main(
+        ["--model", "tiny", "--output_dir", str(tmp_path / "out"), "--use_peft", "--lora_target_modules", "q_projj"]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "lora_target_modules: 'q_projj' matches no linear layer" in err
@@ -109,8 +139,9 @@ def test_the_cli_checks_the_targets_before_building_anything(tmp_path, capsys):
 def test_a_lora_run_learns_and_trains_only_the_adapter(tmp_path, dataset, capsys):
     model = small_model()
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = Trainer(model=model, args=lora_args(tmp_path, max_steps=8, lora_target_modules=["all-linear"]),
-                      train_dataset=dataset)
+    trainer = Trainer(
+        model=model, args=lora_args(tmp_path, max_steps=8, lora_target_modules=["all-linear"]), train_dataset=dataset
+    )
     curve = train_curve(trainer)
     assert curve[-1] < curve[0] - 0.1  # 5.66 -> 5.2 here
     for name, param in model.named_parameters():
@@ -124,8 +155,10 @@ def test_a_lora_run_learns_and_trains_only_the_adapter(tmp_path, dataset, capsys
     assert len(trainer.optimizer.state) == len(in_optimizer)  # Adam moments for the adapter only
     adapter = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     total = sum(p.numel() for p in model.parameters())
-    assert (f"trainable params: {adapter:,d} || all params: {total:,d} || trainable%: {100 * adapter / total:.4f}"
-            in capsys.readouterr().err)
+    assert (
+        f"trainable params: {adapter:,d} || all params: {total:,d} || trainable%: {100 * adapter / total:.4f}"
+        in capsys.readouterr().err
+    )
 
 
 def test_three_lora_steps_equal_a_loop_written_by_hand_with_peft(tmp_path, dataset):
@@ -136,8 +169,9 @@ def test_three_lora_steps_equal_a_loop_written_by_hand_with_peft(tmp_path, datas
     curve = train_curve(trainer)
 
     model = small_model()
-    peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                 target_modules=["q_proj", "v_proj"]), model)
+    peft.inject_adapter_in_model(
+        peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]), model
+    )
     model.load_state_dict(start, strict=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.0)
@@ -164,8 +198,7 @@ def _first_loss(tmp_path, dataset, **settings) -> float:
     return train_curve(trainer)[0]
 
 
-@pytest.mark.parametrize("setting", [{"label_smoothing_factor": 0.1}, {"neftune_noise_alpha": 5.0},
-                                     {"z_loss": 1e-2}])
+@pytest.mark.parametrize("setting", [{"label_smoothing_factor": 0.1}, {"neftune_noise_alpha": 5.0}, {"z_loss": 1e-2}])
 def test_label_smoothing_neftune_and_z_loss_change_the_lora_loss_as_without(tmp_path, dataset, setting):
     # B starts at zero, so the first step's loss is the base model's: with LoRA exactly as without, setting or not.
     plain = _first_loss(tmp_path, dataset, **LORA)
@@ -191,8 +224,9 @@ def test_settings_reach_our_model_inside_a_peft_model(tmp_path, dataset, task_ty
     assert (ours.label_smoothing, ours.z_loss, ours.use_kernels) == (0.1, 1e-2, False)
 
 
-@pytest.mark.parametrize("variant", [{"gradient_checkpointing": True}, {"use_kernels": False},
-                                     {"batching_strategy": "padding_free"}])
+@pytest.mark.parametrize(
+    "variant", [{"gradient_checkpointing": True}, {"use_kernels": False}, {"batching_strategy": "padding_free"}]
+)
 def test_checkpointing_kernels_and_batching_train_lora_as_the_default(tmp_path, dataset, variant):
     def run(**extra):
         args = lora_args(tmp_path, max_steps=3, train_shuffle=False, **extra)
@@ -206,8 +240,9 @@ def test_liger_kernel_runs_every_op_under_lora(tmp_path, dataset):
     # never adapted: LoRA's layers stay in the path. Its Triton kernels need CUDA, so only the wiring is checked here.
     pytest.importorskip("liger_kernel")
     model = small_model()
-    trainer = Trainer(model=model, args=lora_args(tmp_path, use_liger_kernel=True,
-                                                  lora_modules_to_save=["post_attention_layernorm"]))
+    trainer = Trainer(
+        model=model, args=lora_args(tmp_path, use_liger_kernel=True, lora_modules_to_save=["post_attention_layernorm"])
+    )
     apply_lora(model, trainer.args)
     assert model.impl == "liger"
     switched = [m for m in model.modules() if isinstance(m, (RMSNorm, MLP))]
@@ -221,9 +256,18 @@ def test_liger_kernel_runs_every_op_under_lora(tmp_path, dataset):
 def hf_dir(tmp_path_factory):
     """A transformers-written tiny Llama (untied head, vocab 320) with the byte-level tokenizer's files."""
     config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        pad_token_id=256, eos_token_id=258)
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        pad_token_id=256,
+        eos_token_id=258,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -238,8 +282,16 @@ def trained_adapter(hf_dir, dataset, tokenizer, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora-run")
     model = load_pretrained(hf_dir)
     model.name_or_path = str(hf_dir)
-    args = lora_args(out, output_dir=str(out), max_steps=3, learning_rate=5e-2, save_strategy="steps",
-                     save_steps=2, lora_target_modules=["all-linear"], lora_modules_to_save=["norm"])
+    args = lora_args(
+        out,
+        output_dir=str(out),
+        max_steps=3,
+        learning_rate=5e-2,
+        save_strategy="steps",
+        save_steps=2,
+        lora_target_modules=["all-linear"],
+        lora_modules_to_save=["norm"],
+    )
     trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     trainer.save_model()
@@ -260,8 +312,9 @@ def test_the_adapter_is_saved_in_peft_layout_and_loads_in_peft_and_transformers(
     assert saved["modules_to_save"] == ["norm"] and "lm_head" not in saved["target_modules"]
 
     # peft's own save of the same adapter over transformers' model: the same keys and config fields
-    reference = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf_dir),
-                                    peft.LoraConfig.from_pretrained(str(out)))
+    reference = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(hf_dir), peft.LoraConfig.from_pretrained(str(out))
+    )
     reference.save_pretrained(tmp_path / "ref")
 
     def keys(directory):
@@ -289,16 +342,32 @@ def test_the_adapter_loads_back_into_our_model(hf_dir, trained_adapter):
 def test_a_lora_checkpoint_holds_the_adapter_and_the_training_state(trained_adapter):
     _, out = trained_adapter
     names = {p.name for p in (out / "checkpoint-2").iterdir()}
-    assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
-            "data_state.json", "trainer_state.json", "training_args.json"} <= names
+    assert {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "data_state.json",
+        "trainer_state.json",
+        "training_args.json",
+    } <= names
     assert "model.safetensors" not in names
 
 
 # ---- resume ---------------------------------------------------------------------------------------------------
 def test_a_lora_resume_is_bitwise_the_unbroken_run(tmp_path, dataset):
     # LoRA dropout and NEFTune draw random numbers every step: the checkpoint's RNG state must carry them on.
-    common = dict(LORA, lora_dropout=0.1, neftune_noise_alpha=5.0, max_steps=6, save_strategy="steps",
-                  save_steps=3, gradient_accumulation_steps=2, optim="adamw_fused")
+    common = dict(
+        LORA,
+        lora_dropout=0.1,
+        neftune_noise_alpha=5.0,
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+        gradient_accumulation_steps=2,
+        optim="adamw_fused",
+    )
     model = small_model()
     full = Trainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=dataset)
     full_curve, full_adapter = train_curve(full), adapter_state(model)
@@ -307,11 +376,13 @@ def test_a_lora_resume_is_bitwise_the_unbroken_run(tmp_path, dataset):
         def on_step_end(self, args, state, control, **kw):
             control.should_training_stop = state.global_step == 3
 
-    Trainer(model=small_model(), args=make_args(tmp_path / "part", **common), train_dataset=dataset,
-            callbacks=[StopAt3()]).train()
+    Trainer(
+        model=small_model(), args=make_args(tmp_path / "part", **common), train_dataset=dataset, callbacks=[StopAt3()]
+    ).train()
     model = small_model()
-    resumed = Trainer(model=model, args=make_args(tmp_path / "part", **common, resume_from_checkpoint="auto"),
-                      train_dataset=dataset)
+    resumed = Trainer(
+        model=model, args=make_args(tmp_path / "part", **common, resume_from_checkpoint="auto"), train_dataset=dataset
+    )
     assert train_curve(resumed) == full_curve  # steps 1-3 from the checkpoint's log history, 4-6 trained again
     for name, value in adapter_state(model).items():
         assert torch.equal(value, full_adapter[name]), name
@@ -323,17 +394,28 @@ def test_sigkill_then_resume_of_a_lora_run_gives_the_same_adapter(tmp_path):
     full = tmp_path / "full"
     subprocess.run(_sft(full, *lora), check=True, env=_env(), cwd=tmp_path, capture_output=True, timeout=300)
     part = tmp_path / "part"
-    proc = subprocess.Popen(_sft(part, *lora), env=_env(), cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _sft(part, *lora), env=_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 240
-    while not (part / "checkpoint-2" / "trainer_state.json").exists() and time.time() < deadline and proc.poll() is None:
+    while (
+        not (part / "checkpoint-2" / "trainer_state.json").exists() and time.time() < deadline and proc.poll() is None
+    ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = subprocess.run(_sft(part, *lora, "--resume_from_checkpoint", "auto"), env=_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        _sft(part, *lora, "--resume_from_checkpoint", "auto"),
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "LoRA adapter saved to" in done.stderr + done.stdout and "python -m trainer.merge" in done.stderr + done.stdout
+    assert (
+        "LoRA adapter saved to" in done.stderr + done.stdout and "python -m trainer.merge" in done.stderr + done.stdout
+    )
     a, b = load_file(str(full / "adapter_model.safetensors")), load_file(str(part / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((part / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
@@ -366,14 +448,19 @@ def test_a_truncated_adapter_is_one_line_naming_the_file(hf_dir, trained_adapter
             (cut / f.name).write_bytes(data[:500] if f.name == "adapter_model.safetensors" else data)
     assert generate_cli.main(["--model", str(hf_dir), "--adapter", str(cut), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: adapter: {cut / 'adapter_model.safetensors'}: not a complete "
-                                               "safetensors file"), err
+    assert len(err) == 1 and err[0].startswith(
+        f"error: adapter: {cut / 'adapter_model.safetensors'}: not a complete safetensors file"
+    ), err
 
 
 def test_generate_with_an_adapter_answers_as_the_trained_model(hf_dir, trained_adapter, capsys):
     ours, out = trained_adapter
-    assert generate_cli.main(["--model", str(hf_dir), "--adapter", str(out), "--prompt", "hi", "--raw",
-                              "--max_new_tokens", "6"]) == 0
+    assert (
+        generate_cli.main(
+            ["--model", str(hf_dir), "--adapter", str(out), "--prompt", "hi", "--raw", "--max_new_tokens", "6"]
+        )
+        == 0
+    )
     tokenizer = load_tokenizer(out)
     expected = generate(ours, tokenizer.encode("hi"), 6, eos_token_id=tokenizer.eos_token_id)
     assert capsys.readouterr().out == tokenizer.decode(expected) + "\n"

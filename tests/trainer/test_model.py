@@ -19,26 +19,42 @@ import torch.nn.functional as F
 
 import kernels
 from tests.tolerance import assert_lowp_close
-from trainer.checkpoint_hf import CheckpointError, parse_size
 from trainer.build import (
-    PRESETS, build_preset, is_preset, load_pretrained, load_state_dict_into, load_tokenizer, save_pretrained,
+    PRESETS,
+    build_preset,
+    is_preset,
+    load_pretrained,
+    load_state_dict_into,
+    load_tokenizer,
+    save_pretrained,
 )
+from trainer.checkpoint_hf import CheckpointError, parse_size
 from trainer.model import CausalLM, HostLabels, ModelConfig, ModelError, apply_liger_kernel, generate, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 
 V, T = 300, 12
-BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
+BASE = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 ARCHS = {
     "llama": lambda **kw: transformers.LlamaConfig(**{**BASE, **kw}),
-    "llama-tied-bias": lambda **kw: transformers.LlamaConfig(**{**BASE, "tie_word_embeddings": True,
-                                                               "attention_bias": True, "mlp_bias": True, **kw}),
+    "llama-tied-bias": lambda **kw: transformers.LlamaConfig(
+        **{**BASE, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True, **kw}
+    ),
     "qwen2": lambda **kw: transformers.Qwen2Config(**{**BASE, "tie_word_embeddings": True, **kw}),
     "qwen3": lambda **kw: transformers.Qwen3Config(**{**BASE, "head_dim": 32, "attention_bias": True, **kw}),
     # a window (5) shorter than the sequence (12): honoured, compared with transformers' sliding mask
     "mistral": lambda **kw: transformers.MistralConfig(**{**BASE, "sliding_window": 5, **kw}),
 }
+
+
 def require_kernels(*names):
     missing = [name for name in names if not hasattr(kernels, name)]
     if missing:
@@ -93,10 +109,24 @@ def test_loads_transformers_checkpoint_same_logits_loss_grads_fp32(arch, tmp_pat
     ref.loss.backward()
     out.loss.backward()
     hf_params, our_params = dict(hf.named_parameters()), dict(ours.named_parameters())
-    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
-             "model.layers.0.input_layernorm.weight", "model.norm.weight"]
-    names += [n for n in ("lm_head.weight", "model.layers.0.self_attn.k_proj.bias", "model.layers.1.self_attn.q_norm.weight",
-                          "model.layers.0.self_attn.o_proj.bias", "model.layers.0.mlp.up_proj.bias") if n in our_params]
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.norm.weight",
+    ]
+    names += [
+        n
+        for n in (
+            "lm_head.weight",
+            "model.layers.0.self_attn.k_proj.bias",
+            "model.layers.1.self_attn.q_norm.weight",
+            "model.layers.0.self_attn.o_proj.bias",
+            "model.layers.0.mlp.up_proj.bias",
+        )
+        if n in our_params
+    ]
     for name in names:
         torch.testing.assert_close(our_params[name].grad, hf_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
 
@@ -116,10 +146,19 @@ def test_bf16_within_twice_transformers_bf16_error(arch, tmp_path):
     assert_lowp_close(out.loss, ref32.loss, ref16.loss, torch.bfloat16, name="loss")
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-    {"type": "linear", "factor": 2.0},  # the legacy key
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        {"type": "linear", "factor": 2.0},  # the legacy key
+    ],
+)
 def test_rope_scaling_matches_transformers(scaling, tmp_path):
     hf = hf_model("llama", rope_scaling=dict(scaling), rope_theta=500000.0)
     ours = load_pretrained(saved(hf, tmp_path), use_kernels=False).eval()
@@ -180,7 +219,9 @@ def test_sharded_both_directions(tmp_path):
     assert index["metadata"]["total_size"] == 4 * ours.num_parameters()
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     torch.testing.assert_close(back(ids).logits, ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(load_pretrained(tmp_path / "ours", use_kernels=False)(ids).logits, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        load_pretrained(tmp_path / "ours", use_kernels=False)(ids).logits, ref, atol=1e-5, rtol=0
+    )
 
     # saving again unsharded into the same directory removes the stale shards and index
     save_pretrained(ours, tmp_path / "ours", max_shard_size=10**9, dtype=torch.bfloat16)
@@ -368,8 +409,16 @@ def test_loss_under_fp16_autocast_is_fp32_and_survives_loss_scaling(use_kernels)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-INTERPRETER_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, model_type="qwen3")
+INTERPRETER_CONFIG = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    model_type="qwen3",
+)
 
 
 def test_triton_rms_norm_through_the_interpreter():
@@ -528,7 +577,9 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
     path = saved(hf, tmp_path / "shapes")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    with pytest.raises(ModelError, match=r"6 shape mismatches: model.layers.0.mlp.down_proj.weight \[64, 128\] vs model \[64, 96\]"):
+    with pytest.raises(
+        ModelError, match=r"6 shape mismatches: model.layers.0.mlp.down_proj.weight \[64, 128\] vs model \[64, 96\]"
+    ):
         load_pretrained(path)
     (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(ModelError, match=r"missing 9 keys: model.layers.2.*and 1 more"):
@@ -542,14 +593,20 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
         load_pretrained(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3)"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported (supported: default, linear, llama3)"),
-    ({"rope_parameters": {"type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic' is not supported"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported (supported: silu)"),
-    ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
-    ({"attention_dropout": 0.1}, "attention_dropout 0.1 is not supported"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3)"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            "rope_scaling type 'yarn' is not supported (supported: default, linear, llama3)",
+        ),
+        ({"rope_parameters": {"type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported (supported: silu)"),
+        ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+        ({"attention_dropout": 0.1}, "attention_dropout 0.1 is not supported"),
+    ],
+)
 def test_bad_configs_name_the_key(change, message, tmp_path):
     config = {**ARCHS["llama"]().to_dict(), **change}
     if "rope_scaling" in change or "rope_parameters" in change:
@@ -624,7 +681,9 @@ def test_greedy_generate_matches_full_recompute_and_transformers(tmp_path):
     ref = hf.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(generate(ours, prompt, 10), ref)
     two = torch.cat([prompt, batch(seed=9, b=1, t=5)[0]])
-    torch.testing.assert_close(generate(ours, two, 6), hf.generate(two, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    torch.testing.assert_close(
+        generate(ours, two, 6), hf.generate(two, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    )
 
 
 def test_generate_eos_and_sampling():
@@ -633,10 +692,11 @@ def test_generate_eos_and_sampling():
     greedy = generate(model, prompt, 8)
     assert model.training  # the caller's mode is restored
     stop = greedy[3]
-    assert generate(model, prompt, 8, eos_token_id=stop) == greedy[:greedy.index(stop) + 1]
-    assert generate(model, prompt, 8, eos_token_id=[999, stop]) == greedy[:greedy.index(stop) + 1]
-    sample = lambda seed, **kw: generate(model, prompt, 8, temperature=1.0,
-                                         generator=torch.Generator().manual_seed(seed), **kw)
+    assert generate(model, prompt, 8, eos_token_id=stop) == greedy[: greedy.index(stop) + 1]
+    assert generate(model, prompt, 8, eos_token_id=[999, stop]) == greedy[: greedy.index(stop) + 1]
+    sample = lambda seed, **kw: generate(
+        model, prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw
+    )
     assert sample(0) == sample(0) and sample(0) != sample(1)
     assert sample(0, top_p=1e-6) == greedy  # the nucleus is the argmax alone
     with pytest.raises(ModelError, match="top_p"):
@@ -684,8 +744,10 @@ def test_the_architecture_imports_no_process_helpers():
     # The import loop of issue 12: model.py imported parallel (for local_shard) and parallel imported model back.
     # The architecture stands alone; dist.py (processes) and parallel.py (transforms) stand on it or beside it.
     # Files are build.py's: the architecture reads and writes none (issue 12).
-    code = ("import sys, trainer.model; print(sorted(m for m in sys.modules if m in "
-            "('trainer.parallel', 'trainer.dist', 'trainer.build', 'trainer.checkpoint_hf', 'trainer.tokenizer')))")
+    code = (
+        "import sys, trainer.model; print(sorted(m for m in sys.modules if m in "
+        "('trainer.parallel', 'trainer.dist', 'trainer.build', 'trainer.checkpoint_hf', 'trainer.tokenizer')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

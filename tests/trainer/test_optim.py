@@ -56,6 +56,7 @@ def f_cosine(cycles=0.5, floor=0.0):
             return warm(s)
         p = (s - W) / (T - W)
         return max(0.0, floor + (1 - floor) * (1 + math.cos(2 * math.pi * cycles * p)) / 2)
+
     return f
 
 
@@ -65,6 +66,7 @@ def f_restarts(cycles):
             return warm(s)
         p = (s - W) / (T - W)
         return 0.0 if p >= 1 else (1 + math.cos(math.pi * math.fmod(cycles * p, 1.0))) / 2
+
     return f
 
 
@@ -75,6 +77,7 @@ def f_polynomial(lr_end, power):
         if s > T:
             return lr_end / LR
         return (lr_end + (LR - lr_end) * (1 - (s - W) / (T - W)) ** power) / LR
+
     return f
 
 
@@ -98,6 +101,7 @@ def f_wsd(decay, stable=None, warmup_type="linear", decay_type="cosine", floor=0
         if s < W + stable + decay:
             return floor + (1 - floor) * ramp[decay_type][1]((s - W - stable) / decay)
         return floor
+
     return f
 
 
@@ -114,12 +118,27 @@ CURVES = [
     ("inverse_sqrt", {}, f_inverse_sqrt(W)),
     ("inverse_sqrt", {"timescale": 7}, f_inverse_sqrt(7)),
     ("warmup_stable_decay", {"num_decay_steps": 6}, f_wsd(6)),
-    ("warmup_stable_decay", {"num_decay_steps": 5, "num_stable_steps": 3, "warmup_type": "cosine",
-                             "decay_type": "1-sqrt", "min_lr_ratio": 0.1}, f_wsd(5, 3, "cosine", "1-sqrt", 0.1)),
-    ("warmup_stable_decay", {"num_decay_steps": 8, "warmup_type": "1-sqrt", "decay_type": "linear"},
-     f_wsd(8, None, "1-sqrt", "linear")),
-    ("warmup_stable_decay", {"num_decay_steps": 8, "num_cycles": 1.0, "min_lr_ratio": 0.2},
-     f_wsd(8, None, "linear", "cosine", 0.2, 1.0)),
+    (
+        "warmup_stable_decay",
+        {
+            "num_decay_steps": 5,
+            "num_stable_steps": 3,
+            "warmup_type": "cosine",
+            "decay_type": "1-sqrt",
+            "min_lr_ratio": 0.1,
+        },
+        f_wsd(5, 3, "cosine", "1-sqrt", 0.1),
+    ),
+    (
+        "warmup_stable_decay",
+        {"num_decay_steps": 8, "warmup_type": "1-sqrt", "decay_type": "linear"},
+        f_wsd(8, None, "1-sqrt", "linear"),
+    ),
+    (
+        "warmup_stable_decay",
+        {"num_decay_steps": 8, "num_cycles": 1.0, "min_lr_ratio": 0.2},
+        f_wsd(8, None, "linear", "cosine", 0.2, 1.0),
+    ),
     ("cosine_with_min_lr", {"min_lr": 1e-4}, f_cosine(0.5, 0.1)),
     ("cosine_with_min_lr", {"min_lr_rate": 0.25, "num_cycles": 0.75}, f_cosine(0.75, 0.25)),
 ]
@@ -140,7 +159,8 @@ def test_schedules_without_warmup_start_at_the_peak():
     for name in ("linear", "cosine", "polynomial", "constant_with_warmup", "cosine_with_restarts"):
         assert build_scheduler(name, sgd(), 0, T).get_last_lr() == [LR], name
     assert lrs(build_scheduler("inverse_sqrt", sgd(), 0, T), range(3)) == pytest.approx(
-        [LR / math.sqrt((s + 10_000) / 10_000) for s in range(3)], rel=1e-12)  # timescale 10000 without warmup
+        [LR / math.sqrt((s + 10_000) / 10_000) for s in range(3)], rel=1e-12
+    )  # timescale 10000 without warmup
 
 
 def test_schedule_scales_every_param_group():
@@ -153,10 +173,16 @@ def test_schedule_scales_every_param_group():
     assert scheduler.get_last_lr() == pytest.approx([1e-3 * f_linear(6), 4e-3 * f_linear(6)], rel=1e-12)
 
 
-@pytest.mark.parametrize("name, kwargs", [
-    ("cosine", {}), ("polynomial", {"power": 0.5}), ("warmup_stable_decay", {"num_decay_steps": 6}),
-    ("cosine_with_min_lr", {"min_lr_rate": 0.1}), ("constant", {}),
-])
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("cosine", {}),
+        ("polynomial", {"power": 0.5}),
+        ("warmup_stable_decay", {"num_decay_steps": 6}),
+        ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+        ("constant", {}),
+    ],
+)
 def test_scheduler_resumes_from_state_dict(name, kwargs):
     def fresh():
         model = torch.nn.Linear(3, 2)
@@ -243,7 +269,8 @@ def test_param_groups_exclude_biases_norms_and_vectors():
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     assert groups[0]["param_names"] == ["embed.weight", "proj.weight"]
     assert sorted(groups[1]["param_names"]) == sorted(
-        ["proj.bias", "ln.weight", "ln.bias", "norm.weight", "odd.gain", "scale"])
+        ["proj.bias", "ln.weight", "ln.bias", "norm.weight", "odd.gain", "scale"]
+    )
     for g in groups:
         assert len(g["params"]) == len(g["param_names"]) and all(p.requires_grad for p in g["params"])
     only_matrix = torch.nn.Linear(3, 3, bias=False)
@@ -298,7 +325,8 @@ def hf_decay_names(model):
     patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
     layer_norm_owned = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
     return {
-        name for name, p in model.named_parameters()
+        name
+        for name, p in model.named_parameters()
         if id(p) not in layer_norm_owned and not any(re.search(pat, name.lower()) for pat in patterns)
     }
 
@@ -316,8 +344,9 @@ def test_param_groups_agree_with_hugging_face_on_llama_names():
 
 
 def make_args(**kwargs) -> TrainingArguments:
-    return TrainingArguments(learning_rate=2e-3, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95,
-                             adam_epsilon=1e-6, **kwargs)
+    return TrainingArguments(
+        learning_rate=2e-3, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, **kwargs
+    )
 
 
 def one_step(opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
@@ -338,8 +367,13 @@ def model_and_copy():
 def manual_adamw(model, **extra):
     decay = [model[0].weight, model[2].weight]
     rest = [model[0].bias, model[1].weight, model[1].bias, model[2].bias]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                             lr=2e-3, betas=(0.8, 0.95), eps=1e-6, **extra)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=2e-3,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("optim, fused", [("adamw_torch", None), ("adamw_torch_fused", True)])
@@ -404,8 +438,13 @@ def test_optimizer_and_schedule_arguments_are_validated_once_by_training_argumen
         make_args(optim="adamw_torch", optim_args="momentum=0.9")
     with pytest.raises(ConfigError, match="optim='lion'"):
         make_args(optim="lion")
-    args = make_args(optim="sgd", optim_args="momentum=0.9", lr_scheduler_type="cosine",
-                     lr_scheduler_kwargs={"num_cycles": 2}, warmup_steps=W)
+    args = make_args(
+        optim="sgd",
+        optim_args="momentum=0.9",
+        lr_scheduler_type="cosine",
+        lr_scheduler_kwargs={"num_cycles": 2},
+        warmup_steps=W,
+    )
 
     def validated_again(*_, **__):
         raise AssertionError("trainer.optim validated arguments that TrainingArguments already validated")
@@ -471,33 +510,61 @@ def test_lr_scheduler_config_module_attribute_gets_the_steps_it_names():
 
 
 PLUGIN_ERRORS = [
-    (dict(optim_config={"name": "lion"}), "optim_config.name='lion' is not a registered optimizer; registered "
-     "optimizers: adamw_fused, adamw_torch, adamw_torch_fused, sgd; or 'module:attribute' for your own"),
+    (
+        dict(optim_config={"name": "lion"}),
+        "optim_config.name='lion' is not a registered optimizer; registered "
+        "optimizers: adamw_fused, adamw_torch, adamw_torch_fused, sgd; or 'module:attribute' for your own",
+    ),
     (dict(optim_config={"name": "adamw"}), "(did you mean 'adamw_torch'?)"),
     (dict(optim_config={"momentum": 0.9}), "optim_config: 'name' is required (registered optimizers: adamw_fused"),
-    (dict(optim_config={"name": "no_such_module:Lion"}),
-     "optim_config.name='no_such_module:Lion': cannot import 'no_such_module' (ModuleNotFoundError: No module named"),
+    (
+        dict(optim_config={"name": "no_such_module:Lion"}),
+        "optim_config.name='no_such_module:Lion': cannot import 'no_such_module' (ModuleNotFoundError: No module named",
+    ),
     (dict(optim_config={"name": "torch.optim:Lion2"}), "'torch.optim' has no attribute 'Lion2'"),
     (dict(optim_config={"name": "torch.optim:Adagrad", "lr": 0.1}), "optim_config.lr: set learning_rate"),
     (dict(optim_config={"name": "sgd", "amsgrad": True}), "optim_config: unknown key 'amsgrad' for optim='sgd'"),
-    (dict(optim_config={"name": "sgd"}, optim="adamw_torch"),
-     "optim_config.name='sgd' and optim='adamw_torch' both choose the optimizer; give one"),
-    (dict(optim_config={"name": "sgd", "momentum": 0.5}, optim="sgd", optim_args="momentum=0.9"),
-     "optim_config and optim_args both set the optimizer's options"),
-    (dict(optim_config={"name": "torch.optim:Adagrad"}, optim="sgd"),
-     "optim_config.name='torch.optim:Adagrad' chooses the optimizer; drop optim/optim_args"),
-    (dict(lr_scheduler_config={"name": "onecycle"}), "lr_scheduler_config.name='onecycle' is not a registered "
-     "schedule; registered schedules: linear, cosine, cosine_with_restarts"),
-    (dict(lr_scheduler_config={"name": "cosine", "cycles": 2}),
-     "lr_scheduler_config: unknown key 'cycles' for lr_scheduler_type='cosine' (did you mean 'num_cycles'?)"),
-    (dict(lr_scheduler_config={"name": "cosine"}, lr_scheduler_type="constant"),
-     "lr_scheduler_config.name='cosine' and lr_scheduler_type='constant' both choose the schedule"),
-    (dict(lr_scheduler_config={"name": "torch.optim.lr_scheduler:StepLR", "step_size": 2}, warmup_ratio=0.1),
-     "takes no num_warmup_steps, so warmup_steps/warmup_ratio=0.1 would be ignored; set them to 0"),
-    (dict(lr_scheduler_config={"name": "tests.trainer.test_optim:halve_every", "num_training_steps": 3}),
-     "lr_scheduler_config.num_training_steps: the trainer passes it"),
-    (dict(lr_scheduler_config={"name": "torch.optim.lr_scheduler:StepLR"}, lr_scheduler_kwargs={"num_cycles": 1},
-          lr_scheduler_type="cosine"), "chooses the schedule; drop lr_scheduler_type/lr_scheduler_kwargs"),
+    (
+        dict(optim_config={"name": "sgd"}, optim="adamw_torch"),
+        "optim_config.name='sgd' and optim='adamw_torch' both choose the optimizer; give one",
+    ),
+    (
+        dict(optim_config={"name": "sgd", "momentum": 0.5}, optim="sgd", optim_args="momentum=0.9"),
+        "optim_config and optim_args both set the optimizer's options",
+    ),
+    (
+        dict(optim_config={"name": "torch.optim:Adagrad"}, optim="sgd"),
+        "optim_config.name='torch.optim:Adagrad' chooses the optimizer; drop optim/optim_args",
+    ),
+    (
+        dict(lr_scheduler_config={"name": "onecycle"}),
+        "lr_scheduler_config.name='onecycle' is not a registered "
+        "schedule; registered schedules: linear, cosine, cosine_with_restarts",
+    ),
+    (
+        dict(lr_scheduler_config={"name": "cosine", "cycles": 2}),
+        "lr_scheduler_config: unknown key 'cycles' for lr_scheduler_type='cosine' (did you mean 'num_cycles'?)",
+    ),
+    (
+        dict(lr_scheduler_config={"name": "cosine"}, lr_scheduler_type="constant"),
+        "lr_scheduler_config.name='cosine' and lr_scheduler_type='constant' both choose the schedule",
+    ),
+    (
+        dict(lr_scheduler_config={"name": "torch.optim.lr_scheduler:StepLR", "step_size": 2}, warmup_ratio=0.1),
+        "takes no num_warmup_steps, so warmup_steps/warmup_ratio=0.1 would be ignored; set them to 0",
+    ),
+    (
+        dict(lr_scheduler_config={"name": "tests.trainer.test_optim:halve_every", "num_training_steps": 3}),
+        "lr_scheduler_config.num_training_steps: the trainer passes it",
+    ),
+    (
+        dict(
+            lr_scheduler_config={"name": "torch.optim.lr_scheduler:StepLR"},
+            lr_scheduler_kwargs={"num_cycles": 1},
+            lr_scheduler_type="cosine",
+        ),
+        "chooses the schedule; drop lr_scheduler_type/lr_scheduler_kwargs",
+    ),
 ]
 
 
@@ -509,8 +576,10 @@ def test_plugin_config_errors_are_one_line_at_argument_time(kwargs, expected):
 
 
 def test_plugin_configs_round_trip_through_training_args_json(tmp_path):
-    args = TrainingArguments(optim_config='{"name": "torch.optim:Adagrad", "lr_decay": 0.01}',
-                             lr_scheduler_config={"name": "tests.trainer.test_optim:halve_every", "every": 3})
+    args = TrainingArguments(
+        optim_config='{"name": "torch.optim:Adagrad", "lr_decay": 0.01}',
+        lr_scheduler_config={"name": "tests.trainer.test_optim:halve_every", "every": 3},
+    )
     path = tmp_path / "training_args.json"
     args.to_json_file(path)
     assert TrainingArguments.from_json_file(path) == args and dataclasses.replace(args) == args
@@ -523,9 +592,14 @@ def test_resume_with_plugin_configs_is_exact(tmp_path):
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate_tasks(24, seed=3)))
     dataset = load_sft_dataset([data], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
-    common = dict(max_steps=6, save_strategy="steps", save_steps=3, optim="adamw_fused",  # the default: no conflict
-                  optim_config={"name": "torch.optim:Adagrad", "lr_decay": 0.01},
-                  lr_scheduler_config={"name": "tests.trainer.test_optim:halve_every", "every": 2})
+    common = dict(
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+        optim="adamw_fused",  # the default: no conflict
+        optim_config={"name": "torch.optim:Adagrad", "lr_decay": 0.01},
+        lr_scheduler_config={"name": "tests.trainer.test_optim:halve_every", "every": 2},
+    )
 
     class StopAt3(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -536,8 +610,12 @@ def test_resume_with_plugin_configs_is_exact(tmp_path):
     full_trainer.train()
     full = full_trainer.state
     full_weights = weights(model)
-    Trainer(model=small_model(), args=trainer_args(tmp_path / "part", **common), train_dataset=dataset,
-            callbacks=[StopAt3()]).train()
+    Trainer(
+        model=small_model(),
+        args=trainer_args(tmp_path / "part", **common),
+        train_dataset=dataset,
+        callbacks=[StopAt3()],
+    ).train()
     model = small_model(seed=123)  # everything must come from the checkpoint
     resumed = Trainer(model=model, args=trainer_args(tmp_path / "part", **common), train_dataset=dataset)
     resumed.train(resume_from_checkpoint=True)
@@ -545,6 +623,7 @@ def test_resume_with_plugin_configs_is_exact(tmp_path):
     assert type(resumed.optimizer) is torch.optim.Adagrad and type(resumed.lr_scheduler).__name__ == "StepLR"
     assert losses(state) == losses(full)
     assert [h["learning_rate"] for h in state.log_history if "loss" in h] == [
-        h["learning_rate"] for h in full.log_history if "loss" in h]
+        h["learning_rate"] for h in full.log_history if "loss" in h
+    ]
     for name, value in weights(model).items():
         assert torch.equal(value, full_weights[name]), name

@@ -44,18 +44,38 @@ def pairs(tmp_path_factory, tokenizer):
 
 
 def make_args(tmp_path, **overrides) -> TrainingArguments:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                  learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                  max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=["jsonl"], disable_tqdm=True,
-                  seed=0, optim="adamw_torch", train_shuffle=False, max_steps=STEPS, use_kernels=False)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=["jsonl"],
+        disable_tqdm=True,
+        seed=0,
+        optim="adamw_torch",
+        train_shuffle=False,
+        max_steps=STEPS,
+        use_kernels=False,
+    )
     values.update(overrides)
     return TrainingArguments(**values)
 
 
 def run(tmp_path, pairs, tokenizer, model=None, pref=None, **overrides):
     model = model if model is not None else small_model()
-    trainer = PreferenceTrainer(model=model, args=make_args(tmp_path, **overrides), pref=pref or PreferenceArguments(),
-                                train_dataset=pairs, processing_class=tokenizer)
+    trainer = PreferenceTrainer(
+        model=model,
+        args=make_args(tmp_path, **overrides),
+        pref=pref or PreferenceArguments(),
+        train_dataset=pairs,
+        processing_class=tokenizer,
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return trainer, logs
@@ -118,8 +138,14 @@ def test_every_reference_source_trains_the_same(tmp_path, pairs, tokenizer, sour
     copy of the starting model)."""
     _, default = run(tmp_path / "default", pairs, tokenizer)
     if source == "given":
-        trainer = PreferenceTrainer(model=small_model(), ref_model=small_model(), args=make_args(tmp_path),
-                                    pref=PreferenceArguments(), train_dataset=pairs, processing_class=tokenizer)
+        trainer = PreferenceTrainer(
+            model=small_model(),
+            ref_model=small_model(),
+            args=make_args(tmp_path),
+            pref=PreferenceArguments(),
+            train_dataset=pairs,
+            processing_class=tokenizer,
+        )
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
     else:
@@ -138,8 +164,9 @@ def test_lora_reference_is_the_base_model(tmp_path, pairs, tokenizer):
     model = apply_lora(small_model(), args)
     init_adapter_weights(model, seed=0)
     base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
-    trainer = PreferenceTrainer(model=model, args=args, pref=PreferenceArguments(), train_dataset=pairs,
-                                processing_class=tokenizer)
+    trainer = PreferenceTrainer(
+        model=model, args=args, pref=PreferenceArguments(), train_dataset=pairs, processing_class=tokenizer
+    )
     assert trainer.ref_model is None
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -150,8 +177,10 @@ def test_lora_reference_is_the_base_model(tmp_path, pairs, tokenizer):
     assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("loss_type, extra", [("orpo", "nll_loss"), ("simpo", "nll_loss"), ("ipo", None),
-                                              ("hinge", None), ("apo_zero", None)])
+@pytest.mark.parametrize(
+    "loss_type, extra",
+    [("orpo", "nll_loss"), ("simpo", "nll_loss"), ("ipo", None), ("hinge", None), ("apo_zero", None)],
+)
 def test_other_losses_train(tmp_path, pairs, tokenizer, loss_type, extra):
     trainer, logs = run(tmp_path, pairs, tokenizer, pref=PreferenceArguments(loss_type=loss_type), max_steps=2)
     assert len(logs) == 2 and all(np.isfinite(h["loss"]) for h in logs)
@@ -167,13 +196,16 @@ def test_rpo_alpha_adds_the_chosen_nll(tmp_path, pairs, tokenizer):
     assert rpo[0]["loss"] == pytest.approx(plain[0]["loss"] + 0.5 * rpo[0]["nll_loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(loss_type="kto"), "loss_type='kto': expected one of sigmoid"),
-    (dict(beta=0.0), "beta=0.0: must be > 0"),
-    (dict(loss_type="robust", label_smoothing=0.5), "label_smoothing=0.5: must be in \\[0, 0.5\\)"),
-    (dict(loss_type="orpo", rpo_alpha=1.0), "rpo_alpha"),
-    (dict(reference_free=True, precompute_ref_log_probs=True), "reference_free"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(loss_type="kto"), "loss_type='kto': expected one of sigmoid"),
+        (dict(beta=0.0), "beta=0.0: must be > 0"),
+        (dict(loss_type="robust", label_smoothing=0.5), "label_smoothing=0.5: must be in \\[0, 0.5\\)"),
+        (dict(loss_type="orpo", rpo_alpha=1.0), "rpo_alpha"),
+        (dict(reference_free=True, precompute_ref_log_probs=True), "reference_free"),
+    ],
+)
 def test_bad_settings_are_one_line(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         PreferenceArguments(**kwargs)
@@ -181,8 +213,9 @@ def test_bad_settings_are_one_line(kwargs, message):
 
 def test_sft_data_and_other_batching_are_refused(tmp_path, pairs, tokenizer):
     with pytest.raises(ConfigError, match="batching_strategy='padding_free'"):
-        PreferenceTrainer(model=small_model(), args=make_args(tmp_path, batching_strategy="padding_free"),
-                          train_dataset=pairs)
+        PreferenceTrainer(
+            model=small_model(), args=make_args(tmp_path, batching_strategy="padding_free"), train_dataset=pairs
+        )
     with pytest.raises(ValueError, match="train_dataset must be a trainer.preference_data.PreferenceDataset"):
         PreferenceTrainer(model=small_model(), args=make_args(tmp_path), train_dataset=[{"input_ids": [1, 2]}])
 
@@ -198,8 +231,9 @@ def test_kernels_through_the_interpreter_train_as_plain_pytorch(tmp_path, pairs,
     with kernels.backend("triton"):
         _, fused = run(tmp_path / "fused", pairs, tokenizer, model=model, max_steps=2, use_kernels=True)
     np.testing.assert_allclose([h["loss"] for h in fused], [h["loss"] for h in plain], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose([h["rewards/margins"] for h in fused], [h["rewards/margins"] for h in plain],
-                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        [h["rewards/margins"] for h in fused], [h["rewards/margins"] for h in plain], rtol=1e-4, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("precompute", [False, True])
@@ -209,8 +243,13 @@ def test_resume_is_exact(tmp_path, pairs, tokenizer, precompute):
     not the checkpoint's."""
     pref = PreferenceArguments(precompute_ref_log_probs=precompute)
     _, unbroken = run(tmp_path / "a", pairs, tokenizer, pref=pref, save_strategy="steps", save_steps=2)
-    trainer = PreferenceTrainer(model=small_model(), pref=pref, train_dataset=pairs, processing_class=tokenizer,
-                                args=make_args(tmp_path / "a", save_strategy="steps", save_steps=2))
+    trainer = PreferenceTrainer(
+        model=small_model(),
+        pref=pref,
+        train_dataset=pairs,
+        processing_class=tokenizer,
+        args=make_args(tmp_path / "a", save_strategy="steps", save_steps=2),
+    )
     trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
     resumed = [h for h in trainer.state.log_history if "loss" in h and h["step"] > 2]
     assert [h["step"] for h in resumed] == [3, 4]

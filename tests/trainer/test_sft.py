@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import kernels
-
 from trainer import generate as generate_cli
 from trainer import sft
 from trainer.build import build_preset, load_pretrained
@@ -19,8 +18,18 @@ from trainer.tasks import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150  # per spawned command; each stops before building a model (~5 s) or trains a few steps
-FEW_STEPS = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--exact_match_examples", "16",
-             "--logging_steps", "1", "--disable_tqdm", "true"]
+FEW_STEPS = [
+    "--max_steps",
+    "3",
+    "--per_device_train_batch_size",
+    "8",
+    "--exact_match_examples",
+    "16",
+    "--logging_steps",
+    "1",
+    "--disable_tqdm",
+    "true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +46,14 @@ def test_embedded_default_trains_evaluates_and_saves(demo_run, capsys):
     assert code == 0
     final = json.loads((out / "final_metrics.json").read_text())
     assert final["global_step"] == 3
-    assert {"exact_match_before", "exact_match_after", "eval_loss", "eval_perplexity", "final_train_loss",
-            "train_loss"} <= set(final)
+    assert {
+        "exact_match_before",
+        "exact_match_after",
+        "eval_loss",
+        "eval_perplexity",
+        "final_train_loss",
+        "train_loss",
+    } <= set(final)
     assert final["train_loss"] > 0  # the run's mean step loss, there even when no step was logged
     assert 0.0 <= final["exact_match_after"] <= 1.0
     model = load_pretrained(out)
@@ -107,8 +122,10 @@ def _one_line_error(capsys) -> str:
 
 def test_bad_data_names_file_and_line(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
-                    '{"messages": [oops]}\n')
+    data.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+        '{"messages": [oops]}\n'
+    )
     code = sft.main(["--model", "tiny", "--data", str(data), "--output_dir", str(tmp_path / "o"), *FEW_STEPS])
     assert code == 2
     assert "bad.jsonl:2:" in _one_line_error(capsys)
@@ -153,9 +170,10 @@ def test_a_different_run_never_replaces_a_trained_model_but_the_same_command_run
     line = _one_line_error(capsys)
     assert "already holds checkpoints of another run" in line and "--overwrite_output_dir to overcome" in line
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == saved
-    args, sft_args, pref = sft.parse_args([str(sft.DEMO_CONFIGS["sft"]), "--output_dir", str(out), "--max_steps", "2",
-                                           "--overwrite_output_dir"],
-                                          extra_dataclasses=(sft.SFTArguments, sft.PreferenceArguments))
+    args, sft_args, pref = sft.parse_args(
+        [str(sft.DEMO_CONFIGS["sft"]), "--output_dir", str(out), "--max_steps", "2", "--overwrite_output_dir"],
+        extra_dataclasses=(sft.SFTArguments, sft.PreferenceArguments),
+    )
     sft.check_run(args, sft_args, pref)  # asked for: allowed
     assert sft.main(["--output_dir", str(out), *FEW_STEPS]) == 0  # the same command again
     assert json.loads((out / "final_metrics.json").read_text())["global_step"] == 3
@@ -164,9 +182,14 @@ def test_a_different_run_never_replaces_a_trained_model_but_the_same_command_run
 def _spawn_sft(argv, env=None, **launch_env) -> subprocess.Popen:
     """`python -m trainer.sft argv` as a user starts it (no test-wide TRITON_INTERPRET), stdout/stderr piped."""
     base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KERNELS_BACKEND")}
-    return subprocess.Popen([sys.executable, "-m", "trainer.sft", *argv], cwd=ROOT, text=True,
-                            env={**base, "OMP_NUM_THREADS": "1", **(env or {}), **launch_env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer.sft", *argv],
+        cwd=ROOT,
+        text=True,
+        env={**base, "OMP_NUM_THREADS": "1", **(env or {}), **launch_env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_every_argument_and_environment_check_runs_first_in_one_line(tmp_path):
@@ -179,7 +202,11 @@ def test_every_argument_and_environment_check_runs_first_in_one_line(tmp_path):
         (["--output_dir", str(a_file)], {}, f"output_dir: {a_file} is a file, not a directory"),
         (["--output_dir", str(a_file / "run")], {}, f"output_dir: {a_file} is a file, not a directory"),
         (["--use_liger_kernel"], {}, "use_liger_kernel: liger-kernel's Triton kernels need a CUDA GPU"),
-        (["--attn_implementation", "flash_attention_2"], {}, "attn_implementation='flash_attention_2' needs a CUDA GPU"),
+        (
+            ["--attn_implementation", "flash_attention_2"],
+            {},
+            "attn_implementation='flash_attention_2' needs a CUDA GPU",
+        ),
         (["--attn_implementation", "flex_attention"], {}, "attn_implementation='flex_attention' needs a CUDA GPU"),
         (["--attn_implementation", "eager"], {}, "attn_implementation='eager': expected one of auto, sdpa,"),
         (["--data", str(tmp_path / "missing.jsonl")], {}, "missing.jsonl: no such file or directory"),
@@ -202,8 +229,10 @@ def test_every_argument_and_environment_check_runs_first_in_one_line(tmp_path):
 def test_a_data_error_under_a_launcher_is_printed_once(tmp_path):
     """Item 10: two ranks as torchrun starts them (gloo) meet the same bad record: rank 0 prints it, both exit 2."""
     data = tmp_path / "bad.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
-                    '{"messages": [oops]}\n')
+    data.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+        '{"messages": [oops]}\n'
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -225,7 +254,14 @@ def test_help_lists_sft_and_training_arguments(capsys):
         sft.main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
-    for name in ("--model", "--data", "--train_on_prompt", "--learning_rate", "--batching_strategy", "--neftune_noise_alpha"):
+    for name in (
+        "--model",
+        "--data",
+        "--train_on_prompt",
+        "--learning_rate",
+        "--batching_strategy",
+        "--neftune_noise_alpha",
+    ):
         assert name in text
 
 

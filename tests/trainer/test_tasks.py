@@ -9,8 +9,20 @@ import pytest
 
 from trainer.data import load_sft_dataset
 from trainer.preference_data import load_preference_dataset
-from trainer.tasks import (EVAL_FILE, KINDS, NUM_EVAL, NUM_TRAIN, TRAIN_FILE, exact_match, generate_tasks, kind_of,
-                           preference_pair, solve, wrong_answer, write_task_files)
+from trainer.tasks import (
+    EVAL_FILE,
+    KINDS,
+    NUM_EVAL,
+    NUM_TRAIN,
+    TRAIN_FILE,
+    exact_match,
+    generate_tasks,
+    kind_of,
+    preference_pair,
+    solve,
+    write_task_files,
+    wrong_answer,
+)
 from trainer.tokenizer import byte_level_tokenizer
 
 

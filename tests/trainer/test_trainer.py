@@ -20,24 +20,33 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from trainer import sft
 from trainer.args import TrainingArguments
+from trainer.build import load_pretrained
 from trainer.callbacks import EarlyStoppingCallback, TrainerCallback, TrainerState
 from trainer.checkpoint import checkpoints, latest_checkpoint, save_checkpoint
 from trainer.data import TokenizedDataset, load_sft_dataset
-from trainer.build import load_pretrained
 from trainer.model import CausalLM, ModelConfig
 from trainer.tasks import generate_tasks
 from trainer.tokenizer import byte_level_tokenizer
-from trainer import sft
 from trainer.trainer import Trainer, TrainingError
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def small_model(seed: int = 0, *, tie_word_embeddings: bool = True, use_kernels: bool = True) -> CausalLM:
-    config = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=tie_word_embeddings, eos_token_id=258, pad_token_id=256)
+    config = ModelConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=258,
+        pad_token_id=256,
+    )
     model = CausalLM(config, use_kernels=use_kernels)
     model.init_weights(seed)
     return model
@@ -56,10 +65,21 @@ def dataset(tmp_path_factory, tokenizer) -> TokenizedDataset:
 
 
 def make_args(tmp_path, **overrides) -> TrainingArguments:
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                  learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=0, logging_steps=1,
-                  save_strategy="no", report_to=["jsonl"], disable_tqdm=True, seed=7, optim="adamw_torch",
-                  train_shuffle=True)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=["jsonl"],
+        disable_tqdm=True,
+        seed=7,
+        optim="adamw_torch",
+        train_shuffle=True,
+    )
     values.update(overrides)
     return TrainingArguments(**values)
 
@@ -114,8 +134,12 @@ def test_accumulation_gives_the_same_gradient_and_loss_as_a_bigger_batch(tmp_pat
     for micro, accum in ((4, 1), (1, 4), (2, 2)):
         model = small_model()
         capture = GradCapture(model)
-        args = make_args(tmp_path / f"{micro}x{accum}", per_device_train_batch_size=micro,
-                         gradient_accumulation_steps=accum, max_steps=3)
+        args = make_args(
+            tmp_path / f"{micro}x{accum}",
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accum,
+            max_steps=3,
+        )
         state = trained(Trainer(model=model, args=args, train_dataset=dataset, callbacks=[capture]))
         runs[(micro, accum)] = (capture.grads, losses(state), weights(model))
     ref_grads, ref_losses, ref_weights = runs[(4, 1)]
@@ -125,7 +149,9 @@ def test_accumulation_gives_the_same_gradient_and_loss_as_a_bigger_batch(tmp_pat
             for name in r:
                 # after a step at lr ~7e-3 the weights differ by fp32 summation order (padding changes matmul shapes);
                 # seen: 2 of 2048 elements off by 3e-6 in gradients of ~1e-2
-                torch.testing.assert_close(g[name], r[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key} step {step} {name}: {m}")
+                torch.testing.assert_close(
+                    g[name], r[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key} step {step} {name}: {m}"
+                )
         for name in ref_weights:
             # Adam turns a near-zero gradient's rounding into up to lr-sized moves (seen: 1 of 4096 off by 2.4e-5 with
             # lr 7e-3); a wrong normalisation would move nearly every element by ~lr
@@ -134,8 +160,9 @@ def test_accumulation_gives_the_same_gradient_and_loss_as_a_bigger_batch(tmp_pat
 
 def test_loss_is_normalised_by_supervised_tokens_not_micro_steps(tmp_path, dataset):
     model = small_model()
-    args = make_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
-                     learning_rate=0.0)
+    args = make_args(
+        tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, learning_rate=0.0
+    )
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     state = trained(trainer)
     # Recompute the first window by hand: the 4 examples' token-mean loss.
@@ -147,8 +174,13 @@ def test_loss_is_normalised_by_supervised_tokens_not_micro_steps(tmp_path, datas
     total, count = 0.0, 0
     with torch.no_grad():
         for b in batches:
-            out = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
-                        attention_mask=b["attention_mask"], num_items=1)
+            out = model(
+                b["input_ids"],
+                position_ids=b["position_ids"],
+                labels=b["labels"],
+                attention_mask=b["attention_mask"],
+                num_items=1,
+            )
             total += out.loss.item()
             count += b["num_items"]
     assert losses(state)[0] == pytest.approx(total / count, rel=1e-5)
@@ -194,8 +226,9 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path, dataset):
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, dataset):
     model = small_model()
     args = make_args(tmp_path, max_steps=6, max_nonfinite_steps=3)
-    state = trained(Trainer(model=model, args=args, train_dataset=dataset,
-                            callbacks=[PoisonGrad(model, [2], value=float("nan"))]))
+    state = trained(
+        Trainer(model=model, args=args, train_dataset=dataset, callbacks=[PoisonGrad(model, [2], value=float("nan"))])
+    )
     assert state.nonfinite_steps == 1 and state.global_step == 6
     assert all(math.isfinite(x) for x in losses(state))
     for p in model.parameters():
@@ -204,8 +237,9 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, dataset
     model = small_model()
     args = make_args(tmp_path / "b", max_steps=10, max_nonfinite_steps=3, save_strategy="steps", save_steps=1)
     with pytest.raises(TrainingError, match=r"3 non-finite steps in a row .*checkpoint-2"):
-        Trainer(model=model, args=args, train_dataset=dataset,
-                callbacks=[PoisonGrad(model, [3, 4, 5], value=float("nan"))]).train()
+        Trainer(
+            model=model, args=args, train_dataset=dataset, callbacks=[PoisonGrad(model, [3, 4, 5], value=float("nan"))]
+        ).train()
     saved = load_pretrained(latest_checkpoint(args.output_dir))
     assert all(torch.isfinite(p).all() for p in saved.parameters())
 
@@ -228,8 +262,9 @@ def test_auto_find_batch_size_halves_the_micro_batch_and_keeps_the_global_batch(
         return real_forward(*a, **k)
 
     model.forward = forward
-    args = make_args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2,
-                     auto_find_batch_size=True)
+    args = make_args(
+        tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2, auto_find_batch_size=True
+    )
     state = trained(Trainer(model=model, args=args, train_dataset=dataset))
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
     assert state.global_step == 2
@@ -248,8 +283,13 @@ def test_a_short_run_prints_its_setup_and_mean_train_loss(tmp_path, dataset, cap
     """With Hugging Face's default logging_steps=500 a 3-step run logs no step, but still prints the run's setup
     (HF's `***** Running training *****` block and our global-batch line) and the final metrics with the mean loss,
     and train() returns HF's TrainOutput."""
-    per_step = trained(Trainer(model=small_model(), args=make_args(tmp_path / "every", max_steps=3,
-                                                                  global_batch_size=8), train_dataset=dataset))
+    per_step = trained(
+        Trainer(
+            model=small_model(),
+            args=make_args(tmp_path / "every", max_steps=3, global_batch_size=8),
+            train_dataset=dataset,
+        )
+    )
     capsys.readouterr()
     model = small_model()
     args = make_args(tmp_path / "quiet", max_steps=3, global_batch_size=8, logging_steps=500)
@@ -262,12 +302,17 @@ def test_a_short_run_prints_its_setup_and_mean_train_loss(tmp_path, dataset, cap
     assert output.metrics["train_steps_per_second"] == pytest.approx(3 / output.metrics["train_runtime"])
     assert f"train_loss={output.training_loss:.4g}" in err
     trainable = sum(p.numel() for p in model.parameters())
-    for line in ("***** Running training *****", "Num examples = 40", "Num Epochs = 1",
-                 "Instantaneous batch size per device = 4",
-                 "Total train batch size (w. parallel, distributed & accumulation) = 8",
-                 "Gradient Accumulation steps = 2", "Total optimization steps = 3",
-                 f"Number of trainable parameters = {trainable:,}",
-                 "Global batch = 1 process x 4 micro batch x 2 accumulation = 8 sequences per step"):
+    for line in (
+        "***** Running training *****",
+        "Num examples = 40",
+        "Num Epochs = 1",
+        "Instantaneous batch size per device = 4",
+        "Total train batch size (w. parallel, distributed & accumulation) = 8",
+        "Gradient Accumulation steps = 2",
+        "Total optimization steps = 3",
+        f"Number of trainable parameters = {trainable:,}",
+        "Global batch = 1 process x 4 micro batch x 2 accumulation = 8 sequences per step",
+    ):
         assert line in err, line
 
 
@@ -287,14 +332,24 @@ class RecordingBigram(torch.nn.Module):
 @pytest.mark.parametrize("option", [{"train_shuffle": False}, {"train_sampling_strategy": "sequential"}])
 def test_an_unshuffled_run_takes_examples_in_dataset_order(tmp_path, dataset, option):
     # make_args sets train_shuffle=True, which train_sampling_strategy="sequential" would contradict
-    values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3, logging_steps=1,
-                  save_strategy="no", report_to=[], disable_tqdm=True, seed=7, optim="adamw_torch", **option)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=7,
+        optim="adamw_torch",
+        **option,
+    )
     model = RecordingBigram()
     Trainer(model=model, args=TrainingArguments(**values), train_dataset=dataset).train()
     for step, ids in enumerate(model.seen):
         for row in range(4):
             expected = torch.as_tensor(dataset[4 * step + row]["input_ids"])
-            assert torch.equal(ids[row, :len(expected)], expected), (step, row)
+            assert torch.equal(ids[row, : len(expected)], expected), (step, row)
 
 
 class HostSyncCounter(TorchFunctionMode):
@@ -307,8 +362,16 @@ class HostSyncCounter(TorchFunctionMode):
     every other tensor (parameters, activations, losses, norms) stands for a device tensor. A TorchFunctionMode
     rather than a TorchDispatchMode, because .tolist() and .cpu() of a CPU tensor never reach the dispatcher."""
 
-    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__,
-             torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+    READS = {
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+        torch.Tensor.__bool__,
+        torch.Tensor.__index__,
+        torch.Tensor.cpu,
+        torch.Tensor.numpy,
+    }
     FROM_DATA = {torch.tensor, torch.as_tensor}
 
     def __init__(self):
@@ -372,8 +435,13 @@ def test_one_host_sync_per_optimizer_step(tmp_path, dataset, monkeypatch, model_
 
     monkeypatch.setattr(Trainer, "_train_loader", host_batches_loader)
     model = small_model() if model_kind == "ours" else MeanLoss()
-    args = make_args(tmp_path, max_steps=3, gradient_accumulation_steps=2, optim="adamw_torch_fused",
-                     include_num_input_tokens_seen=True)
+    args = make_args(
+        tmp_path,
+        max_steps=3,
+        gradient_accumulation_steps=2,
+        optim="adamw_torch_fused",
+        include_num_input_tokens_seen=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Window()])
     with counter:
         trainer.train()
@@ -382,8 +450,15 @@ def test_one_host_sync_per_optimizer_step(tmp_path, dataset, monkeypatch, model_
 
 # ---- checkpoints and resume -----------------------------------------------------------------------------------
 def test_resume_is_exact(tmp_path, dataset):
-    common = dict(max_steps=6, save_strategy="steps", save_steps=3, per_device_train_batch_size=4,
-                  gradient_accumulation_steps=2, optim="adamw_fused", neftune_noise_alpha=5.0)
+    common = dict(
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        optim="adamw_fused",
+        neftune_noise_alpha=5.0,
+    )
     model = small_model()
     full = trained(Trainer(model=model, args=make_args(tmp_path / "full", **common), train_dataset=dataset))
     full_weights = weights(model)
@@ -429,8 +504,18 @@ def test_checkpoint_layout_and_transformers_loads_it(tmp_path, dataset, tokenize
     Trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
     ckpt = Path(args.output_dir) / "checkpoint-2"
     names = {p.name for p in ckpt.iterdir()}
-    assert {"config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "data_state.json",
-            "trainer_state.json", "training_args.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "data_state.json",
+        "trainer_state.json",
+        "training_args.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= names
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and len(state["log_history"]) == 2
     assert TrainingArguments.from_json_file(ckpt / "training_args.json").to_dict() == args.to_dict()
@@ -460,9 +545,18 @@ def test_interrupted_save_is_never_picked(tmp_path):
 def test_rotation_keeps_the_newest_and_the_best(tmp_path, dataset):
     model = small_model()
     eval_ds = dataset.select(range(8))
-    args = make_args(tmp_path, max_steps=8, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
-                     save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="loss",
-                     learning_rate=0.05)
+    args = make_args(
+        tmp_path,
+        max_steps=8,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        learning_rate=0.05,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_ds)
     evals = []
     real_evaluate = trainer.evaluate
@@ -496,10 +590,14 @@ def test_evaluate_reports_loss_perplexity_and_compute_metrics(tmp_path, dataset)
         return {"accuracy": (preds[:, :-1] == labels[:, 1:])[mask].float().mean().item()}
 
     args = make_args(tmp_path, per_device_eval_batch_size=3, eval_accumulation_steps=2)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset,
-                      eval_dataset={"a": dataset.select(range(5)), "b": dataset.select(range(5, 9))},
-                      compute_metrics=compute_metrics,
-                      preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        eval_dataset={"a": dataset.select(range(5)), "b": dataset.select(range(5, 9))},
+        compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+    )
     metrics = trainer.evaluate()
     assert {"eval_a_loss", "eval_a_perplexity", "eval_a_accuracy", "eval_b_loss"} <= set(metrics)
     assert metrics["eval_a_perplexity"] == pytest.approx(math.exp(metrics["eval_a_loss"]))
@@ -510,10 +608,16 @@ def test_evaluate_reports_loss_perplexity_and_compute_metrics(tmp_path, dataset)
 
 def test_early_stopping_and_callback_control(tmp_path, dataset):
     model = small_model()
-    args = make_args(tmp_path, max_steps=20, eval_strategy="steps", eval_steps=1, metric_for_best_model="loss",
-                     learning_rate=0.0)  # no learning: the metric never improves
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset.select(range(4)),
-                      callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    args = make_args(
+        tmp_path, max_steps=20, eval_strategy="steps", eval_steps=1, metric_for_best_model="loss", learning_rate=0.0
+    )  # no learning: the metric never improves
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        eval_dataset=dataset.select(range(4)),
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=2)],
+    )
     state = trained(trainer)
     assert state.global_step == 3
 
@@ -539,13 +643,22 @@ def test_metrics_jsonl_is_written(tmp_path, dataset):
     rows = [json.loads(line) for line in (Path(args.output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 2]  # the last row: the end-of-training metrics
     assert {"train_loss", "train_runtime", "train_samples_per_second", "train_steps_per_second"} <= set(rows[-1])
-    assert {"loss", "learning_rate", "grad_norm", "tokens_per_second", "supervised_tokens_per_second",
-            "num_input_tokens_seen", "peak_memory_gb", "epoch"} <= set(rows[0])
+    assert {
+        "loss",
+        "learning_rate",
+        "grad_norm",
+        "tokens_per_second",
+        "supervised_tokens_per_second",
+        "num_input_tokens_seen",
+        "peak_memory_gb",
+        "epoch",
+    } <= set(rows[0])
 
 
 def test_metrics_jsonl_of_a_resumed_run_reads_as_one_run(tmp_path, dataset, capsys):
     """A run stopped at step 3 after its checkpoint at step 2 logged step 3; the resume from step 2 logs it again,
     so the file must drop the first. A later fresh run into the same output_dir moves the file aside."""
+
     class StopAt3(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             control.should_training_stop = state.global_step == 3
@@ -570,11 +683,42 @@ def test_metrics_jsonl_of_a_resumed_run_reads_as_one_run(tmp_path, dataset, caps
 
 # ---- process-level: SIGTERM and SIGKILL ------------------------------------------------------------------------
 def _sft(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "trainer.sft", "--model", "tiny", "--data", str(ROOT / "trainer/demo_data/tasks_eval.jsonl"),
-            "--output_dir", str(out), "--per_device_train_batch_size", "8", "--max_steps", "6",
-            "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2", "--disable_tqdm", "true",
-            "--report_to", "jsonl", "--eval_exact_match", "false", "--plot", "false", "--optim", "adamw_torch",
-            "--learning_rate", "1e-3", "--cutoff_len", "64", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "trainer.sft",
+        "--model",
+        "tiny",
+        "--data",
+        str(ROOT / "trainer/demo_data/tasks_eval.jsonl"),
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "8",
+        "--max_steps",
+        "6",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+        "--disable_tqdm",
+        "true",
+        "--report_to",
+        "jsonl",
+        "--eval_exact_match",
+        "false",
+        "--plot",
+        "false",
+        "--optim",
+        "adamw_torch",
+        "--learning_rate",
+        "1e-3",
+        "--cutoff_len",
+        "64",
+        *extra,
+    ]
 
 
 def _env():
@@ -598,13 +742,21 @@ def test_sigkill_then_resume_gives_the_same_weights(tmp_path):
     part = tmp_path / "part"
     proc = subprocess.Popen(_sft(part), env=_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
-    while not (part / "checkpoint-2" / "trainer_state.json").exists() and time.time() < deadline and proc.poll() is None:
+    while (
+        not (part / "checkpoint-2" / "trainer_state.json").exists() and time.time() < deadline and proc.poll() is None
+    ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert checkpoints(part), "the killed run saved no checkpoint"
-    done = subprocess.run(_sft(part, "--resume_from_checkpoint", "auto"), env=_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        _sft(part, "--resume_from_checkpoint", "auto"),
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     a, b = load_pretrained(full), load_pretrained(part)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
@@ -621,7 +773,9 @@ def test_sigkill_then_resume_gives_the_same_weights(tmp_path):
 def test_sigterm_or_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(tmp_path, stop, code):
     out = tmp_path / "run"
     command = _sft(out, "--max_steps", "100000", "--save_strategy", "no")
-    proc = subprocess.Popen(command, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_for_a_logged_step(out, proc)
     proc.send_signal(stop)
     _, err = proc.communicate(timeout=120)
@@ -643,8 +797,9 @@ def test_a_second_ctrl_c_aborts_at_once_and_says_what_is_on_disk(tmp_path, datas
                     os.kill(os.getpid(), signal.SIGINT)
 
     before = signal.getsignal(signal.SIGINT)
-    once = Trainer(model=small_model(), args=make_args(tmp_path / "once", max_steps=5), train_dataset=dataset,
-                   callbacks=[CtrlC(1)])
+    once = Trainer(
+        model=small_model(), args=make_args(tmp_path / "once", max_steps=5), train_dataset=dataset, callbacks=[CtrlC(1)]
+    )
     assert once.train().global_step == 2 and once.stop_signal == signal.SIGINT
     assert [p.name for p in checkpoints(tmp_path / "once" / "out")] == ["checkpoint-2"]  # save_strategy="no"
 
@@ -652,7 +807,9 @@ def test_a_second_ctrl_c_aborts_at_once_and_says_what_is_on_disk(tmp_path, datas
     with pytest.raises(KeyboardInterrupt):
         Trainer(model=small_model(), args=args, train_dataset=dataset, callbacks=[CtrlC(2)]).train()
     assert [p.name for p in checkpoints(args.output_dir)] == ["checkpoint-1"]  # step 2's save never ran
-    assert "aborted by a second Ctrl-C after step 2, without saving; the newest checkpoint is" in capsys.readouterr().err
+    assert (
+        "aborted by a second Ctrl-C after step 2, without saving; the newest checkpoint is" in capsys.readouterr().err
+    )
     assert signal.getsignal(signal.SIGINT) is before
 
 
@@ -661,9 +818,26 @@ def test_the_cli_summary_shows_the_accumulation_global_batch_size_implies(tmp_pa
     anything loads said 1. (One step on four examples.)"""
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in generate_tasks(4, seed=0)))
-    code = sft.main(["--model", "tiny", "--data", str(data), "--output_dir", str(tmp_path / "o"), "--max_steps", "1",
-                     "--per_device_train_batch_size", "8", "--global_batch_size", "32", "--disable_tqdm", "true",
-                     "--plot", "false"])
+    code = sft.main(
+        [
+            "--model",
+            "tiny",
+            "--data",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--max_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "8",
+            "--global_batch_size",
+            "32",
+            "--disable_tqdm",
+            "true",
+            "--plot",
+            "false",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0, err
     assert re.search(r" gradient_accumulation_steps += 4\n", err), err
@@ -673,8 +847,13 @@ def test_per_block_compile_and_gradient_checkpointing_change_nothing(tmp_path, d
     plain_model = small_model()
     plain = trained(Trainer(model=plain_model, args=make_args(tmp_path / "plain", max_steps=2), train_dataset=dataset))
     model = small_model()
-    args = make_args(tmp_path / "compiled", max_steps=2, torch_compile=True, torch_compile_backend="aot_eager",
-                     gradient_checkpointing=True)
+    args = make_args(
+        tmp_path / "compiled",
+        max_steps=2,
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+        gradient_checkpointing=True,
+    )
     state = trained(Trainer(model=model, args=args, train_dataset=dataset))
     assert all(getattr(block, "_compiled_call_impl", None) is not None for block in model.model.layers)
     assert losses(state) == pytest.approx(losses(plain), rel=1e-5)
@@ -793,8 +972,9 @@ class _PeftLikeWrapper(torch.nn.Module):
         return self.base_model.model(*args, **kwargs)
 
 
-@pytest.mark.parametrize("wrap", [lambda m: torch.compile(m, backend="eager"), _PeftLikeWrapper],
-                         ids=["torch.compile", "peft-like"])
+@pytest.mark.parametrize(
+    "wrap", [lambda m: torch.compile(m, backend="eager"), _PeftLikeWrapper], ids=["torch.compile", "peft-like"]
+)
 def test_settings_reach_our_model_inside_a_wrapper(tmp_path, dataset, wrap):
     # Issue 12: the settings were written as attributes onto whatever the trainer held, so under peft label
     # smoothing was silently lost. They are applied once, to our CausalLM wherever it sits inside.
@@ -811,8 +991,9 @@ def test_settings_reach_our_model_inside_ddp(tmp_path, dataset):
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         bare = _wrapped_eval_loss(tmp_path, dataset, lambda m: m, label_smoothing_factor=0.1, z_loss=1e-3)
-        ddp = _wrapped_eval_loss(tmp_path, dataset, lambda m: DistributedDataParallel(m),
-                                 label_smoothing_factor=0.1, z_loss=1e-3)
+        ddp = _wrapped_eval_loss(
+            tmp_path, dataset, lambda m: DistributedDataParallel(m), label_smoothing_factor=0.1, z_loss=1e-3
+        )
     finally:
         torch.distributed.destroy_process_group()
     assert ddp == pytest.approx(bare, abs=1e-6)

@@ -18,15 +18,32 @@ NO_TRITON = "import sys; sys.modules['triton'] = None\n"
 
 def run_without_triton(code: str, **env) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KERNELS_BACKEND")}
-    return subprocess.run([sys.executable, "-c", NO_TRITON + code], cwd=ROOT, env={**base, **env, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-c", NO_TRITON + code],
+        cwd=ROOT,
+        env={**base, **env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
 
 
 def test_the_cpu_trainer_runs_without_triton(tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"reverse: ab{i}"},
-                                                     {"role": "assistant", "content": f"{i}ba"}]}) + "\n"
-                            for i in range(16)))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"reverse: ab{i}"},
+                        {"role": "assistant", "content": f"{i}ba"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(16)
+        )
+    )
     out = tmp_path / "out"
     code = (
         "import kernels\n"
@@ -75,5 +92,9 @@ def test_the_cli_refuses_a_forced_triton_backend_without_triton_in_one_line(tmp_
     done = run_without_triton(code, KERNELS_BACKEND="triton")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
-    assert lines[0].startswith("error: use_kernels: ") and "pip install triton" in lines[0] and "--use_kernels false" in lines[0]
+    assert (
+        lines[0].startswith("error: use_kernels: ")
+        and "pip install triton" in lines[0]
+        and "--use_kernels false" in lines[0]
+    )
     assert not out.exists()
