@@ -204,7 +204,8 @@ def traffic_parts(
         acc[1] += write
 
     def mm_fp32(m_rows, inner, cols, a_size, b_size, accumulate, out_size=4):
-        """_mm_fp32: out (m, cols) of out_size bytes = a (m, inner) @ b (inner, cols), operands of a_size / b_size bytes."""
+        """_mm_fp32: out (m, cols) of out_size bytes = a (m, inner) @ b (inner, cols), operands of a_size / b_size
+        bytes."""
         if out_size != 4 and not cuda:  # a bf16/fp16 out elsewhere: fp32 copies, an fp32 product, one rounding copy
             if accumulate:
                 add("aten._to_copy", m_rows * cols * out_size, 4 * m_rows * cols)

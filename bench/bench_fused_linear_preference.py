@@ -248,7 +248,8 @@ def traffic_model(
 def min_traffic(
     mode: str, n_seqs: int, seq_len: int, hdim: int, vocab: int, s: int, n_ignored: int = 0
 ) -> tuple[int, int]:
-    """The least the step moves: the kept rows of both hidden states and both weights read once; the gradients written once."""
+    """The least the step moves: the kept rows of both hidden states and both weights read once; the gradients written
+    once."""
     n = n_seqs * seq_len
     read = 2 * ((n - n_ignored) * hdim + vocab * hdim) * s
     write = (n * hdim + vocab * hdim) * s
@@ -297,7 +298,8 @@ def main(argv=None):
     for row in rows:
         row.update(env)
         print(
-            f"{row['provider']:>6} {row['mode']:>8} P={row['pairs']} T={row['seq_len']} H={row['hidden']} V={row['vocab']} "
+            f"{row['provider']:>6} {row['mode']:>8} P={row['pairs']} T={row['seq_len']} "
+            f"H={row['hidden']} V={row['vocab']} "
             f"prompt={row['prompt']:g} {row['ms']:.3f} ms"
             + (f" {row['tflop_s']:.3g} TFLOP/s" if row.get("tflop_s") else "")
             + common.byte_model_text(row)

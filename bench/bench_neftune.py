@@ -165,8 +165,8 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         gbs = f"{r['gb_s']:.1f} GB/s" if r.get("gb_s") is not None else ""
         print(
-            f"{r['shape']:>14} {r['dtype']} {r['impl']:<11} {r['ms']:.4f} ms  {gbs}  x{r['speedup_vs_hf_eager']:.2f} vs hf_eager"
-            + common.byte_model_text(r)
+            f"{r['shape']:>14} {r['dtype']} {r['impl']:<11} {r['ms']:.4f} ms  {gbs}  "
+            f"x{r['speedup_vs_hf_eager']:.2f} vs hf_eager" + common.byte_model_text(r)
         )
     print(f"rows -> {path}")
     return rows

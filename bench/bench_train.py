@@ -37,7 +37,8 @@ Measured per configuration: tokens/s = tokens per step / the median step time ov
 --warmup-steps (the clock is read at each step end, after a CUDA synchronize; the median, because a shared CPU's
 bursts of contention would otherwise decide the comparison; the mean is kept as tokens_per_s_mean), repeated
 --repeats times in alternating order with the median repeat reported; MFU (achieved model FLOP/s over the
-device's dense bf16 peak, trainer.metrics.device_peak_flops; FLOPs per token from CausalLM.flops_per_token: 6N + attention; None on a
+device's dense bf16 peak, trainer.metrics.device_peak_flops; FLOPs per token from CausalLM.flops_per_token: 6N +
+attention; None on a
 CPU or unknown device), peak memory (torch.cuda.max_memory_allocated on a GPU; on a CPU the worker process's max
 RSS, imports included), and the loss after the last step (mean next-token cross-entropy of a fixed held-out batch,
 fp32, computed by the same code for every configuration). Rows carry ratios against `hf` from the same run.

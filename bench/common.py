@@ -172,7 +172,8 @@ def peak_extra_memory(fn: Callable[[], object]) -> int | None:
 
 def mode_times(forward: Callable[[], object], full: Callable[[], object], reset: Callable[[], None], reps: int):
     """({"forward", "backward", "full"} -> measure()'s times, peak extra memory of full): backward is full - forward
-    (derived; it can come out <= 0 within timing noise on a CPU). reset() frees the gradients before the peak is taken."""
+    (derived; it can come out <= 0 within timing noise on a CPU). reset() frees the gradients before the peak is
+    taken."""
     t_fwd = measure(forward, cpu_reps=reps)
     t_full = measure(full, cpu_reps=reps)
     reset()
@@ -251,7 +252,8 @@ def byte_model_text(row: dict) -> str:
     def fmt(v):
         return "-" if v is None else f"{v:.4g} GB/s"
 
-    return f" | B/elt r+w ours {row['bytes_rw']}: {fmt(row['gb_s_ours'])}, min {row['bytes_rw_min']}: {fmt(row['gb_s_min'])}"
+    ours = f"ours {row['bytes_rw']}: {fmt(row['gb_s_ours'])}"
+    return f" | B/elt r+w {ours}, min {row['bytes_rw_min']}: {fmt(row['gb_s_min'])}"
 
 
 def finish_case(case_rows: list[dict], timings: dict[str, float], label: str) -> None:
@@ -328,7 +330,8 @@ def render_markdown(path: Path) -> Path:
         "",
         env_header(rows[-1]) if rows else "",
         "",
-        "Rows with perf_figure=False were measured on a CPU (reference path or Triton interpreter): not performance figures.",
+        "Rows with perf_figure=False were measured on a CPU (reference path or Triton interpreter): "
+        "not performance figures.",
         "",
     ]
     lines.append("| " + " | ".join(cols) + " |")

@@ -1143,7 +1143,10 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
         ]
         for key in [f"ms_{c}" for c in CATEGORIES] + ["ms_step", "launch_overhead_ms"]:
             vals = [sel[s][key] for s in STACKS]
-            ratio = lambda other: f"{sel['ours'][key] / sel[other][key]:.3f}" if sel[other][key] else "-"
+
+            def ratio(other, key=key):
+                return f"{sel['ours'][key] / sel[other][key]:.3f}" if sel[other][key] else "-"
+
             label = key[3:] if key.startswith("ms_") else key
             lines.append(
                 f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {ratio('hf_liger')} | {ratio('hf')} |"
@@ -1204,7 +1207,8 @@ def check_targets(rows: list[dict]) -> list[str]:
         )
         v = sel["ours"]["ms_step"] / sel["hf"]["ms_step"]
         out.append(
-            f"{100 * ignored:.0f}% ignored: modelled step ours/hf {v:.3f} <= {TARGET_VS_HF}: {_verdict(v, TARGET_VS_HF)}"
+            f"{100 * ignored:.0f}% ignored: modelled step ours/hf {v:.3f} <= {TARGET_VS_HF}: "
+            f"{_verdict(v, TARGET_VS_HF)}"
         )
         v = sel["ours"]["peak_memory_gb"] / sel["hf_liger"]["peak_memory_gb"]
         out.append(f"{100 * ignored:.0f}% ignored: modelled peak memory ours/hf_liger {v:.3f} <= 1: {_verdict(v, 1.0)}")

@@ -376,7 +376,8 @@ def main(argv=None) -> int:
             print(json.dumps(dataclasses.asdict(r)))
     else:
         print(
-            f"{'case':<27}{'kernel':<30}{'warps':>6}{'stages':>7}{'regs':>6}{'spill st/ld':>13}{'shared':>8}  constexprs"
+            f"{'case':<27}{'kernel':<30}{'warps':>6}{'stages':>7}{'regs':>6}"
+            f"{'spill st/ld':>13}{'shared':>8}  constexprs"
         )
         for r in results:
             consts = " ".join(f"{k}={v}" for k, v in r.constexprs.items())

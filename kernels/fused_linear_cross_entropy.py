@@ -110,7 +110,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _flce_slice_grad_kernel(
-        logits_ptr,  # (R, S) contiguous logits of vocabulary columns [col_start, col_start + S); overwritten by their gradient
+        logits_ptr,  # (R, S) contiguous logits of vocabulary columns [col_start, col_start + S); becomes their gradient
         target_ptr,  # (R,) int32/int64 class indices
         lse_ptr,  # (R,) fp32 log-sum-exp of each row over the whole vocabulary (the token pass's)
         grad_target_ptr,  # (R,) the target column's gradient as the token pass stored it (the logits' dtype)
@@ -216,7 +216,8 @@ def _token_pass(
     Writes the per-row losses into loss_rows (fp32 (N,)). The gradients are those of the per-row losses
     times grad_scale (fp32, 0-d or (N,), or None for 1), kept in fp32 so that the caller rounds them once:
     grad_hidden (N, H) and grad_bias (V,) are returned (None where not needed), grad_weight ((V, H) in fp32 or
-    the weight's dtype, or None) is accumulated in place. for_vocab_pass also returns what `_vocab_pass` needs: lse (fp32 (N,))
+    the weight's dtype, or None) is accumulated in place. for_vocab_pass also returns what `_vocab_pass` needs: lse
+    (fp32 (N,))
     and the target column's gradient (N,) in hidden's dtype; else those are None.
     """
     n_rows, hdim = hidden.shape
@@ -267,7 +268,8 @@ def _token_pass(
 def _slice_grad_(
     logits, target, lse, grad_at_target, grad_scale, *, col_start, vocab, label_smoothing, ignore_index, z_loss
 ):
-    """Launch `_flce_slice_grad_kernel`: logits (R, S) of columns [col_start, col_start + S) -> their gradient, in place."""
+    """Launch `_flce_slice_grad_kernel`: logits (R, S) of columns [col_start, col_start + S) -> their gradient, in
+    place."""
     n_rows, n_cols = logits.shape
     if n_rows == 0 or n_cols == 0:
         return
@@ -583,11 +585,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 def _check_shapes(hidden, weight, target, bias):
     if hidden.dim() < 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
-            f"fused_linear_cross_entropy: hidden must be (..., H) and weight (V, H); got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
+            "fused_linear_cross_entropy: hidden must be (..., H) and weight (V, H); "
+            f"got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
         )
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
-            f"fused_linear_cross_entropy: target shape {tuple(target.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}"
+            f"fused_linear_cross_entropy: target shape {tuple(target.shape)} must equal "
+            f"hidden.shape[:-1] = {tuple(hidden.shape[:-1])}"
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(
@@ -595,7 +599,8 @@ def _check_shapes(hidden, weight, target, bias):
         )
     if target.device != hidden.device and target.device.type != "cpu":
         raise ValueError(
-            f"fused_linear_cross_entropy: target must be on hidden's device ({hidden.device}) or the CPU, got {target.device}"
+            f"fused_linear_cross_entropy: target must be on hidden's device ({hidden.device}) or the CPU, "
+            f"got {target.device}"
         )
     dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
     if len(dtypes) != 1 and not torch.is_autocast_enabled(hidden.device.type):

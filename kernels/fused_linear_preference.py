@@ -186,12 +186,14 @@ def _check_args(hidden, weight, target, bias, sequence_ids, num_sequences, ignor
     name = "fused_linear_preference"
     if weight.dim() != 2 or hidden.shape[-1:] != weight.shape[1:]:
         raise ValueError(
-            f"{name}: weight must be (V, H) with H = hidden.shape[-1]; got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
+            f"{name}: weight must be (V, H) with H = hidden.shape[-1]; "
+            f"got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
         )
     if sequence_ids is None:
         if hidden.dim() != 3:
             raise ValueError(
-                f"{name}: hidden must be (S, T, H) (one row per sequence), or pass sequence_ids; got {tuple(hidden.shape)}"
+                f"{name}: hidden must be (S, T, H) (one row per sequence), or pass sequence_ids; "
+                f"got {tuple(hidden.shape)}"
             )
         if num_sequences is not None:
             raise ValueError(
@@ -248,7 +250,8 @@ def fused_linear_preference(
     sequence_ids: torch.Tensor | None = None,
     num_sequences: int | None = None,
 ) -> PreferenceLogps:
-    """Per-sequence answer log-probabilities of the LM head hidden @ weight.T + bias, without the (tokens, vocab) logits.
+    """Per-sequence answer log-probabilities of the LM head hidden @ weight.T + bias, without the (tokens, vocab)
+    logits.
 
     hidden (S, T, H): sequence s is hidden[s] (a padded batch, TRL's [chosen; rejected] order); or any (..., H)
     with `sequence_ids` (hidden's leading shape, ints in [0, num_sequences)) for a padding-free batch. target
@@ -293,7 +296,8 @@ def fused_linear_preference(
 def fused_linear_preference_ref(
     hidden, weight, target, bias=None, *, ignore_index=-100, sequence_ids=None, num_sequences=None
 ) -> PreferenceLogps:
-    """The unfused reference: F.linear in the inputs' (or autocast) dtype, log_softmax and gather in fp32, sums by sequence."""
+    """The unfused reference: F.linear in the inputs' (or autocast) dtype, log_softmax and gather in fp32, sums by
+    sequence."""
     logits = F.linear(hidden, weight, bias).float()  # (..., V)
     logits = logits.reshape(-1, logits.shape[-1])  # (N, V)
     t = target.reshape(-1)  # (N,)

@@ -197,9 +197,7 @@ def neftune_fwd(
 # One op namespace for the project: csrc/ops.cpp defines `kernelwright` with TORCH_LIBRARY, and this Python fragment
 # joins it (checked: loading the C++ library after this registration keeps both ops).
 @(torch.library.triton_op if HAS_TRITON else torch.library.custom_op)("kernelwright::neftune_fwd", mutates_args=())
-def _neftune_fwd_op(
-    x: torch.Tensor, seed: torch.Tensor, scale: float, row_scale: torch.Tensor | None
-) -> torch.Tensor:
+def _neftune_fwd_op(x: torch.Tensor, seed: torch.Tensor, scale: float, row_scale: torch.Tensor | None) -> torch.Tensor:
     return neftune_fwd(x, seed, scale, row_scale)
 
 

@@ -2,7 +2,8 @@
 
 A batch row may hold several documents packed end to end; a document begins wherever `position_ids` do
 not continue the previous token's by +1 (normally a restart at 0; the rule of transformers' packed-sequence
-detection and of `kernels.neftune_noise`), and `attention_mask` (1 = token, 0 = padding) marks padding. Every backend applies the same rule: query i may attend key j iff j <= i (index order), both
+detection and of `kernels.neftune_noise`), and `attention_mask` (1 = token, 0 = padding) marks padding. Every backend
+applies the same rule: query i may attend key j iff j <= i (index order), both
 lie in the same document, key j is not padding, and, for sliding-window layers, i - j < window (Hugging
 Face's convention: a window of W sees W keys including itself).
 

@@ -465,10 +465,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        C, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(C, I, bias=bias)
-        self.up_proj = nn.Linear(C, I, bias=bias)
-        self.down_proj = nn.Linear(I, C, bias=bias)
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.impl = "kernels"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -477,7 +477,7 @@ class MLP(nn.Module):
 
             return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
         if self.impl == "kernels":
-            # one fused pass (3 bytes per element forward, 5 backward) instead of eager's silu, product and their backward
+            # one fused pass (3 bytes per element forward, 5 backward) instead of eager's silu, product, backwards
             return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -711,11 +711,11 @@ class CausalLM(nn.Module):
         return_dict=None,
         sequence_logps: bool = False,
     ) -> CausalLMOutput:
-        """Logits, and with `labels` (unshifted, -100 = no target; a tensor or `HostLabels`) the loss sum / num_items (default: mean over
-        supervised tokens; 0 when there are none). With labels and use_kernels the logits are never formed.
-        With `sequence_logps` (and labels) no loss: each row's sum of its targets' log-probabilities, their count
-        and mean logit (`kernels.fused_linear_preference`: preference training's per-sequence numbers, computed
-        in here so that wrappers that gather the weights for forward, FSDP2's, hold the LM head's).
+        """Logits, and with `labels` (unshifted, -100 = no target; a tensor or `HostLabels`) the loss sum / num_items
+        (default: mean over supervised tokens; 0 when there are none). With labels and use_kernels the logits are
+        never formed. With `sequence_logps` (and labels) no loss: each row's sum of its targets' log-probabilities,
+        their count and mean logit (`kernels.fused_linear_preference`: preference training's per-sequence numbers,
+        computed in here so that wrappers that gather the weights for forward, FSDP2's, hold the LM head's).
         The last four are transformers' arguments, which peft's PeftModelForCausalLM (task_type="CAUSAL_LM")
         passes as None; another value would be ignored, so it is refused."""
         if inputs_embeds is not None or output_attentions or output_hidden_states or return_dict is False:

@@ -93,7 +93,8 @@ def apply_compile(model: nn.Module, backend: str | None = None, mode: str | None
 
 
 def apply_transforms(model: nn.Module, args) -> nn.Module:
-    """LoRA -> checkpointing -> per-block compile -> FSDP2, as `args` asks; safe on the meta device (`build_model` runs it
+    """LoRA -> checkpointing -> per-block compile -> FSDP2, as `args` asks; safe on the meta device (`build_model`
+    runs it
     there, before the weights exist) and idempotent (a model that has had a transform does not get it twice)."""
     model = apply_lora(model, args)
     if args.gradient_checkpointing:

@@ -29,7 +29,8 @@ same command again works).
 
 Exit codes: 0 done, 1 a failed run: an error on some rank of a multi-process job, training that cannot go on
 (every step non-finite, or max_nonfinite_steps in a row: one line, no final model saved), or the disk full (one line
-saying how much a checkpoint needs and how much is free, and the resume command), 2 bad input (one line on stderr, no traceback), 130 stopped by Ctrl-C (the first saves a checkpoint at the end of the step, a second aborts at once),
+saying how much a checkpoint needs and how much is free, and the resume command), 2 bad input (one line on stderr, no
+traceback), 130 stopped by Ctrl-C (the first saves a checkpoint at the end of the step, a second aborts at once),
 143 stopped by SIGTERM after saving; a stopped run prints the command that resumes it.
 """
 

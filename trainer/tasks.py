@@ -15,7 +15,7 @@ at most 21 characters. `generate_tasks(n, seed)` is a pure function of (n, seed)
 n divisible by 5 is balanced), prompts never repeat, and generate_tasks(n) is a prefix of generate_tasks(n + k).
 The shipped files are its first 4000 examples (train) and the next 200 (eval), so their prompts are disjoint:
 
-    python -m trainer.tasks --out trainer/demo_data        # rewrites tasks_train.jsonl and tasks_eval.jsonl bit-identically
+    python -m trainer.tasks --out trainer/demo_data  # rewrites tasks_train.jsonl and tasks_eval.jsonl bit-identically
 
 The DPO demo turns the same conversations into preference pairs (`preference_pair`): the right answer chosen,
 a plausible wrong one rejected (`wrong_answer`: an off-by-one sum, a misordered sort, ...); no extra files ship.

@@ -296,7 +296,8 @@ class Trainer:
                 "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2"
             )
         # LoRA -> activation checkpointing -> per-block compile -> FSDP2/DDP, before the optimizer is built (it must
-        # see only the adapter as trainable, and FSDP2's sharded parameters); a model from trainer.build.build_model has them already (apply_all is idempotent)
+        # see only the adapter as trainable, and FSDP2's sharded parameters); a model from trainer.build.build_model
+        # has them already (apply_all is idempotent)
         model = self.model = apply_all(model, args)
         device = self._device(model)
         loader = self._train_loader(micro)

@@ -318,7 +318,8 @@ def test_fused_linear_cross_entropy(dtype, ignored, tiles, monkeypatch):
 
 
 def use_tiles(monkeypatch, tiles):
-    """tiles "several": fused linear cross-entropy's token chunks of 4 rows and vocabulary tiles of 3 x 64 ("one": its own)."""
+    """tiles "several": fused linear cross-entropy's token chunks of 4 rows and vocabulary tiles of 3 x 64 ("one": its
+    own)."""
     if tiles == "several":
         flce = importlib.import_module("kernels.fused_linear_cross_entropy")  # kernels/__init__ shadows the module name
         monkeypatch.setattr(flce, "MIN_CHUNK_ROWS", 4)

@@ -161,7 +161,7 @@ def test_measure_restores_the_interpreter():
     before = interpreter.InterpreterBuilder.create_masked_load
     with pytest.raises(ZeroDivisionError):
         with traffic.measure():
-            1 / 0
+            _ = 1 / 0
     assert interpreter.InterpreterBuilder.create_masked_load is before
     src = torch.randn(10)
     with traffic.measure() as t:

@@ -129,7 +129,8 @@ def test_wide_rows_both_algorithms(dtype, max_block):
 
 
 def test_mixed_dtypes_bf16_update_fp32_stream(monkeypatch):
-    """The model under autocast: a bf16 attention/MLP output added to the fp32 residual stream, fp32 weight. h and normed
+    """The model under autocast: a bf16 attention/MLP output added to the fp32 residual stream, fp32 weight. h and
+    normed
     are fp32 (as torch promotes), dx comes back in bf16 and dresidual in fp32, both from one launch."""
     shape = (3, 7, 781)
     x, residual, w, dnormed, dh = _make(shape, torch.bfloat16, res_dtype=torch.float32, w_dtype=torch.float32)

@@ -47,7 +47,8 @@ def test_every_op_and_variant_is_compiled(compiled):
     assert ("cross_entropy", "_cross_entropy_fwd_kernel") in kernels
     assert ("cross_entropy", "_cross_entropy_bwd_kernel") in kernels
     assert {("swiglu", "_swiglu_fwd_kernel"), ("swiglu", "_swiglu_bwd_kernel")} <= kernels
-    # the preference head: cross-entropy without (reference, policy forward) and with per-row scales, the vocabulary pass
+    # the preference head: cross-entropy without (reference, policy forward) and with per-row scales, the vocabulary
+    # pass
     assert {
         ("fused_linear_preference", "_cross_entropy_fwd_kernel"),
         ("fused_linear_preference", "_flce_slice_grad_kernel"),

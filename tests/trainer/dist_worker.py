@@ -9,9 +9,9 @@ per process on a loaded machine: one launch serves many runs).
 
 A training job is {"output": its directory, "args": TrainingArguments overrides, "resume": a checkpoint path or
 null, "fail_at_step": a step at which rank 1 raises, or null, "nan_at_step": a step whose losses rank 1 makes NaN,
-or null, "metrics": true to evaluate with
-tests.trainer.test_distributed.eval_metrics, "host_labels_probe": true to run `HostLabelsProbe`}. Rank 0 writes output/result.json (the logged losses, the eval
-metrics, the non-finite steps counted) and every job ends with the consolidated model in output/final.
+or null, "metrics": true to evaluate with tests.trainer.test_distributed.eval_metrics, "host_labels_probe": true to
+run `HostLabelsProbe`}. Rank 0 writes output/result.json (the logged losses, the eval metrics, the non-finite steps
+counted) and every job ends with the consolidated model in output/final.
 
 A preference job is {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments}: DPO
 (`trainer.preference.PreferenceTrainer`) on the pairs, then an evaluation on them; rank 0 writes result.json.
@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from trainer import build as build_module  # noqa: E402
-from trainer import checkpoint_hf
+from trainer import checkpoint_hf  # noqa: E402
 from trainer.args import TrainingArguments  # noqa: E402
 from trainer.callbacks import TrainerCallback  # noqa: E402
 from trainer.data import load_sft_dataset  # noqa: E402
@@ -162,9 +162,10 @@ def file_backed(t: torch.Tensor) -> bool:
 
 class FullSizeWatch(TorchDispatchMode):
     """Counts the memory blocks of a full weight's size alive at the same time: plain float tensors (not meta, not
-    DTensor; DTensor's own index arithmetic makes int64 ones) of one of `shapes` (the full shapes of the sharded parameters) that fill their whole storage (a view of a part
-    of something bigger allocates nothing), once per storage, unless it maps a file. `peak` is the most at once,
-    `file_views` how many full-shape views of mapped files went by."""
+    DTensor; DTensor's own index arithmetic makes int64 ones) of one of `shapes` (the full shapes of the sharded
+    parameters) that fill their whole storage (a view of a part of something bigger allocates nothing), once per
+    storage, unless it maps a file. `peak` is the most at once, `file_views` how many full-shape views of mapped
+    files went by."""
 
     def __init__(self, shapes):
         super().__init__()

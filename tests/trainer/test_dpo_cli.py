@@ -95,7 +95,8 @@ def test_llamafactory_yaml_runs_as_it_is(tmp_path):
         (["--data_format", "messages"], "data_format='messages': stage dpo reads preference pairs"),
         (
             ["--metric_for_best_model", "perplexity", "--eval_strategy", "steps"],
-            "metric_for_best_model='perplexity': the evaluation reports loss, runtime, samples_per_second, rewards/chosen",
+            "metric_for_best_model='perplexity': the evaluation reports loss, runtime, samples_per_second, "
+            "rewards/chosen",
         ),
     ],
 )

@@ -3,7 +3,8 @@
 The same transformers-written tiny Llama, the same byte-level tokenizer and ChatML template (saved for
 transformers, so TRL tokenises the same pairs into the same ids), the embedded tasks' pairs in order
 (sequential sampling), 4 pairs per step, AdamW (torch), a constant rate, clipping at 1.0, fp32 (TRL's DPOConfig
-defaults to bf16: turned off), 20 optimizer steps. The losses, gradient norms and every reward metric agree to fp32 noise: within 2e-5
+defaults to bf16: turned off), 20 optimizer steps. The losses, gradient norms and every reward metric agree to fp32
+noise: within 2e-5
 relative, or 1e-6 absolute for values near zero (the first steps' rewards and margins), at every step; all four
 runs pass with those bounds (sigmoid, ipo, rpo_alpha, LoRA; trl 1.16.0, transformers 5.24.0).
 """

@@ -694,9 +694,10 @@ def test_generate_eos_and_sampling():
     stop = greedy[3]
     assert generate(model, prompt, 8, eos_token_id=stop) == greedy[: greedy.index(stop) + 1]
     assert generate(model, prompt, 8, eos_token_id=[999, stop]) == greedy[: greedy.index(stop) + 1]
-    sample = lambda seed, **kw: generate(
-        model, prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw
-    )
+
+    def sample(seed, **kw):
+        return generate(model, prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw)
+
     assert sample(0) == sample(0) and sample(0) != sample(1)
     assert sample(0, top_p=1e-6) == greedy  # the nucleus is the argmax alone
     with pytest.raises(ModelError, match="top_p"):

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from jinja2.exceptions import SecurityError
 
 from trainer.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer, TokenizerError, byte_level_tokenizer
 
@@ -43,7 +44,7 @@ def test_template_is_sandboxed_and_can_raise():
     tok = byte_level_tokenizer()
     with pytest.raises(TokenizerError, match="no system"):
         tok.apply_chat_template([], chat_template="{{ raise_exception('no system') }}")
-    with pytest.raises(Exception):  # the sandbox refuses attribute access to internals
+    with pytest.raises(SecurityError):  # the sandbox refuses attribute access to internals
         tok.apply_chat_template([], chat_template="{{ messages.__class__.__mro__ }}")
 
 
