@@ -55,6 +55,9 @@ per-launch cost that the launch count multiplies.
 Peak memory: the largest sum of live tensor bytes through the step: parameters, optimizer state (created by one
 unrecorded step before), then every storage allocated in forward, backward, clipping and the step (each freed when
 its storage dies; modelled ops allocate their outputs, what they save for backward and their main workspaces).
+Each storage is labelled with where it was allocated (`Trace.where`: the phase, then the modelled op, the module in
+forward or the autograd node in backward); the labels' live bytes at the peak, and the peak of each phase, are in
+the rows (peak_breakdown_gb, peak_by_phase_gb) and in the md's "Where the peak memory is".
 
 Categories: matmuls (every mm/addmm/bmm, the LM head's included), attention (the flash model), norms, rope, MLP
 activation, residual adds, loss, optimizer (clipping + step), other elementwise (embedding, autocast's weight casts,
@@ -170,7 +173,24 @@ class Trace:
         self.peak = 0
         self.suppress = 0  # > 0 inside a modelled op: its internal aten ops are not recorded
         self._storages: dict[int, weakref.ref] = {}
+        self._labels: dict[int, tuple[str, int]] = {}  # storage key -> (where it was allocated, bytes)
         self.module_stack: list[str] = []
+        self.modelled: list[str] = []  # the modelled ops running (their names), innermost last
+        self.at_peak: dict[str, int] = {}  # live bytes by where they were allocated, at the (first) peak
+        self.peak_phase = ""
+        self.phase_peaks: dict[str, int] = {}  # the peak within each phase
+
+    def where(self) -> str:
+        """Where a storage allocated now comes from: the phase, then the modelled op running, else (forward) the
+        innermost module or (backward) the autograd node."""
+        if self.phase in ("setup", "optimizer"):
+            return self.phase
+        if self.modelled:
+            return f"{self.phase}:{self.modelled[-1]}"
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            return f"backward:{node.name() if node is not None else '-'}"
+        return f"forward:{self.module_stack[-1] if self.module_stack else '-'}"
 
     def track(self, t: torch.Tensor) -> None:
         """Count t's storage as live until it dies (once per storage)."""
@@ -184,12 +204,20 @@ class Trace:
             return
         size = s.nbytes()
         self._storages[key] = weakref.ref(s)
+        self._labels[key] = (self.where(), size)
         self.live += size
-        self.peak = max(self.peak, self.live)
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.live)
+        if self.live > self.peak:
+            self.peak = self.live
+            self.at_peak = {}
+            for label, n in self._labels.values():
+                self.at_peak[label] = self.at_peak.get(label, 0) + n
+            self.peak_phase = self._labels[key][0]
         weakref.finalize(s, self._free, key, size)
 
     def _free(self, key: int, size: int) -> None:
         self._storages.pop(key, None)
+        self._labels.pop(key, None)
         self.live -= size
 
     def add(self, name: str, category: str, bytes_: float, flops: float = 0.0, launches: int = 1) -> None:
@@ -197,12 +225,15 @@ class Trace:
         self.ops.append(Op(name, category, self.phase, float(bytes_), float(flops), int(launches)))
 
     @contextlib.contextmanager
-    def quiet(self):
+    def quiet(self, name: str = "-"):
+        """Inside the modelled op `name`: its aten ops are not recorded (its allocations are, as its)."""
         self.suppress += 1
+        self.modelled.append(name)
         try:
             yield
         finally:
             self.suppress -= 1
+            self.modelled.pop()
 
 
 _TRACE: Trace | None = None  # the trace being recorded (modelled ops write into it)
@@ -382,12 +413,12 @@ class ModelledOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, model, *args):
         ctx.model = model
-        with _TRACE.quiet():
+        with _TRACE.quiet(model.name):
             return model.forward(ctx, *args)
 
     @staticmethod
     def backward(ctx, *grads):
-        with _TRACE.quiet():
+        with _TRACE.quiet(ctx.model.name):
             return (None, *ctx.model.backward(ctx, *grads))
 
 
@@ -1053,6 +1084,7 @@ def model_step(stack: str, config: dict, batch: int, seq_len: int, ignored: floa
         built.optimizer.step()
         built.optimizer.zero_grad(set_to_none=True)
         _TRACE = None
+    trace.phase = "setup"  # parameters, buffers and optimizer state
     for t in [
         *built.model.parameters(),
         *built.model.buffers(),
@@ -1092,6 +1124,9 @@ def summarise(trace: Trace, dev: Device) -> dict:
         "bytes": total_bytes,
         "flops": total_flops,
         "peak_memory_gb": trace.peak / 1e9,
+        "peak_at": trace.peak_phase,
+        "peak_by_phase_gb": {k: v / 1e9 for k, v in trace.phase_peaks.items()},
+        "peak_breakdown_gb": {k: v / 1e9 for k, v in sorted(trace.at_peak.items(), key=lambda kv: -kv[1])},
         "launch_overhead_ms": 1e3 * dev.launch_s * sum(launches.values()),
     }
 
@@ -1173,6 +1208,7 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
             + "."
         )
         lines.append("")
+    lines += peak_lines(zero)
     lines += ["## Targets (modelled)", ""]
     for r in check_targets(rows):
         lines.append(f"- {r}")
@@ -1194,6 +1230,26 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
         )
     lines += ["", "![modelled step time by category](roofline.png)", ""]
     return "\n".join(lines)
+
+
+def peak_lines(sel: dict) -> list[str]:
+    """Where each stack's modelled peak is (at one ignored fraction): the allocation that reached it, the peak of each
+    phase, and the live bytes at the peak by where they were allocated (Trace.where), largest first."""
+    lines = [
+        "## Where the peak memory is (modelled, 0% ignored)",
+        "",
+        "Live bytes at each stack's peak by where they were allocated (setup: parameters, buffers and optimizer "
+        "state; forward:<module or modelled op>; backward:<autograd node>), in GB; the peak of each phase after it.",
+        "",
+        "| stack | peak GB | reached at | live at the peak, largest first | phase peaks |",
+        "|---|---|---|---|---|",
+    ]
+    for stack in STACKS:
+        row = sel[stack]
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in row["peak_breakdown_gb"].items() if v >= 0.0005)
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in row["peak_by_phase_gb"].items())
+        lines.append(f"| {stack} | {row['peak_memory_gb']:.3f} | {row['peak_at']} | {parts} | {phases} |")
+    return [*lines, ""]
 
 
 def check_targets(rows: list[dict]) -> list[str]:

@@ -19,7 +19,8 @@ honoured on every backend (not rejected): query i sees keys i-W+1..i.
 
 `use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`, and with the residual add before it
 `kernels.fused_add_rms_norm`), RoPE (`kernels.rope`), SwiGLU
-(`kernels.swiglu`), the loss (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and
+(`kernels.swiglu`, whose output down_proj's backward recomputes instead of keeping: `_down_recomputing_act`), the
+loss (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and
 NEFTune (`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `apply_liger_kernel(model)` sets
 RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy to liger-kernel's ops instead, the
 baseline our kernels are measured against. Parameter names and state_dict are the same in every mode.
@@ -478,8 +479,49 @@ class MLP(nn.Module):
             return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
         if self.impl == "kernels":
             # one fused pass (3 bytes per element forward, 5 backward) instead of eager's silu, product, backwards
-            return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+            gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
+            if not _recompute_allowed():
+                return self.down_proj(kernels.swiglu(gate, up))
+            return _down_recomputing_act(self.down_proj, gate, up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _recompute_allowed() -> bool:
+    """Whether `_down_recomputing_act` may install its saved-tensor hooks: eager autograd with no other hooks (under
+    activation checkpointing the checkpoint's own hooks decide what is kept, and its recompute must see plain
+    saves; under torch.compile the partitioner decides)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and top is not None and top(False) is None
+
+
+_RECOMPUTE = object()  # what down_proj's backward keeps in place of silu(gate) * up
+
+
+def _down_recomputing_act(down: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """down(swiglu(gate, up)) without keeping swiglu's output for down's backward: it is recomputed there from gate and
+    up, which the SwiGLU backward keeps anyway. Saves one (tokens, intermediate) activation per layer (2.1 GB in all
+    for Llama-3.2-1B at 4 x 2048 tokens: bench/results/roofline.md) for one more SwiGLU forward pass per layer in
+    backward (3 bytes per element: ~1.6% of the modelled step there). The same kernel on the same inputs: the values
+    and gradients are bit for bit those without the recompute. Anything else down saves (its cast weight, a LoRA
+    adapter's inputs other than act) is kept as it is."""
+    act = kernels.swiglu(gate, up)  # (B, T, I)
+    # act's storage by its address, not act itself: the hooks may live as long as the graph, and act must not. down
+    # saves a view of it (F.linear flattens the leading dims), so views of that storage are what is recomputed.
+    act_storage = act.untyped_storage()._cdata
+
+    def pack(t):
+        if t.untyped_storage()._cdata != act_storage:
+            return t
+        return _RECOMPUTE, t.size(), t.stride(), t.storage_offset()
+
+    def unpack(p):
+        if not (isinstance(p, tuple) and p[0] is _RECOMPUTE):
+            return p
+        with torch.no_grad():
+            return kernels.swiglu(gate, up).as_strided(*p[1:])  # the same view of a fresh, equal act
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return down(act)
 
 
 class DecoderLayer(nn.Module):
@@ -748,6 +790,11 @@ class CausalLM(nn.Module):
             denom = max(int(num_items), 1)
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, C)
         if self.impl == "kernels":  # takes host targets and counts as they are
+            if torch.is_autocast_enabled(flat.device.type):
+                # the loss casts to the autocast dtype anyway (the same rounding); done here, the final norm's fp32
+                # output dies before the loss runs instead of after (0.067 GB at Llama-3.2-1B's peak, 4 x 2048)
+                flat = flat.to(torch.get_autocast_dtype(flat.device.type))
+                del hidden
             # Under autocast the kernel casts its inputs to the autocast dtype (as F.linear would) and returns an
             # fp32 loss, so GradScaler's loss * 65536 cannot overflow.
             loss = kernels.fused_linear_cross_entropy(

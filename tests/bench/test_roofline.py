@@ -91,6 +91,8 @@ def test_peak_memory_of_a_known_sequence():
         assert trace.live == 3 << 20
         del c
     assert trace.peak == 5 << 20 and trace.live == 0
+    # what was live at the peak, by where it was allocated (a bare trace: phase "forward", no module)
+    assert trace.at_peak == {"forward:-": 5 << 20} and trace.phase_peaks == {"forward": 5 << 20}
 
 
 def test_swiglu_rope_and_fused_add_norm_models():
@@ -177,6 +179,9 @@ def test_four_stacks_at_a_tiny_size():
     for row in rows.values():
         assert row["ms_step"] == pytest.approx(sum(row[f"ms_{c}"] for c in rf.CATEGORIES))
         assert row["launches"] > 0 and row["peak_memory_gb"] > 0
+        assert sum(row["peak_breakdown_gb"].values()) == pytest.approx(row["peak_memory_gb"])
+        assert max(row["peak_by_phase_gb"].values()) == pytest.approx(row["peak_memory_gb"])
+        assert row["peak_breakdown_gb"]["setup"] == pytest.approx(row["peak_by_phase_gb"]["setup"])
 
 
 def _kernel(t: traffic.Traffic, name: str):
@@ -270,11 +275,13 @@ def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
         for s, ms in zip(rf.STACKS, (80.0, 90.0, 100.0, 95.0))
     ]
     for row in modelled:
-        row.update(launches=1, bytes=1.0, flops=1.0, launch_overhead_ms=0.0)
+        row.update(launches=1, bytes=1.0, flops=1.0, launch_overhead_ms=0.0, peak_at="forward:X")
+        row.update(peak_by_phase_gb={"setup": 0.5, "forward": 1.0}, peak_breakdown_gb={"setup": 0.5, "forward:X": 0.5})
     args = rf.parse_args(["--model", "tiny", "--seq_len", "32", "--micro_batch", "2"])
     text = rf.render(modelled, rf.DEVICES["h100"], measured, args)
     assert "ours/hf_liger at 0% ignored: measured 0.900" in text and "modelled 0.842" in text
     assert "ours/hf at 0%" not in text.split("Measured beside modelled")[1]
+    assert "| ours | 1.000 | forward:X | setup 0.500, forward:X 0.500 | setup 0.50, forward 1.00 |" in text
 
 
 def test_a_kernel_landing_under_a_modelled_name_runs_its_model(monkeypatch):

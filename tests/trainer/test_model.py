@@ -395,6 +395,52 @@ def test_kernels_on_and_off_same_loss_and_grads():
     assert nothing.item() == 0.0
 
 
+def test_mlp_recomputes_its_act_in_backward_bit_for_bit(monkeypatch):
+    """With our kernels down_proj keeps no silu(gate) * up for backward (trainer.model._down_recomputing_act): act
+    dies with the forward, is recomputed in backward from gate and up, and every gradient is bit for bit the one
+    without the recompute; under other saved-tensor hooks (activation checkpointing's) the plain path runs."""
+    import gc
+    import weakref
+
+    import trainer.model as model_mod
+
+    require_kernels("swiglu")
+    _, on = _on_off()
+    mlp = on.model.layers[0].mlp
+    x = torch.randn(2, 5, on.config.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    swiglu, acts = kernels.swiglu, []
+
+    def spy(gate, up):
+        acts.append(swiglu(gate, up))
+        return acts[-1]
+
+    monkeypatch.setattr(kernels, "swiglu", spy)
+
+    def run(recompute):
+        monkeypatch.setattr(model_mod, "_recompute_allowed", lambda: recompute)
+        mlp.zero_grad()
+        x.grad, acts[:] = None, []
+        out = mlp(x)
+        act = weakref.ref(acts.pop())
+        gc.collect()
+        kept = act() is not None
+        out.sum().backward()
+        return kept, len(acts), [out, x.grad, *(p.grad for p in mlp.parameters())]
+
+    kept, calls, plain = run(False)
+    assert kept and calls == 0
+    kept, calls, recomputed = run(True)
+    assert not kept and calls == 1  # act died with the forward; backward made it again, once
+    for a, b in zip(plain, recomputed):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    assert model_mod._recompute_allowed()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not model_mod._recompute_allowed()
+    with torch.no_grad():
+        assert not model_mod._recompute_allowed()
+
+
 @pytest.mark.parametrize("use_kernels", [False, True])
 def test_loss_under_fp16_autocast_is_fp32_and_survives_loss_scaling(use_kernels):
     # GradScaler multiplies the loss by 65536: an fp16 loss (or an fp16 loss matmul) would overflow
