@@ -18,9 +18,9 @@ written by the kernel and read back by torch's sum; the column-loop path's secon
 launch), checked against bench/traffic.py's count by tests/bench/test_byte_models.py; `min_traffic` the least
 the op moves; `byte_model` both per element of x. Per element (s = element size of x):
     forward   ours 1s read + 1s write; above max_block (16384) 2s + 1s (x read twice)   min 1s + 1s
-    backward  ours 2s + 1s (x, dy; dx); above 8192 (16384 in bf16) 4s + 1s (the row-dot pass reads x and dy too)
+    backward  ours 2s + 1s (x, dy; dx); above 16384 4s + 1s (the row-dot pass reads x and dy too)
               min the same as ours in one block (rstd saved, not recomputed)
-    full      ours 3s + 2s (5s + 2s where the backward loops, 6s + 2s above 16384)   min 2s + 2s (one kernel could
+    full      ours 3s + 2s (6s + 2s above 16384, where both loop)                     min 2s + 2s (one kernel could
               keep x on chip for the backward)
 The weight is issued once per program: from hidden 4096 up a program is one row (BLOCK_M = 1), so the forward and
 the row-dot pass issue one weight element per element of x (bf16: 4 B read per element, not 2); those re-reads
@@ -29,15 +29,16 @@ are of 8-32 KB that stay in L1/L2, so `byte_model` (the GB/s columns) counts the
 The model printed before this meter ignored the >8192 (two-pass) backward and the dweight partials (2 * programs
 * N * 4 bytes: written by the kernel, read by the sum). With 264 programs (two per H100 SM), 4096 tokens, bf16,
 our backward moves 1.084x the old model's 3s per element at hidden 4096 (the partials, 0.52 B per element) and
-1.75x at hidden 16384 (x and dy read twice, and the partials): the GB/s printed there was 8% and 75% low. Since
-the bf16 backward keeps 16384-wide rows in one block it moves 1.084x there too (6.50 B per element; liger's one
-block with 132 partial rows: 6.26, so ours is 1.04x liger's); fp16 and fp32 still 1.75x.
+1.75x at hidden 16384 (x and dy read twice, and the partials): the GB/s printed there was 8% and 75% low. Every
+dtype now keeps rows up to 16384 wide in one block (bf16 and fp16 at 1.084x: 6.50 B per element at 4096 x 12288 and
+x 16384, liger's one block with 132 partial rows 6.26, 1.04x; fp32 12.50 B, liger 12.26, 1.02x, counting the weight
+once: fp32 issues it every row, 16.50 B issued against liger's 12.39); above 16384, 1.75x.
 
 fused_add_rms_norm, per element (s = element size of x, residual and h; `residual_size` in the functions below when
 the residual's (and so h's) differs, as under autocast):
     forward   ours 2s read (x, residual) + 2s write (h, normed); above max_block 3s + 2s (h read back)   min 2s + 2s
-    backward  ours 3s + 1s (d_normed, d_h_out, h; d_h); above 8192 (16384 in bf16) 5s + 1s (the row-dot pass reads h
-              and d_normed)
+    backward  ours 3s + 1s (d_normed, d_h_out, h; d_h); above 16384 (8192 for fp32 h with dx in a second dtype)
+              5s + 1s (the row-dot pass reads h and d_normed)
               min 3s + 1s; a second dtype of x adds its write (1 element of x's size) to both
     full      ours 5s + 3s                                                                  min the same (forward and
               backward minima: h is an output, and nothing stays on chip between the two)
@@ -143,15 +144,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bwd_programs(
-    m: int, n: int, max_block: int | None = None, num_programs: int | None = None, bf16: bool = True
-) -> int:
-    """Programs of the backward launch, so rows of the dweight partial buffer (kernels/rms_norm.py's rule)."""
+def bwd_programs(m: int, block_m: int, num_programs: int | None = None) -> int:
+    """Programs of the backward launch, so rows of the dweight partial buffer (kernels/rms_norm.py's rule), for tiles
+    of block_m rows (`bwd_launch_config`)."""
     if num_programs is None:
         num_programs = (
             2 * torch.cuda.get_device_properties(0).multi_processor_count if common.on_gpu() else _CPU_BWD_PROGRAMS
         )
-    block_m = bwd_launch_config(m, n, bf16, max_block)[0]
     tiles = _cdiv(m, block_m)
     rows_per_prog = _cdiv(tiles, min(num_programs, tiles)) * block_m
     return _cdiv(m, rows_per_prog)
@@ -170,13 +169,13 @@ def traffic_parts(
     weight_once: bool = False,
     residual_size: int | None = None,
     grad_h: bool = True,
-    fp16: bool = False,
 ) -> dict[str, tuple[int, int]]:
     """Exact (read, write) bytes per launch of our RMSNorm on an (m, n) x of element size s, weight of size w; with
     residual_size, of fused_add_rms_norm(x, residual) (h, normed and the gradients at both outputs in
     promote(x, residual)'s size, dresidual in the residual's, dx in x's when it differs: written by the same launch;
     grad_h=False: no gradient arrived at h, as when the sum is not used later, so d_h_out is not read).
-    A 2-byte x (h) is bf16 unless fp16: the backward keeps bf16 rows up to 16384 wide in one block, others up to 8192.
+    The backward's blocks follow `bwd_launch_config` for h's size (2: bf16 or fp16, the same blocks; 4: fp32, whose rows
+    above 8192 reload the weight every row, and whose dx in two dtypes keeps the 8192 cap).
 
     Keys: the Triton kernels' names, and the torch ops of the dweight finish ("aten.sum" of the fp32 partials,
     "aten._to_copy" to the weight's dtype), as bench/traffic.py's `torch_ops` names and counts them.
@@ -197,11 +196,13 @@ def traffic_parts(
         written = mn * h * (2 if add else 1) + 4 * m  # y (and h), rstd
         out["_rms_norm_fwd_kernel"] = (inputs + reread + weight, written)
     if mode in ("backward", "full"):
-        bf16 = h == 2 and not fp16
-        block_m, block_n, one_block, _, _ = bwd_launch_config(m, n, bf16, max_block)
-        programs = bwd_programs(m, n, max_block, num_programs, bf16)
+        two_dx = add and s != residual_size
+        cfg = bwd_launch_config(m, n, {2: torch.bfloat16, 4: torch.float32}[h], max_block, add and grad_h, two_dx)
+        block_m, block_n, one_block = cfg.block_m, cfg.block_n, cfg.one_block
+        programs = bwd_programs(m, block_m, num_programs)
         partials = programs * n * 4 if compute_dw else 0
-        weight = (1 if weight_once else programs) * n * w
+        # the weight once per program, or once per row tile where it is reloaded every row (fp32 above 8192)
+        weight = (1 if weight_once else _cdiv(m, block_m) if cfg.w_per_row else programs) * n * w
         rows_in = mn * h * (3 if add and grad_h else 2)  # dy and x (h), and d_h_out
         if one_block:
             read = rows_in + weight + 4 * m  # weight per program, rstd

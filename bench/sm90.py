@@ -251,9 +251,12 @@ def _fused_linear_preference():
 
 def _rms_norm():
     # The benchmark widths, plus two narrow ones whose tiles hold several rows (BLOCK_M 32 and 4), and 12288: a
-    # 16384-wide backward block with masked columns (unpipelined, kernels/rms_norm.py's bwd_launch_config).
-    for hidden in (128, 1024, 4096, 8192, 12288, 16384, 32768):
-        x, w = _cuda(8192, hidden, grad=True), _cuda(hidden, grad=True)
+    # 16384-wide backward block with masked columns (unpipelined, kernels/rms_norm.py's bwd_launch_config); fp16 and
+    # fp32 around the backward's width switches (one 16384-wide block: fp16 upcast twice, fp32 reloading the weight).
+    cases = [(hidden, torch.bfloat16) for hidden in (128, 1024, 4096, 8192, 12288, 16384, 32768)]
+    cases += [(hidden, dtype) for dtype in (torch.float16, torch.float32) for hidden in (8192, 12288, 16384, 32768)]
+    for hidden, dtype in cases:
+        x, w = _cuda(8192, hidden, dtype=dtype, grad=True), _cuda(hidden, dtype=dtype, grad=True)
         y = kernels.rms_norm(x, w)
         y.backward(torch.empty_like(y))
 
@@ -261,9 +264,13 @@ def _rms_norm():
 def _fused_add_rms_norm():
     # The RMSNorm widths, bf16 x and residual with both outputs' gradients; and the model's case under autocast at
     # Llama-3-8B's width: a bf16 update added to the fp32 residual stream (h, normed and dresidual fp32, dx bf16).
-    cases = [(hidden, torch.bfloat16) for hidden in (128, 1024, 4096, 8192, 16384, 32768)] + [(4096, torch.float32)]
-    for hidden, res_dtype in cases:
-        x, w = _cuda(8192, hidden, grad=True), _cuda(hidden, dtype=res_dtype, grad=True)
+    # Above 8192: fp16 and fp32 throughout (one 16384-wide block with d_h_out; fp16 unpipelined at exactly 16384), and
+    # the autocast case at 16384 (dx in two dtypes: fp32's 8192-wide column loop).
+    cases = [(hidden, torch.bfloat16, torch.bfloat16) for hidden in (128, 1024, 4096, 8192, 16384, 32768)]
+    cases += [(4096, torch.bfloat16, torch.float32), (16384, torch.bfloat16, torch.float32)]
+    cases += [(hidden, dtype, dtype) for dtype in (torch.float16, torch.float32) for hidden in (12288, 16384)]
+    for hidden, x_dtype, res_dtype in cases:
+        x, w = _cuda(8192, hidden, dtype=x_dtype, grad=True), _cuda(hidden, dtype=res_dtype, grad=True)
         residual = _cuda(8192, hidden, dtype=res_dtype, grad=True)
         normed, h = kernels.fused_add_rms_norm(x, residual, w)
         torch.autograd.backward([normed, h], [torch.empty_like(normed), torch.empty_like(h)])

@@ -31,8 +31,12 @@ dtype (HF promotes to fp32 when the weight is fp32 and x is bf16); dweight comes
 Bytes moved per element (s = element size of x; weight, rstd and the dweight partials are O(N + M)):
     forward 2s (read x, write y); backward 3s (read x and dy, write dx); the backward reads rstd instead of
     recomputing the sum of squares, which would cost nothing in bytes but a second reduction per row.
-    Hidden sizes above `max_block` (forward) or 8192 (backward; 16384 when x and dy are bf16) cost one extra read
-    of x (forward) or of x and dy (backward).
+    Hidden sizes above `max_block` (forward) or 16384 (backward, every dtype) cost one extra read of x (forward) or
+    of x and dy (backward). In fp32 above 8192 the backward issues the weight once per row (64 KB that stays in
+    L1/L2). At 4096 x 12288 and x 16384 with 264 programs, per element (bench/bench_rms_norm.py's model, equal to
+    bench/traffic.py's count at every tested shape; the weight once per launch, as DRAM sees it): bf16/fp16 6.50 B,
+    fp32 12.50 B; liger's one block 6.26 B / 12.26 B (ours 1.04x / 1.02x); fp32 issued 16.50 B (liger 12.39). The
+    two passes above 16384: 10.50 B in bf16/fp16 (1.68x liger's).
     fused_add_rms_norm (s = element size of every (M, N) tensor): forward 2s + 2s (read x and residual, write h and
     normed); backward 3s + 1s (read d_normed, d_h_out and h, write d_h), + 1s written in x's dtype when it differs.
     The same extra reads above the widths: the forward's second pass reads h back (after a block barrier, so every
@@ -40,8 +44,9 @@ Bytes moved per element (s = element size of x; weight, rstd and the dweight par
 
 Launch strategy
     Rows are flattened to an (M, N) matrix with a contiguous last dim and an arbitrary row stride. A tile is
-    BLOCK_M rows x BLOCK_N columns, with BLOCK_N = next_pow2(N) capped at `max_block` (and in the backward at 8192,
-    or 16384 for bf16 x and dy, which keeps it spill-free: `bwd_launch_config`) and BLOCK_M chosen so a tile holds about
+    BLOCK_M rows x BLOCK_N columns, with BLOCK_N = next_pow2(N) capped at `max_block` (and in the backward at 16384:
+    32 warps above 8192, 16-bit x and dy kept as loaded across the row reduction, fp32 reloading the weight every row,
+    which keeps it spill-free: `bwd_launch_config`, `_MAX_BWD_BLOCK`) and BLOCK_M chosen so a tile holds about
     `_TILE_ELEMS` elements (several short rows per program, one long row per program).
     - ONE_BLOCK (N <= BLOCK_N): the row lives in registers; x is read once.
     - otherwise: a loop over column blocks accumulates sum(x^2) (forward) or sum(dy w' x) (backward, in
@@ -65,6 +70,7 @@ Bench: python bench/bench_rms_norm.py [--op fused_add_rms_norm]   (GPU: real-mod
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -82,14 +88,24 @@ _MAX_BLOCK = 16384
 # tensors. ptxas (sm_90, `python -m bench.sm90`): 8192 takes 108 registers (16 warps), 4096 108 (8 warps), and the
 # column loop at 8192 per block 63 (and 50 for the row-dot pass), none spilling. One block of 16384 with fp32 copies
 # of x and dy live took 128 registers at 16 warps and spilled 176 bytes per thread (132 at 32 warps, 64 registers).
-# bf16 x and dy are kept as loaded across the reduction (two to a register, `_upcast_again`): at 32 warps, 64
-# registers and 16 values per thread of each row tensor, 12 bytes still spilled, and none once the column predicate
-# went (EVEN_N: hidden exactly 16384), or, for a masked 12288..16383, without the cp.async pipelining (STAGES=1).
-# So bf16 rows up to 16384 are read once (3 bytes moved per element in units of s, as liger's); fp32 and fp16
-# rows above 8192 pay one extra read of x and dy (5 s) rather than spilling (fp16's second upcast is merged with
-# the first by the compiler: 72 bytes spilled). Not yet timed on a GPU.
-_MAX_BWD_BLOCK = 8192
-_MAX_BWD_BLOCK_BF16 = 16384
+# Rows wider than 8192 up to 16384 stay in one block of 32 warps (64 registers, the most 1024 threads may have):
+# - bf16 and fp16 x and dy are kept as loaded across the reduction (two to a register) and upcast again after it
+#   (`_upcast_again`: integer paths the compiler cannot merge with the first conversion; a plain second conversion of
+#   fp16 was merged, keeping fp32 copies live: 72 bytes spilled). 12 bytes still spilled with the column predicate
+#   and the cp.async pipelining (STAGES=2), none without the predicate (EVEN_N: hidden exactly 16384), or, for a
+#   masked 8193..16383, without the pipelining (STAGES=1). bf16 and fp16 alike: 64 registers, no spills.
+# - fp32: x, dy, w' and the dweight accumulator at 16 values per thread each are 64 registers before any address,
+#   all of the register file: one of the four cannot stay. w' is reloaded every row (W_PER_ROW, a 64 KB row that
+#   stays in L1/L2, so DRAM still reads x and dy once) and g = dy w' kept across the reduction instead of dy: 64
+#   registers, no spills at 12288 and 16384 unpipelined (STAGES=1) with the column predicate kept (16 bytes spilled
+#   without it, 92 pipelined; at 16 warps, 128 registers: 24 unpipelined, 0 pipelined but 108 masked). w' kept and
+#   reloaded nowhere spilled 56-60 bytes at 32 warps, 84 at 16.
+# So x and dy of every dtype are read once up to 16384 (3 s moved per element, as liger's, whose one block keeps all
+# of it live at 16 warps and spills). Wider rows take the column loop (5 s): 16384 per block in bf16/fp16 (64
+# registers), 8192 in fp32 (16384 spilled 28 bytes). x and dy of different dtypes stay at 8192. Not yet timed on
+# a GPU.
+_MAX_BWD_BLOCK = 16384
+_MAX_BWD_BLOCK_KEPT = 8192  # widest one-block row with every row tensor's fp32 copy live (and the fp32 column loop)
 # Elements per tile: rows narrower than this are packed several to a program so short rows still give each
 # program enough work (and the interpreter, at ~37 us per program, far fewer programs).
 _TILE_ELEMS = 4096
@@ -116,14 +132,47 @@ def launch_config(
     return block_m, block_n, n_cols <= block_n, num_warps
 
 
-def bwd_launch_config(n_rows: int, n_cols: int, bf16: bool, max_block: int | None = None):
-    """(BLOCK_M, BLOCK_N, ONE_BLOCK, num_warps, STAGES) of the backward: bf16 rows (x and dy) up to 16384 wide stay
-    in registers (32 warps at 16384), other dtypes up to 8192 (`_MAX_BWD_BLOCK`); the row loop is pipelined
-    (2 stages) except in a 16384 block with masked columns, where that would spill."""
-    cap = _MAX_BWD_BLOCK_BF16 if bf16 else _MAX_BWD_BLOCK
-    block_m, block_n, one_block, num_warps = launch_config(n_rows, n_cols, min(cap, max_block or cap), max_warps=32)
-    stages = 1 if one_block and block_n > _MAX_BWD_BLOCK and n_cols != block_n else 2
-    return block_m, block_n, one_block, num_warps, stages
+class BwdConfig(NamedTuple):
+    """The backward's launch: BLOCK_M rows x BLOCK_N columns per tile, the row in one block or a column loop, warps,
+    the row loop's pipeline stages, no column predicate (EVEN_N) and w' reloaded every row (W_PER_ROW)."""
+
+    block_m: int
+    block_n: int
+    one_block: bool
+    num_warps: int
+    stages: int
+    even_n: bool
+    w_per_row: bool
+
+
+def bwd_launch_config(
+    n_rows: int,
+    n_cols: int,
+    dtype: torch.dtype | None,
+    max_block: int | None = None,
+    has_dh: bool = False,
+    two_dx: bool = False,
+) -> BwdConfig:
+    """The backward's launch for x and dy of `dtype` (None when they differ); has_dh: fused_add_rms_norm's d_h_out is
+    read too, two_dx: its gradient is written in two dtypes. Rows up to 16384 wide (`_MAX_BWD_BLOCK`) stay in one block
+    (32 warps above 8192), unpipelined and with the column predicate where a 16384 block has masked columns, fp32 rows,
+    or fp16 rows and d_h_out; wider rows loop over 16384-wide column blocks (8192 in fp32). x and dy of different
+    dtypes, and fp32 with two dx dtypes (220 bytes spilled in one 16384 block): 8192 both ways."""
+    if dtype in (torch.bfloat16, torch.float16):
+        one_cap, loop_cap = _MAX_BWD_BLOCK, _MAX_BWD_BLOCK
+    elif dtype == torch.float32 and not two_dx:
+        one_cap, loop_cap = _MAX_BWD_BLOCK, _MAX_BWD_BLOCK_KEPT
+    else:
+        one_cap = loop_cap = _MAX_BWD_BLOCK_KEPT
+    if max_block is not None:  # launch_config validates it
+        one_cap, loop_cap = min(one_cap, max_block), min(loop_cap, max_block)
+    cap = one_cap if _next_pow2(n_cols) <= one_cap else loop_cap
+    block_m, block_n, one_block, num_warps = launch_config(n_rows, n_cols, cap, max_warps=32)
+    wide = one_block and block_n > _MAX_BWD_BLOCK_KEPT
+    w_per_row = wide and dtype == torch.float32
+    unpipelined = wide and (n_cols != block_n or w_per_row or (dtype == torch.float16 and has_dh))
+    even_n = n_cols == block_n and not unpipelined
+    return BwdConfig(block_m, block_n, one_block, num_warps, 1 if unpipelined else 2, even_n, w_per_row)
 
 
 @torch.compiler.assume_constant_result
@@ -243,12 +292,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _upcast_again(v):
-        """v as fp32, for a second use after a first `.to(tl.float32)` of the same v. bf16: the 16 bits shifted into
-        the top of an fp32 (exactly the conversion), an integer path the compiler does not merge with the first
-        conversion, so the bf16 values (two to a register) stay live instead of their fp32 copies. Other dtypes: a
-        plain conversion (merged with the first)."""
+        """v as fp32, for a second use after a first `.to(tl.float32)` of the same v, by an integer path the compiler
+        does not merge with the first conversion, so that v as loaded (two 16-bit values to a register) stays live
+        instead of its fp32 copy. Bit-exact for every value but NaNs, which stay NaN (tests/kernels/test_rms_norm.py
+        checks all 65536).
+        bf16: the 16 bits shifted into the top of an fp32. fp16 (a branch-free conversion, as in Maratyszcza's FP16
+        library): sign dropped, exponent and mantissa shifted into place and rebiased by an exponent add and a
+        multiply by 2^-112 (normals, infinities and NaNs), subnormals m * 2^-24 as (0.5 + m * 2^-24) - 0.5, the sign
+        put back. Other dtypes: a plain conversion (merged with the first)."""
         if v.dtype == tl.bfloat16:
             return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        if v.dtype == tl.float16:
+            bits = v.to(tl.uint16, bitcast=True).to(tl.uint32)
+            two_w = bits << 17  # exponent and mantissa at the top, sign shifted out
+            normal = ((two_w >> 4) + 0x70000000).to(tl.float32, bitcast=True) * 1.925929944387236e-34  # * 2^-112
+            sub = ((two_w >> 17) | 0x3F000000).to(tl.float32, bitcast=True) - 0.5
+            mag = tl.where(two_w < 0x08000000, sub, normal)  # exponent field 0: subnormal (or zero)
+            return (mag.to(tl.uint32, bitcast=True) | ((bits & 0x8000) << 16)).to(tl.float32, bitcast=True)
         return v.to(tl.float32)
 
     @triton.jit
@@ -302,6 +362,7 @@ if HAS_TRITON:
         TWO_DX: tl.constexpr,
         EVEN_N: tl.constexpr,
         STAGES: tl.constexpr,
+        W_PER_ROW: tl.constexpr,
     ):
         off32 = tl.cast(offset, tl.float32)
         pid = tl.program_id(0)
@@ -310,9 +371,10 @@ if HAS_TRITON:
         dw_row = dw_ptr + pid.to(tl.int64) * N
         if ONE_BLOCK:
             cols = tl.arange(0, BLOCK_N)
-            # EVEN_N (N == BLOCK_N): no per-column predicate; at BLOCK_N 16384 that is what fits 64 registers
+            # EVEN_N (N == BLOCK_N): no per-column predicate; at BLOCK_N 16384 in 16 bits that is what fits 64 registers
             col_mask = cols < (BLOCK_N if EVEN_N else N)
-            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32  # (BLOCK_N,)
+            if not W_PER_ROW:
+                w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32  # (BLOCK_N,)
             dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             # STAGES=2: the next tile's x, dy and rstd stream into shared memory (cp.async) while this
             # one is computed. ptxas, sm_90, bf16: 120 -> 106 registers at hidden 4096 and 8192; without it
@@ -328,15 +390,23 @@ if HAS_TRITON:
                 )  # storage dtype
                 dy_st = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
+                if W_PER_ROW:
+                    # fp32 rows wider than 8192: w' from L1/L2 every row (its registers are dweight's: _MAX_BWD_BLOCK)
+                    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + off32
                 xh = x_st.to(tl.float32) * rstd[:, None]  # (BLOCK_M, BLOCK_N)
                 dy = dy_st.to(tl.float32)
                 if COMPUTE_DW:
                     dw_acc += tl.sum(dy * xh, axis=0)
-                c = tl.sum(dy * w[None, :] * xh, axis=1) / N  # (BLOCK_M,)
-                # After the row reduction x and dy are upcast again from their storage dtype, so that what stays live
-                # across it is x and dy as loaded (bf16: two to a register), not their fp32 copies (_upcast_again).
-                xh = _upcast_again(x_st) * rstd[:, None]
-                dx = (_upcast_again(dy_st) * w[None, :] - xh * c[:, None]) * rstd[:, None]
+                g = dy * w[None, :]
+                c = tl.sum(g * xh, axis=1) / N  # (BLOCK_M,)
+                if W_PER_ROW:
+                    # x and g live across the reduction (fp32, 16 registers each), dy and w' dead
+                    dx = (g - xh * c[:, None]) * rstd[:, None]
+                else:
+                    # After the row reduction x and dy are upcast again from their storage dtype, so that what stays
+                    # live across it is x and dy as loaded (16-bit: two to a register), not fp32 copies (_upcast_again).
+                    xh = _upcast_again(x_st) * rstd[:, None]
+                    dx = (_upcast_again(dy_st) * w[None, :] - xh * c[:, None]) * rstd[:, None]
                 _store_dx(
                     dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2, HAS_DH, TWO_DX
                 )
@@ -468,8 +538,9 @@ def _bwd(dy2d, x2d, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, 
     if M == 0:
         dw = torch.zeros((N,), dtype=weight.dtype, device=weight.device) if compute_dw else None
         return dxs, dw
-    bf16 = x2d.dtype == dy2d.dtype == torch.bfloat16
-    block_m, block_n, one_block, num_warps, stages = bwd_launch_config(M, N, bf16, max_block)
+    same_dtype = x2d.dtype if x2d.dtype == dy2d.dtype else None
+    cfg = bwd_launch_config(M, N, same_dtype, max_block, has_dh=dh is not None, two_dx=len(dxs) == 2)
+    block_m, block_n, one_block, num_warps = cfg.block_m, cfg.block_n, cfg.one_block, cfg.num_warps
     if num_programs is None:
         # About two programs per SM keeps every SM streaming while one waits on memory (not yet tuned on a
         # GPU: bench/bench_rms_norm.py is the place to revisit it).
@@ -528,8 +599,9 @@ def _bwd(dy2d, x2d, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, 
         COMPUTE_DW=compute_dw,
         HAS_DH=dh is not None,
         TWO_DX=len(dxs) == 2,
-        EVEN_N=N == block_n,
-        STAGES=stages,
+        EVEN_N=cfg.even_n,
+        STAGES=cfg.stages,
+        W_PER_ROW=cfg.w_per_row,
         num_warps=num_warps,
     )
     dw = dw_partial.sum(dim=0).to(weight.dtype) if compute_dw else None  # (N,), summed in fp32

@@ -108,12 +108,12 @@ def test_matches_reference_and_torch(shape, dtype, offset):
     assert torch.equal(ours[0], rms_norm(ours[1], w, 1e-6, offset))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("max_block", [None, 1024], ids=["one_block", "column_loop"])
 def test_wide_rows_both_algorithms(dtype, max_block):
-    """Hidden 8192 + 24: in fp32 the backward's column loop (and its row-dot pass), in bf16 its one 16384-wide block;
-    with max_block 1024 both loop, and so does the forward, which writes h in its first pass and reads it back in
-    the second (9 column blocks, the last ragged)."""
+    """Hidden 8192 + 24: the backward's one 16384-wide block in every dtype (fp32 reloading the weight every row, fp16
+    and bf16 upcasting x and dy twice, all with d_h_out); with max_block 1024 both loop, and so does the forward,
+    which writes h in its first pass and reads it back in the second (9 column blocks, the last ragged)."""
     shape = (3, 8192 + 24)
     n = shape[-1]
     assert launch_config(3, n)[2] is True and launch_config(3, n, max_block=1024)[2] is False

@@ -18,6 +18,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import kernels
 from kernels.nn import RMSNorm
@@ -143,27 +145,60 @@ def test_multi_block_loop_path(dtype, offset):
     _check_all(one_block, ref32, torch_lowp, dtype, rows=10)
 
 
-@pytest.mark.parametrize(
-    "dtype, n",
-    [(torch.bfloat16, 8192 + 24), (torch.bfloat16, 16384), (torch.float16, 8192 + 24), (torch.float32, 16384)],
-    ids=str,
-)
+# Around both width switches of the backward: 8191 (one 8192-wide block), 8193 (one 16384-wide block, masked),
+# 16384 (one block, no column predicate in 16 bits), 16385 (the column loop after the row-dot pass).
+@pytest.mark.parametrize("n", [8191, 8193, 16384, 16385])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_wide_rows_backward(monkeypatch, dtype, n):
-    """Hidden 8192 < N <= 16384: the forward keeps the row in registers; so does the backward for bf16 (one 16384-wide
-    block, 32 warps; pipelined where N is exactly 16384), while fp16 and fp32 (capped at 8192 so that they never
-    spill on sm_90, see tests/kernels/test_sm90_compile.py) loop over two column blocks after a row-dot pass."""
+    """Hidden around 8192 and 16384: the forward keeps rows up to 16384 in registers, and so does the backward in every
+    dtype (one 16384-wide block of 32 warps above 8192; bf16 and fp16 keep x and dy as loaded across the reduction and
+    upcast them again, fp32 reloads the weight every row), spill-free on sm_90 (tests/kernels/test_sm90_compile.py).
+    Wider rows loop over column blocks after a row-dot pass."""
     shape = (3, n)
     x, w, dy = _make(shape, dtype, 0.0, seed=2)
     rowdot_launches = count_launches(monkeypatch, "_rms_norm_bwd_rowdot_kernel")
     ours = fwd_bwd(lambda a, b: rms_norm(a, b), x, w, dy)
-    bf16 = dtype == torch.bfloat16
-    assert launch_config(3, n)[2] is True and len(rowdot_launches) == (0 if bf16 else 1)
-    assert bwd_launch_config(3, n, bf16) == (
-        (1, 16384, True, 32, 2 if n == 16384 else 1) if bf16 else (1, 8192, False, 16, 2)
-    )
+    assert len(rowdot_launches) == (1 if n > 16384 else 0)
+    fp32 = dtype == torch.float32
+    expected = {
+        8191: (1, 8192, True, 16, 2, False, False),
+        8193: (1, 16384, True, 32, 1, False, fp32),
+        16384: (1, 16384, True, 32, 1, False, True) if fp32 else (1, 16384, True, 32, 2, True, False),
+        16385: (1, 8192, False, 16, 2, False, False) if fp32 else (1, 16384, False, 32, 2, False, False),
+    }[n]
+    assert tuple(bwd_launch_config(3, n, dtype)) == expected
     ref32 = fwd_bwd(lambda a, b: rms_norm_ref(a, b), x.float(), w.float(), dy.float())
     torch_lowp = fwd_bwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6), x, w, dy)
     _check_all(ours, ref32, torch_lowp, dtype, rows=3)
+
+
+def test_bwd_launch_config_fallbacks():
+    # x and dy of different dtypes, and fp32 with dx written in two dtypes (fused add under autocast): 8192 blocks;
+    # fp16 with fused add's d_h_out at exactly 16384: unpipelined, column predicate kept (12 bytes spilled otherwise)
+    assert tuple(bwd_launch_config(3, 12288, None)) == (1, 8192, False, 16, 2, False, False)
+    assert tuple(bwd_launch_config(3, 12288, torch.float32, two_dx=True)) == (1, 8192, False, 16, 2, False, False)
+    assert tuple(bwd_launch_config(3, 16384, torch.float16, has_dh=True)) == (1, 16384, True, 32, 1, False, False)
+    assert tuple(bwd_launch_config(3, 16384, torch.bfloat16, has_dh=True)) == (1, 16384, True, 32, 2, True, False)
+    assert bwd_launch_config(3, 16384, torch.float32, max_block=1024)[:3] == (4, 1024, False)
+
+
+@triton.jit
+def _upcast_again_kernel(v_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, rms_mod._upcast_again(tl.load(v_ptr + offs)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_upcast_again_is_exact_for_every_bit_pattern(dtype):
+    """The backward's second upcast (integer paths, so the compiler keeps 16-bit x and dy live rather than fp32 copies)
+    equals torch's conversion bit for bit for all 65536 values but NaNs (signed zeros, subnormals, normals,
+    infinities), and NaNs stay NaN (fp16's path multiplies, which on a GPU may canonicalise a NaN's payload)."""
+    v = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    out = torch.empty(v.shape, dtype=torch.float32)
+    _upcast_again_kernel[(v.numel() // 4096,)](v, out, BLOCK=4096)
+    nan = v.isnan()
+    assert 0 < int(nan.sum()) < 2048 and out[nan].isnan().all()
+    assert torch.equal(out[~nan].view(torch.int32), v[~nan].float().view(torch.int32))
 
 
 @pytest.mark.parametrize("max_block", [None, 1024])
