@@ -63,6 +63,7 @@ from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, 
 from .checkpoint_hf import to_json
 from .deepspeed_engine import CHECKPOINT_DIR as DEEPSPEED_DIR
 from .deepspeed_engine import DeepSpeedRun
+from .deepspeed_engine import check_args as check_deepspeed_args
 from .dist import init_distributed, local_device, world
 from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
 from .lora import has_adapter, trainable_summary
@@ -161,6 +162,8 @@ class Trainer:
         self.model_init = model_init
         init_distributed()  # under torchrun/accelerate: join the process group (a no-op for one process)
         self.rank, self.world_size = world()
+        if uses_deepspeed(args):  # the JSON read and checked against the arguments before anything is built
+            check_deepspeed_args(args, world_size=self.world_size)
         self.model = self._configure_model(model if model is not None else self._call_model_init())
         self.data_collator = data_collator
         self.train_dataset = train_dataset
