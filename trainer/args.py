@@ -75,6 +75,10 @@ Deliberate differences from Hugging Face
   negative steps, rates and sizes are errors; `max_steps` is -1 or positive.
 - No side effects at construction: HF enables TF32 and checks bf16 support on the GPU inside
   `__post_init__`; here the loop does that, so arguments can be built and validated on any machine.
+- No files read at construction: HF reads `--deepspeed ds.json` (and the world size) in `__post_init__`; here the
+  arguments hold its path, and the JSON is read and checked against them (every contradiction, one line) by
+  `trainer.sft.check_run` for the command line (world size from the launcher's WORLD_SIZE) and at `Trainer`
+  construction (the real world size), before anything is built.
 - `output_dir` defaults to HF's `"trainer_output"`; `run_name` defaults to `output_dir` and `logging_dir`
   to `output_dir/runs/<date>_<host>` (4.x behaviour), `disable_tqdm` is a plain bool (default False).
 - `resume_from_checkpoint` is normalised to None (do not resume), `"auto"` (True/"true" too: the newest
@@ -106,7 +110,6 @@ from typing import Any
 
 import torch
 
-from . import deepspeed_engine
 from .arg_parser import (
     SIMPLE_ALIASES,
     field_default,
@@ -1005,10 +1008,6 @@ class TrainingArguments:
                 lr_end,
                 f"must be smaller than learning_rate={self.learning_rate!r}",
             )
-        if self.dist_config is not None and self.dist_config["name"] == "deepspeed":
-            # the JSON against these arguments (world size from the launcher's WORLD_SIZE, as Hugging Face's
-            # TrainingArguments.world_size); the Trainer fills it again with the real one
-            deepspeed_engine.check_args(self, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         if self.dist_config is not None:
             mp = self.dist_config.get("mixed_precision")
             if (mp == "fp16" and self.bf16) or (mp == "bf16" and self.fp16):

@@ -93,12 +93,13 @@ def _build(
     if device is None:
         # offload_params keeps the shards in host memory (FSDP2 moves them to the device for compute)
         device = torch.device("cpu") if sharded and args.dist_config.get("offload_params") else local_device()
+    settings = model_settings(args) if args is not None else {"use_kernels": use_kernels is None or use_kernels}
     model = empty_model(
         config,
         dtype=checkpoint_dtype(config, dtype),
         device=device,
-        use_kernels=True if use_kernels is None else use_kernels,
         transform=(lambda m: apply_transforms(m, args)) if args is not None else None,
+        **settings,
     )
     ours = causal_lm(model)
     if dcp is not None:
@@ -111,24 +112,34 @@ def _build(
             load_state_dict_into(ours, path)
         if has_adapter(ours):  # LoRA (use_peft), injected on meta by apply_transforms: A from args.seed, B = 0
             init_adapter_weights(ours, args.seed, local_shard=local_shard)
-    if args is not None:
-        apply_model_settings(ours, args)
     ours.attn_backend = attn_backend
     if args is not None:
         model = apply_data_parallel(model, args)
     return model
 
 
-def apply_model_settings(ours: CausalLM, args) -> None:
-    """TrainingArguments' model settings onto our CausalLM: its ops (ours, PyTorch's with use_kernels=False, or
-    liger-kernel's), label smoothing, z-loss and NEFTune. The one place they are read: `build_model` gives them when
-    it builds, and the Trainer gives them to a model built without it (and again, alike, to one built with it)."""
-    ours.use_kernels = args.use_kernels and not args.use_liger_kernel
-    if args.use_liger_kernel:
+def model_settings(args) -> dict:
+    """TrainingArguments' model settings as CausalLM's constructor arguments (and its attributes of the same names):
+    its ops (ours, PyTorch's with use_kernels=False, or liger-kernel's, which win), label smoothing, z-loss and
+    NEFTune. The one place they are read: `build_model` gives them to the CausalLM it builds, and the Trainer to a
+    model it is handed whose settings differ (`apply_model_settings`)."""
+    return {
+        "use_kernels": args.use_kernels and not args.use_liger_kernel,
+        "use_liger_kernel": args.use_liger_kernel,
+        "label_smoothing": args.label_smoothing_factor,
+        "z_loss": args.z_loss,
+        "neftune_noise_alpha": args.neftune_noise_alpha,
+    }
+
+
+def apply_model_settings(ours: CausalLM, settings: dict) -> None:
+    """`model_settings` onto a CausalLM built with others (by hand, or from other arguments)."""
+    ours.use_kernels = settings["use_kernels"]
+    if settings["use_liger_kernel"]:
         apply_liger_kernel(ours)
-    ours.label_smoothing = args.label_smoothing_factor
-    ours.z_loss = args.z_loss
-    ours.neftune_noise_alpha = args.neftune_noise_alpha
+    ours.label_smoothing = settings["label_smoothing"]
+    ours.z_loss = settings["z_loss"]
+    ours.neftune_noise_alpha = settings["neftune_noise_alpha"]
 
 
 def causal_lm(model: nn.Module) -> CausalLM | None:
@@ -259,15 +270,14 @@ def checkpoint_dtype(config: ModelConfig, dtype=None) -> torch.dtype:
     return _resolve_dtype(dtype) or _resolve_dtype(config.dtype) or torch.float32
 
 
-def empty_model(
-    config: ModelConfig, *, dtype=torch.float32, device="cpu", use_kernels: bool = True, transform=None
-) -> CausalLM:
+def empty_model(config: ModelConfig, *, dtype=torch.float32, device="cpu", transform=None, **settings) -> CausalLM:
     """A CausalLM of `config` on `device` with uninitialised weights (load or init them) and its rotary buffers
-    computed. Built on the meta device and cast there, so that no memory is written twice; `transform(model)`
-    (FSDP2's sharding) runs while it is still on meta, so that `to_empty` allocates only what the transformed
-    model keeps: a rank's shards."""
+    computed; `settings` are its constructor's (`use_kernels`, `label_smoothing`, ...: `model_settings`). Built on
+    the meta device and cast there, so that no memory is written twice; `transform(model)` (FSDP2's sharding) runs
+    while it is still on meta, so that `to_empty` allocates only what the transformed model keeps: a rank's
+    shards."""
     with torch.device("meta"):
-        model = CausalLM(config, use_kernels=use_kernels)
+        model = CausalLM(config, **settings)
     model.to(dtype=dtype)
     if transform is not None:
         model = transform(model)

@@ -20,10 +20,11 @@ honoured on every backend (not rejected): query i sees keys i-W+1..i.
 `use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`, and with the residual add before it
 `kernels.fused_add_rms_norm`), RoPE (`kernels.rope`), SwiGLU
 (`kernels.swiglu`, whose output down_proj's backward recomputes instead of keeping: `_down_recomputing_act`), the
-loss (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and
-NEFTune (`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `apply_liger_kernel(model)` sets
-RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy to liger-kernel's ops instead, the
-baseline our kernels are measured against. Parameter names and state_dict are the same in every mode.
+loss (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and NEFTune
+(`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `use_liger_kernel=True` (or
+`apply_liger_kernel(model)` later) sets RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy to liger-kernel's
+ops instead, the baseline our kernels are measured against. Parameter names and state_dict are the same in every
+mode.
 Attention backends and packing rules: `trainer/attention.py`.
 
 Labels are unshifted (as in Hugging Face): position t is trained to predict labels[t + 1]; -100 = no target.
@@ -591,17 +592,20 @@ class CausalLM(nn.Module):
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
         neftune_noise_alpha: float | None = None,
+        use_liger_kernel: bool = False,
     ):
-        """The training settings are given here, once (the Trainer applies TrainingArguments' to the CausalLM it
-        finds inside its model once, at its construction): `use_kernels` (ours, else plain PyTorch;
-        `apply_liger_kernel` for liger-kernel's), `label_smoothing` (transformers' label_smoothing_factor),
-        `z_loss` and `neftune_noise_alpha` (noise only while `training`)."""
+        """The training settings are given here, once (`trainer.build.build_model` gives TrainingArguments'):
+        `use_kernels` (ours, else plain PyTorch), `use_liger_kernel` (liger-kernel's ops, which win over
+        `use_kernels`; as `apply_liger_kernel`), `label_smoothing` (transformers' label_smoothing_factor), `z_loss`
+        and `neftune_noise_alpha` (noise only while `training`)."""
         super().__init__()
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.use_kernels = use_kernels
+        if use_liger_kernel:
+            apply_liger_kernel(self)
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.neftune_noise_alpha = neftune_noise_alpha
@@ -617,6 +621,10 @@ class CausalLM(nn.Module):
     @use_kernels.setter
     def use_kernels(self, value: bool) -> None:
         self._set_impl("kernels" if value else "torch")
+
+    @property
+    def use_liger_kernel(self) -> bool:
+        return self.impl == "liger"
 
     def _set_impl(self, impl: str) -> None:
         self.impl = impl

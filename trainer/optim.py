@@ -261,7 +261,18 @@ def build_scheduler(
 ) -> LambdaLR:
     """A LambdaLR for schedule `name` (a `lr_scheduler_type`) with Hugging Face's formulas; `kwargs` are the
     schedule's `lr_scheduler_kwargs` (see the module docstring), checked here: a direct caller's only check."""
-    return _lambda_schedule(check_scheduler_kwargs(name, kwargs), name, optimizer, num_warmup_steps, num_training_steps)
+    kw = check_scheduler_kwargs(name, kwargs)
+    _check_lr_end(name, kw, optimizer)
+    return _lambda_schedule(kw, name, optimizer, num_warmup_steps, num_training_steps)
+
+
+def _check_lr_end(name: str, kw: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """polynomial's lr_end below the optimizer's initial lr (as transformers checks it)."""
+    if name != "polynomial":
+        return
+    lr_init, lr_end = optimizer.defaults["lr"], kw.get("lr_end", 1e-7)
+    if not lr_init > lr_end:
+        raise ConfigError(f"lr_scheduler_kwargs.lr_end={lr_end!r}: must be smaller than the initial lr {lr_init!r}")
 
 
 def _lambda_schedule(
@@ -281,10 +292,7 @@ def _lambda_schedule(
     elif name == "cosine_with_restarts":
         fn = partial(_cosine_restarts, w=w, t=t, num_cycles=kw.get("num_cycles", 1))
     elif name == "polynomial":
-        lr_end = kw.get("lr_end", 1e-7)
-        if not lr_init > lr_end:
-            raise ConfigError(f"lr_scheduler_kwargs.lr_end={lr_end!r}: must be smaller than the initial lr {lr_init!r}")
-        fn = partial(_polynomial, w=w, t=t, lr_init=lr_init, lr_end=lr_end, power=kw.get("power", 1.0))
+        fn = partial(_polynomial, w=w, t=t, lr_init=lr_init, lr_end=kw.get("lr_end", 1e-7), power=kw.get("power", 1.0))
     elif name == "constant":
         fn = _constant
     elif name == "constant_with_warmup":
@@ -327,6 +335,10 @@ def build_lr_scheduler(
     warmup = args.get_warmup_steps(num_training_steps)
     config = args.lr_scheduler_config or {}
     if not config or config["name"] in SCHEDULERS:  # a registered name set lr_scheduler_type/kwargs
+        if optimizer.defaults["lr"] != args.learning_rate:
+            # a user's optimizer (Trainer's `optimizers`) with its own lr: TrainingArguments checked lr_end against
+            # learning_rate, not against that
+            _check_lr_end(args.lr_scheduler_type, args.lr_scheduler_kwargs, optimizer)
         return _lambda_schedule(args.lr_scheduler_kwargs, args.lr_scheduler_type, optimizer, warmup, num_training_steps)
     spec = config["name"]
     fn = resolve_callable("lr_scheduler_config", spec)

@@ -23,7 +23,7 @@ from safetensors.torch import load_model, save_model
 from . import checkpoint as ckpt
 from . import parallel
 from .batching import same_steps, steps_per_epoch
-from .build import empty_model, load_state_dict_into, save_pretrained
+from .build import causal_lm, empty_model, load_state_dict_into, save_pretrained
 from .deepspeed_engine import CHECKPOINT_DIR
 from .dist import local_shard
 from .lora import has_adapter, load_adapter_weights, save_adapter
@@ -36,7 +36,7 @@ def save_model_files(model, directory: Path, *, rank: int, tokenizer=None, full_
     `DeepSpeedRun.full_state_dict`), written instead of the model's own tensors (partitions under ZeRO-3). A model
     carrying a LoRA adapter writes the adapter alone (peft's layout)."""
     model = parallel.unwrap(model)
-    ours = _our_model(model)
+    ours = causal_lm(model)
     if ours is not None and has_adapter(ours):
         state = full_state_dict
         if state is None and parallel.is_fsdp(ours):
@@ -65,7 +65,7 @@ def load_model_weights(model, directory: Path) -> None:
     """The weights saved in `directory` into `model`, in this run's layout (a collective under FSDP2); for a model
     carrying a LoRA adapter, the adapter saved there (each rank its rows under FSDP2)."""
     model = parallel.unwrap(model)
-    ours = _our_model(model)
+    ours = causal_lm(model)
     if ours is not None and has_adapter(ours) and not (directory / ckpt.DCP_DIR).is_dir():
         load_adapter_weights(ours, directory, local_shard=local_shard)
         return
@@ -296,11 +296,6 @@ def check_resume_across_worlds(
             f"optimizer steps then, {windows_per_epoch} now (dataloader_drop_last={drop}), and its last step would "
             f"take other examples; resume with {saved_world}"
         )
-
-
-def _our_model(model) -> CausalLM | None:
-    """Our CausalLM in `model`: the model itself, or inside a wrapper (peft's PeftModel: `base_model.model`)."""
-    return next((m for m in model.modules() if isinstance(m, CausalLM)), None)
 
 
 def _gathered_copy(model, rank: int):

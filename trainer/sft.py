@@ -14,7 +14,7 @@ held-out conversations is printed before and after training.
 
 Several processes (see docs/multi_gpu.md): `torchrun --nproc_per_node N -m trainer.sft ...` or
 `accelerate launch -m trainer.sft ...`; `--dist_config` picks fsdp2 or ddp (ddp by default), `--deepspeed ds.json`
-DeepSpeed (also under `deepspeed --module trainer.sft ...`; its config is read and checked with the arguments).
+DeepSpeed (also under `deepspeed --module trainer.sft ...`; its config is read and checked by `check_run`).
 Under fsdp2 the model is built sharded, so that no rank ever holds all of it (`trainer.build.build_model`); under
 DeepSpeed each rank builds it whole and ZeRO partitions it when the engine is made. An error on any rank is
 printed with its rank and ends that process with exit code 1, which ends the job (no hang); bad input, which every
@@ -75,11 +75,13 @@ from .data import (
     save_to_cache,
     split_dataset,
 )
+from .deepspeed_engine import check_args as check_deepspeed_args
 from .dist import end_on_error, init_distributed, world
 from .evaluation import EVAL_METRICS
 from .lora import import_peft, lora_config
 from .metrics import plot_loss_curve
 from .model import CausalLM, ModelError, context_length_warning, generate
+from .parallel import uses_deepspeed
 from .preference import EVAL_METRICS as PREFERENCE_EVAL_METRICS
 from .preference import PreferenceArguments, PreferenceTrainer
 from .preference_data import PREFERENCE_FORMATS, load_preference_dataset, pairs_dataset
@@ -341,6 +343,9 @@ def check_run(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
         )
     _check_sft_values(sft)
     _check_eval_data(args, sft)
+    if uses_deepspeed(args):
+        # the JSON read and checked against these arguments (world size from the launcher's WORLD_SIZE)
+        check_deepspeed_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if args.dist_config is not None and args.dist_config.get("dcp_path"):
         dcp_source(args)  # the fsdp2 build's weights: a DCP directory
     for paths in (sft.data, sft.eval_data):

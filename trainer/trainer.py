@@ -58,11 +58,12 @@ import kernels
 from . import checkpoint as ckpt
 from .args import TrainingArguments
 from .batching import BatchLoader
-from .build import apply_model_settings, causal_lm
+from .build import apply_model_settings, causal_lm, model_settings
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
 from .checkpoint_hf import to_json
 from .deepspeed_engine import CHECKPOINT_DIR as DEEPSPEED_DIR
 from .deepspeed_engine import DeepSpeedRun
+from .deepspeed_engine import check_args as check_deepspeed_args
 from .dist import init_distributed, local_device, world
 from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
 from .lora import has_adapter, trainable_summary
@@ -161,6 +162,8 @@ class Trainer:
         self.model_init = model_init
         init_distributed()  # under torchrun/accelerate: join the process group (a no-op for one process)
         self.rank, self.world_size = world()
+        if uses_deepspeed(args):  # the JSON read and checked against the arguments before anything is built
+            check_deepspeed_args(args, world_size=self.world_size)
         self.model = self._configure_model(model if model is not None else self._call_model_init())
         self.data_collator = data_collator
         self.train_dataset = train_dataset
@@ -797,17 +800,22 @@ class Trainer:
         )
 
     def _configure_model(self, model):
-        """Apply the arguments' model settings once, when the Trainer gets its model (at construction, or from
-        model_init), and return the model; train/eval switches then only flip `training` (NEFTune adds noise only
-        in training). The settings go to our CausalLM wherever it sits: inside torch.compile's OptimizedModule
-        (`_orig_mod`), DDP (`module`) or peft (`base_model.model`); an attribute written onto the wrapper would be
-        lost. A module without our model inside takes label smoothing and z-loss only through the logits path
-        (`_compute_loss`); a setting it cannot apply is refused, never ignored."""
+        """The model the Trainer gets (at construction, or from model_init) with the arguments' model settings, and
+        on its device. A model `build_model` built from these arguments has them from its construction and is left
+        as it is; one built otherwise (by hand, as transformers' users do, or from other arguments) gets them here,
+        once, as transformers' Trainer applies its arguments to whatever model it gets. Train/eval switches then
+        only flip `training` (NEFTune adds noise only in training). The settings go to our CausalLM wherever it
+        sits: inside torch.compile's OptimizedModule (`_orig_mod`), DDP (`module`) or peft (`base_model.model`); an
+        attribute written onto the wrapper would be lost. A module without our model inside takes label smoothing
+        and z-loss only through the logits path (`_compute_loss`); a setting it cannot apply is refused, never
+        ignored."""
         args = self.args
         z_loss = args.z_loss
         ours = causal_lm(model)
         if ours is not None:
-            apply_model_settings(ours, args)
+            settings = model_settings(args)
+            if any(getattr(ours, name) != value for name, value in settings.items()):
+                apply_model_settings(ours, settings)
         else:
             name = type(model).__name__
             if args.neftune_noise_alpha:

@@ -7,6 +7,8 @@ import dataclasses
 import json
 import math
 import pathlib
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -283,7 +285,6 @@ ERRORS = [
         "global_batch_size=10: must be a multiple of micro_batch_size",
     ),
     (dict(global_batch_size=16, per_device_train_batch_size=4, gradient_accumulation_steps=8), "global_batch_size=16"),
-    (dict(dist_config={"name": "deepspeed", "config_file": "ds.json"}), "deepspeed: ds.json: not found"),
     (dict(dist_config={"name": "deepspeed"}), "dist_config name deepspeed: 'config_file' is required"),
     (
         dict(dist_config={"name": "fsdp"}),
@@ -393,6 +394,19 @@ def test_train_sampling_strategy_maps_onto_our_fields():
         train_sampling_strategy="batch_rebalance"
     )
     assert "contradicts group_by_length=True" in error(train_sampling_strategy="sequential", group_by_length=True)
+
+
+def test_the_arguments_read_no_file_and_no_environment_of_the_run(tmp_path, monkeypatch):
+    # Issue 23: __post_init__ opened the DeepSpeed JSON and read WORLD_SIZE, which is why args.py imported
+    # deepspeed_engine.py; those are run checks now (sft.check_run, Trainer construction).
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8}')  # 3 processes x 8 x 1 is not 8: the run's checks refuse it
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=str(path))
+    assert args.dist_config == {"name": "deepspeed", "config_file": str(path)}
+    code = "import sys, trainer.args; print('trainer.deepspeed_engine' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_hugging_face_fsdp_options_become_dist_config(tmp_path):
@@ -524,8 +538,11 @@ def test_to_dict_is_a_deep_copy():
 def test_from_dict_rejects_unknown_and_unsupported_keys(tmp_path):
     with pytest.raises(ConfigError, match="unknown argument learnig_rate; did you mean learning_rate"):
         TrainingArguments.from_dict({"learnig_rate": 1e-4})
-    with pytest.raises(ConfigError, match="^deepspeed: ds.json: not found$"):  # read, as HF reads it
-        TrainingArguments.from_dict({"deepspeed": "ds.json"})
+    # the path, not read here (HF reads it here): the run's checks read it (tests/trainer/test_deepspeed.py)
+    assert TrainingArguments.from_dict({"deepspeed": "ds.json"}).dist_config == {
+        "name": "deepspeed",
+        "config_file": "ds.json",
+    }
     with pytest.raises(ConfigError, match="eval_strategy given twice"):
         TrainingArguments.from_dict({"eval_strategy": "no", "evaluation_strategy": "steps"})
     assert TrainingArguments.from_dict({"evaluation_strategy": "epoch"}).eval_strategy == "epoch"
@@ -681,7 +698,6 @@ def test_names_users_bring_from_trl_and_llamafactory(tmp_path):
 FLAG_ERRORS = [
     (["--learnig_rate", "1e-4"], "--learnig_rate: unknown argument learnig_rate; did you mean learning_rate?"),
     (["--zzzz", "1"], "unknown argument zzzz; see --help for the arguments"),
-    (["--deepspeed", "ds.json"], "deepspeed: ds.json: not found"),
     (
         ["--push_to_hub"],
         "push_to_hub is not supported by kernelwright: pushing to the Hugging Face Hub is not supported",

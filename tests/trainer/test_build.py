@@ -33,6 +33,59 @@ def test_settings_are_given_when_the_model_is_built(tmp_path):
         assert torch.equal(a, b), name
 
 
+SETTINGS = ("impl", "label_smoothing", "z_loss", "neftune_noise_alpha")
+
+
+def _record_setting_writes(monkeypatch) -> list:
+    """Every write of a model setting onto a CausalLM from now on, as (name, value)."""
+    writes = []
+    set_attribute = CausalLM.__setattr__
+
+    def recording(self, name, value):
+        if name in SETTINGS:
+            writes.append((name, value))
+        set_attribute(self, name, value)
+
+    monkeypatch.setattr(CausalLM, "__setattr__", recording)
+    return writes
+
+
+def test_settings_are_written_once_at_construction(tmp_path, monkeypatch):
+    # Issue 23: build_model wrote them as attributes after the weights loaded, and the Trainer wrote them again.
+    # Now the CausalLM is constructed with them and nothing writes them later: not the build, not the Trainer.
+    args = TrainingArguments(
+        output_dir=str(tmp_path), label_smoothing_factor=0.1, z_loss=1e-3, neftune_noise_alpha=5.0, use_kernels=False
+    )
+    writes = _record_setting_writes(monkeypatch)
+    model, _ = build_model("tiny", args)
+    assert ("label_smoothing", 0.1) in writes and ("z_loss", 1e-3) in writes and ("neftune_noise_alpha", 5.0) in writes
+    assert len([w for w in writes if w[0] != "impl"]) == 3  # the constructor's, once each
+    ops = [w for w in writes if w[0] == "impl"]
+    built = list(writes)
+    Trainer(model=model, args=args)
+    assert writes == built  # the Trainer had nothing to write
+    assert {value for _, value in ops} == {"torch"} and model.impl == "torch"
+
+
+def test_the_trainer_applies_its_arguments_to_a_model_built_otherwise(tmp_path, monkeypatch):
+    # As transformers' Trainer: TrainingArguments(label_smoothing_factor=...) applies to the model it is handed,
+    # built by hand or from other arguments; once, by the Trainer.
+    model, _ = build_preset("tiny")
+    writes = _record_setting_writes(monkeypatch)
+    args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, z_loss=1e-3, use_kernels=False)
+    Trainer(model=model, args=args)
+    assert (model.label_smoothing, model.z_loss, model.neftune_noise_alpha, model.use_kernels) == (
+        0.1,
+        1e-3,
+        None,
+        False,
+    )
+    assert [name for name, _ in writes if name != "impl"] == ["label_smoothing", "z_loss", "neftune_noise_alpha"]
+    built, _ = build_model("tiny", TrainingArguments(output_dir=str(tmp_path), z_loss=1e-2))
+    Trainer(model=built, args=args)
+    assert (built.label_smoothing, built.z_loss, built.use_kernels) == (0.1, 1e-3, False)
+
+
 def test_a_directory_and_its_dtype(tmp_path):
     model, tokenizer = build_preset("tiny", seed=1)
     save_pretrained(model, tmp_path / "m", tokenizer=tokenizer)

@@ -24,11 +24,13 @@ import pytest
 import torch
 
 import kernels
-from trainer import sft
+from trainer import dpo, sft
 from trainer.args import ConfigError, TrainingArguments
-from trainer.build import load_pretrained
+from trainer.build import build_preset, load_pretrained
 from trainer.checkpoint import checkpoints
 from trainer.deepspeed_engine import fill_config, read_config
+from trainer.preference import PreferenceArguments
+from trainer.trainer import Trainer
 
 from .test_distributed import (  # noqa: F401
     DIST_ARGS,
@@ -67,10 +69,19 @@ def write(tmp_path: Path, config, name="ds.json") -> Path:
     return path
 
 
+def trainer_with(tmp_path, **arguments) -> Trainer:
+    """A Trainer of the tiny preset with these arguments: where the Python API reads and checks the JSON."""
+    return Trainer(model=build_preset("tiny")[0], args=TrainingArguments(output_dir=str(tmp_path), **arguments))
+
+
 # ---- the config ----------------------------------------------------------------------------------------------------
 def test_missing_file_is_one_line(tmp_path):
+    # Issue 23: TrainingArguments read the file (as transformers' does); it holds the path now, and the run's
+    # checks read it: the Trainer at construction (here), sft.check_run for the command line.
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=str(tmp_path / "nope.json"))
+    assert args.dist_config == {"name": "deepspeed", "config_file": str(tmp_path / "nope.json")}
     with pytest.raises(ConfigError, match=r"^deepspeed: .*nope.json: not found$"):
-        TrainingArguments(output_dir=str(tmp_path), deepspeed=str(tmp_path / "nope.json"))
+        trainer_with(tmp_path, deepspeed=str(tmp_path / "nope.json"))
 
 
 def test_invalid_json_names_file_and_line(tmp_path):
@@ -82,17 +93,28 @@ def test_invalid_json_names_file_and_line(tmp_path):
 def test_unknown_stage(tmp_path):
     path = write(tmp_path, {"zero_optimization": {"stage": 4}})
     with pytest.raises(ConfigError, match=r"zero_optimization.stage=4; expected one of 0, 1, 2, 3"):
-        TrainingArguments(output_dir=str(tmp_path), dist_config={"name": "deepspeed", "config_file": str(path)})
+        trainer_with(tmp_path, dist_config={"name": "deepspeed", "config_file": str(path)})
 
 
 def test_contradictions_name_both_sides(tmp_path):
     path = write(tmp_path, {**AUTO, "fp16": {"enabled": True}, "train_micro_batch_size_per_gpu": 4})
     with pytest.raises(ConfigError) as info:
-        TrainingArguments(output_dir=str(tmp_path), deepspeed=str(path), bf16=True, per_device_train_batch_size=2)
+        trainer_with(tmp_path, deepspeed=str(path), bf16=True, per_device_train_batch_size=2)
     message = str(info.value)
     assert "\n" not in message
     assert "train_micro_batch_size_per_gpu=4 contradicts per_device_train_batch_size=2" in message
     assert "fp16.enabled=true contradicts fp16|fp16_full_eval=False" in message
+
+
+def test_the_command_line_checks_against_the_launchers_world_size(tmp_path, monkeypatch):
+    # sft.check_run reads the launcher's WORLD_SIZE (TrainingArguments did, issue 23): 3 processes x 8 x 1 is not 8
+    path = write(tmp_path, {"train_batch_size": 8})
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), deepspeed=str(path))
+    run = sft.SFTArguments(model="tiny")
+    sft.check_run(args, run, PreferenceArguments())
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"^deepspeed: .*train_batch_size=8 contradicts processes x .* = 3 x 8 x 1"):
+        sft.check_run(args, run, PreferenceArguments())
 
 
 def test_auto_filled_from_arguments(tmp_path):
@@ -220,6 +242,19 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path, capsys, config):
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: deepspeed: ") and str(path) in err[0], err
     assert not (tmp_path / "o").exists()  # nothing built or written
+
+
+@pytest.mark.parametrize("config", [{"zero_optimization": {"stage": 4}}, None], ids=["stage", "missing"])
+def test_dpo_cli_bad_config_exits_2_with_one_line(tmp_path, capsys, config):
+    # the JSON is sft.check_run's check, which python -m trainer.dpo runs too: one line, before the summary
+    path = write(tmp_path, config) if config is not None else tmp_path / "missing.json"
+    code = dpo.run(
+        ["--model", "tiny", "--output_dir", str(tmp_path / "o"), "--deepspeed", str(path), "--max_steps", "1"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: deepspeed: ") and str(path) in err[0], err
+    assert not (tmp_path / "o").exists()
 
 
 # ---- runs ------------------------------------------------------------------------------------------------------------

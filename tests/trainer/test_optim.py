@@ -227,6 +227,20 @@ def test_scheduler_errors(name, kwargs, expected):
     assert expected in str(info.value)
 
 
+def test_lr_end_is_checked_once_per_path(monkeypatch):
+    # Issue 23: lr_end was checked by TrainingArguments and again by every schedule built from them. Now the
+    # arguments check it against learning_rate; the schedule checks it only against an lr they did not check: a
+    # direct build_scheduler's raw kwargs, or a user's optimizer (the Trainer's `optimizers`) with its own lr.
+    args = TrainingArguments(lr_scheduler_type="polynomial", learning_rate=LR, lr_scheduler_kwargs={"lr_end": 1e-4})
+    checked = []
+    check = optim_module._check_lr_end
+    monkeypatch.setattr(optim_module, "_check_lr_end", lambda *a: checked.append(a) or check(*a))
+    build_lr_scheduler(sgd(), args, T)
+    assert checked == []
+    with pytest.raises(ConfigError, match=r"lr_end=0\.0001: must be smaller than the initial lr 1e-05"):
+        build_lr_scheduler(sgd(1e-5), args, T)
+
+
 def test_scheduler_step_counts_are_checked():
     with pytest.raises(ConfigError, match="num_warmup_steps=-1"):
         build_scheduler("linear", sgd(), -1, T)
