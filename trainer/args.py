@@ -1107,9 +1107,9 @@ class TrainingArguments:
     def resolve_world(self, world_size: int) -> int:
         """Set and return gradient_accumulation_steps for `world_size` data-parallel ranks: global_batch_size /
         (world_size * micro_batch_size) when global_batch_size is set, else the given accumulation. The one place
-        the accumulation is derived: the CLI calls it once it knows the world (trainer.sft, before the summary
-        shows it), `Trainer.train` at its start (a no-op then), and nothing sets the accumulation after but
-        `halve_micro_batch`."""
+        the accumulation is derived, once the world is known: by the CLI before its summary shows it
+        (trainer.sft; the Trainer's call is then a no-op), by `Trainer.train` at its start; only
+        `halve_micro_batch` (auto_find_batch_size's retry) changes the accumulation after, through it."""
         check(isinstance(world_size, int) and world_size >= 1, "world_size", world_size, "must be a positive integer")
         if self.global_batch_size is None:
             return self.gradient_accumulation_steps

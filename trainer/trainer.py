@@ -460,8 +460,10 @@ class Trainer:
             rank=self.rank,
             world_size=self.world_size,
             max_steps=max_steps,
-            make_optimizer=lambda model: self.optimizer or build_optimizer(model, args),
-            make_scheduler=lambda optimizer: self.lr_scheduler or build_lr_scheduler(optimizer, args, max_steps),
+            make_optimizer=lambda model: self.optimizer if self.optimizer is not None else build_optimizer(model, args),
+            make_scheduler=lambda optimizer: (
+                self.lr_scheduler if self.lr_scheduler is not None else build_lr_scheduler(optimizer, args, max_steps)
+            ),
             scaler=self.scaler,
         )
         self.model, self.optimizer, self.lr_scheduler = engine.model, engine.optimizer, engine.scheduler
