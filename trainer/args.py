@@ -1105,7 +1105,10 @@ class TrainingArguments:
 
     def resolve_world(self, world_size: int) -> int:
         """Set and return gradient_accumulation_steps for `world_size` data-parallel ranks: global_batch_size /
-        (world_size * micro_batch_size) when global_batch_size is set, else the given accumulation."""
+        (world_size * micro_batch_size) when global_batch_size is set, else the given accumulation. The one place
+        the accumulation is derived, once the world is known: by the CLI before its summary shows it
+        (trainer.sft; the Trainer's call is then a no-op), by `Trainer.train` at its start; only
+        `halve_micro_batch` (auto_find_batch_size's retry) changes the accumulation after, through it."""
         check(isinstance(world_size, int) and world_size >= 1, "world_size", world_size, "must be a positive integer")
         if self.global_batch_size is None:
             return self.gradient_accumulation_steps
@@ -1117,6 +1120,15 @@ class TrainingArguments:
             )
         self.gradient_accumulation_steps = self.global_batch_size // per_step
         return self.gradient_accumulation_steps
+
+    def halve_micro_batch(self, world_size: int) -> tuple[int, int]:
+        """auto_find_batch_size's retry after running out of memory: half the micro batch and, through
+        `resolve_world`, the accumulation that keeps the global batch (twice the given one without
+        global_batch_size). Returns (per_device_train_batch_size, gradient_accumulation_steps)."""
+        self.per_device_train_batch_size //= 2
+        if self.global_batch_size is None:
+            self.gradient_accumulation_steps *= 2
+        return self.per_device_train_batch_size, self.resolve_world(world_size)
 
     def total_train_batch_size(self, world_size: int) -> int:
         """Sequences per optimizer step over all ranks: micro_batch_size * accumulation * world_size."""

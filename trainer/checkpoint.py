@@ -353,24 +353,22 @@ def save_checkpoint(
     step: int,
     *,
     save_model,
-    optimizer=None,
-    scheduler=None,
-    scaler=None,
+    save_engine=None,
     data_state: dict | None = None,
     trainer_state: dict,
     args_dict: dict,
     rank: int = 0,
     world_size: int = 1,
     save_only_model: bool = False,
-    save_sharded=None,
 ) -> Path:
-    """Write checkpoint-<step> atomically; `save_model(dir)` writes the model files. Returns the final path.
+    """Write checkpoint-<step> atomically; `save_model(dir)` writes the model files, `save_engine(dir)` the
+    engine's state (optimizer, scheduler, scaler; with FSDP2 or DeepSpeed the model's shards too, in `dcp/` or
+    `deepspeed/`: trainer/engine.py), unless save_only_model. Returns the final path.
 
     With several processes every rank calls this: `save_model` (a collective for a sharded model; it writes on
-    rank 0) and `save_sharded(dir)` (each rank writes its shards of model + optimizer into a sub-directory of
-    dir: DCP's `dcp/`, DeepSpeed's `deepspeed/`) run on all ranks, each rank writes its own RNG file, and rank 0
-    writes the rest and renames the directory into place once all ranks are done. Without save_sharded the
-    optimizer is identical on every rank (DDP): rank 0 saves it."""
+    rank 0) and `save_engine` (each rank writes its shards; what all ranks hold alike, rank 0 alone) run on all
+    ranks, each rank writes its own RNG file, and rank 0 writes the rest and renames the directory into place
+    once all ranks are done."""
     out = Path(output_dir)
     final = out / f"{PREFIX}-{step}"
     tmp = out / f"{PREFIX}-{step}.tmp"
@@ -398,14 +396,11 @@ def save_checkpoint(
             rank=rank,
             world_size=world_size,
             save_model=save_model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,
+            save_engine=save_engine,
             data_state=data_state,
             trainer_state=trainer_state,
             args_dict=args_dict,
             save_only_model=save_only_model,
-            save_sharded=save_sharded,
         )
     except Exception as exc:
         written, free = _tree_bytes(tmp), shutil.disk_usage(out).free
@@ -433,29 +428,19 @@ def _write_checkpoint(
     rank: int,
     world_size: int,
     save_model,
-    optimizer,
-    scheduler,
-    scaler,
+    save_engine,
     data_state,
     trainer_state,
     args_dict,
     save_only_model,
-    save_sharded,
 ) -> None:
     """save_checkpoint's writes into tmp, then the rename to final (rank 0)."""
     save_model(tmp)
     if not save_only_model:
-        if save_sharded is not None:
-            save_sharded(tmp)
-        elif optimizer is not None and writer:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        if writer:
-            if scheduler is not None:
-                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            if scaler is not None:
-                torch.save(scaler.state_dict(), tmp / "scaler.pt")
-            if data_state is not None:
-                (tmp / "data_state.json").write_text(to_json(data_state, indent=2) + "\n")
+        if save_engine is not None:
+            save_engine(tmp)
+        if writer and data_state is not None:
+            (tmp / "data_state.json").write_text(to_json(data_state, indent=2) + "\n")
         torch.save(_python_rng_to_tensorable(rng_state()), tmp / _rng_file(rank, world_size))
     _barrier(world_size)  # every rank's files are written
     if writer:
@@ -481,36 +466,29 @@ def saved_world_size(path) -> int:
     return len(list(path.glob("rng_state_*.pth"))) or (1 if (path / "rng_state.pth").is_file() else 0)
 
 
-def load_training_state(
-    path, *, optimizer=None, scheduler=None, scaler=None, rank: int = 0, world_size: int = 1, seed: int = 0
-) -> dict:
-    """Restore optimizer/scheduler/scaler/RNG from a checkpoint; returns {'trainer_state', 'data_state',
-    'rng_reseeded'}.
+def read_state(path, name: str):
+    """The tensors of `path`/`name` (a torch.save file) on the CPU; one CheckpointError line when it is missing."""
+    file = Path(path) / name
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (was the checkpoint saved with save_only_model?)")
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def load_training_state(path, *, rank: int = 0, world_size: int = 1, seed: int = 0) -> dict:
+    """Restore the RNG from a checkpoint (the engine's state is the engine's: trainer/engine.py); returns
+    {'trainer_state', 'data_state', 'rng_reseeded'}.
 
     Saved by another number of processes, each rank's RNG stream has no counterpart: the generators are re-seeded
     from (seed, global step, rank) instead, deterministically, and 'rng_reseeded' is True (the caller says so).
     Whether the rest of such a resume is exact is the caller's to check (Trainer: same global batch)."""
     path = Path(path)
-
-    def load(name):
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (was the checkpoint saved with save_only_model?)")
-        return torch.load(file, map_location="cpu", weights_only=True)
-
-    if optimizer is not None:
-        optimizer.load_state_dict(load("optimizer.pt"))
-    if scheduler is not None:
-        scheduler.load_state_dict(load("scheduler.pt"))
-    if scaler is not None and (path / "scaler.pt").is_file():
-        scaler.load_state_dict(load("scaler.pt"))
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     saved_world = saved_world_size(path)
     reseeded = bool(saved_world) and saved_world != world_size
     if reseeded:
         reseed(seed, int(trainer_state.get("global_step", 0)), rank)
     else:
-        set_rng_state(_python_rng_from_tensorable(load(_rng_file(rank, world_size))))
+        set_rng_state(_python_rng_from_tensorable(read_state(path, _rng_file(rank, world_size))))
     data_file = path / "data_state.json"
     return {
         "trainer_state": trainer_state,

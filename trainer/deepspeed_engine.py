@@ -11,8 +11,9 @@ thing. This module owns everything DeepSpeed:
   argument is a contradiction, reported in one line naming both (all of them, joined with "; "). The batch keys
   (train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size) are filled when absent too
   (a deliberate difference: transformers leaves them out and DeepSpeed stops with an assertion).
-- `DeepSpeedRun`: the loop's hooks into one engine: `backward`, `step`, `save_checkpoint`, `load_checkpoint` and
-  `full_state_dict` (ZeRO-3 gathered on rank 0, for the consolidated Hugging Face export).
+- `DeepSpeedRun`: the loop's engine (the methods of PyTorch's, trainer/engine.py, which picks one of the two):
+  `backward`, `step`, `save_checkpoint`, `load_checkpoint` and `full_state_dict` (ZeRO-3 gathered on rank 0, for
+  the consolidated Hugging Face export).
 
 Exactness. The loop keeps its own loss normalisation (each micro loss is divided by the window's supervised
 targets over all ranks / world_size, trainer/trainer.py): `engine.backward(loss, scale_wrt_gas=False)` turns off
@@ -49,6 +50,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -197,13 +199,23 @@ def check_args(args, world_size: int) -> None:
 
 # ---- the engine --------------------------------------------------------------------------------------------------
 class DeepSpeedRun:
-    """The training loop's hooks into one DeepSpeed engine (`self.engine`, an nn.Module wrapping the model).
+    """The training loop's engine over one DeepSpeed engine (`self.engine`, an nn.Module wrapping the model), with
+    the methods of PyTorch's (trainer/engine.py says what each does).
 
     `initialize` fills the config, builds the optimizer and scheduler as the config asks (see the module
     docstring) and calls `deepspeed.initialize`; `self.optimizer` / `self.scheduler` are the engine's."""
 
-    def __init__(self, engine, optimizer, scheduler, config: dict):
+    scaler = None  # DeepSpeed scales fp16 losses itself
+    same_world_only = "DeepSpeed's ZeRO partitions"  # each rank's, in CHECKPOINT_DIR
+
+    def __init__(self, engine, optimizer, scheduler, config: dict, *, fp16: bool = False):
         self.engine, self.optimizer, self.scheduler, self.config = engine, optimizer, scheduler, config
+        self.fp16 = fp16  # an update skipped with a finite loss is the loss scaler's overflow
+
+    @property
+    def model(self):
+        """What the loop calls: the engine, around the model."""
+        return self.engine
 
     @classmethod
     def initialize(cls, model, args, *, world_size: int, max_steps: int, make_optimizer, make_scheduler):
@@ -226,7 +238,7 @@ class DeepSpeedRun:
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=config
         )
-        return cls(engine, optimizer, scheduler, config)
+        return cls(engine, optimizer, scheduler, config, fp16=bool(args.fp16))
 
     @property
     def stage(self) -> int:
@@ -240,22 +252,35 @@ class DeepSpeedRun:
         if not last:
             self.engine.step()  # off the boundary DeepSpeed only counts the micro step
 
-    def step(self) -> tuple[bool, torch.Tensor | None]:
-        """Clip, update and step the scheduler (unless DeepSpeed skips a non-finite or overflowing update); zero
-        the gradients. Returns (whether the update was applied, the gradient norm before clipping, or None
-        where DeepSpeed computes none: stage 0 without clipping)."""
+    def step(self, host_sync, before_update) -> tuple[float, float | None, bool, bool, bool]:
+        """`before_update()`, then DeepSpeed's step: clip, update and step the scheduler (unless it skips a non-finite
+        or overflowing update), zero the gradients; then the host sync of the loss and the gradient norm before
+        clipping (None where DeepSpeed computes none: stage 0 without clipping). Returns (loss, grad_norm, stepped,
+        finite, overflow) as PyTorch's engine does. Under stage 0 in fp32 DeepSpeed checks nothing: a non-finite
+        update reaches the weights, and is counted as non-finite all the same."""
+        before_update()
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         if norm is not None and not isinstance(norm, torch.Tensor):
             norm = torch.tensor(float(norm), dtype=torch.float64)
-        return self.engine.was_step_applied(), norm
+        applied = self.engine.was_step_applied()
+        loss, grad_norm = host_sync(norm)
+        finite = math.isfinite(loss) and applied
+        stepped = applied and math.isfinite(loss)
+        overflow = not applied and self.fp16 and math.isfinite(loss)  # its loss scaler lowered the scale
+        if overflow:
+            finite = True
+        return loss, grad_norm, stepped, finite, overflow
 
     def save_checkpoint(self, directory: Path) -> None:
-        """DeepSpeed's checkpoint of the engine into `directory` (every rank writes its partitions; a collective)."""
-        self.engine.save_checkpoint(str(directory), tag=_TAG)
+        """DeepSpeed's checkpoint of the engine (model, optimizer, scheduler) into `directory`/deepspeed (every rank
+        writes its partitions; a collective)."""
+        self.engine.save_checkpoint(str(directory / CHECKPOINT_DIR), tag=_TAG)
 
     def load_checkpoint(self, directory: Path, *, weights_only: bool = False) -> None:
-        """DeepSpeed's checkpoint in `directory` into the engine: model, optimizer and scheduler, or the model only."""
+        """DeepSpeed's checkpoint in `directory`/deepspeed into the engine: model, optimizer and scheduler, or the
+        model only."""
+        directory = directory / CHECKPOINT_DIR
         if not (directory / _TAG).is_dir():
             raise CheckpointError(f"{directory}: no DeepSpeed checkpoint (no {_TAG}/ directory)")
         loaded, _ = self.engine.load_checkpoint(

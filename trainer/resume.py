@@ -7,7 +7,7 @@ a run:
   weights on rank 0 with a collective; loading, each rank reads only its rows), or, when it carries a LoRA adapter
   (use_peft, or a peft model passed in), only the adapter in peft's layout (`trainer.lora`); any other module as
   `model.safetensors`;
-- `restore_checkpoint`: a checkpoint into this run's model, optimizer, scheduler, scaler and loader, after
+- `restore_checkpoint`: a checkpoint into this run's engine (model, optimizer, scheduler, scaler) and loader, after
   `check_resume_across_worlds` has refused a resume under another number of processes that could not go on
   exactly (docs/multi_gpu.md).
 """
@@ -24,7 +24,6 @@ from . import checkpoint as ckpt
 from . import parallel
 from .batching import same_steps, steps_per_epoch
 from .build import causal_lm, empty_model, load_state_dict_into, save_pretrained
-from .deepspeed_engine import CHECKPOINT_DIR
 from .dist import local_shard
 from .lora import has_adapter, load_adapter_weights, save_adapter
 from .model import CausalLM
@@ -174,10 +173,7 @@ def apply_checkpoint_arguments(resume: Path, args, saved: dict, rng_reseeded: bo
 def restore_checkpoint(
     resume: Path,
     *,
-    model,
-    optimizer,
-    scheduler,
-    scaler,
+    engine,
     loader,
     args,
     rank: int,
@@ -185,27 +181,22 @@ def restore_checkpoint(
     micro: int,
     accum: int,
     windows_per_epoch: int,
-    deepspeed=None,
 ) -> dict:
-    """Everything a checkpoint holds into this run: model and optimizer (in this run's layout), scheduler, scaler,
-    RNG and the loader's position. Returns the saved trainer state (a dict), `saved_world` (how many processes
-    saved it) and `rng_reseeded` (True when the per-rank RNG could not carry over). Under DeepSpeed
-    (`deepspeed`, a DeepSpeedRun) its own checkpoint restores model, optimizer and scheduler, on the same number
-    of processes only. Arguments changed from the checkpoint's are refused before anything is loaded when the saved
-    state cannot follow them (`check_resume_arguments`, after the checks of a resume under another number of
-    processes, which name the batch it needs); `apply_checkpoint_arguments` says, after, which value the others take."""
+    """Everything a checkpoint holds into this run: the engine's state (model, optimizer, scheduler, scaler, in this
+    run's layout: `engine.load_checkpoint`, trainer/engine.py), RNG and the loader's position. Returns the saved
+    trainer state (a dict), `saved_world` (how many processes saved it) and `rng_reseeded` (True when the per-rank
+    RNG could not carry over). A resume under another number of processes is refused in one line where the
+    engine's checkpoint cannot follow (`engine.same_world_only`: DeepSpeed's) or the run could not go on exactly
+    (`check_resume_across_worlds`). Arguments changed from the checkpoint's are refused before anything is loaded
+    when the saved state cannot follow them (`check_resume_arguments`, after the checks of a resume under another
+    number of processes, which name the batch it needs); `apply_checkpoint_arguments` says, after, which value the
+    others take."""
     saved_world = ckpt.saved_world_size(resume)
-    if deepspeed is not None:
-        if saved_world != world_size:
-            raise ckpt.CheckpointError(
-                f"resume_from_checkpoint: {resume} was saved by {saved_world} process(es), this "
-                f"run has {world_size}: DeepSpeed's ZeRO partitions resume on {saved_world} only"
-            )
-        check_resume_arguments(resume, args)
-        restored = ckpt.load_training_state(resume, rank=rank, world_size=world_size, seed=args.seed)
-        deepspeed.load_checkpoint(resume / CHECKPOINT_DIR)
-        _restore_position(resume, loader, restored["data_state"])
-        return {"trainer_state": restored["trainer_state"], "saved_world": saved_world, "rng_reseeded": False}
+    if engine.same_world_only and saved_world != world_size:
+        raise ckpt.CheckpointError(
+            f"resume_from_checkpoint: {resume} was saved by {saved_world} process(es), this "
+            f"run has {world_size}: {engine.same_world_only} resume on {saved_world} only"
+        )
     if saved_world and saved_world != world_size:
         check_resume_across_worlds(
             resume,
@@ -218,10 +209,8 @@ def restore_checkpoint(
             windows_per_epoch=windows_per_epoch,
         )
     check_resume_arguments(resume, args)
-    restored = ckpt.load_training_state(
-        resume, scheduler=scheduler, scaler=scaler, rank=rank, world_size=world_size, seed=args.seed
-    )
-    load_model_and_optimizer(resume, model, optimizer, rank=rank)
+    engine.load_checkpoint(resume)
+    restored = ckpt.load_training_state(resume, rank=rank, world_size=world_size, seed=args.seed)
     _restore_position(resume, loader, restored["data_state"])
     return {
         "trainer_state": restored["trainer_state"],

@@ -44,9 +44,9 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -61,24 +61,15 @@ from .batching import BatchLoader
 from .build import apply_model_settings, causal_lm, model_settings
 from .callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
 from .checkpoint_hf import to_json
-from .deepspeed_engine import CHECKPOINT_DIR as DEEPSPEED_DIR
-from .deepspeed_engine import DeepSpeedRun
-from .deepspeed_engine import check_args as check_deepspeed_args
 from .dist import init_distributed, local_device, world
+from .engine import check_engine_args, start_engine
 from .evaluation import EvalPrediction, PredictionOutput, count_targets, forward_params, prediction_loop, track_best
 from .lora import has_adapter, trainable_summary
 from .metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
 from .model import HostLabels
 from .optim import build_lr_scheduler, build_optimizer
-from .parallel import apply_all, gradient_sync, is_fsdp, unwrap, uses_deepspeed, uses_fsdp
-from .parallel import save_sharded as save_sharded_state
-from .resume import (
-    apply_checkpoint_arguments,
-    load_model_weights,
-    restore_checkpoint,
-    save_model_files,
-    saved_arguments,
-)
+from .parallel import apply_all, gradient_sync, is_fsdp, unwrap, uses_fsdp
+from .resume import apply_checkpoint_arguments, restore_checkpoint, save_model_files, saved_arguments
 
 __all__ = [
     "Trainer",
@@ -130,6 +121,60 @@ class _RunningSums:
     train_loss_steps: int = 0
     nonfinite_in_row: int = 0
 
+    def training_loss(self) -> float:
+        """The mean loss of this call's real updates (nan when there were none)."""
+        return self.train_loss_sum / self.train_loss_steps if self.train_loss_steps else float("nan")
+
+
+@dataclass
+class _Window:
+    """One window's numbers from forward/backward: its loss (on the device), its tokens (this rank's; with several
+    processes the host sync replaces them by all ranks') and, with several processes, all ranks' tokens on the
+    device."""
+
+    loss: torch.Tensor
+    tokens: int
+    global_tokens: torch.Tensor | None
+
+
+@dataclass
+class _Run:
+    """What one train() call carries from its setup to its end: the engine (which holds the model, optimizer,
+    schedule and loss scale), the loader and the step counts derived from it, the TrainerState, the running sums,
+    the meters and where the logs go. `windows` is optimizer steps per epoch: floor(micro batches / accumulation)."""
+
+    engine: Any
+    loader: BatchLoader
+    device: torch.device
+    micro: int
+    accum: int
+    micro_per_epoch: int
+    windows: int
+    max_steps: int
+    num_epochs: int
+    state: TrainerState | None = None
+    sums: _RunningSums = field(default_factory=_RunningSums)
+    writer: MetricsWriter | None = None
+    progress: Any = None
+    throughput: Throughput | None = None
+    peak_flops: float | None = None
+    flops_per_token: float | None = None
+    start_time: float = 0.0
+    start_step: int = 0
+    start_nonfinite: int = 0
+
+    @property
+    def model(self) -> nn.Module:
+        """What the loop calls forward on: the engine's model (DeepSpeed's engine module under DeepSpeed)."""
+        return self.engine.model
+
+    def window_size(self, window: int) -> int:
+        """Micro batches in this window of the epoch: the accumulation; the epoch's last window takes the
+        leftover micro batches too (see the module docstring)."""
+        if window < self.windows - 1:
+            return self.accum
+        return self.micro_per_epoch - self.accum * (self.windows - 1)
+
 
 def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
@@ -162,8 +207,7 @@ class Trainer:
         self.model_init = model_init
         init_distributed()  # under torchrun/accelerate: join the process group (a no-op for one process)
         self.rank, self.world_size = world()
-        if uses_deepspeed(args):  # the JSON read and checked against the arguments before anything is built
-            check_deepspeed_args(args, world_size=self.world_size)
+        check_engine_args(args, self.world_size)  # e.g. DeepSpeed's JSON, read before anything is built
         self.model = self._configure_model(model if model is not None else self._call_model_init())
         self.data_collator = data_collator
         self.train_dataset = train_dataset
@@ -179,8 +223,8 @@ class Trainer:
         self.callback_handler = CallbackHandler(callbacks)
         self.state = TrainerState(is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
-        self.scaler = None
-        self.deepspeed: DeepSpeedRun | None = None  # the engine's hooks under dist_config deepspeed, once training
+        self.scaler = None  # fp16's loss scaler (PyTorch's engine), once training
+        self.engine = None  # what the loop calls (trainer/engine.py: PyTorch's or DeepSpeed's), once training
         self.stop_signal: signal.Signals | None = None  # SIGTERM or SIGINT when one stopped the last train()
         # after a resume: arguments given otherwise whose checkpoint's value applied (and is now in args)
         self.checkpoint_arguments: dict = {}
@@ -205,19 +249,16 @@ class Trainer:
             self.model = self._configure_model(self._call_model_init())
             self.optimizer, self.lr_scheduler = None, None
         resume = ckpt.resolve_resume(resume_from_checkpoint, args.output_dir, say=self._print)
+        args.resolve_world(self.world_size)  # gradient_accumulation_steps from global_batch_size, for this world
         while True:
             try:
                 return self._train_loop(resume)
             except torch.OutOfMemoryError:
-                micro = args.per_device_train_batch_size
-                if not args.auto_find_batch_size or micro == 1:
+                if not args.auto_find_batch_size or args.per_device_train_batch_size == 1:
                     raise
-                # Halve the micro batch and double accumulation: the global batch (and the run) stays the same.
+                # Half the micro batch, twice the accumulation: the global batch (and the run) stays the same.
                 # The arguments are updated so training_args.json records what actually ran.
-                args.per_device_train_batch_size = micro = micro // 2
-                if args.global_batch_size is None:
-                    args.gradient_accumulation_steps *= 2
-                accum = self._accumulation_steps()
+                micro, accum = args.halve_micro_batch(self.world_size)
                 self.optimizer, self.lr_scheduler = None, None
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -287,13 +328,84 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------------
     def _train_loop(self, resume: Path | None):
-        # -- setup: model transforms, data, optimizer, schedule, resume
+        # -- setup: model transforms, data, the engine (optimizer, schedule, loss scale), state, resume, logs
+        run = self._start_run(resume)
+        args, state = self.args, run.state
+        previous_handlers = self._install_stop_signals()
+        self._fire("on_train_begin", model=run.model)
+        if args.eval_on_start and self.eval_dataset is not None and resume is None:
+            self._evaluate_and_track(run, log=False)
+        # A run resumed at or past max_steps trains nothing (the epoch loop is empty).
+        start_epoch = run.num_epochs if state.global_step >= run.max_steps else state.global_step // run.windows
+
+        # -- train: for each epoch, for each window of micro batches, one optimizer step
+        try:
+            for epoch in range(start_epoch, run.num_epochs):
+                first_window = state.global_step - epoch * run.windows
+                if first_window == 0:  # a fresh epoch; mid-epoch, the restored loader state goes on where it was
+                    run.loader.set_epoch(epoch)
+                batches = iter(run.loader)
+                self._fire("on_epoch_begin")
+                for window in range(first_window, run.windows):
+                    micro_batches = [next(batches) for _ in range(run.window_size(window))]
+                    self._fire("on_step_begin")
+                    # 1-2. forward/backward over the window, then clip and step (or skip): the step's one host sync
+                    learning_rate, tokens = self._train_step(run, micro_batches)
+                    state.global_step += 1
+                    state.epoch = epoch + (window + 1) / run.windows
+                    if run.flops_per_token:
+                        state.total_flos += run.flops_per_token * tokens
+                    run.progress.update(1)
+                    every = args.torch_empty_cache_steps
+                    if every and state.global_step % every == 0 and run.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    self._fire("on_step_end", model=run.model)
+
+                    # 3. log / evaluate / save on schedule
+                    self._mark_due(run)
+                    if self.control.should_log:
+                        self._log_training(run, learning_rate)
+                    self._maybe_evaluate_and_save(run)
+                    if self.control.should_training_stop or self.control.should_epoch_stop:
+                        break
+                self.control.should_epoch_stop = False
+                self._fire("on_epoch_end")
+                if args.eval_strategy == "epoch":
+                    self.control.should_evaluate = True
+                if args.save_strategy == "epoch":
+                    self.control.should_save = True
+                self._maybe_evaluate_and_save(run)
+                if self.control.should_training_stop:
+                    break
+
+            # -- end: Hugging Face's end-of-training metrics, over what this call trained
+            metrics = self._end_metrics(run)
+        except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this point
+            self._print(f"aborted by a second Ctrl-C after step {state.global_step}, without saving; {self._on_disk()}")
+            raise
+        finally:
+            run.progress.close()
+            self._restore_stop_signals(previous_handlers)
+            run.writer.close()
+        self._check_the_end(run)
+        if args.load_best_model_at_end and state.best_model_checkpoint and self.stop_signal is None:
+            run.engine.load_checkpoint(Path(state.best_model_checkpoint), weights_only=True)
+            self._print(
+                f"loaded the best model from {state.best_model_checkpoint} ({args.metric_for_best_model}="
+                f"{state.best_metric})"
+            )
+        self._fire("on_train_end", model=run.model)
+        return TrainOutput(state.global_step, run.sums.training_loss(), metrics)
+
+    # ---- setup ----------------------------------------------------------------------------------------
+    def _start_run(self, resume: Path | None) -> _Run:
+        """The run's model (transformed), train loader, step counts, engine and TrainerState, restored from
+        `resume` when given; then the writer, the meters, the run summary and the progress bar."""
         args = self.args
-        micro, accum = args.per_device_train_batch_size, self._accumulation_steps()
+        micro = args.per_device_train_batch_size
         if self.train_dataset is None:
             raise ValueError("Trainer.train: no train_dataset")
-        model = self.model
-        if self.optimizer is not None and uses_fsdp(args) and not is_fsdp(model):
+        if self.optimizer is not None and uses_fsdp(args) and not is_fsdp(self.model):
             raise ValueError(
                 "optimizers: FSDP2 replaces the parameters with sharded ones, so the optimizer must be "
                 "built after sharding; pass optimizers=(None, scheduler-or-None) with dist_config fsdp2"
@@ -301,22 +413,28 @@ class Trainer:
         # LoRA -> activation checkpointing -> per-block compile -> FSDP2/DDP, before the optimizer is built (it must
         # see only the adapter as trainable, and FSDP2's sharded parameters); a model from trainer.build.build_model
         # has them already (apply_all is idempotent)
-        model = self.model = apply_all(model, args)
-        device = self._device(model)
+        self.model = apply_all(self.model, args)
+        device = self._device(self.model)
         loader = self._train_loader(micro)
         micro_per_epoch = len(loader)  # at least 1: BatchLoader refuses a plan with none
-        windows_per_epoch = args.steps_per_epoch(micro_per_epoch)  # floor(micro batches / accum), at least 1
+        windows = args.steps_per_epoch(micro_per_epoch)  # floor(micro batches / accum), at least 1
         max_steps = args.get_max_steps(micro_per_epoch)
-        num_epochs = math.ceil(max_steps / windows_per_epoch)
-        optimizer, scheduler = self._create_optimizer_and_scheduler(model, max_steps)
-        model = self.model  # under dist_config deepspeed: the engine around it
-        if args.fp16 and self.scaler is None and self.deepspeed is None:  # DeepSpeed scales fp16 losses itself
-            self.scaler = torch.amp.GradScaler(device.type)
-
-        every = args.resolve_steps(max_steps)
-        state = TrainerState(
+        engine = self._start_engine(device, max_steps)
+        run = _Run(
+            engine=engine,
+            loader=loader,
+            device=device,
+            micro=micro,
+            accum=args.gradient_accumulation_steps,
+            micro_per_epoch=micro_per_epoch,
+            windows=windows,
             max_steps=max_steps,
-            num_train_epochs=num_epochs,
+            num_epochs=math.ceil(max_steps / windows),
+        )
+        every = args.resolve_steps(max_steps)
+        run.state = TrainerState(
+            max_steps=max_steps,
+            num_train_epochs=run.num_epochs,
             is_world_process_zero=self.rank == 0,
             train_batch_size=micro,
             logging_steps=every["logging_steps"],
@@ -324,44 +442,75 @@ class Trainer:
             save_steps=every["save_steps"],
         )
         if resume is not None:
-            restored = restore_checkpoint(
-                resume,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                scaler=self.scaler,
-                loader=loader,
-                args=args,
-                rank=self.rank,
-                world_size=self.world_size,
-                micro=micro,
-                accum=accum,
-                windows_per_epoch=windows_per_epoch,
-                deepspeed=self.deepspeed,
-            )
-            state = TrainerState.from_dict(
-                {**restored["trainer_state"], "max_steps": max_steps, "num_train_epochs": num_epochs}
-            )
-            self.checkpoint_arguments, changes = apply_checkpoint_arguments(
-                resume, args, saved_arguments(resume), restored["rng_reseeded"]
-            )
-            for line in changes:
-                self._print(line)
-            if restored["rng_reseeded"]:
-                self._print(
-                    f"warning: resume_from_checkpoint: saved by {restored['saved_world']} process(es), resumed "
-                    f"by {self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
-                    f"{args.seed}, the step and the rank (dropout/NEFTune noise differs from an unbroken run)"
-                )
-            self._print(f"resumed from {resume} at step {state.global_step}")
-            if state.global_step >= max_steps:
-                self._print(
-                    f"resume_from_checkpoint: {resume} is at step {state.global_step} and max_steps is "
-                    f"{max_steps}: nothing left to train; the weights are the checkpoint's"
-                )
-        self.state = state
+            self._resume(run, resume)
+        self.state = run.state
         self.control = TrainerControl()
-        writer = MetricsWriter(
+        self._open_outputs(run, resume)
+        return run
+
+    def _start_engine(self, device: torch.device, max_steps: int):
+        """The engine (trainer/engine.py) over the Trainer's optimizer and schedule where it has them (given to the
+        constructor, or kept from an earlier train()), built where not; Hugging Face's attributes then name what
+        it runs (under DeepSpeed `model` is its engine, around the model)."""
+        args = self.args
+        engine = self.engine = start_engine(
+            self.model,
+            args,
+            running=self.engine,
+            device=device,
+            rank=self.rank,
+            world_size=self.world_size,
+            max_steps=max_steps,
+            make_optimizer=lambda model: self.optimizer if self.optimizer is not None else build_optimizer(model, args),
+            make_scheduler=lambda optimizer: (
+                self.lr_scheduler if self.lr_scheduler is not None else build_lr_scheduler(optimizer, args, max_steps)
+            ),
+            scaler=self.scaler,
+        )
+        self.model, self.optimizer, self.lr_scheduler = engine.model, engine.optimizer, engine.scheduler
+        self.scaler = engine.scaler
+        return engine
+
+    def _resume(self, run: _Run, resume: Path) -> None:
+        """The checkpoint's state into the run (trainer/resume.py), and what it changed, in lines for the user."""
+        args = self.args
+        restored = restore_checkpoint(
+            resume,
+            engine=run.engine,
+            loader=run.loader,
+            args=args,
+            rank=self.rank,
+            world_size=self.world_size,
+            micro=run.micro,
+            accum=run.accum,
+            windows_per_epoch=run.windows,
+        )
+        run.state = TrainerState.from_dict(
+            {**restored["trainer_state"], "max_steps": run.max_steps, "num_train_epochs": run.num_epochs}
+        )
+        self.checkpoint_arguments, changes = apply_checkpoint_arguments(
+            resume, args, saved_arguments(resume), restored["rng_reseeded"]
+        )
+        for line in changes:
+            self._print(line)
+        if restored["rng_reseeded"]:
+            self._print(
+                f"warning: resume_from_checkpoint: saved by {restored['saved_world']} process(es), resumed "
+                f"by {self.world_size}: per-rank random streams cannot carry over, re-seeded from seed="
+                f"{args.seed}, the step and the rank (dropout/NEFTune noise differs from an unbroken run)"
+            )
+        step = run.state.global_step
+        self._print(f"resumed from {resume} at step {step}")
+        if step >= run.max_steps:
+            self._print(
+                f"resume_from_checkpoint: {resume} is at step {step} and max_steps is "
+                f"{run.max_steps}: nothing left to train; the weights are the checkpoint's"
+            )
+
+    def _open_outputs(self, run: _Run, resume: Path | None) -> None:
+        """The metrics writer, the throughput and MFU meters, the run summary and the progress bar."""
+        args, state = self.args, run.state
+        run.writer = MetricsWriter(
             args.output_dir,
             args.report_to,
             args.logging_dir,
@@ -371,136 +520,35 @@ class Trainer:
             run_ids=state.logger_run_ids,
             resumed_step=state.global_step if resume is not None else None,
         )
-        state.logger_run_ids = writer.run_ids  # saved in every checkpoint, so that a resume logs to the same runs
-        throughput = Throughput()
-        peak_flops = device_peak_flops(device)
-        flops_per_token = self._flops_per_token(model)
-        self._print_run_summary(model, loader, micro, accum, num_epochs, max_steps)
-        start_time, start_step, start_nonfinite = time.perf_counter(), state.global_step, state.nonfinite_steps
-        progress = self._progress(max_steps, state.global_step)
-        previous_handlers = self._install_stop_signals()
-        sums = _RunningSums()
-        self.control = self.callback_handler.fire("on_train_begin", args, state, self.control, model=model)
-        if args.eval_on_start and self.eval_dataset is not None and resume is None:
-            self._evaluate_and_track(state)
-        # A run resumed at or past max_steps trains nothing (the epoch loop is empty).
-        start_epoch = num_epochs if state.global_step >= max_steps else state.global_step // windows_per_epoch
+        state.logger_run_ids = run.writer.run_ids  # saved in every checkpoint: a resume logs to the same runs
+        run.throughput = Throughput()
+        run.peak_flops = device_peak_flops(run.device)
+        run.flops_per_token = self._flops_per_token(run.model)
+        self._print_run_summary(run)
+        run.start_time, run.start_step = time.perf_counter(), state.global_step
+        run.start_nonfinite = state.nonfinite_steps
+        run.progress = self._progress(run.max_steps, state.global_step)
 
-        # -- train: for each epoch, for each window of micro batches, one optimizer step
-        try:
-            for epoch in range(start_epoch, num_epochs):
-                first_window = state.global_step - epoch * windows_per_epoch
-                if first_window == 0:  # a fresh epoch; mid-epoch, the restored loader state goes on where it was
-                    loader.set_epoch(epoch)
-                batches = iter(loader)
-                self.control = self.callback_handler.fire("on_epoch_begin", args, state, self.control)
-                for window in range(first_window, windows_per_epoch):
-                    # The last window of an epoch takes the leftover micro batches too (see the docstring).
-                    size = (
-                        accum if window < windows_per_epoch - 1 else micro_per_epoch - accum * (windows_per_epoch - 1)
-                    )
-                    micro_batches = [next(batches) for _ in range(size)]
-                    self.control = self.callback_handler.fire("on_step_begin", args, state, self.control)
+    # ---- one step -------------------------------------------------------------------------------------
+    def _train_step(self, run: _Run, micro_batches: list) -> tuple[float, int]:
+        """One optimizer step over a window of micro batches: forward/backward of each, then the engine's clip and
+        step, or skip of a non-finite (or fp16-overflowing) update. Returns the learning rate this step used and the
+        window's tokens (over all ranks with several)."""
+        window = self._forward_backward(run, micro_batches)
+        # The rate this step uses, read before the scheduler moves on: what Hugging Face logs.
+        learning_rate = run.engine.scheduler.get_last_lr()[0]
+        update = run.engine.step(
+            functools.partial(self._host_numbers, run, window), lambda: self._fire("on_pre_optimizer_step")
+        )
+        self._count_update(run, update)
+        self._fire("on_optimizer_step")
+        return learning_rate, window.tokens
 
-                    # 1. forward/backward over the window, each micro loss normalised by the window's targets
-                    window_loss, window_tokens, global_tokens = self._forward_backward(
-                        model, micro_batches, device, state, throughput
-                    )
-                    # 2. clip, check, step (or skip): the step's one host sync
-                    learning_rate, window_tokens = self._clip_and_step(
-                        model, optimizer, scheduler, window_loss, window_tokens, global_tokens, device, state, sums
-                    )
-                    state.global_step += 1
-                    state.epoch = epoch + (window + 1) / windows_per_epoch
-                    if flops_per_token:
-                        state.total_flos += flops_per_token * window_tokens
-                    progress.update(1)
-                    if (
-                        args.torch_empty_cache_steps
-                        and state.global_step % args.torch_empty_cache_steps == 0
-                        and device.type == "cuda"
-                    ):
-                        torch.cuda.empty_cache()
-                    self.control = self.callback_handler.fire("on_step_end", args, state, self.control, model=model)
-
-                    # 3. log / evaluate / save on schedule
-                    self._mark_due(state, max_steps, sums.nonfinite_in_row)
-                    if self.control.should_log:
-                        self._log_training(
-                            state,
-                            sums,
-                            learning_rate,
-                            throughput,
-                            device,
-                            peak_flops,
-                            flops_per_token,
-                            writer,
-                            progress,
-                        )
-                    self._maybe_evaluate_and_save(state, model, optimizer, scheduler, loader, writer, progress)
-                    if self.control.should_training_stop or self.control.should_epoch_stop:
-                        break
-                self.control.should_epoch_stop = False
-                self.control = self.callback_handler.fire("on_epoch_end", args, state, self.control)
-                if args.eval_strategy == "epoch":
-                    self.control.should_evaluate = True
-                if args.save_strategy == "epoch":
-                    self.control.should_save = True
-                self._maybe_evaluate_and_save(state, model, optimizer, scheduler, loader, writer, progress)
-                if self.control.should_training_stop:
-                    break
-
-            # -- end: Hugging Face's end-of-training metrics, over what this call trained
-            runtime = time.perf_counter() - start_time
-            steps_trained = state.global_step - start_step
-            training_loss = sums.train_loss_sum / sums.train_loss_steps if sums.train_loss_steps else float("nan")
-            # Deliberate differences: after a resume HF divides the new steps' losses by the whole run's global_step
-            # and counts the whole run's samples and steps against this call's runtime; here all three cover this
-            # call's steps only.
-            samples_trained = steps_trained * args.total_train_batch_size(self.world_size)
-            metrics = {
-                "train_runtime": runtime,
-                "train_samples_per_second": samples_trained / max(runtime, 1e-9),
-                "train_steps_per_second": steps_trained / max(runtime, 1e-9),
-                "total_flos": state.total_flos,
-                "train_loss": training_loss if sums.train_loss_steps else None,
-            }
-            if self.stop_signal is None:  # a stopped run is not at its end: its resume logs them, once
-                self._log(state, metrics, writer, progress)
-        except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this point
-            self._print(f"aborted by a second Ctrl-C after step {state.global_step}, without saving; {self._on_disk()}")
-            raise
-        finally:
-            progress.close()
-            self._restore_stop_signals(previous_handlers)
-            writer.close()
-        if self.stop_signal is not None:
-            self._print(f"{self.stop_signal.name}: stopped at step {state.global_step}; {self._on_disk()}")
-        elif steps_trained and state.nonfinite_steps - start_nonfinite == steps_trained:
-            # Every step was skipped: the weights are the starting ones, and a caller saving them as "the trained
-            # model" would replace a good model with an untrained one (transformers goes on and saves it).
-            raise TrainingError(
-                f"training failed: all {steps_trained} steps had a non-finite loss or gradient norm, "
-                f"so no update reached the weights (lower the learning rate, check the data, or try "
-                f"bf16 instead of fp16); {self._on_disk()}"
-            )
-        if args.load_best_model_at_end and state.best_model_checkpoint and self.stop_signal is None:
-            if self.deepspeed is not None:
-                self.deepspeed.load_checkpoint(Path(state.best_model_checkpoint) / DEEPSPEED_DIR, weights_only=True)
-            else:
-                load_model_weights(self.model, Path(state.best_model_checkpoint))
-            self._print(
-                f"loaded the best model from {state.best_model_checkpoint} ({args.metric_for_best_model}="
-                f"{state.best_metric})"
-            )
-        self.control = self.callback_handler.fire("on_train_end", args, state, self.control, model=model)
-        return TrainOutput(state.global_step, training_loss, metrics)
-
-    def _forward_backward(self, model, micro_batches, device, state, throughput):
+    def _forward_backward(self, run: _Run, micro_batches: list) -> _Window:
         """Forward and backward of every micro batch of a window, gradients accumulated in `.grad`. Returns the
         window's loss (on the device), its tokens (this rank's, on the host) and, with several processes, the
         window's tokens over all ranks (on the device; the loss is then the sum over all ranks too)."""
-        args = self.args
+        model, device = run.model, run.device
         num_items = self._loss_normaliser(micro_batches, device)
         model.train()
         window_loss = torch.zeros((), device=device, dtype=torch.float32)
@@ -511,15 +559,12 @@ class Trainer:
             with gradient_sync(model, last):
                 with self._autocast(device, train=True):
                     loss = self._compute_loss(model, batch, num_items, device)
-                if self.deepspeed is not None:
-                    self.deepspeed.backward(loss, last)
-                else:
-                    (self.scaler.scale(loss) if self.scaler else loss).backward()
+                run.engine.backward(loss, last)
             window_loss += loss.detach().float()
-            if i < len(micro_batches) - 1:
-                self.control = self.callback_handler.fire("on_substep_end", args, state, self.control)
+            if not last:
+                self._fire("on_substep_end")
             tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
-            throughput.add(tokens, count_targets(batch["labels"]))  # on the host copy of the labels
+            run.throughput.add(tokens, count_targets(batch["labels"]))  # on the host copy of the labels
             window_tokens += tokens
         global_tokens = None
         if self.world_size > 1:
@@ -530,86 +575,46 @@ class Trainer:
             )
             torch.distributed.all_reduce(totals)
             window_loss, global_tokens = totals[0] / self.world_size, totals[1]
-        return window_loss, window_tokens, global_tokens
+        return _Window(window_loss, window_tokens, global_tokens)
 
-    def _clip_and_step(
-        self,
-        model,
-        optimizer,
-        scheduler,
-        window_loss,
-        window_tokens: int,
-        global_tokens,
-        device,
-        state,
-        sums: _RunningSums,
-    ) -> tuple[float, int]:
-        """Clip the gradients, bring the window's numbers to the host (the step's one sync), then step the optimizer
-        and the scheduler, or skip a non-finite (or fp16-overflowing) update; zero the gradients either way.
-        Returns the learning rate this step used and the window's tokens (over all ranks with several).
+    def _host_numbers(self, run: _Run, window: _Window, grad_norm) -> tuple[float, float | None]:
+        """The step's one host sync: one copy of every number the host needs, (loss, gradient norm); with several
+        processes the window's tokens over all ranks too, which then replace this rank's in `window.tokens`; they
+        count into num_input_tokens_seen. `.to(device)`: FSDP2 with offloaded parameters, and DeepSpeed, have the
+        norm on the CPU; DeepSpeed may have none (stage 0 without clipping)."""
+        on_device = (
+            [window.loss]
+            + ([grad_norm] if grad_norm is not None else [])
+            + ([window.global_tokens] if window.global_tokens is not None else [])
+        )
+        host = torch.stack([t.to(run.device, torch.float64) for t in on_device]).tolist()
+        loss_value = host.pop(0)
+        grad_norm_value = host.pop(0) if grad_norm is not None else None
+        if window.global_tokens is not None:
+            window.tokens = int(host.pop(0))
+        run.state.num_input_tokens_seen += window.tokens
+        return loss_value, grad_norm_value
 
-        Under DeepSpeed its engine clips (gradient_clipping), checks, steps the optimizer and the scheduler and
-        zeroes the gradients in one call, skipping a non-finite or overflowing update itself (its own host syncs
-        included); the loop counts and logs what it did exactly as its own."""
-        args = self.args
-        # The rate this step uses, read before the scheduler moves on: what Hugging Face logs.
-        learning_rate = scheduler.get_last_lr()[0]
-        if self.deepspeed is not None:
-            self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
-            applied, grad_norm = self.deepspeed.step()
-            loss_value, grad_norm_value, window_tokens = self._host_numbers(
-                window_loss, grad_norm, window_tokens, global_tokens, device
-            )
-            state.num_input_tokens_seen += window_tokens
-            finite = math.isfinite(loss_value) and applied
-            stepped = applied and math.isfinite(loss_value)
-            if not applied and args.fp16 and math.isfinite(loss_value):  # DeepSpeed's loss scaler lowered the scale
-                finite = True
-                state.overflow_steps += 1
-        else:
-            if self.scaler is not None:
-                self.scaler.unscale_(optimizer)
-            params = [p for p in model.parameters() if p.grad is not None]
-            max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros((), device=device)
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over every rank's shards (already used to clip)
-                grad_norm = grad_norm.full_tensor()
-            loss_value, grad_norm_value, window_tokens = self._host_numbers(
-                window_loss, grad_norm, window_tokens, global_tokens, device
-            )
-            state.num_input_tokens_seen += window_tokens
-            finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
-            self.control = self.callback_handler.fire("on_pre_optimizer_step", args, state, self.control)
-            stepped = False
-            if self.scaler is not None:
-                # Non-finite gradients under fp16 are an overflow: the scaler skips the update and
-                # lowers the scale. Only a non-finite loss counts as a non-finite step then.
-                finite = math.isfinite(loss_value)
-                scale_before = self.scaler.get_scale()
-                self.scaler.step(optimizer)
-                self.scaler.update()
-                stepped = self.scaler.get_scale() >= scale_before and finite
-                if self.scaler.get_scale() < scale_before:
-                    state.overflow_steps += 1
-            elif finite:
-                optimizer.step()
-                stepped = True
-            optimizer.zero_grad(set_to_none=True)
-            if stepped:
-                scheduler.step()
+    def _count_update(self, run: _Run, update: tuple) -> None:
+        """What the engine's step did, into the running sums and the state: a real update's loss and gradient norm
+        to log, a skipped non-finite one counted (and `max_nonfinite_steps` of them in a row stop the run), an fp16
+        overflow counted."""
+        args, state, sums = self.args, run.state, run.sums
+        loss, grad_norm, stepped, finite, overflow = update
+        if overflow:
+            state.overflow_steps += 1
         if stepped:
             sums.nonfinite_in_row = 0
-            sums.logged_loss += loss_value
+            sums.logged_loss += loss
             sums.logged_steps += 1
-            sums.train_loss_sum += loss_value
+            sums.train_loss_sum += loss
             sums.train_loss_steps += 1
-            sums.last_grad_norm = grad_norm_value
+            sums.last_grad_norm = grad_norm
         elif not finite:
             state.nonfinite_steps += 1
             sums.nonfinite_in_row += 1
             self._print(
-                f"step {state.global_step + 1}: non-finite loss ({loss_value}) or grad_norm "
-                f"({grad_norm_value}); update skipped"
+                f"step {state.global_step + 1}: non-finite loss ({loss}) or grad_norm ({grad_norm}); update skipped"
             )
             if sums.nonfinite_in_row >= args.max_nonfinite_steps:
                 last = ckpt.latest_checkpoint(args.output_dir)
@@ -617,58 +622,30 @@ class Trainer:
                     f"{sums.nonfinite_in_row} non-finite steps in a row (max_nonfinite_steps="
                     f"{args.max_nonfinite_steps}); stopping. Last good checkpoint: {last or 'none saved'}"
                 )
-        self.control = self.callback_handler.fire("on_optimizer_step", args, state, self.control)
-        return learning_rate, window_tokens
 
-    def _host_numbers(
-        self, window_loss, grad_norm, window_tokens: int, global_tokens, device
-    ) -> tuple[float, float | None, int]:
-        """The step's one host sync: one copy of every number the host needs, (loss, gradient norm, the window's
-        tokens over all ranks with several). `.to(device)`: FSDP2 with offloaded parameters, and DeepSpeed, have
-        the norm on the CPU; DeepSpeed may have none (stage 0 without clipping)."""
-        on_device = (
-            [window_loss]
-            + ([grad_norm] if grad_norm is not None else [])
-            + ([global_tokens] if global_tokens is not None else [])
-        )
-        host = torch.stack([t.to(device, torch.float64) for t in on_device]).tolist()
-        loss_value = host.pop(0)
-        grad_norm_value = host.pop(0) if grad_norm is not None else None
-        if global_tokens is not None:
-            window_tokens = int(host.pop(0))
-        return loss_value, grad_norm_value, window_tokens
-
-    def _mark_due(self, state, max_steps: int, nonfinite_in_row: int) -> None:
+    # ---- after a step ---------------------------------------------------------------------------------
+    def _mark_due(self, run: _Run) -> None:
         """Is a log, an evaluation, a save or the end due after this step? Set in `self.control`, where callbacks
         may have set some already (on_step_end)."""
-        args, step = self.args, state.global_step
+        args, state = self.args, run.state
+        step = state.global_step
         if _due(args.logging_strategy, step, state.logging_steps) or (args.logging_first_step and step == 1):
             self.control.should_log = True
         if _due(args.eval_strategy, step, state.eval_steps) and step >= (args.eval_delay or 0):
             self.control.should_evaluate = True
         # No scheduled save inside a run of non-finite steps: the newest checkpoint stays the last good one.
-        if args.save_strategy == "steps" and step % state.save_steps == 0 and not nonfinite_in_row:
+        if args.save_strategy == "steps" and step % state.save_steps == 0 and not run.sums.nonfinite_in_row:
             self.control.should_save = True
-        if step >= max_steps:
+        if step >= run.max_steps:
             self.control.should_training_stop = True
         if self.stop_signal is not None:  # SIGTERM or a first Ctrl-C: save this step, then stop
             self.control.should_save = True
             self.control.should_training_stop = True
 
-    def _log_training(
-        self,
-        state,
-        sums: _RunningSums,
-        learning_rate: float,
-        throughput,
-        device,
-        peak_flops,
-        flops_per_token,
-        writer,
-        progress,
-    ) -> None:
+    def _log_training(self, run: _Run, learning_rate: float) -> None:
         """The training log line: the mean loss of the steps since the last log, the last gradient norm, the
         learning rate, the throughput since the last log, MFU and memory; then the sums start over."""
+        state, sums = run.state, run.sums
         # Skipped (non-finite) steps are not averaged in; a window of only skipped steps logs no loss.
         logs = {
             "loss": sums.logged_loss / sums.logged_steps if sums.logged_steps else None,
@@ -676,54 +653,92 @@ class Trainer:
             "learning_rate": learning_rate,
             **self._extra_logs(),
         }
-        speed = throughput.mark()
+        speed = run.throughput.mark()
         logs.update(speed)
-        if peak_flops and flops_per_token:
+        if run.peak_flops and run.flops_per_token:
             # tokens_per_second counts this rank's tokens, so this is already the per-device MFU.
-            logs["mfu"] = flops_per_token * speed["tokens_per_second"] / peak_flops
-        logs["peak_memory_gb"] = peak_memory_gb(device)
+            logs["mfu"] = run.flops_per_token * speed["tokens_per_second"] / run.peak_flops
+        logs["peak_memory_gb"] = peak_memory_gb(run.device)
         if self.args.include_num_input_tokens_seen:
             logs["num_input_tokens_seen"] = state.num_input_tokens_seen
         if state.nonfinite_steps or state.overflow_steps:
             logs["skipped_steps"] = state.nonfinite_steps + state.overflow_steps
-        self._log(state, logs, writer, progress)
+        self._log(run, logs)
         sums.logged_loss, sums.logged_steps, sums.last_grad_norm = 0.0, 0, None
 
     def _extra_logs(self) -> dict:
         """What a trainer built on this loop adds to each training log (trainer/preference.py: TRL's metrics)."""
         return {}
 
-    def _print_run_summary(self, model, loader, micro: int, accum: int, num_epochs: int, max_steps: int) -> None:
+    # ---- the end --------------------------------------------------------------------------------------
+    def _end_metrics(self, run: _Run) -> dict:
+        """Hugging Face's end-of-training metrics, logged unless a signal stopped the run (it is not at its end:
+        its resume logs them, once)."""
+        args, state = self.args, run.state
+        runtime = time.perf_counter() - run.start_time
+        steps_trained = state.global_step - run.start_step
+        # Deliberate differences: after a resume HF divides the new steps' losses by the whole run's global_step
+        # and counts the whole run's samples and steps against this call's runtime; here all three cover this
+        # call's steps only.
+        samples_trained = steps_trained * args.total_train_batch_size(self.world_size)
+        metrics = {
+            "train_runtime": runtime,
+            "train_samples_per_second": samples_trained / max(runtime, 1e-9),
+            "train_steps_per_second": steps_trained / max(runtime, 1e-9),
+            "total_flos": state.total_flos,
+            "train_loss": run.sums.training_loss() if run.sums.train_loss_steps else None,
+        }
+        if self.stop_signal is None:
+            self._log(run, metrics)
+        return metrics
+
+    def _check_the_end(self, run: _Run) -> None:
+        """Say where a stopped run stands; refuse, in one line, a run whose every step was skipped."""
+        state = run.state
+        steps_trained = state.global_step - run.start_step
+        if self.stop_signal is not None:
+            self._print(f"{self.stop_signal.name}: stopped at step {state.global_step}; {self._on_disk()}")
+        elif steps_trained and state.nonfinite_steps - run.start_nonfinite == steps_trained:
+            # Every step was skipped: the weights are the starting ones, and a caller saving them as "the trained
+            # model" would replace a good model with an untrained one (transformers goes on and saves it).
+            raise TrainingError(
+                f"training failed: all {steps_trained} steps had a non-finite loss or gradient norm, "
+                f"so no update reached the weights (lower the learning rate, check the data, or try "
+                f"bf16 instead of fp16); {self._on_disk()}"
+            )
+
+    def _print_run_summary(self, run: _Run) -> None:
         """Hugging Face's `***** Running training *****` block, plus one line of ours spelling out the global batch."""
+        micro, accum, world_size = run.micro, run.accum, self.world_size
         # ds_numel: a parameter's full size under DeepSpeed ZeRO-3, which leaves each rank an empty tensor in its place
-        sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # tied: once
+        sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in run.model.parameters()]  # tied: once
         trainable, total = sum(n for n, grad in sizes if grad), sum(n for n, _ in sizes)
-        processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
-        if loader.max_tokens is not None:  # token-budget batching: a micro batch is a token count, not a row count
+        processes = f"{world_size} process{'es' if world_size > 1 else ''}"
+        if run.loader.max_tokens is not None:  # token-budget batching: a micro batch is a token count, not a row count
             global_batch = (
-                f"{processes} x micro batches of up to {loader.max_tokens:,} tokens x {accum} accumulation "
-                f"= {self.world_size * accum} micro batches per step"
+                f"{processes} x micro batches of up to {run.loader.max_tokens:,} tokens x {accum} accumulation "
+                f"= {world_size * accum} micro batches per step"
             )
         else:
             global_batch = (
                 f"{processes} x {micro} micro batch x {accum} accumulation = "
-                f"{self.world_size * micro * accum} sequences per step"
+                f"{world_size * micro * accum} sequences per step"
             )
         self._print(
             "\n".join(
                 [
                     "***** Running training *****",
                     f"  Num examples = {len(self.train_dataset):,}",
-                    f"  Num Epochs = {num_epochs:,}",
+                    f"  Num Epochs = {run.num_epochs:,}",
                     f"  Instantaneous batch size per device = {micro:,}",
                     f"  Total train batch size (w. parallel, distributed & accumulation) = "
-                    f"{self.args.total_train_batch_size(self.world_size):,}",
+                    f"{self.args.total_train_batch_size(world_size):,}",
                     f"  Gradient Accumulation steps = {accum}",
-                    f"  Total optimization steps = {max_steps:,}",
+                    f"  Total optimization steps = {run.max_steps:,}",
                     f"  Number of trainable parameters = {trainable:,}",
                     f"  Global batch = {global_batch}",
                 ]
-                + ([trainable_summary(trainable, total)] if has_adapter(unwrap(model)) else [])
+                + ([trainable_summary(trainable, total)] if has_adapter(unwrap(run.model)) else [])
             )
         )
 
@@ -733,9 +748,9 @@ class Trainer:
         shards on the CPU, but computes on the accelerator), else wherever the model's parameters are."""
         return local_device() if self.world_size > 1 else _model_device(model)
 
-    def _accumulation_steps(self) -> int:
-        self.args.resolve_world(self.world_size)
-        return self.args.gradient_accumulation_steps
+    def _fire(self, event: str, **kwargs) -> None:
+        """Call every callback's `event` with the arguments, the state and the control (which it may change)."""
+        self.control = self.callback_handler.fire(event, self.args, self.state, self.control, **kwargs)
 
     def _loss_normaliser(self, micro_batches, device) -> int | torch.Tensor:
         """What each micro batch's summed token loss is divided by: N / world_size, N = the window's supervised
@@ -859,41 +874,18 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=dtype)
 
-    def _create_optimizer_and_scheduler(self, model, max_steps):
-        """The optimizer and the schedule, built once. Under dist_config deepspeed, `deepspeed.initialize` wraps the
-        model in its engine (`self.model` from then on) with ours as its client optimizer and schedule, or those
-        of the config's sections (trainer/deepspeed_engine.py)."""
-        args = self.args
-        if uses_deepspeed(args):
-            if self.deepspeed is None:
-                self.deepspeed = DeepSpeedRun.initialize(
-                    model,
-                    args,
-                    world_size=self.world_size,
-                    max_steps=max_steps,
-                    make_optimizer=lambda m: self.optimizer or build_optimizer(m, args),
-                    make_scheduler=lambda opt: self.lr_scheduler or build_lr_scheduler(opt, args, max_steps),
-                )
-                self.model = self.deepspeed.engine
-            self.optimizer, self.lr_scheduler = self.deepspeed.optimizer, self.deepspeed.scheduler
-            return self.optimizer, self.lr_scheduler
-        if self.optimizer is None:
-            self.optimizer = build_optimizer(model, args)
-        if self.lr_scheduler is None:
-            self.lr_scheduler = build_lr_scheduler(self.optimizer, args, max_steps)
-        return self.optimizer, self.lr_scheduler
-
     def _flops_per_token(self, model) -> float | None:
         fn = getattr(unwrap(model), "flops_per_token", None)
         if fn is None:
             return None
         return float(fn(self.args.cutoff_len))
 
-    def _log(self, state, logs: dict, writer, progress) -> None:
+    def _log(self, run: _Run, logs: dict) -> None:
+        state, progress = run.state, run.progress
         logs = {"epoch": round(state.epoch, 4), **{k: v for k, v in logs.items() if v is not None}}
         state.log_history.append({**logs, "step": state.global_step})
-        writer.write(logs, state.global_step)
-        self.control = self.callback_handler.fire("on_log", self.args, state, self.control, logs=logs)
+        run.writer.write(logs, state.global_step)
+        self._fire("on_log", logs=logs)
         if self.rank == 0:
             if progress.disable:
                 self._print(f"step {state.global_step}/{state.max_steps} {format_logs(logs)}")
@@ -908,58 +900,49 @@ class Trainer:
                 )
                 progress.write(f"step {state.global_step}/{state.max_steps} {format_logs(logs)}")
 
-    def _maybe_evaluate_and_save(self, state, model, optimizer, scheduler, loader, writer, progress) -> None:
-        args = self.args
+    def _maybe_evaluate_and_save(self, run: _Run) -> None:
+        args, state = self.args, run.state
         metrics = None
         if self.control.should_evaluate and self.eval_dataset is not None:
-            metrics = self._evaluate_and_track(state, writer=writer, progress=progress)
+            metrics = self._evaluate_and_track(run, log=True)
         if args.save_strategy == "best" and metrics is not None and state.best_global_step == state.global_step:
             self.control.should_save = True
         if self.control.should_save and (args.save_strategy != "no" or self.stop_signal is not None):
-            self._save_checkpoint(state, model, optimizer, scheduler, loader)
+            self._save_checkpoint(run)
         self.control.reset_step()
 
-    def _evaluate_and_track(self, state, writer=None, progress=None) -> dict:
+    def _evaluate_and_track(self, run: _Run, log: bool) -> dict:
+        """Evaluate, log the metrics (not the evaluation before the first step, eval_on_start), track the best."""
         metrics = self.evaluate()
-        if writer is not None:
-            self._log(state, metrics, writer, progress if progress is not None else _NoProgress())
-        track_best(state, metrics, self.args)
-        self.control = self.callback_handler.fire("on_evaluate", self.args, state, self.control, metrics=metrics)
+        if log:
+            self._log(run, metrics)
+        track_best(run.state, metrics, self.args)
+        self._fire("on_evaluate", metrics=metrics)
         return metrics
 
-    def _save_checkpoint(self, state, model, optimizer, scheduler, loader) -> Path:
-        args = self.args
-        if self.deepspeed is not None:  # model, optimizer and scheduler: DeepSpeed's checkpoint in deepspeed/
-            optimizer, scheduler = None, None
-            save_sharded = lambda d: self.deepspeed.save_checkpoint(d / DEEPSPEED_DIR)  # noqa: E731
-        elif is_fsdp(model):
-            save_sharded = lambda d: save_sharded_state(model, optimizer, d / ckpt.DCP_DIR)  # noqa: E731
-        else:
-            save_sharded = None
+    def _save_checkpoint(self, run: _Run) -> Path:
+        args, state = self.args, run.state
         path = ckpt.save_checkpoint(
             args.output_dir,
             state.global_step,
             save_model=self._save_model_files,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=self.scaler,
-            data_state=loader.state_dict(),
+            save_engine=run.engine.save_checkpoint,
+            data_state=run.loader.state_dict(),
             trainer_state=state.to_dict(),
             args_dict=args.to_dict(),
             rank=self.rank,
             world_size=self.world_size,
             save_only_model=args.save_only_model,
-            save_sharded=save_sharded,
         )
         if self.rank == 0:
             ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
-        self.control = self.callback_handler.fire("on_save", args, state, self.control)
+        self._fire("on_save")
         return path
 
     def _save_model_files(self, directory: Path) -> None:
         """The model in the Hugging Face layout into `directory`; every rank calls it (gathering FSDP2 shards or
         DeepSpeed ZeRO-3 partitions is a collective), rank 0 writes."""
-        full = self.deepspeed.full_state_dict() if self.deepspeed is not None else None
+        full = self.engine.full_state_dict() if self.engine is not None else None
         save_model_files(self.model, directory, rank=self.rank, tokenizer=self.processing_class, full_state_dict=full)
 
     # ---- data -----------------------------------------------------------------------------------------
