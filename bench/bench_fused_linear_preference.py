@@ -169,6 +169,14 @@ def matmul_flops(mode, n_seqs, seq_len, hdim, vocab, n_ignored, w):
     return {"forward": forward, "backward": backward, "full": forward + backward}[mode]
 
 
+def loss_matmul_flops(n_seqs, seq_len, hdim, vocab, n_ignored):
+    """Matmul FLOPs of one policy call of kernels.fused_linear_preference_loss, forward and backward together (the
+    gradients are formed in its forward, backward only scales them): logits, grad_hidden and grad_weight on the K
+    answer rows (6 K H V, whatever the weight's dtype), and the mean-logit matmul (K, H) x (H, 2)."""
+    k = n_seqs * seq_len - n_ignored
+    return 6 * k * hdim * vocab + 4 * k * hdim
+
+
 def step_flops(mode, n_seqs, seq_len, hdim, vocab, n_ignored, w):
     """The bench's step: the reference's forward, the policy's forward and (full, backward) its backward."""
     forward = matmul_flops("forward", n_seqs, seq_len, hdim, vocab, n_ignored, w)

@@ -89,6 +89,11 @@ from .fused_linear_preference import (
 _flce = importlib.import_module(f"{__package__}.fused_linear_cross_entropy")
 
 
+def _target_on_host(target):
+    """Whether the kept rows can be found on the host: a CPU target, outside torch.compile's tracing."""
+    return target.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _plan_chunks(target, ignore_index, n_pairs, hdim, vocab):
     """Host plan (no device sync): (rows, seq_rows, chunks, counts).
 
@@ -97,7 +102,7 @@ def _plan_chunks(target, ignore_index, n_pairs, hdim, vocab):
     (first row, rows, first pair, pairs); counts: the answer tokens per sequence, (S,) int64 on the host, or None
     when the target is on the device (every row kept; the caller counts on the device)."""
     n_seqs, seq_len = target.shape
-    on_host = target.device.type == "cpu" and not torch.compiler.is_compiling()
+    on_host = _target_on_host(target)
     if on_host:
         kept = (target != ignore_index).numpy()  # (S, T)
         per_seq = kept.sum(1)  # (S,)
