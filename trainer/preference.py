@@ -10,9 +10,10 @@ What differs from SFT, and how (the rest, from schedule to checkpoints and resum
   (`trainer.preference_data.collate_pairs`), labels on the answers only. `num_items` is k: the loop's window
   normaliser then makes each window's loss the mean over its pairs, whatever the accumulation and the ranks
   (Hugging Face's TRL averages micro-batch means instead; the two agree when micro batches hold equal pair counts).
-- Loss: the model returns each row's answer log-probability sum, count and mean logit without forming the logits
-  (`CausalLM.forward(..., sequence_logps=True)`, `kernels.fused_linear_preference`), and
-  `kernels.preference_loss` turns them, with the reference's, into TRL's loss and metrics.
+- Loss: the model returns TRL's loss and metrics of the pairs without forming the logits
+  (`CausalLM.forward(..., preference_loss={...})`, `kernels.fused_linear_preference_loss`: the loss inside the
+  op, its gradient formed chunk by chunk of whole pairs), given the reference's per-sequence log-probs
+  (`CausalLM.forward(..., sequence_logps=True)`, `kernels.fused_linear_preference`, forward only).
 - The reference: none for reference-free losses (`reference_free`, orpo, simpo); else precomputed once over the
   training set before the first step (`precompute_ref_log_probs`, a table indexed by pair), or a forward of
   `ref_model` under no_grad, or, for a model with a LoRA adapter, the same model with the adapter disabled (no
@@ -184,8 +185,8 @@ class PreferenceTrainer(Trainer):
         return loader
 
     # ---- the loss -------------------------------------------------------------------------------------------
-    def _sequence_logps(self, model, batch, device) -> kernels.PreferenceLogps:
-        """Each row's answer log-probability sum, count and mean logit, through the model's forward."""
+    def _forward(self, model, batch, device, **kwargs):
+        """The model's forward on the batch with its labels (sequence_logps=True or preference_loss=...)."""
         accepted = forward_params(model)  # inspect.signature: once per call, not once per key
         inputs = {
             k: batch[k].to(device, non_blocking=True)
@@ -195,7 +196,11 @@ class PreferenceTrainer(Trainer):
         # labels stay on the host (the fused op skips the prompt rows without a device sync); FSDP2 moves
         # tensor arguments, so they travel in a holder (see Trainer._compute_loss)
         labels = HostLabels(batch["labels"]) if is_fsdp(model) else batch["labels"]
-        return model(**inputs, labels=labels, sequence_logps=True).sequence_logps
+        return model(**inputs, labels=labels, **kwargs)
+
+    def _sequence_logps(self, model, batch, device) -> kernels.PreferenceLogps:
+        """Each row's answer log-probability sum, count and mean logit, through the model's forward."""
+        return self._forward(model, batch, device, sequence_logps=True).sequence_logps
 
     def _reference_logps(self, batch, device) -> torch.Tensor | None:
         if not self.pref.needs_reference:
@@ -217,11 +222,10 @@ class PreferenceTrainer(Trainer):
     def _compute_loss(self, model, batch, num_items, device):
         """The batch's pairs' loss sum / num_items (the window's pairs), metrics added to the running sums."""
         ref = self._reference_logps(batch, device)
-        policy = self._sequence_logps(model, batch, device)
-        pairs = int(batch["num_pairs"])
-        loss, metrics = kernels.preference_loss(
-            policy,
-            ref,
+        # the loss inside the model's forward: with use_kernels kernels.fused_linear_preference_loss forms its
+        # gradient in one pass over the answer rows (6 K H V matmul FLOPs); else the same formulas on the logits
+        options = dict(
+            ref_logps=ref,
             loss_type=self.pref.loss_type,
             beta=self.pref.beta,
             label_smoothing=self.pref.label_smoothing,
@@ -229,6 +233,9 @@ class PreferenceTrainer(Trainer):
             simpo_gamma=self.pref.simpo_gamma,
             cpo_alpha=self.pref.cpo_alpha,
         )
+        out = self._forward(model, batch, device, preference_loss=options)
+        loss, metrics = out.loss, out.metrics
+        pairs = int(batch["num_pairs"])
         if pairs:
             sums = self._sums.setdefault("train" if model.training else "eval", {"pairs": 0})
             sums["pairs"] += pairs
