@@ -303,6 +303,7 @@ class FusedLinearPreferenceLossFunction(torch.autograd.Function):
         ctx.hidden_shape = hidden.shape
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*out)
+        ctx.set_materialize_grads(False)  # no zero gradients for the per-sequence outputs; the loss's is used
         return (loss, *out)
 
     @staticmethod
