@@ -7,6 +7,8 @@ log-probs (its own hidden states and a second weight, no gradient), the policy's
 and in "full" the backward to the policy's hidden states and weight.
   ours   kernels.fused_linear_preference under no_grad (reference) and with autograd (policy), then
          kernels.preference_loss; targets on the host, so the prompt rows are skipped before any matmul
+  fused  kernels.fused_linear_preference_loss for the policy (the loss inside the op, its gradients formed in the
+         forward: `loss_matmul_flops`), the reference as in ours
   torch  the same with fused_linear_preference_ref: F.linear to the (S*T, V) logits, fp32 log_softmax, gather
   liger  liger_kernel.chunked_loss.LigerFusedLinearDPOLoss (its reference pass inside, from ref_input and
          ref_weight); skipped where liger-kernel is not installed, and on a CPU (its chunked loss is compiled for
@@ -58,7 +60,7 @@ from bench import bench_fused_linear_cross_entropy as bench_flce  # noqa: E402
 from bench.bench_cross_entropy import DTYPES, add_speedups  # noqa: E402
 from kernels import fused_linear_preference, fused_linear_preference_ref, preference_loss  # noqa: E402
 
-PROVIDERS = ("ours", "torch", "liger")
+PROVIDERS = ("ours", "fused", "torch", "liger")
 MODES = ("forward", "backward", "full")
 GPU_SHAPES = [(8, 1024, 2048, 128256), (4, 2048, 4096, 128256)]  # (pairs, tokens per sequence, hidden, vocab)
 CPU_SHAPES = [(2, 8, 64, 500)]
@@ -82,6 +84,14 @@ def make_step(provider):
     """(step(hidden, weight, target, ref_hidden, ref_weight) -> loss, None), or (None, why it is skipped)."""
     if provider == "liger":
         return _liger_dpo()
+    if provider == "fused":  # the loss inside the op: 6 K H V for the policy (loss_matmul_flops)
+
+        def fused_step(hidden, weight, target, ref_hidden, ref_weight):
+            with torch.no_grad():
+                ref_logps = fused_linear_preference(ref_hidden, ref_weight, target).logps
+            return kernels.fused_linear_preference_loss(hidden, weight, target, None, ref_logps, beta=BETA)[0]
+
+        return fused_step, None
     fn = {"ours": fused_linear_preference, "torch": fused_linear_preference_ref}.get(provider)
     if fn is None:
         raise ValueError(f"unknown provider {provider!r}; choose from {', '.join(PROVIDERS)}")
@@ -111,7 +121,7 @@ def bench_one(provider, pairs, seq_len, hdim, vocab, dtype, prompt, dev, reps=3)
     if step is None:
         return None, why
     hidden, weight, target, ref_hidden, ref_weight = make_inputs(pairs, seq_len, hdim, vocab, dtype, prompt, dev)
-    if provider == "ours":
+    if provider in ("ours", "fused"):
         target = target.cpu()  # host labels, as the collator builds them: the prompt rows are known without a sync
 
     def forward():
@@ -124,7 +134,7 @@ def bench_one(provider, pairs, seq_len, hdim, vocab, dtype, prompt, dev, reps=3)
         reset()
         step(hidden, weight, target, ref_hidden, ref_weight).backward()
 
-    with kernels.backend("triton" if provider == "ours" else "auto"):
+    with kernels.backend("triton" if provider in ("ours", "fused") else "auto"):
         times, peak = common.mode_times(forward, full, reset, reps)
     n_seqs, s = 2 * pairs, hidden.element_size()
     n_rows, n_ignored = n_seqs * seq_len, int((target == -100).sum())
