@@ -160,6 +160,7 @@ class PreferenceTrainer(Trainer):
                 self.ref_model = self._frozen(self._configure_model(ref_model))
             elif not self.pref.precompute_ref_log_probs and not has_adapter(unwrap(self.model)):
                 self.ref_model = self._frozen(copy.deepcopy(unwrap(self.model)))
+        self._ref_prepared = False  # whether the reference went through DeepSpeed (_reference_model)
         self._ref_tables: dict[int, np.ndarray] = {}  # id(dataset) -> (pairs, 2) fp32 reference logps, precomputed
         self._sums: dict[str, dict] = {}  # "train"/"eval" -> metric name -> device sum over pairs; "pairs" -> count
 
@@ -214,7 +215,7 @@ class PreferenceTrainer(Trainer):
             )
         with torch.no_grad():
             if self.ref_model is not None:
-                return self._sequence_logps(self.ref_model, batch, device).logps
+                return self._sequence_logps(self._reference_model(), batch, device).logps
             # the base model under the LoRA adapter, or (precomputing, before any step) the model as given
             with adapters_disabled(unwrap(self.model)):
                 return self._sequence_logps(self.model, batch, device).logps
@@ -237,7 +238,8 @@ class PreferenceTrainer(Trainer):
         loss, metrics = out.loss, out.metrics
         pairs = int(batch["num_pairs"])
         if pairs:
-            sums = self._sums.setdefault("train" if model.training else "eval", {"pairs": 0})
+            # unwrap: DeepSpeed's engine.eval() switches its module, not the engine's own `training`
+            sums = self._sums.setdefault("train" if unwrap(model).training else "eval", {"pairs": 0})
             sums["pairs"] += pairs
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0) + value.detach() * pairs
@@ -335,6 +337,16 @@ class PreferenceTrainer(Trainer):
             torch.distributed.all_reduce(table)
             out = table.cpu().numpy()
         return out
+
+    def _reference_model(self):
+        """The reference model a forward runs. Under DeepSpeed ZeRO-3, once the policy's engine exists, the frozen
+        reference goes through DeepSpeed too (`DeepSpeedRun.frozen`, as TRL prepares its reference): its parameters
+        partitioned over the ranks like the policy's and gathered module by module in each forward. Every rank
+        makes its first reference forward at the same micro step, so they wrap it together (a collective)."""
+        if self.deepspeed is not None and not self._ref_prepared:
+            self.ref_model = self.deepspeed.frozen(self.ref_model)
+            self._ref_prepared = True
+        return self.ref_model
 
     def _frozen(self, model):
         model.to(self._device(self.model)).eval()

@@ -9,12 +9,13 @@ per process on a loaded machine: one launch serves many runs).
 
 A training job is {"output": its directory, "args": TrainingArguments overrides, "resume": a checkpoint path or
 null, "fail_at_step": a step at which rank 1 raises, or null, "nan_at_step": a step whose losses rank 1 makes NaN,
-or null, "metrics": true to evaluate with
-tests.trainer.test_distributed.eval_metrics, "host_labels_probe": true to run `HostLabelsProbe`}. Rank 0 writes output/result.json (the logged losses, the eval
-metrics, the non-finite steps counted) and every job ends with the consolidated model in output/final.
+or null, "metrics": true to evaluate with tests.trainer.test_distributed.eval_metrics, "host_labels_probe": true to
+run `HostLabelsProbe`}. Rank 0 writes output/result.json (the logged losses, the eval metrics, the non-finite steps
+counted) and every job ends with the consolidated model in output/final.
 
-A preference job is {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments}: DPO
-(`trainer.preference.PreferenceTrainer`) on the pairs, then an evaluation on them; rank 0 writes result.json.
+A preference job is {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments, "resume": a
+checkpoint path or null}: DPO (`trainer.preference.PreferenceTrainer`) on the pairs, then an evaluation on them;
+rank 0 writes result.json (with what each rank holds of the reference model: `reference_holding`).
 
 A build job is {"output", "args", "build": {"model": a preset or directory, "seed": int}}: the model is loaded as
 `python -m trainer.sft` loads it (`trainer.build.build_model`; sharded without a full copy under dist_config fsdp2,
@@ -43,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from trainer import build as build_module  # noqa: E402
-from trainer import checkpoint_hf
+from trainer import checkpoint_hf  # noqa: E402
 from trainer.args import TrainingArguments  # noqa: E402
 from trainer.callbacks import TrainerCallback  # noqa: E402
 from trainer.data import load_sft_dataset  # noqa: E402
@@ -162,9 +163,10 @@ def file_backed(t: torch.Tensor) -> bool:
 
 class FullSizeWatch(TorchDispatchMode):
     """Counts the memory blocks of a full weight's size alive at the same time: plain float tensors (not meta, not
-    DTensor; DTensor's own index arithmetic makes int64 ones) of one of `shapes` (the full shapes of the sharded parameters) that fill their whole storage (a view of a part
-    of something bigger allocates nothing), once per storage, unless it maps a file. `peak` is the most at once,
-    `file_views` how many full-shape views of mapped files went by."""
+    DTensor; DTensor's own index arithmetic makes int64 ones) of one of `shapes` (the full shapes of the sharded
+    parameters) that fill their whole storage (a view of a part of something bigger allocates nothing), once per
+    storage, unless it maps a file. `peak` is the most at once, `file_views` how many full-shape views of mapped
+    files went by."""
 
     def __init__(self, shapes):
         super().__init__()
@@ -254,8 +256,9 @@ def build(job: dict) -> None:
 
 
 def run_preference(job: dict) -> None:
-    """A preference job, {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments}: DPO on
-    the pairs; rank 0 writes result.json (the logged losses and reward margins, the eval metrics)."""
+    """A preference job, {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments, "resume"}:
+    DPO on the pairs; rank 0 writes result.json (the logged losses and reward margins, the eval metrics, what each
+    rank holds of the reference model)."""
     from tests.trainer.test_trainer import small_model
     from trainer.preference import PreferenceArguments, PreferenceTrainer
     from trainer.preference_data import load_preference_dataset
@@ -272,9 +275,12 @@ def run_preference(job: dict) -> None:
         eval_dataset=pairs,
         processing_class=tokenizer,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=job.get("resume"))
     metrics = trainer.evaluate()
     trainer.save_model(str(out / "final"))
+    holding = [reference_holding(trainer.ref_model)] * world_size
+    if torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(holding, holding[0])
     if rank == 0:
         logs = [h for h in trainer.state.log_history if "loss" in h]
         (out / "result.json").write_text(
@@ -284,9 +290,24 @@ def run_preference(job: dict) -> None:
                     "losses": [h["loss"] for h in logs],
                     "margins": [h["rewards/margins"] for h in logs],
                     "metrics": metrics,
+                    "reference_holding": holding,
                 }
             )
         )
+
+
+def reference_holding(ref) -> dict | None:
+    """What this rank holds of the reference model between forwards: {"type", "numel": the full parameter count,
+    "held": the elements stored here (a ZeRO-3 partition `ds_tensor` plus whatever `data` is gathered)}; None
+    without a reference model."""
+    if ref is None:
+        return None
+    params = list(ref.parameters())
+    return {
+        "type": type(ref).__name__,
+        "numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+        "held": sum(p.numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else 0) for p in params),
+    }
 
 
 def run(data: str, job: dict) -> None:
