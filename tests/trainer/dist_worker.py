@@ -14,7 +14,8 @@ run `HostLabelsProbe`}. Rank 0 writes output/result.json (the logged losses, the
 counted) and every job ends with the consolidated model in output/final.
 
 A preference job is {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments, "resume": a
-checkpoint path or null}: DPO (`trainer.preference.PreferenceTrainer`) on the pairs, then an evaluation on them;
+checkpoint path or null, "lora": true to put a LoRA adapter (args' use_peft settings) on the model before
+the trainer gets it}: DPO (`trainer.preference.PreferenceTrainer`) on the pairs, then an evaluation on them;
 rank 0 writes result.json (with what each rank holds of the reference model: `reference_holding`).
 
 A build job is {"output", "args", "build": {"model": a preset or directory, "seed": int}}: the model is loaded as
@@ -267,9 +268,16 @@ def run_preference(job: dict) -> None:
     out = Path(job["output"])
     tokenizer = byte_level_tokenizer()
     pairs = load_preference_dataset([job["pairs"]], tokenizer, show_progress=False)
+    args = TrainingArguments(output_dir=str(out / "run"), **job["args"])
+    model = small_model()
+    if job.get("lora"):  # the adapter on the model as given: the reference is the model with it disabled
+        from trainer.lora import apply_lora, init_adapter_weights
+
+        model = apply_lora(model, args)
+        init_adapter_weights(model, seed=0)
     trainer = PreferenceTrainer(
-        model=small_model(),
-        args=TrainingArguments(output_dir=str(out / "run"), **job["args"]),
+        model=model,
+        args=args,
         pref=PreferenceArguments(**job["pref"]),
         train_dataset=pairs,
         eval_dataset=pairs,

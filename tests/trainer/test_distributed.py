@@ -387,7 +387,9 @@ def test_preference_training_under_deepspeed_zero3_matches_one_process(tmp_path,
     policy (`DeepSpeedRun.frozen`) or precomputed: the losses, reward margins, eval metrics and final weights
     (the consolidated export) of one process without DeepSpeed; each run resumed from its checkpoint-2 continues
     as the unbroken one (the reference rebuilt from the model as given, not from the checkpoint). Every parameter
-    is partitioned (persistence threshold 0), so between forwards each rank holds half of the reference."""
+    is partitioned (persistence threshold 0), so between forwards each rank holds half of the reference. With a
+    LoRA adapter the reference is the policy's engine with the adapter disabled: the losses, margins and adapter
+    of one LoRA process."""
     pytest.importorskip("deepspeed")
     config = tmp_path / "zero3.json"
     config.write_text(
@@ -408,6 +410,8 @@ def test_preference_training_under_deepspeed_zero3_matches_one_process(tmp_path,
     for name, extra in (("zero3", {}), ("zero3-precomputed", {"precompute_ref_log_probs": True})):
         job = {"name": name, "pairs": str(pairs_file), "pref": {**PREF, **extra}, "args": args}
         jobs += [job, {**job, "name": f"{name}-resumed", "resume": str(root / name / "run" / "checkpoint-2")}]
+    lora = {**args, **LORA_ARGS, "save_strategy": "no"}
+    jobs.append({"name": "zero3-lora", "pairs": str(pairs_file), "pref": PREF, "args": lora, "lora": True})
     runs = ok(launch(root, data_file, jobs))
     for name in ("zero3", "zero3-precomputed"):
         result = runs["result"][name]
@@ -423,6 +427,29 @@ def test_preference_training_under_deepspeed_zero3_matches_one_process(tmp_path,
             assert rank["type"] == "DeepSpeedEngine", rank
             assert rank["held"] <= rank["numel"] / 2 + 64, rank  # each parameter's partition: ceil(numel / 2)
     assert runs["result"]["zero3-precomputed"]["reference_holding"] == [None, None]
+    # LoRA: the reference is the policy's engine with the adapter disabled (no copy), against one process
+    pytest.importorskip("peft")
+    from trainer.lora import init_adapter_weights
+
+    with kernels.backend("reference"):
+        pairs = load_preference_dataset([pairs_file], byte_level_tokenizer(), show_progress=False)
+        one = {**PREF_ARGS, **LORA_ARGS, "gradient_accumulation_steps": 4}
+        single = TrainingArguments(output_dir=str(tmp_path / "lora"), **one)
+        model = apply_lora(small_model(), single)
+        init_adapter_weights(model, seed=0)
+        trainer = PreferenceTrainer(
+            model=model,
+            pref=PreferenceArguments(**PREF),
+            train_dataset=pairs,
+            eval_dataset=pairs,
+            processing_class=byte_level_tokenizer(),
+            args=single,
+        )
+        trainer.train()
+        lora_run = ([h for h in trainer.state.log_history if "loss" in h], model, trainer.evaluate())
+    assert runs["result"]["zero3-lora"]["reference_holding"] == [None, None]
+    assert_same_preference_run(runs["result"]["zero3-lora"], lora_run, "zero3-lora", margins_abs=1e-6)
+    assert_same_adapter(runs["out"]["zero3-lora"] / "final", model)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
