@@ -164,6 +164,29 @@ def test_no_tokens_by_vocab_tensor_exists(monkeypatch):
     assert max(sizes) <= max(max(9, longest) * V, V * 16) < 16 * 12 * V / 4  # a chunk's logits, or the weight's grad
 
 
+@pytest.mark.parametrize("case", [dict(loss_type="sigmoid", rpo_alpha=0.5), dict(loss_type="simpo")], ids=str)
+def test_no_host_sync(case, monkeypatch):
+    """Forward and backward read no tensor's value into Python (item, tolist, bool, int, float, index): the chunk
+    plan of whole pairs is formed from the host target with numpy (`.numpy()` cannot take a device tensor), and
+    every batch constant (the pair count, the chosen answer tokens) stays a tensor."""
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 7)
+    hidden, weight, bias, target = make_pairs(4, 8, 32, vocab=513, dtype=torch.bfloat16, bias=True, seed=6)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    ref = None if case["loss_type"] == "simpo" else ref_logps(4)
+    options = {**case, "beta": 2.0 if case["loss_type"] == "simpo" else 0.3}
+
+    def host_sync(*args, **kwargs):
+        raise AssertionError("host synchronisation inside fused_linear_preference_loss")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, host_sync)
+    loss, metrics = fused_linear_preference_loss(h, w, target, b, ref, **options)
+    (loss * 3).backward()
+    monkeypatch.undo()
+    assert torch.isfinite(loss) and all(torch.isfinite(v).all() for v in metrics.values())
+    assert all(torch.isfinite(t.grad.float()).all() and t.grad.abs().sum() > 0 for t in (h, w, b))
+
+
 def test_evaluation_under_no_grad_is_the_forward_alone(monkeypatch):
     monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 6)
     hidden, weight, bias, target = make_pairs(3, 8, 32, vocab=513, bias=True, seed=4)
