@@ -13,7 +13,7 @@ thing. This module owns everything DeepSpeed:
   (a deliberate difference: transformers leaves them out and DeepSpeed stops with an assertion).
 - `DeepSpeedRun`: the loop's hooks into one engine: `backward`, `step`, `save_checkpoint`, `load_checkpoint` and
   `full_state_dict` (ZeRO-3 gathered on rank 0, for the consolidated Hugging Face export); `frozen` runs a frozen
-  model (DPO's reference) partitioned like the policy under ZeRO-3.
+  model (DPO's reference) in the policy's dtype, partitioned like the policy under ZeRO-3.
 
 Exactness. The loop keeps its own loss normalisation (each micro loss is divided by the window's supervised
 targets over all ranks / world_size, trainer/trainer.py): `engine.backward(loss, scale_wrt_gas=False)` turns off
@@ -269,18 +269,19 @@ class DeepSpeedRun:
             raise CheckpointError(f"{directory}: DeepSpeed could not load its checkpoint")
 
     def frozen(self, model):
-        """`model`, frozen (no optimizer, no gradients: a DPO reference), run as this engine runs the policy: under
-        ZeRO-3 a DeepSpeed engine of its own with this engine's config less the optimizer and scheduler sections
-        (TRL's `prepare_deepspeed`), its parameters partitioned over the ranks and gathered module by module in each
-        forward, in the policy's dtype (bf16/fp16 as configured). Under stages 0-2 the policy's parameters are whole
-        on every rank, and so stays `model`. A collective: every rank calls it at the same point."""
-        if self.stage != 3:
-            return model
+        """A DeepSpeed engine (inference only: no optimizer, no gradients) running the frozen `model` (a DPO
+        reference) as this engine runs the policy, as TRL's `prepare_deepspeed` does: this engine's config less the
+        optimizer and scheduler sections, so the same dtype (bf16/fp16 as configured); under ZeRO-3 its
+        parameters partitioned over the ranks like the policy's and gathered module by module in each forward,
+        under stages 0-2 (where the policy's parameters are whole on every rank too) stage 0. A collective: every
+        rank calls it at the same point."""
         deepspeed = import_deepspeed()
         config = {k: v for k, v in self.config.items() if k not in ("optimizer", "scheduler")}
-        config["zero_optimization"] = {
-            k: v for k, v in self.config["zero_optimization"].items() if k != "offload_optimizer"
-        }
+        zero = self.config.get("zero_optimization", {})
+        if self.stage == 3:
+            config["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"}
+        else:
+            config["zero_optimization"] = {"stage": 0}
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.eval()
         return engine

@@ -339,10 +339,11 @@ class PreferenceTrainer(Trainer):
         return out
 
     def _reference_model(self):
-        """The reference model a forward runs. Under DeepSpeed ZeRO-3, once the policy's engine exists, the frozen
-        reference goes through DeepSpeed too (`DeepSpeedRun.frozen`, as TRL prepares its reference): its parameters
-        partitioned over the ranks like the policy's and gathered module by module in each forward. Every rank
-        makes its first reference forward at the same micro step, so they wrap it together (a collective)."""
+        """The reference model a forward runs. Under DeepSpeed, once the policy's engine exists, the frozen reference
+        goes through DeepSpeed too (`DeepSpeedRun.frozen`, as TRL prepares its reference): in the policy's dtype,
+        and under ZeRO-3 its parameters partitioned over the ranks like the policy's and gathered module by module
+        in each forward. Every rank makes its first reference forward at the same micro step, so they wrap it
+        together (a collective)."""
         if self.deepspeed is not None and not self._ref_prepared:
             self.ref_model = self.deepspeed.frozen(self.ref_model)
             self._ref_prepared = True

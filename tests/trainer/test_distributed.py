@@ -102,10 +102,17 @@ def eval_metrics(prediction) -> dict:
     }
 
 
-def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2, presets: dict | None = None) -> dict:
+def launch(
+    tmp_path: Path,
+    data_file: Path,
+    jobs: list[dict],
+    nproc: int = 2,
+    presets: dict | None = None,
+    timeout: float = TIMEOUT_S,
+) -> dict:
     """Run dist_worker.py on `nproc` ranks over `jobs` ({"name", "args", "resume"?, "fail_at_step"?}, run in order
     in one process group); returns {"rcs", "logs", "out": {name: dir}, "result": {name: result.json or None}}.
-    Never waits past TIMEOUT_S: whatever still runs then is killed and rcs is None."""
+    Never waits past `timeout` seconds: whatever still runs then is killed and rcs is None."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     dirs = {job["name"]: tmp_path / job["name"] for job in jobs}
     spec_file = tmp_path / "spec.json"
@@ -138,7 +145,7 @@ def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2, pr
             )
         )
         logs.append(log)
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout
     rcs = []
     try:
         for p in procs:
@@ -384,12 +391,12 @@ def test_preference_training_on_two_processes_matches_one(tmp_path, data_file, p
 
 def test_preference_training_under_deepspeed_zero3_matches_one_process(tmp_path, data_file, pairs_file, preference_run):
     """DPO under DeepSpeed ZeRO-3 on 2 processes (issue 22 item 5), the reference a frozen copy partitioned like the
-    policy (`DeepSpeedRun.frozen`) or precomputed: the losses, reward margins, eval metrics and final weights
-    (the consolidated export) of one process without DeepSpeed; each run resumed from its checkpoint-2 continues
-    as the unbroken one (the reference rebuilt from the model as given, not from the checkpoint). Every parameter
-    is partitioned (persistence threshold 0), so between forwards each rank holds half of the reference. With a
-    LoRA adapter the reference is the policy's engine with the adapter disabled: the losses, margins and adapter
-    of one LoRA process."""
+    policy (`DeepSpeedRun.frozen`) or precomputed, and under ZeRO-2 (the reference whole, as the policy): the
+    losses, reward margins, eval metrics and final weights (the consolidated export) of one process without
+    DeepSpeed; each ZeRO-3 run resumed from its checkpoint-2 continues as the unbroken one (the reference rebuilt
+    from the model as given, not from the checkpoint). Every parameter is partitioned (persistence threshold 0),
+    so between forwards each rank holds half of the reference. With a LoRA adapter the reference is the policy's
+    engine with the adapter disabled: the losses, margins and adapter of one LoRA process."""
     pytest.importorskip("deepspeed")
     config = tmp_path / "zero3.json"
     config.write_text(
@@ -412,7 +419,11 @@ def test_preference_training_under_deepspeed_zero3_matches_one_process(tmp_path,
         jobs += [job, {**job, "name": f"{name}-resumed", "resume": str(root / name / "run" / "checkpoint-2")}]
     lora = {**args, **LORA_ARGS, "save_strategy": "no"}
     jobs.append({"name": "zero3-lora", "pairs": str(pairs_file), "pref": PREF, "args": lora, "lora": True})
-    runs = ok(launch(root, data_file, jobs))
+    zero2 = tmp_path / "zero2.json"
+    zero2.write_text(json.dumps({**json.loads(config.read_text()), "zero_optimization": {"stage": 2}}))
+    jobs.append({"name": "zero2", "pairs": str(pairs_file), "pref": PREF, "args": {**args, "deepspeed": str(zero2)}})
+    # 6 DeepSpeed runs in one launch: ~100 s on 2 loaded cores (measured), past the default bound
+    runs = ok(launch(root, data_file, jobs, timeout=2 * TIMEOUT_S))
     for name in ("zero3", "zero3-precomputed"):
         result = runs["result"][name]
         assert_same_preference_run(result, preference_run, name, margins_abs=1e-6)
@@ -426,6 +437,11 @@ def test_preference_training_under_deepspeed_zero3_matches_one_process(tmp_path,
         for rank in runs["result"][name]["reference_holding"]:
             assert rank["type"] == "DeepSpeedEngine", rank
             assert rank["held"] <= rank["numel"] / 2 + 64, rank  # each parameter's partition: ceil(numel / 2)
+    # ZeRO-2: the reference through a stage-0 engine (the policy's dtype), whole on every rank, as the policy is
+    assert_same_preference_run(runs["result"]["zero2"], preference_run, "zero2", margins_abs=1e-6)
+    assert_same_weights(runs["out"]["zero2"] / "final", preference_run[1])
+    for rank in runs["result"]["zero2"]["reference_holding"]:
+        assert rank["type"] == "DeepSpeedEngine" and rank["held"] == rank["numel"], rank
     assert runs["result"]["zero3-precomputed"]["reference_holding"] == [None, None]
     # LoRA: the reference is the policy's engine with the adapter disabled (no copy), against one process
     pytest.importorskip("peft")
