@@ -277,7 +277,7 @@ class PreferenceTrainer(Trainer):
         """The fraction of `dataset`'s pairs whose chosen answer the model finds likelier than the rejected one (the
         sums of the answer tokens' log-probabilities): the demo's before/after figure, free of the reference."""
         model, device = self.model, self._device(self.model)
-        was_training = model.training
+        was_training = unwrap(model).training  # a DeepSpeed engine's own flag stays True
         model.eval()
         counts = torch.zeros(2, dtype=torch.float64, device=device)  # (pairs ahead, pairs)
         try:
@@ -316,7 +316,7 @@ class PreferenceTrainer(Trainer):
         model = self.model
         device = self._device(model)
         loader = self._eval_loader(dataset)
-        was_training = model.training
+        was_training = unwrap(model).training  # a DeepSpeed engine's own flag stays True
         model.eval()
         out = np.zeros((len(dataset), 2), dtype=np.float32)
         plan = loader.global_batches(loader.epoch)
