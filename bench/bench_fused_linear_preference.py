@@ -7,6 +7,8 @@ log-probs (its own hidden states and a second weight, no gradient), the policy's
 and in "full" the backward to the policy's hidden states and weight.
   ours   kernels.fused_linear_preference under no_grad (reference) and with autograd (policy), then
          kernels.preference_loss; targets on the host, so the prompt rows are skipped before any matmul
+  fused  kernels.fused_linear_preference_loss for the policy (the loss inside the op, its gradients formed in the
+         forward: `loss_matmul_flops`), the reference as in ours
   torch  the same with fused_linear_preference_ref: F.linear to the (S*T, V) logits, fp32 log_softmax, gather
   liger  liger_kernel.chunked_loss.LigerFusedLinearDPOLoss (its reference pass inside, from ref_input and
          ref_weight); skipped where liger-kernel is not installed, and on a CPU (its chunked loss is compiled for
@@ -53,12 +55,12 @@ if not torch.cuda.is_available():  # the interpreter flag must precede every @tr
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels  # noqa: E402
+from bench import bench_cross_entropy, common  # noqa: E402
 from bench import bench_fused_linear_cross_entropy as bench_flce  # noqa: E402
-from bench import common  # noqa: E402
 from bench.bench_cross_entropy import DTYPES, add_speedups  # noqa: E402
 from kernels import fused_linear_preference, fused_linear_preference_ref, preference_loss  # noqa: E402
 
-PROVIDERS = ("ours", "torch", "liger")
+PROVIDERS = ("ours", "fused", "torch", "liger")
 MODES = ("forward", "backward", "full")
 GPU_SHAPES = [(8, 1024, 2048, 128256), (4, 2048, 4096, 128256)]  # (pairs, tokens per sequence, hidden, vocab)
 CPU_SHAPES = [(2, 8, 64, 500)]
@@ -82,6 +84,14 @@ def make_step(provider):
     """(step(hidden, weight, target, ref_hidden, ref_weight) -> loss, None), or (None, why it is skipped)."""
     if provider == "liger":
         return _liger_dpo()
+    if provider == "fused":  # the loss inside the op: 6 K H V for the policy (loss_matmul_flops)
+
+        def fused_step(hidden, weight, target, ref_hidden, ref_weight):
+            with torch.no_grad():
+                ref_logps = fused_linear_preference(ref_hidden, ref_weight, target).logps
+            return kernels.fused_linear_preference_loss(hidden, weight, target, None, ref_logps, beta=BETA)[0]
+
+        return fused_step, None
     fn = {"ours": fused_linear_preference, "torch": fused_linear_preference_ref}.get(provider)
     if fn is None:
         raise ValueError(f"unknown provider {provider!r}; choose from {', '.join(PROVIDERS)}")
@@ -111,7 +121,7 @@ def bench_one(provider, pairs, seq_len, hdim, vocab, dtype, prompt, dev, reps=3)
     if step is None:
         return None, why
     hidden, weight, target, ref_hidden, ref_weight = make_inputs(pairs, seq_len, hdim, vocab, dtype, prompt, dev)
-    if provider == "ours":
+    if provider in ("ours", "fused"):
         target = target.cpu()  # host labels, as the collator builds them: the prompt rows are known without a sync
 
     def forward():
@@ -124,7 +134,7 @@ def bench_one(provider, pairs, seq_len, hdim, vocab, dtype, prompt, dev, reps=3)
         reset()
         step(hidden, weight, target, ref_hidden, ref_weight).backward()
 
-    with kernels.backend("triton" if provider == "ours" else "auto"):
+    with kernels.backend("triton" if provider in ("ours", "fused") else "auto"):
         times, peak = common.mode_times(forward, full, reset, reps)
     n_seqs, s = 2 * pairs, hidden.element_size()
     n_rows, n_ignored = n_seqs * seq_len, int((target == -100).sum())
@@ -167,6 +177,14 @@ def matmul_flops(mode, n_seqs, seq_len, hdim, vocab, n_ignored, w):
     forward = 2 * k * hdim * vocab + 4 * n * hdim
     backward = (6 if w == 4 else 8) * k * hdim * vocab
     return {"forward": forward, "backward": backward, "full": forward + backward}[mode]
+
+
+def loss_matmul_flops(n_seqs, seq_len, hdim, vocab, n_ignored):
+    """Matmul FLOPs of one policy call of kernels.fused_linear_preference_loss, forward and backward together (the
+    gradients are formed in its forward, backward only scales them): logits, grad_hidden and grad_weight on the K
+    answer rows (6 K H V, whatever the weight's dtype), and the mean-logit matmul (K, H) x (H, 2)."""
+    k = n_seqs * seq_len - n_ignored
+    return 6 * k * hdim * vocab + 4 * k * hdim
 
 
 def step_flops(mode, n_seqs, seq_len, hdim, vocab, n_ignored, w):
@@ -233,6 +251,111 @@ def traffic_parts(
     if mode in ("backward", "full"):
         add("aten.neg", 4 * n_s, 4 * n_s)  # the rows' upstream gradient: -grad_logps[seq]
         add("aten.index_select", 8 * n + 4 * n, 4 * n)
+    return {name: (r, wr) for name, (r, wr) in parts.items()}
+
+
+def loss_traffic_parts(
+    mode: str,
+    n_seqs: int,
+    seq_len: int,
+    hdim: int,
+    vocab: int,
+    s: int,
+    per_pair: list[int],
+    *,
+    w: int | None = None,
+    cuda: bool = True,
+) -> dict[str, tuple[int, int]]:
+    """(read, write) bytes of one policy call of kernels.fused_linear_preference_loss per kernel or torch op name:
+    hidden (S, T, H) of s bytes, weight (V, H) of w bytes (default s), no bias, a reference, host targets;
+    per_pair: the answer rows of each chunk's pairs, one list entry per chunk as (rows, pairs). "forward" forms
+    every gradient, "backward" scales them by an fp32 upstream gradient of 1 (from loss.backward()). The loss's
+    O(pairs) torch ops (the chunk's autograd of the pair losses, the final loss value) are left out; the test pauses
+    the meter there."""
+    w = s if w is None else w
+    n, h, v, n_s = n_seqs * seq_len, hdim, vocab, n_seqs
+    k = sum(rows for rows, _ in per_pair)
+    parts: dict[str, list[int]] = {}
+
+    def add(name, read, write):
+        acc = parts.setdefault(name, [0, 0])
+        acc[0] += read
+        acc[1] += write
+
+    def mm_fp32(m_rows, inner, cols, a_size, b_size, accumulate, out_size=4):
+        # as bench_fused_linear_cross_entropy.traffic_parts's: _mm_fp32's torch ops
+        if out_size != 4 and not cuda:
+            if accumulate:
+                add("aten._to_copy", m_rows * cols * out_size, 4 * m_rows * cols)
+            add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
+            add(
+                "aten.addmm" if accumulate else "aten.mm",
+                4 * (m_rows * inner + inner * cols) + (4 * m_rows * cols if accumulate else 0),
+                4 * m_rows * cols,
+            )
+            add("aten.copy_", 4 * m_rows * cols, out_size * m_rows * cols)
+            return
+        if a_size != 4 and not cuda:
+            add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
+            a_size = b_size = 4
+        name = ("aten.addmm_" if a_size == 4 else "aten.addmm") if accumulate else "aten.mm"
+        add(
+            name,
+            m_rows * inner * a_size + inner * cols * b_size + (out_size * m_rows * cols if accumulate else 0),
+            out_size * m_rows * cols,
+        )
+
+    if mode in ("forward", "full"):
+        add("aten.ne", 8 * n, n)  # the kept rows, on the host
+        add("aten._to_copy", 8 * n_s, 4 * n_s)  # counts.float()
+        add("aten.sum", 4 * (n_s // 2), 4)  # the chosen answer tokens
+        add("aten.clamp", 4, 4)
+        add("aten.zeros", 0, 4 * n_s + 4 * n_s)  # logps, the per-sequence gradient
+        if k < n:
+            add("aten.index_select", 8 * k + 8 * k, 8 * k)  # the kept targets (host)
+            add("aten.index_select", 8 * k + k * h * s, k * h * s)  # the kept rows of hidden
+        if w != s:
+            add("aten._to_copy", v * h * w, v * h * s)  # the weight in the matmuls' dtype
+        start = 0
+        for c, pairs in per_pair:
+            add("aten.arange", 0, 16 * pairs)  # the chunk's sequences
+            add("aten.cat", 16 * pairs, 16 * pairs)
+            if c == 0:
+                continue
+            add("aten.mm", c * h * s + v * h * s, c * v * s)  # the chunk's logits
+            add("_cross_entropy_fwd_kernel", 8 * c + c * (v + 1) * s, 8 * c)  # the losses only
+            add("aten.index_add_", 4 * n_s + 12 * c, 4 * n_s)  # logps
+            add("aten.index_select", 3 * (12 * 2 * pairs) + 12 * c, 3 * 4 * 2 * pairs + 4 * c)  # chunk's numbers
+            add("aten.index_copy_", 12 * 2 * pairs, 4 * 2 * pairs)  # the chunk's dL/dlogps
+            add("aten.neg_", 4 * c, 4 * c)  # the rows' scales
+            add("_cross_entropy_fwd_kernel", 8 * c + c * (2 * v + 1) * s + 4 * c, c * v * s + 8 * c)  # the gradient
+            mm_fp32(c, v, h, s, s, accumulate=False)  # grad_hidden
+            mm_fp32(v, c, h, s, s, accumulate=start > 0, out_size=w)  # grad_weight
+            start += c
+        # the mean logits: h . mean_v w_v as two parts in hidden's dtype, on the kept rows
+        add("aten.mean", v * h * w, 4 * h)
+        if s != 4:
+            add("aten._to_copy", 4 * h + s * h + 4 * h, s * h + 4 * h + s * h)
+        add("aten.sub", 8 * h, 4 * h)
+        add("aten.stack", 2 * h * s, 2 * h * s)
+        mm_fp32(k, h, 2, s, s, accumulate=False)
+        add("aten.sum", 8 * k, 4 * k)
+        add("aten.zeros", 0, 4 * n_s)
+        add("aten.index_add_", 4 * n_s + 12 * k, 4 * n_s)
+        add("aten.clamp", 8 * n_s, 8 * n_s)
+        add("aten.div", 12 * n_s, 4 * n_s)
+    if mode in ("backward", "full"):
+        add("aten.ones_like", 0, 4)  # autograd's grad of the fp32 loss
+
+        def bwd_scale(numel, out_size, in_place):
+            g = bench_cross_entropy._bwd_programs(numel, cuda) * 4
+            add("_cross_entropy_bwd_kernel", g + (0 if in_place else 4 * numel), 0 if in_place else out_size * numel)
+
+        bwd_scale(k * h, s, in_place=s == 4)  # grad_hidden, rounded to hidden's dtype
+        bwd_scale(v * h, w, in_place=True)  # grad_weight, in place
+        if k < n:
+            add("aten.zeros", 0, n * h * s)
+            add("aten.index_copy_", 8 * k + k * h * s, k * h * s)
     return {name: (r, wr) for name, (r, wr) in parts.items()}
 
 

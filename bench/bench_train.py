@@ -10,6 +10,16 @@ own subprocess (so peak memory is that configuration's alone and no allocator or
     hf_lora    transformers.Trainer over peft.get_peft_model(LlamaForCausalLM, the same LoraConfig)
                Both LoRA rows: r=16, lora_alpha=32, no dropout; their ratios are against hf_lora. Unavoidable: A's
                random init differs (ours drawn from --seed's generator, peft's from the global RNG).
+    ours_dpo   DPO: trainer.preference.PreferenceTrainer (what `python -m trainer.dpo` runs; use_kernels=True, the
+               policy's loss inside kernels.fused_linear_preference_loss, the reference a frozen copy)
+    trl_dpo    trl.DPOTrainer over LlamaForCausalLM (its reference a copy loaded from the same directory; its own
+               chunked log-prob LM head)
+    trl_dpo_liger  the same with use_liger_kernel=True (TRL 1.x then applies liger's layer kernels, RMSNorm, RoPE
+               and SwiGLU, keeping its own LM head); CUDA only like hf_liger
+               The DPO rows: sigmoid loss, beta 0.1, the same preference pairs in the same order (sequential
+               sampling in both: the same pairs in every step), tokenised alike (the byte-level tokenizer and its
+               ChatML template saved with the model: tests/trainer/test_golden_dpo.py shows TRL's ids and ours
+               agree); their ratios are against trl_dpo.
 The model is a Llama architecture with random init: `tiny` (the trainer preset) on a CPU, Qwen2.5-0.5B or
 Llama-3.2-1B dimensions on a GPU. The parent builds it once (CausalLM.init_weights(seed)), writes it with
 `save_pretrained`, and every worker loads that directory: ours with `load_pretrained`, HF with
@@ -38,10 +48,18 @@ Measured per configuration: tokens/s = tokens per step / the median step time ov
 bursts of contention would otherwise decide the comparison; the mean is kept as tokens_per_s_mean), repeated
 --repeats times in alternating order with the median repeat reported; MFU (achieved model FLOP/s over the
 device's dense bf16 peak, trainer.metrics.device_peak_flops; FLOPs per token from CausalLM.flops_per_token: 6N +
-attention; None on a
-CPU or unknown device), peak memory (torch.cuda.max_memory_allocated on a GPU; on a CPU the worker process's max
-RSS, imports included), and the loss after the last step (mean next-token cross-entropy of a fixed held-out batch,
-fp32, computed by the same code for every configuration). Rows carry ratios against `hf` from the same run.
+attention; None on a CPU or unknown device), peak memory (torch.cuda.max_memory_allocated on a GPU; on a CPU the
+worker process's max RSS, imports included), and the loss after the last step (mean next-token cross-entropy of a
+fixed held-out batch, fp32, computed by the same code for every configuration). Rows carry ratios against their
+`baseline` (hf, hf_lora or trl_dpo) from the same run.
+
+DPO rows: a micro batch is --micro-batch pairs (2 x that many sequences); the pairs are the embedded tasks' (the
+right answer chosen, a plausible wrong one rejected: trainer.tasks.preference_pair; about 40-80 tokens a
+sequence, --seq-len not used) or, with --data synthetic, random letters: a prompt and two answers of seq_len / 2
+tokens each (chat markup included), so each sequence is --seq-len tokens. tokens/s counts both sequences of every
+pair (prompt twice) over the timed steps' median step time (pairs_per_s beside it); MFU takes the policy's
+forward + backward and the reference's forward (4/3 of the SFT figure per token); the loss is a held-out DPO loss
+(EVAL_PAIRS pairs, sigmoid, beta 0.1, the starting model as reference, fp32, the same code for both).
 
 --memory-ladder micro_batch,seq_len: for each configuration, the largest micro batch that fits at --seq-len (from
 --micro-batch up) and the longest sequence that fits at micro batch 1 (from --seq-len up), found by doubling until
@@ -83,7 +101,13 @@ import torch  # noqa: E402
 from bench import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("ours", "hf", "hf_liger", "ours_lora", "hf_lora")
+CONFIGS = ("ours", "hf", "hf_liger", "ours_lora", "hf_lora", "ours_dpo", "trl_dpo", "trl_dpo_liger")
+DPO_CONFIGS = ("ours_dpo", "trl_dpo", "trl_dpo_liger")
+DPO_BETA = 0.1
+EVAL_PAIRS = 8  # held-out pairs for the DPO rows' final loss
+# tokens the byte-level tokenizer's ChatML template adds: around a user prompt with the generation prompt, after an
+# answer (synthetic pairs: prompt and answer each seq_len / 2 tokens)
+SYNTHETIC_PROMPT_MARKUP, SYNTHETIC_ANSWER_MARKUP = 19, 2
 LORA = dict(
     r=16,
     lora_alpha=32,
@@ -164,6 +188,36 @@ def collate(examples: list[dict]) -> dict:
     return {"input_ids": ids, "labels": torch.stack([ex["labels"] for ex in examples])}
 
 
+def preference_pairs(spec: dict) -> tuple[list[dict], list[dict]]:
+    """(train pairs, EVAL_PAIRS held-out pairs) in TRL's conversational format: micro_batch x grad_accum x steps
+    training pairs, one epoch. The embedded tasks' pairs, or (data synthetic) random letters: seq_len tokens a
+    sequence with the byte-level tokenizer, half prompt, half answer."""
+    n_train = spec["micro_batch"] * spec["grad_accum"] * spec["steps"]
+    n = n_train + EVAL_PAIRS
+    if spec["data"] == "synthetic":
+        import random
+
+        rng = random.Random(spec["seed"])
+        half = spec["seq_len"] // 2
+
+        def text(k):
+            return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(max(k, 1)))
+
+        def turn(role, k):
+            return [{"role": role, "content": text(k)}]
+
+        prompt, answer = half - SYNTHETIC_PROMPT_MARKUP, spec["seq_len"] - half - SYNTHETIC_ANSWER_MARKUP
+        pairs = [
+            {"prompt": turn("user", prompt), "chosen": turn("assistant", answer), "rejected": turn("assistant", answer)}
+            for _ in range(n)
+        ]
+    else:
+        from trainer.tasks import generate_tasks, preference_pair
+
+        pairs = [preference_pair(ex) for ex in generate_tasks(n, seed=spec["seed"])]
+    return pairs[:n_train], pairs[n_train:]
+
+
 def model_config(name: str) -> dict:
     from trainer.build import PRESETS
 
@@ -181,10 +235,12 @@ def flops_per_token(config: dict, seq_len: int) -> int:
 def write_model(config: dict, seed: int, path: Path) -> None:
     from trainer.build import save_pretrained
     from trainer.model import CausalLM, ModelConfig
+    from trainer.tokenizer import byte_level_tokenizer
 
     model = CausalLM(ModelConfig.from_hf(config))
     model.init_weights(seed)
     save_pretrained(model, path, dtype=torch.float32)
+    byte_level_tokenizer().save_pretrained(path)  # with its ChatML template: what TRL tokenises the DPO pairs with
 
 
 @torch.no_grad()
@@ -198,6 +254,30 @@ def heldout_loss(model, ids: torch.Tensor, device: torch.device) -> float:
             logits[:, :-1].reshape(-1, logits.shape[-1]), row[:, 1:].reshape(-1), reduction="sum"
         ).item()
     return total / (ids.shape[0] * (ids.shape[1] - 1))
+
+
+@torch.no_grad()
+def heldout_dpo_loss(model, reference, pairs, device: torch.device, beta: float = DPO_BETA) -> float:
+    """Mean DPO (sigmoid) loss of `pairs` (a trainer.preference_data.PreferenceDataset) in fp32 from the logits,
+    one sequence at a time (no padding): the same code for every model."""
+    import numpy as np
+
+    model.eval()
+
+    def logp(m, prompt, answer) -> float:
+        ids = torch.from_numpy(np.concatenate([prompt, answer]).astype(np.int64))[None].to(device)  # (1, P + A)
+        logits = m(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # (A, V)
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).sum().item()
+
+    total = 0.0
+    for i in range(len(pairs)):
+        pair = pairs[i]
+        margin = 0.0
+        for side, sign in (("chosen", 1.0), ("rejected", -1.0)):
+            answer = pair[f"{side}_ids"]
+            margin += sign * (logp(model, pair["prompt_ids"], answer) - logp(reference, pair["prompt_ids"], answer))
+        total += -torch.nn.functional.logsigmoid(torch.tensor(beta * margin, dtype=torch.float64)).item()
+    return total / len(pairs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -221,15 +301,9 @@ def _timer(base):
     return StepClock()
 
 
-def worker(spec: dict) -> dict:
-    impl = spec["impl"]
-    if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
-    torch.manual_seed(spec["seed"])
-    device = common.device()
-    train, heldout = blocks(spec)
-    bf16 = device.type == "cuda"
-    common_args = dict(
+def _common_args(spec: dict, device: torch.device) -> dict:
+    """The TrainingArguments every configuration shares (both trainers take these names)."""
+    return dict(
         output_dir=spec["output_dir"],
         per_device_train_batch_size=spec["micro_batch"],
         gradient_accumulation_steps=spec["grad_accum"],
@@ -243,7 +317,7 @@ def worker(spec: dict) -> dict:
         warmup_steps=0,
         max_grad_norm=1.0,
         seed=spec["seed"],
-        bf16=bf16,
+        bf16=device.type == "cuda",
         eval_strategy="no",
         save_strategy="no",
         logging_strategy="no",
@@ -252,11 +326,55 @@ def worker(spec: dict) -> dict:
         dataloader_num_workers=0,
         gradient_checkpointing=False,
     )
+
+
+def _train_and_time(spec: dict, trainer, clock, device: torch.device) -> dict:
+    """Train, then {"status": "ok", the timed steps' median and summed step time, the peak memory (read before
+    any held-out evaluation)}, or {"status": "oom", "reason"}. Raises unless every step ran."""
+    try:
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    except torch.OutOfMemoryError as exc:
+        return {"status": "oom", "reason": str(exc).splitlines()[0][:200]}
+    if len(clock.times) != spec["steps"]:
+        raise RuntimeError(f"{spec['impl']}: {len(clock.times)} steps ran, {spec['steps']} expected")
+    w = spec["warmup_steps"]
+    step_s = sorted(b - a for a, b in zip(clock.times[w - 1 :], clock.times[w:]))  # (timed,) per-step seconds
+    median_s = step_s[len(step_s) // 2] if len(step_s) % 2 else sum(step_s[len(step_s) // 2 - 1 :][:2]) / 2
+    if device.type == "cuda":
+        peak, kind = torch.cuda.max_memory_allocated() / 1e9, "cuda_max_allocated"
+    else:
+        import resource
+
+        peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "cpu_max_rss"
+    return {
+        "status": "ok",
+        "median_s": median_s,
+        "sum_s": sum(step_s),
+        "timed_steps": spec["steps"] - w,
+        "train_wall_s": wall,
+        "step_ms": 1e3 * median_s,
+        "peak_memory_gb": peak,
+        "peak_memory_kind": kind,
+    }
+
+
+def worker(spec: dict) -> dict:
+    impl = spec["impl"]
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    torch.manual_seed(spec["seed"])
+    device = common.device()
     if device.type == "cuda":
         if spec.get("max_memory_gb"):
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, spec["max_memory_gb"] * 1e9 / total))
         torch.cuda.reset_peak_memory_stats()
+    if impl in DPO_CONFIGS:
+        return dpo_worker(spec, device)
+    train, heldout = blocks(spec)
+    common_args = _common_args(spec, device)
     if impl.startswith("ours"):
         from trainer.args import TrainingArguments
         from trainer.build import load_pretrained
@@ -290,38 +408,115 @@ def worker(spec: dict) -> dict:
         args = TrainingArguments(**common_args, optim=spec["hf_optim"], use_liger_kernel=impl == "hf_liger")
     clock = _timer(TrainerCallback)
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[clock])
-    try:
-        t0 = time.perf_counter()
-        trainer.train()
-        wall = time.perf_counter() - t0
-    except torch.OutOfMemoryError as exc:
-        return {"status": "oom", "reason": str(exc).splitlines()[0][:200]}
-    w = spec["warmup_steps"]
-    if len(clock.times) != spec["steps"]:
-        raise RuntimeError(f"{impl}: {len(clock.times)} steps ran, {spec['steps']} expected")
-    timed = spec["steps"] - w
+    t = _train_and_time(spec, trainer, clock, device)
+    if t["status"] != "ok":
+        return t
     step_tokens = spec["micro_batch"] * spec["grad_accum"] * spec["seq_len"]
-    step_s = sorted(b - a for a, b in zip(clock.times[w - 1 :], clock.times[w:]))  # (timed,) per-step seconds
-    median_s = step_s[len(step_s) // 2] if len(step_s) % 2 else sum(step_s[len(step_s) // 2 - 1 :][:2]) / 2
-    if device.type == "cuda":
-        peak, kind = torch.cuda.max_memory_allocated() / 1e9, "cuda_max_allocated"
-    else:
-        import resource
-
-        peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "cpu_max_rss"
     return {
         "status": "ok",
-        "tokens_per_s": step_tokens / median_s,
-        "tokens_per_s_mean": step_tokens * timed / sum(step_s),
-        "timed_steps": timed,
-        "train_wall_s": wall,
-        "step_ms": 1e3 * median_s,
-        "peak_memory_gb": peak,
-        "peak_memory_kind": kind,
+        "tokens_per_s": step_tokens / t["median_s"],
+        "tokens_per_s_mean": step_tokens * t["timed_steps"] / t["sum_s"],
+        **{k: v for k, v in t.items() if k not in ("median_s", "sum_s")},
         # The memory ladder's probes skip it: its (rows, T, vocab) fp32 logits at long T would be the peak.
         "final_loss": heldout_loss(trainer.model if impl.startswith("ours") else model, heldout, device)
         if spec.get("eval_loss", True)
         else None,
+        "final_loss_kind": "heldout_cross_entropy",
+    }
+
+
+def dpo_worker(spec: dict, device: torch.device) -> dict:
+    """One DPO configuration (ours_dpo, trl_dpo, trl_dpo_liger) on the preference pairs (module docstring)."""
+    import numpy as np
+
+    from trainer.preference_data import load_preference_dataset
+    from trainer.tokenizer import Tokenizer
+
+    impl = spec["impl"]
+    train, held = preference_pairs(spec)
+    out = Path(spec["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    for name, records in (("train", train), ("eval", held)):
+        (out / f"{name}_pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = Tokenizer.from_pretrained(spec["model_dir"])
+
+    def tokenized(name):
+        return load_preference_dataset(
+            [out / f"{name}_pairs.jsonl"], tokenizer, max_length=None, show_progress=False, write_cache=False
+        )
+
+    train_ds, eval_ds = tokenized("train"), tokenized("eval")
+    common_args = _common_args(spec, device)
+    if impl == "ours_dpo":
+        from trainer.args import TrainingArguments
+        from trainer.build import load_pretrained
+        from trainer.callbacks import TrainerCallback
+        from trainer.preference import PreferenceArguments, PreferenceTrainer
+
+        model = load_pretrained(spec["model_dir"], dtype=torch.float32, device=device, use_kernels=True)
+        args = TrainingArguments(**common_args, optim=spec["our_optim"], use_kernels=True, train_shuffle=False)
+        clock = _timer(TrainerCallback)
+        trainer = PreferenceTrainer(
+            model=model,
+            args=args,
+            pref=PreferenceArguments(beta=DPO_BETA, loss_type="sigmoid"),
+            train_dataset=train_ds,
+            processing_class=tokenizer,
+            callbacks=[clock],
+        )
+    else:
+        import datasets
+        import transformers
+        import trl
+        from transformers import AutoTokenizer, LlamaForCausalLM, TrainerCallback
+
+        transformers.logging.set_verbosity_error()
+        model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+        model.to(device)
+        config = trl.DPOConfig(
+            **common_args,
+            optim=spec["hf_optim"],
+            use_liger_kernel=impl == "trl_dpo_liger",
+            use_cpu=device.type == "cpu",
+            beta=DPO_BETA,
+            loss_type=["sigmoid"],
+            max_length=None,
+            train_sampling_strategy="sequential",
+        )
+        clock = _timer(TrainerCallback)
+        trainer = trl.DPOTrainer(
+            model=model,
+            args=config,
+            train_dataset=datasets.Dataset.from_list(train),
+            processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
+            callbacks=[clock],
+        )
+    t = _train_and_time(spec, trainer, clock, device)
+    if t["status"] != "ok":
+        return t
+    pairs_per_step = spec["micro_batch"] * spec["grad_accum"]
+    lengths = [
+        2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"])
+        for p in (train_ds[i] for i in range(len(train_ds)))
+    ]
+    step_tokens = np.add.reduceat(lengths, np.arange(0, len(lengths), pairs_per_step))  # (steps,) sequential order
+    timed_tokens = float(step_tokens[spec["warmup_steps"] :].sum())
+    final_loss = None
+    if spec.get("eval_loss", True):
+        from trainer.build import load_pretrained
+
+        reference = load_pretrained(spec["model_dir"], dtype=torch.float32, device=device, use_kernels=False).eval()
+        policy = trainer.model if impl == "ours_dpo" else model
+        final_loss = heldout_dpo_loss(policy, reference, eval_ds, device)
+    return {
+        "status": "ok",
+        "tokens_per_s": timed_tokens / t["timed_steps"] / t["median_s"],
+        "tokens_per_s_mean": timed_tokens / t["sum_s"],
+        "pairs_per_s": pairs_per_step / t["median_s"],
+        "tokens_per_step_mean": timed_tokens / t["timed_steps"],
+        **{k: v for k, v in t.items() if k not in ("median_s", "sum_s")},
+        "final_loss": final_loss,
+        "final_loss_kind": "heldout_dpo_loss",
     }
 
 
@@ -350,7 +545,12 @@ def run_worker(spec: dict, timeout: float) -> dict:
 
 
 def skip_reason(impl: str) -> str | None:
-    if impl != "hf_liger":
+    if impl in ("trl_dpo", "trl_dpo_liger"):
+        import importlib.util
+
+        if importlib.util.find_spec("trl") is None:
+            return "trl is not installed (pip install trl)"
+    if impl not in ("hf_liger", "trl_dpo_liger"):
         return None
     if not torch.cuda.is_available():
         return "liger-kernel's Triton kernels run on CUDA only (no CPU path); skipped on CPU"
@@ -446,8 +646,11 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
             **r,
         }
         if r["status"] == "ok":
-            row["mfu"] = fpt * r["tokens_per_s"] / peak if peak else None
-            baseline = "hf_lora" if impl.endswith("lora") else "hf"  # LoRA against LoRA
+            # DPO: the policy's forward + backward (6N) and the reference's forward (2N) per token
+            row["mfu"] = fpt * (4 / 3 if impl in DPO_CONFIGS else 1) * r["tokens_per_s"] / peak if peak else None
+            # LoRA against LoRA, DPO against TRL's DPO
+            baseline = "hf_lora" if impl.endswith("lora") else "trl_dpo" if impl in DPO_CONFIGS else "hf"
+            row["baseline"] = baseline
             hf = results.get(baseline, {})
             if hf.get("status") == "ok" and impl != baseline:
                 row["tokens_per_s_vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
@@ -498,7 +701,7 @@ def memory_ladder(
             continue
         stopped: str | None = None
 
-        def probe(value: int) -> bool | None:
+        def probe(value: int, impl: str = impl) -> bool | None:
             """True: fits; False: out of memory; None: stopped (error, timeout or the deadline)."""
             nonlocal stopped, longest_probe
             budget = args.timeout

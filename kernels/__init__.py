@@ -17,6 +17,7 @@ from .fused_linear_preference import (
     fused_linear_preference_ref,
     preference_loss,
 )
+from .fused_linear_preference_loss import fused_linear_preference_loss, fused_linear_preference_loss_ref
 from .neftune import NEFTuneFunction, neftune_noise, neftune_noise_ref
 from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from .rope import rope, rope_ref
@@ -30,3 +31,4 @@ __all__ += ["swiglu", "swiglu_ref"]
 __all__ += ["FusedAdamW", "adamw_step_ref"]
 __all__ += ["cross_entropy", "cross_entropy_ref", "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]
 __all__ += ["PreferenceLogps", "fused_linear_preference", "fused_linear_preference_ref", "preference_loss"]
+__all__ += ["fused_linear_preference_loss", "fused_linear_preference_loss_ref"]

@@ -406,41 +406,76 @@ def preference_loss(
     _check_loss_args(policy, ref_logps, loss_type, beta, label_smoothing)
     n_pairs = policy.logps.shape[0] // 2
     counts = policy.counts.to(policy.logps.dtype)
-    chosen_counts, rejected_counts = counts[:n_pairs], counts[n_pairs:]
-    nll = -policy.logps[:n_pairs].sum() / chosen_counts.sum().clamp(min=1)
-    metrics = {}
+    losses = pair_losses(
+        policy.logps,
+        counts,
+        ref_logps,
+        loss_type=loss_type,
+        beta=beta,
+        label_smoothing=label_smoothing,
+        simpo_gamma=simpo_gamma,
+    )
+    nll_weight = _nll_weight(loss_type, rpo_alpha, cpo_alpha)
+    loss = losses.mean()
+    nll = None
+    if nll_weight is not None:
+        nll = -policy.logps[:n_pairs].sum() / counts[:n_pairs].sum().clamp(min=1)
+        loss = loss + nll_weight * nll
+    return loss, preference_metrics(policy, ref_logps, nll, loss_type=loss_type, beta=beta)
+
+
+def _nll_weight(loss_type, rpo_alpha, cpo_alpha):
+    """The weight of the chosen answers' mean NLL in the loss, or None when the loss has no NLL term."""
     if loss_type in DPO_LOSS_TYPES:
-        ref = torch.zeros_like(policy.logps) if ref_logps is None else ref_logps.to(policy.logps.dtype)
-        logps = policy.logps
+        return rpo_alpha
+    return 1.0 if loss_type == "orpo" else cpo_alpha
+
+
+def pair_losses(logps, counts, ref_logps, *, loss_type, beta, label_smoothing=0.0, simpo_gamma=0.5):
+    """Per-pair losses (P,) of the [chosen; rejected] logps (2P,) (fp32 counts (2P,), the reference's (2P,) or None):
+    the loss of a batch is their mean plus the NLL term (`preference_loss`). A pair's loss needs only that pair's
+    numbers, which is what lets `kernels.fused_linear_preference_loss` form the gradient chunk by chunk of pairs."""
+    n_pairs = logps.shape[0] // 2
+    if loss_type in DPO_LOSS_TYPES:
+        ref = torch.zeros_like(logps) if ref_logps is None else ref_logps.to(logps.dtype)
         # ipo's loss takes the log-ratios averaged over each answer's tokens (TRL); its metrics, like every other
         # type's, the sums (TRL 1.x; v0.24 logged the averages)
         scale = counts.clamp(min=1) if loss_type == "ipo" else 1.0
-        losses = dpo_losses(
+        return dpo_losses(
             *((logps / scale).chunk(2)),
             *((ref / scale).chunk(2)),
             loss_type=loss_type,
             beta=beta,
             label_smoothing=label_smoothing,
         )
-        rewards = beta * (logps - ref).detach()
-        loss = losses.mean()
-        if rpo_alpha is not None:
-            loss = loss + rpo_alpha * nll
-            metrics["nll_loss"] = nll.detach()
-    else:
-        logps = policy.logps / counts.clamp(min=1)
-        rewards = beta * logps.detach()
-        if loss_type == "orpo":
-            losses, log_odds = orpo_losses(logps[:n_pairs], logps[n_pairs:], beta=beta)
-            loss = nll - losses.mean()
-            metrics["log_odds_ratio"] = (losses / beta).mean().detach()
-            metrics["log_odds_chosen"] = log_odds.mean().detach()
-        else:
-            losses = simpo_losses(
-                logps[:n_pairs], logps[n_pairs:], beta=beta, simpo_gamma=simpo_gamma, label_smoothing=label_smoothing
-            )
-            loss = losses.mean() + cpo_alpha * nll
+    avg = logps / counts.clamp(min=1)
+    if loss_type == "orpo":  # the loss is nll - mean(beta logsigmoid(log_odds))
+        return -orpo_losses(avg[:n_pairs], avg[n_pairs:], beta=beta)[0]
+    return simpo_losses(
+        avg[:n_pairs], avg[n_pairs:], beta=beta, simpo_gamma=simpo_gamma, label_smoothing=label_smoothing
+    )
+
+
+@torch.no_grad()
+def preference_metrics(policy, ref_logps, nll, *, loss_type, beta):
+    """TRL's metrics of a batch (0-d detached tensors; `preference_loss`'s docstring); nll: the NLL term or None."""
+    n_pairs = policy.logps.shape[0] // 2
+    counts = policy.counts.to(policy.logps.dtype)
+    chosen_counts, rejected_counts = counts[:n_pairs], counts[n_pairs:]
+    metrics = {}
+    if nll is not None:
         metrics["nll_loss"] = nll.detach()
+    if loss_type in DPO_LOSS_TYPES:
+        ref = torch.zeros_like(policy.logps) if ref_logps is None else ref_logps.to(policy.logps.dtype)
+        logps = policy.logps.detach()
+        rewards = beta * (logps - ref)
+    else:
+        logps = policy.logps.detach() / counts.clamp(min=1)
+        rewards = beta * logps
+        if loss_type == "orpo":
+            log_odds = orpo_losses(logps[:n_pairs], logps[n_pairs:], beta=beta)[1]
+            metrics["log_odds_ratio"] = F.logsigmoid(log_odds).mean()
+            metrics["log_odds_chosen"] = log_odds.mean()
     chosen_rewards, rejected_rewards = rewards[:n_pairs], rewards[n_pairs:]
     logit_sums = policy.mean_logits * counts
     metrics.update(
@@ -449,10 +484,10 @@ def preference_loss(
             "rewards/rejected": rejected_rewards.mean(),
             "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
             "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-            "logps/chosen": logps[:n_pairs].detach().mean(),
-            "logps/rejected": logps[n_pairs:].detach().mean(),
+            "logps/chosen": logps[:n_pairs].mean(),
+            "logps/rejected": logps[n_pairs:].mean(),
             "logits/chosen": logit_sums[:n_pairs].sum() / chosen_counts.sum().clamp(min=1),
             "logits/rejected": logit_sums[n_pairs:].sum() / rejected_counts.sum().clamp(min=1),
         }
     )
-    return loss, metrics
+    return metrics

@@ -13,7 +13,8 @@ thing. This module owns everything DeepSpeed:
   (a deliberate difference: transformers leaves them out and DeepSpeed stops with an assertion).
 - `DeepSpeedRun`: the loop's engine (the methods of PyTorch's, trainer/engine.py, which picks one of the two):
   `backward`, `step`, `save_checkpoint`, `load_checkpoint` and `full_state_dict` (ZeRO-3 gathered on rank 0, for
-  the consolidated Hugging Face export).
+  the consolidated Hugging Face export); `frozen` runs a frozen model (DPO's reference) in the policy's dtype,
+  partitioned like the policy under ZeRO-3.
 
 Exactness. The loop keeps its own loss normalisation (each micro loss is divided by the window's supervised
 targets over all ranks / world_size, trainer/trainer.py): `engine.backward(loss, scale_wrt_gas=False)` turns off
@@ -292,6 +293,24 @@ class DeepSpeedRun:
         )
         if loaded is None:
             raise CheckpointError(f"{directory}: DeepSpeed could not load its checkpoint")
+
+    def frozen(self, model):
+        """A DeepSpeed engine (inference only: no optimizer, no gradients) running the frozen `model` (a DPO
+        reference) as this engine runs the policy, as TRL's `prepare_deepspeed` does: this engine's config less the
+        optimizer and scheduler sections, so the same dtype (bf16/fp16 as configured); under ZeRO-3 its
+        parameters partitioned over the ranks like the policy's and gathered module by module in each forward,
+        under stages 0-2 (where the policy's parameters are whole on every rank too) stage 0. A collective: every
+        rank calls it at the same point."""
+        deepspeed = import_deepspeed()
+        config = {k: v for k, v in self.config.items() if k not in ("optimizer", "scheduler")}
+        zero = self.config.get("zero_optimization", {})
+        if self.stage == 3:
+            config["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"}
+        else:
+            config["zero_optimization"] = {"stage": 0}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state_dict on rank 0's CPU (None elsewhere); a collective under ZeRO-3, which gathers

@@ -17,6 +17,8 @@ or FSDP2) and DeepSpeed's (`trainer.deepspeed_engine.DeepSpeedRun`). Both have t
 - `full_state_dict()`: the whole model's weights for the Hugging Face export where the engine must gather them
   (DeepSpeed), None where `trainer.resume.save_model_files` reads the model itself (PyTorch: whole tensors, or
   FSDP2 shards it gathers);
+- `frozen(model)`: a frozen model (DPO's reference) as the engine runs it beside the policy (DeepSpeed's: an
+  inference engine of its own, partitioned like the policy under ZeRO-3);
 - `same_world_only`: None where a checkpoint resumes under another number of processes
   (`trainer.resume.check_resume_across_worlds`), else what ties it to its own (DeepSpeed's ZeRO partitions).
 
@@ -128,6 +130,10 @@ class TorchEngine:
     def full_state_dict(self) -> None:
         """None: `trainer.resume.save_model_files` reads the model's own tensors (gathering FSDP2's shards)."""
         return None
+
+    def frozen(self, model):
+        """A frozen model (DPO's reference) as this engine runs it: PyTorch's runs it as it is."""
+        return model
 
 
 def check_engine_args(args, world_size: int) -> None:

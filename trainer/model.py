@@ -558,6 +558,7 @@ class CausalLMOutput:
     loss: torch.Tensor | None  # () fp32, or None without labels
     logits: torch.Tensor | None  # (B, T, V) in the model dtype; None when the fused loss computed it away
     sequence_logps: kernels.PreferenceLogps | None = None  # per row of the batch, with sequence_logps=True
+    metrics: dict | None = None  # TRL's preference metrics (0-d tensors), with preference_loss
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -760,12 +761,16 @@ class CausalLM(nn.Module):
         output_hidden_states=None,
         return_dict=None,
         sequence_logps: bool = False,
+        preference_loss: dict | None = None,
     ) -> CausalLMOutput:
         """Logits, and with `labels` (unshifted, -100 = no target; a tensor or `HostLabels`) the loss sum / num_items
         (default: mean over supervised tokens; 0 when there are none). With labels and use_kernels the logits are
         never formed. With `sequence_logps` (and labels) no loss: each row's sum of its targets' log-probabilities,
         their count and mean logit (`kernels.fused_linear_preference`: preference training's per-sequence numbers,
         computed in here so that wrappers that gather the weights for forward, FSDP2's, hold the LM head's).
+        With `preference_loss` (and labels; the options of `kernels.fused_linear_preference_loss`, `ref_logps`
+        among them) the rows are [chosen; rejected] pairs and the output holds the preference loss and TRL's
+        metrics, the loss's gradient formed in one pass over the answer rows with use_kernels.
         The last four are transformers' arguments, which peft's PeftModelForCausalLM (task_type="CAUSAL_LM")
         passes as None; another value would be ignored, so it is refused."""
         if inputs_embeds is not None or output_attentions or output_hidden_states or return_dict is False:
@@ -784,6 +789,16 @@ class CausalLM(nn.Module):
             )
         # (B*T,) position t predicts t+1; on the labels' device (the host for host labels: see takes_host_labels)
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        if preference_loss is not None:
+            fn = (
+                kernels.fused_linear_preference_loss
+                if self.impl == "kernels"
+                else kernels.fused_linear_preference_loss_ref
+            )
+            loss, metrics = fn(
+                hidden, self.lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX, **preference_loss
+            )
+            return CausalLMOutput(loss, None, metrics=metrics)
         if sequence_logps:
             fn = kernels.fused_linear_preference if self.impl == "kernels" else kernels.fused_linear_preference_ref
             if self.impl != "kernels":

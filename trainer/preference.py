@@ -10,9 +10,10 @@ What differs from SFT, and how (the rest, from schedule to checkpoints and resum
   (`trainer.preference_data.collate_pairs`), labels on the answers only. `num_items` is k: the loop's window
   normaliser then makes each window's loss the mean over its pairs, whatever the accumulation and the ranks
   (Hugging Face's TRL averages micro-batch means instead; the two agree when micro batches hold equal pair counts).
-- Loss: the model returns each row's answer log-probability sum, count and mean logit without forming the logits
-  (`CausalLM.forward(..., sequence_logps=True)`, `kernels.fused_linear_preference`), and
-  `kernels.preference_loss` turns them, with the reference's, into TRL's loss and metrics.
+- Loss: the model returns TRL's loss and metrics of the pairs without forming the logits
+  (`CausalLM.forward(..., preference_loss={...})`, `kernels.fused_linear_preference_loss`: the loss inside the
+  op, its gradient formed chunk by chunk of whole pairs), given the reference's per-sequence log-probs
+  (`CausalLM.forward(..., sequence_logps=True)`, `kernels.fused_linear_preference`, forward only).
 - The reference: none for reference-free losses (`reference_free`, orpo, simpo); else precomputed once over the
   training set before the first step (`precompute_ref_log_probs`, a table indexed by pair), or a forward of
   `ref_model` under no_grad, or, for a model with a LoRA adapter, the same model with the adapter disabled (no
@@ -159,6 +160,7 @@ class PreferenceTrainer(Trainer):
                 self.ref_model = self._frozen(self._configure_model(ref_model))
             elif not self.pref.precompute_ref_log_probs and not has_adapter(unwrap(self.model)):
                 self.ref_model = self._frozen(copy.deepcopy(unwrap(self.model)))
+        self._ref_prepared = False  # whether the reference went through the engine's `frozen` (_reference_model)
         self._ref_tables: dict[int, np.ndarray] = {}  # id(dataset) -> (pairs, 2) fp32 reference logps, precomputed
         self._sums: dict[str, dict] = {}  # "train"/"eval" -> metric name -> device sum over pairs; "pairs" -> count
 
@@ -184,8 +186,8 @@ class PreferenceTrainer(Trainer):
         return loader
 
     # ---- the loss -------------------------------------------------------------------------------------------
-    def _sequence_logps(self, model, batch, device) -> kernels.PreferenceLogps:
-        """Each row's answer log-probability sum, count and mean logit, through the model's forward."""
+    def _forward(self, model, batch, device, **kwargs):
+        """The model's forward on the batch with its labels (sequence_logps=True or preference_loss=...)."""
         accepted = forward_params(model)  # inspect.signature: once per call, not once per key
         inputs = {
             k: batch[k].to(device, non_blocking=True)
@@ -195,7 +197,11 @@ class PreferenceTrainer(Trainer):
         # labels stay on the host (the fused op skips the prompt rows without a device sync); FSDP2 moves
         # tensor arguments, so they travel in a holder (see Trainer._compute_loss)
         labels = HostLabels(batch["labels"]) if is_fsdp(model) else batch["labels"]
-        return model(**inputs, labels=labels, sequence_logps=True).sequence_logps
+        return model(**inputs, labels=labels, **kwargs)
+
+    def _sequence_logps(self, model, batch, device) -> kernels.PreferenceLogps:
+        """Each row's answer log-probability sum, count and mean logit, through the model's forward."""
+        return self._forward(model, batch, device, sequence_logps=True).sequence_logps
 
     def _reference_logps(self, batch, device) -> torch.Tensor | None:
         if not self.pref.needs_reference:
@@ -209,7 +215,7 @@ class PreferenceTrainer(Trainer):
             )
         with torch.no_grad():
             if self.ref_model is not None:
-                return self._sequence_logps(self.ref_model, batch, device).logps
+                return self._sequence_logps(self._reference_model(), batch, device).logps
             # the base model under the LoRA adapter, or (precomputing, before any step) the model as given
             with adapters_disabled(unwrap(self.model)):
                 return self._sequence_logps(self.model, batch, device).logps
@@ -217,11 +223,10 @@ class PreferenceTrainer(Trainer):
     def _compute_loss(self, model, batch, num_items, device):
         """The batch's pairs' loss sum / num_items (the window's pairs), metrics added to the running sums."""
         ref = self._reference_logps(batch, device)
-        policy = self._sequence_logps(model, batch, device)
-        pairs = int(batch["num_pairs"])
-        loss, metrics = kernels.preference_loss(
-            policy,
-            ref,
+        # the loss inside the model's forward: with use_kernels kernels.fused_linear_preference_loss forms its
+        # gradient in one pass over the answer rows (6 K H V matmul FLOPs); else the same formulas on the logits
+        options = dict(
+            ref_logps=ref,
             loss_type=self.pref.loss_type,
             beta=self.pref.beta,
             label_smoothing=self.pref.label_smoothing,
@@ -229,8 +234,12 @@ class PreferenceTrainer(Trainer):
             simpo_gamma=self.pref.simpo_gamma,
             cpo_alpha=self.pref.cpo_alpha,
         )
+        out = self._forward(model, batch, device, preference_loss=options)
+        loss, metrics = out.loss, out.metrics
+        pairs = int(batch["num_pairs"])
         if pairs:
-            sums = self._sums.setdefault("train" if model.training else "eval", {"pairs": 0})
+            # unwrap: DeepSpeed's engine.eval() switches its module, not the engine's own `training`
+            sums = self._sums.setdefault("train" if unwrap(model).training else "eval", {"pairs": 0})
             sums["pairs"] += pairs
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0) + value.detach() * pairs
@@ -268,7 +277,7 @@ class PreferenceTrainer(Trainer):
         """The fraction of `dataset`'s pairs whose chosen answer the model finds likelier than the rejected one (the
         sums of the answer tokens' log-probabilities): the demo's before/after figure, free of the reference."""
         model, device = self.model, self._device(self.model)
-        was_training = model.training
+        was_training = unwrap(model).training  # a DeepSpeed engine's own flag stays True
         model.eval()
         counts = torch.zeros(2, dtype=torch.float64, device=device)  # (pairs ahead, pairs)
         try:
@@ -307,7 +316,7 @@ class PreferenceTrainer(Trainer):
         model = self.model
         device = self._device(model)
         loader = self._eval_loader(dataset)
-        was_training = model.training
+        was_training = unwrap(model).training  # a DeepSpeed engine's own flag stays True
         model.eval()
         out = np.zeros((len(dataset), 2), dtype=np.float32)
         plan = loader.global_batches(loader.epoch)
@@ -328,6 +337,17 @@ class PreferenceTrainer(Trainer):
             torch.distributed.all_reduce(table)
             out = table.cpu().numpy()
         return out
+
+    def _reference_model(self):
+        """The reference model a forward runs. Under DeepSpeed, once the policy's engine exists, the frozen reference
+        goes through DeepSpeed too (`DeepSpeedRun.frozen`, as TRL prepares its reference): in the policy's dtype,
+        and under ZeRO-3 its parameters partitioned over the ranks like the policy's and gathered module by module
+        in each forward. Every rank makes its first reference forward at the same micro step, so they wrap it
+        together (a collective)."""
+        if self.engine is not None and not self._ref_prepared:
+            self.ref_model = self.engine.frozen(self.ref_model)
+            self._ref_prepared = True
+        return self.ref_model
 
     def _frozen(self, model):
         model.to(self._device(self.model)).eval()

@@ -305,7 +305,7 @@ class Trainer:
         after, when it was training)."""
         model = self.model
         device = self._device(model)
-        was_training = model.training
+        was_training = unwrap(model).training  # a DeepSpeed engine's own flag stays True through eval()
         model.eval()
         loader = self._eval_loader(dataset)
         output = prediction_loop(

@@ -450,6 +450,46 @@ def test_fused_linear_preference_fp32_weight_under_autocast():
         )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [6, 40])  # one pair per chunk; every pair in one chunk
+def test_fused_linear_preference_loss(dtype, chunk, monkeypatch):
+    # the loss's O(pairs) torch ops (the chunk's autograd of its pair losses, the final loss value) run with the
+    # meter paused: the model leaves them out
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    loss_mod = importlib.import_module("kernels.fused_linear_preference_loss")
+
+    def paused(fn):
+        def run(*args, **kwargs):
+            with _disable_current_modes():
+                return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(loss_mod, "_chunk_grad", paused(loss_mod._chunk_grad))
+    monkeypatch.setattr(loss_mod, "preference_loss", paused(loss_mod.preference_loss))
+    monkeypatch.setattr(
+        importlib.import_module("kernels.fused_linear_cross_entropy"), "_chunk_rows", lambda n, h, v: chunk
+    )
+    n_seqs, seq_len, h, v = 4, 5, 16, 100
+    hidden, weight, target = lm_head_inputs((n_seqs, seq_len), h, v, DTYPES[dtype])
+    target[:, :2] = -100
+    ref = torch.zeros(n_seqs)
+    per_pair = [(6, 1), (6, 1)] if chunk == 6 else [(12, 2)]
+    with kernels.backend("triton"):
+        with traffic.measure(torch_ops=True) as fwd:
+            loss, _ = loss_mod.FusedLinearPreferenceLossFunction.apply(
+                hidden, weight, target, None, ref, ("sigmoid", 0.1, 0.0, 0.5, 0.5, 1.0), -100
+            )[:2]
+        with traffic.measure(torch_ops=True) as bwd:
+            loss.backward()
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_fused_linear_preference.loss_traffic_parts(
+            mode, n_seqs, seq_len, h, v, hidden.element_size(), per_pair, cuda=False
+        )
+        assert_matches(model, measured, f"bench/bench_fused_linear_preference.py loss_traffic_parts ({dtype}) {mode}")
+
+
 # ---- SwiGLU -------------------------------------------------------------------------------------------------
 
 

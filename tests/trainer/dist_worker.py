@@ -13,8 +13,10 @@ or null, "metrics": true to evaluate with tests.trainer.test_distributed.eval_me
 run `HostLabelsProbe`}. Rank 0 writes output/result.json (the logged losses, the eval metrics, the non-finite steps
 counted) and every job ends with the consolidated model in output/final.
 
-A preference job is {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments}: DPO
-(`trainer.preference.PreferenceTrainer`) on the pairs, then an evaluation on them; rank 0 writes result.json.
+A preference job is {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments, "resume": a
+checkpoint path or null, "lora": true to put a LoRA adapter (args' use_peft settings) on the model before
+the trainer gets it}: DPO (`trainer.preference.PreferenceTrainer`) on the pairs, then an evaluation on them;
+rank 0 writes result.json (with what each rank holds of the reference model: `reference_holding`).
 
 A build job is {"output", "args", "build": {"model": a preset or directory, "seed": int}}: the model is loaded as
 `python -m trainer.sft` loads it (`trainer.build.build_model`; sharded without a full copy under dist_config fsdp2,
@@ -255,8 +257,9 @@ def build(job: dict) -> None:
 
 
 def run_preference(job: dict) -> None:
-    """A preference job, {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments}: DPO on
-    the pairs; rank 0 writes result.json (the logged losses and reward margins, the eval metrics)."""
+    """A preference job, {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments, "resume"}:
+    DPO on the pairs; rank 0 writes result.json (the logged losses and reward margins, the eval metrics, what each
+    rank holds of the reference model)."""
     from tests.trainer.test_trainer import small_model
     from trainer.preference import PreferenceArguments, PreferenceTrainer
     from trainer.preference_data import load_preference_dataset
@@ -265,17 +268,27 @@ def run_preference(job: dict) -> None:
     out = Path(job["output"])
     tokenizer = byte_level_tokenizer()
     pairs = load_preference_dataset([job["pairs"]], tokenizer, show_progress=False)
+    args = TrainingArguments(output_dir=str(out / "run"), **job["args"])
+    model = small_model()
+    if job.get("lora"):  # the adapter on the model as given: the reference is the model with it disabled
+        from trainer.lora import apply_lora, init_adapter_weights
+
+        model = apply_lora(model, args)
+        init_adapter_weights(model, seed=0)
     trainer = PreferenceTrainer(
-        model=small_model(),
-        args=TrainingArguments(output_dir=str(out / "run"), **job["args"]),
+        model=model,
+        args=args,
         pref=PreferenceArguments(**job["pref"]),
         train_dataset=pairs,
         eval_dataset=pairs,
         processing_class=tokenizer,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=job.get("resume"))
     metrics = trainer.evaluate()
     trainer.save_model(str(out / "final"))
+    holding = [reference_holding(trainer.ref_model)] * world_size
+    if torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(holding, holding[0])
     if rank == 0:
         logs = [h for h in trainer.state.log_history if "loss" in h]
         (out / "result.json").write_text(
@@ -285,9 +298,24 @@ def run_preference(job: dict) -> None:
                     "losses": [h["loss"] for h in logs],
                     "margins": [h["rewards/margins"] for h in logs],
                     "metrics": metrics,
+                    "reference_holding": holding,
                 }
             )
         )
+
+
+def reference_holding(ref) -> dict | None:
+    """What this rank holds of the reference model between forwards: {"type", "numel": the full parameter count,
+    "held": the elements stored here (a ZeRO-3 partition `ds_tensor` plus whatever `data` is gathered)}; None
+    without a reference model."""
+    if ref is None:
+        return None
+    params = list(ref.parameters())
+    return {
+        "type": type(ref).__name__,
+        "numel": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+        "held": sum(p.numel() + (p.ds_tensor.numel() if hasattr(p, "ds_tensor") else 0) for p in params),
+    }
 
 
 def run(data: str, job: dict) -> None:

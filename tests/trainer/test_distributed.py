@@ -14,8 +14,9 @@ optimizer step sees the same 8 examples, and the loss is normalised by the windo
 - an FSDP2 model built as `trainer.sft` builds it (meta device, sharded, then filled) equals the one-process model
   bitwise, from a Hugging Face directory (uneven shards, several safetensors files), a preset and a DCP copy,
   while no rank holds a full-size weight (a preset: one at a time), and it generates;
-- preference training (DPO) under DDP and FSDP2, the reference a frozen copy or precomputed, logs the same
-  losses, reward margins and eval metrics and ends with the same weights;
+- preference training (DPO) under DDP, FSDP2 and DeepSpeed ZeRO-3, the reference a frozen copy (under ZeRO-3
+  partitioned like the policy) or precomputed, logs the same losses, reward margins and eval metrics and ends
+  with the same weights; under ZeRO-3 a resume from checkpoint-2 continues as the unbroken run;
 - an exception on one rank ends the whole job with its message and a non-zero exit, never a hang.
 Every spawn is bounded by a timeout. GPU-marked tests (NCCL, offload_params) run only where CUDA exists.
 Tolerance: the 1-process and 2-process runs sum the same fp32 terms in a different order (per-rank partial
@@ -101,10 +102,17 @@ def eval_metrics(prediction) -> dict:
     }
 
 
-def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2, presets: dict | None = None) -> dict:
+def launch(
+    tmp_path: Path,
+    data_file: Path,
+    jobs: list[dict],
+    nproc: int = 2,
+    presets: dict | None = None,
+    timeout: float = TIMEOUT_S,
+) -> dict:
     """Run dist_worker.py on `nproc` ranks over `jobs` ({"name", "args", "resume"?, "fail_at_step"?}, run in order
     in one process group); returns {"rcs", "logs", "out": {name: dir}, "result": {name: result.json or None}}.
-    Never waits past TIMEOUT_S: whatever still runs then is killed and rcs is None."""
+    Never waits past `timeout` seconds: whatever still runs then is killed and rcs is None."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     dirs = {job["name"]: tmp_path / job["name"] for job in jobs}
     spec_file = tmp_path / "spec.json"
@@ -137,7 +145,7 @@ def launch(tmp_path: Path, data_file: Path, jobs: list[dict], nproc: int = 2, pr
             )
         )
         logs.append(log)
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout
     rcs = []
     try:
         for p in procs:
@@ -320,31 +328,54 @@ def pairs_file(tmp_path_factory) -> Path:
     return path
 
 
-def test_preference_training_on_two_processes_matches_one(tmp_path, data_file, pairs_file):
-    """DPO (issue 22 item 5) under DDP, FSDP2 and FSDP2 with precomputed reference log-probs on 2 processes: the
-    losses, reward margins, eval metrics and final weights of one process on the same global batch of 8 pairs."""
-    args = {**BASE, "use_kernels": True}
-    pref = {"beta": 0.1}
+PREF_ARGS = {**BASE, "use_kernels": True}
+PREF = {"beta": 0.1}
+
+
+@pytest.fixture(scope="module")
+def preference_run(tmp_path_factory, pairs_file):
+    """DPO on one process, per_device 2 x accumulation 4 (the global batch of 8 pairs of 2 ranks x 2 x 2), the
+    reference a frozen copy: (the logged steps, the model, the eval metrics)."""
+    root = tmp_path_factory.mktemp("pref")
     with kernels.backend("reference"):
         pairs = load_preference_dataset([pairs_file], byte_level_tokenizer(), show_progress=False)
         model = small_model()
         trainer = PreferenceTrainer(
             model=model,
-            pref=PreferenceArguments(**pref),
+            pref=PreferenceArguments(**PREF),
             train_dataset=pairs,
             eval_dataset=pairs,
             processing_class=byte_level_tokenizer(),
-            args=TrainingArguments(output_dir=str(tmp_path / "single"), **args, gradient_accumulation_steps=4),
+            args=TrainingArguments(output_dir=str(root / "single"), **PREF_ARGS, gradient_accumulation_steps=4),
         )
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
-        metrics = trainer.evaluate()
+        return logs, model, trainer.evaluate()
+
+
+def assert_same_preference_run(result, preference_run, name, margins_abs=1e-7):
+    """A 2-process preference result (dist_worker.run_preference) against the one-process run: losses, reward
+    margins, reward accuracies and eval metrics. A margin is the difference of two rewards about 50-300x larger
+    here (0.0009 of rewards near -0.045 at step 2), so its fp32 noise is absolute: `margins_abs` (DeepSpeed's
+    reduce-scatter sums in another order than DDP's all-reduce: 1.9e-7 measured at step 2, 1e-7 under DDP/FSDP2)."""
+    logs, _, metrics = preference_run
+    assert result["world_size"] == 2
+    assert result["losses"] == pytest.approx([h["loss"] for h in logs], rel=1e-5), name
+    margins = [h["rewards/margins"] for h in logs]
+    assert result["margins"] == pytest.approx(margins, rel=1e-4, abs=margins_abs), name
+    for key in ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen"):
+        assert result["metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-7), (name, key)
+
+
+def test_preference_training_on_two_processes_matches_one(tmp_path, data_file, pairs_file, preference_run):
+    """DPO (issue 22 item 5) under DDP, FSDP2 and FSDP2 with precomputed reference log-probs on 2 processes: the
+    losses, reward margins, eval metrics and final weights of one process on the same global batch of 8 pairs."""
     jobs = [
         {
             "name": name,
             "pairs": str(pairs_file),
-            "pref": {**pref, **extra},
-            "args": {**args, "gradient_accumulation_steps": 2, **CONFIGS[config]},
+            "pref": {**PREF, **extra},
+            "args": {**PREF_ARGS, "gradient_accumulation_steps": 2, **CONFIGS[config]},
         }
         for name, config, extra in (
             ("ddp", "ddp", {}),
@@ -354,13 +385,87 @@ def test_preference_training_on_two_processes_matches_one(tmp_path, data_file, p
     ]
     runs = ok(launch(tmp_path / "dist", data_file, jobs))
     for name in ("ddp", "fsdp2", "fsdp2-precomputed"):
+        assert_same_preference_run(runs["result"][name], preference_run, name)
+        assert_same_weights(runs["out"][name] / "final", preference_run[1])
+
+
+def test_preference_training_under_deepspeed_zero3_matches_one_process(tmp_path, data_file, pairs_file, preference_run):
+    """DPO under DeepSpeed ZeRO-3 on 2 processes (issue 22 item 5), the reference a frozen copy partitioned like the
+    policy (`DeepSpeedRun.frozen`) or precomputed, and under ZeRO-2 (the reference whole, as the policy): the
+    losses, reward margins, eval metrics and final weights (the consolidated export) of one process without
+    DeepSpeed; each ZeRO-3 run resumed from its checkpoint-2 continues as the unbroken one (the reference rebuilt
+    from the model as given, not from the checkpoint). Every parameter is partitioned (persistence threshold 0),
+    so between forwards each rank holds half of the reference. With a LoRA adapter the reference is the policy's
+    engine with the adapter disabled: the losses, margins and adapter of one LoRA process."""
+    pytest.importorskip("deepspeed")
+    config = tmp_path / "zero3.json"
+    config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "train_batch_size": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            }
+        )
+    )
+    args = {**PREF_ARGS, "gradient_accumulation_steps": 2, "deepspeed": str(config)}
+    args |= {"save_strategy": "steps", "save_steps": 2}
+    root = tmp_path / "dist"
+    jobs = []
+    for name, extra in (("zero3", {}), ("zero3-precomputed", {"precompute_ref_log_probs": True})):
+        job = {"name": name, "pairs": str(pairs_file), "pref": {**PREF, **extra}, "args": args}
+        jobs += [job, {**job, "name": f"{name}-resumed", "resume": str(root / name / "run" / "checkpoint-2")}]
+    lora = {**args, **LORA_ARGS, "save_strategy": "no"}
+    jobs.append({"name": "zero3-lora", "pairs": str(pairs_file), "pref": PREF, "args": lora, "lora": True})
+    zero2 = tmp_path / "zero2.json"
+    zero2.write_text(json.dumps({**json.loads(config.read_text()), "zero_optimization": {"stage": 2}}))
+    jobs.append({"name": "zero2", "pairs": str(pairs_file), "pref": PREF, "args": {**args, "deepspeed": str(zero2)}})
+    # 6 DeepSpeed runs in one launch: ~100 s on 2 loaded cores (measured), past the default bound
+    runs = ok(launch(root, data_file, jobs, timeout=2 * TIMEOUT_S))
+    for name in ("zero3", "zero3-precomputed"):
         result = runs["result"][name]
-        assert result["world_size"] == 2
-        assert result["losses"] == pytest.approx([h["loss"] for h in logs], rel=1e-5), name
-        assert result["margins"] == pytest.approx([h["rewards/margins"] for h in logs], rel=1e-4, abs=1e-7), name
-        for key in ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen"):
-            assert result["metrics"][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-7), (name, key)
-        assert_same_weights(runs["out"][name] / "final", model)
+        assert_same_preference_run(result, preference_run, name, margins_abs=1e-6)
+        assert_same_weights(runs["out"][name] / "final", preference_run[1])
+        resumed = runs["result"][f"{name}-resumed"]
+        # steps 1-2 come back with checkpoint-2's log history, step 3 is trained after the resume
+        assert resumed["losses"] == pytest.approx(result["losses"], rel=1e-6), name
+        assert resumed["margins"] == pytest.approx(result["margins"], rel=1e-6, abs=1e-9), name
+        assert resumed["metrics"]["eval_loss"] == pytest.approx(result["metrics"]["eval_loss"], rel=1e-6), name
+    for name in ("zero3", "zero3-resumed"):
+        for rank in runs["result"][name]["reference_holding"]:
+            assert rank["type"] == "DeepSpeedEngine", rank
+            assert rank["held"] <= rank["numel"] / 2 + 64, rank  # each parameter's partition: ceil(numel / 2)
+    # ZeRO-2: the reference through a stage-0 engine (the policy's dtype), whole on every rank, as the policy is
+    assert_same_preference_run(runs["result"]["zero2"], preference_run, "zero2", margins_abs=1e-6)
+    assert_same_weights(runs["out"]["zero2"] / "final", preference_run[1])
+    for rank in runs["result"]["zero2"]["reference_holding"]:
+        assert rank["type"] == "DeepSpeedEngine" and rank["held"] == rank["numel"], rank
+    assert runs["result"]["zero3-precomputed"]["reference_holding"] == [None, None]
+    # LoRA: the reference is the policy's engine with the adapter disabled (no copy), against one process
+    pytest.importorskip("peft")
+    from trainer.lora import init_adapter_weights
+
+    with kernels.backend("reference"):
+        pairs = load_preference_dataset([pairs_file], byte_level_tokenizer(), show_progress=False)
+        one = {**PREF_ARGS, **LORA_ARGS, "gradient_accumulation_steps": 4}
+        single = TrainingArguments(output_dir=str(tmp_path / "lora"), **one)
+        model = apply_lora(small_model(), single)
+        init_adapter_weights(model, seed=0)
+        trainer = PreferenceTrainer(
+            model=model,
+            pref=PreferenceArguments(**PREF),
+            train_dataset=pairs,
+            eval_dataset=pairs,
+            processing_class=byte_level_tokenizer(),
+            args=single,
+        )
+        trainer.train()
+        lora_run = ([h for h in trainer.state.log_history if "loss" in h], model, trainer.evaluate())
+    assert runs["result"]["zero3-lora"]["reference_holding"] == [None, None]
+    assert_same_preference_run(runs["result"]["zero3-lora"], lora_run, "zero3-lora", margins_abs=1e-6)
+    assert_same_adapter(runs["out"]["zero3-lora"] / "final", model)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])

@@ -117,3 +117,46 @@ def test_sft_data_given_to_dpo_and_dpo_options_given_to_sft(tmp_path):
     assert done.returncode == 2 and f"{data}:1: cannot tell the data format from the keys ['messages']" in done.stderr
     done = run(*FAST, "--output_dir", str(tmp_path / "b"), "--beta", "0.3", module="trainer.sft")
     assert done.returncode == 2 and "beta: preference options, but stage is sft" in done.stderr
+
+
+def test_deepspeed_zero3_runs_as_given(tmp_path):
+    """`python -m trainer.dpo --deepspeed ds_zero3.json` (one process, no launcher: DeepSpeed forms its own group),
+    the reference given by name (`--ref_model tiny`, built like the policy and run through its own ZeRO-3 engine):
+    it trains, evaluates with TRL's metrics, measures the preference accuracy before and after, and writes the
+    consolidated model. 2 processes against one: tests/trainer/test_distributed.py."""
+    pytest.importorskip("deepspeed")
+    config = tmp_path / "ds_zero3.json"
+    config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "train_batch_size": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": 3},
+            }
+        )
+    )
+    out = tmp_path / "out"
+    done = run(
+        *FAST,
+        "--output_dir",
+        str(out),
+        "--ref_model",
+        "tiny",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "2",
+        "--per_device_eval_batch_size",
+        "50",
+        "--deepspeed",
+        str(config),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    metrics = json.loads((out / "final_metrics.json").read_text())
+    assert metrics["global_step"] == 2
+    assert {"eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen"} <= set(metrics)
+    assert 0 <= metrics["preference_accuracy_after"] <= 1
+    assert (out / "model.safetensors").is_file()
