@@ -10,6 +10,8 @@ tests/bench/test_byte_models.py):
     forward   ours 2s + 1s              min the same
     backward  ours 3s + 2s              min the same (silu recomputed from gate, never saved)
     full      ours 5s + 3s              min the same (out is needed by down_proj, gate and up by the backward)
+    backward, act written too (kernels.swiglu_linear's backward: `traffic_parts(..., store_act=True)`)
+              ours 3s + 3s              in place of a second forward pass (2s + 1s) before the 3s + 2s backward
 The eager baseline is F.silu(gate) * up in the activation dtype, what transformers' LlamaMLP runs: 2 passes
 forward (silu writes a temporary) and more backward. Peak extra memory is measured for the full step.
 
@@ -85,14 +87,14 @@ def _bytes(mode: str, n: int, s: int) -> int:
     return {"forward": 3, "backward": 5, "full": 8}[mode] * n * s
 
 
-def traffic_parts(mode: str, n: int, s: int) -> dict[str, tuple[int, int]]:
+def traffic_parts(mode: str, n: int, s: int, store_act: bool = False) -> dict[str, tuple[int, int]]:
     """(read, write) bytes of our kernels for n elements of s bytes, per kernel (tests/bench/test_byte_models.py
-    holds them equal to the traffic meter)."""
+    holds them equal to the traffic meter). store_act: the backward also writes act (`swiglu_bwd_act`)."""
     parts = {}
     if mode in ("forward", "full"):
         parts["_swiglu_fwd_kernel"] = (2 * n * s, n * s)  # gate, up; out
     if mode in ("backward", "full"):
-        parts["_swiglu_bwd_kernel"] = (3 * n * s, 2 * n * s)  # dout, gate, up; dgate, dup
+        parts["_swiglu_bwd_kernel"] = (3 * n * s, (3 if store_act else 2) * n * s)  # dout, gate, up; dgate, dup(, act)
     return parts
 
 

@@ -24,7 +24,8 @@ per its tensor-list limit). What cannot run on meta tensors enters by its cost m
 op whose forward and backward produce outputs and gradients of the right shapes and record their own bytes, FLOPs
 and launches (the aten ops they run internally are not recorded: they are not what the GPU runs):
 - our Triton ops and liger-kernel's, by the autograd Function class each calls (`RMSNormFunction`,
-  `FusedAddRMSNormFunction`, `RoPEFunction`, `SwiGLUFunction`, `FusedLinearCrossEntropyFunction`,
+  `FusedAddRMSNormFunction`, `RoPEFunction`, `SwiGLUFunction`, `SwiGLULinearFunction` (its matmuls as
+  matmuls), `FusedLinearCrossEntropyFunction`,
   `LigerRMSNormFunction`, `LigerSiLUMulFunction`, `LigerRopeFunction`, `LigerFusedLinearCrossEntropyFunction`; ours
   are picked up from any module of `kernels`) and our FusedAdamW's Triton launcher. Ours by the benches' exact byte
   models (`traffic_parts` of bench/bench_rms_norm.py (RMSNorm and the fused add + RMSNorm),
@@ -101,7 +102,7 @@ from triton.runtime.jit import JITFunction
 import kernels
 
 # Imported after `kernels` (they set TRITON_INTERPRET for kernels imported later; ours are decorated already).
-from bench import bench_adamw, bench_rms_norm, bench_rope, common  # noqa: E402
+from bench import bench_adamw, bench_rms_norm, bench_rope, bench_swiglu, common  # noqa: E402
 from bench import bench_fused_linear_cross_entropy as bench_flce  # noqa: E402
 from bench.sm90 import H100_SMS, fake_cuda
 from kernels.fused_linear_cross_entropy import _chunk_rows as flce_chunk_rows
@@ -257,7 +258,8 @@ def category(module: str | None, op: str) -> str:
     if "Rotary" in m:
         return "rope"
     if "MLP" in m:
-        return "mlp_activation"
+        # a cast there is autocast's weight cast that kernels.swiglu_linear makes for down_proj (as F.linear would)
+        return "other_elementwise" if op in ("_to_copy", "to_copy") else "mlp_activation"  # aten op, its node
     if "Attention" in m:
         return "rope" if op in ROPE_OPS else "other_elementwise"
     if "DecoderLayer" in m:
@@ -529,6 +531,42 @@ class SwiGLUModel:
         gate, up = ctx.saved_tensors
         _rec(self.name + ".backward", "mlp_activation", nbytes(dout) + 2 * nbytes(gate) + 2 * nbytes(up))
         return _like(gate), _like(up), *([None] * ctx.n_rest)
+
+
+class SwiGLULinearModel:
+    """kernels' SwiGLULinearFunction(gate, up, weight): F.linear(silu(gate) * up, weight) keeping gate, up and weight,
+    not act. Forward: the SwiGLU forward kernel, then the (M, I) @ (I, H) matmul (act dies). Backward: dact = dout @
+    weight, the SwiGLU backward kernel that also writes act (over dact; bench/bench_swiglu.py's `traffic_parts` with
+    store_act), then dweight = dout^T @ act. Kernels as mlp_activation, matmuls as matmuls (as aten's mm records)."""
+
+    category = "mlp_activation"
+    name = "SwiGLULinearFunction"
+
+    def forward(self, ctx, gate, up, weight):
+        n, s = gate.numel(), gate.element_size()
+        i, h = gate.shape[-1], weight.shape[0]
+        m = n // i
+        _record_parts(self.name, "mlp_activation", bench_swiglu.traffic_parts("forward", n, s))
+        act = _like(gate)  # (..., I), dies with the forward
+        _mm(f"{self.name}:mm", "matmuls", m, i, h, s, weight.element_size(), s)
+        del act
+        ctx.save_for_backward(gate, up, weight)
+        return _like(gate, shape=(*gate.shape[:-1], h))
+
+    def backward(self, ctx, dout):
+        gate, up, weight = ctx.saved_tensors
+        n, s, w = gate.numel(), gate.element_size(), weight.element_size()
+        i, h = gate.shape[-1], weight.shape[0]
+        m = n // i
+        dact = _like(gate)  # (..., I); act is written over it
+        _mm(f"{self.name}.backward:mm", "matmuls", m, h, i, s, w, s)  # dact = dout @ weight
+        dgate, dup = _like(gate), _like(up)
+        parts = bench_swiglu.traffic_parts("backward", n, s, store_act=True)
+        _record_parts(self.name + ".backward", "mlp_activation", parts)
+        dweight = _like(weight)
+        _mm(f"{self.name}.backward:mm", "matmuls", h, m, i, s, s, w)  # dweight = dout^T @ act
+        del dact
+        return dgate, dup, dweight
 
 
 class RoPEModel:
@@ -816,6 +854,7 @@ MODELS = {
     "LigerRMSNormFunction": lambda: RMSNormModel("LigerRMSNormFunction"),
     "SwiGLUFunction": lambda: SwiGLUModel("SwiGLUFunction"),
     "LigerSiLUMulFunction": lambda: SwiGLUModel("LigerSiLUMulFunction"),
+    "SwiGLULinearFunction": SwiGLULinearModel,
     "RoPEFunction": lambda: RoPEModel("RoPEFunction"),
     "LigerRopeFunction": lambda: RoPEModel("LigerRopeFunction"),
     "FusedAddRMSNormFunction": FusedAddRMSNormModel,

@@ -316,6 +316,9 @@ def _swiglu():
     gate, up = _cuda(8192, 14336, grad=True), _cuda(8192, 14336, grad=True)
     out = kernels.swiglu(gate, up)
     out.backward(torch.empty_like(out))
+    # Llama-3-8B's down projection over it: the backward kernel that also writes act (kernels.swiglu_linear)
+    out = kernels.swiglu_linear(gate, up, _cuda(4096, 14336, grad=True))
+    out.backward(torch.empty_like(out))
 
 
 CASES: dict[str, Callable[[], None]] = {

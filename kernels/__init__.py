@@ -21,13 +21,13 @@ from .fused_linear_preference_loss import fused_linear_preference_loss, fused_li
 from .neftune import NEFTuneFunction, neftune_noise, neftune_noise_ref
 from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from .rope import rope, rope_ref
-from .swiglu import swiglu, swiglu_ref
+from .swiglu import swiglu, swiglu_linear, swiglu_linear_ref, swiglu_ref
 
 __all__ = ["HAS_TRITON", "backend", "current_backend", "use_triton"]
 __all__ += ["NEFTuneFunction", "neftune_noise", "neftune_noise_ref"]
 __all__ += ["rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref"]
 __all__ += ["rope", "rope_ref"]
-__all__ += ["swiglu", "swiglu_ref"]
+__all__ += ["swiglu", "swiglu_ref", "swiglu_linear", "swiglu_linear_ref"]
 __all__ += ["FusedAdamW", "adamw_step_ref"]
 __all__ += ["cross_entropy", "cross_entropy_ref", "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]
 __all__ += ["PreferenceLogps", "fused_linear_preference", "fused_linear_preference_ref", "preference_loss"]

@@ -16,6 +16,12 @@ Bytes moved per element (s = element size): forward 3s (read gate and up, write 
 dout, gate and up, write dgate and dup). Both are the minimum for these inputs and outputs: nothing is
 read twice and nothing but the outputs is written.
 
+`swiglu_linear(gate, up, weight)` = F.linear(swiglu(gate, up), weight) (Llama's down projection, no bias) keeps
+no act for the weight gradient: its backward computes dact = dout @ weight first, then the backward kernel with
+STORE_ACT also writes act (over dact: 3s read + 3s written), then dweight = dout^T @ act. A second forward pass to
+recompute act would move 3s more (2s of them its reads of gate and up): 1.5 ms of the modelled Llama-3.2-1B step at
+4 x 2048 on an H100 (bench/roofline.py). Values and gradients are bit for bit F.linear(swiglu(gate, up), weight)'s.
+
 Launch strategy: the three tensors are flattened to 1-D (contiguous; a stride-0 dout from .sum().backward()
 is materialised first) and each program covers BLOCK consecutive elements with int64 offsets. On CUDA
 BLOCK = 2048 over 8 warps is 8 elements per thread per tensor, one 16-byte vector access in bf16 (chosen
@@ -70,8 +76,10 @@ if HAS_TRITON:
         up_ptr,  # (n,) saved up
         dgate_ptr,  # (n,) contiguous gradient of gate (written)
         dup_ptr,  # (n,) contiguous gradient of up (written)
+        act_ptr,  # (n,) contiguous silu(gate) * up (written when STORE_ACT; may be dout_ptr: each lane reads first)
         n,
         BLOCK: tl.constexpr,
+        STORE_ACT: tl.constexpr,  # also write the forward's output, for a weight gradient that needs it
     ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -83,6 +91,9 @@ if HAS_TRITON:
         tl.store(dup_ptr + offs, (dout * silu).to(dup_ptr.dtype.element_ty), mask=mask)
         dgate = dout * u * (s + silu * (1.0 - s))
         tl.store(dgate_ptr + offs, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
+        if STORE_ACT:
+            # g * s * u as the forward kernel rounds it (the same two products, one cast): bit for bit its out
+            tl.store(act_ptr + offs, (silu * u).to(act_ptr.dtype.element_ty), mask=mask)
 
 
 def _require_triton() -> None:
@@ -119,8 +130,30 @@ def swiglu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tupl
     if n == 0:
         return dgate, dup
     block, warps = launch_config(n, gate.is_cuda)
-    _swiglu_bwd_kernel[(triton.cdiv(n, block),)](dout, gate, up, dgate, dup, n, BLOCK=block, num_warps=warps)
+    grid = (triton.cdiv(n, block),)
+    _swiglu_bwd_kernel[grid](dout, gate, up, dgate, dup, dout, n, BLOCK=block, STORE_ACT=False, num_warps=warps)
     return dgate, dup
+
+
+def swiglu_bwd_act(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward that also writes the forward's output: returns (dgate, dup, act), act = silu(gate) * up bit for bit
+    as `swiglu_fwd` makes it, written over dout (a contiguous dout is consumed: act is that tensor). No autograd."""
+    _require_triton()
+    if dout.dtype != gate.dtype:
+        raise ValueError(
+            f"swiglu_bwd_act: dout ({dout.dtype}) must have gate's dtype ({gate.dtype}): act is written there"
+        )
+    dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)  # (...,), (...,)
+    n = gate.numel()
+    if n == 0:
+        return dgate, dup, dout
+    block, warps = launch_config(n, gate.is_cuda)
+    grid = (triton.cdiv(n, block),)
+    _swiglu_bwd_kernel[grid](dout, gate, up, dgate, dup, dout, n, BLOCK=block, STORE_ACT=True, num_warps=warps)
+    return dgate, dup, dout
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -137,6 +170,40 @@ class SwiGLUFunction(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dgate, dup = swiglu_bwd(dout, gate, up)
         return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None)
+
+
+class SwiGLULinearFunction(torch.autograd.Function):
+    """F.linear(silu(gate) * up, weight), no bias (Llama's down projection over its gating). Saves gate, up and weight,
+    not act = silu(gate) * up: backward computes dact = dout @ weight first, then one kernel pass reads dact, gate and
+    up and writes dgate, dup and act (over dact), and the weight gradient dout^T @ act reads that act. The matmuls are
+    the ones autograd's mm backward runs, on the same operands: bit for bit F.linear(swiglu(gate, up), weight)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight):
+        ctx.save_for_backward(gate, up, weight)
+        # the caller cast to one dtype (as autocast would); our matmul runs in it
+        with torch.autocast(gate.device.type, enabled=False):
+            return F.linear(swiglu_fwd(gate, up), weight)  # (..., H), act (..., I) dies here
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up, weight = ctx.saved_tensors
+        need_gate, need_up, need_weight = ctx.needs_input_grad
+        dout2d = dout.reshape(-1, dout.shape[-1])  # (M, H)
+        dgate = dup = dweight = None
+        with torch.autocast(dout.device.type, enabled=False):
+            if need_gate or need_up:
+                dact = dout2d.mm(weight).view(gate.shape)  # (..., I), as mm's backward forms it
+                if need_weight:
+                    dgate, dup, act = swiglu_bwd_act(dact, gate, up)  # act written over dact
+                else:
+                    dgate, dup = swiglu_bwd(dact, gate, up)
+                del dact
+            elif need_weight:
+                act = swiglu_fwd(gate, up)
+            if need_weight:
+                dweight = dout2d.t().mm(act.reshape(-1, act.shape[-1]))  # (H, I)
+        return (dgate if need_gate else None), (dup if need_up else None), dweight
 
 
 def _check_args(gate, up) -> None:
@@ -159,6 +226,29 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not use_triton(gate, up):
         return swiglu_ref(gate, up)
     return SwiGLUFunction.apply(gate, up)
+
+
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(swiglu(gate, up), weight) (no bias), values and gradients bit for bit, without keeping the
+    (..., intermediate) silu(gate) * up for backward (`SwiGLULinearFunction`).
+
+    Under autocast the weight is cast to the autocast dtype, as F.linear's autocast would. Where Triton does not run
+    (see `kernels._dispatch`), or gate is not in the dtype the matmul runs in, it is F.linear(swiglu(gate, up),
+    weight) as written."""
+    _check_args(gate, up)
+    dtype = weight.dtype
+    if torch.is_autocast_enabled(gate.device.type):
+        dtype = torch.get_autocast_dtype(gate.device.type)
+        if weight.dtype in _DTYPES and weight.dtype != dtype:
+            weight = weight.to(dtype)  # as autocast casts F.linear's operands
+    if not use_triton(gate, up) or gate.dtype != dtype or weight.dtype != dtype or weight.dim() != 2:
+        return F.linear(swiglu(gate, up), weight)
+    return SwiGLULinearFunction.apply(gate, up, weight)
+
+
+def swiglu_linear_ref(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch F.linear(swiglu_ref(gate, up), weight); autograd-differentiable."""
+    return F.linear(swiglu_ref(gate, up), weight)
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

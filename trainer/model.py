@@ -19,7 +19,8 @@ honoured on every backend (not rejected): query i sees keys i-W+1..i.
 
 `use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`, and with the residual add before it
 `kernels.fused_add_rms_norm`), RoPE (`kernels.rope`), SwiGLU
-(`kernels.swiglu`, whose output down_proj's backward recomputes instead of keeping: `_down_recomputing_act`), the
+(`kernels.swiglu`, whose output down_proj's backward recomputes instead of keeping: `kernels.swiglu_linear` for a
+plain down_proj, `_down_recomputing_act` otherwise), the
 loss (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and NEFTune
 (`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `use_liger_kernel=True` (or
 `apply_liger_kernel(model)` later) sets RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy to liger-kernel's
@@ -483,6 +484,9 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
             if not _recompute_allowed():
                 return self.down_proj(kernels.swiglu(gate, up))
+            if _plain_linear(self.down_proj) and kernels.use_triton(gate, up):
+                # act is rebuilt by the SwiGLU backward itself (one more write, not another pass over gate and up)
+                return kernels.swiglu_linear(gate, up, self.down_proj.weight)
             return _down_recomputing_act(self.down_proj, gate, up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -495,11 +499,20 @@ def _recompute_allowed() -> bool:
     return torch.is_grad_enabled() and not torch.compiler.is_compiling() and top is not None and top(False) is None
 
 
+def _plain_linear(m: nn.Module) -> bool:
+    """Whether m is an nn.Linear without bias or hooks of its own, which `kernels.swiglu_linear` may stand in for
+    (FSDP2 shards whole decoder blocks: their Linears stay plain, their weights gathered for the block's forward
+    and backward). A LoRA-wrapped or hooked down_proj takes `_down_recomputing_act`."""
+    hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+    return type(m) is nn.Linear and m.bias is None and not any(hooks)
+
+
 _RECOMPUTE = object()  # what down_proj's backward keeps in place of silu(gate) * up
 
 
 def _down_recomputing_act(down: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """down(swiglu(gate, up)) without keeping swiglu's output for down's backward: it is recomputed there from gate and
+    """down(swiglu(gate, up)) for a down_proj `kernels.swiglu_linear` cannot stand in for (LoRA-wrapped, hooked,
+    biased) without keeping swiglu's output for down's backward: it is recomputed there from gate and
     up, which the SwiGLU backward keeps anyway. Saves one (tokens, intermediate) activation per layer (2.1 GB in all
     for Llama-3.2-1B at 4 x 2048 tokens: bench/results/roofline.md) for one more SwiGLU forward pass per layer in
     backward (3 bytes per element: ~1.6% of the modelled step there). The same kernel on the same inputs: the values

@@ -507,3 +507,15 @@ def test_swiglu(dtype):
     for mode, measured in (("forward", fwd), ("backward", bwd)):
         model = bench_swiglu.traffic_parts(mode, gate.numel(), gate.element_size())
         assert_matches(model, measured, f"bench/bench_swiglu.py ({dtype}) {mode}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_backward_writing_act(dtype):
+    """kernels.swiglu_bwd_act (kernels.swiglu_linear's backward): the backward's bytes plus act's write."""
+    from kernels.swiglu import swiglu_bwd_act
+
+    gate, up, dout = (torch.randn(3, 70001, dtype=DTYPES[dtype]) for _ in range(3))
+    with traffic.measure() as bwd:
+        swiglu_bwd_act(dout, gate, up)
+    model = bench_swiglu.traffic_parts("backward", gate.numel(), gate.element_size(), store_act=True)
+    assert_matches(model, bwd, f"bench/bench_swiglu.py ({dtype}) backward, act written")

@@ -15,7 +15,16 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.swiglu import SwiGLUFunction, swiglu, swiglu_bwd, swiglu_fwd, swiglu_ref
+from kernels.swiglu import (
+    SwiGLUFunction,
+    swiglu,
+    swiglu_bwd,
+    swiglu_bwd_act,
+    swiglu_fwd,
+    swiglu_linear,
+    swiglu_linear_ref,
+    swiglu_ref,
+)
 from tests.tolerance import assert_lowp_close, fwd_bwd, max_abs_err, poisoned_like
 
 swiglu_mod = importlib.import_module("kernels.swiglu")
@@ -134,3 +143,100 @@ def test_dispatch_and_bad_args():
         swiglu(gate, up.float())
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         swiglu(gate.to(torch.int32), up)
+
+
+# ---- swiglu_linear: F.linear(swiglu(gate, up), weight) without keeping act -------------------------------------
+
+
+def _linear_case(shape, h, dtype, seed=0):
+    gate, up, _ = _make(shape, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    weight = (torch.randn(h, shape[-1], generator=g) / shape[-1] ** 0.5).to(dtype)
+    dout = torch.randn(*shape[:-1], h, generator=g).to(dtype)
+    return gate, up, weight, dout
+
+
+def _grads(fn, tensors, dout, needs=(True, True, True)):
+    leaves = [t.detach().clone().requires_grad_(n) for t, n in zip(tensors, needs)]
+    out = fn(*leaves)
+    out.backward(dout)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,h", [((1, 1), 1), ((1823, 781), 33), ((3, 7, 1001), 64)], ids=str)
+def test_swiglu_linear_is_bit_for_bit_the_composition(shape, h, dtype):
+    """out and every gradient equal F.linear(swiglu(gate, up), weight)'s bit for bit (the same kernels' arithmetic,
+    the matmuls autograd's mm backward runs); and close to the fp32 reference."""
+    gate, up, weight, dout = _linear_case(shape, h, dtype)
+    ours = _grads(swiglu_linear, (gate, up, weight), dout)
+    plain = _grads(lambda a, b, w: F.linear(swiglu(a, b), w), (gate, up, weight), dout)
+    for o, p, name in zip(ours, plain, ("out", "dgate", "dup", "dweight")):
+        assert o.dtype == p.dtype and torch.equal(o, p), name
+    if dtype == torch.float32:
+        ref = _grads(swiglu_linear_ref, (gate.double(), up.double(), weight.double()), dout.double())
+        for o, r, name in zip(ours, ref, ("out", "dgate", "dup", "dweight")):
+            k = shape[-1] if name in ("out", "dgate", "dup") else gate.numel() // shape[-1]
+            bound = 8 * EPS32 * k**0.5 * r.abs().max().item()  # a k-term dot product
+            assert max_abs_err(o, r.float()) <= bound, name
+
+
+def test_swiglu_linear_keeps_no_activation():
+    gate, up, weight, _ = _linear_case((37, 100), 16, torch.bfloat16)
+    gate.requires_grad_()
+    up.requires_grad_()
+    weight.requires_grad_()
+    out = swiglu_linear(gate, up, weight)
+    assert type(out.grad_fn).__name__ == "SwiGLULinearFunctionBackward"
+    saved = out.grad_fn.saved_tensors
+    assert [t.data_ptr() for t in saved] == [gate.data_ptr(), up.data_ptr(), weight.data_ptr()]
+
+
+@pytest.mark.parametrize(
+    "needs", [(True, True, False), (True, False, True), (False, False, True), (False, True, False)]
+)
+def test_swiglu_linear_only_needed_gradients(needs):
+    gate, up, weight, dout = _linear_case((5, 70), 9, torch.float16)
+    ours = _grads(swiglu_linear, (gate, up, weight), dout, needs)
+    plain = _grads(lambda a, b, w: F.linear(swiglu(a, b), w), (gate, up, weight), dout, needs)
+    for o, p, need in zip(ours[1:], plain[1:], needs):
+        assert (o is None) == (not need) and (o is None or torch.equal(o, p))
+    assert torch.equal(ours[0], plain[0])
+
+
+def test_swiglu_linear_under_autocast_casts_the_weight_as_f_linear_does():
+    gate, up, weight, dout = _linear_case((6, 50), 12, torch.bfloat16)
+    weight = weight.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = _grads(swiglu_linear, (gate, up, weight), dout)
+        plain = _grads(lambda a, b, w: F.linear(swiglu(a, b), w), (gate, up, weight), dout)
+    assert ours[0].dtype == torch.bfloat16 and ours[3].dtype == torch.float32
+    for o, p in zip(ours, plain):
+        assert torch.equal(o, p)
+
+
+def test_swiglu_linear_falls_back_where_it_cannot_run():
+    """The reference backend, or a gate in another dtype than the matmul's: F.linear(swiglu(gate, up), weight)."""
+    gate, up, weight, _ = _linear_case((4, 9), 3, torch.bfloat16)
+    with kernels.backend("reference"):
+        out = swiglu_linear(gate.requires_grad_(), up, weight)
+    assert type(out.grad_fn).__name__ != "SwiGLULinearFunctionBackward"
+    assert torch.equal(out, swiglu_linear_ref(gate, up, weight))
+    with pytest.raises(RuntimeError):  # F.linear's own error for mixed dtypes
+        swiglu_linear(gate, up, weight.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_writing_act_equals_forward_and_backward(dtype):
+    """swiglu_bwd_act: dgate and dup as swiglu_bwd's, act as swiglu_fwd's, bit for bit, act over dout, every element
+    written (210003 elements: several interpreter programs, one ragged)."""
+    gate, up, dout = _make((3, 70001), dtype)
+    gate0, up0 = gate.clone(), up.clone()
+    dgate, dup = swiglu_bwd(dout, gate, up)
+    dgate2, dup2, act = swiglu_bwd_act(dout, gate, up)
+    assert act.data_ptr() == dout.data_ptr()
+    assert torch.equal(dgate, dgate2) and torch.equal(dup, dup2)
+    assert torch.equal(act, swiglu_fwd(gate, up))
+    assert torch.equal(gate, gate0) and torch.equal(up, up0)
+    with pytest.raises(ValueError, match="gate's dtype"):
+        swiglu_bwd_act(dout.float() if dtype != torch.float32 else dout.half(), gate, up)

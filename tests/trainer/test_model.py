@@ -395,42 +395,57 @@ def test_kernels_on_and_off_same_loss_and_grads():
     assert nothing.item() == 0.0
 
 
-def test_mlp_recomputes_its_act_in_backward_bit_for_bit(monkeypatch):
-    """With our kernels down_proj keeps no silu(gate) * up for backward (trainer.model._down_recomputing_act): act
-    dies with the forward, is recomputed in backward from gate and up, and every gradient is bit for bit the one
-    without the recompute; under other saved-tensor hooks (activation checkpointing's) the plain path runs."""
+@pytest.mark.parametrize("down", ["plain", "hooked", "biased"])
+def test_mlp_recomputes_its_act_in_backward_bit_for_bit(monkeypatch, down):
+    """With our kernels down_proj keeps no silu(gate) * up for backward: act dies with the forward and every
+    gradient is bit for bit the one without the recompute. A plain down_proj runs kernels.swiglu_linear (its SwiGLU
+    backward writes act again: no extra forward pass); a wrapped, hooked or biased one
+    trainer.model._down_recomputing_act (one more kernels.swiglu in backward). Under other saved-tensor hooks
+    (activation checkpointing's) the plain path runs. Triton forced (the interpreter): CPU tensors would run the
+    reference."""
     import gc
+    import importlib
     import weakref
 
     import trainer.model as model_mod
 
-    require_kernels("swiglu")
-    _, on = _on_off()
+    require_kernels("swiglu", "swiglu_linear")
+    swiglu_mod = importlib.import_module("kernels.swiglu")
+    _, on = _on_off("llama-tied-bias" if down == "biased" else "llama")
     mlp = on.model.layers[0].mlp
+    assert (mlp.down_proj.bias is not None) == (down == "biased")
+    if down == "hooked":
+        mlp.down_proj.register_forward_hook(lambda m, args, out: None)
     x = torch.randn(2, 5, on.config.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    swiglu, acts = kernels.swiglu, []
+    swiglu_fwd, acts = swiglu_mod.swiglu_fwd, []
 
     def spy(gate, up):
-        acts.append(swiglu(gate, up))
+        acts.append(swiglu_fwd(gate, up))
         return acts[-1]
 
-    monkeypatch.setattr(kernels, "swiglu", spy)
+    monkeypatch.setattr(swiglu_mod, "swiglu_fwd", spy)  # every act any path makes (kernels.swiglu launches it too)
 
     def run(recompute):
         monkeypatch.setattr(model_mod, "_recompute_allowed", lambda: recompute)
         mlp.zero_grad()
         x.grad, acts[:] = None, []
-        out = mlp(x)
-        act = weakref.ref(acts.pop())
-        gc.collect()
-        kept = act() is not None
-        out.sum().backward()
-        return kept, len(acts), [out, x.grad, *(p.grad for p in mlp.parameters())]
+        with kernels.backend("triton"):
+            out = mlp(x)
+            act = weakref.ref(acts.pop())
+            gc.collect()
+            kept = act() is not None
+            node = type(out.grad_fn).__name__
+            out.sum().backward()
+        return kept, len(acts), node, [out, x.grad, *(p.grad for p in mlp.parameters())]
 
-    kept, calls, plain = run(False)
+    kept, calls, _, plain = run(False)
     assert kept and calls == 0
-    kept, calls, recomputed = run(True)
-    assert not kept and calls == 1  # act died with the forward; backward made it again, once
+    kept, calls, node, recomputed = run(True)
+    assert not kept  # act died with the forward
+    if down == "plain":
+        assert node == "SwiGLULinearFunctionBackward" and calls == 0  # rebuilt by the SwiGLU backward kernel
+    else:
+        assert calls == 1  # backward made it again, once
     for a, b in zip(plain, recomputed):
         assert torch.equal(a, b)
     monkeypatch.undo()
