@@ -56,6 +56,7 @@ read + write, new model / old): bf16 forward 18.2 / 15.2 (1.20x), backward 16.2 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -168,6 +169,32 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def mm_fp32_parts(add, m_rows, inner, cols, a_size, b_size, accumulate, out_size=4, *, cuda):
+    """The torch ops of the fused loss's `_mm_fp32` into `add(name, read, write)`: out (m, cols) of out_size bytes =
+    a (m, inner) @ b (inner, cols), operands of a_size / b_size bytes (off CUDA through fp32 copies). Shared by
+    the byte models of every op built on fused linear cross-entropy's chunks."""
+    if out_size != 4 and not cuda:  # a bf16/fp16 out elsewhere: fp32 copies, an fp32 product, one rounding copy
+        if accumulate:
+            add("aten._to_copy", m_rows * cols * out_size, 4 * m_rows * cols)
+        add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
+        add(
+            "aten.addmm" if accumulate else "aten.mm",
+            4 * (m_rows * inner + inner * cols) + (4 * m_rows * cols if accumulate else 0),
+            4 * m_rows * cols,
+        )
+        add("aten.copy_", 4 * m_rows * cols, out_size * m_rows * cols)
+        return
+    if a_size != 4 and not cuda:  # upcast copies first
+        add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
+        a_size = b_size = 4
+    name = ("aten.addmm_" if a_size == 4 else "aten.addmm") if accumulate else "aten.mm"  # addmm: out_dtype
+    add(
+        name,
+        m_rows * inner * a_size + inner * cols * b_size + (out_size * m_rows * cols if accumulate else 0),
+        out_size * m_rows * cols,
+    )
+
+
 def traffic_parts(
     mode: str,
     n_tokens: int,
@@ -203,29 +230,7 @@ def traffic_parts(
         acc[0] += read
         acc[1] += write
 
-    def mm_fp32(m_rows, inner, cols, a_size, b_size, accumulate, out_size=4):
-        """_mm_fp32: out (m, cols) of out_size bytes = a (m, inner) @ b (inner, cols), operands of a_size / b_size
-        bytes."""
-        if out_size != 4 and not cuda:  # a bf16/fp16 out elsewhere: fp32 copies, an fp32 product, one rounding copy
-            if accumulate:
-                add("aten._to_copy", m_rows * cols * out_size, 4 * m_rows * cols)
-            add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
-            add(
-                "aten.addmm" if accumulate else "aten.mm",
-                4 * (m_rows * inner + inner * cols) + (4 * m_rows * cols if accumulate else 0),
-                4 * m_rows * cols,
-            )
-            add("aten.copy_", 4 * m_rows * cols, out_size * m_rows * cols)
-            return
-        if a_size != 4 and not cuda:  # upcast copies first
-            add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
-            a_size = b_size = 4
-        name = ("aten.addmm_" if a_size == 4 else "aten.addmm") if accumulate else "aten.mm"  # addmm: out_dtype
-        add(
-            name,
-            m_rows * inner * a_size + inner * cols * b_size + (out_size * m_rows * cols if accumulate else 0),
-            out_size * m_rows * cols,
-        )
+    mm_fp32 = functools.partial(mm_fp32_parts, add, cuda=cuda)
 
     def bwd_scale(numel, out_size, in_place):
         """cross_entropy_bwd on a flat gradient with a 0-d grad_output of 1 (in the loss's dtype, s)."""

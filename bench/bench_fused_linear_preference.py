@@ -43,6 +43,7 @@ GPU: Llama-3.2-1B's head (H 2048, V 128256) at 8 pairs of 1024 tokens and Llama-
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -282,28 +283,7 @@ def loss_traffic_parts(
         acc[0] += read
         acc[1] += write
 
-    def mm_fp32(m_rows, inner, cols, a_size, b_size, accumulate, out_size=4):
-        # as bench_fused_linear_cross_entropy.traffic_parts's: _mm_fp32's torch ops
-        if out_size != 4 and not cuda:
-            if accumulate:
-                add("aten._to_copy", m_rows * cols * out_size, 4 * m_rows * cols)
-            add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
-            add(
-                "aten.addmm" if accumulate else "aten.mm",
-                4 * (m_rows * inner + inner * cols) + (4 * m_rows * cols if accumulate else 0),
-                4 * m_rows * cols,
-            )
-            add("aten.copy_", 4 * m_rows * cols, out_size * m_rows * cols)
-            return
-        if a_size != 4 and not cuda:
-            add("aten._to_copy", m_rows * inner * a_size + inner * cols * b_size, 4 * (m_rows * inner + inner * cols))
-            a_size = b_size = 4
-        name = ("aten.addmm_" if a_size == 4 else "aten.addmm") if accumulate else "aten.mm"
-        add(
-            name,
-            m_rows * inner * a_size + inner * cols * b_size + (out_size * m_rows * cols if accumulate else 0),
-            out_size * m_rows * cols,
-        )
+    mm_fp32 = functools.partial(bench_flce.mm_fp32_parts, add, cuda=cuda)
 
     if mode in ("forward", "full"):
         add("aten.ne", 8 * n, n)  # the kept rows, on the host
