@@ -16,7 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# Under pytest-xdist (-n N) the N workers share the cores: each takes its share, so that their thread pools do not
+# oversubscribe the machine (on CI's 2 cores, two workers of 2 threads each spent a quarter more CPU time).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def pytest_collection_modifyitems(config, items):
