@@ -55,6 +55,16 @@ def test_kernels_part_writes_rows_targets_and_one_chart(tmp_path):
     assert common.RESULTS == results_before  # the part's scratch folder is not left behind
 
 
+def test_kernels_part_starts_no_benchmark_once_its_budget_is_spent(tmp_path):
+    # 0.5 s: rms_norm starts at once and takes longer than that in the interpreter, so adamw never starts
+    args = ["--part", "kernels", "--quick", "--out", str(tmp_path), "--only", "rms_norm,adamw", "--budget-s", "0.5"]
+    assert gpu.main(args) == 0
+    assert {r["op"] for r in rows_of(tmp_path / "kernels.jsonl")} == {"rms_norm", "fused_add_rms_norm"}
+    text = (tmp_path / "kernels.md").read_text()
+    assert "Not run: adamw (the part's --budget-s was spent before they started)." in text
+    assert "## rms_norm: every row" in text and "## adamw" not in text
+
+
 def test_memory_part_runs_a_rung_in_a_subprocess(tmp_path):
     assert (
         gpu.main(
