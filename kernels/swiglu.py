@@ -121,17 +121,22 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward. Returns (dgate, dup) in gate's shape and dtype, fresh tensors. No autograd."""
+def _launch_bwd(dout, gate, up, store_act: bool):
+    """The backward kernel over contiguous copies: (dgate, dup, dout), with act written over dout when store_act."""
     _require_triton()
     dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)  # (...,), (...,)
     n = gate.numel()
-    if n == 0:
-        return dgate, dup
-    block, warps = launch_config(n, gate.is_cuda)
-    grid = (triton.cdiv(n, block),)
-    _swiglu_bwd_kernel[grid](dout, gate, up, dgate, dup, dout, n, BLOCK=block, STORE_ACT=False, num_warps=warps)
+    if n > 0:
+        block, warps = launch_config(n, gate.is_cuda)
+        grid = (triton.cdiv(n, block),)
+        _swiglu_bwd_kernel[grid](dout, gate, up, dgate, dup, dout, n, BLOCK=block, STORE_ACT=store_act, num_warps=warps)
+    return dgate, dup, dout
+
+
+def swiglu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward. Returns (dgate, dup) in gate's shape and dtype, fresh tensors. No autograd."""
+    dgate, dup, _ = _launch_bwd(dout, gate, up, store_act=False)
     return dgate, dup
 
 
@@ -140,20 +145,11 @@ def swiglu_bwd_act(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward that also writes the forward's output: returns (dgate, dup, act), act = silu(gate) * up bit for bit
     as `swiglu_fwd` makes it, written over dout (a contiguous dout is consumed: act is that tensor). No autograd."""
-    _require_triton()
     if dout.dtype != gate.dtype:
         raise ValueError(
             f"swiglu_bwd_act: dout ({dout.dtype}) must have gate's dtype ({gate.dtype}): act is written there"
         )
-    dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
-    dgate, dup = torch.empty_like(gate), torch.empty_like(up)  # (...,), (...,)
-    n = gate.numel()
-    if n == 0:
-        return dgate, dup, dout
-    block, warps = launch_config(n, gate.is_cuda)
-    grid = (triton.cdiv(n, block),)
-    _swiglu_bwd_kernel[grid](dout, gate, up, dgate, dup, dout, n, BLOCK=block, STORE_ACT=True, num_warps=warps)
-    return dgate, dup, dout
+    return _launch_bwd(dout, gate, up, store_act=True)
 
 
 class SwiGLUFunction(torch.autograd.Function):
