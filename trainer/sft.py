@@ -75,13 +75,12 @@ from .data import (
     save_to_cache,
     split_dataset,
 )
-from .deepspeed_engine import check_args as check_deepspeed_args
 from .dist import end_on_error, init_distributed, world
+from .engine import check_engine_args
 from .evaluation import EVAL_METRICS
 from .lora import import_peft, lora_config
 from .metrics import plot_loss_curve
 from .model import CausalLM, ModelError, context_length_warning, generate
-from .parallel import uses_deepspeed
 from .preference import EVAL_METRICS as PREFERENCE_EVAL_METRICS
 from .preference import PreferenceArguments, PreferenceTrainer
 from .preference_data import PREFERENCE_FORMATS, load_preference_dataset, pairs_dataset
@@ -343,9 +342,8 @@ def check_run(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
         )
     _check_sft_values(sft)
     _check_eval_data(args, sft)
-    if uses_deepspeed(args):
-        # the JSON read and checked against these arguments (world size from the launcher's WORLD_SIZE)
-        check_deepspeed_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    # the engine's files (DeepSpeed's JSON) read and checked against these arguments, world size from the launcher
+    check_engine_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if args.dist_config is not None and args.dist_config.get("dcp_path"):
         dcp_source(args)  # the fsdp2 build's weights: a DCP directory
     for paths in (sft.data, sft.eval_data):
