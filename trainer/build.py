@@ -66,10 +66,9 @@ def build_model(
     torch_compile, dist_config); without `args` the result is a bare CausalLM (`use_kernels` picks its ops then).
     `dtype` (default: the checkpoint's, else fp32), `device` (default: this process's device; the CPU for FSDP2's
     offload_params) and `seed` override what `args` would give. With several processes (a launcher's environment) it
-    joins the
-    process group and, under dist_config fsdp2, no rank ever holds the whole model: each reads only its rows of
-    the safetensors, or its shards of the DCP copy at dist_config.dcp_path (a `dcp/` directory or a checkpoint
-    holding one; the architecture still comes from `name`)."""
+    joins the process group and, under dist_config fsdp2, no rank ever holds the whole model: each reads only its
+    rows of the safetensors, or its shards of the DCP copy at dist_config.dcp_path (a `dcp/` directory or a
+    checkpoint holding one; the architecture still comes from `name`)."""
     path = locate(name)
     config, tokenizer = preset_config(name) if path is None else (read_config(path), load_tokenizer(path))
     model = _build(
