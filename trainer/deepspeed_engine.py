@@ -266,12 +266,10 @@ class DeepSpeedRun:
             norm = torch.tensor(float(norm), dtype=torch.float64)
         applied = self.engine.was_step_applied()
         loss, grad_norm = host_sync(norm)
-        finite = math.isfinite(loss) and applied
-        stepped = applied and math.isfinite(loss)
-        overflow = not applied and self.fp16 and math.isfinite(loss)  # its loss scaler lowered the scale
-        if overflow:
-            finite = True
-        return loss, grad_norm, stepped, finite, overflow
+        loss_finite = math.isfinite(loss)
+        overflow = loss_finite and not applied and self.fp16  # its loss scaler skipped the update, lowered the scale
+        finite = loss_finite and (applied or overflow)
+        return loss, grad_norm, applied and loss_finite, finite, overflow
 
     def save_checkpoint(self, directory: Path) -> None:
         """DeepSpeed's checkpoint of the engine (model, optimizer, scheduler) into `directory`/deepspeed (every rank
