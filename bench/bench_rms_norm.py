@@ -265,7 +265,17 @@ def _case(fn, mode, inputs, grads, eps, offset):
 
 
 def run(
-    shapes, dtype, modes, providers, *, op="rms_norm", offset=0.0, eps=1e-6, compile_backend="inductor", cpu_reps=3
+    shapes,
+    dtype,
+    modes,
+    providers,
+    *,
+    op="rms_norm",
+    offset=0.0,
+    eps=1e-6,
+    compile_backend="inductor",
+    cpu_reps=3,
+    kernel_times=False,
 ):
     fns = {k: v for k, v in _providers(op, compile_backend).items() if k in providers}
     dev = common.device()
@@ -301,6 +311,7 @@ def run(
                     "bytes": moved,
                     **common.physics(t["ms"], bytes_moved=moved),
                     "peak_extra_bytes": common.peak_extra_memory(step) if mode == "full" else None,
+                    **(common.kernel_times(step) if kernel_times else {}),
                     **env,
                 }
                 if name == "ours":
@@ -348,6 +359,7 @@ def main(argv=None):
             offset=args.offset,
             compile_backend=args.compile_backend,
             cpu_reps=1 if args.quick else 5,
+            kernel_times=args.kernel_times,
         )
     ]
     path = common.write_rows("rms_norm", rows)

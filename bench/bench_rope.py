@@ -118,7 +118,9 @@ def _case(name, fn, mode, q, k, cos, sin, dq, dk):
     return lambda: torch.autograd.grad(fn(qg, kg, cos, sin), [qg, kg], [dq, dk])
 
 
-def run(shapes, dtype, modes, providers, *, shared_cos=True, compile_backend="inductor", cpu_reps=3):
+def run(
+    shapes, dtype, modes, providers, *, shared_cos=True, compile_backend="inductor", cpu_reps=3, kernel_times=False
+):
     fns = {k: v for k, v in _providers(compile_backend).items() if k in providers}
     dev = common.device()
     env = common.env_info()
@@ -157,6 +159,7 @@ def run(shapes, dtype, modes, providers, *, shared_cos=True, compile_backend="in
                     "bytes": moved,
                     **common.physics(t["ms"], bytes_moved=moved),
                     "peak_extra_bytes": common.peak_extra_memory(step) if mode == "full" else None,
+                    **(common.kernel_times(step) if kernel_times else {}),
                     **env,
                 }
                 if name == "ours":
@@ -200,6 +203,7 @@ def main(argv=None):
         shared_cos=not args.per_row_cos,
         compile_backend=args.compile_backend,
         cpu_reps=1 if args.quick else 5,
+        kernel_times=args.kernel_times,
     )
     path = common.write_rows("rope", rows)
     print(f"wrote {len(rows)} rows to {path}")

@@ -118,7 +118,7 @@ def _case(fn, mode, gate, up, dout):
     return lambda: torch.autograd.grad(fn(g, u), [g, u], dout)
 
 
-def run(shapes, dtype, modes, providers, *, compile_backend="inductor", cpu_reps=3):
+def run(shapes, dtype, modes, providers, *, compile_backend="inductor", cpu_reps=3, kernel_times=False):
     fns = {k: v for k, v in _providers(compile_backend).items() if k in providers}
     dev = common.device()
     env = common.env_info()
@@ -146,6 +146,7 @@ def run(shapes, dtype, modes, providers, *, compile_backend="inductor", cpu_reps
                     "bytes": moved,
                     **common.physics(t["ms"], bytes_moved=moved),
                     "peak_extra_bytes": common.peak_extra_memory(step) if mode == "full" else None,
+                    **(common.kernel_times(step) if kernel_times else {}),
                     **env,
                 }
                 if name == "ours":
@@ -176,6 +177,7 @@ def main(argv=None):
         args.providers,
         compile_backend=args.compile_backend,
         cpu_reps=1 if args.quick else 5,
+        kernel_times=args.kernel_times,
     )
     path = common.write_rows("swiglu", rows)
     print(f"wrote {len(rows)} rows to {path}")

@@ -158,6 +158,38 @@ def measure(
     return {"ms": statistics.median(times), "ms_p20": times[0], "ms_p80": times[-1]}
 
 
+def kernel_times(fn: Callable[[], object], reps: int = 20, flush_bytes: int = 256 << 20) -> dict:
+    """The device's own time for one call of fn, CUDA only: {"kernel_ms": summed kernel (and memset/memcpy) time
+    per call, "kernels": {name: ms per call}}, read from torch.profiler's CUDA events. Beside do_bench's wall time
+    it tells a kernel that is slow from a call whose host side (Python, autograd, launches) cannot keep the GPU
+    busy. The L2 is flushed before each call as do_bench does; the flush's own kernels, profiled alone, are
+    subtracted. {} on a CPU."""
+    if not on_gpu():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+
+    def device_us(body) -> dict[str, float]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                flush.zero_()
+                body()
+            torch.cuda.synchronize()
+        per_name: dict[str, float] = {}
+        for evt in prof.events():
+            if evt.device_type == torch.autograd.DeviceType.CUDA:
+                per_name[evt.name] = per_name.get(evt.name, 0.0) + evt.time_range.elapsed_us()
+        return per_name
+
+    fn()  # warm-up: compiles and caches stay out of the profile
+    with_fn, flush_only = device_us(fn), device_us(lambda: None)
+    kernels = {k: (us - flush_only.get(k, 0.0)) / reps / 1e3 for k, us in with_fn.items()}
+    kernels = {k: ms for k, ms in kernels.items() if ms > 1e-6}
+    return {"kernel_ms": sum(kernels.values()), "kernels": kernels}
+
+
 def peak_extra_memory(fn: Callable[[], object]) -> int | None:
     """Peak bytes allocated by fn above what was allocated before it (CUDA only; None on CPU)."""
     if not on_gpu():
@@ -266,6 +298,13 @@ def finish_case(case_rows: list[dict], timings: dict[str, float], label: str) ->
         " | ".join(f"{label} {k}: {v:.3f} ms" for k, v in timings.items())
         + "".join(byte_model_text(r) for r in case_rows)
     )
+    for row in case_rows:
+        if row.get("kernel_ms") is not None:
+            top = sorted(row["kernels"].items(), key=lambda kv: -kv[1])[:4]
+            print(
+                f"    {row['provider']}: kernels {row['kernel_ms']:.3f} ms of {row['ms']:.3f} ms wall; "
+                + ", ".join(f"{name[:48]} {ms:.3f}" for name, ms in top)
+            )
 
 
 def provider_parser(doc: str, dtypes: dict, modes: tuple, providers: tuple, dtype_help: str):
@@ -275,6 +314,11 @@ def provider_parser(doc: str, dtypes: dict, modes: tuple, providers: tuple, dtyp
     ap.add_argument("--dtype", choices=sorted(dtypes), default="bf16", help=dtype_help)
     ap.add_argument("--modes", nargs="+", choices=modes, default=list(modes))
     ap.add_argument("--providers", nargs="+", choices=providers, default=list(providers))
+    ap.add_argument(
+        "--kernel-times",
+        action="store_true",
+        help="on CUDA also profile each case's kernels (kernel_ms, kernels): device time beside the wall time",
+    )
     return ap
 
 
