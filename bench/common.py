@@ -71,13 +71,17 @@ def _version(distribution: str) -> str:
 
 
 def git_sha() -> str:
-    """The short HEAD sha, with "+dirty" when tracked files differ from it (the rows then ran uncommitted code).
+    """The GIT_SHA environment variable where it is set, else the short HEAD sha with "+dirty" when tracked files
+    differ from it (the rows then ran uncommitted code), else "unknown".
 
-    A tree without .git (the device machine gets a copy of the working tree, not the repository) takes the sha
-    from the GIT_SHA environment variable, which whoever starts the run sets (docs/gpu_runbook.md); "unknown"
-    when neither exists."""
+    GIT_SHA comes first: whoever starts a run on the device machine sets it (docs/gpu_runbook.md), since the copy
+    of the working tree there may carry no .git, or (seen on 2026-11-26) the .git of the session's start, whose
+    HEAD is older than the commit the tree holds."""
+    from_env = os.environ.get("GIT_SHA", "").strip()
+    if from_env:
+        return from_env
     if not (ROOT / ".git").exists():
-        return os.environ.get("GIT_SHA", "").strip() or "unknown"
+        return "unknown"
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10

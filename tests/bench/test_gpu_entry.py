@@ -124,6 +124,15 @@ def test_git_sha_from_the_environment_where_the_tree_has_no_git(tmp_path, monkey
     assert common.git_sha() == "unknown"
 
 
+def test_git_sha_from_the_environment_wins_over_a_stale_git(monkeypatch):
+    """The device machine's copy can carry the .git of the session's start: GIT_SHA, set by the run, names the
+    commit the tree holds."""
+    monkeypatch.setenv("GIT_SHA", "abc1234")
+    assert common.git_sha() == "abc1234"
+    monkeypatch.delenv("GIT_SHA")
+    assert common.git_sha() not in ("abc1234", "unknown")  # this checkout's own HEAD
+
+
 def test_bad_arguments_are_argparse_errors():
     for argv in (
         ["--part", "kernels", "--out", "x", "--only", "softmax"],
