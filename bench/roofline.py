@@ -69,9 +69,10 @@ the gradient sums autograd makes where a tensor feeds several ops count with the
 Limits: a model, not a measurement: no overlap of launches, no cache effects, no kernel inefficiency (every op runs
 at the roofline), cuBLAS/flash at their peak whatever the shape; CPU-side costs other than launches (host syncs such
 as liger's `.item()`, Python overhead) are not modelled. Every figure printed or written here is labelled modelled;
-where bench/results/train.jsonl holds GPU rows of the same model, sequence length and micro batch (and no gradient
-accumulation), the measured step time ratio stands beside the modelled one:
-    python bench/bench_train.py --model llama-3.2-1b --seq-len 2048 --micro-batch 4 --grad-accum 1
+where the results directory's train.jsonl holds GPU rows of the same model, sequence length and micro batch, the
+measured step times and ratios stand beside the modelled ones (k accumulated micro batches: k modelled forward and
+backward passes, one optimizer step). The H200 run of 2026-11-26 (bench/results/h200/):
+    python -m bench.roofline --device h200 --out bench/results/h200
 
 Results: bench/results/roofline.md (+ .jsonl, + roofline.png). Test: python -m pytest tests/bench/test_roofline.py -q
 """
@@ -1171,8 +1172,9 @@ def summarise(trace: Trace, dev: Device) -> dict:
 
 
 def _measured(config_name: str, seq_len: int, micro_batch: int) -> dict:
-    """The newest GPU step_ms per impl in bench/results/train.jsonl at this model, sequence and micro batch, with one
-    micro batch per optimizer step (as modelled here: with accumulation the optimizer's share would differ)."""
+    """The newest GPU row per impl in common.RESULTS / "train.jsonl" at this model, sequence and micro batch:
+    {impl: {"step_ms", "grad_accum", "device"}}. A step of k accumulated micro batches is compared with k modelled
+    forward + backward passes and one optimizer step (`modelled_step_ms`)."""
     path = common.RESULTS / "train.jsonl"
     out: dict = {}
     if not path.exists():
@@ -1185,10 +1187,19 @@ def _measured(config_name: str, seq_len: int, micro_batch: int) -> dict:
             and row.get("model") == config_name
             and row.get("seq_len") == seq_len
             and row.get("micro_batch") == micro_batch
-            and row.get("grad_accum") == 1
         ):
-            out[row["impl"]] = row["step_ms"]
+            out[row["impl"]] = {
+                "step_ms": row["step_ms"],
+                "grad_accum": row.get("grad_accum", 1),
+                "device": row.get("device"),
+            }
     return out
+
+
+def modelled_step_ms(row: dict, grad_accum: int) -> float:
+    """A modelled row's step time with `grad_accum` micro batches per optimizer step: the forward and backward (and
+    everything but the optimizer category) once per micro batch, clipping and the optimizer step once."""
+    return grad_accum * (row["ms_step"] - row["ms_optimizer"]) + row["ms_optimizer"]
 
 
 def _verdict(value: float, target: float) -> str:
@@ -1254,17 +1265,26 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
     lines += ["", "## Measured beside modelled", ""]
     if measured.get("ours") and (measured.get("hf_liger") or measured.get("hf")):
         zero = {r["stack"]: r for r in rows if r["ignored"] == 0.0}
-        for other in ("hf_liger", "hf"):
-            if measured.get(other):
-                m = measured["ours"] / measured[other]
-                mod = zero["ours"]["ms_step"] / zero[other]["ms_step"]
+        k = {impl: m["grad_accum"] for impl, m in measured.items()}
+        for impl in ("ours", "hf_liger", "hf"):
+            if impl in measured and impl in zero:
+                got, mod = measured[impl]["step_ms"], modelled_step_ms(zero[impl], k[impl])
                 lines.append(
-                    f"- ours/{other} at 0% ignored: measured {m:.3f} (bench/results/train.jsonl), modelled "
+                    f"- {impl} at 0% ignored: measured {got:.1f} ms a step of {k[impl]} micro batches on "
+                    f"{measured[impl]['device']}, modelled {mod:.1f} ms for an {dev.name}: measured/modelled "
+                    f"{got / mod:.3f}"
+                )
+        for other in ("hf_liger", "hf"):
+            if measured.get(other) and k[other] == k["ours"]:
+                m = measured["ours"]["step_ms"] / measured[other]["step_ms"]
+                mod = modelled_step_ms(zero["ours"], k["ours"]) / modelled_step_ms(zero[other], k[other])
+                lines.append(
+                    f"- ours/{other} at 0% ignored: measured {m:.3f} (train.jsonl beside this file), modelled "
                     f"{mod:.3f}, gap {m - mod:+.3f}"
                 )
     else:
         lines.append(
-            "No GPU rows of this model, sequence length and micro batch in bench/results/train.jsonl yet: "
+            "No GPU rows of this model, sequence length and micro batch in the train.jsonl beside this file yet: "
             "the measured ratios will stand here beside the modelled ones, and the gap is a finding."
         )
     lines += ["", "![modelled step time by category](roofline.png)", ""]

@@ -261,26 +261,37 @@ def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
         "grad_accum": 1,
     }
     rows = [
-        base | {"impl": "ours", "step_ms": 90.0},
-        base | {"impl": "hf_liger", "step_ms": 100.0},
-        base | {"impl": "hf", "step_ms": 120.0, "grad_accum": 4},  # accumulation: not this step
-        base | {"impl": "hf", "step_ms": 1.0, "perf_figure": False},
-    ]  # a CPU row: not a measurement
+        base | {"impl": "ours", "step_ms": 90.0, "device": "GPU X"},
+        base | {"impl": "hf_liger", "step_ms": 100.0, "device": "GPU X"},
+        base | {"impl": "hf", "step_ms": 230.0, "grad_accum": 2, "device": "GPU X"},  # its accumulation differs
+        base | {"impl": "hf", "step_ms": 1.0, "perf_figure": False},  # a CPU row: not a measurement
+        base | {"impl": "ours", "step_ms": 1.0, "seq_len": 64},  # another shape
+    ]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     measured = rf._measured("tiny", 32, 2)
-    assert measured == {"ours": 90.0, "hf_liger": 100.0}
+    assert measured == {
+        "ours": {"step_ms": 90.0, "grad_accum": 1, "device": "GPU X"},
+        "hf_liger": {"step_ms": 100.0, "grad_accum": 1, "device": "GPU X"},
+        "hf": {"step_ms": 230.0, "grad_accum": 2, "device": "GPU X"},
+    }
     modelled = [
         {"stack": s, "ignored": i, "ms_step": ms, "peak_memory_gb": 1.0, **{f"ms_{c}": 0.0 for c in rf.CATEGORIES}}
         for i in (0.0, 0.5)
         for s, ms in zip(rf.STACKS, (80.0, 90.0, 100.0, 95.0))
     ]
     for row in modelled:
+        row["ms_optimizer"] = 10.0
+    assert rf.modelled_step_ms(modelled[2], 2) == 2 * 90.0 + 10.0  # hf: two passes of 90 ms, one step of 10
+    for row in modelled:
         row.update(launches=1, bytes=1.0, flops=1.0, launch_overhead_ms=0.0, peak_at="forward:X")
         row.update(peak_by_phase_gb={"setup": 0.5, "forward": 1.0}, peak_breakdown_gb={"setup": 0.5, "forward:X": 0.5})
     args = rf.parse_args(["--model", "tiny", "--seq_len", "32", "--micro_batch", "2"])
     text = rf.render(modelled, rf.DEVICES["h100"], measured, args)
     assert "ours/hf_liger at 0% ignored: measured 0.900" in text and "modelled 0.842" in text
-    assert "ours/hf at 0%" not in text.split("Measured beside modelled")[1]
+    measured_part = text.split("Measured beside modelled")[1]
+    assert "ours/hf at 0%" not in measured_part  # one micro batch against two: no ratio
+    assert "- hf at 0% ignored: measured 230.0 ms a step of 2 micro batches on GPU X, modelled 190.0 ms" in text
+    assert "- ours at 0% ignored: measured 90.0 ms a step of 1 micro batches on GPU X, modelled 80.0 ms" in text
     assert "| ours | 1.000 | forward:X | setup 0.500, forward:X 0.500 | setup 0.50, forward 1.00 |" in text
 
 
