@@ -8,6 +8,7 @@ versions, git sha, date and command. The train part (two trainer subprocesses, ~
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -55,9 +56,19 @@ def test_kernels_part_writes_rows_targets_and_one_chart(tmp_path):
     assert common.RESULTS == results_before  # the part's scratch folder is not left behind
 
 
-def test_kernels_part_starts_no_benchmark_once_its_budget_is_spent(tmp_path):
-    # 0.5 s: rms_norm starts at once and takes longer than that in the interpreter, so adamw never starts
-    args = ["--part", "kernels", "--quick", "--out", str(tmp_path), "--only", "rms_norm,adamw", "--budget-s", "0.5"]
+def test_kernels_part_starts_no_benchmark_once_its_budget_is_spent(tmp_path, monkeypatch):
+    """The part's clock is injected: each benchmark takes 10 fake seconds, whatever this machine's speed, so with a
+    budget of 5 s rms_norm runs and adamw never starts."""
+    now = [1000.0]
+    run = gpu.kernel_runner.run
+
+    def run_taking_ten_seconds(*args, **kwargs):
+        now[0] += 10.0
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(gpu, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(gpu.kernel_runner, "run", run_taking_ten_seconds)
+    args = ["--part", "kernels", "--quick", "--out", str(tmp_path), "--only", "rms_norm,adamw", "--budget-s", "5"]
     assert gpu.main(args) == 0
     assert {r["op"] for r in rows_of(tmp_path / "kernels.jsonl")} == {"rms_norm", "fused_add_rms_norm"}
     text = (tmp_path / "kernels.md").read_text()
