@@ -2,23 +2,23 @@
 
 Three configurations train the same model from the same weights on the same data, in the same run, each in its
 own subprocess (so peak memory is that configuration's alone and no allocator or compile cache is shared):
-    ours       trainer.trainer.Trainer + trainer.model.CausalLM (use_kernels=True, optim adamw_fused)
+    ours       trainer.loop.trainer.Trainer + trainer.model.causal_lm.CausalLM (use_kernels=True, optim adamw_fused)
     hf         transformers.Trainer + transformers.LlamaForCausalLM (its default optim adamw_torch_fused)
     hf_liger   the same with use_liger_kernel=True; CUDA only (liger's Triton kernels have no CPU path; on a CPU
                the row is recorded as skipped, with the reason)
-    ours_lora  ours with --use_peft: a LoRA adapter (trainer/lora.py) on every linear layer but lm_head
+    ours_lora  ours with --use_peft: a LoRA adapter (trainer/model/lora.py) on every linear layer but lm_head
     hf_lora    transformers.Trainer over peft.get_peft_model(LlamaForCausalLM, the same LoraConfig)
                Both LoRA rows: r=16, lora_alpha=32, no dropout; their ratios are against hf_lora. Unavoidable: A's
                random init differs (ours drawn from --seed's generator, peft's from the global RNG).
-    ours_dpo   DPO: trainer.preference.PreferenceTrainer (what `python -m trainer.dpo` runs; use_kernels=True, the
-               policy's loss inside kernels.fused_linear_preference_loss, the reference a frozen copy)
+    ours_dpo   DPO: trainer.methods.preference.PreferenceTrainer (what `python -m trainer.dpo` runs; use_kernels=True,
+               the policy's loss inside kernels.fused_linear_preference_loss, the reference a frozen copy)
     trl_dpo    trl.DPOTrainer over LlamaForCausalLM (its reference a copy loaded from the same directory; its own
                chunked log-prob LM head)
     trl_dpo_liger  the same with use_liger_kernel=True (TRL 1.x then applies liger's layer kernels, RMSNorm, RoPE
                and SwiGLU, keeping its own LM head); CUDA only like hf_liger
                The DPO rows: sigmoid loss, beta 0.1, the same preference pairs in the same order (sequential
                sampling in both: the same pairs in every step), tokenised alike (the byte-level tokenizer and its
-               ChatML template saved with the model: tests/trainer/test_golden_dpo.py shows TRL's ids and ours
+               ChatML template saved with the model: tests/trainer/methods/test_golden_dpo.py shows TRL's ids and ours
                agree); their ratios are against trl_dpo.
 The model is a Llama architecture with random init: `tiny` (the trainer preset) on a CPU, Qwen2.5-0.5B or
 Llama-3.2-1B dimensions on a GPU. The parent builds it once (CausalLM.init_weights(seed)), writes it with
@@ -26,7 +26,7 @@ Llama-3.2-1B dimensions on a GPU. The parent builds it once (CausalLM.init_weigh
 `LlamaForCausalLM.from_pretrained`.
 
 Same work in every configuration:
-- data: the embedded tasks (trainer/demo_data/tasks_train.jsonl, chat-templated with the byte-level tokenizer) or
+- data: the embedded tasks (trainer/data/demo_data/tasks_train.jsonl, chat-templated with the byte-level tokenizer) or
   seeded random ids (--data synthetic), concatenated and cut into blocks of exactly seq_len tokens, every token a
   target: no padding, so each micro batch is one dense (micro_batch, seq_len) tensor in both trainers. The
   dataset holds exactly global_batch * steps blocks: one epoch, every block seen once by every configuration;
@@ -37,7 +37,7 @@ Same work in every configuration:
 - no evaluation, no checkpoint saving, logging off (logging_strategy="no", report_to none, no progress bar),
   dataloader in the main process, no torch.compile, no gradient checkpointing, sdpa attention.
 Unavoidable differences (documented, not hidden):
-- sample order: each trainer shuffles with its own sampler (ours: trainer.batching.BatchLoader; HF: a seeded
+- sample order: each trainer shuffles with its own sampler (ours: trainer.data.batching.BatchLoader; HF: a seeded
   RandomSampler), so the steps see the same blocks in a different order and the final loss differs by that;
 - each trainer's own AdamW implementation (ours: kernels.FusedAdamW, Triton on CUDA, the PyTorch reference on a
   CPU; HF: torch.optim.AdamW(fused=True)): the same update rule, which is part of what is compared. Override with
@@ -47,14 +47,14 @@ Measured per configuration: tokens/s = tokens per step / the median step time ov
 --warmup-steps (the clock is read at each step end, after a CUDA synchronize; the median, because a shared CPU's
 bursts of contention would otherwise decide the comparison; the mean is kept as tokens_per_s_mean), repeated
 --repeats times in alternating order with the median repeat reported; MFU (achieved model FLOP/s over the
-device's dense bf16 peak, trainer.metrics.device_peak_flops; FLOPs per token from CausalLM.flops_per_token: 6N +
+device's dense bf16 peak, trainer.loop.metrics.device_peak_flops; FLOPs per token from CausalLM.flops_per_token: 6N +
 attention; None on a CPU or unknown device), peak memory (torch.cuda.max_memory_allocated on a GPU; on a CPU the
 worker process's max RSS, imports included), and the loss after the last step (mean next-token cross-entropy of a
 fixed held-out batch, fp32, computed by the same code for every configuration). Rows carry ratios against their
 `baseline` (hf, hf_lora or trl_dpo) from the same run.
 
 DPO rows: a micro batch is --micro-batch pairs (2 x that many sequences); the pairs are the embedded tasks' (the
-right answer chosen, a plausible wrong one rejected: trainer.tasks.preference_pair; about 40-80 tokens a
+right answer chosen, a plausible wrong one rejected: trainer.data.tasks.preference_pair; about 40-80 tokens a
 sequence, --seq-len not used) or, with --data synthetic, random letters: a prompt and two answers of seq_len / 2
 tokens each (chat markup included), so each sequence is --seq-len tokens. tokens/s counts both sequences of every
 pair (prompt twice) over the timed steps' median step time (pairs_per_s beside it); MFU takes the policy's
@@ -163,9 +163,9 @@ def token_stream(data: str, n_tokens: int, vocab: int, seed: int) -> torch.Tenso
     if data == "synthetic":
         gen = torch.Generator().manual_seed(seed)
         return torch.randint(0, vocab, (n_tokens,), generator=gen)
-    from trainer.data import load_sft_dataset
-    from trainer.tasks import TRAIN_FILE
-    from trainer.tokenizer import byte_level_tokenizer
+    from trainer.data.sft_data import load_sft_dataset
+    from trainer.data.tasks import TRAIN_FILE
+    from trainer.data.tokenizer import byte_level_tokenizer
 
     ds = load_sft_dataset([TRAIN_FILE], byte_level_tokenizer(), cutoff_len=None, show_progress=False)
     ids = torch.from_numpy(ds.input_ids.astype("int64"))  # (all tokens,) of the 4000 conversations
@@ -212,7 +212,7 @@ def preference_pairs(spec: dict) -> tuple[list[dict], list[dict]]:
             for _ in range(n)
         ]
     else:
-        from trainer.tasks import generate_tasks, preference_pair
+        from trainer.data.tasks import generate_tasks, preference_pair
 
         pairs = [preference_pair(ex) for ex in generate_tasks(n, seed=spec["seed"])]
     return pairs[:n_train], pairs[n_train:]
@@ -225,7 +225,7 @@ def model_config(name: str) -> dict:
 
 
 def flops_per_token(config: dict, seq_len: int) -> int:
-    from trainer.model import CausalLM, ModelConfig
+    from trainer.model.causal_lm import CausalLM, ModelConfig
 
     with torch.device("meta"):
         model = CausalLM(ModelConfig.from_hf(config))
@@ -234,8 +234,8 @@ def flops_per_token(config: dict, seq_len: int) -> int:
 
 def write_model(config: dict, seed: int, path: Path) -> None:
     from trainer.build import save_pretrained
-    from trainer.model import CausalLM, ModelConfig
-    from trainer.tokenizer import byte_level_tokenizer
+    from trainer.data.tokenizer import byte_level_tokenizer
+    from trainer.model.causal_lm import CausalLM, ModelConfig
 
     model = CausalLM(ModelConfig.from_hf(config))
     model.init_weights(seed)
@@ -258,7 +258,7 @@ def heldout_loss(model, ids: torch.Tensor, device: torch.device) -> float:
 
 @torch.no_grad()
 def heldout_dpo_loss(model, reference, pairs, device: torch.device, beta: float = DPO_BETA) -> float:
-    """Mean DPO (sigmoid) loss of `pairs` (a trainer.preference_data.PreferenceDataset) in fp32 from the logits,
+    """Mean DPO (sigmoid) loss of `pairs` (a trainer.data.preference_data.PreferenceDataset) in fp32 from the logits,
     one sequence at a time (no padding): the same code for every model."""
     import numpy as np
 
@@ -376,10 +376,10 @@ def worker(spec: dict) -> dict:
     train, heldout = blocks(spec)
     common_args = _common_args(spec, device)
     if impl.startswith("ours"):
-        from trainer.args import TrainingArguments
         from trainer.build import load_pretrained
-        from trainer.callbacks import TrainerCallback
-        from trainer.trainer import Trainer
+        from trainer.config.args import TrainingArguments
+        from trainer.loop.callbacks import TrainerCallback
+        from trainer.loop.trainer import Trainer
 
         model = load_pretrained(spec["model_dir"], dtype=torch.float32, device=device, use_kernels=True)
         lora = (
@@ -429,8 +429,8 @@ def dpo_worker(spec: dict, device: torch.device) -> dict:
     """One DPO configuration (ours_dpo, trl_dpo, trl_dpo_liger) on the preference pairs (module docstring)."""
     import numpy as np
 
-    from trainer.preference_data import load_preference_dataset
-    from trainer.tokenizer import Tokenizer
+    from trainer.data.preference_data import load_preference_dataset
+    from trainer.data.tokenizer import Tokenizer
 
     impl = spec["impl"]
     train, held = preference_pairs(spec)
@@ -448,10 +448,10 @@ def dpo_worker(spec: dict, device: torch.device) -> dict:
     train_ds, eval_ds = tokenized("train"), tokenized("eval")
     common_args = _common_args(spec, device)
     if impl == "ours_dpo":
-        from trainer.args import TrainingArguments
         from trainer.build import load_pretrained
-        from trainer.callbacks import TrainerCallback
-        from trainer.preference import PreferenceArguments, PreferenceTrainer
+        from trainer.config.args import TrainingArguments
+        from trainer.loop.callbacks import TrainerCallback
+        from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
 
         model = load_pretrained(spec["model_dir"], dtype=torch.float32, device=device, use_kernels=True)
         args = TrainingArguments(**common_args, optim=spec["our_optim"], use_kernels=True, train_shuffle=False)
@@ -585,7 +585,7 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
     fpt = flops_per_token(config, args.seq_len)
     peak = None
     if torch.cuda.is_available():
-        from trainer.metrics import device_peak_flops
+        from trainer.loop.metrics import device_peak_flops
 
         peak = device_peak_flops(torch.device("cuda"))
     load_avg = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None  # how shared the machine was
@@ -661,7 +661,7 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
 
 
 def config_params(config: dict) -> int:
-    from trainer.model import CausalLM, ModelConfig
+    from trainer.model.causal_lm import CausalLM, ModelConfig
 
     with torch.device("meta"):
         return CausalLM(ModelConfig.from_hf(config)).num_parameters()

@@ -4,8 +4,9 @@
 
 One step = forward (under bf16 autocast over fp32 parameters, as bench/bench_train.py runs both trainers), backward,
 gradient clipping (max_grad_norm 1.0: both trainers clip) and the optimizer step, for
-    ours        trainer.model.CausalLM(use_kernels=True) + kernels.FusedAdamW (our Trainer's default optim)
-    ours_liger  the same model after trainer.model.apply_liger_kernel (liger's RMSNorm, SwiGLU, fused linear CE)
+    ours        trainer.model.causal_lm.CausalLM(use_kernels=True) + kernels.FusedAdamW (our Trainer's default optim)
+    ours_liger  the same model after trainer.model.causal_lm.apply_liger_kernel (liger's RMSNorm, SwiGLU, fused
+                linear CE)
     hf          transformers.LlamaForCausalLM (sdpa) + torch.optim.AdamW(fused=True) (transformers 5.23's default
                 optim, `TrainingArguments().optim == "adamw_torch_fused"`), loss with num_items_in_batch as the HF
                 Trainer passes it
@@ -267,7 +268,8 @@ def category(module: str | None, op: str) -> str:
         return "residual_adds" if op in ("add", "add_") else "other_elementwise"
     if m in _TOP_LEVEL:
         # our CausalLM's one add outside the loss: the last MLP output added to the stream before the final norm
-        # (trainer/model.py's add_rms_norm, unfused off our kernels); HF's last add runs in its last decoder layer
+        # (trainer/model/causal_lm.py's add_rms_norm, unfused off our kernels); HF's last add runs in its last decoder
+        # layer
         return "residual_adds" if op in ("add", "add_") else "loss"
     return "other_elementwise"
 
@@ -1026,7 +1028,7 @@ class Built:
 
 
 def _ours(config: dict, liger: bool) -> Built:
-    from trainer.model import CausalLM, ModelConfig, apply_liger_kernel
+    from trainer.model.causal_lm import CausalLM, ModelConfig, apply_liger_kernel
 
     with torch.device("meta"):
         model = CausalLM(ModelConfig.from_hf(config), use_kernels=True)

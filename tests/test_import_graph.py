@@ -1,6 +1,7 @@
 """The project's import graph, read from the source with `ast` (nothing imported): no circle among the modules of
-kernels/ and trainer/, no project import inside a function (every dependency shows at the top of its module), and
-kernels/ never imports trainer/ (docs/architecture.md, ../shared/DESIGN.md)."""
+kernels/ and trainer/, no project import inside a function (every dependency shows at the top of its module),
+kernels/ never imports trainer/, and trainer/'s folders stand in one order, each importing only from those below it
+(`LAYERS`; docs/architecture.md, ../shared/DESIGN.md)."""
 
 import ast
 from pathlib import Path
@@ -12,19 +13,51 @@ PACKAGES = ("kernels", "trainer")
 OPTIONAL = {"kernels._C"}
 
 
+# trainer/'s layers from the ground up: a module imports from its own layer (no circle) or a lower one, never a
+# higher. A module of trainer/ is in the layer whose prefix names it (a folder, or a module at trainer/'s top).
+LAYERS = (
+    ("trainer.coerce", "trainer.dist", "trainer.checkpoint_hf"),  # errors and value parsing, process facts, HF files
+    ("trainer.config",),  # TrainingArguments, the CLI/YAML parser
+    ("trainer.model",),  # the causal LM, attention, LoRA
+    ("trainer.data",),  # SFT and preference data, batching, the tokenizer, the embedded tasks
+    ("trainer.parallel",),  # the transforms (checkpointing, compile, DDP/FSDP2), DeepSpeed
+    ("trainer.build",),  # a model comes to exist: meta -> settings -> transforms -> weights
+    ("trainer.loop",),  # Trainer, engines, optimizers, checkpoints and resume, callbacks, loggers, evaluation
+    ("trainer.methods",),  # trainers built on the loop: preference (DPO and its kin)
+    ("trainer", "trainer.sft", "trainer.dpo", "trainer.generate", "trainer.merge"),  # the commands, the public names
+    # the old module names the README and docs used, kept importable for one release after 2026-11-27 (FutureWarning)
+    ("trainer.args", "trainer.trainer", "trainer.preference", "trainer.preference_data", "trainer.tokenizer"),
+)
+
+
 def _module_name(path: Path) -> str:
-    return path.parent.name if path.stem == "__init__" else f"{path.parent.name}.{path.stem}"
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _targets(node: ast.AST, package: str, modules: set[str]) -> list[str]:
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of a trainer module's layer (the longest matching prefix), None if no layer names it."""
+    best = None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or (prefix != "trainer" and module.startswith(prefix + ".")):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def _targets(node: ast.AST, module: str, is_package: bool, modules: set[str]) -> list[str]:
     """The project modules an import statement names (a `from pkg import name` of a submodule names it)."""
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     elif isinstance(node, ast.ImportFrom):
-        base = package if node.level else node.module
-        if node.level and node.module:
-            base = f"{package}.{node.module}"
-        if base is None:
+        if node.level:
+            parts = module.split(".") if is_package else module.split(".")[:-1]
+            parts = parts[: len(parts) - (node.level - 1)]
+            base = ".".join(parts + ([node.module] if node.module else []))
+        else:
+            base = node.module
+        if not base:
             return []
         names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
     else:
@@ -34,24 +67,24 @@ def _targets(node: ast.AST, package: str, modules: set[str]) -> list[str]:
 
 def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
     """({module: the project modules it imports at module level}, [(module, target, line) of in-function imports])."""
-    files = {_module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).glob("*.py"))}
+    files = {_module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
     modules = set(files)
     graph: dict[str, set[str]] = {}
     in_function: list[tuple[str, str, int]] = []
 
-    def visit(node: ast.AST, name: str, package: str, inside: bool) -> None:
+    def visit(node: ast.AST, name: str, is_package: bool, inside: bool) -> None:
         for child in ast.iter_child_nodes(node):
             child_inside = inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            for target in _targets(child, package, modules):
+            for target in _targets(child, name, is_package, modules):
                 if child_inside:
                     in_function.append((name, target, child.lineno))
                 elif target != name:
                     graph[name].add(target)
-            visit(child, name, package, child_inside)
+            visit(child, name, is_package, child_inside)
 
     for name, path in files.items():
         graph[name] = set()
-        visit(ast.parse(path.read_text()), name, name.split(".")[0], False)
+        visit(ast.parse(path.read_text()), name, path.stem == "__init__", False)
     return graph, in_function
 
 
@@ -78,9 +111,13 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_reader_sees_the_imports_it_must():
     graph, _ = import_graph()
-    assert {"trainer.engine", "trainer.callbacks", "trainer.checkpoint"} <= graph["trainer.trainer"]
-    assert "trainer.attention" in graph["trainer.model"] and "kernels" in graph["trainer.model"]
+    assert {"trainer.loop.engine", "trainer.loop.callbacks", "trainer.loop.checkpoint"} <= graph["trainer.loop.trainer"]
+    model = graph["trainer.model.causal_lm"]
+    assert "trainer.model.attention" in model and "kernels" in model
+    assert "kernels._dispatch" in graph["kernels.rms_norm"]  # a relative import inside kernels/
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert layer_of("trainer.loop.trainer") > layer_of("trainer.build") > layer_of("trainer.model.lora")
+    assert layer_of("trainer.coerce") == 0 and layer_of("trainer") == layer_of("trainer.sft") == len(LAYERS) - 2
 
 
 def test_no_circle():
@@ -99,3 +136,20 @@ def test_kernels_never_import_trainer():
         (m, d) for m, deps in graph.items() if m.split(".")[0] == "kernels" for d in deps if d.startswith("trainer")
     }
     assert upward == set()
+
+
+def test_every_trainer_module_has_a_layer():
+    graph, _ = import_graph()
+    assert [m for m in graph if m.startswith("trainer") and layer_of(m) is None] == []
+
+
+def test_trainer_imports_only_from_its_own_layer_or_below():
+    graph, _ = import_graph()
+    upward = sorted(
+        (m, d)
+        for m, deps in graph.items()
+        if m.startswith("trainer")
+        for d in deps
+        if d.startswith("trainer") and layer_of(d) > layer_of(m)
+    )
+    assert upward == []

@@ -15,7 +15,7 @@ arguments to the module the loop trains, with the presets and Hugging Face model
 
 `load_pretrained(path)` and `build_preset(name)` are `build_model` without training arguments: a bare CausalLM.
 `save_pretrained` writes our model as transformers writes its own. The safetensors reading and writing underneath
-is `trainer/checkpoint_hf.py`'s; the architecture (`trainer/model.py`) knows nothing of files or processes.
+is `trainer/checkpoint_hf.py`'s; the architecture (`trainer/model/causal_lm.py`) knows nothing of files or processes.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import DCP_DIR
-from .checkpoint_hf import CheckpointError, check_safetensors, load_safetensors, read_json, save_safetensors
-from .coerce import ConfigError
-from .dist import init_distributed, local_device, local_shard
-from .lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
-from .model import CausalLM, ModelConfig, ModelError, apply_liger_kernel
-from .parallel import apply_data_parallel, apply_transforms, load_sharded, uses_fsdp
-from .tokenizer import Tokenizer, byte_level_tokenizer
+from trainer.checkpoint_hf import CheckpointError, check_safetensors, load_safetensors, read_json, save_safetensors
+from trainer.coerce import ConfigError
+from trainer.data.tokenizer import Tokenizer, byte_level_tokenizer
+from trainer.dist import init_distributed, local_device, local_shard
+from trainer.model.causal_lm import CausalLM, ModelConfig, ModelError, apply_liger_kernel
+from trainer.model.lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
+from trainer.parallel.transforms import DCP_DIR, apply_data_parallel, apply_transforms, load_sharded, uses_fsdp
 
 _DTYPES = {
     "float32": torch.float32,
@@ -326,7 +325,7 @@ def save_pretrained(
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer files of a model directory (trainer.tokenizer.Tokenizer.from_pretrained)."""
+    """The tokenizer files of a model directory (trainer.data.tokenizer.Tokenizer.from_pretrained)."""
     return Tokenizer.from_pretrained(path)
 
 

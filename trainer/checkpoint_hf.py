@@ -49,7 +49,7 @@ _UNITS = {
 
 class CheckpointError(ValueError):
     """A checkpoint or model directory that cannot be read or written as asked (or resumed from), in one line naming
-    the file and the reason. The one class for both layers: these files and trainer/checkpoint.py's directories."""
+    the file and the reason. The one class for both layers: these files and trainer/loop/checkpoint.py's directories."""
 
 
 def read_json(file: Path) -> dict:

@@ -7,8 +7,8 @@ order bool, int, float, dict, list, str; a non-string value that already has a m
 fixed set, with a close-match hint), `check` (a condition with its message), `check_keys` (dict keys against a
 schema), `load_mapping` (a dict given as a dict, JSON or a .json/.yaml path) and `read_config_file`.
 
-This module is the ground floor of the arguments: `trainer.arg_parser` and `trainer.args` build on it, and it
-imports neither. Test: `python -m pytest tests/trainer/test_args.py -q`.
+This module is the ground floor of the arguments: `trainer.config.arg_parser` and `trainer.config.args` build on it,
+and it imports neither. Test: `python -m pytest tests/trainer/config/test_args.py -q`.
 """
 
 import difflib

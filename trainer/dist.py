@@ -1,13 +1,13 @@
 """The ground floor for processes: who this process is, which device it drives, which rows of a sharded
 parameter it holds, and gathering batches from every rank. It imports no other module of the trainer, and the
-architecture (`trainer/model.py`) never imports it: the sharded model build (`trainer.sft`), the loop and the
-transforms (`trainer/parallel.py`) stand on it.
+architecture (`trainer/model/causal_lm.py`) never imports it: the sharded model build (`trainer.sft`), the loop and the
+transforms (`trainer/parallel/transforms.py`) stand on it.
 
 Several processes come from a launcher (torchrun, accelerate launch) that sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT; `init_distributed()` reads them (nccl on CUDA, gloo on CPU). `gather_batches` is a
 collective: every rank calls it.
 
-Test: python -m pytest tests/trainer/test_distributed.py -q   (2 processes on CPU with gloo)
+Test: python -m pytest tests/trainer/parallel/test_distributed.py -q   (2 processes on CPU with gloo)
 """
 
 from __future__ import annotations

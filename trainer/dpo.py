@@ -5,15 +5,15 @@
     python -m trainer.dpo config.yaml                       # LlamaFactory's `stage: dpo` YAML runs as it is
 
 It is `python -m trainer.sft --stage dpo`: the same arguments, checks, build, loop, checkpoints, resume, engines
-and exit codes (trainer/sft.py), with preference pairs (trainer/preference_data.py) and the preference loss
-(trainer/preference.py). The demo starts from the SFT demo's model, outputs/demo, and trains that first when it
+and exit codes (trainer/sft.py), with preference pairs (trainer/data/preference_data.py) and the preference loss
+(trainer/methods/preference.py). The demo starts from the SFT demo's model, outputs/demo, and trains that first when it
 is not there (python -m trainer.sft, about 15 minutes on 2 CPU cores).
 """
 
 import sys
 from pathlib import Path
 
-from .sft import DEMO_CONFIGS, main
+from trainer.sft import DEMO_CONFIGS, main
 
 SFT_DEMO_MODEL = Path("outputs/demo")
 

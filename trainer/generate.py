@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .build import build_model
-from .coerce import ConfigError
-from .lora import load_adapter
-from .model import ModelError, generate
-from .tokenizer import TokenizerError
+from trainer.build import build_model
+from trainer.coerce import ConfigError
+from trainer.data.tokenizer import TokenizerError
+from trainer.model.causal_lm import ModelError, generate
+from trainer.model.lora import load_adapter
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,11 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from .build import build_model, save_pretrained
-from .coerce import ConfigError
-from .lora import merged
-from .model import ModelError
-from .tokenizer import TokenizerError
+from trainer.build import build_model, save_pretrained
+from trainer.coerce import ConfigError
+from trainer.data.tokenizer import TokenizerError
+from trainer.model.causal_lm import ModelError
+from trainer.model.lora import merged
 
 
 def build_parser() -> argparse.ArgumentParser:

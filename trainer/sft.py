@@ -8,7 +8,7 @@
 
 The model is a local Hugging Face directory, a built-in preset (`tiny`), or a hub id (downloaded with
 `huggingface_hub` when a network is there). Data: JSONL / JSON / Parquet files or directories in any of the
-formats `trainer.data` reads. At the end the model is saved in the Hugging Face layout in `output_dir`, the
+formats `trainer.data.sft_data` reads. At the end the model is saved in the Hugging Face layout in `output_dir`, the
 loss curve as `loss_curve.png`, and, with `--eval_exact_match`, the exact-match accuracy of greedy answers on
 held-out conversations is printed before and after training.
 
@@ -50,12 +50,32 @@ import torch
 
 import kernels
 from kernels._dispatch import TRITON_MISSING, interpreter_on
-
-from .args import ConfigError, _arg, parse_args
-from .attention import _flash_attn
-from .batching import BatchLoader
-from .build import build_model, check_model_name, dcp_source, is_preset, preset_config, read_config, read_model_files
-from .checkpoint import (
+from trainer.build import (
+    build_model,
+    check_model_name,
+    dcp_source,
+    is_preset,
+    preset_config,
+    read_config,
+    read_model_files,
+)
+from trainer.checkpoint_hf import to_json
+from trainer.config.args import ConfigError, _arg, parse_args
+from trainer.data.batching import BatchLoader
+from trainer.data.preference_data import PREFERENCE_FORMATS, load_preference_dataset, pairs_dataset
+from trainer.data.sft_data import (
+    DataError,
+    TokenizedDataset,
+    load_sft_dataset,
+    read_examples,
+    resolve_data_files,
+    save_to_cache,
+    split_dataset,
+)
+from trainer.data.tasks import EVAL_FILE, TRAIN_FILE, kind_of, preference_pair
+from trainer.data.tokenizer import TokenizerError
+from trainer.dist import end_on_error, init_distributed, world
+from trainer.loop.checkpoint import (
     CheckpointError,
     OutOfSpaceError,
     checkpoints,
@@ -65,29 +85,16 @@ from .checkpoint import (
     resolve_resume,
     saved_world_size,
 )
-from .checkpoint_hf import to_json
-from .data import (
-    DataError,
-    TokenizedDataset,
-    load_sft_dataset,
-    read_examples,
-    resolve_data_files,
-    save_to_cache,
-    split_dataset,
-)
-from .dist import end_on_error, init_distributed, world
-from .engine import check_engine_args
-from .evaluation import EVAL_METRICS
-from .lora import import_peft, lora_config
-from .metrics import plot_loss_curve
-from .model import CausalLM, ModelError, context_length_warning, generate
-from .preference import EVAL_METRICS as PREFERENCE_EVAL_METRICS
-from .preference import PreferenceArguments, PreferenceTrainer
-from .preference_data import PREFERENCE_FORMATS, load_preference_dataset, pairs_dataset
-from .resume import check_resume_arguments, saved_arguments
-from .tasks import EVAL_FILE, TRAIN_FILE, kind_of, preference_pair
-from .tokenizer import TokenizerError
-from .trainer import Trainer, TrainingError, set_seed
+from trainer.loop.engine import check_engine_args
+from trainer.loop.evaluation import EVAL_METRICS
+from trainer.loop.metrics import plot_loss_curve
+from trainer.loop.resume import check_resume_arguments, saved_arguments
+from trainer.loop.trainer import Trainer, TrainingError, set_seed
+from trainer.methods.preference import EVAL_METRICS as PREFERENCE_EVAL_METRICS
+from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
+from trainer.model.attention import _flash_attn
+from trainer.model.causal_lm import CausalLM, ModelError, context_length_warning, generate
+from trainer.model.lora import import_peft, lora_config
 
 STAGES = ("sft", "dpo")
 # Per stage: the command, its embedded default, and the file written into output_dir at the end of a finished run
@@ -99,7 +106,7 @@ DEMO_CONFIGS = {
 }
 RUN_ARGS_FILES = {"sft": "sft_args.json", "dpo": "dpo_args.json"}
 SFT_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
-# transformers' attn_implementation values -> our attention backends (trainer/attention.py). transformers'
+# transformers' attn_implementation values -> our attention backends (trainer/model/attention.py). transformers'
 # "eager" (the unfused softmax(QK^T)V) has no counterpart here: sdpa computes the same attention.
 ATTN_IMPLEMENTATIONS = {"auto": "auto", "sdpa": "sdpa", "flex_attention": "flex", "flash_attention_2": "flash"}
 
@@ -217,7 +224,7 @@ def exact_match_flags(model, tokenizer, conversations, batch_size: int = 64) -> 
 
 
 def exact_match_by_kind(conversations, flags: list[bool]) -> dict[str, float]:
-    """{"exact_match_after_<kind>": accuracy} for the embedded tasks (trainer/tasks.py), one entry per kind, from
+    """{"exact_match_after_<kind>": accuracy} for the embedded tasks (trainer/data/tasks.py), one entry per kind, from
     `exact_match_flags` of the same conversations."""
     groups: dict[str, list[bool]] = {}
     for messages, right in zip(conversations, flags, strict=True):
@@ -468,8 +475,8 @@ def _check_eval_data(args, sft: SFTArguments) -> None:
 
 def _check_context_length(args, sft: SFTArguments) -> None:
     """cutoff_len (the longest document: packed rows restart positions per document) against the model's context
-    (trainer.model.context_length_warning): a warning line when beyond it, exit 2 when RoPE cannot represent it; a
-    hub id not yet downloaded is checked when it is built."""
+    (trainer.model.causal_lm.context_length_warning): a warning line when beyond it, exit 2 when RoPE cannot represent
+    it; a hub id not yet downloaded is checked when it is built."""
     if not (is_preset(sft.model) or (Path(sft.model) / "config.json").is_file()):
         return
     config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
@@ -483,7 +490,7 @@ def _check_context_length(args, sft: SFTArguments) -> None:
 
 
 def _check_resume_arguments(args) -> None:
-    """A resume with an argument that the checkpoint's state cannot follow (trainer.resume.check_resume_arguments)
+    """A resume with an argument that the checkpoint's state cannot follow (trainer.loop.resume.check_resume_arguments)
     stops here, before the build; the Trainer checks again the checkpoint it resumes ("auto": the newest intact)."""
     if not args.resume_from_checkpoint:
         return
@@ -614,7 +621,7 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
         )
 
         def load(files):
-            if embedded:  # the embedded tasks, each with a plausible wrong answer rejected (trainer.tasks)
+            if embedded:  # the embedded tasks, each with a plausible wrong answer rejected (trainer.data.tasks)
                 pairs = [preference_pair(ex) for ex in read_examples(files)]
                 return pairs_dataset(pairs, Path(files[0]).name, tokenizer, **truncation)
             return load_preference_dataset(

@@ -181,8 +181,8 @@ def test_cpu_skips_liger_and_rejects_a_memory_cap():
 
 def test_synthetic_pairs_are_seq_len_tokens_a_sequence(tmp_path):
     """--data synthetic DPO pairs: half prompt, half answer, each sequence exactly --seq-len tokens."""
-    from trainer.preference_data import load_preference_dataset
-    from trainer.tokenizer import byte_level_tokenizer
+    from trainer.data.preference_data import load_preference_dataset
+    from trainer.data.tokenizer import byte_level_tokenizer
 
     spec = {**SPEC, "data": "synthetic", "seq_len": 96}
     train, held = bench_train.preference_pairs(spec)

@@ -1,16 +1,16 @@
 """trainer.build.build_model: the one way a model comes to exist (issue 12).
 
 The CLI, trainer.generate and the Python API build through it; the 2-process FSDP2/DDP builds are covered in
-tests/trainer/test_distributed.py (the `build` jobs and every sft run there)."""
+tests/trainer/parallel/test_distributed.py (the `build` jobs and every sft run there)."""
 
 import torch
 
-from trainer import trainer as trainer_module
-from trainer.args import TrainingArguments
 from trainer.build import build_model, build_preset, load_pretrained, save_pretrained
-from trainer.model import CausalLM
-from trainer.parallel import apply_all
-from trainer.trainer import Trainer
+from trainer.config.args import TrainingArguments
+from trainer.loop import trainer as trainer_module
+from trainer.loop.trainer import Trainer
+from trainer.model.causal_lm import CausalLM
+from trainer.parallel.transforms import apply_all
 
 
 def test_settings_are_given_when_the_model_is_built(tmp_path):

@@ -123,7 +123,7 @@ def test_deepspeed_zero3_runs_as_given(tmp_path):
     """`python -m trainer.dpo --deepspeed ds_zero3.json` (one process, no launcher: DeepSpeed forms its own group),
     the reference given by name (`--ref_model tiny`, built like the policy and run through its own ZeRO-3 engine):
     it trains, evaluates with TRL's metrics, measures the preference accuracy before and after, and writes the
-    consolidated model. 2 processes against one: tests/trainer/test_distributed.py."""
+    consolidated model. 2 processes against one: tests/trainer/parallel/test_distributed.py."""
     pytest.importorskip("deepspeed")
     config = tmp_path / "ds_zero3.json"
     config.write_text(

@@ -14,7 +14,7 @@ import kernels
 from trainer import generate as generate_cli
 from trainer import sft
 from trainer.build import build_preset, load_pretrained
-from trainer.tasks import KINDS
+from trainer.data.tasks import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150  # per spawned command; each stops before building a model (~5 s) or trains a few steps

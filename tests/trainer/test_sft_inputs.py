@@ -8,9 +8,8 @@ import json
 
 import pytest
 
+from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
 from trainer.build import build_preset, save_pretrained
-
-from .test_sft import TIMEOUT_S, _spawn_sft
 
 EXAMPLE = {"messages": [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]}
 
@@ -98,7 +97,7 @@ def test_argument_values_the_data_rules_out_stop_in_one_line(inputs, tmp_path):
     val_size leaving nothing to train on, max_tokens under the longest example, a metric_for_best_model evaluation
     does not report) or were ignored (val_size beside eval data, evaluation without eval data, a fractional count,
     negative exact-match and answer lengths). Values wrong on their own are TrainingArguments'
-    (tests/trainer/test_args.py)."""
+    (tests/trainer/config/test_args.py)."""
     good = ["--model", str(inputs / "model"), "--data", str(inputs / "good.jsonl")]
     cases = [
         (

@@ -1,0 +1,955 @@
+"""Llama-family causal LMs (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) that read and write Hugging Face checkpoints.
+
+One model, four config dialects. Parameter names are exactly Hugging Face's (`model.embed_tokens.weight`,
+`model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight`), so checkpoints load and save without a
+remap and `transformers.AutoModelForCausalLM.from_pretrained` reads what we write.
+
+    x = embed(ids) (+ NEFTune noise in training)
+    per layer:  x = x + o_proj(attn(rope(q_norm?(q_proj(n1(x)))), rope(k_norm?(k_proj(..))), v_proj(..)))
+                x = x + down_proj(silu(gate_proj(n2(x))) * up_proj(n2(x)))
+    logits = lm_head(norm(x))                      n1, n2, norm: RMSNorm  y = w * x / sqrt(mean(x^2) + eps)
+Each residual add is done by the norm that reads its sum (`add_rms_norm`): the attention's add by n2, the MLP's by
+the next layer's n1 or the final norm, so a layer hands on (x, mlp output) and with `use_kernels` each add and its
+norm are one pass (`kernels.fused_add_rms_norm`), as liger's LigerFusedAddRMSNorm does for Hugging Face layers.
+
+Architecture differences (all read from config.json): qwen2 has q/k/v biases; qwen3 RMS-normalises q and k
+per head and reads `attention_bias`; llama reads `attention_bias`/`mlp_bias` and `rope_scaling`
+("linear", "llama3"); mistral (and qwen with `use_sliding_window`) attends within a sliding window, which is
+honoured on every backend (not rejected): query i sees keys i-W+1..i.
+
+`use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`, and with the residual add before it
+`kernels.fused_add_rms_norm`), RoPE (`kernels.rope`), SwiGLU
+(`kernels.swiglu`, whose output down_proj's backward recomputes instead of keeping: `kernels.swiglu_linear` for a
+plain down_proj, `_down_recomputing_act` otherwise), the
+loss (`kernels.fused_linear_cross_entropy`: the (tokens, vocab) logits never exist) and NEFTune
+(`kernels.neftune_noise`) versus plain PyTorch with Hugging Face semantics. `use_liger_kernel=True` (or
+`apply_liger_kernel(model)` later) sets RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy to liger-kernel's
+ops instead, the baseline our kernels are measured against. Parameter names and state_dict are the same in every
+mode.
+Attention backends and packing rules: `trainer/model/attention.py`.
+
+Labels are unshifted (as in Hugging Face): position t is trained to predict labels[t + 1]; -100 = no target.
+Packed rows: position_ids restarting (at 0, or any break in +1 steps) start a new document; documents never
+attend to each other, and NEFTune scales each document's noise by its own length.
+
+Deliberate differences from transformers:
+- position_ids default from attention_mask (cumsum - 1, as HF's generate does), so left-padded rows give the
+  same result as unpadded ones; HF's forward uses 0..T-1 regardless of padding.
+- The loss is sum / num_items (or / supervised-token count), an exact 0 when nothing is supervised (HF: NaN);
+  optional label smoothing and z-loss (z_loss * logsumexp^2 per supervised token).
+- RoPE frequencies stay fp32 under `model.to(bfloat16)` (they are recomputed, never rounded).
+- attention_dropout must be 0; hidden_act must be silu; rope types other than default/linear/llama3 are refused.
+
+Run the tests: python -m pytest tests/trainer/model/test_model.py -q
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import kernels
+from kernels.nn import RMSNorm as KernelRMSNorm
+from trainer.model.attention import KVCache, make_plan
+
+IGNORE_INDEX = -100
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Hugging Face's defaults where they differ by architecture (used only for keys a config.json omits)
+_HF_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "qwen3": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "head_dim": 128,
+    },
+}
+
+
+class ModelError(ValueError):
+    """A model config, input or checkpoint that cannot be used, in one line naming the file/key and why."""
+
+
+def _whole(param: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """The `local_shard` of a model that is not sharded: this process holds all of every parameter
+    (`trainer.dist.local_shard` is the one for FSDP2's DTensor parameters)."""
+    return param, None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """The architecture, with Hugging Face's key names; `from_hf(config.json dict)` / `to_hf()` convert."""
+
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: = num_attention_heads (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", ...}; the legacy "type" key is accepted
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # llama, qwen3: bias on q/k/v/o
+    mlp_bias: bool = False  # llama only
+    sliding_window: int | None = None  # effective window of the sliding layers (qwen: only with use_sliding_window)
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"
+    max_window_layers: int | None = None  # qwen: layers from this index on slide (kept for the round trip)
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    dtype: str | None = None  # the checkpoint's dtype ("bfloat16", ...): load_pretrained's default
+    # derived in __post_init__
+    qkv_bias: bool = field(init=False, repr=False)
+    o_bias: bool = field(init=False, repr=False)
+    qk_norm: bool = field(init=False, repr=False)
+    layer_windows: tuple = field(init=False, repr=False)  # per layer: window or None
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelError(
+                f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"{key} must be a positive integer, got {value!r}")
+        if self.hidden_act != "silu":
+            raise ModelError(f"hidden_act {self.hidden_act!r} is not supported (supported: silu)")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim % 2:
+            raise ModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        self.rope_scaling = _normalise_rope(self.rope_scaling, self.max_position_embeddings)
+        if self.model_type == "mistral":  # every layer slides when a window is set
+            self.layer_types = [
+                "sliding_attention" if self.sliding_window else "full_attention"
+            ] * self.num_hidden_layers
+        elif self.model_type == "llama":
+            self.sliding_window, self.layer_types = None, ["full_attention"] * self.num_hidden_layers
+        elif self.layer_types is None:  # qwen: as Hugging Face derives it
+            first = self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
+            self.layer_types = [
+                "sliding_attention" if self.sliding_window is not None and i >= first else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {
+            "full_attention",
+            "sliding_attention",
+        }:
+            raise ModelError(
+                f"layer_types must list 'full_attention'/'sliding_attention' once per layer "
+                f"({self.num_hidden_layers}), got {self.layer_types!r}"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ModelError(f"sliding_window must be positive or null, got {self.sliding_window!r}")
+        self.layer_windows = tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
+        self.qkv_bias = {"llama": self.attention_bias, "qwen3": self.attention_bias, "qwen2": True}.get(
+            self.model_type, False
+        )
+        self.o_bias = self.attention_bias if self.model_type in ("llama", "qwen3") else False
+        self.qk_norm = self.model_type == "qwen3"
+        if self.model_type not in ("llama",):
+            self.mlp_bias = False
+
+    @classmethod
+    def from_hf(cls, config: dict, source: str = "config.json") -> ModelConfig:
+        """Build from a Hugging Face config.json dict (transformers 4.x `rope_scaling`/`rope_theta` or 5.x
+        `rope_parameters`); `source` names the file in errors."""
+        try:
+            model_type = config.get("model_type")
+            if model_type not in SUPPORTED_MODEL_TYPES:
+                raise ModelError(
+                    f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                )
+            defaults = _HF_DEFAULTS[model_type]
+
+            def get(key, default=None):  # an absent key takes Hugging Face's default for this architecture
+                return config[key] if key in config else defaults.get(key, default)
+
+            def value(key, default):  # keys that cannot be null
+                return default if get(key) is None else get(key)
+
+            for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+                if key not in config:
+                    raise ModelError(f"missing key {key!r}")
+            if config.get("attention_dropout", 0.0):
+                raise ModelError(f"attention_dropout {config['attention_dropout']} is not supported (only 0.0)")
+            rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+            theta = rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+            sliding = get("sliding_window")
+            if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+                sliding = None
+            return cls(
+                model_type=model_type,
+                vocab_size=config["vocab_size"],
+                hidden_size=config["hidden_size"],
+                intermediate_size=config["intermediate_size"],
+                num_hidden_layers=config["num_hidden_layers"],
+                num_attention_heads=config["num_attention_heads"],
+                num_key_value_heads=get("num_key_value_heads"),
+                head_dim=get("head_dim"),
+                hidden_act=value("hidden_act", "silu"),
+                max_position_embeddings=value("max_position_embeddings", 2048),
+                rms_norm_eps=float(value("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                rope_scaling=rope or None,
+                tie_word_embeddings=bool(value("tie_word_embeddings", False)),
+                attention_bias=bool(value("attention_bias", False)),
+                mlp_bias=bool(value("mlp_bias", False)),
+                sliding_window=sliding,
+                layer_types=config.get("layer_types") if model_type in ("qwen2", "qwen3") else None,
+                max_window_layers=get("max_window_layers"),
+                initializer_range=float(value("initializer_range", 0.02)),
+                bos_token_id=config.get("bos_token_id"),
+                eos_token_id=config.get("eos_token_id"),
+                pad_token_id=config.get("pad_token_id"),
+                dtype=config.get("dtype") or config.get("torch_dtype"),
+            )
+        except ModelError as exc:
+            raise ModelError(f"{source}: {exc}") from None
+
+    def to_hf(self) -> dict:
+        """A config.json dict that transformers (4.x and 5.x) loads into the same architecture."""
+        out = {"architectures": [_ARCHITECTURES[self.model_type]], "model_type": self.model_type}
+        for f in fields(self):
+            if f.init and f.name not in ("model_type", "rope_scaling", "layer_types", "max_window_layers", "dtype"):
+                out[f.name] = getattr(self, f.name)
+        out["attention_dropout"] = 0.0
+        out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        if self.rope_scaling:  # transformers 4.x reads rope_scaling + rope_theta; 5.x rope_parameters
+            out["rope_scaling"] = dict(self.rope_scaling)
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = self.sliding_window is not None
+            out["max_window_layers"] = (
+                self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
+            )
+            out["layer_types"] = list(self.layer_types)
+        if self.model_type not in ("mistral", "qwen2", "qwen3"):
+            out.pop("sliding_window")
+        if self.model_type not in ("llama", "qwen3"):
+            out.pop("attention_bias")
+        if self.model_type != "llama":
+            out.pop("mlp_bias")
+        if self.dtype is not None:
+            out["dtype"] = out["torch_dtype"] = self.dtype
+        out["use_cache"] = True
+        return out
+
+
+def _normalise_rope(scaling: dict | None, max_positions: int) -> dict | None:
+    if not scaling:
+        return None
+    if any(isinstance(v, dict) for v in scaling.values()):
+        raise ModelError("per-layer-type rope parameters are not supported (one global rope config only)")
+    scaling = dict(scaling)
+    kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    if kind not in ROPE_TYPES:
+        raise ModelError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelError(f"rope partial_rotary_factor {scaling['partial_rotary_factor']} is not supported (only 1.0)")
+    scaling.pop("partial_rotary_factor", None)
+    if kind == "default":
+        return None
+    need = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    for key in need:
+        if not isinstance(scaling.get(key), (int, float)):
+            raise ModelError(f"rope_scaling {kind!r} needs a number for {key!r}, got {scaling.get(key)!r}")
+    out = {"rope_type": kind, **{k: float(scaling[k]) for k in need}}
+    if kind == "llama3":
+        out["original_max_position_embeddings"] = int(scaling.get("original_max_position_embeddings") or max_positions)
+    return out
+
+
+EXACT_POSITIONS = 2**24  # RoPE's angles are fp32 position x frequency: positions are exact integers up to here
+
+
+def context_length_warning(config: ModelConfig, length: int, source: str) -> str | None:
+    """Whether rows of `length` positions suit the model: None when within max_position_embeddings; a one-line
+    warning when beyond it (allowed, as transformers allows it: RoPE computes every position's rotation, no table
+    is indexed, but the model never saw positions that far; rope scaling, already counted in
+    max_position_embeddings, is how a model declares a longer context); a ModelError when positions past 2^24
+    would be rounded in fp32, so that different positions would get the same rotation."""
+    if length > EXACT_POSITIONS:
+        raise ModelError(
+            f"cutoff_len {length:,} exceeds {EXACT_POSITIONS:,} positions: RoPE computes its angles from "
+            "fp32 positions, which are exact only up to 2^24, so positions past that would share "
+            "rotations; lower cutoff_len"
+        )
+    limit = config.max_position_embeddings
+    if length <= limit:
+        return None
+    scaling = config.rope_scaling
+    rope = f"rope_scaling {scaling['rope_type']} x{scaling['factor']:g}" if scaling else "no rope_scaling"
+    return (
+        f"warning: cutoff_len {length:,} exceeds max_position_embeddings {limit:,} of {source} ({rope}): RoPE "
+        f"rotates any position, so it runs, but the model never saw positions past {limit:,} and examples "
+        "longer than that may train poorly; lower cutoff_len, or use a model whose config declares a longer "
+        "context"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Layers
+# ------------------------------------------------------------------------------------------------------------
+def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in fp32, cast back to x's dtype, then scale by the weight."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+IMPLS = ("torch", "kernels", "liger")  # who computes RMSNorm, RoPE, SwiGLU and the loss; set model-wide
+
+
+class RMSNorm(KernelRMSNorm):
+    """kernels.nn.RMSNorm (Llama's: weight initialised to ones, no offset) with the model-wide choice of who
+    computes it."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        self.impl = "kernels"  # set for the whole model by CausalLM (use_kernels / apply_liger_kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "kernels":
+            return super().forward(x)
+        if self.impl == "liger":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            return LigerRMSNormFunction.apply(x, self.weight, self.eps, 0.0, "llama", False)
+        return rms_norm_plain(x, self.weight, self.eps)
+
+
+def add_rms_norm(norm: nn.Module, x: torch.Tensor, update: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + update), x + update) (x itself when update is None): Hugging Face's `residual + hidden_states`
+    followed by the next norm. With our kernels one pass (`kernels.fused_add_rms_norm`: the sum rounded once to the
+    stream's dtype, the norm computed from it); otherwise the add, then the norm (also for a norm a LoRA
+    modules_to_save wrapper holds)."""
+    if update is None:
+        return norm(x), x
+    if isinstance(norm, RMSNorm) and norm.impl == "kernels":
+        return kernels.fused_add_rms_norm(update, x, norm.weight, norm.eps, norm.offset)
+    x = x + update
+    return norm(x), x
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """(head_dim / 2,) fp32 inverse frequencies theta^(-2i/D), with "linear" or "llama3" scaling."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (D/2,)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv / factor
+    # llama3: wavelengths longer than the original context / low_freq_factor are stretched by `factor`,
+    # those shorter than context / high_freq_factor kept, the band between blended linearly in 1/wavelength.
+    lo, hi, context = (
+        scaling["low_freq_factor"],
+        scaling["high_freq_factor"],
+        scaling["original_max_position_embeddings"],
+    )
+    wavelen = 2 * math.pi / inv
+    stretched = torch.where(wavelen > context / lo, inv / factor, inv)
+    blend = (context / wavelen - lo) / (hi - lo)
+    middle = (wavelen >= context / hi) & (wavelen <= context / lo)
+    return torch.where(middle, (1 - blend) * inv / factor + blend * inv, stretched)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (D/2,) fp32
+
+    def reset_buffers(self) -> None:
+        """Recompute the frequencies on the buffer's device (after `to_empty`, or a dtype cast)."""
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:  # model.to(bf16) would round them: recompute in fp32
+            self.reset_buffers()
+        return self
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by the angles in cos/sin (B or 1, T, D): HF's rotate_half."""
+    cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # (B or 1, T, 1, D)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        C, H, Hkv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.head_dim, self.window = D, config.layer_windows[layer_idx]
+        self.q_proj = nn.Linear(C, H * D, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(C, Hkv * D, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(C, Hkv * D, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(H * D, C, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.impl = "kernels"  # who rotates q and k; set for the whole model by CausalLM
+
+    def forward(self, x, cos, sin, attn) -> torch.Tensor:
+        """attn: an AttentionPlan (training/scoring) or a KV-cache slot (decoding)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rope(q, k, cos, sin)
+        out = attn.attend(q, k, v, self.window)  # (B, T, H, D)
+        return self.o_proj(out.reshape(B, T, -1))
+
+    def _rope(self, q, k, cos, sin):
+        """q (B, T, H, D) and k (B, T, Hkv, D) rotated by cos/sin (B or 1, T, D). The kernels take the (B, H, T, D)
+        transposes (transformers' shapes) and their Triton kernels write (B, T, H, D) memory: no copy either way."""
+        if self.impl == "torch":
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.impl == "liger":
+            from liger_kernel.ops.rope import LigerRopeFunction
+
+            # liger rotates in place, into q_proj's/k_proj's (or q_norm's/k_norm's) output, which no backward saved.
+            q_rot, k_rot = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        else:
+            q_rot, k_rot = kernels.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D) views
+        return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.impl = "kernels"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "liger":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
+        if self.impl == "kernels":
+            # one fused pass (3 bytes per element forward, 5 backward) instead of eager's silu, product, backwards
+            gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
+            if not _recompute_allowed():
+                return self.down_proj(kernels.swiglu(gate, up))
+            if _plain_linear(self.down_proj) and kernels.use_triton(gate, up):
+                # act is rebuilt by the SwiGLU backward itself (one more write, not another pass over gate and up)
+                return kernels.swiglu_linear(gate, up, self.down_proj.weight)
+            return _down_recomputing_act(self.down_proj, gate, up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _recompute_allowed() -> bool:
+    """Whether `_down_recomputing_act` may install its saved-tensor hooks: eager autograd with no other hooks (under
+    activation checkpointing the checkpoint's own hooks decide what is kept, and its recompute must see plain
+    saves; under torch.compile the partitioner decides)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and top is not None and top(False) is None
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """Whether m is an nn.Linear without bias or hooks of its own, which `kernels.swiglu_linear` may stand in for
+    (FSDP2 shards whole decoder blocks: their Linears stay plain, their weights gathered for the block's forward
+    and backward). A LoRA-wrapped or hooked down_proj takes `_down_recomputing_act`."""
+    hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+    return type(m) is nn.Linear and m.bias is None and not any(hooks)
+
+
+_RECOMPUTE = object()  # what down_proj's backward keeps in place of silu(gate) * up
+
+
+def _down_recomputing_act(down: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """down(swiglu(gate, up)) for a down_proj `kernels.swiglu_linear` cannot stand in for (LoRA-wrapped, hooked,
+    biased) without keeping swiglu's output for down's backward: it is recomputed there from gate and
+    up, which the SwiGLU backward keeps anyway. Saves one (tokens, intermediate) activation per layer (2.1 GB in all
+    for Llama-3.2-1B at 4 x 2048 tokens: bench/results/roofline.md) for one more SwiGLU forward pass per layer in
+    backward (3 bytes per element: ~1.6% of the modelled step there). The same kernel on the same inputs: the values
+    and gradients are bit for bit those without the recompute. Anything else down saves (its cast weight, a LoRA
+    adapter's inputs other than act) is kept as it is."""
+    act = kernels.swiglu(gate, up)  # (B, T, I)
+    # act's storage by its address, not act itself: the hooks may live as long as the graph, and act must not. down
+    # saves a view of it (F.linear flattens the leading dims), so views of that storage are what is recomputed.
+    act_storage = act.untyped_storage()._cdata
+
+    def pack(t):
+        if t.untyped_storage()._cdata != act_storage:
+            return t
+        return _RECOMPUTE, t.size(), t.stride(), t.storage_offset()
+
+    def unpack(p):
+        if not (isinstance(p, tuple) and p[0] is _RECOMPUTE):
+            return p
+        with torch.no_grad():
+            return kernels.swiglu(gate, up).as_strided(*p[1:])  # the same view of a fresh, equal act
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return down(act)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, update, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; update: the previous layer's MLP output, not yet added to it (None in the first
+        layer). Returns the stream after the attention's add and this layer's MLP output, which the next layer's input
+        norm (or the final norm) adds: each add is fused with the norm that reads its sum."""
+        normed, x = add_rms_norm(self.input_layernorm, x, update)
+        normed, x = add_rms_norm(self.post_attention_layernorm, x, self.self_attn(normed, cos, sin, attn))
+        return x, self.mlp(normed)
+
+
+class Backbone(nn.Module):
+    """The `model.` prefix of Hugging Face names: embeddings, decoder layers, final norm, rotary buffer."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+@dataclass
+class CausalLMOutput:
+    loss: torch.Tensor | None  # () fp32, or None without labels
+    logits: torch.Tensor | None  # (B, T, V) in the model dtype; None when the fused loss computed it away
+    sequence_logps: kernels.PreferenceLogps | None = None  # per row of the batch, with sequence_logps=True
+    metrics: dict | None = None  # TRL's preference metrics (0-d tensors), with preference_loss
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The model
+# ------------------------------------------------------------------------------------------------------------
+class HostLabels:
+    """`labels` for `CausalLM.forward` that stay on the host through FSDP2's root pre-forward.
+
+    On an accelerator that hook moves every tensor among forward's arguments to the device
+    (torch.distributed.utils._to_kwargs, as DDP does) and leaves other objects as they are; labels moved there
+    would cost the fused loss its skip of the ignored rows (finding them on the device needs a host sync). The
+    Trainer hands an FSDP2 model its host labels in this holder; forward takes the tensor out."""
+
+    __slots__ = ("labels",)
+
+    def __init__(self, labels: torch.Tensor):
+        self.labels = labels  # (B, T) on the host, as the collator built them
+
+
+class CausalLM(nn.Module):
+    """A Llama-family decoder with an LM head; Hugging Face parameter names and checkpoint format."""
+
+    # forward takes `labels` on the CPU, as the collator built them: the fused loss then finds the rows with a
+    # target on the host (no device sync) and skips the ignored rows' matmuls (kernels/fused_linear_cross_entropy.py).
+    # Under FSDP2 they come wrapped in `HostLabels`, which its input move leaves alone.
+    takes_host_labels = True
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        use_kernels: bool = True,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        neftune_noise_alpha: float | None = None,
+        use_liger_kernel: bool = False,
+    ):
+        """The training settings are given here, once (`trainer.build.build_model` gives TrainingArguments'):
+        `use_kernels` (ours, else plain PyTorch), `use_liger_kernel` (liger-kernel's ops, which win over
+        `use_kernels`; as `apply_liger_kernel`), `label_smoothing` (transformers' label_smoothing_factor), `z_loss`
+        and `neftune_noise_alpha` (noise only while `training`)."""
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.use_kernels = use_kernels
+        if use_liger_kernel:
+            apply_liger_kernel(self)
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.neftune_noise_alpha = neftune_noise_alpha
+        self.attn_backend = "auto"  # "auto" | "sdpa" | "flex" | "flash" (trainer/model/attention.py)
+        self.name_or_path: str | None = None  # the model argument it was built from (as transformers'); peft records it
+        self.gradient_checkpointing = False
+        self._checkpoint_kwargs: dict = {}
+
+    @property
+    def use_kernels(self) -> bool:
+        return self.impl == "kernels"
+
+    @use_kernels.setter
+    def use_kernels(self, value: bool) -> None:
+        self._set_impl("kernels" if value else "torch")
+
+    @property
+    def use_liger_kernel(self) -> bool:
+        return self.impl == "liger"
+
+    def _set_impl(self, impl: str) -> None:
+        self.impl = impl
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP, Attention)):
+                module.impl = impl
+
+    def tie_weights(self) -> None:
+        """Make lm_head.weight the very Parameter of embed_tokens when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_gradient_checkpointing(self, enabled: bool, **kwargs) -> None:
+        """Recompute each decoder layer in backward (torch.utils.checkpoint, use_reentrant=False); kwargs go to
+        `checkpoint` (e.g. preserve_rng_state=False)."""
+        if kwargs.pop("use_reentrant", False):
+            raise ModelError("set_gradient_checkpointing: only use_reentrant=False is supported")
+        self.gradient_checkpointing = bool(enabled)
+        self._checkpoint_kwargs = kwargs
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, local_shard=_whole, skip=None) -> None:
+        """Hugging Face's init, deterministic from `seed`: N(0, initializer_range) for linear and embedding weights
+        (padding row zeroed), zeros for biases, ones for norms; rotary buffers recomputed. `skip(module_name)`: the
+        modules a transform owns and initialises itself (build.py passes LoRA's adapter layers), drawn from nothing,
+        so the base weights are those of the model without the transform.
+
+        Sharded by FSDP2 (DTensor parameters), pass `local_shard=trainer.dist.local_shard`: every rank draws each
+        full weight in the same order from the same generator and keeps only its own rows, so the shards are
+        bitwise those of the single-process init, and no more than one full weight exists at a time. (The
+        architecture knows nothing of processes: the sharded build, `trainer.build.build_model`, passes it.)"""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.config.initializer_range
+        for name, module in self.named_modules():
+            if skip is not None and skip(name):
+                continue
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is self.lm_head and self.config.tie_word_embeddings:
+                    continue
+                full = torch.empty(module.weight.shape).normal_(
+                    0.0, std, generator=gen
+                )  # a DTensor's shape is the full one
+                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                    full[module.padding_idx].zero_()
+                local, rows = local_shard(module.weight)
+                local.copy_(full if rows is None else full[rows[0] : rows[1]])
+                del full
+                if getattr(module, "bias", None) is not None:
+                    local_shard(module.bias)[0].zero_()
+            elif isinstance(module, RMSNorm):
+                local_shard(module.weight)[0].fill_(1.0)
+        self.model.rotary_emb.reset_buffers()
+
+    def decode_step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """fp32 logits (B, V) of the last position after feeding `input_ids` (B, t) into `cache` (advanced by t).
+        One method for the backbone and the head, so that a wrapper can gather the root's weights around both
+        (FSDP2 does: where it is applied, `trainer.parallel.transforms.apply_fsdp` registers it as a forward method)."""
+        hidden = self.hidden_states(input_ids, cache=cache)  # (B, t, C)
+        cache.length += input_ids.shape[1]
+        return self.lm_head(hidden[:, -1]).float()  # (B, V)
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        """transformers' generation hook, which peft's PeftModelForCausalLM takes from the model it wraps; our
+        decoding is `trainer.model.causal_lm.generate` (KV cache, `decode_step`), not transformers' `generate`."""
+        raise ModelError(
+            "generate: use trainer.model.causal_lm.generate(model, input_ids, max_new_tokens), not transformers' "
+            "generate"
+        )
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (a tied head counts once); with exclude_embeddings the input embedding matrix is left
+        out, as `transformers`' `num_parameters(exclude_embeddings=True)` does (an untied lm_head stays in)."""
+        embed = self.model.embed_tokens.weight
+        return sum(p.numel() for p in self.parameters() if not (exclude_embeddings and p is embed))
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N + 12 L H_q T, where N counts every
+        matmul parameter (all but the embedding lookup, with the LM head counted once even when tied),
+        L layers, H_q = heads * head_dim, T = seq_len. The attention term counts full (non-causal) score and
+        value matmuls, as PaLM does."""
+        c = self.config
+        n = self.num_parameters(exclude_embeddings=True) + (
+            c.vocab_size * c.hidden_size if c.tie_word_embeddings else 0
+        )
+        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+
+    def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None):
+        """Final-norm hidden states (B, T, C). With `cache`, decode from cache.length on (no padding)."""
+        if input_ids.dim() != 2:
+            raise ModelError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if position_ids is not None:
+            position_ids = position_ids.expand(B, T)  # (1, T) is shared by every row
+        elif attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) left padding starts at 0
+        x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        if self.training and self.neftune_noise_alpha:
+            x = self._neftune(x, attention_mask, position_ids)
+        if cache is not None:
+            rope_pos = torch.arange(cache.length, cache.length + T, device=x.device)[None]  # (1, T)
+            attns = [cache.slot(i) for i in range(len(self.model.layers))]
+        else:
+            # (1, T) unless given per row: cos/sin (1, T, D) are computed once for the batch, and kernels.rope
+            # reads them once per position instead of once per (row, position)
+            rope_pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None]
+            plan = make_plan(
+                position_ids, attention_mask, B, T, x.device, x.dtype, set(self.config.layer_windows), self.attn_backend
+            )
+            attns = [plan] * len(self.model.layers)
+        cos, sin = self.model.rotary_emb(rope_pos)  # (B or 1, T, D) fp32
+        update = None  # the last MLP output, added to x by the next norm (DecoderLayer.forward)
+        for layer, attn in zip(self.model.layers, attns):
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x, update = checkpoint(layer, x, update, cos, sin, attn, use_reentrant=False, **self._checkpoint_kwargs)
+            else:
+                x, update = layer(x, update, cos, sin, attn)
+        return add_rms_norm(self.model.norm, x, update)[0]
+
+    def _neftune(self, x, attention_mask, position_ids):
+        # NEFTune (Jain et al. 2023): x + U(-1, 1) * alpha / sqrt(L * d), L = the token's own document length
+        # (real tokens only), no noise on padding. Off the kernels, kernels' plain-PyTorch reference.
+        fn = kernels.neftune_noise if self.impl == "kernels" else kernels.neftune_noise_ref
+        return fn(x, self.neftune_noise_alpha, attention_mask=attention_mask, position_ids=position_ids, training=True)
+
+    def forward(
+        self,
+        input_ids,
+        position_ids=None,
+        labels=None,
+        attention_mask=None,
+        num_items=None,
+        inputs_embeds=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        sequence_logps: bool = False,
+        preference_loss: dict | None = None,
+    ) -> CausalLMOutput:
+        """Logits, and with `labels` (unshifted, -100 = no target; a tensor or `HostLabels`) the loss sum / num_items
+        (default: mean over supervised tokens; 0 when there are none). With labels and use_kernels the logits are
+        never formed. With `sequence_logps` (and labels) no loss: each row's sum of its targets' log-probabilities,
+        their count and mean logit (`kernels.fused_linear_preference`: preference training's per-sequence numbers,
+        computed in here so that wrappers that gather the weights for forward, FSDP2's, hold the LM head's).
+        With `preference_loss` (and labels; the options of `kernels.fused_linear_preference_loss`, `ref_logps`
+        among them) the rows are [chosen; rejected] pairs and the output holds the preference loss and TRL's
+        metrics, the loss's gradient formed in one pass over the answer rows with use_kernels.
+        The last four are transformers' arguments, which peft's PeftModelForCausalLM (task_type="CAUSAL_LM")
+        passes as None; another value would be ignored, so it is refused."""
+        if inputs_embeds is not None or output_attentions or output_hidden_states or return_dict is False:
+            raise ModelError(
+                "forward: inputs_embeds, output_attentions, output_hidden_states and return_dict=False "
+                "are not supported (pass input_ids; the output always holds loss and logits)"
+            )
+        if isinstance(labels, HostLabels):
+            labels = labels.labels
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask)  # (B, T, C)
+        if labels is None:
+            return CausalLMOutput(None, self.lm_head(hidden))
+        if labels.shape != input_ids.shape:
+            raise ModelError(
+                f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)} (labels are unshifted)"
+            )
+        # (B*T,) position t predicts t+1; on the labels' device (the host for host labels: see takes_host_labels)
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        if preference_loss is not None:
+            fn = (
+                kernels.fused_linear_preference_loss
+                if self.impl == "kernels"
+                else kernels.fused_linear_preference_loss_ref
+            )
+            loss, metrics = fn(
+                hidden, self.lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX, **preference_loss
+            )
+            return CausalLMOutput(loss, None, metrics=metrics)
+        if sequence_logps:
+            fn = kernels.fused_linear_preference if self.impl == "kernels" else kernels.fused_linear_preference_ref
+            if self.impl != "kernels":
+                targets = targets.to(hidden.device, non_blocking=True)
+            logps = fn(hidden, self.lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX)
+            return CausalLMOutput(None, None, logps)
+        if num_items is None:
+            denom = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        elif torch.is_tensor(num_items):
+            denom = num_items.clamp(min=1)
+        else:
+            denom = max(int(num_items), 1)
+        flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, C)
+        if self.impl == "kernels":  # takes host targets and counts as they are
+            if torch.is_autocast_enabled(flat.device.type):
+                # the loss casts to the autocast dtype anyway (the same rounding); done here, the final norm's fp32
+                # output dies before the loss runs instead of after (0.067 GB at Llama-3.2-1B's peak, 4 x 2048)
+                flat = flat.to(torch.get_autocast_dtype(flat.device.type))
+                del hidden
+            # Under autocast the kernel casts its inputs to the autocast dtype (as F.linear would) and returns an
+            # fp32 loss, so GradScaler's loss * 65536 cannot overflow.
+            loss = kernels.fused_linear_cross_entropy(
+                flat,
+                self.lm_head.weight,
+                targets,
+                ignore_index=IGNORE_INDEX,
+                label_smoothing=self.label_smoothing,
+                z_loss=self.z_loss,
+                num_items=denom,
+            )
+            return CausalLMOutput(loss, None)
+        targets = targets.to(hidden.device, non_blocking=True)
+        if torch.is_tensor(denom):
+            denom = denom.to(hidden.device, non_blocking=True)
+        if self.impl == "liger":
+            from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+            total = LigerFusedLinearCrossEntropyFunction.apply(
+                flat, self.lm_head.weight, targets, None, None, IGNORE_INDEX, self.z_loss, self.label_smoothing, "sum"
+            )[0]
+            return CausalLMOutput(total / denom, None)
+        logits = self.lm_head(hidden)  # (B, T, V)
+        flat_logits = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
+        total = F.cross_entropy(
+            flat_logits, targets, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=self.label_smoothing
+        )
+        if self.z_loss:
+            lse = torch.logsumexp(flat_logits, dim=-1)  # (B*T,)
+            total = total + self.z_loss * (lse.square() * (targets != IGNORE_INDEX)).sum()
+        return CausalLMOutput(total / denom, logits)
+
+
+def apply_liger_kernel(model: CausalLM) -> CausalLM:
+    """Run RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy with liger-kernel (the baseline on a GPU);
+    `model.use_kernels = ...` switches back. Liger's Triton kernels need CUDA tensors."""
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        raise ModelError("use_liger_kernel: liger-kernel is not installed (pip install liger-kernel)") from None
+    model._set_impl("liger")
+    return model
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Decoding
+# ------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def generate(
+    model: CausalLM,
+    input_ids,
+    max_new_tokens: int,
+    *,
+    eos_token_id=None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+):
+    """Greedy (temperature 0) or nucleus-sampled decoding with a KV cache.
+
+    input_ids: a list of ints or a 1-D tensor -> the list of new tokens (eos included when hit); or a
+    (B, T) tensor of equal-length, unpadded prompts -> (B, T + n) prompt + new tokens, as transformers'
+    `generate` returns (rows that finished early are continued with eos). Stops after max_new_tokens or when
+    every row has produced eos (`eos_token_id`: an int or a list of ints).
+    """
+    device = model.lm_head.weight.device
+    as_list = not torch.is_tensor(input_ids) or input_ids.dim() == 1
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    ids = ids.view(1, -1) if as_list else ids
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ModelError(
+            f"generate: input_ids must be a non-empty list, 1-D or (batch, seq) tensor, got shape {tuple(ids.shape)}"
+        )
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ModelError(f"generate: temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+    eos = (
+        None
+        if eos_token_id is None
+        else torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    )
+    c = model.config
+    B, T = ids.shape
+    cache = KVCache(
+        c.num_hidden_layers,
+        B,
+        T + max_new_tokens,
+        c.num_key_value_heads,
+        c.head_dim,
+        model.lm_head.weight.dtype,
+        device,
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        step_input, new, done = ids, [], torch.zeros(B, dtype=torch.bool, device=device)
+        for _ in range(max_new_tokens):
+            logits = model.decode_step(step_input, cache)  # (B, V)
+            token = _pick(logits, temperature, top_p, generator)  # (B,)
+            if eos is not None:
+                token = torch.where(done, eos[0], token)
+                done = done | torch.isin(token, eos)
+            new.append(token)
+            if eos is not None and bool(done.all()):
+                break
+            step_input = token[:, None]  # (B, 1)
+    finally:
+        model.train(was_training)
+    out = torch.stack(new, dim=1) if new else ids.new_zeros(B, 0)  # (B, n)
+    return out[0].tolist() if as_list else torch.cat([ids, out], dim=1)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)  # (B, V)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always)
+        keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
