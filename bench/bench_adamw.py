@@ -28,7 +28,8 @@ Speed-ups are against torch_fused_fp32 and torch_foreach_fp32 measured in the sa
 GPU target: ours_bf16_master >= 1.0x torch_fused_fp32 and >= 2.5x torch_foreach_fp32.
 ours_*_cuda: the same variants through the CUDA C++ op (csrc/adamw.cu, kernels._C) instead of the Triton kernel, run
 where the extension is built (skipped otherwise, with the reason); kernels/adamw.py's dispatch default
-(_CUDA_OP_MEASURED_FASTER) is to be set from these rows.
+(_CUDA_OP_FASTER_DTYPES: the parameter dtypes KERNELS_ADAMW_IMPL=auto sends to the op, bf16) was set from these rows
+of the first H200 run (bench/results/h200/kernels.md).
 
 Usage:
     python bench/bench_adamw.py              # GPU: the Llama-3.2-1B parameter list

@@ -26,7 +26,8 @@ row: at the bench's 10% ignored rows it overstated our bytes, so GB/s, by 1/(1 -
 with the meter: 2.8s per element, not 3s).
 
 Forward-kernel variants (kernels/cross_entropy.py, FWD_VARIANTS): `--variant all` times every one as its
-own "ours" row (column `variant`) so the first GPU run picks the winner by measurement; default "default".
+own "ours" row (column `variant`) beside the library's launch, "default" (the default here too); the first H200
+run's rows chose that launch (BLOCK 8192, 16 warps, 64 registers; bench/results/h200/kernels.md).
 
 GPU: tokens 8192 x vocab {32000, 128256, 151936}, bf16. CPU (`--quick`): a tiny shape through the Triton
 interpreter; those rows are flagged perf_figure=False.

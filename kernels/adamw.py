@@ -67,7 +67,8 @@ Launch strategy
     blocks per SM instead of 3 for every bucket. BLOCK=2048 with 8 warps: see `_BLOCK`; not yet timed on a GPU.
     The dispatch point is `_step_bucket` (`adamw_impl` says which path and why): CUDA -> Triton, or the CUDA
     C++ multi-tensor op `torch.ops.kernelwright.fused_adamw_` (csrc/adamw.cu, same math) when kernels._C is
-    built and KERNELS_ADAMW_IMPL=cuda ('auto' keeps Triton until a GPU measurement shows the op faster);
+    built and KERNELS_ADAMW_IMPL=cuda, or 'auto' (the default) for the parameter dtypes it was measured faster for
+    (bf16; `_CUDA_OP_FASTER_DTYPES`);
     CPU -> Triton if forced; with the backend on 'auto', fp32 buckets take torch's own fused CPU AdamW
     (`torch._fused_adamw_`, what torch.optim.AdamW(fused=True) runs: same math, one pass per tensor; the
     reference's per-parameter ops cost ~8% of a tiny-preset training step); everything else, and
@@ -660,13 +661,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 # Which CUDA implementation runs the update: KERNELS_ADAMW_IMPL=auto (default) | triton | cuda, read once at import.
 # 'cuda' is the CUDA C++ op torch.ops.kernelwright.fused_adamw_ (csrc/adamw.cu, built into kernels._C by setup.py).
-# 'auto' picks it only where a committed GPU measurement showed it faster than the Triton kernel; there is none
-# yet (csrc/adamw.cu has not been timed), so 'auto' keeps Triton.
+# 'auto' picks it only for the parameter dtypes a committed GPU measurement showed it faster than the Triton kernel
+# for: `_CUDA_OP_FASTER_DTYPES`.
 _ADAMW_IMPLS = ("auto", "triton", "cuda")
 _ADAMW_IMPL = os.environ.get("KERNELS_ADAMW_IMPL", "auto").strip().lower() or "auto"
 if _ADAMW_IMPL not in _ADAMW_IMPLS:
     raise ValueError(f"KERNELS_ADAMW_IMPL={_ADAMW_IMPL!r} is not one of {', '.join(_ADAMW_IMPLS)}")
-_CUDA_OP_MEASURED_FASTER = False  # set True with the bench/results/adamw.jsonl rows that show it
+# One H200 run (triton 3.6.0, git 875a621; bench/bench_adamw.py --model llama-3.2-1b, ms per step over
+# Llama-3.2-1B's parameters; rows in bench/results/h200/kernels.md), Triton vs the CUDA op: fp32 parameters 8.436
+# vs 8.742 (the op 0.97x, slower); bf16 with fp32 masters 9.687 vs 8.788 (1.10x); bf16 with stochastic rounding
+# 8.438 vs 7.282 (1.16x); torch AdamW(fused=True) on fp32 9.869. So bf16 takes the op and fp32 keeps Triton; fp16
+# was not measured and keeps Triton.
+_CUDA_OP_FASTER_DTYPES = frozenset({torch.bfloat16})
 
 
 @contextlib.contextmanager
@@ -743,9 +749,9 @@ def adamw_impl(param: torch.Tensor) -> tuple[str, str]:
                 f"kernels.adamw: KERNELS_ADAMW_IMPL=cuda but {missing}; using the Triton kernel", stacklevel=3
             )
         return ("triton" if use_triton(param) else "reference"), f"KERNELS_ADAMW_IMPL=cuda but {missing}"
-    if missing is None and _CUDA_OP_MEASURED_FASTER:
-        return "cuda", "KERNELS_ADAMW_IMPL=auto and the CUDA op was measured faster"
-    why = missing or "no committed GPU measurement shows the CUDA op faster than Triton"
+    if missing is None and param.dtype in _CUDA_OP_FASTER_DTYPES:
+        return "cuda", f"KERNELS_ADAMW_IMPL=auto and the CUDA op was measured faster for {param.dtype} parameters"
+    why = missing or f"no committed GPU measurement shows the CUDA op faster than Triton for {param.dtype} parameters"
     return ("triton" if use_triton(param) else "reference"), f"KERNELS_ADAMW_IMPL=auto keeps Triton: {why}"
 
 

@@ -23,17 +23,22 @@ online log-sum-exp (running max m, rescaled sums; Milakov & Gimelshein 2018). Pa
 and writes the gradient (only when a gradient is required), scaled by 1/denominator for "mean"; the
 mean's denominator is read from device memory, so nothing syncs with the host. Per element: 2 reads +
 1 write of the logits' dtype with a gradient (6 bytes in bf16), 1 read without.
-GPU launch: BLOCK = min(next_pow2(V), 16384), num_warps = BLOCK / 512 clamped to [4, 32]. At V = 128256
-that is one 1024-thread program per SM (ptxas for sm_90: 64 registers, no spills; BLOCK 32768 spills
-200 bytes), so the ~132 rows in flight hold ~33 MB, inside the H100's 50 MB L2: pass 2 can re-read the
-row from L2 rather than HBM, helped by loading pass 1 with evict_last, walking pass 2 in reverse (its
-first tiles are pass 1's last) and streaming it with evict_first. With one program per SM nothing else
-hides memory latency, so each loop loads its next tile into registers before reducing the current one.
-These choices come from register counts and cache arithmetic, not yet from GPU timings: see the benchmark.
-Beside them, four variants (`FWD_VARIANTS`, selected with `fwd_variant`; comments at `FWD_VARIANTS`) wait for
-the first GPU run to pick a winner by measurement: `python bench/bench_cross_entropy.py --variant all`. For
-sm_90 at V = 128256 in bf16 every variant compiles to at most 64 registers with no spills (ptxas: default,
-evict, block8192 and persistent 64, pipelined 56).
+GPU launch: BLOCK = min(next_pow2(V), 8192), num_warps = BLOCK / 512 clamped to [4, 32], at most 64 registers
+per thread (maxnreg). At V = 128256 that is 16 warps, and at 64 registers two 512-thread programs share an SM's 64K
+registers, so one program's row start and reductions can overlap the other's streaming (what it was tried for; the
+timings below chose it). Each loop loads its next tile into registers before reducing the current one; pass 1 loads
+with evict_last and pass 2 walks the row in reverse (its first tiles are pass 1's last) with evict_first, so pass 2
+can re-read from L2 rather than HBM (~264 rows in flight on 132 SMs hold ~68 MB in bf16, beyond the 50 MB L2; the
+previous default's ~132 held ~33 MB).
+The choice is measured, in one run on an H200 (triton 3.6.0, git 875a621; `python bench/bench_cross_entropy.py
+--variant all` at N = 8192, V = 128256, bf16, label smoothing 0.1; forward / forward + backward ms, median of
+do_bench; rows in bench/results/h200/kernels.md): this launch 1.511 / 1.515, 7% faster than the previous default,
+BLOCK 16384 over 32 warps with no register cap (one 1024-thread program per SM, now the variant "block16384"),
+1.617 / 1.624. On that BLOCK 16384 launch, evict 1.607 / 1.612, pipelined 2.316 / 2.324, persistent 1.884 / 1.883
+(`FWD_VARIANTS`, selected with `fwd_variant`; comments there); forward + backward, liger-kernel 2.082 and
+torch.compile 3.949. ptxas for sm_90 (Triton 3.9's, 12.9) at that shape with label smoothing 0.1: this launch 61
+registers, no spills (79 without the cap: one program per SM); block16384 and evict 61, persistent 64, no spills;
+pipelined 64 with 112 bytes of spill stores (none at label smoothing 0); BLOCK 32768 over 32 warps spills 288 bytes.
 Interpreter: BLOCK = min(next_pow2(V), 8192) (one tile for the tests' V = 5003, since the interpreter pays
 per op); a test forces 1024-wide tiles to cover the multi-tile path.
 
@@ -334,17 +339,19 @@ if HAS_TRITON:
                     tl.store(out_ptr + offs, (v * g).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Forward-kernel variants for the first GPU runs to choose between by measurement (`bench/bench_cross_entropy.py
-# --variant`); "default" is today's choice and the only one the library uses unless `fwd_variant` says otherwise.
+# Forward-kernel variants, timed side by side by `bench/bench_cross_entropy.py --variant all`. "default" is the
+# library's choice (BLOCK 8192 over 16 warps at most 64 registers: two 512-thread programs per SM), the fastest in the
+# H200 run the module docstring cites, and the only one used unless `fwd_variant` says otherwise. The other four
+# launch BLOCK 16384 over 32 warps with no register cap, the default before that run: evict, pipelined and persistent
+# were measured on top of it, so they stay on it to keep meaning what was measured.
+#   block16384  that launch alone: one 1024-thread program per SM
 #   evict       the gradient stores carry an L2 evict_first policy, so they do not push the row that pass 2
 #               re-reads out of L2 (PTX st.global.L1::evict_first.L2::cache_hint)
-#   block8192   BLOCK 8192 over 16 warps at most 64 registers: two 512-thread programs per SM, so one program's
-#               row start overlaps the other's streaming
 #   pipelined   plain loops under tl.range(num_stages=3), no hand-written register prefetch, for Triton's
 #               pipeliner to stage the loads. Triton 3.9 leaves these loads alone for sm_90 (no ttg.async_copy in
-#               the TTGIR, no cp.async in the PTX), so today this measures whether the hand prefetch pays
+#               the TTGIR, no cp.async in the PTX), so this measures whether the hand prefetch pays
 #   persistent  one program per SM striding over the rows: no per-row program launch and retirement
-FWD_VARIANTS = ("default", "evict", "block8192", "pipelined", "persistent")
+FWD_VARIANTS = ("default", "block16384", "evict", "pipelined", "persistent")
 _fwd_variant = "default"  # a module global (not thread-local) so torch.compile can guard on it
 
 
@@ -366,7 +373,7 @@ def _fwd_config(n_cols: int, on_cuda: bool, variant: str) -> tuple[int, int]:
     """(BLOCK, num_warps) for the forward kernel; see the module docstring for the reasoning."""
     if not on_cuda:
         return min(triton.next_power_of_2(n_cols), 8192), 4
-    block = min(triton.next_power_of_2(n_cols), 8192 if variant == "block8192" else 16384)
+    block = min(triton.next_power_of_2(n_cols), 8192 if variant == "default" else 16384)
     return block, max(4, min(32, block // 512))
 
 
@@ -445,9 +452,9 @@ def cross_entropy_fwd(
         NUM_STAGES=3 if variant == "pipelined" else 1,
         PERSISTENT=variant == "persistent",
         num_warps=num_warps,
-        # ptxas gives the 16-warp program 101 registers when free to (sm_90): one program per SM; capped at 64 (no
-        # spills), two fit.
-        maxnreg=64 if variant == "block8192" else None,
+        # ptxas (sm_90, Triton 3.9's 12.9) gives the default's 16-warp program 79 registers at label smoothing 0.1 when
+        # free to: one program per SM; capped at 64 (61 used, no spills), two fit.
+        maxnreg=64 if variant == "default" else None,
     )
     return loss_rows, lse, grad
 

@@ -67,9 +67,9 @@ def test_cpu_params_take_the_reference_and_say_why():
     assert "cpu" in why and "CUDA tensors" in why
 
 
-def _cuda_like():
-    """A stand-in for a CUDA parameter on a CPU-only torch: all `adamw_impl` reads is is_cuda and device."""
-    return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
+def _cuda_like(dtype=torch.float32):
+    """A stand-in for a CUDA parameter on a CPU-only torch: all `adamw_impl` reads is is_cuda, device and dtype."""
+    return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"), dtype=dtype)
 
 
 @pytest.mark.skipif(not kernels.HAS_TRITON, reason="needs triton")
@@ -95,11 +95,22 @@ def test_dispatch_rules_and_reasons(monkeypatch):
 
     monkeypatch.setattr(kadamw, "_MISSING", None)  # as if kernels._C were built
     assert kadamw.adamw_impl(_cuda_like()) == ("cuda", "KERNELS_ADAMW_IMPL=cuda")
+    # auto: the op for bf16 parameters (measured faster on an H200), Triton for fp32 (measured slower) and fp16 (not
+    # measured)
     monkeypatch.setattr(kadamw, "_ADAMW_IMPL", "auto")
-    impl, why = kadamw.adamw_impl(_cuda_like())
-    assert impl == "triton" and "no committed GPU measurement" in why  # auto keeps Triton until measured
-    monkeypatch.setattr(kadamw, "_CUDA_OP_MEASURED_FASTER", True)
-    assert kadamw.adamw_impl(_cuda_like())[0] == "cuda"
+    for dtype in (torch.float32, torch.float16):
+        assert kadamw.adamw_impl(_cuda_like(dtype)) == (
+            "triton",
+            "KERNELS_ADAMW_IMPL=auto keeps Triton: no committed GPU measurement shows the CUDA op faster than Triton "
+            f"for {dtype} parameters",
+        )
+    assert kadamw.adamw_impl(_cuda_like(torch.bfloat16)) == (
+        "cuda",
+        "KERNELS_ADAMW_IMPL=auto and the CUDA op was measured faster for torch.bfloat16 parameters",
+    )
+    monkeypatch.setattr(kadamw, "_MISSING", missing)  # bf16 without the built op: Triton, and why
+    impl, why = kadamw.adamw_impl(_cuda_like(torch.bfloat16))
+    assert impl == "triton" and why == f"KERNELS_ADAMW_IMPL=auto keeps Triton: {missing}"
 
 
 def test_bad_impl_name_is_one_clear_error():

@@ -107,7 +107,7 @@ def test_matches_reference_and_torch(case, dtype):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_online_lse_across_tiles(monkeypatch, dtype):
-    # The GPU config streams V = 128256 in 4 tiles; force 1024-wide tiles (5 for V = 5003, a ragged last one).
+    # The GPU config streams V = 128256 in 16 tiles; force 1024-wide tiles (5 for V = 5003, a ragged last one).
     monkeypatch.setattr(ce_mod, "_fwd_config", lambda n_cols, on_cuda, variant: (1024, 4))
     check_case(dict(lead=(9,), reduction="none", label_smoothing=0.1, z_loss=1e-3, up=None), dtype, seed=1)
 
@@ -129,11 +129,14 @@ def test_every_forward_variant_matches_reference(monkeypatch, variant):
 
 
 def test_forward_variant_gpu_configs_and_bad_name():
-    assert ce_mod._fwd_config(128256, True, "default") == (16384, 32)
-    assert ce_mod._fwd_config(128256, True, "block8192") == (8192, 16)
+    assert ce_mod._fwd_config(128256, True, "default") == (8192, 16)
+    assert ce_mod._fwd_config(128256, True, "block16384") == (16384, 32)
+    for variant in ce_mod.FWD_VARIANTS:  # the interpreter: one 8192-wide tile at most, 4 warps
+        assert ce_mod._fwd_config(128256, False, variant) == (8192, 4)
+        assert ce_mod._fwd_config(5003, False, variant) == (8192, 4)
     assert ce_mod._fwd_grid(100, torch.device("cpu"), "default") == 100
     assert ce_mod._fwd_grid(100, torch.device("cpu"), "persistent") == 4
-    with pytest.raises(ValueError, match="'fastest' is not one of default, evict"):
+    with pytest.raises(ValueError, match="'fastest' is not one of default, block16384, evict"):
         with ce_mod.fwd_variant("fastest"):
             pass
 

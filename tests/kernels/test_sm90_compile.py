@@ -90,6 +90,16 @@ def test_every_op_and_variant_is_compiled(compiled):
     assert rope == {(backward, "32", per_prog) for backward in ("False", "True") for per_prog in ("1", "loop")}
 
 
+def test_cross_entropy_forward_fits_two_programs_per_sm(compiled):
+    # The default forward launch at V = 128256, measured fastest (kernels/cross_entropy.py): BLOCK 8192 over 16 warps
+    # at most 64 registers, so two 512-thread programs share an SM's 64K registers.
+    fwd = [r for r in compiled if r["kernel"] == "_cross_entropy_fwd_kernel"]
+    assert fwd
+    for r in fwd:
+        assert (r["constexprs"]["BLOCK"], r["num_warps"]) == ("8192", 16), r
+        assert 2 * r["registers"] * r["num_warps"] * 32 <= 65536, f"{r['constexprs']}: {r['registers']} registers"
+
+
 def test_no_register_spills(compiled):
     spills = [
         f"{r['case']}: {r['kernel']} {r['constexprs']} warps={r['num_warps']}: {r['registers']} registers, "
