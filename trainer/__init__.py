@@ -1,0 +1,36 @@
+"""trainer: a lean, exact trainer for fine-tuning Llama-family LLMs, with Hugging Face `Trainer` and TRL semantics.
+
+The public names, one import each (`from trainer import Trainer, TrainingArguments`); each is loaded when first
+asked for, so `import trainer` itself stays cheap. The folders below hold the rest, each importing only from those
+below it: config/, model/, data/, parallel/, build, loop/, methods/ (docs/architecture.md).
+"""
+
+import importlib
+
+# public name -> the module that defines it
+_PUBLIC = {
+    "TrainingArguments": "trainer.config.args",
+    "build_model": "trainer.build",
+    "load_pretrained": "trainer.build",
+    "Tokenizer": "trainer.data.tokenizer",
+    "load_sft_dataset": "trainer.data.sft_data",
+    "load_preference_dataset": "trainer.data.preference_data",
+    "Trainer": "trainer.loop.trainer",
+    "set_seed": "trainer.loop.trainer",
+    "TrainerCallback": "trainer.loop.callbacks",
+    "EarlyStoppingCallback": "trainer.loop.callbacks",
+    "PreferenceArguments": "trainer.methods.preference",
+    "PreferenceTrainer": "trainer.methods.preference",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:  # a submodule (`from trainer import sft`) is then imported by the import system
+        raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_PUBLIC[name]), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

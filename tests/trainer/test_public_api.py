@@ -1,0 +1,51 @@
+"""The public names: `from trainer import ...` gives the objects their modules define, loaded when first asked for,
+so `import trainer` alone imports neither torch nor any of trainer's modules (issue 29 item 2)."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import trainer
+
+PUBLIC = {
+    "TrainingArguments": "trainer.config.args",
+    "build_model": "trainer.build",
+    "load_pretrained": "trainer.build",
+    "Tokenizer": "trainer.data.tokenizer",
+    "load_sft_dataset": "trainer.data.sft_data",
+    "load_preference_dataset": "trainer.data.preference_data",
+    "Trainer": "trainer.loop.trainer",
+    "set_seed": "trainer.loop.trainer",
+    "TrainerCallback": "trainer.loop.callbacks",
+    "EarlyStoppingCallback": "trainer.loop.callbacks",
+    "PreferenceArguments": "trainer.methods.preference",
+    "PreferenceTrainer": "trainer.methods.preference",
+}
+
+
+def test_each_public_name_is_the_object_its_module_defines():
+    assert trainer.__all__ == sorted(PUBLIC)
+    for name, module in PUBLIC.items():
+        assert getattr(trainer, name) is getattr(importlib.import_module(module), name), name
+    assert set(PUBLIC) <= set(dir(trainer))
+    from trainer import PreferenceTrainer, Trainer, TrainingArguments  # the one-line import the README uses
+
+    assert issubclass(PreferenceTrainer, Trainer) and TrainingArguments().optim == "adamw_fused"
+
+
+def test_submodules_and_unknown_names():
+    from trainer import sft  # a command module, not a public name: imported as a submodule
+
+    assert sft.__name__ == "trainer.sft"
+    with pytest.raises(AttributeError, match="module 'trainer' has no attribute 'Trainr'"):
+        trainer.Trainr  # noqa: B018
+    with pytest.raises(ImportError, match="cannot import name 'Trainr'"):
+        from trainer import Trainr  # noqa: F401
+
+
+def test_import_trainer_alone_loads_nothing_heavy():
+    code = "import sys, trainer; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('trainer.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
