@@ -7,6 +7,8 @@ Note: the functions below shadow their modules as package attributes (`kernels.r
 reach a module with `from kernels.rms_norm import ...` or `importlib.import_module("kernels.rms_norm")`.
 """
 
+# first: importing _names checks that no other `kernels` or `trainer` package shares our names (one line if one does)
+from . import _names  # noqa: F401
 from ._dispatch import HAS_TRITON, backend, current_backend, use_triton
 from .adamw import FusedAdamW, adamw_step_ref
 from .cross_entropy import cross_entropy, cross_entropy_ref

@@ -6,6 +6,15 @@ below it: config/, model/, data/, parallel/, build, loop/, methods/ (docs/archit
 """
 
 import importlib
+import importlib.util
+from pathlib import Path
+
+# kernels/_names.py run from its path beside this folder (a `kernels` found first elsewhere is not imported): one line,
+# not the wrong import, where another `kernels` or `trainer` package shares our names
+_NAMES = importlib.util.spec_from_file_location(
+    "_kernelwright_names", Path(__file__).parent.parent / "kernels/_names.py"
+)
+_NAMES.loader.exec_module(importlib.util.module_from_spec(_NAMES))
 
 # public name -> the module that defines it
 _PUBLIC = {
