@@ -17,7 +17,9 @@ from trainer.build import build_preset, load_pretrained
 from trainer.data.tasks import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 150  # per spawned command; each stops before building a model (~5 s) or trains a few steps
+# per spawned command; each stops before building a model (~5 s) or trains a few steps. Only turns a hang into a
+# failure: the eleven commands run at once took 83 s on 2 cores loaded by other jobs (150 was under 2x that).
+TIMEOUT_S = 600
 FEW_STEPS = [
     "--max_steps",
     "3",

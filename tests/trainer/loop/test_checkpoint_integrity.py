@@ -265,10 +265,11 @@ def test_a_second_run_in_the_same_output_dir_is_refused_and_a_killed_holder_leav
             sys.executable,
             "-c",
             (
-                "import sys, time; from trainer.loop.checkpoint import hold_output_dir\n"
-                f"with hold_output_dir({str(out)!r}):\n    print('held', flush=True); time.sleep(120)"
+                "import sys; from trainer.loop.checkpoint import hold_output_dir\n"
+                f"with hold_output_dir({str(out)!r}):\n    print('held', flush=True); sys.stdin.read()"
             ),
         ],
+        stdin=subprocess.PIPE,  # the holder holds until it is killed (or this process ends), however long that is
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,

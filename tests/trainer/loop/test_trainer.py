@@ -731,8 +731,10 @@ def _env():
 def wait_for_a_logged_step(out: Path, proc) -> None:
     """Until the run in `proc` has logged a step to out/metrics.jsonl (its stop handlers are installed by then; the
     file itself exists a little earlier), or it ended, or 240 s passed."""
-    metrics, deadline = out / "metrics.jsonl", time.time() + 240
-    while time.time() < deadline and proc.poll() is None and not (metrics.exists() and metrics.read_text().strip()):
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 240
+    while (
+        time.monotonic() < deadline and proc.poll() is None and not (metrics.exists() and metrics.read_text().strip())
+    ):
         time.sleep(0.05)
 
 
@@ -741,9 +743,11 @@ def test_sigkill_then_resume_gives_the_same_weights(tmp_path):
     subprocess.run(_sft(full), check=True, env=_env(), cwd=tmp_path, capture_output=True, timeout=300)
     part = tmp_path / "part"
     proc = subprocess.Popen(_sft(part), env=_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
+    deadline = time.monotonic() + 240
     while (
-        not (part / "checkpoint-2" / "trainer_state.json").exists() and time.time() < deadline and proc.poll() is None
+        not (part / "checkpoint-2" / "trainer_state.json").exists()
+        and time.monotonic() < deadline
+        and proc.poll() is None
     ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)

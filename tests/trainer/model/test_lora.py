@@ -396,9 +396,11 @@ def test_sigkill_then_resume_of_a_lora_run_gives_the_same_adapter(tmp_path):
     proc = subprocess.Popen(
         _sft(part, *lora), env=_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    deadline = time.time() + 240
+    deadline = time.monotonic() + 240
     while (
-        not (part / "checkpoint-2" / "trainer_state.json").exists() and time.time() < deadline and proc.poll() is None
+        not (part / "checkpoint-2" / "trainer_state.json").exists()
+        and time.monotonic() < deadline
+        and proc.poll() is None
     ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)

@@ -54,7 +54,9 @@ from trainer.model.lora import apply_lora, is_adapter_name, peft_key
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("dist_worker.py")
-TIMEOUT_S = 150  # per spawned job; the 2-process runs take ~10-40 s on 2 shared cores
+# per spawned job, only to turn a hang into a failure: the 2-process runs take ~10-40 s on 2 shared cores, up to 53 s
+# (test_deepspeed's zero2 launch) while other jobs loaded them; 150 was under 3x that.
+TIMEOUT_S = 300
 
 BASE = dict(
     per_device_train_batch_size=2,
@@ -421,7 +423,7 @@ def test_preference_training_under_deepspeed_zero3_matches_one_process(tmp_path,
     zero2 = tmp_path / "zero2.json"
     zero2.write_text(json.dumps({**json.loads(config.read_text()), "zero_optimization": {"stage": 2}}))
     jobs.append({"name": "zero2", "pairs": str(pairs_file), "pref": PREF, "args": {**args, "deepspeed": str(zero2)}})
-    # 6 DeepSpeed runs in one launch: ~100 s on 2 loaded cores (measured), past the default bound
+    # 6 DeepSpeed runs in one launch: ~100 s on 2 loaded cores (measured): twice the default bound keeps 5x of that
     runs = ok(launch(root, data_file, jobs, timeout=2 * TIMEOUT_S))
     for name in ("zero3", "zero3-precomputed"):
         result = runs["result"][name]
@@ -542,13 +544,13 @@ def test_fsdp2_bf16_parameters_train_like_fp32(suite, reference_run):
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, data_file):
-    started = time.monotonic()
     job = launch(tmp_path, data_file, [{"name": "fail", "args": {**BASE, "max_steps": 6}, "fail_at_step": 2}])
+    # Both ranks exited (launch waits on the processes): rank 0 did not sit out the process group's 30 min timeout
+    # in the broken collective. No elapsed-time check beside it: how long a healthy job takes is the machine's speed.
     assert job["rcs"] is not None, f"the job hung (killed after {TIMEOUT_S} s)"
     assert job["rcs"][1] != 0 and job["rcs"][0] != 0, job["rcs"]
     assert "injected failure on rank 1 at step 2" in job["logs"][1]
     assert "[rank 0/2] error" in job["logs"][0]  # rank 0 learnt from the broken collective, did not wait
-    assert time.monotonic() - started < TIMEOUT_S
 
 
 def test_offload_params_without_cuda_is_a_clear_error():
