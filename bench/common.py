@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -170,8 +171,6 @@ def kernel_times(fn: Callable[[], object], reps: int = 20, flush_bytes: int = 25
     subtracted. {} on a CPU."""
     if not on_gpu():
         return {}
-    from torch.profiler import ProfilerActivity, profile
-
     flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
 
     def device_us(body) -> dict[str, float]:
