@@ -858,7 +858,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=None,
         help="cap each worker's CUDA memory "
-        "(torch.cuda.set_per_process_memory_fraction), e.g. 79.6 to ladder an H100's memory on an H200",
+        "(torch.cuda.set_per_process_memory_fraction) in GB of 1e9 bytes, e.g. 85 to ladder an H100 80GB "
+        "(79.6 GiB = 85.5e9 bytes, less the CUDA context) on an H200",
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     p.add_argument(

@@ -113,7 +113,7 @@ MEMORY_GPU = [
     "--micro-batch",
     "4",
     "--ladder-bisect",
-    "1",
+    "2",
     "--timeout",
     "300",
 ]
@@ -675,7 +675,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-memory-gb",
         type=float,
         default=None,
-        help="memory: cap each worker's CUDA memory (79.6 ladders an H100's memory on an H200)",
+        help="memory: cap each worker's CUDA memory in GB of 1e9 bytes (85 ladders an H100 80GB, 79.6 GiB, on an H200)",
     )
     args = p.parse_args(argv)
     if kernel_runner.parse_ops(args.only) is None:
