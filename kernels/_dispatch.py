@@ -68,6 +68,19 @@ def interpreter_on() -> bool:
     return _INTERPRET
 
 
+def num_sms(device_index: int) -> int:
+    """The CUDA device's streaming multiprocessor count: a launch grid's size (a CUDA attribute query, not a
+    host-device sync). Constant at trace time under torch.compile, as `torch.compiler.assume_constant_result`
+    would make it."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# What `torch.compiler.assume_constant_result(num_sms)` does, without that call's import of torch._dynamo (about 3 s
+# of `import kernels` on a CPU, where the op never runs): the decorator sets only this attribute
+# (torch/_dynamo/decorators.py), and tests/kernels/test_dispatch.py fails if it ever sets something else.
+num_sms._dynamo_marked_constant = True
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True where the op should launch its Triton kernel for these tensors, False for the reference."""
     name = current_backend()

@@ -55,7 +55,9 @@ each of the four quarters (a tile of 4 * BLOCK_R * BLOCK_Q = 8192 elements, 8 wa
 thread); BLOCK_Q = next_pow2(Q) capped at 1024, so for d <= 4096 one program covers whole rows (d = 4096:
 BLOCK_R = 2, BLOCK_Q = 1024). Row offsets and Philox counters are int64, so tensors past 2^31
 elements work. Eager calls the launcher directly; under torch.compile it goes through the
-`torch.ops.kernelwright.neftune_fwd` triton_op so fullgraph tracing sees through it.
+`torch.ops.kernelwright.neftune_fwd` custom op, so fullgraph tracing takes it whole (one opaque call that
+launches the kernel). Not a `torch.library.triton_op`: declaring one imports torch._inductor, about 3 s of every
+`import kernels` on a CPU, for an op whose launch is all the compiled graph would see of it anyway.
 
 Test: `python -m pytest tests/kernels/test_neftune.py -q` (CPU: Triton interpreter and reference).
 Bench: `python bench/bench_neftune.py` on a GPU (`--quick` on a CPU only checks that it runs).
@@ -193,10 +195,9 @@ def neftune_fwd(
     return out
 
 
-# custom_op without triton: triton_op would log "Triton not available" on every import of a CPU-only install.
 # One op namespace for the project: csrc/ops.cpp defines `kernelwright` with TORCH_LIBRARY, and this Python fragment
 # joins it (checked: loading the C++ library after this registration keeps both ops).
-@(torch.library.triton_op if HAS_TRITON else torch.library.custom_op)("kernelwright::neftune_fwd", mutates_args=())
+@torch.library.custom_op("kernelwright::neftune_fwd", mutates_args=())
 def _neftune_fwd_op(x: torch.Tensor, seed: torch.Tensor, scale: float, row_scale: torch.Tensor | None) -> torch.Tensor:
     return neftune_fwd(x, seed, scale, row_scale)
 

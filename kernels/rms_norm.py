@@ -74,7 +74,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._dispatch import HAS_TRITON, use_triton
+from ._dispatch import HAS_TRITON, num_sms, use_triton
 
 if HAS_TRITON:
     import triton
@@ -173,12 +173,6 @@ def bwd_launch_config(
     unpipelined = wide and (n_cols != block_n or w_per_row or (dtype == torch.float16 and has_dh))
     even_n = n_cols == block_n and not unpipelined
     return BwdConfig(block_m, block_n, one_block, num_warps, 1 if unpipelined else 2, even_n, w_per_row)
-
-
-@torch.compiler.assume_constant_result
-def _num_sms(device_index: int) -> int:
-    # Constant at trace time under torch.compile; a CUDA attribute query, not a host-device sync.
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 if HAS_TRITON:
@@ -544,7 +538,7 @@ def _bwd(dy2d, x2d, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, 
     if num_programs is None:
         # About two programs per SM keeps every SM streaming while one waits on memory (not yet tuned on a
         # GPU: bench/bench_rms_norm.py is the place to revisit it).
-        num_programs = 2 * _num_sms(x2d.device.index or 0) if x2d.is_cuda else _CPU_BWD_PROGRAMS
+        num_programs = 2 * num_sms(x2d.device.index or 0) if x2d.is_cuda else _CPU_BWD_PROGRAMS
     if num_programs < 1:
         raise ValueError(f"num_programs={num_programs} must be >= 1")
     tiles = triton.cdiv(M, block_m)

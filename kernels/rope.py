@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import HAS_TRITON, use_triton
+from ._dispatch import HAS_TRITON, num_sms, use_triton
 
 if HAS_TRITON:
     import triton
@@ -89,12 +89,6 @@ def launch_config(T: int, Hq: int, Hkv: int, D: int) -> tuple[int, int, int, int
     # the loads stay wide.
     num_warps = min(8, max(4, _next_pow2(block_t * block_hq * block_d // 512)))
     return block_t, block_hq, block_hk, block_d, num_warps
-
-
-@torch.compiler.assume_constant_result
-def _num_sms(device_index: int) -> int:
-    # Constant at trace time under torch.compile; a CUDA attribute query, not a host-device sync.
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 if HAS_TRITON:
@@ -272,7 +266,7 @@ def rope_launch(
     cos_sb, sin_sb = _batch_stride(cos), _batch_stride(sin)
     shared = cos_sb == 0 and sin_sb == 0
     if batches_per_program is None:
-        min_programs = 2 * _num_sms(q.device.index or 0) if q.is_cuda else _CPU_MIN_PROGRAMS
+        min_programs = 2 * num_sms(q.device.index or 0) if q.is_cuda else _CPU_MIN_PROGRAMS
         batches_per_program = B if shared and t_blocks >= min_programs else 1
     if batches_per_program not in (1, B) or (batches_per_program > 1 and not shared):
         raise ValueError(f"batches_per_program={batches_per_program} must be 1, or B={B} with batch-shared cos/sin")
