@@ -541,6 +541,11 @@ class TrainingArguments:
     gradient_checkpointing_kwargs: dict | str | None = _arg(
         None, "performance", 'Options for activation checkpointing as a dict or JSON, e.g. {"use_reentrant": false}.'
     )
+    activation_offloading: bool = _arg(
+        False,
+        "performance",
+        "Keep the activations saved for backward in CPU memory until backward needs them (TRL's name).",
+    )
     torch_empty_cache_steps: int | None = _arg(
         None, "performance", "Empty the device cache every this many steps (lower peak memory, ~10% slower)."
     )
@@ -901,6 +906,11 @@ class TrainingArguments:
 
         if self.bf16 and self.fp16:
             raise ConfigError("bf16 and fp16 are both set; choose at most one mixed precision")
+        if self.activation_offloading and (self.dist_config or {}).get("name") == "deepspeed":
+            raise ConfigError(
+                "activation_offloading with DeepSpeed is not supported: DeepSpeed keeps its own copies; use its "
+                "activation_checkpointing.cpu_checkpointing in the DeepSpeed JSON, or dist_config fsdp2/ddp"
+            )
         if self.bf16_full_eval and self.fp16_full_eval:
             raise ConfigError("bf16_full_eval and fp16_full_eval are both set; choose at most one")
 

@@ -76,6 +76,7 @@ from trainer.loop.optim import build_lr_scheduler, build_optimizer
 from trainer.loop.resume import apply_checkpoint_arguments, restore_checkpoint, save_model_files, saved_arguments
 from trainer.model.causal_lm import HostLabels
 from trainer.model.lora import has_adapter, trainable_summary
+from trainer.model.offload import ActivationOffloader
 from trainer.parallel.transforms import apply_all, gradient_sync, is_fsdp, unwrap, uses_fsdp
 
 __all__ = [
@@ -169,6 +170,7 @@ class _Run:
     start_time: float = 0.0
     start_step: int = 0
     start_nonfinite: int = 0
+    offloader: ActivationOffloader | None = None  # activation_offloading
 
     @property
     def model(self) -> nn.Module:
@@ -427,7 +429,9 @@ class Trainer:
         windows = args.steps_per_epoch(micro_per_epoch)  # floor(micro batches / accum), at least 1
         max_steps = args.get_max_steps(micro_per_epoch)
         engine = self._start_engine(device, max_steps)
+        offloader = ActivationOffloader.for_model(unwrap(engine.model), device) if args.activation_offloading else None
         run = _Run(
+            offloader=offloader,
             engine=engine,
             loader=loader,
             device=device,
@@ -564,7 +568,7 @@ class Trainer:
             last = i == len(micro_batches) - 1
             # Gradients are reduced across ranks once per window, in the last micro step's backward.
             with gradient_sync(model, last):
-                with self._autocast(device, train=True):
+                with self._autocast(device, train=True), run.offloader() if run.offloader else contextlib.nullcontext():
                     loss = self._compute_loss(model, batch, num_items, device)
                 run.engine.backward(loss, last)
             window_loss += loss.detach().float()

@@ -491,11 +491,16 @@ class MLP(nn.Module):
 
 
 def _recompute_allowed() -> bool:
-    """Whether `_down_recomputing_act` may install its saved-tensor hooks: eager autograd with no other hooks (under
-    activation checkpointing the checkpoint's own hooks decide what is kept, and its recompute must see plain
-    saves; under torch.compile the partitioner decides)."""
+    """Whether `_down_recomputing_act` may install its saved-tensor hooks: eager autograd with no other hooks, or only
+    hooks marked `gives_back_as_saved` (activation offloading's). Under activation checkpointing the checkpoint's own
+    hooks decide what is kept, and its recompute must see plain saves; under torch.compile the partitioner decides."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and top is not None and top(False) is None
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or top is None:
+        return False
+    hooks = top(False)
+    # hooks that give back every saved tensor as it was (ActivationOffloader's) change nothing here: the recompute's
+    # own hooks nest inside them as they would with none
+    return hooks is None or getattr(hooks[0], "gives_back_as_saved", False)
 
 
 def _plain_linear(m: nn.Module) -> bool:
@@ -626,6 +631,9 @@ class CausalLM(nn.Module):
         self.name_or_path: str | None = None  # the model argument it was built from (as transformers'); peft records it
         self.gradient_checkpointing = False
         self._checkpoint_kwargs: dict = {}
+        # called with each decoder block's index before it runs, in this eager loop (never inside a compiled block):
+        # ActivationOffloader.on_block (trainer/model/offload.py)
+        self.block_hooks: list = []
 
     @property
     def use_kernels(self) -> bool:
@@ -749,7 +757,9 @@ class CausalLM(nn.Module):
             attns = [plan] * len(self.model.layers)
         cos, sin = self.model.rotary_emb(rope_pos)  # (B or 1, T, D) fp32
         update = None  # the last MLP output, added to x by the next norm (DecoderLayer.forward)
-        for layer, attn in zip(self.model.layers, attns):
+        for index, (layer, attn) in enumerate(zip(self.model.layers, attns)):
+            for hook in self.block_hooks:
+                hook(index)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x, update = checkpoint(layer, x, update, cos, sin, attn, use_reentrant=False, **self._checkpoint_kwargs)
             else:

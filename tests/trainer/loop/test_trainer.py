@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from trainer import sft
 from trainer.build import load_pretrained
+from trainer.coerce import ConfigError
 from trainer.config.args import TrainingArguments
 from trainer.data.sft_data import TokenizedDataset, load_sft_dataset
 from trainer.data.tasks import generate_tasks
@@ -30,6 +31,7 @@ from trainer.loop.callbacks import EarlyStoppingCallback, TrainerCallback, Train
 from trainer.loop.checkpoint import checkpoints, latest_checkpoint, save_checkpoint
 from trainer.loop.trainer import Trainer, TrainingError
 from trainer.model.causal_lm import CausalLM, ModelConfig
+from trainer.model.offload import ActivationOffloader
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -479,6 +481,52 @@ def test_resume_is_exact(tmp_path, dataset):
     assert losses(state) == losses(full)
     for name, value in weights(model).items():
         assert torch.equal(value, full_weights[name]), name
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_offloading_trains_bit_for_bit_and_resumes_exactly(tmp_path, dataset, checkpointing):
+    """issue 30: packed rows, bf16 autocast, accumulation; the offloaded run stops at step 2, resumes from its
+    checkpoint (still offloading), and ends on the weights of the run that never offloaded."""
+    common = dict(
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        gradient_accumulation_steps=2,
+        bf16=True,
+        batching_strategy="padding_free",
+        gradient_checkpointing=checkpointing,
+    )
+    model = small_model()
+    plain = trained(Trainer(model=model, args=make_args(tmp_path / "plain", **common), train_dataset=dataset))
+    plain_weights = weights(model)
+
+    class StopAt2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step == 2
+
+    offloaded = dict(common, activation_offloading=True)
+    trainer = Trainer(
+        model=small_model(), args=make_args(tmp_path / "off", **offloaded), train_dataset=dataset, callbacks=[StopAt2()]
+    )
+    trainer.train()
+    offloader = ActivationOffloader.for_model(trainer.model, torch.device("cpu"))
+    assert offloader.forwards == 4 and offloader.offloaded_bytes > 0  # 2 steps x 2 micro batches went through it
+    model = small_model(seed=123)
+    state = trained(
+        Trainer(model=model, args=make_args(tmp_path / "off", **offloaded), train_dataset=dataset),
+        resume_from_checkpoint=True,
+    )
+    assert losses(state) == losses(plain)
+    for name, value in weights(model).items():
+        assert torch.equal(value, plain_weights[name]), name
+
+
+def test_activation_offloading_refuses_deepspeed_and_a_model_without_block_hooks(tmp_path, dataset):
+    with pytest.raises(ConfigError, match="activation_offloading with DeepSpeed is not supported"):
+        make_args(tmp_path, activation_offloading=True, deepspeed="ds.json")
+    args = make_args(tmp_path, activation_offloading=True, max_steps=1)
+    with pytest.raises(ConfigError, match="activation_offloading: Sequential has no decoder-block hooks"):
+        Trainer(model=torch.nn.Sequential(torch.nn.Linear(2, 2)), args=args, train_dataset=dataset).train()
 
 
 def test_resuming_a_finished_run_trains_nothing(tmp_path, dataset, capsys):

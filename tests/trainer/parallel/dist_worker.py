@@ -369,6 +369,8 @@ def run(data: str, job: dict) -> None:
                     "nonfinite_steps": state.nonfinite_steps,
                     "loss_grad_outputs": loss_grad_outputs,
                     "probe": probe and {"moved": probe.moved, "calls": probe.calls},
+                    # the hooks the model's layer loop calls: an offloader's, with what the last forward sent
+                    "offloaded_bytes": [h.__self__.offloaded_bytes for h in model.block_hooks],
                 }
             )
         )

@@ -269,6 +269,8 @@ def suite(tmp_path_factory, data_file, reference_run, odd_model_dir):
             {"name": f"{name}-from-one", "args": {**DIST_ARGS, **CONFIGS[name]}, "resume": str(reference_run[3])}
         )
     jobs.append({"name": "fsdp2-bf16", "args": {**BASE, "gradient_accumulation_steps": 2, **CONFIGS["fsdp2-bf16"]}})
+    for name in ("ddp", "fsdp2"):  # issue 30: the same runs with activation offloading
+        jobs.append({"name": f"{name}-offload", "args": {**DIST_ARGS, **CONFIGS[name], "activation_offloading": True}})
     jobs.append(
         {
             "name": "fsdp2-host-labels",
@@ -301,6 +303,14 @@ def test_two_processes_match_one_process(suite, reference_run, name):
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert result["eval_loss"] == pytest.approx(ref_metrics["eval_loss"], rel=1e-5)
     assert_same_weights(suite["out"][name] / "final", ref_model)  # the consolidated export rank 0 wrote
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_activation_offloading_on_two_processes_changes_nothing(suite, name):
+    plain, offloaded = suite["result"][name], suite["result"][f"{name}-offload"]
+    assert plain["offloaded_bytes"] == [] and offloaded["offloaded_bytes"][0] > 0
+    assert offloaded["losses"] == plain["losses"]
+    assert_same_weights(suite["out"][f"{name}-offload"] / "final", load_pretrained(suite["out"][name] / "final"), 0, 0)
 
 
 def test_fsdp2_loss_skips_ignored_rows(suite, reference_run):
