@@ -118,15 +118,16 @@ def _build(
 
 def model_settings(args) -> dict:
     """TrainingArguments' model settings as CausalLM's constructor arguments (and its attributes of the same names):
-    its ops (ours, PyTorch's with use_kernels=False, or liger-kernel's, which win), label smoothing, z-loss and
-    NEFTune. The one place they are read: `build_model` gives them to the CausalLM it builds, and the Trainer to a
-    model it is handed whose settings differ (`apply_model_settings`)."""
+    its ops (ours, PyTorch's with use_kernels=False, or liger-kernel's, which win), label smoothing, z-loss,
+    NEFTune and the tiled MLP. The one place they are read: `build_model` gives them to the CausalLM it builds, and
+    the Trainer to a model it is handed whose settings differ (`apply_model_settings`)."""
     return {
         "use_kernels": args.use_kernels and not args.use_liger_kernel,
         "use_liger_kernel": args.use_liger_kernel,
         "label_smoothing": args.label_smoothing_factor,
         "z_loss": args.z_loss,
         "neftune_noise_alpha": args.neftune_noise_alpha,
+        "tiled_mlp": args.tiled_mlp,
     }
 
 
@@ -138,6 +139,7 @@ def apply_model_settings(ours: CausalLM, settings: dict) -> None:
     ours.label_smoothing = settings["label_smoothing"]
     ours.z_loss = settings["z_loss"]
     ours.neftune_noise_alpha = settings["neftune_noise_alpha"]
+    ours.tiled_mlp = settings["tiled_mlp"]
 
 
 def causal_lm(model: nn.Module) -> CausalLM | None:

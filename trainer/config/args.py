@@ -546,6 +546,11 @@ class TrainingArguments:
         "performance",
         "Keep the activations saved for backward in CPU memory until backward needs them (TRL's name).",
     )
+    tiled_mlp: bool = _arg(
+        False,
+        "performance",
+        "Run each MLP over the sequence in tiles of hidden_size tokens, recomputed in backward (axolotl's name).",
+    )
     torch_empty_cache_steps: int | None = _arg(
         None, "performance", "Empty the device cache every this many steps (lower peak memory, ~10% slower)."
     )

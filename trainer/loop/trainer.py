@@ -855,6 +855,11 @@ class Trainer:
                     f"use_liger_kernel: a {name} has no trainer.model.causal_lm.CausalLM inside to run "
                     "liger-kernel's ops; leave it off for this model"
                 )
+            if args.tiled_mlp:
+                raise ValueError(
+                    f"tiled_mlp: a {name} has no trainer.model.causal_lm.CausalLM inside whose MLPs could run in "
+                    "tiles; leave it off for this model"
+                )
             accepted = forward_params(model)
             if (args.label_smoothing_factor or z_loss) and ("labels" in accepted or "**" in accepted):
                 raise ValueError(

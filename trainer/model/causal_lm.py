@@ -472,8 +472,25 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.impl = "kernels"
+        self.tile_tokens: int | None = None  # tiled_mlp: tokens per tile (CausalLM.tiled_mlp sets hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """With `tile_tokens` (tiled_mlp), over the tokens in tiles: each tile's (tokens, intermediate) tensors live
+        only while that tile runs, in forward and again in backward (each tile is checkpointed: it keeps only its
+        input). Every token's output and input gradient depends on its own row only (equal to untiled within fp32
+        rounding: BLAS may block a tile's rows otherwise); the weight gradients are sums over the tiles, equal to the
+        untiled ones up to summation order (tests/trainer/model/test_tiled_mlp.py bounds both)."""
+        tokens = x.shape[:-1].numel()
+        if self.tile_tokens is None or tokens <= self.tile_tokens:
+            return self._untiled(x)
+        tiles = x.reshape(tokens, x.shape[-1]).split(self.tile_tokens)  # (tile, C) views
+        if torch.is_grad_enabled():
+            outs = [checkpoint(self._untiled, tile, use_reentrant=False) for tile in tiles]
+        else:
+            outs = [self._untiled(tile) for tile in tiles]
+        return torch.cat(outs).view(*x.shape[:-1], -1)  # (..., C)
+
+    def _untiled(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "liger":
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
@@ -611,11 +628,13 @@ class CausalLM(nn.Module):
         z_loss: float = 0.0,
         neftune_noise_alpha: float | None = None,
         use_liger_kernel: bool = False,
+        tiled_mlp: bool = False,
     ):
         """The training settings are given here, once (`trainer.build.build_model` gives TrainingArguments'):
         `use_kernels` (ours, else plain PyTorch), `use_liger_kernel` (liger-kernel's ops, which win over
         `use_kernels`; as `apply_liger_kernel`), `label_smoothing` (transformers' label_smoothing_factor), `z_loss`
-        and `neftune_noise_alpha` (noise only while `training`)."""
+        `neftune_noise_alpha` (noise only while `training`) and `tiled_mlp` (each MLP over the tokens in tiles of
+        hidden_size tokens, recomputed per tile in backward: `MLP.forward`)."""
         super().__init__()
         self.config = config
         self.model = Backbone(config)
@@ -627,6 +646,7 @@ class CausalLM(nn.Module):
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.neftune_noise_alpha = neftune_noise_alpha
+        self.tiled_mlp = tiled_mlp
         self.attn_backend = "auto"  # "auto" | "sdpa" | "flex" | "flash" (trainer/model/attention.py)
         self.name_or_path: str | None = None  # the model argument it was built from (as transformers'); peft records it
         self.gradient_checkpointing = False
@@ -646,6 +666,17 @@ class CausalLM(nn.Module):
     @property
     def use_liger_kernel(self) -> bool:
         return self.impl == "liger"
+
+    @property
+    def tiled_mlp(self) -> bool:
+        return any(isinstance(m, MLP) and m.tile_tokens is not None for m in self.modules())
+
+    @tiled_mlp.setter
+    def tiled_mlp(self, value: bool) -> None:
+        # tiles of hidden_size tokens (Arctic's TiledMLP rule): a tile's intermediate is about one weight's size
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.tile_tokens = self.config.hidden_size if value else None
 
     def _set_impl(self, impl: str) -> None:
         self.impl = impl
