@@ -100,6 +100,24 @@ def losses(state) -> list[float]:
     return [h["loss"] for h in state.log_history if "loss" in h]
 
 
+class StopAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        control.should_training_stop = state.global_step == self.step
+
+
+def stop_then_resume(directory, dataset, stop_at: int, **overrides) -> tuple[TrainerState, CausalLM]:
+    """Train with `overrides` into `directory` and stop after `stop_at` steps; then resume from there with a model
+    of another init (everything must come from the checkpoint). Returns the resumed run's state and model."""
+    args = make_args(directory, **overrides)
+    Trainer(model=small_model(), args=args, train_dataset=dataset, callbacks=[StopAt(stop_at)]).train()
+    model = small_model(seed=123)
+    resumed = Trainer(model=model, args=make_args(directory, **overrides), train_dataset=dataset)
+    return trained(resumed, resume_from_checkpoint=True), model
+
+
 class GradCapture(TrainerCallback):
     """Keeps a copy of the gradients just before each optimizer step."""
 
@@ -500,22 +518,9 @@ def test_activation_offloading_trains_bit_for_bit_and_resumes_exactly(tmp_path, 
     plain = trained(Trainer(model=model, args=make_args(tmp_path / "plain", **common), train_dataset=dataset))
     plain_weights = weights(model)
 
-    class StopAt2(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            control.should_training_stop = state.global_step == 2
-
-    offloaded = dict(common, activation_offloading=True)
-    trainer = Trainer(
-        model=small_model(), args=make_args(tmp_path / "off", **offloaded), train_dataset=dataset, callbacks=[StopAt2()]
-    )
-    trainer.train()
-    offloader = ActivationOffloader.for_model(trainer.model, torch.device("cpu"))
+    state, model = stop_then_resume(tmp_path / "off", dataset, 2, **common, activation_offloading=True)
+    offloader = ActivationOffloader.for_model(model, torch.device("cpu"))  # the one the resumed Trainer attached
     assert offloader.forwards == 4 and offloader.offloaded_bytes > 0  # 2 steps x 2 micro batches went through it
-    model = small_model(seed=123)
-    state = trained(
-        Trainer(model=model, args=make_args(tmp_path / "off", **offloaded), train_dataset=dataset),
-        resume_from_checkpoint=True,
-    )
     assert losses(state) == losses(plain)
     for name, value in weights(model).items():
         assert torch.equal(value, plain_weights[name]), name
@@ -547,18 +552,7 @@ def test_long_packed_rows_with_offloading_and_tiled_mlp_train_like_the_plain_run
     for name, value in full_weights.items():
         torch.testing.assert_close(value, plain_weights[name], rtol=1e-3, atol=2e-6, msg=name)
 
-    class StopAt2(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            control.should_training_stop = state.global_step == 2
-
-    Trainer(
-        model=small_model(), args=make_args(tmp_path / "part", **memory), train_dataset=dataset, callbacks=[StopAt2()]
-    ).train()
-    model = small_model(seed=123)
-    state = trained(
-        Trainer(model=model, args=make_args(tmp_path / "part", **memory), train_dataset=dataset),
-        resume_from_checkpoint=True,
-    )
+    state, model = stop_then_resume(tmp_path / "part", dataset, 2, **memory)
     assert losses(state) == losses(full)
     for name, value in weights(model).items():
         assert torch.equal(value, full_weights[name]), name
