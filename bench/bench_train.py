@@ -6,6 +6,9 @@ own subprocess (so peak memory is that configuration's alone and no allocator or
     hf         transformers.Trainer + transformers.LlamaForCausalLM (its default optim adamw_torch_fused)
     hf_liger   the same with use_liger_kernel=True; CUDA only (liger's Triton kernels have no CPU path; on a CPU
                the row is recorded as skipped, with the reason)
+    ours_long  ours at its most memory-frugal: gradient checkpointing, activation offloading, the tiled MLP
+    hf_ckpt    hf with gradient checkpointing (non-reentrant), the stack long-context comparisons use
+               (ours_long and hf_ckpt run only when --configs names them: for the memory ladders)
     ours_lora  ours with --use_peft: a LoRA adapter (trainer/model/lora.py) on every linear layer but lm_head
     hf_lora    transformers.Trainer over peft.get_peft_model(LlamaForCausalLM, the same LoraConfig)
                Both LoRA rows: r=16, lora_alpha=32, no dropout; their ratios are against hf_lora. Unavoidable: A's
@@ -101,7 +104,9 @@ import torch  # noqa: E402
 from bench import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("ours", "hf", "hf_liger", "ours_lora", "hf_lora", "ours_dpo", "trl_dpo", "trl_dpo_liger")
+DEFAULT_CONFIGS = ("ours", "hf", "hf_liger", "ours_lora", "hf_lora", "ours_dpo", "trl_dpo", "trl_dpo_liger")
+CONFIGS = (*DEFAULT_CONFIGS, "ours_long", "hf_ckpt")  # the last two for the memory ladders (--configs names them)
+LONG_CONTEXT = dict(gradient_checkpointing=True, activation_offloading=True, tiled_mlp=True)  # ours_long
 DPO_CONFIGS = ("ours_dpo", "trl_dpo", "trl_dpo_liger")
 DPO_BETA = 0.1
 EVAL_PAIRS = 8  # held-out pairs for the DPO rows' final loss
@@ -393,7 +398,8 @@ def worker(spec: dict) -> dict:
             if impl == "ours_lora"
             else {}
         )
-        args = TrainingArguments(**common_args, optim=spec["our_optim"], use_kernels=True, **lora)
+        memory = LONG_CONTEXT if impl == "ours_long" else {}
+        args = TrainingArguments(**{**common_args, **memory}, optim=spec["our_optim"], use_kernels=True, **lora)
     else:
         import transformers
         from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -405,7 +411,14 @@ def worker(spec: dict) -> dict:
             import peft
 
             model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
-        args = TrainingArguments(**common_args, optim=spec["hf_optim"], use_liger_kernel=impl == "hf_liger")
+        checkpointing = (
+            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+            if impl == "hf_ckpt"
+            else {}
+        )
+        args = TrainingArguments(
+            **{**common_args, **checkpointing}, optim=spec["hf_optim"], use_liger_kernel=impl == "hf_liger"
+        )
     clock = _timer(TrainerCallback)
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[clock])
     t = _train_and_time(spec, trainer, clock, device)
@@ -825,7 +838,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    p.add_argument(
+        "--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}"
+    )
     p.add_argument("--our-optim", default="adamw_fused", help="our Trainer's optim (default: its default)")
     p.add_argument("--hf-optim", default="adamw_torch_fused", help="HF Trainer's optim (default: its default)")
     p.add_argument(

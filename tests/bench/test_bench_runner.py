@@ -169,6 +169,15 @@ def test_memory_ladder_goes_on_after_an_oom_or_an_error(monkeypatch, tmp_path):
     assert summary["max_fit"] == 4 and summary["capped_at"] == 4 and summary["first_oom"] is None
 
 
+def test_the_long_context_configs_run_a_rung_each(tmp_path):
+    """ours_long (checkpointing + activation offloading + tiled MLP) and hf_ckpt (HF with checkpointing): the
+    configurations the runbook's ladder call compares, one real rung each on the tiny model."""
+    argv = ["--quick", "--configs", "ours_long,hf_ckpt", "--memory-ladder", "seq_len", "--micro-batch", "1"]
+    rows = bench_train.main([*argv, "--seq-len", "16", "--ladder-max-seq-len", "16", "--out", str(tmp_path)])
+    rungs = {r["impl"]: r for r in rows if r["bench"] == "train_memory_rung"}
+    assert set(rungs) == {"ours_long", "hf_ckpt"} and all(r["status"] == "ok" for r in rungs.values())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_cpu_skips_liger_and_rejects_a_memory_cap():
     assert "CUDA only" in bench_train.skip_reason("hf_liger")
