@@ -7,7 +7,7 @@
 It is `python -m trainer.sft --stage dpo`: the same arguments, checks, build, loop, checkpoints, resume, engines
 and exit codes (trainer/sft.py), with preference pairs (trainer/data/preference_data.py) and the preference loss
 (trainer/methods/preference.py). The demo starts from the SFT demo's model, outputs/demo, and trains that first when it
-is not there (python -m trainer.sft, about 15 minutes on 2 CPU cores).
+is not there (python -m trainer.sft, about 5 minutes on an idle 2-core CPU).
 """
 
 import sys
@@ -24,7 +24,7 @@ def run(argv: list[str] | None = None) -> int:
     if embedded and not (SFT_DEMO_MODEL / "config.json").is_file():
         print(
             f"the DPO demo starts from the SFT demo's model, which is not in {SFT_DEMO_MODEL}: training it first "
-            f"(python -m trainer.sft, about 15 minutes on 2 CPU cores; {DEMO_CONFIGS['sft']})",
+            f"(python -m trainer.sft, about 5 minutes on an idle 2-core CPU; {DEMO_CONFIGS['sft']})",
             file=sys.stderr,
         )
         code = main([], "sft")
