@@ -76,7 +76,7 @@ from trainer.loop.optim import build_lr_scheduler, build_optimizer
 from trainer.loop.resume import apply_checkpoint_arguments, restore_checkpoint, save_model_files, saved_arguments
 from trainer.model.causal_lm import HostLabels
 from trainer.model.lora import has_adapter, trainable_summary
-from trainer.model.offload import ActivationOffloader
+from trainer.model.offload import ActivationOffloader, hiding_note
 from trainer.parallel.transforms import apply_all, gradient_sync, is_fsdp, unwrap, uses_fsdp
 
 __all__ = [
@@ -171,6 +171,7 @@ class _Run:
     start_step: int = 0
     start_nonfinite: int = 0
     offloader: ActivationOffloader | None = None  # activation_offloading
+    offload_checked: bool = False  # whether the first offloaded forward was weighed against its compute
 
     @property
     def model(self) -> nn.Module:
@@ -575,6 +576,11 @@ class Trainer:
             if not last:
                 self._fire("on_substep_end")
             tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+            if run.offloader and not run.offload_checked and run.peak_flops and run.flops_per_token:
+                run.offload_checked = True
+                note = hiding_note(run.offloader.offloaded_bytes, tokens, run.flops_per_token, run.peak_flops)
+                if note:
+                    self._print(note)
             run.throughput.add(tokens, count_targets(batch["labels"]))  # on the host copy of the labels
             window_tokens += tokens
         global_tokens = None

@@ -38,6 +38,9 @@ from torch import nn
 from trainer.coerce import ConfigError
 
 MIN_BYTES_CUDA = 1 << 20  # smaller saved tensors stay on the GPU: a copy costs more than it frees
+# An effective pinned host <-> device copy rate on a PCIe Gen4/Gen5 x16 link while the GPU computes (a stated
+# assumption for `hiding_note`, below Gen5's 64 GB/s per direction; not measured here)
+COPY_BYTES_PER_S = 25e9
 
 
 class _Saved:
@@ -239,3 +242,19 @@ def _dense(tensor: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def hiding_note(offloaded_bytes: int, tokens: int, flops_per_token: float, peak_flops: float) -> str | None:
+    """One line when a forward's copies to the host (at COPY_BYTES_PER_S) would outlast that forward's compute (a
+    third of the training FLOPs, at the device's peak): then they cannot hide and the step slows down. None when
+    they can. A model, said as one."""
+    forward_s = tokens * flops_per_token / 3 / peak_flops
+    copy_s = offloaded_bytes / COPY_BYTES_PER_S
+    if copy_s <= forward_s:
+        return None
+    return (
+        f"activation_offloading: a forward of {tokens} tokens sends {offloaded_bytes / 1e9:.2f} GB to the host, "
+        f"~{1e3 * copy_s:.0f} ms at {COPY_BYTES_PER_S / 1e9:.0f} GB/s against ~{1e3 * forward_s:.0f} ms of forward "
+        "compute at peak (modelled): the copies will not hide and steps slow down; longer sequences hide them "
+        "better, and without a memory shortage it is better off"
+    )

@@ -558,6 +558,20 @@ def test_long_packed_rows_with_offloading_and_tiled_mlp_train_like_the_plain_run
         assert torch.equal(value, full_weights[name]), name
 
 
+def test_offloading_says_once_when_its_copies_cannot_hide(tmp_path, dataset, monkeypatch, capsys):
+    """The first offloaded forward is weighed against its compute at the device's peak (a CPU has none: a slow
+    one is faked), once per run, in one line."""
+    import trainer.loop.trainer as loop
+
+    monkeypatch.setattr(loop, "device_peak_flops", lambda device: 1e15)
+    Trainer(model=small_model(), args=make_args(tmp_path, max_steps=2), train_dataset=dataset).train()
+    assert "activation_offloading" not in capsys.readouterr().err  # off: nothing to weigh
+    args = make_args(tmp_path, max_steps=2, activation_offloading=True, gradient_accumulation_steps=2)
+    Trainer(model=small_model(), args=args, train_dataset=dataset).train()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("activation_offloading:")]
+    assert len(lines) == 1 and "the copies will not hide" in lines[0]
+
+
 def test_offloading_and_tiles_refuse_deepspeed_and_a_model_they_cannot_reach_into(tmp_path, dataset):
     with pytest.raises(ConfigError, match="activation_offloading with DeepSpeed is not supported"):
         make_args(tmp_path, activation_offloading=True, deepspeed="ds.json")

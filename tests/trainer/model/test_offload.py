@@ -11,7 +11,7 @@ import torch
 from trainer.config.args import TrainingArguments
 from trainer.model.causal_lm import CausalLM, ModelConfig
 from trainer.model.lora import apply_lora
-from trainer.model.offload import ActivationOffloader
+from trainer.model.offload import COPY_BYTES_PER_S, ActivationOffloader, hiding_note
 from trainer.parallel.transforms import apply_compile
 
 LAYERS, T = 4, 24
@@ -187,3 +187,13 @@ def test_cuda_streams_give_the_same_gradients_and_free_device_memory(checkpointi
     assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain))
     assert offloader.offloaded_bytes > 0
     assert held <= plain_held - 0.9 * offloader.offloaded_bytes
+
+
+def test_the_note_says_when_copies_cannot_hide_behind_the_forward():
+    """A forward of 4096 tokens at 6e9 training FLOPs per token on a 1e15 FLOP/s device computes for 8.2 ms: 1 GB
+    of copies (40 ms at 25 GB/s) cannot hide; 0.1 GB (4 ms) can."""
+    assert COPY_BYTES_PER_S == 25e9
+    note = hiding_note(10**9, 4096, 6e9, 1e15)
+    assert note.startswith("activation_offloading: a forward of 4096 tokens sends 1.00 GB to the host, ~40 ms")
+    assert "~8 ms of forward compute" in note
+    assert hiding_note(10**8, 4096, 6e9, 1e15) is None
