@@ -20,6 +20,7 @@ from trainer.data.tasks import generate_tasks, preference_pair
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
 from trainer.model.causal_lm import CausalLM
+from trainer.model.offload import ActivationOffloader
 
 STEPS, PAIRS_PER_STEP = 4, 4
 LN2 = float(np.log(2.0))
@@ -233,6 +234,20 @@ def test_kernels_through_the_interpreter_train_as_plain_pytorch(tmp_path, pairs,
     np.testing.assert_allclose(
         [h["rewards/margins"] for h in fused], [h["rewards/margins"] for h in plain], rtol=1e-4, atol=1e-6
     )
+
+
+def test_activation_offloading_and_tiled_mlp_under_dpo(tmp_path, pairs, tokenizer):
+    """The policy's saves go to the host (the reference runs without grad: nothing saved) and its MLPs run in
+    tiles: offloading alone changes no bit; the tiles only the rounding of the weight-gradient sums."""
+    plain_trainer, plain = run(tmp_path / "plain", pairs, tokenizer, max_steps=2)
+    trainer, offloaded = run(tmp_path / "off", pairs, tokenizer, max_steps=2, activation_offloading=True)
+    assert ActivationOffloader.for_model(trainer.model, "cpu").offloaded_bytes > 0  # the one the trainer attached
+    numbers = ("loss", "grad_norm", "rewards/margins", "logps/chosen", "logps/rejected")
+    assert [[h[k] for k in numbers] for h in offloaded] == [[h[k] for k in numbers] for h in plain]
+    for (name, a), b in zip(plain_trainer.model.named_parameters(), trainer.model.parameters()):
+        assert torch.equal(a, b), name
+    _, tiled = run(tmp_path / "tiled", pairs, tokenizer, max_steps=2, activation_offloading=True, tiled_mlp=True)
+    np.testing.assert_allclose([h["loss"] for h in tiled], [h["loss"] for h in plain], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("precompute", [False, True])
