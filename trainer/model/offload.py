@@ -164,6 +164,8 @@ class ActivationOffloader:
         """Called before decoder block `index` runs: the saves so far (the previous block's) go to the host."""
         if not self.active or not torch.is_grad_enabled():
             return
+        if self.cuda:  # the copies start after what the compute stream has queued so far (the group's producers)
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
         for saved in _alive(self._groups[-1]):
             self._to_host(saved)
         self._by_view = {}
@@ -179,7 +181,6 @@ class ActivationOffloader:
             else torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.cuda)
         )
         if self.cuda:
-            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.d2h_stream):
                 host.copy_(tensor, non_blocking=True)
                 saved.d2h_done = torch.cuda.Event()
