@@ -277,13 +277,20 @@ def _fused_add_rms_norm():
 
 
 def _adamw():
-    # A Llama-like parameter list (an embedding, projections, a norm), fp32 and bf16 with fp32 masters.
+    # A Llama-like parameter list (an embedding, projections, a norm): fp32, bf16 with fp32 masters or stochastic
+    # rounding, each with fp32 moments, and fp32 / bf16-with-masters parameters with bf16 moments.
     shapes = [(128256, 2048), (2048, 2048), (8192, 2048), (2048,)]
-    for dtype, master in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
+    for dtype, master, state_dtype in (
+        (torch.float32, True, torch.float32),
+        (torch.bfloat16, True, torch.float32),
+        (torch.bfloat16, False, torch.float32),
+        (torch.float32, True, torch.bfloat16),
+        (torch.bfloat16, True, torch.bfloat16),
+    ):
         params = [torch.nn.Parameter(_cuda(*s, dtype=dtype)) for s in shapes]
         for p in params:
             p.grad = torch.empty_like(p)
-        FusedAdamW(params, lr=1e-4, master_weights=master).step()
+        FusedAdamW(params, lr=1e-4, master_weights=master, state_dtype=state_dtype).step()
 
 
 def _neftune():

@@ -12,9 +12,10 @@ device value on the host: no `.item()`, no sync. `1 - lr * weight_decay` and `1 
 double on the host (lr is a Python float, changed freely by schedulers between steps) and passed as fp32,
 which is what torch does with its double scalars.
 
-State, always fp32 whatever the parameter dtype: `step` (0-d tensor on the parameter's device, as torch's
-fused AdamW keeps it), `exp_avg`, `exp_avg_sq`, and for bf16/fp16 parameters with master_weights=True an
-fp32 `master_param`.
+State: `step` (fp32 0-d tensor on the parameter's device, as torch's fused AdamW keeps it), `exp_avg`,
+`exp_avg_sq` (fp32, or bf16 with state_dtype=torch.bfloat16: read as fp32, updated in fp32, stored rounded to
+nearest even), and for bf16/fp16 parameters with master_weights=True an fp32 `master_param`. Optimizer memory
+per parameter: 8 bytes of moments (4 with bf16 moments), plus 4 for a master copy.
 
 Low-precision parameters (why master weights are the default)
     A bf16 parameter has 8 significant bits: an update below half an ulp (always when |dw| < 2^-9 |w|; Adam's
@@ -40,6 +41,7 @@ Bytes moved per parameter element (reads + writes)
     fp32 params             p, g, m, v read (16) + p, m, v written (12)            = 28 B
     bf16/fp16, master       g (2), master, m, v (12) + master, m, v (12), p (2)    = 28 B
     bf16, stochastic round  p, g (4), m, v (8) + p (2), m, v (8)                   = 22 B
+    bf16 moments: 8 B fewer in each of the rows above (m, v read and written as 2 bytes each, not 4)
     torch fused=True on fp32 params also moves 28 B; foreach=True makes about ten passes (~80 B).
     The launch tables add 84 B read per 2048-element block (its block-table entry, its tensor's table row and
     the betas, re-read by every block, and the step counter; measured with bench/traffic.py), 0.04 B per element.
@@ -107,6 +109,7 @@ _NUM_WARPS = 8
 # Tensor-table row: param, grad, exp_avg, exp_avg_sq, master, step, numel, unused.
 _ROW = 8
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # FusedAdamW's state_dtype: the moments' storage
 # Constants of the stochastic-rounding hash (shared by kernel and reference).
 _GOLDEN = 0x9E3779B9
 _MASK32 = 0xFFFFFFFF
@@ -139,6 +142,7 @@ if HAS_TRITON:
         eps,
         decay,
         P_DTYPE: tl.constexpr,
+        S_DTYPE: tl.constexpr,  # the moments' dtype: fp32, or bf16 (rounded to nearest even when stored)
         HAS_MASTER: tl.constexpr,
         STOCHASTIC: tl.constexpr,
         MAXIMIZE: tl.constexpr,
@@ -149,8 +153,8 @@ if HAS_TRITON:
         offs = start + tl.arange(0, BLOCK)
         p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))  # param (written; read only without master)
         g_ptr = tl.load(row + 1).to(tl.pointer_type(P_DTYPE))  # grad (read)
-        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))  # exp_avg (read, written)
-        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))  # exp_avg_sq (read, written)
+        m_ptr = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))  # exp_avg (read, written)
+        v_ptr = tl.load(row + 3).to(tl.pointer_type(S_DTYPE))  # exp_avg_sq (read, written)
         w_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))  # fp32 master (read, written) if HAS_MASTER
         s_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))  # step, already incremented (read)
         if ALIGNED:
@@ -171,8 +175,8 @@ if HAS_TRITON:
         # Issue the streaming loads before the scalar bias-correction loop so their latency overlaps it;
         # upcast right after each load (bf16 arithmetic is wrong in the interpreter).
         g = tl.load(g_ptr + offs, mask=mask, other=other).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=other)
-        v = tl.load(v_ptr + offs, mask=mask, other=other)
+        m = tl.load(m_ptr + offs, mask=mask, other=other).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=other).to(tl.float32)
         if HAS_MASTER:
             w = tl.load(w_ptr + offs, mask=mask, other=other)
         else:
@@ -208,8 +212,18 @@ if HAS_TRITON:
         denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
         w = w + tl.div_rn(-step_size * m, denom)
 
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        if S_DTYPE == tl.bfloat16:
+            # Round to nearest even by the bit pattern (the interpreter's fp32 -> bf16 cast truncates; a GPU's
+            # rounds): add 0x7FFF plus the kept mantissa's lowest bit, clear the low 16 bits. The cast after is
+            # then exact everywhere. uint32 so that +-inf stay inf; NaN passes through.
+            m_bits = m.to(tl.uint32, bitcast=True)
+            m_bits = (m_bits + 0x7FFF + ((m_bits >> 16) & 1)) & 0xFFFF0000
+            m = tl.where(m != m, m, m_bits.to(tl.float32, bitcast=True))
+            v_bits = v.to(tl.uint32, bitcast=True)
+            v_bits = (v_bits + 0x7FFF + ((v_bits >> 16) & 1)) & 0xFFFF0000
+            v = tl.where(v != v, v, v_bits.to(tl.float32, bitcast=True))
+        tl.store(m_ptr + offs, m.to(S_DTYPE), mask=mask)
+        tl.store(v_ptr + offs, v.to(S_DTYPE), mask=mask)
         if HAS_MASTER:
             tl.store(w_ptr + offs, w, mask=mask)
             tl.store(p_ptr + offs, w.to(P_DTYPE), mask=mask)
@@ -236,6 +250,7 @@ if HAS_TRITON:
         eps,
         decay,  # 1 - lr * weight_decay, formed in double on the host
         P_DTYPE: tl.constexpr,
+        S_DTYPE: tl.constexpr,
         HAS_MASTER: tl.constexpr,
         STOCHASTIC: tl.constexpr,
         MAXIMIZE: tl.constexpr,
@@ -261,6 +276,7 @@ if HAS_TRITON:
                 eps,
                 decay,
                 P_DTYPE,
+                S_DTYPE,
                 HAS_MASTER,
                 STOCHASTIC,
                 MAXIMIZE,
@@ -282,6 +298,7 @@ if HAS_TRITON:
                 eps,
                 decay,
                 P_DTYPE,
+                S_DTYPE,
                 HAS_MASTER,
                 STOCHASTIC,
                 MAXIMIZE,
@@ -363,6 +380,9 @@ def _check_bucket(params, grads, exp_avgs, exp_avg_sqs, steps, masters, stochast
     dtype, device = params[0].dtype, params[0].device
     if dtype not in _DTYPES:
         raise ValueError(f"fused_adamw_step: params dtype {dtype} is not one of {', '.join(map(str, _DTYPES))}")
+    state_dtype = exp_avgs[0].dtype if exp_avgs else torch.float32
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"fused_adamw_step: moments dtype {state_dtype} is not one of float32, bfloat16")
     if dtype == torch.float32 and (masters is not None or stochastic_rounding):
         raise ValueError("fused_adamw_step: float32 params take neither masters nor stochastic_rounding")
     if dtype != torch.float32 and masters is None and not (stochastic_rounding and dtype == torch.bfloat16):
@@ -379,8 +399,9 @@ def _check_bucket(params, grads, exp_avgs, exp_avg_sqs, steps, masters, stochast
             )
         for name in ("exp_avgs", "exp_avg_sqs") + (("masters",) if masters is not None else ()):
             s = lists[name][i]
-            if s.dtype != torch.float32 or s.numel() != p.numel() or s.device != device or not s.is_contiguous():
-                raise ValueError(f"fused_adamw_step: {name}[{i}] must be a contiguous float32 tensor like params[{i}]")
+            want = torch.float32 if name == "masters" else state_dtype
+            if s.dtype != want or s.numel() != p.numel() or s.device != device or not s.is_contiguous():
+                raise ValueError(f"fused_adamw_step: {name}[{i}] must be a contiguous {want} tensor like params[{i}]")
         s = steps[i]
         if s.dtype != torch.float32 or s.numel() != 1 or s.device != device:
             raise ValueError(f"fused_adamw_step: steps[{i}] must be a one-element float32 tensor on {device}")
@@ -447,6 +468,7 @@ def fused_adamw_step(
             float(eps),
             1.0 - lr * weight_decay,
             P_DTYPE=_TL_DTYPES[dtype],
+            S_DTYPE=_TL_DTYPES[exp_avgs[0].dtype],
             HAS_MASTER=masters is not None,
             STOCHASTIC=bool(stochastic_rounding) and masters is None,
             MAXIMIZE=bool(maximize),
@@ -476,14 +498,26 @@ def _check_hyper(where: str, lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"{where}: weight_decay={weight_decay!r} must be a float >= 0")
 
 
+def _check_state_dtype(where: str, state_dtype) -> None:
+    if state_dtype not in STATE_DTYPES:
+        allowed = "torch.float32, torch.bfloat16"
+        raise ValueError(f"{where}: state_dtype={state_dtype!r} is not supported (allowed: {allowed})")
+
+
 class FusedAdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW with one fused multi-tensor update per (param group, dtype) and fp32 state.
+    """torch.optim.AdamW with one fused multi-tensor update per (param group, dtype).
 
     Same meaning as torch.optim.AdamW (decoupled weight decay applied before the Adam update, bias
     correction, param groups, schedulers, state_dict keys `step`/`exp_avg`/`exp_avg_sq`, closures, params
-    without grads skipped). Parameters may be float32, bfloat16 or float16; the state is float32 always.
+    without grads skipped). Parameters may be float32, bfloat16 or float16.
     master_weights (default True, per group): bf16/fp16 parameters are updated through an fp32 copy kept in
     state["master_param"]; False rounds bf16 parameters stochastically instead (see the module docstring).
+    state_dtype (default torch.float32, per group): the moments' storage. torch.bfloat16 halves it (8 -> 4 bytes
+    per parameter, torchtitan's bf16 optimizer states): each step reads them as fp32, updates the parameter with
+    the fp32 values, and stores them rounded to nearest even (deterministic, so a resumed run is bit-exact). The
+    second moment then carries 8 significant bits: sqrt(v) within 0.4%, Adam's step size within that. The
+    master copy and the step counter stay fp32. On CUDA these buckets run the Triton kernel (the CUDA op keeps
+    fp32 moments), on a CPU the reference.
     amsgrad is not supported; sparse gradients are rejected.
     """
 
@@ -497,11 +531,13 @@ class FusedAdamW(torch.optim.Optimizer):
         *,
         maximize: bool = False,
         master_weights: bool = True,
+        state_dtype: torch.dtype = torch.float32,
         amsgrad: bool = False,
     ):
         if amsgrad:
             raise ValueError("FusedAdamW: amsgrad=True is not supported (allowed: False)")
         _check_hyper("FusedAdamW", lr, betas, eps, weight_decay)
+        _check_state_dtype("FusedAdamW", state_dtype)
         self._tables: dict[tuple, _LaunchTables] = {}
         defaults = dict(
             lr=lr,
@@ -510,6 +546,7 @@ class FusedAdamW(torch.optim.Optimizer):
             weight_decay=weight_decay,
             maximize=bool(maximize),
             master_weights=bool(master_weights),
+            state_dtype=state_dtype,
         )
         super().__init__(params, defaults)
 
@@ -519,6 +556,7 @@ class FusedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             group.setdefault("maximize", False)
             group.setdefault("master_weights", True)
+            group.setdefault("state_dtype", torch.float32)
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
@@ -536,6 +574,7 @@ class FusedAdamW(torch.optim.Optimizer):
         )
         if param_group.get("amsgrad", False):
             raise ValueError(f"{where}: amsgrad=True is not supported (allowed: False)")
+        _check_state_dtype(where, param_group.get("state_dtype", self.defaults["state_dtype"]))
         master = param_group.get("master_weights", self.defaults["master_weights"])
         seen: set[int] = set()
         for i, p in enumerate(x[1] if isinstance(x, tuple) else x for x in params):
@@ -559,15 +598,18 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts every non-step state tensor to its parameter's dtype, which would round fp32 moments
-        # of bf16 parameters to bf16; restore them from the source in fp32 afterwards.
-        current_master = [g.get("master_weights", self.defaults["master_weights"]) for g in self.param_groups]
+        # of bf16 parameters to bf16 (or widen bf16 moments of fp32 ones); restore them from the source in the
+        # group's state_dtype (the master copy in fp32) afterwards.
+        keys = ("master_weights", "state_dtype")
+        current = [{key: g.get(key, self.defaults[key]) for key in keys} for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for group, saved, master in zip(self.param_groups, state_dict["param_groups"], current_master):
-            if "master_weights" not in saved:  # e.g. torch.optim.AdamW's state: keep this optimizer's choice
-                group["master_weights"] = master
+        for group, saved, mine in zip(self.param_groups, state_dict["param_groups"], current):
+            for key, value in mine.items():
+                if key not in saved:  # e.g. torch.optim.AdamW's state: keep this optimizer's choice
+                    group[key] = value
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for saved_id, p in zip(saved_ids, params):
+        owners = [(p, g["state_dtype"]) for g in self.param_groups for p in g["params"]]
+        for saved_id, (p, state_dtype) in zip(saved_ids, owners):
             saved = state_dict["state"].get(saved_id)
             if not saved:
                 continue
@@ -575,7 +617,10 @@ class FusedAdamW(torch.optim.Optimizer):
             for key in _STATE_KEYS:
                 if key in saved:
                     state[key] = saved[key].to(
-                        device=p.device, dtype=torch.float32, memory_format=torch.contiguous_format, copy=True
+                        device=p.device,
+                        dtype=torch.float32 if key == "master_param" else state_dtype,
+                        memory_format=torch.contiguous_format,
+                        copy=True,
                     )
             if "step" in saved:
                 step = torch.as_tensor(saved["step"])  # a tensor, or a number in old checkpoints
@@ -604,7 +649,7 @@ class FusedAdamW(torch.optim.Optimizer):
                     raise RuntimeError("FusedAdamW does not support sparse gradients (use torch.optim.SparseAdam)")
                 self._check_param(p, master_weights, f"{where}, parameter {i}")
                 use_master = master_weights and p.dtype != torch.float32
-                state = self._state_for(p, use_master)
+                state = self._state_for(p, use_master, group["state_dtype"])
                 # Sharded (FSDP2 DTensor) parameters: the update is elementwise, so each rank updates its own
                 # shard; the parameter, its grad and its state are laid out alike, and their local tensors
                 # are plain memory the launch tables can point at. The state stays a DTensor, so a DCP
@@ -639,13 +684,16 @@ class FusedAdamW(torch.optim.Optimizer):
                 )
         return loss
 
-    def _state_for(self, p: torch.Tensor, use_master: bool) -> dict:
+    def _state_for(self, p: torch.Tensor, use_master: bool, state_dtype: torch.dtype) -> dict:
         state = self.state[p]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             # zeros_like: a DTensor parameter gets DTensor moments with its sharding.
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state[key].dtype != state_dtype:  # the group's state_dtype was changed: convert once
+                state[key] = state[key].to(state_dtype)
         if use_master and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True)
         elif not use_master and "master_param" in state:
@@ -719,15 +767,16 @@ def cuda_op_unavailable() -> str | None:
 _HAS_TORCH_FUSED = hasattr(torch, "_fused_adamw_")
 
 
-def adamw_impl(param: torch.Tensor) -> tuple[str, str]:
-    """(implementation, why) for a bucket whose first parameter is `param`: 'cuda', 'triton', 'torch_cpu' or
-    'reference'."""
+def adamw_impl(param: torch.Tensor, state_dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+    """(implementation, why) for a bucket whose first parameter is `param` and whose moments are `state_dtype`:
+    'cuda', 'triton', 'torch_cpu' or 'reference'."""
     if not param.is_cuda:
         if use_triton(param):
             return "triton", f"parameters on {param.device.type}: the CUDA op needs CUDA tensors"
         if (
             param.device.type == "cpu"
             and param.dtype == torch.float32
+            and state_dtype == torch.float32
             and current_backend() == "auto"
             and _HAS_TORCH_FUSED
         ):
@@ -739,6 +788,8 @@ def adamw_impl(param: torch.Tensor) -> tuple[str, str]:
         return "reference", f"parameters on {param.device.type}: the CUDA op needs CUDA tensors"
     if _ADAMW_IMPL == "triton":
         return ("triton" if use_triton(param) else "reference"), "KERNELS_ADAMW_IMPL=triton"
+    if state_dtype != torch.float32:
+        return ("triton" if use_triton(param) else "reference"), f"{state_dtype} moments: the CUDA op keeps fp32 ones"
     missing = cuda_op_unavailable()
     if _ADAMW_IMPL == "cuda":
         if missing is None:
@@ -758,7 +809,7 @@ def adamw_impl(param: torch.Tensor) -> tuple[str, str]:
 def _step_bucket(params, grads, exp_avgs, exp_avg_sqs, steps, masters, *, tables, **hyper) -> None:
     """The dispatch point for one bucket: the CUDA C++ op or Triton on CUDA (`adamw_impl`), the reference on CPU
     unless Triton is forced."""
-    impl, _ = adamw_impl(params[0])
+    impl, _ = adamw_impl(params[0], exp_avgs[0].dtype)
     if impl == "cuda":
         torch.ops.kernelwright.fused_adamw_(
             params,
@@ -823,13 +874,16 @@ def adamw_step_ref(
     """Plain-PyTorch AdamW step, in place, mirroring torch.optim.AdamW's single-tensor path op for op.
 
     steps are incremented first. Math in fp32 (params of another dtype are updated through an fp32 copy and
-    cast back with round-to-nearest); exp_avgs/exp_avg_sqs are updated in their own dtype (fp32 here).
+    cast back with round-to-nearest); bf16 exp_avgs/exp_avg_sqs likewise (the update reads their fp32 values and
+    stores them rounded to nearest even, after the parameter's update used the unrounded ones).
     Bias corrections are fp64 tensor ops on the step tensors, so no device value is read on the host.
     """
     decay = 1.0 - lr * weight_decay
-    for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+    for p, g, m_state, v_state, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
         s += 1
-        g = g.to(m.dtype)
+        g = g.to(torch.float32)
+        m = m_state if m_state.dtype == torch.float32 else m_state.float()
+        v = v_state if v_state.dtype == torch.float32 else v_state.float()
         if maximize:
             g = -g
         w = p if p.dtype == torch.float32 else p.float()
@@ -844,6 +898,9 @@ def adamw_step_ref(
         w.addcdiv_(m * neg_step_size, denom)  # = w - step_size * m / denom, torch's (value * m) / denom order
         if w is not p:
             p.copy_(w)
+        if m is not m_state:
+            m_state.copy_(m)
+            v_state.copy_(v)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -210,7 +210,7 @@ def test_optimizer_calls_the_op_in_schema_order(monkeypatch):
 
     lib.impl("fused_adamw_", fused_adamw_, "CPU")
     try:
-        monkeypatch.setattr(kadamw, "adamw_impl", lambda p: ("cuda", "test"))
+        monkeypatch.setattr(kadamw, "adamw_impl", lambda p, state_dtype=torch.float32: ("cuda", "test"))
         g = torch.Generator().manual_seed(0)
         shapes = [(7, 3), (5,), (11,)]
         for dtype, master in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
@@ -228,7 +228,7 @@ def test_optimizer_calls_the_op_in_schema_order(monkeypatch):
                     r.grad = p.grad.clone()
                 opt.step()
                 with monkeypatch.context() as m, kernels.backend("reference"):
-                    m.setattr(kadamw, "adamw_impl", lambda p: ("reference", "test"))
+                    m.setattr(kadamw, "adamw_impl", lambda p, state_dtype=torch.float32: ("reference", "test"))
                     opt_ref.step()
             for p, r in zip(ps, ref):
                 assert torch.equal(p, r)
@@ -296,7 +296,7 @@ def _run_opt(impl, dtype, master, seed=3, steps=3, shapes=GPU_SHAPES, unaligned=
     opt = FusedAdamW(ps, master_weights=master, **{"lr": 1e-2, "weight_decay": 0.1, **hyper})
     g = torch.Generator().manual_seed(seed + 100)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(kadamw, "adamw_impl", lambda p: (impl, "test"))
+        m.setattr(kadamw, "adamw_impl", lambda p, state_dtype=torch.float32: (impl, "test"))
         for _ in range(steps):
             for p in ps:
                 p.grad = torch.randn(p.shape, generator=g).to(device="cuda", dtype=dtype)

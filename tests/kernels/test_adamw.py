@@ -313,6 +313,96 @@ def test_kernel_matches_reference_awkward_sizes(dtype, master):
         assert same > 0.99, f"stochastic rounding bits differ between paths: only {same:.3f} identical"
 
 
+BF16_MOMENTS = [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]  # (param dtype, master)
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The most bf16 ulps two bf16 tensors of the same sign pattern are apart (their bit patterns' distance)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max().item() if a.numel() else 0
+
+
+@pytest.mark.parametrize("dtype,master", BF16_MOMENTS)
+def test_bf16_moments_kernel_matches_reference(dtype, master):
+    """state_dtype=bfloat16: both paths keep bf16 moments, rounded to nearest even from the same fp32 update (the
+    kernel by bit pattern, which the interpreter's truncating cast would not do): at most one bf16 ulp apart
+    (fp32 FMA contraction can move the value across a rounding boundary), the parameters as with fp32 moments."""
+    results = {}
+    for path in PATHS:
+        ps = make_params(SHAPES + [(0, 5)], dtype=dtype, seed=7)
+        opt = FusedAdamW(ps, lr=1e-2, weight_decay=0.1, master_weights=master, state_dtype=torch.bfloat16)
+        with kernels.backend(path):
+            for step in range(3):
+                set_grads(step, ps, dtype=dtype)
+                opt.step()
+        results[path] = (ps, opt)
+    (ps_t, opt_t), (ps_r, opt_r) = results["triton"], results["reference"]
+    ties = 0
+    for i, (a, b) in enumerate(zip(ps_t, ps_r)):
+        sa, sb = opt_t.state[a], opt_r.state[b]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert sa[key].dtype == sb[key].dtype == torch.bfloat16, key
+            assert bf16_ulps(sa[key], sb[key]) <= 1, f"{key} #{i}"
+            ties += (sa[key] != sb[key]).sum().item()
+        if master and dtype != torch.float32:
+            assert sa["master_param"].dtype == torch.float32
+        diff = (a.detach().float() - b.detach().float()).abs()
+        assert (diff <= torch.finfo(dtype).eps * b.detach().float().abs() + 1e-5).all(), f"#{i}"
+    assert ties <= 0.01 * 2 * sum(p.numel() for p in ps_t)  # rounding-boundary cases only
+
+
+def test_bf16_moments_track_fp32_moments():
+    """30 steps of fp32 parameters: bf16 moments (sqrt(v) within 0.4%) move the weights within 2% of the distance
+    fp32 moments move them (over all parameters together: a one-element one may end where it started)."""
+    start = make_params(SHAPES, seed=3)
+    runs = {}
+    for state_dtype in (torch.float32, torch.bfloat16):
+        ps = clone_params(start)
+        opt = FusedAdamW(ps, lr=1e-2, weight_decay=0.01, state_dtype=state_dtype)
+        for step in range(30):
+            set_grads(step, ps)
+            opt.step()
+        runs[state_dtype] = ps
+    flat = {k: torch.cat([p.detach().reshape(-1) for p in ps]) for k, ps in runs.items()}
+    start_flat = torch.cat([p.detach().reshape(-1) for p in start])
+    moved = (flat[torch.float32] - start_flat).norm()
+    assert 0 < (flat[torch.bfloat16] - flat[torch.float32]).norm() <= 0.02 * moved
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_moments_resume_exactly(path):
+    """Saved after 3 steps (bf16 moments, fp32 masters of bf16 parameters), loaded into a fresh optimizer
+    (torch.load with weights_only), 3 more steps: the unbroken run's bits, moments still bf16."""
+
+    def run(split: bool):
+        ps = make_params(SHAPES, dtype=torch.bfloat16, seed=5)
+        opt = FusedAdamW(ps, lr=1e-2, state_dtype=torch.bfloat16)
+        with kernels.backend(path):
+            for step in range(6):
+                if split and step == 3:
+                    saved = roundtrip(opt.state_dict())
+                    opt = FusedAdamW(ps, lr=1e-2, state_dtype=torch.bfloat16)
+                    opt.load_state_dict(saved)
+                set_grads(step, ps, dtype=torch.bfloat16)
+                opt.step()
+        return ps, opt
+
+    (ps_a, opt_a), (ps_b, opt_b) = run(False), run(True)
+    for a, b in zip(ps_a, ps_b):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            assert torch.equal(opt_a.state[a][key], opt_b.state[b][key]), key
+        assert opt_b.state[b]["exp_avg"].dtype == torch.bfloat16
+    assert opt_b.param_groups[0]["state_dtype"] == torch.bfloat16
+
+
+def test_bf16_moments_never_reach_the_cuda_op_or_torch_fused(monkeypatch):
+    monkeypatch.setattr(adamw_mod, "use_triton", lambda *tensors: False)  # a CPU run without the interpreter
+    assert adamw_mod.adamw_impl(torch.zeros(3))[0] == "torch_cpu"
+    assert adamw_mod.adamw_impl(torch.zeros(3), torch.bfloat16)[0] == "reference"  # torch's fused: fp32 moments only
+    with pytest.raises(ValueError, match="state_dtype=torch.float16 is not supported"):
+        FusedAdamW([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.float16)
+
+
 def test_reference_function_matches_torch():
     ps = make_params([(50,), (4, 5)], seed=8)
     qs = clone_params(ps)
@@ -522,10 +612,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.adamw as A
 
-sig = {n: t for n, t in zip(A._adamw_kernel.arg_names, ["*i64", "*i32"] + ["fp32"] * 6 + ["constexpr"] * 6)}
+sig = {n: t for n, t in zip(A._adamw_kernel.arg_names, ["*i64", "*i32"] + ["fp32"] * 6 + ["constexpr"] * 7)}
 out = {}
-for name, dtype, master, sr in [("bf16_master", tl.bfloat16, True, False), ("bf16_sr", tl.bfloat16, False, True)]:
-    consts = dict(P_DTYPE=dtype, HAS_MASTER=master, STOCHASTIC=sr, MAXIMIZE=sr, ALIGNED=True, BLOCK=A._BLOCK)
+for name, dtype, state, master, sr in [
+    ("bf16_master", tl.bfloat16, tl.float32, True, False),
+    ("bf16_sr", tl.bfloat16, tl.float32, False, True),
+    ("fp32_bf16_moments", tl.float32, tl.bfloat16, False, False),
+]:
+    consts = dict(
+        P_DTYPE=dtype, S_DTYPE=state, HAS_MASTER=master, STOCHASTIC=sr, MAXIMIZE=sr, ALIGNED=True, BLOCK=A._BLOCK
+    )
     src = ASTSource(A._adamw_kernel, sig, consts, {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": A._NUM_WARPS}).asm["ptx"]
     out[name] = {"ld_v4": len(re.findall(r"ld\.global\.v4", ptx)), "st_v4": len(re.findall(r"st\.global\.v4", ptx))}
@@ -534,9 +630,9 @@ json.dump(out, sys.stdout)
 
 
 def test_kernel_compiles_for_hopper_with_vector_loads():
-    """Compile-only (no GPU needed: Triton ships ptxas): the kernel lowers to sm_90 PTX with master weights
-    and with stochastic rounding (+ maximize), and the full-block path of aligned tensors moves everything in
-    16-byte vectors: each thread owns BLOCK / (32 * warps) elements of every tensor."""
+    """Compile-only (no GPU needed: Triton ships ptxas): the kernel lowers to sm_90 PTX with master weights,
+    with stochastic rounding (+ maximize) and with bf16 moments, and the full-block path of aligned tensors moves
+    everything in 16-byte vectors: each thread owns BLOCK / (32 * warps) elements of every tensor."""
     import json
     import os
     import subprocess
@@ -556,6 +652,8 @@ def test_kernel_compiles_for_hopper_with_vector_loads():
     # master: g, m, v, master in -> m, v, master, p out; stochastic: p, g, m, v in -> m, v, p out
     assert counts["bf16_master"] == {"ld_v4": b16 + 3 * f32, "st_v4": 3 * f32 + b16}, counts
     assert counts["bf16_sr"] == {"ld_v4": 2 * b16 + 2 * f32, "st_v4": 2 * f32 + b16}, counts
+    # bf16 moments: p, g in and p out in fp32, m and v in and out in bf16
+    assert counts["fp32_bf16_moments"] == {"ld_v4": 2 * f32 + 2 * b16, "st_v4": f32 + 2 * b16}, counts
 
 
 @pytest.mark.gpu

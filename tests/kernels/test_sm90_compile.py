@@ -58,8 +58,13 @@ def test_every_op_and_variant_is_compiled(compiled):
         for r in compiled
         if (r["case"], r["kernel"]) == ("fused_linear_preference", "_cross_entropy_fwd_kernel")
     } == {"False", "True"}
-    adamw = {(r["constexprs"]["P_DTYPE"], r["constexprs"]["HAS_MASTER"]) for r in compiled if r["case"] == "adamw"}
-    assert {("fp32", "False"), ("bf16", "True"), ("bf16", "False")} <= adamw
+    adamw = {
+        (r["constexprs"]["P_DTYPE"], r["constexprs"]["HAS_MASTER"], r["constexprs"]["S_DTYPE"])
+        for r in compiled
+        if r["case"] == "adamw"
+    }
+    assert {("fp32", "False", "fp32"), ("bf16", "True", "fp32"), ("bf16", "False", "fp32")} <= adamw
+    assert {("fp32", "False", "bf16"), ("bf16", "True", "bf16")} <= adamw  # bf16 moments
     # Every RMSNorm width the benchmark uses, both backward strategies (row in registers, up to 16384 wide in bf16;
     # column loop).
     bwd = {

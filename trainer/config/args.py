@@ -163,9 +163,10 @@ TOKENS_SEEN_MODES = ("no", "all", "non_padding")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt")
 MIXED_PRECISIONS = ("bf16", "fp16", "fp32")
 
+ADAMW_STATE_DTYPES = ("float32", "bfloat16")  # adamw_fused's optim_args state_dtype
 # Keys each optimizer accepts in `optim_args`, with their types (everything else is set by its own flag).
 OPTIM_ARGS: dict[str, dict[str, Any]] = {
-    "adamw_fused": {},
+    "adamw_fused": {"state_dtype": str},  # the moments' storage: float32 (default) or bfloat16 (kernels.FusedAdamW)
     "adamw_torch": {"amsgrad": bool},
     "adamw_torch_fused": {"amsgrad": bool},
     "sgd": {"momentum": float, "dampening": float, "nesterov": bool},
@@ -271,6 +272,8 @@ def parse_optim_args(
         raise ConfigError(f"{what}={optim_args!r}: expected 'key=value,...', a JSON object or a dict")
     check_keys(what, raw, schema, f"optim={optim!r}")
     out = {k: coerce(f"{what}.{k}", v, schema[k]) for k, v in raw.items()}
+    if "state_dtype" in out:
+        out["state_dtype"] = choose(f"{what}.state_dtype", out["state_dtype"], ADAMW_STATE_DTYPES)
     if optim == "sgd":
         for key in ("momentum", "dampening"):
             check(out.get(key, 0.0) >= 0, f"{what}.{key}", out.get(key), "must be >= 0")

@@ -16,7 +16,8 @@ Optimizers
 `adam_epsilon` and `optim_args` of a `TrainingArguments`, which validated them when it was built (they are not
 checked a second time here; `optim_args` is already a typed dict):
   adamw_fused        kernels.FusedAdamW (our AdamW: Triton, or the CUDA op for bf16 parameters; on CPU torch's fused
-                     CPU AdamW for fp32, the reference otherwise)
+                     CPU AdamW for fp32, the reference otherwise)   optim_args: state_dtype (float32 | bfloat16:
+                     the moments in bf16, 4 bytes per parameter instead of 8)
   adamw_torch        torch.optim.AdamW (foreach)          optim_args: amsgrad
   adamw_torch_fused  torch.optim.AdamW(fused=True)        optim_args: amsgrad (works on CPU in torch 2.13)
   sgd                torch.optim.SGD                      optim_args: momentum, dampening, nesterov
@@ -148,7 +149,8 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable, args: TrainingA
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd, **optim_args)
     if args.optim == "adamw_torch_fused":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd, fused=True, **optim_args)
-    return FusedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    state_dtype = getattr(torch, optim_args.get("state_dtype", "float32"))  # validated: float32 or bfloat16
+    return FusedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd, state_dtype=state_dtype)
 
 
 def _user_optimizer(

@@ -271,7 +271,7 @@ ERRORS = [
     (dict(lr_scheduler_type="inverse_sqrt", lr_scheduler_kwargs={"timescale": 0}), "lr_scheduler_kwargs.timescale=0"),
     (
         dict(optim_args="momentum=0.9"),
-        "optim_args: unknown key 'momentum' for optim='adamw_fused'; accepted keys: none",
+        "optim_args: unknown key 'momentum' for optim='adamw_fused'; accepted keys: state_dtype",
     ),
     (dict(optim="adamw_torch", optim_args="amsgrad=true,betas=0.9"), "unknown key 'betas' for optim='adamw_torch'"),
     (dict(optim="sgd", optim_args="momentum"), "optim_args='momentum': expected 'key=value,key=value'"),

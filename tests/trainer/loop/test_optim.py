@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import trainer.loop.optim as optim_module
-from tests.trainer.loop.test_trainer import losses, small_model, weights
+from kernels import FusedAdamW
+from tests.trainer.loop.test_trainer import losses, small_model, stop_then_resume, weights
 from tests.trainer.loop.test_trainer import make_args as trainer_args
 from trainer.config.args import ConfigError, TrainingArguments
 from trainer.data.sft_data import load_sft_dataset
@@ -640,3 +641,26 @@ def test_resume_with_plugin_configs_is_exact(tmp_path):
     ]
     for name, value in weights(model).items():
         assert torch.equal(value, full_weights[name]), name
+
+
+def test_fused_adamw_bf16_moments_from_optim_args_train_and_resume_exactly(tmp_path):
+    """optim_args state_dtype=bfloat16 (issue 34 item 4): FusedAdamW keeps bf16 moments through the Trainer, and a
+    run stopped at step 2 and resumed from its checkpoint lands on the unbroken run's bits."""
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in generate_tasks(24, seed=3)))
+    dataset = load_sft_dataset([data], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    common = dict(
+        max_steps=4, save_strategy="steps", save_steps=2, optim="adamw_fused", optim_args="state_dtype=bfloat16"
+    )
+    model = small_model()
+    full = Trainer(model=model, args=trainer_args(tmp_path / "full", **common), train_dataset=dataset)
+    full.train()
+    moments = [s[k] for s in full.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert type(full.optimizer) is FusedAdamW and moments and {m.dtype for m in moments} == {torch.bfloat16}
+    state, resumed = stop_then_resume(tmp_path / "part", dataset, 2, **common)
+    assert losses(state) == losses(full.state)
+    full_weights = weights(model)
+    for name, value in weights(resumed).items():
+        assert torch.equal(value, full_weights[name]), name
+    with pytest.raises(ConfigError, match="optim_args.state_dtype='float16': expected one of float32, bfloat16"):
+        make_args(optim="adamw_fused", optim_args="state_dtype=float16")
