@@ -145,11 +145,12 @@ def test_a_retained_graph_backs_up_twice_and_a_graph_freed_frees_its_copies():
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_compiled_blocks_offload_what_they_save_and_match(checkpointing):
-    """Each block compiled (aot_eager: AOTAutograd's saves at run time, without inductor's compile time): the
-    compiled blocks' saves reach the hooks, and the gradients are still bit for bit."""
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_blocks_offload_what_they_save_and_match(checkpointing, backend):
+    """Each block compiled (aot_eager: AOTAutograd's saves at run time, in seconds; inductor: ~25 s per case on a
+    CPU, so marked slow): the compiled blocks' saves reach the hooks, and the gradients are still bit for bit."""
     model, ids, labels = model_and_batch(use_kernels=False, checkpointing=checkpointing)
-    apply_compile(model, "aot_eager", None)
+    apply_compile(model, backend, None)
     plain_loss, plain = step(model, ids, labels, dtype=torch.bfloat16)
     offloader = ActivationOffloader.for_model(model, "cpu")
     loss, grads = step(model, ids, labels, offloader, torch.bfloat16)
