@@ -4,7 +4,10 @@ Tiny configs on meta tensors: seconds."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
+from pathlib import Path
 
 import torch
 
@@ -12,6 +15,8 @@ from bench import roofline as rf
 from bench.bench_train import model_config
 from trainer.model.causal_lm import CausalLM, ModelConfig
 from trainer.model.offload import ActivationOffloader
+
+RESULTS = Path(rf.__file__).parent / "results"
 
 
 def test_bisection_finds_the_largest_fitting_multiple_of_the_rung():
@@ -101,3 +106,39 @@ def test_qlora_stores_base_weights_at_0516_bytes_per_parameter():
     assert lora["setup_bytes"] - qlora["setup_bytes"] == saved
     layer = rf.NF4Linear(torch.nn.Linear(1000, 300, bias=False, device="meta"))
     assert layer.packed.nbytes == math.ceil(rf.NF4_BYTES_PER_PARAM * 300_000) == 154_800
+
+
+def test_cpu_offload_keeps_parameters_and_optimizer_state_off_the_device():
+    """FSDP2 CPU offload: the device holds no fp32 parameters or AdamW state (the full fine-tune's 16 B/param), only
+    gathered bf16 weights (the root's through the step, one block's at a time) and that block's gradients."""
+    config = rf.ladder_config("tiny")
+    config["num_hidden_layers"] = 8
+    stack = rf.LadderStack("hf", checkpointing=True)
+    full = rf.ladder_step(rf.SETTINGS["1b_full"], stack, 4096, config)
+    offload = rf.ladder_step(rf.SETTINGS["8b_full_offload"], stack, 4096, config)
+    model = CausalLM(ModelConfig.from_hf(config), use_kernels=False)
+    n_params = sum(p.numel() for p in model.parameters())
+    per_block = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert offload["host_state_bytes"] == 16 * n_params
+    assert full["setup_bytes"] >= 12 * n_params  # fp32 parameters + two AdamW moments on the device
+    root = n_params - len(model.model.layers) * per_block
+    assert offload["setup_bytes"] < 2 * root + (1 << 20)  # the root's bf16 weights (+ buffers): no block's
+    # at its peak the device holds less than one block's fp32 parameter + gradient + state over the root's
+    assert offload["peak_bytes"] < full["peak_bytes"] - 12 * (n_params - root) + 16 * per_block
+
+
+def test_committed_calibration_ratios_are_the_mds():
+    """The 1B calibration rows of the committed ladder.jsonl: modelled / measured against the measured file, and the
+    md's table says the same."""
+    rows = [json.loads(line) for line in (RESULTS / "ladder.jsonl").read_text().splitlines()]
+    calibration = [r for r in rows if r["kind"] == "calibration"]
+    measured = {(m["stack"], m["seq_len"]): m["measured_peak_gb"] for m in rf.measured_calibration()}
+    assert {(r["stack"], r["seq_len"]) for r in calibration} == set(measured)
+    md = (RESULTS / "ladder.md").read_text()
+    for r in calibration:
+        ratio = r["modelled_peak_gb"] / measured[(r["stack"], r["seq_len"])]
+        assert math.isclose(ratio, r["modelled_over_measured"], rel_tol=1e-12)
+        row = rf"\| {r['stack']} \| {r['seq_len']:,} \| {measured[(r['stack'], r['seq_len'])]:.2f} \| "
+        row += rf"{r['modelled_peak_gb']:.2f} \| {ratio:.3f} \|"
+        assert re.search(row, md), row
+    assert "modelled" in md.lower()
