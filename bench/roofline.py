@@ -2226,6 +2226,7 @@ def ladder_chart(rows: list[dict], path: Path) -> Path:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(xs, [g for g in GPUS])
+        ax.xaxis.set_minor_locator(plt.NullLocator())  # only the four GPUs' labels
         ax.set_title(setting.title, fontsize=8)
         ax.set_xlabel("GPU memory")
         ax.legend(fontsize=7)
