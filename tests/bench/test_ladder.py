@@ -1,0 +1,144 @@
+"""bench.roofline --ladder: the bisection, the linear fit's confirmation, activation offloading in the model against
+trainer/model/offload.py's ActivationOffloader, the QLoRA accounting, and the committed results' calibration ratios.
+Tiny configs on meta tensors: seconds."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from bench import roofline as rf
+from bench.bench_train import model_config
+from trainer.model.causal_lm import CausalLM, ModelConfig
+from trainer.model.offload import ActivationOffloader
+
+RESULTS = Path(rf.__file__).parent / "results"
+
+
+def test_bisection_finds_the_largest_fitting_multiple_of_the_rung():
+    def peak(t):
+        return 1000 + 3 * t
+
+    budget = 1000 + 3 * 5000
+    assert rf.largest_fitting(peak, budget, 0, 256 * 100) == 4864  # 19 * 256 <= 5000 < 20 * 256
+    assert rf.largest_fitting(peak, 999, 0, 256) == 0  # nothing fits
+    brute = max(t for t in range(0, 256 * 100, 256) if peak(t) <= budget)
+    assert rf.largest_fitting(peak, budget, 0, 256 * 100) == brute
+
+
+def test_context_for_budget_corrects_a_fit_that_is_off_by_traces():
+    traced = []
+
+    def peak(t):  # not linear: a fit through two points misses; the traces must decide
+        traced.append(t)
+        return 1000 + 3 * t + t * t // 10_000
+
+    a, b = rf.linear_fit({4096: peak(4096), 8192: peak(8192)})
+    for budget in (50_000, 200_000, 900_000):
+        found = rf.context_for_budget(peak, a, b, budget)
+        brute = max(t for t in range(0, 1 << 20, rf.LADDER_RUNG) if peak(t) <= budget)
+        assert found == brute
+    assert rf.linear_fit({1: 5.0, 3: 9.0}) == (3.0, 2.0)
+
+
+def _tiny_model(checkpointing: bool) -> CausalLM:
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.from_hf(model_config("tiny")), use_kernels=False)
+    model.set_gradient_checkpointing(checkpointing)
+    return model
+
+
+def test_metered_offloader_offloads_what_the_real_one_does():
+    """The same rules (ActivationOffloader's own code): the same bytes sent to the host and left on the device."""
+    ids = torch.randint(0, 256, (2, 64))
+    for checkpointing in (False, True):
+        counts = []
+        for cls in (ActivationOffloader, rf.MeteredOffloader):
+            model = _tiny_model(checkpointing)
+            offloader = cls.for_model(model, "cpu", min_bytes=0)
+            with offloader():
+                loss = model(input_ids=ids, labels=ids).loss
+            counts.append((offloader.offloaded_bytes, offloader.resident_bytes))
+            if cls is rf.MeteredOffloader:
+                assert offloader.host_peak == offloader.offloaded_bytes > 0
+            loss.backward()
+            if cls is rf.MeteredOffloader:
+                assert offloader.to_device_bytes == offloader.offloaded_bytes  # each byte comes back once
+        assert counts[0] == counts[1]
+
+
+def test_offloading_in_the_trace_frees_the_offloaded_bytes_on_the_device():
+    """ours with checkpointing (each block's inputs saved), with and without offloading: the device holds exactly the
+    offloaded bytes less after forward, and they are on the host; >= 1 MiB saves only (the CUDA threshold)."""
+    config = rf.ladder_config("tiny")
+    setting = rf.SETTINGS["1b_full"]
+    seq_len = 4096  # a block input (1, 4096, 128) fp32 = 2 MiB: offloaded
+    on = rf.ladder_step(setting, rf.LadderStack("ours", checkpointing=True, offloading=True), seq_len, config)
+    off = rf.ladder_step(setting, rf.LadderStack("ours", checkpointing=True), seq_len, config)
+    assert on["offloaded_bytes"] > 0
+    assert off["live_after_forward_bytes"] - on["live_after_forward_bytes"] == on["offloaded_bytes"]
+    assert on["host_activation_bytes"] == on["offloaded_bytes"] == on["fetched_bytes"]
+    assert on["peak_bytes"] < off["peak_bytes"]
+    small = rf.ladder_step(setting, rf.LadderStack("ours", checkpointing=True, offloading=True), 256, config)
+    assert small["offloaded_bytes"] == 0  # every save under 1 MiB stays
+
+
+def test_qlora_stores_base_weights_at_0516_bytes_per_parameter():
+    config = rf.ladder_config("tiny")
+    stack = rf.LadderStack("hf", checkpointing=True)
+    lora = rf.ladder_step(rf.SETTINGS["8b_lora"], stack, 256, config)
+    qlora = rf.ladder_step(rf.SETTINGS["8b_qlora"], stack, 256, config)
+    c = config
+    per_layer = [
+        (c["hidden_size"], c["hidden_size"]),  # q_proj
+        (c["hidden_size"], c["hidden_size"] // 2),  # k_proj (2 of 4 kv heads)
+        (c["hidden_size"], c["hidden_size"] // 2),  # v_proj
+        (c["hidden_size"], c["hidden_size"]),  # o_proj
+        (c["hidden_size"], c["intermediate_size"]),  # gate_proj
+        (c["hidden_size"], c["intermediate_size"]),  # up_proj
+        (c["intermediate_size"], c["hidden_size"]),  # down_proj
+    ]
+    saved = c["num_hidden_layers"] * sum(2 * i * o - math.ceil(0.516 * i * o) for i, o in per_layer)
+    assert lora["setup_bytes"] - qlora["setup_bytes"] == saved
+    layer = rf.NF4Linear(torch.nn.Linear(1000, 300, bias=False, device="meta"))
+    assert layer.packed.nbytes == math.ceil(rf.NF4_BYTES_PER_PARAM * 300_000) == 154_800
+
+
+def test_cpu_offload_keeps_parameters_and_optimizer_state_off_the_device():
+    """FSDP2 CPU offload: the device holds no fp32 parameters or AdamW state (the full fine-tune's 16 B/param), only
+    gathered bf16 weights (the root's through the step, one block's at a time) and that block's gradients."""
+    config = rf.ladder_config("tiny")
+    config["num_hidden_layers"] = 8
+    stack = rf.LadderStack("hf", checkpointing=True)
+    full = rf.ladder_step(rf.SETTINGS["1b_full"], stack, 4096, config)
+    offload = rf.ladder_step(rf.SETTINGS["8b_full_offload"], stack, 4096, config)
+    model = CausalLM(ModelConfig.from_hf(config), use_kernels=False)
+    n_params = sum(p.numel() for p in model.parameters())
+    per_block = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert offload["host_state_bytes"] == 16 * n_params
+    assert full["setup_bytes"] >= 12 * n_params  # fp32 parameters + two AdamW moments on the device
+    root = n_params - len(model.model.layers) * per_block
+    assert offload["setup_bytes"] < 2 * root + (1 << 20)  # the root's bf16 weights (+ buffers): no block's
+    # at its peak the device holds less than one block's fp32 parameter + gradient + state over the root's
+    assert offload["peak_bytes"] < full["peak_bytes"] - 12 * (n_params - root) + 16 * per_block
+
+
+def test_committed_calibration_ratios_are_the_mds():
+    """The 1B calibration rows of the committed ladder.jsonl: modelled / measured against the measured file, and the
+    md's table says the same."""
+    rows = [json.loads(line) for line in (RESULTS / "ladder.jsonl").read_text().splitlines()]
+    calibration = [r for r in rows if r["kind"] == "calibration"]
+    measured = {(m["stack"], m["seq_len"]): m["measured_peak_gb"] for m in rf.measured_calibration()}
+    assert {(r["stack"], r["seq_len"]) for r in calibration} == set(measured)
+    md = (RESULTS / "ladder.md").read_text()
+    for r in calibration:
+        ratio = r["modelled_peak_gb"] / measured[(r["stack"], r["seq_len"])]
+        assert math.isclose(ratio, r["modelled_over_measured"], rel_tol=1e-12)
+        row = rf"\| {r['stack']} \| {r['seq_len']:,} \| {measured[(r['stack'], r['seq_len'])]:.2f} \| "
+        row += rf"{r['modelled_peak_gb']:.2f} \| {ratio:.3f} \|"
+        assert re.search(row, md), row
+    assert "modelled" in md.lower()
