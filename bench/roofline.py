@@ -157,7 +157,7 @@ from bench import bench_fused_linear_cross_entropy as bench_flce  # noqa: E402
 from bench.sm90 import H100_SMS, fake_cuda
 from kernels.fused_linear_cross_entropy import _chunk_rows as flce_chunk_rows
 from trainer.model.offload import MIN_BYTES_CUDA, ActivationOffloader
-from trainer.model.offload import _dense as offload_dense
+from trainer.model.offload import is_dense as offload_dense
 
 STACKS = ("ours", "ours_liger", "hf", "hf_liger")
 CATEGORIES = (

@@ -174,7 +174,7 @@ class ActivationOffloader:
     def _to_host(self, saved: _Saved) -> None:
         tensor = saved.device_tensor
         # the same strides where the tensor fills its memory (permuted views: attention's q, k, v), else contiguous
-        stride = tensor.stride() if _dense(tensor) else None
+        stride = tensor.stride() if is_dense(tensor) else None
         host = (
             torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device="cpu", pin_memory=self.cuda)
             if stride is not None
@@ -234,7 +234,7 @@ def _alive(refs: list[weakref.ref]) -> list[_Saved]:
     return [s for s in (r() for r in refs) if s is not None]
 
 
-def _dense(tensor: torch.Tensor) -> bool:
+def is_dense(tensor: torch.Tensor) -> bool:
     """Whether the tensor's elements fill a block of memory exactly, in some order of its dimensions."""
     expected = 1
     dims = sorted(((st, s) for s, st in zip(tensor.shape, tensor.stride()) if s != 1))
