@@ -156,7 +156,7 @@ from bench import bench_adamw, bench_rms_norm, bench_rope, bench_swiglu, common 
 from bench import bench_fused_linear_cross_entropy as bench_flce  # noqa: E402
 from bench.sm90 import H100_SMS, fake_cuda
 from kernels.fused_linear_cross_entropy import _chunk_rows as flce_chunk_rows
-from trainer.model.offload import MIN_BYTES_CUDA, ActivationOffloader
+from trainer.model.offload import COPY_BYTES_PER_S, MIN_BYTES_CUDA, ActivationOffloader
 from trainer.model.offload import is_dense as offload_dense
 
 STACKS = ("ours", "ours_liger", "hf", "hf_liger")
@@ -1429,7 +1429,7 @@ GPUS = {
     "80 GB": (int(79.6 * GIB), "h100"),  # H100 80GB (81559 MiB = 79.6 GiB)
     "141 GB": (int(140.4 * GIB), "h200"),  # H200 (143771 MiB)
 }
-PCIE_BYTES_S = 50e9  # per direction: PCIe Gen5 x16's 64 GB/s derated to an effective figure
+PCIE_BYTES_S = COPY_BYTES_PER_S  # per direction: PCIe Gen5 x16's 64 GB/s derated (trainer/model/offload.py)
 NF4_BYTES_PER_PARAM = 0.516  # bitsandbytes NF4: 4 bits + the double-quantised absmax scales
 LADDER_RUNG = 256  # the ladder's answers are multiples of this many tokens
 LADDER_FIT_SEQ_LENS = (32768, 65536)  # traces the linear fit is drawn through

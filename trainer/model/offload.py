@@ -38,9 +38,9 @@ from torch import nn
 from trainer.coerce import ConfigError
 
 MIN_BYTES_CUDA = 1 << 20  # smaller saved tensors stay on the GPU: a copy costs more than it frees
-# An effective pinned host <-> device copy rate on a PCIe Gen4/Gen5 x16 link while the GPU computes (a stated
-# assumption for `hiding_note`, below Gen5's 64 GB/s per direction; not measured here)
-COPY_BYTES_PER_S = 25e9
+# The effective pinned host <-> device copy rate per direction: PCIe Gen5 x16's 64 GB/s (H100/H200 SXM) derated
+# (an assumption, not measured here; a Gen4 card gets about half). `hiding_note` and bench.roofline's ladder use it.
+COPY_BYTES_PER_S = 50e9
 
 
 class _Saved:
