@@ -75,6 +75,21 @@ def assert_fp32_close(ours, ref, kind, where=""):
     torch.testing.assert_close(ours, ref, atol=atol, rtol=rtol, msg=lambda m: f"{kind} {where}: {m}")
 
 
+def both_paths(dtype, steps: int, **options):
+    """The same awkward-size parameters stepped `steps` times by FusedAdamW(**options) on the Triton path and on
+    the reference: ((params, optimizer) of Triton, (params, optimizer) of the reference)."""
+    results = []
+    for path in ("triton", "reference"):
+        ps = make_params(SHAPES + [(0, 5)], dtype=dtype, seed=7)
+        opt = FusedAdamW(ps, lr=1e-2, weight_decay=0.1, **options)
+        with kernels.backend(path):
+            for step in range(steps):
+                set_grads(step, ps, dtype=dtype)
+                opt.step()
+        results.append((ps, opt))
+    return results
+
+
 def roundtrip(state_dict):
     buf = io.BytesIO()
     torch.save(state_dict, buf)
@@ -289,16 +304,7 @@ def test_bf16_tiny_updates_are_not_lost(mode, path):
 def test_kernel_matches_reference_awkward_sizes(dtype, master):
     """Both paths from the same state: every element of every awkward size written, and the same result
     (stochastic rounding: same random bits, so at most one bf16 ulp apart)."""
-    results = {}
-    for path in PATHS:
-        ps = make_params(SHAPES + [(0, 5)], dtype=dtype, seed=7)
-        opt = FusedAdamW(ps, lr=1e-2, weight_decay=0.1, master_weights=master)
-        with kernels.backend(path):
-            for step in range(2):
-                set_grads(step, ps, dtype=dtype)
-                opt.step()
-        results[path] = (ps, opt)
-    (ps_t, opt_t), (ps_r, opt_r) = results["triton"], results["reference"]
+    (ps_t, opt_t), (ps_r, opt_r) = both_paths(dtype, steps=2, master_weights=master)
     eps = torch.finfo(dtype).eps
     for i, (a, b) in enumerate(zip(ps_t, ps_r)):
         sa, sb = opt_t.state[a], opt_r.state[b]
@@ -326,16 +332,7 @@ def test_bf16_moments_kernel_matches_reference(dtype, master):
     """state_dtype=bfloat16: both paths keep bf16 moments, rounded to nearest even from the same fp32 update (the
     kernel by bit pattern, which the interpreter's truncating cast would not do): at most one bf16 ulp apart
     (fp32 FMA contraction can move the value across a rounding boundary), the parameters as with fp32 moments."""
-    results = {}
-    for path in PATHS:
-        ps = make_params(SHAPES + [(0, 5)], dtype=dtype, seed=7)
-        opt = FusedAdamW(ps, lr=1e-2, weight_decay=0.1, master_weights=master, state_dtype=torch.bfloat16)
-        with kernels.backend(path):
-            for step in range(3):
-                set_grads(step, ps, dtype=dtype)
-                opt.step()
-        results[path] = (ps, opt)
-    (ps_t, opt_t), (ps_r, opt_r) = results["triton"], results["reference"]
+    (ps_t, opt_t), (ps_r, opt_r) = both_paths(dtype, steps=3, master_weights=master, state_dtype=torch.bfloat16)
     ties = 0
     for i, (a, b) in enumerate(zip(ps_t, ps_r)):
         sa, sb = opt_t.state[a], opt_r.state[b]
