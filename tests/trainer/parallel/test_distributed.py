@@ -269,8 +269,10 @@ def suite(tmp_path_factory, data_file, reference_run, odd_model_dir):
             {"name": f"{name}-from-one", "args": {**DIST_ARGS, **CONFIGS[name]}, "resume": str(reference_run[3])}
         )
     jobs.append({"name": "fsdp2-bf16", "args": {**BASE, "gradient_accumulation_steps": 2, **CONFIGS["fsdp2-bf16"]}})
-    for name in ("ddp", "fsdp2"):  # issue 30: the same runs with activation offloading
+    for name in ("ddp", "fsdp2"):  # issue 30: the same runs with activation offloading, then with the tiled MLP too
         jobs.append({"name": f"{name}-offload", "args": {**DIST_ARGS, **CONFIGS[name], "activation_offloading": True}})
+        tiled = {**DIST_ARGS, **CONFIGS[name], "activation_offloading": True, "tiled_mlp": True}
+        jobs.append({"name": f"{name}-tiled", "args": tiled})
     jobs.append(
         {
             "name": "fsdp2-host-labels",
@@ -306,11 +308,15 @@ def test_two_processes_match_one_process(suite, reference_run, name):
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
-def test_activation_offloading_on_two_processes_changes_nothing(suite, name):
+def test_offloading_and_tiles_on_two_processes(suite, name):
     plain, offloaded = suite["result"][name], suite["result"][f"{name}-offload"]
     assert plain["offloaded_bytes"] == [] and offloaded["offloaded_bytes"][0] > 0
     assert offloaded["losses"] == plain["losses"]
     assert_same_weights(suite["out"][f"{name}-offload"] / "final", load_pretrained(suite["out"][name] / "final"), 0, 0)
+    # tiles: the weight gradients sum the same terms in another order (tests/trainer/model/test_tiled_mlp.py)
+    assert suite["result"][f"{name}-tiled"]["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    tiled_final = suite["out"][f"{name}-tiled"] / "final"
+    assert_same_weights(tiled_final, load_pretrained(suite["out"][name] / "final"), rtol=1e-4, atol=1e-4)  # 1.8e-5 seen
 
 
 def test_fsdp2_loss_skips_ignored_rows(suite, reference_run):
