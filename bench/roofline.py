@@ -157,7 +157,6 @@ from bench import bench_fused_linear_cross_entropy as bench_flce  # noqa: E402
 from bench.sm90 import H100_SMS, fake_cuda
 from kernels.fused_linear_cross_entropy import _chunk_rows as flce_chunk_rows
 from trainer.model.offload import COPY_BYTES_PER_S, MIN_BYTES_CUDA, ActivationOffloader
-from trainer.model.offload import is_dense as offload_dense
 
 STACKS = ("ours", "ours_liger", "hf", "hf_liger")
 CATEGORIES = (
@@ -1513,10 +1512,17 @@ def ladder_config(model: str) -> dict:
 
 
 class HostCopy:
-    """Where an offloaded tensor's values would be on the host: its layout (nothing is allocated)."""
+    """Where an offloaded tensor's values would be on the host: the layout the offloader's
+    `torch.empty_like(tensor, device="cpu")` gives it (preserve_format: the same strides when the tensor fills its
+    memory exactly, else contiguous), worked out here without an allocation the trace would count."""
 
-    def __init__(self, tensor: torch.Tensor, stride):
-        self.shape, self.stride, self.dtype = tensor.shape, stride, tensor.dtype
+    def __init__(self, tensor: torch.Tensor):
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+        dims = sorted((st, s) for s, st in zip(tensor.shape, tensor.stride()) if s != 1)
+        dense, expected = True, 1
+        for stride, size in dims:
+            dense, expected = dense and stride == expected, expected * size
+        self.stride = tensor.stride() if dense else None
 
 
 class MeteredOffloader(ActivationOffloader):
@@ -1533,7 +1539,7 @@ class MeteredOffloader(ActivationOffloader):
 
     def _to_host(self, saved) -> None:
         tensor = saved.device_tensor
-        saved.host = HostCopy(tensor, tensor.stride() if offload_dense(tensor) else None)
+        saved.host = HostCopy(tensor)
         saved.device_tensor = None
         self.offloaded_bytes += saved.nbytes
         self.host_live += saved.nbytes

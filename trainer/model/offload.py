@@ -78,12 +78,9 @@ class ActivationOffloader:
     tests want every tensor to take the path)."""
 
     def __init__(self, device: torch.device, param_shapes: Iterable[torch.Size], min_bytes: int | None = None):
-        device = torch.device(device)
-        self.cuda = device.type == "cuda"
-        if self.cuda and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())  # saved tensors say cuda:N
-        self.device = device
-        self.min_bytes = (MIN_BYTES_CUDA if self.cuda else 0) if min_bytes is None else min_bytes
+        self.device = _indexed(device)
+        self.cuda = self.device.type == "cuda"
+        self.min_bytes = _min_bytes(self.device, min_bytes)
         # a weight's shape and its transpose's (matmuls save weight.t() of autocast's cast copy)
         self.param_shapes = {shape for s in param_shapes for shape in (tuple(s), tuple(s)[::-1])}
         self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -108,11 +105,12 @@ class ActivationOffloader:
                 f"activation_offloading: {type(model).__name__} has no decoder-block hooks (block_hooks); it needs "
                 "kernelwright's CausalLM (trainer.build.build_model / load_pretrained)"
             )
-        offloader = cls(device, (p.shape for p in model.parameters()), min_bytes)
+        device = _indexed(device)
         for hook in hooks:
             same = getattr(hook, "__self__", None)
-            if isinstance(same, cls) and (same.device, same.min_bytes) == (offloader.device, offloader.min_bytes):
+            if isinstance(same, cls) and (same.device, same.min_bytes) == (device, _min_bytes(device, min_bytes)):
                 return same
+        offloader = cls(device, (p.shape for p in model.parameters()), min_bytes)
         hooks.append(offloader.on_block)
         return offloader
 
@@ -173,13 +171,9 @@ class ActivationOffloader:
 
     def _to_host(self, saved: _Saved) -> None:
         tensor = saved.device_tensor
-        # the same strides where the tensor fills its memory (permuted views: attention's q, k, v), else contiguous
-        stride = tensor.stride() if is_dense(tensor) else None
-        host = (
-            torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device="cpu", pin_memory=self.cuda)
-            if stride is not None
-            else torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.cuda)
-        )
+        # preserve_format: the same strides where the tensor fills its memory (permuted views: attention's q, k, v),
+        # else contiguous
+        host = torch.empty_like(tensor, device="cpu", pin_memory=self.cuda)
         if self.cuda:
             with torch.cuda.stream(self.d2h_stream):
                 host.copy_(tensor, non_blocking=True)
@@ -226,23 +220,23 @@ class ActivationOffloader:
             return host.to(self.device)  # on the CPU: the host copy itself
         stream.wait_event(saved.d2h_done)
         with torch.cuda.stream(stream):
-            back = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
-            return back.copy_(host, non_blocking=True)
+            return torch.empty_like(host, device=self.device).copy_(host, non_blocking=True)
+
+
+def _indexed(device) -> torch.device:
+    """`device` as saved tensors name it: cuda:N, not cuda."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _min_bytes(device: torch.device, min_bytes: int | None) -> int:
+    return (MIN_BYTES_CUDA if device.type == "cuda" else 0) if min_bytes is None else min_bytes
 
 
 def _alive(refs: list[weakref.ref]) -> list[_Saved]:
     return [s for s in (r() for r in refs) if s is not None]
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """Whether the tensor's elements fill a block of memory exactly, in some order of its dimensions."""
-    expected = 1
-    dims = sorted(((st, s) for s, st in zip(tensor.shape, tensor.stride()) if s != 1))
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def hiding_note(offloaded_bytes: int, tokens: int, flops_per_token: float, peak_flops: float) -> str | None:
