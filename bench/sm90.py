@@ -75,6 +75,8 @@ class _FakeCuda(TorchFunctionMode):
             return _CUDA if where.type == "meta" else where
         if func is torch.Tensor.pin_memory:
             return args[0]
+        if func is torch.device:  # the constructor takes "cuda" as it is (bitsandbytes builds cuda:0 at import)
+            return func(*args, **kwargs)
         args = tuple(_to_meta(a) for a in args)
         kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
         if func is torch.Tensor.backward:

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +28,8 @@ from bench import roofline as rf
 from bench import traffic
 from bench.bench_train import model_config
 from bench.sm90 import fake_cuda
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _record(fn):
@@ -310,3 +315,18 @@ def test_a_kernel_landing_under_a_modelled_name_runs_its_model(monkeypatch):
         out = SwiGLUFunction.apply(gate, up)
     assert out.shape == (4, 8) and [op.name for op in trace.ops] == ["SwiGLUFunction"]
     assert "apply" not in SwiGLUFunction.__dict__  # restored on the way out
+
+
+def test_bitsandbytes_imports_under_the_fake_cuda_mode():
+    """The QLoRA extra installs bitsandbytes, which liger's import of peft pulls in while the roofline's fake CUDA
+    mode is on; its import-time `torch.device("cuda", index=0)` must not meet the mode's meta rewrite."""
+    pytest.importorskip("bitsandbytes")
+    code = (
+        "import torch; from bench.sm90 import fake_cuda\n"
+        "with fake_cuda():\n"
+        "    import bitsandbytes\n"
+        "    assert torch.device('cuda', index=0).type == 'cuda'\n"
+        "    assert torch.empty(2, device='cuda').is_meta\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
