@@ -8,9 +8,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kernels", "trainer")
-# the one project import a function may make: the CUDA extension, built only where CUDA exists (kernels/adamw.py
-# imports it under guard the first time the CUDA op is asked for)
-OPTIONAL = {"kernels._C"}
+# the project imports a function may make, each for an optional dependency: the CUDA extension, built only where
+# CUDA exists (kernels/adamw.py imports it under guard the first time the CUDA op is asked for), and the 4-bit
+# layers, which import bitsandbytes (an extra, seconds to import) and are imported only when load_in_4bit asks
+OPTIONAL = {"kernels._C", "trainer.model.quant"}
 
 
 # trainer/'s layers from the ground up: a module imports from its own layer (no circle) or a lower one, never a

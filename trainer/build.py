@@ -103,17 +103,30 @@ def _build(
     if dcp is not None:
         load_sharded(model, None, dcp)
     else:
+        targets = _weight_targets(ours, args)
         if path is None:
             # the adapter's layers are init_adapter_weights' (below)
-            ours.init_weights(seed or 0, local_shard=local_shard, skip=lambda name: is_adapter_name(name + "."))
+            ours.init_weights(seed or 0, local_shard=targets, skip=lambda name: is_adapter_name(name + "."))
         else:
-            load_state_dict_into(ours, path)
+            load_state_dict_into(ours, path, local_shard=targets)
         if has_adapter(ours):  # LoRA (use_peft), injected on meta by apply_transforms: A from args.seed, B = 0
             init_adapter_weights(ours, args.seed, local_shard=local_shard)
     ours.attn_backend = attn_backend
     if args is not None:
         model = apply_data_parallel(model, args)
     return model
+
+
+def _weight_targets(model: CausalLM, args):
+    """What the loaders copy each parameter's full tensor into: `trainer.dist.local_shard` (this rank's rows), and
+    for a 4-bit layer's weight (load_in_4bit) the target that quantizes it as it is copied
+    (`trainer.model.quant.quantizing_targets`), so no full-precision weight is kept."""
+    if args is None or not args.load_in_4bit:
+        return local_shard
+    from trainer.model.quant import quantizing_targets  # bitsandbytes: imported only for 4-bit weights
+
+    targets = quantizing_targets(model)
+    return lambda param: (targets[id(param)], None) if id(param) in targets else local_shard(param)
 
 
 def model_settings(args) -> dict:

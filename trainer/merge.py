@@ -7,7 +7,10 @@ training run, also recorded as `base_model_name_or_path` in adapter_config.json)
 W + s B A (peft's `merge_and_unload`, computed in the weights' dtype), modules to save replace their originals,
 and the result is written as config.json + model.safetensors + the tokenizer files, which
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads with no peft installed; its logits equal the
-adapter's to the rounding of the merged weights. Exit codes: 0 done, 2 bad input (one line on stderr).
+adapter's to the rounding of the merged weights. An adapter trained over 4-bit weights (QLoRA: the training_args.json
+beside it says load_in_4bit) is merged into the base quantized and dequantized as in training, dequantize(Q(W)) +
+s B A, in the base's dtype: the function the adapter learned (merging into the original W would add the quantization
+error back). Exit codes: 0 done, 2 bad input (one line on stderr).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from trainer.build import build_model, save_pretrained
 from trainer.coerce import ConfigError
 from trainer.data.tokenizer import TokenizerError
 from trainer.model.causal_lm import ModelError
-from trainer.model.lora import merged
+from trainer.model.lora import merged, trained_over_4bit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +45,13 @@ def main(argv=None) -> int:
         return 2
     try:
         model, tokenizer = build_model(args.model, device="cpu")
+        run = trained_over_4bit(Path(args.adapter))
+        if run is not None:
+            print(
+                f"the adapter was trained over 4-bit weights ({run.bnb_4bit_quant_type}, its training_args.json): "
+                "merging it into the dequantized 4-bit base",
+                file=sys.stderr,
+            )
         model = merged(model, Path(args.adapter))
         out.mkdir(parents=True, exist_ok=True)
         save_pretrained(model, out, tokenizer=tokenizer)

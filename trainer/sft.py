@@ -777,7 +777,7 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
     print(
         "\n".join(
             [""]
-            + how_to_use(final, sft.model, args.use_peft)
+            + how_to_use(final, sft.model, args.use_peft, quantization_config(args))
             + [
                 "final metrics: "
                 + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}),
@@ -792,16 +792,30 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
     return 0
 
 
-def how_to_use(final: Path, model: str, lora: bool) -> list[str]:
-    """The lines printed at the end: where the model (or the LoRA adapter) is, and how to load and try it."""
+def quantization_config(args) -> str:
+    """transformers' `quantization_config=BitsAndBytesConfig(...)` argument that loads the base as the run did (4-bit
+    weights), or '' for a full-precision base."""
+    if not args.load_in_4bit:
+        return ""
+    dtype = f", bnb_4bit_compute_dtype={args.bnb_4bit_compute_dtype!r}" if args.bnb_4bit_compute_dtype else ""
+    return (
+        f", quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type={args.bnb_4bit_quant_type!r}"
+        f", bnb_4bit_use_double_quant={args.bnb_4bit_use_double_quant}{dtype})"
+    )
+
+
+def how_to_use(final: Path, model: str, lora: bool, quantization: str = "") -> list[str]:
+    """The lines printed at the end: where the model (or the LoRA adapter) is, and how to load and try it;
+    `quantization`: `quantization_config`'s argument for a base trained in 4 bits."""
     where = str(final.resolve())
     if lora:
         return [
             f"LoRA adapter saved to {where} (adapter_config.json + adapter_model.safetensors, peft's layout)",
             "load it with transformers and peft:",
             "    from peft import PeftModel",
-            "    from transformers import AutoModelForCausalLM",
-            f"    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {where!r})",
+            f"    from transformers import AutoModelForCausalLM{', BitsAndBytesConfig' if quantization else ''}",
+            f"    base = AutoModelForCausalLM.from_pretrained(BASE{quantization})",
+            f"    model = PeftModel.from_pretrained(base, {where!r})",
             f"  (BASE: a Hugging Face directory of the base model {model!r})",
             f"merge it into a plain model: python -m trainer.merge --model {model} --adapter {final} --output_dir OUT",
             f'or try it here: python -m trainer.generate --model {model} --adapter {final} --prompt "..."',

@@ -51,6 +51,10 @@ SIMPLE_ALIASES = {
     "pref_beta": "beta",
     "pref_loss": "loss_type",
     "pref_ftx": "rpo_alpha",
+    # TRL's ModelConfig and LlamaFactory's quantization names
+    "use_bnb_nested_quant": "bnb_4bit_use_double_quant",
+    "double_quantization": "bnb_4bit_use_double_quant",
+    "quantization_type": "bnb_4bit_quant_type",
 }
 # Booleans from TRL that set another argument (of any of the parser's dataclasses): name -> (target, value when
 # true, value when false), resolved by the parser like SIMPLE_ALIASES. TRL's packing=True packs examples into rows
@@ -70,6 +74,8 @@ ALIAS_HELP = {
     "deepspeed": "a DeepSpeed JSON config (ZeRO stage 0-3, offload, bf16/fp16, 'auto' values filled from these "
     "arguments); sets dist_config {name: deepspeed, config_file: PATH}",
     "finetuning_type": "LlamaFactory's: lora (sets use_peft) | full",
+    "quantization_bit": "LlamaFactory's: 4 (sets load_in_4bit)",
+    "quantization_method": "LlamaFactory's: bnb (bitsandbytes, the one backend)",
 }
 
 _HUB = "pushing to the Hugging Face Hub is not supported; upload output_dir yourself (huggingface-cli upload)"
@@ -89,6 +95,7 @@ REJECTED: dict[str, str] = {
     "sharded_ddp": 'use --dist_config \'{"name": "fsdp2"}\' for sharded data parallelism',
     "fsdp_min_num_params": "kernelwright wraps each decoder block; size-based wrapping is not supported",
     "fsdp_transformer_layer_cls_to_wrap": "kernelwright always wraps each decoder block; drop this option",
+    "load_in_8bit": "8-bit weights (LLM.int8) are not built yet; --load_in_4bit (QLoRA) is",
     **{
         name: _UNIMPLEMENTED
         for name in (

@@ -163,6 +163,9 @@ TOKENS_SEEN_MODES = ("no", "all", "non_padding")
 WSD_SHAPES = ("linear", "cosine", "1-sqrt")
 MIXED_PRECISIONS = ("bf16", "fp16", "fp32")
 
+QUANT_TYPES = ("nf4", "fp4")  # bnb_4bit_quant_type (trainer/model/quant.py)
+QUANT_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+QUANT_STORAGES = ("uint8", "bfloat16", "float16", "float32")
 ADAMW_STATE_DTYPES = ("float32", "bfloat16")  # adamw_fused's optim_args state_dtype
 # Keys each optimizer accepts in `optim_args`, with their types (everything else is set by its own flag).
 OPTIM_ARGS: dict[str, dict[str, Any]] = {
@@ -230,6 +233,7 @@ GROUPS = (
     "distributed",
     "extras",
     "lora",
+    "quantization",
 )
 LORA_FINETUNING_TYPES = ("lora", "full")  # LlamaFactory's finetuning_type values we implement (freeze, oft: not)
 
@@ -604,6 +608,27 @@ class TrainingArguments:
     use_rslora: bool = _arg(False, "lora", "Rank-stabilised LoRA: scale by lora_alpha / sqrt(r) instead of / r.")
     use_dora: bool = _arg(False, "lora", "DoRA: weight-decomposed LoRA (a trained magnitude per output row).")
 
+    # --- quantization (QLoRA: transformers' BitsAndBytesConfig / TRL's ModelConfig names; trainer/model/quant.py) ---
+    load_in_4bit: bool = _arg(
+        False,
+        "quantization",
+        "QLoRA: the base model's linear layers in 4 bits through bitsandbytes, an adapter trained over them (needs "
+        "--use_peft; pip install 'kernelwright[qlora]').",
+    )
+    bnb_4bit_quant_type: str = _arg("nf4", "quantization", "4-bit data type: nf4 or fp4.", QUANT_TYPES)
+    bnb_4bit_compute_dtype: str | None = _arg(
+        None,
+        "quantization",
+        "dtype of the 4-bit layers' matmuls (default: the model's dtype, as TRL passes it).",
+        QUANT_COMPUTE_DTYPES,
+    )
+    bnb_4bit_use_double_quant: bool = _arg(
+        False, "quantization", "Quantize the 4-bit blocks' absmax scales too (0.516 instead of 0.5625 bytes a weight)."
+    )
+    bnb_4bit_quant_storage: str | None = _arg(
+        None, "quantization", "dtype the 4-bit codes are packed in (default uint8).", QUANT_STORAGES
+    )
+
     # --- input-only aliases (folded into the fields above; not stored) ---
     evaluation_strategy: InitVar[str | None] = None
     micro_batch_size: InitVar[int | None] = None
@@ -616,6 +641,8 @@ class TrainingArguments:
     deepspeed: InitVar[str | None] = None
     local_rank: InitVar[int | None] = None
     finetuning_type: InitVar[str | None] = None
+    quantization_bit: InitVar[int | None] = None
+    quantization_method: InitVar[str | None] = None
 
     def __post_init__(
         self,
@@ -630,6 +657,8 @@ class TrainingArguments:
         deepspeed,
         local_rank,
         finetuning_type,
+        quantization_bit,
+        quantization_method,
     ):
         for f in dataclasses.fields(self):
             setattr(self, f.name, coerce(f.name, getattr(self, f.name), f.type, f.metadata.get("choices")))
@@ -647,6 +676,7 @@ class TrainingArguments:
         self._fold_deepspeed(deepspeed)
         self._check_local_rank(local_rank)
         self._fold_finetuning_type(finetuning_type)
+        self._fold_quantization(quantization_bit, quantization_method)
         self._normalise()
         self._derive()
         self._validate()
@@ -772,6 +802,18 @@ class TrainingArguments:
         if self.use_peft and kind == "full":
             raise ConfigError("finetuning_type='full' contradicts use_peft=True; give one of them")
         self.use_peft = kind == "lora"
+
+    def _fold_quantization(self, bits: Any, method: Any) -> None:
+        """LlamaFactory's `quantization_bit: 4` is load_in_4bit (8 bits: not built yet); its `quantization_method`
+        must be bnb, the one backend here."""
+        if method is not None:
+            choose("quantization_method", method, ("bnb",), " is not supported: bitsandbytes (bnb) is the one backend")
+        if bits is None:
+            return
+        bits = coerce("quantization_bit", bits, int)
+        if bits != 4:
+            raise ConfigError(f"quantization_bit={bits!r}{_QUANT_BITS_WHY}")
+        self.load_in_4bit = True
 
     def _normalise(self) -> None:
         self.output_dir = os.path.expanduser(self.output_dir)
@@ -1022,6 +1064,7 @@ class TrainingArguments:
             check(self.save_steps > 0, "save_steps", self.save_steps, "must be > 0 when save_strategy='steps'")
         self._validate_best_model()
         self._validate_lora()
+        self._validate_quantization()
 
         if self.lr_scheduler_type == "constant" and (self.warmup_steps > 0 or self.warmup_ratio > 0):
             raise ConfigError(
@@ -1090,6 +1133,26 @@ class TrainingArguments:
                     f"{given[0]}={getattr(self, given[0])!r} is a LoRA setting, but use_peft is off; "
                     "add --use_peft (LlamaFactory: finetuning_type: lora)"
                 )
+
+    def _validate_quantization(self) -> None:
+        if not self.load_in_4bit:  # a 4-bit setting without 4-bit weights would be ignored: refuse it
+            given = [
+                f.name
+                for f in dataclasses.fields(self)
+                if f.metadata.get("group") == "quantization" and getattr(self, f.name) != field_default(f)
+            ]
+            if given:
+                raise ConfigError(f"{given[0]}={getattr(self, given[0])!r} is a 4-bit setting; add --load_in_4bit")
+            return
+        if not self.use_peft:
+            raise ConfigError(
+                "load_in_4bit: 4-bit weights cannot be trained; add --use_peft (QLoRA trains a LoRA adapter over them)"
+            )
+        name = (self.dist_config or {}).get("name")
+        if name in ("deepspeed", "fsdp2"):
+            raise ConfigError(f"load_in_4bit with dist_config {name} is not supported: {_QUANT_DIST_WHY[name]}")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("load_in_4bit: bitsandbytes is not installed (pip install 'kernelwright[qlora]')")
 
     # -- helpers for the loop --------------------------------------------------------------------------------
 
@@ -1289,6 +1352,15 @@ def _interval(name: str, value: float | None) -> float | int | None:
         )
         return int(value)
     return value
+
+
+_QUANT_BITS_WHY = " is not supported: 4 (QLoRA) is; 8-bit weights are not built yet"
+_QUANT_DIST_WHY = {
+    "deepspeed": "ZeRO flattens parameters into floating-point buffers that 4-bit codes do not fit; "
+    "use dist_config ddp",
+    "fsdp2": "not built yet (each rank would quantize its rows, and the 64-value blocks must not straddle shards); "
+    "use dist_config ddp",
+}
 
 
 def _why_unsupported(value: Any, what: str) -> str:

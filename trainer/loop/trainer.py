@@ -192,6 +192,15 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _full_numel(param: torch.Tensor) -> int:
+    """How many weights a parameter stands for: its numel; under DeepSpeed ZeRO-3, which leaves each rank an empty
+    tensor in its place, `ds_numel`; for a 4-bit weight (load_in_4bit), the unpacked shape its quant_state holds."""
+    if hasattr(param, "ds_numel"):
+        return param.ds_numel
+    state = getattr(param, "quant_state", None)
+    return math.prod(state.shape) if state is not None else param.numel()
+
+
 class Trainer:
     """Hugging Face's `Trainer` constructor and methods, over our loop. See the module docstring."""
 
@@ -728,8 +737,7 @@ class Trainer:
     def _print_run_summary(self, run: _Run) -> None:
         """Hugging Face's `***** Running training *****` block, plus one line of ours spelling out the global batch."""
         micro, accum, world_size = run.micro, run.accum, self.world_size
-        # ds_numel: a parameter's full size under DeepSpeed ZeRO-3, which leaves each rank an empty tensor in its place
-        sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in run.model.parameters()]  # tied: once
+        sizes = [(_full_numel(p), p.requires_grad) for p in run.model.parameters()]  # tied: once
         trainable, total = sum(n for n, grad in sizes if grad), sum(n for n, _ in sizes)
         processes = f"{world_size} process{'es' if world_size > 1 else ''}"
         if run.loader.max_tokens is not None:  # token-budget batching: a micro batch is a token count, not a row count

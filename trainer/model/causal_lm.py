@@ -716,9 +716,11 @@ class CausalLM(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.lm_head and self.config.tie_word_embeddings:
                     continue
-                full = torch.empty(module.weight.shape).normal_(
-                    0.0, std, generator=gen
-                )  # a DTensor's shape is the full one
+                # the full shape: a DTensor's is; a 4-bit layer's weight is packed codes (trainer/model/quant.py)
+                shape = (
+                    (module.out_features, module.in_features) if isinstance(module, nn.Linear) else module.weight.shape
+                )
+                full = torch.empty(shape).normal_(0.0, std, generator=gen)
                 if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                     full[module.padding_idx].zero_()
                 local, rows = local_shard(module.weight)

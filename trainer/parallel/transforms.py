@@ -1,6 +1,8 @@
 """Transforms applied to a model from outside, always in this order (torchtitan's parallelize.py):
 
-0. `trainer.model.lora.apply_lora` (use_peft): inject the LoRA adapter, so that the optimizer sees only the adapter as
+0. `trainer.model.quant.quantize_base` (load_in_4bit): the decoder's linear layers in 4 bits (bitsandbytes, imported
+   only then), before LoRA so that peft wraps them with its 4-bit LoRA layer;
+   `trainer.model.lora.apply_lora` (use_peft): inject the LoRA adapter, so that the optimizer sees only the adapter as
    trainable and FSDP2 shards the model with its adapter;
 1. `apply_activation_checkpointing`: recompute each decoder block in backward (non-reentrant);
 2. `apply_compile`: `torch.compile` each decoder block separately (small graphs, fast compiles, one
@@ -93,9 +95,13 @@ def apply_compile(model: nn.Module, backend: str | None = None, mode: str | None
 
 
 def apply_transforms(model: nn.Module, args) -> nn.Module:
-    """LoRA -> checkpointing -> per-block compile -> FSDP2, as `args` asks; safe on the meta device (`build_model`
-    runs it
-    there, before the weights exist) and idempotent (a model that has had a transform does not get it twice)."""
+    """4-bit weights -> LoRA -> checkpointing -> per-block compile -> FSDP2, as `args` asks; safe on the meta device
+    (`build_model` runs it there, before the weights exist) and idempotent (a model that has had a transform does
+    not get it twice)."""
+    if args.load_in_4bit:
+        from trainer.model.quant import quantize_base  # bitsandbytes takes seconds to import: only when asked for
+
+        model = quantize_base(model, args)
     model = apply_lora(model, args)
     if args.gradient_checkpointing:
         apply_activation_checkpointing(model, args.gradient_checkpointing_kwargs)

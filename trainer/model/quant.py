@@ -1,0 +1,199 @@
+"""4-bit base weights (QLoRA, Dettmers et al. 2023) through bitsandbytes: `--load_in_4bit` with transformers' and
+TRL's names (`bnb_4bit_quant_type`, `bnb_4bit_compute_dtype`, `bnb_4bit_use_double_quant`, `bnb_4bit_quant_storage`).
+
+What it does: `quantize_base(model, args)`, the first of `trainer.parallel.transforms.apply_transforms` (before LoRA,
+so that peft wraps the 4-bit layers with its bitsandbytes LoRA layer, as it does over a transformers model), replaces
+every linear layer of the decoder blocks by `Linear4bit`: lm_head stays in full precision (transformers keeps the
+output embedding out of quantization too; the fused loss reads its weight) and so do the embeddings and norms. Each
+weight is cut into blocks of 64 values, each block scaled by its absmax and rounded to the nearest of 16 NF4 (or FP4)
+levels; double quantization stores those absmax scales in 8 bits with one fp32 scale per 256 blocks. Bytes per weight:
+0.5 + 4/64 = 0.5625 without double quantization, 0.5 + 1/64 + 4/(64*256) ~ 0.516 with it.
+
+Quantized as they are read: on the meta device (`trainer.build.build_model`) a swapped layer holds a placeholder of
+its packed size, so materialising the model allocates 4-bit codes, never the full-precision weights; the loaders then
+copy each full-precision tensor (from the safetensors, one tensor at a time, or from a preset's seeded init) into
+`quantizing_targets(model)[id(param)]`, whose `copy_` quantizes it on the layer's device and keeps only the codes and
+scales. Peak memory is one full-precision tensor above the 4-bit model, plus the memory-mapped shard. A model that
+already has its weights (built by hand and given to the Trainer) is quantized layer by layer in place.
+
+`Linear4bit` is bitsandbytes' `Linear4bit` (so peft, transformers' helpers and `bnb.functional` treat it as theirs)
+with one forward of ours, `_DequantizedLinear`: y = x dequantize(W)^T (+ bias) in forward, dx = dy dequantize(W) in
+backward, the 4-bit weight dequantized again there rather than kept (the values bitsandbytes' MatMul4Bit computes in
+training, bit for bit: tests/trainer/model/test_quant.py). It is the same in training and evaluation, which
+bitsandbytes' own forward is not: in eval mode without grad on a CPU with AVX512-BF16 it repacks the weight in place,
+after which training forwards return no input gradient (the adapters below stop learning, silently), and for one row
+at inference it takes another kernel (gemv). Here evaluating between training steps leaves training exact.
+
+Refused, in one line while the arguments are checked: 4-bit weights without an adapter (they cannot be trained),
+DeepSpeed (ZeRO flattens parameters into fp buffers that 4-bit codes do not fit), FSDP2 (not built yet: each rank
+would quantize its shard of rows, which needs the blocks aligned to shard boundaries), and a missing bitsandbytes
+(`pip install 'kernelwright[qlora]'`). bitsandbytes is imported only when 4-bit weights are asked for (it takes
+seconds to import).
+
+Test: python -m pytest tests/trainer/model/test_quant.py -q
+"""
+
+from __future__ import annotations
+
+import bitsandbytes as bnb
+import torch
+import torch.nn.functional as F
+from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+from torch import nn
+
+BLOCKSIZE = 64  # values per absmax block: bitsandbytes' and transformers' default for 4-bit weights
+QUANT_DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_SKIP = ("lm_head",)  # kept in full precision, as transformers' quantizer keeps the output embedding
+
+
+class _DequantizedLinear(torch.autograd.Function):
+    """y = x W^T + b with W = dequantize(weight) in forward, and again in backward for dx (W frozen: no dW)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.weight = weight  # a frozen parameter, held by the module anyway: nothing is saved for backward
+        ctx.has_bias = bias is not None
+        return F.linear(x, dequantize(weight).to(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_x = grad @ dequantize(ctx.weight).to(grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_bias
+
+
+def dequantize(weight: torch.Tensor) -> torch.Tensor:
+    """The full-precision (out, in) weight a Linear4bit's packed `weight` stands for, in the dtype it was quantized
+    from."""
+    return dequantize_4bit(weight.data, weight.quant_state)
+
+
+class Linear4bit(bnb.nn.Linear4bit):
+    """bitsandbytes' Linear4bit with our forward (see the module docstring); built by `from_linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.weight, "quant_state", None) is None:
+            raise RuntimeError("a Linear4bit was used before its weight was loaded and quantized")
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return _DequantizedLinear.apply(x.to(self.compute_dtype), self.weight, bias).to(x.dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, quant_type: str, compute_dtype, double_quant: bool, storage) -> Linear4bit:
+        """A Linear4bit standing in for `linear`: its weight quantized now, or, on the meta device, a placeholder
+        of the packed size that `set_weight` fills. The bias stays a full-precision parameter (loaded by name)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=False,
+            compute_dtype=compute_dtype or linear.weight.dtype,
+            compress_statistics=double_quant,
+            quant_type=quant_type,
+            quant_storage=storage,
+            device="meta",
+        )
+        # what set_weight needs, kept on the layer (materialising a meta model turns the weight into a plain tensor)
+        layer.quant_type, layer.double_quant, layer.weight_dtype = quant_type, double_quant, linear.weight.dtype
+        layer.bias = linear.bias
+        if linear.weight.is_meta:  # bitsandbytes' parameter (peft reads its settings), of the packed size
+            codes = (linear.in_features * linear.out_features + 1) // 2  # two 4-bit codes a byte
+            layer.weight = bnb.nn.Params4bit(
+                torch.empty(codes // storage.itemsize, 1, dtype=storage, device="meta"),
+                requires_grad=False,
+                module=layer,
+                bnb_quantized=True,
+                **layer.quant_settings(),
+            )
+        else:
+            layer.set_weight(linear.weight.detach(), device=linear.weight.device)
+        return layer
+
+    @torch.no_grad()
+    def set_weight(self, full: torch.Tensor, device: torch.device | None = None) -> None:
+        """Quantize `full` (out, in) in `weight_dtype` on `device` (default: where the layer's weight is) and keep
+        only its codes and scales."""
+        full = full.to(device=device or self.weight.device, dtype=self.weight_dtype).contiguous()
+        codes, state = quantize_4bit(full, **self.quant_settings())
+        self.weight = bnb.nn.Params4bit(
+            codes, requires_grad=False, quant_state=state, module=self, bnb_quantized=True, **self.quant_settings()
+        )
+
+    def quant_settings(self) -> dict:
+        """bitsandbytes' quantization arguments for this layer (`quantize_4bit`'s and `Params4bit`'s names)."""
+        return {
+            "blocksize": BLOCKSIZE,
+            "compress_statistics": self.double_quant,
+            "quant_type": self.quant_type,
+            "quant_storage": self.quant_storage,
+        }
+
+
+class _Quantizing:
+    """What the loaders copy a Linear4bit's full-precision weight into: it has the full shape, and `copy_`
+    quantizes (`Linear4bit.set_weight`)."""
+
+    def __init__(self, layer: Linear4bit):
+        self.layer = layer
+        self.shape = torch.Size((layer.out_features, layer.in_features))
+
+    def copy_(self, full: torch.Tensor) -> _Quantizing:
+        self.layer.set_weight(full)
+        return self
+
+
+def quantizing_targets(model: nn.Module) -> dict[int, _Quantizing]:
+    """id(weight parameter) -> the target the loaders copy its full-precision tensor into, for every Linear4bit."""
+    return {id(m.weight): _Quantizing(m) for m in model.modules() if isinstance(m, Linear4bit)}
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, Linear4bit) for m in model.modules())
+
+
+def quantize_base(model: nn.Module, args) -> nn.Module:
+    """Every linear layer of `model` but lm_head as a Linear4bit (in place), as `args` ask (load_in_4bit); the
+    model unchanged otherwise, or when it is quantized already (transforms are idempotent)."""
+    if not args.load_in_4bit or is_quantized(model):
+        return model
+    settings = {
+        "quant_type": args.bnb_4bit_quant_type,
+        "compute_dtype": QUANT_DTYPES[args.bnb_4bit_compute_dtype] if args.bnb_4bit_compute_dtype else None,
+        "double_quant": args.bnb_4bit_use_double_quant,
+        "storage": QUANT_DTYPES[args.bnb_4bit_quant_storage or "uint8"],
+    }
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Linear and child_name not in _SKIP:
+                setattr(module, child_name, Linear4bit.from_linear(child, **settings))
+    model.is_loaded_in_4bit = True  # transformers' flag, from which peft picks its 4-bit LoRA layer
+    return model
+
+
+@torch.no_grad()
+def dequantized(model: nn.Module) -> nn.Module:
+    """`model` with every Linear4bit replaced by a plain nn.Linear holding dequantize(W) in the dtype it was
+    quantized from (in place): the function a QLoRA adapter was trained over, to merge it into."""
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, Linear4bit):
+                weight = dequantize(child.weight)
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                linear.weight = nn.Parameter(weight, requires_grad=False)
+                linear.bias = child.bias
+                setattr(module, child_name, linear)
+    model.__dict__.pop("is_loaded_in_4bit", None)
+    return model
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes the 4-bit weights of `model` take: codes plus their quantization state (absmax scales, nested scales
+    and code book), counted from the tensors."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Linear4bit) and getattr(m.weight, "quant_state", None) is not None:
+            total += m.weight.numel() * m.weight.element_size()
+            state = m.weight.quant_state
+            tensors = [state.absmax, state.code]
+            if state.nested:
+                tensors += [state.state2.absmax, state.state2.code, state.offset]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
