@@ -446,7 +446,10 @@ class TrainingArguments:
     adam_beta2: float = _arg(0.999, "optimizer", "AdamW beta2 (second-moment decay).")
     adam_epsilon: float = _arg(1e-8, "optimizer", "AdamW epsilon added to the denominator.")
     optim: str = _arg(
-        "adamw_fused", "optimizer", "Optimizer; adamw_fused is our fused AdamW (kernels.FusedAdamW).", OPTIMIZERS
+        "adamw_fused",
+        "optimizer",
+        "Optimizer; adamw_fused is our fused AdamW (kernels.FusedAdamW), the *8bit ones bitsandbytes' 8-bit AdamW.",
+        OPTIMIZERS,
     )
     optim_args: str | dict | None = _arg(
         None, "optimizer", "Extra optimizer options, 'k=v,k=v' or JSON (sgd: momentum, dampening, nesterov)."
