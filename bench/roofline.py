@@ -115,6 +115,9 @@ whose modelled peak fits each GPU, per setting x GPU x stack. Results: bench/res
   past LADDER_TRACE_MAX_TILED its answer is the fit's alone, and its host bytes and step time are extrapolated
   from the traces (bytes on the line through the two longest, ms on the parabola through the three,
   `extrapolated_step`).
+- Optimizer state (the md's table, not a rung): AdamW's bytes per parameter by --optim, measured
+  (ADAMW_STATE_BYTES_PER_PARAM: fp32 moments 8, bf16 moments 4, bitsandbytes' 8-bit blockwise 2.03125), and what each
+  holds for a full fine-tune of the 1B and 8B models (`adamw_state_bytes`).
 - Calibration: the 1B full fine-tune without checkpointing, stacks ours / hf / hf_liger, at every rung measured on
   an H200 (bench/results/h200/train_memory_seq_len.jsonl, torch.cuda.max_memory_allocated), modelled/measured per
   rung; Unsloth's published QLoRA contexts and Snowflake ALST's full fine-tune baselines stand beside the modelled
@@ -1430,6 +1433,16 @@ GPUS = {
 }
 PCIE_BYTES_S = COPY_BYTES_PER_S  # per direction: PCIe Gen5 x16's 64 GB/s derated (trainer/model/offload.py)
 NF4_BYTES_PER_PARAM = 0.516  # bitsandbytes NF4: 4 bits + the double-quantised absmax scales
+# AdamW's state per parameter by --optim, measured (tests/bench/test_ladder.py holds each figure to the real optimizer:
+# its state bytes after one step on 4096 x 4096 and 4096 x 4352 tensors, the slope between them, so per-tensor
+# constants such as step counters and bitsandbytes' two 256-entry code tables are left out; on 4096 x 4096 the 8-bit
+# state with its code tables is 2.03137 bytes per parameter). The ladder's full fine-tunes run the first.
+ADAMW_STATE_BYTES_PER_PARAM = {
+    "adamw_fused": 8.0,  # two fp32 moments (adamw_torch and adamw_torch_fused: the same)
+    "adamw_fused state_dtype=bfloat16": 4.0,  # two bf16 moments (kernels.FusedAdamW(state_dtype=torch.bfloat16))
+    "adamw_bnb_8bit": 2.03125,  # two uint8 moments + one fp32 absmax per 256-value block each: 2 x (1 + 4/256)
+}
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep fp32 moments
 LADDER_RUNG = 256  # the ladder's answers are multiples of this many tokens
 LADDER_FIT_SEQ_LENS = (32768, 65536)  # traces the linear fit is drawn through
 LADDER_CHECK_SEQ_LEN = 131072  # the third trace: how far the fit is from linear
@@ -1509,6 +1522,29 @@ def ladder_config(model: str) -> dict:
     config = dict(LLAMA_31_8B) if model == "llama-3.1-8b" else model_config(model)
     config["max_position_embeddings"] = 1 << 23  # RoPE is computed per position; no table of this size is built
     return config
+
+
+def adamw_state_bytes(config: dict, optim: str) -> int:
+    """AdamW's state bytes over every parameter of `config`'s model (a full fine-tune) under `optim`, a key of
+    ADAMW_STATE_BYTES_PER_PARAM. bitsandbytes' 8-bit rate applies per tensor as our build_optimizer sets it up (as
+    transformers does): to tensors of at least BNB_MIN_8BIT_SIZE elements other than an nn.Embedding's weight, each
+    with a whole fp32 absmax per started 256-value block; every other tensor keeps fp32 moments."""
+    from trainer.model.causal_lm import CausalLM, ModelConfig
+
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.from_hf(config), use_kernels=False)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    rate = ADAMW_STATE_BYTES_PER_PARAM[optim]
+    total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if optim != "adamw_bnb_8bit":
+            total += int(rate * n)
+        elif n < BNB_MIN_8BIT_SIZE or id(p) in embeddings:
+            total += 8 * n
+        else:
+            total += 2 * (n + 4 * math.ceil(n / 256))
+    return total
 
 
 class HostCopy:
@@ -2135,6 +2171,7 @@ def render_ladder(rows: list[dict], env: dict) -> str:
                 f"{100 * r['fit_check_deviation']:+.2f}% off it"
             )
     lines += ["", "## Targets (modelled)", ""] + [f"- {t}" for t in ladder_targets(rows)]
+    lines += optimizer_state_lines()
     lines += [
         "",
         "## Calibration: the measured H200 ladder (Llama-3.2-1B full fine-tune, no checkpointing)",
@@ -2211,6 +2248,35 @@ def render_ladder(rows: list[dict], env: dict) -> str:
             lines.append(f"| {gpu} | {alst:,} | {hf:,} | {hf / alst:.2f} | {liger:,} | {ours:,} |")
     lines += ["", "![modelled max context against GPU memory](ladder.png)", ""]
     return "\n".join(lines)
+
+
+def optimizer_state_lines() -> list[str]:
+    """The md's table of AdamW state bytes per parameter (measured) and what each option holds for a full fine-tune
+    of the ladder's models."""
+    models = {"llama-3.2-1b": "Llama-3.2-1B", "llama-3.1-8b": "Llama-3.1-8B"}
+    configs = {model: ladder_config(model) for model in models}
+    lines = [
+        "",
+        "## Optimizer state bytes per parameter (measured)",
+        "",
+        "AdamW's state by `--optim`, measured on the real optimizers (the state's bytes after one step, as the slope "
+        "between a 4096 x 4096 and a 4096 x 4352 tensor: per-tensor constants left out; tests/bench/test_ladder.py "
+        "holds the figures). The full fine-tunes above run the first (on the host under FSDP2 CPU offload, which "
+        f"the 8-bit state cannot join). bitsandbytes keeps fp32 moments for tensors under {BNB_MIN_8BIT_SIZE:,} "
+        "elements and, as transformers sets it up, for every embedding's weight; the GB columns count that.",
+        "",
+        "| --optim | state bytes / param | " + " | ".join(f"{t} full: state GB" for t in models.values()) + " |",
+        "|---|---|" + "---|" * len(models),
+    ]
+    names = {
+        "adamw_fused": "adamw_fused, adamw_torch, adamw_torch_fused (fp32 moments)",
+        "adamw_fused state_dtype=bfloat16": "adamw_fused + optim_args state_dtype=bfloat16 (bf16 moments)",
+        "adamw_bnb_8bit": "adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit (bitsandbytes, 8-bit blockwise)",
+    }
+    for optim, rate in ADAMW_STATE_BYTES_PER_PARAM.items():
+        cells = " | ".join(f"{adamw_state_bytes(configs[m], optim) / 1e9:.2f}" for m in models)
+        lines.append(f"| {names[optim]} | {rate:g} | {cells} |")
+    return lines
 
 
 def ladder_chart(rows: list[dict], path: Path) -> Path:

@@ -9,10 +9,15 @@ import math
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
+import kernels
 from bench import roofline as rf
 from bench.bench_train import model_config
+from kernels import FusedAdamW
+from trainer.config.args import TrainingArguments
+from trainer.loop.optim import build_optimizer
 from trainer.model.causal_lm import CausalLM, ModelConfig
 from trainer.model.offload import ActivationOffloader
 
@@ -106,6 +111,69 @@ def test_qlora_stores_base_weights_at_0516_bytes_per_parameter():
     assert lora["setup_bytes"] - qlora["setup_bytes"] == saved
     layer = rf.NF4Linear(torch.nn.Linear(1000, 300, bias=False, device="meta"))
     assert layer.packed.nbytes == math.ceil(rf.NF4_BYTES_PER_PARAM * 300_000) == 154_800
+
+
+def _state_bytes(optimizer) -> int:
+    """Bytes of an optimizer's state that grow with the parameters: without per-tensor constants (step counters,
+    bitsandbytes' 256-entry code tables qmap1/qmap2, shared by all of its tensors)."""
+    return sum(
+        v.nbytes
+        for state in optimizer.state.values()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and k not in ("step", "qmap1", "qmap2")
+    )
+
+
+def _optimizers() -> dict:
+    bnb = pytest.importorskip("bitsandbytes")
+    return {
+        "adamw_fused": FusedAdamW,
+        "adamw_fused state_dtype=bfloat16": lambda params: FusedAdamW(params, state_dtype=torch.bfloat16),
+        "adamw_bnb_8bit": bnb.optim.AdamW8bit,
+    }
+
+
+def test_adamw_state_bytes_per_parameter_are_the_real_optimizers():
+    """ADAMW_STATE_BYTES_PER_PARAM against each real optimizer: all of its state's bytes after one step, as the slope
+    between a 4096 x 4096 and a 4096 x 4352 tensor (per-tensor constants cancel); bitsandbytes' 8-bit state is two
+    uint8 moments and one fp32 absmax per 256 values each, 2.03125 bytes, and 2.03137 on 4096 x 4096 with its code
+    tables."""
+    optimizers = _optimizers()
+    assert optimizers.keys() == rf.ADAMW_STATE_BYTES_PER_PARAM.keys()
+    for name, make in optimizers.items():
+        measured = []
+        for shape in ((4096, 4096), (4096, 4352)):
+            param = torch.nn.Parameter(torch.zeros(shape))
+            optimizer = make([param])
+            param.grad = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+            with kernels.backend("reference"):  # the same state as the kernels', without the interpreter's minutes
+                optimizer.step()
+            state = optimizer.state[param].values()
+            measured.append(sum(v.nbytes for v in {id(v): v for v in state if isinstance(v, torch.Tensor)}.values()))
+        assert (measured[1] - measured[0]) / (4096 * 256) == rf.ADAMW_STATE_BYTES_PER_PARAM[name], name
+    assert measured[0] / 4096**2 == pytest.approx(2.03137, abs=1e-5)  # the 8-bit state with its two code tables
+
+
+def test_adamw_state_bytes_of_a_model_are_build_optimizers():
+    """adamw_state_bytes (the md's GB columns) against our build_optimizer's optimizer on the tiny model after a step:
+    for the 8-bit state, fp32 moments for tensors under 4096 elements and the (tied) embedding, and a whole absmax
+    per started block (intermediate 345: 345 x 128 weights end in half a block)."""
+    config = rf.ladder_config("tiny") | {"intermediate_size": 345}
+    optim_of = {
+        "adamw_fused": {"optim": "adamw_fused"},
+        "adamw_fused state_dtype=bfloat16": {"optim": "adamw_fused", "optim_args": "state_dtype=bfloat16"},
+        "adamw_bnb_8bit": {"optim": "adamw_bnb_8bit"},
+    }
+    assert optim_of.keys() == rf.ADAMW_STATE_BYTES_PER_PARAM.keys()
+    _optimizers()  # bitsandbytes installed, or skip
+    for name, arguments in optim_of.items():
+        model = CausalLM(ModelConfig.from_hf(config), use_kernels=False)
+        optimizer = build_optimizer(model, TrainingArguments(**arguments))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        with kernels.backend("reference"):
+            optimizer.step()
+        assert _state_bytes(optimizer) == rf.adamw_state_bytes(config, name), name
 
 
 def test_cpu_offload_keeps_parameters_and_optimizer_state_off_the_device():

@@ -48,8 +48,13 @@ Test: `python -m pytest tests/trainer/config/test_args.py -q`.
 Deliberate differences from Hugging Face
 ----------------------------------------
 - `optim` defaults to `adamw_fused` (our AdamW, `kernels.FusedAdamW`: Triton, the CUDA op for bf16 parameters); only
-  `adamw_fused`, `adamw_torch`, `adamw_torch_fused` and `sgd` exist. `optim_args` is validated per optimizer (HF ignores
-  unknown keys for AdamW) and stored as a typed dict; `lr_scheduler_kwargs` keys are validated per schedule.
+  `adamw_fused`, `adamw_torch`, `adamw_torch_fused`, `sgd` and bitsandbytes' 8-bit AdamW under transformers' names
+  (`adamw_bnb_8bit`, its alias `adamw_8bit`, `paged_adamw_8bit`) exist. transformers' other bitsandbytes names
+  (`paged_adamw_32bit`, `lion_8bit`, `lion_32bit`, `paged_lion_*`, `ademamix*`, `paged_ademamix*`, `rmsprop_bnb*`) are
+  not offered. An 8-bit AdamW without bitsandbytes installed is an error here, at argument time (HF fails when the
+  optimizer is built), and so is one with FSDP2 (bitsandbytes' update ops take no DTensor parameters).
+  `optim_args` is validated per optimizer (HF ignores unknown keys for AdamW, and passes bitsandbytes' AdamW none, so
+  none are accepted for it) and stored as a typed dict; `lr_scheduler_kwargs` keys are validated per schedule.
 - `report_to` accepts `none`, `all`, or any of `jsonl` (ours), `tensorboard`, `wandb`, `mlflow`, `swanlab`,
   `trackio` (trainer/loop/loggers.py); a service whose package is not installed is an error here, at argument time
   (HF fails later, when the callback is built). `all` = jsonl + every installed one, as HF's "all". Other HF
@@ -134,7 +139,11 @@ from trainer.config.arg_parser import (
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 LOGGING_STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
-OPTIMIZERS = ("adamw_fused", "adamw_torch", "adamw_torch_fused", "sgd")
+# bitsandbytes' 8-bit AdamW under transformers' names (adamw_8bit is transformers' alias of adamw_bnb_8bit); the
+# optional package is checked here, at argument time (trainer.loop.optim imports it when it builds the optimizer)
+BNB_OPTIMIZERS = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
+BITSANDBYTES_INSTALL = "pip install 'kernelwright[qlora]'"
+OPTIMIZERS = ("adamw_fused", "adamw_torch", "adamw_torch_fused", "sgd", *BNB_OPTIMIZERS)
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -173,6 +182,8 @@ OPTIM_ARGS: dict[str, dict[str, Any]] = {
     "adamw_torch": {"amsgrad": bool},
     "adamw_torch_fused": {"amsgrad": bool},
     "sgd": {"momentum": float, "dampening": float, "nesterov": bool},
+    # transformers passes bitsandbytes' AdamW no optim_args (lr, betas, eps, weight decay come from their flags)
+    **{name: {} for name in BNB_OPTIMIZERS},
 }
 
 # Keys each schedule accepts in `lr_scheduler_kwargs` (Hugging Face's names), with their types.
@@ -439,7 +450,10 @@ class TrainingArguments:
     adam_beta2: float = _arg(0.999, "optimizer", "AdamW beta2 (second-moment decay).")
     adam_epsilon: float = _arg(1e-8, "optimizer", "AdamW epsilon added to the denominator.")
     optim: str = _arg(
-        "adamw_fused", "optimizer", "Optimizer; adamw_fused is our fused AdamW (kernels.FusedAdamW).", OPTIMIZERS
+        "adamw_fused",
+        "optimizer",
+        "Optimizer; adamw_fused is our fused AdamW (kernels.FusedAdamW), the *8bit ones bitsandbytes' 8-bit AdamW.",
+        OPTIMIZERS,
     )
     optim_args: str | dict | None = _arg(
         None, "optimizer", "Extra optimizer options, 'k=v,k=v' or JSON (sgd: momentum, dampening, nesterov)."
@@ -963,6 +977,7 @@ class TrainingArguments:
             )
         if self.bf16_full_eval and self.fp16_full_eval:
             raise ConfigError("bf16_full_eval and fp16_full_eval are both set; choose at most one")
+        self._validate_bnb_optimizer()
 
         for name in (
             "per_device_train_batch_size",
@@ -1086,6 +1101,21 @@ class TrainingArguments:
                     f"dist_config.mixed_precision={mp!r} contradicts --{'bf16' if self.bf16 else 'fp16'}; "
                     "leave it unset to follow the precision flags"
                 )
+
+    def _validate_bnb_optimizer(self) -> None:
+        """bitsandbytes' 8-bit AdamW: the package is installed (found, not imported: the import takes seconds), and
+        the parameters are plain tensors (FSDP2's DTensors reach bitsandbytes' update ops mixed with plain state
+        tensors, which DTensor refuses: measured with bitsandbytes 0.50.2 and torch 2.13)."""
+        if self.optim not in BNB_OPTIMIZERS:
+            return
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"optim={self.optim}: bitsandbytes is not installed ({BITSANDBYTES_INSTALL})")
+        if (self.dist_config or {}).get("name") == "fsdp2":
+            raise ConfigError(
+                f"optim={self.optim} with dist_config fsdp2 (--fsdp) is not supported: bitsandbytes' 8-bit AdamW "
+                "steps plain tensors, not FSDP2's sharded DTensor parameters; use DDP or DeepSpeed, or --optim "
+                "adamw_fused with --optim_args state_dtype=bfloat16 (4 bytes of state per parameter)"
+            )
 
     def _validate_best_model(self) -> None:
         """Hugging Face's rules for load_best_model_at_end, plus: evaluation must be on."""
@@ -1421,6 +1451,7 @@ __all__ = [
     "parse_optim_args",
     "check_scheduler_kwargs",
     "OPTIMIZERS",
+    "BNB_OPTIMIZERS",
     "SCHEDULERS",
     "OPTIM_ARGS",
     "SCHEDULER_KWARGS",

@@ -21,6 +21,24 @@ checked a second time here; `optim_args` is already a typed dict):
   adamw_torch        torch.optim.AdamW (foreach)          optim_args: amsgrad
   adamw_torch_fused  torch.optim.AdamW(fused=True)        optim_args: amsgrad (works on CPU in torch 2.13)
   sgd                torch.optim.SGD                      optim_args: momentum, dampening, nesterov
+  adamw_bnb_8bit     bitsandbytes.optim.AdamW8bit, as transformers builds the name (bitsandbytes' AdamW with
+  adamw_8bit         optim_bits=8; adamw_8bit is transformers' alias): 8-bit moments quantised blockwise (blocks of
+                     256 values, one fp32 absmax each per moment: 2.03 bytes per parameter, bench.roofline's
+                     ADAMW_STATE_BYTES_PER_PARAM) for tensors of at least 4096 elements (bitsandbytes' min_8bit_size);
+                     smaller tensors, and the weight of every nn.Embedding in the model (transformers' override, on a
+                     manager of the optimizer's own, see _bnb_adamw_8bit), keep fp32 moments    optim_args: none
+                     (transformers passes it none)
+  paged_adamw_8bit   bitsandbytes.optim.PagedAdamW8bit: the same, with the state of tensors of at least 1e5
+                     elements in CUDA unified memory, which the driver pages out to the host when the GPU runs short
+                     (and back before each step). On CPU there is nothing to page: bitsandbytes keeps the state in
+                     ordinary memory (the same values as adamw_bnb_8bit) and the Trainer says so in one line
+                     (bitsandbytes' own UserWarning is quieted). A resumed run's state is loaded into ordinary device
+                     memory (bitsandbytes' load_state_dict moves it to the parameters' device, as under transformers).
+The 8-bit AdamWs need bitsandbytes (`pip install 'kernelwright[qlora]'`), checked by TrainingArguments; FSDP2 is refused
+there (its DTensor parameters reach bitsandbytes' update ops beside plain state tensors, which DTensor rejects). Under
+DeepSpeed they step its flat fp32 partitions as its client optimizer, so blocks span parameters and no embedding keeps
+fp32 state (as under transformers + DeepSpeed). transformers' other bitsandbytes names (paged_adamw_32bit, lion_*,
+paged_lion_*, ademamix*, paged_ademamix*, rmsprop_bnb*) and torchao's adamw_torch_8bit/4bit are not offered.
 Unlike Hugging Face, `optim_args` keys an optimizer does not take are an error, not ignored.
 `optim_config` (seed 001) with a registered name above is the same as optim + optim_args (trainer.config.args folds it);
 with 'module:attribute' it is the user's class or factory, called as fn(param_groups, lr=learning_rate, **options)
@@ -56,7 +74,8 @@ num_training_steps / num_warmup_steps where its signature names them; it must re
 once per optimizer step (not ReduceLROnPlateau). Checkpoints save its state_dict like any other.
 
 Test: `python -m pytest tests/trainer/loop/test_optim.py -q` (curves checked against formulas written in the test
-and against `transformers.get_scheduler`).
+and against `transformers.get_scheduler`); `tests/trainer/loop/test_optim_8bit.py` (the 8-bit AdamWs against the
+optimizer transformers builds for each name, bit for bit, and through the Trainer with a resume).
 """
 
 import math
@@ -69,6 +88,8 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from kernels import FusedAdamW
 from trainer.config.args import (
+    BITSANDBYTES_INSTALL,
+    BNB_OPTIMIZERS,
     OPTIMIZERS,
     SCHEDULERS,
     ConfigError,
@@ -76,6 +97,11 @@ from trainer.config.args import (
     accepts_keyword,
     check_scheduler_kwargs,
     resolve_callable,
+)
+
+PAGED_ON_CPU = (
+    "optim=paged_adamw_8bit on CPU: no paging (bitsandbytes pages optimizer state through CUDA unified memory only); "
+    "the 8-bit state is ordinary host memory, as adamw_bnb_8bit's"
 )
 
 
@@ -149,8 +175,36 @@ def build_optimizer(model_or_params: torch.nn.Module | Iterable, args: TrainingA
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd, **optim_args)
     if args.optim == "adamw_torch_fused":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd, fused=True, **optim_args)
+    if args.optim in BNB_OPTIMIZERS:
+        modules = list(model_or_params.modules()) if isinstance(model_or_params, torch.nn.Module) else []
+        return _bnb_adamw_8bit(args.optim, groups, modules, lr=lr, betas=betas, eps=eps, weight_decay=wd)
     state_dtype = getattr(torch, optim_args.get("state_dtype", "float32"))  # validated: float32 or bfloat16
     return FusedAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd, state_dtype=state_dtype)
+
+
+def _bnb_adamw_8bit(optim: str, groups: list[dict[str, Any]], modules: list, **hyper: Any) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW8bit (PagedAdamW8bit for paged_adamw_8bit) as transformers builds it: its AdamW with
+    optim_bits=8 and is_paged, lr, betas and eps from the flags, each group's weight decay; and, as transformers'
+    Trainer.create_optimizer does, 32-bit state for the weight of every nn.Embedding among `modules`. transformers
+    registers that override with bitsandbytes' process-wide GlobalOptimManager, which keeps every module it is given
+    alive and matches later optimizers' parameters by (group, index) and id(); here each optimizer gets a manager of
+    its own (`mng`, the attribute bitsandbytes 0.50 reads the overrides from), so nothing outlives the optimizer."""
+    try:
+        from bitsandbytes.optim import AdamW8bit, GlobalOptimManager, PagedAdamW8bit
+    except ImportError:
+        raise ConfigError(f"optim={optim}: bitsandbytes is not installed ({BITSANDBYTES_INSTALL})") from None
+    optimizer = (PagedAdamW8bit if optim == "paged_adamw_8bit" else AdamW8bit)(groups, **hyper)
+    manager = GlobalOptimManager.__new__(GlobalOptimManager)  # its __init__ refuses: get_instance's singleton
+    manager.initialize()
+    for module in modules:
+        if isinstance(module, torch.nn.Embedding):
+            manager.register_module_override(module, "weight", {"optim_bits": 32})
+    optimizer.mng = manager
+    if optim == "paged_adamw_8bit" and all(p.device.type == "cpu" for g in groups for p in g["params"]):
+        # bitsandbytes falls back to plain memory on the CPU and says so with a UserWarning at the first step, in the
+        # middle of the progress bar; its once-per-optimizer flag quiets it and the Trainer says PAGED_ON_CPU instead
+        optimizer._cpu_paged_warned = True
+    return optimizer
 
 
 def _user_optimizer(
@@ -358,4 +412,4 @@ def build_lr_scheduler(
     return scheduler
 
 
-__all__ = ["param_groups", "build_optimizer", "build_scheduler", "build_lr_scheduler"]
+__all__ = ["PAGED_ON_CPU", "param_groups", "build_optimizer", "build_scheduler", "build_lr_scheduler"]

@@ -72,7 +72,7 @@ from trainer.loop.evaluation import (
     track_best,
 )
 from trainer.loop.metrics import MetricsWriter, Throughput, device_peak_flops, format_logs, peak_memory_gb
-from trainer.loop.optim import build_lr_scheduler, build_optimizer
+from trainer.loop.optim import PAGED_ON_CPU, build_lr_scheduler, build_optimizer
 from trainer.loop.resume import apply_checkpoint_arguments, restore_checkpoint, save_model_files, saved_arguments
 from trainer.model.causal_lm import HostLabels
 from trainer.model.lora import has_adapter, trainable_summary
@@ -474,6 +474,8 @@ class Trainer:
         constructor, or kept from an earlier train()), built where not; Hugging Face's attributes then name what
         it runs (under DeepSpeed `model` is its engine, around the model)."""
         args = self.args
+        if self.optimizer is None and args.optim == "paged_adamw_8bit" and device.type == "cpu":
+            self._print(PAGED_ON_CPU)
         engine = self.engine = start_engine(
             self.model,
             args,

@@ -173,9 +173,10 @@ ERRORS = [
     (
         dict(optim="adafactor"),
         "optim='adafactor' is not a supported optimizer: "
-        "expected one of adamw_fused, adamw_torch, adamw_torch_fused, sgd",
+        "expected one of adamw_fused, adamw_torch, adamw_torch_fused, sgd, adamw_bnb_8bit, adamw_8bit, "
+        "paged_adamw_8bit",
     ),
-    (dict(optim="adamw_8bit"), "optim='adamw_8bit' is not a supported optimizer"),
+    (dict(optim="paged_adamw_32bit"), "optim='paged_adamw_32bit' is not a supported optimizer"),
     (
         dict(report_to="comet_ml"),
         "report_to='comet_ml' is not supported; expected none, all or some of jsonl, tensorboard, wandb, mlflow",
@@ -714,7 +715,7 @@ FLAG_ERRORS = [
     (["--bf16", "maybe"], "bf16: expected a boolean, got 'maybe'"),
     (["--no_bf16", "true"], "--no_bf16 takes no value"),
     (["--eval_strategy", "hourly"], "eval_strategy='hourly': expected one of no, steps, epoch"),
-    (["--optim", "adamw_8bit"], "optim='adamw_8bit' is not a supported optimizer"),
+    (["--optim", "lion_8bit"], "optim='lion_8bit' is not a supported optimizer"),
     (["--report_to", "wandbb"], "report_to='wandbb' is not supported (did you mean 'wandb'?)"),
     (["--lr_scheduler_kwargs", "{oops"], "lr_scheduler_kwargs"),
     (["--do_train", "stray"], "do_train: expected a boolean, got 'stray'"),

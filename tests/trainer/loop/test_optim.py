@@ -527,9 +527,10 @@ PLUGIN_ERRORS = [
     (
         dict(optim_config={"name": "lion"}),
         "optim_config.name='lion' is not a registered optimizer; registered "
-        "optimizers: adamw_fused, adamw_torch, adamw_torch_fused, sgd; or 'module:attribute' for your own",
+        "optimizers: adamw_fused, adamw_torch, adamw_torch_fused, sgd, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit; "
+        "or 'module:attribute' for your own",
     ),
-    (dict(optim_config={"name": "adamw"}), "(did you mean 'adamw_torch'?)"),
+    (dict(optim_config={"name": "adamw_torc"}), "(did you mean 'adamw_torch'?)"),
     (dict(optim_config={"momentum": 0.9}), "optim_config: 'name' is required (registered optimizers: adamw_fused"),
     (
         dict(optim_config={"name": "no_such_module:Lion"}),

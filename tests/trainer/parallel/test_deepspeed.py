@@ -7,8 +7,9 @@ accelerator.
 - Runs (spawned as tests/trainer/parallel/test_distributed.py spawns them: DeepSpeed forms a process group, which must
   not outlive a test in this process): one process without a launcher, and 2 gloo processes under ZeRO-2, ZeRO-3 and
   ZeRO-3 with offload_optimizer, all log the losses of one process without DeepSpeed on the same global batch
-  (2 x 4 = 2 ranks x 2 x 2); a run resumed from checkpoint-2 continues as the unbroken one; the consolidated export
-  (ZeRO-3 gathered) holds the same weights as the one-process run and loads in transformers with our logits.
+  (2 x 4 = 2 ranks x 2 x 2); a run resumed from checkpoint-2 continues as the unbroken one (with bitsandbytes' 8-bit
+  AdamW as the client optimizer too); the consolidated export (ZeRO-3 gathered) holds the same weights as the
+  one-process run and loads in transformers with our logits.
 No config here makes DeepSpeed build a C++ op (no optimizer section: ours is its client optimizer).
 Tolerance: as tests/trainer/parallel/test_distributed.py (the same fp32 terms summed in another order: ~1e-5 relative).
 """
@@ -275,6 +276,9 @@ def ds_suite(tmp_path_factory, data_file):  # noqa: F811
     ]
     jobs.append({"name": "zero2-nan", "args": {**ds_args(root, "zero2"), "save_strategy": "no"}, "nan_at_step": 2})
     jobs.append({"name": "zero3-lora", "args": {**ds_args(root, "zero3"), **LORA_ARGS}})
+    eight_bit = {**ds_args(root, "zero2"), "optim": "adamw_bnb_8bit"}
+    jobs.append({"name": "zero2-8bit", "args": eight_bit})
+    jobs.append({"name": "zero2-8bit-resumed", "args": eight_bit, "resume": str(root / "zero2-8bit/run/checkpoint-2")})
     return ok(launch(root, data_file, jobs))
 
 
@@ -297,6 +301,16 @@ def test_resume_equals_unbroken_run(ds_suite, name):
     # steps 1-2 come back with the checkpoint's log history, step 3 is trained after the resume
     assert resumed["losses"] == pytest.approx(unbroken["losses"], rel=1e-6)
     assert resumed["eval_loss"] == pytest.approx(unbroken["eval_loss"], rel=1e-6)
+
+
+def test_8bit_adamw_as_client_optimizer_trains_and_resumes(ds_suite):
+    """bitsandbytes' 8-bit AdamW (--optim adamw_bnb_8bit) as DeepSpeed's client optimizer under ZeRO-2: it steps
+    DeepSpeed's flat fp32 partitions (so its 8-bit blocks span parameters and no embedding keeps 32-bit state, as
+    under transformers + DeepSpeed), and the run resumed from checkpoint-2 continues as the unbroken one."""
+    unbroken, resumed = ds_suite["result"]["zero2-8bit"], ds_suite["result"]["zero2-8bit-resumed"]
+    assert resumed["losses"] == pytest.approx(unbroken["losses"], rel=1e-6)
+    fp32 = ds_suite["result"]["zero2"]["losses"]  # FusedAdamW's: the 8-bit state's rounding shows by the last step
+    assert unbroken["losses"] != fp32 and unbroken["losses"] == pytest.approx(fp32, rel=1e-3)
 
 
 def test_nonfinite_step_skipped_and_counted(ds_suite, reference_run):  # noqa: F811
