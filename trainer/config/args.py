@@ -1182,7 +1182,7 @@ class TrainingArguments:
         if name in ("deepspeed", "fsdp2"):
             raise ConfigError(f"load_in_4bit with dist_config {name} is not supported: {_QUANT_DIST_WHY[name]}")
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError("load_in_4bit: bitsandbytes is not installed (pip install 'kernelwright[qlora]')")
+            raise ConfigError(f"load_in_4bit: bitsandbytes is not installed ({BITSANDBYTES_INSTALL})")
 
     # -- helpers for the loop --------------------------------------------------------------------------------
 
