@@ -83,7 +83,8 @@ whose modelled peak fits each GPU, per setting x GPU x stack. Results: bench/res
 - Settings (SETTINGS): Llama-3.2-1B full fine-tune (fp32 master weights, AdamW state, bf16 autocast); Llama-3.1-8B
   LoRA r=16 (alpha 32, no dropout) on every linear layer of the blocks through peft's inject_adapter_in_model (bf16
   frozen base, fp32 adapters, AdamW on the adapters); QLoRA: the same with each base linear weight stored as NF4Linear,
-  0.516 bytes a parameter (bitsandbytes' 4-bit codes + double-quantised scales), dequantised to a transient bf16
+  0.516 bytes a parameter (`nf4_bytes`: bitsandbytes' 4-bit codes + double-quantised scales, the bytes of a real
+  quantized layer), dequantised to a transient bf16
   weight for the matmul in forward and again in backward (one layer at a time, as bitsandbytes' MatMul4Bit);
   embeddings, norms and the LM head stay bf16. 8B full fine-tune with FSDP2's CPU offload on one process
   (HostParameters): parameters, gradients and AdamW state live on the host (16 bytes a parameter, fp32); the device
@@ -1432,7 +1433,18 @@ GPUS = {
     "141 GB": (int(140.4 * GIB), "h200"),  # H200 (143771 MiB)
 }
 PCIE_BYTES_S = COPY_BYTES_PER_S  # per direction: PCIe Gen5 x16's 64 GB/s derated (trainer/model/offload.py)
-NF4_BYTES_PER_PARAM = 0.516  # bitsandbytes NF4: 4 bits + the double-quantised absmax scales
+
+
+def nf4_bytes(numel: int) -> int:
+    """Bytes bitsandbytes stores for a weight of `numel` values in NF4 with double quantisation (QLoRA's setting,
+    blocks of 64): the 4-bit codes, one uint8 absmax a block, one fp32 scale per 256 blocks, and the per-tensor
+    code books (16 + 256 fp32) and offset. tests/bench/test_ladder.py holds it to the bytes of real layers quantized
+    by bitsandbytes (trainer.model.quant.quantized_bytes), the Llama-3.1-8B shapes among them: 0.5159 bytes a weight
+    there."""
+    blocks = math.ceil(numel / 64)
+    return (numel + 1) // 2 + blocks + 4 * math.ceil(blocks / 256) + 4 * (16 + 256 + 1)
+
+
 # AdamW's state per parameter by --optim, measured (tests/bench/test_ladder.py holds each figure to the real optimizer:
 # its state bytes after one step on 4096 x 4096 and 4096 x 4352 tensors, the slope between them, so per-tensor
 # constants such as step counters and bitsandbytes' two 256-entry code tables are left out; on 4096 x 4096 the 8-bit
@@ -1609,12 +1621,12 @@ class _NF4Matmul(torch.autograd.Function):
 
 
 class NF4Linear(torch.nn.Module):
-    """A frozen base linear layer as bitsandbytes stores it: NF4_BYTES_PER_PARAM bytes per weight (no bias)."""
+    """A frozen base linear layer as bitsandbytes stores it: `nf4_bytes` of its weight (no bias)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = math.ceil(NF4_BYTES_PER_PARAM * linear.weight.numel())
+        packed = nf4_bytes(linear.weight.numel())
         self.register_buffer("packed", torch.empty(packed, dtype=torch.uint8, device="meta"))
 
     def dequantize(self) -> torch.Tensor:

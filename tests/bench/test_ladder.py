@@ -92,7 +92,7 @@ def test_offloading_in_the_trace_frees_the_offloaded_bytes_on_the_device():
     assert small["offloaded_bytes"] == 0  # every save under 1 MiB stays
 
 
-def test_qlora_stores_base_weights_at_0516_bytes_per_parameter():
+def test_qlora_stores_base_weights_as_bitsandbytes_quantizes_them():
     config = rf.ladder_config("tiny")
     stack = rf.LadderStack("hf", checkpointing=True)
     lora = rf.ladder_step(rf.SETTINGS["8b_lora"], stack, 256, config)
@@ -107,10 +107,23 @@ def test_qlora_stores_base_weights_at_0516_bytes_per_parameter():
         (c["hidden_size"], c["intermediate_size"]),  # up_proj
         (c["intermediate_size"], c["hidden_size"]),  # down_proj
     ]
-    saved = c["num_hidden_layers"] * sum(2 * i * o - math.ceil(0.516 * i * o) for i, o in per_layer)
+    saved = c["num_hidden_layers"] * sum(2 * i * o - rf.nf4_bytes(i * o) for i, o in per_layer)
     assert lora["setup_bytes"] - qlora["setup_bytes"] == saved
     layer = rf.NF4Linear(torch.nn.Linear(1000, 300, bias=False, device="meta"))
-    assert layer.packed.nbytes == math.ceil(rf.NF4_BYTES_PER_PARAM * 300_000) == 154_800
+    assert layer.packed.nbytes == rf.nf4_bytes(300_000) == 155_856
+
+
+@pytest.mark.parametrize("shape", [(300, 1000), (7, 9), (1024, 4096), (4096, 4096), (14336, 4096)])
+def test_nf4_bytes_are_those_of_a_layer_bitsandbytes_quantized(shape):
+    """The ladder's QLoRA bytes against a real layer: bitsandbytes' NF4 with double quantisation (our
+    trainer.model.quant.Linear4bit), codes and quantisation state counted from its tensors; Llama-3.1-8B's k/v, q/o
+    and MLP shapes among them (0.5159 bytes a weight)."""
+    pytest.importorskip("bitsandbytes")
+    from trainer.model.quant import Linear4bit, quantized_bytes
+
+    linear = torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16)
+    layer = Linear4bit.from_linear(linear, "nf4", None, True, torch.uint8)
+    assert rf.nf4_bytes(linear.weight.numel()) == quantized_bytes(layer)
 
 
 def _state_bytes(optimizer) -> int:
