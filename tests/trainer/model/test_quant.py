@@ -24,12 +24,13 @@ from tests.trainer.loop.test_trainer import dataset, losses, make_args, small_mo
 from tests.trainer.model.test_lora import hf_dir  # noqa: E402, F401 (a fixture: a tiny Llama with our tokenizer)
 from trainer import generate as generate_cli  # noqa: E402
 from trainer import merge  # noqa: E402
-from trainer.build import build_model, load_pretrained  # noqa: E402
+from trainer.build import build_model, load_pretrained, save_pretrained  # noqa: E402
 from trainer.config.args import ConfigError, TrainingArguments, parse_args  # noqa: E402
 from trainer.data.sft_data import TokenizedDataset  # noqa: E402
 from trainer.data.tokenizer import byte_level_tokenizer  # noqa: E402
 from trainer.loop.callbacks import TrainerCallback  # noqa: E402
 from trainer.loop.trainer import Trainer  # noqa: E402
+from trainer.model.causal_lm import CausalLM, ModelConfig  # noqa: E402
 from trainer.model.quant import Linear4bit, dequantize, quantize_base, quantized_bytes  # noqa: E402
 from trainer.parallel.transforms import apply_transforms  # noqa: E402
 
@@ -423,3 +424,55 @@ def test_the_cli_prints_how_to_load_the_adapter_on_a_4bit_base(tmp_path):
     args = TrainingArguments(output_dir="unused", **QLORA, bnb_4bit_use_double_quant=True)
     lines = "\n".join(how_to_use(tmp_path, "base", True, quantization_config(args)))
     assert "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True)" in lines
+
+
+@pytest.mark.gpu
+def test_on_cuda_our_layer_equals_bitsandbytes_and_loading_never_holds_the_full_decoder(tmp_path):
+    """On a GPU: our 4-bit layer computes what bitsandbytes' CUDA path computes in training (bit for bit), a model
+    directory loads in 4 bits with a peak far under its full-precision linear weights (each weight is quantized as it
+    arrives, one at a time), and a QLoRA step trains the adapter."""
+    torch.manual_seed(0)
+    linear = nn.Linear(1024, 768, bias=False, dtype=torch.bfloat16)
+    ours = Linear4bit.from_linear(linear.cuda(), "nf4", None, True, torch.uint8)
+    theirs = bnb_layer(linear.cpu(), "nf4", True, torch.uint8, torch.bfloat16).cuda()
+    x = torch.randn(4, 64, 1024, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = ours(x), theirs(x2)
+    torch.testing.assert_close(y, y2, rtol=0, atol=0)
+    y.backward(torch.ones_like(y))
+    y2.backward(torch.ones_like(y2))
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+
+    config = ModelConfig.from_hf(
+        {
+            "model_type": "llama",
+            "vocab_size": 320,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": False,
+            "pad_token_id": 256,
+            "eos_token_id": 258,
+            "dtype": "bfloat16",
+        }
+    )
+    model = CausalLM(config).to(torch.bfloat16)
+    model.init_weights(0)
+    save_pretrained(model, tmp_path / "base", tokenizer=byte_level_tokenizer())
+    linear_bytes = sum(m.weight.nbytes for m in model.model.layers.modules() if isinstance(m, nn.Linear))
+    del model
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), **QLORA, lora_target_modules=["all-linear"], bf16=True)
+    built, _ = build_model(str(tmp_path / "base"), args)
+    peak = torch.cuda.max_memory_allocated()
+    assert peak < 0.45 * linear_bytes, (peak, linear_bytes)  # 4-bit codes (~0.26 of bf16) + one weight in flight
+    ids = torch.randint(0, 256, (2, 128), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = built(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = [p.grad for n, p in built.named_parameters() if "lora_B" in n]
+    assert torch.isfinite(loss) and grads and all(g is not None and g.abs().sum() > 0 for g in grads)
