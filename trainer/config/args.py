@@ -1179,8 +1179,17 @@ class TrainingArguments:
                 "load_in_4bit: 4-bit weights cannot be trained; add --use_peft (QLoRA trains a LoRA adapter over them)"
             )
         name = (self.dist_config or {}).get("name")
-        if name in ("deepspeed", "fsdp2"):
-            raise ConfigError(f"load_in_4bit with dist_config {name} is not supported: {_QUANT_DIST_WHY[name]}")
+        if name == "fsdp2":
+            raise ConfigError(
+                "load_in_4bit with dist_config fsdp2 is not supported: not built yet (each rank would quantize its "
+                "rows, and the 64-value blocks must not straddle shards); use dist_config ddp or deepspeed"
+            )
+        if name == "deepspeed" and self.bnb_4bit_quant_storage not in (None, "uint8"):
+            raise ConfigError(
+                f"bnb_4bit_quant_storage={self.bnb_4bit_quant_storage!r} with deepspeed is not supported: DeepSpeed "
+                "casts floating-point parameters to its precision, which would rewrite 4-bit codes packed in a float "
+                "dtype; keep the default uint8"
+            )
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError(f"load_in_4bit: bitsandbytes is not installed ({BITSANDBYTES_INSTALL})")
 
@@ -1385,12 +1394,6 @@ def _interval(name: str, value: float | None) -> float | int | None:
 
 
 _QUANT_BITS_WHY = " is not supported: 4 (QLoRA) is; 8-bit weights are not built yet"
-_QUANT_DIST_WHY = {
-    "deepspeed": "ZeRO flattens parameters into floating-point buffers that 4-bit codes do not fit; "
-    "use dist_config ddp",
-    "fsdp2": "not built yet (each rank would quantize its rows, and the 64-value blocks must not straddle shards); "
-    "use dist_config ddp",
-}
 
 
 def _why_unsupported(value: Any, what: str) -> str:

@@ -24,11 +24,13 @@ bitsandbytes' own forward is not: in eval mode without grad on a CPU with AVX512
 after which training forwards return no input gradient (the adapters below stop learning, silently), and for one row
 at inference it takes another kernel (gemv). Here evaluating between training steps leaves training exact.
 
-Refused, in one line while the arguments are checked: 4-bit weights without an adapter (they cannot be trained),
-DeepSpeed (ZeRO flattens parameters into fp buffers that 4-bit codes do not fit), FSDP2 (not built yet: each rank
-would quantize its shard of rows, which needs the blocks aligned to shard boundaries), and a missing bitsandbytes
-(`pip install 'kernelwright[qlora]'`). bitsandbytes is imported only when 4-bit weights are asked for (it takes
-seconds to import).
+DDP and DeepSpeed ZeRO-2/3 work (the frozen 4-bit codes are parameters like any other: ZeRO-3 partitions and gathers
+them, the quantization state stays on the parameter; tests/trainer/parallel). Refused, in one line while the
+arguments are checked: 4-bit weights without an adapter (they cannot be trained), FSDP2 (not built yet: each rank
+would quantize its shard of rows, which needs the blocks aligned to shard boundaries), DeepSpeed with the codes
+packed in a float dtype (`bnb_4bit_quant_storage`: DeepSpeed casts floating parameters to its precision), and a
+missing bitsandbytes (`pip install 'kernelwright[qlora]'`). bitsandbytes is imported only when 4-bit weights are
+asked for (it takes seconds to import).
 
 Test: python -m pytest tests/trainer/model/test_quant.py -q
 """

@@ -373,6 +373,10 @@ def test_quantize_base_keeps_lm_head_and_is_idempotent():
             ["--use_peft", "--load_in_4bit", "--dist_config", '{"name": "fsdp2"}'],
             "load_in_4bit with dist_config fsdp2 is not supported",
         ),
+        (
+            ["--use_peft", "--load_in_4bit", "--bnb_4bit_quant_storage", "bfloat16", "--deepspeed", "ds.json"],
+            "bnb_4bit_quant_storage='bfloat16' with deepspeed is not supported",
+        ),
     ],
 )
 def test_bad_quantization_arguments_are_one_line_errors(argv, message):

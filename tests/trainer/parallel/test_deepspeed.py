@@ -31,6 +31,7 @@ from tests.trainer.parallel.test_distributed import (  # noqa: F401
     DIST_ARGS,
     LORA_ARGS,
     ONE_PROCESS_ARGS,
+    QLORA_ARGS,
     assert_same_adapter,
     assert_same_weights,
     data_file,
@@ -276,6 +277,7 @@ def ds_suite(tmp_path_factory, data_file):  # noqa: F811
     ]
     jobs.append({"name": "zero2-nan", "args": {**ds_args(root, "zero2"), "save_strategy": "no"}, "nan_at_step": 2})
     jobs.append({"name": "zero3-lora", "args": {**ds_args(root, "zero3"), **LORA_ARGS}})
+    jobs += [{"name": f"{name}-qlora", "args": {**ds_args(root, name), **QLORA_ARGS}} for name in ("zero2", "zero3")]
     eight_bit = {**ds_args(root, "zero2"), "optim": "adamw_bnb_8bit"}
     jobs.append({"name": "zero2-8bit", "args": eight_bit})
     jobs.append({"name": "zero2-8bit-resumed", "args": eight_bit, "resume": str(root / "zero2-8bit/run/checkpoint-2")})
@@ -330,6 +332,17 @@ def test_lora_under_zero3_equals_one_process(ds_suite, data_file, tmp_path):  # 
         losses, model, _ = single_process(tmp_path, data_file, {**ONE_PROCESS_ARGS, **LORA_ARGS})
     assert ds_suite["result"]["zero3-lora"]["losses"] == pytest.approx(losses, rel=1e-5)
     assert_same_adapter(ds_suite["out"]["zero3-lora"] / "final", model)
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_qlora_under_zero2_and_zero3_equals_one_process(ds_suite, data_file, tmp_path, name):  # noqa: F811
+    """QLoRA (4-bit base weights, trainer/model/quant.py) through DeepSpeed: ZeRO-3 partitions the 4-bit codes like
+    any frozen parameter and gathers them for each block (the quantization state stays on the parameter); the
+    losses and the adapter equal a one-process QLoRA run without DeepSpeed."""
+    with kernels.backend("reference"):
+        losses, model, _ = single_process(tmp_path, data_file, {**ONE_PROCESS_ARGS, **QLORA_ARGS})
+    assert ds_suite["result"][f"{name}-qlora"]["losses"] == pytest.approx(losses, rel=1e-5)
+    assert_same_adapter(ds_suite["out"][f"{name}-qlora"] / "final", model)
 
 
 def test_zero3_export_loads_in_transformers(ds_suite):
