@@ -64,6 +64,19 @@ def bnb_layer(linear: nn.Linear, quant_type: str, double_quant: bool, storage, c
     return ref.to("cpu")
 
 
+def transformers_4bit(path, double_quant: bool):
+    """transformers' model of `path` loaded in NF4 through its BitsAndBytesConfig (fp32 compute, SDPA), on the CPU."""
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, dtype=torch.float32, device_map="cpu", attn_implementation="sdpa"
+    )
+
+
 @pytest.mark.parametrize(
     "quant_type, double_quant, storage, dtype, bias",
     [
@@ -116,16 +129,7 @@ def test_weights_are_quantized_as_read_and_equal_what_transformers_loads(hf_dir)
         output_dir="unused", **{**QLORA, "bnb_4bit_use_double_quant": True}, lora_target_modules=["all-linear"]
     )
     ours, _ = build_model(str(hf_dir), args, device="cpu")
-    config = transformers.BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir, quantization_config=config, dtype=torch.float32, device_map="cpu"
-    )
-    hf = dict(theirs.named_parameters())
+    hf = dict(transformers_4bit(hf_dir, double_quant=True).named_parameters())
     quantized = 0
     for name, param in ours.named_parameters():
         if "lora_" in name:
@@ -169,12 +173,7 @@ GOLDEN = dict(max_steps=20, learning_rate=3e-2)  # the golden test's steps and r
 
 
 def _golden_hf(path, examples, out, start: dict):
-    config = transformers.BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
-    )
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=config, dtype=torch.float32, device_map="cpu", attn_implementation="sdpa"
-    )
+    base = transformers_4bit(path, double_quant=False)
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     model = peft.get_peft_model(base, lora)
     named = dict(model.named_parameters())
@@ -315,16 +314,7 @@ def _ids():
 
 def test_the_adapter_loads_in_peft_over_a_4bit_transformers_base(hf_dir, qlora_run):
     ours, out = qlora_run
-    config = transformers.BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir, quantization_config=config, dtype=torch.float32, device_map="cpu"
-    )
-    theirs = peft.PeftModel.from_pretrained(base, str(out)).eval()
+    theirs = peft.PeftModel.from_pretrained(transformers_4bit(hf_dir, double_quant=True), str(out)).eval()
     with torch.no_grad():
         expected = ours(_ids()).logits
         torch.testing.assert_close(theirs(input_ids=_ids()).logits, expected, rtol=1e-5, atol=1e-5)
