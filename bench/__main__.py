@@ -41,6 +41,7 @@ OPS = (
     "neftune",
     "rope",
     "swiglu",
+    "dequantize_4bit",
 )
 # Row keys that identify a shape (in this order in the label); the rest are measurements or context.
 SHAPE_KEYS = ("mode", "model", "shape", "tokens", "hidden", "vocab", "dtype")

@@ -52,6 +52,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 import kernels  # noqa: E402
 from kernels.adamw import FusedAdamW  # noqa: E402
+from kernels.dequantize_4bit import NestedAbsmax  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMS = 132  # H100 SXM; the launchers size persistent grids from it
@@ -166,6 +167,7 @@ class Compiled:
     spill_loads: int  # bytes per thread
     stack_frame: int  # bytes per thread
     shared: int  # bytes per program
+    ptx_fma_f32: int  # fused multiply-adds in the PTX (fma.rn.f32): 0 where a kernel must round products and sums apart
 
 
 _REGISTERS = re.compile(r"Used (\d+) registers")
@@ -210,6 +212,7 @@ def compile_sm90(case: str, launch: Launch, signature, constexprs, attrs, option
         spill_stores=max(f[1] for f in frames),
         spill_loads=max(f[2] for f in frames),
         shared=compiled.metadata.shared,
+        ptx_fma_f32=compiled.asm["ptx"].count("fma.rn.f32"),
     )
 
 
@@ -330,6 +333,27 @@ def _swiglu():
     out.backward(torch.empty_like(out))
 
 
+def _dequantize_4bit():
+    # Llama-3-8B's MLP weight (14336 x 4096) as QLoRA stores it: NF4 codes, blocksize 64, bf16 out, plain and double
+    # quantized absmax; fp32 and fp16 outputs; blocksize 4096 (larger than a program's tile: one scale per program).
+    n = 14336 * 4096
+    table = {"code2": _cuda(256, dtype=torch.float32), "offset": _cuda(dtype=torch.float32)}
+    for blocksize, dtype, nested in (
+        (64, torch.bfloat16, False),
+        (64, torch.bfloat16, True),
+        (64, torch.float32, True),
+        (64, torch.float16, False),
+        (4096, torch.bfloat16, True),
+    ):
+        codes = _cuda(n // 2, 1, dtype=torch.uint8)
+        blocks = n // blocksize
+        absmax = _cuda(blocks, dtype=torch.uint8 if nested else torch.float32)
+        second = None
+        if nested:
+            second = NestedAbsmax(table["code2"], _cuda(-(-blocks // 256), dtype=torch.float32), 256, table["offset"])
+        kernels.dequantize_4bit(codes, absmax, "nf4", blocksize, (14336, 4096), dtype, second)
+
+
 CASES: dict[str, Callable[[], None]] = {
     "cross_entropy": _cross_entropy,
     "fused_linear_cross_entropy": _fused_linear_cross_entropy,
@@ -340,6 +364,7 @@ CASES: dict[str, Callable[[], None]] = {
     "neftune": _neftune,
     "rope": _rope,
     "swiglu": _swiglu,
+    "dequantize_4bit": _dequantize_4bit,
 }
 
 

@@ -12,6 +12,7 @@ from . import _names  # noqa: F401
 from ._dispatch import HAS_TRITON, backend, current_backend, use_triton
 from .adamw import FusedAdamW, adamw_step_ref
 from .cross_entropy import cross_entropy, cross_entropy_ref
+from .dequantize_4bit import NestedAbsmax, dequantize_4bit, dequantize_4bit_ref
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 from .fused_linear_preference import (
     PreferenceLogps,
@@ -34,3 +35,4 @@ __all__ += ["FusedAdamW", "adamw_step_ref"]
 __all__ += ["cross_entropy", "cross_entropy_ref", "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]
 __all__ += ["PreferenceLogps", "fused_linear_preference", "fused_linear_preference_ref", "preference_loss"]
 __all__ += ["fused_linear_preference_loss", "fused_linear_preference_loss_ref"]
+__all__ += ["NestedAbsmax", "dequantize_4bit", "dequantize_4bit_ref"]

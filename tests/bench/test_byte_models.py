@@ -19,6 +19,7 @@ import kernels
 from bench import (
     bench_adamw,
     bench_cross_entropy,
+    bench_dequantize_4bit,
     bench_fused_linear_cross_entropy,
     bench_fused_linear_preference,
     bench_neftune,
@@ -519,3 +520,39 @@ def test_swiglu_backward_writing_act(dtype):
         swiglu_bwd_act(dout, gate, up)
     model = bench_swiglu.traffic_parts("backward", gate.numel(), gate.element_size(), store_act=True)
     assert_matches(model, bwd, f"bench/bench_swiglu.py ({dtype}) backward, act written")
+
+
+# ---- NF4/FP4 dequantization ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tile", ["interpreter", "gpu"])  # one program per 65536 elements; the GPU's 2048
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax32", "nested"])
+@pytest.mark.parametrize("case", [(64 * 40, 64), (7007, 128), (9001, 4096)], ids=str)  # whole blocks, odd, > tile
+def test_dequantize_4bit(case, nested, dtype, tile, monkeypatch):
+    n, blocksize = case
+    if tile == "gpu":
+        monkeypatch.setattr(importlib.import_module("kernels.dequantize_4bit"), "_CPU_MAX_TILE", 2048)
+    blocks = -(-n // blocksize)
+    codes = torch.randint(0, 256, ((n + 1) // 2, 1), dtype=torch.uint8)
+    second = None
+    if nested:
+        absmax = torch.randint(0, 256, (blocks,), dtype=torch.uint8)
+        second = kernels.NestedAbsmax(torch.rand(256), torch.rand(-(-blocks // 256)), 256, torch.tensor(0.1))
+    else:
+        absmax = torch.rand(blocks)
+    with kernels.backend("triton"), traffic.measure() as measured:
+        out = kernels.dequantize_4bit(codes, absmax, "nf4", blocksize, (n,), DTYPES[dtype], second)
+    s = out.element_size()
+    which = f"bench/bench_dequantize_4bit.py ({dtype}, n={n}, blocksize {blocksize}, nested={nested}, {tile} tile)"
+    assert_matches(bench_dequantize_4bit.traffic_parts(n, s, blocksize, nested, cuda=False), measured, which)
+    per_tensor = {k: (t.read, t.write) for k, t in measured.by_tensor().items()}
+    if nested:  # every argument its own tensor: the model's terms one by one
+        assert per_tensor == bench_dequantize_4bit.traffic_tensors(n, s, blocksize, nested, cuda=False), which
+    # the DRAM model (the GB/s columns): the distinct bytes of codes, scales and output, plus the 1 KiB code book and
+    # the offset when nested (read whole from DRAM at most once; here only the entries the random codes pick)
+    distinct = {k: t.distinct_read + t.distinct_write for k, t in measured.by_tensor().items()}
+    scales = distinct["absmax_ptr"] + (distinct["absmax2_ptr"] if nested else 0)
+    read, write = bench_dequantize_4bit.dram_bytes(n, s, blocksize, nested)
+    assert (distinct["codes_ptr"], distinct["out_ptr"]) == ((n + 1) // 2, write)
+    assert read == distinct["codes_ptr"] + scales + (256 * 4 + 4 if nested else 0), which

@@ -93,6 +93,17 @@ def test_every_op_and_variant_is_compiled(compiled):
         if r["kernel"] == "_rope_kernel"
     }
     assert rope == {(backward, "32", per_prog) for backward in ("False", "True") for per_prog in ("1", "loop")}
+    # NF4 dequantization: plain and double-quantized absmax, one block per tile row and (blocksize 4096) a row per tile
+    dequant = {(r["constexprs"]["NESTED"], r["constexprs"]["COLS"]) for r in compiled if r["case"] == "dequantize_4bit"}
+    assert dequant == {("False", "64"), ("True", "64"), ("True", "2048")}
+
+
+def test_dequantize_4bit_rounds_products_and_sums_apart(compiled):
+    # bit for bit bitsandbytes: the nested absmax is fl(fl(code * scale) + offset), two roundings; an FMA would make it
+    # one (the launch passes enable_fp_fusion=False; without it the nested kernels' PTX has one fma.rn.f32)
+    dequant = [r for r in compiled if r["case"] == "dequantize_4bit"]
+    fmas = [(r["constexprs"], r["ptx_fma_f32"]) for r in dequant]
+    assert dequant and all(count == 0 for _, count in fmas), fmas
 
 
 def test_cross_entropy_forward_fits_two_programs_per_sm(compiled):

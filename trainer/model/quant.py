@@ -40,8 +40,10 @@ from __future__ import annotations
 import bitsandbytes as bnb
 import torch
 import torch.nn.functional as F
-from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+from bitsandbytes.functional import quantize_4bit
 from torch import nn
+
+import kernels
 
 BLOCKSIZE = 64  # values per absmax block: bitsandbytes' and transformers' default for 4-bit weights
 QUANT_DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -66,8 +68,15 @@ class _DequantizedLinear(torch.autograd.Function):
 
 def dequantize(weight: torch.Tensor) -> torch.Tensor:
     """The full-precision (out, in) weight a Linear4bit's packed `weight` stands for, in the dtype it was quantized
-    from."""
-    return dequantize_4bit(weight.data, weight.quant_state)
+    from: bitsandbytes' dequantize_4bit bit for bit, computed by `kernels.dequantize_4bit` (our Triton kernel on CUDA)
+    from the pieces of the weight's quant_state."""
+    state = weight.quant_state
+    nested = None
+    if state.nested:
+        nested = kernels.NestedAbsmax(state.state2.code, state.state2.absmax, state.state2.blocksize, state.offset)
+    return kernels.dequantize_4bit(
+        weight.data, state.absmax, state.quant_type, state.blocksize, state.shape, state.dtype, nested
+    )
 
 
 class Linear4bit(bnb.nn.Linear4bit):
