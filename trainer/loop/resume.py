@@ -98,8 +98,9 @@ FROM_CHECKPOINT = {
     "optim_args": _GROUPS,
 }
 # What the saved state cannot follow: the data plan the saved position counts in (transformers would go on with other
-# examples, unsaid), the optimizer whose state is saved, and the shape of the saved LoRA adapter (its scale,
-# lora_alpha/use_rslora, and its dropout are read anew, as peft does). Refused in one line.
+# examples, unsaid), the optimizer whose state is saved, the shape of the saved LoRA adapter (its scale,
+# lora_alpha/use_rslora, and its dropout are read anew, as peft does) and the quantized base it was trained over.
+# Refused in one line.
 REFUSED = {
     "per_device_train_batch_size": "the data position counts micro batches of its size",
     "batching_strategy": "the data position counts its micro batches",
@@ -114,6 +115,10 @@ REFUSED = {
     "lora_target_modules": "the saved adapter is on these layers",
     "lora_modules_to_save": "the saved adapter carries these modules",
     "use_dora": "the saved adapter has (or lacks) DoRA's magnitudes",
+    # the base the adapter was trained over (trainer/model/quant.py): another would be another function to continue on
+    "load_in_4bit": "the saved adapter was trained over these base weights",
+    "bnb_4bit_quant_type": "the saved adapter was trained over these base weights",
+    "bnb_4bit_use_double_quant": "the saved adapter was trained over these base weights",
 }
 NOT_COMPARED = ("output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir")
 

@@ -29,6 +29,7 @@ from trainer.config.args import ConfigError, TrainingArguments, parse_args  # no
 from trainer.data.sft_data import TokenizedDataset  # noqa: E402
 from trainer.data.tokenizer import byte_level_tokenizer  # noqa: E402
 from trainer.loop.callbacks import TrainerCallback  # noqa: E402
+from trainer.loop.checkpoint import CheckpointError  # noqa: E402
 from trainer.loop.trainer import Trainer  # noqa: E402
 from trainer.model.causal_lm import CausalLM, ModelConfig  # noqa: E402
 from trainer.model.quant import Linear4bit, dequantize, quantize_base, quantized_bytes  # noqa: E402
@@ -268,6 +269,11 @@ def test_a_qlora_resume_is_bitwise_the_unbroken_run(tmp_path, dataset):
     assert losses(resumed.state) == losses(full.state)
     for name, value in adapter_state(model).items():
         assert torch.equal(value, full_adapter[name]), name
+    # the adapter was trained over the 4-bit base: a resume over the full-precision one would continue another function
+    plain = {**common, "load_in_4bit": False, "max_steps": 9}
+    args = make_args(tmp_path / "part", **plain, resume_from_checkpoint="auto")
+    with pytest.raises(CheckpointError, match="load_in_4bit is False here but True in .* cannot change it"):
+        Trainer(model=small_model(), args=args, train_dataset=dataset).train()
 
 
 @pytest.mark.parametrize("variant", [{"gradient_checkpointing": True}, {"activation_offloading": True}])
