@@ -13,6 +13,10 @@ own subprocess (so peak memory is that configuration's alone and no allocator or
     hf_lora    transformers.Trainer over peft.get_peft_model(LlamaForCausalLM, the same LoraConfig)
                Both LoRA rows: r=16, lora_alpha=32, no dropout; their ratios are against hf_lora. Unavoidable: A's
                random init differs (ours drawn from --seed's generator, peft's from the global RNG).
+    ours_qlora ours_lora over 4-bit base weights (--load_in_4bit: NF4, double quantization, trainer/model/quant.py)
+    hf_qlora   hf_lora over LlamaForCausalLM loaded with BitsAndBytesConfig(load_in_4bit, nf4, double quantization):
+               transformers + peft + bitsandbytes, QLoRA as TRL runs it. Both compute in the weights' dtype (fp32,
+               under bf16 autocast on a GPU); ours_qlora's ratios are against hf_qlora. Named by --configs only.
     ours_dpo   DPO: trainer.methods.preference.PreferenceTrainer (what `python -m trainer.dpo` runs; use_kernels=True,
                the policy's loss inside kernels.fused_linear_preference_loss, the reference a frozen copy)
     trl_dpo    trl.DPOTrainer over LlamaForCausalLM (its reference a copy loaded from the same directory; its own
@@ -105,9 +109,17 @@ from bench import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = ("ours", "hf", "hf_liger", "ours_lora", "hf_lora", "ours_dpo", "trl_dpo", "trl_dpo_liger")
-CONFIGS = (*DEFAULT_CONFIGS, "ours_long", "hf_ckpt")  # the last two for the memory ladders (--configs names them)
-LONG_CONTEXT = dict(gradient_checkpointing=True, activation_offloading=True, tiled_mlp=True)  # ours_long
+# named by --configs only: ours_long and hf_ckpt for the memory ladders, the QLoRA pair (bitsandbytes needed)
+CONFIGS = (*DEFAULT_CONFIGS, "ours_long", "hf_ckpt", "ours_qlora", "hf_qlora")
 DPO_CONFIGS = ("ours_dpo", "trl_dpo", "trl_dpo_liger")
+QLORA = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)  # ours_qlora, hf_qlora
+# what each row's ratios are against: LoRA against LoRA, QLoRA against QLoRA, DPO against TRL's DPO, the rest hf
+BASELINES = {
+    **{impl: "hf_lora" for impl in ("ours_lora", "hf_lora")},
+    **{impl: "hf_qlora" for impl in ("ours_qlora", "hf_qlora")},
+    **dict.fromkeys(DPO_CONFIGS, "trl_dpo"),
+}
+LONG_CONTEXT = dict(gradient_checkpointing=True, activation_offloading=True, tiled_mlp=True)  # ours_long
 DPO_BETA = 0.1
 EVAL_PAIRS = 8  # held-out pairs for the DPO rows' final loss
 # tokens the byte-level tokenizer's ChatML template adds: around a user prompt with the generation prompt, after an
@@ -395,9 +407,11 @@ def worker(spec: dict) -> dict:
                 lora_dropout=LORA["lora_dropout"],
                 lora_target_modules=LORA["target_modules"],
             )
-            if impl == "ours_lora"
+            if impl in ("ours_lora", "ours_qlora")
             else {}
         )
+        if impl == "ours_qlora":
+            lora.update(QLORA)
         memory = LONG_CONTEXT if impl == "ours_long" else {}
         args = TrainingArguments(**{**common_args, **memory}, optim=spec["our_optim"], use_kernels=True, **lora)
     else:
@@ -405,9 +419,19 @@ def worker(spec: dict) -> dict:
         from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
         transformers.logging.set_verbosity_error()
-        model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
-        model.to(device)
-        if impl == "hf_lora":
+        if impl == "hf_qlora":  # quantized as it loads, on the device (bitsandbytes' CUDA or CPU backend)
+            quantized = transformers.BitsAndBytesConfig(**QLORA, bnb_4bit_compute_dtype=torch.float32)
+            model = LlamaForCausalLM.from_pretrained(
+                spec["model_dir"],
+                dtype=torch.float32,
+                attn_implementation="sdpa",
+                quantization_config=quantized,
+                device_map={"": device},
+            )
+        else:
+            model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+            model.to(device)
+        if impl in ("hf_lora", "hf_qlora"):
             import peft
 
             model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
@@ -661,8 +685,7 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
         if r["status"] == "ok":
             # DPO: the policy's forward + backward (6N) and the reference's forward (2N) per token
             row["mfu"] = fpt * (4 / 3 if impl in DPO_CONFIGS else 1) * r["tokens_per_s"] / peak if peak else None
-            # LoRA against LoRA, DPO against TRL's DPO
-            baseline = "hf_lora" if impl.endswith("lora") else "trl_dpo" if impl in DPO_CONFIGS else "hf"
+            baseline = BASELINES.get(impl, "hf")
             row["baseline"] = baseline
             hf = results.get(baseline, {})
             if hf.get("status") == "ok" and impl != baseline:
