@@ -220,6 +220,8 @@ def trainer_dataset(dataset, name: str):
     `datasets` object converted by `tokenized_from_hf` (a dict of them, eval_dataset's, split by split), anything
     else as it is."""
     if name != "train_dataset" and isinstance(dataset, dict):  # eval_dataset's dict or DatasetDict: split by split
+        if not any(hf_kind(ds) for ds in dataset.values()) and hf_kind(dataset) is None:
+            return dataset  # a dict of our datasets: the same object
         return {key: _converted(ds, name, key) for key, ds in dataset.items()}
     return _converted(dataset, name, None)
 

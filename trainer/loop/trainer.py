@@ -431,6 +431,7 @@ class Trainer:
         micro = args.per_device_train_batch_size
         if self.train_dataset is None:
             raise ValueError("Trainer.train: no train_dataset")
+        self.train_dataset = self._prepare_dataset(self.train_dataset, "train_dataset")  # one set after __init__
         if self.optimizer is not None and uses_fsdp(args) and not is_fsdp(self.model):
             raise ValueError(
                 "optimizers: FSDP2 replaces the parameters with sharded ones, so the optimizer must be "

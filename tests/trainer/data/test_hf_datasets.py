@@ -220,6 +220,8 @@ def test_raw_missing_several_splits_and_streaming_datasets_are_refused_in_one_li
         trainer_dataset(tokens.to_iterable_dataset(), "train_dataset")
     plain = TokenizedDataset.from_examples([(IDS[0], IDS[0])])
     assert trainer_dataset(plain, "train_dataset") is plain  # what is not a `datasets` object passes as it is
+    evals = {"a": plain, "b": plain}
+    assert trainer_dataset(evals, "eval_dataset") is evals
 
 
 # ---- the Trainer --------------------------------------------------------------------------------------------
@@ -260,13 +262,16 @@ def train_losses(tmp_path, train_dataset, eval_dataset=None) -> tuple[list[float
 
 def test_the_trainer_trains_on_a_tokenized_dataset_as_on_the_same_tokens(tmp_path, tok):
     raw = datasets.Dataset.from_list(generate_tasks(8, seed=3))
-    tokens = tokenize_sft_dataset(raw, tok, cutoff_len=64, show_progress=False)
+    tokens = tokenize_sft_dataset(raw, processing_class=tok, cutoff_len=64, show_progress=False)  # as the README
     as_hf = datasets.Dataset.from_dict(
         {"input_ids": [ex["input_ids"].tolist() for ex in tokens], "labels": [ex["labels"].tolist() for ex in tokens]}
     )
     want, _ = train_losses(tmp_path / "a", tokens)
     got, trainer = train_losses(tmp_path / "b", as_hf, eval_dataset=datasets.DatasetDict(val=as_hf))
     assert len(want) == 3 and got == want
+    assert isinstance(trainer.train_dataset, TokenizedDataset)
+    trainer.train_dataset = as_hf  # set after __init__: converted when training starts
+    trainer.train()
     assert isinstance(trainer.train_dataset, TokenizedDataset)
     metrics = trainer.evaluate()
     assert torch.isfinite(torch.tensor(metrics["eval_val_loss"]))
