@@ -179,6 +179,26 @@ def test_labels_come_from_the_labels_column_or_from_trls_masks():
     assert rows(tokenized_from_hf(extra.with_format("torch"))) == rows(tokenized_from_hf(extra))
 
 
+def test_whole_columns_and_row_by_row_give_the_same_dataset(monkeypatch):
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(0, 300, size=n).tolist() for n in rng.integers(1, 30, size=40)]
+    masks = {
+        "completion_mask": [(rng.random(len(x)) < 0.5).tolist() for x in ids],  # booleans
+        "assistant_masks": [rng.integers(0, 2, size=len(x)).tolist() for x in ids],
+        "attention_mask": [[1] * len(x) for x in ids],
+    }
+    labels = [[IGN if r < 0.3 else t for t, r in zip(x, rng.random(len(x)))] for x in ids]
+    for columns in ({"assistant_masks": masks["assistant_masks"]}, masks, {"labels": labels, **masks}):
+        ds = datasets.Dataset.from_dict({**columns, "input_ids": ids})  # input_ids not the first column
+        for view in (ds, ds.shuffle(seed=1).select(range(5, 35))):  # an indices mapping over the table
+            fast = tokenized_from_hf(view)
+            with monkeypatch.context() as m:
+                m.setattr("trainer.data.hf_datasets._from_arrow", lambda *a: None)
+                slow = tokenized_from_hf(view)
+            same_tokens(fast, slow)
+            assert rows(slow) == [rows(tokenized_from_hf(datasets.Dataset.from_list([r])))[0] for r in view]
+
+
 @pytest.mark.parametrize(
     "columns, error",
     [
