@@ -11,9 +11,9 @@ says "file:line: ...".
 - `trainer_dataset(dataset, name)`: what `Trainer(train_dataset=..., eval_dataset=...)` does with what it is given.
   A tokenized `datasets.Dataset` (column `input_ids`, and `labels`, or TRL's 0/1 `completion_mask` /
   `assistant_masks`) is converted once, every row checked (on whole Arrow columns where they are lists of integers),
-  before anything trains; a raw one is a one-line error
-  saying to tokenize it with `tokenize_sft_dataset`; a `DatasetDict` (several splits) and an `IterableDataset`
-  (streaming) are one-line errors too. Anything else (a TokenizedDataset, a list of examples) passes as it is.
+  before anything trains; an eval `DatasetDict` split by split. A raw one is a one-line error saying to tokenize it
+  with `tokenize_sft_dataset`; a `DatasetDict` as train_dataset and an `IterableDataset` (streaming) are one-line
+  errors too. Anything else (a TokenizedDataset, a list of examples) passes as it is.
 
 Labels from TRL's columns, as SFTTrainer builds them: a `labels` column is used as it is (-100: no loss); without one,
 a token is a target where every mask column present is 1 (`labels = input_ids` where `assistant_masks` and
@@ -45,8 +45,8 @@ from trainer.data.sft_data import (
 TOKENIZED_COLUMNS = ("input_ids", "labels", "completion_mask", "assistant_masks", "attention_mask")
 _MASKS = ("assistant_masks", "completion_mask")  # TRL's names; 1 = a target
 _HOW_TO_TOKENIZE = (
-    "tokenize it first: trainer.data.hf_datasets.tokenize_sft_dataset(dataset, processing_class) returns "
-    "what Trainer trains on"
+    "tokenize it first: `from trainer import tokenize_sft_dataset`; tokenize_sft_dataset(dataset, processing_class) "
+    "returns what Trainer trains on"
 )
 
 
