@@ -126,6 +126,7 @@ def tokenize_sft_dataset(
     rows = ((_where(i, split), row) for i, row in enumerate(_rows(dataset)))
     items = checked_source(source, rows, data_format, formats)
     ds = _build(items, [source], formats, processing_class, options, show_progress)
+    ds.summary["from_dataset"] = True  # for summary_text
     _keep_chat_template(processing_class, ds)
     return ds
 

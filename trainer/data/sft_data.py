@@ -668,7 +668,10 @@ def summary_text(summary: dict) -> str:
     """The summary as a few printable lines."""
     lines = []
     formats = summary.get("formats")
-    if formats:
+    if formats and summary.get("from_dataset"):  # tokenize_sft_dataset's: one `datasets.Dataset`, named as in errors
+        ((source, fmt),) = formats.items()
+        lines.append(f"data: {summary['examples']:,} examples from a {source} ({fmt})")
+    elif formats:
         files = ", ".join(f"{Path(f).name} ({fmt})" for f, fmt in formats.items())
         lines.append(f"data: {summary['examples']:,} examples from {len(formats)} file(s): {files}")
     else:

@@ -102,6 +102,8 @@ def test_load_dataset_json_of_a_file_tokenizes_as_the_file(tmp_path, tok, name):
     from_rows = tokenize_sft_dataset(loaded, tok, show_progress=False)
     same_tokens(from_rows, load_sft_dataset(path, tok, show_progress=False))
     assert from_rows.summary["formats"] == {"dataset split 'train'": name}
+    first_line = from_rows.summary_text().splitlines()[0]
+    assert first_line == f"data: {len(from_rows)} examples from a dataset split 'train' ({name})"
 
 
 def test_a_list_of_records_and_a_formatted_dataset_tokenize_the_same(tok):
