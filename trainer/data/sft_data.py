@@ -612,7 +612,8 @@ class TokenizedDataset(Sequence):
         offsets = np.concatenate([[0], np.cumsum(ends - starts)])
         take = np.arange(offsets[-1]) + np.repeat(starts - offsets[:-1], ends - starts)  # flat source positions
         out = TokenizedDataset(self.input_ids[take], self.labels[take], offsets)
-        out.summary = {**{k: v for k, v in self.summary.items() if k in ("files", "formats", "options")}, **out.summary}
+        kept = ("files", "formats", "options", "from_dataset")  # where the examples came from, and how
+        out.summary = {**{k: v for k, v in self.summary.items() if k in kept}, **out.summary}
         return out
 
     def summary_text(self) -> str:

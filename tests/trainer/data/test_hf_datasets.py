@@ -12,7 +12,7 @@ import torch
 
 from trainer.config.args import TrainingArguments
 from trainer.data.hf_datasets import tokenize_sft_dataset, tokenized_from_hf, trainer_dataset
-from trainer.data.sft_data import DataError, TokenizedDataset, load_sft_dataset
+from trainer.data.sft_data import DataError, TokenizedDataset, load_sft_dataset, split_dataset
 from trainer.data.tasks import generate_tasks
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.loop.trainer import Trainer
@@ -104,6 +104,8 @@ def test_load_dataset_json_of_a_file_tokenizes_as_the_file(tmp_path, tok, name):
     assert from_rows.summary["formats"] == {"dataset split 'train'": name}
     first_line = from_rows.summary_text().splitlines()[0]
     assert first_line == f"data: {len(from_rows)} examples from a dataset split 'train' ({name})"
+    train, _ = split_dataset(from_rows, 1)
+    assert train.summary_text().splitlines()[0] == f"data: {len(train)} examples from a dataset split 'train' ({name})"
 
 
 def test_a_list_of_records_and_a_formatted_dataset_tokenize_the_same(tok):
