@@ -16,6 +16,7 @@ PUBLIC = {
     "Tokenizer": "trainer.data.tokenizer",
     "load_sft_dataset": "trainer.data.sft_data",
     "load_preference_dataset": "trainer.data.preference_data",
+    "tokenize_sft_dataset": "trainer.data.hf_datasets",
     "Trainer": "trainer.loop.trainer",
     "set_seed": "trainer.loop.trainer",
     "TrainerCallback": "trainer.loop.callbacks",

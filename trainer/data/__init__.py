@@ -1,4 +1,4 @@
-"""SFT and preference data, batching, the tokenizer and the embedded tasks.
+"""SFT and preference data, Hugging Face `datasets` inputs, batching, the tokenizer and the embedded tasks.
 
 `trainer.data` was the SFT data module before issue 29 (now `trainer.data.sft_data`); for one release after
 2026-11-27 its names are still served here, with a FutureWarning."""

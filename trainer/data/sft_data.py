@@ -385,26 +385,34 @@ def checked_records(
     of a known format. The format is found per file from its first valid record by `detect` (default
     `detect_format`; None: unknown, `expected` says what is known) unless `data_format` names one; `formats`
     receives each file's."""
-    detect = detect or detect_format
     for path in files:
-        fmt = None if data_format == "auto" else data_format
-        for where, record in _records(path):
-            if isinstance(record, _Bad):
-                yield where, record
-            elif not isinstance(record, dict):
-                yield where, _Bad("not_an_object", f"a record is {_json_type(record)} (expected a JSON object)")
-            elif fmt is None and (fmt := detect(record)) is None:
-                yield (
-                    where,
-                    _Bad(
-                        "unknown_format",
-                        f"cannot tell the data format from the keys {sorted(record)} "
-                        f"(expected {expected}; or set data_format)",
-                    ),
-                )
-            else:
-                yield where, (record, fmt)
-        formats[str(path)] = fmt or "unknown"
+        yield from checked_source(str(path), _records(path), data_format, formats, detect, expected)
+
+
+def checked_source(
+    source: str, records, data_format: str, formats: dict, detect=None, expected: str = _SFT_FORMATS_TEXT
+) -> Iterator[tuple[str, object]]:
+    """`checked_records` for one source: `records` are its (where, record) pairs (a file's, or the rows of a
+    `datasets.Dataset`); `formats[source]` receives the format found from its first valid record."""
+    detect = detect or detect_format
+    fmt = None if data_format == "auto" else data_format
+    for where, record in records:
+        if isinstance(record, _Bad):
+            yield where, record
+        elif not isinstance(record, dict):
+            yield where, _Bad("not_an_object", f"a record is {_json_type(record)} (expected a JSON object)")
+        elif fmt is None and (fmt := detect(record)) is None:
+            yield (
+                where,
+                _Bad(
+                    "unknown_format",
+                    f"cannot tell the data format from the keys {sorted(record)} "
+                    f"(expected {expected}; or set data_format)",
+                ),
+            )
+        else:
+            yield where, (record, fmt)
+    formats[source] = fmt or "unknown"
 
 
 def load_cached(
@@ -604,7 +612,8 @@ class TokenizedDataset(Sequence):
         offsets = np.concatenate([[0], np.cumsum(ends - starts)])
         take = np.arange(offsets[-1]) + np.repeat(starts - offsets[:-1], ends - starts)  # flat source positions
         out = TokenizedDataset(self.input_ids[take], self.labels[take], offsets)
-        out.summary = {**{k: v for k, v in self.summary.items() if k in ("files", "formats", "options")}, **out.summary}
+        kept = ("files", "formats", "options", "from_dataset")  # where the examples came from, and how
+        out.summary = {**{k: v for k, v in self.summary.items() if k in kept}, **out.summary}
         return out
 
     def summary_text(self) -> str:
@@ -660,7 +669,10 @@ def summary_text(summary: dict) -> str:
     """The summary as a few printable lines."""
     lines = []
     formats = summary.get("formats")
-    if formats:
+    if formats and summary.get("from_dataset"):  # tokenize_sft_dataset's: one `datasets.Dataset`, named as in errors
+        ((source, fmt),) = formats.items()
+        lines.append(f"data: {summary['examples']:,} examples from a {source} ({fmt})")
+    elif formats:
         files = ", ".join(f"{Path(f).name} ({fmt})" for f, fmt in formats.items())
         lines.append(f"data: {summary['examples']:,} examples from {len(formats)} file(s): {files}")
     else:
@@ -750,6 +762,8 @@ def load_sft_dataset(
         "mask_history": mask_history,
         "skip_bad_examples": skip_bad_examples,
     }
+    formats: dict[str, str] = {}
+    items = checked_records(files, data_format, formats)
     ds = load_cached(
         cache_dir,
         "data",
@@ -757,7 +771,7 @@ def load_sft_dataset(
         tokenizer,
         options,
         TokenizedDataset,
-        lambda: _build(files, tokenizer, options, show_progress),
+        lambda: _build(items, [str(f) for f in files], formats, tokenizer, options, show_progress),
         write=write_cache,
     )
     _keep_chat_template(tokenizer, ds)
@@ -785,11 +799,12 @@ def _keep_chat_template(tokenizer, ds: TokenizedDataset) -> None:
         )
 
 
-def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> TokenizedDataset:
+def _build(items, sources: list[str], formats: dict, tokenizer, options: dict, show_progress: bool) -> TokenizedDataset:
+    """The dataset of `items`, (where, (record, format)) or (where, `_Bad`) as `checked_records` yields them;
+    `sources` (files, or a `datasets.Dataset`) and `formats` (filled while reading) for errors and the summary."""
     cutoff_len, skip = options["cutoff_len"], options["skip_bad_examples"]
     ids_parts, label_parts, lengths = [], [], [0]
     dropped: Counter = Counter()
-    formats: dict[str, str] = {}
     read = truncated = 0
     progress = tqdm(desc="tokenizing", unit=" examples", disable=not show_progress, mininterval=0.5)
 
@@ -804,7 +819,7 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
         drop(where, exc.reason, exc.message)
 
     try:
-        for where, item in checked_records(files, options["data_format"], formats):
+        for where, item in items:
             read += 1
             progress.update()
             try:
@@ -849,10 +864,9 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
         progress.close()
 
     if not ids_parts:
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "the files hold no records"
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "no records"
         raise DataError(
-            f"{', '.join(map(str, files))}: no usable examples ({reasons}) (expected at least one example "
-            "with a target token)"
+            f"{', '.join(sources)}: no usable examples ({reasons}) (expected at least one example with a target token)"
         )
     unnamed = {reason: n - _MAX_WARNINGS for reason, n in sorted(dropped.items()) if n > _MAX_WARNINGS}
     if unnamed:
@@ -863,7 +877,7 @@ def _build(files: list[Path], tokenizer, options: dict, show_progress: bool) -> 
         )
     ds = TokenizedDataset(np.concatenate(ids_parts), np.concatenate(label_parts), np.cumsum(lengths))
     ds.summary = {
-        "files": [str(f) for f in files],
+        "files": sources,
         "formats": formats,
         "options": options,
         "examples_read": read,

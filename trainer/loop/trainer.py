@@ -59,6 +59,7 @@ from trainer.build import apply_model_settings, causal_lm, model_settings
 from trainer.checkpoint_hf import to_json
 from trainer.config.args import TrainingArguments
 from trainer.data.batching import BatchLoader
+from trainer.data.hf_datasets import trainer_dataset
 from trainer.dist import init_distributed, local_device, world
 from trainer.loop import checkpoint as ckpt
 from trainer.loop.callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
@@ -222,6 +223,9 @@ class Trainer:
             args = TrainingArguments()
         if model is None and model_init is None:
             raise ValueError("Trainer: pass a model or a model_init")
+        # A `datasets` object becomes a TokenizedDataset here, every row checked, before anything is built
+        train_dataset = self._prepare_dataset(train_dataset, "train_dataset")
+        eval_dataset = self._prepare_dataset(eval_dataset, "eval_dataset")
         self.args = args
         self.model_init = model_init
         init_distributed()  # under torchrun/accelerate: join the process group (a no-op for one process)
@@ -304,6 +308,7 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
+        dataset = self._prepare_dataset(dataset, "eval_dataset")
         if isinstance(dataset, dict):
             metrics = {}
             for name, ds in dataset.items():
@@ -317,7 +322,9 @@ class Trainer:
         return output.metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
-        return self._prediction_loop(test_dataset, metric_key_prefix, want_predictions=True)
+        return self._prediction_loop(
+            self._prepare_dataset(test_dataset, "test_dataset"), metric_key_prefix, want_predictions=True
+        )
 
     def _prediction_loop(self, dataset, prefix: str, want_predictions: bool) -> PredictionOutput:
         """trainer.loop.evaluation.prediction_loop over `dataset` with the model in eval mode (and back to train mode
@@ -424,6 +431,7 @@ class Trainer:
         micro = args.per_device_train_batch_size
         if self.train_dataset is None:
             raise ValueError("Trainer.train: no train_dataset")
+        self.train_dataset = self._prepare_dataset(self.train_dataset, "train_dataset")  # one set after __init__
         if self.optimizer is not None and uses_fsdp(args) and not is_fsdp(self.model):
             raise ValueError(
                 "optimizers: FSDP2 replaces the parameters with sharded ones, so the optimizer must be "
@@ -979,6 +987,11 @@ class Trainer:
         save_model_files(self.model, directory, rank=self.rank, tokenizer=self.processing_class, full_state_dict=full)
 
     # ---- data -----------------------------------------------------------------------------------------
+    def _prepare_dataset(self, dataset, name: str):
+        """`dataset` as the loaders take it: a Hugging Face `datasets.Dataset` of tokens converted once and checked
+        row by row, a raw one refused in one line (trainer/data/hf_datasets.py); anything else as it is."""
+        return trainer_dataset(dataset, name)
+
     def _train_loader(self, micro: int):
         return self._loader(self.train_dataset, micro, train=True)
 

@@ -34,7 +34,9 @@ import kernels
 from kernels.fused_linear_preference import LOSS_TYPES
 from trainer.config.args import ConfigError, _arg
 from trainer.data.batching import IGNORE_INDEX
+from trainer.data.hf_datasets import hf_kind
 from trainer.data.preference_data import TRUNCATION_MODES, PreferenceDataset, collate_pairs
+from trainer.data.sft_data import DataError
 from trainer.loop.evaluation import forward_params
 from trainer.loop.trainer import Trainer
 from trainer.model.causal_lm import HostLabels
@@ -164,6 +166,15 @@ class PreferenceTrainer(Trainer):
         self._sums: dict[str, dict] = {}  # "train"/"eval" -> metric name -> device sum over pairs; "pairs" -> count
 
     # ---- the batch ------------------------------------------------------------------------------------------
+    def _prepare_dataset(self, dataset, name: str):
+        kind = hf_kind(dataset)
+        if kind is not None:  # the Trainer's conversion is for SFT tokens; pairs from `datasets` come later (issue 32)
+            raise DataError(
+                f"PreferenceTrainer: {name} is a datasets.{kind}, not supported yet (expected a PreferenceDataset: "
+                "trainer.data.preference_data.load_preference_dataset(files, tokenizer))"
+            )
+        return dataset
+
     def _loader(self, dataset, micro: int, train: bool):
         loader = super()._loader(dataset, micro, train)
         pad_id = getattr(self.processing_class, "pad_token_id", None)
