@@ -36,8 +36,8 @@ from trainer.data.sft_data import (
     DataError,
     TokenizedDataset,
     _build,
-    _check_options,
     _keep_chat_template,
+    checked_options,
     checked_source,
     detect_format,
 )
@@ -111,17 +111,10 @@ def tokenize_sft_dataset(
     forced with `data_format`), and the options mean what they mean there. A bad row is a `DataError` naming it
     ("row N", or "split 'S' row N"; `split` defaults to the Dataset's own), or is skipped and counted with
     `skip_bad_examples`."""
-    _check_options(data_format, cutoff_len, train_on_prompt, mask_history)
+    options = checked_options(data_format, cutoff_len, train_on_prompt, mask_history, skip_bad_examples)
     _one_split(dataset, "tokenize_sft_dataset")
     split = _split(dataset, split)
     source = f"dataset split {split!r}" if split else "dataset"
-    options = {
-        "data_format": data_format,
-        "cutoff_len": cutoff_len,
-        "train_on_prompt": train_on_prompt,
-        "mask_history": mask_history,
-        "skip_bad_examples": skip_bad_examples,
-    }
     formats: dict[str, str] = {}
     rows = ((_where(i, split), row) for i, row in enumerate(_rows(dataset)))
     items = checked_source(source, rows, data_format, formats)

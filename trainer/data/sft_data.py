@@ -725,7 +725,9 @@ def _cache_key(files: list[Path], tokenizer, options: dict) -> str:
     return h.hexdigest()
 
 
-def _check_options(data_format, cutoff_len, train_on_prompt, mask_history) -> None:
+def checked_options(data_format, cutoff_len, train_on_prompt, mask_history, skip_bad_examples) -> dict:
+    """The tokenisation options (the cache key's part), checked: a file's (`load_sft_dataset`) or a Dataset's
+    (`trainer.data.hf_datasets.tokenize_sft_dataset`)."""
     if data_format not in DATA_FORMATS:
         raise ValueError(f"data_format={data_format!r}: expected one of {', '.join(DATA_FORMATS)}")
     if cutoff_len is not None and (not isinstance(cutoff_len, int) or cutoff_len < 2):
@@ -735,6 +737,13 @@ def _check_options(data_format, cutoff_len, train_on_prompt, mask_history) -> No
             "train_on_prompt and mask_history cannot both be set (train_on_prompt supervises every "
             "token, mask_history only the last assistant turn)"
         )
+    return {
+        "data_format": data_format,
+        "cutoff_len": cutoff_len,
+        "train_on_prompt": train_on_prompt,
+        "mask_history": mask_history,
+        "skip_bad_examples": skip_bad_examples,
+    }
 
 
 def load_sft_dataset(
@@ -753,15 +762,8 @@ def load_sft_dataset(
     """Read, normalise, render, mask, truncate and tokenize `paths` once (cached under `cache_dir`). With
     `write_cache=False` a dataset tokenised anew is not saved yet: `save_to_cache(ds)` saves it once the caller may
     write (the CLI reads and checks every input before it writes anything)."""
-    _check_options(data_format, cutoff_len, train_on_prompt, mask_history)
+    options = checked_options(data_format, cutoff_len, train_on_prompt, mask_history, skip_bad_examples)
     files = resolve_data_files(paths)
-    options = {
-        "data_format": data_format,
-        "cutoff_len": cutoff_len,
-        "train_on_prompt": train_on_prompt,
-        "mask_history": mask_history,
-        "skip_bad_examples": skip_bad_examples,
-    }
     formats: dict[str, str] = {}
     items = checked_records(files, data_format, formats)
     ds = load_cached(
@@ -890,7 +892,7 @@ def _build(items, sources: list[str], formats: dict, tokenizer, options: dict, s
 
 def read_examples(paths, *, data_format: str = "auto", skip_bad_examples: bool = False) -> list[dict]:
     """The normalised records ({"messages"} or {"text"}, plus "source": "file:line"), e.g. to prompt for evals."""
-    _check_options(data_format, None, False, False)
+    checked_options(data_format, None, False, False, skip_bad_examples)
     out = []
     for where, item in checked_records(resolve_data_files(paths), data_format, {}):
         try:
