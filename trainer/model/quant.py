@@ -9,12 +9,12 @@ weight is cut into blocks of 64 values, each block scaled by its absmax and roun
 levels; double quantization stores those absmax scales in 8 bits with one fp32 scale per 256 blocks. Bytes per weight:
 0.5 + 4/64 = 0.5625 without double quantization, 0.5 + 1/64 + 4/(64*256) ~ 0.516 with it.
 
-Quantized as they are read: on the meta device (`trainer.build.build_model`) a swapped layer holds a placeholder of
-its packed size, so materialising the model allocates 4-bit codes, never the full-precision weights; the loaders then
-copy each full-precision tensor (from the safetensors, one tensor at a time, or from a preset's seeded init) into
-`quantizing_targets(model)[id(param)]`, whose `copy_` quantizes it on the layer's device and keeps only the codes and
-scales. Peak memory is one full-precision tensor above the 4-bit model, plus the memory-mapped shard. A model that
-already has its weights (built by hand and given to the Trainer) is quantized layer by layer in place.
+Quantized as they are read: on the meta device (`trainer.build.build_model`) a swapped layer's weight is a meta
+tensor of its packed size, so materialising the model allocates 4-bit codes, never the full-precision weights; the
+loaders then copy each full-precision tensor (from the safetensors, one tensor at a time, or from a preset's seeded
+init) into `quantizing_targets(model)[id(param)]`, whose `copy_` quantizes it on the layer's device and keeps only
+the codes and scales. Peak memory is one full-precision tensor above the 4-bit model, plus the memory-mapped shard.
+A model that already has its weights (built by hand and given to the Trainer) is quantized layer by layer in place.
 
 `Linear4bit` is bitsandbytes' `Linear4bit` (so peft, transformers' helpers and `bnb.functional` treat it as theirs)
 with one forward of ours, `_DequantizedLinear`: y = x dequantize(W)^T (+ bias) in forward, dx = dy dequantize(W) in
@@ -46,7 +46,6 @@ from torch import nn
 import kernels
 
 BLOCKSIZE = 64  # values per absmax block: bitsandbytes' and transformers' default for 4-bit weights
-QUANT_DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _SKIP = ("lm_head",)  # kept in full precision, as transformers' quantizer keeps the output embedding
 
 
@@ -90,8 +89,9 @@ class Linear4bit(bnb.nn.Linear4bit):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quant_type: str, compute_dtype, double_quant: bool, storage) -> Linear4bit:
-        """A Linear4bit standing in for `linear`: its weight quantized now, or, on the meta device, a placeholder
-        of the packed size that `set_weight` fills. The bias stays a full-precision parameter (loaded by name)."""
+        """A Linear4bit standing in for `linear`: its weight quantized now, or, on the meta device, a meta tensor
+        of the packed size that `set_weight` fills once the model is materialised. The bias stays a full-precision
+        parameter (loaded by name)."""
         layer = cls(
             linear.in_features,
             linear.out_features,
@@ -167,9 +167,9 @@ def quantize_base(model: nn.Module, args) -> nn.Module:
         return model
     settings = {
         "quant_type": args.bnb_4bit_quant_type,
-        "compute_dtype": QUANT_DTYPES[args.bnb_4bit_compute_dtype] if args.bnb_4bit_compute_dtype else None,
+        "compute_dtype": getattr(torch, args.bnb_4bit_compute_dtype) if args.bnb_4bit_compute_dtype else None,
         "double_quant": args.bnb_4bit_use_double_quant,
-        "storage": QUANT_DTYPES[args.bnb_4bit_quant_storage or "uint8"],
+        "storage": getattr(torch, args.bnb_4bit_quant_storage or "uint8"),  # names validated by TrainingArguments
     }
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
