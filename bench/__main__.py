@@ -42,6 +42,7 @@ OPS = (
     "rope",
     "swiglu",
     "dequantize_4bit",
+    "lora",
 )
 # Row keys that identify a shape (in this order in the label); the rest are measurements or context.
 SHAPE_KEYS = ("mode", "model", "shape", "tokens", "hidden", "vocab", "dtype")

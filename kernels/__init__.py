@@ -21,6 +21,7 @@ from .fused_linear_preference import (
     preference_loss,
 )
 from .fused_linear_preference_loss import fused_linear_preference_loss, fused_linear_preference_loss_ref
+from .lora import LoRAProjection, lora_mlp, lora_mlp_ref, lora_projections, lora_projections_ref
 from .neftune import NEFTuneFunction, neftune_noise, neftune_noise_ref
 from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from .rope import rope, rope_ref
@@ -36,3 +37,4 @@ __all__ += ["cross_entropy", "cross_entropy_ref", "fused_linear_cross_entropy", 
 __all__ += ["PreferenceLogps", "fused_linear_preference", "fused_linear_preference_ref", "preference_loss"]
 __all__ += ["fused_linear_preference_loss", "fused_linear_preference_loss_ref"]
 __all__ += ["NestedAbsmax", "dequantize_4bit", "dequantize_4bit_ref"]
+__all__ += ["LoRAProjection", "lora_projections", "lora_projections_ref", "lora_mlp", "lora_mlp_ref"]

@@ -55,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 
 import kernels
 from kernels.nn import RMSNorm as KernelRMSNorm
+from trainer.model import fused_lora
 from trainer.model.attention import KVCache, make_plan
 
 IGNORE_INDEX = -100
@@ -436,18 +437,21 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.impl = "kernels"  # who rotates q and k; set for the whole model by CausalLM
+        self.fused_lora = True  # LoRA layers through kernels.lora_projections (CausalLM.fused_lora)
 
     def forward(self, x, cos, sin, attn) -> torch.Tensor:
         """attn: an AttentionPlan (training/scoring) or a KV-cache slot (decoding)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        q, k, v = _project(self, x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        v = v.view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, k, cos, sin)
         out = attn.attend(q, k, v, self.window)  # (B, T, H, D)
-        return self.o_proj(out.reshape(B, T, -1))
+        (out,) = _project(self, out.reshape(B, T, -1), self.o_proj)
+        return out
 
     def _rope(self, q, k, cos, sin):
         """q (B, T, H, D) and k (B, T, Hkv, D) rotated by cos/sin (B or 1, T, D). The kernels take the (B, H, T, D)
@@ -472,6 +476,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.impl = "kernels"
+        self.fused_lora = True  # LoRA on gate/up/down through kernels.lora_mlp (CausalLM.fused_lora)
         self.tile_tokens: int | None = None  # tiled_mlp: tokens per tile (CausalLM.tiled_mlp sets hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -496,6 +501,10 @@ class MLP(nn.Module):
 
             return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
         if self.impl == "kernels":
+            fused = fused_lora.find(x, (self.gate_proj, self.up_proj, self.down_proj)) if self.fused_lora else None
+            if fused is not None:  # LoRA layers: one Function keeps x, gate, up and the thin adapter inputs
+                (gate, up, down), dropout, lora_dtype = fused
+                return kernels.lora_mlp(x, gate, up, down, dropout, lora_dtype)
             # one fused pass (3 bytes per element forward, 5 backward) instead of eager's silu, product, backwards
             gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
             if not _recompute_allowed():
@@ -505,6 +514,16 @@ class MLP(nn.Module):
                 return kernels.swiglu_linear(gate, up, self.down_proj.weight)
             return _down_recomputing_act(self.down_proj, gate, up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _project(module: nn.Module, x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
+    """Each of `layers` applied to x: as one `kernels.lora_projections` call when `module` runs our kernels with
+    `fused_lora` and some of the layers are LoRA layers that can run fused (trainer/model/fused_lora.py), else layer
+    by layer."""
+    fused = fused_lora.find(x, layers) if module.impl == "kernels" and module.fused_lora else None
+    if fused is None:
+        return tuple(layer(x) for layer in layers)
+    return kernels.lora_projections(x, *fused)
 
 
 def _recompute_allowed() -> bool:
@@ -677,6 +696,18 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, MLP):
                 module.tile_tokens = self.config.hidden_size if value else None
+
+    @property
+    def fused_lora(self) -> bool:
+        """Whether LoRA layers run through `kernels.lora_projections`/`lora_mlp` with use_kernels (the default;
+        trainer/model/fused_lora.py says when they can), or always as peft's layers."""
+        return all(m.fused_lora for m in self.modules() if isinstance(m, (MLP, Attention)))
+
+    @fused_lora.setter
+    def fused_lora(self, value: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, (MLP, Attention)):
+                module.fused_lora = bool(value)
 
     def _set_impl(self, impl: str) -> None:
         self.impl = impl

@@ -1,0 +1,111 @@
+"""When the decoder's LoRA layers run fused: peft's adapter layers read as `kernels.LoRAProjection`s, for
+`kernels.lora_projections` (q/k/v, and o_proj alone) and `kernels.lora_mlp` (gate/up/down around SwiGLU).
+
+With `use_kernels` and a LoRA adapter, `Attention` and `MLP` ask `find(x, layers)` at each call and take the fused op
+when it answers: the layers of one input that peft adapted are its LoRA layers with the one adapter active and
+unmerged (plain LoRA: no DoRA or other variant, no adapter bias) over a plain `nn.Linear` or our 4-bit `Linear4bit`;
+the layers it did not adapt (q/v targets leave k) join as their frozen base alone; nothing hooked (DeepSpeed ZeRO-3
+hooks every module to gather its weights: it keeps peft's layers), the bases frozen, the dtypes those the op
+reproduces (below), grad enabled and not under torch.compile. Otherwise (evaluation, DPO's reference with the adapter
+disabled, a merged adapter, compiled blocks) peft's layers run as they are: the values and gradients are the same
+either way, bit for bit (tests/trainer/model/test_fused_lora.py: fp32, bf16, autocast, 4-bit, dropout); only what
+backward keeps differs (kernels/lora.py).
+
+Dtypes, as peft's layers compute them: matmuls in the autocast dtype when autocast is on, else in the input's dtype
+(then the base weight and adapter must be in it too); peft's Linear casts the adapter's input to lora_A's dtype, its
+bitsandbytes layer casts it only without CUDA's autocast (it asks `torch.is_autocast_enabled()`); our Linear4bit
+returns its input's dtype, and its compute dtype must be the matmul dtype (or fp32 under autocast, which autocast
+then casts as it would).
+
+`CausalLM.fused_lora = False` keeps peft's layers everywhere (the benchmark and the tests compare the two).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from kernels.lora import LoRAProjection
+from trainer.model.lora import ADAPTER
+
+
+def _hooked(m: nn.Module) -> bool:
+    return any((m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks))
+
+
+def _projection(layer: nn.Module, dtype: torch.dtype, autocast: bool):
+    """(LoRAProjection, dropout, lora_dtype) for one of peft's LoRA layers, or None when it cannot run fused."""
+    quant = sys.modules.get("trainer.model.quant")  # imported (bitsandbytes) only where 4-bit layers exist
+    four_bit = quant.Linear4bit if quant is not None else ()
+    if type(layer) is nn.Linear or type(layer) is four_bit:  # not adapted: its base alone, in the group
+        return _base_alone(layer, dtype, autocast, quant)
+    lora_A, lora_B = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
+    base = getattr(layer, "base_layer", None)
+    if lora_A is None or base is None or ADAPTER not in lora_A or list(layer.active_adapters) != [ADAPTER]:
+        return None
+    if layer.disable_adapters or layer.merged or ADAPTER in getattr(layer, "lora_variant", {}):
+        return None
+    if layer.use_dora.get(ADAPTER) or getattr(layer, "lora_bias", {}).get(ADAPTER):
+        return None
+    A, B, dropout = lora_A[ADAPTER], lora_B[ADAPTER], layer.lora_dropout[ADAPTER]
+    if any(_hooked(m) for m in (layer, base, A, B, dropout)) or type(dropout) not in (nn.Dropout, nn.Identity):
+        return None
+    weight, bias = base.weight, base.bias
+    if weight.requires_grad or (bias is not None and bias.requires_grad) or hasattr(weight, "ds_id"):
+        return None
+    p = dropout.p if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
+    if type(base) is four_bit:
+        if base.compute_dtype not in ((dtype, torch.float32) if autocast else (dtype,)):
+            return None
+        # peft's bitsandbytes layer casts unless torch.is_autocast_enabled(), which asks about CUDA's autocast only
+        lora_dtype = None if torch.is_autocast_enabled("cuda") else A.weight.dtype
+        projection = LoRAProjection(
+            weight, A.weight, B.weight, layer.scaling[ADAPTER], bias, quant.dequantize, base_returns_input_dtype=True
+        )
+    elif type(base) is nn.Linear:
+        lora_dtype = A.weight.dtype if getattr(layer, "cast_input_dtype_enabled", True) else None
+        projection = LoRAProjection(weight, A.weight, B.weight, layer.scaling[ADAPTER], bias)
+        if not autocast and (weight.dtype != dtype or (bias is not None and bias.dtype != dtype)):
+            return None
+    else:
+        return None
+    if not autocast and (A.weight.dtype != dtype or B.weight.dtype != dtype):
+        return None
+    return projection, p, lora_dtype
+
+
+def _base_alone(layer: nn.Module, dtype: torch.dtype, autocast: bool, quant):
+    """(LoRAProjection without adapter, None, None) for a frozen linear layer peft did not target, or None."""
+    weight, bias = layer.weight, layer.bias
+    if _hooked(layer) or weight.requires_grad or (bias is not None and bias.requires_grad) or hasattr(weight, "ds_id"):
+        return None
+    if type(layer) is nn.Linear:
+        if not autocast and (weight.dtype != dtype or (bias is not None and bias.dtype != dtype)):
+            return None
+        return LoRAProjection(weight, None, None, bias=bias), None, None
+    if layer.compute_dtype not in ((dtype, torch.float32) if autocast else (dtype,)):
+        return None
+    return (
+        LoRAProjection(weight, None, None, bias=bias, dequantize=quant.dequantize, base_returns_input_dtype=True),
+        None,
+        None,
+    )
+
+
+def find(x: torch.Tensor, layers):
+    """(projections, dropout, lora_dtype) for `kernels.lora_projections`/`lora_mlp` over `layers` applied to `x`: the
+    LoRA layers among them with their adapters, the others (frozen, not targeted by peft) as their base alone; None
+    when they must run as they are (one of them cannot run fused, none has an adapter, no grad, compiling)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    kind = x.device.type
+    autocast = torch.is_autocast_enabled(kind)
+    dtype = torch.get_autocast_dtype(kind) if autocast else x.dtype
+    found = [_projection(layer, dtype, autocast) for layer in layers]
+    adapted = {(p, lora_dtype) for projection, p, lora_dtype in filter(None, found) if projection.lora_A is not None}
+    if None in found or len(adapted) != 1:
+        return None  # one adapter config gives every layer the same dropout and dtype; anything else runs as it is
+    (dropout, lora_dtype) = adapted.pop()
+    return [projection for projection, _, _ in found], dropout, lora_dtype
