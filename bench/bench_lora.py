@@ -4,13 +4,13 @@ bytes autograd keeps for backward (measured: the distinct storages its saved ten
 the two agree bit for bit (`bit_exact`: outputs, input and adapter gradients).
 
 Cases: one decoder layer's LoRA parts at Llama-3.1-8B's widths (hidden 4096, 8 query / 1 key-value head groups:
-q 4096, k and v 1024, intermediate 14336), r = 16, alpha 32, every linear layer adapted
-(the ladder's 8B LoRA setting; bf16 on a GPU, fp32 on a CPU, whose bf16 matmuls take seconds a call at these widths):
-"qkv" (q/k/v of the attention's input), "o" (o_proj alone) and "mlp"
-(gate/up/down around SwiGLU), with lora_dropout 0 and 0.1. `kept_bytes_per_token` is the saved bytes over the tokens:
-it is exact for any token count (everything kept is per token), so the CPU rows give the GPU's figure too, except that
-PyTorch's dropout keeps its mask as a bool on CUDA and as a tensor of x's dtype on the CPU (peft's rows with dropout
-keep 1 byte an element less on CUDA).
+q 4096, k and v 1024, intermediate 14336), r = 16, alpha 32, every linear layer adapted (the ladder's 8B LoRA setting;
+bf16 on a GPU, fp32 on a CPU, whose bf16 matmuls take seconds a call at these widths): "qkv" (q/k/v of the attention's
+input), "o" (o_proj alone) and "mlp" (gate/up/down around SwiGLU; peft's row keeps the SwiGLU output for down_proj,
+as peft over transformers' MLP does, where our unfused path recomputes it), with lora_dropout 0 and 0.1.
+`kept_bytes_per_token` is the saved bytes over the tokens: exact for any token count (everything kept is per token),
+so the CPU rows give the GPU's figure too (at the CPU's dtype), except that PyTorch's dropout keeps its mask as a bool
+on CUDA and as a tensor of x's dtype on the CPU (peft's rows with dropout keep less on CUDA).
 
     python bench/bench_lora.py             # GPU: 8192 tokens, bf16, appends to bench/results/lora.jsonl
     python bench/bench_lora.py --quick     # CPU: 16 tokens, fp32 (rows say perf_figure=False: not performance)

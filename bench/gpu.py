@@ -68,11 +68,16 @@ ANCHORS = {
     "rope": ["--shapes", "1x2048", "4x8192"],
     "swiglu": ["--tokens", "8192", "--inter", "14336"],  # Llama-3-8B's MLP
     "dequantize_4bit": [],  # its GPU shapes: Llama-3-8B MLP and attention weights, NF4, blocksize 64, both absmaxes
+    "lora": [],  # its GPU case: one Llama-3.1-8B layer's LoRA parts (r 16) at 8192 tokens, bf16
 }
 # --quick: each script's own tiny CPU shapes; aot_eager keeps torch.compile's baseline to seconds on a CPU.
 QUICK = {
     op: ["--quick"]
-    + ([] if op in ("adamw", "fused_linear_preference", "dequantize_4bit") else ["--compile-backend", "aot_eager"])
+    + (
+        []
+        if op in ("adamw", "fused_linear_preference", "dequantize_4bit", "lora")
+        else ["--compile-backend", "aot_eager"]
+    )
     for op in ANCHORS
 }
 QUICK["cross_entropy"] += ["--label-smoothing", "0.1"]

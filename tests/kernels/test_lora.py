@@ -140,3 +140,28 @@ def test_bad_arguments_are_refused():
     trained_base.weight.requires_grad_()
     with pytest.raises(ValueError, match="must be frozen"):
         lora_projections(x, [trained_base])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_on_cuda_equals_the_reference_with_cuda_dropout(dtype):
+    """On a GPU: PyTorch's CUDA dropout (native_dropout, Philox) replayed from the CUDA generator's state; the matmuls
+    cuBLAS's. Bit for bit against the reference on the same device, projections and MLP, with and without dropout."""
+    gen = torch.Generator().manual_seed(5)
+
+    def on_cuda(p):
+        moved = {
+            k: (v.detach().cuda().requires_grad_(v.requires_grad) if torch.is_tensor(v) else v)
+            for k, v in vars(p).items()
+        }
+        return LoRAProjection(**moved)
+
+    projs = [on_cuda(projection(gen, 256, n, dtype=dtype)) for n in (256, 64, 64)]
+    mlp = [on_cuda(projection(gen, *shape, dtype=dtype)) for shape in ((256, 704), (256, 704), (704, 256))]
+    x = torch.randn(2, 300, 256, generator=gen).to(dtype).cuda()
+    douts = [torch.randn(2, 300, n, generator=gen).to(dtype).cuda() for n in (256, 64, 64)]
+    for dropout in (0.0, 0.1):
+        ref = run(lambda x: lora_projections_ref(x, projs, dropout), x, projs, douts)
+        assert_equal(run(lambda x: lora_projections(x, projs, dropout), x, projs, douts), ref)
+        ref = run(lambda x: lora_mlp_ref(x, *mlp, dropout), x, mlp, douts[:1])
+        assert_equal(run(lambda x: lora_mlp(x, *mlp, dropout), x, mlp, douts[:1]), ref)
