@@ -19,7 +19,8 @@ kernel of its own: its forward is a token-chunk loop (the chunk rule and host-si
 `kernels/fused_linear_cross_entropy.py`: the ignored rows gathered out on the host when the target is on the CPU,
 no device sync; chunks of C = max(ceil(K / ceil(V / H)), 2048) rows; never a (rows, vocab) tensor beyond one
 chunk) calling the cross-entropy Triton kernel without a gradient for -logp and lse, and, when entropies are asked
-for, a torch pass over the same chunk in fp32 (two (C, V) fp32 temporaries); its backward is
+for, a torch pass over the same chunk in fp32, by blocks of rows (two fp32 temporaries of at most 64 MiB each,
+`ENTROPY_BLOCK_ELEMENTS`); its backward is
 `fused_linear_cross_entropy_bwd` (recomputes each chunk's logits, turns them into their gradient in place, fp32
 accumulation; a bf16/fp16 weight's gradient summed in fp32 by its vocabulary pass).
 
@@ -55,6 +56,10 @@ from .fused_linear_cross_entropy import _logits, _Plan, _scatter_rows, fused_lin
 # the module (kernels.fused_linear_cross_entropy is the function: kernels/__init__.py): its chunk rule and row skipping
 # are looked up when called, so that tests can force small chunks there once for every op built on it
 _flce = importlib.import_module(".fused_linear_cross_entropy", __package__)
+# Entropies are computed in torch over blocks of rows of a chunk's logits, each block's two fp32 (rows, V)
+# temporaries at most this many elements (64 MiB): at Llama-3's V = 128256 a block of 130 rows, where a whole
+# 2048-row chunk would have needed 2 x 1.05 GB beside its 0.53 GB of bf16 logits.
+ENTROPY_BLOCK_ELEMENTS = 1 << 24
 
 
 class TokenLogprobs(NamedTuple):
@@ -98,12 +103,7 @@ def fused_linear_logprob_fwd(
             logits, target_c, ignore_index=ignore_index, compute_grad=False, loss_out=nll.narrow(0, start, size)
         )[1]  # (C,) fp32
         if need_entropy:
-            x = logits.float()  # (C, V) fp32 (logits itself when they are fp32: only read below)
-            probs = (x - lse.unsqueeze(1)).exp_()  # (C, V)
-            ent = lse - torch.linalg.vecdot(probs, x)  # (C,)
-            # rows kept only because the target is on the device: 0, as on skipped rows (lse is not defined there)
-            entropy.narrow(0, start, size).copy_(torch.where(target_c != ignore_index, ent, 0.0))
-            del x, probs
+            _entropy_rows(logits, lse, target_c, ignore_index, entropy.narrow(0, start, size))
         del logits  # before the next chunk's matmul: one chunk alive at a time
     logps = _scatter_rows(nll, rows, n_rows).neg_()  # (N,), 0 on ignored rows
     entropies = None if entropy is None else _scatter_rows(entropy, rows, n_rows)
@@ -123,6 +123,21 @@ def fused_linear_logprob_fwd(
     # the layout fused_linear_cross_entropy_bwd reads for reduction="none": the rows, inputs and kept targets
     saved = (rows, hidden, weight, bias, target_k, None, None, None, None, None, None)
     return logps, entropies, saved, plan
+
+
+def _entropy_rows(logits, lse, target, ignore_index, out):
+    """out (C,) = lse - sum_v softmax(x)_v x_v per row of the chunk logits (C, V), 0 where target is ignore_index (rows
+    kept only because the target is on the device; lse is not defined there). fp32 math over blocks of rows, so that
+    its two fp32 temporaries stay within ENTROPY_BLOCK_ELEMENTS each whatever the chunk."""
+    n_rows, vocab = logits.shape
+    block = max(1, ENTROPY_BLOCK_ELEMENTS // vocab)
+    for start in range(0, n_rows, block):
+        size = min(block, n_rows - start)
+        x = logits.narrow(0, start, size).float()  # (Cb, V) fp32 (a view of fp32 logits: only read)
+        lse_b = lse.narrow(0, start, size)  # (Cb,)
+        probs = (x - lse_b.unsqueeze(1)).exp_()  # (Cb, V)
+        ent = lse_b - torch.linalg.vecdot(probs, x)  # (Cb,)
+        out.narrow(0, start, size).copy_(torch.where(target.narrow(0, start, size) != ignore_index, ent, 0.0))
 
 
 def fused_linear_logprob_bwd(grad_logps, saved, plan):

@@ -21,9 +21,10 @@ import kernels
 from kernels import TokenLogprobs, fused_linear_logprob, fused_linear_logprob_ref
 from tests.kernels.test_cross_entropy import AllocationRecorder
 from tests.kernels.test_fused_linear_cross_entropy import addmm__flop
-from tests.tolerance import assert_lowp_close
+from tests.tolerance import PoisonedTorch, assert_lowp_close
 
 fl_mod = importlib.import_module("kernels.fused_linear_cross_entropy")
+lp_mod = importlib.import_module("kernels.fused_linear_logprob")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -78,6 +79,7 @@ def check(outs, refs, lows, dtype, ulps):
 def test_matches_reference(case, dtype, monkeypatch):
     c = CASES[case]
     if c["chunk"] is not None:
+        monkeypatch.setattr(lp_mod, "ENTROPY_BLOCK_ELEMENTS", 2 * c["vocab"] + 1)  # entropy blocks of 2 rows
         monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: c["chunk"])
         monkeypatch.setattr(fl_mod, "_vocab_tile", lambda n, h, v: (c["chunk"], 200))  # a bf16/fp16 weight's pass
     ignored = [i for i in IGNORED if i < c["n"]]
@@ -151,10 +153,40 @@ def test_no_grad_pass_is_the_forward_alone(monkeypatch):
     assert torch.equal(with_grad.logps.detach(), old.logps) and torch.equal(with_grad.entropies, old.entropies)
 
 
+def test_every_output_element_is_written(monkeypatch):
+    # every float buffer the two modules allocate starts as NaN: finite results prove each element was written
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 4)
+    monkeypatch.setattr(fl_mod, "_vocab_tile", lambda n, h, v: (4, 200))
+    monkeypatch.setattr(lp_mod, "ENTROPY_BLOCK_ELEMENTS", 3 * 513)
+    poisoned = PoisonedTorch()
+    monkeypatch.setattr(fl_mod, "torch", poisoned)
+    monkeypatch.setattr(lp_mod, "torch", poisoned)
+    hidden, weight, bias, target = make_inputs(10, 32, 513, torch.bfloat16, bias=True, ignored=(0, 1, 7), seed=10)
+    outs = run(fused_linear_logprob, hidden, weight, bias, target, torch.linspace(-1, 2, 10), temperature=0.8)
+    assert poisoned.calls > 0 and all(torch.isfinite(o.float()).all() for o in outs)
+
+
+def test_no_host_sync(monkeypatch):
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 4)
+    hidden, weight, bias, target = make_inputs(10, 32, 513, torch.bfloat16, bias=True, ignored=(0, 1), seed=11)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+
+    def host_sync(*args, **kwargs):
+        raise AssertionError("host synchronisation inside fused_linear_logprob")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_sync)
+    out = fused_linear_logprob(h, w, target, b, temperature=0.7, return_entropy=True)
+    (out.logps * torch.linspace(-1, 1, 10)).sum().backward()
+    monkeypatch.undo()
+    assert all(torch.isfinite(t.grad.float()).all() for t in (h, w, b))
+
+
 def test_no_tokens_by_vocab_tensor_exists(monkeypatch):
     # 24 rows, V = 1001, H = 16, chunks of 6 rows, vocabulary tiles of 6 x 200: nothing near rows x V elements
     monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 6)
     monkeypatch.setattr(fl_mod, "_vocab_tile", lambda n, h, v: (6, 200))
+    monkeypatch.setattr(lp_mod, "ENTROPY_BLOCK_ELEMENTS", 4 * 1001)  # fp32 entropy temporaries of 4 rows
     hidden, weight, bias, target = make_inputs(24, 16, 1001, torch.bfloat16, bias=True, ignored=(0, 1), seed=7)
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     with AllocationRecorder(min_numel=1) as rec:
