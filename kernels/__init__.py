@@ -15,6 +15,7 @@ from .cross_entropy import cross_entropy, cross_entropy_ref
 from .dequantize_4bit import NestedAbsmax, dequantize_4bit, dequantize_4bit_ref
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 from .fused_linear_logprob import TokenLogprobs, fused_linear_logprob, fused_linear_logprob_ref
+from .fused_linear_logprob_loss import fused_linear_logprob_loss, fused_linear_logprob_loss_ref
 from .fused_linear_preference import (
     PreferenceLogps,
     fused_linear_preference,
@@ -37,4 +38,5 @@ __all__ += ["cross_entropy", "cross_entropy_ref", "fused_linear_cross_entropy", 
 __all__ += ["PreferenceLogps", "fused_linear_preference", "fused_linear_preference_ref", "preference_loss"]
 __all__ += ["fused_linear_preference_loss", "fused_linear_preference_loss_ref"]
 __all__ += ["TokenLogprobs", "fused_linear_logprob", "fused_linear_logprob_ref"]
+__all__ += ["fused_linear_logprob_loss", "fused_linear_logprob_loss_ref"]
 __all__ += ["NestedAbsmax", "dequantize_4bit", "dequantize_4bit_ref"]

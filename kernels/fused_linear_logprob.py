@@ -105,7 +105,7 @@ def fused_linear_logprob_fwd(
         if need_entropy:
             _entropy_rows(logits, lse, target_c, ignore_index, entropy.narrow(0, start, size))
         del logits  # before the next chunk's matmul: one chunk alive at a time
-    logps = _scatter_rows(nll, rows, n_rows).neg_()  # (N,), 0 on ignored rows
+    logps = _scatter_rows(nll.neg_(), rows, n_rows)  # (N,), 0 on skipped rows
     entropies = None if entropy is None else _scatter_rows(entropy, rows, n_rows)
     plan = _Plan(
         "none",

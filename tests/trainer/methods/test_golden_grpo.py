@@ -14,6 +14,7 @@ chunked matmuls sum in another order than F.linear).
 
 from __future__ import annotations
 
+import importlib
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -25,11 +26,13 @@ from kernels import fused_linear_logprob, fused_linear_logprob_ref
 from trainer.methods.grpo_loss import (
     LOSS_TYPES,
     completion_length_metrics,
+    fused_grpo_loss,
     grpo_advantages,
     grpo_loss,
     grpo_normalizer,
 )
 
+fl_mod = importlib.import_module("kernels.fused_linear_cross_entropy")
 trl = pytest.importorskip("trl")
 from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import nanstd as trl_nanstd  # noqa: E402
@@ -136,18 +139,25 @@ def trl_loss(
 
 
 def our_loss(
-    batch, advantages, old, ref, *, loss_type, level, beta, delta=None, eps_high=None, top_q=1.0, kl_correction=False
+    batch,
+    advantages,
+    old,
+    ref,
+    *,
+    loss_type,
+    level,
+    beta,
+    delta=None,
+    eps_high=None,
+    top_q=1.0,
+    kl_correction=False,
+    fused=False,
 ):
+    """Our loss, gradients and metrics: fused_linear_logprob + grpo_loss, or (fused) fused_grpo_loss."""
     h, w, b = (t.clone().requires_grad_() for t in (batch.hidden, batch.weight, batch.bias))
-    with kernels.backend("triton"):  # the kernels through the interpreter (trainer tests default to the reference)
-        out = fused_linear_logprob(h, w, batch.target, b, temperature=TEMPERATURE, return_entropy=True)
-    loss, metrics = grpo_loss(
-        completion_rows(out.logps),
-        advantages,
-        batch.completion_mask,
+    kw = dict(
         old_logps=old,
         ref_logps=ref if beta != 0.0 else None,
-        entropies=completion_rows(out.entropies),
         loss_type=loss_type,
         beta=beta,
         epsilon=0.2,
@@ -158,6 +168,22 @@ def our_loss(
         use_bias_correction_kl=kl_correction,
         max_completion_length=T,
     )
+    with kernels.backend("triton"):  # the kernels through the interpreter (trainer tests default to the reference)
+        if fused:
+            cols = slice(P - 1, P - 1 + T)
+            loss, metrics = fused_grpo_loss(
+                h, w, batch.target, advantages, batch.completion_mask, b, completion_columns=cols,
+                temperature=TEMPERATURE, **kw,
+            )  # fmt: skip
+        else:
+            out = fused_linear_logprob(h, w, batch.target, b, temperature=TEMPERATURE, return_entropy=True)
+            loss, metrics = grpo_loss(
+                completion_rows(out.logps),
+                advantages,
+                batch.completion_mask,
+                entropies=completion_rows(out.entropies),
+                **kw,
+            )
     loss.backward()
     return loss.detach(), (h.grad, w.grad, b.grad), {k: v.item() for k, v in metrics.items()}
 
@@ -169,12 +195,12 @@ def head_logps(batch, weight):
     return completion_rows(out.logps)
 
 
-def compare(batch, **kw):
+def compare(batch, fused=False, **kw):
     advantages, _ = grpo_advantages(batch.rewards, NUM_GENERATIONS, reward_weights=torch.tensor([1.0, 0.5]))
     old = head_logps(batch, batch.old_weight) if kw.pop("num_iterations") == 2 else None
     ref = head_logps(batch, batch.ref_weight)
     t_loss, t_grads, t_metrics = trl_loss(batch, advantages, old, ref, **kw)
-    o_loss, o_grads, o_metrics = our_loss(batch, advantages, old, ref, **kw)
+    o_loss, o_grads, o_metrics = our_loss(batch, advantages, old, ref, fused=fused, **kw)
     torch.testing.assert_close(o_loss, t_loss, rtol=1e-5, atol=1e-6)
     for name, o, t in zip(("hidden", "weight", "bias"), o_grads, t_grads):
         assert t.abs().max() > 0, name
@@ -185,12 +211,17 @@ def compare(batch, **kw):
     return t_metrics
 
 
+@pytest.mark.parametrize("path", ("logprob", "fused"))
 @pytest.mark.parametrize("num_iterations", (1, 2))
 @pytest.mark.parametrize("beta", (0.0, 0.04))
 @pytest.mark.parametrize("level", ("token", "sequence"))
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_loss_gradient_and_metrics_equal_trl(loss_type, level, beta, num_iterations):
-    metrics = compare(make_batch(), loss_type=loss_type, level=level, beta=beta, num_iterations=num_iterations)
+def test_loss_gradient_and_metrics_equal_trl(loss_type, level, beta, num_iterations, path, monkeypatch):
+    # fused: fused_grpo_loss, the gradient formed in the forward, in chunks of whole completions (forced small)
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 7)
+    metrics = compare(
+        make_batch(), fused=path == "fused", loss_type=loss_type, level=level, beta=beta, num_iterations=num_iterations
+    )
     if num_iterations == 2 and loss_type != "cispo":  # the clipping is exercised, not only the identity ratio
         assert metrics["clip_ratio/region_mean"] > 0
 
@@ -206,9 +237,10 @@ def test_loss_gradient_and_metrics_equal_trl(loss_type, level, beta, num_iterati
     ],
     ids=str,
 )
-def test_options_equal_trl(kw):
+@pytest.mark.parametrize("path", ("logprob", "fused"))
+def test_options_equal_trl(kw, path):
     kw = dict(level="token", beta=0.0, num_iterations=2) | kw
-    metrics = compare(make_batch(seed=1), **kw)
+    metrics = compare(make_batch(seed=1), fused=path == "fused", **kw)
     if kw["loss_type"] == "cispo":
         assert metrics["cispo_clip_ratio"] > 0
 

@@ -1,0 +1,145 @@
+"""Tests for kernels/fused_linear_logprob_loss.py (Triton interpreter on CPU).
+
+The loss callable here is a sequence-coupled toy (a per-token term and the square of each sequence's sum of
+log-probs), so that a chunk must hold whole sequences for the gradient to be right. Tolerance model as
+tests/kernels/test_fused_linear_logprob.py: fp32 against the fp32 reference with rtol 1e-5 and atol 1e-5 * max|ref|;
+bf16/fp16 at most 2x PyTorch's own error in that dtype plus one ulp for bf16 (interpreter stores truncate) and one
+more with a temperature (hidden / T is rounded once more). Forced small chunks make every case cross chunk borders.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from kernels import fused_linear_logprob, fused_linear_logprob_loss, fused_linear_logprob_loss_ref
+from tests.kernels.test_cross_entropy import AllocationRecorder
+from tests.kernels.test_fused_linear_cross_entropy import addmm__flop
+from tests.tolerance import assert_lowp_close
+
+fl_mod = importlib.import_module("kernels.fused_linear_cross_entropy")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def make_batch(n_seqs, seq_len, hdim, vocab, dtype=torch.float32, bias=False, seed=0):
+    """A padded batch: per sequence a prompt of 1-3 rows, a completion of its own length (one of none), padding."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n_seqs, seq_len, hdim, generator=g).to(dtype)
+    weight = (torch.randn(vocab, hdim, generator=g) * 2.0 / hdim**0.5).to(dtype)
+    b = (torch.randn(vocab, generator=g) * 0.5).to(dtype) if bias else None
+    target = torch.full((n_seqs, seq_len), -100)
+    for s in range(n_seqs):
+        start = 1 + s % 3
+        length = 0 if s == 2 else max(1, seq_len - start - (s * 2) % 5)
+        target[s, start : start + length] = torch.randint(0, vocab, (length,), generator=g)
+    return hidden, weight, b, target
+
+
+def toy_loss(coef):
+    """A loss of whole sequences: sum_t c_t (exp(logp_t) - 0.5 logp_t) + 0.05 sum_s (sum_t logp_st)^2 + 0 * H."""
+
+    def loss_fn(logps, entropies, seqs):
+        c = coef[seqs]
+        per_token = (c * (logps.exp() - 0.5 * logps) * (logps != 0)).sum()
+        coupled = 0.05 * (logps.sum(1) ** 2).sum()
+        return per_token + coupled + (0.0 if entropies is None else 0.0 * entropies.sum())
+
+    return loss_fn
+
+
+def run(fn, hidden, weight, bias, target, loss_fn, upstream=1.5, **kw):
+    """(loss, logps, entropies, grad_hidden, grad_weight, grad_bias) of loss * upstream."""
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    b = None if bias is None else bias.detach().clone().requires_grad_()
+    loss, out = fn(h, w, target, loss_fn, b, return_entropy=True, **kw)
+    (loss * upstream).backward()
+    return loss.detach(), out.logps, out.entropies, h.grad, w.grad, None if b is None else b.grad
+
+
+NAMES = ("loss", "logps", "entropies", "grad_hidden", "grad_weight", "grad_bias")
+CASES = [
+    dict(n_seqs=5, seq_len=9, hdim=24, vocab=503, bias=True, chunk=6, temperature=1.0),
+    dict(n_seqs=4, seq_len=7, hdim=32, vocab=257, bias=False, chunk=3, temperature=0.7),  # sequences > a chunk
+    dict(n_seqs=3, seq_len=8, hdim=16, vocab=1001, bias=True, chunk=None, temperature=1.2),  # the library's rule
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_reference(case, dtype, monkeypatch):
+    c = CASES[case]
+    if c["chunk"] is not None:
+        monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: c["chunk"])
+    hidden, weight, bias, target = make_batch(c["n_seqs"], c["seq_len"], c["hdim"], c["vocab"], dtype, c["bias"], case)
+    loss_fn = toy_loss(
+        torch.linspace(-1.0, 2.0, c["seq_len"]).expand(c["n_seqs"], -1) + torch.arange(c["n_seqs"])[:, None]
+    )
+    kw = dict(temperature=c["temperature"])
+    ours = run(fused_linear_logprob_loss, hidden, weight, bias, target, loss_fn, **kw)
+    f32 = (hidden.float(), weight.float(), None if bias is None else bias.float(), target)
+    refs = run(fused_linear_logprob_loss_ref, *f32, loss_fn, **kw)
+    lows = run(fused_linear_logprob_loss_ref, hidden, weight, bias, target, loss_fn, **kw)
+    # the log-probs and entropies are fused_linear_logprob's (up to the matmuls' row blocking: other chunks)
+    plain = fused_linear_logprob(hidden, weight, target, bias, return_entropy=True, **kw)
+    for o, p in zip(ours[1:3], plain):
+        torch.testing.assert_close(o, p, rtol=1e-5, atol=1e-5 * p.abs().max().item())
+    ulps = (1 if dtype == torch.bfloat16 else 0) + (1 if c["temperature"] != 1.0 and dtype != torch.float32 else 0)
+    for name, o, r, lp in zip(NAMES, ours, refs, lows):
+        if r is None:
+            assert o is None, name
+            continue
+        if dtype == torch.float32:
+            torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5 * r.abs().max().item(), msg=name)
+        else:
+            assert_lowp_close(o, r, lp, dtype, name=name, extra_ulps=ulps)
+
+
+def test_target_on_the_device_and_all_rows_ignored(monkeypatch):
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 5)
+    hidden, weight, bias, target = make_batch(4, 6, 16, 301, bias=True, seed=3)
+    loss_fn = toy_loss(torch.ones(4, 6))
+    skipped = run(fused_linear_logprob_loss, hidden, weight, bias, target, loss_fn)
+    monkeypatch.setattr(fl_mod, "_target_on_host", lambda target: False, raising=False)
+    lp_loss_mod = importlib.import_module("kernels.fused_linear_logprob_loss")
+    monkeypatch.setattr(lp_loss_mod, "_target_on_host", lambda target: False)  # every row kept, as on a GPU
+    kept = run(fused_linear_logprob_loss, hidden, weight, bias, target, loss_fn)
+    for name, a, b in zip(NAMES, skipped, kept):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=name)
+    none = run(fused_linear_logprob_loss, hidden, weight, bias, torch.full_like(target, -100), loss_fn)
+    for t in none:
+        assert torch.equal(t, torch.zeros_like(t))
+
+
+def test_no_tokens_by_vocab_tensor_exists(monkeypatch):
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 6)
+    hidden, weight, bias, target = make_batch(6, 8, 16, 1001, torch.bfloat16, bias=True, seed=4)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    with AllocationRecorder(min_numel=1) as rec:
+        loss, _ = fused_linear_logprob_loss(h, w, target, toy_loss(torch.ones(6, 8)), b, return_entropy=True)
+        loss.backward()
+    longest = int((target != -100).sum(1).max())  # a chunk is at least one whole sequence
+    sizes = [torch.Size(s).numel() for s, _ in rec.allocs]
+    assert max(sizes) <= max(max(6, longest) * 1001, 1001 * 16) < 48 * 1001
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_policy_step_is_6khv_matmul_flops(dtype, monkeypatch):
+    # the loss's gradient formed in the forward: 3 matmuls per chunk (6 K H V) for an fp32 and a bf16 weight alike,
+    # nothing in backward; fused_linear_logprob + autograd costs 8 K H V (10 K H V with a bf16 weight)
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 5)
+    hidden, weight, _, target = make_batch(4, 8, 32, 300, dtype, seed=5)
+    k = int((target != -100).sum())
+    assert 0 < k < target.numel()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    mapping = {torch.ops.aten.addmm_: addmm__flop}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as fwd:
+        loss, _ = fused_linear_logprob_loss(h, w, target, toy_loss(torch.ones(4, 8)), return_entropy=True)
+    with FlopCounterMode(display=False, custom_mapping=mapping) as bwd:
+        loss.backward()
+    assert fwd.get_total_flops() == 6 * k * 32 * 300
+    assert bwd.get_total_flops() == 0
