@@ -33,7 +33,8 @@ FLOPs (K completion rows of N, H hidden, V vocabulary; prompt and padding rows c
 the CPU). Forward: 2 K H V (the logits, once). Backward: 6 K H V (the logits recomputed, grad_hidden, grad_weight)
 for an fp32 weight; 8 K H V for a bf16/fp16 weight (its vocabulary pass recomputes the logits once more). So a
 policy step costs 8 K H V (10 K H V with a bf16 weight), not the 6 K H V of an op that forms the loss's gradient
-inside the forward (liger's chunked GRPO loss): here the loss is plain torch on the (N,) log-probs, so the
+inside the forward (kernels/fused_linear_logprob_loss.py, liger's chunked-loss design, which needs the loss as a
+callable): here the loss is plain torch on the (N,) log-probs, so the
 gradient of a row is known only in backward and its chunk's logits must be recomputed. The old policy's and the
 reference's passes (under no_grad) are the forward alone: 2 K H V each, nothing saved. tests/ count all of this
 with FlopCounterMode.

@@ -300,11 +300,14 @@ def test_completion_length_metrics():
     }
 
 
+@pytest.mark.parametrize("path", ("logprob", "fused"))
 @pytest.mark.parametrize("level", ("token", "sequence"))
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_one_micro_batch_of_8_equals_two_of_4(loss_type, level):
+def test_one_micro_batch_of_8_equals_two_of_4(loss_type, level, path, monkeypatch):
     # with the window's normaliser the summed micro-batch losses are the whole batch's loss: the gradients agree to
-    # fp32 noise (bnpo's micro batches hold 18 and 9 tokens here: TRL's mean of micro-batch means would differ)
+    # fp32 noise (bnpo's micro batches hold 18 and 9 tokens here: TRL's mean of micro-batch means would differ).
+    # logprob: the reference log-probs + grpo_loss; fused: fused_grpo_loss through the interpreter, chunks of 7 rows
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 7)
     batch = make_batch(seed=2)
     advantages, _ = grpo_advantages(batch.rewards, NUM_GENERATIONS)
     old = head_logps(batch, batch.old_weight)
@@ -313,21 +316,32 @@ def test_one_micro_batch_of_8_equals_two_of_4(loss_type, level):
         loss_type=loss_type, importance_sampling_level=level, beta=0.04, max_completion_length=T, epsilon_high=0.28
     )
     norm = grpo_normalizer(loss_type, batch.completion_mask, T)
+
+    def micro_loss(h, w, b, s, normalizer):
+        if path == "fused":
+            with kernels.backend("triton"):
+                return fused_grpo_loss(
+                    h[s], w, batch.target[s], advantages[s], batch.completion_mask[s], b,
+                    completion_columns=slice(P - 1, P - 1 + T), temperature=TEMPERATURE, old_logps=old[s],
+                    ref_logps=ref[s], normalizer=normalizer, **kw,
+                )[0]  # fmt: skip
+        out = fused_linear_logprob(h[s], w, batch.target[s], b, temperature=TEMPERATURE)
+        return grpo_loss(
+            completion_rows(out.logps),
+            advantages[s],
+            batch.completion_mask[s],
+            old_logps=old[s],
+            ref_logps=ref[s],
+            normalizer=normalizer,
+            **kw,
+        )[0]
+
     grads = []
     for splits in ((slice(0, 8),), (slice(0, 4), slice(4, 8))):
         h, w, b = (t.clone().requires_grad_() for t in (batch.hidden, batch.weight, batch.bias))
         total = 0.0
         for s in splits:
-            out = fused_linear_logprob(h[s], w, batch.target[s], b, temperature=TEMPERATURE)
-            loss, _ = grpo_loss(
-                completion_rows(out.logps),
-                advantages[s],
-                batch.completion_mask[s],
-                old_logps=old[s],
-                ref_logps=ref[s],
-                normalizer=norm,
-                **kw,
-            )
+            loss = micro_loss(h, w, b, s, norm)
             loss.backward()
             total += loss.item()
         grads.append((total, h.grad, w.grad, b.grad))
@@ -335,25 +349,9 @@ def test_one_micro_batch_of_8_equals_two_of_4(loss_type, level):
     assert l1 == pytest.approx(l2, rel=1e-6, abs=1e-7)
     for name, a, c in zip(("hidden", "weight", "bias"), g1, g2):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6 * c.abs().max().item(), msg=name)
-    # one micro batch with the default normaliser is TRL's single-batch loss: the normaliser changes nothing there
-    one, _ = grpo_loss(
-        completion_rows(fused_linear_logprob(batch.hidden, batch.weight, batch.target, batch.bias).logps),
-        advantages,
-        batch.completion_mask,
-        old_logps=old,
-        ref_logps=ref,
-        **kw,
-    )
-    again, _ = grpo_loss(
-        completion_rows(fused_linear_logprob(batch.hidden, batch.weight, batch.target, batch.bias).logps),
-        advantages,
-        batch.completion_mask,
-        old_logps=old,
-        ref_logps=ref,
-        normalizer=norm,
-        **kw,
-    )
-    assert torch.equal(one, again)
+    # one micro batch: the window's normaliser is the default (TRL's single-batch loss)
+    h, w, b = batch.hidden, batch.weight, batch.bias
+    assert torch.equal(micro_loss(h, w, b, slice(0, 8), None), micro_loss(h, w, b, slice(0, 8), norm))
 
 
 def test_bad_arguments():
