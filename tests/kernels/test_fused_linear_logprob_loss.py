@@ -143,3 +143,34 @@ def test_policy_step_is_6khv_matmul_flops(dtype, monkeypatch):
         loss.backward()
     assert fwd.get_total_flops() == 6 * k * 32 * 300
     assert bwd.get_total_flops() == 0
+
+
+def test_fp32_weight_under_autocast(monkeypatch):
+    # the trainer's case: fp32 master weight, bf16 autocast: bf16 matmuls, an fp32 loss and fp32 gradients
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 6)
+    hidden, weight, bias, target = make_batch(4, 7, 48, 601, bias=True, seed=6)
+    loss_fn = toy_loss(torch.linspace(-1, 1, 28).reshape(4, 7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = run(fused_linear_logprob_loss, hidden, weight, bias, target, loss_fn, temperature=0.9)
+        low = run(fused_linear_logprob_loss_ref, hidden, weight, bias, target, loss_fn, temperature=0.9)
+    ref = run(fused_linear_logprob_loss_ref, hidden, weight, bias, target, loss_fn, temperature=0.9)
+    for name, o, r, lp in zip(NAMES, ours, ref, low):
+        assert o.dtype == torch.float32, name
+        assert_lowp_close(o, r, lp, torch.bfloat16, name=name, extra_ulps=2)
+
+
+def test_no_host_sync(monkeypatch):
+    monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 6)
+    hidden, weight, bias, target = make_batch(4, 7, 32, 513, torch.bfloat16, bias=True, seed=7)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    loss_fn = toy_loss(torch.ones(4, 7))
+
+    def host_sync(*args, **kwargs):
+        raise AssertionError("host synchronisation inside fused_linear_logprob_loss")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_sync)
+    loss, _ = fused_linear_logprob_loss(h, w, target, loss_fn, b, temperature=0.7, return_entropy=True)
+    loss.backward()
+    monkeypatch.undo()
+    assert all(torch.isfinite(t.grad.float()).all() for t in (h, w, b))

@@ -368,3 +368,27 @@ def test_bad_arguments():
         grpo_loss(logps, torch.zeros(3), mask)
     with pytest.raises(ValueError, match="scale_rewards"):
         grpo_advantages(torch.zeros(4, 1), 2, scale_rewards="max")
+
+
+def test_fused_grpo_loss_does_not_sync_with_the_host(monkeypatch):
+    # loss, gradient and metrics stay on the device (top_entropy_quantile < 1 would: its quantile, as TRL's)
+    batch = make_batch(seed=3)
+    advantages, _ = grpo_advantages(batch.rewards, NUM_GENERATIONS)
+    old = head_logps(batch, batch.old_weight)
+    ref = head_logps(batch, batch.ref_weight)
+    h, w, b = (t.clone().requires_grad_() for t in (batch.hidden, batch.weight, batch.bias))
+
+    def host_sync(*args, **kwargs):
+        raise AssertionError("host synchronisation inside fused_grpo_loss")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_sync)
+    with kernels.backend("triton"):
+        loss, metrics = fused_grpo_loss(
+            h, w, batch.target, advantages, batch.completion_mask, b, completion_columns=slice(P - 1, P - 1 + T),
+            old_logps=old, ref_logps=ref, beta=0.04, loss_type="grpo", importance_sampling_level="sequence",
+        )  # fmt: skip
+        loss.backward()
+    monkeypatch.undo()
+    assert torch.isfinite(loss) and all(torch.isfinite(t.grad).all() for t in (h, w, b))
+    assert {"kl", "entropy", "clip_ratio/region_mean"} <= metrics.keys()
