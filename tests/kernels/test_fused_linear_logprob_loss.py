@@ -14,13 +14,21 @@ import importlib
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+from triton.runtime.jit import KernelInterface
 
-from kernels import fused_linear_logprob, fused_linear_logprob_loss, fused_linear_logprob_loss_ref
+from kernels import (
+    fused_linear_logprob,
+    fused_linear_logprob_loss,
+    fused_linear_logprob_loss_ref,
+    fused_linear_logprob_ref,
+)
 from tests.kernels.test_cross_entropy import AllocationRecorder
-from tests.kernels.test_fused_linear_cross_entropy import addmm__flop
+from tests.kernels.test_fused_linear_cross_entropy import LiveStorageBytes, addmm__flop
 from tests.tolerance import assert_lowp_close
 
 fl_mod = importlib.import_module("kernels.fused_linear_cross_entropy")
+lp_mod = importlib.import_module("kernels.fused_linear_logprob")
+lp_loss_mod = importlib.import_module("kernels.fused_linear_logprob_loss")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -105,7 +113,6 @@ def test_target_on_the_device_and_all_rows_ignored(monkeypatch):
     loss_fn = toy_loss(torch.ones(4, 6))
     skipped = run(fused_linear_logprob_loss, hidden, weight, bias, target, loss_fn)
     monkeypatch.setattr(fl_mod, "_target_on_host", lambda target: False, raising=False)
-    lp_loss_mod = importlib.import_module("kernels.fused_linear_logprob_loss")
     monkeypatch.setattr(lp_loss_mod, "_target_on_host", lambda target: False)  # every row kept, as on a GPU
     kept = run(fused_linear_logprob_loss, hidden, weight, bias, target, loss_fn)
     for name, a, b in zip(NAMES, skipped, kept):
@@ -174,3 +181,52 @@ def test_no_host_sync(monkeypatch):
     loss.backward()
     monkeypatch.undo()
     assert all(torch.isfinite(t.grad.float()).all() for t in (h, w, b))
+
+
+@pytest.mark.parametrize("op", ("logprob", "loss"))
+def test_peak_extra_memory_at_llama_3_2_1b_head(op, monkeypatch):
+    # A GRPO micro batch: 16 completions of 512 tokens after 512-token prompts (targets on the host), H 2048,
+    # V 128256, bf16 weight, entropies asked for. Launchers as a GPU runs them, on meta tensors (as the preference
+    # test). Bound: one chunk of bf16 logits (C = 2048: 0.525 GB), the entropies' two fp32 blocks (2 x 64 MiB), the
+    # fp32 grad_hidden and gathered rows of the K kept rows (6 K H bytes), O(N) vectors. Measured here: the loss op
+    # 0.760 GB, fused_linear_logprob 0.692 GB (its forward's peak: logits, entropy blocks, gathered rows), eager
+    # (the reference's fp32 logits through autograd) 33.6 GB. The entropy blocks once held three temporaries, not
+    # two (linalg.vecdot's product; the previous block's x alive while the next was made): 0.89 GB.
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(KernelInterface, "__getitem__", lambda self, grid: lambda *args, **kwargs: None)
+    n_seqs, seq_len, hdim, vocab = 16, 1024, 2048, 128256
+    n, k = n_seqs * seq_len, n_seqs * seq_len // 2
+    target = torch.randint(0, vocab, (n_seqs, seq_len))
+    target[:, : seq_len // 2] = -100
+    hidden = torch.empty(n_seqs, seq_len, hdim, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(vocab, hdim, dtype=torch.bfloat16, device="meta")
+    with LiveStorageBytes() as ours:
+        if op == "loss":
+            loss_fn = toy_loss(torch.ones(n_seqs, seq_len, device="meta"))
+            loss, logps, ents, saved, plan = lp_loss_mod.fused_linear_logprob_loss_fwd(
+                hidden, weight, target, None, loss_fn, need_entropy=True
+            )
+            grads = fl_mod.fused_linear_cross_entropy_bwd(torch.ones((), device="meta"), saved, plan)
+            outs = (loss, logps, ents)
+        else:
+            logps, ents, saved, plan = lp_mod.fused_linear_logprob_fwd(
+                hidden.reshape(n, hdim), weight, target.reshape(-1), need_entropy=True, need_hidden=True,
+                need_weight=True,
+            )  # fmt: skip
+            grads = lp_mod.fused_linear_logprob_bwd(torch.ones(n, device="meta"), saved, plan)
+            outs = (logps, ents)
+        del saved
+    assert grads[1].shape == (vocab, hdim)
+    peak = ours.peak_excluding(*outs, *grads)
+    chunk = fl_mod._chunk_rows(k, hdim, vocab)
+    assert chunk == 2048
+    bound = 2 * chunk * vocab + 2 * 4 * lp_mod.ENTROPY_BLOCK_ELEMENTS + 6 * k * hdim + 64 * n
+    if op == "logprob":  # the bf16 weight's vocabulary pass in backward: a tile of logits and its fp32 accumulator
+        tile_rows, tile_cols = fl_mod._vocab_tile(k, hdim, vocab)
+        bound = max(bound, 2 * chunk * vocab + 6 * k * hdim + 2 * tile_rows * tile_cols + 4 * tile_cols * hdim)
+    assert 2 * chunk * vocab < peak <= bound, (peak, bound)
+    h, w = hidden.requires_grad_(), weight.clone().requires_grad_()
+    with LiveStorageBytes() as eager:
+        ref = fused_linear_logprob_ref(h, w, target.to("meta"), return_entropy=True)
+        torch.autograd.grad(ref.logps.sum(), [h, w])
+    assert peak <= 0.05 * eager.peak_excluding(), (peak, eager.peak_excluding())
