@@ -230,3 +230,34 @@ def test_peak_extra_memory_at_llama_3_2_1b_head(op, monkeypatch):
         ref = fused_linear_logprob_ref(h, w, target.to("meta"), return_entropy=True)
         torch.autograd.grad(ref.logps.sum(), [h, w])
     assert peak <= 0.05 * eager.peak_excluding(), (peak, eager.peak_excluding())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ("logprob", "loss"))
+def test_gpu_matches_the_reference_without_host_sync(op):
+    # the Triton kernels and cuBLAS on a GPU: bf16 inputs, a CPU target (prompt rows skipped on the host), several
+    # chunks of the library's rule (C = 2048 rows of 4 x 1024), no host sync; tolerances as on the CPU (1 ulp)
+    hidden, weight, bias, target = make_batch(4, 1024, 1024, 32003, torch.bfloat16, bias=True, seed=8)
+    target[:, :300] = -100
+    hidden, weight, bias = hidden.cuda(), weight.cuda(), bias.cuda()
+    coef = torch.linspace(-1.0, 1.0, 4 * 1024, device="cuda").reshape(4, 1024)
+    fns = (fused_linear_logprob_loss, fused_linear_logprob_loss_ref)
+    if op == "logprob":  # fused_linear_logprob, differentiated through sum(coef * logps)
+
+        def as_loss(fn):
+            def loss_and_logps(h, w, t, loss_fn, b, **kw):
+                out = fn(h, w, t, b, **kw)
+                return (out.logps * coef).sum(), out
+
+            return loss_and_logps
+
+        fns = (as_loss(fused_linear_logprob), as_loss(fused_linear_logprob_ref))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ours = run(fns[0], hidden, weight, bias, target, toy_loss(coef), temperature=0.9)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    refs = run(fns[1], hidden.float(), weight.float(), bias.float(), target.cuda(), toy_loss(coef), temperature=0.9)
+    lows = run(fns[1], hidden, weight, bias, target.cuda(), toy_loss(coef), temperature=0.9)
+    for name, o, r, lp in zip(NAMES, ours, refs, lows):
+        assert_lowp_close(o.float(), r.float(), lp.float(), torch.bfloat16, name=name, extra_ulps=2)
