@@ -15,14 +15,14 @@ hidden / T in hidden's dtype; autograd carries the 1/T into the gradients), so t
 Backward. logps[t] = -CE(x_t, y_t), so with an upstream gradient g_t = dL/dlogps[t] the logits' gradient is
 dlogits_t = -g_t (softmax(x_t) - onehot(y_t)): fused linear cross-entropy with reduction="none" and the per-row
 upstream gradient -g_t, as `kernels/fused_linear_preference.py` (per-sequence sums) uses it. So this op has no
-kernel of its own: its forward is a token-chunk loop (the chunk rule and host-side row skipping of
+kernel of its own. Its forward is a token-chunk loop (the chunk rule and host-side row skipping of
 `kernels/fused_linear_cross_entropy.py`: the ignored rows gathered out on the host when the target is on the CPU,
-no device sync; chunks of C = max(ceil(K / ceil(V / H)), 2048) rows; never a (rows, vocab) tensor beyond one
-chunk) calling the cross-entropy Triton kernel without a gradient for -logp and lse, and, when entropies are asked
-for, a torch pass over the same chunk in fp32, by blocks of rows (two fp32 temporaries of at most 64 MiB each,
-`ENTROPY_BLOCK_ELEMENTS`); its backward is
-`fused_linear_cross_entropy_bwd` (recomputes each chunk's logits, turns them into their gradient in place, fp32
-accumulation; a bf16/fp16 weight's gradient summed in fp32 by its vocabulary pass).
+no device sync; chunks of C = min(K, max(ceil(K / ceil(V / H)), 2048)) rows; never a (rows, vocab) tensor beyond
+one chunk) calling the cross-entropy Triton kernel without a gradient for -logp and lse, and, when entropies are
+asked for, a torch pass over the same chunk in fp32 by blocks of rows (two fp32 temporaries of at most 64 MiB each,
+`ENTROPY_BLOCK_ELEMENTS`). Its backward is `fused_linear_cross_entropy_bwd` (recomputes each chunk's logits, turns
+them into their gradient in place, fp32 accumulation; a bf16/fp16 weight's gradient summed in fp32 by its
+vocabulary pass).
 
 Entropies are not differentiable here (returned detached). TRL 1.16 computes them from the logits in a kernel that
 can backpropagate through them, but uses that only for its optional entropy bonus (`entropy_coef`); for the loss
@@ -33,11 +33,10 @@ FLOPs (K completion rows of N, H hidden, V vocabulary; prompt and padding rows c
 the CPU). Forward: 2 K H V (the logits, once). Backward: 6 K H V (the logits recomputed, grad_hidden, grad_weight)
 for an fp32 weight; 8 K H V for a bf16/fp16 weight (its vocabulary pass recomputes the logits once more). So a
 policy step costs 8 K H V (10 K H V with a bf16 weight), not the 6 K H V of an op that forms the loss's gradient
-inside the forward (kernels/fused_linear_logprob_loss.py, liger's chunked-loss design, which needs the loss as a
-callable): here the loss is plain torch on the (N,) log-probs, so the
-gradient of a row is known only in backward and its chunk's logits must be recomputed. The old policy's and the
-reference's passes (under no_grad) are the forward alone: 2 K H V each, nothing saved. tests/ count all of this
-with FlopCounterMode.
+inside the forward (kernels/fused_linear_logprob_loss.py, liger's chunked-loss design, which takes the loss as a
+callable): here the loss is plain torch on the (N,) log-probs, so the gradient of a row is known only in backward
+and its chunk's logits must be recomputed. The old policy's and the reference's passes (under no_grad) are the
+forward alone: 2 K H V each, nothing saved. tests/ count all of this with FlopCounterMode.
 
 Peak extra memory: fused linear cross-entropy's reduction="none" (one chunk of logits; the backward's fp32 (K, H)
 grad_hidden and, for a bf16/fp16 weight, a vocabulary tile and its fp32 accumulator), the gathered (K, H) rows, the
