@@ -14,6 +14,8 @@ from .adamw import FusedAdamW, adamw_step_ref
 from .cross_entropy import cross_entropy, cross_entropy_ref
 from .dequantize_4bit import NestedAbsmax, dequantize_4bit, dequantize_4bit_ref
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
+from .fused_linear_logprob import TokenLogprobs, fused_linear_logprob, fused_linear_logprob_ref
+from .fused_linear_logprob_loss import fused_linear_logprob_loss, fused_linear_logprob_loss_ref
 from .fused_linear_preference import (
     PreferenceLogps,
     fused_linear_preference,
@@ -36,5 +38,7 @@ __all__ += ["FusedAdamW", "adamw_step_ref"]
 __all__ += ["cross_entropy", "cross_entropy_ref", "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]
 __all__ += ["PreferenceLogps", "fused_linear_preference", "fused_linear_preference_ref", "preference_loss"]
 __all__ += ["fused_linear_preference_loss", "fused_linear_preference_loss_ref"]
+__all__ += ["TokenLogprobs", "fused_linear_logprob", "fused_linear_logprob_ref"]
+__all__ += ["fused_linear_logprob_loss", "fused_linear_logprob_loss_ref"]
 __all__ += ["NestedAbsmax", "dequantize_4bit", "dequantize_4bit_ref"]
 __all__ += ["LoRAProjection", "lora_projections", "lora_projections_ref", "lora_mlp", "lora_mlp_ref"]
