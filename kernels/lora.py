@@ -111,7 +111,13 @@ class _Group:
         self.rng_states: list[torch.Tensor] = []
 
     def _lora_input(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.lora_dtype is None else x.to(self.lora_dtype)
+        """The adapter's input before dropout: x cast to lora_dtype as peft casts it; x itself where no dropout
+        follows and that cast and the matmul's cast back are exact (a bf16 x through fp32 adapters under autocast:
+        bf16 -> fp32 -> bf16, and the gradient's fp32 round trip), so neither direction moves the copies."""
+        lossless = torch.promote_types(x.dtype, self.lora_dtype or x.dtype) == self.lora_dtype
+        if self.lora_dtype is None or (not self.dropout and x.dtype == self.dtype and lossless):
+            return x
+        return x.to(self.lora_dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The outputs and each projection's xa = drop(x) A^T (kept for dB), in peft's order of operations."""
