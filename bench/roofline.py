@@ -82,10 +82,10 @@ whose modelled peak fits each GPU, per setting x GPU x stack. Results: bench/res
 `--ladder --render_only` writes the md and chart again from the jsonl); tests: tests/bench/test_ladder.py.
 - Settings (SETTINGS): Llama-3.2-1B full fine-tune (fp32 master weights, AdamW state, bf16 autocast); Llama-3.1-8B
   LoRA r=16 (alpha 32, no dropout) on every linear layer of the blocks through peft's inject_adapter_in_model (bf16
-  frozen base, fp32 adapters, AdamW on the adapters); QLoRA: the same with each base linear weight stored as NF4Linear,
-  0.516 bytes a parameter (`nf4_bytes`: bitsandbytes' 4-bit codes + double-quantised scales, the bytes of a real
-  quantized layer), dequantised to a transient bf16
-  weight for the matmul in forward and again in backward (one layer at a time, as bitsandbytes' MatMul4Bit);
+  frozen base, bf16 adapters as it leaves them, AdamW on the adapters); QLoRA: the same with each base linear weight
+  stored as NF4Linear, 0.516 bytes a parameter (`nf4_bytes`: bitsandbytes' 4-bit codes + double-quantised scales, the
+  bytes of a real quantized layer), dequantised to a transient bf16 weight for the matmul in forward and again in
+  backward (one layer at a time, as bitsandbytes' MatMul4Bit);
   embeddings, norms and the LM head stay bf16. 8B full fine-tune with FSDP2's CPU offload on one process
   (HostParameters): parameters, gradients and AdamW state live on the host (16 bytes a parameter, fp32); the device
   holds one block's bf16 weights while it runs (again from its recompute in backward until its last gradient is
@@ -123,6 +123,13 @@ whose modelled peak fits each GPU, per setting x GPU x stack. Results: bench/res
   an H200 (bench/results/h200/train_memory_seq_len.jsonl, torch.cuda.max_memory_allocated), modelled/measured per
   rung; Unsloth's published QLoRA contexts and Snowflake ALST's full fine-tune baselines stand beside the modelled
   ones.
+
+The LoRA stacks (`python -m bench.roofline --lora_stacks`, issue 34): one step of Llama-3.1-8B at micro batch 1 and
+--seq_len tokens (2048) with LoRA r=16 on every linear layer of the blocks, bf16 base, bf16 or fp32 adapters, dropout 0
+or 0.05, no checkpointing (what a step keeps is all in its peak), for ours with the fused LoRA path (kernels.lora),
+ours with peft's layers, transformers + peft, and transformers + peft + liger (`lora_stack_rows`: ladder_step with
+LORA_SETTINGS x LORA_STACKS). Dropout is modelled as it runs on CUDA (`cuda_dropout_on_meta`: a bool mask kept).
+Results: bench/results/lora_stacks.md (+ .jsonl); test: tests/bench/test_ladder.py.
 """
 
 from __future__ import annotations
@@ -1487,6 +1494,8 @@ class Setting:
     lora: bool = False  # LoRA r=16 on every linear layer of the blocks, bf16 frozen base
     nf4: bool = False  # the frozen base linear weights stored as NF4 (QLoRA)
     cpu_offload: bool = False  # FSDP2 CPU offload of parameters, gradients and optimizer state
+    lora_dropout: float = 0.0
+    adapter_dtype: torch.dtype | None = None  # None: the base's (bf16), as inject_adapter_in_model leaves them
 
 
 SETTINGS = {
@@ -1503,6 +1512,7 @@ class LadderStack:
     checkpointing: bool
     offloading: bool = False
     tiled_mlp: bool = False
+    fused_lora: bool = True  # ours: LoRA layers through kernels.lora (False: peft's layers)
 
 
 LADDER_STACKS = {
@@ -1639,15 +1649,20 @@ class NF4Linear(torch.nn.Module):
         return _NF4Matmul.apply(x, self)
 
 
-def apply_lora_r16(model: torch.nn.Module, nf4: bool) -> None:
-    """peft's LoRA (r=16, alpha 32, no dropout) on every linear layer of the blocks, base frozen (then stored as NF4
-    when `nf4`); the adapters in fp32 (peft keeps them so beside a bf16 base)."""
+def apply_lora_r16(model: torch.nn.Module, nf4: bool, dropout: float = 0.0, adapter_dtype=None) -> None:
+    """peft's LoRA (r=16, alpha 32, `dropout`) on every linear layer of the blocks, base frozen (then stored as NF4
+    when `nf4`); the adapters in the base's dtype as inject_adapter_in_model leaves them, or in `adapter_dtype` (fp32:
+    as a PeftModel keeps them beside a bf16 base, its autocast_adapter_dtype)."""
     import peft
 
     for p in model.parameters():
         p.requires_grad_(False)
-    config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+    config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=list(LORA_TARGETS))
     peft.inject_adapter_in_model(config, model)
+    if adapter_dtype is not None:
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.data = p.data.to(adapter_dtype)
     if nf4:
         for module in list(model.modules()):
             if isinstance(module, peft.tuners.lora.LoraLayer):
@@ -1737,6 +1752,28 @@ def checkpoint_on_meta():
         extractors["default"] = default
 
 
+@contextlib.contextmanager
+def cuda_dropout_on_meta():
+    """Dropout as it runs on CUDA, on meta tensors: F.dropout takes PyTorch's fused kernel there (native_dropout, whose
+    backward keeps a bool mask; on meta tensors F.dropout would take the CPU's path, whose mask is a tensor of the
+    input's dtype). The fused LoRA path's generator state (16 bytes on CUDA) is neither saved nor restored: meta
+    tensors draw nothing."""
+    import kernels.lora as lora_op
+
+    saved = F.dropout, lora_op._rng_state, lora_op._replayed_rng
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        return torch.native_dropout(x, p, training)[0] if training and p > 0 else x
+
+    F.dropout = dropout
+    lora_op._rng_state = lambda device: None
+    lora_op._replayed_rng = lambda device, state: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        F.dropout, lora_op._rng_state, lora_op._replayed_rng = saved
+
+
 def ladder_step(setting: Setting, stack: LadderStack, seq_len: int, config: dict | None = None) -> dict:
     """One modelled step of `stack` in `setting` at micro batch 1, one sequence of seq_len tokens: the device peak
     (and what is live there), the host bytes, the PCIe bytes and the modelled compute by phase on each of DEVICES."""
@@ -1752,7 +1789,9 @@ def ladder_step(setting: Setting, stack: LadderStack, seq_len: int, config: dict
         if setting.lora or setting.cpu_offload:
             model.to(BF16)  # LoRA's frozen base in bf16; FSDP2's gathered parameters in bf16 (param_dtype)
         if setting.lora:
-            apply_lora_r16(model, setting.nf4)
+            apply_lora_r16(model, setting.nf4, setting.lora_dropout, setting.adapter_dtype)
+            if not stack.base.startswith("hf"):
+                model.fused_lora = stack.fused_lora
         if stack.checkpointing:  # no dropout: the RNG state checkpoint would save is moot (and not on meta)
             if stack.base.startswith("hf"):
                 kwargs = {"use_reentrant": False, "preserve_rng_state": False}
@@ -1785,7 +1824,7 @@ def ladder_step(setting: Setting, stack: LadderStack, seq_len: int, config: dict
     ids = torch.empty((1, seq_len), dtype=torch.int64, device="meta")
     labels = labels_for(1, seq_len, 0.0)
     hf = hf_through_backward(model) if stack.base.startswith("hf") else contextlib.nullcontext()
-    with recording(trace), hf, checkpoint_on_meta():
+    with recording(trace), hf, checkpoint_on_meta(), cuda_dropout_on_meta():
         host_params = HostParameters(model, model.model.layers) if setting.cpu_offload else None
         trace.phase = "forward"
         with autocast_bf16(), offloader() if offloader else contextlib.nullcontext():
@@ -1826,6 +1865,7 @@ def ladder_step(setting: Setting, stack: LadderStack, seq_len: int, config: dict
         "host_state_bytes": 16 * n_params if setting.cpu_offload else 0,
         "param_transfer_bytes": param_bytes,  # bf16 weights to the device (forward, then backward) and grads back
         "ms": ms,  # {device: {phase: modelled ms}}
+        "step_bytes": sum(op.bytes for op in trace.ops),  # every op's modelled DRAM traffic (the roofline's bytes)
     }
 
 
@@ -2341,6 +2381,100 @@ def main_ladder(args) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The LoRA stacks: where a LoRA step's memory and bytes go, fused LoRA against peft's layers
+# ---------------------------------------------------------------------------------------------------------
+LORA_STACKS = {  # name: (LadderStack without checkpointing: every activation a step keeps is in its peak, title)
+    "ours_fused": (LadderStack("ours", checkpointing=False), "ours, LoRA fused (kernels.lora)"),
+    "ours_peft": (LadderStack("ours", checkpointing=False, fused_lora=False), "ours, peft's LoRA layers"),
+    "hf_peft": (LadderStack("hf", checkpointing=False), "transformers + peft"),
+    "hf_peft_liger": (LadderStack("hf_liger", checkpointing=False), "transformers + peft + liger"),
+}
+# Llama-3.1-8B, bf16 base, r 16 on every linear layer of the blocks; the adapters in bf16 (as inject_adapter_in_model
+# leaves them: the ladder's setting) or in fp32 (as a PeftModel keeps them, TRL's path); dropout 0 (LlamaFactory's
+# default) or 0.05 (TRL's and peft's examples').
+LORA_SETTINGS = {
+    f"{dtype_name} adapters, dropout {dropout}": Setting(
+        "llama-3.1-8b", "", lora=True, lora_dropout=dropout, adapter_dtype=dtype
+    )
+    for dtype_name, dtype in (("bf16", None), ("fp32", torch.float32))
+    for dropout in (0.0, 0.05)
+}
+LORA_SEQ_LEN = 2048
+
+
+def lora_stack_rows(seq_len: int = LORA_SEQ_LEN, config: dict | None = None, env: dict | None = None) -> list[dict]:
+    """One modelled step (micro batch 1, `seq_len` tokens) per LORA_SETTINGS x LORA_STACKS: peak, what is live after
+    forward above the parameters and optimizer state (the activations kept for backward), the step's modelled DRAM
+    bytes and its time on each of DEVICES."""
+    rows = []
+    for setting_name, setting in LORA_SETTINGS.items():
+        for stack_name, (stack, title) in LORA_STACKS.items():
+            step = ladder_step(setting, stack, seq_len, config)
+            rows.append(
+                {
+                    "bench": "roofline_lora",
+                    "modelled": True,
+                    "setting": setting_name,
+                    "stack": stack_name,
+                    "stack_title": title,
+                    "seq_len": seq_len,
+                    "peak_gb": step["peak_bytes"] / 1e9,
+                    "activations_gb": (step["live_after_forward_bytes"] - step["setup_bytes"]) / 1e9,
+                    "step_bytes_gb": step["step_bytes"] / 1e9,
+                    "ms": {key: sum(phases.values()) for key, phases in step["ms"].items()},
+                    **(env or {}),
+                }
+            )
+    return rows
+
+
+def render_lora_stacks(rows: list[dict], env: dict) -> str:
+    lines = [
+        f"# LoRA stacks (modelled): Llama-3.1-8B, r 16 on every linear layer, seq_len {rows[0]['seq_len']}, "
+        "micro batch 1",
+        "",
+        "Every figure here is **modelled** on meta tensors (bench/roofline.py: `lora_stack_rows`), no checkpointing "
+        "(every activation a step keeps is in its peak), bf16 base, bf16 autocast. activations = what is live after "
+        "forward above the parameters and optimizer state; step bytes = the DRAM traffic of every op of the step. "
+        "The fused path's values and gradients equal peft's bit for bit (tests/trainer/model/test_fused_lora.py).",
+        "",
+        common.env_header(env).replace("Measured on", "Modelled on"),
+        "",
+    ]
+    for setting in LORA_SETTINGS:
+        sel = {r["stack"]: r for r in rows if r["setting"] == setting}
+        base = sel["ours_peft"]
+        lines += [
+            f"## {setting}",
+            "",
+            "| stack | peak GB | activations GB | vs ours-peft | step bytes GB | H100 ms | H200 ms |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name in LORA_STACKS:
+            r = sel[name]
+            ratio = r["activations_gb"] / base["activations_gb"]
+            lines.append(
+                f"| {r['stack_title']} | {r['peak_gb']:.2f} | {r['activations_gb']:.2f} | {ratio:.2f}x | "
+                f"{r['step_bytes_gb']:.1f} | {r['ms']['h100']:.1f} | {r['ms']['h200']:.1f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main_lora_stacks(args) -> list[dict]:
+    env = common.env_info()
+    rows = lora_stack_rows(args.seq_len, env=env)
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    with (common.RESULTS / "lora_stacks.jsonl").open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    text = render_lora_stacks(rows, env)
+    (common.RESULTS / "lora_stacks.md").write_text(text)
+    print(text)
+    return rows
+
+
 def parse_args(argv=None):
     from bench.bench_train import MODELS
 
@@ -2353,6 +2487,7 @@ def parse_args(argv=None):
     p.add_argument("--stacks", default=",".join(STACKS), help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     p.add_argument("--ladder", action="store_true", help="the modelled memory ladder of maximum context instead")
+    p.add_argument("--lora_stacks", action="store_true", help="the LoRA stacks at Llama-3.1-8B instead (--seq_len)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="--ladder's settings (comma-separated)")
     p.add_argument("--ladder_stacks", default=",".join(LADDER_STACKS), help="--ladder's stacks (comma-separated)")
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="--ladder's worker processes")
@@ -2372,6 +2507,8 @@ def main(argv=None) -> list[dict]:
         common.RESULTS = Path(args.out)
     if args.ladder:
         return main_ladder(args)
+    if args.lora_stacks:
+        return main_lora_stacks(args)
     dev = DEVICES[args.device]
     config = model_config(args.model)
     env = common.env_info()

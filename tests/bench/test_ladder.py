@@ -223,3 +223,31 @@ def test_committed_calibration_ratios_are_the_mds():
         row += rf"{r['modelled_peak_gb']:.2f} \| {ratio:.3f} \|"
         assert re.search(row, md), row
     assert "modelled" in md.lower()
+
+
+def test_lora_stacks_fused_keeps_less_than_peft_where_peft_keeps_copies():
+    """The LoRA stacks (`python -m bench.roofline --lora_stacks`) at the tiny config: the fused path keeps no more
+    than peft's layers in our model, and less wherever peft keeps per-layer copies (dropout's dropped copy and mask;
+    fp32 adapters' casts of the input); transformers + peft keeps more than our peft path (it keeps the SwiGLU output
+    and its own norms' and RoPE's tensors). Dropout's mask is modelled as CUDA keeps it (a bool)."""
+    rows = rf.lora_stack_rows(256, rf.ladder_config("tiny"), env={})
+    assert len(rows) == len(rf.LORA_SETTINGS) * len(rf.LORA_STACKS)
+    kept = {(r["setting"], r["stack"]): r["activations_gb"] for r in rows}
+    for setting in rf.LORA_SETTINGS:
+        fused, peft = kept[(setting, "ours_fused")], kept[(setting, "ours_peft")]
+        if setting == "bf16 adapters, dropout 0.0":
+            assert fused == peft  # x is lora_A's input itself: peft keeps nothing more
+        else:
+            assert fused < peft, setting
+        assert kept[(setting, "hf_peft")] > peft, setting
+
+
+def test_cuda_dropout_on_meta_keeps_a_bool_mask():
+    x = torch.empty(4, 8, device="meta", requires_grad=True)
+    kept = []
+    with (
+        rf.cuda_dropout_on_meta(),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t),
+    ):
+        torch.nn.functional.dropout(x, 0.1, True)
+    assert [t.dtype for t in kept] == [torch.bool]
