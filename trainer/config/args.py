@@ -1179,10 +1179,16 @@ class TrainingArguments:
                 "load_in_4bit: 4-bit weights cannot be trained; add --use_peft (QLoRA trains a LoRA adapter over them)"
             )
         name = (self.dist_config or {}).get("name")
-        if name == "fsdp2":
+        if name == "fsdp2" and self.dist_config.get("dcp_path"):
             raise ConfigError(
-                "load_in_4bit with dist_config fsdp2 is not supported: not built yet (each rank would quantize its "
-                "rows, and the 64-value blocks must not straddle shards); use dist_config ddp or deepspeed"
+                "load_in_4bit with dist_config.dcp_path is not supported: the 4-bit layers quantize full-precision "
+                "weights as they are read; give --model the Hugging Face directory (or the preset) instead"
+            )
+        if name == "fsdp2" and self.bnb_4bit_quant_storage not in (None, "uint8"):
+            raise ConfigError(
+                f"bnb_4bit_quant_storage={self.bnb_4bit_quant_storage!r} with dist_config fsdp2 is not supported: "
+                "FSDP2's mixed precision casts floating-point parameters, which would rewrite 4-bit codes packed in a "
+                "float dtype; keep the default uint8 (FSDP2 shards each parameter alone: no common dtype is needed)"
             )
         if name == "deepspeed" and self.bnb_4bit_quant_storage not in (None, "uint8"):
             raise ConfigError(

@@ -40,7 +40,7 @@ def _projection(layer: nn.Module, dtype: torch.dtype, autocast: bool):
     quant = sys.modules.get("trainer.model.quant")  # imported (bitsandbytes) only where 4-bit layers exist
     four_bit = quant.Linear4bit if quant is not None else ()
     if type(layer) is nn.Linear or type(layer) is four_bit:  # not adapted: its base alone, in the group
-        return _base_alone(layer, dtype, autocast, quant)
+        return _base_alone(layer, dtype, autocast)
     lora_A, lora_B = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
     base = getattr(layer, "base_layer", None)
     if lora_A is None or base is None or ADAPTER not in lora_A or list(layer.active_adapters) != [ADAPTER]:
@@ -62,7 +62,13 @@ def _projection(layer: nn.Module, dtype: torch.dtype, autocast: bool):
         # peft's bitsandbytes layer casts unless torch.is_autocast_enabled(), which asks about CUDA's autocast only
         lora_dtype = None if torch.is_autocast_enabled("cuda") else A.weight.dtype
         projection = LoRAProjection(
-            weight, A.weight, B.weight, layer.scaling[ADAPTER], bias, quant.dequantize, base_returns_input_dtype=True
+            weight,
+            A.weight,
+            B.weight,
+            layer.scaling[ADAPTER],
+            bias,
+            base.dequantize_weight,
+            base_returns_input_dtype=True,
         )
     elif type(base) is nn.Linear:
         lora_dtype = A.weight.dtype if getattr(layer, "cast_input_dtype_enabled", True) else None
@@ -76,7 +82,7 @@ def _projection(layer: nn.Module, dtype: torch.dtype, autocast: bool):
     return projection, p, lora_dtype
 
 
-def _base_alone(layer: nn.Module, dtype: torch.dtype, autocast: bool, quant):
+def _base_alone(layer: nn.Module, dtype: torch.dtype, autocast: bool):
     """(LoRAProjection without adapter, None, None) for a frozen linear layer peft did not target, or None."""
     weight, bias = layer.weight, layer.bias
     if _hooked(layer) or weight.requires_grad or (bias is not None and bias.requires_grad) or hasattr(weight, "ds_id"):
@@ -87,11 +93,10 @@ def _base_alone(layer: nn.Module, dtype: torch.dtype, autocast: bool, quant):
         return LoRAProjection(weight, None, None, bias=bias), None, None
     if layer.compute_dtype not in ((dtype, torch.float32) if autocast else (dtype,)):
         return None
-    return (
-        LoRAProjection(weight, None, None, bias=bias, dequantize=quant.dequantize, base_returns_input_dtype=True),
-        None,
-        None,
+    projection = LoRAProjection(
+        weight, None, None, bias=bias, dequantize=layer.dequantize_weight, base_returns_input_dtype=True
     )
+    return projection, None, None
 
 
 def find(x: torch.Tensor, layers):

@@ -24,12 +24,15 @@ bitsandbytes' own forward is not: in eval mode without grad on a CPU with AVX512
 after which training forwards return no input gradient (the adapters below stop learning, silently), and for one row
 at inference it takes another kernel (gemv). Here evaluating between training steps leaves training exact.
 
-DDP and DeepSpeed ZeRO-2/3 work (the frozen 4-bit codes are parameters like any other: ZeRO-3 partitions and gathers
-them, the quantization state stays on the parameter; tests/trainer/parallel). Refused, in one line while the
-arguments are checked: 4-bit weights without an adapter (they cannot be trained), FSDP2 (not built yet: each rank
-would quantize its shard of rows, which needs the blocks aligned to shard boundaries), DeepSpeed with the codes
-packed in a float dtype (`bnb_4bit_quant_storage`: DeepSpeed casts floating parameters to its precision), and a
-missing bitsandbytes (`pip install 'kernelwright[qlora]'`). bitsandbytes is imported only when 4-bit weights are
+DDP, FSDP2 and DeepSpeed ZeRO-2/3 work (the frozen 4-bit codes are parameters like any other: ZeRO-3 partitions and
+gathers them; FSDP2 shards the packed codes by rows: every rank quantizes each whole weight as it is read and keeps its
+rows of the codes, and the layer keeps the whole quantization state, absmax per block of 64, about 1/32 of the codes'
+bytes, so the codes FSDP2 gathers for a block dequantize as one process's; tests/trainer/parallel). The quantization
+state lives on the layer (`quant_state`, as bitsandbytes' own layer keeps it), not only on the parameter, which FSDP2
+replaces. Refused, in one line while the arguments are checked: 4-bit weights without an adapter (they cannot be
+trained), FSDP2 or DeepSpeed with the codes packed in a float dtype (`bnb_4bit_quant_storage`: both cast floating
+parameters to their precision), FSDP2 from a DCP copy (`dcp_path`: the layers quantize full-precision weights as they
+are read), and a missing bitsandbytes (`pip install 'kernelwright[qlora]'`). bitsandbytes is imported only when 4-bit weights are
 asked for (it takes seconds to import).
 
 Test: python -m pytest tests/trainer/model/test_quant.py -q
@@ -42,8 +45,10 @@ import torch
 import torch.nn.functional as F
 from bitsandbytes.functional import quantize_4bit
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import kernels
+from trainer.dist import local_shard
 
 BLOCKSIZE = 64  # values per absmax block: bitsandbytes' and transformers' default for 4-bit weights
 _SKIP = ("lm_head",)  # kept in full precision, as transformers' quantizer keeps the output embedding
@@ -53,23 +58,24 @@ class _DequantizedLinear(torch.autograd.Function):
     """y = x W^T + b with W = dequantize(weight) in forward, and again in backward for dx (W frozen: no dW)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.weight = weight  # a frozen parameter, held by the module anyway: nothing is saved for backward
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, state, bias: torch.Tensor | None) -> torch.Tensor:
+        # a frozen parameter, held by the module anyway (FSDP2 gathers it again for backward): nothing is saved
+        ctx.weight, ctx.state = weight, state
         ctx.has_bias = bias is not None
-        return F.linear(x, dequantize(weight).to(x.dtype), bias)
+        return F.linear(x, dequantize(weight, state).to(x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad_x = grad @ dequantize(ctx.weight).to(grad.dtype) if ctx.needs_input_grad[0] else None
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, None, grad_bias
+        grad_x = grad @ dequantize(ctx.weight, ctx.state).to(grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return grad_x, None, None, grad_bias
 
 
-def dequantize(weight: torch.Tensor) -> torch.Tensor:
+def dequantize(weight: torch.Tensor, state=None) -> torch.Tensor:
     """The full-precision (out, in) weight a Linear4bit's packed `weight` stands for, in the dtype it was quantized
     from: bitsandbytes' dequantize_4bit bit for bit, computed by `kernels.dequantize_4bit` (our Triton kernel on CUDA)
-    from the pieces of the weight's quant_state."""
-    state = weight.quant_state
+    from the pieces of its quantization state (`state`, else the weight's own quant_state)."""
+    state = weight.quant_state if state is None else state
     nested = None
     if state.nested:
         nested = kernels.NestedAbsmax(state.state2.code, state.state2.absmax, state.state2.blocksize, state.offset)
@@ -82,10 +88,15 @@ class Linear4bit(bnb.nn.Linear4bit):
     """bitsandbytes' Linear4bit with our forward (see the module docstring); built by `from_linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self.weight, "quant_state", None) is None:
+        if self.quant_state is None:
             raise RuntimeError("a Linear4bit was used before its weight was loaded and quantized")
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return _DequantizedLinear.apply(x.to(self.compute_dtype), self.weight, bias).to(x.dtype)
+        return _DequantizedLinear.apply(x.to(self.compute_dtype), self.weight, self.quant_state, bias).to(x.dtype)
+
+    def dequantize_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """`dequantize` of this layer's packed weight as forward sees it (under FSDP2 the gathered codes, which carry
+        no state of their own: the layer keeps it)."""
+        return dequantize(weight, self.quant_state)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quant_type: str, compute_dtype, double_quant: bool, storage) -> Linear4bit:
@@ -121,9 +132,17 @@ class Linear4bit(bnb.nn.Linear4bit):
     @torch.no_grad()
     def set_weight(self, full: torch.Tensor, device: torch.device | None = None) -> None:
         """Quantize `full` (out, in) in `weight_dtype` on `device` (default: where the layer's weight is) and keep
-        only its codes and scales."""
+        only its codes and scales. Sharded by FSDP2 (a DTensor of the packed codes, split by rows), every rank
+        quantizes the whole weight and keeps its rows of the codes and the whole state (absmax per block of 64:
+        about 1/32 of the codes' bytes), so that the gathered codes dequantize with it as one process's do."""
         full = full.to(device=device or self.weight.device, dtype=self.weight_dtype).contiguous()
         codes, state = quantize_4bit(full, **self.quant_settings())
+        self.quant_state = state  # bitsandbytes' Linear4bit keeps it on the module too
+        if isinstance(self.weight, DTensor):
+            local, rows = local_shard(self.weight)
+            local.copy_(codes[rows[0] : rows[1]])
+            self.weight.quant_state = state  # for what reads it from the parameter (the run summary's count)
+            return
         self.weight = bnb.nn.Params4bit(
             codes, requires_grad=False, quant_state=state, module=self, bnb_quantized=True, **self.quant_settings()
         )
@@ -186,7 +205,7 @@ def dequantized(model: nn.Module) -> nn.Module:
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, Linear4bit):
-                weight = dequantize(child.weight)
+                weight = dequantize(child.weight, child.quant_state)
                 linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
                 linear.weight = nn.Parameter(weight, requires_grad=False)
                 linear.bias = child.bias
@@ -200,9 +219,9 @@ def quantized_bytes(model: nn.Module) -> int:
     and code book), counted from the tensors."""
     total = 0
     for m in model.modules():
-        if isinstance(m, Linear4bit) and getattr(m.weight, "quant_state", None) is not None:
+        if isinstance(m, Linear4bit) and m.quant_state is not None:
             total += m.weight.numel() * m.weight.element_size()
-            state = m.weight.quant_state
+            state = m.quant_state
             tensors = [state.absmax, state.code]
             if state.nested:
                 tensors += [state.state2.absmax, state.state2.code, state.offset]

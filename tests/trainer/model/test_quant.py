@@ -366,8 +366,19 @@ def test_quantize_base_keeps_lm_head_and_is_idempotent():
         (["--use_peft", "--quantization_bit", "8"], "quantization_bit=8 is not supported"),
         (["--use_peft", "--quantization_bit", "4", "--quantization_method", "gptq"], "quantization_method"),
         (
-            ["--use_peft", "--load_in_4bit", "--dist_config", '{"name": "fsdp2"}'],
-            "load_in_4bit with dist_config fsdp2 is not supported",
+            [
+                "--use_peft",
+                "--load_in_4bit",
+                "--bnb_4bit_quant_storage",
+                "bfloat16",
+                "--dist_config",
+                '{"name": "fsdp2"}',
+            ],
+            "bnb_4bit_quant_storage='bfloat16' with dist_config fsdp2 is not supported",
+        ),
+        (
+            ["--use_peft", "--load_in_4bit", "--dist_config", '{"name": "fsdp2", "dcp_path": "run/dcp"}'],
+            "load_in_4bit with dist_config.dcp_path is not supported",
         ),
         (
             ["--use_peft", "--load_in_4bit", "--bnb_4bit_quant_storage", "bfloat16", "--deepspeed", "ds.json"],

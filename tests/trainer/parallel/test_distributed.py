@@ -274,6 +274,7 @@ def suite(tmp_path_factory, data_file, reference_run, odd_model_dir):
         tiled = {**DIST_ARGS, **CONFIGS[name], "activation_offloading": True, "tiled_mlp": True}
         jobs.append({"name": f"{name}-tiled", "args": tiled})
     jobs.append({"name": "ddp-qlora", "args": {**DIST_ARGS, **QLORA_ARGS}})  # issue 34: 4-bit weights under DDP
+    jobs.append({"name": "fsdp2-qlora", "args": {**DIST_ARGS, **CONFIGS["fsdp2"], **QLORA_ARGS}})  # and FSDP2
     jobs.append(
         {
             "name": "fsdp2-host-labels",
@@ -322,11 +323,14 @@ def test_offloading_and_tiles_on_two_processes(suite, name):
 
 def test_qlora_on_two_processes_matches_one_process(suite, data_file, tmp_path):
     """4-bit base weights under DDP: each rank quantizes the same weights (deterministic), DDP broadcasts rank 0's
-    codes and averages the adapter's gradients; the run equals one process with the same global batch."""
+    codes and averages the adapter's gradients; under FSDP2 each rank quantizes every weight and keeps its rows of
+    the codes with the whole quantization state, and the gathered codes dequantize as one process's. Both runs equal
+    one process with the same global batch."""
     with kernels.backend("reference"):
         losses, model, _ = single_process(tmp_path, data_file, {**ONE_PROCESS_ARGS, **QLORA_ARGS})
-    assert suite["result"]["ddp-qlora"]["losses"] == pytest.approx(losses, rel=1e-5)
-    assert_same_adapter(suite["out"]["ddp-qlora"] / "final", model)
+    for name in ("ddp-qlora", "fsdp2-qlora"):
+        assert suite["result"][name]["losses"] == pytest.approx(losses, rel=1e-5), name
+        assert_same_adapter(suite["out"][name] / "final", model)
 
 
 def test_fsdp2_loss_skips_ignored_rows(suite, reference_run):
