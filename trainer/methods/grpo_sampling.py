@@ -66,13 +66,23 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def uniforms(seed: int, step: int, index: torch.Tensor, t: int) -> torch.Tensor:
-    """u in [0, 1) for each global completion index (N,) at completion position t: a pure function of the four."""
+def _fold(h: torch.Tensor, word) -> torch.Tensor:
+    return _mix32(((h ^ word) + 0x9E3779B9) & _M32)  # the golden-ratio offset keeps a zero word from being a no-op
+
+
+def completion_keys(seed: int, step: int, index: torch.Tensor) -> torch.Tensor:
+    """(N,) int64 hash state of (seed, step, global completion index), folded once per call."""
     h = torch.full_like(index, 0x9E3779B9)  # (N,) int64
-    words = (seed & _M32, (seed >> 32) & _M32, step & _M32, index & _M32, (index >> 32) & _M32, t & _M32)
-    for word in words:
-        h = _mix32(((h ^ word) + 0x9E3779B9) & _M32)  # the golden-ratio offset keeps a zero word from being a no-op
-    return h.double() / 2.0**32  # (N,) float64
+    for word in (seed & _M32, (seed >> 32) & _M32, step & _M32, index & _M32, (index >> 32) & _M32):
+        h = _fold(h, word)
+    return h
+
+
+def uniforms(seed: int, step: int, index: torch.Tensor, t: int, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """u in [0, 1) for each global completion index (N,) at completion position t: a pure function of the four
+    (`keys`: their `completion_keys`, when already folded)."""
+    keys = completion_keys(seed, step, index) if keys is None else keys
+    return _fold(keys, t & _M32).double() / 2.0**32  # (N,) float64
 
 
 def process_logits(
@@ -176,6 +186,7 @@ def sample_completions(
         cache.pad = (~real).sum(-1)  # (B,)
     N = B * G
     index = first_completion_index + torch.arange(N, device=device)  # (N,) global completion indices
+    keys = completion_keys(seed, step, index)  # (N,)
     seen = None
     if repetition_penalty != 1.0:  # the real prompt tokens, then each sampled token
         seen = torch.zeros(B, c.vocab_size, dtype=torch.bool, device=device)
@@ -200,7 +211,7 @@ def sample_completions(
                     min_p=min_p,
                     repetition_penalty=repetition_penalty,
                 )
-                token = draw(scores, uniforms(seed, step, index, t))  # (N,)
+                token = draw(scores, uniforms(seed, step, index, t, keys))  # (N,)
             token = torch.where(done, pad_token_id, token)
             tokens.append(token)
             if eos is not None:
