@@ -797,7 +797,7 @@ class CausalLM(nn.Module):
         return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
 
     def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None):
-        """Final-norm hidden states (B, T, C). With `cache`, decode from cache.length on (no padding)."""
+        """Final-norm hidden states (B, T, C). With `cache`, decode from cache.length on (left padding: cache.pad)."""
         if input_ids.dim() != 2:
             raise ModelError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -809,7 +809,7 @@ class CausalLM(nn.Module):
         if self.training and self.neftune_noise_alpha:
             x = self._neftune(x, attention_mask, position_ids)
         if cache is not None:
-            rope_pos = torch.arange(cache.length, cache.length + T, device=x.device)[None]  # (1, T)
+            rope_pos = cache.positions(T, x.device)  # (1, T), or (B, T) with left-padded rows
             attns = [cache.slot(i) for i in range(len(self.model.layers))]
         else:
             # (1, T) unless given per row: cos/sin (1, T, D) are computed once for the batch, and kernels.rope

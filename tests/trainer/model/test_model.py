@@ -29,6 +29,7 @@ from trainer.build import (
     save_pretrained,
 )
 from trainer.checkpoint_hf import CheckpointError, parse_size
+from trainer.model.attention import KVCache
 from trainer.model.causal_lm import (
     CausalLM,
     HostLabels,
@@ -753,6 +754,28 @@ def test_greedy_generate_matches_full_recompute_and_transformers(tmp_path):
     torch.testing.assert_close(
         generate(ours, two, 6), hf.generate(two, max_new_tokens=6, do_sample=False, pad_token_id=0)
     )
+
+
+def test_left_padded_kv_cache_equals_the_masked_forward():
+    """KVCache.pad: prompts of different lengths left-padded in one batch, prefilled, repeated per row and decoded
+    two tokens, give the logits of the uncached forward with the attention mask (positions from the mask), with a
+    sliding window (mistral, 5) shorter than the rows."""
+    model = _tiny("mistral").eval()
+    c = model.config
+    ids, _ = batch(seed=4, b=2, t=9)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # row 1: 5 real tokens after 4 of padding
+    cache = KVCache(c.num_hidden_layers, 2, 12, c.num_key_value_heads, c.head_dim, torch.float32, ids.device)
+    cache.pad = (1 - mask).sum(-1)
+    with torch.no_grad():
+        first = model.decode_step(ids, cache).repeat_interleave(2, 0)  # (4, V)
+        cache.repeat_rows(2)
+        nxt = torch.tensor([[7], [8], [9], [10]])
+        second = model.decode_step(nxt, cache)  # (4, V)
+        full = torch.cat([ids.repeat_interleave(2, 0), nxt], dim=1)  # (4, 10)
+        ref = model(full, attention_mask=torch.cat([mask.repeat_interleave(2, 0), torch.ones(4, 1)], 1).long())
+    torch.testing.assert_close(first, ref.logits[:, -2].float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(second, ref.logits[:, -1].float(), atol=1e-5, rtol=0)
 
 
 def test_generate_eos_and_sampling():
