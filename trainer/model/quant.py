@@ -32,8 +32,8 @@ state lives on the layer (`quant_state`, as bitsandbytes' own layer keeps it), n
 replaces. Refused, in one line while the arguments are checked: 4-bit weights without an adapter (they cannot be
 trained), FSDP2 or DeepSpeed with the codes packed in a float dtype (`bnb_4bit_quant_storage`: both cast floating
 parameters to their precision), FSDP2 from a DCP copy (`dcp_path`: the layers quantize full-precision weights as they
-are read), and a missing bitsandbytes (`pip install 'kernelwright[qlora]'`). bitsandbytes is imported only when 4-bit weights are
-asked for (it takes seconds to import).
+are read), and a missing bitsandbytes (`pip install 'kernelwright[qlora]'`). bitsandbytes is imported only when
+4-bit weights are asked for (it takes seconds to import).
 
 Test: python -m pytest tests/trainer/model/test_quant.py -q
 """
