@@ -173,15 +173,7 @@ def sample_completions(
         ids[b, T - len(p) :] = torch.as_tensor(p, dtype=torch.long, device=device)
         real[b, T - len(p) :] = True
     eos = None if eos_token_id is None else torch.tensor([eos_token_id]).flatten().to(device)
-    cache = KVCache(
-        c.num_hidden_layers,
-        B,
-        T + max_completion_length,
-        c.num_key_value_heads,
-        c.head_dim,
-        model.lm_head.weight.dtype,
-        device,
-    )
+    cache = KVCache.for_model(model, B, T + max_completion_length)
     if not bool(real.all()):
         cache.pad = (~real).sum(-1)  # (B,)
     N = B * G

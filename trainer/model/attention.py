@@ -322,6 +322,13 @@ class KVCache:
         self.length = 0
         self.pad: torch.Tensor | None = None  # (B,) leading padding positions per row, None: no padding
 
+    @classmethod
+    def for_model(cls, model, batch: int, length: int) -> KVCache:
+        """An empty cache for every layer of `model` (a CausalLM): `batch` rows of up to `length` positions, in its
+        LM head's dtype and on its device."""
+        c, head = model.config, model.lm_head.weight
+        return cls(c.num_hidden_layers, batch, length, c.num_key_value_heads, c.head_dim, head.dtype, head.device)
+
     def slot(self, layer: int) -> _CacheSlot:
         return _CacheSlot(self, layer)
 

@@ -985,17 +985,8 @@ def generate(
         if eos_token_id is None
         else torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     )
-    c = model.config
     B, T = ids.shape
-    cache = KVCache(
-        c.num_hidden_layers,
-        B,
-        T + max_new_tokens,
-        c.num_key_value_heads,
-        c.head_dim,
-        model.lm_head.weight.dtype,
-        device,
-    )
+    cache = KVCache.for_model(model, B, T + max_new_tokens)
     was_training = model.training
     model.eval()
     try:
