@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from kernels.lora import LoRAProjection
-from trainer.model.lora import ADAPTER
+
+ADAPTER = "default"  # peft's name for the one adapter a model carries (trainer/model/lora.py imports it from here)
 
 
 def _hooked(m: nn.Module) -> bool:

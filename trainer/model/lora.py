@@ -52,10 +52,10 @@ from torch import nn
 from trainer.checkpoint_hf import CheckpointError, open_safetensors
 from trainer.coerce import ConfigError
 from trainer.config.args import TrainingArguments
+from trainer.model.fused_lora import ADAPTER  # peft's name for the one adapter a model carries
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER = "default"  # peft's name for the one adapter a model carries
 PEFT_PREFIX = "base_model.model."  # peft's keys in adapter_model.safetensors start with the PeftModel's path
 # Layers the loss or the tied embedding reads by weight, bypassing a LoRA wrapper (see the module docstring).
 _NOT_ADAPTABLE = ("lm_head", "embed_tokens")
