@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import importlib.util
 import io
 import logging
 import os
@@ -122,6 +123,10 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 def check_sources(names: list[str], data_files: list[str] | None, mix_strategy: str, interleave_probs) -> None:
     """The checks that need no data read (the CLI's check_run): the files a builder reads exist, several sources
     come with a mixture that fits them, and a Hub id has a network (or the offline flags, which read the cache)."""
+    if importlib.util.find_spec("datasets") is None:
+        raise DataError("dataset_name: reading it needs the datasets package: pip install datasets (or --data FILE)")
+    if not names:
+        raise DataError("dataset_name: empty (expected a Hub id, a directory or a builder such as json)")
     if data_files and len(names) != 1:
         raise DataError(
             f"data_files: given with {len(names)} dataset_name values; data_files belong to one source (a builder "
@@ -186,8 +191,8 @@ def load_source(name: str, *, config: str | None = None, data_files=None, show_p
         raise DataError(f"dataset_name={name!r}: needs a package that is not installed: {_reason(exc)}") from None
     except Exception as exc:  # datasets' and the Hub's many error types for a source that cannot be read
         where = (
-            "a Hub id, and the Hub is off limits (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and the local cache does not "
-            f"hold it; {_OFFLINE_HELP}"
+            f"not a local directory or a builder ({', '.join(FILE_BUILDERS)}), so a Hub id, and the Hub is off limits "
+            f"(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and the local cache does not hold it; {_OFFLINE_HELP}"
             if kind == "hub" and offline()
             else _reason(exc)
         )

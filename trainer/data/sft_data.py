@@ -45,12 +45,13 @@ The result is a `TokenizedDataset` (list-like; `.lengths`, `.summary`, `.summary
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import re
 import zipfile
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -849,6 +850,7 @@ def _encode_item(where: str, item, tokenizer, options: dict) -> tuple:
     return ("ok", ids, labels, truncated)
 
 
+_BLOCK_PER_PROCESS = 1024  # items read ahead per worker process by `_outcomes`
 # A worker's tokenizer and options, set once per worker by the pool's initializer (not sent with every item).
 _WORKER: dict = {}
 
@@ -864,10 +866,10 @@ def _encode_in_worker(pair) -> tuple:
 
 def _outcomes(items, tokenizer, options: dict, num_proc: int | None) -> Iterator[tuple[str, tuple]]:
     """(where, `_encode_item`'s outcome) for every item, in the order of `items`: in this process, or with
-    `num_proc` > 1 in a pool of that many processes. `Pool.imap` hands out contiguous chunks of items and yields the
-    results in submission order, so the dataset, the drops and the first error are those of one process, bit for
-    bit (tests/trainer/data/test_sources.py). The chunk size bounds what is in flight (records one way, int32 arrays
-    back) while keeping the pickling overhead small."""
+    `num_proc` > 1 in a pool of that many processes. This process reads `items` (the files, the format detection)
+    a block at a time; the pool encodes each block in contiguous chunks and `imap` returns the results in the
+    block's order, so the dataset, the drops and the first error are those of one process, bit for bit
+    (tests/trainer/data/test_hf_sources.py)."""
     if not num_proc or num_proc <= 1:
         for where, item in items:
             yield where, _encode_item(where, item, tokenizer, options)
@@ -877,16 +879,12 @@ def _outcomes(items, tokenizer, options: dict, num_proc: int | None) -> Iterator
     # fork (Linux) starts a worker in milliseconds with the tokenizer already loaded; elsewhere spawn pickles it
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     context = multiprocessing.get_context(method)
+    items = iter(items)
     with context.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer, options)) as pool:
-        wheres = deque()  # where each item in flight came from: imap's results come back in the same order
-
-        def pairs():
-            for where, item in items:
-                wheres.append(where)
-                yield where, item
-
-        for outcome in pool.imap(_encode_in_worker, pairs(), chunksize=64):
-            yield wheres.popleft(), outcome
+        while block := list(itertools.islice(items, _BLOCK_PER_PROCESS * num_proc)):  # bounds what is in memory
+            chunksize = max(1, len(block) // (4 * num_proc))  # a few chunks per worker: balance against pickling
+            for (where, _), outcome in zip(block, pool.imap(_encode_in_worker, block, chunksize=chunksize)):
+                yield where, outcome
 
 
 def _build(

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.trainer.data.test_hf_datasets import ANSWER, OPTIONS, RECORDS, USER, as_dataset, same_tokens, write_jsonl
+from trainer.data import sft_data
 from trainer.data.hf_datasets import tokenize_sft_dataset
 from trainer.data.hf_sources import check_sources, dataset_digest, load_sft_sources, mix
 from trainer.data.sft_data import DataError, TokenizedDataset, load_sft_dataset
@@ -126,7 +127,8 @@ def test_a_hub_id_without_network_is_one_line_before_anything_is_read(monkeypatc
     check_sources(["owner/chat"], None, "concat", None)  # offline: the local cache may hold it
     with caplog.at_level(logging.DEBUG), pytest.raises(DataError) as exc:
         load(["owner/chat"], tok)
-    assert str(exc.value).startswith("dataset_name='owner/chat': a Hub id, and the Hub is off limits (HF_HUB_OFFLINE")
+    assert str(exc.value).startswith("dataset_name='owner/chat': not a local directory or a builder (json, parquet,")
+    assert "so a Hub id, and the Hub is off limits (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" in str(exc.value)
     assert "\n" not in str(exc.value)
 
 
@@ -198,7 +200,8 @@ def _same_everything(a: TokenizedDataset, b: TokenizedDataset):
     assert {k: v for k, v in a.summary.items() if k != "cache"} == {k: v for k, v in b.summary.items() if k != "cache"}
 
 
-def test_num_proc_gives_the_tokens_labels_order_drops_and_errors_of_one_process(tmp_path, tok, caplog):
+def test_num_proc_gives_the_tokens_labels_order_drops_and_errors_of_one_process(tmp_path, tok, caplog, monkeypatch):
+    monkeypatch.setattr(sft_data, "_BLOCK_PER_PROCESS", 7)  # blocks of 14 or 21 items: many, the last one short
     records = _many_records()
     path = write_jsonl(tmp_path / "d.jsonl", records)
     options = dict(cutoff_len=40, skip_bad_examples=True, show_progress=False)
