@@ -154,10 +154,11 @@ class SFTArguments:
         "the first (under) or the last (over) runs out.",
         choices=MIX_STRATEGIES,
     )
-    interleave_probs: list[str] | None = _arg(
+    interleave_probs: list[float] | str | None = _arg(
         None,
         "sft",
-        "Sampling probabilities of the sources for interleave_* (e.g. 0.7,0.3), seeded with data_seed (else seed).",
+        "Sampling probabilities of the sources for interleave_* (e.g. 0.7 0.3; in YAML a list, or LlamaFactory's "
+        "'0.7,0.3'), seeded with data_seed (else seed).",
     )
     dataset_num_proc: int | None = _arg(
         None,
@@ -481,14 +482,16 @@ def _check_sft_values(sft: SFTArguments) -> None:
 
 
 def interleave_probs(sft: SFTArguments) -> list[float] | None:
-    """--interleave_probs as numbers: several values, or one comma-separated string (LlamaFactory's "0.7,0.3")."""
-    if sft.interleave_probs is None:
-        return None
-    values = split_names(sft.interleave_probs)
+    """--interleave_probs as numbers: a list, or one comma-separated string (LlamaFactory's "0.7,0.3")."""
+    if not isinstance(sft.interleave_probs, str):
+        return sft.interleave_probs
+    values = split_names([sft.interleave_probs])
     try:
         return [float(v) for v in values]
     except ValueError:
-        raise ConfigError(f"interleave_probs={', '.join(values)}: expected numbers, one per dataset_name") from None
+        raise ConfigError(
+            f"interleave_probs={sft.interleave_probs!r}: expected numbers, one per dataset_name"
+        ) from None
 
 
 def _check_data_sources(sft: SFTArguments) -> None:
@@ -518,7 +521,8 @@ def _check_data_sources(sft: SFTArguments) -> None:
             "give one of them"
         )
     try:
-        check_sources(split_names(sft.dataset_name), sft.data_files, sft.mix_strategy, interleave_probs(sft))
+        names = split_names(sft.dataset_name)
+        check_sources(names, sft.data_files, sft.mix_strategy, interleave_probs(sft), sft.dataset_config)
     except DataError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -10,6 +10,9 @@ import pytest
 
 from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
 from trainer.build import build_preset, save_pretrained
+from trainer.config.args import parse_args
+from trainer.methods.preference import PreferenceArguments
+from trainer.sft import SFTArguments, interleave_probs
 
 EXAMPLE = {"messages": [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]}
 
@@ -203,7 +206,7 @@ def test_dataset_name_inputs_stop_in_one_line_without_touching_the_network(input
         ),
         (["--data_files", "x.jsonl", "--data", str(inputs / "good.jsonl")], "data_files: options of --dataset_name"),
         (["--dataset_name", chat, "--preprocessing_num_workers", "0"], "dataset_num_proc=0: expected a number"),
-        (["--dataset_name", f"{chat},{chat}", "--interleave_probs", "0.5,0.5"], "interleave_probs: set, but mix"),
+        (["--dataset_name", f"{chat},{chat}", "--interleave_probs", "0.5", "0.5"], "interleave_probs: set, but mix"),
     ]
     out = tmp_path / "out"
     procs = [
@@ -250,3 +253,21 @@ def test_a_mixture_of_saved_datasets_trains_and_evaluates_on_its_test_splits(inp
     assert len(list((out / ".cache").glob("data-*.npz"))) == 2  # the train split and the test split (twice each)
     saved = json.loads((out / "sft_args.json").read_text())
     assert saved["dataset_name"] == [f"{chat},{chat}"] and saved["dataset_num_proc"] == 2
+
+
+def test_dataset_options_read_as_trl_and_llamafactory_write_them(tmp_path):
+    """TRL's names as flags; LlamaFactory's `dataset: a,b`-style comma lists, `interleave_probs: "0.7,0.3"` and
+    `preprocessing_num_workers` in YAML."""
+
+    def parse(argv):
+        return parse_args(argv, extra_dataclasses=(SFTArguments, PreferenceArguments))[1]
+
+    sft = parse(["--dataset_name", "a", "b", "--interleave_probs", "0.7", "0.3", "--dataset_num_proc", "4"])
+    assert (sft.dataset_name, interleave_probs(sft), sft.dataset_num_proc) == (["a", "b"], [0.7, 0.3], 4)
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        'dataset_name: a,b\nmix_strategy: interleave_under\ninterleave_probs: "0.6,0.4"\npreprocessing_num_workers: 3\n'
+    )
+    sft = parse([str(config)])
+    assert (sft.dataset_name, interleave_probs(sft), sft.dataset_num_proc) == (["a,b"], [0.6, 0.4], 3)
+    assert sft.mix_strategy == "interleave_under" and sft.dataset_train_split == "train"

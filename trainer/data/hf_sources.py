@@ -120,7 +120,9 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     return True
 
 
-def check_sources(names: list[str], data_files: list[str] | None, mix_strategy: str, interleave_probs) -> None:
+def check_sources(
+    names: list[str], data_files: list[str] | None, mix_strategy: str, interleave_probs, config: str | None = None
+) -> None:
     """The checks that need no data read (the CLI's check_run): the files a builder reads exist, several sources
     come with a mixture that fits them, and a Hub id has a network (or the offline flags, which read the cache)."""
     if importlib.util.find_spec("datasets") is None:
@@ -144,8 +146,9 @@ def check_sources(names: list[str], data_files: list[str] | None, mix_strategy: 
             raise DataError(f"interleave_probs: {interleave_probs} (expected probabilities >= 0 that sum to 1)")
     for name in names:
         kind = source_kind(name)
-        if kind == "saved" and data_files:
-            raise DataError(f"data_files: {name} is a saved dataset (save_to_disk), which takes no data_files")
+        if kind == "saved" and (data_files or config):
+            option = "data_files" if data_files else "dataset_config"
+            raise DataError(f"{option}: {name} is a saved dataset (save_to_disk), which takes no {option}")
         if kind == "builder":
             if not data_files:
                 raise DataError(
@@ -387,7 +390,7 @@ def load_sft_sources(
     checked (columns, then rows) before anything is returned."""
     options = checked_options(data_format, cutoff_len, train_on_prompt, mask_history, skip_bad_examples)
     names = split_names(names)
-    check_sources(names, data_files, mix_strategy, interleave_probs)
+    check_sources(names, data_files, mix_strategy, interleave_probs, config)
     loaded = [
         (name, load_source(name, config=config, data_files=data_files, show_progress=show_progress)) for name in names
     ]

@@ -172,6 +172,8 @@ def test_concat_keeps_each_source_its_format_and_comma_separated_names_work(tmp_
         load([a, b], tok, mix_strategy="interleave_over", interleave_probs=[0.5, 0.6])
     with pytest.raises(DataError, match=r"^data_files: given with 2 dataset_name values"):
         load([a, b], tok, data_files=["x.jsonl"])
+    with pytest.raises(DataError, match=r"^dataset_config: .*/a is a saved dataset \(save_to_disk\), which takes no"):
+        load([a], tok, config="default")
     with pytest.raises(DataError, match=r"^mix_strategy='shuffle'"):
         mix([got.train, got.train], "shuffle")
 
