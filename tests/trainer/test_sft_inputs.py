@@ -5,14 +5,15 @@ output_dir created. Each command runs as a user starts it; all of a test's comma
 reading its inputs, a few seconds)."""
 
 import json
+import re
 
 import pytest
 
 from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
 from trainer.build import build_preset, save_pretrained
-from trainer.config.args import parse_args
+from trainer.config.args import ConfigError, parse_args
 from trainer.methods.preference import PreferenceArguments
-from trainer.sft import SFTArguments, interleave_probs
+from trainer.sft import SFTArguments, _check_data_sources, interleave_probs
 
 EXAMPLE = {"messages": [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]}
 
@@ -271,3 +272,15 @@ def test_dataset_options_read_as_trl_and_llamafactory_write_them(tmp_path):
     sft = parse([str(config)])
     assert (sft.dataset_name, interleave_probs(sft), sft.dataset_num_proc) == (["a,b"], [0.6, 0.4], 3)
     assert sft.mix_strategy == "interleave_under" and sft.dataset_train_split == "train"
+
+
+def test_dataset_name_is_sfts_and_dpo_refuses_it_in_one_line():
+    """Stage dpo reads its pairs from --data files, in one process: --dataset_name and --dataset_num_proc > 1 are
+    refused there, not ignored (checked in process: no data is read)."""
+    for sft, message in (
+        (SFTArguments(stage="dpo", dataset_name=["x"], data_format="auto"), "dataset_name: stage dpo reads its pairs"),
+        (SFTArguments(stage="dpo", dataset_num_proc=2), "dataset_num_proc: stage dpo tokenises its pairs in one"),
+        (SFTArguments(dataset_name=["json"], dataset_config="x", data_files=["*.nothing"]), "data_files: *.nothing"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+            _check_data_sources(sft)
