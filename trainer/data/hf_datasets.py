@@ -23,6 +23,8 @@ only; here a `completion_mask` column always applies (it was written to be appli
 ones (unpadded rows, as the batching pads them itself) and as long as `input_ids`.
 
 `datasets` itself is never imported here: an object of its types exists only once the caller has imported it.
+The command's `--dataset_name` (trainer/data/hf_sources.py: load_dataset's sources, mixtures) tokenizes its splits
+through the same code.
 """
 
 from __future__ import annotations
