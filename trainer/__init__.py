@@ -25,6 +25,7 @@ _PUBLIC = {
     "load_sft_dataset": "trainer.data.sft_data",
     "load_preference_dataset": "trainer.data.preference_data",
     "tokenize_sft_dataset": "trainer.data.hf_datasets",
+    "load_sft_sources": "trainer.data.hf_sources",
     "Trainer": "trainer.loop.trainer",
     "set_seed": "trainer.loop.trainer",
     "TrainerCallback": "trainer.loop.callbacks",

@@ -8,9 +8,11 @@
 
 The model is a local Hugging Face directory, a built-in preset (`tiny`), or a hub id (downloaded with
 `huggingface_hub` when a network is there). Data: JSONL / JSON / Parquet files or directories in any of the
-formats `trainer.data.sft_data` reads. At the end the model is saved in the Hugging Face layout in `output_dir`, the
-loss curve as `loss_curve.png`, and, with `--eval_exact_match`, the exact-match accuracy of greedy answers on
-held-out conversations is printed before and after training.
+formats `trainer.data.sft_data` reads (`--data`), or what `datasets.load_dataset` reads, mixtures too
+(`--dataset_name`, TRL's names: trainer.data.hf_sources); `--dataset_num_proc` tokenises in several processes.
+At the end the model is saved in the Hugging Face layout in `output_dir`, the loss curve as `loss_curve.png`, and,
+with `--eval_exact_match`, the exact-match accuracy of greedy answers on held-out conversations is printed before
+and after training.
 
 Several processes (see docs/multi_gpu.md): `torchrun --nproc_per_node N -m trainer.sft ...` or
 `accelerate launch -m trainer.sft ...`; `--dist_config` picks fsdp2 or ddp (ddp by default), `--deepspeed ds.json`
@@ -62,6 +64,7 @@ from trainer.build import (
 from trainer.checkpoint_hf import to_json
 from trainer.config.args import ConfigError, _arg, parse_args
 from trainer.data.batching import BatchLoader
+from trainer.data.hf_sources import MIX_STRATEGIES, check_sources, load_sft_sources, split_names
 from trainer.data.preference_data import PREFERENCE_FORMATS, load_preference_dataset, pairs_dataset
 from trainer.data.sft_data import (
     DataError,
@@ -129,6 +132,39 @@ class SFTArguments:
     )
     eval_data: list[str] | None = _arg(
         None, "sft", "Held-out data files; default: the embedded eval tasks when --data is not given."
+    )
+    dataset_name: list[str] | None = _arg(
+        None,
+        "sft",
+        "Training data as datasets.load_dataset reads it (TRL's name): a Hub id, a directory (save_to_disk, or of "
+        "data files) or a builder (json, parquet, csv, text) with --data_files; several (or a,b): a mixture.",
+    )
+    dataset_config: str | None = _arg(None, "sft", "The configuration of --dataset_name (load_dataset's name=).")
+    data_files: list[str] | None = _arg(
+        None, "sft", "Files (or glob patterns) the --dataset_name builder or directory reads (load_dataset's)."
+    )
+    dataset_train_split: str = _arg("train", "sft", "The split of --dataset_name to train on.")
+    dataset_test_split: str | None = _arg(
+        None, "sft", "The split of --dataset_name to evaluate on (default: none; TRL's default is test)."
+    )
+    mix_strategy: str = _arg(
+        "concat",
+        "sft",
+        "How several --dataset_name sources mix (LlamaFactory's names): one after the other, or interleaved until "
+        "the first (under) or the last (over) runs out.",
+        choices=MIX_STRATEGIES,
+    )
+    interleave_probs: list[float] | str | None = _arg(
+        None,
+        "sft",
+        "Sampling probabilities of the sources for interleave_* (e.g. 0.7 0.3; in YAML a list, or LlamaFactory's "
+        "'0.7,0.3'), seeded with data_seed (else seed).",
+    )
+    dataset_num_proc: int | None = _arg(
+        None,
+        "sft",
+        "Tokenise in this many processes: the same tokens and order as one (TRL's name; LlamaFactory's "
+        "preprocessing_num_workers).",
     )
     val_size: float = _arg(
         0.0, "sft", "Hold out this many training examples (int) or this fraction (<1) for evaluation."
@@ -261,7 +297,7 @@ def main(argv: list[str] | None = None, stage: str = "sft") -> int:
         argv[0].startswith("--")
         and "--help" not in argv
         and "-h" not in argv
-        and not any(a.split("=")[0] in ("--model", "--data") for a in argv)
+        and not any(a.split("=")[0] in ("--model", "--data", "--dataset_name") for a in argv)
     ):
         argv = [str(DEMO_CONFIGS[stage])] + argv  # the embedded default; flags still win
     if stage != "sft":
@@ -348,6 +384,7 @@ def check_run(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
             "mask_history the last assistant turn only)"
         )
     _check_sft_values(sft)
+    _check_data_sources(sft)
     _check_eval_data(args, sft)
     # the engine's files (DeepSpeed's JSON) read and checked against these arguments, world size from the launcher
     check_engine_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -444,11 +481,58 @@ def _check_sft_values(sft: SFTArguments) -> None:
         raise ConfigError(f"max_new_tokens={sft.max_new_tokens}: must be a positive integer")
 
 
+def interleave_probs(sft: SFTArguments) -> list[float] | None:
+    """--interleave_probs as numbers: a list, or one comma-separated string (LlamaFactory's "0.7,0.3")."""
+    if not isinstance(sft.interleave_probs, str):
+        return sft.interleave_probs
+    values = split_names([sft.interleave_probs])
+    try:
+        return [float(v) for v in values]
+    except ValueError:
+        raise ConfigError(
+            f"interleave_probs={sft.interleave_probs!r}: expected numbers, one per dataset_name"
+        ) from None
+
+
+def _check_data_sources(sft: SFTArguments) -> None:
+    """--data or --dataset_name, and the options of the one given; a Hub id without a network, the files a builder
+    reads (trainer.data.hf_sources.check_sources): one line each, before anything is read."""
+    if sft.dataset_num_proc is not None and sft.dataset_num_proc < 1:
+        raise ConfigError(f"dataset_num_proc={sft.dataset_num_proc}: expected a number of processes >= 1")
+    if sft.stage == "dpo" and sft.dataset_num_proc not in (None, 1):
+        raise ConfigError("dataset_num_proc: stage dpo tokenises its pairs in one process; leave it unset")
+    if not sft.dataset_name:
+        given = [
+            name
+            for name in ("dataset_config", "data_files", "dataset_test_split", "interleave_probs")
+            if getattr(sft, name) is not None
+        ] + (["mix_strategy"] if sft.mix_strategy != "concat" else [])
+        if given:
+            raise ConfigError(f"{', '.join(given)}: options of --dataset_name, which is not given")
+        return
+    if sft.data:
+        raise ConfigError("data and dataset_name: both give the training data; give one of them")
+    if sft.stage == "dpo":
+        raise ConfigError("dataset_name: stage dpo reads its pairs from --data files; give --data")
+    if sft.dataset_test_split is not None and (sft.eval_data or sft.val_size):
+        given = "--eval_data" if sft.eval_data else f"val_size={sft.val_size:g}"
+        raise ConfigError(
+            f"dataset_test_split={sft.dataset_test_split!r} gives the evaluation data, but {given} does too; "
+            "give one of them"
+        )
+    try:
+        names = split_names(sft.dataset_name)
+        check_sources(names, sft.data_files, sft.mix_strategy, interleave_probs(sft), sft.dataset_config)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _check_eval_data(args, sft: SFTArguments) -> None:
     """Evaluation data where the arguments evaluate, and one source of it: --eval_data, --val_size (held out of
     --data), or the embedded tasks' eval file when --data is not given; a metric_for_best_model that evaluation
     reports."""
-    if sft.val_size and (sft.eval_data or not sft.data):
+    data = sft.data or sft.dataset_name
+    if sft.val_size and (sft.eval_data or not data):
         given = "--eval_data" if sft.eval_data else "the embedded tasks' own eval set (no --data)"
         raise ConfigError(
             f"val_size={sft.val_size:g} holds out part of --data for evaluation, but {given} is the "
@@ -459,10 +543,10 @@ def _check_eval_data(args, sft: SFTArguments) -> None:
         for name, off in (("eval_strategy", "no"), ("eval_on_start", False))
         if getattr(args, name) != off
     ]
-    if evaluates and sft.data and not sft.eval_data and not sft.val_size:
+    if evaluates and data and not sft.eval_data and not sft.val_size and not sft.dataset_test_split:
         raise ConfigError(
             f"{' and '.join(evaluates)} asks for evaluation, but there is no evaluation data: give "
-            "--eval_data FILE or --val_size N (held out of --data), or turn evaluation off "
+            "--eval_data FILE, --val_size N (held out of --data) or --dataset_test_split, or turn evaluation off "
             "(--eval_strategy no, no --eval_on_start)"
         )
     best = args.metric_for_best_model
@@ -595,7 +679,7 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
     not written yet), the val_size split, the batch plan the arguments make of that data, and the held-out
     conversations of the exact-match check. Stage dpo: preference pairs (the embedded tasks' as pairs, in memory)."""
     _, tokenizer = read_model_files(sft.model)  # a hub id not yet here is downloaded first
-    embedded = not sft.data
+    embedded = not sft.data and not sft.dataset_name
     train_files = sft.data or [str(TRAIN_FILE)]
     eval_files = sft.eval_data or ([str(EVAL_FILE)] if embedded else None)
     cache = dict(cache_dir=Path(args.output_dir) / ".cache", show_progress=not args.disable_tqdm, write_cache=False)
@@ -610,6 +694,7 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
                 train_on_prompt=sft.train_on_prompt,
                 mask_history=sft.mask_history,
                 skip_bad_examples=sft.skip_bad_examples,
+                num_proc=sft.dataset_num_proc,
                 **cache,
             )
     else:
@@ -634,16 +719,36 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
                 write_cache=False,
             )
 
-    train_ds = load(train_files)
-    loaded, eval_ds = [train_ds], None
-    if eval_files:
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    if sft.dataset_name:  # trainer.data.hf_sources: load_dataset's sources, a mixture, each split tokenised and cached
+        sources = load_sft_sources(
+            sft.dataset_name,
+            tokenizer,
+            config=sft.dataset_config,
+            data_files=sft.data_files,
+            train_split=sft.dataset_train_split,
+            test_split=sft.dataset_test_split,
+            mix_strategy=sft.mix_strategy,
+            interleave_probs=interleave_probs(sft),
+            seed=seed,
+            data_format=sft.data_format,
+            cutoff_len=args.cutoff_len,
+            train_on_prompt=sft.train_on_prompt,
+            mask_history=sft.mask_history,
+            skip_bad_examples=sft.skip_bad_examples,
+            num_proc=sft.dataset_num_proc,
+            **cache,
+        )
+        train_ds, eval_ds, loaded = sources.train, sources.eval, [sources.train, *sources.tokenized]
+    else:
+        train_ds = load(train_files)
+        loaded, eval_ds = [train_ds], None
+    if eval_files:  # --eval_data (beside --data or --dataset_name), or the embedded tasks'
         eval_ds = load(eval_files)
         loaded.append(eval_ds)
     elif sft.val_size:
         val = int(sft.val_size) if sft.val_size >= 1 else sft.val_size
-        train_ds, eval_ds = split_dataset(
-            train_ds, val, seed=args.data_seed if args.data_seed is not None else args.seed
-        )
+        train_ds, eval_ds = split_dataset(train_ds, val, seed=seed)
     # the plan every rank will make (world size from the launcher's WORLD_SIZE): one that trains nothing is refused
     BatchLoader.from_args(
         train_ds, args, args.per_device_train_batch_size, train=True, world_size=int(os.environ.get("WORLD_SIZE", "1"))

@@ -5,11 +5,15 @@ output_dir created. Each command runs as a user starts it; all of a test's comma
 reading its inputs, a few seconds)."""
 
 import json
+import re
 
 import pytest
 
 from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
 from trainer.build import build_preset, save_pretrained
+from trainer.config.args import ConfigError, parse_args
+from trainer.methods.preference import PreferenceArguments
+from trainer.sft import SFTArguments, _check_data_sources, interleave_probs
 
 EXAMPLE = {"messages": [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]}
 
@@ -156,3 +160,127 @@ def test_a_data_error_comes_before_the_summary_the_build_and_any_write(inputs, t
         ),
     ]
     _assert_stops_first(cases, tmp_path / "out")
+
+
+# ---- --dataset_name (issue 32 item 2): no network, local sources -------------------------------------------------
+def _offline(tmp_path):
+    """The environment of the --dataset_name commands: no Hub (HF_HUB_OFFLINE), datasets' cache in tmp_path."""
+    return {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf-cache")}
+
+
+@pytest.fixture(scope="module")
+def sources(inputs):
+    """save_to_disk directories: a DatasetDict with train and test splits, one whose columns name no format, one
+    whose row 1 is bad."""
+    import datasets
+
+    root = inputs / "sources"
+    bad = {"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}
+    splits = {
+        "chat": {"train": [EXAMPLE] * 4, "test": [EXAMPLE] * 2},
+        "columns": {"train": [{"question": "q", "answer": "a"}]},
+        "bad": {"train": [EXAMPLE, bad]},
+    }
+    for name, dataset in splits.items():
+        datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in dataset.items()}).save_to_disk(root / name)
+    return root
+
+
+def test_dataset_name_inputs_stop_in_one_line_without_touching_the_network(inputs, sources, tmp_path):
+    """A Hub id offline, an unknown split (naming those there are), columns that name no format, a bad row
+    (source:split[i]), a builder without files or unknown, and options that contradict each other: each one line,
+    exit 2, before anything is built or written."""
+    model, chat = ["--model", str(inputs / "model")], str(sources / "chat")
+    cases = [
+        (["--dataset_name", "owner/chat"], "error: dataset_name='owner/chat': not a local directory or a builder"),
+        (["--dataset_name", "jsonl", "--data_files", str(inputs / "good.jsonl")], "dataset_name='jsonl': not a local"),
+        (["--dataset_name", chat, "--dataset_train_split", "tr"], "no split 'tr' (its splits: train, test)"),
+        (["--dataset_name", chat, "--dataset_test_split", "dev"], "no split 'dev' (its splits: train, test)"),
+        (["--dataset_name", str(sources / "columns")], "columns:train: no column names a data format (columns:"),
+        (["--dataset_name", str(sources / "bad")], "bad:train[1]: messages[1].role is 'bot'"),
+        (["--dataset_name", "json"], "dataset_name='json': the json builder reads --data_files"),
+        (["--dataset_name", "json", "--data_files", str(tmp_path / "no.jsonl")], "no.jsonl: no such file"),
+        (["--data", str(inputs / "good.jsonl"), "--dataset_name", chat], "data and dataset_name: both give"),
+        (
+            ["--dataset_name", chat, "--dataset_test_split", "test", "--val_size", "1"],
+            "dataset_test_split='test' gives the evaluation data, but val_size=1 does too",
+        ),
+        (["--data_files", "x.jsonl", "--data", str(inputs / "good.jsonl")], "data_files: options of --dataset_name"),
+        (["--dataset_name", chat, "--preprocessing_num_workers", "0"], "dataset_num_proc=0: expected a number"),
+        (["--dataset_name", f"{chat},{chat}", "--interleave_probs", "0.5", "0.5"], "interleave_probs: set, but mix"),
+    ]
+    out = tmp_path / "out"
+    procs = [
+        _spawn_sft(
+            ["--output_dir", str(out), "--max_steps", "1", "--disable_tqdm", "true", *model, *argv], _offline(tmp_path)
+        )
+        for argv, _ in cases
+    ]
+    for proc, (argv, message) in zip(procs, cases):
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, err[-2000:])
+        assert message in lines[0], (argv, lines[0])
+    assert not out.exists()
+
+
+def test_a_failed_dataset_run_leaves_an_existing_output_dir_as_it_was(inputs, sources, tmp_path):
+    out = tmp_path / "out"
+    (out / ".cache").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    (out / ".cache" / "data-old.npz").write_bytes(b"old")
+    before = sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file())
+    argv = ["--model", str(inputs / "model"), "--output_dir", str(out), "--dataset_name", str(sources / "bad")]
+    proc = _spawn_sft([*argv, "--max_steps", "1", "--disable_tqdm", "true"], _offline(tmp_path))
+    _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert sorted((p.relative_to(out), p.read_bytes()) for p in out.rglob("*") if p.is_file()) == before
+
+
+def test_a_mixture_of_saved_datasets_trains_and_evaluates_on_its_test_splits(inputs, sources, tmp_path):
+    """--dataset_name twice, interleaved with probabilities, its test splits as eval data, tokenised in two processes
+    (LlamaFactory's preprocessing_num_workers): trains, and caches every split's tokens in output_dir/.cache."""
+    out = tmp_path / "out"
+    chat = str(sources / "chat")
+    argv = ["--model", str(inputs / "model"), "--output_dir", str(out), "--dataset_name", f"{chat},{chat}"]
+    argv += ["--mix_strategy", "interleave_over", "--interleave_probs", "0.5", "0.5", "--dataset_test_split", "test"]
+    argv += ["--preprocessing_num_workers", "2", "--max_steps", "1", "--per_device_train_batch_size", "2"]
+    argv += ["--disable_tqdm", "true", "--plot", "false", "--eval_strategy", "steps", "--eval_steps", "1"]
+    proc = _spawn_sft(argv, _offline(tmp_path))
+    _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"examples from {chat}:train (messages), mixed by interleave_over" in err  # the same source twice
+    assert "eval data: 4 examples" in err
+    assert len(list((out / ".cache").glob("data-*.npz"))) == 2  # the train split and the test split (twice each)
+    saved = json.loads((out / "sft_args.json").read_text())
+    assert saved["dataset_name"] == [f"{chat},{chat}"] and saved["dataset_num_proc"] == 2
+
+
+def test_dataset_options_read_as_trl_and_llamafactory_write_them(tmp_path):
+    """TRL's names as flags; LlamaFactory's `dataset: a,b`-style comma lists, `interleave_probs: "0.7,0.3"` and
+    `preprocessing_num_workers` in YAML."""
+
+    def parse(argv):
+        return parse_args(argv, extra_dataclasses=(SFTArguments, PreferenceArguments))[1]
+
+    sft = parse(["--dataset_name", "a", "b", "--interleave_probs", "0.7", "0.3", "--dataset_num_proc", "4"])
+    assert (sft.dataset_name, interleave_probs(sft), sft.dataset_num_proc) == (["a", "b"], [0.7, 0.3], 4)
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        'dataset_name: a,b\nmix_strategy: interleave_under\ninterleave_probs: "0.6,0.4"\npreprocessing_num_workers: 3\n'
+    )
+    sft = parse([str(config)])
+    assert (sft.dataset_name, interleave_probs(sft), sft.dataset_num_proc) == (["a,b"], [0.6, 0.4], 3)
+    assert sft.mix_strategy == "interleave_under" and sft.dataset_train_split == "train"
+
+
+def test_dataset_name_is_sfts_and_dpo_refuses_it_in_one_line():
+    """Stage dpo reads its pairs from --data files, in one process: --dataset_name and --dataset_num_proc > 1 are
+    refused there, not ignored (checked in process: no data is read)."""
+    for sft, message in (
+        (SFTArguments(stage="dpo", dataset_name=["x"], data_format="auto"), "dataset_name: stage dpo reads its pairs"),
+        (SFTArguments(stage="dpo", dataset_num_proc=2), "dataset_num_proc: stage dpo tokenises its pairs in one"),
+        (SFTArguments(dataset_name=["json"], dataset_config="x", data_files=["*.nothing"]), "data_files: *.nothing"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+            _check_data_sources(sft)

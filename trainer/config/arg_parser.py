@@ -43,6 +43,8 @@ SIMPLE_ALIASES = {
     # TRL's SFTConfig (max_seq_length before TRL 0.20, max_length since) and LlamaFactory's cutoff_len
     "max_seq_length": "cutoff_len",
     "max_length": "cutoff_len",
+    # LlamaFactory's name for TRL's dataset_num_proc (the sft command's: tokenise in several processes)
+    "preprocessing_num_workers": "dataset_num_proc",
     # LlamaFactory's LoRA names (its finetuning_type: lora is TrainingArguments' finetuning_type alias)
     "lora_rank": "lora_r",
     "lora_target": "lora_target_modules",

@@ -23,6 +23,8 @@ only; here a `completion_mask` column always applies (it was written to be appli
 ones (unpadded rows, as the batching pads them itself) and as long as `input_ids`.
 
 `datasets` itself is never imported here: an object of its types exists only once the caller has imported it.
+The command's `--dataset_name` (trainer/data/hf_sources.py: load_dataset's sources, mixtures) tokenizes its splits
+through the same code.
 """
 
 from __future__ import annotations
@@ -105,12 +107,13 @@ def tokenize_sft_dataset(
     mask_history: bool = False,
     skip_bad_examples: bool = False,
     show_progress: bool = True,
+    num_proc: int | None = None,
 ) -> TokenizedDataset:
     """Tokenize a raw `datasets.Dataset` (or a list of record dicts) with `processing_class` (our `Tokenizer`), exactly
     as `load_sft_dataset` tokenizes a file of the same records: the format is detected from the first valid row (or
     forced with `data_format`), and the options mean what they mean there. A bad row is a `DataError` naming it
     ("row N", or "split 'S' row N"; `split` defaults to the Dataset's own), or is skipped and counted with
-    `skip_bad_examples`."""
+    `skip_bad_examples`. `num_proc` > 1 tokenises in that many processes, with the same result."""
     options = checked_options(data_format, cutoff_len, train_on_prompt, mask_history, skip_bad_examples)
     _one_split(dataset, "tokenize_sft_dataset")
     split = _split(dataset, split)
@@ -118,7 +121,7 @@ def tokenize_sft_dataset(
     formats: dict[str, str] = {}
     rows = ((_where(i, split), row) for i, row in enumerate(_rows(dataset)))
     items = checked_source(source, rows, data_format, formats)
-    ds = _build(items, [source], formats, processing_class, options, show_progress)
+    ds = _build(items, [source], formats, processing_class, options, show_progress, num_proc)
     ds.summary["from_dataset"] = True  # for summary_text
     _keep_chat_template(processing_class, ds)
     return ds
