@@ -119,9 +119,9 @@ def _build(
 
 def _weight_targets(model: CausalLM, args):
     """What the loaders copy each parameter's full tensor into: `trainer.dist.local_shard` (this rank's rows), and
-    for a 4-bit layer's weight (load_in_4bit) the target that quantizes it as it is copied
+    for a 4-bit or 8-bit layer's weight (load_in_4bit, load_in_8bit) the target that quantizes it as it is copied
     (`trainer.model.quant.quantizing_targets`), so no full-precision weight is kept."""
-    if args is None or not args.load_in_4bit:
+    if args is None or not (args.load_in_4bit or args.load_in_8bit):
         return local_shard
     from trainer.model.quant import quantizing_targets  # bitsandbytes: imported only for 4-bit weights
 

@@ -23,7 +23,7 @@ from trainer.build import build_model
 from trainer.coerce import ConfigError
 from trainer.data.tokenizer import TokenizerError
 from trainer.model.causal_lm import ModelError, generate
-from trainer.model.lora import load_adapter, trained_over_4bit
+from trainer.model.lora import load_adapter, trained_over_quantized
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,8 +79,13 @@ def _main(argv) -> int:
     try:
         model, tokenizer = build_model(args.model, device=args.device, seed=args.seed)
         if args.adapter:
-            if trained_over_4bit(Path(args.adapter)) is not None:
-                print("the adapter was trained over 4-bit weights: the base runs in 4 bits too", file=sys.stderr)
+            run = trained_over_quantized(Path(args.adapter))
+            if run is not None:
+                bits = 4 if run.load_in_4bit else 8
+                print(
+                    f"the adapter was trained over {bits}-bit weights: the base runs in {bits} bits too",
+                    file=sys.stderr,
+                )
             load_adapter(model, Path(args.adapter))
     except (ConfigError, ModelError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)

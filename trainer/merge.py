@@ -23,7 +23,7 @@ from trainer.build import build_model, save_pretrained
 from trainer.coerce import ConfigError
 from trainer.data.tokenizer import TokenizerError
 from trainer.model.causal_lm import ModelError
-from trainer.model.lora import merged, trained_over_4bit
+from trainer.model.lora import merged, trained_over_quantized
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,11 +45,11 @@ def main(argv=None) -> int:
         return 2
     try:
         model, tokenizer = build_model(args.model, device="cpu")
-        run = trained_over_4bit(Path(args.adapter))
+        run = trained_over_quantized(Path(args.adapter))
         if run is not None:
+            width = f"4-bit weights ({run.bnb_4bit_quant_type}" if run.load_in_4bit else "8-bit weights (LLM.int8"
             print(
-                f"the adapter was trained over 4-bit weights ({run.bnb_4bit_quant_type}, its training_args.json): "
-                "merging it into the dequantized 4-bit base",
+                f"the adapter was trained over {width}, its training_args.json): merging it into the dequantized base",
                 file=sys.stderr,
             )
         model = merged(model, Path(args.adapter))

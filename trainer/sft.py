@@ -899,7 +899,11 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
 
 def quantization_config(args) -> str:
     """transformers' `quantization_config=BitsAndBytesConfig(...)` argument that loads the base as the run did (4-bit
-    weights), or '' for a full-precision base."""
+    or 8-bit weights), or '' for a full-precision base."""
+    if args.load_in_8bit:
+        return (
+            f", quantization_config=BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold={args.llm_int8_threshold})"
+        )
     if not args.load_in_4bit:
         return ""
     dtype = f", bnb_4bit_compute_dtype={args.bnb_4bit_compute_dtype!r}" if args.bnb_4bit_compute_dtype else ""

@@ -76,7 +76,7 @@ ALIAS_HELP = {
     "deepspeed": "a DeepSpeed JSON config (ZeRO stage 0-3, offload, bf16/fp16, 'auto' values filled from these "
     "arguments); sets dist_config {name: deepspeed, config_file: PATH}",
     "finetuning_type": "LlamaFactory's: lora (sets use_peft) | full",
-    "quantization_bit": "LlamaFactory's: 4 (sets load_in_4bit)",
+    "quantization_bit": "LlamaFactory's: 4 (sets load_in_4bit) or 8 (load_in_8bit)",
     "quantization_method": "LlamaFactory's: bnb (bitsandbytes, the one backend)",
 }
 
@@ -97,7 +97,6 @@ REJECTED: dict[str, str] = {
     "sharded_ddp": 'use --dist_config \'{"name": "fsdp2"}\' for sharded data parallelism',
     "fsdp_min_num_params": "kernelwright wraps each decoder block; size-based wrapping is not supported",
     "fsdp_transformer_layer_cls_to_wrap": "kernelwright always wraps each decoder block; drop this option",
-    "load_in_8bit": "8-bit weights (LLM.int8) are not built yet; --load_in_4bit (QLoRA) is",
     **{
         name: _UNIMPLEMENTED
         for name in (

@@ -642,6 +642,18 @@ class TrainingArguments:
     bnb_4bit_quant_storage: str | None = _arg(
         None, "quantization", "dtype the 4-bit codes are packed in (default uint8).", QUANT_STORAGES
     )
+    load_in_8bit: bool = _arg(
+        False,
+        "quantization",
+        "LLM.int8: the base model's linear layers in 8 bits through bitsandbytes (int8 per row, outlier input "
+        "features in 16 bits), an adapter trained over them (needs --use_peft; pip install 'kernelwright[qlora]').",
+    )
+    llm_int8_threshold: float = _arg(
+        6.0,
+        "quantization",
+        "LLM.int8's outlier threshold: input features with a value above it are multiplied in 16 bits "
+        "(transformers' BitsAndBytesConfig default).",
+    )
 
     # --- input-only aliases (folded into the fields above; not stored) ---
     evaluation_strategy: InitVar[str | None] = None
@@ -818,16 +830,19 @@ class TrainingArguments:
         self.use_peft = kind == "lora"
 
     def _fold_quantization(self, bits: Any, method: Any) -> None:
-        """LlamaFactory's `quantization_bit: 4` is load_in_4bit (8 bits: not built yet); its `quantization_method`
-        must be bnb, the one backend here."""
+        """LlamaFactory's `quantization_bit: 4` is load_in_4bit, `8` load_in_8bit; its `quantization_method` must be
+        bnb, the one backend here."""
         if method is not None:
             choose("quantization_method", method, ("bnb",), " is not supported: bitsandbytes (bnb) is the one backend")
         if bits is None:
             return
         bits = coerce("quantization_bit", bits, int)
-        if bits != 4:
+        if bits not in (4, 8):
             raise ConfigError(f"quantization_bit={bits!r}{_QUANT_BITS_WHY}")
-        self.load_in_4bit = True
+        if bits == 4:
+            self.load_in_4bit = True
+        else:
+            self.load_in_8bit = True
 
     def _normalise(self) -> None:
         self.output_dir = os.path.expanduser(self.output_dir)
@@ -1165,14 +1180,20 @@ class TrainingArguments:
                 )
 
     def _validate_quantization(self) -> None:
-        if not self.load_in_4bit:  # a 4-bit setting without 4-bit weights would be ignored: refuse it
+        # a setting of the other width, or of none, would be ignored: refuse it
+        for flag, prefix, what in (("load_in_4bit", "bnb_4bit_", "a 4-bit"), ("load_in_8bit", "llm_int8_", "an 8-bit")):
             given = [
                 f.name
                 for f in dataclasses.fields(self)
-                if f.metadata.get("group") == "quantization" and getattr(self, f.name) != field_default(f)
+                if f.name.startswith(prefix) and getattr(self, f.name) != field_default(f)
             ]
-            if given:
-                raise ConfigError(f"{given[0]}={getattr(self, given[0])!r} is a 4-bit setting; add --load_in_4bit")
+            if given and not getattr(self, flag):
+                raise ConfigError(f"{given[0]}={getattr(self, given[0])!r} is {what} setting; add --{flag}")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ConfigError("load_in_4bit and load_in_8bit: the base weights are stored in one width; give one")
+        if self.load_in_8bit:
+            self._validate_8bit()
+        if not self.load_in_4bit:
             return
         if not self.use_peft:
             raise ConfigError(
@@ -1198,6 +1219,23 @@ class TrainingArguments:
             )
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError(f"load_in_4bit: bitsandbytes is not installed ({BITSANDBYTES_INSTALL})")
+
+    def _validate_8bit(self) -> None:
+        if not self.use_peft:
+            raise ConfigError(
+                "load_in_8bit: 8-bit weights cannot be trained; add --use_peft (a LoRA adapter trains over them)"
+            )
+        if self.llm_int8_threshold < 0:
+            raise ConfigError(f"llm_int8_threshold={self.llm_int8_threshold}: must be >= 0 (0: no outlier features)")
+        name = (self.dist_config or {}).get("name")
+        if name in ("fsdp2", "deepspeed"):
+            raise ConfigError(
+                f"load_in_8bit with {'dist_config fsdp2' if name == 'fsdp2' else 'deepspeed'} is not supported: "
+                "bitsandbytes' 8-bit layer keeps each row's scale on the weight parameter, which FSDP2 and DeepSpeed "
+                "ZeRO-3 replace by their shards; use DDP, or --load_in_4bit (which FSDP2 and DeepSpeed take)"
+            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"load_in_8bit: bitsandbytes is not installed ({BITSANDBYTES_INSTALL})")
 
     # -- helpers for the loop --------------------------------------------------------------------------------
 
@@ -1399,7 +1437,7 @@ def _interval(name: str, value: float | None) -> float | int | None:
     return value
 
 
-_QUANT_BITS_WHY = " is not supported: 4 (QLoRA) is; 8-bit weights are not built yet"
+_QUANT_BITS_WHY = " is not supported: 4 (QLoRA, NF4/FP4) or 8 (LLM.int8) are"
 
 
 def _why_unsupported(value: Any, what: str) -> str:

@@ -119,6 +119,8 @@ REFUSED = {
     "load_in_4bit": "the saved adapter was trained over these base weights",
     "bnb_4bit_quant_type": "the saved adapter was trained over these base weights",
     "bnb_4bit_use_double_quant": "the saved adapter was trained over these base weights",
+    "load_in_8bit": "the saved adapter was trained over these base weights",
+    "llm_int8_threshold": "the saved adapter was trained over these base weights",
 }
 NOT_COMPARED = ("output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir")
 

@@ -318,20 +318,22 @@ def load_adapter_weights(model: nn.Module, directory: Path, local_shard=_whole) 
             local.copy_(tensor[rows[0] : rows[1]] if rows is not None else tensor[:])
 
 
-def trained_over_4bit(directory: Path):
+def trained_over_quantized(directory: Path):
     """The arguments of the run that saved the adapter in `directory` (its training_args.json) when that run trained
-    it over 4-bit base weights (load_in_4bit), else None: merging and generating then quantize the base the same way."""
+    it over 4-bit or 8-bit base weights (load_in_4bit, load_in_8bit), else None: merging and generating then quantize
+    the base the same way."""
     file = Path(directory) / "training_args.json"
-    if not file.is_file() or not json.loads(file.read_text()).get("load_in_4bit"):
+    saved = json.loads(file.read_text()) if file.is_file() else {}
+    if not (saved.get("load_in_4bit") or saved.get("load_in_8bit")):
         return None
     return TrainingArguments.from_json_file(file)
 
 
 def load_adapter(model: nn.Module, directory: Path) -> nn.Module:
     """`model` (the base) with the adapter saved in `directory` injected and loaded, in place, to generate with; a
-    base the adapter was trained over in 4 bits is quantized the same way first (`trained_over_4bit`)."""
+    base the adapter was trained over in 4 or 8 bits is quantized the same way first (`trained_over_quantized`)."""
     peft = import_peft()
-    run = trained_over_4bit(directory)
+    run = trained_over_quantized(directory)
     if run is not None:
         from trainer.model.quant import quantize_base  # bitsandbytes: imported only for 4-bit weights
 
@@ -344,10 +346,10 @@ def load_adapter(model: nn.Module, directory: Path) -> nn.Module:
 def merged(model: nn.Module, directory: Path) -> nn.Module:
     """`model` (the base) with the adapter of `directory` merged into its weights (W + s B A) and peft's layers
     removed: a plain model with the base's parameter names (peft's `merge_and_unload`). An adapter trained over 4-bit
-    weights (`trained_over_4bit`) is merged into the dequantized 4-bit base, dequantize(Q(W)) + s B A, the function
+    weights (`trained_over_quantized`) is merged into the dequantized 4-bit base, dequantize(Q(W)) + s B A, the function
     it was trained over, written in the base's dtype."""
     peft = import_peft()
-    run = trained_over_4bit(directory)
+    run = trained_over_quantized(directory)
     if run is not None:
         from trainer.model.quant import dequantized, quantize_base  # bitsandbytes: only for 4-bit weights
 

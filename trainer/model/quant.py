@@ -1,5 +1,7 @@
 """4-bit base weights (QLoRA, Dettmers et al. 2023) through bitsandbytes: `--load_in_4bit` with transformers' and
-TRL's names (`bnb_4bit_quant_type`, `bnb_4bit_compute_dtype`, `bnb_4bit_use_double_quant`, `bnb_4bit_quant_storage`).
+TRL's names (`bnb_4bit_quant_type`, `bnb_4bit_compute_dtype`, `bnb_4bit_use_double_quant`, `bnb_4bit_quant_storage`);
+and 8-bit ones (LLM.int8, Dettmers et al. 2022): `--load_in_8bit`, `llm_int8_threshold`, `Linear8bit` below
+(bitsandbytes' layer and forward as transformers builds them; DDP only).
 
 What it does: `quantize_base(model, args)`, the first of `trainer.parallel.transforms.apply_transforms` (before LoRA,
 so that peft wraps the 4-bit layers with its bitsandbytes LoRA layer, as it does over a transformers model), replaces
@@ -157,11 +159,60 @@ class Linear4bit(bnb.nn.Linear4bit):
         }
 
 
-class _Quantizing:
-    """What the loaders copy a Linear4bit's full-precision weight into: it has the full shape, and `copy_`
-    quantizes (`Linear4bit.set_weight`)."""
+class Linear8bit(bnb.nn.Linear8bitLt):
+    """bitsandbytes' Linear8bitLt (LLM.int8, Dettmers et al. 2022) as transformers' BitsAndBytesConfig(load_in_8bit=
+    True) builds it, with bitsandbytes' own forward: W stored as int8 per output row with its absmax scale (SCB,
+    fp32), x quantized per row in the forward, the input features holding a value above `threshold` multiplied in
+    16 bits beside the int8 product. Its training and evaluation paths take different kernels but leave the layer
+    as it was (tests/trainer/model/test_quant.py). Built by `from_linear`, filled by `set_weight` as read."""
 
-    def __init__(self, layer: Linear4bit):
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, threshold: float) -> Linear8bit:
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=False,
+            has_fp16_weights=False,
+            threshold=threshold,
+            device="meta",
+        )
+        layer.weight_dtype = linear.weight.dtype
+        layer.bias = linear.bias
+        if linear.weight.is_meta:  # int8, one byte a weight: what materialising the model allocates
+            layer.weight = bnb.nn.Int8Params(
+                torch.empty(linear.out_features, linear.in_features, dtype=torch.int8, device="meta"),
+                requires_grad=False,
+                has_fp16_weights=False,
+            )
+        else:
+            layer.set_weight(linear.weight.detach(), device=linear.weight.device)
+        return layer
+
+    @torch.no_grad()
+    def set_weight(self, full: torch.Tensor, device: torch.device | None = None) -> None:
+        """Quantize `full` (out, in) as bitsandbytes' Int8Params does when moved to a device (through fp16, int8 per
+        row with its absmax scale) and keep only the int8 rows and scales."""
+        weight = bnb.nn.Int8Params(full.contiguous(), requires_grad=False, has_fp16_weights=False)
+        self.weight = weight._quantize(device or self.weight.device)
+        self.state.CB = self.state.SCB = None  # a fresh weight: the layer takes its rows and scales in its next forward
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """The (out,) absmax scales of the int8 rows, wherever bitsandbytes keeps them (the weight until the first
+        forward, the layer's state after it)."""
+        return self.weight.SCB if self.weight.SCB is not None else self.state.SCB
+
+    def dequantize_weight(self) -> torch.Tensor:
+        """W as the int8 rows stand for it, int8 x SCB / 127 (bitsandbytes' int8_vectorwise_dequant), in the dtype
+        the layer was built from."""
+        return bnb.functional.int8_vectorwise_dequant(self.weight.data, self.scales).to(self.weight_dtype)
+
+
+class _Quantizing:
+    """What the loaders copy a quantized layer's full-precision weight into: it has the full shape, and `copy_`
+    quantizes (the layer's `set_weight`)."""
+
+    def __init__(self, layer: Linear4bit | Linear8bit):
         self.layer = layer
         self.shape = torch.Size((layer.out_features, layer.in_features))
 
@@ -170,31 +221,45 @@ class _Quantizing:
         return self
 
 
+_QUANTIZED = (Linear4bit, Linear8bit)
+
+
 def quantizing_targets(model: nn.Module) -> dict[int, _Quantizing]:
-    """id(weight parameter) -> the target the loaders copy its full-precision tensor into, for every Linear4bit."""
-    return {id(m.weight): _Quantizing(m) for m in model.modules() if isinstance(m, Linear4bit)}
+    """id(weight parameter) -> the target the loaders copy its full-precision tensor into, for every quantized
+    layer."""
+    return {id(m.weight): _Quantizing(m) for m in model.modules() if isinstance(m, _QUANTIZED)}
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, Linear4bit) for m in model.modules())
+    return any(isinstance(m, _QUANTIZED) for m in model.modules())
 
 
 def quantize_base(model: nn.Module, args) -> nn.Module:
-    """Every linear layer of `model` but lm_head as a Linear4bit (in place), as `args` ask (load_in_4bit); the
-    model unchanged otherwise, or when it is quantized already (transforms are idempotent)."""
-    if not args.load_in_4bit or is_quantized(model):
+    """Every linear layer of `model` but lm_head as a Linear4bit (load_in_4bit) or a Linear8bit (load_in_8bit), in
+    place; the model unchanged otherwise, or when it is quantized already (transforms are idempotent)."""
+    if not (args.load_in_4bit or args.load_in_8bit) or is_quantized(model):
         return model
-    settings = {
-        "quant_type": args.bnb_4bit_quant_type,
-        "compute_dtype": getattr(torch, args.bnb_4bit_compute_dtype) if args.bnb_4bit_compute_dtype else None,
-        "double_quant": args.bnb_4bit_use_double_quant,
-        "storage": getattr(torch, args.bnb_4bit_quant_storage or "uint8"),  # names validated by TrainingArguments
-    }
+    if args.load_in_4bit:
+        settings = {
+            "quant_type": args.bnb_4bit_quant_type,
+            "compute_dtype": getattr(torch, args.bnb_4bit_compute_dtype) if args.bnb_4bit_compute_dtype else None,
+            "double_quant": args.bnb_4bit_use_double_quant,
+            "storage": getattr(torch, args.bnb_4bit_quant_storage or "uint8"),  # names validated by the arguments
+        }
+
+        def quantized(linear):
+            return Linear4bit.from_linear(linear, **settings)
+    else:
+
+        def quantized(linear):
+            return Linear8bit.from_linear(linear, args.llm_int8_threshold)
+
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear and child_name not in _SKIP:
-                setattr(module, child_name, Linear4bit.from_linear(child, **settings))
-    model.is_loaded_in_4bit = True  # transformers' flag, from which peft picks its 4-bit LoRA layer
+                setattr(module, child_name, quantized(child))
+    # transformers' flags, from which peft picks its 4-bit or 8-bit LoRA layer
+    setattr(model, "is_loaded_in_4bit" if args.load_in_4bit else "is_loaded_in_8bit", True)
     return model
 
 
@@ -204,13 +269,18 @@ def dequantized(model: nn.Module) -> nn.Module:
     quantized from (in place): the function a QLoRA adapter was trained over, to merge it into."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, Linear4bit):
-                weight = dequantize(child.weight, child.quant_state)
+            if isinstance(child, _QUANTIZED):
+                weight = (
+                    dequantize(child.weight, child.quant_state)
+                    if isinstance(child, Linear4bit)
+                    else child.dequantize_weight()
+                )
                 linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
                 linear.weight = nn.Parameter(weight, requires_grad=False)
                 linear.bias = child.bias
                 setattr(module, child_name, linear)
     model.__dict__.pop("is_loaded_in_4bit", None)
+    model.__dict__.pop("is_loaded_in_8bit", None)
     return model
 
 
@@ -219,6 +289,8 @@ def quantized_bytes(model: nn.Module) -> int:
     and code book), counted from the tensors."""
     total = 0
     for m in model.modules():
+        if isinstance(m, Linear8bit) and m.weight.dtype == torch.int8:
+            total += m.weight.numel() + 4 * m.scales.numel()  # int8 rows + fp32 scale per row
         if isinstance(m, Linear4bit) and m.quant_state is not None:
             total += m.weight.numel() * m.weight.element_size()
             state = m.quant_state

@@ -1,7 +1,7 @@
 """Transforms applied to a model from outside, always in this order (torchtitan's parallelize.py):
 
-0. `trainer.model.quant.quantize_base` (load_in_4bit): the decoder's linear layers in 4 bits (bitsandbytes, imported
-   only then), before LoRA so that peft wraps them with its 4-bit LoRA layer;
+0. `trainer.model.quant.quantize_base` (load_in_4bit, load_in_8bit): the decoder's linear layers in 4 or 8 bits
+   (bitsandbytes, imported only then), before LoRA so that peft wraps them with its 4-bit or 8-bit LoRA layer;
    `trainer.model.lora.apply_lora` (use_peft): inject the LoRA adapter, so that the optimizer sees only the adapter as
    trainable and FSDP2 shards the model with its adapter;
 1. `apply_activation_checkpointing`: recompute each decoder block in backward (non-reentrant);
@@ -98,7 +98,7 @@ def apply_transforms(model: nn.Module, args) -> nn.Module:
     """4-bit weights -> LoRA -> checkpointing -> per-block compile -> FSDP2, as `args` asks; safe on the meta device
     (`build_model` runs it there, before the weights exist) and idempotent (a model that has had a transform does
     not get it twice)."""
-    if args.load_in_4bit:
+    if args.load_in_4bit or args.load_in_8bit:
         from trainer.model.quant import quantize_base  # bitsandbytes takes seconds to import: only when asked for
 
         model = quantize_base(model, args)

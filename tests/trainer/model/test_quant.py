@@ -32,7 +32,7 @@ from trainer.loop.callbacks import TrainerCallback  # noqa: E402
 from trainer.loop.checkpoint import CheckpointError  # noqa: E402
 from trainer.loop.trainer import Trainer  # noqa: E402
 from trainer.model.causal_lm import CausalLM, ModelConfig  # noqa: E402
-from trainer.model.quant import Linear4bit, dequantize, quantize_base, quantized_bytes  # noqa: E402
+from trainer.model.quant import Linear4bit, Linear8bit, dequantize, quantize_base, quantized_bytes  # noqa: E402
 from trainer.parallel.transforms import apply_transforms  # noqa: E402
 
 QLORA = dict(use_peft=True, load_in_4bit=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
@@ -356,14 +356,126 @@ def test_quantize_base_keeps_lm_head_and_is_idempotent():
     assert [m for m in model.modules() if isinstance(m, Linear4bit)] == layers
 
 
+# ---- 8-bit weights (LLM.int8, load_in_8bit) ---------------------------------------------------------------------
+INT8 = dict(use_peft=True, load_in_8bit=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
+
+
+def transformers_8bit(path):
+    """transformers' model of `path` loaded in 8 bits through its BitsAndBytesConfig (fp32, SDPA), on the CPU."""
+    config = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, dtype=torch.float32, device_map="cpu", attn_implementation="sdpa"
+    )
+
+
+def test_8bit_weights_are_quantized_as_read_and_equal_what_transformers_loads(hf_dir):
+    args = TrainingArguments(output_dir="unused", **INT8)
+    ours = build_model(str(hf_dir), args)[0]
+    theirs = dict(transformers_8bit(hf_dir).named_modules())
+    layers = {n: m for n, m in ours.named_modules() if isinstance(m, Linear8bit)}
+    assert len(layers) == 2 * 7 and not isinstance(ours.lm_head, Linear8bit)
+    for name, layer in layers.items():
+        ref = theirs[name.replace(".base_layer", "")]
+        assert layer.weight.dtype == torch.int8 and torch.equal(layer.weight.data, ref.weight.data), name
+        assert torch.equal(layer.scales, ref.weight.SCB), name
+
+
+def _golden_hf_8bit(path, examples, out, start: dict):
+    model = peft.get_peft_model(
+        transformers_8bit(path),
+        peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in start.items():  # our seeded initial adapter
+            named["base_model.model." + name].copy_(value)
+    args = transformers.TrainingArguments(
+        output_dir=str(out), use_cpu=True, remove_unused_columns=False, dataloader_num_workers=0, **{**COMMON, **GOLDEN}
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=examples, data_collator=_pad)
+    trainer.train()
+    curve = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return curve, {n.removeprefix("base_model.model."): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_8bit_lora_steps_match_transformers_peft_and_bitsandbytes(hf_dir, tmp_path):
+    examples = _examples()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "ours"), **{**COMMON, **GOLDEN}, **INT8, lora_target_modules=["all-linear"]
+    )
+    start = adapter_state(apply_transforms(load_pretrained(hf_dir), args))
+    model = load_pretrained(hf_dir, use_kernels=False)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(examples))
+    trainer.train()
+    ours = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    theirs, hf_weights = _golden_hf_8bit(hf_dir, examples, tmp_path / "hf", start)
+    assert len(ours) == len(theirs) == GOLDEN["max_steps"] and ours[-1] < ours[0] - 0.1
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    for name, value in adapter_state(model).items():
+        torch.testing.assert_close(value, hf_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_evaluating_between_steps_leaves_8bit_training_exact(tmp_path, dataset):
+    settings = dict(INT8, lora_target_modules=["all-linear"], max_steps=4)
+    plain_model = small_model()
+    plain = Trainer(model=plain_model, args=make_args(tmp_path / "plain", **settings), train_dataset=dataset)
+    plain.train()
+    model, ref = small_model(), []
+    evaluated = Trainer(
+        model=model,
+        args=make_args(tmp_path / "eval", **settings),
+        train_dataset=dataset,
+        eval_dataset=dataset,
+        callbacks=[_Evaluations(ref)],
+    )
+    ref.append(evaluated)
+    evaluated.evaluate()  # before training too: bitsandbytes' evaluation path is another kernel, and leaves no trace
+    evaluated.train()
+    assert losses(evaluated.state) == losses(plain.state)
+    for name, value in adapter_state(model).items():
+        assert torch.equal(value, adapter_state(plain_model)[name]), name
+
+
+def test_8bit_merge_writes_the_dequantized_base_plus_the_update_and_generate_runs_in_8_bits(hf_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    model = load_pretrained(hf_dir)
+    model.name_or_path = str(hf_dir)
+    args = TrainingArguments(
+        output_dir=str(out), **{**COMMON, "max_steps": 2, "learning_rate": 5e-2}, **INT8, lora_target_modules=["q_proj"]
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(_examples()))
+    trainer.train()
+    trainer.save_model()
+    assert merge.main(["--model", str(hf_dir), "--adapter", str(out), "--output_dir", str(tmp_path / "m")]) == 0
+    assert "8-bit" in capsys.readouterr().err
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    q = model.model.layers[0].self_attn.q_proj
+    expected = q.base_layer.dequantize_weight() + q.scaling["default"] * (
+        q.lora_B["default"].weight @ q.lora_A["default"].weight
+    )
+    torch.testing.assert_close(plain.model.layers[0].self_attn.q_proj.weight, expected, rtol=1e-6, atol=1e-6)
+    k = plain.model.layers[0].self_attn.k_proj.weight  # not adapted: the dequantized base alone
+    torch.testing.assert_close(k, model.model.layers[0].self_attn.k_proj.dequantize_weight(), rtol=0, atol=0)
+    argv = ["--model", str(hf_dir), "--adapter", str(out), "--prompt", "add: 1+2", "--max_new_tokens", "4"]
+    assert generate_cli.main(argv) == 0
+    assert "trained over 8-bit weights: the base runs in 8 bits too" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--load_in_4bit"], "load_in_4bit: 4-bit weights cannot be trained; add --use_peft"),
         (["--bnb_4bit_quant_type", "fp4"], "bnb_4bit_quant_type='fp4' is a 4-bit setting; add --load_in_4bit"),
         (["--use_peft", "--load_in_4bit", "--bnb_4bit_quant_type", "int4"], "bnb_4bit_quant_type"),
-        (["--load_in_8bit"], "8-bit weights (LLM.int8) are not built yet"),
-        (["--use_peft", "--quantization_bit", "8"], "quantization_bit=8 is not supported"),
+        (["--load_in_8bit"], "load_in_8bit: 8-bit weights cannot be trained; add --use_peft"),
+        (["--use_peft", "--quantization_bit", "3"], "quantization_bit=3 is not supported"),
+        (["--use_peft", "--load_in_4bit", "--load_in_8bit"], "load_in_4bit and load_in_8bit"),
+        (["--llm_int8_threshold", "4"], "llm_int8_threshold=4.0 is an 8-bit setting; add --load_in_8bit"),
+        (["--use_peft", "--load_in_8bit", "--llm_int8_threshold", "-1"], "llm_int8_threshold=-1.0: must be >= 0"),
+        (
+            ["--use_peft", "--load_in_8bit", "--dist_config", '{"name": "fsdp2"}'],
+            "load_in_8bit with dist_config fsdp2 is not supported",
+        ),
         (["--use_peft", "--quantization_bit", "4", "--quantization_method", "gptq"], "quantization_method"),
         (
             [
@@ -407,6 +519,9 @@ def test_llamafactory_and_trl_names(tmp_path):
     )
     (args,) = parse_args(["--output_dir", "unused", "--use_peft", "--load_in_4bit", "--use_bnb_nested_quant"])
     assert args.bnb_4bit_use_double_quant
+    config.write_text("output_dir: unused\nfinetuning_type: lora\nquantization_bit: 8\n")
+    (args,) = parse_args([str(config)])
+    assert (args.load_in_8bit, args.load_in_4bit, args.llm_int8_threshold) == (True, False, 6.0)
 
 
 def test_without_bitsandbytes_the_cli_says_how_to_install_it(monkeypatch, tmp_path, capsys):

@@ -275,6 +275,7 @@ def suite(tmp_path_factory, data_file, reference_run, odd_model_dir):
         jobs.append({"name": f"{name}-tiled", "args": tiled})
     jobs.append({"name": "ddp-qlora", "args": {**DIST_ARGS, **QLORA_ARGS}})  # issue 34: 4-bit weights under DDP
     jobs.append({"name": "fsdp2-qlora", "args": {**DIST_ARGS, **CONFIGS["fsdp2"], **QLORA_ARGS}})  # and FSDP2
+    jobs.append({"name": "ddp-8bit", "args": {**DIST_ARGS, **INT8_ARGS}})  # 8-bit weights (LLM.int8) under DDP
     jobs.append(
         {
             "name": "fsdp2-host-labels",
@@ -331,6 +332,14 @@ def test_qlora_on_two_processes_matches_one_process(suite, data_file, tmp_path):
     for name in ("ddp-qlora", "fsdp2-qlora"):
         assert suite["result"][name]["losses"] == pytest.approx(losses, rel=1e-5), name
         assert_same_adapter(suite["out"][name] / "final", model)
+
+
+def test_8bit_weights_on_two_processes_match_one_process(suite, data_file, tmp_path):
+    """8-bit base weights under DDP: each rank quantizes the same weights; the run equals one process."""
+    with kernels.backend("reference"):
+        losses, model, _ = single_process(tmp_path, data_file, {**ONE_PROCESS_ARGS, **INT8_ARGS})
+    assert suite["result"]["ddp-8bit"]["losses"] == pytest.approx(losses, rel=1e-5)
+    assert_same_adapter(suite["out"]["ddp-8bit"] / "final", model)
 
 
 def test_fsdp2_loss_skips_ignored_rows(suite, reference_run):
@@ -882,6 +891,7 @@ def assert_same_adapter(final: Path, model) -> None:
 # ---- LoRA (trainer/model/lora.py) under DDP and FSDP2 -------------------------------------------------------------
 LORA_ARGS = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]}
 QLORA_ARGS = {**LORA_ARGS, "load_in_4bit": True}  # issue 34: the decoder's linear layers in 4 bits under the adapter
+INT8_ARGS = {**LORA_ARGS, "load_in_8bit": True}  # and in 8 bits (LLM.int8)
 
 
 @pytest.fixture(scope="module")
