@@ -211,11 +211,21 @@ def compare(batch, fused=False, **kw):
     return t_metrics
 
 
-@pytest.mark.parametrize("path", ("logprob", "fused"))
-@pytest.mark.parametrize("num_iterations", (1, 2))
-@pytest.mark.parametrize("beta", (0.0, 0.04))
-@pytest.mark.parametrize("level", ("token", "sequence"))
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def _golden_cases():
+    """Every loss type x level x beta x num_iterations through the log-prob op; through the fused loss op the same
+    matrix, of which CI runs the cases with both the KL term and clipping (beta 0.04, num_iterations 2) and the rest
+    is marked slow (the fused op's arithmetic does not depend on beta or the iteration: its loss callable does)."""
+    for loss_type in LOSS_TYPES:
+        for level in ("token", "sequence"):
+            for beta in (0.0, 0.04):
+                for num_iterations in (1, 2):
+                    yield pytest.param(loss_type, level, beta, num_iterations, "logprob")
+                    full = beta == 0.04 and num_iterations == 2
+                    marks = () if full else (pytest.mark.slow,)
+                    yield pytest.param(loss_type, level, beta, num_iterations, "fused", marks=marks)
+
+
+@pytest.mark.parametrize("loss_type, level, beta, num_iterations, path", list(_golden_cases()))
 def test_loss_gradient_and_metrics_equal_trl(loss_type, level, beta, num_iterations, path, monkeypatch):
     # fused: fused_grpo_loss, the gradient formed in the forward, in chunks of whole completions (forced small)
     monkeypatch.setattr(fl_mod, "_chunk_rows", lambda n, h, v: 7)
