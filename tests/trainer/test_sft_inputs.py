@@ -139,7 +139,7 @@ def test_argument_values_the_data_rules_out_stop_in_one_line(inputs, tmp_path):
 
 def test_a_data_error_comes_before_the_summary_the_build_and_any_write(inputs, tmp_path):
     """Item 13: a bad record, in the training or in the eval data (after good training data, whose tokenisation was
-    cached in output_dir/.cache before the error), or a dist_config.dcp_path that holds no DCP copy (read by the
+    cached in the shared data cache before the error), or a dist_config.dcp_path that holds no DCP copy (read by the
     build), stops before the argument summary, with output_dir not created."""
     model = ["--model", str(inputs / "model")]
     cases = [
@@ -239,7 +239,8 @@ def test_a_failed_dataset_run_leaves_an_existing_output_dir_as_it_was(inputs, so
 
 def test_a_mixture_of_saved_datasets_trains_and_evaluates_on_its_test_splits(inputs, sources, tmp_path):
     """--dataset_name twice, interleaved with probabilities, its test splits as eval data, tokenised in two processes
-    (LlamaFactory's preprocessing_num_workers): trains, and caches every split's tokens in output_dir/.cache."""
+    (LlamaFactory's preprocessing_num_workers): trains, and caches every split's tokens in the shared data cache
+    (tests/conftest.py gives each test its own), none in output_dir."""
     out = tmp_path / "out"
     chat = str(sources / "chat")
     argv = ["--model", str(inputs / "model"), "--output_dir", str(out), "--dataset_name", f"{chat},{chat}"]
@@ -251,7 +252,9 @@ def test_a_mixture_of_saved_datasets_trains_and_evaluates_on_its_test_splits(inp
     assert proc.returncode == 0, err[-3000:]
     assert f"examples from {chat}:train (messages), mixed by interleave_over" in err  # the same source twice
     assert "eval data: 4 examples" in err
-    assert len(list((out / ".cache").glob("data-*.npz"))) == 2  # the train split and the test split (twice each)
+    cache = Path(os.environ["KERNELWRIGHT_DATA_CACHE"])
+    assert len([p for p in cache.glob("data-*") if p.is_dir()]) == 2  # the train split and the test split (twice each)
+    assert not (out / ".cache").exists()
     saved = json.loads((out / "sft_args.json").read_text())
     assert saved["dataset_name"] == [f"{chat},{chat}"] and saved["dataset_num_proc"] == 2
 
