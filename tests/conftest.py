@@ -6,12 +6,20 @@ interpreter (the dispatch rule in `kernels._dispatch`); trainer tests switch bac
 in `tests/trainer/conftest.py` because the interpreter costs ~37 us per program instance.
 `gpu`-marked tests skip without CUDA, and also on CUDA while TRITON_INTERPRET=1 (the interpreter would run the
 kernels instead of the GPU): on a GPU machine they run in their own session, `TRITON_INTERPRET=0 pytest -m gpu`.
+The shared data cache (trainer/data/cache.py) never is the user's: the session's is a temporary directory, and each
+test gets its own (so that a test's first load is a miss, whatever ran before it).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Forced, not setdefault: a user's cache must not receive the test data. Module fixtures that run commands use it.
+os.environ["KERNELWRIGHT_DATA_CACHE"] = tempfile.mkdtemp(prefix="kernelwright-test-data-cache-")
+atexit.register(shutil.rmtree, os.environ["KERNELWRIGHT_DATA_CACHE"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -20,6 +28,12 @@ import torch  # noqa: E402
 # oversubscribe the machine (on CI's 2 cores, two workers of 2 threads each spent a quarter more CPU time).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // _WORKERS)))
+
+
+@pytest.fixture(autouse=True)
+def _data_cache(tmp_path_factory, monkeypatch):
+    """Each test's own data cache root (commands it starts inherit it through the environment)."""
+    monkeypatch.setenv("KERNELWRIGHT_DATA_CACHE", str(tmp_path_factory.mktemp("data-cache")))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -64,6 +64,7 @@ from trainer.build import (
 from trainer.checkpoint_hf import to_json
 from trainer.config.args import ConfigError, _arg, parse_args
 from trainer.data.batching import BatchLoader
+from trainer.data.cache import cache_root, check_cache_root
 from trainer.data.hf_sources import MIX_STRATEGIES, check_sources, load_sft_sources, split_names
 from trainer.data.preference_data import PREFERENCE_FORMATS, load_preference_dataset, pairs_dataset
 from trainer.data.sft_data import (
@@ -72,7 +73,6 @@ from trainer.data.sft_data import (
     load_sft_dataset,
     read_examples,
     resolve_data_files,
-    save_to_cache,
     split_dataset,
 )
 from trainer.data.tasks import EVAL_FILE, TRAIN_FILE, kind_of, preference_pair
@@ -165,6 +165,12 @@ class SFTArguments:
         "sft",
         "Tokenise in this many processes: the same tokens and order as one (TRL's name; LlamaFactory's "
         "preprocessing_num_workers).",
+    )
+    data_cache_dir: str | None = _arg(
+        None,
+        "sft",
+        "Where tokenised data is cached, shared by every run (default: $KERNELWRIGHT_DATA_CACHE, else "
+        "$XDG_CACHE_HOME/kernelwright/data, i.e. ~/.cache/kernelwright/data).",
     )
     val_size: float = _arg(
         0.0, "sft", "Hold out this many training examples (int) or this fraction (<1) for evaluation."
@@ -375,6 +381,7 @@ def check_run(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
     check_model_name(sft.model)
     _check_stage(args, sft, pref)
     _check_output_dir(args, sft, pref)
+    check_cache_root(cache_root(sft.data_cache_dir))
     if args.resume_from_checkpoint and str(args.resume_from_checkpoint).lower() not in ("true", "auto", "latest"):
         resolve_resume(args.resume_from_checkpoint, args.output_dir)  # a damaged or missing one: exit 2, nothing built
     _check_resume_arguments(args)
@@ -661,7 +668,7 @@ def _check_attention(args, sft: SFTArguments, cuda: bool) -> None:
 @dataclass
 class RunInputs:
     """What `read_inputs` read and checked before anything was written: the tokenised data (train and eval, after a
-    val_size split), the datasets as loaded (whose new tokenisations `train` saves in output_dir/.cache), and the
+    val_size split), the datasets as loaded (each read from or written to the shared data cache), and the
     held-out conversations of the exact-match check."""
 
     train_ds: TokenizedDataset
@@ -673,16 +680,19 @@ class RunInputs:
 
 
 def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs:
-    """Every file the run reads, read and checked before the argument summary, the model build or any write, each
-    problem one line (exit 2): the model directory's files (`build.read_model_files`: config.json, the tokenizer,
-    every safetensors header), the training and eval data tokenised (read from output_dir/.cache when it holds them;
-    not written yet), the val_size split, the batch plan the arguments make of that data, and the held-out
-    conversations of the exact-match check. Stage dpo: preference pairs (the embedded tasks' as pairs, in memory)."""
+    """Every file the run reads, read and checked before the argument summary, the model build or any write to
+    output_dir, each problem one line (exit 2): the model directory's files (`build.read_model_files`: config.json,
+    the tokenizer, every safetensors header), the training and eval data tokenised (read from the shared data cache
+    when it holds them, else written there: content-addressed, it is never output_dir's), the val_size split, the
+    batch plan the arguments make of that data, and the held-out conversations of the exact-match check. Stage dpo:
+    preference pairs (the embedded tasks' as pairs, in memory)."""
     _, tokenizer = read_model_files(sft.model)  # a hub id not yet here is downloaded first
     embedded = not sft.data and not sft.dataset_name
     train_files = sft.data or [str(TRAIN_FILE)]
     eval_files = sft.eval_data or ([str(EVAL_FILE)] if embedded else None)
-    cache = dict(cache_dir=Path(args.output_dir) / ".cache", show_progress=not args.disable_tqdm, write_cache=False)
+    # the shared cache (trainer.data.cache): an entry is written as soon as it is tokenised (under its lock, so that of
+    # several ranks one tokenises and the others read), never into output_dir
+    cache = dict(cache_dir=cache_root(sft.data_cache_dir), show_progress=not args.disable_tqdm)
     if sft.stage == "sft":
 
         def load(files):
@@ -716,7 +726,6 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
                 skip_bad_examples=sft.skip_bad_examples,
                 **truncation,
                 cache_dir=cache["cache_dir"],
-                write_cache=False,
             )
 
     seed = args.data_seed if args.data_seed is not None else args.seed
@@ -789,8 +798,6 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
                     f"{aside.name}/ (delete it when you no longer need them)",
                     file=sys.stderr,
                 )
-    for loaded in inputs.loaded:  # every rank, as each reads the cache; rank 0 holds output_dir's lock by now
-        save_to_cache(loaded)
     train_ds, eval_ds, conversations, embedded = inputs.train_ds, inputs.eval_ds, inputs.conversations, inputs.embedded
     if rank == 0:
         print(f"train data: {inputs.loaded[0].summary_text()}", file=sys.stderr)

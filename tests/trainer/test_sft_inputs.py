@@ -5,7 +5,9 @@ output_dir created. Each command runs as a user starts it; all of a test's comma
 reading its inputs, a few seconds)."""
 
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -139,7 +141,7 @@ def test_argument_values_the_data_rules_out_stop_in_one_line(inputs, tmp_path):
 
 def test_a_data_error_comes_before_the_summary_the_build_and_any_write(inputs, tmp_path):
     """Item 13: a bad record, in the training or in the eval data (after good training data, whose tokenisation was
-    cached in output_dir/.cache before the error), or a dist_config.dcp_path that holds no DCP copy (read by the
+    cached in the shared data cache before the error), or a dist_config.dcp_path that holds no DCP copy (read by the
     build), stops before the argument summary, with output_dir not created."""
     model = ["--model", str(inputs / "model")]
     cases = [
@@ -239,7 +241,8 @@ def test_a_failed_dataset_run_leaves_an_existing_output_dir_as_it_was(inputs, so
 
 def test_a_mixture_of_saved_datasets_trains_and_evaluates_on_its_test_splits(inputs, sources, tmp_path):
     """--dataset_name twice, interleaved with probabilities, its test splits as eval data, tokenised in two processes
-    (LlamaFactory's preprocessing_num_workers): trains, and caches every split's tokens in output_dir/.cache."""
+    (LlamaFactory's preprocessing_num_workers): trains, and caches every split's tokens in the shared data cache
+    (tests/conftest.py gives each test its own), none in output_dir."""
     out = tmp_path / "out"
     chat = str(sources / "chat")
     argv = ["--model", str(inputs / "model"), "--output_dir", str(out), "--dataset_name", f"{chat},{chat}"]
@@ -251,7 +254,9 @@ def test_a_mixture_of_saved_datasets_trains_and_evaluates_on_its_test_splits(inp
     assert proc.returncode == 0, err[-3000:]
     assert f"examples from {chat}:train (messages), mixed by interleave_over" in err  # the same source twice
     assert "eval data: 4 examples" in err
-    assert len(list((out / ".cache").glob("data-*.npz"))) == 2  # the train split and the test split (twice each)
+    cache = Path(os.environ["KERNELWRIGHT_DATA_CACHE"])
+    assert len([p for p in cache.glob("data-*") if p.is_dir()]) == 2  # the train split and the test split (twice each)
+    assert not (out / ".cache").exists()
     saved = json.loads((out / "sft_args.json").read_text())
     assert saved["dataset_name"] == [f"{chat},{chat}"] and saved["dataset_num_proc"] == 2
 
@@ -284,3 +289,57 @@ def test_dataset_name_is_sfts_and_dpo_refuses_it_in_one_line():
     ):
         with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
             _check_data_sources(sft)
+
+
+# ---- the shared data cache (issue 32 item 4) ----------------------------------------------------------------------
+def test_a_data_cache_that_cannot_be_written_stops_in_one_line(inputs, tmp_path):
+    """--data_cache_dir, or KERNELWRIGHT_DATA_CACHE, under a file: one line, exit 2, before anything is built or
+    written (no output_dir, no cache)."""
+    (tmp_path / "file").write_text("x")
+    out, cache = tmp_path / "out", tmp_path / "file" / "cache"
+    argv = ["--model", str(inputs / "model"), "--data", str(inputs / "good.jsonl"), "--output_dir", str(out)]
+    argv += ["--max_steps", "1", "--disable_tqdm", "true"]
+    procs = [
+        _spawn_sft([*argv, "--data_cache_dir", str(cache)]),
+        _spawn_sft(argv, {"KERNELWRIGHT_DATA_CACHE": str(cache)}),
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, err[-2000:]
+        assert lines[0] == f"error: data_cache_dir: {tmp_path / 'file'} is a file, not a directory (data cache {cache})"
+    assert not out.exists()
+
+
+def test_a_second_run_reads_the_first_runs_tokens_and_a_failed_run_loses_nothing(inputs, tmp_path):
+    """Two runs with other output_dirs share one cache entry: the first's summary says miss, the second's hit, same
+    entry and size. A run that fails on its eval data afterwards (with --overwrite_output_dir) leaves the cache and
+    both output_dirs as they were."""
+    cache = Path(os.environ["KERNELWRIGHT_DATA_CACHE"])
+    argv = ["--model", str(inputs / "model"), "--data", str(inputs / "good.jsonl"), "--max_steps", "1"]
+    argv += ["--disable_tqdm", "true", "--plot", "false", "--save_strategy", "no"]
+    lines = []
+    for run in ("a", "b"):
+        proc = _spawn_sft([*argv, "--output_dir", str(tmp_path / run)])
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+        assert proc.returncode == 0, err[-3000:]
+        lines.append(re.search(r"\n  cache (hit|miss) ([0-9.]+ kB) (\S+)\n", err).groups())
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert lines == [("miss", lines[0][1], str(entry)), ("hit", lines[0][1], str(entry))]
+    assert not (tmp_path / "a" / ".cache").exists()
+
+    def files():
+        return {
+            p: p.read_bytes()
+            for root in (cache, tmp_path / "a", tmp_path / "b")
+            for p in root.rglob("*")
+            if p.is_file()
+        }
+
+    before = files()
+    bad = ["--eval_data", str(inputs / "bad.jsonl"), "--overwrite_output_dir"]  # it would move b's model aside
+    proc = _spawn_sft([*argv, "--output_dir", str(tmp_path / "b"), *bad])
+    _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 2 and "bad.jsonl:2: invalid JSON" in err, err[-2000:]
+    after = files()  # the same, and an empty lock file of the entry it tried (locks are never removed: flock's race)
+    assert {p: after[p] for p in before} == before and all(p.suffix == ".lock" for p in set(after) - set(before))

@@ -26,7 +26,7 @@ ones repeated: "all_exhausted"); `--interleave_probs` samples the sources with t
 having no target is not drawn), so every source is tokenised and cached on its own. The eval splits are
 concatenated.
 
-Caching: each split's tokens are cached as a file's are, in `<cache_dir>/data-<key>.npz`, the key made from a digest
+Caching: each split's tokens are cached as a file's are, in `<cache_dir>/data-<key>/`, the key made from a digest
 of the rows (`dataset_digest`: the Arrow IPC stream of the rows in order, so any change to the content changes it),
 the tokenizer and the options; `num_proc` changes nothing in the tokens and is not part of it.
 

@@ -37,8 +37,6 @@ only.
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +45,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from trainer.data.cache import read_entry, write_entry
 from trainer.data.sft_data import (
     _MAX_WARNINGS,
     _SHAREGPT_ROLES,
@@ -58,7 +57,9 @@ from trainer.data.sft_data import (
     _json_type,
     _render,
     alpaca_prompt,
+    cache_line,
     checked_records,
+    flat,
     load_cached,
     logger,
     resolve_data_files,
@@ -67,7 +68,7 @@ from trainer.data.sft_data import (
 
 PREFERENCE_FORMATS = ("auto", "standard", "conversational", "sharegpt", "alpaca")
 TRUNCATION_MODES = ("keep_start", "keep_end")
-_CACHE_VERSION = "kernelwright-preference-v1"
+_CACHE_VERSION = "kernelwright-preference-v2"  # v2: a directory of .npy files (memory-mapped)
 _PARTS = ("prompt", "chosen", "rejected")
 
 
@@ -227,8 +228,8 @@ class PreferenceDataset(Sequence):
     chosen and rejected answers with offsets[1] and offsets[2]."""
 
     def __init__(self, ids: dict[str, np.ndarray], offsets: dict[str, np.ndarray], summary: dict | None = None):
-        self.ids = {k: np.ascontiguousarray(ids[k], dtype=np.int32) for k in _PARTS}
-        self.offsets = {k: np.ascontiguousarray(offsets[k], dtype=np.int64) for k in _PARTS}
+        self.ids = {k: flat(ids[k], np.int32) for k in _PARTS}
+        self.offsets = {k: flat(offsets[k], np.int64) for k in _PARTS}
         counts = {len(o) for o in self.offsets.values()}
         if len(counts) != 1 or any(self.offsets[k][-1] != len(self.ids[k]) for k in _PARTS):
             raise ValueError("PreferenceDataset: ids and offsets do not describe the same pairs")
@@ -297,24 +298,22 @@ class PreferenceDataset(Sequence):
             f"{s['rejected_tokens']:,}; longest sequence {s['max_length']}"
         )
         if s.get("cache"):
-            lines.append(f"  cache {s['cache']}" + (" (loaded)" if s.get("cache_hit") else " (written)"))
+            lines.append(cache_line(s))
         return "\n".join(lines)
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays a cache entry stores."""
+        return {f"{k}_ids": self.ids[k] for k in _PARTS} | {f"{k}_offsets": self.offsets[k] for k in _PARTS}
+
     def save(self, path: str | Path) -> None:
-        """Write to an .npz atomically (a concurrent reader sees the old file or the new one, never half)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        arrays = {f"{k}_ids": self.ids[k] for k in _PARTS} | {f"{k}_offsets": self.offsets[k] for k in _PARTS}
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays, summary=np.frombuffer(json.dumps(self.summary).encode(), dtype=np.uint8))
-        os.replace(tmp, path)
+        """Write as the cache entry (directory) `path`, atomically (trainer/data/cache.py)."""
+        write_entry(path, self.arrays(), self.summary)
 
     @classmethod
     def load(cls, path: str | Path) -> PreferenceDataset:
-        with np.load(path, allow_pickle=False) as z:
-            summary = json.loads(z["summary"].tobytes().decode())
-            return cls({k: z[f"{k}_ids"] for k in _PARTS}, {k: z[f"{k}_offsets"] for k in _PARTS}, summary)
+        """The pairs of the cache entry `path`, their arrays memory-mapped (read-only)."""
+        z, summary = read_entry(path, [f"{k}_{a}" for k in _PARTS for a in ("ids", "offsets")])
+        return cls({k: z[f"{k}_ids"] for k in _PARTS}, {k: z[f"{k}_offsets"] for k in _PARTS}, summary)
 
 
 def _stats(ds: PreferenceDataset) -> dict:

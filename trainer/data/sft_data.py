@@ -30,27 +30,28 @@ Pipeline (`load_sft_dataset`), run once per dataset and cached:
    t is labels[t+1]) with -100 where not supervised; labels[0] is always -100 since no position predicts it.
    An example left with no target (no assistant turn, or its answer truncated away) is dropped and counted
    under its own reason (no_targets, no_targets_after_truncation), never as a bad record.
-5. Cache the result as flat int32 arrays + offsets in `<cache_dir>/data-<key>.npz`, where key = sha256 of the
-   file contents, tokenizer.json, chat template, special tokens and the options; a second load reads it
-   without tokenising.
+5. Cache the result as flat int32 arrays + offsets in `<cache_dir>/data-<key>/` (trainer/data/cache.py: one root
+   shared by every run, entries written atomically under a lock, read memory-mapped), where key = sha256 of the
+   file contents, tokenizer.json, chat template, special tokens and the options; a second load, from any run,
+   reads it without tokenising.
 
 The result is a `TokenizedDataset` (list-like; `.lengths`, `.summary`, `.summary_text()`) that the
 `BatchLoader` (trainer/data/batching.py, re-exported here) turns into micro batches.
 
-    ds = load_sft_dataset("data/", tok, cutoff_len=2048, cache_dir="out/.cache")
+    ds = load_sft_dataset("data/", tok, cutoff_len=2048, cache_dir=trainer.data.cache.cache_root())
     print(ds.summary_text())
     train, val = split_dataset(ds, 0.05, seed=0)
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import logging
 import os
 import re
-import zipfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -60,6 +61,7 @@ from tqdm import tqdm
 
 from trainer.coerce import ConfigError
 from trainer.data.batching import BATCHING_STRATEGIES, BatchLoader  # noqa: F401  (re-exported: data.py is the entry point)
+from trainer.data.cache import entry_bytes, entry_lock, read_entry, write_entry
 from trainer.data.tokenizer import DEFAULT_CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
@@ -80,7 +82,7 @@ _SHAREGPT_ROLES = {
 # Roles that must say something: an empty user turn or answer is almost always a broken export.
 _NEEDS_CONTENT = ("user", "assistant")
 # Bumped whenever the cached arrays would change for the same inputs (masking rules, array layout).
-_CACHE_VERSION = "kernelwright-data-v1"
+_CACHE_VERSION = "kernelwright-data-v2"  # v2: a directory of .npy files (memory-mapped), no longer an .npz
 _MAX_WARNINGS = 5  # examples named (file:line) per kind of drop; the summary counts them all
 # Well-formed examples that leave nothing to train on (dropped whether or not skip_bad_examples is set).
 _NO_TARGETS = ("no_targets", "no_targets_after_truncation")
@@ -417,24 +419,38 @@ def checked_source(
 
 
 def load_cached(cache_dir, name: str, files: list, tokenizer, options: dict, dataset_cls, build, *, write: bool = True):
-    """`build()`'s dataset, read from `<cache_dir>/<name>-<key>.npz` when there (key: the files' contents, or the
-    digests given for other sources, the tokenizer and `options`) and written there when not (`write=False`: not
-    yet, `save_to_cache` does it later); `dataset_cls.load/save` read and write it."""
-    cache_file = None
-    if cache_dir is not None:
-        cache_file = Path(cache_dir) / f"{name}-{_cache_key(files, tokenizer, options)[:32]}.npz"
-        if cache_file.is_file():
-            try:
-                ds = dataset_cls.load(cache_file)
-                ds.summary.update(cache=str(cache_file), cache_hit=True)
-                return ds
-            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-                logger.warning("data cache %s is unreadable (%s); tokenizing again", cache_file, exc)
-    ds = build()
-    if cache_file is not None:
-        ds.summary.update(cache=str(cache_file), cache_hit=False)
-        if write:
-            ds.save(cache_file)
+    """`build()`'s dataset, read from the entry `<cache_dir>/<name>-<key>/` when there (key: the files' contents, or
+    the digests given for other sources, the tokenizer and `options`) and written there when not (`write=False`: not
+    yet, `save_to_cache` does it later). Writing holds the entry's lock while it builds: of several processes that
+    miss the same entry at once, one tokenises and the others wait, then read its entry (trainer/data/cache.py).
+    `dataset_cls.load/save` read and write an entry; `summary["cache"]`, `["cache_hit"]` and `["cache_bytes"]`
+    say which, where and how big."""
+    if cache_dir is None:
+        return build()
+    entry = Path(cache_dir) / f"{name}-{_cache_key(files, tokenizer, options)[:32]}"
+    ds = _read_cached(entry, dataset_cls)
+    if ds is None:
+        with entry_lock(entry) if write else contextlib.nullcontext():
+            ds = _read_cached(entry, dataset_cls)  # written by another process while this one waited
+            if ds is None:
+                ds = build()
+                ds.summary.update(cache=str(entry), cache_hit=False)
+                if write:
+                    ds.save(entry)
+    ds.summary["cache_bytes"] = entry_bytes(ds.arrays().values())
+    return ds
+
+
+def _read_cached(entry: Path, dataset_cls):
+    """The dataset of `entry`, or None when there is none (or an unreadable one, which is rebuilt)."""
+    if not (entry / "summary.json").is_file():
+        return None
+    try:
+        ds = dataset_cls.load(entry)
+    except (OSError, ValueError, KeyError) as exc:
+        logger.warning("data cache %s is unreadable (%s); tokenizing again", entry, exc)
+        return None
+    ds.summary.update(cache=str(entry), cache_hit=True)
     return ds
 
 
@@ -559,13 +575,21 @@ def tokenize_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
 
 
 # ---- the dataset ------------------------------------------------------------------------------------------
+def flat(array, dtype) -> np.ndarray:
+    """`array` as a contiguous array of `dtype`: itself when it is one already (a memory-mapped cache entry stays
+    mapped), else a copy."""
+    if isinstance(array, np.ndarray) and array.dtype == dtype and array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
 class TokenizedDataset(Sequence):
     """Tokenized examples stored flat: example i is input_ids[offsets[i]:offsets[i+1]] (int32), same for labels."""
 
     def __init__(self, input_ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray, summary: dict | None = None):
-        self.input_ids = np.ascontiguousarray(input_ids, dtype=np.int32)
-        self.labels = np.ascontiguousarray(labels, dtype=np.int32)
-        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        self.input_ids = flat(input_ids, np.int32)
+        self.labels = flat(labels, np.int32)
+        self.offsets = flat(offsets, np.int64)
         if self.input_ids.shape != self.labels.shape or self.offsets[-1] != len(self.input_ids):
             raise ValueError("TokenizedDataset: input_ids, labels and offsets do not describe the same examples")
         self.summary = dict(summary) if summary is not None else _stats(self)
@@ -618,26 +642,19 @@ class TokenizedDataset(Sequence):
     def summary_text(self) -> str:
         return summary_text(self.summary)
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays a cache entry stores."""
+        return {"input_ids": self.input_ids, "labels": self.labels, "offsets": self.offsets}
+
     def save(self, path: str | Path) -> None:
-        """Write to an .npz atomically (a concurrent reader sees the old file or the new one, never half)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                input_ids=self.input_ids,
-                labels=self.labels,
-                offsets=self.offsets,
-                summary=np.frombuffer(json.dumps(self.summary).encode(), dtype=np.uint8),
-            )
-        os.replace(tmp, path)
+        """Write as the cache entry (directory) `path`, atomically (trainer/data/cache.py)."""
+        write_entry(path, self.arrays(), self.summary)
 
     @classmethod
     def load(cls, path: str | Path) -> TokenizedDataset:
-        with np.load(path, allow_pickle=False) as z:
-            summary = json.loads(z["summary"].tobytes().decode())
-            return cls(z["input_ids"], z["labels"], z["offsets"], summary)
+        """The dataset of the cache entry `path`, its arrays memory-mapped (read-only)."""
+        arrays, summary = read_entry(path, ("input_ids", "labels", "offsets"))
+        return cls(arrays["input_ids"], arrays["labels"], arrays["offsets"], summary)
 
 
 def _stats(ds: TokenizedDataset) -> dict:
@@ -696,8 +713,16 @@ def summary_text(summary: dict) -> str:
     ln = summary["length"]
     lines.append(f"  length p50 {ln['p50']} p90 {ln['p90']} p99 {ln['p99']} max {ln['max']} mean {ln['mean']}")
     if summary.get("cache"):
-        lines.append(f"  cache {summary['cache']}" + (" (loaded)" if summary.get("cache_hit") else " (written)"))
+        lines.append(cache_line(summary))
     return "\n".join(lines)
+
+
+def cache_line(summary: dict) -> str:
+    """The summary's cache line: "cache hit|miss <size> <entry>" (a hit was read, a miss tokenised; the size of its
+    arrays, in MB, or kB below 0.1 MB)."""
+    size = summary.get("cache_bytes", 0)
+    size = f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} kB"
+    return f"  cache {'hit' if summary.get('cache_hit') else 'miss'} {size} {summary['cache']}"
 
 
 # ---- loading ----------------------------------------------------------------------------------------------
@@ -786,10 +811,13 @@ def load_sft_dataset(
 
 
 def save_to_cache(ds: TokenizedDataset) -> None:
-    """Save a dataset that `load_sft_dataset(..., write_cache=False)` tokenised into its cache file (a no-op for one
-    read from the cache, or loaded without a cache_dir)."""
+    """Save a dataset that `load_sft_dataset(..., write_cache=False)` tokenised into its cache entry (a no-op for one
+    read from the cache, one whose entry another process wrote meanwhile, or one loaded without a cache_dir)."""
     if ds.summary.get("cache") and not ds.summary.get("cache_hit"):
-        ds.save(ds.summary["cache"])
+        entry = Path(ds.summary["cache"])
+        with entry_lock(entry):
+            if not (entry / "summary.json").is_file():
+                ds.save(entry)
 
 
 def _keep_chat_template(tokenizer, ds: TokenizedDataset) -> None:

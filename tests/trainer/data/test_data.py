@@ -556,7 +556,7 @@ def test_cache_second_load_does_not_tokenize_and_key_follows_inputs(tmp_path):
     assert CountingTokenizer.calls == 2 and again.summary["cache_hit"] is True
     assert np.array_equal(again.input_ids, first.input_ids) and np.array_equal(again.labels, first.labels)
     assert np.array_equal(again.offsets, first.offsets) and again.summary["dropped"] == first.summary["dropped"]
-    assert "(loaded)" in again.summary_text()
+    assert "\n  cache hit 0.4 kB " in again.summary_text() and "\n  cache miss 0.4 kB " in first.summary_text()
     # A changed option, file or template is a new key.
     load_sft_dataset(f, counting_tok(), cache_dir=cache, cutoff_len=1024, show_progress=False)
     assert CountingTokenizer.calls == 4
@@ -569,10 +569,11 @@ def test_cache_second_load_does_not_tokenize_and_key_follows_inputs(tmp_path):
     other.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     load_sft_dataset(f, other, cache_dir=cache, show_progress=False)
     assert CountingTokenizer.calls == 12
-    assert len(list(cache.glob("data-*.npz"))) == 5
-    # An unreadable cache file is rebuilt, not trusted.
-    for p in cache.glob("data-*.npz"):
-        p.write_bytes(b"garbage")
+    entries = [p for p in cache.glob("data-*") if p.is_dir()]
+    assert len(entries) == 5
+    # An unreadable cache entry is rebuilt, not trusted.
+    for p in entries:
+        (p / "input_ids.npy").write_bytes(b"garbage")
     assert len(load_sft_dataset(f, counting_tok(), cache_dir=cache, show_progress=False)) == 3
     assert CountingTokenizer.calls == 15
 
@@ -589,7 +590,7 @@ def test_a_cache_written_later_is_the_one_read_next(tmp_path):
     again = load_sft_dataset(f, counting_tok(), cache_dir=cache, show_progress=False, write_cache=False)
     assert CountingTokenizer.calls == 1 and again.summary["cache_hit"] is True
     save_to_cache(again)  # read from the cache: nothing to write
-    assert [p.name for p in cache.iterdir()] == [Path(first.summary["cache"]).name]
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == [Path(first.summary["cache"]).name]
 
 
 # ---- parquet ------------------------------------------------------------------------------------------------
