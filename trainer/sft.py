@@ -693,20 +693,20 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
     # the shared cache (trainer.data.cache): an entry is written as soon as it is tokenised (under its lock, so that of
     # several ranks one tokenises and the others read), never into output_dir
     cache = dict(cache_dir=cache_root(sft.data_cache_dir), show_progress=not args.disable_tqdm)
+    # how SFT data is tokenised, the same for files (--data) and load_dataset's sources (--dataset_name)
+    sft_options = dict(
+        data_format=sft.data_format,
+        cutoff_len=args.cutoff_len,
+        train_on_prompt=sft.train_on_prompt,
+        mask_history=sft.mask_history,
+        skip_bad_examples=sft.skip_bad_examples,
+        num_proc=sft.dataset_num_proc,
+        **cache,
+    )
     if sft.stage == "sft":
 
         def load(files):
-            return load_sft_dataset(
-                files,
-                tokenizer,
-                data_format=sft.data_format,
-                cutoff_len=args.cutoff_len,
-                train_on_prompt=sft.train_on_prompt,
-                mask_history=sft.mask_history,
-                skip_bad_examples=sft.skip_bad_examples,
-                num_proc=sft.dataset_num_proc,
-                **cache,
-            )
+            return load_sft_dataset(files, tokenizer, **sft_options)
     else:
         truncation = dict(
             max_length=args.cutoff_len,
@@ -740,13 +740,7 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
             mix_strategy=sft.mix_strategy,
             interleave_probs=interleave_probs(sft),
             seed=seed,
-            data_format=sft.data_format,
-            cutoff_len=args.cutoff_len,
-            train_on_prompt=sft.train_on_prompt,
-            mask_history=sft.mask_history,
-            skip_bad_examples=sft.skip_bad_examples,
-            num_proc=sft.dataset_num_proc,
-            **cache,
+            **sft_options,
         )
         train_ds, eval_ds, loaded = sources.train, sources.eval, [sources.train, *sources.tokenized]
     else:
