@@ -211,6 +211,20 @@ def _check_args(hidden, weight, target, bias, temperature, ignore_index):
         )
 
 
+def _scaled_inputs(hidden: torch.Tensor, bias: torch.Tensor | None, temperature: float):
+    """(hidden, bias) as the fused ops feed them to the LM head: hidden in the autocast dtype when autocast is on (as
+    F.linear would cast it; weight and bias are cast inside, so an fp32 weight's gradient is accumulated in fp32:
+    kernels/fused_linear_cross_entropy.py), both divided by the temperature (logits / T without touching the
+    (rows, V) logits)."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        hidden = hidden.to(torch.get_autocast_dtype(device_type))
+    if temperature != 1:
+        hidden = hidden / temperature  # (..., H)
+        bias = None if bias is None else bias / temperature
+    return hidden, bias
+
+
 def fused_linear_logprob(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -243,13 +257,7 @@ def fused_linear_logprob(
             return_entropy=return_entropy,
         )
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        # as F.linear under autocast: the matmuls in the autocast dtype; weight and bias are cast inside, so an
-        # fp32 weight's gradient is accumulated in fp32 (kernels/fused_linear_cross_entropy.py)
-        hidden = hidden.to(torch.get_autocast_dtype(device_type))
-    if temperature != 1:
-        hidden = hidden / temperature  # (..., H): logits / T without touching the (rows, V) logits
-        bias = None if bias is None else bias / temperature
+    hidden, bias = _scaled_inputs(hidden, bias, temperature)
     hidden2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # (N, H)
     target1d = target.reshape(-1)  # (N,)
     needs_grad = torch.is_grad_enabled() and (

@@ -54,7 +54,7 @@ import torch
 from ._dispatch import use_triton
 from .cross_entropy import cross_entropy_fwd
 from .fused_linear_cross_entropy import _logits, _mm_fp32, _new_weight_grad, _Plan, fused_linear_cross_entropy_bwd
-from .fused_linear_logprob import TokenLogprobs, _check_args, _entropy_rows, fused_linear_logprob_ref
+from .fused_linear_logprob import TokenLogprobs, _check_args, _entropy_rows, _scaled_inputs, fused_linear_logprob_ref
 from .fused_linear_preference_loss import _target_on_host, _to_device
 
 # the module, not the function kernels/__init__ exports under its name: its chunk rule is looked up at each call
@@ -249,11 +249,7 @@ def fused_linear_logprob_loss(
             return_entropy=return_entropy,
         )
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        hidden = hidden.to(torch.get_autocast_dtype(device_type))
-    if temperature != 1:
-        hidden = hidden / temperature
-        bias = None if bias is None else bias / temperature
+    hidden, bias = _scaled_inputs(hidden, bias, temperature)
     with torch.autocast(device_type, enabled=False):
         out = FusedLinearLogprobLossFunction.apply(
             hidden.contiguous(), weight, target, bias, loss_fn, ignore_index, return_entropy
