@@ -167,17 +167,17 @@ class _Group:
                     dropped = F.dropout(leaf, self.dropout, training=True)  # the forward's mask, drawn again
                 else:
                     dropped = x_lora
-                dropped_dt = dropped.detach().to(dtype)
-                d_dropped = dxa2d.mm(lora_A).view(x.shape[:-1] + (-1,)).to(dropped.dtype)  # (..., in)
                 if needs_adapter:
+                    dropped_dt = dropped.detach().to(dtype)
                     dA = dxa2d.t().mm(dropped_dt.reshape(-1, dropped_dt.shape[-1]))  # (r, in)
                     dB = dz2d.t().mm(xa2d)  # (out, r)
                     grads[i] = (dA.to(proj.lora_A.dtype), dB.to(proj.lora_B.dtype))
-                del dropped_dt
-                if self.dropout and needs_dx:
+                    del dropped_dt
+                if not needs_dx:
+                    continue
+                d_dropped = dxa2d.mm(lora_A).view(x.shape[:-1] + (-1,)).to(dropped.dtype)  # (..., in)
+                if self.dropout:
                     (d_dropped,) = torch.autograd.grad(dropped, leaf, d_dropped)
-            if not needs_dx:
-                continue
             d_lora = d_dropped.to(x.dtype)
             dx = d_lora if dx is None else dx + d_lora
             d_base = dy2d.mm(proj.base_weight(dtype)).view(x.shape).to(x.dtype)
