@@ -22,6 +22,7 @@ then casts as it would).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -37,67 +38,51 @@ def _hooked(m: nn.Module) -> bool:
 
 
 def _projection(layer: nn.Module, dtype: torch.dtype, autocast: bool):
-    """(LoRAProjection, dropout, lora_dtype) for one of peft's LoRA layers, or None when it cannot run fused."""
-    quant = sys.modules.get("trainer.model.quant")  # imported (bitsandbytes) only where 4-bit layers exist
-    four_bit = quant.Linear4bit if quant is not None else ()
-    if type(layer) is nn.Linear or type(layer) is four_bit:  # not adapted: its base alone, in the group
-        return _base_alone(layer, dtype, autocast)
-    lora_A, lora_B = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
-    base = getattr(layer, "base_layer", None)
-    if lora_A is None or base is None or ADAPTER not in lora_A or list(layer.active_adapters) != [ADAPTER]:
+    """(LoRAProjection, dropout, lora_dtype) for one of peft's LoRA layers, or for a frozen linear layer peft did not
+    target (its base alone: no adapter, dropout and lora_dtype None); None when it cannot run fused."""
+    if not hasattr(layer, "lora_A"):
+        base = _base(layer, dtype, autocast)
+        return None if base is None else (base, None, None)
+    lora_A, lora_B, base_layer = layer.lora_A, layer.lora_B, getattr(layer, "base_layer", None)
+    if base_layer is None or ADAPTER not in lora_A or list(layer.active_adapters) != [ADAPTER]:
         return None
     if layer.disable_adapters or layer.merged or ADAPTER in getattr(layer, "lora_variant", {}):
         return None
     if layer.use_dora.get(ADAPTER) or getattr(layer, "lora_bias", {}).get(ADAPTER):
         return None
     A, B, dropout = lora_A[ADAPTER], lora_B[ADAPTER], layer.lora_dropout[ADAPTER]
-    if any(_hooked(m) for m in (layer, base, A, B, dropout)) or type(dropout) not in (nn.Dropout, nn.Identity):
+    if any(_hooked(m) for m in (layer, A, B, dropout)) or type(dropout) not in (nn.Dropout, nn.Identity):
         return None
-    weight, bias = base.weight, base.bias
-    if weight.requires_grad or (bias is not None and bias.requires_grad) or hasattr(weight, "ds_id"):
+    base = _base(base_layer, dtype, autocast)
+    if base is None or (not autocast and (A.weight.dtype != dtype or B.weight.dtype != dtype)):
         return None
-    p = dropout.p if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
-    if type(base) is four_bit:
-        if base.compute_dtype not in ((dtype, torch.float32) if autocast else (dtype,)):
-            return None
-        # peft's bitsandbytes layer casts unless torch.is_autocast_enabled(), which asks about CUDA's autocast only
-        lora_dtype = None if torch.is_autocast_enabled("cuda") else A.weight.dtype
-        projection = LoRAProjection(
-            weight,
-            A.weight,
-            B.weight,
-            layer.scaling[ADAPTER],
-            bias,
-            base.dequantize_weight,
-            base_returns_input_dtype=True,
-        )
-    elif type(base) is nn.Linear:
+    if base.dequantize is None:  # peft's Linear casts the adapter's input to lora_A's dtype
         lora_dtype = A.weight.dtype if getattr(layer, "cast_input_dtype_enabled", True) else None
-        projection = LoRAProjection(weight, A.weight, B.weight, layer.scaling[ADAPTER], bias)
-        if not autocast and (weight.dtype != dtype or (bias is not None and bias.dtype != dtype)):
-            return None
-    else:
-        return None
-    if not autocast and (A.weight.dtype != dtype or B.weight.dtype != dtype):
-        return None
+    else:  # its bitsandbytes layer, unless torch.is_autocast_enabled(), which asks about CUDA's autocast only
+        lora_dtype = None if torch.is_autocast_enabled("cuda") else A.weight.dtype
+    p = dropout.p if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
+    projection = dataclasses.replace(base, lora_A=A.weight, lora_B=B.weight, scaling=layer.scaling[ADAPTER])
     return projection, p, lora_dtype
 
 
-def _base_alone(layer: nn.Module, dtype: torch.dtype, autocast: bool):
-    """(LoRAProjection without adapter, None, None) for a frozen linear layer peft did not target, or None."""
+def _base(layer: nn.Module, dtype: torch.dtype, autocast: bool) -> LoRAProjection | None:
+    """A plain nn.Linear or our 4-bit Linear4bit as a LoRAProjection without adapter, or None when it cannot run fused:
+    hooked, not frozen, partitioned by DeepSpeed, or in dtypes the op does not reproduce (module docstring)."""
     weight, bias = layer.weight, layer.bias
     if _hooked(layer) or weight.requires_grad or (bias is not None and bias.requires_grad) or hasattr(weight, "ds_id"):
         return None
+    quant = sys.modules.get("trainer.model.quant")  # imported (bitsandbytes) only where 4-bit layers exist
     if type(layer) is nn.Linear:
         if not autocast and (weight.dtype != dtype or (bias is not None and bias.dtype != dtype)):
             return None
-        return LoRAProjection(weight, None, None, bias=bias), None, None
-    if layer.compute_dtype not in ((dtype, torch.float32) if autocast else (dtype,)):
-        return None
-    projection = LoRAProjection(
-        weight, None, None, bias=bias, dequantize=layer.dequantize_weight, base_returns_input_dtype=True
-    )
-    return projection, None, None
+        return LoRAProjection(weight, None, None, bias=bias)
+    if quant is not None and type(layer) is quant.Linear4bit:
+        if layer.compute_dtype not in ((dtype, torch.float32) if autocast else (dtype,)):
+            return None
+        return LoRAProjection(
+            weight, None, None, bias=bias, dequantize=layer.dequantize_weight, base_returns_input_dtype=True
+        )
+    return None
 
 
 def find(x: torch.Tensor, layers):
