@@ -900,16 +900,23 @@ def _outcomes(items, tokenizer, options: dict, num_proc: int | None) -> Iterator
     (tests/trainer/data/test_hf_sources.py). Measured on this 2-core machine, shared with other work (20,000 short
     embedded-task conversations, byte-level tokenizer): one process 4.7 s; two 7.6 s wall, with 5.7 s of CPU in the
     workers (the 4.6 s of encoding, plus pickling) and 1.0 s here (reading, pickling). So a gain needs free cores;
-    this process's share bounds it near 5x for examples this short, more for longer ones."""
+    this process's share bounds it near 5x for examples this short, more for longer ones. (Measured with fork
+    workers; forkserver adds its start: the two num_proc tests of tests/trainer/data/test_hf_sources.py, five pools,
+    took 5.3 s with fork and 8.6 s with forkserver.)"""
     if not num_proc or num_proc <= 1:
         for where, item in items:
             yield where, _encode_item(where, item, tokenizer, options)
         return
     import multiprocessing
 
-    # fork (Linux) starts a worker in milliseconds with the tokenizer already loaded; elsewhere spawn pickles it
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # Not fork: forking this process, whose other threads (a launcher's, a logger's, torch's) may hold locks at that
+    # moment, can leave a worker deadlocked and imap waiting for ever. forkserver forks the workers from a clean
+    # single-threaded server that has imported this module once (a second or two, once per process); spawn where
+    # there is none. Both pickle the tokenizer to the workers.
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload([__name__])
     items = iter(items)
     with context.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer, options)) as pool:
         while block := list(itertools.islice(items, _BLOCK_PER_PROCESS * num_proc)):  # bounds what is in memory

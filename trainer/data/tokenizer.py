@@ -155,6 +155,11 @@ class Tokenizer:
                 raise TokenizerError(f"tokenizer: {name} {token!r} is not in the vocabulary")
         self._template = None
 
+    def __getstate__(self) -> dict:
+        """Everything but the compiled chat template (jinja's compiled filters do not pickle; it is compiled again
+        on first use), so that a tokenizer reaches worker processes started by spawn or forkserver."""
+        return {**self.__dict__, "_template": None}
+
     # ---- special tokens -------------------------------------------------------------------------------
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

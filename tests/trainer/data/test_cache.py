@@ -127,7 +127,7 @@ def _load_at_once(path, root, barrier, results):
     """One of the processes of the concurrency test: load `path` when every process is ready."""
     CountingTokenizer.calls, CountingTokenizer.delay = 0, 0.05
     tok = counting_tok()
-    barrier.wait()
+    barrier.wait(timeout=60)  # a peer that died before the barrier breaks it instead of leaving this one waiting
     ds = load_sft_dataset(path, tok, cache_dir=root, show_progress=False)
     results.put((CountingTokenizer.calls, ds.summary["cache_hit"], ds.input_ids.tolist(), ds.labels.tolist()))
 
@@ -139,7 +139,7 @@ def test_processes_loading_the_same_data_at_once_tokenise_it_once(tmp_path):
     root = tmp_path / "cache"
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_load_at_once, args=(f, root, barrier, results)) for _ in range(2)]
+    procs = [ctx.Process(target=_load_at_once, args=(f, root, barrier, results), daemon=True) for _ in range(2)]
     for p in procs:
         p.start()
     got = sorted(results.get(timeout=120) for _ in procs)
