@@ -25,7 +25,14 @@ LAYERS = (
     ("trainer.build",),  # a model comes to exist: meta -> settings -> transforms -> weights
     ("trainer.loop",),  # Trainer, engines, optimizers, checkpoints and resume, callbacks, loggers, evaluation
     ("trainer.methods",),  # trainers built on the loop: preference (DPO and its kin)
-    ("trainer", "trainer.sft", "trainer.dpo", "trainer.generate", "trainer.merge"),  # the commands, the public names
+    (
+        "trainer",
+        "trainer.sft",
+        "trainer.dpo",
+        "trainer.grpo",
+        "trainer.generate",
+        "trainer.merge",
+    ),  # the commands, the public names
     # the old module names the README and docs used, kept importable for one release after 2026-11-27 (FutureWarning)
     ("trainer.args", "trainer.trainer", "trainer.preference", "trainer.preference_data", "trainer.tokenizer"),
 )

@@ -11,26 +11,12 @@ is not there (python -m trainer.sft, about 5 minutes on an idle 2-core CPU).
 """
 
 import sys
-from pathlib import Path
 
-from trainer.sft import DEMO_CONFIGS, main
-
-SFT_DEMO_MODEL = Path("outputs/demo")
+from trainer.sft import run_after_sft_demo
 
 
 def run(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    embedded = not any(a.split("=")[0] in ("--model", "--data", "-h", "--help") or not a.startswith("-") for a in argv)
-    if embedded and not (SFT_DEMO_MODEL / "config.json").is_file():
-        print(
-            f"the DPO demo starts from the SFT demo's model, which is not in {SFT_DEMO_MODEL}: training it first "
-            f"(python -m trainer.sft, about 5 minutes on an idle 2-core CPU; {DEMO_CONFIGS['sft']})",
-            file=sys.stderr,
-        )
-        code = main([], "sft")
-        if code:
-            return code
-    return main(argv, "dpo")
+    return run_after_sft_demo(list(sys.argv[1:] if argv is None else argv), "dpo")
 
 
 if __name__ == "__main__":

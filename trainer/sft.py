@@ -62,6 +62,7 @@ from trainer.build import (
     read_model_files,
 )
 from trainer.checkpoint_hf import to_json
+from trainer.coerce import read_config_file
 from trainer.config.args import ConfigError, _arg, parse_args
 from trainer.data.batching import BatchLoader
 from trainer.data.cache import cache_root, check_cache_root
@@ -93,21 +94,30 @@ from trainer.loop.evaluation import EVAL_METRICS
 from trainer.loop.metrics import plot_loss_curve
 from trainer.loop.resume import check_resume_arguments, saved_arguments
 from trainer.loop.trainer import Trainer, TrainingError, set_seed
+from trainer.methods.grpo import (
+    GRPOArguments,
+    GRPOTrainer,
+    PromptDataset,
+    prompts_from_conversations,
+    read_prompt_records,
+)
+from trainer.methods.grpo_rewards import load_reward_functions
 from trainer.methods.preference import EVAL_METRICS as PREFERENCE_EVAL_METRICS
 from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
 from trainer.model.attention import _flash_attn
 from trainer.model.causal_lm import CausalLM, ModelError, context_length_warning, generate
 from trainer.model.lora import import_peft, lora_config
 
-STAGES = ("sft", "dpo")
+STAGES = ("sft", "dpo", "grpo")
 # Per stage: the command, its embedded default, and the file written into output_dir at the end of a finished run
 # with the arguments it ran with (`run_arguments`): a run with the same arguments may write there again (it
 # reproduces the same model); any other run needs --overwrite_output_dir.
-COMMANDS = {"sft": "trainer.sft", "dpo": "trainer.dpo"}
+COMMANDS = {"sft": "trainer.sft", "dpo": "trainer.dpo", "grpo": "trainer.grpo"}
 DEMO_CONFIGS = {
-    stage: Path(__file__).parent / "configs" / name for stage, name in (("sft", "demo.yaml"), ("dpo", "dpo_demo.yaml"))
+    stage: Path(__file__).parent / "configs" / name
+    for stage, name in (("sft", "demo.yaml"), ("dpo", "dpo_demo.yaml"), ("grpo", "grpo_demo.yaml"))
 }
-RUN_ARGS_FILES = {"sft": "sft_args.json", "dpo": "dpo_args.json"}
+RUN_ARGS_FILES = {"sft": "sft_args.json", "dpo": "dpo_args.json", "grpo": "grpo_args.json"}
 SFT_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 # transformers' attn_implementation values -> our attention backends (trainer/model/attention.py). transformers'
 # "eager" (the unfused softmax(QK^T)V) has no counterpart here: sdpa computes the same attention.
@@ -337,10 +347,31 @@ def main(argv: list[str] | None = None, stage: str = "sft") -> int:
         raise
 
 
+SFT_DEMO_MODEL = Path("outputs/demo")
+
+
+def run_after_sft_demo(argv: list[str], stage: str) -> int:
+    """`python -m trainer.dpo` / `trainer.grpo`: the command of `stage`; its embedded demo starts from the SFT demo's
+    model, which is trained first (`python -m trainer.sft`) when it is not in outputs/demo."""
+    embedded = not any(a.split("=")[0] in ("--model", "--data", "-h", "--help") or not a.startswith("-") for a in argv)
+    if embedded and not (SFT_DEMO_MODEL / "config.json").is_file():
+        print(
+            f"the {stage.upper()} demo starts from the SFT demo's model, which is not in {SFT_DEMO_MODEL}: training "
+            f"it first (python -m trainer.sft, about 5 minutes on an idle 2-core CPU; {DEMO_CONFIGS['sft']})",
+            file=sys.stderr,
+        )
+        code = main([], "sft")
+        if code:
+            return code
+    return main(argv, stage)
+
+
 def _run(argv: list[str], stage: str) -> int:
     try:
+        # stage grpo reads GRPO's options in place of the preference ones (both have beta and loss_type)
+        method_args = GRPOArguments if stage_of(argv, stage) == "grpo" else PreferenceArguments
         args, sft, pref = parse_args(
-            argv, extra_dataclasses=(SFTArguments, PreferenceArguments), prog=f"python -m {COMMANDS[stage]}"
+            argv, extra_dataclasses=(SFTArguments, method_args), prog=f"python -m {COMMANDS[stage]}"
         )
         check_run(args, sft, pref)
         inputs = read_inputs(args, sft, pref)  # every file read and checked before the summary, the build or a write
@@ -348,6 +379,20 @@ def _run(argv: list[str], stage: str) -> int:
             return train(args, sft, pref, argv, inputs)
     except (ConfigError, DataError, ModelError, TokenizerError, CheckpointError) as exc:
         return _user_error(exc)
+
+
+def stage_of(argv: list[str], default: str) -> str:
+    """The stage argv asks for: --stage's value, else a config file's `stage` key, else `default` (the command's)."""
+    for i, arg in enumerate(argv):
+        if arg == "--stage" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--stage="):
+            return arg.partition("=")[2]
+    if argv and argv[0].endswith((".yaml", ".yml", ".json")) and Path(argv[0]).is_file():
+        data = read_config_file(argv[0])
+        if isinstance(data, dict) and isinstance(data.get("stage"), str):
+            return data["stage"]
+    return default
 
 
 def _user_error(exc: Exception) -> int:
@@ -369,7 +414,7 @@ def _user_error(exc: Exception) -> int:
 def run_arguments(args, sft: SFTArguments, pref: PreferenceArguments) -> dict:
     """What a run was asked to do, as saved in output_dir/sft_args.json (dpo_args.json): every argument, resolved,
     except a logging_dir derived from the clock (output_dir/runs/<date>_<host>); the dpo options in a dpo run's."""
-    values = {**args.to_dict(), **dataclasses.asdict(sft), **(dataclasses.asdict(pref) if sft.stage == "dpo" else {})}
+    values = {**args.to_dict(), **dataclasses.asdict(sft), **(dataclasses.asdict(pref) if sft.stage != "sft" else {})}
     if os.path.dirname(values["logging_dir"]) == os.path.join(args.output_dir, "runs"):
         del values["logging_dir"]
     return json.loads(json.dumps(values, default=str))
@@ -456,6 +501,9 @@ def _check_stage(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
                 f"data_format={sft.data_format!r}: a preference format; stage sft reads {', '.join(SFT_FORMATS)}"
             )
         return
+    if sft.stage == "grpo":
+        _check_grpo(args, sft, pref)
+        return
     if sft.data_format not in PREFERENCE_FORMATS:
         raise ConfigError(
             f"data_format={sft.data_format!r}: stage dpo reads preference pairs: {', '.join(PREFERENCE_FORMATS)}"
@@ -470,6 +518,36 @@ def _check_stage(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
         )
     if pref.ref_model:
         check_model_name(pref.ref_model)
+
+
+def _check_grpo(args, sft: SFTArguments, grpo: GRPOArguments) -> None:
+    """What stage grpo cannot take: SFT's data options (it reads prompts), an evaluation set, and the engines it does
+    not run under yet (trainer/methods/grpo.py)."""
+    for name in ("train_on_prompt", "mask_history", "eval_data", "dataset_name", "val_size"):
+        if getattr(sft, name):
+            raise ConfigError(
+                f"{name}: stage grpo samples answers to prompts (--data: JSONL records with a 'prompt'); leave it off"
+            )
+    if sft.data_format != "auto":
+        raise ConfigError(f"data_format={sft.data_format!r}: stage grpo reads prompt records; leave it at auto")
+    if args.eval_strategy != "no":
+        raise ConfigError(
+            f"eval_strategy={args.eval_strategy!r}: stage grpo has no evaluation set yet (the embedded default "
+            "reports the held-out exact match before and after)"
+        )
+    if args.batching_strategy != "normal":
+        raise ConfigError(f"batching_strategy={args.batching_strategy!r}: stage grpo batches prompts 'normal'ly only")
+    if (args.dist_config or {}).get("name") == "fsdp2" or args.deepspeed:
+        raise ConfigError("stage grpo runs on one process or under DDP yet; FSDP2 and DeepSpeed are not supported")
+    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    if rows % grpo.num_generations:
+        raise ConfigError(
+            f"num_generations={grpo.num_generations}: must divide the completions of a step on each process, "
+            f"per_device_train_batch_size x gradient_accumulation_steps = {args.per_device_train_batch_size} x "
+            f"{args.gradient_accumulation_steps} = {rows}"
+        )
+    if grpo.reward_funcs:
+        load_reward_functions(grpo.reward_funcs, grpo.reward_weights)  # each imports, or one line (exit 2)
 
 
 def _check_sft_values(sft: SFTArguments) -> None:
@@ -703,6 +781,8 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
         num_proc=sft.dataset_num_proc,
         **cache,
     )
+    if sft.stage == "grpo":
+        return _read_prompts(args, sft, pref, tokenizer, embedded, eval_files)
     if sft.stage == "sft":
 
         def load(files):
@@ -759,6 +839,29 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
     check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
     conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
     return RunInputs(train_ds, eval_ds, loaded, conversations, embedded, tokenizer)
+
+
+def _read_prompts(args, sft: SFTArguments, grpo: GRPOArguments, tokenizer, embedded: bool, eval_files) -> RunInputs:
+    """Stage grpo's inputs: prompt records (--data; the embedded default: the training conversations' prompts, their
+    answers as the solution column), tokenised, and the window plan checked as GRPOTrainer will make it."""
+    if embedded:
+        conversations = [ex["messages"] for ex in read_examples([str(TRAIN_FILE)])]
+        records, wheres = prompts_from_conversations(conversations), None
+    else:
+        records, wheres = read_prompt_records(sft.data)
+    prompts = PromptDataset(records, tokenizer, wheres=wheres)
+    prompts.source = f"the embedded tasks ({TRAIN_FILE.name})" if embedded else ", ".join(sft.data)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    step_prompts = args.per_device_train_batch_size * args.gradient_accumulation_steps // grpo.num_generations
+    if len(prompts) < step_prompts * world_size:
+        raise DataError(
+            f"{len(prompts)} prompts, but a step samples {grpo.num_generations} completions each of "
+            f"{step_prompts * world_size} prompts (per_device_train_batch_size x gradient_accumulation_steps x "
+            f"processes / num_generations); give more prompts or a smaller batch"
+        )
+    check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
+    conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
+    return RunInputs(prompts, None, [prompts], conversations, embedded, tokenizer)
 
 
 def resume_command(argv: list[str], stage: str = "sft") -> str:
@@ -829,6 +932,8 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
             eval_dataset=eval_ds,
             processing_class=tokenizer,
         )
+    elif sft.stage == "grpo":
+        trainer = GRPOTrainer(model=model, args=args, grpo=pref, train_dataset=train_ds, processing_class=tokenizer)
     else:
         trainer = Trainer(
             model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer

@@ -849,6 +849,7 @@ class CausalLM(nn.Module):
         return_dict=None,
         sequence_logps: bool = False,
         preference_loss: dict | None = None,
+        head=None,
     ) -> CausalLMOutput:
         """Logits, and with `labels` (unshifted, -100 = no target; a tensor or `HostLabels`) the loss sum / num_items
         (default: mean over supervised tokens; 0 when there are none). With labels and use_kernels the logits are
@@ -858,6 +859,9 @@ class CausalLM(nn.Module):
         With `preference_loss` (and labels; the options of `kernels.fused_linear_preference_loss`, `ref_logps`
         among them) the rows are [chosen; rejected] pairs and the output holds the preference loss and TRL's
         metrics, the loss's gradient formed in one pass over the answer rows with use_kernels.
+        With `head` (no labels), a function of (final-norm hidden states (B, T, C), the LM head's weight) returning
+        (loss or None, metrics): what the head computes is the caller's (GRPO's per-token loss and log-probs,
+        trainer/methods/grpo.py), run in here so that wrappers that gather the weights for forward hold the head's.
         The last four are transformers' arguments, which peft's PeftModelForCausalLM (task_type="CAUSAL_LM")
         passes as None; another value would be ignored, so it is refused."""
         if inputs_embeds is not None or output_attentions or output_hidden_states or return_dict is False:
@@ -868,6 +872,9 @@ class CausalLM(nn.Module):
         if isinstance(labels, HostLabels):
             labels = labels.labels
         hidden = self.hidden_states(input_ids, position_ids, attention_mask)  # (B, T, C)
+        if head is not None:
+            loss, metrics = head(hidden, self.lm_head.weight)
+            return CausalLMOutput(loss, None, metrics=metrics)
         if labels is None:
             return CausalLMOutput(None, self.lm_head(hidden))
         if labels.shape != input_ids.shape:

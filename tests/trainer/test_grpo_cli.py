@@ -1,0 +1,124 @@
+"""`python -m trainer.grpo` (issue 31 items 1, 2, 5): a user's prompts and reward function through the command line,
+two gloo processes equal to one, and bad input in one line (exit 2) before anything is built or written."""
+
+import json
+import socket
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
+
+PROMPTS = [
+    {"prompt": [{"role": "user", "content": f"add: {a}+{b}"}], "solution": str(a + b)}
+    for a, b in ((1, 2), (3, 4), (10, 5), (7, 7), (2, 9), (12, 30), (8, 1), (6, 6))
+]
+REWARD = '''
+def digits(prompts, completions, solution, **kwargs):
+    """The share of digits in the completion, plus 1 for the right answer."""
+    out = []
+    for completion, answer in zip(completions, solution):
+        text = completion[0]["content"]
+        out.append(sum(ch.isdigit() for ch in text) / max(len(text), 1) + float(text.strip() == answer))
+    return out
+
+
+def broken(prompts, completions, **kwargs):
+    raise KeyError("score")
+'''
+# a run small enough for seconds: 2 prompts x 4 completions a step, completions of up to 6 tokens
+SMALL = ["--model", "tiny", "--num_generations", "4", "--max_completion_length", "6", "--max_steps", "2"]
+SMALL += [
+    "--learning_rate",
+    "0.1",
+    "--optim",
+    "sgd",
+    "--logging_steps",
+    "1",
+    "--disable_tqdm",
+    "true",
+    "--report_to",
+    "jsonl",
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo-inputs")
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    (root / "rewards.py").write_text(REWARD)
+    return root
+
+
+def _spawn_grpo(argv, **launch_env):
+    return _spawn_sft(["--stage", "grpo", *argv], None, **launch_env)
+
+
+def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path):
+    """The same global batch (8 completions a step) on one process and on two gloo processes (DDP): the same
+    rewards logged and the same weights at the end, to fp32 noise; completions.jsonl holds every completion once."""
+    data = ["--data", str(inputs / "prompts.jsonl"), "--reward_funcs", f"{inputs / 'rewards.py'}:digits"]
+    one = _spawn_grpo([*SMALL, *data, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    two_argv = [*SMALL, *data, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "two")]
+    two = [
+        _spawn_grpo([*two_argv, "--log_completions", "true"], **launch, RANK=str(r), LOCAL_RANK=str(r)) for r in (0, 1)
+    ]
+    try:
+        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in (one, *two)]
+    finally:
+        for p in (one, *two):
+            p.kill()
+    assert [p.returncode for p in (one, *two)] == [0, 0, 0], [e[-3000:] for e in errs]
+    logs = [
+        [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("one", "two")
+    ]
+    rewards = [[row["reward"] for row in log if "reward" in row] for log in logs]
+    assert len(rewards[0]) == 2 and rewards[0] == pytest.approx(rewards[1], abs=1e-6)
+    a, b = (load_file(tmp_path / run / "model.safetensors") for run in ("one", "two"))
+    for name in a:
+        assert (a[name] - b[name]).abs().max() <= 1e-5 + 1e-5 * a[name].abs().max(), name
+    rows = [json.loads(line) for line in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 8 and {r["step"] for r in rows} == {1, 2} and "digits" in rows[0]
+
+
+def test_bad_grpo_inputs_stop_in_one_line(inputs, tmp_path):
+    """Each one line on stderr, exit 2, and output_dir never created; the failing reward function on the first
+    batch too (before any update)."""
+    (tmp_path / "no_prompt.jsonl").write_text(json.dumps(PROMPTS[0]) + "\n" + json.dumps({"question": "x"}) + "\n")
+    data = ["--data", str(inputs / "prompts.jsonl")]
+    cases = [
+        (["--data", str(tmp_path / "no_prompt.jsonl")], "no_prompt.jsonl:2: no prompt"),
+        ([*data, "--num_generations", "3"], "num_generations=3: must divide the completions of a step"),
+        ([*data, "--loss_type", "sigmoid"], "loss_type='sigmoid': expected one of grpo, bnpo, dr_grpo, dapo, cispo"),
+        ([*data, "--reward_funcs", "no_such_module:f"], "reward function 'no_such_module:f'"),
+        ([*data, "--num_iterations", "2"], "num_iterations=2: only 1 is supported yet"),
+        ([*data, "--beta", "-1"], "beta=-1.0: must be >= 0"),
+        ([*data, "--eval_strategy", "steps"], "eval_strategy='steps': stage grpo has no evaluation set yet"),
+        ([*data, "--train_on_prompt", "true"], "train_on_prompt: stage grpo samples answers to prompts"),
+        ([*data, "--per_device_train_batch_size", "64"], "8 prompts, but a step samples 4 completions each of 16"),
+        ([*data, "--dist_config", '{"name": "fsdp2"}'], "stage grpo runs on one process or under DDP yet"),
+        (
+            [*data, "--reward_funcs", f"{inputs / 'rewards.py'}:broken", "--per_device_train_batch_size", "4"],
+            "reward function 'broken' raised on row 0: KeyError: 'score'",
+        ),
+    ]
+    out = tmp_path / "out"
+    procs = [
+        _spawn_grpo([*SMALL, "--output_dir", str(out), *argv]) for argv, _ in cases[:-1]
+    ]  # the failing reward function writes output_dir's lock before the first batch: run it on its own
+    last = _spawn_grpo([*SMALL, "--output_dir", str(tmp_path / "out-reward"), *cases[-1][0]])
+    for proc, (argv, message) in zip([*procs, last], cases):
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+        lines = err.strip().splitlines()
+        error = [line for line in lines if line.startswith("error: ")]
+        assert proc.returncode == 2 and len(error) == 1, (argv, err[-2000:])
+        assert message in error[0], (argv, error[0])
+        if proc is not last:
+            assert len(lines) == 1, (argv, err[-2000:])
+    assert not out.exists()
+    assert not list((tmp_path / "out-reward").glob("checkpoint-*"))

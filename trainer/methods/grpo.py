@@ -1,0 +1,557 @@
+"""GRPO (TRL's `GRPOTrainer`) on the Trainer's loop: each optimizer step samples its own completions, scores them and
+takes one policy-gradient step on them.
+
+    trainer = GRPOTrainer(model=model, reward_funcs=["exact_match"], args=TrainingArguments(...),
+                          grpo=GRPOArguments(num_generations=8), train_dataset=[{"prompt": [...]}, ...],
+                          processing_class=tokenizer)
+    trainer.train()
+
+One step (a window of gradient_accumulation_steps micro batches, `_forward_backward`):
+1. The window's prompts: per_device_train_batch_size x gradient_accumulation_steps / num_generations of them on each
+   rank (TRL's generation batch with steps_per_generation = gradient_accumulation_steps, its default), drawn as
+   TRL's RepeatSampler draws them: the prompts shuffled by data_seed, incomplete batches dropped.
+2. Generation (`trainer.methods.grpo_sampling.sample_completions`): num_generations completions per prompt from the
+   current policy with the KV cache, the prompt's prefill shared; the random draws keyed by (seed, step, the
+   completion's index in the global generation batch), so the completions do not depend on the number of processes
+   or micro batches.
+3. Rewards (`trainer.methods.grpo_rewards.score`, TRL's call signature) and advantages (`grpo_advantages`) over the
+   whole generation batch, all ranks' rewards gathered first, as TRL does.
+4. The loss of each micro batch of per_device_train_batch_size completions through the model's final hidden states
+   and `fused_grpo_loss` (the LM head over the completion rows only, never the (rows, vocabulary) logits), divided by
+   the window's normaliser over all ranks (`grpo_normalizer`): the update is that of one batch holding the window,
+   whatever the split into micro batches and processes (a difference from TRL on purpose for bnpo with unequal micro
+   batches; trainer/methods/grpo_loss.py says which types TRL divides otherwise).
+
+The old policy is the current one (num_iterations 1: the importance ratio is 1 with its gradient); the reference,
+with beta > 0, a frozen copy of the model as it was given, or with a LoRA adapter the model with the adapter
+disabled. Logged with the loss, grad_norm and learning_rate, TRL's names: reward, reward_std,
+frac_reward_zero_std, rewards/<function>/mean|std, completions/mean_length|min_length|max_length,
+completions/clipped_ratio, kl (beta > 0), entropy, clip_ratio/* (cispo_clip_ratio), each the mean over the steps
+since the last log; `log_completions` writes every step's prompts, completions, rewards and advantages to
+output_dir/completions.jsonl.
+
+Not here (yet), each refused in one line: num_iterations > 1 and a steps_per_generation or generation_batch_size
+other than the window's (both reuse one generation over several optimizer steps), an eval_dataset (the CLI reports
+the held-out exact match instead), FSDP2 and DeepSpeed (generation under sharded weights); vLLM, tools and
+multimodal prompts, which this project does not have.
+"""
+
+import copy
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import kernels
+from trainer.config.args import ConfigError, _arg
+from trainer.data.batching import BatchLoader
+from trainer.data.hf_datasets import hf_kind
+from trainer.data.sft_data import DataError, resolve_data_files
+from trainer.loop.trainer import Trainer, _Window
+from trainer.methods.grpo_loss import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    SCALE_REWARDS,
+    completion_length_metrics,
+    fused_grpo_loss,
+    grpo_advantages,
+    grpo_normalizer,
+)
+from trainer.methods.grpo_rewards import load_reward_function, reward_name, score
+from trainer.methods.grpo_sampling import sample_completions
+from trainer.model.lora import adapters_disabled, has_adapter
+from trainer.parallel.transforms import gradient_sync, unwrap, uses_fsdp
+
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+@dataclass
+class GRPOArguments:
+    """TRL's GRPOConfig names and defaults (trl 1.16) for what GRPO adds to TrainingArguments (no `from __future__
+    import annotations` in this module: the argument parser reads these annotations as types)."""
+
+    num_generations: int = _arg(8, "grpo", "Completions sampled per prompt (the group).")
+    max_completion_length: int = _arg(512, "grpo", "Longest completion, in tokens.")
+    temperature: float = _arg(1.0, "grpo", "Sampling temperature (also divides the logits of the log-probs).")
+    top_p: float = _arg(1.0, "grpo", "Nucleus sampling: keep the most likely tokens up to this probability.")
+    top_k: int = _arg(0, "grpo", "Keep the k most likely tokens (0: all).")
+    min_p: float | None = _arg(None, "grpo", "Drop tokens below min_p times the most likely one's probability.")
+    repetition_penalty: float = _arg(1.0, "grpo", "transformers' repetition penalty (1: none).")
+    beta: float = _arg(0.0, "grpo", "KL coefficient against the reference model (0: no reference is held).")
+    epsilon: float = _arg(0.2, "grpo", "Lower clipping range of the importance ratio.")
+    epsilon_high: float | None = _arg(None, "grpo", "Upper clipping range (default: epsilon); cispo's cap.")
+    delta: float | None = _arg(None, "grpo", "Two-sided clipping: cap the unclipped ratio at delta.")
+    loss_type: str = _arg("dapo", "grpo", "The GRPO loss's normalisation.", choices=LOSS_TYPES)
+    importance_sampling_level: str = _arg(
+        "token", "grpo", "Importance ratio per token, or per sequence (GSPO).", choices=IMPORTANCE_SAMPLING_LEVELS
+    )
+    scale_rewards: str = _arg(
+        "group", "grpo", "Divide advantages by the reward std of the group, the batch, or not.", choices=SCALE_REWARDS
+    )
+    use_bias_correction_kl: bool = _arg(True, "grpo", "Weight the KL term by the importance ratio (TRL's default).")
+    reward_funcs: list[str] | None = _arg(
+        None,
+        "grpo",
+        "Reward functions: exact_match, format (the embedded tasks'), module:function, path.py:function or a "
+        "sequence-classification model directory; default exact_match.",
+    )
+    reward_weights: list[float] | None = _arg(None, "grpo", "One weight per reward function (default 1 each).")
+    mask_truncated_completions: bool = _arg(
+        False, "grpo", "Leave completions that reached max_completion_length without EOS out of the loss."
+    )
+    top_entropy_quantile: float = _arg(
+        1.0, "grpo", "Train only on the completion tokens in this top share of entropy (1: all)."
+    )
+    log_completions: bool = _arg(False, "grpo", "Write every step's completions and rewards to completions.jsonl.")
+    num_iterations: int = _arg(1, "grpo", "Optimizer steps per generation batch (only 1 is supported yet).")
+    steps_per_generation: int | None = _arg(
+        None, "grpo", "Micro steps per generation batch (default and only value: gradient_accumulation_steps)."
+    )
+    generation_batch_size: int | None = _arg(
+        None, "grpo", "Completions per generation batch over all processes (default: the global batch)."
+    )
+
+    def __post_init__(self):
+        for name, choices in (
+            ("loss_type", LOSS_TYPES),
+            ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
+            ("scale_rewards", SCALE_REWARDS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(choices)}")
+        if not isinstance(self.num_generations, int) or self.num_generations < 2:
+            raise ConfigError(
+                f"num_generations={self.num_generations!r}: expected an int >= 2 (advantages compare a prompt's "
+                "completions with each other)"
+            )
+        if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
+            raise ConfigError(f"max_completion_length={self.max_completion_length!r}: expected an int >= 1")
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature={self.temperature!r}: must be > 0 (GRPO samples its completions)")
+        if self.beta < 0:
+            raise ConfigError(f"beta={self.beta!r}: must be >= 0")
+        if not self.epsilon > 0 or (self.epsilon_high is not None and not self.epsilon_high > 0):
+            raise ConfigError(f"epsilon={self.epsilon!r}, epsilon_high={self.epsilon_high!r}: must be > 0")
+        if self.delta is not None and not self.delta > 1:
+            raise ConfigError(f"delta={self.delta!r}: must be > 1 (it caps the importance ratio)")
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ConfigError(f"top_entropy_quantile={self.top_entropy_quantile!r}: must be in (0, 1]")
+        if self.num_iterations != 1:
+            raise ConfigError(
+                f"num_iterations={self.num_iterations!r}: only 1 is supported yet (each optimizer step samples "
+                "its own completions)"
+            )
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs or ["exact_match"]):
+            raise ConfigError(
+                f"reward_weights: {len(self.reward_weights)} weights for "
+                f"{len(self.reward_funcs or ['exact_match'])} reward functions (one weight per function)"
+            )
+
+    @property
+    def epsilon_upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+class PromptDataset:
+    """Prompts to sample from: records with a "prompt" (text, or a conversation whose assistant turn is to come,
+    rendered with the chat template and its generation prompt, as TRL does) and any other columns, which reach the
+    reward functions as keyword arguments (a "solution" for exact_match, say)."""
+
+    def __init__(self, records: list[dict], tokenizer, max_prompt_length: int | None = None, wheres=None):
+        self.records, self.prompt_ids = [], []
+        self.source = "train_dataset"  # what summary_text names (the CLI sets its files)
+        for i, record in enumerate(records):
+            prompt = record.get("prompt") if isinstance(record, dict) else None
+            if isinstance(prompt, str) and prompt:
+                ids = tokenizer.encode(prompt, add_special_tokens=True)
+            elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
+                ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            else:
+                where = wheres[i] if wheres is not None else f"train_dataset[{i}]"
+                raise DataError(f"{where}: no prompt (expected a 'prompt' holding text or a list of messages)")
+            if max_prompt_length is not None and len(ids) > max_prompt_length:
+                ids = ids[-max_prompt_length:]  # TRL keeps a too long prompt's end
+            self.records.append(dict(record))
+            self.prompt_ids.append(list(ids))
+        if not self.records:
+            raise DataError("train_dataset: no prompts")
+        self.lengths = np.array([len(ids) for ids in self.prompt_ids], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def summary_text(self) -> str:
+        return f"{len(self)} prompts from {self.source}, {int(self.lengths.sum()):,} prompt tokens"
+
+    def __getitem__(self, i: int) -> dict:
+        return self.records[i]
+
+
+def read_prompt_records(paths) -> tuple[list[dict], list[str]]:
+    """(records, where each came from as file:line) of JSONL files, or JSON files holding a list of records; a line
+    that is not a JSON object is a one-line DataError naming its file and line."""
+    records, wheres = [], []
+    for path in resolve_data_files(paths):
+        path = Path(path)
+        if path.suffix == ".json":
+            try:
+                rows = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+            if not isinstance(rows, list):
+                raise DataError(f"{path}: expected a list of prompt records")
+            pairs = [(f"{path}[{i}]", row) for i, row in enumerate(rows)]
+        elif path.suffix == ".jsonl":
+            pairs = []
+            with open(path) as f:
+                for line_no, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            pairs.append((f"{path}:{line_no}", json.loads(line)))
+                        except json.JSONDecodeError:
+                            raise DataError(f"{path}:{line_no}: invalid JSON") from None
+        else:
+            raise DataError(f"{path}: GRPO reads prompts from .jsonl or .json files")
+        for where, row in pairs:
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: expected a JSON object with a 'prompt'")
+            records.append(row)
+            wheres.append(where)
+    return records, wheres
+
+
+def prompts_from_conversations(conversations: list[list[dict]]) -> list[dict]:
+    """Prompt records of conversations that end with the assistant's answer: the messages before it as the prompt, the
+    answer as the "solution" column (what exact_match compares with)."""
+    return [{"prompt": messages[:-1], "solution": messages[-1]["content"]} for messages in conversations]
+
+
+class _WindowLoader:
+    """The loop's train loader for GRPO: each item of the inner loader (one rank's prompts of a generation batch) is
+    handed out gradient_accumulation_steps times, one per micro step of the window; GRPOTrainer._forward_backward
+    reads the prompts from the first. Lengths, positions and resume are the inner loader's, counted in micro steps."""
+
+    def __init__(self, inner: BatchLoader, accum: int):
+        self.inner, self.accum = inner, accum
+        self.max_tokens = None
+
+    @property
+    def epoch(self) -> int:
+        return self.inner.epoch
+
+    def __len__(self) -> int:
+        return len(self.inner) * self.accum
+
+    def global_batches(self, epoch: int) -> list:
+        return [b for b in self.inner.global_batches(epoch) for _ in range(self.accum)]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self):
+        for window in self.inner:
+            for part in range(self.accum):
+                yield {**window, "part": part}
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+def _head_loss(hidden, weight, **kwargs):
+    return fused_grpo_loss(hidden, weight, **kwargs)
+
+
+def _head_logps(hidden, weight, *, target, columns, temperature):
+    out = kernels.fused_linear_logprob(hidden, weight, target, temperature=temperature)
+    return None, {"logps": out.logps[:, columns]}
+
+
+class GRPOTrainer(Trainer):
+    """The Trainer with GRPO's generation, rewards and loss (module docstring). `reward_funcs`: a function, a spec
+    string (`trainer.methods.grpo_rewards.load_reward_function`) or a list of them (TRL's argument)."""
+
+    def __init__(
+        self, model=None, reward_funcs=None, args=None, grpo: GRPOArguments | None = None, train_dataset=None, **kwargs
+    ):
+        for name in ("eval_dataset", "data_collator", "compute_metrics", "preprocess_logits_for_metrics"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"GRPOTrainer: {name} is not supported yet (prompts are collated here; the logits are never "
+                    "formed; the CLI reports the held-out exact match)"
+                )
+        if hf_kind(train_dataset) is not None:  # a datasets.Dataset of prompt records
+            train_dataset = train_dataset.to_list()
+        super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        self.grpo = grpo or GRPOArguments()
+        g, a = self.grpo, self.args
+        if self.processing_class is None:
+            raise ValueError("GRPOTrainer: processing_class (the tokenizer) is needed to decode completions")
+        specs = reward_funcs if reward_funcs is not None else (g.reward_funcs or ["exact_match"])
+        specs = specs if isinstance(specs, (list, tuple)) else [specs]
+        self.reward_funcs = [load_reward_function(f) if isinstance(f, str) else f for f in specs]
+        self.reward_names = [reward_name(f) for f in self.reward_funcs]
+        weights = g.reward_weights or [1.0] * len(self.reward_funcs)
+        if len(weights) != len(self.reward_funcs):
+            raise ConfigError(
+                f"reward_weights: {len(weights)} weights for {len(self.reward_funcs)} reward functions "
+                "(one weight per function)"
+            )
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        rows = a.per_device_train_batch_size * a.gradient_accumulation_steps
+        if rows % g.num_generations:
+            raise ConfigError(
+                f"num_generations={g.num_generations}: must divide the completions of a step on each process, "
+                f"per_device_train_batch_size x gradient_accumulation_steps = {a.per_device_train_batch_size} x "
+                f"{a.gradient_accumulation_steps} = {rows}"
+            )
+        if g.steps_per_generation not in (None, a.gradient_accumulation_steps):
+            raise ConfigError(
+                f"steps_per_generation={g.steps_per_generation}: only gradient_accumulation_steps "
+                f"({a.gradient_accumulation_steps}) is supported yet (one generation per optimizer step)"
+            )
+        if g.generation_batch_size not in (None, rows * self.world_size):
+            raise ConfigError(
+                f"generation_batch_size={g.generation_batch_size}: only the global batch ({rows * self.world_size} "
+                "completions) is supported yet (one generation per optimizer step)"
+            )
+        if uses_fsdp(a) or a.deepspeed:
+            raise ConfigError("GRPO runs on one process or under DDP yet; FSDP2 and DeepSpeed are not supported")
+        if a.batching_strategy != "normal":
+            raise ConfigError(f"batching_strategy={a.batching_strategy!r}: GRPO batches prompts 'normal'ly only")
+        if isinstance(self.train_dataset, (list, tuple)):
+            self.train_dataset = PromptDataset(list(self.train_dataset), self.processing_class)
+        if not isinstance(self.train_dataset, PromptDataset):
+            raise ValueError(
+                "GRPOTrainer: train_dataset must be a list of prompt records or a trainer.methods.grpo.PromptDataset"
+            )
+        self.ref_model = None
+        if g.beta > 0 and not has_adapter(unwrap(self.model)):
+            self.ref_model = copy.deepcopy(unwrap(self.model)).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        self._metrics: dict[str, list[torch.Tensor]] = {}
+
+    # ---- data -------------------------------------------------------------------------------------------------
+    def _prepare_dataset(self, dataset, name: str):
+        return dataset
+
+    def _train_loader(self, micro: int):
+        a = self.args
+        inner = BatchLoader(
+            self.train_dataset,
+            micro_batch_size=micro * a.gradient_accumulation_steps // self.grpo.num_generations,
+            shuffle=a.train_shuffle,
+            seed=a.data_seed if a.data_seed is not None else a.seed,
+            drop_last=True,  # TRL's RepeatSampler yields whole generation batches only
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        inner.collate = lambda indices, is_padding=False: {"indices": [int(i) for i in indices]}
+        return _WindowLoader(inner, a.gradient_accumulation_steps)
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+    def _forward_backward(self, run, micro_batches: list) -> _Window:
+        g, args, model, device = self.grpo, self.args, run.model, run.device
+        tok = self.processing_class
+        records = [self.train_dataset[i] for i in micro_batches[0]["indices"]]
+        prompt_ids = [self.train_dataset.prompt_ids[i] for i in micro_batches[0]["indices"]]
+        G, step = g.num_generations, self.state.global_step
+        with self._autocast(device, train=False):
+            sampled = sample_completions(
+                unwrap(model),
+                prompt_ids,
+                G,
+                g.max_completion_length,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=g.top_k,
+                min_p=g.min_p,
+                repetition_penalty=g.repetition_penalty,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                seed=args.seed,
+                step=step,
+                first_completion_index=self.rank * len(prompt_ids) * G,
+            )
+        ids, mask = sampled.completion_ids.cpu(), sampled.completion_mask.cpu()
+        truncated = sampled.truncated.cpu()
+        N = ids.shape[0]
+        rows = [r // G for r in range(N)]  # row r's prompt in this rank's window
+        lengths = mask.sum(1)
+        texts = [tok.decode(ids[r, : int(lengths[r])].tolist()) for r in range(N)]
+        prompts = [records[p]["prompt"] for p in rows]
+        completions = [
+            [{"role": "assistant", "content": t}] if isinstance(pr, list) else t for pr, t in zip(prompts, texts)
+        ]
+        columns = {k: [records[p].get(k) for p in rows] for k in records[0] if k != "prompt"}
+        rewards = score(
+            self.reward_funcs,
+            prompts,
+            completions,
+            [ids[r, : int(lengths[r])].tolist() for r in range(N)],
+            columns,
+            trainer_state=self.state,
+        )
+        advantages, reward_metrics = self._advantages(rewards, device)
+        if g.mask_truncated_completions:
+            mask = mask * (~truncated).long()[:, None]
+        normalizer = grpo_normalizer(g.loss_type, mask.to(device), g.max_completion_length)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(normalizer)
+            normalizer = normalizer / self.world_size  # each rank's loss is world_size x its share (DDP's mean)
+        self._record(reward_metrics)
+        self._record(completion_length_metrics(lengths.float()))
+        self._record({"completions/clipped_ratio": truncated.float().mean()})
+        if g.log_completions:
+            self._log_completions(step, prompts, texts, rewards, advantages)
+
+        model.train()
+        window_loss = torch.zeros((), device=device, dtype=torch.float32)
+        window_tokens = 0
+        parts = np.array_split(np.arange(N), len(micro_batches))
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            batch = self._micro_batch([prompt_ids[rows[r]] for r in part], ids[part], mask[part], tok.pad_token_id)
+            ref_logps = self._reference_logps(batch, device) if g.beta > 0 else None
+            head = functools.partial(
+                _head_loss,
+                target=batch["target"],
+                advantages=advantages[torch.as_tensor(part)].to(device),
+                completion_mask=batch["completion_mask"].to(device),
+                completion_columns=batch["columns"],
+                temperature=g.temperature,
+                ref_logps=ref_logps,
+                loss_type=g.loss_type,
+                beta=g.beta,
+                epsilon=g.epsilon,
+                epsilon_high=g.epsilon_upper,
+                delta=g.delta,
+                importance_sampling_level=g.importance_sampling_level,
+                top_entropy_quantile=g.top_entropy_quantile,
+                use_bias_correction_kl=g.use_bias_correction_kl,
+                max_completion_length=g.max_completion_length,
+                normalizer=normalizer,
+            )
+            with gradient_sync(model, last):
+                with self._autocast(device, train=True):
+                    out = model(
+                        input_ids=batch["input_ids"].to(device),
+                        attention_mask=batch["attention_mask"].to(device),
+                        head=head,
+                    )
+                run.engine.backward(out.loss, last)
+            window_loss += out.loss.detach().float()
+            self._record(out.metrics)
+            if not last:
+                self._fire("on_substep_end")
+            tokens = int(batch["attention_mask"].sum())
+            run.throughput.add(tokens, int(batch["completion_mask"].sum()))
+            window_tokens += tokens
+        global_tokens = None
+        if self.world_size > 1:
+            totals = torch.stack(
+                [window_loss.double(), torch.full((), float(window_tokens), dtype=torch.float64, device=device)]
+            )
+            torch.distributed.all_reduce(totals)
+            window_loss, global_tokens = totals[0] / self.world_size, totals[1]
+        return _Window(window_loss, window_tokens, global_tokens)
+
+    def _advantages(self, rewards: torch.Tensor, device) -> tuple[torch.Tensor, dict]:
+        """This rank's advantages, computed over every rank's rewards (TRL gathers them: a group's statistics, and
+        with scale_rewards batch the batch's, are those of the whole generation batch)."""
+        everyone = rewards
+        if self.world_size > 1:
+            gathered = [torch.empty_like(rewards, device=device) for _ in range(self.world_size)]
+            torch.distributed.all_gather(gathered, rewards.to(device))
+            everyone = torch.cat(gathered).cpu()
+        advantages, metrics = grpo_advantages(
+            everyone,
+            self.grpo.num_generations,
+            reward_weights=self.reward_weights,
+            scale_rewards=self.grpo.scale_rewards,
+            reward_func_names=self.reward_names,
+        )
+        n = rewards.shape[0]
+        return advantages[self.rank * n : (self.rank + 1) * n], metrics
+
+    @staticmethod
+    def _micro_batch(prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor, pad: int) -> dict:
+        """Rows of left-padded prompt + completion (trimmed to the micro batch's longest), the host target that puts
+        completion token t at column P - 1 + t (ignore_index elsewhere), and those columns."""
+        L = max(int(mask.sum(1).max()), 1)
+        ids, mask = ids[:, :L], mask[:, :L]
+        P = max(len(p) for p in prompts)
+        n = len(prompts)
+        prompt = torch.full((n, P), pad, dtype=torch.long)
+        prompt_mask = torch.zeros(n, P, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            prompt[r, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+            prompt_mask[r, P - len(p) :] = 1
+        target = torch.full((n, P + L), -100, dtype=torch.long)
+        target[:, P - 1 : P - 1 + L] = torch.where(mask.bool(), ids, -100)
+        return {
+            "input_ids": torch.cat([prompt, ids], 1),
+            "attention_mask": torch.cat([prompt_mask, mask], 1),
+            "target": target,
+            "completion_mask": mask,
+            "columns": slice(P - 1, P - 1 + L),
+        }
+
+    @torch.no_grad()
+    def _reference_logps(self, batch: dict, device) -> torch.Tensor:
+        """The reference's per-token log-probs of a micro batch's completions (beta > 0)."""
+        head = functools.partial(
+            _head_logps, target=batch["target"], columns=batch["columns"], temperature=self.grpo.temperature
+        )
+        inputs = dict(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+        with self._autocast(device, train=False):
+            if self.ref_model is not None:
+                return self.ref_model(**inputs, head=head).metrics["logps"]
+            policy = unwrap(self.model)
+            with adapters_disabled(policy):
+                return policy(**inputs, head=head).metrics["logps"]
+
+    # ---- metrics and completions ----------------------------------------------------------------------------------
+    def _record(self, metrics: dict | None) -> None:
+        for name, value in (metrics or {}).items():
+            self._metrics.setdefault(name, []).append(torch.as_tensor(value).detach().float().cpu())
+
+    def _extra_logs(self) -> dict:
+        """Each metric's mean over the values recorded since the last log (TRL's), averaged over the ranks."""
+        if not self._metrics:
+            return {}
+        names = sorted(self._metrics)
+        values = torch.stack([torch.stack(self._metrics[n]).nanmean() for n in names]).double()
+        self._metrics = {}
+        if self.world_size > 1:
+            values = values.to(self._device(self.model))
+            torch.distributed.all_reduce(values)
+            values = values / self.world_size
+        return dict(zip(names, values.tolist()))
+
+    def _log_completions(self, step: int, prompts: list, texts: list[str], rewards, advantages) -> None:
+        rows = [
+            {
+                "step": step + 1,
+                "prompt": prompt if isinstance(prompt, str) else prompt[-1]["content"],
+                "completion": text,
+                **{name: (None if v != v else v) for name, v in zip(self.reward_names, reward_row.tolist())},
+                "advantage": float(adv),
+            }
+            for prompt, text, reward_row, adv in zip(prompts, texts, rewards, advantages)
+        ]
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            torch.distributed.all_gather_object(everyone, rows)
+            rows = [row for rank_rows in everyone for row in rank_rows]
+        if self.rank == 0:
+            path = Path(self.args.output_dir) / COMPLETIONS_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
