@@ -32,6 +32,8 @@ _PUBLIC = {
     "EarlyStoppingCallback": "trainer.loop.callbacks",
     "PreferenceArguments": "trainer.methods.preference",
     "PreferenceTrainer": "trainer.methods.preference",
+    "GRPOArguments": "trainer.methods.grpo",
+    "GRPOTrainer": "trainer.methods.grpo",
 }
 __all__ = sorted(_PUBLIC)
 

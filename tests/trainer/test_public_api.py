@@ -24,6 +24,8 @@ PUBLIC = {
     "EarlyStoppingCallback": "trainer.loop.callbacks",
     "PreferenceArguments": "trainer.methods.preference",
     "PreferenceTrainer": "trainer.methods.preference",
+    "GRPOArguments": "trainer.methods.grpo",
+    "GRPOTrainer": "trainer.methods.grpo",
 }
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from trainer.build import build_preset
+from trainer.build import build_model, build_preset
 from trainer.config.args import ConfigError, TrainingArguments
 from trainer.data.tasks import TRAIN_FILE
 from trainer.methods.grpo import GRPOArguments, GRPOTrainer, PromptDataset, prompts_from_conversations
@@ -191,3 +191,39 @@ def test_a_record_without_a_prompt_names_its_place(prompts):
     _, tok = build_preset("tiny")
     with pytest.raises(ValueError, match=r"train_dataset\[1\]: no prompt"):
         PromptDataset([prompts[0], {"question": "x"}], tok)
+
+
+def test_lora_samples_through_the_adapter_and_takes_the_base_as_reference(tmp_path, prompts):
+    """With a LoRA adapter (peft) the policy samples through it, the reference is the same model with the adapter
+    disabled (no copy), only the adapter trains, and the first step's KL is 0 (policy = reference at the start)."""
+    pytest.importorskip("peft")
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=2,
+        learning_rate=0.1,
+        optim="sgd",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_peft=True,
+        lora_r=4,
+    )
+    model, tok = build_model("tiny", args)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=distinct_chars,
+        args=args,
+        grpo=GRPOArguments(num_generations=4, max_completion_length=6, beta=0.04),
+        train_dataset=prompts,
+        processing_class=tok,
+    )
+    assert trainer.ref_model is None
+    frozen = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_" not in k}
+    trainer.train()
+    logs = trainer.state.log_history
+    assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0
+    after = trainer.model.state_dict()
+    assert all(torch.equal(frozen[k], after[k]) for k in frozen)
