@@ -76,7 +76,7 @@ from trainer.data.sft_data import (
     resolve_data_files,
     split_dataset,
 )
-from trainer.data.tasks import EVAL_FILE, TRAIN_FILE, kind_of, preference_pair
+from trainer.data.tasks import EVAL_FILE, TRAIN_FILE, kind_of, preference_pair, unseen_tasks
 from trainer.data.tokenizer import TokenizerError
 from trainer.dist import end_on_error, init_distributed, world
 from trainer.loop.checkpoint import (
@@ -98,6 +98,7 @@ from trainer.methods.grpo import (
     GRPOArguments,
     GRPOTrainer,
     PromptDataset,
+    check_grpo_batch,
     prompts_from_conversations,
     read_prompt_records,
 )
@@ -118,6 +119,7 @@ DEMO_CONFIGS = {
     for stage, name in (("sft", "demo.yaml"), ("dpo", "dpo_demo.yaml"), ("grpo", "grpo_demo.yaml"))
 }
 RUN_ARGS_FILES = {"sft": "sft_args.json", "dpo": "dpo_args.json", "grpo": "grpo_args.json"}
+GRPO_DEMO_PROMPTS = 4000  # the GRPO demo's prompts (trainer.data.tasks.unseen_tasks)
 SFT_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
 # transformers' attn_implementation values -> our attention backends (trainer/model/attention.py). transformers'
 # "eager" (the unfused softmax(QK^T)V) has no counterpart here: sdpa computes the same attention.
@@ -535,17 +537,7 @@ def _check_grpo(args, sft: SFTArguments, grpo: GRPOArguments) -> None:
             f"eval_strategy={args.eval_strategy!r}: stage grpo has no evaluation set yet (the embedded default "
             "reports the held-out exact match before and after)"
         )
-    if args.batching_strategy != "normal":
-        raise ConfigError(f"batching_strategy={args.batching_strategy!r}: stage grpo batches prompts 'normal'ly only")
-    if (args.dist_config or {}).get("name") == "fsdp2" or args.deepspeed:
-        raise ConfigError("stage grpo runs on one process or under DDP yet; FSDP2 and DeepSpeed are not supported")
-    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    if rows % grpo.num_generations:
-        raise ConfigError(
-            f"num_generations={grpo.num_generations}: must divide the completions of a step on each process, "
-            f"per_device_train_batch_size x gradient_accumulation_steps = {args.per_device_train_batch_size} x "
-            f"{args.gradient_accumulation_steps} = {rows}"
-        )
+    check_grpo_batch(args, grpo, int(os.environ.get("WORLD_SIZE", "1")))
     if grpo.reward_funcs:
         load_reward_functions(grpo.reward_funcs, grpo.reward_weights)  # each imports, or one line (exit 2)
 
@@ -844,13 +836,12 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
 def _read_prompts(args, sft: SFTArguments, grpo: GRPOArguments, tokenizer, embedded: bool, eval_files) -> RunInputs:
     """Stage grpo's inputs: prompt records (--data; the embedded default: the training conversations' prompts, their
     answers as the solution column), tokenised, and the window plan checked as GRPOTrainer will make it."""
-    if embedded:
-        conversations = [ex["messages"] for ex in read_examples([str(TRAIN_FILE)])]
-        records, wheres = prompts_from_conversations(conversations), None
+    if embedded:  # new prompts of the embedded tasks: the SFT demo never saw them, the reward checks the answers
+        records, wheres = prompts_from_conversations([ex["messages"] for ex in unseen_tasks(GRPO_DEMO_PROMPTS)]), None
     else:
         records, wheres = read_prompt_records(sft.data)
     prompts = PromptDataset(records, tokenizer, wheres=wheres)
-    prompts.source = f"the embedded tasks ({TRAIN_FILE.name})" if embedded else ", ".join(sft.data)
+    prompts.source = "new prompts of the embedded tasks" if embedded else ", ".join(sft.data)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     step_prompts = args.per_device_train_batch_size * args.gradient_accumulation_steps // grpo.num_generations
     if len(prompts) < step_prompts * world_size:

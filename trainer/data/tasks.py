@@ -18,8 +18,9 @@ The shipped files are its first 4000 examples (train) and the next 200 (eval), s
     # rewrites tasks_train.jsonl and tasks_eval.jsonl bit-identically:
     python -m trainer.data.tasks --out trainer/data/demo_data
 
-The DPO demo turns the same conversations into preference pairs (`preference_pair`): the right answer chosen,
-a plausible wrong one rejected (`wrong_answer`: an off-by-one sum, a misordered sort, ...); no extra files ship.
+The GRPO demo samples answers to new prompts, the continuation of the same sequence (`unseen_tasks`). The DPO demo
+turns the same conversations into preference pairs (`preference_pair`): the right answer chosen, a plausible wrong
+one rejected (`wrong_answer`: an off-by-one sum, a misordered sort, ...); no extra files ship.
 
 Randomness comes from a hand-written SplitMix64 rather than `random`/numpy so the files never change with a
 library version.
@@ -108,6 +109,12 @@ def generate_tasks(n: int, seed: int = SEED) -> list[dict]:
         seen.add(prompt)
         out.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]})
     return out
+
+
+def unseen_tasks(n: int) -> list[dict]:
+    """n conversations whose prompts are in neither shipped file: generate_tasks' continuation after the train and eval
+    examples (the GRPO demo samples answers to them; the reward checks each answer, no label is needed)."""
+    return generate_tasks(NUM_TRAIN + NUM_EVAL + n)[NUM_TRAIN + NUM_EVAL :]
 
 
 def kind_of(prompt: str) -> str | None:

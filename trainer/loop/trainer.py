@@ -602,16 +602,19 @@ class Trainer:
                     self._print(note)
             run.throughput.add(tokens, count_targets(batch["labels"]))  # on the host copy of the labels
             window_tokens += tokens
-        global_tokens = None
-        if self.world_size > 1:
-            # Each rank holds its share of the window's loss and tokens: log the sums over all ranks, the loss
-            # divided by world_size (_loss_normaliser). float64 counts tokens exactly.
-            totals = torch.stack(
-                [window_loss.double(), torch.full((), float(window_tokens), dtype=torch.float64, device=device)]
-            )
-            torch.distributed.all_reduce(totals)
-            window_loss, global_tokens = totals[0] / self.world_size, totals[1]
-        return _Window(window_loss, window_tokens, global_tokens)
+        return self._window(window_loss, window_tokens, device)
+
+    def _window(self, window_loss: torch.Tensor, window_tokens: int, device) -> _Window:
+        """The window's numbers: with several processes each rank holds its share of the loss and tokens, and the
+        sums over all ranks are logged, the loss divided by world_size (_loss_normaliser). float64 counts tokens
+        exactly."""
+        if self.world_size == 1:
+            return _Window(window_loss, window_tokens, None)
+        totals = torch.stack(
+            [window_loss.double(), torch.full((), float(window_tokens), dtype=torch.float64, device=device)]
+        )
+        torch.distributed.all_reduce(totals)
+        return _Window(totals[0] / self.world_size, window_tokens, totals[1])
 
     def _host_numbers(self, run: _Run, window: _Window, grad_norm) -> tuple[float, float | None]:
         """The step's one host sync: one copy of every number the host needs, (loss, gradient norm); with several

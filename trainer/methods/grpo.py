@@ -63,7 +63,7 @@ from trainer.methods.grpo_loss import (
 from trainer.methods.grpo_rewards import load_reward_function, reward_name, score
 from trainer.methods.grpo_sampling import sample_completions
 from trainer.model.lora import adapters_disabled, has_adapter
-from trainer.parallel.transforms import gradient_sync, unwrap, uses_fsdp
+from trainer.parallel.transforms import gradient_sync, unwrap
 
 COMPLETIONS_FILE = "completions.jsonl"
 
@@ -153,6 +153,33 @@ class GRPOArguments:
     @property
     def epsilon_upper(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def check_grpo_batch(args, grpo: GRPOArguments, world_size: int) -> None:
+    """What GRPO's step takes of the TrainingArguments (the trainer's and the CLI's check), each a one-line
+    ConfigError: num_generations dividing a step's completions per process, one generation per optimizer step,
+    normal batches, one process or DDP."""
+    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    if rows % grpo.num_generations:
+        raise ConfigError(
+            f"num_generations={grpo.num_generations}: must divide the completions of a step on each process, "
+            f"per_device_train_batch_size x gradient_accumulation_steps = {args.per_device_train_batch_size} x "
+            f"{args.gradient_accumulation_steps} = {rows}"
+        )
+    if grpo.steps_per_generation not in (None, args.gradient_accumulation_steps):
+        raise ConfigError(
+            f"steps_per_generation={grpo.steps_per_generation}: only gradient_accumulation_steps "
+            f"({args.gradient_accumulation_steps}) is supported yet (one generation per optimizer step)"
+        )
+    if grpo.generation_batch_size not in (None, rows * world_size):
+        raise ConfigError(
+            f"generation_batch_size={grpo.generation_batch_size}: only the global batch ({rows * world_size} "
+            "completions) is supported yet (one generation per optimizer step)"
+        )
+    if (args.dist_config or {}).get("name") == "fsdp2" or args.deepspeed:
+        raise ConfigError("stage grpo runs on one process or under DDP yet; FSDP2 and DeepSpeed are not supported")
+    if args.batching_strategy != "normal":
+        raise ConfigError(f"batching_strategy={args.batching_strategy!r}: stage grpo batches prompts 'normal'ly only")
 
 
 class PromptDataset:
@@ -303,27 +330,7 @@ class GRPOTrainer(Trainer):
                 "(one weight per function)"
             )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
-        rows = a.per_device_train_batch_size * a.gradient_accumulation_steps
-        if rows % g.num_generations:
-            raise ConfigError(
-                f"num_generations={g.num_generations}: must divide the completions of a step on each process, "
-                f"per_device_train_batch_size x gradient_accumulation_steps = {a.per_device_train_batch_size} x "
-                f"{a.gradient_accumulation_steps} = {rows}"
-            )
-        if g.steps_per_generation not in (None, a.gradient_accumulation_steps):
-            raise ConfigError(
-                f"steps_per_generation={g.steps_per_generation}: only gradient_accumulation_steps "
-                f"({a.gradient_accumulation_steps}) is supported yet (one generation per optimizer step)"
-            )
-        if g.generation_batch_size not in (None, rows * self.world_size):
-            raise ConfigError(
-                f"generation_batch_size={g.generation_batch_size}: only the global batch ({rows * self.world_size} "
-                "completions) is supported yet (one generation per optimizer step)"
-            )
-        if uses_fsdp(a) or a.deepspeed:
-            raise ConfigError("GRPO runs on one process or under DDP yet; FSDP2 and DeepSpeed are not supported")
-        if a.batching_strategy != "normal":
-            raise ConfigError(f"batching_strategy={a.batching_strategy!r}: GRPO batches prompts 'normal'ly only")
+        check_grpo_batch(a, g, self.world_size)
         if isinstance(self.train_dataset, (list, tuple)):
             self.train_dataset = PromptDataset(list(self.train_dataset), self.processing_class)
         if not isinstance(self.train_dataset, PromptDataset):
@@ -453,14 +460,7 @@ class GRPOTrainer(Trainer):
             tokens = int(batch["attention_mask"].sum())
             run.throughput.add(tokens, int(batch["completion_mask"].sum()))
             window_tokens += tokens
-        global_tokens = None
-        if self.world_size > 1:
-            totals = torch.stack(
-                [window_loss.double(), torch.full((), float(window_tokens), dtype=torch.float64, device=device)]
-            )
-            torch.distributed.all_reduce(totals)
-            window_loss, global_tokens = totals[0] / self.world_size, totals[1]
-        return _Window(window_loss, window_tokens, global_tokens)
+        return self._window(window_loss, window_tokens, device)
 
     def _advantages(self, rewards: torch.Tensor, device) -> tuple[torch.Tensor, dict]:
         """This rank's advantages, computed over every rank's rewards (TRL gathers them: a group's statistics, and

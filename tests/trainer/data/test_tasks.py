@@ -20,6 +20,7 @@ from trainer.data.tasks import (
     kind_of,
     preference_pair,
     solve,
+    unseen_tasks,
     write_task_files,
     wrong_answer,
 )
@@ -55,6 +56,16 @@ def test_train_and_eval_prompts_are_disjoint_and_distinct():
     train_prompts = {prompt(e) for e in train}
     assert len(train_prompts) == len(train)
     assert not train_prompts & {prompt(e) for e in evals}
+
+
+def test_unseen_tasks_are_new_prompts_with_right_answers():
+    """The GRPO demo's prompts: in neither shipped file, distinct, balanced, each answer the solver's."""
+    shipped = {prompt(e) for e in read(TRAIN_FILE) + read(EVAL_FILE)}
+    new = unseen_tasks(500)
+    prompts = [prompt(e) for e in new]
+    assert len(set(prompts)) == 500 and not shipped & set(prompts)
+    assert all(solve(e["messages"][0]["content"]) == e["messages"][1]["content"] for e in new)
+    assert sorted(kind_of(p) for p in prompts) == sorted(KINDS * 100)
 
 
 def test_every_answer_is_right_and_kinds_are_balanced():
