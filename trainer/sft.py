@@ -121,7 +121,8 @@ DEMO_CONFIGS = {
 RUN_ARGS_FILES = {"sft": "sft_args.json", "dpo": "dpo_args.json", "grpo": "grpo_args.json"}
 # The GRPO demo's prompts: new "add" prompts (trainer.data.tasks.unseen_tasks), the one task the SFT demo leaves far
 # from solved (52.5%; the other four at 90-100%). Measured (docs/grpo.md): new prompts of all five tasks, 300-600
-# steps, moved the held-out exact match by -1 to +1 point; new add prompts, 700 steps, +15 points on add.
+# steps, moved the held-out exact match by -1 to +1 point; of add and sort, 900 steps, add +2.5 and sort +7.5; of add
+# alone, 900 steps, add +17.5 and sort -5.
 GRPO_DEMO_KINDS = ("add",)
 GRPO_DEMO_PROMPTS = 5000
 SFT_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
