@@ -187,7 +187,7 @@ class PromptDataset:
     rendered with the chat template and its generation prompt, as TRL does) and any other columns, which reach the
     reward functions as keyword arguments (a "solution" for exact_match, say)."""
 
-    def __init__(self, records: list[dict], tokenizer, max_prompt_length: int | None = None, wheres=None):
+    def __init__(self, records: list[dict], tokenizer, wheres=None):
         self.records, self.prompt_ids = [], []
         self.source = "train_dataset"  # what summary_text names (the CLI sets its files)
         for i, record in enumerate(records):
@@ -199,8 +199,6 @@ class PromptDataset:
             else:
                 where = wheres[i] if wheres is not None else f"train_dataset[{i}]"
                 raise DataError(f"{where}: no prompt (expected a 'prompt' holding text or a list of messages)")
-            if max_prompt_length is not None and len(ids) > max_prompt_length:
-                ids = ids[-max_prompt_length:]  # TRL keeps a too long prompt's end
             self.records.append(dict(record))
             self.prompt_ids.append(list(ids))
         if not self.records:
@@ -280,18 +278,14 @@ class _WindowLoader:
 
     def __iter__(self):
         for window in self.inner:
-            for part in range(self.accum):
-                yield {**window, "part": part}
+            for _ in range(self.accum):
+                yield window
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
-
-
-def _head_loss(hidden, weight, **kwargs):
-    return fused_grpo_loss(hidden, weight, **kwargs)
 
 
 def _head_logps(hidden, weight, *, target, columns, temperature):
@@ -427,7 +421,7 @@ class GRPOTrainer(Trainer):
             batch = self._micro_batch([prompt_ids[rows[r]] for r in part], ids[part], mask[part], tok.pad_token_id)
             ref_logps = self._reference_logps(batch, device) if g.beta > 0 else None
             head = functools.partial(
-                _head_loss,
+                fused_grpo_loss,
                 target=batch["target"],
                 advantages=advantages[torch.as_tensor(part)].to(device),
                 completion_mask=batch["completion_mask"].to(device),
@@ -520,17 +514,18 @@ class GRPOTrainer(Trainer):
     # ---- metrics and completions ----------------------------------------------------------------------------------
     def _record(self, metrics: dict | None) -> None:
         for name, value in (metrics or {}).items():
-            self._metrics.setdefault(name, []).append(torch.as_tensor(value).detach().float().cpu())
+            self._metrics.setdefault(name, []).append(torch.as_tensor(value).detach().float())  # no host sync
 
     def _extra_logs(self) -> dict:
         """Each metric's mean over the values recorded since the last log (TRL's), averaged over the ranks."""
         if not self._metrics:
             return {}
-        names = sorted(self._metrics)
-        values = torch.stack([torch.stack(self._metrics[n]).nanmean() for n in names]).double()
+        names, device = sorted(self._metrics), self._device(self.model)
+        # one host copy at the log step: the rewards' metrics were made on the host, the loss's on the device
+        values = torch.stack([torch.stack([v.to(device) for v in self._metrics[n]]).nanmean() for n in names])
+        values = values.double()
         self._metrics = {}
         if self.world_size > 1:
-            values = values.to(self._device(self.model))
             torch.distributed.all_reduce(values)
             values = values / self.world_size
         return dict(zip(names, values.tolist()))
