@@ -26,6 +26,7 @@ _PUBLIC = {
     "load_preference_dataset": "trainer.data.preference_data",
     "tokenize_sft_dataset": "trainer.data.hf_datasets",
     "load_sft_sources": "trainer.data.hf_sources",
+    "SFTStream": "trainer.data.streaming",
     "Trainer": "trainer.loop.trainer",
     "set_seed": "trainer.loop.trainer",
     "TrainerCallback": "trainer.loop.callbacks",

@@ -540,6 +540,12 @@ class TrainingArguments:
         None, "data", "Pad micro batches to a multiple of this (8/64 help torch.compile)."
     )
     max_tokens: int | None = _arg(None, "data", "Token budget per micro batch for the dynamic batching strategies.")
+    packing_buffer: int = _arg(
+        1000,
+        "data",
+        "A streamed dataset's examples planned into batches together (packed best-fit-decreasing, shuffled) "
+        "(axolotl: pretrain_multipack_buffer_size).",
+    )
 
     # --- precision ---
     bf16: bool = _arg(False, "precision", "bfloat16 mixed-precision training.")

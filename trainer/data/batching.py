@@ -307,6 +307,10 @@ class BatchLoader:
         n = len(self.global_batches(self.epoch))
         return n // self.world_size if self.drop_last else -(-n // self.world_size)
 
+    def global_batch_count(self) -> int:
+        """Global micro batches in the current epoch (a resume under another number of processes compares steps)."""
+        return len(self.global_batches(self.epoch))
+
     def epoch_batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """This rank's micro batches of an epoch as example indices (padding batches included), for inspection."""
         return [b for b, _ in self._deal(self.epoch if epoch is None else epoch, 0)]

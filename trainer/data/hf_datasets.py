@@ -83,8 +83,8 @@ def _one_split(dataset, name: str) -> None:
         )
     if kind == "IterableDataset":
         raise DataError(
-            f"{name}: an IterableDataset (streaming) is not supported yet (expected a datasets.Dataset: "
-            "load_dataset(..., streaming=False), or Dataset.from_generator)"
+            f"{name}: an IterableDataset (streaming) here (expected a datasets.Dataset; a stream trains through "
+            "trainer.SFTStream(dataset, processing_class) as the train_dataset, with max_steps)"
         )
 
 

@@ -824,7 +824,7 @@ def _keep_chat_template(tokenizer, ds: TokenizedDataset) -> None:
     """Conversations rendered with ChatML because the tokenizer has no template: say so once, and make ChatML the
     tokenizer's template, so that it is saved with the model and generation (here and in transformers) renders the
     same way."""
-    rendered = any(fmt not in ("text", "unknown") for fmt in ds.summary.get("formats", {}).values())
+    rendered = any(fmt not in ("text", "unknown", "tokens") for fmt in ds.summary.get("formats", {}).values())
     if rendered and tokenizer.adopt_default_chat_template():
         logger.warning(
             "tokenizer: %s has no chat template; the conversations are rendered with ChatML "

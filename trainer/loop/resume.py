@@ -285,7 +285,7 @@ def check_resume_across_worlds(
             f"{where}: group_by_length=True sorts lengths in groups that depend on the "
             f"number of processes; resume with {saved_world}"
         )
-    n, drop = len(loader.global_batches(loader.epoch)), args.dataloader_drop_last
+    n, drop = loader.global_batch_count(), args.dataloader_drop_last
     if not same_steps(n, drop, (saved_world, saved_accum), (world_size, accum)):
         raise ckpt.CheckpointError(
             f"{where}: an epoch of {n} micro batches makes {steps_per_epoch(n, saved_world, saved_accum, drop)} "

@@ -60,6 +60,7 @@ from trainer.checkpoint_hf import to_json
 from trainer.config.args import TrainingArguments
 from trainer.data.batching import BatchLoader
 from trainer.data.hf_datasets import trainer_dataset
+from trainer.data.streaming import StreamLoader, is_stream, training_data
 from trainer.dist import init_distributed, local_device, world
 from trainer.loop import checkpoint as ckpt
 from trainer.loop.callbacks import CallbackHandler, EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState
@@ -753,6 +754,7 @@ class Trainer:
         sizes = [(_full_numel(p), p.requires_grad) for p in run.model.parameters()]  # tied: once
         trainable, total = sum(n for n, grad in sizes if grad), sum(n for n, _ in sizes)
         processes = f"{world_size} process{'es' if world_size > 1 else ''}"
+        examples = "a stream" if is_stream(self.train_dataset) else f"{len(self.train_dataset):,}"
         if run.loader.max_tokens is not None:  # token-budget batching: a micro batch is a token count, not a row count
             global_batch = (
                 f"{processes} x micro batches of up to {run.loader.max_tokens:,} tokens x {accum} accumulation "
@@ -767,7 +769,7 @@ class Trainer:
             "\n".join(
                 [
                     "***** Running training *****",
-                    f"  Num examples = {len(self.train_dataset):,}",
+                    f"  Num examples = {examples}",
                     f"  Num Epochs = {run.num_epochs:,}",
                     f"  Instantaneous batch size per device = {micro:,}",
                     f"  Total train batch size (w. parallel, distributed & accumulation) = "
@@ -993,7 +995,7 @@ class Trainer:
     def _prepare_dataset(self, dataset, name: str):
         """`dataset` as the loaders take it: a Hugging Face `datasets.Dataset` of tokens converted once and checked
         row by row, a raw one refused in one line (trainer/data/hf_datasets.py); anything else as it is."""
-        return trainer_dataset(dataset, name)
+        return training_data(dataset, name) if name == "train_dataset" else trainer_dataset(dataset, name)
 
     def _train_loader(self, micro: int):
         return self._loader(self.train_dataset, micro, train=True)
@@ -1011,6 +1013,21 @@ class Trainer:
                 "process from in-memory token arrays (microseconds each); no worker processes are started"
             )
         pad_id = getattr(self.processing_class, "pad_token_id", None)
+        if is_stream(dataset):  # trainer.data.streaming: read, tokenised and batched as training goes
+            if not train or self.data_collator is not None:
+                what = "data_collator" if train else "an eval_dataset"
+                raise ValueError(
+                    f"{what} with a streamed dataset: not supported (a stream is batched by its own loader, for "
+                    "training); give the eval data as a datasets.Dataset or a tokenized dataset"
+                )
+            return StreamLoader.from_args(
+                dataset,
+                args,
+                micro,
+                pad_token_id=pad_id if pad_id is not None else 0,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
         loader = BatchLoader.from_args(
             dataset,
             args,

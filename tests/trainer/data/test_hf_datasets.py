@@ -142,7 +142,9 @@ def test_unknown_columns_no_usable_rows_splits_and_streams_are_one_line_errors(t
     ds = datasets.Dataset.from_list(RECORDS["text"])
     with pytest.raises(DataError, match=r"a DatasetDict of splits 'train', 'test' \(expected one split"):
         tokenize_sft_dataset(datasets.DatasetDict(train=ds, test=ds), tok)
-    with pytest.raises(DataError, match=r"IterableDataset \(streaming\) is not supported yet"):
+    with pytest.raises(
+        DataError, match=r"IterableDataset \(streaming\) here .* trainer\.SFTStream\(dataset, processing_class\)"
+    ):
         tokenize_sft_dataset(ds.to_iterable_dataset(), tok)
 
 
@@ -240,7 +242,7 @@ def test_raw_missing_several_splits_and_streaming_datasets_are_refused_in_one_li
     tokens = datasets.Dataset.from_dict({"input_ids": IDS})
     with pytest.raises(DataError, match=r"^train_dataset: a DatasetDict of splits 'train' \(expected one split"):
         trainer_dataset(datasets.DatasetDict(train=tokens), "train_dataset")
-    with pytest.raises(DataError, match=r"^train_dataset: an IterableDataset \(streaming\) is not supported yet"):
+    with pytest.raises(DataError, match=r"^train_dataset: an IterableDataset \(streaming\) here"):
         trainer_dataset(tokens.to_iterable_dataset(), "train_dataset")
     plain = TokenizedDataset.from_examples([(IDS[0], IDS[0])])
     assert trainer_dataset(plain, "train_dataset") is plain  # what is not a `datasets` object passes as it is
@@ -307,7 +309,8 @@ def test_the_trainer_refuses_a_raw_dataset_before_building_anything(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[])
     with pytest.raises(DataError, match=r"^train_dataset: the dataset holds raw messages records"):
         Trainer(model=small_model(), args=args, train_dataset=raw)
-    with pytest.raises(DataError, match=r"^eval_dataset: an IterableDataset \(streaming\) is not supported yet"):
+    streaming = r"^eval_dataset: an IterableDataset \(streaming\) here \(expected a datasets\.Dataset; a stream"
+    with pytest.raises(DataError, match=streaming):
         Trainer(model=small_model(), args=args, eval_dataset=raw.to_iterable_dataset())
     assert not (tmp_path / "out").exists()
 
