@@ -76,6 +76,7 @@ from trainer.data.sft_data import (
     resolve_data_files,
     split_dataset,
 )
+from trainer.data.streaming import StreamLoader, open_sft_stream
 from trainer.data.tasks import EVAL_FILE, KINDS, TRAIN_FILE, kind_of, preference_pair, unseen_tasks
 from trainer.data.tokenizer import TokenizerError
 from trainer.dist import end_on_error, init_distributed, world
@@ -176,6 +177,12 @@ class SFTArguments:
         "sft",
         "Sampling probabilities of the sources for interleave_* (e.g. 0.7 0.3; in YAML a list, or LlamaFactory's "
         "'0.7,0.3'), seeded with data_seed (else seed).",
+    )
+    streaming: bool = _arg(
+        False,
+        "sft",
+        "Read the training data as a stream (datasets' and LlamaFactory's name): tokenised as training goes, "
+        "batched from --packing_buffer examples at a time, resumed exactly; needs max_steps.",
     )
     dataset_num_proc: int | None = _arg(
         None,
@@ -444,6 +451,7 @@ def check_run(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
         )
     _check_sft_values(sft)
     _check_data_sources(sft)
+    _check_streaming(args, sft)
     _check_eval_data(args, sft)
     # the engine's files (DeepSpeed's JSON) read and checked against these arguments, world size from the launcher
     check_engine_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -607,6 +615,29 @@ def _check_data_sources(sft: SFTArguments) -> None:
         check_sources(names, sft.data_files, sft.mix_strategy, interleave_probs(sft), sft.dataset_config)
     except DataError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_streaming(args, sft: SFTArguments) -> None:
+    """--streaming's needs (trainer.data.streaming): stage sft, max_steps, the datasets package, and no option that
+    needs the whole data at once."""
+    if not sft.streaming:
+        return
+    if sft.stage != "sft":
+        raise ConfigError(f"streaming: stage {sft.stage} reads its data whole; streaming is for stage sft")
+    if args.max_steps <= 0:
+        raise ConfigError("max_steps: must be set (> 0) with --streaming (the length of a stream is unknown)")
+    if importlib.util.find_spec("datasets") is None:
+        raise ConfigError("streaming: reads through the datasets package: pip install datasets")
+    given = [
+        f"{name}={getattr(sft, name)!r}"
+        for name in ("val_size", "dataset_test_split", "dataset_num_proc")
+        if getattr(sft, name) not in (None, 0, 0.0)
+    ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: not with --streaming (a stream is read once, in the training process, as training "
+            "goes); give the eval data as --eval_data FILE"
+        )
 
 
 def _check_eval_data(args, sft: SFTArguments) -> None:
@@ -806,7 +837,24 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
             )
 
     seed = args.data_seed if args.data_seed is not None else args.seed
-    if sft.dataset_name:  # trainer.data.hf_sources: load_dataset's sources, a mixture, each split tokenised and cached
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if sft.streaming:  # trainer.data.streaming: read and tokenised as training goes (no cache); the eval data whole
+        train_ds = open_sft_stream(
+            tokenizer,
+            data=None if sft.dataset_name else train_files,
+            dataset_name=sft.dataset_name,
+            config=sft.dataset_config,
+            data_files=sft.data_files,
+            train_split=sft.dataset_train_split,
+            mix_strategy=sft.mix_strategy,
+            interleave_probs=interleave_probs(sft),
+            seed=seed,
+            show_progress=not args.disable_tqdm,
+            **{k: v for k, v in sft_options.items() if k not in ("num_proc", *cache)},
+        )
+        StreamLoader.from_args(train_ds, args, args.per_device_train_batch_size, world_size=world_size)
+        loaded, eval_ds = [train_ds], None
+    elif sft.dataset_name:  # trainer.data.hf_sources: load_dataset's sources, a mixture, each split tokenised, cached
         sources = load_sft_sources(
             sft.dataset_name,
             tokenizer,
@@ -829,10 +877,8 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
     elif sft.val_size:
         val = int(sft.val_size) if sft.val_size >= 1 else sft.val_size
         train_ds, eval_ds = split_dataset(train_ds, val, seed=seed)
-    # the plan every rank will make (world size from the launcher's WORLD_SIZE): one that trains nothing is refused
-    BatchLoader.from_args(
-        train_ds, args, args.per_device_train_batch_size, train=True, world_size=int(os.environ.get("WORLD_SIZE", "1"))
-    )
+    if not sft.streaming:  # the plan every rank will make (world size from the launcher's): one that trains nothing
+        BatchLoader.from_args(train_ds, args, args.per_device_train_batch_size, train=True, world_size=world_size)
     check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
     conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
     return RunInputs(train_ds, eval_ds, loaded, conversations, embedded, tokenizer)

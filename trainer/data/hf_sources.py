@@ -174,10 +174,14 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) < 400 else text[:400] + "..."
 
 
-def load_source(name: str, *, config: str | None = None, data_files=None, show_progress: bool = True):
+def load_source(
+    name: str, *, config: str | None = None, data_files=None, show_progress: bool = True, streaming: bool = False
+):
     """The `datasets.DatasetDict` (or, from `save_to_disk` of one split, the `Dataset`) that `name` names; every
     failure of `datasets` (a Hub id offline, a missing builder dependency, an unreadable file) is a one-line
-    `DataError` naming `name`. datasets' own log lines are silenced meanwhile: the error says what went wrong."""
+    `DataError` naming `name`. datasets' own log lines are silenced meanwhile: the error says what went wrong.
+    `streaming`: the `IterableDatasetDict` instead, read lazily (a saved dataset: its splits as IterableDatasets of
+    its Arrow shards)."""
     import datasets
 
     kind = source_kind(name)
@@ -188,8 +192,13 @@ def load_source(name: str, *, config: str | None = None, data_files=None, show_p
         datasets.disable_progress_bars()
     try:
         if kind == "saved":
-            return datasets.load_from_disk(name)
-        return datasets.load_dataset(name, config, data_files=data_files)
+            saved = datasets.load_from_disk(name)
+            if not streaming:
+                return saved
+            if hasattr(saved, "keys"):
+                return datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in saved.items()})
+            return saved.to_iterable_dataset()
+        return datasets.load_dataset(name, config, data_files=data_files, streaming=streaming)
     except ImportError as exc:
         raise DataError(f"dataset_name={name!r}: needs a package that is not installed: {_reason(exc)}") from None
     except Exception as exc:  # datasets' and the Hub's many error types for a source that cannot be read

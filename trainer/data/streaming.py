@@ -49,6 +49,7 @@ from trainer.coerce import ConfigError
 from trainer.config.args import BATCHING_STRATEGIES, TOKEN_BUDGET_STRATEGIES
 from trainer.data.batching import BatchLoader
 from trainer.data.hf_datasets import _tokenized_example, hf_kind, trainer_dataset
+from trainer.data.hf_sources import load_source, pick_split, split_names
 from trainer.data.sft_data import (
     IGNORE_INDEX,
     DataError,
@@ -57,6 +58,7 @@ from trainer.data.sft_data import (
     checked_options,
     checked_source,
     detect_format,
+    resolve_data_files,
 )
 from trainer.data.sft_data import _encode_item as encode_item
 
@@ -494,3 +496,52 @@ def training_data(dataset, name: str):
     if hf_kind(dataset) == "IterableDataset":
         return SFTStream([dataset], names=[name])
     return trainer_dataset(dataset, name)
+
+
+def open_sft_stream(
+    tokenizer,
+    *,
+    data=None,
+    dataset_name=None,
+    config: str | None = None,
+    data_files=None,
+    train_split: str = "train",
+    mix_strategy: str = "concat",
+    interleave_probs=None,
+    seed: int = 0,
+    show_progress: bool = True,
+    **options,
+) -> SFTStream:
+    """The command's `--streaming` training data: `--dataset_name` sources as `datasets` streams them (a Hub id, a
+    builder with --data_files, a saved dataset's Arrow shards), mixed as asked; or `--data` files, each a source
+    (JSONL/JSON/Parquet through datasets' builders), one after the other. Rows are named `source:split[i]` /
+    `file[i]` (0-based) in errors. Only the first row of each source is read here."""
+    if dataset_name:
+        names = split_names(dataset_name)
+        sources = [
+            pick_split(
+                load_source(n, config=config, data_files=data_files, show_progress=show_progress, streaming=True),
+                n,
+                train_split,
+                train=True,
+            )
+            for n in names
+        ]
+        names = [f"{n}:{train_split}" for n in names]
+    else:
+        files = resolve_data_files(data)
+        builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+        sources = [
+            load_source(builders[f.suffix], data_files=[str(f)], show_progress=show_progress, streaming=True)["train"]
+            for f in files
+        ]
+        names, mix_strategy, interleave_probs = [str(f) for f in files], "concat", None
+    return SFTStream(
+        sources,
+        tokenizer,
+        names=names,
+        mix_strategy=mix_strategy,
+        interleave_probs=interleave_probs,
+        seed=seed,
+        **options,
+    )
