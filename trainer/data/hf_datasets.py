@@ -8,6 +8,11 @@ says "file:line: ...".
   format the files take (messages, sharegpt, alpaca, prompt_completion, text), with the same detection, masking,
   truncation, drops and errors as `load_sft_dataset`: a row of a Dataset is the dict a JSONL line decodes to (an
   absent column is null, as in Parquet), and it goes through the same code. Not cached.
+- `tokenize_preference_dataset(dataset, processing_class, ...)`: preference pairs (TRL's standard and conversational
+  formats, LlamaFactory's sharegpt and alpaca pairs) through `load_preference_dataset`'s code, in the same way.
+- `tokenized_splits(dataset, name, tokenize, ...)`: what SFTTrainer and PreferenceTrainer do first with what they are
+  given: raw parts tokenized (a DatasetDict as train_dataset: its 'train' split; for evaluation: split by split),
+  errors named by the argument ("train_dataset split 'train' row 3: ..."), the rest passed on.
 - `trainer_dataset(dataset, name)`: what `Trainer(train_dataset=..., eval_dataset=...)` does with what it is given.
   A tokenized `datasets.Dataset` (column `input_ids`, and `labels`, or TRL's 0/1 `completion_mask` /
   `assistant_masks`) is converted once, every row checked (on whole Arrow columns where they are lists of integers),
