@@ -25,6 +25,7 @@ _PUBLIC = {
     "load_sft_dataset": "trainer.data.sft_data",
     "load_preference_dataset": "trainer.data.preference_data",
     "tokenize_sft_dataset": "trainer.data.hf_datasets",
+    "tokenize_preference_dataset": "trainer.data.hf_datasets",
     "load_sft_sources": "trainer.data.hf_sources",
     "SFTStream": "trainer.data.streaming",
     "Trainer": "trainer.loop.trainer",
@@ -33,6 +34,7 @@ _PUBLIC = {
     "EarlyStoppingCallback": "trainer.loop.callbacks",
     "PreferenceArguments": "trainer.methods.preference",
     "PreferenceTrainer": "trainer.methods.preference",
+    "SFTTrainer": "trainer.methods.sft",
     "GRPOArguments": "trainer.methods.grpo",
     "GRPOTrainer": "trainer.methods.grpo",
 }

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -342,6 +344,33 @@ def save_pretrained(
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer files of a model directory (trainer.data.tokenizer.Tokenizer.from_pretrained)."""
     return Tokenizer.from_pretrained(path)
+
+
+def tokenizer_of(name: str) -> Tokenizer:
+    """The tokenizer of `name` (a preset, a model or tokenizer directory, or a hub id, downloaded once), without the
+    model."""
+    path = locate(name)
+    return preset_config(name)[1] if path is None else load_tokenizer(path)
+
+
+def resolve_tokenizer(processing_class, model=None):
+    """The tokenizer a trainer's `processing_class` gives: a `Tokenizer` as it is; a name or path (`tokenizer_of`);
+    a transformers tokenizer read into ours (`Tokenizer.from_transformers`); None: the tokenizer of `model` when that
+    is a name or path (as TRL loads the model's own), else None. Another transformers object (a multimodal processor)
+    is a one-line ConfigError; any other object passes as it is (the Trainer reads only its pad_token_id)."""
+    if processing_class is None:
+        return tokenizer_of(str(model)) if isinstance(model, (str, os.PathLike)) else None
+    if isinstance(processing_class, (str, os.PathLike)):
+        return tokenizer_of(str(processing_class))
+    module = sys.modules.get("transformers")
+    if module is not None and isinstance(processing_class, module.PreTrainedTokenizerBase):
+        return Tokenizer.from_transformers(processing_class)
+    if type(processing_class).__module__.split(".")[0] == "transformers":
+        raise ConfigError(
+            f"processing_class: a transformers {type(processing_class).__name__} (expected a tokenizer: a "
+            "trainer.Tokenizer, a tokenizer directory or model name, or a transformers tokenizer)"
+        )
+    return processing_class
 
 
 # ------------------------------------------------------------------------------------------------------------

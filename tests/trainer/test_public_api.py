@@ -17,6 +17,7 @@ PUBLIC = {
     "load_sft_dataset": "trainer.data.sft_data",
     "load_preference_dataset": "trainer.data.preference_data",
     "tokenize_sft_dataset": "trainer.data.hf_datasets",
+    "tokenize_preference_dataset": "trainer.data.hf_datasets",
     "load_sft_sources": "trainer.data.hf_sources",
     "SFTStream": "trainer.data.streaming",
     "Trainer": "trainer.loop.trainer",
@@ -25,6 +26,7 @@ PUBLIC = {
     "EarlyStoppingCallback": "trainer.loop.callbacks",
     "PreferenceArguments": "trainer.methods.preference",
     "PreferenceTrainer": "trainer.methods.preference",
+    "SFTTrainer": "trainer.methods.sft",
     "GRPOArguments": "trainer.methods.grpo",
     "GRPOTrainer": "trainer.methods.grpo",
 }
@@ -35,9 +37,10 @@ def test_each_public_name_is_the_object_its_module_defines():
     for name, module in PUBLIC.items():
         assert getattr(trainer, name) is getattr(importlib.import_module(module), name), name
     assert set(PUBLIC) <= set(dir(trainer))
-    from trainer import PreferenceTrainer, Trainer, TrainingArguments  # the one-line import the README uses
+    from trainer import PreferenceTrainer, SFTTrainer, Trainer, TrainingArguments  # the README's one-line import
 
-    assert issubclass(PreferenceTrainer, Trainer) and TrainingArguments().optim == "adamw_fused"
+    assert issubclass(PreferenceTrainer, Trainer) and issubclass(SFTTrainer, Trainer)
+    assert TrainingArguments().optim == "adamw_fused"
 
 
 def test_submodules_and_unknown_names():

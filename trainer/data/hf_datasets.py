@@ -8,6 +8,11 @@ says "file:line: ...".
   format the files take (messages, sharegpt, alpaca, prompt_completion, text), with the same detection, masking,
   truncation, drops and errors as `load_sft_dataset`: a row of a Dataset is the dict a JSONL line decodes to (an
   absent column is null, as in Parquet), and it goes through the same code. Not cached.
+- `tokenize_preference_dataset(dataset, processing_class, ...)`: preference pairs (TRL's standard and conversational
+  formats, LlamaFactory's sharegpt and alpaca pairs) through `load_preference_dataset`'s code, in the same way.
+- `tokenized_splits(dataset, name, tokenize, ...)`: what SFTTrainer and PreferenceTrainer do first with what they are
+  given: raw parts tokenized (a DatasetDict as train_dataset: its 'train' split; for evaluation: split by split),
+  errors named by the argument ("train_dataset split 'train' row 3: ..."), the rest passed on.
 - `trainer_dataset(dataset, name)`: what `Trainer(train_dataset=..., eval_dataset=...)` does with what it is given.
   A tokenized `datasets.Dataset` (column `input_ids`, and `labels`, or TRL's 0/1 `completion_mask` /
   `assistant_masks`) is converted once, every row checked (on whole Arrow columns where they are lists of integers),
@@ -33,7 +38,15 @@ import sys
 
 import numpy as np
 
+from trainer.data.preference_data import (
+    PAIR_FORMATS_TEXT,
+    PreferenceDataset,
+    detect_preference_format,
+    preference_options,
+)
+from trainer.data.preference_data import _build as _build_pairs
 from trainer.data.sft_data import (
+    _SFT_FORMATS_TEXT,
     IGNORE_INDEX,
     DataError,
     TokenizedDataset,
@@ -115,16 +128,99 @@ def tokenize_sft_dataset(
     ("row N", or "split 'S' row N"; `split` defaults to the Dataset's own), or is skipped and counted with
     `skip_bad_examples`. `num_proc` > 1 tokenises in that many processes, with the same result."""
     options = checked_options(data_format, cutoff_len, train_on_prompt, mask_history, skip_bad_examples)
-    _one_split(dataset, "tokenize_sft_dataset")
-    split = _split(dataset, split)
-    source = f"dataset split {split!r}" if split else "dataset"
-    formats: dict[str, str] = {}
-    rows = ((_where(i, split), row) for i, row in enumerate(_rows(dataset)))
-    items = checked_source(source, rows, data_format, formats)
+    source, items, formats = _checked_rows(dataset, "tokenize_sft_dataset", split, data_format, detect_format)
     ds = _build(items, [source], formats, processing_class, options, show_progress, num_proc)
     ds.summary["from_dataset"] = True  # for summary_text
     _keep_chat_template(processing_class, ds)
     return ds
+
+
+def tokenize_preference_dataset(
+    dataset,
+    processing_class,
+    *,
+    split: str | None = None,
+    data_format: str = "auto",
+    max_length: int | None = 1024,
+    max_prompt_length: int | None = None,
+    truncation_mode: str = "keep_start",
+    skip_bad_examples: bool = False,
+    show_progress: bool = True,
+) -> PreferenceDataset:
+    """Tokenize the preference pairs of a raw `datasets.Dataset` (or a list of record dicts) with `processing_class`,
+    exactly as `load_preference_dataset` tokenizes a file of the same records: TRL's standard and conversational
+    formats (an implicit prompt too) and LlamaFactory's sharegpt and alpaca pairs, detected from the first valid row
+    or forced with `data_format`; the options mean what they mean there. A bad pair is a `DataError` naming it
+    ("row N", or "split 'S' row N"), or is skipped and counted with `skip_bad_examples`. Not cached."""
+    options = preference_options(data_format, max_length, max_prompt_length, truncation_mode, skip_bad_examples)
+    source, items, formats = _checked_rows(
+        dataset, "tokenize_preference_dataset", split, data_format, detect_preference_format, PAIR_FORMATS_TEXT
+    )
+    return _build_pairs(items, [source], formats, processing_class, options, show_progress)
+
+
+def _checked_rows(dataset, name: str, split, data_format: str, detect, expected: str = _SFT_FORMATS_TEXT):
+    """(source, items, formats) of a raw Dataset or list of records, as `sft_data.checked_source` makes them of a
+    file: the source names the split, each row is located by `_where`. A Dataset whose columns name no format is one
+    line naming them (every row of it would fail alike)."""
+    _one_split(dataset, name)
+    split = _split(dataset, split)
+    source = f"dataset split {split!r}" if split else "dataset"
+    if hf_kind(dataset) == "Dataset" and data_format == "auto" and detect(dict.fromkeys(dataset.column_names)) is None:
+        raise DataError(
+            f"{source}: cannot tell the data format from the columns {dataset.column_names} "
+            f"(expected {expected}; or set data_format)"
+        )
+    formats: dict[str, str] = {}
+    rows = ((_where(i, split), row) for i, row in enumerate(_rows(dataset)))
+    return source, checked_source(source, rows, data_format, formats, detect, expected), formats
+
+
+# ---- what SFTTrainer and PreferenceTrainer are given -------------------------------------------------------
+def tokenized_splits(dataset, name: str, tokenize, token_column: str | None):
+    """`dataset`, given to SFTTrainer or PreferenceTrainer as `name`, with its raw parts tokenized by
+    `tokenize(rows, split)`, before the Trainer's own conversion (`trainer_dataset`) sees it. Raw: a `datasets.Dataset`
+    or a list of record dicts without `token_column` (rows already tokenized; None: any). A DatasetDict as
+    train_dataset is its 'train' split; an eval dict or DatasetDict is tokenized split by split (its keys name the
+    splits in errors and in the metrics' prefixes). Anything else (an IterableDataset included) passes as it is.
+    Errors name the argument ("train_dataset row 3: ..."); `tokenize` None (no processing_class) with raw rows is
+    a one-line error."""
+
+    def one(ds, split):
+        if not _is_raw(ds, token_column):
+            return ds
+        if tokenize is None:
+            raise DataError(
+                f"{name}: raw records need a processing_class to tokenize them (expected a trainer.Tokenizer, a "
+                "tokenizer directory, or a transformers tokenizer)"
+            )
+        try:
+            return tokenize(ds, split)
+        except DataError as exc:  # named by the argument too, as the Trainer's are: "eval_dataset split 'S' row N: ..."
+            message = str(exc)
+            rest = message[len("dataset") :] if message.startswith("dataset") else f" {message}"
+            raise DataError(f"{name}{rest}") from None
+
+    if name == "train_dataset" and hf_kind(dataset) == "DatasetDict":
+        if "train" not in dataset:
+            raise DataError(
+                f"{name}: a DatasetDict of splits {', '.join(map(repr, dataset))}, none of them 'train' "
+                f"(expected one split, e.g. dataset[{next(iter(dataset), 'train')!r}])"
+            )
+        return one(dataset["train"], "train")
+    if name != "train_dataset" and isinstance(dataset, dict):  # a DatasetDict is a dict
+        return {key: one(ds, key) for key, ds in dataset.items()}
+    return one(dataset, None)
+
+
+def _is_raw(dataset, token_column: str | None) -> bool:
+    if hf_kind(dataset) == "Dataset":
+        columns = dataset.column_names
+    elif isinstance(dataset, (list, tuple)) and dataset and isinstance(dataset[0], dict):
+        columns = dataset[0]
+    else:
+        return False
+    return token_column is None or token_column not in columns
 
 
 # ---- tokenized rows, checked ------------------------------------------------------------------------------

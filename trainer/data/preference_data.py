@@ -70,6 +70,7 @@ PREFERENCE_FORMATS = ("auto", "standard", "conversational", "sharegpt", "alpaca"
 TRUNCATION_MODES = ("keep_start", "keep_end")
 _CACHE_VERSION = "kernelwright-preference-v2"  # v2: a directory of .npy files (memory-mapped)
 _PARTS = ("prompt", "chosen", "rejected")
+PAIR_FORMATS_TEXT = "chosen and rejected, with prompt, conversations or instruction"  # what the formats' keys are
 
 
 # ---- formats ----------------------------------------------------------------------------------------------
@@ -347,7 +348,9 @@ def collate_pairs(pairs: list[dict], pad_token_id: int, pad_to_multiple_of: int 
 
 
 # ---- loading ----------------------------------------------------------------------------------------------
-def _check_options(data_format, max_length, max_prompt_length, truncation_mode) -> None:
+def preference_options(data_format, max_length, max_prompt_length, truncation_mode, skip_bad_examples) -> dict:
+    """The tokenisation options (the cache key's part), checked: a file's (`load_preference_dataset`), records'
+    (`pairs_dataset`) or a Dataset's (`trainer.data.hf_datasets.tokenize_preference_dataset`)."""
     if data_format not in PREFERENCE_FORMATS:
         raise ValueError(f"data_format={data_format!r}: expected one of {', '.join(PREFERENCE_FORMATS)}")
     for name, value in (("max_length", max_length), ("max_prompt_length", max_prompt_length)):
@@ -355,6 +358,14 @@ def _check_options(data_format, max_length, max_prompt_length, truncation_mode) 
             raise ValueError(f"{name}={value!r}: expected an int >= 2, or None for no truncation")
     if truncation_mode not in TRUNCATION_MODES:
         raise ValueError(f"truncation_mode={truncation_mode!r}: expected one of {', '.join(TRUNCATION_MODES)}")
+    return {
+        "kind": _CACHE_VERSION,
+        "data_format": data_format,
+        "max_length": max_length,
+        "max_prompt_length": max_prompt_length,
+        "truncation_mode": truncation_mode,
+        "skip_bad_examples": skip_bad_examples,
+    }
 
 
 def load_preference_dataset(
@@ -372,24 +383,10 @@ def load_preference_dataset(
 ) -> PreferenceDataset:
     """Read, normalise, render, split, truncate and tokenize the pairs of `paths` once (cached under `cache_dir`;
     with write_cache=False a new tokenisation is saved later, by `trainer.data.sft_data.save_to_cache`)."""
-    _check_options(data_format, max_length, max_prompt_length, truncation_mode)
+    options = preference_options(data_format, max_length, max_prompt_length, truncation_mode, skip_bad_examples)
     files = resolve_data_files(paths)
-    options = {
-        "kind": _CACHE_VERSION,
-        "data_format": data_format,
-        "max_length": max_length,
-        "max_prompt_length": max_prompt_length,
-        "truncation_mode": truncation_mode,
-        "skip_bad_examples": skip_bad_examples,
-    }
     formats: dict[str, str] = {}
-    items = checked_records(
-        files,
-        data_format,
-        formats,
-        detect_preference_format,
-        "chosen and rejected, with prompt, conversations or instruction",
-    )
+    items = checked_records(files, data_format, formats, detect_preference_format, PAIR_FORMATS_TEXT)
     return load_cached(
         cache_dir,
         "pairs",
@@ -414,15 +411,7 @@ def pairs_dataset(
 ) -> PreferenceDataset:
     """Pairs given as TRL conversational records in memory (the embedded demo's, trainer.data.tasks.preference_pair)
     rather than files; `source` names them in errors ("source:N") and the summary. Not cached."""
-    _check_options("conversational", max_length, max_prompt_length, truncation_mode)
-    options = {
-        "kind": _CACHE_VERSION,
-        "data_format": "conversational",
-        "max_length": max_length,
-        "max_prompt_length": max_prompt_length,
-        "truncation_mode": truncation_mode,
-        "skip_bad_examples": False,
-    }
+    options = preference_options("conversational", max_length, max_prompt_length, truncation_mode, False)
     items = ((f"{source}:{i}", (record, "conversational")) for i, record in enumerate(records, 1))
     return _build(items, [source], {source: "conversational"}, tokenizer, options, show_progress)
 

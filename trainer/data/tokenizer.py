@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -300,6 +301,22 @@ class Tokenizer:
             extra_config={k: v for k, v in config.items() if k not in known and k != "added_tokens_decoder"},
             name_or_path=str(path),
         )
+
+    @classmethod
+    def from_transformers(cls, tokenizer) -> Tokenizer:
+        """A transformers tokenizer (`AutoTokenizer.from_pretrained(...)`) as ours: the files its `save_pretrained`
+        writes, read back by `from_pretrained`, so that its vocabulary, special tokens and chat template are the
+        same. A slow tokenizer writes no tokenizer.json: a one-line TokenizerError."""
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save_pretrained(tmp)
+            if not (Path(tmp) / "tokenizer.json").is_file():
+                raise TokenizerError(
+                    f"processing_class: a {type(tokenizer).__name__} saves no tokenizer.json (a slow tokenizer; "
+                    "expected a fast one: AutoTokenizer.from_pretrained(..., use_fast=True))"
+                )
+            ours = cls.from_pretrained(tmp)
+        ours.name_or_path = str(getattr(tokenizer, "name_or_path", "") or "")
+        return ours
 
     def adopt_default_chat_template(self) -> bool:
         """Make ChatML (`DEFAULT_CHAT_TEMPLATE`, what rendering falls back to) this tokenizer's own template when it has

@@ -32,11 +32,11 @@ import torch
 
 import kernels
 from kernels.fused_linear_preference import LOSS_TYPES
-from trainer.config.args import ConfigError, _arg
+from trainer.build import resolve_tokenizer
+from trainer.config.args import ConfigError, TrainingArguments, _arg
 from trainer.data.batching import IGNORE_INDEX
-from trainer.data.hf_datasets import hf_kind
-from trainer.data.preference_data import TRUNCATION_MODES, PreferenceDataset, collate_pairs
-from trainer.data.sft_data import DataError
+from trainer.data.hf_datasets import tokenize_preference_dataset, tokenized_splits
+from trainer.data.preference_data import PREFERENCE_FORMATS, TRUNCATION_MODES, PreferenceDataset, collate_pairs
 from trainer.loop.evaluation import forward_params
 from trainer.loop.trainer import Trainer
 from trainer.model.causal_lm import HostLabels
@@ -133,26 +133,44 @@ class PreferenceArguments:
 class PreferenceTrainer(Trainer):
     """The Trainer with preference batches and loss (module docstring); `ref_model` an nn.Module or None."""
 
-    def __init__(self, model=None, args=None, pref: PreferenceArguments | None = None, ref_model=None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        pref: PreferenceArguments | None = None,
+        ref_model=None,
+        *,
+        data_format: str = "auto",
+        skip_bad_examples: bool = False,
+        **kwargs,
+    ):
         for name in ("data_collator", "compute_metrics", "preprocess_logits_for_metrics"):
             if kwargs.get(name) is not None:
                 raise ValueError(
                     f"PreferenceTrainer: {name} is not supported (pairs are collated by "
                     "trainer.data.preference_data.collate_pairs; the logits are never formed)"
                 )
-        super().__init__(model=model, args=args, **kwargs)
+        if data_format not in PREFERENCE_FORMATS:
+            raise ValueError(f"data_format={data_format!r}: expected one of {', '.join(PREFERENCE_FORMATS)}")
+        # _prepare_dataset reads these; Trainer.__init__ calls it before it sets its own attributes
+        self.args = args if args is not None else TrainingArguments()
         self.pref = pref or PreferenceArguments()
+        self.processing_class = kwargs["processing_class"] = resolve_tokenizer(kwargs.get("processing_class"))
+        self._pair_options = dict(data_format=data_format, skip_bad_examples=skip_bad_examples)
+        super().__init__(model=model, args=self.args, **kwargs)
         if self.args.batching_strategy != "normal":
             raise ConfigError(
                 f"batching_strategy={self.args.batching_strategy!r}: preference training batches pairs "
                 "with batching_strategy='normal' only"
             )
         for name, ds in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
-            if ds is not None and not isinstance(ds, PreferenceDataset):
-                raise ValueError(
-                    f"PreferenceTrainer: {name} must be a trainer.data.preference_data.PreferenceDataset, "
-                    f"got {type(ds).__name__}"
-                )
+            for part in ds.values() if name == "eval_dataset" and isinstance(ds, dict) else [ds]:
+                if part is not None and not isinstance(part, PreferenceDataset):
+                    raise ValueError(
+                        f"PreferenceTrainer: {name} must be preference pairs: a PreferenceDataset "
+                        "(load_preference_dataset), a datasets.Dataset or a list of pair records, got "
+                        f"{type(part).__name__}"
+                    )
         # The reference model: the one given, else (unless precomputing, which reads the model before its first
         # step, or LoRA, whose base model is the reference) a frozen copy of the model as it was given
         self.ref_model = None
@@ -167,13 +185,25 @@ class PreferenceTrainer(Trainer):
 
     # ---- the batch ------------------------------------------------------------------------------------------
     def _prepare_dataset(self, dataset, name: str):
-        kind = hf_kind(dataset)
-        if kind is not None:  # the Trainer's conversion is for SFT tokens; pairs from `datasets` come later (issue 32)
-            raise DataError(
-                f"PreferenceTrainer: {name} is a datasets.{kind}, not supported yet (expected a PreferenceDataset: "
-                "trainer.data.preference_data.load_preference_dataset(files, tokenizer))"
+        """Raw pairs (a `datasets.Dataset`, split by split for a DatasetDict, or a list of records) tokenized as files
+        of the same records are (`tokenize_preference_dataset`: max_length is args.cutoff_len, max_prompt_length and
+        truncation_mode the pref's); an IterableDataset goes to the Trainer's conversion, which says what it does."""
+        tokenizer = self.processing_class
+
+        def tokenize(rows, split):
+            return tokenize_preference_dataset(
+                rows,
+                tokenizer,
+                split=split,
+                max_length=self.args.cutoff_len,
+                max_prompt_length=self.pref.max_prompt_length,
+                truncation_mode=self.pref.truncation_mode,
+                show_progress=not self.args.disable_tqdm,
+                **self._pair_options,
             )
-        return dataset
+
+        dataset = tokenized_splits(dataset, name, tokenize if tokenizer is not None else None, None)
+        return super()._prepare_dataset(dataset, name)
 
     def _loader(self, dataset, micro: int, train: bool):
         loader = super()._loader(dataset, micro, train)

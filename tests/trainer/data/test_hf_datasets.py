@@ -1,7 +1,8 @@
 """Hugging Face `datasets` objects as data (issue 32 item 1, first slice): a raw Dataset tokenizes to exactly the
 tokens and labels of a JSONL file of the same records, for every format and option; a bad row is named by index and
 split; a tokenized Dataset (labels, or TRL's completion_mask / assistant_masks) is checked row by row and trains as
-the same TokenizedDataset does; raw, several-split and streaming datasets given to the Trainer are one-line errors."""
+the same TokenizedDataset does; raw, several-split and streaming datasets given to the Trainer are one-line errors.
+Preference pairs (tokenize_preference_dataset): the tokens of a JSONL file of the same records, in every format."""
 
 import json
 
@@ -11,12 +12,18 @@ import pytest
 import torch
 
 from trainer.config.args import TrainingArguments
-from trainer.data.hf_datasets import tokenize_sft_dataset, tokenized_from_hf, trainer_dataset
+from trainer.data.hf_datasets import (
+    tokenize_preference_dataset,
+    tokenize_sft_dataset,
+    tokenized_from_hf,
+    tokenized_splits,
+    trainer_dataset,
+)
+from trainer.data.preference_data import PreferenceDataset, load_preference_dataset
 from trainer.data.sft_data import DataError, TokenizedDataset, load_sft_dataset, split_dataset
 from trainer.data.tasks import generate_tasks
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.loop.trainer import Trainer
-from trainer.methods.preference import PreferenceTrainer
 from trainer.model.causal_lm import CausalLM, ModelConfig
 
 IGN = -100
@@ -135,8 +142,10 @@ def test_a_bad_row_is_named_by_its_index_and_split_with_the_files_message(tmp_pa
 
 
 def test_unknown_columns_no_usable_rows_splits_and_streams_are_one_line_errors(tok):
-    with pytest.raises(DataError, match=r"^row 0: cannot tell the data format from the keys \['question'\]"):
+    with pytest.raises(DataError, match=r"^dataset: cannot tell the data format from the columns \['question'\]"):
         tokenize_sft_dataset(datasets.Dataset.from_list([{"question": "q"}]), tok, show_progress=False)
+    with pytest.raises(DataError, match=r"^row 0: cannot tell the data format from the keys \['question'\]"):
+        tokenize_sft_dataset([{"question": "q"}], tok, show_progress=False)  # a list: its rows' own keys
     with pytest.raises(DataError, match=r"^dataset: no usable examples \(no_targets 1\)"):
         tokenize_sft_dataset(datasets.Dataset.from_list([{"messages": [USER]}]), tok, show_progress=False)
     ds = datasets.Dataset.from_list(RECORDS["text"])
@@ -315,8 +324,109 @@ def test_the_trainer_refuses_a_raw_dataset_before_building_anything(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_preference_trainer_refuses_a_datasets_object_in_one_line(tmp_path):
-    pairs = datasets.Dataset.from_list([{"prompt": "p", "chosen": "a", "rejected": "b"}])
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[])
-    with pytest.raises(DataError, match=r"^PreferenceTrainer: train_dataset is a datasets\.Dataset, not supported yet"):
-        PreferenceTrainer(model=small_model(), args=args, train_dataset=pairs)
+# ---- preference pairs ---------------------------------------------------------------------------------------
+PAIRS = {
+    "standard": [
+        {"prompt": "2+3?", "chosen": "5", "rejected": "6"},
+        {"chosen": "Q: sky? A: blue", "rejected": "Q: sky? A: green"},  # implicit prompt (a null prompt in a Dataset)
+    ],
+    "conversational": [
+        {"prompt": [USER], "chosen": [ANSWER], "rejected": [{"role": "assistant", "content": "bye"}]},
+        {  # implicit prompt: the shared first messages
+            "chosen": [SYSTEM, USER, ANSWER],
+            "rejected": [SYSTEM, USER, {"role": "assistant", "content": "go away " * 20}],  # > max_length 60
+        },
+    ],
+    "sharegpt": [
+        {
+            "conversations": [{"from": "human", "value": "hi"}],
+            "chosen": {"from": "gpt", "value": "yo"},
+            "rejected": {"from": "gpt", "value": "no"},
+            "system": "calc",
+        },
+        {
+            "conversations": [{"from": "human", "value": "a"}],
+            "chosen": {"from": "gpt", "value": "b"},
+            "rejected": {"from": "gpt", "value": "c"},
+        },
+    ],
+    "alpaca": [
+        {"instruction": "add", "input": "1 2", "chosen": "3", "rejected": "4"},
+        {"instruction": "hi", "chosen": "yo", "rejected": "no", "history": [["q", "a"]]},
+        {"instruction": "long " * 30, "chosen": "x", "rejected": "y"},  # > max_length 60
+    ],
+}
+PAIR_OPTIONS = [{}, {"max_length": 60}, {"max_length": 60, "truncation_mode": "keep_end"}, {"max_prompt_length": 8}]
+
+
+def same_pairs(a: PreferenceDataset, b: PreferenceDataset) -> None:
+    for part in ("prompt", "chosen", "rejected"):
+        np.testing.assert_array_equal(a.ids[part], b.ids[part])
+        np.testing.assert_array_equal(a.offsets[part], b.offsets[part])
+
+
+@pytest.mark.parametrize("options", PAIR_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_preference_pairs_of_a_dataset_tokenize_as_a_jsonl_file_of_the_same_records(tmp_path, tok, name, options):
+    records = PAIRS[name]
+    from_file = load_preference_dataset(write_jsonl(tmp_path / "p.jsonl", records), tok, show_progress=False, **options)
+    from_rows = tokenize_preference_dataset(as_dataset(records), tok, show_progress=False, **options)
+    same_pairs(from_rows, from_file)
+    same_pairs(tokenize_preference_dataset(records, tok, show_progress=False, **options), from_file)  # a list
+    for key in ("pairs_read", "dropped", "truncated", "options", "pairs"):
+        assert from_rows.summary[key] == from_file.summary[key], key
+    assert from_rows.summary["formats"] == {"dataset": name}
+
+
+def test_a_bad_pair_is_named_by_its_index_and_split(tmp_path, tok):
+    records = [{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "p", "chosen": "a", "rejected": "a"}]
+    with pytest.raises(DataError) as from_file:
+        load_preference_dataset(write_jsonl(tmp_path / "p.jsonl", records), tok, show_progress=False)
+    message = str(from_file.value).split(": ", 1)[1]
+    assert message.startswith("chosen and rejected are identical")
+    with pytest.raises(DataError) as named:
+        tokenize_preference_dataset(as_dataset(records, split="train"), tok, show_progress=False)
+    assert str(named.value) == f"split 'train' row 1: {message}"
+    kept = tokenize_preference_dataset(as_dataset(records), tok, skip_bad_examples=True, show_progress=False)
+    assert len(kept) == 1 and kept.summary["dropped"] == {"identical_answers": 1}
+    with pytest.raises(DataError, match=r"^dataset: cannot tell the data format from the columns \['prompt', 'answer'"):
+        tokenize_preference_dataset(datasets.Dataset.from_list([{"prompt": "p", "answer": "a"}]), tok)
+    with pytest.raises(DataError, match=r"^split 'x' row 0: field 'chosen' is a number \(expected a string\)"):
+        tokenize_preference_dataset(as_dataset([{"prompt": "p", "chosen": 1, "rejected": 2}]), tok, split="x")
+    with pytest.raises(ValueError, match=r"^truncation_mode='middle': expected one of keep_start, keep_end"):
+        tokenize_preference_dataset(as_dataset(records), tok, truncation_mode="middle")
+
+
+def test_what_the_method_trainers_tokenize_and_what_they_pass_on(tok):
+    """tokenized_splits: raw parts tokenized (a DatasetDict as train_dataset by its 'train' split, an eval dict split
+    by split), errors named by the argument, the rest passed on as it is."""
+    seen = []
+
+    def tokenize(rows, split):
+        seen.append((len(rows), split))
+        return tokenize_sft_dataset(rows, tok, split=split, show_progress=False)
+
+    raw = as_dataset(RECORDS["messages"])
+    tokens = datasets.Dataset.from_dict({"input_ids": IDS})
+    assert isinstance(tokenized_splits(raw, "train_dataset", tokenize, "input_ids"), TokenizedDataset)
+    assert isinstance(tokenized_splits(RECORDS["text"], "train_dataset", tokenize, "input_ids"), TokenizedDataset)
+    tokenized_splits(datasets.DatasetDict(train=raw, test=raw.select([0])), "train_dataset", tokenize, "input_ids")
+    evals = tokenized_splits(datasets.DatasetDict(a=raw, b=tokens), "eval_dataset", tokenize, "input_ids")
+    assert seen == [(3, None), (2, None), (3, "train"), (3, "a")]
+    assert isinstance(evals["a"], TokenizedDataset) and evals["b"] is tokens  # tokenized: the Trainer converts it
+    streamed = raw.to_iterable_dataset()
+    for passed in (tokens, streamed, [{"input_ids": [1, 2]}], [], None):
+        assert tokenized_splits(passed, "train_dataset", tokenize, "input_ids") is passed
+    with pytest.raises(DataError, match=r"^train_dataset: raw records need a processing_class"):
+        tokenized_splits(tokens, "train_dataset", None, None)  # pairs (token_column None): any Dataset is raw
+    with pytest.raises(DataError, match=r"^train_dataset: a DatasetDict of splits 'a', 'b', none of them 'train'"):
+        tokenized_splits(datasets.DatasetDict(a=raw, b=raw), "train_dataset", tokenize, "input_ids")
+    with pytest.raises(DataError, match=r"^eval_dataset: raw records need a processing_class to tokenize them"):
+        tokenized_splits({"val": raw}, "eval_dataset", None, "input_ids")
+    bad = as_dataset([{"messages": [USER, ANSWER]}, {"messages": [USER, {"role": "bot", "content": "x"}]}])
+    with pytest.raises(DataError, match=r"^eval_dataset split 'val' row 1: messages\[1\]\.role is 'bot'"):
+        tokenized_splits({"val": bad}, "eval_dataset", tokenize, "input_ids")
+    with pytest.raises(DataError, match=r"^train_dataset row 1: messages\[1\]\.role is 'bot'"):
+        tokenized_splits(bad, "train_dataset", tokenize, "input_ids")
+    with pytest.raises(DataError, match=r"^train_dataset: cannot tell the data format from the columns \['x'\]"):
+        tokenized_splits(datasets.Dataset.from_list([{"x": 1}]), "train_dataset", tokenize, "input_ids")

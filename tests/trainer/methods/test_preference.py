@@ -1,13 +1,15 @@
 """Preference training on the Trainer's loop (trainer/methods/preference.py): a run against a DPO loop written by
 hand in plain PyTorch (materialised logits, log_softmax, gather, TRL's sigmoid formula, torch's AdamW), the first step's
 known values, the reference's four sources (a frozen copy, a given model, precomputed, LoRA's base model) giving
-the same run, reference-free losses, TRL's metric names in the logs and the evaluation, and the bad settings."""
+the same run, reference-free losses, TRL's metric names in the logs and the evaluation, pairs from a datasets.Dataset
+as from a file, and the bad settings."""
 
 from __future__ import annotations
 
 import copy
 import json
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,8 @@ import torch.nn.functional as F
 
 from tests.trainer.loop.test_trainer import small_model as trainer_small_model
 from trainer.config.args import ConfigError, TrainingArguments
-from trainer.data.preference_data import collate_pairs, load_preference_dataset
+from trainer.data.preference_data import PreferenceDataset, collate_pairs, load_preference_dataset
+from trainer.data.sft_data import DataError, TokenizedDataset
 from trainer.data.tasks import generate_tasks, preference_pair
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
@@ -216,8 +219,52 @@ def test_sft_data_and_other_batching_are_refused(tmp_path, pairs, tokenizer):
         PreferenceTrainer(
             model=small_model(), args=make_args(tmp_path, batching_strategy="padding_free"), train_dataset=pairs
         )
-    with pytest.raises(ValueError, match="train_dataset must be a trainer.data.preference_data.PreferenceDataset"):
-        PreferenceTrainer(model=small_model(), args=make_args(tmp_path), train_dataset=[{"input_ids": [1, 2]}])
+    sft_tokens = TokenizedDataset.from_examples([([1, 2, 3], [-100, 2, 3])])
+    with pytest.raises(ValueError, match="^PreferenceTrainer: train_dataset must be preference pairs: a Preference"):
+        PreferenceTrainer(model=small_model(), args=make_args(tmp_path), train_dataset=sft_tokens)
+    args, sft_rows = make_args(tmp_path), [{"input_ids": [1, 2]}]
+    with pytest.raises(DataError, match=r"^train_dataset row 0: cannot tell the data format from the keys \['input"):
+        PreferenceTrainer(model=small_model(), args=args, train_dataset=sft_rows, processing_class=tokenizer)
+
+
+def test_pairs_from_a_dataset_train_as_the_same_pairs_from_a_file(tmp_path, pairs, tokenizer):
+    """TRL's conversational records as a datasets.Dataset (the fixture's file holds the same records), with a
+    DatasetDict to evaluate on: the same first DPO step, weights and evaluation as the file's pairs; a raw Dataset
+    without a processing_class, or with a bad row, is one line."""
+    records = [preference_pair(ex) for ex in generate_tasks(STEPS * PAIRS_PER_STEP, 4)]
+    rows = datasets.Dataset.from_list(records)
+    file_trainer, file_logs = run(tmp_path / "file", pairs, tokenizer, max_steps=1)
+    trainer = PreferenceTrainer(
+        model=small_model(),
+        args=make_args(tmp_path / "rows", max_steps=1),
+        train_dataset=rows,
+        eval_dataset=datasets.DatasetDict(val=rows.select(range(4))),
+        processing_class=tokenizer,
+    )
+    assert isinstance(trainer.train_dataset, PreferenceDataset) and len(trainer.train_dataset) == len(pairs)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+
+    def measured(log):  # the step's numbers, not its timing
+        return {k: v for k, v in log.items() if "per_second" not in k and k != "peak_memory_gb"}
+
+    assert len(logs) == 1 and measured(logs[0]) == measured(file_logs[0])
+    for (name, got), want in zip(trainer.model.state_dict().items(), file_trainer.model.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+    metrics = trainer.evaluate()
+    assert metrics["eval_val_loss"] == file_trainer.evaluate(pairs.select(range(4)))["eval_loss"]
+    assert "eval_val_rewards/margins" in metrics
+    with pytest.raises(DataError, match=r"^train_dataset: raw records need a processing_class to tokenize them"):
+        PreferenceTrainer(model=small_model(), args=make_args(tmp_path), train_dataset=rows)
+    bad = datasets.Dataset.from_list(records[:2] + [{**records[2], "rejected": records[2]["chosen"]}])
+    with pytest.raises(DataError, match=r"^eval_dataset split 'val' row 2: chosen and rejected are identical"):
+        PreferenceTrainer(
+            model=small_model(),
+            args=make_args(tmp_path),
+            train_dataset=pairs,
+            eval_dataset={"val": bad},
+            processing_class=tokenizer,
+        )
 
 
 def test_kernels_through_the_interpreter_train_as_plain_pytorch(tmp_path, pairs, tokenizer):
