@@ -15,7 +15,9 @@ What it adds to `Trainer` (trainer/loop/trainer.py, which takes tokenized data o
   errors of a JSONL file of the same records. The options are the command's (`python -m trainer.sft`): `cutoff_len`
   (TRL's `max_length`) from `args`, and `data_format`, `train_on_prompt`, `mask_history`, `skip_bad_examples`,
   `dataset_num_proc` here. Tokenized data (a TokenizedDataset, a Dataset with `input_ids`) and anything else go to
-  the Trainer as they are (an `IterableDataset` too: the Trainer says what it does with one).
+  the Trainer as they are.
+- `train_dataset` a `datasets.IterableDataset` (streaming): an `SFTStream` (trainer/data/streaming.py) with the same
+  options, read and tokenised as training goes, resumed exactly; it needs max_steps (dataset_num_proc does not apply).
 
 What differs from TRL: what TRL's SFTConfig holds is TrainingArguments' here (max_length is cutoff_len; packing is
 batching_strategy; LoRA and 4-bit are use_peft and load_in_4bit, not peft_config and quantization_config) or a
@@ -30,8 +32,9 @@ import os
 
 from trainer.build import build_model, resolve_tokenizer
 from trainer.config.args import TrainingArguments
-from trainer.data.hf_datasets import tokenize_sft_dataset, tokenized_splits
+from trainer.data.hf_datasets import hf_kind, tokenize_sft_dataset, tokenized_splits
 from trainer.data.sft_data import checked_options
+from trainer.data.streaming import SFTStream
 from trainer.loop.trainer import Trainer
 
 
@@ -104,5 +107,8 @@ class SFTTrainer(Trainer):
                 **self._sft_options,
             )
 
+        if name == "train_dataset" and hf_kind(dataset) == "IterableDataset":  # read as training goes (max_steps)
+            options = {k: v for k, v in self._sft_options.items() if k != "num_proc"}
+            return SFTStream([dataset], tokenizer, names=[name], cutoff_len=self.args.cutoff_len, **options)
         dataset = tokenized_splits(dataset, name, tokenize if tokenizer is not None else None, "input_ids")
         return super()._prepare_dataset(dataset, name)

@@ -11,6 +11,7 @@ from tests.trainer.data.test_hf_datasets import RECORDS, as_dataset, same_tokens
 from trainer.build import build_model
 from trainer.config.args import TrainingArguments
 from trainer.data.sft_data import DataError, load_sft_dataset
+from trainer.data.streaming import SFTStream
 from trainer.data.tasks import generate_tasks
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.loop.trainer import Trainer
@@ -113,8 +114,26 @@ def test_tokenized_and_streamed_data_go_to_the_trainer_as_they_are(tmp_path, tok
     trainer = SFTTrainer(small_model(), make_args(tmp_path), train_dataset=as_hf)  # no processing_class needed
     same_tokens(trainer.train_dataset, tokens)
     assert SFTTrainer(small_model(), make_args(tmp_path), train_dataset=tokens).train_dataset is tokens
-    with pytest.raises(DataError, match=r"^train_dataset: an IterableDataset \(streaming\) is not supported yet"):
-        SFTTrainer(small_model(), make_args(tmp_path), train_dataset=raw.to_iterable_dataset(), processing_class=tok)
+    streamed = SFTTrainer(
+        small_model(), make_args(tmp_path), train_dataset=raw.to_iterable_dataset(), processing_class=tok
+    )
+    assert isinstance(streamed.train_dataset, SFTStream) and streamed.train_dataset.formats == ["messages"]
+
+
+def test_a_raw_iterable_dataset_streams_the_tokens_of_the_same_records(tmp_path, tok):
+    """A streamed raw IterableDataset trains as the same records given whole do, in one buffer (packing_buffer >= the
+    records: the stream's plan of its first buffer is the in-memory loader's first epoch)."""
+    raw = datasets.Dataset.from_list(generate_tasks(12, seed=4))
+    kw = dict(max_steps=3, packing_buffer=12, cutoff_len=64)
+    whole = SFTTrainer(small_model(), make_args(tmp_path / "a", **kw), train_dataset=raw, processing_class=tok)
+    whole.train()
+    streamed = SFTTrainer(
+        small_model(), make_args(tmp_path / "b", **kw), train_dataset=raw.to_iterable_dataset(), processing_class=tok
+    )
+    streamed.train()
+    assert [h["loss"] for h in streamed.state.log_history if "loss" in h] == [
+        h["loss"] for h in whole.state.log_history if "loss" in h
+    ]
 
 
 def test_bad_input_is_one_line_before_a_model_is_built(tmp_path, tok, monkeypatch):
