@@ -197,7 +197,7 @@ class Tokenizer:
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and, for each, the (start, end) character span of `text` it came from."""
         enc = self.backend.encode(text, add_special_tokens=False)
-        return list(enc.ids), [tuple(o) for o in enc.offsets]
+        return enc.ids, enc.offsets  # fresh lists from tokenizers (the offsets already tuples): no copies
 
     def _add_specials(self, ids: list[int]) -> list[int]:
         if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
