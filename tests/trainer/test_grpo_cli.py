@@ -93,14 +93,28 @@ def test_bad_grpo_inputs_stop_in_one_line(inputs, tmp_path):
     data = ["--data", str(inputs / "prompts.jsonl")]
     cases = [
         (["--data", str(tmp_path / "no_prompt.jsonl")], "no_prompt.jsonl:2: no prompt"),
-        ([*data, "--num_generations", "3"], "num_generations=3: must divide the completions of a step"),
+        ([*data, "--num_generations", "3"], "num_generations=3: must divide the completions of a generation batch"),
+        (
+            [*data, "--generation_batch_size", "6", "--per_device_train_batch_size", "2"],
+            "num_generations=4: must divide the completions of a generation batch on each process, "
+            "per_device_train_batch_size x steps_per_generation = 2 x 3 = 6",
+        ),
+        (
+            [*data, "--gradient_accumulation_steps", "2", "--steps_per_generation", "3"],
+            "steps_per_generation=3: must be a multiple of gradient_accumulation_steps (2)",
+        ),
+        (
+            [*data, "--steps_per_generation", "2", "--generation_batch_size", "16"],
+            "steps_per_generation=2 and generation_batch_size=16: set one of them",
+        ),
+        ([*data, "--num_iterations", "0"], "num_iterations=0: expected an int >= 1"),
         ([*data, "--loss_type", "sigmoid"], "loss_type='sigmoid': expected one of grpo, bnpo, dr_grpo, dapo, cispo"),
         ([*data, "--reward_funcs", "no_such_module:f"], "reward function 'no_such_module:f'"),
-        ([*data, "--num_iterations", "2"], "num_iterations=2: only 1 is supported yet"),
         ([*data, "--beta", "-1"], "beta=-1.0: must be >= 0"),
         ([*data, "--eval_strategy", "steps"], "eval_strategy='steps': stage grpo has no evaluation set yet"),
         ([*data, "--train_on_prompt", "true"], "train_on_prompt: stage grpo samples answers to prompts"),
-        ([*data, "--per_device_train_batch_size", "64"], "8 prompts, but a step samples 4 completions each of 16"),
+        ([*data, "--per_device_train_batch_size", "64"], "8 prompts, but a generation batch samples 4 completions"),
+        ([*data, "--steps_per_generation", "8"], "8 prompts, but a generation batch samples 4 completions each of 16"),
         ([*data, "--dist_config", '{"name": "fsdp2"}'], "stage grpo runs on one process or under DDP yet"),
         (
             [*data, "--reward_funcs", f"{inputs / 'rewards.py'}:broken", "--per_device_train_batch_size", "4"],
