@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trainer.build import build_model, build_preset
+from trainer.checkpoint_hf import CheckpointError
 from trainer.config.args import ConfigError, TrainingArguments
 from trainer.data.tasks import TRAIN_FILE
 from trainer.loop.checkpoint import METHOD_STATE
@@ -183,6 +184,18 @@ def test_a_resumed_run_ends_as_the_unbroken_one(tmp_path, prompts, stop, options
         for t in (unbroken, resumed)
     ]
     assert after[0] == after[1] and len(after[0]) == 4 - stop
+
+
+def test_a_resume_with_another_generation_cycle_is_one_line(tmp_path, prompts):
+    """The loader's place inside a generation cycle is counted in micro steps of steps_per_generation x
+    num_iterations: a checkpoint resumed under another cycle is refused in one line naming both."""
+    first = _trainer(tmp_path, prompts, steps=4, num_iterations=2)
+    first.args.save_strategy, first.args.save_steps = "steps", 1
+    first.add_callback(_StopAt(1))
+    first.train()
+    other = _trainer(tmp_path, prompts, steps=4)
+    with pytest.raises(CheckpointError, match="a generation batch was 2 micro steps .* is 1; resume with the GRPO"):
+        other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 
 
 def test_trl_metric_names_and_the_completions_file(tmp_path, prompts):
