@@ -1,39 +1,66 @@
-"""GRPO (TRL's `GRPOTrainer`) on the Trainer's loop: each optimizer step samples its own completions, scores them and
-takes one policy-gradient step on them.
+"""GRPO (TRL's `GRPOTrainer`) on the Trainer's loop: sample completions of a batch of prompts, score them, and take
+policy-gradient steps on them; with TRL's num_iterations and steps_per_generation, several steps on one generation.
 
     trainer = GRPOTrainer(model=model, reward_funcs=["exact_match"], args=TrainingArguments(...),
                           grpo=GRPOArguments(num_generations=8), train_dataset=[{"prompt": [...]}, ...],
                           processing_class=tokenizer)
     trainer.train()
 
-One step (a window of gradient_accumulation_steps micro batches, `_forward_backward`):
-1. The window's prompts: per_device_train_batch_size x gradient_accumulation_steps / num_generations of them on each
-   rank (TRL's generation batch with steps_per_generation = gradient_accumulation_steps, its default), drawn as
-   TRL's RepeatSampler draws them: the prompts shuffled by data_seed, incomplete batches dropped.
+The generation cycle (TRL's `_prepare_inputs` and `_buffered_inputs`). A generation batch is
+generation_batch_size = per_device_train_batch_size x processes x steps_per_generation completions
+(steps_per_generation S a multiple of gradient_accumulation_steps GA, default GA; `check_grpo_batch`). It makes
+S / GA optimizer steps, each a window of GA micro batches of its own rows, and with num_iterations mu it is trained
+on mu times: S mu / GA optimizer steps per generation, then the next. The loader (`_GenerationLoader`) hands each
+rank's prompts of a generation batch out for the S mu micro steps of its cycle, as TRL's RepeatSampler repeats them.
+
+At the cycle's first step (`_generate`):
+1. The prompts: per_device_train_batch_size x S / num_generations of them on each rank, drawn as TRL's RepeatSampler
+   draws them: shuffled by data_seed, incomplete batches dropped.
 2. Generation (`trainer.methods.grpo_sampling.sample_completions`): num_generations completions per prompt from the
    current policy with the KV cache, the prompt's prefill shared; the random draws keyed by (seed, step, the
    completion's index in the global generation batch), so the completions do not depend on the number of processes
    or micro batches.
-3. Rewards (`trainer.methods.grpo_rewards.score`, TRL's call signature) and advantages (`grpo_advantages`) over the
-   whole generation batch, all ranks' rewards gathered first, as TRL does.
-4. The loss of each micro batch of per_device_train_batch_size completions through the model's final hidden states
-   and `fused_grpo_loss` (the LM head over the completion rows only, never the (rows, vocabulary) logits), divided by
-   the window's normaliser over all ranks (`grpo_normalizer`): the update is that of one batch holding the window,
-   whatever the split into micro batches and processes (a difference from TRL on purpose for bnpo with unequal micro
-   batches; trainer/methods/grpo_loss.py says which types TRL divides otherwise).
+3. Rewards (`trainer.methods.grpo_rewards.score`, TRL's call signature, each rank its rows) and advantages
+   (`grpo_advantages`) over the whole generation batch, all ranks' rewards gathered first, as TRL does.
+4. Every rank's rows are gathered (ids, masks, advantages: small beside the generation), so each rank holds the
+   whole batch (`_Generation`); when several steps share it (S > GA) its rows are shuffled before they are dealt
+   to the steps, as TRL's shuffle_sequence_dict does, by a permutation keyed by (seed, step) of the whole batch
+   (TRL shuffles each process's rows with the global torch generator: a deliberate difference, so that the rows a
+   step takes, and the update, do not depend on the number of processes). Step j of each pass takes rows
+   [j W, (j + 1) W) of that order (W = per_device_train_batch_size x processes x GA), rank r the r-th share.
+5. The old policy's per-token log-probs (TRL's old_per_token_logps), when the batch is trained on after an update
+   (mu > 1 or S > GA; otherwise the loss takes the policy's own, detached, as TRL), and the reference's (beta > 0),
+   under no_grad through the model's head (`kernels.fused_linear_logprob`), each rank its rows in the very micro
+   batches its steps will train on, then summed over the ranks into the buffer (`_buffered_logps`). At the first
+   step of the first pass the importance ratio is then 1 (bit for bit on the CPU: the update equals
+   num_iterations 1's); later the clipping acts and the clip_ratio metrics move.
 
-The old policy is the current one (num_iterations 1: the importance ratio is 1 with its gradient); the reference,
-with beta > 0, a frozen copy of the model as it was given, or with a LoRA adapter the model with the adapter
-disabled. Logged with the loss, grad_norm and learning_rate, TRL's names: reward, reward_std,
-frac_reward_zero_std, rewards/<function>/mean|std, completions/mean_length|min_length|max_length,
-completions/clipped_ratio, kl (beta > 0), entropy, clip_ratio/* (cispo_clip_ratio), each the mean over the steps
-since the last log; `log_completions` writes every step's prompts, completions, rewards and advantages to
-output_dir/completions.jsonl.
+Each step (`_forward_backward`): the loss of each micro batch of per_device_train_batch_size rows through the
+model's final hidden states and `fused_grpo_loss` (the LM head over the completion rows only, never the (rows,
+vocabulary) logits), divided by a normaliser over all ranks fixed before the micro batches: for grpo, bnpo and
+dr_grpo the window's (`grpo_normalizer` of its rows), for dapo and cispo TRL's, the generation batch's completion
+tokens / (S / GA). The update is then that of one batch holding the window, whatever the split into micro batches
+and processes (a difference from TRL on purpose for bnpo with unequal micro batches; trainer/methods/grpo_loss.py
+says which types TRL divides otherwise).
 
-Not here (yet), each refused in one line: num_iterations > 1 and a steps_per_generation or generation_batch_size
-other than the window's (both reuse one generation over several optimizer steps), an eval_dataset (the CLI reports
-the held-out exact match instead), FSDP2 and DeepSpeed (generation under sharded weights); vLLM, tools and
-multimodal prompts, which this project does not have.
+Checkpoints and resume: a checkpoint taken inside a cycle holds the buffered generation (`_method_state`:
+method_state.pt, with completions, masks, advantages, order, old and reference log-probs) and the loader's place
+in the cycle; a resumed run trains the cycle's remaining steps on it, bit for bit as the unbroken run
+(regenerating would be wrong: the policy that sampled it is gone). A resume under another cycle
+(steps_per_generation x num_iterations) is refused in one line.
+
+The reference, with beta > 0, is a frozen copy of the model as it was given, or with a LoRA adapter the model with
+the adapter disabled. Logged with the loss, grad_norm and learning_rate, TRL's names, each the mean over the values
+recorded since the last log, as TRL's: once per generation (so only at a log that follows a generation, as TRL)
+reward, reward_std, frac_reward_zero_std, rewards/<function>/mean|std, completions/mean_length|min_length|
+max_length, completions/clipped_ratio, over the whole generation batch; once per micro batch kl (beta > 0),
+entropy, clip_ratio/* (cispo_clip_ratio). `log_completions` writes each generation's prompts, completions,
+rewards and advantages to output_dir/completions.jsonl (rank 0, `step` the step that generated them).
+
+Not here (yet), each refused in one line: an eval_dataset (the CLI reports the held-out exact match instead), FSDP2
+and DeepSpeed (generation under sharded weights); a steps_per_generation that is not a multiple of
+gradient_accumulation_steps (TRL allows it: a step would then span two generations); vLLM, tools and multimodal
+prompts, which this project does not have.
 """
 
 import copy
