@@ -485,9 +485,8 @@ class GRPOTrainer(Trainer):
             normalizer = grpo_normalizer(g.loss_type, gen.completion_mask) / self.windows_per_generation
         else:
             normalizer = grpo_normalizer(g.loss_type, gen.completion_mask[window], g.max_completion_length)
-        normalizer = (normalizer / self.world_size).to(
-            device
-        )  # each rank's loss is world_size x its share (DDP's mean)
+        # each rank's loss is world_size x its share (DDP's mean)
+        normalizer = (normalizer / self.world_size).to(device)
 
         model.train()
         window_loss = torch.zeros((), device=device, dtype=torch.float32)
@@ -579,8 +578,8 @@ class GRPOTrainer(Trainer):
             trainer_state=self.state,
         )
         advantages, rewards, reward_metrics = self._advantages(rewards, device)
-        mine = {"prompt_index": torch.tensor([indices[p] for p in rows]), "ids": ids, "mask": mask}
-        everyone = self._gather({**mine, "truncated": truncated})
+        prompt_index = torch.tensor([indices[p] for p in rows])
+        everyone = self._gather({"prompt_index": prompt_index, "ids": ids, "mask": mask, "truncated": truncated})
         ids = _pad_cat([e["ids"] for e in everyone], tok.pad_token_id)  # (N all ranks, L)
         mask = _pad_cat([e["mask"] for e in everyone], 0)
         truncated = torch.cat([e["truncated"] for e in everyone])
