@@ -898,12 +898,13 @@ def _read_prompts(args, sft: SFTArguments, grpo: GRPOArguments, tokenizer, embed
         f"new {'/'.join(GRPO_DEMO_KINDS)} prompts of the embedded tasks" if embedded else ", ".join(sft.data)
     )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    step_prompts = args.per_device_train_batch_size * args.gradient_accumulation_steps // grpo.num_generations
-    if len(prompts) < step_prompts * world_size:
+    steps = check_grpo_batch(args, grpo, world_size)
+    generation_prompts = args.per_device_train_batch_size * steps * world_size // grpo.num_generations
+    if len(prompts) < generation_prompts:
         raise DataError(
-            f"{len(prompts)} prompts, but a step samples {grpo.num_generations} completions each of "
-            f"{step_prompts * world_size} prompts (per_device_train_batch_size x gradient_accumulation_steps x "
-            f"processes / num_generations); give more prompts or a smaller batch"
+            f"{len(prompts)} prompts, but a generation batch samples {grpo.num_generations} completions each of "
+            f"{generation_prompts} prompts (per_device_train_batch_size x steps_per_generation x processes / "
+            "num_generations); give more prompts or a smaller batch"
         )
     check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
     conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []

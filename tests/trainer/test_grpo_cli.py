@@ -54,10 +54,21 @@ def _spawn_grpo(argv, **launch_env):
     return _spawn_sft(["--stage", "grpo", *argv], None, **launch_env)
 
 
-def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path):
+@pytest.mark.parametrize(
+    "options, generations",
+    [
+        ([], 2),
+        (["--num_iterations", "2", "--generation_batch_size", "16", "--max_steps", "4", "--beta", "0.04"], 1),
+    ],
+    ids=["one-step-generations", "generation-of-2-steps-x-2-iterations"],
+)
+def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path, options, generations):
     """The same global batch (8 completions a step) on one process and on two gloo processes (DDP): the same
-    rewards logged and the same weights at the end, to fp32 noise; completions.jsonl holds every completion once."""
-    data = ["--data", str(inputs / "prompts.jsonl"), "--reward_funcs", f"{inputs / 'rewards.py'}:digits"]
+    rewards logged and the same weights at the end, to fp32 noise; completions.jsonl holds every completion once.
+    Also with a generation batch of 16 completions shared by 2 optimizer steps and trained on twice
+    (num_iterations 2): the rows of every rank gathered, shuffled and dealt to the steps alike, the old policy's
+    and the reference's log-probs summed over the ranks."""
+    data = ["--data", str(inputs / "prompts.jsonl"), "--reward_funcs", f"{inputs / 'rewards.py'}:digits", *options]
     one = _spawn_grpo([*SMALL, *data, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,12 +89,12 @@ def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path)
         for run in ("one", "two")
     ]
     rewards = [[row["reward"] for row in log if "reward" in row] for log in logs]
-    assert len(rewards[0]) == 2 and rewards[0] == pytest.approx(rewards[1], abs=1e-6)
+    assert len(rewards[0]) == generations and rewards[0] == pytest.approx(rewards[1], abs=1e-6)
     a, b = (load_file(tmp_path / run / "model.safetensors") for run in ("one", "two"))
     for name in a:
         assert (a[name] - b[name]).abs().max() <= 1e-5 + 1e-5 * a[name].abs().max(), name
     rows = [json.loads(line) for line in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 * 8 and {r["step"] for r in rows} == {1, 2} and "digits" in rows[0]
+    assert len(rows) == 16 and {r["step"] for r in rows} == set(range(1, generations + 1)) and "digits" in rows[0]
 
 
 def test_bad_grpo_inputs_stop_in_one_line(inputs, tmp_path):
@@ -93,14 +104,28 @@ def test_bad_grpo_inputs_stop_in_one_line(inputs, tmp_path):
     data = ["--data", str(inputs / "prompts.jsonl")]
     cases = [
         (["--data", str(tmp_path / "no_prompt.jsonl")], "no_prompt.jsonl:2: no prompt"),
-        ([*data, "--num_generations", "3"], "num_generations=3: must divide the completions of a step"),
+        ([*data, "--num_generations", "3"], "num_generations=3: must divide the completions of a generation batch"),
+        (
+            [*data, "--generation_batch_size", "6", "--per_device_train_batch_size", "2"],
+            "num_generations=4: must divide the completions of a generation batch on each process, "
+            "per_device_train_batch_size x steps_per_generation = 2 x 3 = 6",
+        ),
+        (
+            [*data, "--gradient_accumulation_steps", "2", "--steps_per_generation", "3"],
+            "steps_per_generation=3: must be a multiple of gradient_accumulation_steps (2)",
+        ),
+        (
+            [*data, "--steps_per_generation", "2", "--generation_batch_size", "16"],
+            "steps_per_generation=2 and generation_batch_size=16: set one of them",
+        ),
+        ([*data, "--num_iterations", "0"], "num_iterations=0: expected an int >= 1"),
         ([*data, "--loss_type", "sigmoid"], "loss_type='sigmoid': expected one of grpo, bnpo, dr_grpo, dapo, cispo"),
         ([*data, "--reward_funcs", "no_such_module:f"], "reward function 'no_such_module:f'"),
-        ([*data, "--num_iterations", "2"], "num_iterations=2: only 1 is supported yet"),
         ([*data, "--beta", "-1"], "beta=-1.0: must be >= 0"),
         ([*data, "--eval_strategy", "steps"], "eval_strategy='steps': stage grpo has no evaluation set yet"),
         ([*data, "--train_on_prompt", "true"], "train_on_prompt: stage grpo samples answers to prompts"),
-        ([*data, "--per_device_train_batch_size", "64"], "8 prompts, but a step samples 4 completions each of 16"),
+        ([*data, "--per_device_train_batch_size", "64"], "8 prompts, but a generation batch samples 4 completions"),
+        ([*data, "--steps_per_generation", "8"], "8 prompts, but a generation batch samples 4 completions each of 16"),
         ([*data, "--dist_config", '{"name": "fsdp2"}'], "stage grpo runs on one process or under DDP yet"),
         (
             [*data, "--reward_funcs", f"{inputs / 'rewards.py'}:broken", "--per_device_train_batch_size", "4"],

@@ -10,7 +10,9 @@ Layout of `output_dir/checkpoint-<step>/` (Hugging Face's, so tools that read Tr
   scheduler), which resume reads instead of the model files, `optimizer.pt` and `scheduler.pt`, on the same
   number of processes only (trainer/parallel/deepspeed_engine.py);
 - `optimizer.pt`, `scheduler.pt`, `scaler.pt` (fp16 only), `rng_state.pth` (per rank: `rng_state_<rank>.pth`
-  when there are several), `data_state.json` (the loader's position), `trainer_state.json`, `training_args.json`.
+  when there are several), `data_state.json` (the loader's position), `method_state.pt` (what a method carries from
+  one optimizer step to the next, when it carries anything: GRPO's buffered generation inside its cycle),
+  `trainer_state.json`, `training_args.json`.
 
 Resuming under another number of processes (the Trainer checks the conditions, docs/multi_gpu.md):
 - exact: the model and optimizer (DCP reshards `dcp/` to any layout, or to whole tensors for one process or
@@ -59,6 +61,7 @@ from trainer.checkpoint_hf import CheckpointError, to_json
 
 PREFIX = "checkpoint"
 MANIFEST = "manifest.json"  # file -> size and CRC-32, written last before the rename
+METHOD_STATE = "method_state.pt"  # a method's state between steps (tensors, alike on every rank: rank 0 writes it)
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
@@ -354,6 +357,7 @@ def save_checkpoint(
     save_model,
     save_engine=None,
     data_state: dict | None = None,
+    method_state: dict | None = None,
     trainer_state: dict,
     args_dict: dict,
     rank: int = 0,
@@ -362,7 +366,8 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint-<step> atomically; `save_model(dir)` writes the model files, `save_engine(dir)` the
     engine's state (optimizer, scheduler, scaler; with FSDP2 or DeepSpeed the model's shards too, in `dcp/` or
-    `deepspeed/`: trainer/loop/engine.py), unless save_only_model. Returns the final path.
+    `deepspeed/`: trainer/loop/engine.py), and `method_state` (a dict of tensors, when not None) goes to
+    method_state.pt, unless save_only_model. Returns the final path.
 
     With several processes every rank calls this: `save_model` (a collective for a sharded model; it writes on
     rank 0) and `save_engine` (each rank writes its shards; what all ranks hold alike, rank 0 alone) run on all
@@ -397,6 +402,7 @@ def save_checkpoint(
             save_model=save_model,
             save_engine=save_engine,
             data_state=data_state,
+            method_state=method_state,
             trainer_state=trainer_state,
             args_dict=args_dict,
             save_only_model=save_only_model,
@@ -429,6 +435,7 @@ def _write_checkpoint(
     save_model,
     save_engine,
     data_state,
+    method_state,
     trainer_state,
     args_dict,
     save_only_model,
@@ -440,6 +447,8 @@ def _write_checkpoint(
             save_engine(tmp)
         if writer and data_state is not None:
             (tmp / "data_state.json").write_text(to_json(data_state, indent=2) + "\n")
+        if writer and method_state is not None:
+            torch.save(method_state, tmp / METHOD_STATE)
         torch.save(_python_rng_to_tensorable(rng_state()), tmp / _rng_file(rank, world_size))
     _barrier(world_size)  # every rank's files are written
     if writer:
@@ -475,7 +484,7 @@ def read_state(path, name: str):
 
 def load_training_state(path, *, rank: int = 0, world_size: int = 1, seed: int = 0) -> dict:
     """Restore the RNG from a checkpoint (the engine's state is the engine's: trainer/loop/engine.py); returns
-    {'trainer_state', 'data_state', 'rng_reseeded'}.
+    {'trainer_state', 'data_state', 'method_state', 'rng_reseeded'} (method_state None when the checkpoint has none).
 
     Saved by another number of processes, each rank's RNG stream has no counterpart: the generators are re-seeded
     from (seed, global step, rank) instead, deterministically, and 'rng_reseeded' is True (the caller says so).
@@ -492,6 +501,7 @@ def load_training_state(path, *, rank: int = 0, world_size: int = 1, seed: int =
     return {
         "trainer_state": trainer_state,
         "data_state": json.loads(data_file.read_text()) if data_file.is_file() else None,
+        "method_state": read_state(path, METHOD_STATE) if (path / METHOD_STATE).is_file() else None,
         "rng_reseeded": reseeded,
     }
 

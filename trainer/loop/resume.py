@@ -191,13 +191,13 @@ def restore_checkpoint(
 ) -> dict:
     """Everything a checkpoint holds into this run: the engine's state (model, optimizer, scheduler, scaler, in this
     run's layout: `engine.load_checkpoint`, trainer/loop/engine.py), RNG and the loader's position. Returns the saved
-    trainer state (a dict), `saved_world` (how many processes saved it) and `rng_reseeded` (True when the per-rank
-    RNG could not carry over). A resume under another number of processes is refused in one line where the
-    engine's checkpoint cannot follow (`engine.same_world_only`: DeepSpeed's) or the run could not go on exactly
-    (`check_resume_across_worlds`). Arguments changed from the checkpoint's are refused before anything is loaded
-    when the saved state cannot follow them (`check_resume_arguments`, after the checks of a resume under another
-    number of processes, which name the batch it needs); `apply_checkpoint_arguments` says, after, which value the
-    others take."""
+    trainer state (a dict), `saved_world` (how many processes saved it), `rng_reseeded` (True when the per-rank
+    RNG could not carry over) and `method_state` (the method's, or None; the Trainer hands it to the method). A
+    resume under another number of processes is refused in one line where the engine's checkpoint cannot follow
+    (`engine.same_world_only`: DeepSpeed's) or the run could not go on exactly (`check_resume_across_worlds`).
+    Arguments changed from the checkpoint's are refused before anything is loaded when the saved state cannot follow
+    them (`check_resume_arguments`, after the checks of a resume under another number of processes, which name the
+    batch it needs); `apply_checkpoint_arguments` says, after, which value the others take."""
     saved_world = ckpt.saved_world_size(resume)
     if engine.same_world_only and saved_world != world_size:
         raise ckpt.CheckpointError(
@@ -223,6 +223,7 @@ def restore_checkpoint(
         "trainer_state": restored["trainer_state"],
         "saved_world": saved_world,
         "rng_reseeded": restored["rng_reseeded"],
+        "method_state": restored["method_state"],
     }
 
 

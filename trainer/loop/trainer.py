@@ -520,6 +520,7 @@ class Trainer:
         run.state = TrainerState.from_dict(
             {**restored["trainer_state"], "max_steps": run.max_steps, "num_train_epochs": run.num_epochs}
         )
+        self._load_method_state(run, restored["method_state"], resume)
         self.checkpoint_arguments, changes = apply_checkpoint_arguments(
             resume, args, saved_arguments(resume), restored["rng_reseeded"]
         )
@@ -974,6 +975,7 @@ class Trainer:
             save_model=self._save_model_files,
             save_engine=run.engine.save_checkpoint,
             data_state=run.loader.state_dict(),
+            method_state=self._method_state(run),
             trainer_state=state.to_dict(),
             args_dict=args.to_dict(),
             rank=self.rank,
@@ -984,6 +986,15 @@ class Trainer:
             ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint)
         self._fire("on_save")
         return path
+
+    def _method_state(self, run: _Run) -> dict | None:
+        """What a method carries from one optimizer step to the next that a checkpoint must hold (a dict of tensors,
+        alike on every rank; GRPO's buffered generation inside its cycle); the Trainer's own steps carry nothing."""
+        return None
+
+    def _load_method_state(self, run: _Run, state: dict | None, resume: Path) -> None:
+        """`_method_state`'s dict (None when the checkpoint has none) back into the method, after the rest of the
+        checkpoint is restored."""
 
     def _save_model_files(self, directory: Path) -> None:
         """The model in the Hugging Face layout into `directory`; every rank calls it (gathering FSDP2 shards or

@@ -1,55 +1,84 @@
-"""GRPO (TRL's `GRPOTrainer`) on the Trainer's loop: each optimizer step samples its own completions, scores them and
-takes one policy-gradient step on them.
+"""GRPO (TRL's `GRPOTrainer`) on the Trainer's loop: sample completions of a batch of prompts, score them, and take
+policy-gradient steps on them; with TRL's num_iterations and steps_per_generation, several steps on one generation.
 
     trainer = GRPOTrainer(model=model, reward_funcs=["exact_match"], args=TrainingArguments(...),
                           grpo=GRPOArguments(num_generations=8), train_dataset=[{"prompt": [...]}, ...],
                           processing_class=tokenizer)
     trainer.train()
 
-One step (a window of gradient_accumulation_steps micro batches, `_forward_backward`):
-1. The window's prompts: per_device_train_batch_size x gradient_accumulation_steps / num_generations of them on each
-   rank (TRL's generation batch with steps_per_generation = gradient_accumulation_steps, its default), drawn as
-   TRL's RepeatSampler draws them: the prompts shuffled by data_seed, incomplete batches dropped.
+The generation cycle (TRL's `_prepare_inputs` and `_buffered_inputs`). A generation batch is
+generation_batch_size = per_device_train_batch_size x processes x steps_per_generation completions
+(steps_per_generation S a multiple of gradient_accumulation_steps GA, default GA; `check_grpo_batch`). It makes
+S / GA optimizer steps, each a window of GA micro batches of its own rows, and with num_iterations mu it is trained
+on mu times: S mu / GA optimizer steps per generation, then the next. The loader (`_GenerationLoader`) hands each
+rank's prompts of a generation batch out for the S mu micro steps of its cycle, as TRL's RepeatSampler repeats them.
+
+At the cycle's first step (`_generate`):
+1. The prompts: per_device_train_batch_size x S / num_generations of them on each rank, drawn as TRL's RepeatSampler
+   draws them: shuffled by data_seed, incomplete batches dropped.
 2. Generation (`trainer.methods.grpo_sampling.sample_completions`): num_generations completions per prompt from the
    current policy with the KV cache, the prompt's prefill shared; the random draws keyed by (seed, step, the
    completion's index in the global generation batch), so the completions do not depend on the number of processes
    or micro batches.
-3. Rewards (`trainer.methods.grpo_rewards.score`, TRL's call signature) and advantages (`grpo_advantages`) over the
-   whole generation batch, all ranks' rewards gathered first, as TRL does.
-4. The loss of each micro batch of per_device_train_batch_size completions through the model's final hidden states
-   and `fused_grpo_loss` (the LM head over the completion rows only, never the (rows, vocabulary) logits), divided by
-   the window's normaliser over all ranks (`grpo_normalizer`): the update is that of one batch holding the window,
-   whatever the split into micro batches and processes (a difference from TRL on purpose for bnpo with unequal micro
-   batches; trainer/methods/grpo_loss.py says which types TRL divides otherwise).
+3. Rewards (`trainer.methods.grpo_rewards.score`, TRL's call signature, each rank its rows) and advantages
+   (`grpo_advantages`) over the whole generation batch, all ranks' rewards gathered first, as TRL does.
+4. Every rank's rows are gathered (ids, masks, advantages: small beside the generation), so each rank holds the
+   whole batch (`_Generation`); when several steps share it (S > GA) its rows are shuffled before they are dealt
+   to the steps, as TRL's shuffle_sequence_dict does, by a permutation keyed by (seed, step) of the whole batch
+   (TRL shuffles each process's rows with the global torch generator: a deliberate difference, so that the rows a
+   step takes, and the update, do not depend on the number of processes). Step j of each pass takes rows
+   [j W, (j + 1) W) of that order (W = per_device_train_batch_size x processes x GA), rank r the r-th share.
+5. The old policy's per-token log-probs (TRL's old_per_token_logps), when the batch is trained on after an update
+   (mu > 1 or S > GA; otherwise the loss takes the policy's own, detached, as TRL), and the reference's (beta > 0),
+   under no_grad through the model's head (`kernels.fused_linear_logprob`), each rank its rows in the very micro
+   batches its steps will train on, then summed over the ranks into the buffer (`_buffered_logps`). At the first
+   step of the first pass the importance ratio is then 1 (bit for bit on the CPU: the update equals
+   num_iterations 1's); later the clipping acts and the clip_ratio metrics move.
 
-The old policy is the current one (num_iterations 1: the importance ratio is 1 with its gradient); the reference,
-with beta > 0, a frozen copy of the model as it was given, or with a LoRA adapter the model with the adapter
-disabled. Logged with the loss, grad_norm and learning_rate, TRL's names: reward, reward_std,
-frac_reward_zero_std, rewards/<function>/mean|std, completions/mean_length|min_length|max_length,
-completions/clipped_ratio, kl (beta > 0), entropy, clip_ratio/* (cispo_clip_ratio), each the mean over the steps
-since the last log; `log_completions` writes every step's prompts, completions, rewards and advantages to
-output_dir/completions.jsonl.
+Each step (`_forward_backward`): the loss of each micro batch of per_device_train_batch_size rows through the
+model's final hidden states and `fused_grpo_loss` (the LM head over the completion rows only, never the (rows,
+vocabulary) logits), divided by a normaliser over all ranks fixed before the micro batches: for grpo, bnpo and
+dr_grpo the window's (`grpo_normalizer` of its rows), for dapo and cispo TRL's, the generation batch's completion
+tokens / (S / GA). The update is then that of one batch holding the window, whatever the split into micro batches
+and processes (a difference from TRL on purpose for bnpo with unequal micro batches; trainer/methods/grpo_loss.py
+says which types TRL divides otherwise).
 
-Not here (yet), each refused in one line: num_iterations > 1 and a steps_per_generation or generation_batch_size
-other than the window's (both reuse one generation over several optimizer steps), an eval_dataset (the CLI reports
-the held-out exact match instead), FSDP2 and DeepSpeed (generation under sharded weights); vLLM, tools and
-multimodal prompts, which this project does not have.
+Checkpoints and resume: a checkpoint taken inside a cycle holds the buffered generation (`_method_state`:
+method_state.pt, with completions, masks, advantages, order, old and reference log-probs) and the loader's place
+in the cycle; a resumed run trains the cycle's remaining steps on it, bit for bit as the unbroken run
+(regenerating would be wrong: the policy that sampled it is gone). A resume under another cycle
+(steps_per_generation x num_iterations) is refused in one line.
+
+The reference, with beta > 0, is a frozen copy of the model as it was given, or with a LoRA adapter the model with
+the adapter disabled. Logged with the loss, grad_norm and learning_rate, TRL's names, each the mean over the values
+recorded since the last log, as TRL's: once per generation (so only at a log that follows a generation, as TRL)
+reward, reward_std, frac_reward_zero_std, rewards/<function>/mean|std, completions/mean_length|min_length|
+max_length, completions/clipped_ratio, over the whole generation batch; once per micro batch kl (beta > 0),
+entropy, clip_ratio/* (cispo_clip_ratio). `log_completions` writes each generation's prompts, completions,
+rewards and advantages to output_dir/completions.jsonl (rank 0, `step` the step that generated them).
+
+Not here (yet), each refused in one line: an eval_dataset (the CLI reports the held-out exact match instead), FSDP2
+and DeepSpeed (generation under sharded weights); a steps_per_generation that is not a multiple of
+gradient_accumulation_steps (TRL allows it: a step would then span two generations); vLLM, tools and multimodal
+prompts, which this project does not have.
 """
 
 import copy
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import kernels
+from trainer.checkpoint_hf import CheckpointError
 from trainer.config.args import ConfigError, _arg
 from trainer.data.batching import BatchLoader
 from trainer.data.hf_datasets import hf_kind
 from trainer.data.sft_data import DataError, resolve_data_files
+from trainer.loop.checkpoint import METHOD_STATE
 from trainer.loop.trainer import Trainer, _Window
 from trainer.methods.grpo_loss import (
     IMPORTANCE_SAMPLING_LEVELS,
@@ -106,12 +135,20 @@ class GRPOArguments:
         1.0, "grpo", "Train only on the completion tokens in this top share of entropy (1: all)."
     )
     log_completions: bool = _arg(False, "grpo", "Write every step's completions and rewards to completions.jsonl.")
-    num_iterations: int = _arg(1, "grpo", "Optimizer steps per generation batch (only 1 is supported yet).")
+    num_iterations: int = _arg(
+        1, "grpo", "Passes over each generation batch (TRL's mu): each pass takes its optimizer steps again."
+    )
     steps_per_generation: int | None = _arg(
-        None, "grpo", "Micro steps per generation batch (default and only value: gradient_accumulation_steps)."
+        None,
+        "grpo",
+        "Micro steps per generation batch on each process, a multiple of gradient_accumulation_steps (its "
+        "default); not with generation_batch_size.",
     )
     generation_batch_size: int | None = _arg(
-        None, "grpo", "Completions per generation batch over all processes (default: the global batch)."
+        None,
+        "grpo",
+        "Completions per generation batch over all processes: per_device_train_batch_size x processes x "
+        "steps_per_generation (default: the global batch); not with steps_per_generation.",
     )
 
     def __post_init__(self):
@@ -139,10 +176,17 @@ class GRPOArguments:
             raise ConfigError(f"delta={self.delta!r}: must be > 1 (it caps the importance ratio)")
         if not 0 < self.top_entropy_quantile <= 1:
             raise ConfigError(f"top_entropy_quantile={self.top_entropy_quantile!r}: must be in (0, 1]")
-        if self.num_iterations != 1:
+        if not isinstance(self.num_iterations, int) or self.num_iterations < 1:
+            raise ConfigError(f"num_iterations={self.num_iterations!r}: expected an int >= 1")
+        for name in ("steps_per_generation", "generation_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}={value!r}: expected an int >= 1")
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
             raise ConfigError(
-                f"num_iterations={self.num_iterations!r}: only 1 is supported yet (each optimizer step samples "
-                "its own completions)"
+                f"steps_per_generation={self.steps_per_generation} and generation_batch_size="
+                f"{self.generation_batch_size}: set one of them (generation_batch_size = "
+                "per_device_train_batch_size x processes x steps_per_generation)"
             )
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs or ["exact_match"]):
             raise ConfigError(
@@ -155,31 +199,42 @@ class GRPOArguments:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
-def check_grpo_batch(args, grpo: GRPOArguments, world_size: int) -> None:
-    """What GRPO's step takes of the TrainingArguments (the trainer's and the CLI's check), each a one-line
-    ConfigError: num_generations dividing a step's completions per process, one generation per optimizer step,
-    normal batches, one process or DDP."""
-    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+def check_grpo_batch(args, grpo: GRPOArguments, world_size: int) -> int:
+    """What GRPO's generation batch takes of the TrainingArguments (the trainer's and the CLI's check), each a
+    one-line ConfigError: a generation batch of whole optimizer steps whose completions per process num_generations
+    divides, normal batches, one process or DDP. Returns steps_per_generation as given or implied (TRL's
+    GRPOConfig: generation_batch_size = per_device_train_batch_size x processes x steps_per_generation, default
+    gradient_accumulation_steps)."""
+    micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    steps = grpo.steps_per_generation or accum
+    if grpo.generation_batch_size is not None:
+        if grpo.generation_batch_size % (micro * world_size):
+            raise ConfigError(
+                f"generation_batch_size={grpo.generation_batch_size}: must be a multiple of "
+                f"per_device_train_batch_size x processes = {micro} x {world_size} = {micro * world_size}"
+            )
+        steps = grpo.generation_batch_size // (micro * world_size)
+    if steps % accum:
+        given = (
+            f"steps_per_generation={steps}"
+            if grpo.generation_batch_size is None
+            else f"generation_batch_size={grpo.generation_batch_size} (steps_per_generation {steps})"
+        )
+        raise ConfigError(
+            f"{given}: must be a multiple of gradient_accumulation_steps ({accum}): each optimizer step takes "
+            "whole micro batches of one generation batch"
+        )
+    rows = micro * steps
     if rows % grpo.num_generations:
         raise ConfigError(
-            f"num_generations={grpo.num_generations}: must divide the completions of a step on each process, "
-            f"per_device_train_batch_size x gradient_accumulation_steps = {args.per_device_train_batch_size} x "
-            f"{args.gradient_accumulation_steps} = {rows}"
-        )
-    if grpo.steps_per_generation not in (None, args.gradient_accumulation_steps):
-        raise ConfigError(
-            f"steps_per_generation={grpo.steps_per_generation}: only gradient_accumulation_steps "
-            f"({args.gradient_accumulation_steps}) is supported yet (one generation per optimizer step)"
-        )
-    if grpo.generation_batch_size not in (None, rows * world_size):
-        raise ConfigError(
-            f"generation_batch_size={grpo.generation_batch_size}: only the global batch ({rows * world_size} "
-            "completions) is supported yet (one generation per optimizer step)"
+            f"num_generations={grpo.num_generations}: must divide the completions of a generation batch on each "
+            f"process, per_device_train_batch_size x steps_per_generation = {micro} x {steps} = {rows}"
         )
     if (args.dist_config or {}).get("name") == "fsdp2" or args.deepspeed:
         raise ConfigError("stage grpo runs on one process or under DDP yet; FSDP2 and DeepSpeed are not supported")
     if args.batching_strategy != "normal":
         raise ConfigError(f"batching_strategy={args.batching_strategy!r}: stage grpo batches prompts 'normal'ly only")
+    return steps
 
 
 class PromptDataset:
@@ -254,43 +309,96 @@ def prompts_from_conversations(conversations: list[list[dict]]) -> list[dict]:
     return [{"prompt": messages[:-1], "solution": messages[-1]["content"]} for messages in conversations]
 
 
-class _WindowLoader:
+class _GenerationLoader:
     """The loop's train loader for GRPO: each item of the inner loader (one rank's prompts of a generation batch) is
-    handed out gradient_accumulation_steps times, one per micro step of the window; GRPOTrainer._forward_backward
-    reads the prompts from the first. Lengths, positions and resume are the inner loader's, counted in micro steps."""
+    handed out `repeats` times, steps_per_generation x num_iterations, one per micro step of its generation cycle
+    (TRL's RepeatSampler repeat_count), with its position in the cycle; GRPOTrainer._forward_backward generates
+    from the item at position 0 and trains on the buffered generation at the others. Lengths and the data position
+    are counted in micro steps; the position inside the cycle is saved with the inner loader's state, and a loader
+    restored inside a cycle first hands out its remaining micro steps (without prompts: the checkpoint holds the
+    generation)."""
 
-    def __init__(self, inner: BatchLoader, accum: int):
-        self.inner, self.accum = inner, accum
+    def __init__(self, inner: BatchLoader, accum: int, repeats: int):
+        self.inner, self.accum, self.repeats = inner, accum, repeats
         self.max_tokens = None
+        self.handed = 0  # micro steps of the current item handed out
 
     @property
     def epoch(self) -> int:
         return self.inner.epoch
 
+    @property
+    def inside_cycle(self) -> bool:
+        """Whether the micro steps handed out stop inside a generation cycle (a checkpoint then needs its buffer)."""
+        return 0 < self.handed < self.repeats
+
     def __len__(self) -> int:
-        return len(self.inner) * self.accum
+        return len(self.inner) * self.repeats
 
     def global_batches(self, epoch: int) -> list:
-        return [b for b in self.inner.global_batches(epoch) for _ in range(self.accum)]
+        return [b for b in self.inner.global_batches(epoch) for _ in range(self.repeats)]
 
     def set_epoch(self, epoch: int) -> None:
         self.inner.set_epoch(epoch)
+        self.handed = 0
 
     def __iter__(self):
-        for window in self.inner:
-            for _ in range(self.accum):
-                yield window
+        for position in range(self.handed if self.inside_cycle else self.repeats, self.repeats):
+            self.handed = position + 1
+            yield {"indices": None, "position": position}
+        for item in self.inner:
+            for position in range(self.repeats):
+                self.handed = position + 1
+                yield {**item, "position": position}
 
     def state_dict(self) -> dict:
-        return self.inner.state_dict()
+        return {**self.inner.state_dict(), "handed": self.handed, "repeats": self.repeats}
 
     def load_state_dict(self, state: dict) -> None:
+        repeats = state.get("repeats", self.accum)  # saved before generation cycles: one optimizer step each
+        if repeats != self.repeats:
+            raise ValueError(
+                f"cannot resume the data loader: a generation batch was {repeats} micro steps (steps_per_generation "
+                f"x num_iterations), is {self.repeats}; resume with the GRPO arguments the checkpoint was saved with"
+            )
         self.inner.load_state_dict(state)
+        self.handed = int(state.get("handed", 0))
+
+
+@dataclass
+class _Generation:
+    """One generation batch, whole: every process's rows in global completion order (row i is completion i % G of
+    prompt i // G), as the optimizer steps that share it train on it (TRL's _buffered_inputs), and as a checkpoint
+    inside its cycle saves it (the policy that sampled it is gone by then). CPU tensors."""
+
+    prompt_index: torch.Tensor  # (N,) long: each row's prompt in the train dataset
+    completion_ids: torch.Tensor  # (N, L) long, pad_token_id after a completion's end
+    completion_mask: torch.Tensor  # (N, L) long, truncated completions zeroed with mask_truncated_completions
+    advantages: torch.Tensor  # (N,) float32, over the whole generation batch
+    order: torch.Tensor  # (N,) long: the rows in the order the steps take them, window after window
+    old_logps: torch.Tensor | None  # (N, L) float32, the policy's at generation (None: trained on at once)
+    ref_logps: torch.Tensor | None  # (N, L) float32, the reference's (beta > 0)
+
+    def state_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _pad_cat(parts: list[torch.Tensor], value: int) -> torch.Tensor:
+    """(sum n_i, max L_i): the (n_i, L_i) tensors stacked, each padded on the right with `value`."""
+    L = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, L - p.shape[1]), value=value) for p in parts])
 
 
 def _head_logps(hidden, weight, *, target, columns, temperature):
     out = kernels.fused_linear_logprob(hidden, weight, target, temperature=temperature)
     return None, {"logps": out.logps[:, columns]}
+
+
+def _columns(logps: torch.Tensor | None, part: np.ndarray, batch: dict, device) -> torch.Tensor | None:
+    """The buffered (N, L) log-probs of a micro batch's rows, trimmed to its completion columns, on the device."""
+    if logps is None:
+        return None
+    return logps[part, : batch["completion_mask"].shape[1]].to(device)
 
 
 class GRPOTrainer(Trainer):
@@ -324,7 +432,7 @@ class GRPOTrainer(Trainer):
                 "(one weight per function)"
             )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
-        check_grpo_batch(a, g, self.world_size)
+        self.steps_per_generation = check_grpo_batch(a, g, self.world_size)  # resolved again when training starts
         if isinstance(self.train_dataset, (list, tuple)):
             self.train_dataset = PromptDataset(list(self.train_dataset), self.processing_class)
         if not isinstance(self.train_dataset, PromptDataset):
@@ -337,16 +445,18 @@ class GRPOTrainer(Trainer):
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self._metrics: dict[str, list[torch.Tensor]] = {}
+        self._generation: _Generation | None = None  # the generation batch the current cycle trains on
 
     # ---- data -------------------------------------------------------------------------------------------------
     def _prepare_dataset(self, dataset, name: str):
         return dataset
 
     def _train_loader(self, micro: int):
-        a = self.args
+        a, g = self.args, self.grpo
+        self.steps_per_generation = check_grpo_batch(a, g, self.world_size)  # after train() settled the batch
         inner = BatchLoader(
             self.train_dataset,
-            micro_batch_size=micro * a.gradient_accumulation_steps // self.grpo.num_generations,
+            micro_batch_size=micro * self.steps_per_generation // g.num_generations,
             shuffle=a.train_shuffle,
             seed=a.data_seed if a.data_seed is not None else a.seed,
             drop_last=True,  # TRL's RepeatSampler yields whole generation batches only
@@ -354,80 +464,46 @@ class GRPOTrainer(Trainer):
             world_size=self.world_size,
         )
         inner.collate = lambda indices, is_padding=False: {"indices": [int(i) for i in indices]}
-        return _WindowLoader(inner, a.gradient_accumulation_steps)
+        accum = a.gradient_accumulation_steps
+        return _GenerationLoader(inner, accum, self.steps_per_generation * g.num_iterations)
+
+    @property
+    def windows_per_generation(self) -> int:
+        """Optimizer steps in one pass over a generation batch: steps_per_generation / gradient_accumulation_steps."""
+        return self.steps_per_generation // self.args.gradient_accumulation_steps
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def _forward_backward(self, run, micro_batches: list) -> _Window:
-        g, args, model, device = self.grpo, self.args, run.model, run.device
-        tok = self.processing_class
-        records = [self.train_dataset[i] for i in micro_batches[0]["indices"]]
-        prompt_ids = [self.train_dataset.prompt_ids[i] for i in micro_batches[0]["indices"]]
-        G, step = g.num_generations, self.state.global_step
-        with self._autocast(device, train=False):
-            sampled = sample_completions(
-                unwrap(model),
-                prompt_ids,
-                G,
-                g.max_completion_length,
-                temperature=g.temperature,
-                top_p=g.top_p,
-                top_k=g.top_k,
-                min_p=g.min_p,
-                repetition_penalty=g.repetition_penalty,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-                seed=args.seed,
-                step=step,
-                first_completion_index=self.rank * len(prompt_ids) * G,
-            )
-        ids, mask = sampled.completion_ids.cpu(), sampled.completion_mask.cpu()
-        truncated = sampled.truncated.cpu()
-        N = ids.shape[0]
-        rows = [r // G for r in range(N)]  # row r's prompt in this rank's window
-        lengths = mask.sum(1)
-        texts = [tok.decode(ids[r, : int(lengths[r])].tolist()) for r in range(N)]
-        prompts = [records[p]["prompt"] for p in rows]
-        completions = [
-            [{"role": "assistant", "content": t}] if isinstance(pr, list) else t for pr, t in zip(prompts, texts)
-        ]
-        columns = {k: [records[p].get(k) for p in rows] for k in records[0] if k != "prompt"}
-        rewards = score(
-            self.reward_funcs,
-            prompts,
-            completions,
-            [ids[r, : int(lengths[r])].tolist() for r in range(N)],
-            columns,
-            trainer_state=self.state,
-        )
-        advantages, reward_metrics = self._advantages(rewards, device)
-        if g.mask_truncated_completions:
-            mask = mask * (~truncated).long()[:, None]
-        normalizer = grpo_normalizer(g.loss_type, mask.to(device), g.max_completion_length)
-        if self.world_size > 1:
-            torch.distributed.all_reduce(normalizer)
-            normalizer = normalizer / self.world_size  # each rank's loss is world_size x its share (DDP's mean)
-        self._record(reward_metrics)
-        self._record(completion_length_metrics(lengths.float()))
-        self._record({"completions/clipped_ratio": truncated.float().mean()})
-        if g.log_completions:
-            self._log_completions(step, prompts, texts, rewards, advantages)
+        g, model, device = self.grpo, run.model, run.device
+        accum = len(micro_batches)
+        place = micro_batches[0]["position"] // accum  # this optimizer step's place in its generation cycle
+        if place == 0:
+            self._generation = self._generate(run, micro_batches[0]["indices"], accum)
+        gen = self._generation
+        window, rows = self._window_rows(gen, place % self.windows_per_generation)
+        if g.loss_type in ("dapo", "cispo"):  # TRL: the generation batch's tokens, shared by the steps it makes
+            normalizer = grpo_normalizer(g.loss_type, gen.completion_mask) / self.windows_per_generation
+        else:
+            normalizer = grpo_normalizer(g.loss_type, gen.completion_mask[window], g.max_completion_length)
+        # each rank's loss is world_size x its share (DDP's mean)
+        normalizer = (normalizer / self.world_size).to(device)
 
         model.train()
         window_loss = torch.zeros((), device=device, dtype=torch.float32)
         window_tokens = 0
-        parts = np.array_split(np.arange(N), len(micro_batches))
+        parts = np.array_split(rows, accum)
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
-            batch = self._micro_batch([prompt_ids[rows[r]] for r in part], ids[part], mask[part], tok.pad_token_id)
-            ref_logps = self._reference_logps(batch, device) if g.beta > 0 else None
+            batch = self._rows_batch(gen, part)
             head = functools.partial(
                 fused_grpo_loss,
                 target=batch["target"],
-                advantages=advantages[torch.as_tensor(part)].to(device),
+                advantages=gen.advantages[part].to(device),
                 completion_mask=batch["completion_mask"].to(device),
                 completion_columns=batch["columns"],
                 temperature=g.temperature,
-                ref_logps=ref_logps,
+                old_logps=_columns(gen.old_logps, part, batch, device),
+                ref_logps=_columns(gen.ref_logps, part, batch, device),
                 loss_type=g.loss_type,
                 beta=g.beta,
                 epsilon=g.epsilon,
@@ -456,9 +532,123 @@ class GRPOTrainer(Trainer):
             window_tokens += tokens
         return self._window(window_loss, window_tokens, device)
 
-    def _advantages(self, rewards: torch.Tensor, device) -> tuple[torch.Tensor, dict]:
-        """This rank's advantages, computed over every rank's rewards (TRL gathers them: a group's statistics, and
-        with scale_rewards batch the batch's, are those of the whole generation batch)."""
+    def _generate(self, run, indices: list[int], accum: int) -> _Generation:
+        """A generation batch from this rank's prompts (`indices`): sampled, scored, its advantages over every
+        rank's rewards, every rank's rows gathered, shuffled when several steps share it, and the old policy's and
+        the reference's log-probs where the loss needs them. Records the generation's metrics (TRL's, once per
+        generation) and, with log_completions, writes its rows."""
+        g, args, device, tok = self.grpo, self.args, run.device, self.processing_class
+        records = [self.train_dataset[i] for i in indices]
+        prompt_ids = [self.train_dataset.prompt_ids[i] for i in indices]
+        G, step = g.num_generations, self.state.global_step
+        with self._autocast(device, train=False):
+            sampled = sample_completions(
+                unwrap(run.model),
+                prompt_ids,
+                G,
+                g.max_completion_length,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=g.top_k,
+                min_p=g.min_p,
+                repetition_penalty=g.repetition_penalty,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                seed=args.seed,
+                step=step,
+                first_completion_index=self.rank * len(prompt_ids) * G,
+            )
+        ids, mask = sampled.completion_ids.cpu(), sampled.completion_mask.cpu()
+        truncated = sampled.truncated.cpu()
+        N = ids.shape[0]
+        rows = [r // G for r in range(N)]  # row r's prompt among this rank's
+        lengths = mask.sum(1)
+        texts = [tok.decode(ids[r, : int(lengths[r])].tolist()) for r in range(N)]
+        prompts = [records[p]["prompt"] for p in rows]
+        completions = [
+            [{"role": "assistant", "content": t}] if isinstance(pr, list) else t for pr, t in zip(prompts, texts)
+        ]
+        columns = {k: [records[p].get(k) for p in rows] for k in records[0] if k != "prompt"}
+        rewards = score(
+            self.reward_funcs,
+            prompts,
+            completions,
+            [ids[r, : int(lengths[r])].tolist() for r in range(N)],
+            columns,
+            trainer_state=self.state,
+        )
+        advantages, rewards, reward_metrics = self._advantages(rewards, device)
+        prompt_index = torch.tensor([indices[p] for p in rows])
+        everyone = self._gather({"prompt_index": prompt_index, "ids": ids, "mask": mask, "truncated": truncated})
+        ids = _pad_cat([e["ids"] for e in everyone], tok.pad_token_id)  # (N all ranks, L)
+        mask = _pad_cat([e["mask"] for e in everyone], 0)
+        truncated = torch.cat([e["truncated"] for e in everyone])
+        prompt_index = torch.cat([e["prompt_index"] for e in everyone])
+        lengths = mask.sum(1)
+        self._record(reward_metrics)
+        self._record(completion_length_metrics(lengths.float()))
+        self._record({"completions/clipped_ratio": truncated.float().mean()})
+        if g.log_completions and self.rank == 0:
+            self._log_completions(step, prompt_index, ids, lengths, rewards, advantages)
+        if g.mask_truncated_completions:
+            mask = mask * (~truncated).long()[:, None]
+        order = torch.arange(ids.shape[0])
+        if self.windows_per_generation > 1:  # TRL shuffles the rows before dealing them to the steps
+            order = torch.from_numpy(np.random.default_rng([args.seed, step]).permutation(ids.shape[0]))
+        gen = _Generation(prompt_index, ids, mask, advantages, order, None, None)
+        run.model.train()
+        gen.old_logps, gen.ref_logps = self._buffered_logps(gen, device, accum)
+        return gen
+
+    def _window_rows(self, gen: _Generation, window: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The rows of the generation batch that optimizer step `window` of a pass trains on: every rank's, and this
+        rank's share (per_device_train_batch_size x gradient_accumulation_steps of them)."""
+        n = gen.order.shape[0] // self.windows_per_generation
+        rows = gen.order[window * n : (window + 1) * n]
+        share = n // self.world_size
+        return rows, rows[self.rank * share : (self.rank + 1) * share].numpy()
+
+    def _rows_batch(self, gen: _Generation, part: np.ndarray) -> dict:
+        prompts = [self.train_dataset.prompt_ids[i] for i in gen.prompt_index[part].tolist()]
+        return self._micro_batch(
+            prompts, gen.completion_ids[part], gen.completion_mask[part], self.processing_class.pad_token_id
+        )
+
+    @torch.no_grad()
+    def _buffered_logps(self, gen: _Generation, device, accum: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(old, ref) per-token log-probs of every row of the generation batch, (N, L) or None where the loss needs
+        none: the policy's as it is now, before any step on the batch (TRL's old_per_token_logps, needed when
+        num_iterations > 1 or several steps share the batch; else the loss takes the policy's own, detached), and
+        the reference's (beta > 0). Each rank computes its rows in the micro batches its steps will train on
+        (the same padding, so the first pass's ratio is 1 to the last bit where the two ops agree); the sum over
+        ranks, whose other rows are zeros, gathers them exactly."""
+        g = self.grpo
+        need_old = g.num_iterations > 1 or self.windows_per_generation > 1
+        if not need_old and g.beta == 0:
+            return None, None
+        shape = gen.completion_ids.shape
+        old = torch.zeros(shape) if need_old else None
+        ref = torch.zeros(shape) if g.beta > 0 else None
+        for window in range(self.windows_per_generation):
+            for part in np.array_split(self._window_rows(gen, window)[1], accum):
+                batch = self._rows_batch(gen, part)
+                T = batch["completion_mask"].shape[1]
+                if old is not None:
+                    with self._autocast(device, train=True):
+                        old[part, :T] = self._logps(unwrap(self.model), batch, device).cpu()
+                if ref is not None:
+                    ref[part, :T] = self._reference_logps(batch, device).cpu()
+        if self.world_size > 1:
+            for t in (old, ref):
+                if t is not None:
+                    total = t.to(device)
+                    torch.distributed.all_reduce(total)
+                    t.copy_(total.cpu())
+        return old, ref
+
+    def _advantages(self, rewards: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(advantages, rewards, metrics) of the whole generation batch: every rank's rewards gathered first, as TRL
+        does (a group's statistics, and with scale_rewards batch the batch's, are those of the whole batch)."""
         everyone = rewards
         if self.world_size > 1:
             gathered = [torch.empty_like(rewards, device=device) for _ in range(self.world_size)]
@@ -471,8 +661,15 @@ class GRPOTrainer(Trainer):
             scale_rewards=self.grpo.scale_rewards,
             reward_func_names=self.reward_names,
         )
-        n = rewards.shape[0]
-        return advantages[self.rank * n : (self.rank + 1) * n], metrics
+        return advantages, everyone, metrics
+
+    def _gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        everyone = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, obj)
+        return everyone
 
     @staticmethod
     def _micro_batch(prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor, pad: int) -> dict:
@@ -497,19 +694,49 @@ class GRPOTrainer(Trainer):
             "columns": slice(P - 1, P - 1 + L),
         }
 
-    @torch.no_grad()
-    def _reference_logps(self, batch: dict, device) -> torch.Tensor:
-        """The reference's per-token log-probs of a micro batch's completions (beta > 0)."""
+    def _logps(self, model, batch: dict, device) -> torch.Tensor:
+        """`model`'s per-token log-probs of a micro batch's completions, (n, T) (under the caller's no_grad)."""
         head = functools.partial(
             _head_logps, target=batch["target"], columns=batch["columns"], temperature=self.grpo.temperature
         )
         inputs = dict(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+        return model(**inputs, head=head).metrics["logps"]
+
+    @torch.no_grad()
+    def _reference_logps(self, batch: dict, device) -> torch.Tensor:
+        """The reference's per-token log-probs of a micro batch's completions (beta > 0)."""
         with self._autocast(device, train=False):
             if self.ref_model is not None:
-                return self.ref_model(**inputs, head=head).metrics["logps"]
+                return self._logps(self.ref_model, batch, device)
             policy = unwrap(self.model)
             with adapters_disabled(policy):
-                return policy(**inputs, head=head).metrics["logps"]
+                return self._logps(policy, batch, device)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    def _method_state(self, run) -> dict | None:
+        """The buffered generation when the checkpoint falls inside its cycle: the steps left train on it, and the
+        policy that sampled it is gone (regenerating would sample from the current one)."""
+        if not run.loader.inside_cycle:
+            return None
+        return {"grpo_generation": self._generation.state_dict()}
+
+    def _load_method_state(self, run, state: dict | None, resume: Path) -> None:
+        if not run.loader.inside_cycle:
+            return
+        saved = (state or {}).get("grpo_generation")
+        if saved is None:
+            raise CheckpointError(
+                f"resume_from_checkpoint: {resume} was saved inside a generation cycle but holds no buffered "
+                f"generation ({METHOD_STATE})"
+            )
+        gen = _Generation(**saved)
+        rows = self.args.per_device_train_batch_size * self.world_size * self.steps_per_generation
+        if gen.order.shape[0] != rows:
+            raise CheckpointError(
+                f"resume_from_checkpoint: {resume} holds a generation batch of {gen.order.shape[0]} completions, "
+                f"this run's is {rows} (per_device_train_batch_size x processes x steps_per_generation)"
+            )
+        self._generation = gen
 
     # ---- metrics and completions ----------------------------------------------------------------------------------
     def _record(self, metrics: dict | None) -> None:
@@ -530,23 +757,22 @@ class GRPOTrainer(Trainer):
             values = values / self.world_size
         return dict(zip(names, values.tolist()))
 
-    def _log_completions(self, step: int, prompts: list, texts: list[str], rewards, advantages) -> None:
-        rows = [
-            {
-                "step": step + 1,
-                "prompt": prompt if isinstance(prompt, str) else prompt[-1]["content"],
-                "completion": text,
-                **{name: (None if v != v else v) for name, v in zip(self.reward_names, reward_row.tolist())},
-                "advantage": float(adv),
-            }
-            for prompt, text, reward_row, adv in zip(prompts, texts, rewards, advantages)
-        ]
-        if self.world_size > 1:
-            everyone = [None] * self.world_size
-            torch.distributed.all_gather_object(everyone, rows)
-            rows = [row for rank_rows in everyone for row in rank_rows]
-        if self.rank == 0:
-            path = Path(self.args.output_dir) / COMPLETIONS_FILE
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
+    def _log_completions(self, step: int, prompt_index, ids, lengths, rewards, advantages) -> None:
+        """A generation batch's rows (every rank's; rank 0 writes them) into completions.jsonl, `step` its step."""
+        tok = self.processing_class
+        rows = []
+        for r in range(ids.shape[0]):
+            prompt = self.train_dataset[int(prompt_index[r])]["prompt"]
+            rows.append(
+                {
+                    "step": step + 1,
+                    "prompt": prompt if isinstance(prompt, str) else prompt[-1]["content"],
+                    "completion": tok.decode(ids[r, : int(lengths[r])].tolist()),
+                    **{name: (None if v != v else v) for name, v in zip(self.reward_names, rewards[r].tolist())},
+                    "advantage": float(advantages[r]),
+                }
+            )
+        path = Path(self.args.output_dir) / COMPLETIONS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)

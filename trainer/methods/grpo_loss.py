@@ -12,8 +12,9 @@ NaN), A = r - nanmean_group(r), divided by (std + 1e-4) unless scale_rewards is 
 ("group") or the whole batch ("batch"), unbiased; NaN advantages (unscorable rows) become 0.
 
 Loss (`grpo_loss`, TRL's `_compute_loss`). With log-ratio d_t = logp_t - old_t (old = logp.detach() when there is
-no old policy, num_iterations 1) the importance weight is w = exp(d_t) per token, or per sequence (GSPO) the
-exp of the mask-weighted mean of d over the completion, one weight broadcast over its tokens. Per token:
+no old policy: num_iterations 1 and one optimizer step per generation) the importance weight is w = exp(d_t) per
+token, or per sequence (GSPO) the exp of the mask-weighted mean of d over the completion, one weight broadcast over
+its tokens. Per token:
   grpo, bnpo, dr_grpo, dapo  l_t = -min(w' A, clamp(w, 1 - eps, 1 + eps_high) A), w' = min(w, delta) when delta
                              is set (two-sided clipping), else w
   cispo                      l_t = -sg(min(w, eps_high)) A logp_t (sg: no gradient)
@@ -30,13 +31,15 @@ With the defaults a single micro batch equals TRL's loss with gradient_accumulat
 
 Accumulation: exact by construction, a difference from TRL on purpose. Pass the normaliser of the whole
 accumulation window (`grpo_normalizer` over the window's completion mask: its completions for grpo, its completion
-tokens for bnpo, dapo and cispo, its completions times max_completion_length for dr_grpo) and sum the micro
-batches' losses: the gradient is then that of one batch holding the window, whatever its split (tests/: 8 x 1 equals
-4 x 2). TRL divides each micro batch's own mean by the accumulation steps instead: the same for grpo and dr_grpo
-always, for bnpo only when the micro batches hold equal token counts; for dapo and cispo TRL already divides by the
-generation batch's tokens (num_items_in_batch, over ranks), which is the window's when steps_per_generation equals
-the accumulation steps (its default). With ranks, the normaliser is the window's over all ranks and each rank's
-loss is multiplied by the world size for the data-parallel mean (the caller's business, as for SFT).
+tokens for bnpo, its completions times max_completion_length for dr_grpo) and sum the micro batches' losses: the
+gradient is then that of one batch holding the window, whatever its split (tests/: 8 x 1 equals 4 x 2). TRL
+divides each micro batch's own mean by the accumulation steps instead: the same for grpo and dr_grpo always, for
+bnpo only when the micro batches hold equal token counts. For dapo and cispo TRL already divides by a count that
+does not depend on the split, the generation batch's completion tokens (num_items_in_batch, over ranks) times
+gradient_accumulation_steps / steps_per_generation (the window's tokens when steps_per_generation equals the
+accumulation steps, its default; with several steps per generation batch, its tokens shared out evenly over them):
+trainer/methods/grpo.py passes that. With ranks, the normaliser is over all ranks and each rank's loss is
+multiplied by the world size for the data-parallel mean (the caller's business, as for SFT).
 
 Metrics (0-d detached tensors, no host sync, TRL's names and per-micro-batch values): kl (beta > 0), entropy (when
 entropies are given), and for the clipped types clip_ratio/low_mean, clip_ratio/low_min, clip_ratio/high_mean,
@@ -202,7 +205,7 @@ def grpo_loss(
     """(loss, metrics) of a micro batch of B completions (the module docstring has the formulas).
 
     logps (B, T) fp32, differentiable: the policy's per-token log-probs; old_logps (B, T) the old policy's (None
-    when num_iterations is 1: logps.detach(), as TRL); ref_logps (B, T) the reference's (needed for beta > 0);
+    when the batch is trained on at once: logps.detach(), as TRL); ref_logps (B, T) the reference's (beta > 0);
     entropies (B, T) (for top_entropy_quantile and the entropy metric), advantages (B,) or (B, T), completion_mask
     (B, T) 0/1. epsilon, epsilon_high (default epsilon), delta: TRL's GRPOConfig names. normalizer: the
     denominator (`grpo_normalizer` of the accumulation window for exact accumulation), default the micro batch's

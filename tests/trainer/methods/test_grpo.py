@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from trainer.build import build_model, build_preset
+from trainer.checkpoint_hf import CheckpointError
 from trainer.config.args import ConfigError, TrainingArguments
 from trainer.data.tasks import TRAIN_FILE
+from trainer.loop.checkpoint import METHOD_STATE
 from trainer.methods.grpo import GRPOArguments, GRPOTrainer, PromptDataset, prompts_from_conversations
 from trainer.methods.grpo_rewards import RewardError
 from trainer.sft import held_out_conversations
@@ -64,16 +66,25 @@ def _weights(trainer):
         {"loss_type": "grpo", "scale_rewards": "batch"},
         {"loss_type": "dr_grpo", "importance_sampling_level": "sequence"},
         {"loss_type": "dapo", "beta": 0.04},
+        {"loss_type": "dapo", "num_iterations": 2, "steps": 3},
+        {"loss_type": "bnpo", "generation_batch_size": 16, "steps": 3},
+        {"loss_type": "dapo", "steps_per_generation_x": 2, "num_iterations": 2, "beta": 0.04, "steps": 4},
+        {"loss_type": "grpo", "steps_per_generation_x": 2, "importance_sampling_level": "sequence", "steps": 3},
     ],
     ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
 )
 def test_the_update_does_not_depend_on_the_micro_batch_split(tmp_path, prompts, options):
     """8 completions x 1 micro step and 4 x 2 (and 2 x 4): the same completions, and the same weights after two
     steps to fp32 noise, for each normalisation (bnpo divides by the window's tokens here, TRL by each micro
-    batch's), and with the KL term against the reference."""
+    batch's), with the KL term against the reference, and with a generation batch reused (num_iterations 2) or
+    shared by two optimizer steps (steps_per_generation 2 x gradient_accumulation_steps, or generation_batch_size 16
+    = 8 x 2): the rows each step takes do not depend on the split either."""
+    options = dict(options)
+    factor = options.pop("steps_per_generation_x", None)
     runs = []
     for micro, accum in ((8, 1), (4, 2), (2, 4)):
-        trainer = _trainer(tmp_path / f"{micro}x{accum}", prompts, micro=micro, accum=accum, **options)
+        more = {"steps_per_generation": factor * accum} if factor else {}
+        trainer = _trainer(tmp_path / f"{micro}x{accum}", prompts, micro=micro, accum=accum, **options, **more)
         trainer.train()
         runs.append((_weights(trainer), trainer.state.log_history))
     (w0, logs0), *others = runs
@@ -84,6 +95,37 @@ def test_the_update_does_not_depend_on_the_micro_batch_split(tmp_path, prompts, 
             torch.testing.assert_close(w[name], w0[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     changed = _trainer(tmp_path / "before", prompts, **options).model.state_dict()
     assert any(not torch.equal(changed[k], w0[k]) for k in w0)
+
+
+def test_num_iterations_reuses_the_generation_and_its_ratios_clip(tmp_path, prompts):
+    """num_iterations 2: step 1 samples and scores (the reward is logged once, at the generation, as TRL's), step 2
+    trains on the same completions again, against the old policy's log-probs taken at generation: those equal the
+    starting model's (an independent log_softmax of its logits), step 1 updates as num_iterations 1 does (ratio 1),
+    and step 2's ratios have moved, some out of the clip range."""
+    start = _trainer(tmp_path / "start", prompts).model  # the same seed: the starting weights
+    once = _trainer(tmp_path / "once", prompts, steps=1)
+    once.train()
+    twice = _trainer(tmp_path / "twice", prompts, steps=1, num_iterations=2)
+    twice.train()
+    a, b = _weights(once), _weights(twice)
+    for name in a:  # step 1: the importance ratio is exp(0) and its gradient is the num_iterations 1 one
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    gen = twice._generation
+    for r in range(gen.order.shape[0]):
+        prompt = twice.train_dataset.prompt_ids[int(gen.prompt_index[r])]
+        T = int(gen.completion_mask[r].sum())
+        ids = torch.tensor([prompt + gen.completion_ids[r, :T].tolist()])
+        with torch.no_grad():
+            logits = start(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
+        torch.testing.assert_close(gen.old_logps[r, :T], expected, rtol=0, atol=2e-5)
+    full = _trainer(tmp_path / "full", prompts, steps=2, num_iterations=2, log_completions=True)
+    full.train()
+    first, second = full.state.log_history[:2]
+    assert "reward" in first and "reward" not in second and "completions/mean_length" not in second
+    assert first["clip_ratio/region_mean"] == 0.0 and second["clip_ratio/region_mean"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "full" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and {r["step"] for r in rows} == {1}  # one generation for both steps
 
 
 def test_masked_truncated_completions_leave_nothing_to_learn(tmp_path, prompts):
@@ -98,29 +140,62 @@ def test_masked_truncated_completions_leave_nothing_to_learn(tmp_path, prompts):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_a_resumed_run_ends_as_the_unbroken_one(tmp_path, prompts):
-    """Completions are keyed by (seed, step, completion index): a run resumed from its step-2 checkpoint samples
-    what the unbroken run sampled and ends with the same weights, bit for bit."""
-    unbroken = _trainer(tmp_path / "a", prompts, steps=4)
+class _StopAt:
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+@pytest.mark.parametrize(
+    "stop, options",
+    [
+        (2, {}),
+        (1, {"num_iterations": 2}),
+        (1, {"steps_per_generation": 2}),
+        (3, {"steps_per_generation": 2, "num_iterations": 2, "beta": 0.04}),
+    ],
+    ids=["one-step-generations", "mid-iterations", "mid-generation", "second-pass"],
+)
+def test_a_resumed_run_ends_as_the_unbroken_one(tmp_path, prompts, stop, options):
+    """Completions are keyed by (seed, step, completion index): a run resumed from its checkpoint samples what the
+    unbroken run sampled and ends with the same weights, bit for bit. A checkpoint inside a generation cycle (after
+    the first of num_iterations passes, or the first of the steps that share a generation batch) holds the buffered
+    generation (method_state.pt: completions, advantages, the old policy's and the reference's log-probs), and the
+    resumed run trains on it; one at the end of a cycle holds none."""
+    unbroken = _trainer(tmp_path / "a", prompts, steps=4, **options)
     unbroken.train()
-    first = _trainer(tmp_path / "b", prompts, steps=4)
-    first.args.save_strategy, first.args.save_steps, first.args.max_steps = "steps", 2, 4
-    first.args.save_total_limit = None
-    first.control_stop_at = 2
-
-    class StopAt2:
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
-                control.should_training_stop = True
-            return control
-
-    first.add_callback(StopAt2())
+    first = _trainer(tmp_path / "b", prompts, steps=4, **options)
+    first.args.save_strategy, first.args.save_steps, first.args.save_total_limit = "steps", 1, None
+    first.add_callback(_StopAt(stop))
     first.train()
-    assert (tmp_path / "b" / "checkpoint-2").is_dir()
-    resumed = _trainer(tmp_path / "b", prompts, steps=4)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    checkpoint = tmp_path / "b" / f"checkpoint-{stop}"
+    cycle = options.get("steps_per_generation", 1) * options.get("num_iterations", 1)
+    assert (checkpoint / METHOD_STATE).is_file() == (stop % cycle != 0)
+    resumed = _trainer(tmp_path / "b", prompts, steps=4, **options)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
     a, b = _weights(unbroken), _weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    after = [
+        [log.get("clip_ratio/region_mean") for log in t.state.log_history if log["step"] > stop and "loss" in log]
+        for t in (unbroken, resumed)
+    ]
+    assert after[0] == after[1] and len(after[0]) == 4 - stop
+
+
+def test_a_resume_with_another_generation_cycle_is_one_line(tmp_path, prompts):
+    """The loader's place inside a generation cycle is counted in micro steps of steps_per_generation x
+    num_iterations: a checkpoint resumed under another cycle is refused in one line naming both."""
+    first = _trainer(tmp_path, prompts, steps=4, num_iterations=2)
+    first.args.save_strategy, first.args.save_steps = "steps", 1
+    first.add_callback(_StopAt(1))
+    first.train()
+    other = _trainer(tmp_path, prompts, steps=4)
+    with pytest.raises(CheckpointError, match="a generation batch was 2 micro steps .* is 1; resume with the GRPO"):
+        other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 
 
 def test_trl_metric_names_and_the_completions_file(tmp_path, prompts):
@@ -171,20 +246,44 @@ def test_a_reward_function_that_fails_is_one_line_before_any_update(tmp_path, pr
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"micro": 6}, "num_generations=4: must divide the completions of a step on each process"),
-        ({"num_iterations": 2}, "num_iterations=2: only 1 is supported yet"),
-        ({"steps_per_generation": 4}, "steps_per_generation=4: only gradient_accumulation_steps"),
+        ({"micro": 6}, "num_generations=4: must divide the completions of a generation batch on each process"),
+        (
+            {"micro": 2, "generation_batch_size": 6},
+            "num_generations=4: must divide the completions of a generation batch on each process, "
+            "per_device_train_batch_size x steps_per_generation = 2 x 3 = 6",
+        ),
+        (
+            {"micro": 4, "accum": 2, "steps_per_generation": 3},
+            r"steps_per_generation=3: must be a multiple of gradient_accumulation_steps \(2\)",
+        ),
+        (
+            {"generation_batch_size": 12},
+            r"generation_batch_size=12: must be a multiple of per_device_train_batch_size x processes = 8 x 1 = 8",
+        ),
         ({"loss_type": "sapo"}, "loss_type='sapo': expected one of grpo, bnpo, dr_grpo, dapo, cispo"),
-        ({"num_generations": 1}, "num_generations=1: expected an int >= 2"),
         ({"reward": "nowhere:fn"}, "reward function 'nowhere:fn'"),
     ],
 )
 def test_bad_arguments_are_one_line(tmp_path, prompts, kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        if "num_generations" in kwargs:
-            GRPOArguments(**kwargs)
-        else:
-            _trainer(tmp_path, prompts, **kwargs)
+        _trainer(tmp_path, prompts, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_generations": 1}, "num_generations=1: expected an int >= 2"),
+        ({"num_iterations": 0}, "num_iterations=0: expected an int >= 1"),
+        ({"steps_per_generation": 0}, "steps_per_generation=0: expected an int >= 1"),
+        (
+            {"steps_per_generation": 2, "generation_batch_size": 16},
+            "steps_per_generation=2 and generation_batch_size=16: set one of them",
+        ),
+    ],
+)
+def test_bad_grpo_arguments_are_one_line(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        GRPOArguments(**kwargs)
 
 
 def test_a_record_without_a_prompt_names_its_place(prompts):
