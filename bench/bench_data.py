@@ -33,7 +33,8 @@ when the data call starts: interpreter start, imports, loading the tokenizer and
   dataset and to the first micro batch (target: < 5% of ours_1proc's).
 - trl: `load_dataset("json", data_files=shards)` into a fresh HF_DATASETS_CACHE, then `SFTTrainer._prepare_dataset`
   (TRL 1.x's code: apply_chat_template with assistant masks, labels, truncation to max_length, the fully-masked
-  filter), one process (dataset_num_proc None); prepare_s counts both, read_s the first alone. The trainer is built
+  filter), one process (dataset_num_proc None); prepare_s counts both, read_s the first alone, and the cache size
+  is HF_DATASETS_CACHE's bytes (the Arrow of the JSON and of every `map`'s result). The trainer is built
   first, around a 2-row dataset and a tiny Llama (excluded). Target: ours_1proc tokens/s >= TRL's. On the first 200
   conversations TRL's input_ids and labels are compared with ours.
 - stream_full / stream_tenth: `open_sft_stream(tokenizer, data=shards)` (each shard a `datasets` JSON stream) and a
@@ -45,6 +46,9 @@ when the data call starts: interpreter start, imports, loading the tokenizer and
     python -m bench.bench_data --conversations 2000 --out /tmp/r --skip-trl   # a small run elsewhere
 
 Rows: one per phase, then one per target (met or not, with its ratio); bench/results/data.md renders every run.
+The phases are single-threaded (two processes for num_proc=2): on a machine shared with other work their times move
+by tens of percent (measured at 10,000 conversations under a load average of 6.5 on 2 cores, ours and TRL's were
+within 4% of each other), so run it alone. At 10,000 conversations the whole bench took 3 minutes under that load.
 """
 
 from __future__ import annotations
@@ -156,13 +160,14 @@ def shard_counts(n: int) -> list[int]:
 
 
 def write_shards(directory: Path, n: int, seed: int) -> tuple[list[Path], dict]:
-    """The set as JSONL shards in `directory` (reused when a complete earlier run of the same n and seed left them),
-    and its statistics."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """The set as JSONL shards in `directory` (reused when a complete earlier run of the same n and seed left them,
+    else the directory is made anew), and its statistics."""
     done = directory / "done.json"
     if done.is_file() and json.loads(done.read_text()).get("n") == n and json.loads(done.read_text())["seed"] == seed:
         stats = json.loads(done.read_text())
         return [directory / name for name in stats.pop("shards")], stats
+    shutil.rmtree(directory, ignore_errors=True)  # another set's shards, and the tokenizer trained on them
+    directory.mkdir(parents=True)
     words = vocabulary(seed)
     paths, messages, exchanges, nbytes = [], 0, [], 0
     for i, count in enumerate(shard_counts(n)):
@@ -265,6 +270,7 @@ def phase_ours(spec: dict) -> dict:
     )
     prepare_s = time.perf_counter() - t0
     batch, batch_s = _first_batch(ds)
+    peak_rss = _peak_rss_mb()  # before the checks below read anything more
     assert batch["input_ids"].shape[0] == min(MICRO_BATCH, len(ds))
     tokens = int(ds.summary["tokens"])
     return {
@@ -280,15 +286,16 @@ def phase_ours(spec: dict) -> dict:
         "tokens_per_s": round(tokens / prepare_s, 1),
         "cache_bytes_on_disk": _dir_bytes(spec["cache"]),
         "arrays_sha256": _arrays_sha256(ds),
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss,
         "rss_before_mb": rss_start,
     }
 
 
 def phase_trl(spec: dict) -> dict:
     """TRL's SFTTrainer preparation of the shards, then the first COMPARE examples against ours."""
-    # datasets, transformers and trl are imported here: only this phase needs them, and trl is optional.
+    # datasets, pyarrow, transformers and trl are imported here: only this phase needs them, and trl is optional.
     import datasets
+    import pyarrow.compute
     import torch
     import transformers
     import trl
@@ -326,8 +333,11 @@ def phase_trl(spec: dict) -> dict:
     read_s = time.perf_counter() - t0
     prepared = trainer._prepare_dataset(raw, hf_tok, args, False, None, "train")
     prepare_s = time.perf_counter() - t0
-    lengths = [len(ids) for ids in prepared.with_format("numpy")["input_ids"]]
-    tokens = int(sum(lengths))
+    peak_rss = _peak_rss_mb()  # before the counting and the comparison below
+    tokens = sum(
+        pyarrow.compute.sum(pyarrow.compute.list_value_length(batch["input_ids"])).as_py()
+        for batch in prepared.with_format("arrow").iter(batch_size=10_000)
+    )
 
     ours = load_sft_dataset(  # ours_1proc's cache entry: read, not tokenised again
         [Path(p) for p in spec["shards"]],
@@ -353,12 +363,12 @@ def phase_trl(spec: dict) -> dict:
         "read_s": round(read_s, 3),
         "prepare_s": round(prepare_s, 3),
         "tokens_per_s": round(tokens / prepare_s, 1),
-        "hf_cache_bytes_on_disk": _dir_bytes(spec["hf_cache"]),
+        "cache_bytes_on_disk": _dir_bytes(spec["hf_cache"]),  # the Arrow of the JSON and of every map
         "compared": k,
         "compared_ids_differ": ids_differ,
         "compared_labels_differ": labels_differ,
         "first_difference": first,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss,
         "rss_before_mb": rss_start,
     }
 
@@ -477,7 +487,7 @@ def target_rows(results: dict) -> list[dict]:
 def run(n: int, seed: int, work: Path, skip_trl: bool = False, log=print) -> list[dict]:
     """Every phase on N conversations in `work`; the rows (phases, then targets), without the context columns."""
     shards, stats = write_shards(work / "shards", n, seed)
-    tokenizer = work / "tokenizer"
+    tokenizer = work / "shards" / "tokenizer"  # trained on these shards: made anew with them
     if not (tokenizer / "tokenizer.json").is_file():
         train_tokenizer(shards[0], tokenizer)
     log(f"data: {n:,} conversations in {len(shards)} shards, {stats['jsonl_bytes'] / 1e6:.1f} MB of JSONL")
