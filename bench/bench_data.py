@@ -283,7 +283,7 @@ def phase_ours(spec: dict) -> dict:
         "cache_hit": bool(ds.summary.get("cache_hit")),
         "prepare_s": round(prepare_s, 3),
         "first_batch_s": round(prepare_s + batch_s, 3),
-        "tokens_per_s": round(tokens / prepare_s, 1),
+        "tokens_per_s": None if ds.summary.get("cache_hit") else round(tokens / prepare_s, 1),  # read, not tokenised
         "cache_bytes_on_disk": _dir_bytes(spec["cache"]),
         "arrays_sha256": _arrays_sha256(ds),
         "peak_rss_mb": peak_rss,
@@ -498,6 +498,7 @@ def run(n: int, seed: int, work: Path, skip_trl: bool = False, log=print) -> lis
     results = {}
 
     def phase(label: str, kind: str, spec: dict) -> None:
+        log(f"{label}: started {time.strftime('%H:%M:%S')}")  # at 1,000,000 conversations a phase takes many minutes
         results[label] = run_phase(kind, {**base, **spec})
         log(f"{label}: " + ", ".join(f"{k} {v}" for k, v in results[label].items() if k != "arrays_sha256"))
 
