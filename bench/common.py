@@ -325,14 +325,15 @@ def provider_parser(doc: str, dtypes: dict, modes: tuple, providers: tuple, dtyp
     return ap
 
 
-def write_rows(name: str, rows: list[dict]) -> Path:
-    """Append rows to bench/results/<name>.jsonl and re-render bench/results/<name>.md."""
+def write_rows(name: str, rows: list[dict], render: Callable[[Path], Path] | None = None) -> Path:
+    """Append rows to bench/results/<name>.jsonl and re-render bench/results/<name>.md (with `render`, a bench's own
+    page, else `render_markdown`'s table)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.jsonl"
     with path.open("a") as f:
         for row in rows:
             f.write(json.dumps(row, sort_keys=True) + "\n")
-    render_markdown(path)
+    (render or render_markdown)(path)
     return path
 
 
