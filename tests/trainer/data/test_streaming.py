@@ -9,6 +9,7 @@ import datasets
 import pytest
 import torch
 
+from tests.trainer.data.test_hf_datasets import small_model
 from trainer.coerce import ConfigError
 from trainer.config.args import TrainingArguments
 from trainer.data.batching import BatchLoader
@@ -17,7 +18,6 @@ from trainer.data.streaming import SFTStream, StreamLoader
 from trainer.data.tasks import generate_tasks
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.loop.trainer import Trainer
-from trainer.model.causal_lm import CausalLM, ModelConfig
 
 STRATEGIES = ["normal", "padding_free", "dynamic_batching", "dynamic_padding_free"]
 
@@ -193,23 +193,6 @@ def _examples(stream):
     reader = stream.examples(stream.start())
     while (ex := reader.next()) is not None:
         yield ex
-
-
-def small_model() -> CausalLM:
-    config = ModelConfig(
-        vocab_size=259,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        eos_token_id=258,
-        pad_token_id=256,
-    )
-    model = CausalLM(config, use_kernels=False)
-    model.init_weights(0)
-    return model
 
 
 def run(out, train_dataset, tok, resume=None, **kw):
