@@ -371,6 +371,48 @@ def _first_bad(dataset, name: str, split: str | None, rows: np.ndarray):
     raise AssertionError(f"{name} row {i}: failed a vectorised check but not the row's own")
 
 
+PAIR_TOKEN_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")  # TRL's DPOTrainer's names
+
+
+def tokenized_pairs(dataset, name: str):
+    """What PreferenceTrainer trains or evaluates on, given tokenized pairs as `name`: a `datasets.Dataset` of TRL's
+    columns (`prompt_input_ids`, `chosen_input_ids`, `rejected_input_ids`, as DPOTrainer's tokenize_row writes them)
+    as a PreferenceDataset, every row checked (lists of token ids >= 0, a non-empty chosen and rejected), taken as
+    they are (no truncation: they were truncated when tokenized); an eval dict split by split; anything else as it
+    is. A Dataset without those columns is a one-line error naming its columns."""
+    if name != "train_dataset" and isinstance(dataset, dict):
+        return {key: _pairs_from_hf(ds, name, key) for key, ds in dataset.items()}
+    return _pairs_from_hf(dataset, name, None)
+
+
+def _pairs_from_hf(dataset, name: str, split: str | None):
+    if hf_kind(dataset) != "Dataset":
+        return dataset
+    split = _split(dataset, split)
+    columns = list(dataset.column_names)
+    missing = [c for c in PAIR_TOKEN_COLUMNS if c not in columns]
+    if missing:
+        raise DataError(
+            f"{name}: no column {missing[0]!r} (columns {columns}) (expected raw pairs, or TRL's tokenized pairs: "
+            f"{', '.join(PAIR_TOKEN_COLUMNS)})"
+        )
+    pairs = []
+    for i, row in enumerate(_rows(dataset.select_columns(list(PAIR_TOKEN_COLUMNS)))):
+        where = f"{name} {_where(i, split)}"
+        pair = {}
+        for column in PAIR_TOKEN_COLUMNS:
+            ids = _token_array(row[column], column, where)
+            if ids.size and ids.min() < 0:
+                raise DataError(f"{where}: {column} holds {int(ids.min())} (expected token ids >= 0)")
+            if ids.size == 0 and column != "prompt_input_ids":
+                raise DataError(f"{where}: {column} is empty (expected at least one token)")
+            pair[column.replace("_input_ids", "_ids")] = ids
+        pairs.append(pair)
+    if not pairs:
+        raise DataError(f"{name}: the dataset has no rows (expected at least one pair)")
+    return PreferenceDataset.from_pairs(pairs)
+
+
 def trainer_dataset(dataset, name: str):
     """What the Trainer trains or evaluates on, given `dataset` as `name` ("train_dataset", "eval_dataset"): a
     `datasets` object converted by `tokenized_from_hf` (a dict of them, eval_dataset's, split by split), anything

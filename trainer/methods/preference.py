@@ -35,7 +35,7 @@ from kernels.fused_linear_preference import LOSS_TYPES
 from trainer.build import resolve_tokenizer
 from trainer.config.args import ConfigError, TrainingArguments, _arg
 from trainer.data.batching import IGNORE_INDEX
-from trainer.data.hf_datasets import tokenize_preference_dataset, tokenized_splits
+from trainer.data.hf_datasets import tokenize_preference_dataset, tokenized_pairs, tokenized_splits
 from trainer.data.preference_data import PREFERENCE_FORMATS, TRUNCATION_MODES, PreferenceDataset, collate_pairs
 from trainer.loop.evaluation import forward_params
 from trainer.loop.trainer import Trainer
@@ -187,7 +187,8 @@ class PreferenceTrainer(Trainer):
     def _prepare_dataset(self, dataset, name: str):
         """Raw pairs (a `datasets.Dataset`, split by split for a DatasetDict, or a list of records) tokenized as files
         of the same records are (`tokenize_preference_dataset`: max_length is args.cutoff_len, max_prompt_length and
-        truncation_mode the pref's); an IterableDataset goes to the Trainer's conversion, which says what it does."""
+        truncation_mode the pref's); a Dataset of TRL's tokenized pair columns taken as it is (`tokenized_pairs`); an
+        IterableDataset goes to the Trainer's conversion, which says what it does."""
         tokenizer = self.processing_class
 
         def tokenize(rows, split):
@@ -202,8 +203,8 @@ class PreferenceTrainer(Trainer):
                 **self._pair_options,
             )
 
-        dataset = tokenized_splits(dataset, name, tokenize if tokenizer is not None else None, None)
-        return super()._prepare_dataset(dataset, name)
+        dataset = tokenized_splits(dataset, name, tokenize if tokenizer is not None else None, "chosen_input_ids")
+        return super()._prepare_dataset(tokenized_pairs(dataset, name), name)
 
     def _loader(self, dataset, micro: int, train: bool):
         loader = super()._loader(dataset, micro, train)

@@ -267,6 +267,36 @@ def test_pairs_from_a_dataset_train_as_the_same_pairs_from_a_file(tmp_path, pair
         )
 
 
+def test_trls_tokenized_pair_columns_train_as_the_same_pairs(tmp_path, pairs, tokenizer):
+    """A Dataset of TRL's tokenized columns (prompt_input_ids, chosen_input_ids, rejected_input_ids) holding the
+    fixture's pairs: the same PreferenceDataset and the same first DPO step; a malformed row or missing column is one
+    line naming it."""
+    columns = {
+        f"{part}_input_ids": [pairs[i][f"{part}_ids"].tolist() for i in range(len(pairs))]
+        for part in ("prompt", "chosen", "rejected")
+    }
+    tokens = datasets.Dataset.from_dict(columns)
+    file_trainer, file_logs = run(tmp_path / "file", pairs, tokenizer, max_steps=1)
+    trainer = PreferenceTrainer(
+        model=small_model(), args=make_args(tmp_path / "tokens", max_steps=1), train_dataset=tokens
+    )  # no processing_class needed
+    got = trainer.train_dataset
+    assert isinstance(got, PreferenceDataset) and all(
+        np.array_equal(got.ids[k], pairs.ids[k]) and np.array_equal(got.offsets[k], pairs.offsets[k])
+        for k in ("prompt", "chosen", "rejected")
+    )
+    trainer.processing_class = tokenizer
+    trainer.train()
+    for (name, p), q in zip(trainer.model.state_dict().items(), file_trainer.model.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    bad = datasets.Dataset.from_dict({**columns, "chosen_input_ids": [[]] + columns["chosen_input_ids"][1:]})
+    with pytest.raises(DataError, match=r"^train_dataset row 0: chosen_input_ids is empty"):
+        PreferenceTrainer(model=small_model(), args=make_args(tmp_path), train_dataset=bad)
+    partial = datasets.Dataset.from_dict({k: v for k, v in columns.items() if k != "rejected_input_ids"})
+    with pytest.raises(DataError, match=r"^eval_dataset: no column 'rejected_input_ids'"):
+        PreferenceTrainer(model=small_model(), args=make_args(tmp_path), train_dataset=pairs, eval_dataset=partial)
+
+
 def test_kernels_through_the_interpreter_train_as_plain_pytorch(tmp_path, pairs, tokenizer):
     """use_kernels with the Triton kernels (the fused preference op among them, through the interpreter) against
     the plain PyTorch path: the same two steps."""
