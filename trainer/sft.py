@@ -66,7 +66,13 @@ from trainer.coerce import read_config_file
 from trainer.config.args import ConfigError, _arg, parse_args
 from trainer.data.batching import BatchLoader
 from trainer.data.cache import cache_root, check_cache_root
-from trainer.data.hf_sources import MIX_STRATEGIES, check_sources, load_sft_sources, split_names
+from trainer.data.hf_sources import (
+    MIX_STRATEGIES,
+    check_sources,
+    load_preference_sources,
+    load_sft_sources,
+    split_names,
+)
 from trainer.data.preference_data import PREFERENCE_FORMATS, load_preference_dataset, pairs_dataset
 from trainer.data.sft_data import (
     DataError,
@@ -602,8 +608,11 @@ def _check_data_sources(sft: SFTArguments) -> None:
         return
     if sft.data:
         raise ConfigError("data and dataset_name: both give the training data; give one of them")
-    if sft.stage == "dpo":
-        raise ConfigError("dataset_name: stage dpo reads its pairs from --data files; give --data")
+    if sft.stage == "dpo" and sft.mix_strategy != "concat":
+        raise ConfigError(
+            f"mix_strategy={sft.mix_strategy!r}: stage dpo reads several --dataset_name sources one after the other "
+            "(concat) only"
+        )
     if sft.dataset_test_split is not None and (sft.eval_data or sft.val_size):
         given = "--eval_data" if sft.eval_data else f"val_size={sft.val_size:g}"
         raise ConfigError(
@@ -854,6 +863,20 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
         )
         StreamLoader.from_args(train_ds, args, args.per_device_train_batch_size, world_size=world_size)
         loaded, eval_ds = [train_ds], None
+    elif sft.dataset_name and sft.stage == "dpo":  # pairs from load_dataset's sources, each split cached
+        train_ds, eval_ds = load_preference_sources(
+            sft.dataset_name,
+            tokenizer,
+            config=sft.dataset_config,
+            data_files=sft.data_files,
+            train_split=sft.dataset_train_split,
+            test_split=sft.dataset_test_split,
+            data_format=sft.data_format,
+            skip_bad_examples=sft.skip_bad_examples,
+            cache_dir=cache["cache_dir"],
+            **truncation,
+        )
+        loaded = [train_ds] + ([eval_ds] if eval_ds is not None else [])
     elif sft.dataset_name:  # trainer.data.hf_sources: load_dataset's sources, a mixture, each split tokenised, cached
         sources = load_sft_sources(
             sft.dataset_name,

@@ -279,11 +279,13 @@ def test_dataset_options_read_as_trl_and_llamafactory_write_them(tmp_path):
     assert sft.mix_strategy == "interleave_under" and sft.dataset_train_split == "train"
 
 
-def test_dataset_name_is_sfts_and_dpo_refuses_it_in_one_line():
-    """Stage dpo reads its pairs from --data files, in one process: --dataset_name and --dataset_num_proc > 1 are
-    refused there, not ignored (checked in process: no data is read)."""
+def test_dpo_refuses_dataset_num_proc_and_a_mixture_in_one_line():
+    """Stage dpo tokenises its pairs in one process and reads several --dataset_name sources one after the other:
+    --dataset_num_proc > 1 and an interleaved mixture are refused there, not ignored (checked in process: no data is
+    read)."""
+    interleaved = SFTArguments(stage="dpo", dataset_name=["a", "b"], mix_strategy="interleave_under")
     for sft, message in (
-        (SFTArguments(stage="dpo", dataset_name=["x"], data_format="auto"), "dataset_name: stage dpo reads its pairs"),
+        (interleaved, "mix_strategy='interleave_under': stage dpo reads several --dataset_name sources one after"),
         (SFTArguments(stage="dpo", dataset_num_proc=2), "dataset_num_proc: stage dpo tokenises its pairs in one"),
         (SFTArguments(dataset_name=["json"], dataset_config="x", data_files=["*.nothing"]), "data_files: *.nothing"),
     ):

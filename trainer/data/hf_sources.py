@@ -48,6 +48,13 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from trainer.data.preference_data import (
+    PAIR_FORMATS_TEXT,
+    PreferenceDataset,
+    detect_preference_format,
+    preference_options,
+)
+from trainer.data.preference_data import _build as _build_pairs
 from trainer.data.sft_data import (
     DataError,
     TokenizedDataset,
@@ -87,7 +94,10 @@ def offline() -> bool:
 
 
 def split_names(values) -> list[str]:
-    """`values` as a flat list: each entry may hold several, comma-separated (LlamaFactory's `dataset: a,b`)."""
+    """`values` (a string or a list of them) as a flat list: each entry may hold several, comma-separated
+    (LlamaFactory's `dataset: a,b`)."""
+    if isinstance(values, str):
+        values = [values]
     return [part.strip() for value in values or () for part in str(value).split(",") if part.strip()]
 
 
@@ -413,3 +423,49 @@ def load_sft_sources(
         eval_parts = [tokenize_split(ds, f"{name}:{test_split}", tokenizer, options, **kwargs) for name, ds in tests]
     train = mix(train_parts, mix_strategy, interleave_probs, seed)
     return LoadedSources(train, concat(eval_parts) if eval_parts else None, train_parts + eval_parts)
+
+
+def load_preference_sources(
+    names,
+    tokenizer,
+    *,
+    config: str | None = None,
+    data_files=None,
+    train_split: str = "train",
+    test_split: str | None = None,
+    data_format: str = "auto",
+    max_length: int | None = 1024,
+    max_prompt_length: int | None = None,
+    truncation_mode: str = "keep_start",
+    skip_bad_examples: bool = False,
+    cache_dir=None,
+    show_progress: bool = True,
+) -> tuple[PreferenceDataset, PreferenceDataset | None]:
+    """Stage dpo's `--dataset_name`: preference pairs (TRL's and LlamaFactory's formats) from load_dataset's sources,
+    every split through the files' code (trainer/data/preference_data.py), a bad pair named `source:split[i]`, cached
+    by the digest of its rows as SFT splits are; several sources one after the other (the train pairs, and the test
+    splits' when `test_split` is given). Returns (train, eval or None)."""
+    options = preference_options(data_format, max_length, max_prompt_length, truncation_mode, skip_bad_examples)
+    names = split_names(names)
+    loaded = [
+        (name, load_source(name, config=config, data_files=data_files, show_progress=show_progress)) for name in names
+    ]
+
+    def pairs(split: str, train: bool) -> PreferenceDataset:
+        parts = []
+        for name, ds in loaded:
+            dataset, source = pick_split(ds, name, split, train=train), f"{name}:{split}"
+
+            def build(dataset=dataset, source=source):
+                formats: dict[str, str] = {}
+                rows = ((f"{source}[{i}]", row) for i, row in enumerate(dataset.with_format(None)))
+                items = checked_source(source, rows, data_format, formats, detect_preference_format, PAIR_FORMATS_TEXT)
+                return _build_pairs(items, [source], formats, tokenizer, options, show_progress)
+
+            digests = [dataset_digest(dataset)] if cache_dir is not None else []
+            parts.append(load_cached(cache_dir, "pairs", digests, tokenizer, options, PreferenceDataset, build))
+        if len(parts) == 1:
+            return parts[0]
+        return PreferenceDataset.from_pairs([pair for part in parts for pair in part])
+
+    return pairs(train_split, True), pairs(test_split, False) if test_split is not None else None

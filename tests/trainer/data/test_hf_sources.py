@@ -14,8 +14,10 @@ import pytest
 from tests.trainer.data.test_hf_datasets import ANSWER, OPTIONS, RECORDS, USER, as_dataset, same_tokens, write_jsonl
 from trainer.data import sft_data
 from trainer.data.hf_datasets import tokenize_sft_dataset
-from trainer.data.hf_sources import check_sources, dataset_digest, load_sft_sources, mix
+from trainer.data.hf_sources import check_sources, dataset_digest, load_preference_sources, load_sft_sources, mix
+from trainer.data.preference_data import load_preference_dataset
 from trainer.data.sft_data import DataError, TokenizedDataset, load_sft_dataset
+from trainer.data.tasks import generate_tasks, preference_pair
 from trainer.data.tokenizer import byte_level_tokenizer
 
 
@@ -247,3 +249,31 @@ def test_the_cache_key_follows_the_rows_not_num_proc(tmp_path, tok):
     assert dataset_digest(ds) == dataset_digest(as_dataset(RECORDS["messages"]))
     assert dataset_digest(ds) != dataset_digest(ds.select([1, 0, 2]))  # the order is part of it
     assert dataset_digest(ds.select([0, 1])) != dataset_digest(ds)
+
+
+def test_preference_pairs_from_sources_are_the_pairs_of_the_same_records_in_a_file(tmp_path, tok):
+    """Stage dpo's --dataset_name: a saved DatasetDict's train and test splits, and two sources one after the other,
+    give the pairs of JSONL files of the same records (cached by the rows' digest: a second read hits); a bad pair is
+    named source:split[i]."""
+    records = [preference_pair(ex) for ex in generate_tasks(30, 5)]
+    train, test = records[:20], records[20:]
+    saved(tmp_path, "pairs", train=train, test=test)
+    kw = dict(max_length=64, show_progress=False)
+    got_train, got_test = load_preference_sources(
+        [str(tmp_path / "pairs")], tok, test_split="test", cache_dir=tmp_path / "cache", **kw
+    )
+    want_train = load_preference_dataset(write_jsonl(tmp_path / "train.jsonl", train), tok, **kw)
+    want_test = load_preference_dataset(write_jsonl(tmp_path / "test.jsonl", test), tok, **kw)
+    for got, want in ((got_train, want_train), (got_test, want_test)):
+        assert all(np.array_equal(got.ids[k], want.ids[k]) for k in ("prompt", "chosen", "rejected"))
+        assert all(np.array_equal(got.offsets[k], want.offsets[k]) for k in ("prompt", "chosen", "rejected"))
+    again, _ = load_preference_sources([str(tmp_path / "pairs")], tok, cache_dir=tmp_path / "cache", **kw)
+    assert again.summary["cache_hit"] and np.array_equal(again.ids["chosen"], want_train.ids["chosen"])
+    saved(tmp_path, "more", train=test)
+    both, _ = load_preference_sources(f"{tmp_path / 'pairs'},{tmp_path / 'more'}", tok, **kw)
+    assert len(both) == 30 and np.array_equal(
+        both.ids["chosen"], np.concatenate([want_train.ids["chosen"], want_test.ids["chosen"]])
+    )
+    saved(tmp_path, "bad", train=train[:3] + [{**train[3], "rejected": train[3]["chosen"]}])
+    with pytest.raises(DataError, match=r"bad:train\[3\]: chosen and rejected are identical"):
+        load_preference_sources([str(tmp_path / "bad")], tok, **kw)
