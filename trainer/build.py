@@ -20,6 +20,7 @@ is `trainer/checkpoint_hf.py`'s; the architecture (`trainer/model/causal_lm.py`)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint_hf import CheckpointError, check_safetensors, load_safetensors, read_json, save_safetensors
 from trainer.coerce import ConfigError
@@ -35,7 +37,14 @@ from trainer.data.tokenizer import Tokenizer, byte_level_tokenizer
 from trainer.dist import init_distributed, local_device, local_shard
 from trainer.model.causal_lm import CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from trainer.model.lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
-from trainer.parallel.transforms import DCP_DIR, apply_data_parallel, apply_transforms, load_sharded, uses_fsdp
+from trainer.parallel.transforms import (
+    DCP_DIR,
+    apply_data_parallel,
+    apply_transforms,
+    is_fsdp,
+    load_sharded,
+    uses_fsdp,
+)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -300,6 +309,37 @@ def empty_model(config: ModelConfig, *, dtype=torch.float32, device="cpu", trans
     model.tie_weights()  # to_empty may make new, separate Parameters
     model.model.rotary_emb.reset_buffers()  # non-persistent: to_empty left garbage
     return model
+
+
+@torch.no_grad()
+def frozen_copy(model: nn.Module, args) -> nn.Module:
+    """A frozen copy of `model` (a reference model: eval mode, no gradients). A model sharded by FSDP2, which
+    cannot be deep-copied, is copied sharded alike: an empty CausalLM of its config through the same transforms
+    (`args`, LoRA left out), then each rank copies its own shards, so no rank holds more than its rows and nothing
+    is communicated."""
+    if not is_fsdp(model):
+        ref = copy.deepcopy(model)
+    else:
+        ours = causal_lm(model)
+        if ours is None or has_adapter(ours):
+            raise TypeError(f"frozen_copy: a {type(model).__name__} sharded by FSDP2 (a CausalLM without LoRA only)")
+        state = model.state_dict()
+        ref = empty_model(
+            ours.config,
+            dtype=next(iter(state.values())).dtype,
+            device=next(iter(state.values())).device,
+            transform=lambda m: apply_transforms(m, dataclasses.replace(args, use_peft=False)),
+            **model_settings(args),
+        )
+        for name, tensor in ref.state_dict().items():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            source = state[name]
+            local.copy_(source.to_local() if isinstance(source, DTensor) else source)
+        ref.attn_backend = ours.attn_backend
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
 
 
 @torch.no_grad()

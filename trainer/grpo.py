@@ -5,10 +5,11 @@
     python -m trainer.grpo config.yaml                        # flags win over the file
 
 It is `python -m trainer.sft --stage grpo`: the same arguments, checks, build, loop, checkpoints, resume, engines
-(one process or DDP) and exit codes (trainer/sft.py), with prompt records (a "prompt" holding text or messages, other
-columns passed to the reward functions) and GRPO's generation, rewards and loss (trainer/methods/grpo.py; TRL's
-GRPOConfig names). The demo starts from the SFT demo's model, outputs/demo, and trains that first when it is not
-there (python -m trainer.sft, about 5 minutes on an idle 2-core CPU); docs/grpo.md says more.
+(one process, DDP, FSDP2 or DeepSpeed ZeRO) and exit codes (trainer/sft.py), with prompt records (a "prompt"
+holding text or messages, other columns passed to the reward functions) and GRPO's generation, rewards and loss
+(trainer/methods/grpo.py; TRL's GRPOConfig names). The demo starts from the SFT demo's model, outputs/demo, and
+trains that first when it is not there (python -m trainer.sft, about 5 minutes on an idle 2-core CPU); docs/grpo.md
+says more.
 """
 
 import sys

@@ -1,16 +1,20 @@
 """`python -m trainer.dpo` (trainer/dpo.py, the sft pipeline's stage dpo) as a user runs it: a short run on the
-embedded pairs with its files and before/after figures, LlamaFactory's names, and bad input in one line, exit 2,
-nothing written."""
+embedded pairs with its files and before/after figures, LlamaFactory's names, two FSDP2 processes equal to one, and
+bad input in one line, exit 2, nothing written."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
+
+from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = [
@@ -40,6 +44,37 @@ def run(*args, module="trainer.dpo", timeout=300):
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def test_fsdp2_on_two_processes_matches_one_with_the_default_reference(tmp_path):
+    """The default reference (a frozen copy of the model as given) under FSDP2 from the command line, whose model is
+    built sharded and cannot be deep-copied: copied shard by shard (`trainer.build.frozen_copy`). Two gloo
+    processes log the losses and reward margins of one process on the same global batch of 8 pairs and end with
+    its weights, to fp32 noise."""
+    i = FAST.index("--per_device_train_batch_size")
+    fast = ["--stage", "dpo", *FAST[:i], *FAST[i + 2 :]]
+    one = _spawn_sft([*fast, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "1")])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    argv = [*fast, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "2")]
+    argv += ["--dist_config", '{"name": "fsdp2"}']
+    two = [_spawn_sft(argv, **launch, RANK=str(r), LOCAL_RANK=str(r)) for r in (0, 1)]
+    try:
+        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in (one, *two)]
+    finally:
+        for p in (one, *two):
+            p.kill()
+    assert [p.returncode for p in (one, *two)] == [0, 0, 0], [e[-3000:] for e in errs]
+    logs = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in "12"]
+    # a margin is beta x a difference of log-prob sums near -40 (fp32 ulp ~4e-6): ~1e-6 absolute noise
+    for key, abs_tol in (("loss", 1e-7), ("rewards/margins", 2e-6)):
+        values = [[row[key] for row in log if key in row] for log in logs]
+        assert len(values[0]) == 2 and values[0] == pytest.approx(values[1], rel=1e-5, abs=abs_tol), key
+    a, b = (load_file(tmp_path / run / "model.safetensors") for run in "12")
+    for name in a:
+        assert (a[name] - b[name]).abs().max() <= 1e-5 + 1e-5 * a[name].abs().max(), name
 
 
 def test_a_short_run_on_the_embedded_pairs(tmp_path):

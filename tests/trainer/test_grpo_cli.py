@@ -54,20 +54,46 @@ def _spawn_grpo(argv, **launch_env):
     return _spawn_sft(["--stage", "grpo", *argv], None, **launch_env)
 
 
+CYCLE = ["--num_iterations", "2", "--generation_batch_size", "16", "--max_steps", "4", "--beta", "0.04"]
+
+
+def _parallel_args(parallel: str, tmp_path) -> list[str]:
+    """The two-process run's data parallelism: DDP (the default), FSDP2, or DeepSpeed ZeRO-2/3 (our optimizer its
+    client optimizer, the batch keys filled from the arguments)."""
+    if parallel == "fsdp2":
+        return ["--dist_config", '{"name": "fsdp2"}']
+    if parallel.startswith("zero"):
+        pytest.importorskip("deepspeed")
+        auto = {
+            k: "auto" for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+        }
+        path = tmp_path / f"{parallel}.json"
+        path.write_text(json.dumps({**auto, "zero_optimization": {"stage": int(parallel[-1])}}))
+        return ["--deepspeed", str(path)]
+    return []
+
+
 @pytest.mark.parametrize(
-    "options, generations",
+    "options, generations, parallel",
     [
-        ([], 2),
-        (["--num_iterations", "2", "--generation_batch_size", "16", "--max_steps", "4", "--beta", "0.04"], 1),
+        ([], 2, "ddp"),
+        (CYCLE, 1, "ddp"),
+        (CYCLE, 1, "fsdp2"),
+        (CYCLE, 1, "zero2"),
+        (CYCLE, 1, "zero3"),
+        # no LoRA dropout: its draws depend on the number of processes (with 0.05 the adapters differ by ~30%)
+        ([*CYCLE, "--use_peft", "true", "--lora_dropout", "0"], 1, "fsdp2"),
     ],
-    ids=["one-step-generations", "generation-of-2-steps-x-2-iterations"],
+    ids=["one-step-generations", "generation-of-2-steps-x-2-iterations", "fsdp2", "zero2", "zero3", "fsdp2-lora"],
 )
-def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path, options, generations):
+def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path, options, generations, parallel):
     """The same global batch (8 completions a step) on one process and on two gloo processes (DDP): the same
     rewards logged and the same weights at the end, to fp32 noise; completions.jsonl holds every completion once.
     Also with a generation batch of 16 completions shared by 2 optimizer steps and trained on twice
     (num_iterations 2): the rows of every rank gathered, shuffled and dealt to the steps alike, the old policy's
-    and the reference's log-probs summed over the ranks."""
+    and the reference's log-probs summed over the ranks; and so under FSDP2 and DeepSpeed ZeRO-2/3, whose
+    generation holds the whole weights (the same completions: the same rewards), the loss and update through the
+    sharded engine (with a LoRA adapter too, the reference the model with the adapter disabled)."""
     data = ["--data", str(inputs / "prompts.jsonl"), "--reward_funcs", f"{inputs / 'rewards.py'}:digits", *options]
     one = _spawn_grpo([*SMALL, *data, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")])
     with socket.socket() as s:
@@ -75,6 +101,7 @@ def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path,
         port = s.getsockname()[1]
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     two_argv = [*SMALL, *data, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "two")]
+    two_argv += _parallel_args(parallel, tmp_path)
     two = [
         _spawn_grpo([*two_argv, "--log_completions", "true"], **launch, RANK=str(r), LOCAL_RANK=str(r)) for r in (0, 1)
     ]
@@ -90,7 +117,8 @@ def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path,
     ]
     rewards = [[row["reward"] for row in log if "reward" in row] for log in logs]
     assert len(rewards[0]) == generations and rewards[0] == pytest.approx(rewards[1], abs=1e-6)
-    a, b = (load_file(tmp_path / run / "model.safetensors") for run in ("one", "two"))
+    weights = "adapter_model.safetensors" if "--use_peft" in options else "model.safetensors"
+    a, b = (load_file(tmp_path / run / weights) for run in ("one", "two"))
     for name in a:
         assert (a[name] - b[name]).abs().max() <= 1e-5 + 1e-5 * a[name].abs().max(), name
     rows = [json.loads(line) for line in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
@@ -126,7 +154,10 @@ def test_bad_grpo_inputs_stop_in_one_line(inputs, tmp_path):
         ([*data, "--train_on_prompt", "true"], "train_on_prompt: stage grpo samples answers to prompts"),
         ([*data, "--per_device_train_batch_size", "64"], "8 prompts, but a generation batch samples 4 completions"),
         ([*data, "--steps_per_generation", "8"], "8 prompts, but a generation batch samples 4 completions each of 16"),
-        ([*data, "--dist_config", '{"name": "fsdp2"}'], "stage grpo runs on one process or under DDP yet"),
+        (
+            [*data, "--dist_config", '{"name": "fsdp2", "offload_params": true}'],
+            "stage grpo does not support FSDP2's CPU offload yet",
+        ),
         (
             [*data, "--reward_funcs", f"{inputs / 'rewards.py'}:broken", "--per_device_train_batch_size", "4"],
             "reward function 'broken' raised on row 0: KeyError: 'score'",

@@ -19,6 +19,8 @@ or FSDP2) and DeepSpeed's (`trainer.parallel.deepspeed_engine.DeepSpeedRun`). Bo
   FSDP2 shards it gathers);
 - `frozen(model)`: a frozen model (DPO's reference) as the engine runs it beside the policy (DeepSpeed's: an
   inference engine of its own, partitioned like the policy under ZeRO-3);
+- `full_weights()`: a context holding the model with its whole weights, to generate with (GRPO's completions):
+  FSDP2's units unsharded and ZeRO-3's partitions gathered for its duration, so that decoding makes no collective;
 - `same_world_only`: None where a checkpoint resumes under another number of processes
   (`trainer.loop.resume.check_resume_across_worlds`), else what ties it to its own (DeepSpeed's ZeRO partitions).
 
@@ -36,7 +38,7 @@ from trainer.loop.checkpoint import read_state
 from trainer.loop.resume import load_model_and_optimizer, load_model_weights
 from trainer.parallel.deepspeed_engine import DeepSpeedRun
 from trainer.parallel.deepspeed_engine import check_args as check_deepspeed_args
-from trainer.parallel.transforms import DCP_DIR, is_fsdp, save_sharded, uses_deepspeed
+from trainer.parallel.transforms import DCP_DIR, full_weights, is_fsdp, save_sharded, unwrap, uses_deepspeed
 
 OPTIMIZER_FILE, SCHEDULER_FILE, SCALER_FILE = "optimizer.pt", "scheduler.pt", "scaler.pt"
 
@@ -134,6 +136,11 @@ class TorchEngine:
     def frozen(self, model):
         """A frozen model (DPO's reference) as this engine runs it: PyTorch's runs it as it is."""
         return model
+
+    def full_weights(self):
+        """A context holding the model (DDP's unwrapped) with its whole weights, to generate with: FSDP2's units
+        stay unsharded from their first forward to the end (`trainer.parallel.transforms.full_weights`)."""
+        return full_weights(unwrap(self.model))
 
 
 def check_engine_args(args, world_size: int) -> None:

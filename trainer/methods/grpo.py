@@ -57,13 +57,18 @@ max_length, completions/clipped_ratio, over the whole generation batch; once per
 entropy, clip_ratio/* (cispo_clip_ratio). `log_completions` writes each generation's prompts, completions,
 rewards and advantages to output_dir/completions.jsonl (rank 0, `step` the step that generated them).
 
-Not here (yet), each refused in one line: an eval_dataset (the CLI reports the held-out exact match instead), FSDP2
-and DeepSpeed (generation under sharded weights); a steps_per_generation that is not a multiple of
+Under FSDP2 and DeepSpeed (ZeRO-2/3) the generation holds the whole weights for its duration (the engine's
+`full_weights()`: FSDP2's units unsharded from the prefill on, ZeRO-3's partitions gathered once with its hooks off),
+so decoding makes no collective and ranks whose completions end early stop alone; the loss and the log-probs run
+through the sharded engine; the reference is sharded like the policy (`trainer.build.frozen_copy`; DeepSpeed's
+`frozen`, as DPO's).
+
+Not here (yet), each refused in one line: an eval_dataset (the CLI reports the held-out exact match instead), FSDP2's
+CPU offload (untested: it needs a GPU); a steps_per_generation that is not a multiple of
 gradient_accumulation_steps (TRL allows it: a step would then span two generations); vLLM, tools and multimodal
 prompts, which this project does not have.
 """
 
-import copy
 import functools
 import json
 from dataclasses import dataclass, fields
@@ -73,6 +78,7 @@ import numpy as np
 import torch
 
 import kernels
+from trainer.build import frozen_copy
 from trainer.checkpoint_hf import CheckpointError
 from trainer.config.args import ConfigError, _arg
 from trainer.data.batching import BatchLoader
@@ -202,7 +208,7 @@ class GRPOArguments:
 def check_grpo_batch(args, grpo: GRPOArguments, world_size: int) -> int:
     """What GRPO's generation batch takes of the TrainingArguments (the trainer's and the CLI's check), each a
     one-line ConfigError: a generation batch of whole optimizer steps whose completions per process num_generations
-    divides, normal batches, one process or DDP. Returns steps_per_generation as given or implied (TRL's
+    divides, normal batches, no FSDP2 CPU offload. Returns steps_per_generation as given or implied (TRL's
     GRPOConfig: generation_batch_size = per_device_train_batch_size x processes x steps_per_generation, default
     gradient_accumulation_steps)."""
     micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
@@ -230,8 +236,11 @@ def check_grpo_batch(args, grpo: GRPOArguments, world_size: int) -> int:
             f"num_generations={grpo.num_generations}: must divide the completions of a generation batch on each "
             f"process, per_device_train_batch_size x steps_per_generation = {micro} x {steps} = {rows}"
         )
-    if (args.dist_config or {}).get("name") == "fsdp2" or args.deepspeed:
-        raise ConfigError("stage grpo runs on one process or under DDP yet; FSDP2 and DeepSpeed are not supported")
+    if (args.dist_config or {}).get("name") == "fsdp2" and args.dist_config.get("offload_params"):
+        raise ConfigError(
+            "dist_config fsdp2 with offload_params: stage grpo does not support FSDP2's CPU offload yet (generation "
+            "holds the whole weights on the accelerator; untested, FSDP2's offload needs a GPU)"
+        )
     if args.batching_strategy != "normal":
         raise ConfigError(f"batching_strategy={args.batching_strategy!r}: stage grpo batches prompts 'normal'ly only")
     return steps
@@ -441,9 +450,8 @@ class GRPOTrainer(Trainer):
             )
         self.ref_model = None
         if g.beta > 0 and not has_adapter(unwrap(self.model)):
-            self.ref_model = copy.deepcopy(unwrap(self.model)).eval()
-            for p in self.ref_model.parameters():
-                p.requires_grad_(False)
+            self.ref_model = frozen_copy(unwrap(self.model), a)  # sharded alike under FSDP2
+        self._ref_prepared = False  # whether the reference went through the engine's `frozen` (_reference_logps)
         self._metrics: dict[str, list[torch.Tensor]] = {}
         self._generation: _Generation | None = None  # the generation batch the current cycle trains on
 
@@ -541,9 +549,11 @@ class GRPOTrainer(Trainer):
         records = [self.train_dataset[i] for i in indices]
         prompt_ids = [self.train_dataset.prompt_ids[i] for i in indices]
         G, step = g.num_generations, self.state.global_step
-        with self._autocast(device, train=False):
+        # the whole weights for the generation (FSDP2's units unsharded, ZeRO-3's partitions gathered): decoding then
+        # makes no collective, so ranks whose completions end early stop without the others waiting on them
+        with run.engine.full_weights() as policy, self._autocast(device, train=False):
             sampled = sample_completions(
-                unwrap(run.model),
+                policy,
                 prompt_ids,
                 G,
                 g.max_completion_length,
@@ -707,6 +717,8 @@ class GRPOTrainer(Trainer):
         """The reference's per-token log-probs of a micro batch's completions (beta > 0)."""
         with self._autocast(device, train=False):
             if self.ref_model is not None:
+                if not self._ref_prepared:  # under DeepSpeed its own inference engine, as DPO's (a collective)
+                    self.ref_model, self._ref_prepared = self.engine.frozen(self.ref_model), True
                 return self._logps(self.ref_model, batch, device)
             policy = unwrap(self.model)
             with adapters_disabled(policy):

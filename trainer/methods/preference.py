@@ -24,7 +24,6 @@ What differs from SFT, and how (the rest, from schedule to checkpoints and resum
   They accumulate on the device and reach the host at the log step only.
 """
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +31,7 @@ import torch
 
 import kernels
 from kernels.fused_linear_preference import LOSS_TYPES
-from trainer.build import resolve_tokenizer
+from trainer.build import frozen_copy, resolve_tokenizer
 from trainer.config.args import ConfigError, TrainingArguments, _arg
 from trainer.data.batching import IGNORE_INDEX
 from trainer.data.hf_datasets import tokenize_preference_dataset, tokenized_pairs, tokenized_splits
@@ -178,7 +177,7 @@ class PreferenceTrainer(Trainer):
             if ref_model is not None:
                 self.ref_model = self._frozen(self._configure_model(ref_model))
             elif not self.pref.precompute_ref_log_probs and not has_adapter(unwrap(self.model)):
-                self.ref_model = self._frozen(copy.deepcopy(unwrap(self.model)))
+                self.ref_model = self._frozen(frozen_copy(unwrap(self.model), self.args))  # sharded alike (FSDP2)
         self._ref_prepared = False  # whether the reference went through the engine's `frozen` (_reference_model)
         self._ref_tables: dict[int, np.ndarray] = {}  # id(dataset) -> (pairs, 2) fp32 reference logps, precomputed
         self._sums: dict[str, dict] = {}  # "train"/"eval" -> metric name -> device sum over pairs; "pairs" -> count

@@ -13,7 +13,8 @@ thing. This module owns everything DeepSpeed:
   (a deliberate difference: transformers leaves them out and DeepSpeed stops with an assertion).
 - `DeepSpeedRun`: the loop's engine (the methods of PyTorch's, trainer/loop/engine.py, which picks one of the two):
   `backward`, `step`, `save_checkpoint`, `load_checkpoint` and `full_state_dict` (ZeRO-3 gathered on rank 0, for
-  the consolidated Hugging Face export); `frozen` runs a frozen model (DPO's reference) in the policy's dtype,
+  the consolidated Hugging Face export); `full_weights` holds the whole weights for a generation (GRPO's; ZeRO-3
+  gathered once); `frozen` runs a frozen model (DPO's reference) in the policy's dtype,
   partitioned like the policy under ZeRO-3.
 
 Exactness. The loop keeps its own loss normalisation (each micro loss is divided by the window's supervised
@@ -48,6 +49,7 @@ Test: python -m pytest tests/trainer/parallel/test_deepspeed.py -q   (1 and 2 pr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -309,6 +311,31 @@ class DeepSpeedRun:
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.eval()
         return engine
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        """The model (the engine's module) holding its whole weights for the duration, to generate with: itself under
+        stages 0-2 (whole on every rank); under ZeRO-3 its partitions gathered at once (`GatheredParameters`) and
+        ZeRO-3's per-module hooks taken off meanwhile (they would release the gathered weights after each module and
+        gather them again in the next decoding step: a collective per step, which ranks whose completions end early
+        would leave the others waiting in), then registered again, as TRL's unwrap_model_for_generation does. A
+        collective: every rank enters it together."""
+        module = self.engine.module
+        if self.stage != 3:
+            yield module
+            return
+        deepspeed = import_deepspeed()
+        offload = self.engine.optimizer.parameter_offload  # ZeRO-3's hooks and their coordinator
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            for param in module.parameters():
+                param.ds_active_sub_modules.clear()
+            for hook in offload.forward_hooks + offload.backward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield module
+            finally:
+                offload._register_deepspeed_module(offload.module)  # also invalidates the coordinator's trace
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state_dict on rank 0's CPU (None elsewhere); a collective under ZeRO-3, which gathers

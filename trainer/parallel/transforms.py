@@ -234,6 +234,31 @@ def gradient_sync(model: nn.Module, enabled: bool):
         yield
 
 
+@contextlib.contextmanager
+def full_weights(model: nn.Module):
+    """Inside: every FSDP2 unit of `model` keeps its whole (unsharded) weights from its first forward to the end, so
+    that a generation gathers each unit once, in its prefill, and decodes with no collective after it: ranks whose
+    completions end early stop without leaving the others waiting in an all-gather. On exit every unit is resharded
+    and reshards after forward as before. Costs the whole model's weights (in the mixed-precision dtype) on each
+    rank for the duration; a model that is not FSDP2's is its own whole weights already."""
+    if not is_fsdp(model):
+        yield model
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    states = [m._get_fsdp_state() for m in units]
+    saved = [(s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in s._fsdp_param_groups]) for s in states]
+    model.set_reshard_after_forward(False)
+    try:
+        yield model
+    finally:
+        for state, (auto, infos) in zip(states, saved):  # set_reshard_after_forward cannot restore the root's
+            state._auto_reshard_after_forward = auto  # automatic False, so each group's own value comes back
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
+        for unit in units:
+            unit.reshard()
+
+
 # ---- checkpoints with several processes ---------------------------------------------------------------------------
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state_dict on rank 0's CPU (empty on the other ranks); a collective for FSDP2. With a LoRA

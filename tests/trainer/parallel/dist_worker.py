@@ -18,6 +18,9 @@ checkpoint path or null, "lora": true to put a LoRA adapter (args' use_peft sett
 the trainer gets it}: DPO (`trainer.methods.preference.PreferenceTrainer`) on the pairs, then an evaluation on them;
 rank 0 writes result.json (with what each rank holds of the reference model: `reference_holding`).
 
+A sampling job is {"output", "args", "sample": {...}}: GRPO's sampler inside the engine's `full_weights()`, each rank
+stopping after its own number of decoding steps (`sample` says more).
+
 A build job is {"output", "args", "build": {"model": a preset or directory, "seed": int}}: the model is loaded as
 `python -m trainer.sft` loads it (`trainer.build.build_model`; sharded without a full copy under dist_config fsdp2,
 whose dcp_path may name a DCP copy) while `FullSizeWatch` counts full-size tensors and every safetensors read is
@@ -256,6 +259,52 @@ def build(job: dict) -> None:
         )
 
 
+def sample(job: dict) -> None:
+    """A sampling job, {"output", "args", "sample": {"model": a preset, "prompts": [[ids], ...], "lengths": the
+    max_completion_length of each rank}}: the engine of `args` (FSDP2's or DeepSpeed's) over the preset's seed-0
+    model; rank r samples 2 greedy completions of its share of the prompts inside `engine.full_weights()`, up to
+    its own length (ranks stop after different numbers of decoding steps), twice over; then a forward through the
+    engine on every rank. Rank 0 writes result.json: {"tokens": per rank, "logits": the forward's last logits}."""
+    from trainer.build import build_model
+    from trainer.dist import local_device
+    from trainer.loop.engine import start_engine
+    from trainer.methods.grpo_sampling import sample_completions
+
+    rank, world_size = init_distributed()
+    out = Path(job["output"])
+    args = TrainingArguments(**{"output_dir": str(out / "run"), **job["args"]})
+    spec = job["sample"]
+    model, _ = build_model(spec["model"], args, seed=0)
+    engine = start_engine(
+        model,
+        args,
+        running=None,
+        device=local_device(),
+        rank=rank,
+        world_size=world_size,
+        max_steps=1,
+        make_optimizer=lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.0),
+        make_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        scaler=None,
+    )
+    share = len(spec["prompts"]) // world_size
+    prompts = spec["prompts"][rank * share : (rank + 1) * share]
+    tokens = []
+    for _ in range(2):  # the context leaves the engine as it found it: entered again, it samples the same
+        with engine.full_weights() as policy:
+            got = sample_completions(
+                policy, prompts, 2, spec["lengths"][rank], temperature=0.0, first_completion_index=rank * share * 2
+            )
+        tokens.append(got.completion_ids.tolist())
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor(spec["prompts"][:1], device=local_device())).logits
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, tokens)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps({"tokens": everyone, "logits": logits[0, -1].tolist()}))
+
+
 def run_preference(job: dict) -> None:
     """A preference job, {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments, "resume"}:
     DPO on the pairs; rank 0 writes result.json (the logged losses and reward margins, the eval metrics, what each
@@ -323,6 +372,8 @@ def run(data: str, job: dict) -> None:
 
     if "build" in job:
         return build(job)
+    if "sample" in job:
+        return sample(job)
     if "pairs" in job:
         return run_preference(job)
     rank, world_size = init_distributed()

@@ -10,6 +10,8 @@ accelerator.
   (2 x 4 = 2 ranks x 2 x 2); a run resumed from checkpoint-2 continues as the unbroken one (with bitsandbytes' 8-bit
   AdamW as the client optimizer too); the consolidated export (ZeRO-3 gathered) holds the same weights as the
   one-process run and loads in transformers with our logits.
+GRPO's sampler inside `DeepSpeedRun.full_weights()` under ZeRO-3 gives one process's completions while the ranks stop
+decoding after different numbers of steps (tests/trainer/test_grpo_cli.py trains GRPO under ZeRO-2 and ZeRO-3).
 No config here makes DeepSpeed build a C++ op (no optimizer section: ours is its client optimizer).
 Tolerance: as tests/trainer/parallel/test_distributed.py (the same fp32 terms summed in another order: ~1e-5 relative).
 """
@@ -32,8 +34,10 @@ from tests.trainer.parallel.test_distributed import (  # noqa: F401
     LORA_ARGS,
     ONE_PROCESS_ARGS,
     QLORA_ARGS,
+    SAMPLE,
     assert_same_adapter,
     assert_same_weights,
+    assert_sampled_as_one_process,
     data_file,
     launch,
     ok,
@@ -295,6 +299,14 @@ def test_two_processes_equal_one_process(ds_suite, reference_run, name):  # noqa
     assert_same_weights(ds_suite["out"][name] / "final", ref_model)
     checkpoint = ds_suite["out"][name] / "run" / "checkpoint-2"
     assert (checkpoint / "deepspeed" / "state").is_dir() and (checkpoint / "trainer_state.json").is_file()
+
+
+def test_zero3_sampling_gathers_the_weights_once_while_ranks_stop_apart(tmp_path, data_file):  # noqa: F811
+    """GRPO's generation under ZeRO-3 (`DeepSpeedRun.full_weights`): the partitions gathered once and ZeRO-3's
+    per-module hooks off meanwhile, so a rank that stops decoding early leaves no other waiting; the completions
+    of one process, the same when entered again (the hooks are back: the forward after it gathers as before)."""
+    job = {"name": "zero3", "args": {**ds_args(tmp_path, "zero3")}, "sample": SAMPLE}
+    assert_sampled_as_one_process(ok(launch(tmp_path / "runs", data_file, [job]))["result"]["zero3"])
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])

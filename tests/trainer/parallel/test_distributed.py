@@ -17,6 +17,9 @@ optimizer step sees the same 8 examples, and the loss is normalised by the windo
 - preference training (DPO) under DDP, FSDP2 and DeepSpeed ZeRO-3, the reference a frozen copy (under ZeRO-3
   partitioned like the policy) or precomputed, logs the same losses, reward margins and eval metrics and ends
   with the same weights; under ZeRO-3 a resume from checkpoint-2 continues as the unbroken run;
+- GRPO's sampler inside the engine's `full_weights()` (FSDP2 here, ZeRO-3 in test_deepspeed.py) gives one
+  process's completions while the ranks stop decoding after different numbers of steps, and leaves the model
+  sharded as it found it;
 - an exception on one rank ends the whole job with its message and a non-zero exit, never a hang.
 Every spawn is bounded by a timeout. GPU-marked tests (NCCL, offload_params) run only where CUDA exists.
 Tolerance: the 1-process and 2-process runs sum the same fp32 terms in a different order (per-rank partial
@@ -826,6 +829,36 @@ def test_fsdp2_model_built_sharded_equals_the_one_process_model(suite, reference
     result = suite["result"][source]
     assert result["sharded"] == "FSDPCausalLM"
     assert result["generated"] == generate(ref.eval(), [5, 6, 7, 8], 6)
+
+
+# GRPO's sampling under a sharded engine: rank 0 decodes 1 token (its prefill only), rank 1 seven
+SAMPLE = {"model": "tiny", "prompts": [[5, 6, 7, 8], [9, 3, 4], [11, 12], [7, 7, 7, 7, 2]], "lengths": [1, 7]}
+
+
+def assert_sampled_as_one_process(result: dict) -> None:
+    """The sampling job's completions (each rank's, sampled twice) are those of the seed-0 preset on one process,
+    and its forward after them gives the same logits (to fp32 noise)."""
+    from trainer.methods.grpo_sampling import sample_completions
+
+    ref = build_preset(SAMPLE["model"], seed=0)[0].eval()
+    share = len(SAMPLE["prompts"]) // 2
+    for rank, tokens in enumerate(result["tokens"]):
+        prompts = SAMPLE["prompts"][rank * share : (rank + 1) * share]
+        expected = sample_completions(
+            ref, prompts, 2, SAMPLE["lengths"][rank], temperature=0.0, first_completion_index=rank * share * 2
+        ).completion_ids.tolist()
+        assert tokens == [expected, expected], rank
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor(SAMPLE["prompts"][:1])).logits[0, -1]
+    torch.testing.assert_close(torch.tensor(result["logits"]), logits, rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp2_sampling_holds_the_whole_weights_while_ranks_stop_apart(tmp_path, data_file):
+    """GRPO's generation under FSDP2 (`TorchEngine.full_weights`): each unit gathered once, in the prefill, so a rank
+    that stops decoding early leaves no other waiting in an all-gather (without it rank 1's second step would
+    wait forever); the completions of one process; afterwards the model is sharded and trains as before."""
+    runs = ok(launch(tmp_path, data_file, [{"name": "fsdp2", "args": {**CONFIGS["fsdp2"]}, "sample": SAMPLE}]))
+    assert_sampled_as_one_process(runs["result"]["fsdp2"])
 
 
 @pytest.mark.parametrize("source", ["build-hf", "build-preset", "build-dcp"])
