@@ -847,14 +847,14 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
 
     seed = args.data_seed if args.data_seed is not None else args.seed
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # --dataset_name's sources as load_dataset reads them (trainer.data.hf_sources), for every stage and for streams
+    source = dict(config=sft.dataset_config, data_files=sft.data_files, train_split=sft.dataset_train_split)
     if sft.streaming:  # trainer.data.streaming: read and tokenised as training goes (no cache); the eval data whole
         train_ds = open_sft_stream(
             tokenizer,
             data=None if sft.dataset_name else train_files,
             dataset_name=sft.dataset_name,
-            config=sft.dataset_config,
-            data_files=sft.data_files,
-            train_split=sft.dataset_train_split,
+            **source,
             mix_strategy=sft.mix_strategy,
             interleave_probs=interleave_probs(sft),
             seed=seed,
@@ -867,9 +867,7 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
         train_ds, eval_ds = load_preference_sources(
             sft.dataset_name,
             tokenizer,
-            config=sft.dataset_config,
-            data_files=sft.data_files,
-            train_split=sft.dataset_train_split,
+            **source,
             test_split=sft.dataset_test_split,
             data_format=sft.data_format,
             skip_bad_examples=sft.skip_bad_examples,
@@ -881,9 +879,7 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
         sources = load_sft_sources(
             sft.dataset_name,
             tokenizer,
-            config=sft.dataset_config,
-            data_files=sft.data_files,
-            train_split=sft.dataset_train_split,
+            **source,
             test_split=sft.dataset_test_split,
             mix_strategy=sft.mix_strategy,
             interleave_probs=interleave_probs(sft),
