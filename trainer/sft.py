@@ -808,16 +808,15 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
     # the shared cache (trainer.data.cache): an entry is written as soon as it is tokenised (under its lock, so that of
     # several ranks one tokenises and the others read), never into output_dir
     cache = dict(cache_dir=cache_root(sft.data_cache_dir), show_progress=not args.disable_tqdm)
-    # how SFT data is tokenised, the same for files (--data) and load_dataset's sources (--dataset_name)
-    sft_options = dict(
+    # how SFT data is tokenised, the same for files (--data), load_dataset's sources (--dataset_name) and streams
+    tokenisation = dict(
         data_format=sft.data_format,
         cutoff_len=args.cutoff_len,
         train_on_prompt=sft.train_on_prompt,
         mask_history=sft.mask_history,
         skip_bad_examples=sft.skip_bad_examples,
-        num_proc=sft.dataset_num_proc,
-        **cache,
     )
+    sft_options = dict(**tokenisation, num_proc=sft.dataset_num_proc, **cache)
     if sft.stage == "grpo":
         return _read_prompts(args, sft, pref, tokenizer, embedded, eval_files)
     if sft.stage == "sft":
@@ -859,7 +858,7 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
             interleave_probs=interleave_probs(sft),
             seed=seed,
             show_progress=not args.disable_tqdm,
-            **{k: v for k, v in sft_options.items() if k not in ("num_proc", *cache)},
+            **tokenisation,
         )
         StreamLoader.from_args(train_ds, args, args.per_device_train_batch_size, world_size=world_size)
         loaded, eval_ds = [train_ds], None

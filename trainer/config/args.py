@@ -165,6 +165,8 @@ LOGGER_PACKAGES = {
     "trackio": "trackio",
 }
 REPORTERS = ("jsonl", *LOGGER_PACKAGES)  # jsonl needs no package; the services are optional dependencies
+# a streamed dataset's examples planned together: enough for best-fit-decreasing to pack rows nearly full
+PACKING_BUFFER = 1000
 BATCHING_STRATEGIES = ("normal", "padding_free", "dynamic_batching", "dynamic_padding_free")
 TOKEN_BUDGET_STRATEGIES = ("dynamic_batching", "dynamic_padding_free")  # the ones max_tokens applies to
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -541,7 +543,7 @@ class TrainingArguments:
     )
     max_tokens: int | None = _arg(None, "data", "Token budget per micro batch for the dynamic batching strategies.")
     packing_buffer: int = _arg(
-        1000,
+        PACKING_BUFFER,
         "data",
         "A streamed dataset's examples planned into batches together (packed best-fit-decreasing, shuffled) "
         "(axolotl: pretrain_multipack_buffer_size).",

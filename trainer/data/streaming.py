@@ -46,10 +46,10 @@ import numpy as np
 
 from trainer.checkpoint_hf import CheckpointError
 from trainer.coerce import ConfigError
-from trainer.config.args import BATCHING_STRATEGIES, TOKEN_BUDGET_STRATEGIES
+from trainer.config.args import BATCHING_STRATEGIES, PACKING_BUFFER, TOKEN_BUDGET_STRATEGIES
 from trainer.data.batching import BatchLoader
 from trainer.data.hf_datasets import _tokenized_example, hf_kind, trainer_dataset
-from trainer.data.hf_sources import load_source, pick_split, split_names
+from trainer.data.hf_sources import MIX_STRATEGIES, load_source, pick_split, split_names
 from trainer.data.sft_data import (
     IGNORE_INDEX,
     DataError,
@@ -64,8 +64,6 @@ from trainer.data.sft_data import _encode_item as encode_item
 
 logger = logging.getLogger(__name__)
 
-MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
-DEFAULT_PACKING_BUFFER = 1000  # examples planned together: enough for best-fit-decreasing to pack rows nearly full
 _MAX_WARNINGS = 5  # dropped rows named one by one; the rest counted
 
 
@@ -78,7 +76,7 @@ class _SourceReader:
     """One source read row by row from a position {"rows": rows read this pass, "state": its state_dict or None}."""
 
     def __init__(self, source, initial_state, start: dict | None):
-        self.source, self.rows = source, 0
+        self.source = source
         start = start or {"rows": 0, "state": initial_state}
         self._opened_state = start["state"]
         if initial_state is not None:
@@ -324,7 +322,7 @@ class StreamLoader:
         drop_last: bool = False,
         rank: int = 0,
         world_size: int = 1,
-        packing_buffer: int = DEFAULT_PACKING_BUFFER,
+        packing_buffer: int = PACKING_BUFFER,
     ):
         if batching_strategy not in BATCHING_STRATEGIES:
             raise ValueError(
@@ -361,7 +359,6 @@ class StreamLoader:
             group_by_length=group_by_length,
             drop_last=drop_last,
         )
-        self.epoch = 0
         self.set_epoch(0)
 
     @classmethod
