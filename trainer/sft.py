@@ -101,11 +101,13 @@ from trainer.loop.evaluation import EVAL_METRICS
 from trainer.loop.metrics import plot_loss_curve
 from trainer.loop.resume import check_resume_arguments, saved_arguments
 from trainer.loop.trainer import Trainer, TrainingError, set_seed
+from trainer.methods.grpo import EVAL_METRICS as GRPO_EVAL_METRICS
 from trainer.methods.grpo import (
     GRPOArguments,
     GRPOTrainer,
     PromptDataset,
     check_grpo_batch,
+    check_grpo_eval,
     prompts_from_conversations,
     read_prompt_records,
 )
@@ -542,21 +544,18 @@ def _check_stage(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
 
 
 def _check_grpo(args, sft: SFTArguments, grpo: GRPOArguments) -> None:
-    """What stage grpo cannot take: SFT's data options (it reads prompts), an evaluation set, and the engines it does
-    not run under yet (trainer/methods/grpo.py)."""
-    for name in ("train_on_prompt", "mask_history", "eval_data", "dataset_name", "val_size"):
+    """What stage grpo cannot take: SFT's data options (it reads prompts, --data and --eval_data), and the engines it
+    does not run under yet (trainer/methods/grpo.py); its generation batch and, where it evaluates, its eval batch."""
+    for name in ("train_on_prompt", "mask_history", "dataset_name", "val_size"):
         if getattr(sft, name):
             raise ConfigError(
                 f"{name}: stage grpo samples answers to prompts (--data: JSONL records with a 'prompt'); leave it off"
             )
     if sft.data_format != "auto":
         raise ConfigError(f"data_format={sft.data_format!r}: stage grpo reads prompt records; leave it at auto")
-    if args.eval_strategy != "no":
-        raise ConfigError(
-            f"eval_strategy={args.eval_strategy!r}: stage grpo has no evaluation set yet (the embedded default "
-            "reports the held-out exact match before and after)"
-        )
     check_grpo_batch(args, grpo, int(os.environ.get("WORLD_SIZE", "1")))
+    if sft.eval_data or _evaluates(args):
+        check_grpo_eval(args, grpo)
     if grpo.reward_funcs:
         load_reward_functions(grpo.reward_funcs, grpo.reward_weights)  # each imports, or one line (exit 2)
 
@@ -660,23 +659,35 @@ def _check_eval_data(args, sft: SFTArguments) -> None:
             f"val_size={sft.val_size:g} holds out part of --data for evaluation, but {given} is the "
             "evaluation data already; give one of them"
         )
-    evaluates = [
+    evaluates = _evaluates(args)
+    if evaluates and data and not sft.eval_data and not sft.val_size and not sft.dataset_test_split:
+        sources = (
+            "--eval_data FILE (prompt records)"
+            if sft.stage == "grpo"
+            else "--eval_data FILE, --val_size N (held out of --data) or --dataset_test_split"
+        )
+        raise ConfigError(
+            f"{' and '.join(evaluates)} asks for evaluation, but there is no evaluation data: give {sources}, or turn "
+            "evaluation off (--eval_strategy no, no --eval_on_start)"
+        )
+    best = args.metric_for_best_model
+    reported = {"dpo": PREFERENCE_EVAL_METRICS, "grpo": GRPO_EVAL_METRICS}.get(sft.stage, EVAL_METRICS)
+    name = (best or "").removeprefix("eval_")
+    if best and name not in reported and not (sft.stage == "grpo" and name.startswith("rewards/")):
+        raise ConfigError(  # the command has no compute_metrics
+            f"metric_for_best_model={best!r}: the evaluation reports {', '.join(reported)} (as eval_<name> or <name>)"
+            + (", and rewards/<function>/mean|std" if sft.stage == "grpo" else "")
+        )
+
+
+def _evaluates(args) -> list[str]:
+    """The arguments that ask for evaluation during training, as `name=value` (none: it evaluates only at the end,
+    where there is eval data)."""
+    return [
         f"{name}={getattr(args, name)!r}"
         for name, off in (("eval_strategy", "no"), ("eval_on_start", False))
         if getattr(args, name) != off
     ]
-    if evaluates and data and not sft.eval_data and not sft.val_size and not sft.dataset_test_split:
-        raise ConfigError(
-            f"{' and '.join(evaluates)} asks for evaluation, but there is no evaluation data: give "
-            "--eval_data FILE, --val_size N (held out of --data) or --dataset_test_split, or turn evaluation off "
-            "(--eval_strategy no, no --eval_on_start)"
-        )
-    best = args.metric_for_best_model
-    reported = PREFERENCE_EVAL_METRICS if sft.stage == "dpo" else EVAL_METRICS
-    if best and best.removeprefix("eval_") not in reported:  # the command has no compute_metrics
-        raise ConfigError(
-            f"metric_for_best_model={best!r}: the evaluation reports {', '.join(reported)} (as eval_<name> or <name>)"
-        )
 
 
 def _check_context_length(args, sft: SFTArguments) -> None:
@@ -924,9 +935,17 @@ def _read_prompts(args, sft: SFTArguments, grpo: GRPOArguments, tokenizer, embed
             f"{generation_prompts} prompts (per_device_train_batch_size x steps_per_generation x processes / "
             "num_generations); give more prompts or a smaller batch"
         )
+    eval_prompts = None
+    if sft.eval_data:
+        records, wheres = read_prompt_records(sft.eval_data)
+        eval_prompts = PromptDataset(records, tokenizer, wheres=wheres, name="eval_data")
+    elif embedded and _evaluates(args):  # the embedded tasks' eval conversations, their answers as the solution
+        eval_prompts = PromptDataset(
+            prompts_from_conversations(held_out_conversations(eval_files, 10**9)), tokenizer, name="eval_data"
+        )
     check_exact = sft.eval_exact_match if sft.eval_exact_match is not None else embedded
     conversations = held_out_conversations(eval_files, sft.exact_match_examples) if check_exact and eval_files else []
-    return RunInputs(prompts, None, [prompts], conversations, embedded, tokenizer)
+    return RunInputs(prompts, eval_prompts, [prompts], conversations, embedded, tokenizer)
 
 
 def resume_command(argv: list[str], stage: str = "sft") -> str:
@@ -964,7 +983,8 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
     if rank == 0:
         print(f"train data: {inputs.loaded[0].summary_text()}", file=sys.stderr)
         if eval_ds is not None:
-            print(f"eval data: {len(eval_ds)} {'pairs' if sft.stage == 'dpo' else 'examples'}", file=sys.stderr)
+            what = {"dpo": "pairs", "grpo": "prompts"}.get(sft.stage, "examples")
+            print(f"eval data: {len(eval_ds)} {what}", file=sys.stderr)
     set_seed(args.seed)
     model, _ = build_model(
         sft.model, args, dtype=sft.model_dtype, attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation]
@@ -998,7 +1018,14 @@ def train(args, sft: SFTArguments, pref: PreferenceArguments, argv: list[str], i
             processing_class=tokenizer,
         )
     elif sft.stage == "grpo":
-        trainer = GRPOTrainer(model=model, args=args, grpo=pref, train_dataset=train_ds, processing_class=tokenizer)
+        trainer = GRPOTrainer(
+            model=model,
+            args=args,
+            grpo=pref,
+            train_dataset=train_ds,
+            eval_dataset=eval_ds,
+            processing_class=tokenizer,
+        )
     else:
         trainer = Trainer(
             model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer

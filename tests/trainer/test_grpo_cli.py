@@ -13,6 +13,10 @@ PROMPTS = [
     {"prompt": [{"role": "user", "content": f"add: {a}+{b}"}], "solution": str(a + b)}
     for a, b in ((1, 2), (3, 4), (10, 5), (7, 7), (2, 9), (12, 30), (8, 1), (6, 6))
 ]
+EVAL_PROMPTS = [
+    {"prompt": [{"role": "user", "content": f"add: {a}+{b}"}], "solution": str(a + b)}
+    for a, b in ((4, 5), (20, 3), (9, 9))
+]
 REWARD = '''
 def digits(prompts, completions, solution, **kwargs):
     """The share of digits in the completion, plus 1 for the right answer."""
@@ -46,6 +50,7 @@ SMALL += [
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo-inputs")
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    (root / "eval.jsonl").write_text("".join(json.dumps(p) + "\n" for p in EVAL_PROMPTS))
     (root / "rewards.py").write_text(REWARD)
     return root
 
@@ -55,6 +60,8 @@ def _spawn_grpo(argv, **launch_env):
 
 
 CYCLE = ["--num_iterations", "2", "--generation_batch_size", "16", "--max_steps", "4", "--beta", "0.04"]
+# evaluated at every step: 3 prompts, 2 a batch over all processes (the second process's share of the last is empty)
+EVAL = ["--eval_strategy", "steps", "--eval_steps", "1"]
 
 
 def _parallel_args(parallel: str, tmp_path) -> list[str]:
@@ -76,9 +83,9 @@ def _parallel_args(parallel: str, tmp_path) -> list[str]:
 @pytest.mark.parametrize(
     "options, generations, parallel",
     [
-        ([], 2, "ddp"),
+        (EVAL, 2, "ddp"),
         (CYCLE, 1, "ddp"),
-        (CYCLE, 1, "fsdp2"),
+        ([*CYCLE, *EVAL], 1, "fsdp2"),
         (CYCLE, 1, "zero2"),
         (CYCLE, 1, "zero3"),
         # no LoRA dropout: its draws depend on the number of processes (with 0.05 the adapters differ by ~30%)
@@ -93,14 +100,21 @@ def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path,
     (num_iterations 2): the rows of every rank gathered, shuffled and dealt to the steps alike, the old policy's
     and the reference's log-probs summed over the ranks; and so under FSDP2 and DeepSpeed ZeRO-2/3, whose
     generation holds the whole weights (the same completions: the same rewards), the loss and update through the
-    sharded engine (with a LoRA adapter too, the reference the model with the adapter disabled)."""
+    sharded engine (with a LoRA adapter too, the reference the model with the adapter disabled). Evaluated at every
+    step (DDP and FSDP2): the same eval metrics from eval batches of 2 prompts, one process's or two's."""
     data = ["--data", str(inputs / "prompts.jsonl"), "--reward_funcs", f"{inputs / 'rewards.py'}:digits", *options]
-    one = _spawn_grpo([*SMALL, *data, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")])
+    if options[: len(EVAL)] == EVAL or options[-len(EVAL) :] == EVAL:
+        data += ["--eval_data", str(inputs / "eval.jsonl")]
+    one = _spawn_grpo(
+        [*SMALL, *data, "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8"]
+        + ["--output_dir", str(tmp_path / "one")]
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    two_argv = [*SMALL, *data, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "two")]
+    two_argv = [*SMALL, *data, "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4"]
+    two_argv += ["--output_dir", str(tmp_path / "two")]
     two_argv += _parallel_args(parallel, tmp_path)
     two = [
         _spawn_grpo([*two_argv, "--log_completions", "true"], **launch, RANK=str(r), LOCAL_RANK=str(r)) for r in (0, 1)
@@ -117,6 +131,9 @@ def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path,
     ]
     rewards = [[row["reward"] for row in log if "reward" in row] for log in logs]
     assert len(rewards[0]) == generations and rewards[0] == pytest.approx(rewards[1], abs=1e-6)
+    evals = [[row[k] for row in log if "eval_loss" in row for k in ("eval_reward", "eval_loss")] for log in logs]
+    assert len(evals[0]) == (2 * len([r for r in logs[0] if "loss" in r]) if "--eval_data" in data else 0)
+    assert evals[0] == pytest.approx(evals[1], abs=1e-6)
     weights = "adapter_model.safetensors" if "--use_peft" in options else "model.safetensors"
     a, b = (load_file(tmp_path / run / weights) for run in ("one", "two"))
     for name in a:
@@ -150,7 +167,15 @@ def test_bad_grpo_inputs_stop_in_one_line(inputs, tmp_path):
         ([*data, "--loss_type", "sigmoid"], "loss_type='sigmoid': expected one of grpo, bnpo, dr_grpo, dapo, cispo"),
         ([*data, "--reward_funcs", "no_such_module:f"], "reward function 'no_such_module:f'"),
         ([*data, "--beta", "-1"], "beta=-1.0: must be >= 0"),
-        ([*data, "--eval_strategy", "steps"], "eval_strategy='steps': stage grpo has no evaluation set yet"),
+        (
+            [*data, "--eval_strategy", "steps"],
+            "eval_strategy='steps' asks for evaluation, but there is no evaluation data: give --eval_data FILE "
+            "(prompt records)",
+        ),
+        (
+            [*data, "--eval_data", str(inputs / "eval.jsonl"), "--per_device_eval_batch_size", "6"],
+            "per_device_eval_batch_size=6: must be a multiple of num_generations_eval=4",
+        ),
         ([*data, "--train_on_prompt", "true"], "train_on_prompt: stage grpo samples answers to prompts"),
         ([*data, "--per_device_train_batch_size", "64"], "8 prompts, but a generation batch samples 4 completions"),
         ([*data, "--steps_per_generation", "8"], "8 prompts, but a generation batch samples 4 completions each of 16"),

@@ -141,7 +141,8 @@ def plot_loss_curve(log_history: list[dict], path: str | Path) -> Path | None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or evals:  # a run shorter than logging_steps logged no loss: an empty plot, no legend
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

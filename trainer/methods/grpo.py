@@ -63,14 +63,21 @@ so decoding makes no collective and ranks whose completions end early stop alone
 through the sharded engine; the reference is sharded like the policy (`trainer.build.frozen_copy`; DeepSpeed's
 `frozen`, as DPO's).
 
-Not here (yet), each refused in one line: an eval_dataset (the CLI reports the held-out exact match instead), FSDP2's
-CPU offload (untested: it needs a GPU); a steps_per_generation that is not a multiple of
-gradient_accumulation_steps (TRL allows it: a step would then span two generations); vLLM, tools and multimodal
-prompts, which this project does not have.
+Evaluation (`evaluate`, and the loop's eval schedule with an eval_dataset: prompt records like train_dataset's, or a
+dict of them), as TRL's: every eval prompt once, num_generations_eval (default num_generations) completions each,
+sampled, scored and put through the loss with the policy as its own old policy, in batches of
+per_device_eval_batch_size completions a process; reports eval_loss and TRL's metrics with the eval_ prefix
+(eval_reward, eval_completions/mean_length, eval_kl, ...). Its draws are keyed apart from training's, so training
+with evaluations between its steps is bit for bit the training without them.
+
+Not here (yet), each refused in one line: FSDP2's CPU offload (untested: it needs a GPU); a steps_per_generation
+that is not a multiple of gradient_accumulation_steps (TRL allows it: a step would then span two generations);
+vLLM, tools and multimodal prompts, which this project does not have.
 """
 
 import functools
 import json
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -98,9 +105,27 @@ from trainer.methods.grpo_loss import (
 from trainer.methods.grpo_rewards import load_reward_function, reward_name, score
 from trainer.methods.grpo_sampling import sample_completions
 from trainer.model.lora import adapters_disabled, has_adapter
-from trainer.parallel.transforms import gradient_sync, unwrap
+from trainer.parallel.transforms import full_weights, gradient_sync, unwrap
 
 COMPLETIONS_FILE = "completions.jsonl"
+# what GRPOTrainer.evaluate always reports, as eval_<name> (with rewards/<function>/mean|std, and clip_ratio/* from
+# the loss)
+EVAL_METRICS = (
+    "loss",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "kl",
+    "entropy",
+    "runtime",
+    "samples_per_second",
+)
+# evaluation's sampling key: the step word's top bit set, so its draws are never training's (steps < 2**31)
+EVAL_STEP = 1 << 31
 
 
 @dataclass
@@ -109,6 +134,9 @@ class GRPOArguments:
     import annotations` in this module: the argument parser reads these annotations as types)."""
 
     num_generations: int = _arg(8, "grpo", "Completions sampled per prompt (the group).")
+    num_generations_eval: int | None = _arg(
+        None, "grpo", "Completions sampled per prompt in evaluation (default: num_generations)."
+    )
     max_completion_length: int = _arg(512, "grpo", "Longest completion, in tokens.")
     temperature: float = _arg(1.0, "grpo", "Sampling temperature (also divides the logits of the log-probs).")
     top_p: float = _arg(1.0, "grpo", "Nucleus sampling: keep the most likely tokens up to this probability.")
@@ -170,6 +198,10 @@ class GRPOArguments:
                 f"num_generations={self.num_generations!r}: expected an int >= 2 (advantages compare a prompt's "
                 "completions with each other)"
             )
+        if self.num_generations_eval is not None and (
+            not isinstance(self.num_generations_eval, int) or self.num_generations_eval < 1
+        ):
+            raise ConfigError(f"num_generations_eval={self.num_generations_eval!r}: expected an int >= 1")
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length={self.max_completion_length!r}: expected an int >= 1")
         if not self.temperature > 0:
@@ -246,14 +278,27 @@ def check_grpo_batch(args, grpo: GRPOArguments, world_size: int) -> int:
     return steps
 
 
+def check_grpo_eval(args, grpo: GRPOArguments) -> int:
+    """The evaluation's group size, num_generations_eval (default num_generations), which must divide
+    per_device_eval_batch_size so that each process samples whole groups (one-line ConfigError). TRL asks it of
+    the global eval batch only, and gathers a group split across processes; here a group never is."""
+    G = grpo.num_generations_eval or grpo.num_generations
+    if args.per_device_eval_batch_size % G:
+        raise ConfigError(
+            f"per_device_eval_batch_size={args.per_device_eval_batch_size}: must be a multiple of "
+            f"num_generations_eval={G} (each process samples whole groups of completions of its prompts)"
+        )
+    return G
+
+
 class PromptDataset:
     """Prompts to sample from: records with a "prompt" (text, or a conversation whose assistant turn is to come,
     rendered with the chat template and its generation prompt, as TRL does) and any other columns, which reach the
     reward functions as keyword arguments (a "solution" for exact_match, say)."""
 
-    def __init__(self, records: list[dict], tokenizer, wheres=None):
+    def __init__(self, records: list[dict], tokenizer, wheres=None, name: str = "train_dataset"):
         self.records, self.prompt_ids = [], []
-        self.source = "train_dataset"  # what summary_text names (the CLI sets its files)
+        self.source = name  # what summary_text names (the CLI sets its files)
         for i, record in enumerate(records):
             prompt = record.get("prompt") if isinstance(record, dict) else None
             if isinstance(prompt, str) and prompt:
@@ -261,12 +306,12 @@ class PromptDataset:
             elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
                 ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             else:
-                where = wheres[i] if wheres is not None else f"train_dataset[{i}]"
+                where = wheres[i] if wheres is not None else f"{name}[{i}]"
                 raise DataError(f"{where}: no prompt (expected a 'prompt' holding text or a list of messages)")
             self.records.append(dict(record))
             self.prompt_ids.append(list(ids))
         if not self.records:
-            raise DataError("train_dataset: no prompts")
+            raise DataError(f"{name}: no prompts")
         self.lengths = np.array([len(ids) for ids in self.prompt_ids], dtype=np.int64)
 
     def __len__(self) -> int:
@@ -411,20 +456,19 @@ def _columns(logps: torch.Tensor | None, part: np.ndarray, batch: dict, device) 
 
 
 class GRPOTrainer(Trainer):
-    """The Trainer with GRPO's generation, rewards and loss (module docstring). `reward_funcs`: a function, a spec
-    string (`trainer.methods.grpo_rewards.load_reward_function`) or a list of them (TRL's argument)."""
+    """The Trainer with GRPO's generation, rewards, loss and evaluation (module docstring). `reward_funcs`: a
+    function, a spec string (`trainer.methods.grpo_rewards.load_reward_function`) or a list of them (TRL's
+    argument); train_dataset and eval_dataset: prompt records (`_prompt_dataset`)."""
 
     def __init__(
         self, model=None, reward_funcs=None, args=None, grpo: GRPOArguments | None = None, train_dataset=None, **kwargs
     ):
-        for name in ("eval_dataset", "data_collator", "compute_metrics", "preprocess_logits_for_metrics"):
+        for name in ("data_collator", "compute_metrics", "preprocess_logits_for_metrics"):
             if kwargs.get(name) is not None:
                 raise ValueError(
-                    f"GRPOTrainer: {name} is not supported yet (prompts are collated here; the logits are never "
-                    "formed; the CLI reports the held-out exact match)"
+                    f"GRPOTrainer: {name} is not supported (prompts are collated here; the logits are never formed; "
+                    "evaluation reports the rewards of sampled completions)"
                 )
-        if hf_kind(train_dataset) is not None:  # a datasets.Dataset of prompt records
-            train_dataset = train_dataset.to_list()
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self.grpo = grpo or GRPOArguments()
         g, a = self.grpo, self.args
@@ -442,12 +486,10 @@ class GRPOTrainer(Trainer):
             )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.steps_per_generation = check_grpo_batch(a, g, self.world_size)  # resolved again when training starts
-        if isinstance(self.train_dataset, (list, tuple)):
-            self.train_dataset = PromptDataset(list(self.train_dataset), self.processing_class)
-        if not isinstance(self.train_dataset, PromptDataset):
-            raise ValueError(
-                "GRPOTrainer: train_dataset must be a list of prompt records or a trainer.methods.grpo.PromptDataset"
-            )
+        self.train_dataset = self._prompt_dataset(self.train_dataset, "train_dataset")
+        if self.eval_dataset is not None:
+            check_grpo_eval(a, g)
+            self.eval_dataset = self._prompt_dataset(self.eval_dataset, "eval_dataset")
         self.ref_model = None
         if g.beta > 0 and not has_adapter(unwrap(self.model)):
             self.ref_model = frozen_copy(unwrap(self.model), a)  # sharded alike under FSDP2
@@ -457,7 +499,23 @@ class GRPOTrainer(Trainer):
 
     # ---- data -------------------------------------------------------------------------------------------------
     def _prepare_dataset(self, dataset, name: str):
-        return dataset
+        return dataset  # prompts are read once the tokenizer is known (_prompt_dataset)
+
+    def _prompt_dataset(self, dataset, name: str):
+        """`dataset` as a PromptDataset: a list of prompt records or a `datasets.Dataset` of them; as eval_dataset a
+        dict (or DatasetDict) of them too, evaluated split by split (metrics eval_<split>_<name>, as Trainer's)."""
+        if isinstance(dataset, PromptDataset):
+            return dataset
+        if name == "eval_dataset" and (isinstance(dataset, dict) or hf_kind(dataset) == "DatasetDict"):
+            return {key: self._prompt_dataset(part, f"{name}[{key!r}]") for key, part in dataset.items()}
+        if hf_kind(dataset) == "Dataset":
+            dataset = dataset.to_list()
+        if not isinstance(dataset, (list, tuple)):
+            raise ValueError(
+                f"GRPOTrainer: {name} must be a list of prompt records, a datasets.Dataset of them or a "
+                f"trainer.methods.grpo.PromptDataset, got {type(dataset).__name__}"
+            )
+        return PromptDataset(list(dataset), self.processing_class, name=name)
 
     def _train_loader(self, micro: int):
         a, g = self.args, self.grpo
@@ -549,44 +607,11 @@ class GRPOTrainer(Trainer):
         records = [self.train_dataset[i] for i in indices]
         prompt_ids = [self.train_dataset.prompt_ids[i] for i in indices]
         G, step = g.num_generations, self.state.global_step
-        # the whole weights for the generation (FSDP2's units unsharded, ZeRO-3's partitions gathered): decoding then
-        # makes no collective, so ranks whose completions end early stop without the others waiting on them
-        with run.engine.full_weights() as policy, self._autocast(device, train=False):
-            sampled = sample_completions(
-                policy,
-                prompt_ids,
-                G,
-                g.max_completion_length,
-                temperature=g.temperature,
-                top_p=g.top_p,
-                top_k=g.top_k,
-                min_p=g.min_p,
-                repetition_penalty=g.repetition_penalty,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-                seed=args.seed,
-                step=step,
-                first_completion_index=self.rank * len(prompt_ids) * G,
-            )
-        ids, mask = sampled.completion_ids.cpu(), sampled.completion_mask.cpu()
-        truncated = sampled.truncated.cpu()
+        ids, mask, truncated, rewards = self._sample_and_score(
+            records, prompt_ids, G, step, self.rank * len(prompt_ids) * G, device
+        )
         N = ids.shape[0]
         rows = [r // G for r in range(N)]  # row r's prompt among this rank's
-        lengths = mask.sum(1)
-        texts = [tok.decode(ids[r, : int(lengths[r])].tolist()) for r in range(N)]
-        prompts = [records[p]["prompt"] for p in rows]
-        completions = [
-            [{"role": "assistant", "content": t}] if isinstance(pr, list) else t for pr, t in zip(prompts, texts)
-        ]
-        columns = {k: [records[p].get(k) for p in rows] for k in records[0] if k != "prompt"}
-        rewards = score(
-            self.reward_funcs,
-            prompts,
-            completions,
-            [ids[r, : int(lengths[r])].tolist() for r in range(N)],
-            columns,
-            trainer_state=self.state,
-        )
         advantages, rewards, reward_metrics = self._advantages(rewards, device)
         prompt_index = torch.tensor([indices[p] for p in rows])
         everyone = self._gather({"prompt_index": prompt_index, "ids": ids, "mask": mask, "truncated": truncated})
@@ -609,6 +634,50 @@ class GRPOTrainer(Trainer):
         run.model.train()
         gen.old_logps, gen.ref_logps = self._buffered_logps(gen, device, accum)
         return gen
+
+    def _sample_and_score(self, records, prompt_ids, G: int, step: int, first_completion_index: int, device):
+        """(completion_ids, completion_mask, truncated, rewards (N, F)) of G completions of each prompt, sampled from
+        the policy with its whole weights (FSDP2's units unsharded, ZeRO-3's partitions gathered: decoding then
+        makes no collective, so ranks whose completions end early stop without the others waiting on them), the
+        draws keyed by (seed, step, global completion index), and scored by the reward functions (host tensors)."""
+        g, tok = self.grpo, self.processing_class
+        weights = self.engine.full_weights() if self.engine is not None else full_weights(unwrap(self.model))
+        with weights as policy, self._autocast(device, train=False):
+            sampled = sample_completions(
+                policy,
+                prompt_ids,
+                G,
+                g.max_completion_length,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=g.top_k,
+                min_p=g.min_p,
+                repetition_penalty=g.repetition_penalty,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                seed=self.args.seed,
+                step=step,
+                first_completion_index=first_completion_index,
+            )
+        ids, mask = sampled.completion_ids.cpu(), sampled.completion_mask.cpu()
+        N = ids.shape[0]
+        rows = [r // G for r in range(N)]  # row r's prompt
+        lengths = mask.sum(1)
+        texts = [tok.decode(ids[r, : int(lengths[r])].tolist()) for r in range(N)]
+        prompts = [records[p]["prompt"] for p in rows]
+        completions = [
+            [{"role": "assistant", "content": t}] if isinstance(pr, list) else t for pr, t in zip(prompts, texts)
+        ]
+        columns = {k: [records[p].get(k) for p in rows] for k in records[0] if k != "prompt"}
+        rewards = score(
+            self.reward_funcs,
+            prompts,
+            completions,
+            [ids[r, : int(lengths[r])].tolist() for r in range(N)],
+            columns,
+            trainer_state=self.state,
+        )
+        return ids, mask, sampled.truncated.cpu(), rewards
 
     def _window_rows(self, gen: _Generation, window: int) -> tuple[torch.Tensor, np.ndarray]:
         """The rows of the generation batch that optimizer step `window` of a pass trains on: every rank's, and this
@@ -717,12 +786,135 @@ class GRPOTrainer(Trainer):
         """The reference's per-token log-probs of a micro batch's completions (beta > 0)."""
         with self._autocast(device, train=False):
             if self.ref_model is not None:
-                if not self._ref_prepared:  # under DeepSpeed its own inference engine, as DPO's (a collective)
+                if not self._ref_prepared and self.engine is not None:  # under DeepSpeed its own inference engine
                     self.ref_model, self._ref_prepared = self.engine.frozen(self.ref_model), True
                 return self._logps(self.ref_model, batch, device)
             policy = unwrap(self.model)
             with adapters_disabled(policy):
                 return self._logps(policy, batch, device)
+
+    # ---- evaluation ---------------------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """TRL's GRPO evaluation: every prompt of the eval set once, in order, in eval batches of
+        per_device_eval_batch_size completions on each process (num_generations_eval of each prompt); each batch
+        sampled (draws keyed by (seed, EVAL_STEP | global_step, the completion's index in the eval set), so they
+        neither depend on the batch size or the number of processes nor touch training's), scored, its advantages
+        over the batch of every process, and its loss with the policy as its own old policy (ratio 1: the loss is
+        the advantages' term and beta times the KL to the reference), normalised over the batch of every process.
+        Reports <prefix>_loss (the batches' losses weighted by their completions, as Trainer's eval loss), TRL's
+        generation and loss metrics (reward, reward_std, frac_reward_zero_std, rewards/<f>/mean|std,
+        completions/*, kl, entropy, clip_ratio/*: each the mean over the batches, as TRL's log), runtime and
+        samples_per_second (completions)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("GRPOTrainer.evaluate: no eval_dataset")
+        dataset = self._prompt_dataset(dataset, "eval_dataset")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        G = check_grpo_eval(self.args, self.grpo)
+        model, device = self.model, self._device(self.model)
+        was_training = unwrap(model).training  # a DeepSpeed engine's own flag stays True through eval()
+        model.eval()
+        start = time.perf_counter()
+        width = self.args.per_device_eval_batch_size // G * self.world_size  # prompts of one eval batch
+        loss_sum, completions, values = 0.0, 0, {}
+        for first in range(0, len(dataset), width):
+            loss, rows, metrics = self._eval_batch(dataset, first, min(first + width, len(dataset)), G, device)
+            loss_sum, completions = loss_sum + loss * rows, completions + rows
+            for name, value in metrics.items():
+                values.setdefault(name, []).append(value)
+        if was_training:
+            model.train()
+        runtime = time.perf_counter() - start
+        out = {f"{metric_key_prefix}_loss": loss_sum / completions}
+        for name, seen in sorted(values.items()):  # NaN (a reward function's None for a whole batch) left out, as TRL
+            kept = [v for v in seen if v == v]
+            out[f"{metric_key_prefix}_{name}"] = sum(kept) / len(kept) if kept else float("nan")
+        out[f"{metric_key_prefix}_runtime"] = runtime
+        out[f"{metric_key_prefix}_samples_per_second"] = completions / max(runtime, 1e-9)
+        return out
+
+    @torch.no_grad()
+    def _eval_batch(self, dataset: PromptDataset, lo: int, hi: int, G: int, device) -> tuple[float, int, dict]:
+        """(loss, completions, metrics) of the eval batch of prompts [lo, hi) over all processes, each process its
+        share of per_device_eval_batch_size / G prompts. A process with no prompt left in the last batch samples
+        and runs the batch's first one, counted nowhere, so that every process makes the same forwards (FSDP2's and
+        ZeRO-3's are collectives)."""
+        g, per_rank = self.grpo, self.args.per_device_eval_batch_size // G
+        mine = list(range(lo + self.rank * per_rank, min(lo + (self.rank + 1) * per_rank, hi)))
+        counted = bool(mine)
+        mine = mine or [lo]
+        records = [dataset[i] for i in mine]
+        prompt_ids = [dataset.prompt_ids[i] for i in mine]
+        ids, mask, truncated, rewards = self._sample_and_score(
+            records, prompt_ids, G, EVAL_STEP | self.state.global_step, mine[0] * G, device
+        )
+        n = ids.shape[0] if counted else 0
+        lengths = mask.sum(1)
+        if g.mask_truncated_completions:
+            mask = mask * (~truncated).long()[:, None]
+        everyone = self._gather(
+            {"rewards": rewards[:n], "lengths": lengths[:n], "truncated": truncated[:n], "tokens": int(mask[:n].sum())}
+        )
+        all_rewards = torch.cat([e["rewards"] for e in everyone])
+        advantages, metrics = grpo_advantages(
+            all_rewards,
+            G,
+            reward_weights=self.reward_weights,
+            scale_rewards=g.scale_rewards,
+            reward_func_names=self.reward_names,
+        )
+        lengths = torch.cat([e["lengths"] for e in everyone])
+        metrics.update(completion_length_metrics(lengths.float()))
+        metrics["completions/clipped_ratio"] = torch.cat([e["truncated"] for e in everyone]).float().mean()
+        offset = sum(e["rewards"].shape[0] for e in everyone[: self.rank])
+        mine_advantages = advantages[offset : offset + n] if counted else torch.zeros(ids.shape[0])
+        N = all_rewards.shape[0]
+        if g.loss_type == "grpo":
+            normalizer = float(N)
+        elif g.loss_type == "dr_grpo":
+            normalizer = float(N * g.max_completion_length)
+        else:
+            normalizer = max(float(sum(e["tokens"] for e in everyone)), 1.0)
+        batch = self._micro_batch(
+            [dataset.prompt_ids[mine[r // G]] for r in range(ids.shape[0])],
+            ids,
+            mask,
+            self.processing_class.pad_token_id,
+        )
+        head = functools.partial(
+            fused_grpo_loss,
+            target=batch["target"],
+            advantages=mine_advantages.to(device),
+            completion_mask=batch["completion_mask"].to(device),
+            completion_columns=batch["columns"],
+            temperature=g.temperature,
+            ref_logps=self._reference_logps(batch, device) if g.beta > 0 else None,
+            loss_type=g.loss_type,
+            beta=g.beta,
+            epsilon=g.epsilon,
+            epsilon_high=g.epsilon_upper,
+            delta=g.delta,
+            importance_sampling_level=g.importance_sampling_level,
+            top_entropy_quantile=g.top_entropy_quantile,
+            use_bias_correction_kl=g.use_bias_correction_kl,
+            max_completion_length=g.max_completion_length,
+            normalizer=torch.tensor(normalizer, device=device),
+        )
+        with self._autocast(device, train=False):
+            out = self.model(
+                input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device), head=head
+            )
+        # the loss's metrics (kl, entropy, clip ratios): each process's over its completions, weighted by them
+        mine_metrics = {k: float(v) for k, v in out.metrics.items()} if counted else {}
+        shared = self._gather({"loss": float(out.loss) if counted else 0.0, "rows": n, "metrics": mine_metrics})
+        for name in out.metrics:
+            parts = [(e["metrics"][name], e["rows"]) for e in shared if e["rows"]]
+            metrics[name] = sum(v * w for v, w in parts) / sum(w for _, w in parts)
+        return sum(e["loss"] for e in shared), N, {k: float(v) for k, v in metrics.items()}
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def _method_state(self, run) -> dict | None:

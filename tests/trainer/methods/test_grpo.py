@@ -1,6 +1,6 @@
 """GRPOTrainer (trainer/methods/grpo.py, issue 31 items 1, 3, 5): a step's completions, rewards and update on the tiny
 model; the update independent of the split into micro batches (exact accumulation), a resumed run equal to an
-unbroken one, TRL's logged names, completions.jsonl, and the one-line refusals."""
+unbroken one, TRL's logged names, completions.jsonl, evaluation, and the one-line refusals."""
 
 import json
 
@@ -231,6 +231,65 @@ def test_trl_metric_names_and_the_completions_file(tmp_path, prompts):
     assert rows[0]["distinct_chars"] == float(len(set(rows[0]["completion"])))
 
 
+def test_evaluation_reports_trls_metrics_and_leaves_training_as_it_is(tmp_path, prompts):
+    """An eval_dataset evaluated at every step (TRL's eval_ metrics in the log) and before and after training: the
+    weights end bit for bit as those of the run without evaluation (its draws are keyed apart from training's), the
+    KL to the reference is 0 before the first update and not after, and an evaluation repeated at the same step
+    samples the same completions."""
+    plain = _trainer(tmp_path / "plain", prompts, beta=0.04)
+    plain.train()
+    evaluated = _trainer(tmp_path / "evaluated", prompts, beta=0.04)
+    evaluated.eval_dataset = evaluated._prompt_dataset(prompts[8:12], "eval_dataset")
+    evaluated.args.eval_strategy, evaluated.args.eval_steps = "steps", 1
+    before = evaluated.evaluate()
+    assert before["eval_kl"] == 0.0 and before == {**evaluated.evaluate(), **_timing(before)}
+    evaluated.train()
+    after = _weights(evaluated)
+    assert all(torch.equal(after[k], v) for k, v in _weights(plain).items())
+    logs = [row for row in evaluated.state.log_history if "eval_loss" in row]
+    assert [row["step"] for row in logs] == [1, 2]
+    for name in (
+        "eval_loss",
+        "eval_reward",
+        "eval_reward_std",
+        "eval_frac_reward_zero_std",
+        "eval_rewards/distinct_chars/mean",
+        "eval_completions/mean_length",
+        "eval_completions/clipped_ratio",
+        "eval_kl",
+        "eval_entropy",
+        "eval_clip_ratio/region_mean",
+        "eval_runtime",
+        "eval_samples_per_second",
+    ):
+        assert name in logs[0], name
+    assert logs[-1]["eval_kl"] > 0 and logs[-1]["eval_clip_ratio/region_mean"] == 0.0  # its own old policy: ratio 1
+    assert not any(k.startswith("eval_") for row in evaluated.state.log_history if "loss" in row for k in row)
+
+
+def _timing(metrics: dict) -> dict:
+    return {k: metrics[k] for k in ("eval_runtime", "eval_samples_per_second")}
+
+
+def test_eval_completions_do_not_depend_on_the_eval_batch(tmp_path, prompts):
+    """The eval draws are keyed by each completion's index in the eval set: batches of 8 completions and of 4 sample
+    the same completions (the same mean reward and length over equal batches); a dict of eval sets is evaluated
+    split by split, and a record without a prompt names its place."""
+    trainer = _trainer(tmp_path, prompts)
+    eval_set = prompts[8:12]
+    trainer.args.per_device_eval_batch_size = 8
+    eight = trainer.evaluate(eval_set)
+    trainer.args.per_device_eval_batch_size = 4
+    four = trainer.evaluate({"add": eval_set})
+    for name in ("reward", "rewards/distinct_chars/mean", "completions/mean_length", "completions/clipped_ratio"):
+        assert four[f"eval_add_{name}"] == pytest.approx(eight[f"eval_{name}"], abs=1e-12), name
+    with pytest.raises(ValueError, match=r"eval_dataset\[1\]: no prompt"):
+        trainer.evaluate([prompts[0], {"question": "x"}])
+    trainer.args.per_device_eval_batch_size = 6
+    with pytest.raises(ConfigError, match="per_device_eval_batch_size=6: must be a multiple of num_generations_eval=4"):
+        trainer.evaluate(eval_set)
+
+
 def test_a_reward_function_that_fails_is_one_line_before_any_update(tmp_path, prompts):
     def broken(completions, **kwargs):
         return [1.0] * (len(completions) - 1)
@@ -274,6 +333,7 @@ def test_bad_arguments_are_one_line(tmp_path, prompts, kwargs, message):
     [
         ({"num_generations": 1}, "num_generations=1: expected an int >= 2"),
         ({"num_iterations": 0}, "num_iterations=0: expected an int >= 1"),
+        ({"num_generations_eval": 0}, "num_generations_eval=0: expected an int >= 1"),
         ({"steps_per_generation": 0}, "steps_per_generation=0: expected an int >= 1"),
         (
             {"steps_per_generation": 2, "generation_batch_size": 16},
