@@ -561,25 +561,13 @@ class GRPOTrainer(Trainer):
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             batch = self._rows_batch(gen, part)
-            head = functools.partial(
-                fused_grpo_loss,
-                target=batch["target"],
-                advantages=gen.advantages[part].to(device),
-                completion_mask=batch["completion_mask"].to(device),
-                completion_columns=batch["columns"],
-                temperature=g.temperature,
-                old_logps=_columns(gen.old_logps, part, batch, device),
-                ref_logps=_columns(gen.ref_logps, part, batch, device),
-                loss_type=g.loss_type,
-                beta=g.beta,
-                epsilon=g.epsilon,
-                epsilon_high=g.epsilon_upper,
-                delta=g.delta,
-                importance_sampling_level=g.importance_sampling_level,
-                top_entropy_quantile=g.top_entropy_quantile,
-                use_bias_correction_kl=g.use_bias_correction_kl,
-                max_completion_length=g.max_completion_length,
-                normalizer=normalizer,
+            head = self._loss_head(
+                batch,
+                gen.advantages[part],
+                _columns(gen.old_logps, part, batch, device),
+                _columns(gen.ref_logps, part, batch, device),
+                normalizer,
+                device,
             )
             with gradient_sync(model, last):
                 with self._autocast(device, train=True):
@@ -597,6 +585,31 @@ class GRPOTrainer(Trainer):
             run.throughput.add(tokens, int(batch["completion_mask"].sum()))
             window_tokens += tokens
         return self._window(window_loss, window_tokens, device)
+
+    def _loss_head(self, batch: dict, advantages, old_logps, ref_logps, normalizer, device):
+        """The model's head for a micro batch's GRPO loss (`fused_grpo_loss` with the GRPO arguments): old_logps None
+        takes the policy's own, detached (ratio 1); ref_logps the reference's where beta > 0."""
+        g = self.grpo
+        return functools.partial(
+            fused_grpo_loss,
+            target=batch["target"],
+            advantages=advantages.to(device),
+            completion_mask=batch["completion_mask"].to(device),
+            completion_columns=batch["columns"],
+            temperature=g.temperature,
+            old_logps=old_logps,
+            ref_logps=ref_logps,
+            loss_type=g.loss_type,
+            beta=g.beta,
+            epsilon=g.epsilon,
+            epsilon_high=g.epsilon_upper,
+            delta=g.delta,
+            importance_sampling_level=g.importance_sampling_level,
+            top_entropy_quantile=g.top_entropy_quantile,
+            use_bias_correction_kl=g.use_bias_correction_kl,
+            max_completion_length=g.max_completion_length,
+            normalizer=normalizer,
+        )
 
     def _generate(self, run, indices: list[int], accum: int) -> _Generation:
         """A generation batch from this rank's prompts (`indices`): sampled, scored, its advantages over every
@@ -885,25 +898,8 @@ class GRPOTrainer(Trainer):
             mask,
             self.processing_class.pad_token_id,
         )
-        head = functools.partial(
-            fused_grpo_loss,
-            target=batch["target"],
-            advantages=mine_advantages.to(device),
-            completion_mask=batch["completion_mask"].to(device),
-            completion_columns=batch["columns"],
-            temperature=g.temperature,
-            ref_logps=self._reference_logps(batch, device) if g.beta > 0 else None,
-            loss_type=g.loss_type,
-            beta=g.beta,
-            epsilon=g.epsilon,
-            epsilon_high=g.epsilon_upper,
-            delta=g.delta,
-            importance_sampling_level=g.importance_sampling_level,
-            top_entropy_quantile=g.top_entropy_quantile,
-            use_bias_correction_kl=g.use_bias_correction_kl,
-            max_completion_length=g.max_completion_length,
-            normalizer=torch.tensor(normalizer, device=device),
-        )
+        ref_logps = self._reference_logps(batch, device) if g.beta > 0 else None
+        head = self._loss_head(batch, mine_advantages, None, ref_logps, torch.tensor(normalizer, device=device), device)
         with self._autocast(device, train=False):
             out = self.model(
                 input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device), head=head
