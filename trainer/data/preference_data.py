@@ -394,7 +394,7 @@ def load_preference_dataset(
         tokenizer,
         options,
         PreferenceDataset,
-        lambda: _build(items, [str(f) for f in files], formats, tokenizer, options, show_progress),
+        lambda entry: _build(items, [str(f) for f in files], formats, tokenizer, options, show_progress, entry),
         write=write_cache,
     )
 
@@ -417,10 +417,12 @@ def pairs_dataset(
 
 
 def _build(
-    items, sources: list[str], formats: dict, tokenizer, options: dict, show_progress: bool
+    items, sources: list[str], formats: dict, tokenizer, options: dict, show_progress: bool, entry: Path | None = None
 ) -> PreferenceDataset:
     """The dataset of `items`, (where, (record, format)) or (where, `_Bad`) as `checked_records` yields them;
-    `sources` and `formats` (filled while reading) for the summary."""
+    `sources` and `formats` (filled while reading) for the summary. With `entry`, the dataset is written as that cache
+    entry and returned read back from it, memory-mapped as a later run reads it, so that this process does not keep
+    the arrays. (Unlike SFT's `_build`, the pairs are gathered in memory first: preference sets are smaller.)"""
     skip = options["skip_bad_examples"]
     pairs: list[dict] = []
     dropped: Counter = Counter()
@@ -480,4 +482,7 @@ def _build(
         "truncated": truncated,
         **ds.summary,
     }
-    return ds
+    if entry is None:
+        return ds
+    ds.save(entry)
+    return PreferenceDataset.load(entry)
