@@ -21,7 +21,8 @@ import fcntl
 import json
 import os
 import shutil
-from contextlib import contextmanager
+import tempfile
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,8 @@ CACHE_ENV = "KERNELWRIGHT_DATA_CACHE"
 SUMMARY_FILE = "summary.json"
 # Keys of a dataset's summary that describe this load, not the entry: never written into it.
 LOAD_KEYS = ("cache", "cache_hit", "cache_bytes")
+# An `ArrayWriter`'s buffer: what its memory holds of the array it writes, whatever the array's length.
+WRITE_BUFFER = 1 << 22
 
 
 def cache_root(data_cache_dir: str | os.PathLike | None = None) -> Path:
@@ -103,6 +106,17 @@ def commit(tmp: Path, entry: str | os.PathLike, summary: dict) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+@contextmanager
+def building(entry: str | os.PathLike | None):
+    """(directory, entry): `staged(entry)`'s directory, for `commit` to rename to `entry`; without `entry`, the same in
+    a temporary directory (tempfile's, $TMPDIR) removed on leaving, files and all: an entry read from it (mapped)
+    keeps its files' data until its arrays are freed."""
+    with ExitStack() as stack:
+        if entry is None:
+            entry = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kernelwright-data-"))) / "entry"
+        yield stack.enter_context(staged(entry)), Path(entry)
+
+
 def write_entry(entry: str | os.PathLike, arrays: dict[str, np.ndarray], summary: dict) -> None:
     """Write `arrays` (one .npy each) and `summary` as the directory `entry`, atomically (`staged`, `commit`)."""
     with staged(entry) as tmp:
@@ -113,14 +127,14 @@ def write_entry(entry: str | os.PathLike, arrays: dict[str, np.ndarray], summary
 
 class ArrayWriter:
     """A 1-D array of `dtype` written to the .npy file `path` as it grows, for arrays too big to hold in memory:
-    `append` adds values through a buffer of `buffer_bytes` (this writer's memory, whatever the array's length),
+    `append` adds values through a buffer of WRITE_BUFFER bytes (this writer's memory, whatever the length),
     `close` writes the header, whose shape holds the length, over the one written at the start (numpy pads a header
     so that its length fits any length in place)."""
 
-    def __init__(self, path: str | os.PathLike, dtype, buffer_bytes: int):
+    def __init__(self, path: str | os.PathLike, dtype):
         self.dtype = np.dtype(dtype)
         self.length = 0
-        self._file = open(path, "wb", buffering=buffer_bytes)
+        self._file = open(path, "wb", buffering=WRITE_BUFFER)
         self._header = self._write_header()
 
     def _write_header(self) -> int:

@@ -54,7 +54,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -64,7 +63,7 @@ from tqdm import tqdm
 
 from trainer.coerce import ConfigError
 from trainer.data.batching import BATCHING_STRATEGIES, BatchLoader  # noqa: F401  (re-exported: data.py is the entry point)
-from trainer.data.cache import ArrayWriter, commit, entry_bytes, entry_lock, read_entry, staged, write_entry
+from trainer.data.cache import ArrayWriter, building, commit, entry_bytes, entry_lock, read_entry, write_entry
 from trainer.data.tokenizer import DEFAULT_CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
@@ -940,8 +939,6 @@ def _outcomes(items, tokenizer, options: dict, num_proc: int | None) -> Iterator
                 yield where, outcome
 
 
-# Each array's write buffer in `_build`: what its memory holds of the arrays, whatever the dataset's size.
-_BUFFER_BYTES = 1 << 22
 _ARRAYS = (("input_ids", np.int32), ("labels", np.int32), ("offsets", np.int64))  # a TokenizedDataset's, as stored
 
 
@@ -958,7 +955,7 @@ def _build(
     """The dataset of `items`, (where, (record, format)) or (where, `_Bad`) as `checked_records` yields them;
     `sources` (files, or a `datasets.Dataset`) and `formats` (filled while reading) for errors and the summary.
     `num_proc` > 1 tokenises in that many processes, with the same result (`_outcomes`). The arrays are written as the
-    examples come (`ArrayWriter`, a buffer of _BUFFER_BYTES each) into the cache entry `entry`, renamed into place
+    examples come (`ArrayWriter`, a bounded buffer each) into the cache entry `entry`, renamed into place
     once whole (trainer/data/cache.py), and the dataset returned is read back from it, memory-mapped as a later run
     reads it: this process never holds the arrays whole. Without `entry` (no cache, or not written yet) they are
     written into a temporary directory (tempfile's, $TMPDIR) that is removed once they are mapped: the mapping keeps
@@ -974,11 +971,8 @@ def _build(
         if dropped[reason] <= _MAX_WARNINGS:
             logger.warning("%s %s: %s", "dropping" if reason in _NO_TARGETS else "skipping", where, message)
 
-    with contextlib.ExitStack() as stack:
-        if entry is None:
-            entry = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kernelwright-data-"))) / "data"
-        directory = stack.enter_context(staged(entry))
-        writers = {name: ArrayWriter(directory / f"{name}.npy", dtype, _BUFFER_BYTES) for name, dtype in _ARRAYS}
+    with building(entry) as (directory, entry):
+        writers = {name: ArrayWriter(directory / f"{name}.npy", dtype) for name, dtype in _ARRAYS}
         writers["offsets"].append([0])
         try:
             for where, outcome in _outcomes(items, tokenizer, options, num_proc):

@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 import tracemalloc
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from trainer.coerce import ConfigError
-from trainer.data import sft_data
+from trainer.data import cache
 from trainer.data.batching import BatchLoader
 from trainer.data.cache import CACHE_ENV, LOAD_KEYS, ArrayWriter, cache_root, check_cache_root
 from trainer.data.sft_data import DataError, TokenizedDataset, load_sft_dataset
@@ -190,13 +191,13 @@ def test_a_failed_load_leaves_the_cache_as_it_was(tmp_path):
 
 
 def test_small_write_buffers_give_the_same_dataset(tmp_path, monkeypatch):
-    """The arrays are written through buffers of `_BUFFER_BYTES`: buffers of a few values give the arrays and summary
-    of one buffer for all, with a cache entry and without (a temporary directory, removed once mapped)."""
+    """The arrays are written through buffers of `cache.WRITE_BUFFER` bytes: buffers of a few values give the arrays
+    and summary of one buffer for all, with a cache entry and without (a temporary directory, removed once mapped)."""
     f = write_jsonl(tmp_path / "d.jsonl", [RECORD, OTHER, RECORD, NO_ANSWER] * 5)
-    monkeypatch.setattr(sft_data, "_BUFFER_BYTES", 1 << 30)
+    monkeypatch.setattr(cache, "WRITE_BUFFER", 1 << 30)
     whole = load_sft_dataset(f, counting_tok(), data_format="auto", cache_dir=tmp_path / "a", show_progress=False)
-    monkeypatch.setattr(sft_data, "_BUFFER_BYTES", 8)
-    monkeypatch.setattr(sft_data.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(cache, "WRITE_BUFFER", 8)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     small = load_sft_dataset(f, counting_tok(), cache_dir=tmp_path / "b", show_progress=False)
     uncached = load_sft_dataset(f, counting_tok(), cache_dir=None, show_progress=False)
@@ -231,7 +232,7 @@ def test_a_cold_load_does_not_hold_the_arrays_in_memory(tmp_path, monkeypatch):
     """Tokenising 10x the conversations (321 tokens each: 2.6 kB of arrays, 7.7 MB for 3,000) grows the memory
     allocated at the peak by far less than their arrays: they go to the entry's files as they come, through buffers of
     a fixed size, and the dataset maps the entry (gathering them in memory would add 2x the arrays: ~14 MB)."""
-    monkeypatch.setattr(sft_data, "_BUFFER_BYTES", 1 << 16)
+    monkeypatch.setattr(cache, "WRITE_BUFFER", 1 << 16)
     small, large = _traced_peak(tmp_path, 300), _traced_peak(tmp_path, 3000)
     arrays = 2 * 4 * 321 * (3000 - 300)
     assert large - small < arrays / 4, f"peak {small / 1e6:.1f} MB at 300 conversations, {large / 1e6:.1f} MB at 3000"
