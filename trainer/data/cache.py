@@ -10,7 +10,9 @@ temporary directory in the same root and renamed into place (atomic: a reader se
 exclusive `fcntl.flock` on `<root>/<name>-<key>.lock`, so that of several runs or ranks that miss the same entry at
 once one tokenises and writes while the others wait, then read it. Reads map the arrays (`numpy.load(mmap_mode='r')`,
 read-only): ranks on one node share the page cache, and a process's RSS grows with the pages it touches, not with
-the dataset. Nothing writes into the arrays (the batch collators copy rows into new arrays).
+the dataset. Nothing writes into the arrays (the batch collators copy rows into new arrays). The process that
+tokenises writes the arrays as it goes (`ArrayWriter`, a bounded buffer each) and then maps the entry as a reader
+does, so its memory does not grow with the dataset either.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import fcntl
 import json
 import os
 import shutil
-from contextlib import contextmanager
+import tempfile
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +33,8 @@ CACHE_ENV = "KERNELWRIGHT_DATA_CACHE"
 SUMMARY_FILE = "summary.json"
 # Keys of a dataset's summary that describe this load, not the entry: never written into it.
 LOAD_KEYS = ("cache", "cache_hit", "cache_bytes")
+# An `ArrayWriter`'s buffer: what its memory holds of the array it writes, whatever the array's length.
+WRITE_BUFFER = 1 << 22
 
 
 def cache_root(data_cache_dir: str | os.PathLike | None = None) -> Path:
@@ -70,28 +75,89 @@ def entry_lock(entry: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def write_entry(entry: str | os.PathLike, arrays: dict[str, np.ndarray], summary: dict) -> None:
-    """Write `arrays` (one .npy each) and `summary` as the directory `entry`, atomically; an entry already there (an
-    unreadable one being replaced) is moved aside first and removed after."""
+@contextmanager
+def staged(entry: str | os.PathLike):
+    """A new empty directory beside `entry` (the same file system) to write the entry's files into before `commit`
+    renames it into place; removed on leaving when not committed (a killed process leaves it behind under a name no
+    entry has, which its next try removes)."""
     entry = Path(entry)
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a killed earlier try of this process id
     tmp.mkdir()
     try:
-        for name, array in arrays.items():
-            np.save(tmp / f"{name}.npy", np.ascontiguousarray(array), allow_pickle=False)
-        kept = {k: v for k, v in summary.items() if k not in LOAD_KEYS}
-        (tmp / SUMMARY_FILE).write_text(json.dumps(kept))
-        old = None
-        if entry.exists():
-            old = entry.with_name(f".{entry.name}.{os.getpid()}.old")
-            os.rename(entry, old)
-        os.rename(tmp, entry)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def commit(tmp: Path, entry: str | os.PathLike, summary: dict) -> None:
+    """Write `summary` into `staged`'s directory `tmp`, whose arrays are written, and rename it to `entry`,
+    atomically; an entry already there (an unreadable one being replaced) is moved aside first and removed after."""
+    entry = Path(entry)
+    kept = {k: v for k, v in summary.items() if k not in LOAD_KEYS}
+    (tmp / SUMMARY_FILE).write_text(json.dumps(kept))
+    old = None
+    if entry.exists():
+        old = entry.with_name(f".{entry.name}.{os.getpid()}.old")
+        os.rename(entry, old)
+    os.rename(tmp, entry)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def building(entry: str | os.PathLike | None):
+    """(directory, entry): `staged(entry)`'s directory, for `commit` to rename to `entry`; without `entry`, the same in
+    a temporary directory (tempfile's, $TMPDIR) removed on leaving, files and all: an entry read from it (mapped)
+    keeps its files' data until its arrays are freed."""
+    with ExitStack() as stack:
+        if entry is None:
+            entry = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kernelwright-data-"))) / "entry"
+        yield stack.enter_context(staged(entry)), Path(entry)
+
+
+def write_entry(entry: str | os.PathLike, arrays: dict[str, np.ndarray], summary: dict) -> None:
+    """Write `arrays` (one .npy each) and `summary` as the directory `entry`, atomically (`staged`, `commit`)."""
+    with staged(entry) as tmp:
+        for name, array in arrays.items():
+            np.save(tmp / f"{name}.npy", np.ascontiguousarray(array), allow_pickle=False)
+        commit(tmp, entry, summary)
+
+
+class ArrayWriter:
+    """A 1-D array of `dtype` written to the .npy file `path` as it grows, for arrays too big to hold in memory:
+    `append` adds values through a buffer of WRITE_BUFFER bytes (this writer's memory, whatever the length),
+    `close` writes the header, whose shape holds the length, over the one written at the start (numpy pads a header
+    so that its length fits any length in place)."""
+
+    def __init__(self, path: str | os.PathLike, dtype):
+        self.dtype = np.dtype(dtype)
+        self.length = 0
+        self._file = open(path, "wb", buffering=WRITE_BUFFER)
+        self._header = self._write_header()
+
+    def _write_header(self) -> int:
+        header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (self.length,)}
+        start = self._file.tell()
+        np.lib.format.write_array_header_1_0(self._file, header)
+        return self._file.tell() - start
+
+    def append(self, values) -> None:
+        values = np.ascontiguousarray(values, dtype=self.dtype)
+        self._file.write(values.data.cast("B"))
+        self.length += len(values)
+
+    def close(self) -> None:
+        """Write the header and close the file (again: a no-op)."""
+        if self._file.closed:
+            return
+        try:
+            self._file.seek(0)
+            if self._write_header() != self._header:
+                raise ValueError(f"{self._file.name}: the .npy header of {self.length:,} values does not fit in place")
+        finally:
+            self._file.close()
 
 
 def read_entry(entry: str | os.PathLike, names) -> tuple[dict[str, np.ndarray], dict]:

@@ -126,7 +126,8 @@ def tokenize_sft_dataset(
     as `load_sft_dataset` tokenizes a file of the same records: the format is detected from the first valid row (or
     forced with `data_format`), and the options mean what they mean there. A bad row is a `DataError` naming it
     ("row N", or "split 'S' row N"; `split` defaults to the Dataset's own), or is skipped and counted with
-    `skip_bad_examples`. `num_proc` > 1 tokenises in that many processes, with the same result."""
+    `skip_bad_examples`. `num_proc` > 1 tokenises in that many processes, with the same result. The arrays are
+    memory-mapped from files in a temporary directory ($TMPDIR), removed once mapped (`sft_data._build`)."""
     options = checked_options(data_format, cutoff_len, train_on_prompt, mask_history, skip_bad_examples)
     source, items, formats = _checked_rows(dataset, "tokenize_sft_dataset", split, data_format, detect_format)
     ds = _build(items, [source], formats, processing_class, options, show_progress, num_proc)

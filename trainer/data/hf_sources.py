@@ -309,10 +309,10 @@ def tokenize_split(
     check_columns(dataset, source, options["data_format"])
     formats: dict[str, str] = {}
 
-    def build():
+    def build(entry):
         rows = ((f"{source}[{i}]", row) for i, row in enumerate(dataset.with_format(None)))
         items = checked_source(source, rows, options["data_format"], formats)
-        return _build(items, [source], formats, tokenizer, options, show_progress, num_proc)
+        return _build(items, [source], formats, tokenizer, options, show_progress, num_proc, entry)
 
     digests = [dataset_digest(dataset)] if cache_dir is not None else []
     ds = load_cached(cache_dir, "data", digests, tokenizer, options, TokenizedDataset, build, write=write_cache)
@@ -456,11 +456,11 @@ def load_preference_sources(
         for name, ds in loaded:
             dataset, source = pick_split(ds, name, split, train=train), f"{name}:{split}"
 
-            def build(dataset=dataset, source=source):
+            def build(entry, dataset=dataset, source=source):
                 formats: dict[str, str] = {}
                 rows = ((f"{source}[{i}]", row) for i, row in enumerate(dataset.with_format(None)))
                 items = checked_source(source, rows, data_format, formats, detect_preference_format, PAIR_FORMATS_TEXT)
-                return _build_pairs(items, [source], formats, tokenizer, options, show_progress)
+                return _build_pairs(items, [source], formats, tokenizer, options, show_progress, entry)
 
             digests = [dataset_digest(dataset)] if cache_dir is not None else []
             parts.append(load_cached(cache_dir, "pairs", digests, tokenizer, options, PreferenceDataset, build))

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer.data.cache import read_entry, write_entry
+from trainer.data.cache import ArrayWriter, building, commit, read_entry, write_entry
 from trainer.data.sft_data import (
     _MAX_WARNINGS,
     _SHAREGPT_ROLES,
@@ -394,7 +394,7 @@ def load_preference_dataset(
         tokenizer,
         options,
         PreferenceDataset,
-        lambda: _build(items, [str(f) for f in files], formats, tokenizer, options, show_progress),
+        lambda entry: _build(items, [str(f) for f in files], formats, tokenizer, options, show_progress, entry),
         write=write_cache,
     )
 
@@ -417,14 +417,16 @@ def pairs_dataset(
 
 
 def _build(
-    items, sources: list[str], formats: dict, tokenizer, options: dict, show_progress: bool
+    items, sources: list[str], formats: dict, tokenizer, options: dict, show_progress: bool, entry: Path | None = None
 ) -> PreferenceDataset:
     """The dataset of `items`, (where, (record, format)) or (where, `_Bad`) as `checked_records` yields them;
-    `sources` and `formats` (filled while reading) for the summary."""
+    `sources` and `formats` (filled while reading) for the summary. The arrays are written as the pairs come into the
+    cache entry `entry`, or without one into a temporary directory, and returned memory-mapped from it, as SFT's
+    `_build` does (trainer/data/sft_data.py): memory does not grow with the pairs."""
     skip = options["skip_bad_examples"]
-    pairs: list[dict] = []
     dropped: Counter = Counter()
-    read = truncated = 0
+    read = truncated = pairs = max_length = 0
+    tokens = dict.fromkeys(_PARTS, 0)
     progress = tqdm(desc="tokenizing pairs", unit=" pairs", disable=not show_progress, mininterval=0.5)
 
     def drop(where: str, reason: str, message: str, bad: bool) -> None:
@@ -434,50 +436,64 @@ def _build(
         if dropped[reason] <= _MAX_WARNINGS:
             logger.warning("%s %s: %s", "skipping" if bad else "dropping", where, message)
 
-    try:
-        for where, item in items:
-            read += 1
-            progress.update()
-            try:
-                if isinstance(item, _Bad):
-                    raise item
-                ids = tokenize_pair(tokenizer, normalize_pair(*item))
-            except _Bad as exc:
-                drop(where, exc.reason, exc.message, bad=True)
-                continue
-            kept = truncate_pair(
-                *ids,
-                max_length=options["max_length"],
-                max_prompt_length=options["max_prompt_length"],
-                truncation_mode=options["truncation_mode"],
-            )
-            truncated += kept != ids
-            if not kept[1] or not kept[2]:
-                drop(
-                    where,
-                    "no_targets_after_truncation",
-                    f"no answer token left after truncation to max_length "
-                    f"{options['max_length']} (raise max_length, or set max_prompt_length)",
-                    bad=False,
+    with building(entry) as (directory, entry):
+        arrays = [(f"{k}_ids", np.int32) for k in _PARTS] + [(f"{k}_offsets", np.int64) for k in _PARTS]
+        writers = {name: ArrayWriter(directory / f"{name}.npy", dtype) for name, dtype in arrays}
+        for k in _PARTS:
+            writers[f"{k}_offsets"].append([0])
+        try:
+            for where, item in items:
+                read += 1
+                progress.update()
+                try:
+                    if isinstance(item, _Bad):
+                        raise item
+                    ids = tokenize_pair(tokenizer, normalize_pair(*item))
+                except _Bad as exc:
+                    drop(where, exc.reason, exc.message, bad=True)
+                    continue
+                kept = truncate_pair(
+                    *ids,
+                    max_length=options["max_length"],
+                    max_prompt_length=options["max_prompt_length"],
+                    truncation_mode=options["truncation_mode"],
                 )
-                continue
-            pairs.append(dict(zip(("prompt_ids", "chosen_ids", "rejected_ids"), kept)))
-    finally:
-        progress.close()
-    if not pairs:
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "the files hold no records"
-        raise DataError(
-            f"{', '.join(sources)}: no usable pairs ({reasons}) (expected at least one pair with "
-            "answer tokens on both sides)"
-        )
-    ds = PreferenceDataset.from_pairs(pairs)
-    ds.summary = {
-        "files": sources,
-        "formats": formats,
-        "options": options,
-        "pairs_read": read,
-        "dropped": dict(sorted(dropped.items())),
-        "truncated": truncated,
-        **ds.summary,
-    }
-    return ds
+                truncated += kept != ids
+                if not kept[1] or not kept[2]:
+                    drop(
+                        where,
+                        "no_targets_after_truncation",
+                        f"no answer token left after truncation to max_length "
+                        f"{options['max_length']} (raise max_length, or set max_prompt_length)",
+                        bad=False,
+                    )
+                    continue
+                pairs += 1
+                max_length = max(max_length, len(kept[0]) + max(len(kept[1]), len(kept[2])))
+                for k, part in zip(_PARTS, kept):
+                    tokens[k] += len(part)
+                    writers[f"{k}_ids"].append(part)
+                    writers[f"{k}_offsets"].append([tokens[k]])
+        finally:
+            progress.close()
+            for writer in writers.values():
+                writer.close()
+        if not pairs:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "the files hold no records"
+            raise DataError(
+                f"{', '.join(sources)}: no usable pairs ({reasons}) (expected at least one pair with "
+                "answer tokens on both sides)"
+            )
+        summary = {
+            "files": sources,
+            "formats": formats,
+            "options": options,
+            "pairs_read": read,
+            "dropped": dict(sorted(dropped.items())),
+            "truncated": truncated,
+            "pairs": pairs,
+            **{f"{k}_tokens": tokens[k] for k in _PARTS},
+            "max_length": max_length,
+        }
+        commit(directory, entry, summary)
+        return PreferenceDataset.load(entry)

@@ -33,7 +33,9 @@ Pipeline (`load_sft_dataset`), run once per dataset and cached:
 5. Cache the result as flat int32 arrays + offsets in `<cache_dir>/data-<key>/` (trainer/data/cache.py: one root
    shared by every run, entries written atomically under a lock, read memory-mapped), where key = sha256 of the
    file contents, tokenizer.json, chat template, special tokens and the options; a second load, from any run,
-   reads it without tokenising.
+   reads it without tokenising. The arrays are written as the examples are tokenised, and the process that tokenised
+   them maps the entry as any other does: memory does not grow with the dataset, cached or not (without a cache_dir
+   the arrays go to a temporary directory, removed once mapped).
 
 The result is a `TokenizedDataset` (list-like; `.lengths`, `.summary`, `.summary_text()`) that the
 `BatchLoader` (trainer/data/batching.py, re-exported here) turns into micro batches.
@@ -61,7 +63,7 @@ from tqdm import tqdm
 
 from trainer.coerce import ConfigError
 from trainer.data.batching import BATCHING_STRATEGIES, BatchLoader  # noqa: F401  (re-exported: data.py is the entry point)
-from trainer.data.cache import entry_bytes, entry_lock, read_entry, write_entry
+from trainer.data.cache import ArrayWriter, building, commit, entry_bytes, entry_lock, read_entry, write_entry
 from trainer.data.tokenizer import DEFAULT_CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
@@ -419,24 +421,24 @@ def checked_source(
 
 
 def load_cached(cache_dir, name: str, files: list, tokenizer, options: dict, dataset_cls, build, *, write: bool = True):
-    """`build()`'s dataset, read from the entry `<cache_dir>/<name>-<key>/` when there (key: the files' contents, or
+    """`build`'s dataset, read from the entry `<cache_dir>/<name>-<key>/` when there (key: the files' contents, or
     the digests given for other sources, the tokenizer and `options`) and written there when not (`write=False`: not
-    yet, `save_to_cache` does it later). Writing holds the entry's lock while it builds: of several processes that
+    yet, `save_to_cache` does it later). `build(entry)` tokenises and returns the dataset written as the cache entry
+    `entry` and read back from it, memory-mapped as a later run reads it; `build(None)` one not written there (without
+    a cache_dir, or with `write=False`). Writing holds the entry's lock while it builds: of several processes that
     miss the same entry at once, one tokenises and the others wait, then read its entry (trainer/data/cache.py).
     `dataset_cls.load/save` read and write an entry; `summary["cache"]`, `["cache_hit"]` and `["cache_bytes"]`
     say which, where and how big."""
     if cache_dir is None:
-        return build()
+        return build(None)
     entry = Path(cache_dir) / f"{name}-{_cache_key(files, tokenizer, options)[:32]}"
     ds = _read_cached(entry, dataset_cls)
     if ds is None:
         with entry_lock(entry) if write else contextlib.nullcontext():
             ds = _read_cached(entry, dataset_cls)  # written by another process while this one waited
             if ds is None:
-                ds = build()
+                ds = build(entry if write else None)
                 ds.summary.update(cache=str(entry), cache_hit=False)
-                if write:
-                    ds.save(entry)
     ds.summary["cache_bytes"] = entry_bytes(ds.arrays().values())
     return ds
 
@@ -593,7 +595,9 @@ class TokenizedDataset(Sequence):
         self.offsets = flat(offsets, np.int64)
         if self.input_ids.shape != self.labels.shape or self.offsets[-1] != len(self.input_ids):
             raise ValueError("TokenizedDataset: input_ids, labels and offsets do not describe the same examples")
-        self.summary = dict(summary) if summary is not None else _stats(self)
+        if summary is None:
+            summary = _stats(self.lengths, _target_count(self.labels, self.offsets))
+        self.summary = dict(summary)
 
     @classmethod
     def from_examples(cls, examples: Iterable, summary: dict | None = None) -> TokenizedDataset:
@@ -658,10 +662,15 @@ class TokenizedDataset(Sequence):
         return cls(arrays["input_ids"], arrays["labels"], arrays["offsets"], summary)
 
 
-def _stats(ds: TokenizedDataset) -> dict:
-    lengths = ds.lengths
-    targets = ds.labels != IGNORE_INDEX
-    targets[ds.offsets[:-1]] = False  # first token of each example: never a target
+def _target_count(labels: np.ndarray, offsets: np.ndarray) -> int:
+    """The target tokens of the examples that `offsets` cut `labels` into (never the first token of one)."""
+    targets = labels != IGNORE_INDEX
+    targets[offsets[:-1]] = False
+    return int(targets.sum())
+
+
+def _stats(lengths: np.ndarray, supervised_tokens: int) -> dict:
+    """The summary's statistics of examples of `lengths` holding `supervised_tokens` target tokens."""
     if len(lengths):
         # pXX = the smallest length that XX% of the examples do not exceed (an actual example length).
         p50, p90, p99 = (int(v) for v in np.percentile(lengths, [50, 90, 99], method="inverted_cdf"))
@@ -675,9 +684,9 @@ def _stats(ds: TokenizedDataset) -> dict:
     else:
         length = {"p50": 0, "p90": 0, "p99": 0, "max": 0, "mean": 0.0}
     return {
-        "examples": len(ds),
+        "examples": len(lengths),
         "tokens": int(lengths.sum()),
-        "supervised_tokens": int(targets.sum()),
+        "supervised_tokens": supervised_tokens,
         "length": length,
     }
 
@@ -792,7 +801,9 @@ def load_sft_dataset(
     """Read, normalise, render, mask, truncate and tokenize `paths` once (cached under `cache_dir`). With
     `write_cache=False` a dataset tokenised anew is not saved yet: `save_to_cache(ds)` saves it once the caller may
     write (the CLI reads and checks every input before it writes anything). `num_proc` > 1 tokenises in that many
-    processes (TRL's dataset_num_proc), with the same result bit for bit; it is not part of the cache key."""
+    processes (TRL's dataset_num_proc), with the same result bit for bit; it is not part of the cache key. The
+    arrays are memory-mapped, whether read or tokenised (`_build`): without `cache_dir` (or with `write_cache=False`)
+    from files in a temporary directory ($TMPDIR), removed once mapped, whose space is freed with the dataset."""
     options = checked_options(data_format, cutoff_len, train_on_prompt, mask_history, skip_bad_examples)
     files = resolve_data_files(paths)
     formats: dict[str, str] = {}
@@ -804,7 +815,9 @@ def load_sft_dataset(
         tokenizer,
         options,
         TokenizedDataset,
-        lambda: _build(items, [str(f) for f in files], formats, tokenizer, options, show_progress, num_proc),
+        lambda entry: _build(
+            items, [str(f) for f in files], formats, tokenizer, options, show_progress, num_proc, entry
+        ),
         write=write_cache,
     )
     _keep_chat_template(tokenizer, ds)
@@ -926,16 +939,30 @@ def _outcomes(items, tokenizer, options: dict, num_proc: int | None) -> Iterator
                 yield where, outcome
 
 
+_ARRAYS = (("input_ids", np.int32), ("labels", np.int32), ("offsets", np.int64))  # a TokenizedDataset's, as stored
+
+
 def _build(
-    items, sources: list[str], formats: dict, tokenizer, options: dict, show_progress: bool, num_proc: int | None = None
+    items,
+    sources: list[str],
+    formats: dict,
+    tokenizer,
+    options: dict,
+    show_progress: bool,
+    num_proc: int | None = None,
+    entry: Path | None = None,
 ) -> TokenizedDataset:
     """The dataset of `items`, (where, (record, format)) or (where, `_Bad`) as `checked_records` yields them;
     `sources` (files, or a `datasets.Dataset`) and `formats` (filled while reading) for errors and the summary.
-    `num_proc` > 1 tokenises in that many processes, with the same result (`_outcomes`)."""
+    `num_proc` > 1 tokenises in that many processes, with the same result (`_outcomes`). The arrays are written as the
+    examples come (`ArrayWriter`, a bounded buffer each) into the cache entry `entry`, renamed into place
+    once whole (trainer/data/cache.py), and the dataset returned is read back from it, memory-mapped as a later run
+    reads it: this process never holds the arrays whole. Without `entry` (no cache, or not written yet) they are
+    written into a temporary directory (tempfile's, $TMPDIR) that is removed once they are mapped: the mapping keeps
+    the files' data, on disk, until the dataset is freed."""
     skip = options["skip_bad_examples"]
-    ids_parts, label_parts, lengths = [], [], [0]
     dropped: Counter = Counter()
-    read = truncated = 0
+    read = truncated = kept = tokens = supervised = 0
     desc = "tokenizing" + (f" ({num_proc} processes)" if num_proc and num_proc > 1 else "")
     progress = tqdm(desc=desc, unit=" examples", disable=not show_progress, mininterval=0.5)
 
@@ -944,52 +971,62 @@ def _build(
         if dropped[reason] <= _MAX_WARNINGS:
             logger.warning("%s %s: %s", "dropping" if reason in _NO_TARGETS else "skipping", where, message)
 
-    try:
-        for where, outcome in _outcomes(items, tokenizer, options, num_proc):
-            read += 1
-            progress.update()
-            kind = outcome[0]
-            if kind == "fatal":
-                raise DataError(outcome[1])
-            if kind == "bad":
-                if not skip:
-                    raise DataError(f"{where}: {outcome[2]}")
-                drop(where, outcome[1], outcome[2])
-            elif kind == "drop":  # a truncated example counts as truncated, kept or not
-                truncated += outcome[3]
-                drop(where, outcome[1], outcome[2])
-            else:
-                _, ids, labels, was_truncated = outcome
-                truncated += was_truncated
-                ids_parts.append(ids)
-                label_parts.append(labels)
-                lengths.append(len(ids))
-    finally:
-        progress.close()
+    with building(entry) as (directory, entry):
+        writers = {name: ArrayWriter(directory / f"{name}.npy", dtype) for name, dtype in _ARRAYS}
+        writers["offsets"].append([0])
+        try:
+            for where, outcome in _outcomes(items, tokenizer, options, num_proc):
+                read += 1
+                progress.update()
+                kind = outcome[0]
+                if kind == "fatal":
+                    raise DataError(outcome[1])
+                if kind == "bad":
+                    if not skip:
+                        raise DataError(f"{where}: {outcome[2]}")
+                    drop(where, outcome[1], outcome[2])
+                elif kind == "drop":  # a truncated example counts as truncated, kept or not
+                    truncated += outcome[3]
+                    drop(where, outcome[1], outcome[2])
+                else:
+                    _, ids, labels, was_truncated = outcome
+                    truncated += was_truncated
+                    kept += 1
+                    tokens += len(ids)
+                    supervised += int(np.count_nonzero(labels[1:] != IGNORE_INDEX))  # the first token: never a target
+                    writers["input_ids"].append(ids)
+                    writers["labels"].append(labels)
+                    writers["offsets"].append([tokens])
+        finally:
+            progress.close()
+            for writer in writers.values():
+                writer.close()
 
-    if not ids_parts:
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "no records"
-        raise DataError(
-            f"{', '.join(sources)}: no usable examples ({reasons}) (expected at least one example with a target token)"
-        )
-    unnamed = {reason: n - _MAX_WARNINGS for reason, n in sorted(dropped.items()) if n > _MAX_WARNINGS}
-    if unnamed:
-        logger.warning(
-            "not named above: %s (the first %d of each kind are)",
-            ", ".join(f"{n:,} more {reason} ({dropped[reason]:,} in all)" for reason, n in unnamed.items()),
-            _MAX_WARNINGS,
-        )
-    ds = TokenizedDataset(np.concatenate(ids_parts), np.concatenate(label_parts), np.cumsum(lengths))
-    ds.summary = {
-        "files": sources,
-        "formats": formats,
-        "options": options,
-        "examples_read": read,
-        "dropped": dict(sorted(dropped.items())),
-        "truncated": truncated,
-        **ds.summary,
-    }
-    return ds
+        if not kept:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "no records"
+            raise DataError(
+                f"{', '.join(sources)}: no usable examples ({reasons}) (expected at least one example with a target "
+                "token)"
+            )
+        unnamed = {reason: n - _MAX_WARNINGS for reason, n in sorted(dropped.items()) if n > _MAX_WARNINGS}
+        if unnamed:
+            logger.warning(
+                "not named above: %s (the first %d of each kind are)",
+                ", ".join(f"{n:,} more {reason} ({dropped[reason]:,} in all)" for reason, n in unnamed.items()),
+                _MAX_WARNINGS,
+            )
+        lengths = np.diff(np.load(directory / "offsets.npy", mmap_mode="r"))
+        summary = {
+            "files": sources,
+            "formats": formats,
+            "options": options,
+            "examples_read": read,
+            "dropped": dict(sorted(dropped.items())),
+            "truncated": truncated,
+            **_stats(np.asarray(lengths), supervised),
+        }
+        commit(directory, entry, summary)
+        return TokenizedDataset.load(entry)
 
 
 def read_examples(paths, *, data_format: str = "auto", skip_bad_examples: bool = False) -> list[dict]:

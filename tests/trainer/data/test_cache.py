@@ -6,19 +6,23 @@ import json
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from trainer.coerce import ConfigError
+from trainer.data import cache
 from trainer.data.batching import BatchLoader
-from trainer.data.cache import CACHE_ENV, cache_root, check_cache_root
+from trainer.data.cache import CACHE_ENV, LOAD_KEYS, ArrayWriter, cache_root, check_cache_root
 from trainer.data.sft_data import DataError, TokenizedDataset, load_sft_dataset
 from trainer.data.tokenizer import Tokenizer, byte_level_tokenizer
 
 RECORD = {"messages": [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]}
 OTHER = {"messages": [{"role": "user", "content": "sort: cab"}, {"role": "assistant", "content": "abc"}]}
+NO_ANSWER = {"messages": [{"role": "user", "content": "hello"}]}  # dropped: nothing to train on
 
 
 class CountingTokenizer(Tokenizer):
@@ -92,7 +96,11 @@ def test_a_second_load_from_another_process_reads_the_entry_memory_mapped(tmp_pa
     for name in ("input_ids", "labels", "offsets"):
         array = getattr(again, name)
         assert isinstance(array, np.memmap) and not array.flags.writeable
+        assert isinstance(getattr(first, name), np.memmap)  # the tokenising process reads its entry back, mapped
         assert np.array_equal(array, getattr(first, name))
+    assert {k: v for k, v in first.summary.items() if k != "cache_hit"} == {
+        k: v for k, v in again.summary.items() if k != "cache_hit"
+    }
     size = first.summary["cache_bytes"]
     assert size == again.summary["cache_bytes"] == sum(a.nbytes for a in first.arrays().values())
     assert f"\n  cache miss {size / 1e3:.1f} kB {first.summary['cache']}" in first.summary_text()
@@ -163,11 +171,68 @@ def test_a_failed_load_leaves_the_cache_as_it_was(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps(RECORD) + "\n{oops\n")
     with pytest.raises(DataError, match="bad.jsonl:2: invalid JSON"):
         load_sft_dataset(tmp_path / "bad.jsonl", counting_tok(), cache_dir=root, show_progress=False)
+    appends = []
+
+    def append_until_full(self, values):  # the disk fills up half way through the arrays
+        appends.append(len(values))
+        if len(appends) == 4:
+            raise OSError("disk full")
+        return append(self, values)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(np, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+        append = ArrayWriter.append
+        mp.setattr(ArrayWriter, "append", append_until_full)
         with pytest.raises(OSError, match="disk full"):
             load_sft_dataset(
                 write_jsonl(tmp_path / "other.jsonl", [RECORD] * 2), counting_tok(), cache_dir=root, show_progress=False
             )
     after = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file() and p.suffix != ".lock"}
     assert after == {k: v for k, v in before.items() if k.suffix != ".lock"} and len(entries(root)) == 1
+
+
+def test_small_write_buffers_give_the_same_dataset(tmp_path, monkeypatch):
+    """The arrays are written through buffers of `cache.WRITE_BUFFER` bytes: buffers of a few values give the arrays
+    and summary of one buffer for all, with a cache entry and without (a temporary directory, removed once mapped)."""
+    f = write_jsonl(tmp_path / "d.jsonl", [RECORD, OTHER, RECORD, NO_ANSWER] * 5)
+    monkeypatch.setattr(cache, "WRITE_BUFFER", 1 << 30)
+    whole = load_sft_dataset(f, counting_tok(), data_format="auto", cache_dir=tmp_path / "a", show_progress=False)
+    monkeypatch.setattr(cache, "WRITE_BUFFER", 8)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    small = load_sft_dataset(f, counting_tok(), cache_dir=tmp_path / "b", show_progress=False)
+    uncached = load_sft_dataset(f, counting_tok(), cache_dir=None, show_progress=False)
+    assert len(whole) == 15 and (whole.summary["examples_read"], whole.summary["dropped"]) == (20, {"no_targets": 5})
+    for ds in (small, uncached):
+        for name, array in whole.arrays().items():
+            assert isinstance(ds.arrays()[name], np.memmap) and np.array_equal(ds.arrays()[name], array), name
+        assert {k: v for k, v in ds.summary.items() if k not in LOAD_KEYS} == {
+            k: v for k, v in whole.summary.items() if k not in LOAD_KEYS
+        }
+    assert list((tmp_path / "tmp").iterdir()) == []  # the uncached arrays live on in the mapping only
+    assert uncached[14]["input_ids"].tolist() == whole[14]["input_ids"].tolist()
+
+
+def _traced_peak(tmp_path, n: int) -> int:
+    """The peak of the memory Python and numpy allocate (tracemalloc) while `n` conversations are tokenised anew."""
+    record = {"messages": [{"role": "user", "content": "x" * 150}, {"role": "assistant", "content": "y" * 150}]}
+    f = write_jsonl(tmp_path / f"{n}.jsonl", [record] * n)
+    tok = byte_level_tokenizer()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        ds = load_sft_dataset(f, tok, cache_dir=tmp_path / f"cache-{n}", show_progress=False)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert len(ds) == n and ds.summary["tokens"] == 321 * n
+    return peak
+
+
+def test_a_cold_load_does_not_hold_the_arrays_in_memory(tmp_path, monkeypatch):
+    """Tokenising 10x the conversations (321 tokens each: 2.6 kB of arrays, 7.7 MB for 3,000) grows the memory
+    allocated at the peak by far less than their arrays: they go to the entry's files as they come, through buffers of
+    a fixed size, and the dataset maps the entry (gathering them in memory would add 2x the arrays: ~14 MB)."""
+    monkeypatch.setattr(cache, "WRITE_BUFFER", 1 << 16)
+    small, large = _traced_peak(tmp_path, 300), _traced_peak(tmp_path, 3000)
+    arrays = 2 * 4 * 321 * (3000 - 300)
+    assert large - small < arrays / 4, f"peak {small / 1e6:.1f} MB at 300 conversations, {large / 1e6:.1f} MB at 3000"

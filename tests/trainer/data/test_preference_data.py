@@ -9,7 +9,9 @@ import json
 import numpy as np
 import pytest
 
+from trainer.data import cache
 from trainer.data.preference_data import (
+    PreferenceDataset,
     collate_pairs,
     load_preference_dataset,
     normalize_pair,
@@ -230,3 +232,20 @@ def test_cache_round_trip_and_select(tok, tmp_path):
     picked = first.select([5, 0])
     assert picked[0]["chosen_ids"].tolist() == first[5]["chosen_ids"].tolist()
     assert picked.lengths.tolist() == [first.lengths[5], first.lengths[0]]
+
+
+def test_pairs_are_written_as_they_come_and_mapped(tok, tmp_path, monkeypatch):
+    """Cold or warm, cached or not, the pairs' arrays are memory-mapped from files written through bounded buffers
+    (cache.WRITE_BUFFER, here a few values): the same pairs and summary as the pairs gathered in memory."""
+    records = [{"prompt": f"{a}+{b}?" * a, "chosen": str(a + b), "rejected": str(a - b)} for a, b in ((1, 2), (30, 4))]
+    path = write_jsonl(tmp_path / "p.jsonl", records * 3)
+    monkeypatch.setattr(cache, "WRITE_BUFFER", 8)
+    cold = load_preference_dataset(path, tok, cache_dir=tmp_path / "cache", show_progress=False)
+    uncached = load_preference_dataset(path, tok, show_progress=False)
+    pairs = [tokenize_pair(tok, normalize_pair(r, "standard")) for r in records * 3]
+    expected = PreferenceDataset.from_pairs([dict(zip(("prompt_ids", "chosen_ids", "rejected_ids"), p)) for p in pairs])
+    for ds in (cold, uncached):
+        for name, array in expected.arrays().items():
+            assert isinstance(ds.arrays()[name], np.memmap) and np.array_equal(ds.arrays()[name], array), name
+        assert {k: ds.summary[k] for k in expected.summary} == expected.summary
+        assert (ds.summary["pairs_read"], ds.summary["dropped"], ds.summary["truncated"]) == (6, {}, 0)
