@@ -397,21 +397,29 @@ def _pairs_from_hf(dataset, name: str, split: str | None):
             f"{name}: no column {missing[0]!r} (columns {columns}) (expected raw pairs, or TRL's tokenized pairs: "
             f"{', '.join(PAIR_TOKEN_COLUMNS)})"
         )
-    pairs = []
-    for i, row in enumerate(_rows(dataset.select_columns(list(PAIR_TOKEN_COLUMNS)))):
-        where = f"{name} {_where(i, split)}"
-        pair = {}
-        for column in PAIR_TOKEN_COLUMNS:
-            ids = _token_array(row[column], column, where)
-            if ids.size and ids.min() < 0:
-                raise DataError(f"{where}: {column} holds {int(ids.min())} (expected token ids >= 0)")
-            if ids.size == 0 and column != "prompt_input_ids":
-                raise DataError(f"{where}: {column} is empty (expected at least one token)")
-            pair[column.replace("_input_ids", "_ids")] = ids
-        pairs.append(pair)
+    rows = _rows(dataset.select_columns(list(PAIR_TOKEN_COLUMNS)))
+    pairs = [_tokenized_pair(row, f"{name} {_where(i, split)}") for i, row in enumerate(rows)]
     if not pairs:
         raise DataError(f"{name}: the dataset has no rows (expected at least one pair)")
     return PreferenceDataset.from_pairs(pairs)
+
+
+def _tokenized_pair(row: dict, where: str) -> dict:
+    """A row of TRL's tokenized pair columns as {"prompt_ids", "chosen_ids", "rejected_ids"}, checked (a missing
+    column, a bad token list, an empty answer: a `DataError` naming `where`)."""
+    pair = {}
+    for column in PAIR_TOKEN_COLUMNS:
+        if column not in row:
+            raise DataError(
+                f"{where}: no column {column!r} (expected TRL's tokenized pairs: {', '.join(PAIR_TOKEN_COLUMNS)})"
+            )
+        ids = _token_array(row[column], column, where)
+        if ids.size and ids.min() < 0:
+            raise DataError(f"{where}: {column} holds {int(ids.min())} (expected token ids >= 0)")
+        if ids.size == 0 and column != "prompt_input_ids":
+            raise DataError(f"{where}: {column} is empty (expected at least one token)")
+        pair[column.replace("_input_ids", "_ids")] = ids
+    return pair
 
 
 def trainer_dataset(dataset, name: str):

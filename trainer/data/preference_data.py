@@ -416,6 +416,35 @@ def pairs_dataset(
     return _build(items, [source], {source: "conversational"}, tokenizer, options, show_progress)
 
 
+def encode_pair(item, tokenizer, options: dict) -> tuple:
+    """One item of `checked_records` (a (record, format) pair or a `_Bad`) encoded: ("ok", {"prompt_ids",
+    "chosen_ids", "rejected_ids"}, truncated), ("bad", reason, message) for a bad record, or ("drop", reason, message,
+    truncated) for a pair left with no answer token on a side. `_build` and the streamed pairs
+    (trainer/data/streaming.py) encode with it."""
+    try:
+        if isinstance(item, _Bad):
+            raise item
+        ids = tokenize_pair(tokenizer, normalize_pair(*item))
+    except _Bad as exc:
+        return ("bad", exc.reason, exc.message)
+    kept = truncate_pair(
+        *ids,
+        max_length=options["max_length"],
+        max_prompt_length=options["max_prompt_length"],
+        truncation_mode=options["truncation_mode"],
+    )
+    truncated = kept != ids
+    if not kept[1] or not kept[2]:
+        return (
+            "drop",
+            "no_targets_after_truncation",
+            f"no answer token left after truncation to max_length {options['max_length']} (raise max_length, or "
+            "set max_prompt_length)",
+            truncated,
+        )
+    return ("ok", dict(zip(("prompt_ids", "chosen_ids", "rejected_ids"), kept)), truncated)
+
+
 def _build(
     items, sources: list[str], formats: dict, tokenizer, options: dict, show_progress: bool, entry: Path | None = None
 ) -> PreferenceDataset:
@@ -445,29 +474,15 @@ def _build(
             for where, item in items:
                 read += 1
                 progress.update()
-                try:
-                    if isinstance(item, _Bad):
-                        raise item
-                    ids = tokenize_pair(tokenizer, normalize_pair(*item))
-                except _Bad as exc:
-                    drop(where, exc.reason, exc.message, bad=True)
+                outcome = encode_pair(item, tokenizer, options)
+                if outcome[0] == "bad":
+                    drop(where, outcome[1], outcome[2], bad=True)
                     continue
-                kept = truncate_pair(
-                    *ids,
-                    max_length=options["max_length"],
-                    max_prompt_length=options["max_prompt_length"],
-                    truncation_mode=options["truncation_mode"],
-                )
-                truncated += kept != ids
-                if not kept[1] or not kept[2]:
-                    drop(
-                        where,
-                        "no_targets_after_truncation",
-                        f"no answer token left after truncation to max_length "
-                        f"{options['max_length']} (raise max_length, or set max_prompt_length)",
-                        bad=False,
-                    )
+                truncated += outcome[-1]
+                if outcome[0] == "drop":
+                    drop(where, outcome[1], outcome[2], bad=False)
                     continue
+                kept = [outcome[1][f"{k}_ids"] for k in _PARTS]
                 pairs += 1
                 max_length = max(max_length, len(kept[0]) + max(len(kept[1]), len(kept[2])))
                 for k, part in zip(_PARTS, kept):

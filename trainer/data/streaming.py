@@ -48,8 +48,15 @@ from trainer.checkpoint_hf import CheckpointError
 from trainer.coerce import ConfigError
 from trainer.config.args import BATCHING_STRATEGIES, PACKING_BUFFER, TOKEN_BUDGET_STRATEGIES
 from trainer.data.batching import BatchLoader
-from trainer.data.hf_datasets import _tokenized_example, hf_kind, trainer_dataset
+from trainer.data.hf_datasets import PAIR_TOKEN_COLUMNS, _tokenized_example, _tokenized_pair, hf_kind, trainer_dataset
 from trainer.data.hf_sources import MIX_STRATEGIES, load_source, pick_split, split_names
+from trainer.data.preference_data import (
+    PAIR_FORMATS_TEXT,
+    PreferenceDataset,
+    detect_preference_format,
+    encode_pair,
+    preference_options,
+)
 from trainer.data.sft_data import (
     IGNORE_INDEX,
     DataError,
@@ -100,28 +107,21 @@ class _SourceReader:
         return {"rows": self.rows, "state": copy.deepcopy(state)}
 
 
-class SFTStream:
-    """SFT examples from streamed sources (see the module docstring). `processing_class` tokenises raw rows (the
-    options mean what they mean for `load_sft_dataset`); rows that hold `input_ids` are taken as tokens."""
+class Stream:
+    """Rows of one or several sources, mixed, read from a position (see the module docstring). What a row becomes is
+    the subclass's: `_format` (a source's format, from its first row), `_example` (a row's example, or None for a
+    row dropped) and `dataset` (a buffer's examples as the dataset BatchLoader plans); `max_length` bounds an
+    example's tokens (None: unbounded). `SFTStream` streams SFT examples, `PairStream` preference pairs."""
+
+    max_length: int | None = None
 
     def __init__(
-        self,
-        sources,
-        processing_class=None,
-        *,
-        names: list[str] | None = None,
-        mix_strategy: str = "concat",
-        interleave_probs=None,
-        seed: int = 0,
-        data_format: str = "auto",
-        cutoff_len: int | None = 2048,
-        train_on_prompt: bool = False,
-        mask_history: bool = False,
-        skip_bad_examples: bool = False,
+        self, sources, processing_class, *, names, mix_strategy: str, interleave_probs, seed: int, options: dict
     ):
         sources = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+        what = type(self).__name__
         if not sources:
-            raise DataError("SFTStream: no sources (expected one or more IterableDatasets or lists of records)")
+            raise DataError(f"{what}: no sources (expected one or more IterableDatasets or lists of records)")
         if mix_strategy not in MIX_STRATEGIES:
             raise DataError(f"mix_strategy={mix_strategy!r}: expected one of {', '.join(MIX_STRATEGIES)}")
         if interleave_probs is not None:
@@ -137,12 +137,12 @@ class SFTStream:
         for source in sources:
             kind = hf_kind(source)
             if kind in ("DatasetDict", "IterableDatasetDict"):
-                raise DataError(f"SFTStream: a {kind} (expected one split, e.g. dataset['train'])")
+                raise DataError(f"{what}: a {kind} (expected one split, e.g. dataset['train'])")
         self.sources = [s.with_format(None) if hasattr(s, "with_format") else s for s in sources]
         default = ["stream"] if len(sources) == 1 else [f"stream {i}" for i in range(len(sources))]
         self.names = list(names) if names else default
         self.mix_strategy, self.probs, self.seed = mix_strategy, interleave_probs, int(seed)
-        self.options = checked_options(data_format, cutoff_len, train_on_prompt, mask_history, skip_bad_examples)
+        self.options = options
         self.tokenizer = processing_class
         self._initial = [_initial_state(s) for s in self.sources]
         self.formats = [self._format(i) for i in range(len(self.sources))]  # from each source's first row
@@ -154,51 +154,25 @@ class SFTStream:
             "streaming": True,
             "mixture": mix_strategy if len(sources) > 1 else None,
         }
-        if self.tokenizer is not None:
-            _keep_chat_template(self.tokenizer, self)  # conversations without a template: ChatML, saved with the model
 
     # ---- what the rows are ------------------------------------------------------------------------------------
-    def _format(self, i: int) -> str:
-        """The source's format, from its first row: "tokens" (input_ids), or an SFT format (sft_data's detection,
-        or data_format when forced). Read once here, so that a stream reopened mid-way decodes its rows alike."""
+    def _first_row(self, i: int) -> dict:
+        """Source i's first row (a one-line DataError when it has none, or it is not a dict)."""
         first = _SourceReader(self.sources[i], self._initial[i], None).next()
         if first is None:
             raise DataError(f"{self.names[i]}: no rows (expected at least one example)")
         if not isinstance(first, dict):
             raise DataError(f"{self.names[i]}[0]: a row is {type(first).__name__} (expected a dict of columns)")
-        if "input_ids" in first:
-            return "tokens"
-        if self.tokenizer is None:
-            raise DataError(
-                f"{self.names[i]}: raw rows (columns {sorted(first)}) and no processing_class to tokenise them "
-                "(expected rows of input_ids; or SFTStream(dataset, processing_class), which tokenises as it reads)"
-            )
-        fmt = detect_format(first) if self.options["data_format"] == "auto" else self.options["data_format"]
-        if fmt is None:
-            raise DataError(
-                f"{self.names[i]}: cannot tell the data format from the columns {sorted(first)} (expected "
-                "messages, conversations, instruction/output, prompt/completion or text; or set data_format)"
-            )
-        return fmt
+        return first
+
+    def _format(self, i: int) -> str:
+        raise NotImplementedError
 
     def _example(self, i: int, where: str, row):
-        """The (input_ids, labels) of source i's row, or None for a row dropped (no target; a bad row under
-        skip_bad_examples); a bad row is a DataError naming `where`."""
-        if self.formats[i] == "tokens":
-            ids, labels = _tokenized_example(row, where)
-            if (labels[1:] != IGNORE_INDEX).any():
-                return ids, labels
-            return self._drop(where, "no_targets", "no target token")
-        items = checked_source(self.names[i], [(where, row)], self.formats[i], {})
-        outcome = encode_item(where, next(items)[1], self.tokenizer, self.options)
-        kind = outcome[0]
-        if kind == "ok":
-            return np.asarray(outcome[1], dtype=np.int64), np.asarray(outcome[2], dtype=np.int64)
-        if kind == "fatal":
-            raise DataError(outcome[1])
-        if kind == "bad" and not self.options["skip_bad_examples"]:
-            raise DataError(f"{where}: {outcome[2]}")
-        return self._drop(where, outcome[1], outcome[2])
+        raise NotImplementedError
+
+    def dataset(self, examples: list):
+        raise NotImplementedError
 
     def _drop(self, where: str, reason: str, message: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -242,10 +216,155 @@ class SFTStream:
         return f"streamed from {formats}{mixed}: read and tokenised as training goes (length unknown)"
 
 
-class _StreamReader:
-    """The examples of an `SFTStream` from a position, in the mixture's order; `position()` between any two."""
+class SFTStream(Stream):
+    """SFT examples from streamed sources (see the module docstring). `processing_class` tokenises raw rows (the
+    options mean what they mean for `load_sft_dataset`); rows that hold `input_ids` are taken as tokens."""
 
-    def __init__(self, stream: SFTStream, position: dict):
+    def __init__(
+        self,
+        sources,
+        processing_class=None,
+        *,
+        names: list[str] | None = None,
+        mix_strategy: str = "concat",
+        interleave_probs=None,
+        seed: int = 0,
+        data_format: str = "auto",
+        cutoff_len: int | None = 2048,
+        train_on_prompt: bool = False,
+        mask_history: bool = False,
+        skip_bad_examples: bool = False,
+    ):
+        options = checked_options(data_format, cutoff_len, train_on_prompt, mask_history, skip_bad_examples)
+        self.max_length = options["cutoff_len"]
+        super().__init__(
+            sources,
+            processing_class,
+            names=names,
+            mix_strategy=mix_strategy,
+            interleave_probs=interleave_probs,
+            seed=seed,
+            options=options,
+        )
+        if self.tokenizer is not None:
+            _keep_chat_template(self.tokenizer, self)  # conversations without a template: ChatML, saved with the model
+
+    def _format(self, i: int) -> str:
+        """The source's format, from its first row: "tokens" (input_ids), or an SFT format (sft_data's detection,
+        or data_format when forced). Read once here, so that a stream reopened mid-way decodes its rows alike."""
+        first = self._first_row(i)
+        if "input_ids" in first:
+            return "tokens"
+        if self.tokenizer is None:
+            raise DataError(
+                f"{self.names[i]}: raw rows (columns {sorted(first)}) and no processing_class to tokenise them "
+                "(expected rows of input_ids; or SFTStream(dataset, processing_class), which tokenises as it reads)"
+            )
+        fmt = detect_format(first) if self.options["data_format"] == "auto" else self.options["data_format"]
+        if fmt is None:
+            raise DataError(
+                f"{self.names[i]}: cannot tell the data format from the columns {sorted(first)} (expected "
+                "messages, conversations, instruction/output, prompt/completion or text; or set data_format)"
+            )
+        return fmt
+
+    def _example(self, i: int, where: str, row):
+        """The (input_ids, labels) of source i's row, or None for a row dropped (no target; a bad row under
+        skip_bad_examples); a bad row is a DataError naming `where`."""
+        if self.formats[i] == "tokens":
+            ids, labels = _tokenized_example(row, where)
+            if (labels[1:] != IGNORE_INDEX).any():
+                return ids, labels
+            return self._drop(where, "no_targets", "no target token")
+        items = checked_source(self.names[i], [(where, row)], self.formats[i], {})
+        outcome = encode_item(where, next(items)[1], self.tokenizer, self.options)
+        kind = outcome[0]
+        if kind == "ok":
+            return np.asarray(outcome[1], dtype=np.int64), np.asarray(outcome[2], dtype=np.int64)
+        if kind == "fatal":
+            raise DataError(outcome[1])
+        if kind == "bad" and not self.options["skip_bad_examples"]:
+            raise DataError(f"{where}: {outcome[2]}")
+        return self._drop(where, outcome[1], outcome[2])
+
+    def dataset(self, examples: list) -> TokenizedDataset:
+        return TokenizedDataset.from_examples(examples)
+
+
+class PairStream(Stream):
+    """Preference pairs from streamed sources (see the module docstring): raw pairs tokenised as a file's are
+    (trainer/data/preference_data.py: the same formats, truncation, drops and one-line errors, naming the row as
+    `source[i]`; the options mean what they mean for `load_preference_dataset`), or rows of TRL's tokenized pair
+    columns (prompt_input_ids, chosen_input_ids, rejected_input_ids) taken as they are, as `tokenized_pairs` takes
+    a Dataset of them. PreferenceTrainer makes one of a `datasets.IterableDataset` given as its train_dataset."""
+
+    def __init__(
+        self,
+        sources,
+        processing_class=None,
+        *,
+        names: list[str] | None = None,
+        mix_strategy: str = "concat",
+        interleave_probs=None,
+        seed: int = 0,
+        data_format: str = "auto",
+        max_length: int | None = 1024,
+        max_prompt_length: int | None = None,
+        truncation_mode: str = "keep_start",
+        skip_bad_examples: bool = False,
+    ):
+        options = preference_options(data_format, max_length, max_prompt_length, truncation_mode, skip_bad_examples)
+        self.max_length = max_length
+        super().__init__(
+            sources,
+            processing_class,
+            names=names,
+            mix_strategy=mix_strategy,
+            interleave_probs=interleave_probs,
+            seed=seed,
+            options=options,
+        )
+
+    def _format(self, i: int) -> str:
+        """The source's format, from its first row: "tokens" (TRL's tokenized pair columns), or a pair format
+        (preference_data's detection, or data_format when forced)."""
+        first = self._first_row(i)
+        if "chosen_input_ids" in first:
+            return "tokens"
+        if self.tokenizer is None:
+            raise DataError(
+                f"{self.names[i]}: raw pairs (columns {sorted(first)}) and no processing_class to tokenise them "
+                f"(expected TRL's tokenized pairs: {', '.join(PAIR_TOKEN_COLUMNS)}; or a processing_class)"
+            )
+        fmt = detect_preference_format(first) if self.options["data_format"] == "auto" else self.options["data_format"]
+        if fmt is None:
+            raise DataError(
+                f"{self.names[i]}: cannot tell the pair format from the columns {sorted(first)} (expected "
+                f"{PAIR_FORMATS_TEXT}; or set data_format)"
+            )
+        return fmt
+
+    def _example(self, i: int, where: str, row):
+        """The {"prompt_ids", "chosen_ids", "rejected_ids"} of source i's row, or None for a pair dropped (no answer
+        token left after truncation; a bad pair under skip_bad_examples); a bad pair is a DataError naming `where`."""
+        if self.formats[i] == "tokens":
+            return _tokenized_pair(row, where)
+        items = checked_source(self.names[i], [(where, row)], self.formats[i], {})
+        outcome = encode_pair(next(items)[1], self.tokenizer, self.options)
+        if outcome[0] == "ok":
+            return outcome[1]
+        if outcome[0] == "bad" and not self.options["skip_bad_examples"]:
+            raise DataError(f"{where}: {outcome[2]}")
+        return self._drop(where, outcome[1], outcome[2])
+
+    def dataset(self, examples: list) -> PreferenceDataset:
+        return PreferenceDataset.from_pairs(examples)
+
+
+class _StreamReader:
+    """The examples of a `Stream` from a position, in the mixture's order; `position()` between any two."""
+
+    def __init__(self, stream: Stream, position: dict):
         self.stream = stream
         self.pass_index = position["pass"]
         self.turn, self.exhausted = position["turn"], list(position["exhausted"])
@@ -277,7 +396,7 @@ class _StreamReader:
         return self.turn % n
 
     def next(self):
-        """The next (input_ids, labels), or None at the end of this pass (the reader then stays at its end)."""
+        """The next example, or None at the end of this pass (the reader then stays at its end)."""
         stream, n = self.stream, len(self.readers)
         while not self.pass_ended:
             i = self._pick()
@@ -302,13 +421,15 @@ class _StreamReader:
 
 
 class StreamLoader:
-    """Micro batches of an `SFTStream` (see the module docstring): BatchLoader's interface for the Trainer's loop.
+    """Micro batches of a `Stream` (see the module docstring): BatchLoader's interface for the Trainer's loop.
 
-    `micro_batches_per_rank` is the run's length in micro batches per rank (max_steps x accumulation)."""
+    `micro_batches_per_rank` is the run's length in micro batches per rank (max_steps x accumulation). A micro batch
+    is `collate(planner, indices)`: by default the buffer's BatchLoader's; a method with batches of its own (pairs)
+    sets it, as it sets a BatchLoader's `collate`."""
 
     def __init__(
         self,
-        stream: SFTStream,
+        stream: Stream,
         *,
         micro_batches_per_rank: int,
         batching_strategy: str = "normal",
@@ -329,7 +450,7 @@ class StreamLoader:
                 f"batching_strategy={batching_strategy!r}: expected one of {', '.join(BATCHING_STRATEGIES)}"
             )
         if batching_strategy in TOKEN_BUDGET_STRATEGIES and max_tokens is None:
-            cutoff = stream.options["cutoff_len"]
+            cutoff = stream.max_length
             if cutoff is None:
                 raise ConfigError(
                     f"max_tokens: batching_strategy={batching_strategy!r} on a stream needs a token budget (the "
@@ -399,13 +520,13 @@ class StreamLoader:
         self._consumed = 0  # global micro batches consumed by all ranks together
 
     # ---- planning ---------------------------------------------------------------------------------------------
-    def _read_buffer(self, reader: _StreamReader) -> TokenizedDataset | None:
+    def _read_buffer(self, reader: _StreamReader):
         examples = []
         while len(examples) < self.buffer_size and (ex := reader.next()) is not None:
             examples.append(ex)
-        return TokenizedDataset.from_examples(examples) if examples else None
+        return self.stream.dataset(examples) if examples else None
 
-    def _plan(self, buffer: TokenizedDataset, pass_index: int, buffer_index: int) -> tuple[BatchLoader, list]:
+    def _plan(self, buffer, pass_index: int, buffer_index: int) -> tuple[BatchLoader, list]:
         """The buffer's micro batches, as BatchLoader plans an epoch of it (keyed by pass and buffer)."""
         args = self._plan_args
         if args["drop_last"] and args["batching_strategy"] not in TOKEN_BUDGET_STRATEGIES:
@@ -442,9 +563,13 @@ class StreamLoader:
                 g = first + j
                 if g < self._consumed or g % self.world_size != self.rank:
                     continue
-                batch = planner.collate(indices)
+                batch = self.collate(planner, indices)
                 self._consumed = g - self.rank + self.world_size  # the round's end: all ranks take one each
                 yield batch
+
+    def collate(self, planner: BatchLoader, indices) -> dict:
+        """The micro batch of the buffer's examples `indices`, as its planner collates them."""
+        return planner.collate(indices)
 
     # ---- resume -----------------------------------------------------------------------------------------------
     def _config(self) -> dict:
@@ -483,7 +608,7 @@ class StreamLoader:
 
 
 def is_stream(dataset) -> bool:
-    return isinstance(dataset, SFTStream)
+    return isinstance(dataset, Stream)
 
 
 def training_data(dataset, name: str):

@@ -34,8 +34,9 @@ from kernels.fused_linear_preference import LOSS_TYPES
 from trainer.build import frozen_copy, resolve_tokenizer
 from trainer.config.args import ConfigError, TrainingArguments, _arg
 from trainer.data.batching import IGNORE_INDEX
-from trainer.data.hf_datasets import tokenize_preference_dataset, tokenized_pairs, tokenized_splits
+from trainer.data.hf_datasets import hf_kind, tokenize_preference_dataset, tokenized_pairs, tokenized_splits
 from trainer.data.preference_data import PREFERENCE_FORMATS, TRUNCATION_MODES, PreferenceDataset, collate_pairs
+from trainer.data.streaming import PairStream, is_stream
 from trainer.loop.evaluation import forward_params
 from trainer.loop.trainer import Trainer
 from trainer.model.causal_lm import HostLabels
@@ -164,12 +165,17 @@ class PreferenceTrainer(Trainer):
             )
         for name, ds in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
             for part in ds.values() if name == "eval_dataset" and isinstance(ds, dict) else [ds]:
-                if part is not None and not isinstance(part, PreferenceDataset):
+                if part is not None and not isinstance(part, (PreferenceDataset, PairStream)):
                     raise ValueError(
                         f"PreferenceTrainer: {name} must be preference pairs: a PreferenceDataset "
-                        "(load_preference_dataset), a datasets.Dataset or a list of pair records, got "
-                        f"{type(part).__name__}"
+                        "(load_preference_dataset), a datasets.Dataset or a list of pair records, or (to train on) "
+                        f"a datasets.IterableDataset of them, got {type(part).__name__}"
                     )
+        if is_stream(self.train_dataset) and self.pref.needs_reference and self.pref.precompute_ref_log_probs:
+            raise ConfigError(
+                "precompute_ref_log_probs: the training pairs are a stream, read as training goes, so there is no "
+                "table to precompute before it; drop precompute_ref_log_probs (the reference then runs on each batch)"
+            )
         # The reference model: the one given, else (unless precomputing, which reads the model before its first
         # step, or LoRA, whose base model is the reference) a frozen copy of the model as it was given
         self.ref_model = None
@@ -187,8 +193,19 @@ class PreferenceTrainer(Trainer):
         """Raw pairs (a `datasets.Dataset`, split by split for a DatasetDict, or a list of records) tokenized as files
         of the same records are (`tokenize_preference_dataset`: max_length is args.cutoff_len, max_prompt_length and
         truncation_mode the pref's); a Dataset of TRL's tokenized pair columns taken as it is (`tokenized_pairs`); an
-        IterableDataset goes to the Trainer's conversion, which says what it does."""
+        IterableDataset to train on, of either, as a `PairStream` (the same tokenisation, read as training goes;
+        max_steps needed); one to evaluate on goes to the Trainer's conversion, which refuses it in one line."""
         tokenizer = self.processing_class
+        if name == "train_dataset" and hf_kind(dataset) == "IterableDataset":
+            return PairStream(
+                [dataset],
+                tokenizer,
+                names=[name],
+                max_length=self.args.cutoff_len,
+                max_prompt_length=self.pref.max_prompt_length,
+                truncation_mode=self.pref.truncation_mode,
+                **self._pair_options,
+            )
 
         def tokenize(rows, split):
             return tokenize_preference_dataset(
@@ -211,8 +228,8 @@ class PreferenceTrainer(Trainer):
         pad_id = 0 if pad_id is None else pad_id
         table = self._ref_tables.get(id(dataset))
 
-        def collate(indices, is_padding=False):
-            batch = collate_pairs([dataset[int(i)] for i in indices], pad_id, self.args.pad_to_multiple_of)
+        def collate(pairs, indices, is_padding=False):
+            batch = collate_pairs([pairs[int(i)] for i in indices], pad_id, self.args.pad_to_multiple_of)
             if is_padding:  # a filler batch that keeps ranks in step: nothing to train on
                 batch["labels"][:] = IGNORE_INDEX
                 batch["num_pairs"] = 0
@@ -222,7 +239,10 @@ class PreferenceTrainer(Trainer):
                 batch["ref_logps"] = torch.from_numpy(np.concatenate([rows[:, 0], rows[:, 1]]))
             return batch
 
-        loader.collate = collate
+        if is_stream(dataset):  # a StreamLoader: each buffer of pairs planned by its own BatchLoader
+            loader.collate = lambda planner, indices: collate(planner.dataset, indices)
+        else:
+            loader.collate = lambda indices, is_padding=False: collate(dataset, indices, is_padding)
         return loader
 
     # ---- the loss -------------------------------------------------------------------------------------------
