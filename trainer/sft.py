@@ -631,7 +631,14 @@ def _check_streaming(args, sft: SFTArguments) -> None:
     if not sft.streaming:
         return
     if sft.stage != "sft":
-        raise ConfigError(f"streaming: stage {sft.stage} reads its data whole; streaming is for stage sft")
+        raise ConfigError(
+            f"streaming: stage {sft.stage}'s command reads its data whole; --streaming is for stage sft"
+            + (
+                " (from Python, PreferenceTrainer streams a datasets.IterableDataset of pairs)"
+                if sft.stage == "dpo"
+                else ""
+            )
+        )
     if args.max_steps <= 0:
         raise ConfigError("max_steps: must be set (> 0) with --streaming (the length of a stream is unknown)")
     if importlib.util.find_spec("datasets") is None:

@@ -1,8 +1,12 @@
-"""Streamed SFT data (`--streaming`, `datasets`' and LlamaFactory's name): examples read and tokenised as training
-needs them, batched from a bounded buffer, and resumed exactly, on the same number of processes or another.
+"""Streamed training data (`--streaming`, `datasets`' and LlamaFactory's name): examples read and tokenised as
+training needs them, batched from a bounded buffer, and resumed exactly, on the same number of processes or another.
 
     stream = SFTStream([load_dataset("json", data_files=shards, split="train", streaming=True)], tokenizer)
     trainer = Trainer(model=model, args=TrainingArguments(max_steps=1000, ...), train_dataset=stream)
+
+SFT examples stream as `SFTStream`, preference pairs as `PairStream` (PreferenceTrainer makes one of a raw or TRL-
+tokenized IterableDataset of pairs; each pair encoded by trainer/data/preference_data.py's `encode_pair`, each buffer
+a PreferenceDataset); both are a `Stream`, whose sources, mixing and positions below they share.
 
 The stream (`SFTStream`): one or several sources (`datasets.IterableDataset`s, or any re-iterable of records such as a
 list), each row tokenised as a file's record is (trainer/data/sft_data.py: the same format detection, masking,
