@@ -44,6 +44,7 @@ import hashlib
 import itertools
 import json
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 import numpy as np
@@ -111,7 +112,7 @@ class _SourceReader:
         return {"rows": self.rows, "state": copy.deepcopy(state)}
 
 
-class Stream:
+class Stream(ABC):
     """Rows of one or several sources, mixed, read from a position (see the module docstring). What a row becomes is
     the subclass's: `_format` (a source's format, from its first row), `_example` (a row's example, or None for a
     row dropped) and `dataset` (a buffer's examples as the dataset BatchLoader plans); `max_length` bounds an
@@ -169,14 +170,17 @@ class Stream:
             raise DataError(f"{self.names[i]}[0]: a row is {type(first).__name__} (expected a dict of columns)")
         return first
 
+    @abstractmethod
     def _format(self, i: int) -> str:
-        raise NotImplementedError
+        """Source i's format, read once from its first row."""
 
+    @abstractmethod
     def _example(self, i: int, where: str, row):
-        raise NotImplementedError
+        """Source i's row as an example, or None for a row dropped."""
 
+    @abstractmethod
     def dataset(self, examples: list):
-        raise NotImplementedError
+        """A buffer's examples as the dataset BatchLoader plans."""
 
     def _drop(self, where: str, reason: str, message: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
