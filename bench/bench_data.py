@@ -44,6 +44,7 @@ when the data call starts: interpreter start, imports, loading the tokenizer and
 
     python -m bench.bench_data                               # N = 1,000,000: rows appended to bench/results/data.jsonl
     python -m bench.bench_data --conversations 2000 --out /tmp/r --skip-trl   # a small run elsewhere
+    python -m bench.bench_data --skip-trl --skip-stream      # ours alone: one and two processes, warm cache
 
 Rows: one per phase, then one per target (met or not, with its ratio); bench/results/data.md renders every run.
 The phases are single-threaded (two processes for num_proc=2): on a machine shared with other work their times move
@@ -484,7 +485,7 @@ def target_rows(results: dict) -> list[dict]:
     return rows
 
 
-def run(n: int, seed: int, work: Path, skip_trl: bool = False, log=print) -> list[dict]:
+def run(n: int, seed: int, work: Path, skip_trl: bool = False, skip_stream: bool = False, log=print) -> list[dict]:
     """Every phase on N conversations in `work`; the rows (phases, then targets), without the context columns."""
     shards, stats = write_shards(work / "shards", n, seed)
     tokenizer = work / "shards" / "tokenizer"  # trained on these shards: made anew with them
@@ -519,12 +520,13 @@ def run(n: int, seed: int, work: Path, skip_trl: bool = False, log=print) -> lis
             {"hf_cache": str(hf_cache), "work": str(work / "trl"), "compare_cache": str(caches["1proc"])},
         )
         shutil.rmtree(hf_cache)
-    tenth = shards[: len(shards) // 10]
-    phase("stream_full", "stream", {"conversations": n})
-    n_tenth = sum(shard_counts(n)[: len(tenth)])
-    phase("stream_tenth", "stream", {"shards": [str(p) for p in tenth], "conversations": n_tenth})
-    if results["stream_full"]["tokens"] != results["ours_1proc"]["tokens"]:
-        raise RuntimeError("the stream gave other tokens than load_sft_dataset")
+    if not skip_stream:
+        tenth = shards[: len(shards) // 10]
+        phase("stream_full", "stream", {"conversations": n})
+        n_tenth = sum(shard_counts(n)[: len(tenth)])
+        phase("stream_tenth", "stream", {"shards": [str(p) for p in tenth], "conversations": n_tenth})
+        if results["stream_full"]["tokens"] != results["ours_1proc"]["tokens"]:
+            raise RuntimeError("the stream gave other tokens than load_sft_dataset")
     shutil.rmtree(caches["1proc"])
     data = {k: v for k, v in stats.items() if k not in ("n", "seed")}
     rows = [{"phase": label, "conversations": n, "seed": seed, **data, **row} for label, row in results.items()]
@@ -614,6 +616,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(common.RESULTS), help="where data.jsonl and data.md are written")
     parser.add_argument("--work", default=None, help="a directory for shards, tokenizer and caches (default: a temp)")
     parser.add_argument("--skip-trl", action="store_true", help="no TRL phase (no trl installed, or a quick run)")
+    parser.add_argument("--skip-stream", action="store_true", help="no streaming phases (the longest at 1,000,000)")
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)  # a child process's part
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -625,7 +628,9 @@ def main(argv=None) -> None:
     context = {**common.env_info(), **machine_info(), "perf_figure": True}
     with tempfile.TemporaryDirectory(prefix="bench_data-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
-        rows = run(args.conversations, args.seed, work, args.skip_trl, log=lambda s: print(s, flush=True))
+        rows = run(
+            args.conversations, args.seed, work, args.skip_trl, args.skip_stream, log=lambda s: print(s, flush=True)
+        )
     run_id = f"{context['date']} {os.getpid()}"
     rows = [{"bench": "data", "run": run_id, **row, **context} for row in rows]
     common.RESULTS = Path(args.out)

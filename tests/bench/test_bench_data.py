@@ -55,6 +55,12 @@ def test_end_to_end_without_trl(tmp_path):
     assert "200 conversations" in page and "| ours_2proc | 200 |" in page and "streaming peak RSS" in page
 
 
+def test_skip_stream_runs_ours_alone(tmp_path):
+    rows = _rows(tmp_path, "--skip-trl", "--skip-stream")
+    assert set(rows) == {"ours_1proc", "ours_2proc", "ours_warm", "num_proc_2_speedup", "warm_over_cold"}
+    assert rows["ours_1proc"]["tokens"] == rows["ours_warm"]["tokens"] > 200 * 100
+
+
 @pytest.mark.slow
 def test_end_to_end_with_trl_equal_tokens(tmp_path):
     rows = _rows(tmp_path)
