@@ -37,10 +37,10 @@ when the data call starts: interpreter start, imports, loading the tokenizer and
   is HF_DATASETS_CACHE's bytes (the Arrow of the JSON and of every `map`'s result). The trainer is built
   first, around a 2-row dataset and a tiny Llama (excluded). Target: ours_1proc tokens/s >= TRL's. On the first 200
   conversations TRL's input_ids and labels are compared with ours.
-- stream_full / stream_tenth: `open_sft_stream(tokenizer, data=shards)` (each shard a `datasets` JSON stream) and a
-  `StreamLoader` (normal, 8 a micro batch, buffers of 1000) iterated over one pass of all N conversations, then of
-  the first tenth of the shards; peak RSS target: RSS(N) <= 1.2 x RSS(N/10). The full pass must give the tokens of
-  ours_1proc.
+- stream_full / stream_tenth: `open_stream(SFTStream, tokenizer, data=shards)` (each shard a `datasets` JSON
+  stream) and a `StreamLoader` (normal, 8 a micro batch, buffers of 1000) iterated over one pass of all N
+  conversations, then of the first tenth of the shards; peak RSS target: RSS(N) <= 1.2 x RSS(N/10). The full pass
+  must give the tokens of ours_1proc.
 
     python -m bench.bench_data                               # N = 1,000,000: rows appended to bench/results/data.jsonl
     python -m bench.bench_data --conversations 2000 --out /tmp/r --skip-trl   # a small run elsewhere
@@ -389,12 +389,14 @@ def _difference(i: int, theirs: dict, mine: dict) -> str:
 
 def phase_stream(spec: dict) -> dict:
     """One pass of SFTStream + StreamLoader over the shards: micro batches produced, tokens, peak RSS."""
-    from trainer.data.streaming import StreamLoader, open_sft_stream
+    from trainer.data.streaming import SFTStream, StreamLoader, open_stream
 
     tok = Tokenizer.from_pretrained(spec["tokenizer"])
     rss_start = _peak_rss_mb()
     t0 = time.perf_counter()
-    stream = open_sft_stream(tok, data=[Path(p) for p in spec["shards"]], cutoff_len=CUTOFF_LEN, show_progress=False)
+    stream = open_stream(
+        SFTStream, tok, data=[Path(p) for p in spec["shards"]], cutoff_len=CUTOFF_LEN, show_progress=False
+    )
     # Every conversation is kept (module docstring) and buffers of 1000 hold whole micro batches of 8, so one pass
     # is exactly ceil(N / 8) micro batches; the loader itself would go on into the next pass.
     batches = math.ceil(spec["conversations"] / MICRO_BATCH)

@@ -82,7 +82,7 @@ from trainer.data.sft_data import (
     resolve_data_files,
     split_dataset,
 )
-from trainer.data.streaming import StreamLoader, open_sft_stream
+from trainer.data.streaming import PairStream, SFTStream, StreamLoader, open_stream
 from trainer.data.tasks import EVAL_FILE, KINDS, TRAIN_FILE, kind_of, preference_pair, unseen_tasks
 from trainer.data.tokenizer import TokenizerError
 from trainer.dist import end_on_error, init_distributed, world
@@ -189,8 +189,9 @@ class SFTArguments:
     streaming: bool = _arg(
         False,
         "sft",
-        "Read the training data as a stream (datasets' and LlamaFactory's name): tokenised as training goes, "
-        "batched from --packing_buffer examples at a time, resumed exactly; needs max_steps.",
+        "Read the training data (stage sft's examples, stage dpo's pairs) as a stream (datasets' and LlamaFactory's "
+        "name): tokenised as training goes, batched from --packing_buffer examples at a time, resumed exactly; "
+        "needs max_steps.",
     )
     dataset_num_proc: int | None = _arg(
         None,
@@ -459,7 +460,7 @@ def check_run(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
         )
     _check_sft_values(sft)
     _check_data_sources(sft)
-    _check_streaming(args, sft)
+    _check_streaming(args, sft, pref)
     _check_eval_data(args, sft)
     # the engine's files (DeepSpeed's JSON) read and checked against these arguments, world size from the launcher
     check_engine_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -625,19 +626,24 @@ def _check_data_sources(sft: SFTArguments) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _check_streaming(args, sft: SFTArguments) -> None:
-    """--streaming's needs (trainer.data.streaming): stage sft, max_steps, the datasets package, and no option that
-    needs the whole data at once."""
+def _check_streaming(args, sft: SFTArguments, pref: PreferenceArguments) -> None:
+    """--streaming's needs (trainer.data.streaming): stage sft or dpo, training data that is read (not the embedded
+    pairs, made in memory), max_steps, the datasets package, and no option that needs the whole data at once."""
     if not sft.streaming:
         return
-    if sft.stage != "sft":
+    if sft.stage not in ("sft", "dpo"):
         raise ConfigError(
-            f"streaming: stage {sft.stage}'s command reads its data whole; --streaming is for stage sft"
-            + (
-                " (from Python, PreferenceTrainer streams a datasets.IterableDataset of pairs)"
-                if sft.stage == "dpo"
-                else ""
-            )
+            f"streaming: stage {sft.stage}'s command reads its data whole; --streaming is for stages sft and dpo"
+        )
+    if sft.stage == "dpo" and not sft.data and not sft.dataset_name:
+        raise ConfigError(
+            "streaming: the embedded demo's pairs are made in memory from its tasks; give the pairs to stream as "
+            "--data FILE or --dataset_name"
+        )
+    if sft.stage == "dpo" and pref.needs_reference and pref.precompute_ref_log_probs:
+        raise ConfigError(
+            "precompute_ref_log_probs: not with --streaming (the pairs are read as training goes, so there is no "
+            "table to precompute before it); drop it (the reference then runs on each batch)"
         )
     if args.max_steps <= 0:
         raise ConfigError("max_steps: must be set (> 0) with --streaming (the length of a stream is unknown)")
@@ -842,12 +848,11 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
         def load(files):
             return load_sft_dataset(files, tokenizer, **sft_options)
     else:
-        truncation = dict(
-            max_length=args.cutoff_len,
-            max_prompt_length=pref.max_prompt_length,
-            truncation_mode=pref.truncation_mode,
-            show_progress=not args.disable_tqdm,
+        # how pairs are truncated, the same for files, load_dataset's sources and streams
+        pair_truncation = dict(
+            max_length=args.cutoff_len, max_prompt_length=pref.max_prompt_length, truncation_mode=pref.truncation_mode
         )
+        truncation = dict(**pair_truncation, show_progress=not args.disable_tqdm)
 
         def load(files):
             if embedded:  # the embedded tasks, each with a plausible wrong answer rejected (trainer.data.tasks)
@@ -867,7 +872,16 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
     # --dataset_name's sources as load_dataset reads them (trainer.data.hf_sources), for every stage and for streams
     source = dict(config=sft.dataset_config, data_files=sft.data_files, train_split=sft.dataset_train_split)
     if sft.streaming:  # trainer.data.streaming: read and tokenised as training goes (no cache); the eval data whole
-        train_ds = open_sft_stream(
+        stream_class, stream_options = (
+            (SFTStream, tokenisation)
+            if sft.stage == "sft"
+            else (
+                PairStream,
+                dict(data_format=sft.data_format, skip_bad_examples=sft.skip_bad_examples, **pair_truncation),
+            )
+        )
+        train_ds = open_stream(
+            stream_class,
             tokenizer,
             data=None if sft.dataset_name else train_files,
             dataset_name=sft.dataset_name,
@@ -876,7 +890,7 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
             interleave_probs=interleave_probs(sft),
             seed=seed,
             show_progress=not args.disable_tqdm,
-            **tokenisation,
+            **stream_options,
         )
         StreamLoader.from_args(train_ds, args, args.per_device_train_batch_size, world_size=world_size)
         loaded, eval_ds = [train_ds], None

@@ -1,6 +1,6 @@
 """`python -m trainer.dpo` (trainer/dpo.py, the sft pipeline's stage dpo) as a user runs it: a short run on the
-embedded pairs with its files and before/after figures, LlamaFactory's names, two FSDP2 processes equal to one, and
-bad input in one line, exit 2, nothing written."""
+embedded pairs with its files and before/after figures, LlamaFactory's names, two FSDP2 processes equal to one,
+streamed pairs equal to the pairs in memory, and bad input in one line, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
+from trainer.data.tasks import generate_tasks, preference_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = [
@@ -128,6 +130,7 @@ def test_llamafactory_yaml_runs_as_it_is(tmp_path):
         (["--train_on_prompt", "true"], "error: train_on_prompt: stage dpo trains on the answers of preference pairs"),
         (["--batching_strategy", "padding_free"], "stage dpo batches pairs with batching_strategy='normal' only"),
         (["--data_format", "messages"], "data_format='messages': stage dpo reads preference pairs"),
+        (["--streaming", "true"], "streaming: the embedded demo's pairs are made in memory from its tasks"),
         (
             ["--metric_for_best_model", "perplexity", "--eval_strategy", "steps"],
             "metric_for_best_model='perplexity': the evaluation reports loss, runtime, samples_per_second, "
@@ -152,6 +155,56 @@ def test_sft_data_given_to_dpo_and_dpo_options_given_to_sft(tmp_path):
     assert done.returncode == 2 and f"{data}:1: cannot tell the data format from the keys ['messages']" in done.stderr
     done = run(*FAST, "--output_dir", str(tmp_path / "b"), "--beta", "0.3", module="trainer.sft")
     assert done.returncode == 2 and "beta: preference options, but stage is sft" in done.stderr
+
+
+def test_streamed_pairs_train_as_the_pairs_in_memory_and_resume(tmp_path):
+    """`--streaming` on two JSONL files of 6 pairs each, one buffer of 12 pairs, 3 passes over 9 steps of 4 pairs:
+    the losses, reward margins and weights of the same run on the pairs in memory, bit for bit; a run resumed from
+    the streamed run's checkpoint-5 (inside the second pass) ends with its weights; a precomputed reference is one
+    line."""
+    data = tmp_path / "pairs"
+    data.mkdir()
+    pairs = [preference_pair(ex) for ex in generate_tasks(12, seed=5)]
+    for s in range(2):
+        (data / f"part-{s}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs[s::2]))
+    i = FAST.index("--max_steps")
+    fast = [*FAST[:i], *FAST[i + 2 :], "--max_steps", "9", "--data", str(data), "--packing_buffer", "12"]
+    fast += ["--save_steps", "5"]
+    memory, stream, resumed = tmp_path / "memory", tmp_path / "stream", tmp_path / "resumed"
+    procs = [
+        _spawn_sft(["--stage", "dpo", *fast, "--output_dir", str(memory)]),
+        _spawn_sft(["--stage", "dpo", *fast, "--streaming", "--output_dir", str(stream)]),
+    ]
+    try:
+        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
+    assert "train data: preference data: 12 pairs" in errs[0] and "train data: streamed from" in errs[1]
+
+    def logged(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"], r["rewards/margins"]) for r in rows if "loss" in r]
+
+    assert len(logged(stream)) == 9 and logged(stream) == logged(memory)
+    a, b = load_file(memory / "model.safetensors"), load_file(stream / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = json.loads((stream / "checkpoint-5" / "data_state.json").read_text())
+    assert state["streaming"] and state["buffer_start"]["pass"] == 1
+    tail = ["--streaming", "--output_dir", str(resumed), "--resume_from_checkpoint", str(stream / "checkpoint-5")]
+    proc = _spawn_sft(["--stage", "dpo", *fast, *tail])
+    try:
+        err = proc.communicate(timeout=TIMEOUT_S)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    c = load_file(resumed / "model.safetensors")
+    assert all(torch.equal(b[k], c[k]) for k in b)
+    assert logged(resumed) == logged(stream)[5:]
+    done = run(*fast, "--streaming", "--precompute_ref_log_probs", "true", "--output_dir", str(tmp_path / "x"))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+    assert "precompute_ref_log_probs: not with --streaming" in done.stderr and not (tmp_path / "x").exists()
 
 
 def test_deepspeed_zero3_runs_as_given(tmp_path):

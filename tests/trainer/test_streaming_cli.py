@@ -134,7 +134,7 @@ def test_bad_streaming_inputs_stop_in_one_line(sources, tmp_path):
         ([*base, "--max_steps", "2", "--val_size", "5"], "val_size=5.0: not with --streaming"),
         ([*base, "--max_steps", "2", "--dataset_num_proc", "2"], "dataset_num_proc=2: not with --streaming"),
         ([*base, "--max_steps", "2", "--packing_buffer", "0"], "packing_buffer=0: expected an int >= "),
-        ([*base, "--max_steps", "2", "--stage", "dpo"], "streaming: stage dpo's command reads its data whole"),
+        ([*base, "--max_steps", "2", "--stage", "grpo"], "streaming: stage grpo's command reads its data whole"),
     ]
     procs = [_spawn_sft(args) for args, _ in cases]
     for proc, (_, message) in zip(procs, cases):

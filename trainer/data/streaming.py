@@ -22,13 +22,15 @@ Its position between two rows: per source the rows read in this pass and, where 
 (else those rows are read again and skipped); the mixture's generator state; the pass.
 
 The batches (`StreamLoader`): the stream is read in buffers of `packing_buffer` examples; each buffer is planned as
-`BatchLoader` plans an epoch of a dataset (the same four strategies, shuffled with (seed, pass, buffer); for the
+`BatchLoader` plans an epoch of a dataset (the same four strategies, shuffled with (seed, buffer, pass); for the
 packing strategies best-fit-decreasing over the buffer, so rows pack as well as the buffer allows), and the plans
-of consecutive buffers make one global sequence of micro batches. Rank r of W takes micro batches r, r + W, ...
-and optimizer step k takes global micro batches k*W*A .. (k+1)*W*A - 1, as for in-memory data: with the same micro
-batch and global batch, every step takes the same examples whatever the number of processes, and none is taken
-twice or skipped. Every rank reads and tokenises the whole stream (the plan of a buffer needs every example's
-length), so reading is not divided among ranks: that is the price of a plan that does not depend on their number.
+of consecutive buffers make one global sequence of micro batches. The first buffer of pass p is planned as epoch p:
+a stream that fits in one buffer trains as the same data in memory, epoch after epoch, bit for bit. Rank r of W
+takes micro batches r, r + W, ... and optimizer step k takes global micro batches k*W*A .. (k+1)*W*A - 1, as for
+in-memory data: with the same micro batch and global batch, every step takes the same examples whatever the number
+of processes, and none is taken twice or skipped. Every rank reads and tokenises the whole stream (the plan of a
+buffer needs every example's length), so reading is not divided among ranks: that is the price of a plan that does
+not depend on their number.
 
 Its state (a checkpoint's data_state.json): the position of the stream at the start of the buffer being consumed,
 that buffer's first global micro batch, and the global micro batches consumed. A resume reopens the stream there,
@@ -77,6 +79,9 @@ from trainer.data.sft_data import _encode_item as encode_item
 logger = logging.getLogger(__name__)
 
 _MAX_WARNINGS = 5  # dropped rows named one by one; the rest counted
+# how a buffer's plan is keyed (StreamLoader._plan); saved in the loader's state, so a checkpoint of a stream planned
+# otherwise (before 2026-11-27: pass << 32 + buffer) is refused in one line rather than resumed with other batches
+PLAN_KEY = "buffer << 32 + pass"
 
 
 def _initial_state(source):
@@ -535,13 +540,15 @@ class StreamLoader:
         return self.stream.dataset(examples) if examples else None
 
     def _plan(self, buffer, pass_index: int, buffer_index: int) -> tuple[BatchLoader, list]:
-        """The buffer's micro batches, as BatchLoader plans an epoch of it (keyed by pass and buffer)."""
+        """The buffer's micro batches, as BatchLoader plans an epoch of it, keyed by buffer and pass: the first
+        buffer of pass p is planned as epoch p, so a stream that fits in one buffer trains as the same data in memory,
+        epoch after epoch (PLAN_KEY, in the checkpoint's state)."""
         args = self._plan_args
         if args["drop_last"] and args["batching_strategy"] not in TOKEN_BUDGET_STRATEGIES:
             if len(buffer) < args["micro_batch_size"]:  # the pass's last examples fill no micro batch: dropped
                 return None, []
         planner = BatchLoader(buffer, **args)
-        return planner, planner.global_batches((pass_index << 32) + buffer_index)
+        return planner, planner.global_batches((buffer_index << 32) + pass_index)
 
     def buffers(self) -> Iterator[tuple[BatchLoader, list, int]]:
         """(planner, plan, first global index) of every buffer from the current one on, pass after pass. The loader's
@@ -582,7 +589,7 @@ class StreamLoader:
     # ---- resume -----------------------------------------------------------------------------------------------
     def _config(self) -> dict:
         plan = {k: v for k, v in self._plan_args.items() if k != "pad_token_id"}
-        return {**plan, "packing_buffer": self.buffer_size, **self.stream.config()}
+        return {**plan, "packing_buffer": self.buffer_size, "plan_key": PLAN_KEY, **self.stream.config()}
 
     def state_dict(self) -> dict:
         return {
@@ -628,7 +635,8 @@ def training_data(dataset, name: str):
     return trainer_dataset(dataset, name)
 
 
-def open_sft_stream(
+def open_stream(
+    stream_class: type[Stream],
     tokenizer,
     *,
     data=None,
@@ -641,9 +649,10 @@ def open_sft_stream(
     seed: int = 0,
     show_progress: bool = True,
     **options,
-) -> SFTStream:
-    """The command's `--streaming` training data: `--dataset_name` sources as `datasets` streams them (a Hub id, a
-    builder with --data_files, a saved dataset's Arrow shards), mixed as asked; or `--data` files, each a source
+) -> Stream:
+    """The command's `--streaming` training data, as a `stream_class` (SFTStream for stage sft, PairStream for stage
+    dpo; `options`: that class's tokenisation options): `--dataset_name` sources as `datasets` streams them (a Hub id,
+    a builder with --data_files, a saved dataset's Arrow shards), mixed as asked; or `--data` files, each a source
     (JSONL/JSON/Parquet through datasets' builders), one after the other. Rows are named `source:split[i]` /
     `file[i]` (0-based) in errors. Only the first row of each source is read here."""
     if dataset_name:
@@ -666,7 +675,7 @@ def open_sft_stream(
             for f in files
         ]
         names, mix_strategy, interleave_probs = [str(f) for f in files], "concat", None
-    return SFTStream(
+    return stream_class(
         sources,
         tokenizer,
         names=names,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.trainer.data.test_hf_datasets import small_model
+from trainer.checkpoint_hf import CheckpointError
 from trainer.coerce import ConfigError
 from trainer.config.args import TrainingArguments
 from trainer.data.batching import BatchLoader
@@ -69,12 +70,17 @@ def same(a: list[dict], b: list[dict]) -> bool:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_buffer_batches_as_the_in_memory_loader_does_the_file(tmp_path, tok, strategy):
+    """Three passes over a stream that fits in one buffer: the in-memory loader's three epochs (pass p's buffer is
+    planned as epoch p)."""
     recs = records(40)
     (path,) = write_shards(tmp_path, recs, 1)
     in_memory = load_sft_dataset([path], tok, cutoff_len=64, show_progress=False)
     stream = SFTStream([recs], tok, cutoff_len=64)
     kw = dict(micro_batch_size=2, max_tokens=256 if strategy.startswith("dynamic") else None, seed=3)
-    want = list(BatchLoader(in_memory, batching_strategy=strategy, **kw))
+    planner, want = BatchLoader(in_memory, batching_strategy=strategy, **kw), []
+    for epoch in range(3):
+        planner.set_epoch(epoch)
+        want += list(planner)
     got = take(iter(loader(stream, strategy=strategy, buffer=len(recs))), len(want))
     assert same(got, want)
 
@@ -250,3 +256,6 @@ def test_bad_streams_are_one_line(tmp_path, tok):
     bad = SFTStream([records(3) + [{"messages": "oops"}]], tok)
     with pytest.raises(DataError, match=r"^stream\[3\]: "):
         take(iter(loader(bad, buffer=4)), 2)
+    older = {k: v for k, v in loader(SFTStream([records(4)], tok)).state_dict().items() if k != "plan_key"}
+    with pytest.raises(CheckpointError, match=r"^cannot resume the data loader: .*\(plan_key was None, is 'buffer"):
+        loader(SFTStream([records(4)], tok)).load_state_dict(older)  # a stream planned before PLAN_KEY
