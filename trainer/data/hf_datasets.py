@@ -18,7 +18,8 @@ says "file:line: ...".
   `assistant_masks`) is converted once, every row checked (on whole Arrow columns where they are lists of integers),
   before anything trains; an eval `DatasetDict` split by split. A raw one is a one-line error saying to tokenize it
   with `tokenize_sft_dataset`; a `DatasetDict` as train_dataset and an `IterableDataset` (streaming) are one-line
-  errors too. Anything else (a TokenizedDataset, a list of examples) passes as it is.
+  errors too (a stream trains through trainer/data/streaming.py; an eval set that is one is read whole first, by
+  `eval_whole`). Anything else (a TokenizedDataset, a list of examples) passes as it is.
 
 Labels from TRL's columns, as SFTTrainer builds them: a `labels` column is used as it is (-100: no loss); without one,
 a token is a target where every mask column present is 1 (`labels = input_ids` where `assistant_masks` and
@@ -76,6 +77,19 @@ def hf_kind(obj) -> str | None:
         if cls is not None and isinstance(obj, cls):
             return name
     return None
+
+
+def eval_whole(dataset):
+    """An eval set given as an `IterableDataset` (streaming), read whole into a `datasets.Dataset` with its features
+    and split, so each trainer evaluates on it as on that Dataset: Hugging Face's Trainer evaluates on every row of an
+    IterableDataset too, reading it again at each evaluation; here it is read once, when given. A dict (or an
+    `IterableDatasetDict`) of eval sets split by split; anything else as it is."""
+    if isinstance(dataset, dict) and any(hf_kind(part) == "IterableDataset" for part in dataset.values()):
+        return {key: eval_whole(part) for key, part in dataset.items()}
+    if hf_kind(dataset) != "IterableDataset":
+        return dataset
+    rows = list(dataset.with_format(None))
+    return sys.modules["datasets"].Dataset.from_list(rows, features=dataset.features, split=dataset.split)
 
 
 def _split(dataset, split) -> str | None:

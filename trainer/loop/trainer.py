@@ -59,7 +59,7 @@ from trainer.build import apply_model_settings, causal_lm, model_settings
 from trainer.checkpoint_hf import to_json
 from trainer.config.args import TrainingArguments
 from trainer.data.batching import BatchLoader
-from trainer.data.hf_datasets import trainer_dataset
+from trainer.data.hf_datasets import eval_whole, trainer_dataset
 from trainer.data.streaming import StreamLoader, is_stream, training_data
 from trainer.dist import init_distributed, local_device, world
 from trainer.loop import checkpoint as ckpt
@@ -226,7 +226,7 @@ class Trainer:
             raise ValueError("Trainer: pass a model or a model_init")
         # A `datasets` object becomes a TokenizedDataset here, every row checked, before anything is built
         train_dataset = self._prepare_dataset(train_dataset, "train_dataset")
-        eval_dataset = self._prepare_dataset(eval_dataset, "eval_dataset")
+        eval_dataset = self._prepare_dataset(eval_whole(eval_dataset), "eval_dataset")
         self.args = args
         self.model_init = model_init
         init_distributed()  # under torchrun/accelerate: join the process group (a no-op for one process)
@@ -309,7 +309,7 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate: no eval_dataset")
-        dataset = self._prepare_dataset(dataset, "eval_dataset")
+        dataset = self._prepare_dataset(eval_whole(dataset), "eval_dataset")
         if isinstance(dataset, dict):
             metrics = {}
             for name, ds in dataset.items():

@@ -89,7 +89,7 @@ from trainer.build import frozen_copy
 from trainer.checkpoint_hf import CheckpointError
 from trainer.config.args import ConfigError, _arg
 from trainer.data.batching import BatchLoader
-from trainer.data.hf_datasets import hf_kind
+from trainer.data.hf_datasets import eval_whole, hf_kind
 from trainer.data.sft_data import DataError, resolve_data_files
 from trainer.loop.checkpoint import METHOD_STATE
 from trainer.loop.trainer import Trainer, _Window
@@ -821,7 +821,7 @@ class GRPOTrainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("GRPOTrainer.evaluate: no eval_dataset")
-        dataset = self._prompt_dataset(dataset, "eval_dataset")
+        dataset = self._prompt_dataset(eval_whole(dataset), "eval_dataset")
         if isinstance(dataset, dict):
             metrics = {}
             for name, part in dataset.items():

@@ -194,7 +194,7 @@ class PreferenceTrainer(Trainer):
         of the same records are (`tokenize_preference_dataset`: max_length is args.cutoff_len, max_prompt_length and
         truncation_mode the pref's); a Dataset of TRL's tokenized pair columns taken as it is (`tokenized_pairs`); an
         IterableDataset to train on, of either, as a `PairStream` (the same tokenisation, read as training goes;
-        max_steps needed); one to evaluate on goes to the Trainer's conversion, which refuses it in one line."""
+        max_steps needed); one to evaluate on arrives here read whole, as a Dataset (`eval_whole`)."""
         tokenizer = self.processing_class
         if name == "train_dataset" and hf_kind(dataset) == "IterableDataset":
             return PairStream(

@@ -18,6 +18,7 @@ What it adds to `Trainer` (trainer/loop/trainer.py, which takes tokenized data o
   the Trainer as they are.
 - `train_dataset` a `datasets.IterableDataset` (streaming): an `SFTStream` (trainer/data/streaming.py) with the same
   options, read and tokenised as training goes, resumed exactly; it needs max_steps (dataset_num_proc does not apply).
+  As `eval_dataset` one is read whole first (`trainer.data.hf_datasets.eval_whole`), then tokenized as a Dataset.
 
 What differs from TRL: what TRL's SFTConfig holds is TrainingArguments' here (max_length is cutoff_len; packing is
 batching_strategy; LoRA and 4-bit are use_peft and load_in_4bit, not peft_config and quantization_config) or a
@@ -32,7 +33,7 @@ import os
 
 from trainer.build import build_model, resolve_tokenizer
 from trainer.config.args import TrainingArguments
-from trainer.data.hf_datasets import hf_kind, tokenize_sft_dataset, tokenized_splits
+from trainer.data.hf_datasets import eval_whole, hf_kind, tokenize_sft_dataset, tokenized_splits
 from trainer.data.sft_data import checked_options
 from trainer.data.streaming import SFTStream
 from trainer.loop.trainer import Trainer
@@ -76,7 +77,7 @@ class SFTTrainer(Trainer):
         )
         # the data first: a bad row stops the run before a model is built
         train_dataset = self._prepare_dataset(train_dataset, "train_dataset")
-        eval_dataset = self._prepare_dataset(eval_dataset, "eval_dataset")
+        eval_dataset = self._prepare_dataset(eval_whole(eval_dataset), "eval_dataset")
         if isinstance(model, (str, os.PathLike)):
             model, _ = build_model(str(model), args)
         super().__init__(

@@ -24,6 +24,7 @@ from trainer.data.sft_data import DataError, TokenizedDataset, load_sft_dataset,
 from trainer.data.tasks import generate_tasks
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.loop.trainer import Trainer
+from trainer.methods.sft import SFTTrainer
 from trainer.model.causal_lm import CausalLM, ModelConfig
 
 IGN = -100
@@ -318,10 +319,43 @@ def test_the_trainer_refuses_a_raw_dataset_before_building_anything(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[])
     with pytest.raises(DataError, match=r"^train_dataset: the dataset holds raw messages records"):
         Trainer(model=small_model(), args=args, train_dataset=raw)
-    streaming = r"^eval_dataset: an IterableDataset \(streaming\) here \(expected a datasets\.Dataset; a stream"
-    with pytest.raises(DataError, match=streaming):
-        Trainer(model=small_model(), args=args, eval_dataset=raw.to_iterable_dataset())
+    with pytest.raises(DataError, match=r"^eval_dataset: the dataset holds raw messages records"):
+        Trainer(model=small_model(), args=args, eval_dataset=raw.to_iterable_dataset())  # read whole, then refused
     assert not (tmp_path / "out").exists()
+
+
+def test_a_streamed_eval_set_evaluates_as_the_same_rows_in_memory(tmp_path, tok):
+    """An IterableDataset as eval_dataset (HF's Trainer evaluates every row of one) is read whole: Trainer with
+    tokens, SFTTrainer with raw rows, in __init__ and in evaluate(), alone or in a dict, give the Dataset's eval
+    loss; a bad row is named with the stream's split."""
+    rows = generate_tasks(6, seed=3)
+    tokens = tokenize_sft_dataset(rows, processing_class=tok, cutoff_len=64, show_progress=False)
+    as_hf = datasets.Dataset.from_dict(
+        {"input_ids": [ex["input_ids"].tolist() for ex in tokens], "labels": [ex["labels"].tolist() for ex in tokens]}
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), report_to=[], per_device_eval_batch_size=4, cutoff_len=64
+    )
+    trainer = Trainer(model=small_model(), args=args, eval_dataset=as_hf.to_iterable_dataset(num_shards=2))
+    want = trainer.evaluate(as_hf)["eval_loss"]
+    assert trainer.evaluate()["eval_loss"] == want
+    assert trainer.evaluate({"val": as_hf.to_iterable_dataset()})["eval_val_loss"] == want
+    sft = SFTTrainer(
+        model=small_model(),
+        args=args,
+        eval_dataset=datasets.Dataset.from_list(rows).to_iterable_dataset(),
+        processing_class=tok,
+    )
+    assert sft.evaluate()["eval_loss"] == want
+    bad = [
+        {"messages": [USER, ANSWER]},
+        {"messages": [USER, ANSWER]},
+        {"messages": [USER, {"role": "bot", "content": "x"}]},
+    ]
+    path = write_jsonl(tmp_path / "bad.jsonl", bad)
+    bad = datasets.load_dataset("json", data_files={"test": str(path)}, split="test", streaming=True)
+    with pytest.raises(DataError, match=r"^eval_dataset split 'test' row 2: messages\[1\]\.role is 'bot'"):
+        sft.evaluate(bad)
 
 
 # ---- preference pairs ---------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ unbroken one, TRL's logged names, completions.jsonl, evaluation, and the one-lin
 
 import json
 
+import datasets
 import pytest
 import torch
 
@@ -274,7 +275,7 @@ def _timing(metrics: dict) -> dict:
 def test_eval_completions_do_not_depend_on_the_eval_batch(tmp_path, prompts):
     """The eval draws are keyed by each completion's index in the eval set: batches of 8 completions and of 4 sample
     the same completions (the same mean reward and length over equal batches); a dict of eval sets is evaluated
-    split by split, and a record without a prompt names its place."""
+    split by split (a streamed one read whole first), and a record without a prompt names its place."""
     trainer = _trainer(tmp_path, prompts)
     eval_set = prompts[8:12]
     trainer.args.per_device_eval_batch_size = 8
@@ -283,6 +284,10 @@ def test_eval_completions_do_not_depend_on_the_eval_batch(tmp_path, prompts):
     four = trainer.evaluate({"add": eval_set})
     for name in ("reward", "rewards/distinct_chars/mean", "completions/mean_length", "completions/clipped_ratio"):
         assert four[f"eval_add_{name}"] == pytest.approx(eight[f"eval_{name}"], abs=1e-12), name
+    streamed = trainer.evaluate({"add": datasets.Dataset.from_list(eval_set).to_iterable_dataset()})  # read whole
+    assert {k: v for k, v in streamed.items() if "runtime" not in k and "per_second" not in k} == {
+        k: v for k, v in four.items() if "runtime" not in k and "per_second" not in k
+    }
     with pytest.raises(ValueError, match=r"eval_dataset\[1\]: no prompt"):
         trainer.evaluate([prompts[0], {"question": "x"}])
     trainer.args.per_device_eval_batch_size = 6

@@ -1,7 +1,8 @@
 """Streamed preference pairs (issue 32): a `datasets.IterableDataset` of pairs given to PreferenceTrainer is read,
 tokenised and batched as training goes (trainer/data/streaming.py's PairStream and StreamLoader); in one buffer it
 batches as the in-memory pairs do, a DPO run on it equals the run on the same pairs in memory bit for bit, a run
-resumed from a checkpoint equals the unbroken one bit for bit, and what cannot work is one line."""
+resumed from a checkpoint equals the unbroken one bit for bit, a streamed eval set evaluates as the pairs, and what
+cannot work is one line."""
 
 import json
 
@@ -116,6 +117,24 @@ def test_a_run_resumed_from_a_checkpoint_equals_the_unbroken_run(tmp_path, token
     assert state["streaming"] and state["consumed"] == 6  # 3 steps x 2 micro batches
 
 
+def test_a_streamed_eval_set_evaluates_as_the_pairs(tmp_path, tokenizer, records):
+    """An IterableDataset of pairs as eval_dataset is read whole (trainer.data.hf_datasets.eval_whole): the eval loss
+    and TRL's metrics of the same pairs in memory."""
+    pairs = trainer(tmp_path, records, tokenizer)
+    want = pairs.evaluate(records)
+    streamed = PreferenceTrainer(
+        model=small_model(),
+        args=make_args(tmp_path),
+        train_dataset=records,
+        eval_dataset=json_stream(tmp_path, records),
+        processing_class=tokenizer,
+    )
+    assert isinstance(streamed.eval_dataset, PreferenceDataset)
+    got = streamed.evaluate()
+    keys = [k for k in want if "runtime" not in k and "per_second" not in k]
+    assert "eval_rewards/margins" in keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}
+
+
 def test_bad_streams_are_one_line(tmp_path, tokenizer, records):
     stream = datasets.Dataset.from_list(records).to_iterable_dataset()
     with pytest.raises(ConfigError, match=r"^max_steps: must be set \(> 0\) when the training data"):
@@ -128,14 +147,6 @@ def test_bad_streams_are_one_line(tmp_path, tokenizer, records):
         trainer(tmp_path, stream, None)
     with pytest.raises(DataError, match=r"^train_dataset: cannot tell the pair format from the columns \['messages'\]"):
         trainer(tmp_path, datasets.Dataset.from_list(generate_tasks(2)).to_iterable_dataset(), tokenizer)
-    with pytest.raises(DataError, match=r"^eval_dataset: an IterableDataset \(streaming\)"):
-        PreferenceTrainer(
-            model=small_model(),
-            args=make_args(tmp_path),
-            train_dataset=records,
-            eval_dataset=stream,
-            processing_class=tokenizer,
-        )
     bad = records[:2] + [{**records[2], "rejected": records[2]["chosen"]}]
     with pytest.raises(DataError, match=r"^train_dataset\[2\]: chosen and rejected are identical"):
         next(iter(trainer(tmp_path, datasets.Dataset.from_list(bad).to_iterable_dataset(), tokenizer)._train_loader(2)))
