@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
+from tests.trainer.test_sft import _finish, _spawn_sft
 from trainer.data.tasks import generate_tasks, preference_pair
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,11 +63,7 @@ def test_fsdp2_on_two_processes_matches_one_with_the_default_reference(tmp_path)
     argv = [*fast, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "2")]
     argv += ["--dist_config", '{"name": "fsdp2"}']
     two = [_spawn_sft(argv, **launch, RANK=str(r), LOCAL_RANK=str(r)) for r in (0, 1)]
-    try:
-        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in (one, *two)]
-    finally:
-        for p in (one, *two):
-            p.kill()
+    errs = _finish([one, *two])
     assert [p.returncode for p in (one, *two)] == [0, 0, 0], [e[-3000:] for e in errs]
     logs = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in "12"]
     # a margin is beta x a difference of log-prob sums near -40 (fp32 ulp ~4e-6): ~1e-6 absolute noise
@@ -175,11 +171,7 @@ def test_streamed_pairs_train_as_the_pairs_in_memory_and_resume(tmp_path):
         _spawn_sft(["--stage", "dpo", *fast, "--output_dir", str(memory)]),
         _spawn_sft(["--stage", "dpo", *fast, "--streaming", "--output_dir", str(stream)]),
     ]
-    try:
-        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = _finish(procs)
     assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
     assert "train data: preference data: 12 pairs" in errs[0] and "train data: streamed from" in errs[1]
 
@@ -194,10 +186,7 @@ def test_streamed_pairs_train_as_the_pairs_in_memory_and_resume(tmp_path):
     assert state["streaming"] and state["buffer_start"]["pass"] == 1
     tail = ["--streaming", "--output_dir", str(resumed), "--resume_from_checkpoint", str(stream / "checkpoint-5")]
     proc = _spawn_sft(["--stage", "dpo", *fast, *tail])
-    try:
-        err = proc.communicate(timeout=TIMEOUT_S)[1]
-    finally:
-        proc.kill()
+    (err,) = _finish([proc])
     assert proc.returncode == 0, err[-3000:]
     c = load_file(resumed / "model.safetensors")
     assert all(torch.equal(b[k], c[k]) for k in b)

@@ -7,7 +7,7 @@ import socket
 import pytest
 from safetensors.torch import load_file
 
-from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
+from tests.trainer.test_sft import TIMEOUT_S, _finish, _spawn_sft
 
 PROMPTS = [
     {"prompt": [{"role": "user", "content": f"add: {a}+{b}"}], "solution": str(a + b)}
@@ -119,11 +119,7 @@ def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path,
     two = [
         _spawn_grpo([*two_argv, "--log_completions", "true"], **launch, RANK=str(r), LOCAL_RANK=str(r)) for r in (0, 1)
     ]
-    try:
-        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in (one, *two)]
-    finally:
-        for p in (one, *two):
-            p.kill()
+    errs = _finish([one, *two])
     assert [p.returncode for p in (one, *two)] == [0, 0, 0], [e[-3000:] for e in errs]
     logs = [
         [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

@@ -194,6 +194,15 @@ def _spawn_sft(argv, env=None, **launch_env) -> subprocess.Popen:
     )
 
 
+def _finish(procs) -> list[str]:
+    """Each process's stderr once it has ended; every one is killed on a timeout (TIMEOUT_S) or any failure."""
+    try:
+        return [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def test_every_argument_and_environment_check_runs_first_in_one_line(tmp_path):
     """Item 8: each bad argument or environment stops before the model or the data are touched: exit 2, one line
     on stderr, nothing written. All commands run at once (each only imports and checks)."""
@@ -241,11 +250,7 @@ def test_a_data_error_under_a_launcher_is_printed_once(tmp_path):
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     argv = ["--model", "tiny", "--data", str(data), "--output_dir", str(tmp_path / "o"), *FEW_STEPS]
     procs = [_spawn_sft(argv, None, **launch, RANK=str(r), LOCAL_RANK=str(r)) for r in range(2)]
-    try:
-        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = _finish(procs)
     assert [p.returncode for p in procs] == [2, 2], errs
     said = [line for err in errs for line in err.splitlines() if "bad.jsonl:2:" in line]
     assert len(said) == 1 and said[0].startswith("error: ") and "bad.jsonl:2:" in errs[0], errs

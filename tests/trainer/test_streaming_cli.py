@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
+from tests.trainer.test_sft import TIMEOUT_S, _finish, _spawn_sft
 from trainer.data.tasks import generate_tasks
 
 
@@ -46,10 +46,7 @@ def argv(sources, out, *extra) -> list[str]:
 
 def run(args, **launch_env) -> str:
     proc = _spawn_sft(args, **launch_env)
-    try:
-        _, err = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        proc.kill()
+    (err,) = _finish([proc])
     assert proc.returncode == 0, err[-3000:]
     return err
 
@@ -100,11 +97,7 @@ def test_two_processes_equal_one_and_a_one_process_checkpoint_resumes_on_two(sou
     procs = [
         _spawn_sft(argv(sources, two, "--per_device_train_batch_size", "2"), **launch_env(r, port)) for r in (0, 1)
     ]
-    try:
-        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = _finish(procs)
     assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     for name in a:  # DDP's all-reduce sums in another order: fp32 noise
@@ -115,11 +108,7 @@ def test_two_processes_equal_one_and_a_one_process_checkpoint_resumes_on_two(sou
     resumed, port = tmp_path / "resumed", free_port()
     tail = ["--per_device_train_batch_size", "2", "--resume_from_checkpoint", str(one / "checkpoint-4")]
     procs = [_spawn_sft(argv(sources, resumed, *tail), **launch_env(r, port)) for r in (0, 1)]
-    try:
-        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = _finish(procs)
     assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
     c = load_file(resumed / "model.safetensors")
     for name in a:
