@@ -572,6 +572,7 @@ def render(path: Path) -> Path:
             f"{ctx['cpu_model']} ({ctx['cpu_cores']} cores); python {ctx['python']}, torch {ctx['torch']}, "
             f"tokenizers {ctx['tokenizers']}, datasets {ctx['datasets']}, trl {ctx['trl']}, transformers "
             f"{ctx['transformers']}; git {ctx['git_sha']}; command `{ctx['command']}`",
+            *(["", f"Note: {ctx['note']}"] if ctx.get("note") else []),
             "",
             f"Set: {ctx['messages']:,} messages, {ctx['exchanges_median']:g} exchanges median "
             f"({ctx['exchanges_mean']} mean), {ctx['jsonl_bytes'] / 1e6:.1f} MB of JSONL.",
@@ -619,6 +620,7 @@ def main(argv=None) -> None:
     parser.add_argument("--work", default=None, help="a directory for shards, tokenizer and caches (default: a temp)")
     parser.add_argument("--skip-trl", action="store_true", help="no TRL phase (no trl installed, or a quick run)")
     parser.add_argument("--skip-stream", action="store_true", help="no streaming phases (the longest at 1,000,000)")
+    parser.add_argument("--note", default=None, help="what the rendered page says of this run (e.g. what else ran)")
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)  # a child process's part
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -627,7 +629,7 @@ def main(argv=None) -> None:
         return
     # perf_figure: the CPU is the device this bench measures, so its rows are performance figures (common.env_info
     # flags every CPU row as not one, for the kernels' reference path).
-    context = {**common.env_info(), **machine_info(), "perf_figure": True}
+    context = {**common.env_info(), **machine_info(), "perf_figure": True, "note": args.note}
     with tempfile.TemporaryDirectory(prefix="bench_data-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
         rows = run(

@@ -56,9 +56,10 @@ def test_end_to_end_without_trl(tmp_path):
 
 
 def test_skip_stream_runs_ours_alone(tmp_path):
-    rows = _rows(tmp_path, "--skip-trl", "--skip-stream")
+    rows = _rows(tmp_path, "--skip-trl", "--skip-stream", "--note", "beside the test suite")
     assert set(rows) == {"ours_1proc", "ours_2proc", "ours_warm", "num_proc_2_speedup", "warm_over_cold"}
     assert rows["ours_1proc"]["tokens"] == rows["ours_warm"]["tokens"] > 200 * 100
+    assert "Note: beside the test suite" in (tmp_path / "data.md").read_text()
 
 
 @pytest.mark.slow
