@@ -844,6 +844,7 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
     if sft.stage == "grpo":
         return _read_prompts(args, sft, pref, tokenizer, embedded, eval_files)
     if sft.stage == "sft":
+        stream_class, stream_options = SFTStream, tokenisation
 
         def load(files):
             return load_sft_dataset(files, tokenizer, **sft_options)
@@ -853,6 +854,8 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
             max_length=args.cutoff_len, max_prompt_length=pref.max_prompt_length, truncation_mode=pref.truncation_mode
         )
         truncation = dict(**pair_truncation, show_progress=not args.disable_tqdm)
+        stream_class = PairStream
+        stream_options = dict(data_format=sft.data_format, skip_bad_examples=sft.skip_bad_examples, **pair_truncation)
 
         def load(files):
             if embedded:  # the embedded tasks, each with a plausible wrong answer rejected (trainer.data.tasks)
@@ -872,14 +875,6 @@ def read_inputs(args, sft: SFTArguments, pref: PreferenceArguments) -> RunInputs
     # --dataset_name's sources as load_dataset reads them (trainer.data.hf_sources), for every stage and for streams
     source = dict(config=sft.dataset_config, data_files=sft.data_files, train_split=sft.dataset_train_split)
     if sft.streaming:  # trainer.data.streaming: read and tokenised as training goes (no cache); the eval data whole
-        stream_class, stream_options = (
-            (SFTStream, tokenisation)
-            if sft.stage == "sft"
-            else (
-                PairStream,
-                dict(data_format=sft.data_format, skip_bad_examples=sft.skip_bad_examples, **pair_truncation),
-            )
-        )
         train_ds = open_stream(
             stream_class,
             tokenizer,
