@@ -77,3 +77,38 @@ def test_transformers_never_takes_our_kernels_for_hugging_faces():
 def test_this_checkout_imports_cleanly(tmp_path):
     out = _run(tmp_path, "-c", "import kernels, trainer; print(trainer.TrainingArguments.__name__)")
     assert out.returncode == 0 and out.stdout == "TrainingArguments\n", out.stderr
+
+
+# bitsandbytes' CPU backend as an AVX512-BF16 CPU imports it, on any CPU: its probe answers yes (a meta path hook
+# replaces bitsandbytes.functional.has_avx512bf16 as that module is loaded, before the backend reads it)
+_AVX512_BF16 = """
+import importlib.abc, importlib.machinery, sys
+class Probe(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "bitsandbytes.functional":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            module.has_avx512bf16 = lambda: True
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, Probe())
+"""
+
+
+@pytest.mark.parametrize("first", ["", "import trainer; "])
+def test_bitsandbytes_hub_lookup_on_an_avx512_bf16_cpu(tmp_path, first):
+    """bitsandbytes' `from kernels import get_kernel` finds ours on an AVX512-BF16 CPU and logs a failure line (what a
+    user who imports it alone sees, README); imported where kernelwright is (the commands, the API, the tests), no
+    line."""
+    pytest.importorskip("bitsandbytes")
+    env_path = [p for p in sys.path if p.endswith("site-packages")]
+    out = _run(tmp_path, "-c", _AVX512_BF16 + first + "import bitsandbytes, peft", extra_path=env_path)
+    assert out.returncode == 0, out.stderr
+    failure = "Failed to load CPU gemm_4bit_forward from kernels-community: cannot import name 'get_kernel'"
+    if first:
+        assert "Failed to load" not in out.stderr and "get_kernel" not in out.stderr, out.stderr
+    else:
+        assert failure in out.stderr, out.stderr

@@ -7,6 +7,7 @@ below it: config/, model/, data/, parallel/, build, loop/, methods/ (docs/archit
 
 import importlib
 import importlib.util
+import logging
 from pathlib import Path
 
 # kernels/_names.py run from its path beside this folder (a `kernels` found first elsewhere is not imported): one line,
@@ -15,6 +16,23 @@ _NAMES = importlib.util.spec_from_file_location(
     "_kernelwright_names", Path(__file__).parent.parent / "kernels/_names.py"
 )
 _NAMES.loader.exec_module(importlib.util.module_from_spec(_NAMES))
+
+
+class _OurKernelsForTheHub(logging.Filter):
+    """bitsandbytes' CPU backend, imported on a CPU with AVX512-BF16, looks for Hugging Face's kernel hub as `from
+    kernels import get_kernel`, finds ours and logs "Failed to load CPU gemm_4bit_forward from kernels-community"
+    (then uses its own C++ kernel). Our 4-bit layers never call that GEMM (trainer/model/quant.py), so wherever
+    kernelwright is imported (the commands, the Python API, the tests, which import bitsandbytes themselves or through
+    peft and transformers) that line is dropped; any other line of bitsandbytes' stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+            and any(isinstance(arg, ImportError) and "get_kernel" in str(arg) for arg in record.args or ())
+        )
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OurKernelsForTheHub())
 
 # public name -> the module that defines it
 _PUBLIC = {

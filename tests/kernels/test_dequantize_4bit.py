@@ -1,14 +1,12 @@
-"""NF4/FP4 dequantization: the Triton kernel (through the interpreter on CPU) and the reference against bitsandbytes'
-`dequantize_4bit`, bit for bit.
+"""NF4/FP4 dequantization: the Triton kernel (through the interpreter on CPU) and the reference against the 4-bit
+format and bitsandbytes' `dequantize_4bit`, bit for bit.
 
 Tolerance model: none. Every output element is one fp32 product rounded once (module docstring of
-kernels/dequantize_4bit.py), so ours and bitsandbytes' must agree in every bit, compared as integers (-0.0 and +0.0
-differ; NaN payloads are compared too). One documented exception: on a CPU, bitsandbytes takes its pure-PyTorch
-fallback for an odd last dimension, whose FP4 table has +0.0 for code 0b1000 where its CUDA and C++ kernels (and we)
-have -0.0; there the sign of zero is left out of the comparison (the table test holds it against the C++ kernel).
-
-bitsandbytes' C++ CPU kernel on an AVX512 machine indexes absmax per row (absmax[row * (n_cols / blocksize) + ...]),
-which is wrong when a row is not a whole number of blocks and n_cols % 16 == 0: no shape below is of that kind.
+kernels/dequantize_4bit.py), so ours must equal the format's definition in every bit, compared as integers (-0.0 and
++0.0 differ, subnormals count; NaN payloads are compared too), on every CPU. Against bitsandbytes the comparison is
+bit for bit up to what its CPU paths choose, the sign of a zero and the flush of a subnormal result, on each of its
+paths: the one this CPU takes, its PyTorch fallback, and its AVX512-BF16 kernel's choices (tests/bnb_paths.py says
+which are run and which modelled). No test reads the CPU's capabilities to predict bitsandbytes' result.
 
 Run: python -m pytest tests/kernels/test_dequantize_4bit.py -q
 """
@@ -31,6 +29,14 @@ from kernels.dequantize_4bit import (
 from tests.tolerance import PoisonedTorch
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
+from tests.bnb_paths import (  # noqa: E402
+    assert_agrees,
+    assert_bit_equal,
+    assert_matches_every_path,
+    bits,
+    bnb_dequantize,
+    definition_of,
+)
 
 mod = importlib.import_module("kernels.dequantize_4bit")
 PATHS = ["triton", "reference"]
@@ -47,7 +53,6 @@ CASES = [
     ((9, 32), 32, torch.float32),
     ((33, 4100), 4096, torch.float16),
 ]
-_AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def _ids(case):
@@ -61,31 +66,6 @@ def pieces(codes, state):
     if state.nested:
         nested = NestedAbsmax(state.state2.code, state.state2.absmax, state.state2.blocksize, state.offset)
     return codes, state.absmax, state.quant_type, state.blocksize, state.shape, state.dtype, nested
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def assert_bit_equal(ours, theirs, what, zero_sign=True):
-    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype, (
-        f"{what}: {tuple(ours.shape)} {ours.dtype} vs {tuple(theirs.shape)} {theirs.dtype}"
-    )
-    same = bits(ours) == bits(theirs)
-    if not zero_sign:
-        same |= (ours == 0) & (theirs == 0)
-    if not same.all():
-        i = (~same).nonzero()[0].tolist()
-        raise AssertionError(
-            f"{what}: {int((~same).sum())} of {same.numel()} elements differ in their bits, first at {i}: "
-            f"ours {ours[tuple(i)].item()!r} vs bitsandbytes {theirs[tuple(i)].item()!r}"
-        )
-
-
-def bnb_keeps_zero_sign(shape, blocksize) -> bool:
-    """Whether bitsandbytes' CPU dequantize_4bit runs its C++ kernel (FP4 code 0b1000 -> -0.0) here, not its
-    PyTorch fallback (+0.0): it falls back for an odd last dimension, and on AVX512 for blocksize >= 2048."""
-    return shape[-1] % 2 == 0 and not (_AVX512 and blocksize >= 2048)
 
 
 def quantized(shape, blocksize, storage, quant_type, double_quant, dtype, seed=0):
@@ -107,14 +87,13 @@ def test_matches_bitsandbytes(case, quant_type, double_quant, dtype, path, monke
     shape, blocksize, storage = case
     codes, state = quantized(shape, blocksize, storage, quant_type, double_quant, dtype)
     assert codes.dtype == storage and state.nested == double_quant
-    theirs = bnb_functional.dequantize_4bit(codes, state)
     poisoned = PoisonedTorch()
     monkeypatch.setattr(mod, "torch", poisoned)  # every output element must be written: torch.empty gives NaNs
     with kernels.backend(path):
         ours = dequantize_4bit(*pieces(codes, state))
     monkeypatch.undo()
     assert poisoned.calls == (1 if path == "triton" else 0)
-    assert_bit_equal(ours, theirs, f"{path} vs bitsandbytes", zero_sign=bnb_keeps_zero_sign(shape, blocksize))
+    assert_matches_every_path(ours, codes, state, path)
     assert ours.is_contiguous()
 
 
@@ -129,8 +108,7 @@ def test_gpu_tile_under_the_interpreter(case, double_quant, monkeypatch):
     assert mod.launch_config(codes.numel() * 2, blocksize, on_cuda=False)[:2] == (2048, min(blocksize, 2048))
     with kernels.backend("triton"):
         ours = dequantize_4bit(*pieces(codes, state))
-    theirs = bnb_functional.dequantize_4bit(codes, state)
-    assert_bit_equal(ours, theirs, "GPU tile", zero_sign=bnb_keeps_zero_sign(shape, blocksize))
+    assert_matches_every_path(ours, codes, state, "GPU tile")
 
 
 # Scales that exercise every rounding: ordinary ones, fp16's overflow to inf and its subnormals, bf16's largest
@@ -143,8 +121,8 @@ EDGE_ABSMAX = [1.0, 3.7, 0.013, 6.1e4, 7e4, 1e5, 1e-5, 6e-8, 1e-30, 1e-39, 3e38,
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
 def test_every_code_and_rounding_edge(quant_type, dtype, path):
-    """Every byte value (so both nibbles of every pair) under every edge scale, against bitsandbytes' C++ kernel (an
-    even last dimension: not its fallback), with each output dtype."""
+    """Every byte value (so both nibbles of every pair) under every edge scale, with each output dtype: bit for bit the
+    format (zero signs, subnormals, infinities), and bitsandbytes on each of its CPU paths up to its choices."""
     codes = torch.arange(256, dtype=torch.uint8).repeat(4).view(-1, 1)  # (1024, 1): 2048 codes, 32 blocks of 64
     absmax = torch.tensor(EDGE_ABSMAX * 2, dtype=torch.float32)  # (32,)
     absmax[16:] *= -1  # bitsandbytes never stores a negative absmax, but the arithmetic is the same: sign of zero
@@ -152,10 +130,9 @@ def test_every_code_and_rounding_edge(quant_type, dtype, path):
     state = bnb_functional.QuantState(
         absmax=absmax, shape=(32, 64), code=code, blocksize=64, quant_type=quant_type, dtype=dtype
     )
-    theirs = bnb_functional.dequantize_4bit(codes, state)
     with kernels.backend(path):
         ours = dequantize_4bit(codes, absmax, quant_type, 64, (32, 64), dtype)
-    assert_bit_equal(ours, theirs, f"{path}: every code")
+    assert_matches_every_path(ours, codes, state, f"{path}: every code")
     if dtype == torch.float16:
         assert torch.isinf(ours).any() and (ours != 0).logical_and(ours.abs() < 2.0**-14).any()  # the edges are hit
 
@@ -163,7 +140,7 @@ def test_every_code_and_rounding_edge(quant_type, dtype, path):
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
 def test_table_is_bitsandbytes_code_book(quant_type):
     """Our 16 values are `get_4bit_type`'s (what QuantState.code holds) bit for bit, but for FP4's code 0b1000: -0.0,
-    as bitsandbytes' CUDA kernel computes it (0 * -1) and its C++ table holds it."""
+    as bitsandbytes' CUDA kernel computes it (0 * -1) and its scalar C++ table holds it (its AVX512 table: +0.0)."""
     ours = code_table(quant_type, "cpu")
     book = bnb_functional.get_4bit_type(quant_type, device="cpu")
     assert torch.equal(ours, book)  # values (-0.0 == +0.0)
@@ -171,6 +148,46 @@ def test_table_is_bitsandbytes_code_book(quant_type):
     assert differ == ([8] if quant_type == "fp4" else [])
     if quant_type == "fp4":
         assert torch.signbit(ours[8]) and not torch.signbit(book[8])
+
+
+@pytest.mark.parametrize("shape, blocksize", [((5, 4100), 4096), ((7, 1001), 128)], ids=str)
+def test_fallback_is_what_the_avx512_switch_takes(shape, blocksize, monkeypatch):
+    """The "fallback" path of tests/bnb_paths.py is bitsandbytes' own: with its AVX512 switch forced on (what an AVX512
+    CPU sets), its CPU kernel returns it for blocksize >= 2048, and for an odd last dimension on every CPU; FP4's code
+    0b1000 comes out +0.0 there (the format's -0.0 elsewhere)."""
+    cpu_ops = importlib.import_module("bitsandbytes.backends.cpu.ops")
+    monkeypatch.setattr(cpu_ops, "_has_avx512", True)
+    codes, state = quantized(shape, blocksize, torch.uint8, "fp4", True, torch.bfloat16)
+    switched = bnb_functional.dequantize_4bit(codes, state)
+    fallback = bnb_dequantize(codes, state, "fallback")
+    assert_agrees(fallback, switched, "the fallback called as bitsandbytes calls it")  # its compiled copy may flush
+    zeros = switched == 0
+    assert zeros.any() and not torch.signbit(switched[zeros]).any() and not torch.signbit(fallback[zeros]).any()
+    assert torch.signbit(definition_of(codes, state)[zeros]).any()
+
+
+def test_the_comparison_takes_bitsandbytes_choices_and_nothing_else():
+    """assert_agrees lets a zero's sign and a flushed subnormal differ, as bitsandbytes' paths choose them, and
+    nothing else; the modelled AVX512-BF16 path makes both choices on the edge scales, on any CPU."""
+    ours = torch.tensor([-0.0, 1e-40, -5.5e-40, 1.5, -2.0, 0.0, float("nan")], dtype=torch.bfloat16)
+    assert_agrees(ours, torch.tensor([0.0, 0.0, -0.0, 1.5, -2.0, -0.0, float("nan")], dtype=torch.bfloat16), "choices")
+    for i, other in [(3, 1.5078125), (4, 2.0), (1, 2e-40), (0, 1e-40), (3, float("nan")), (6, 0.0)]:
+        theirs = ours.clone()
+        theirs[i] = other
+        with pytest.raises(AssertionError, match="differ in their bits"):
+            assert_agrees(ours, theirs, f"element {i} as {other}")
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4).view(-1, 1)
+    absmax = torch.tensor(EDGE_ABSMAX * 2, dtype=torch.float32)
+    for quant_type in QUANT_TYPES:
+        code = bnb_functional.get_4bit_type(quant_type, device="cpu")
+        state = bnb_functional.QuantState(
+            absmax=absmax, shape=(32, 64), code=code, blocksize=64, quant_type=quant_type, dtype=torch.bfloat16
+        )
+        definition = definition_of(codes, state)
+        modelled = bnb_dequantize(codes, state, "avx512_bf16")
+        differ = bits(modelled) != bits(definition)
+        assert differ.any() and (modelled[differ] == 0).all()  # zeros and flushed subnormals only
+        assert_agrees(definition, modelled, quant_type)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
@@ -192,7 +209,7 @@ def test_offset_as_a_float_and_empty(path):
     with kernels.backend(path):
         ours = dequantize_4bit(*args, nested._replace(offset=state.offset.item()))
         empty = dequantize_4bit(codes[:0], torch.zeros(0), "nf4", 64, (0, 64), torch.bfloat16)
-    assert_bit_equal(ours, bnb_functional.dequantize_4bit(codes, state), "float offset")
+    assert_matches_every_path(ours, codes, state, "float offset")
     assert empty.shape == (0, 64) and empty.dtype == torch.bfloat16
 
 
@@ -276,7 +293,7 @@ def test_custom_op_registration():
 def test_compile_fullgraph_cpu_takes_the_reference():
     codes, state = quantized((5, 132), 64, torch.bfloat16, "fp4", True, torch.bfloat16)
     compiled = torch.compile(lambda *a: dequantize_4bit(*a) * 1, fullgraph=True, backend="aot_eager")
-    assert_bit_equal(compiled(*pieces(codes, state)), bnb_functional.dequantize_4bit(codes, state), "compiled")
+    assert_matches_every_path(compiled(*pieces(codes, state)), codes, state, "compiled")
 
 
 @pytest.mark.gpu
