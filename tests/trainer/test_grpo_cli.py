@@ -2,12 +2,15 @@
 two gloo processes equal to one, and bad input in one line (exit 2) before anything is built or written."""
 
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.trainer.test_sft import TIMEOUT_S, _finish, _spawn_sft
+from tests.trainer.test_sft import ROOT, TIMEOUT_S, _finish, _spawn_sft
 
 PROMPTS = [
     {"prompt": [{"role": "user", "content": f"add: {a}+{b}"}], "solution": str(a + b)}
@@ -162,6 +165,12 @@ def test_bad_grpo_inputs_stop_in_one_line(inputs, tmp_path):
         ([*data, "--num_iterations", "0"], "num_iterations=0: expected an int >= 1"),
         ([*data, "--loss_type", "sigmoid"], "loss_type='sigmoid': expected one of grpo, bnpo, dr_grpo, dapo, cispo"),
         ([*data, "--reward_funcs", "no_such_module:f"], "reward function 'no_such_module:f'"),
+        (
+            [*data, "--reward_funcs", "no_such_module.f"],
+            "reward function 'no_such_module.f': tried module no_such_module, function 'f' (module no_such_module "
+            "does not import: ModuleNotFoundError: No module named 'no_such_module'; looked in the working directory, "
+            "then sys.path) and a reward model directory no_such_module.f (there is none)",
+        ),
         ([*data, "--beta", "-1"], "beta=-1.0: must be >= 0"),
         (
             [*data, "--eval_strategy", "steps"],
@@ -199,3 +208,33 @@ def test_bad_grpo_inputs_stop_in_one_line(inputs, tmp_path):
             assert len(lines) == 1, (argv, err[-2000:])
     assert not out.exists()
     assert not list((tmp_path / "out-reward").glob("checkpoint-*"))
+
+
+EXACT = """
+def exact(prompts, completions, solution, **kwargs):
+    return [float(c[0]["content"].strip() == answer) for c, answer in zip(completions, solution)]
+"""
+
+
+def test_trls_dotted_reward_path_trains_from_the_working_directory(inputs, tmp_path):
+    """TRL's form (issue 43 item 4): `python -m trainer.grpo --reward_funcs rewards.exact rewards.digits
+    think_format_reward` in a directory holding rewards.py trains, as `trl grpo` would there (the module imported
+    from the working directory, TRL's registry name beside it); each function is logged under its name."""
+    (tmp_path / "rewards.py").write_text(REWARD + EXACT)
+    argv = [*SMALL, "--data", str(inputs / "prompts.jsonl"), "--per_device_train_batch_size", "8"]
+    argv += ["--reward_funcs", "rewards.exact", "rewards.digits", "think_format_reward", "--output_dir", "out"]
+    base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KERNELS_BACKEND", "PYTHONPATH")}
+    run = subprocess.run(
+        [sys.executable, "-m", "trainer.grpo", *argv],
+        cwd=tmp_path,
+        env={**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},  # this checkout, the working directory first
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    logs = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [row for row in logs if "reward" in row]
+    assert len(rewards) == 2 and (tmp_path / "out" / "model.safetensors").is_file()
+    for name in ("exact", "digits", "think_format_reward"):
+        assert all(f"rewards/{name}/mean" in row for row in rewards), (name, rewards[0])

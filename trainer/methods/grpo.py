@@ -158,8 +158,11 @@ class GRPOArguments:
     reward_funcs: list[str] | None = _arg(
         None,
         "grpo",
-        "Reward functions: exact_match, format (the embedded tasks'), module:function, path.py:function or a "
-        "sequence-classification model directory; default exact_match.",
+        "Reward functions, each (in this order of resolution): exact_match, format (the embedded tasks'), TRL's "
+        "accuracy_reward, reasoning_accuracy_reward (these two need math_verify), think_format_reward, "
+        "get_soft_overlong_punishment (1280 tokens, a cache of 256, as TRL's script); path.py:function, "
+        "module:function or TRL's dotted module.function (imported from the working directory, then sys.path); or a "
+        "sequence-classification model directory. Default exact_match.",
     )
     reward_weights: list[float] | None = _arg(None, "grpo", "One weight per reward function (default 1 each).")
     mask_truncated_completions: bool = _arg(

@@ -1,13 +1,22 @@
 """GRPO's rewards: reward functions loaded from specs, called as TRL calls them, checked (issue 31 item 2).
 
-A spec (`load_reward_function`) is one of
-  exact_match, format        a built-in reward for the embedded tasks (trainer/data/tasks.py), below
-  package.module:function    a function of an importable module
-  path/to/file.py:function   a function of a Python file (imported under a private module name)
-  path/to/checkpoint_dir     a reward model: a sequence-classification checkpoint (`RewardModel`)
-and a wrong one (no such module or file, a module that raises on import, no such function, not callable) is a
-`ConfigError` in one line naming the spec. `load_reward_functions(specs, weights)` loads several, with TRL's check
-that the weights (default 1 each) match them in number.
+A spec (`load_reward_function`, the `--reward_funcs` values) is resolved in this order:
+  1. a built-in name: exact_match, format (the embedded tasks', below) or a name of TRL 1.16's `trl grpo` registry,
+     accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment (TRL's
+     semantics, reimplemented here: below); first, as TRL's script looks in its registry first
+  2. path/to/file.py:function   a function of a Python file (imported under a private module name)
+     package.module:function    a function of an importable module
+     package.module.function    TRL's dotted import path: the module before the last dot, its attribute after it
+  3. path/to/checkpoint_dir     a reward model: a sequence-classification checkpoint (`RewardModel`)
+A module of either module form is imported from the working directory, then sys.path: as under `trl grpo`, which
+puts the working directory first on sys.path. `python -m trainer.grpo` has it first already; where it is not on
+sys.path (the Python API from elsewhere, a console script) it is put first for the import, and kept there only when
+the module came from it (TRL's script leaves it first whatever the module). A dotted spec that is both a directory
+and a function that resolves is ambiguous; a directory whose dotted form does not resolve is the reward model, and
+a directory named like path.py:function or module:function is the directory, unimported (as before). Any other
+failure (no such module, file or directory, a module that raises on import, no such function, not callable) is a
+`ConfigError` in one line naming the spec and what was tried. `load_reward_functions(specs, weights)` loads
+several, with TRL's check that the weights (default 1 each) match them in number.
 
 Calling convention, TRL 1.16's `GRPOTrainer._calculate_rewards`: every reward function gets the keyword arguments
 prompts, completions, completion_ids (lists of N, one per completion, prompts repeated per completion), each of the
@@ -33,6 +42,21 @@ Built-in rewards for the embedded tasks (prompts "reverse: plant", ... as a stri
                 letters as many as the word (reverse), capitals as many (upper), digits as many (sort), digits
                 (add, convert); a partial credit that needs no right answer
 
+TRL's registry (trl/scripts/grpo.py, the functions of trl/rewards), same names, values and display names; as in
+TRL a completion is its first message's content (a text completion, which TRL's fail on, is taken as it is):
+  think_format_reward           1.0 when the completion matches ^<think>(?!.*<think>)(.*?)</think>.*$ (DOTALL,
+                                MULTILINE), else 0.0
+  get_soft_overlong_punishment  DAPO's soft overlong punishment of the completion's token count with TRL's script's
+                                values, max_completion_len=1280, soft_punish_cache=256 (whatever the run's
+                                max_completion_length): 0 up to 1024 tokens, then falling linearly to -1 at 1280,
+                                -1 beyond; logged as soft_overlong_punishment_reward. Other values:
+                                `get_soft_overlong_punishment(max_completion_len, soft_punish_cache)` in a module of
+                                one's own, named by the module forms
+  accuracy_reward               math_verify's verdict (1.0/0.0) of the completion against the `solution` column, None
+                                where the solution does not parse
+  reasoning_accuracy_reward     the same on the text after </think>; 0.0 without </think>
+The last two need the math_verify package, as TRL's do (a spec naming one without it is a ConfigError).
+
 Test: `python -m pytest tests/trainer/methods/test_grpo_rewards.py -q` (a golden test against TRL's
 `_calculate_rewards` included).
 """
@@ -45,9 +69,12 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import logging
 import math
+import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -103,7 +130,125 @@ def format_reward(prompts, completions, **kwargs) -> list[float | None]:
     return out
 
 
-BUILTINS: dict[str, Callable] = {"exact_match": exact_match, "format": format_reward}
+# ------------------------------------------------------------------------------------------------------------
+# TRL 1.16's registry (trl/scripts/grpo.py; the rewards of trl/rewards, reimplemented: trl is no dependency)
+# ------------------------------------------------------------------------------------------------------------
+def _content(completion) -> str:
+    """TRL's `completion[0]["content"]` (the first message's), or a text completion as it is."""
+    return completion if isinstance(completion, str) else completion[0]["content"]
+
+
+_THINK = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+def think_format_reward(completions, **kwargs) -> list[float]:
+    """TRL's think_format_reward: 1.0 when the completion opens with one <think>...</think> block, else 0.0."""
+    return [1.0 if _THINK.match(_content(c)) else 0.0 for c in completions]
+
+
+class _SoftOverlongPunishment:
+    """TRL's soft overlong punishment (DAPO, Eq. 13) of the completion's token count: 0 up to max - cache tokens,
+    (max - cache - length) / cache up to max, -1 beyond. A class, as in TRL, under TRL's display name."""
+
+    __name__ = "soft_overlong_punishment_reward"
+
+    def __init__(self, max_completion_len: int, soft_punish_cache: int):
+        self.max_completion_len, self.soft_punish_cache = max_completion_len, soft_punish_cache
+
+    def __call__(self, completion_ids, **kwargs) -> list[float]:
+        top, cache = self.max_completion_len, self.soft_punish_cache
+        out = []
+        for ids in completion_ids:
+            n = len(ids)
+            out.append(0.0 if n <= top - cache else (top - cache - n) / cache if n <= top else -1.0)
+        return out
+
+
+def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> Callable:
+    """TRL's factory of the soft overlong punishment (`_SoftOverlongPunishment`)."""
+    return _SoftOverlongPunishment(max_completion_len, soft_punish_cache)
+
+
+def _math_verify(name: str):
+    """math_verify's parse, verify and configurations, or TRL's ImportError naming the reward `name`."""
+    try:
+        from latex2sympy2_extended import NormalizationConfig
+        from math_verify import LatexExtractionConfig, parse, verify
+    except ImportError:
+        raise ImportError(f"Please install the `math_verify` package to use {name}") from None
+    return NormalizationConfig, LatexExtractionConfig, parse, verify
+
+
+def _verified(name: str, contents: Sequence[str | None], solution: Sequence[str], log_extra) -> list[float | None]:
+    """TRL's accuracy check of each content against its solution: math_verify's verdict, None where the solution
+    does not parse, 0.0 where the content is None (reasoning left incomplete); the parses through log_extra."""
+    NormalizationConfig, LatexExtractionConfig, parse, verify = _math_verify(name)
+    main = threading.current_thread() is threading.main_thread()  # math_verify's timeouts are signal.alarm's
+    parsing_timeout, verify_timeout = (10, 5) if main else (None, None)
+    if not main:
+        logging.getLogger("math_verify.parser").setLevel(logging.ERROR)
+        logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
+    extraction = [
+        LatexExtractionConfig(
+            normalization_config=NormalizationConfig(units=True),
+            boxed_match_priority=0,
+            try_extract_without_anchor=False,
+        )
+    ]
+    rewards, golds, answers = [], [], []
+    for content, sol in zip(contents, solution, strict=True):
+        if content is None:
+            rewards.append(0.0)
+            golds.append("[incomplete reasoning]")
+            answers.append("[incomplete reasoning]")
+            continue
+        gold = parse(sol, parsing_timeout=parsing_timeout)
+        if len(gold) == 0:
+            rewards.append(None)
+            golds.append("[unparseable]")
+            answers.append("[skipped]")
+            continue
+        answer = parse(
+            content, extraction_config=extraction, extraction_mode="first_match", parsing_timeout=parsing_timeout
+        )
+        rewards.append(float(verify(gold, answer, timeout_seconds=verify_timeout)))
+        golds.append(str(gold))
+        answers.append(str(answer) if answer else "[unparseable]")
+    if log_extra is not None:
+        log_extra("solution", list(solution))
+        log_extra("gold_parsed", golds)
+        log_extra("answer_parsed", answers)
+    return rewards
+
+
+def accuracy_reward(completions, solution, log_extra=None, **kwargs) -> list[float | None]:
+    """TRL's accuracy_reward: 1.0 when math_verify finds the completion's answer equal to the solution, else 0.0;
+    None where the solution does not parse."""
+    return _verified("accuracy_reward", [_content(c) for c in completions], solution, log_extra)
+
+
+def reasoning_accuracy_reward(
+    completions, solution, reasoning_delimiters=None, log_extra=None, **kwargs
+) -> list[float | None]:
+    """TRL's reasoning_accuracy_reward: accuracy_reward on the text after the last occurrence of the first of the
+    delimiters (default ["</think>"]) the completion holds; 0.0 when it holds none."""
+    delimiters = ["</think>"] if reasoning_delimiters is None else reasoning_delimiters
+    contents = []
+    for completion in completions:
+        content = _content(completion)
+        delimiter = next((d for d in delimiters if d in content), None)
+        contents.append(None if delimiter is None else content.split(delimiter)[-1])
+    return _verified("reasoning_accuracy_reward", contents, solution, log_extra)
+
+
+TRL_REGISTRY: dict[str, Callable] = {
+    "accuracy_reward": accuracy_reward,
+    "reasoning_accuracy_reward": reasoning_accuracy_reward,
+    "think_format_reward": think_format_reward,
+    "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
+}
+BUILTINS: dict[str, Callable] = {"exact_match": exact_match, "format": format_reward, **TRL_REGISTRY}
+NEEDS_MATH_VERIFY = ("accuracy_reward", "reasoning_accuracy_reward")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -151,22 +296,62 @@ def _one_line(e: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def load_reward_function(spec: str, device: torch.device | str = "cpu") -> Callable:
-    """The reward function a spec names (see the module docstring), or a one-line ConfigError."""
-    if spec in BUILTINS:
-        return BUILTINS[spec]
-    if Path(spec).is_dir():
-        return RewardModel(spec, device=device)
+_EXPECTED = (
+    "expected path.py:function, module:function, a dotted module.function (TRL's), a reward model directory or "
+    f"one of {', '.join(BUILTINS)}"
+)
+
+
+def _function_form(spec: str) -> tuple[str, str, str] | None:
+    """(kind, where, name) of a spec of a function form, kind one of file, module (module:function) and dotted
+    (TRL's module.function), or None."""
     where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name.isidentifier():
-        raise ConfigError(
-            f"reward function {spec!r}: expected module:function, path.py:function, a reward model directory or one "
-            f"of {', '.join(BUILTINS)}"
-        )
-    if where.endswith(".py"):
+    if sep:
+        return ("file" if where.endswith(".py") else "module", where, name) if where and name.isidentifier() else None
+    where, _, name = spec.rpartition(".")
+    if where and all(part.isidentifier() for part in where.split(".")) and name.isidentifier():
+        return "dotted", where, name
+    return None
+
+
+def _on_sys_path(directory: str) -> bool:
+    return any(os.path.realpath(entry or os.curdir) == directory for entry in sys.path)  # "": the working dir
+
+
+def _import_module(name: str):
+    """`importlib.import_module(name)` from the working directory, then sys.path (see the module docstring): the
+    working directory, when not on sys.path, is put first for the import and kept only when the module came from
+    it."""
+    importlib.invalidate_caches()  # a module written since the last import is found
+    cwd = os.path.realpath(os.getcwd())
+    if _on_sys_path(cwd):
+        return importlib.import_module(name)
+    sys.path.insert(0, cwd)
+    keep = False
+    try:
+        module = importlib.import_module(name)
+        top = sys.modules[name.partition(".")[0]]
+        files = [getattr(top, "__file__", None) or "", *getattr(top, "__path__", [])]
+        keep = any(f and os.path.realpath(f).startswith(cwd + os.sep) for f in files)
+        return module
+    finally:
+        if not keep:
+            sys.path.remove(cwd)
+
+
+def _module_error(where: str, e: Exception) -> str:
+    """Why module `where` did not import: not found (it or a package above it), or its error."""
+    if isinstance(e, ModuleNotFoundError) and e.name and (where == e.name or where.startswith(e.name + ".")):
+        return f"module {where} does not import: {_one_line(e)}; looked in the working directory, then sys.path"
+    return f"module {where} does not import: {_one_line(e)}"
+
+
+def _load_function(kind: str, where: str, name: str) -> Callable:
+    """The function of a function form, or a ConfigError saying why not (the caller prefixes the spec)."""
+    if kind == "file":
         path = Path(where)
         if not path.is_file():
-            raise ConfigError(f"reward function {spec!r}: no file {where}")
+            raise ConfigError(f"no file {where}")
         module_name = "_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
         module = sys.modules.get(module_name)  # a file named by several specs is imported once
         try:
@@ -177,17 +362,56 @@ def load_reward_function(spec: str, device: torch.device | str = "cpu") -> Calla
                 loader_spec.loader.exec_module(module)
         except Exception as e:
             sys.modules.pop(module_name, None)
-            raise ConfigError(f"reward function {spec!r}: {where} does not import: {_one_line(e)}") from None
+            raise ConfigError(f"{where} does not import: {_one_line(e)}") from None
     else:
         try:
-            module = importlib.import_module(where)
+            module = _import_module(where)
         except Exception as e:
-            raise ConfigError(f"reward function {spec!r}: module {where} does not import: {_one_line(e)}") from None
+            raise ConfigError(_module_error(where, e)) from None
     if not hasattr(module, name):
-        raise ConfigError(f"reward function {spec!r}: {where} has no {name!r}")
+        raise ConfigError(f"{where} has no {name!r}")
     func = getattr(module, name)
     if not callable(func):
-        raise ConfigError(f"reward function {spec!r}: {name} is a {type(func).__name__}, not callable")
+        raise ConfigError(f"{name} is a {type(func).__name__}, not callable")
+    return func
+
+
+def load_reward_function(spec: str, device: torch.device | str = "cpu") -> Callable:
+    """The reward function a spec names (see the module docstring for the forms and their order), or a one-line
+    ConfigError naming what was tried."""
+    if spec in BUILTINS:
+        if spec in NEEDS_MATH_VERIFY and importlib.util.find_spec("math_verify") is None:
+            raise ConfigError(
+                f"reward function {spec!r} needs the math_verify package, as TRL's does: pip install math-verify"
+            )
+        return BUILTINS[spec]
+    directory = Path(spec).is_dir()
+    form = _function_form(spec)
+    if form is None or (directory and form[0] != "dotted"):  # a directory named like x:f is the directory, as before
+        if directory:
+            return RewardModel(spec, device=device)
+        raise ConfigError(f"reward function {spec!r}: not a built-in, a function or a directory; {_EXPECTED}")
+    kind, where, name = form
+    try:
+        func = _load_function(kind, where, name)
+    except ConfigError as e:
+        if kind != "dotted":
+            raise ConfigError(f"reward function {spec!r}: {e}") from None
+        tried = f"module {where}, function {name!r} ({e})"
+        if directory:  # the function form does not resolve: the directory is the reward model
+            try:
+                return RewardModel(spec, device=device)
+            except ConfigError as model_error:
+                raise ConfigError(f"{model_error}; tried {tried} too") from None
+        hint = f"; {spec} is a file: name a function of it, {spec}:function" if Path(spec).is_file() else ""
+        raise ConfigError(
+            f"reward function {spec!r}: tried {tried} and a reward model directory {spec} (there is none){hint}"
+        ) from None
+    if directory:
+        raise ConfigError(
+            f"reward function {spec!r} is ambiguous: both the directory {spec} (a reward model) and function "
+            f"{name!r} of {where}; name the directory ./{spec} or the function {where}:{name}"
+        )
     return func
 
 

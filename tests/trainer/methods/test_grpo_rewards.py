@@ -1,12 +1,18 @@
-"""GRPO's rewards (trainer/methods/grpo_rewards.py): specs load or fail in one line, the built-in task rewards,
-`score`'s checks naming the function and the row, and a golden test against TRL 1.16's
+"""GRPO's rewards (trainer/methods/grpo_rewards.py): specs load or fail in one line (TRL's dotted import paths from
+the working directory among them), the built-in task rewards, TRL's registry rewards against TRL's own (skipped
+without trl; the math ones without math_verify), `score`'s checks naming the function and the row, and a golden test
+against TRL 1.16's
 `GRPOTrainer._calculate_rewards` (custom functions with a dataset column and None, the built-ins, and a reward
 model: a tiny random LlamaForSequenceClassification with the project's byte-level tokenizer saved to tmp_path)."""
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
+import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,14 +23,19 @@ from trainer.coerce import ConfigError
 from trainer.data.tasks import generate_tasks, solve, wrong_answer
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.methods.grpo_rewards import (
+    BUILTINS,
     RewardError,
     RewardModel,
+    accuracy_reward,
     exact_match,
     format_reward,
+    get_soft_overlong_punishment,
     load_reward_function,
     load_reward_functions,
+    reasoning_accuracy_reward,
     reward_name,
     score,
+    think_format_reward,
 )
 
 REWARDS_PY = """
@@ -62,7 +73,11 @@ def test_bad_specs_are_one_line_config_errors(tmp_path):
     path.write_text(REWARDS_PY)
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_module_zz\n")
-    _one_line_error("accuracy", "expected module:function, path.py:function")
+    _one_line_error(
+        "accuracy",
+        "'accuracy': not a built-in, a function or a directory; expected path.py:function, module:function, a "
+        "dotted module.function \\(TRL's\\), a reward model directory or one of exact_match, format, accuracy_reward",
+    )
     _one_line_error("no_such_module_zz:f", "module no_such_module_zz does not import: ModuleNotFoundError")
     _one_line_error(f"{tmp_path}/absent.py:f", "no file")
     _one_line_error(
@@ -73,6 +88,72 @@ def test_bad_specs_are_one_line_config_errors(tmp_path):
     _one_line_error(f"{tmp_path}", "reward model .* does not load")  # a directory without a checkpoint
     with pytest.raises(ConfigError, match="2 weights for 1 reward functions"):
         load_reward_functions(["format"], [1.0, 2.0])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# TRL's dotted import paths, from the working directory
+# ------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """tmp_path as the working directory, not on sys.path (as for the Python API run from elsewhere): sys.path and
+    the modules imported from it are put back afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p and Path(p).resolve() != tmp_path.resolve()])
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        if name.startswith("kw_"):
+            del sys.modules[name]
+
+
+def test_dotted_paths_import_from_the_working_directory(workdir):
+    (workdir / "kw_pkg").mkdir()
+    (workdir / "kw_pkg" / "__init__.py").write_text("")
+    (workdir / "kw_pkg" / "rewards.py").write_text(REWARDS_PY)
+    (workdir / "kw_flat.py").write_text(REWARDS_PY)
+    cwd = str(workdir.resolve())
+    stdlib = load_reward_function("os.path.join")  # any importable module: the working directory not left on sys.path
+    assert stdlib is os.path.join and cwd not in sys.path
+    func = load_reward_function("kw_pkg.rewards.length_reward")
+    assert func.__module__ == "kw_pkg.rewards" and reward_name(func) == "length_reward"
+    assert sys.path[0] == cwd  # kept, first (as TRL's script puts it): the module came from it
+    assert load_reward_function("kw_flat.length_reward") is load_reward_function("kw_flat:length_reward")
+    assert sys.path.count(cwd) == 1
+
+
+def test_dotted_path_errors_name_what_was_tried(workdir):
+    (workdir / "kw_rewards.py").write_text(REWARDS_PY)
+    (workdir / "kw_broken.py").write_text("import kw_absent_inner\n")
+    _one_line_error(
+        "kw_absent.sub.f",
+        "^reward function 'kw_absent.sub.f': tried module kw_absent.sub, function 'f' \\(module kw_absent.sub does "
+        "not import: ModuleNotFoundError: No module named 'kw_absent'; looked in the working directory, then "
+        "sys.path\\) and a reward model directory kw_absent.sub.f \\(there is none\\)$",
+    )
+    assert str(workdir.resolve()) not in sys.path  # put back after a failed import
+    _one_line_error(
+        "kw_broken.f",
+        "module kw_broken does not import: ModuleNotFoundError: No module named 'kw_absent_inner'\\) and a reward",
+    )
+    _one_line_error("kw_rewards.missing", "tried module kw_rewards, function 'missing' \\(kw_rewards has no 'missing'")
+    _one_line_error("kw_rewards.NOT_A_FUNCTION", "\\(NOT_A_FUNCTION is a int, not callable\\)")
+    _one_line_error(
+        "kw_rewards.py", "\\(there is none\\); kw_rewards.py is a file: name a function of it, kw_rewards.py:function$"
+    )
+    (workdir / "kw_rewards.length_reward").mkdir()  # a directory that is also a function: ambiguous
+    _one_line_error(
+        "kw_rewards.length_reward",
+        "^reward function 'kw_rewards.length_reward' is ambiguous: both the directory kw_rewards.length_reward \\(a "
+        "reward model\\) and function 'length_reward' of kw_rewards; name the directory ./kw_rewards.length_reward or "
+        "the function kw_rewards:length_reward$",
+    )
+    (workdir / "kw_rewards.v2").mkdir()  # the function form does not resolve: the directory is the reward model
+    _one_line_error(
+        "kw_rewards.v2",
+        "^reward model 'kw_rewards.v2' does not load: .*; tried module kw_rewards, function 'v2' \\(kw_rewards has "
+        "no 'v2'\\) too$",
+    )
+    _one_line_error("./kw_rewards.length_reward", "^reward model './kw_rewards.length_reward' does not load")
 
 
 def test_builtin_task_rewards():
@@ -93,6 +174,95 @@ def test_builtin_task_rewards():
     }
     for prompt, (shaped, unshaped) in shapes.items():
         assert format_reward([prompt] * 2, [shaped, unshaped]) == [1.0, 0.0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# TRL 1.16's registry (trl/scripts/grpo.py), against TRL's own rewards
+# ------------------------------------------------------------------------------------------------------------
+TRL_NAMES = ["accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment"]
+THINK = [
+    "<think>\nThis is my reasoning.\n</think>\nThis is my answer.",
+    "<think>\nThis is my reasoning.\nThis is my answer.",
+    "<think></think>",
+    "no reasoning",
+    " <think>a</think>b",
+    "x\n<think>a</think>b",
+    "<think>a<think>b</think>c",
+    "<think>a</think>b<think>c</think>",
+    "",
+]
+MATH = [  # (completion, solution)
+    (r"My answer is \boxed{\frac{1}{3}}", r"\frac{1}{3}"),
+    (r"My answer is \boxed{\frac{1}{2}}", r"\frac{1}{3}"),
+    (r"<think>maybe \boxed{7}</think> so \boxed{42}", "42"),
+    (r"<think>\boxed{42}</think> no answer", "42"),
+    (r"<think>\boxed{42} and no end", "42"),
+    (r"\boxed{3}", "no solution here"),
+    (r"<think>x</think> \boxed{3}", "no solution here"),
+    (r"the answer: $x^2+1$", "$x^2+1$"),
+]
+
+
+def _conversation(texts):
+    return [[{"role": "assistant", "content": t}] for t in texts]
+
+
+def test_trls_registry_names_load_with_trls_values():
+    assert list(BUILTINS)[2:] == TRL_NAMES
+    assert load_reward_function("think_format_reward") is think_format_reward
+    expected = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # one <think> only, opening the completion
+    assert think_format_reward(_conversation(THINK)) == expected and think_format_reward(THINK) == expected
+    overlong = load_reward_function("get_soft_overlong_punishment")  # TRL's script's values: 1280 and 256
+    assert reward_name(overlong) == "soft_overlong_punishment_reward"
+    lengths = [0, 1024, 1025, 1100, 1279, 1280, 1281, 5000]
+    assert overlong([[7] * n for n in lengths]) == [0.0, 0.0, -1 / 256, -76 / 256, -255 / 256, -1.0, -1.0, -1.0]
+    assert get_soft_overlong_punishment(10, 4)(completion_ids=[[1] * 6, [1] * 8, [1] * 11]) == [0.0, -0.5, -1.0]
+
+
+def test_trls_registry_equals_trls_rewards():
+    trl_rewards = pytest.importorskip("trl.rewards")
+    import trl.scripts.grpo
+    from trl.trainer.utils import get_callable_name
+
+    registry = inspect.getsource(trl.scripts.grpo.main).split("reward_funcs_registry = {")[1].split("}")[0]
+    assert re.findall(r'"(\w+)":', registry) == TRL_NAMES
+    assert "get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)" in registry
+    conversations = _conversation(THINK)
+    assert think_format_reward(conversations) == trl_rewards.think_format_reward(conversations)
+    ours, theirs = BUILTINS["get_soft_overlong_punishment"], trl_rewards.get_soft_overlong_punishment(1280, 256)
+    ids = [[3] * n for n in range(0, 1400, 7)]
+    assert ours(ids) == theirs(ids) and reward_name(ours) == get_callable_name(theirs)
+    for name in TRL_NAMES[:3]:  # the logged names (rewards/<name>/mean)
+        assert reward_name(BUILTINS[name]) == get_callable_name(getattr(trl_rewards, name))
+
+
+def test_trls_math_rewards_equal_trls():
+    pytest.importorskip("math_verify")
+    trl_rewards = pytest.importorskip("trl.rewards")
+    completions, solution = _conversation([c for c, _ in MATH]), [s for _, s in MATH]
+    for ours, theirs, kw in [
+        (accuracy_reward, trl_rewards.accuracy_reward, {}),
+        (reasoning_accuracy_reward, trl_rewards.reasoning_accuracy_reward, {}),
+        (
+            reasoning_accuracy_reward,
+            trl_rewards.reasoning_accuracy_reward,
+            {"reasoning_delimiters": ["so", "</think>"]},
+        ),
+    ]:
+        logged = [[], []]
+        got = ours(completions, solution, log_extra=lambda *a: logged[0].append(a), **kw)
+        want = theirs(completions, solution, log_extra=lambda *a: logged[1].append(a), **kw)
+        assert got == want and logged[0] == logged[1], (ours.__name__, kw)
+    assert accuracy_reward(completions, solution)[:2] == [1.0, 0.0] and None in accuracy_reward(completions, solution)
+    assert load_reward_function("accuracy_reward") is accuracy_reward
+
+
+def test_trls_math_rewards_without_math_verify_are_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # not importable
+    for name in ("accuracy_reward", "reasoning_accuracy_reward"):
+        _one_line_error(name, f"^reward function '{name}' needs the math_verify package, as TRL's does")
+        with pytest.raises(ImportError, match=f"Please install the `math_verify` package to use {name}"):
+            BUILTINS[name](_conversation(["\\boxed{1}"]), ["1"])
 
 
 def test_score_checks_name_the_function_and_the_row():
