@@ -101,7 +101,7 @@ def render_ladder(rows: list[dict], env: dict) -> str:
     lines = [
         "# Memory ladder (modelled): the largest context that fits, micro batch 1",
         "",
-        "Every figure here is **modelled** (bench/roofline.py `--ladder`; its docstring says how): meta-tensor traces "
+        "Every figure here is **modelled** (bench/roofline/ `--ladder`; its docstring says how): meta-tensor traces "
         "of one training step, peak = the largest sum of live device bytes. A context fits when its modelled peak is "
         f"at most the GPU's memory less a runtime reserve of {RESERVE_BYTES / GIB:.1f} GiB (CUDA context + allocator "
         f"fragmentation). Answers are multiples of {LADDER_RUNG} tokens. GPU totals: "

@@ -60,13 +60,14 @@ def render_lora_stacks(rows: list[dict], env: dict) -> str:
         f"# LoRA stacks (modelled): Llama-3.1-8B, r 16 on every linear layer, seq_len {rows[0]['seq_len']}, "
         "micro batch 1",
         "",
-        "Every figure here is **modelled** on meta tensors (bench/roofline.py: `lora_stack_rows`), no checkpointing "
-        "(every activation a step keeps is in its peak), bf16 base, bf16 autocast. activations = what is live after "
-        "forward above the parameters and optimizer state; step bytes = the DRAM traffic of every op of the step. "
-        "The fused path's values and gradients equal peft's bit for bit (tests/trainer/model/test_fused_lora.py). "
-        "It keeps each input once and the thin x A^T; peft's layers keep, per adapted layer, dropout's mask and "
-        "dropped copy, and with fp32 adapters the bf16 casts of their inputs. With dropout the fused backward draws "
-        "the masks again (PyTorch's dropout on the saved generator state): bytes that peft's kept copies save.",
+        "Every figure here is **modelled** on meta tensors (bench/roofline/lora_stacks.py: `lora_stack_rows`), no "
+        "checkpointing (every activation a step keeps is in its peak), bf16 base, bf16 autocast. activations = what is "
+        "live after forward above the parameters and optimizer state; step bytes = the DRAM traffic of every op of the "
+        "step. The fused path's values and gradients equal peft's bit for bit "
+        "(tests/trainer/model/test_fused_lora.py). It keeps each input once and the thin x A^T; peft's layers keep, "
+        "per adapted layer, dropout's mask and dropped copy, and with fp32 adapters the bf16 casts of their inputs. "
+        "With dropout the fused backward draws the masks again (PyTorch's dropout on the saved generator state): bytes "
+        "that peft's kept copies save.",
         "",
         common.env_header(env).replace("Measured on", "Modelled on"),
         "",

@@ -77,7 +77,7 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
     lines = [
         f"# Step roofline (modelled): {args.model}, seq_len {args.seq_len}, micro batch {args.micro_batch}",
         "",
-        f"Every figure here is **modelled** (bench/roofline.py, its docstring says how) for an {dev.name}: "
+        f"Every figure here is **modelled** (bench/roofline/, its docstring says how) for an {dev.name}: "
         f"{dev.bandwidth / 1e12:.1f} TB/s, {dev.peak_flops / 1e12:.0f} TFLOP/s bf16, "
         f"{dev.launch_s * 1e6:.0f} us per launch. One step: forward (bf16 autocast over fp32 parameters), "
         "backward, clipping, optimizer step.",
