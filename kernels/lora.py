@@ -22,7 +22,7 @@ What is kept for backward, against peft's modules (per projection, n = tokens):
   (gate and up are kept, as SwiGLU's backward needs them).
 With dropout 0 and no autocast peft keeps little more than this (x is the same tensor for every projection); the
 difference is the dropped copies and masks (for Llama-3.1-8B, 5 bytes per element of the three q/k/v inputs, the
-o_proj input, two MLP inputs and the 14336-wide down_proj input in bf16 on CUDA: bench/roofline.py's LoRA stack).
+o_proj input, two MLP inputs and the 14336-wide down_proj input in bf16 on CUDA: bench/roofline/lora_stacks.py).
 
 Exactness (tests/kernels/test_lora.py, tests/trainer/model/test_fused_lora.py): every matmul is the one autograd's
 mm backward runs on the same operands (dB = dz^T xa, dA = dxa^T drop(x) as mm_mat2_backward forms them for a

@@ -20,7 +20,7 @@ read twice and nothing but the outputs is written.
 no act for the weight gradient: its backward computes dact = dout @ weight first, then the backward kernel with
 STORE_ACT also writes act (over dact: 3s read + 3s written), then dweight = dout^T @ act. A second forward pass to
 recompute act would move 3s more (2s of them its reads of gate and up): 1.5 ms of the modelled Llama-3.2-1B step at
-4 x 2048 on an H100 (bench/roofline.py). Values and gradients are bit for bit F.linear(swiglu(gate, up), weight)'s.
+4 x 2048 on an H100 (bench/roofline/). Values and gradients are bit for bit F.linear(swiglu(gate, up), weight)'s.
 
 Launch strategy: the three tensors are flattened to 1-D (contiguous; a stride-0 dout from .sum().backward()
 is materialised first) and each program covers BLOCK consecutive elements with int64 offsets. On CUDA

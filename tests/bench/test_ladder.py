@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +14,12 @@ import torch
 import kernels
 from bench import roofline as rf
 from bench.bench_train import model_config
+from bench.common import RESULTS
 from kernels import FusedAdamW
 from trainer.config.args import TrainingArguments
 from trainer.loop.optim import build_optimizer
 from trainer.model.causal_lm import CausalLM, ModelConfig
 from trainer.model.offload import ActivationOffloader
-
-RESULTS = Path(rf.__file__).parent / "results"
 
 
 def test_bisection_finds_the_largest_fitting_multiple_of_the_rung():

@@ -1,0 +1,86 @@
+"""`python -m bench.roofline` and its flags: the step roofline of the four stacks (default), --ladder, --lora_stacks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from bench import common, roofline
+from bench.roofline.ladder import LADDER_STACKS, SETTINGS
+from bench.roofline.ladder_report import main_ladder
+from bench.roofline.lora_stacks import main_lora_stacks
+from bench.roofline.report import _measured, chart, render, summarise
+from bench.roofline.stacks import STACKS, model_step
+from bench.roofline.tracing import DEVICES
+
+
+def parse_args(argv=None):
+    from bench.bench_train import MODELS
+
+    p = argparse.ArgumentParser(description=roofline.__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.2-1b", choices=sorted(MODELS))
+    p.add_argument("--seq_len", type=int, default=2048)
+    p.add_argument("--micro_batch", type=int, default=4)
+    p.add_argument("--ignored", type=float, default=0.5, help="the second ignored fraction (0 is always run)")
+    p.add_argument("--device", default="h100", choices=sorted(DEVICES))
+    p.add_argument("--stacks", default=",".join(STACKS), help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help="results directory (default bench/results)")
+    p.add_argument("--ladder", action="store_true", help="the modelled memory ladder of maximum context instead")
+    p.add_argument("--lora_stacks", action="store_true", help="the LoRA stacks at Llama-3.1-8B instead (--seq_len)")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="--ladder's settings (comma-separated)")
+    p.add_argument("--ladder_stacks", default=",".join(LADDER_STACKS), help="--ladder's stacks (comma-separated)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count(), help="--ladder's worker processes")
+    p.add_argument("--render_only", action="store_true", help="--ladder's md and chart from its ladder.jsonl")
+    p.add_argument("--no_calibration", dest="calibration", action="store_false", help="--ladder without calibration")
+    args = p.parse_args(argv)
+    if not 0 <= args.ignored < 1:
+        p.error("--ignored must be in [0, 1)")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    from bench.bench_train import model_config
+
+    args = parse_args(argv)
+    if args.out:
+        common.RESULTS = Path(args.out)
+    if args.ladder:
+        return main_ladder(args)
+    if args.lora_stacks:
+        return main_lora_stacks(args)
+    dev = DEVICES[args.device]
+    config = model_config(args.model)
+    env = common.env_info()
+    rows = []
+    for ignored in sorted({0.0, args.ignored}):
+        for stack in STACKS:
+            trace = model_step(stack, config, args.micro_batch, args.seq_len, ignored)
+            rows.append(
+                {
+                    "bench": "roofline",
+                    "modelled": True,
+                    "stack": stack,
+                    "ignored": ignored,
+                    "model": args.model,
+                    "seq_len": args.seq_len,
+                    "micro_batch": args.micro_batch,
+                    "modelled_device": dev.name,
+                    "bandwidth_bytes_s": dev.bandwidth,
+                    "peak_flops": dev.peak_flops,
+                    "launch_s": dev.launch_s,
+                    **summarise(trace, dev),
+                    **env,
+                }
+            )
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    jsonl = common.RESULTS / "roofline.jsonl"
+    with jsonl.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    text = render(rows, dev, _measured(args.model, args.seq_len, args.micro_batch), args)
+    (common.RESULTS / "roofline.md").write_text(text)
+    chart(rows, common.RESULTS / "roofline.png")
+    print(text)
+    return rows

@@ -1,0 +1,477 @@
+"""The cost models of the ops that cannot run on meta tensors: ours by the benches' exact byte models
+(`traffic_parts`), liger-kernel's from its source, SDPA as flash attention, our FusedAdamW's Triton launcher. MODELS
+maps each autograd Function's class name to its model; `_function_classes` finds those classes in `kernels` and
+liger-kernel (bench/roofline/recording.py's `modelled_ops` swaps them in)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+
+import torch
+
+import kernels
+
+# Imported after `kernels` (they set TRITON_INTERPRET for kernels imported later; ours are decorated already).
+from bench import bench_adamw, bench_rms_norm, bench_rope, bench_swiglu
+from bench import bench_fused_linear_cross_entropy as bench_flce
+from bench.roofline.tracing import BF16, _like, _rec, apply_model, nbytes
+from bench.sm90 import H100_SMS
+from kernels.fused_linear_cross_entropy import _chunk_rows as flce_chunk_rows
+
+
+# Byte models. Ours: the benches' exact `traffic_parts` (bench/bench_rms_norm.py, bench_fused_linear_cross_entropy.py,
+# bench_adamw.py, bench_rope.py), which tests/bench/test_byte_models.py checks against bench/traffic.py's meter.
+# Liger's, below, one function per kernel, checked against the meter by tests/bench/test_roofline.py.
+def _record_parts(
+    prefix: str, category: str, parts: dict[str, tuple[int, int]], skip=(), launches=None, flops=None
+) -> None:
+    """One recorded op per launch name of a bench's `traffic_parts` (bytes read + written); `launches` and `flops`
+    per name where they are not 1 and 0."""
+    for name, (read, write) in parts.items():
+        if name in skip:
+            continue
+        _rec(
+            f"{prefix}:{name}",
+            category(name) if callable(category) else category,
+            read + write,
+            (flops or {}).get(name, 0.0),
+            (launches or {}).get(name, 1),
+        )
+
+
+def liger_cross_entropy_bytes(rows: int, vocab: int, s: int, loss_size: int = 4) -> int:
+    """liger's cross-entropy kernel (inside its fused loss, no z-loss): two passes over each row's logits and the
+    gradient written in place (like ours), per row the target (int64) and its logit read, the target's logit
+    written again and the loss."""
+    return 3 * rows * vocab * s + rows * (8 + s) + rows * (s + loss_size)
+
+
+def liger_rope_bytes(q_elems: int, k_elems: int, s: int, rows: int, half_dim: int, cos_size: int) -> int:
+    """liger's RoPE kernel (in place): q and k read and written once; half a row of cos and of sin (the two halves
+    hold the same angles) read per (batch, position) row, issued (the rows of a shared cos stay in cache on a GPU,
+    but liger's program per row asks again)."""
+    return 2 * (q_elems + k_elems) * s + 2 * rows * half_dim * cos_size
+
+
+class RMSNormModel:
+    """Ours (RMSNormFunction(x2d, weight, eps, offset, max_block)) by bench/bench_rms_norm.py's `traffic_parts` (the
+    weight once per launch: it stays in L2; the dweight partials of about two programs per H100 SM, summed by torch).
+    liger's (LigerRMSNormFunction(X, W, ...)) by the same: its kernels make the same passes over x, dy and dx (one
+    program per SM for dweight), and cannot be metered here (they call libdevice, which the interpreter lacks)."""
+
+    category = "norms"
+
+    def __init__(self, name):
+        self.name = name
+
+    def forward(self, ctx, x, weight, *rest):
+        ctx.n_rest = len(rest)  # eps, offset, ...: no gradient
+        m, n = x.numel() // x.shape[-1], x.shape[-1]
+        _record_parts(
+            self.name,
+            "norms",
+            bench_rms_norm.traffic_parts("forward", m, n, x.element_size(), weight.element_size(), weight_once=True),
+        )
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, weight, rstd)
+        return _like(x)
+
+    def backward(self, ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        m, n = x.numel() // x.shape[-1], x.shape[-1]
+        _record_parts(
+            self.name + ".backward",
+            "norms",
+            bench_rms_norm.traffic_parts(
+                "backward", m, n, x.element_size(), weight.element_size(), num_programs=2 * H100_SMS, weight_once=True
+            ),
+        )
+        return _like(x), _like(weight), *([None] * (ctx.n_rest))
+
+
+class SwiGLUModel:
+    """silu(gate) * up (ours: SwiGLUFunction(gate, up); liger: LigerSiLUMulFunction(a, b)): forward reads gate and
+    up and writes the product; backward reads dout, gate, up and writes dgate, dup (liger in place: same bytes)."""
+
+    category = "mlp_activation"
+
+    def __init__(self, name):
+        self.name = name
+
+    def forward(self, ctx, gate, up, *rest):
+        ctx.n_rest = len(rest)
+        _rec(self.name, "mlp_activation", nbytes(gate) + nbytes(up) + nbytes(gate))
+        ctx.save_for_backward(gate, up)
+        return _like(gate)
+
+    def backward(self, ctx, dout):
+        gate, up = ctx.saved_tensors
+        _rec(self.name + ".backward", "mlp_activation", nbytes(dout) + 2 * nbytes(gate) + 2 * nbytes(up))
+        return _like(gate), _like(up), *([None] * ctx.n_rest)
+
+
+class SwiGLULinearModel:
+    """kernels' SwiGLULinearFunction(gate, up, weight): F.linear(silu(gate) * up, weight) keeping gate, up and weight,
+    not act. Forward: the SwiGLU forward kernel, then the (M, I) @ (I, H) matmul (act dies). Backward: dact = dout @
+    weight, the SwiGLU backward kernel that also writes act (over dact; bench/bench_swiglu.py's `traffic_parts` with
+    store_act), then dweight = dout^T @ act. Kernels as mlp_activation, matmuls as matmuls (as aten's mm records)."""
+
+    category = "mlp_activation"
+    name = "SwiGLULinearFunction"
+
+    def forward(self, ctx, gate, up, weight):
+        n, s = gate.numel(), gate.element_size()
+        i, h = gate.shape[-1], weight.shape[0]
+        m = n // i
+        _record_parts(self.name, "mlp_activation", bench_swiglu.traffic_parts("forward", n, s))
+        act = _like(gate)  # (..., I), dies with the forward
+        _mm(f"{self.name}:mm", "matmuls", m, i, h, s, weight.element_size(), s)
+        del act
+        ctx.save_for_backward(gate, up, weight)
+        return _like(gate, shape=(*gate.shape[:-1], h))
+
+    def backward(self, ctx, dout):
+        gate, up, weight = ctx.saved_tensors
+        n, s, w = gate.numel(), gate.element_size(), weight.element_size()
+        i, h = gate.shape[-1], weight.shape[0]
+        m = n // i
+        dact = _like(gate)  # (..., I); act is written over it
+        _mm(f"{self.name}.backward:mm", "matmuls", m, h, i, s, w, s)  # dact = dout @ weight
+        dgate, dup = _like(gate), _like(up)
+        parts = bench_swiglu.traffic_parts("backward", n, s, store_act=True)
+        _record_parts(self.name + ".backward", "mlp_activation", parts)
+        dweight = _like(weight)
+        _mm(f"{self.name}.backward:mm", "matmuls", h, m, i, s, s, w)  # dweight = dout^T @ act
+        del dact
+        return dgate, dup, dweight
+
+
+class RoPEModel:
+    """Rotary embedding of q (B, Hq, T, D) and k (B, Hkv, T, D) (transformers' layout, which both take): ours
+    (RoPEFunction(q, k, cos, sin)) by bench/bench_rope.py's model (q and k read and written once, cos and sin read
+    once per row of theirs), liger's (LigerRopeFunction(q, k, cos, sin, ...), in place) by `liger_rope_bytes`;
+    backward the same on dq and dk. One launch each way."""
+
+    category = "rope"
+
+    def __init__(self, name):
+        self.name = name
+
+    def _bytes(self, q, k, cos):
+        b, hq, t, d = q.shape
+        if self.name.startswith("Liger"):
+            return liger_rope_bytes(q.numel(), k.numel(), q.element_size(), b * t, d // 2, cos.element_size())
+        return bench_rope._bytes("forward", b, t, hq, k.shape[1], d, cos.shape[0], q.element_size(), cos.element_size())
+
+    def forward(self, ctx, q, k, cos, sin, *rest):
+        ctx.n_rest = len(rest) + 2  # cos, sin, and liger's position_ids, unsqueeze_dim: no gradient
+        _rec(self.name, "rope", self._bytes(q, k, cos))
+        ctx.save_for_backward(cos, sin)
+        return _like(q), _like(k)
+
+    def backward(self, ctx, dq, dk):
+        cos, _ = ctx.saved_tensors
+        _rec(self.name + ".backward", "rope", self._bytes(dq, dk, cos))
+        return _like(dq), _like(dk), *([None] * ctx.n_rest)
+
+
+class FusedAddRMSNormModel:
+    """Ours, FusedAddRMSNormFunction(x, residual, weight, eps, offset, max_block) -> (normed, h = x + residual), by
+    bench/bench_rms_norm.py's `traffic_parts` with the residual (the weight once per launch; the dweight partials of
+    about two programs per H100 SM, summed by torch): forward reads x and residual, writes h and normed (in
+    promote(x, residual)'s dtype) and rstd; backward reads d_normed, d_h_out (when h's later use gave it one) and h,
+    writes d_h once per input dtype (under autocast: fp32 for the residual stream, bf16 for the added update)."""
+
+    name = "FusedAddRMSNormFunction"
+    category = "norms"
+
+    def forward(self, ctx, x, residual, weight, *rest):
+        ctx.n_rest = len(rest)  # eps, offset, max_block: no gradient
+        m, n = x.numel() // x.shape[-1], x.shape[-1]
+        _record_parts(
+            self.name,
+            "norms",
+            bench_rms_norm.traffic_parts(
+                "forward",
+                m,
+                n,
+                x.element_size(),
+                weight.element_size(),
+                weight_once=True,
+                residual_size=residual.element_size(),
+            ),
+        )
+        total = _like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(total, weight, rstd)
+        ctx.dtypes = (x.dtype, residual.dtype)
+        return _like(total), total
+
+    def backward(self, ctx, dnormed, dsum):
+        total, weight, rstd = ctx.saved_tensors
+        x_dtype, res_dtype = ctx.dtypes
+        m, n = total.numel() // total.shape[-1], total.shape[-1]
+        _record_parts(
+            self.name + ".backward",
+            "norms",
+            bench_rms_norm.traffic_parts(
+                "backward",
+                m,
+                n,
+                x_dtype.itemsize,
+                weight.element_size(),
+                num_programs=2 * H100_SMS,
+                weight_once=True,
+                residual_size=res_dtype.itemsize,
+                grad_h=dsum is not None,
+            ),
+        )
+        dres = _like(total, dtype=res_dtype)
+        dx = dres if x_dtype == res_dtype else _like(total, dtype=x_dtype)
+        return dx, dres, _like(weight), *([None] * ctx.n_rest)
+
+
+class FlashAttentionModel:
+    """F.scaled_dot_product_attention(q, k, v, ...) as flash attention: (B, H, T, D) q, (B, Hkv, T, D) k and v."""
+
+    name = "flash_attention"
+    category = "attention"
+
+    def __init__(self, causal: bool):
+        self.causal = causal
+
+    def flops(self, q):
+        b, h, t, d = q.shape
+        full = 4 * b * h * t * t * d
+        return full / 2 if self.causal else full
+
+    def forward(self, ctx, q, k, v):
+        b, h, t, _ = q.shape
+        o = _like(q)
+        lse = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
+        _rec(self.name, "attention", nbytes(q) + nbytes(k) + nbytes(v) + nbytes(o) + nbytes(lse), self.flops(q))
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.n_rest = 0
+        return o
+
+    def backward(self, ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        _rec(
+            self.name + ".backward",
+            "attention",
+            nbytes(q)
+            + nbytes(k)
+            + nbytes(v)
+            + nbytes(o)
+            + nbytes(do)
+            + nbytes(lse)
+            + nbytes(q)
+            + nbytes(k)
+            + nbytes(v),
+            2.5 * self.flops(q),
+            launches=2,
+        )
+        return _like(q), _like(k), _like(v)
+
+
+def _mm(name, cat, m, k, n, a_elt, b_elt, out_elt, accumulate=False):
+    """A matmul (m, k) @ (k, n): 2mkn FLOPs; bytes: its operands, its output (read too when it accumulates)."""
+    out = m * n * out_elt
+    _rec(name, cat, m * k * a_elt + k * n * b_elt + out * (2 if accumulate else 1), 2 * m * k * n)
+
+
+# Host-side ops of our fused loss (the kept rows and the token count, found on the CPU): not GPU work.
+_FLCE_HOST = ("aten.ne", "aten.sum", "aten.clamp", "aten.nonzero")
+
+
+def _flce_category(name: str) -> str:
+    if name in ("aten.mm", "aten.addmm", "aten.addmm_"):
+        return "matmuls"
+    return "other_elementwise" if name == "aten._to_copy" else "loss"  # the cast is the weight's, to bf16
+
+
+class OurFLCEModel:
+    """kernels' FusedLinearCrossEntropyFunction(hidden, weight, target, bias, ls, ignore_index, reduction, z_loss,
+    num_items, out_dtype) by bench/bench_fused_linear_cross_entropy.py's `traffic_parts` (forward with every
+    gradient, backward with grad_output 1, the weight fp32 under autocast): the K kept rows (target on the host)
+    gathered, the weight cast to bf16, per chunk of C rows the logits matmul, the cross-entropy kernel, the
+    grad_hidden matmul and the grad_weight matmul into the fp32 (V, H) gradient; backward rounds grad_hidden once
+    and scatters it back. FLOPs and launches per chunk from the same chunking (kernels' `_chunk_rows`)."""
+
+    category = "loss"
+
+    name = "FusedLinearCrossEntropyFunction"
+
+    def forward(self, ctx, hidden, weight, target, bias, ls, ignore_index, reduction, *rest):
+        n, h = hidden.shape
+        v = weight.shape[0]
+        s, w = hidden.element_size(), weight.element_size()
+        k = int((target != ignore_index).sum()) if target.device.type == "cpu" else n
+        ctx.sizes = (n, h, v, s, w, k)
+        held = [torch.empty((k, h), dtype=hidden.dtype, device=hidden.device)] if k < n else []
+        if w != s:
+            held.append(torch.empty((v, h), dtype=hidden.dtype, device=hidden.device))  # the weight's bf16 copy
+        grad_hidden = torch.empty((k, h), dtype=torch.float32, device=hidden.device)
+        # a frozen weight (LoRA's lm_head) gets no gradient buffer, as the kernel's need_weight (its traffic here is
+        # still the full fine-tune's)
+        grad_weight = torch.empty((v, h), dtype=torch.float32, device=hidden.device) if weight.requires_grad else None
+        chunk = flce_chunk_rows(k, h, v) if k else 1
+        chunks = math.ceil(k / chunk)
+        flops = {"aten.mm": 2 * k * h * v * 2 + 2 * min(chunk, k) * h * v, "aten.addmm": 2 * max(0, k - chunk) * h * v}
+        launches = {"aten.mm": 2 * chunks + 1, "aten.addmm": chunks - 1, "_cross_entropy_fwd_kernel": chunks}
+        for start in range(0, k, chunk):  # the chunk's logits, for the peak memory
+            logits = torch.empty((min(chunk, k - start), v), dtype=hidden.dtype, device=hidden.device)
+            del logits
+        _record_parts(
+            "flce",
+            _flce_category,
+            bench_flce.traffic_parts("forward", n, h, v, s, n - k, w=w),
+            skip=_FLCE_HOST,
+            launches=launches,
+            flops=flops,
+        )
+        del held
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.hidden_meta = (hidden.shape, hidden.dtype)
+        ctx.n_rest = len(rest) + 3  # ls, ignore_index, reduction and the rest: no gradient
+        return torch.empty((), dtype=torch.float32, device=hidden.device)
+
+    def backward(self, ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        shape, dtype = ctx.hidden_meta
+        n, h, v, s, w, k = ctx.sizes
+        _record_parts(
+            "flce.backward",
+            _flce_category,
+            bench_flce.traffic_parts("backward", n, h, v, s, n - k, w=w),
+            launches={"_cross_entropy_bwd_kernel": 2},
+        )
+        return (
+            torch.empty(shape, dtype=dtype, device=grad_hidden.device),
+            grad_weight,
+            None,
+            None,
+            *([None] * ctx.n_rest),
+        )
+
+
+class LigerFLCEModel:
+    """LigerFusedLinearCrossEntropyFunction(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
+    label_smoothing, reduction, ...) as liger-kernel 0.8 runs it: every row (no skipping), chunks of
+    next_pow2(N / ceil(V / H)) rows; fp32 grad_input and grad_weight zeroed; the weight cast once to bf16 by
+    autocast; per chunk: the input chunk cast to bf16 (fp32 input; twice: for the logits and for grad_weight),
+    logits matmul, liger's cross-entropy kernel (two reads and one write per logit, the same as ours), grad_input
+    matmul (bf16 out) copied into the fp32 grad_input, grad_weight addmm reading and writing the fp32 (V, H) gradient.
+    Backward: grad_output is 1/num_items after the callers' division of the "sum" loss, so liger's element_mul scales
+    grad_input and grad_weight (read + write each)."""
+
+    category = "loss"
+
+    name = "LigerFusedLinearCrossEntropyFunction"
+
+    def forward(self, ctx, inp, weight, target, bias, ce_weight, ignore_index, lse_sq, ls, reduction, *rest):
+        n, h = inp.shape
+        v = weight.shape[0]
+        lo = 2  # bf16 under autocast
+        cast_input = inp.element_size() != lo
+        ctx.scaled = reduction == "sum"
+        _rec(
+            "liger_flce.zero_grads",
+            "loss",
+            n * h * inp.element_size() + v * h * weight.element_size() + 4 * n,
+            0,
+            launches=3,
+        )
+        grad_input = _like(inp)
+        grad_weight = _like(weight)
+        held = []
+        if weight.element_size() != lo:
+            _rec("liger_flce.weight_cast", "other_elementwise", nbytes(weight) + v * h * lo)
+            held.append(torch.empty((v, h), dtype=BF16, device=inp.device))
+        inc = math.ceil(v / h)
+        chunk = min(1 << max(0, math.ceil(n / inc) - 1).bit_length(), n)
+        for start in range(0, n, chunk):
+            c = min(chunk, n - start)
+            logits = torch.empty((c, v), dtype=BF16, device=inp.device)
+            if cast_input:
+                _rec("liger_flce.input_cast", "other_elementwise", c * h * (inp.element_size() + lo), launches=1)
+            _mm("liger_flce.logits", "matmuls", c, h, v, lo, lo, lo)
+            _rec("liger_flce.cross_entropy", "loss", liger_cross_entropy_bytes(c, v, lo))
+            _mm("liger_flce.grad_input", "matmuls", c, v, h, lo, lo, lo)
+            if inp.element_size() != lo:
+                _rec("liger_flce.grad_input_copy", "other_elementwise", c * h * (lo + inp.element_size()))
+            if cast_input:
+                _rec("liger_flce.input_cast", "other_elementwise", c * h * (inp.element_size() + lo))
+            _mm("liger_flce.grad_weight", "matmuls", v, c, h, lo, lo, weight.element_size(), accumulate=True)
+            del logits
+        del held
+        ctx.save_for_backward(grad_input, grad_weight)
+        ctx.n_rest = (
+            len(rest) + 7
+        )  # target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction
+        loss = torch.empty((), dtype=torch.float32, device=inp.device)
+        return loss, None, None, None
+
+    def backward(self, ctx, grad_output, *_):
+        grad_input, grad_weight = ctx.saved_tensors
+        if ctx.scaled:
+            _rec("liger_flce.element_mul", "loss", 2 * (nbytes(grad_input) + nbytes(grad_weight)), launches=2)
+        return grad_input, grad_weight, *([None] * ctx.n_rest)
+
+
+def _adamw_model(params, grads, exp_avgs, exp_avg_sqs, steps, masters, **hyper):
+    """kernels.adamw.fused_adamw_step (the step counters' foreach add + one Triton launch per bucket) by
+    bench/bench_adamw.py's `traffic_parts`."""
+    fp32 = params[0].dtype == torch.float32
+    variant = "ours_fp32" if fp32 else ("ours_bf16_master" if masters else "ours_bf16_sr")
+    _record_parts("fused_adamw", "optimizer", bench_adamw.traffic_parts(variant, [p.numel() for p in params]))
+
+
+# Function class name -> its model (a fresh one per call: it keeps what its backward needs on ctx)
+MODELS = {
+    "RMSNormFunction": lambda: RMSNormModel("RMSNormFunction"),
+    "LigerRMSNormFunction": lambda: RMSNormModel("LigerRMSNormFunction"),
+    "SwiGLUFunction": lambda: SwiGLUModel("SwiGLUFunction"),
+    "LigerSiLUMulFunction": lambda: SwiGLUModel("LigerSiLUMulFunction"),
+    "SwiGLULinearFunction": SwiGLULinearModel,
+    "RoPEFunction": lambda: RoPEModel("RoPEFunction"),
+    "LigerRopeFunction": lambda: RoPEModel("LigerRopeFunction"),
+    "FusedAddRMSNormFunction": FusedAddRMSNormModel,
+    "FusedLinearCrossEntropyFunction": OurFLCEModel,
+    "LigerFusedLinearCrossEntropyFunction": LigerFLCEModel,
+}
+
+
+def _function_classes() -> dict[str, type]:
+    """The autograd Functions MODELS names that exist now: ours from any module of `kernels` (so a kernel that lands
+    under one of the names is picked up), liger's from its ops."""
+    found = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        try:
+            module = importlib.import_module(f"kernels.{info.name}")
+        except ImportError:  # e.g. the optional CUDA extension, unbuilt
+            continue
+        for name in MODELS:
+            cls = getattr(module, name, None)
+            if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+                found[name] = cls
+    liger = {
+        "LigerRMSNormFunction": "liger_kernel.ops.rms_norm",
+        "LigerSiLUMulFunction": "liger_kernel.ops.swiglu",
+        "LigerRopeFunction": "liger_kernel.ops.rope",
+        "LigerFusedLinearCrossEntropyFunction": "liger_kernel.ops.fused_linear_cross_entropy",
+    }
+    for name, mod in liger.items():
+        found[name] = getattr(importlib.import_module(mod), name)
+    return found
+
+
+def _modelled_apply(name: str):
+    """A replacement for the `apply` of the Function called `name`: its model runs instead."""
+
+    def apply(*args):
+        return apply_model(MODELS[name](), *args)
+
+    return staticmethod(apply)

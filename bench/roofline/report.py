@@ -1,0 +1,212 @@
+"""The step roofline's results: a trace summed by category on a Device (`summarise`), the md (`render`: modelled ms by
+category and stack, where the peak memory is, the targets, measured step times beside the modelled ones) and the
+chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import common
+from bench.roofline.stacks import STACKS
+from bench.roofline.tracing import CATEGORIES, Device, Trace
+
+# Targets of issue 20 (modelled): ours / hf_liger step time at 0% and at 50% ignored, ours / hf, peak memory.
+TARGET_VS_LIGER = {0.0: 0.97, 0.5: 0.92}
+TARGET_VS_HF = 0.85
+
+
+def summarise(trace: Trace, dev: Device) -> dict:
+    ms = {c: 0.0 for c in CATEGORIES}
+    launches = {c: 0 for c in CATEGORIES}
+    total_bytes = total_flops = 0.0
+    for op in trace.ops:
+        ms[op.category] += 1e3 * op.seconds(dev)
+        launches[op.category] += op.launches
+        total_bytes += op.bytes
+        total_flops += op.flops
+    return {"ms_" + c: ms[c] for c in CATEGORIES} | {
+        "ms_step": sum(ms.values()),
+        "launches": sum(launches.values()),
+        "bytes": total_bytes,
+        "flops": total_flops,
+        "peak_memory_gb": trace.peak / 1e9,
+        "peak_at": trace.peak_phase,
+        "peak_by_phase_gb": {k: v / 1e9 for k, v in trace.phase_peaks.items()},
+        "peak_breakdown_gb": {k: v / 1e9 for k, v in sorted(trace.at_peak.items(), key=lambda kv: -kv[1])},
+        "launch_overhead_ms": 1e3 * dev.launch_s * sum(launches.values()),
+    }
+
+
+def _measured(config_name: str, seq_len: int, micro_batch: int) -> dict:
+    """The newest GPU row per impl in common.RESULTS / "train.jsonl" at this model, sequence and micro batch:
+    {impl: {"step_ms", "grad_accum", "device"}}. A step of k accumulated micro batches is compared with k modelled
+    forward + backward passes and one optimizer step (`modelled_step_ms`)."""
+    path = common.RESULTS / "train.jsonl"
+    out: dict = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if (
+            row.get("perf_figure")
+            and row.get("status") == "ok"
+            and row.get("model") == config_name
+            and row.get("seq_len") == seq_len
+            and row.get("micro_batch") == micro_batch
+        ):
+            out[row["impl"]] = {
+                "step_ms": row["step_ms"],
+                "grad_accum": row.get("grad_accum", 1),
+                "device": row.get("device"),
+            }
+    return out
+
+
+def modelled_step_ms(row: dict, grad_accum: int) -> float:
+    """A modelled row's step time with `grad_accum` micro batches per optimizer step: the forward and backward (and
+    everything but the optimizer category) once per micro batch, clipping and the optimizer step once."""
+    return grad_accum * (row["ms_step"] - row["ms_optimizer"]) + row["ms_optimizer"]
+
+
+def _verdict(value: float, target: float) -> str:
+    return "met" if value <= target else f"MISSED by {100 * (value / target - 1):.1f}%"
+
+
+def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
+    lines = [
+        f"# Step roofline (modelled): {args.model}, seq_len {args.seq_len}, micro batch {args.micro_batch}",
+        "",
+        f"Every figure here is **modelled** (bench/roofline/, its docstring says how) for an {dev.name}: "
+        f"{dev.bandwidth / 1e12:.1f} TB/s, {dev.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+        f"{dev.launch_s * 1e6:.0f} us per launch. One step: forward (bf16 autocast over fp32 parameters), "
+        "backward, clipping, optimizer step.",
+        "",
+        common.env_header(rows[-1]).replace("Measured on", "Modelled on"),
+        "",
+    ]
+    for ignored in sorted({r["ignored"] for r in rows}):
+        sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
+        lines += [
+            f"## {100 * ignored:.0f}% of targets ignored (modelled ms)",
+            "",
+            "| category | " + " | ".join(STACKS) + " | ours/hf_liger | ours/hf |",
+            "|---|" + "---|" * (len(STACKS) + 2),
+        ]
+        for key in [f"ms_{c}" for c in CATEGORIES] + ["ms_step", "launch_overhead_ms"]:
+            vals = [sel[s][key] for s in STACKS]
+
+            def ratio(other, key=key):
+                return f"{sel['ours'][key] / sel[other][key]:.3f}" if sel[other][key] else "-"
+
+            label = key[3:] if key.startswith("ms_") else key
+            lines.append(
+                f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + f" | {ratio('hf_liger')} | {ratio('hf')} |"
+            )
+        for key, fmt in (
+            ("launches", "{:.0f}"),
+            ("peak_memory_gb", "{:.2f}"),
+            ("bytes", "{:.3g}"),
+            ("flops", "{:.3g}"),
+        ):
+            vals = [sel[s][key] for s in STACKS]
+            lines.append(
+                f"| {key} | "
+                + " | ".join(fmt.format(v) for v in vals)
+                + f" | {sel['ours'][key] / sel['hf_liger'][key]:.3f} | {sel['ours'][key] / sel['hf'][key]:.3f} |"
+            )
+        lines.append("")
+    zero = {r["stack"]: r for r in rows if r["ignored"] == 0.0}
+    for other in ("hf_liger", "hf"):
+        diffs = sorted(((zero["ours"][f"ms_{c}"] - zero[other][f"ms_{c}"], c) for c in CATEGORIES), key=lambda d: d[0])
+        lines.append(
+            f"ours - {other} at 0% ignored, modelled ms by category (faster first): "
+            + ", ".join(f"{c} {d:+.2f}" for d, c in diffs if abs(d) >= 0.05)
+            + "."
+        )
+        lines.append("")
+    lines += peak_lines(zero)
+    lines += ["## Targets (modelled)", ""]
+    for r in check_targets(rows):
+        lines.append(f"- {r}")
+    lines += ["", "## Measured beside modelled", ""]
+    if measured.get("ours") and (measured.get("hf_liger") or measured.get("hf")):
+        zero = {r["stack"]: r for r in rows if r["ignored"] == 0.0}
+        k = {impl: m["grad_accum"] for impl, m in measured.items()}
+        for impl in ("ours", "hf_liger", "hf"):
+            if impl in measured and impl in zero:
+                got, mod = measured[impl]["step_ms"], modelled_step_ms(zero[impl], k[impl])
+                lines.append(
+                    f"- {impl} at 0% ignored: measured {got:.1f} ms a step of {k[impl]} micro batches on "
+                    f"{measured[impl]['device']}, modelled {mod:.1f} ms for an {dev.name}: measured/modelled "
+                    f"{got / mod:.3f}"
+                )
+        for other in ("hf_liger", "hf"):
+            if measured.get(other) and k[other] == k["ours"]:
+                m = measured["ours"]["step_ms"] / measured[other]["step_ms"]
+                mod = modelled_step_ms(zero["ours"], k["ours"]) / modelled_step_ms(zero[other], k[other])
+                lines.append(
+                    f"- ours/{other} at 0% ignored: measured {m:.3f} (train.jsonl beside this file), modelled "
+                    f"{mod:.3f}, gap {m - mod:+.3f}"
+                )
+    else:
+        lines.append(
+            "No GPU rows of this model, sequence length and micro batch in the train.jsonl beside this file yet: "
+            "the measured ratios will stand here beside the modelled ones, and the gap is a finding."
+        )
+    lines += ["", "![modelled step time by category](roofline.png)", ""]
+    return "\n".join(lines)
+
+
+def peak_lines(sel: dict) -> list[str]:
+    """Where each stack's modelled peak is (at one ignored fraction): the allocation that reached it, the peak of each
+    phase, and the live bytes at the peak by where they were allocated (Trace.where), largest first."""
+    lines = [
+        "## Where the peak memory is (modelled, 0% ignored)",
+        "",
+        "Live bytes at each stack's peak by where they were allocated (setup: parameters, buffers and optimizer "
+        "state; forward:<module or modelled op>; backward:<autograd node>), in GB; the peak of each phase after it.",
+        "",
+        "| stack | peak GB | reached at | live at the peak, largest first | phase peaks |",
+        "|---|---|---|---|---|",
+    ]
+    for stack in STACKS:
+        row = sel[stack]
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in row["peak_breakdown_gb"].items() if v >= 0.0005)
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in row["peak_by_phase_gb"].items())
+        lines.append(f"| {stack} | {row['peak_memory_gb']:.3f} | {row['peak_at']} | {parts} | {phases} |")
+    return [*lines, ""]
+
+
+def check_targets(rows: list[dict]) -> list[str]:
+    out = []
+    for ignored in sorted({r["ignored"] for r in rows}):
+        sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
+        target = TARGET_VS_LIGER.get(ignored, TARGET_VS_LIGER[0.5] if ignored > 0 else TARGET_VS_LIGER[0.0])
+        v = sel["ours"]["ms_step"] / sel["hf_liger"]["ms_step"]
+        out.append(
+            f"{100 * ignored:.0f}% ignored: modelled step ours/hf_liger {v:.3f} <= {target}: {_verdict(v, target)}"
+        )
+        v = sel["ours"]["ms_step"] / sel["hf"]["ms_step"]
+        out.append(
+            f"{100 * ignored:.0f}% ignored: modelled step ours/hf {v:.3f} <= {TARGET_VS_HF}: "
+            f"{_verdict(v, TARGET_VS_HF)}"
+        )
+        v = sel["ours"]["peak_memory_gb"] / sel["hf_liger"]["peak_memory_gb"]
+        out.append(f"{100 * ignored:.0f}% ignored: modelled peak memory ours/hf_liger {v:.3f} <= 1: {_verdict(v, 1.0)}")
+    return out
+
+
+def chart(rows: list[dict], path: Path) -> Path:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(10, 5))
+    labels = [f"{r['stack']}\n{100 * r['ignored']:.0f}% ign." for r in rows]
+    bottom = [0.0] * len(rows)
+    for c in CATEGORIES:
+        vals = [r[f"ms_{c}"] for r in rows]
+        ax.bar(labels, vals, bottom=bottom, label=c)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("modelled ms per step")
+    ax.set_title(f"Step time by category, modelled for an {rows[0]['modelled_device']} (not measured)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return common.save_figure(fig, path)

@@ -1,0 +1,153 @@
+"""The four stacks (ours, ours_liger, hf, hf_liger), each built on the meta device with its trainer's default
+optimizer (`build`), and one recorded training step of a stack (`model_step`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import torch
+
+import kernels
+from bench.roofline import tracing
+from bench.roofline.recording import autocast_bf16, modelled_ops, recording
+from bench.roofline.tracing import Trace
+from bench.sm90 import fake_cuda
+
+STACKS = ("ours", "ours_liger", "hf", "hf_liger")
+
+
+@dataclasses.dataclass
+class Built:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: Callable  # (input_ids on the device, labels on the host) -> loss
+
+
+def optimizer_for(family: str, params) -> torch.optim.Optimizer:
+    """Each trainer's default optimizer: our FusedAdamW ("ours"), torch's fused AdamW ("hf")."""
+    hyper = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    if family == "ours":
+        return kernels.FusedAdamW(params, **hyper)
+    return torch.optim.AdamW(params, **hyper, fused=True)
+
+
+def _ours(config: dict, liger: bool) -> Built:
+    from trainer.model.causal_lm import CausalLM, ModelConfig, apply_liger_kernel
+
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.from_hf(config), use_kernels=True)
+    if liger:
+        apply_liger_kernel(model)
+    opt = optimizer_for("ours", model.parameters())
+
+    def loss(ids, labels):
+        # our model takes host labels (takes_host_labels); num_items = the window's target count, as our Trainer
+        return model(input_ids=ids, labels=labels, num_items=int((labels[:, 1:] != -100).sum())).loss
+
+    return Built(model, opt, loss)
+
+
+_LIGER_PATCHED = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+
+
+def _hf(config: dict, liger: bool) -> Built:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**config, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from transformers.models.llama import modeling_llama
+
+        saved = {k: getattr(modeling_llama, k) for k in _LIGER_PATCHED}
+        try:
+            apply_liger_kernel_to_llama(model=model)
+            rope = modeling_llama.apply_rotary_pos_emb
+        finally:  # liger patches the module globally: HF eager built later must stay eager
+            for k, v in saved.items():
+                setattr(modeling_llama, k, v)
+        # ... but this model's attention must keep liger's RoPE: bind it for the run (hf_liger's `loss` below)
+        model._roofline_rope = rope
+    opt = optimizer_for("hf", model.parameters())
+
+    def loss(ids, labels):
+        dev_labels = torch.empty(labels.shape, dtype=labels.dtype, device="cuda")  # the HF Trainer moves them
+        n_items = torch.empty((), dtype=torch.int64, device="cuda")  # num_items_in_batch, on the device
+        if not liger:
+            return model(input_ids=ids, labels=dev_labels, num_items_in_batch=n_items).loss
+        from transformers.models.llama import modeling_llama
+
+        saved = modeling_llama.apply_rotary_pos_emb
+        modeling_llama.apply_rotary_pos_emb = model._roofline_rope
+        try:
+            return model(input_ids=ids, labels=dev_labels, num_items_in_batch=n_items).loss
+        finally:
+            modeling_llama.apply_rotary_pos_emb = saved
+
+    return Built(model, opt, loss)
+
+
+def build(stack: str, config: dict) -> Built:
+    return {
+        "ours": lambda: _ours(config, False),
+        "ours_liger": lambda: _ours(config, True),
+        "hf": lambda: _hf(config, False),
+        "hf_liger": lambda: _hf(config, True),
+    }[stack]()
+
+
+def labels_for(batch: int, seq_len: int, ignored: float, seed: int = 0) -> torch.Tensor:
+    """(B, T) host labels: random ids (any in-vocabulary value costs the same) with `ignored` of them -100."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 1000, (batch, seq_len), generator=gen)
+    flat = labels.view(-1)
+    flat[torch.randperm(flat.numel(), generator=gen)[: int(ignored * flat.numel())]] = -100
+    return labels
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_ as it runs on CUDA (its foreach path, which it refuses for meta tensors):
+    both trainers call it with the default foreach=None, which picks these ops on a GPU."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)))
+    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+
+
+def model_step(stack: str, config: dict, batch: int, seq_len: int, ignored: float) -> Trace:
+    """Record one training step of `stack` at full size on meta tensors."""
+    trace = Trace()
+    with fake_cuda(), modelled_ops(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = build(stack, config)
+        built.model.train()
+        params = [p for p in built.model.parameters() if p.requires_grad]
+        tracing._TRACE = Trace()  # the optimizer state's creation: one step outside the trace
+        for p in params:
+            p.grad = torch.empty_like(p)
+        built.optimizer.step()
+        built.optimizer.zero_grad(set_to_none=True)
+        tracing._TRACE = None
+    trace.phase = "setup"  # parameters, buffers and optimizer state
+    for t in [
+        *built.model.parameters(),
+        *built.model.buffers(),
+        *(v for s in built.optimizer.state.values() for v in s.values()),
+    ]:
+        trace.track(t)
+    ids = torch.empty((batch, seq_len), dtype=torch.int64, device="meta")
+    labels = labels_for(batch, seq_len, ignored)
+    with recording(trace):
+        trace.phase = "forward"
+        with autocast_bf16():
+            loss = built.loss(ids, labels)
+        trace.phase = "backward"
+        loss.backward(torch.ones_like(loss))  # bench.sm90's fake CUDA wants the gradient spelled out
+        del loss
+        trace.phase = "optimizer"
+        clip_grad_norm(params, 1.0)
+        built.optimizer.step()
+    return trace
