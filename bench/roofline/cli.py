@@ -19,7 +19,7 @@ from bench.roofline.tracing import DEVICES
 def parse_args(argv=None):
     from bench.bench_train import MODELS
 
-    p = argparse.ArgumentParser(description=roofline.__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.roofline", description=roofline.__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b", choices=sorted(MODELS))
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--micro_batch", type=int, default=4)
