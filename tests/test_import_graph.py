@@ -27,12 +27,14 @@ LAYERS = (
     ("trainer.methods",),  # trainers built on the loop: preference (DPO and its kin)
     (
         "trainer",
+        "trainer.cli",
+        "trainer.cli_args",
         "trainer.sft",
         "trainer.dpo",
         "trainer.grpo",
         "trainer.generate",
         "trainer.merge",
-    ),  # the commands, the public names
+    ),  # the commands and their conductor, the public names
     # the old module names the README and docs used, kept importable for one release after 2026-11-27 (FutureWarning)
     ("trainer.args", "trainer.trainer", "trainer.preference", "trainer.preference_data", "trainer.tokenizer"),
 )
