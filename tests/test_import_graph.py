@@ -27,14 +27,14 @@ LAYERS = (
     ("trainer.methods",),  # trainers built on the loop: preference (DPO and its kin)
     (
         "trainer",
+        "trainer.cli",
+        "trainer.cli_args",
         "trainer.sft",
         "trainer.dpo",
         "trainer.grpo",
         "trainer.generate",
         "trainer.merge",
-    ),  # the commands, the public names
-    # the old module names the README and docs used, kept importable for one release after 2026-11-27 (FutureWarning)
-    ("trainer.args", "trainer.trainer", "trainer.preference", "trainer.preference_data", "trainer.tokenizer"),
+    ),  # the commands and their conductor, the public names
 )
 
 
@@ -125,7 +125,7 @@ def test_the_reader_sees_the_imports_it_must():
     assert "kernels._dispatch" in graph["kernels.rms_norm"]  # a relative import inside kernels/
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert layer_of("trainer.loop.trainer") > layer_of("trainer.build") > layer_of("trainer.model.lora")
-    assert layer_of("trainer.coerce") == 0 and layer_of("trainer") == layer_of("trainer.sft") == len(LAYERS) - 2
+    assert layer_of("trainer.coerce") == 0 and layer_of("trainer") == layer_of("trainer.sft") == len(LAYERS) - 1
 
 
 def test_no_circle():

@@ -5,18 +5,16 @@
     python -m trainer.dpo config.yaml                       # LlamaFactory's `stage: dpo` YAML runs as it is
 
 It is `python -m trainer.sft --stage dpo`: the same arguments, checks, build, loop, checkpoints, resume, engines
-and exit codes (trainer/sft.py), with preference pairs (trainer/data/preference_data.py) and the preference loss
-(trainer/methods/preference.py). The demo starts from the SFT demo's model, outputs/demo, and trains that first when it
-is not there (python -m trainer.sft, about 5 minutes on an idle 2-core CPU).
+and exit codes (trainer/cli.py), with preference pairs and the preference loss (trainer/methods/dpo_method.py). The
+demo starts from the SFT demo's model, outputs/demo, and trains that first when it is not there (python -m
+trainer.sft, about 5 minutes on an idle 2-core CPU).
 """
 
-import sys
-
-from trainer.sft import run_after_sft_demo
+from trainer.cli import run_command
 
 
 def run(argv: list[str] | None = None) -> int:
-    return run_after_sft_demo(list(sys.argv[1:] if argv is None else argv), "dpo")
+    return run_command("dpo", argv)
 
 
 if __name__ == "__main__":

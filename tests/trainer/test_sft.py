@@ -11,10 +11,13 @@ import pytest
 import torch
 
 import kernels
+from trainer import cli_args, sft
 from trainer import generate as generate_cli
-from trainer import sft
 from trainer.build import build_preset, load_pretrained
+from trainer.config.args import parse_args
 from trainer.data.tasks import KINDS
+from trainer.methods.preference import PreferenceArguments
+from trainer.methods.sft_method import SFT
 
 ROOT = Path(__file__).resolve().parents[2]
 # per spawned command; each stops before building a model (~5 s) or trains a few steps. Only turns a hang into a
@@ -172,11 +175,11 @@ def test_a_different_run_never_replaces_a_trained_model_but_the_same_command_run
     line = _one_line_error(capsys)
     assert "already holds checkpoints of another run" in line and "--overwrite_output_dir to overcome" in line
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == saved
-    args, sft_args, pref = sft.parse_args(
-        [str(sft.DEMO_CONFIGS["sft"]), "--output_dir", str(out), "--max_steps", "2", "--overwrite_output_dir"],
-        extra_dataclasses=(sft.SFTArguments, sft.PreferenceArguments),
+    args, sft_args, pref = parse_args(
+        [str(SFT.demo_config), "--output_dir", str(out), "--max_steps", "2", "--overwrite_output_dir"],
+        extra_dataclasses=(cli_args.SFTArguments, PreferenceArguments),
     )
-    sft.check_run(args, sft_args, pref)  # asked for: allowed
+    cli_args.check_run(args, sft_args, pref)  # asked for: allowed
     assert sft.main(["--output_dir", str(out), *FEW_STEPS]) == 0  # the same command again
     assert json.loads((out / "final_metrics.json").read_text())["global_step"] == 3
 

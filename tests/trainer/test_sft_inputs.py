@@ -13,9 +13,10 @@ import pytest
 
 from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
 from trainer.build import build_preset, save_pretrained
+from trainer.cli_args import SFTArguments, _check_data_sources
 from trainer.config.args import ConfigError, parse_args
+from trainer.methods.base import interleave_probs
 from trainer.methods.preference import PreferenceArguments
-from trainer.sft import SFTArguments, _check_data_sources, interleave_probs
 
 EXAMPLE = {"messages": [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]}
 

@@ -82,7 +82,7 @@ Deliberate differences from Hugging Face
   `__post_init__`; here the loop does that, so arguments can be built and validated on any machine.
 - No files read at construction: HF reads `--deepspeed ds.json` (and the world size) in `__post_init__`; here the
   arguments hold its path, and the JSON is read and checked against them (every contradiction, one line) by
-  `trainer.sft.check_run` for the command line (world size from the launcher's WORLD_SIZE) and at `Trainer`
+  `trainer.cli_args.check_run` for the command line (world size from the launcher's WORLD_SIZE) and at `Trainer`
   construction (the real world size), before anything is built.
 - `output_dir` defaults to HF's `"trainer_output"`; `run_name` defaults to `output_dir` and `logging_dir`
   to `output_dir/runs/<date>_<host>` (4.x behaviour), `disable_tqdm` is a plain bool (default False).
@@ -1289,7 +1289,7 @@ class TrainingArguments:
         """Set and return gradient_accumulation_steps for `world_size` data-parallel ranks: global_batch_size /
         (world_size * micro_batch_size) when global_batch_size is set, else the given accumulation. The one place
         the accumulation is derived, once the world is known: by the CLI before its summary shows it
-        (trainer.sft; the Trainer's call is then a no-op), by `Trainer.train` at its start; only
+        (trainer.cli; the Trainer's call is then a no-op), by `Trainer.train` at its start; only
         `halve_micro_batch` (auto_find_batch_size's retry) changes the accumulation after, through it."""
         check(isinstance(world_size, int) and world_size >= 1, "world_size", world_size, "must be a positive integer")
         if self.global_batch_size is None:

@@ -145,7 +145,7 @@ class TorchEngine:
 
 def check_engine_args(args, world_size: int) -> None:
     """The engine's checks of the arguments against the files they name, before anything is built (`Trainer`
-    construction; `trainer.sft.check_run` for the command line): under dist_config deepspeed its JSON, read and
+    construction; `trainer.cli_args.check_run` for the command line): under dist_config deepspeed its JSON, read and
     checked against the arguments and `world_size` (one line each, `ConfigError`). PyTorch's engine reads no file."""
     if uses_deepspeed(args):
         check_deepspeed_args(args, world_size=world_size)

@@ -5,7 +5,7 @@ optimizer and scheduler sections or none) runs through DeepSpeed's own engine (`
 thing. This module owns everything DeepSpeed:
 - `read_config`: the JSON as the user has it; a missing file, invalid JSON (file:line:column) or an unknown ZeRO
   stage is one ConfigError line (exit 2 from the CLI), raised by `check_args` before any expensive work: in
-  `trainer.sft.check_run` for the command line, at `Trainer` construction from Python.
+  `trainer.cli_args.check_run` for the command line, at `Trainer` construction from Python.
 - `fill_config`: "auto" values filled from our arguments exactly as transformers' `HfTrainerDeepSpeedConfig`
   does (`trainer_config_process` + `trainer_config_finalize`); a value that is not "auto" and differs from the
   argument is a contradiction, reported in one line naming both (all of them, joined with "; "). The batch keys
@@ -184,7 +184,7 @@ def fill_config(
 
 def check_args(args, world_size: int) -> None:
     """Everything about the DeepSpeed config that the arguments and the number of processes decide, checked before
-    anything is built (`trainer.sft.check_run`, `Trainer.__init__`): the file reads, its stage is known, nothing
+    anything is built (`trainer.cli_args.check_run`, `Trainer.__init__`): the file reads, its stage is known, nothing
     contradicts an argument, and DeepSpeed is installed."""
     path = args.dist_config["config_file"]
     if args.auto_find_batch_size:

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from trainer import cli_args, sft
 from trainer import generate as generate_cli
-from trainer import sft
 from trainer.build import build_preset, load_tokenizer, save_pretrained
 from trainer.config.args import parse_args
 from trainer.data.tokenizer import DEFAULT_CHAT_TEMPLATE
+from trainer.methods.preference import PreferenceArguments
 
 ROOT = Path(__file__).resolve().parents[3]
 QUICK = [
@@ -318,9 +319,9 @@ def test_cutoff_len_beyond_the_model_context_is_a_warning(tmp_path, capsys):
     for cutoff, warned in ((2048, False), (110_000, True)):
         args, extra, pref = parse_args(
             ["--output_dir", str(tmp_path / "o"), "--cutoff_len", str(cutoff)],
-            extra_dataclasses=(sft.SFTArguments, sft.PreferenceArguments),
+            extra_dataclasses=(cli_args.SFTArguments, PreferenceArguments),
         )
-        sft.check_run(args, extra, pref)
+        cli_args.check_run(args, extra, pref)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == int(warned), err
     assert err[0].startswith("warning: cutoff_len 110,000 exceeds max_position_embeddings 2,048 of preset 'tiny'")

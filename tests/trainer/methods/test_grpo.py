@@ -11,11 +11,11 @@ import torch
 from trainer.build import build_model, build_preset
 from trainer.checkpoint_hf import CheckpointError
 from trainer.config.args import ConfigError, TrainingArguments
+from trainer.data.task_eval import held_out_conversations
 from trainer.data.tasks import TRAIN_FILE
 from trainer.loop.checkpoint import METHOD_STATE
 from trainer.methods.grpo import GRPOArguments, GRPOTrainer, PromptDataset, prompts_from_conversations
 from trainer.methods.grpo_rewards import RewardError
-from trainer.sft import held_out_conversations
 
 
 def distinct_chars(completions, **kwargs):

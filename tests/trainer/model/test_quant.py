@@ -559,7 +559,7 @@ def test_the_run_summary_counts_4bit_weights_in_full(tmp_path, dataset, capsys):
 
 
 def test_the_cli_prints_how_to_load_the_adapter_on_a_4bit_base(tmp_path):
-    from trainer.sft import how_to_use, quantization_config
+    from trainer.cli import how_to_use, quantization_config
 
     args = TrainingArguments(output_dir="unused", **QLORA, bnb_4bit_use_double_quant=True)
     lines = "\n".join(how_to_use(tmp_path, "base", True, quantization_config(args)))

@@ -44,7 +44,7 @@ from tests.trainer.parallel.test_distributed import (  # noqa: F401
     reference_run,
     single_process,
 )
-from trainer import dpo, sft
+from trainer import cli_args, dpo, sft
 from trainer.build import build_preset, load_pretrained
 from trainer.config.args import ConfigError, TrainingArguments
 from trainer.loop.checkpoint import checkpoints
@@ -83,7 +83,7 @@ def trainer_with(tmp_path, **arguments) -> Trainer:
 # ---- the config ----------------------------------------------------------------------------------------------------
 def test_missing_file_is_one_line(tmp_path):
     # Issue 23: TrainingArguments read the file (as transformers' does); it holds the path now, and the run's
-    # checks read it: the Trainer at construction (here), sft.check_run for the command line.
+    # checks read it: the Trainer at construction (here), cli_args.check_run for the command line.
     args = TrainingArguments(output_dir=str(tmp_path), deepspeed=str(tmp_path / "nope.json"))
     assert args.dist_config == {"name": "deepspeed", "config_file": str(tmp_path / "nope.json")}
     with pytest.raises(ConfigError, match=r"^deepspeed: .*nope.json: not found$"):
@@ -113,14 +113,14 @@ def test_contradictions_name_both_sides(tmp_path):
 
 
 def test_the_command_line_checks_against_the_launchers_world_size(tmp_path, monkeypatch):
-    # sft.check_run reads the launcher's WORLD_SIZE (TrainingArguments did, issue 23): 3 processes x 8 x 1 is not 8
+    # cli_args.check_run reads the launcher's WORLD_SIZE (TrainingArguments did, issue 23): 3 processes x 8 x 1 is not 8
     path = write(tmp_path, {"train_batch_size": 8})
     args = TrainingArguments(output_dir=str(tmp_path / "o"), deepspeed=str(path))
-    run = sft.SFTArguments(model="tiny")
-    sft.check_run(args, run, PreferenceArguments())
+    run = cli_args.SFTArguments(model="tiny")
+    cli_args.check_run(args, run, PreferenceArguments())
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"^deepspeed: .*train_batch_size=8 contradicts processes x .* = 3 x 8 x 1"):
-        sft.check_run(args, run, PreferenceArguments())
+        cli_args.check_run(args, run, PreferenceArguments())
 
 
 def test_auto_filled_from_arguments(tmp_path):
@@ -252,7 +252,7 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path, capsys, config):
 
 @pytest.mark.parametrize("config", [{"zero_optimization": {"stage": 4}}, None], ids=["stage", "missing"])
 def test_dpo_cli_bad_config_exits_2_with_one_line(tmp_path, capsys, config):
-    # the JSON is sft.check_run's check, which python -m trainer.dpo runs too: one line, before the summary
+    # the JSON is cli_args.check_run's check, which python -m trainer.dpo runs too: one line, before the summary
     path = write(tmp_path, config) if config is not None else tmp_path / "missing.json"
     code = dpo.run(
         ["--model", "tiny", "--output_dir", str(tmp_path / "o"), "--deepspeed", str(path), "--max_steps", "1"]
