@@ -7,8 +7,9 @@ own subprocess (so peak memory is that configuration's alone and no allocator or
     hf_liger   the same with use_liger_kernel=True; CUDA only (liger's Triton kernels have no CPU path; on a CPU
                the row is recorded as skipped, with the reason)
     ours_long  ours at its most memory-frugal: gradient checkpointing, activation offloading, the tiled MLP
+    ours_ckpt  ours_long without activation offloading (ours_long / ours_ckpt is what offloading costs in time)
     hf_ckpt    hf with gradient checkpointing (non-reentrant), the stack long-context comparisons use
-               (ours_long and hf_ckpt run only when --configs names them: for the memory ladders)
+               (ours_long, ours_ckpt and hf_ckpt run only when --configs names them: for the memory ladders)
     ours_lora  ours with --use_peft: a LoRA adapter (trainer/model/lora.py) on every linear layer but lm_head
     hf_lora    transformers.Trainer over peft.get_peft_model(LlamaForCausalLM, the same LoraConfig)
                Both LoRA rows: r=16, lora_alpha=32, no dropout; their ratios are against hf_lora. Unavoidable: A's
@@ -105,12 +106,13 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
-from bench import common  # noqa: E402
+from bench import common, step_profile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = ("ours", "hf", "hf_liger", "ours_lora", "hf_lora", "ours_dpo", "trl_dpo", "trl_dpo_liger")
-# named by --configs only: ours_long and hf_ckpt for the memory ladders, the QLoRA pair (bitsandbytes needed)
-CONFIGS = (*DEFAULT_CONFIGS, "ours_long", "hf_ckpt", "ours_qlora", "hf_qlora")
+# named by --configs only: ours_long, ours_ckpt and hf_ckpt for the memory ladders and offloading's cost, the
+# QLoRA pair (bitsandbytes needed)
+CONFIGS = (*DEFAULT_CONFIGS, "ours_long", "ours_ckpt", "hf_ckpt", "ours_qlora", "hf_qlora")
 DPO_CONFIGS = ("ours_dpo", "trl_dpo", "trl_dpo_liger")
 QLORA = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)  # ours_qlora, hf_qlora
 # what each row's ratios are against: LoRA against LoRA, QLoRA against QLoRA, DPO against TRL's DPO, the rest hf
@@ -357,7 +359,8 @@ def _train_and_time(spec: dict, trainer, clock, device: torch.device) -> dict:
     if len(clock.times) != spec["steps"]:
         raise RuntimeError(f"{spec['impl']}: {len(clock.times)} steps ran, {spec['steps']} expected")
     w = spec["warmup_steps"]
-    step_s = sorted(b - a for a, b in zip(clock.times[w - 1 :], clock.times[w:]))  # (timed,) per-step seconds
+    times = clock.times[:-1] if spec.get("profile") else clock.times  # the profiled last step is not timed
+    step_s = sorted(b - a for a, b in zip(times[w - 1 :], times[w:]))  # (timed,) per-step seconds
     median_s = step_s[len(step_s) // 2] if len(step_s) % 2 else sum(step_s[len(step_s) // 2 - 1 :][:2]) / 2
     if device.type == "cuda":
         peak, kind = torch.cuda.max_memory_allocated() / 1e9, "cuda_max_allocated"
@@ -369,7 +372,7 @@ def _train_and_time(spec: dict, trainer, clock, device: torch.device) -> dict:
         "status": "ok",
         "median_s": median_s,
         "sum_s": sum(step_s),
-        "timed_steps": spec["steps"] - w,
+        "timed_steps": len(step_s),
         "train_wall_s": wall,
         "step_ms": 1e3 * median_s,
         "peak_memory_gb": peak,
@@ -412,7 +415,9 @@ def worker(spec: dict) -> dict:
         )
         if impl == "ours_qlora":
             lora.update(QLORA)
-        memory = LONG_CONTEXT if impl == "ours_long" else {}
+        memory = {"ours_long": LONG_CONTEXT, "ours_ckpt": {**LONG_CONTEXT, "activation_offloading": False}}.get(
+            impl, {}
+        )
         args = TrainingArguments(**{**common_args, **memory}, optim=spec["our_optim"], use_kernels=True, **lora)
     else:
         import transformers
@@ -444,10 +449,16 @@ def worker(spec: dict) -> dict:
             **{**common_args, **checkpointing}, optim=spec["hf_optim"], use_liger_kernel=impl == "hf_liger"
         )
     clock = _timer(TrainerCallback)
-    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[clock])
+    callbacks = [clock]
+    if spec.get("profile"):  # the last step under torch.profiler (bench/step_profile.py)
+        trace = Path(spec["profile"]) / f"profile_{impl}.json.gz"
+        callbacks.append(step_profile.step_profiler(TrainerCallback, spec["steps"] - 1, trace))
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=callbacks)
     t = _train_and_time(spec, trainer, clock, device)
     if t["status"] != "ok":
         return t
+    if spec.get("profile"):
+        t["profile"] = callbacks[-1].summary
     step_tokens = spec["micro_batch"] * spec["grad_accum"] * spec["seq_len"]
     return {
         "status": "ok",
@@ -615,6 +626,7 @@ def base_spec(args, model_dir: Path, out_dir: Path, config: dict) -> dict:
         "hf_optim": args.hf_optim,
         "threads": args.threads,
         "max_memory_gb": args.max_memory_gb,
+        "profile": str(common.RESULTS) if args.profile else None,
     }
 
 
@@ -907,6 +919,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="memory ladder: start no probe that might not end "
         "within this many seconds of the start (the bracket found so far is reported)",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each configuration's last step under torch.profiler (bench/step_profile.py): device time by "
+        "category, busy and idle, in the rows and train_profile.md; a gzipped Chrome trace per configuration",
+    )
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -929,6 +947,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--repeats must be at least 1")
     if not 1 <= args.warmup_steps < args.steps:
         p.error("--warmup-steps must be at least 1 and below --steps")
+    if args.profile and (set(args.configs) & set(DPO_CONFIGS) or args.memory_ladder):
+        p.error("--profile: SFT configurations only (not " + ", ".join(DPO_CONFIGS) + "), not with --memory-ladder")
+    if args.profile and args.warmup_steps > args.steps - 2:
+        p.error("--profile: --steps must leave one timed step after --warmup-steps besides the profiled last step")
     if args.memory_ladder is not None:
         args.memory_ladder = [x.strip() for x in args.memory_ladder.split(",") if x.strip()]
         if not args.memory_ladder or set(args.memory_ladder) - set(LADDERS):
@@ -964,6 +986,21 @@ def main(argv=None) -> list[dict]:
         else:
             rows = compare(args, config, tmp / "model", tmp)
             path = common.write_rows("train", rows)
+            if args.profile:
+                md = common.RESULTS / "train_profile.md"
+                env = common.env_header(common.env_info())  # device, versions, git, date, command
+                md.write_text(
+                    "\n".join(
+                        [
+                            "# One training step under torch.profiler, per configuration",
+                            "",
+                            env,
+                            "",
+                            *step_profile.markdown(rows),
+                        ]
+                    )
+                    + "\n"
+                )
     print(f"wrote {len(rows)} rows to {path}")
     return rows
 

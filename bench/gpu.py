@@ -600,7 +600,10 @@ def memory_chart(rows: list[dict], path: Path) -> Path | None:
 def part_memory(args, out: Path, deadline: float) -> int:
     configs = args.configs or TRAIN_CONFIGS
     budget = max(30.0, deadline - time.monotonic() - 60)  # the parent's model write and the files take the rest
-    argv = (MEMORY_QUICK if args.quick else MEMORY_GPU) + [
+    argv = list(MEMORY_QUICK if args.quick else MEMORY_GPU)
+    if args.seq_len:  # the seq_len ladder's first rung, the micro_batch ladder's sequence length
+        argv[argv.index("--seq-len") + 1] = str(args.seq_len)
+    argv += [
         "--memory-ladder",
         args.ladders,
         "--configs",
@@ -683,6 +686,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=None,
         help="memory: cap each worker's CUDA memory in GB of 1e9 bytes (85 ladders an H100 80GB, 79.6 GiB, on an H200)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="memory: the seq_len ladder's first rung and the micro_batch ladder's sequence length (default 2048)",
     )
     args = p.parse_args(argv)
     if kernel_runner.parse_ops(args.only) is None:

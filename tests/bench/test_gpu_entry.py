@@ -89,6 +89,8 @@ def test_memory_part_runs_a_rung_in_a_subprocess(tmp_path):
                 "ours,hf_liger",
                 "--ladders",
                 "micro_batch",
+                "--seq-len",
+                "8",
             ]
         )
         == 0
@@ -106,7 +108,7 @@ def test_memory_part_runs_a_rung_in_a_subprocess(tmp_path):
     for row in rows:
         assert_env(row)
     text = (tmp_path / "memory.md").read_text()
-    assert "| ours | micro_batch | seq_len 16 | 1 (capped at 1) |" in text
+    assert "| ours | micro_batch | seq_len 8 | 1 (capped at 1) |" in text  # --seq-len replaced the default 16
     if not torch.cuda.is_available():
         assert "| hf_liger | micro_batch | | | | | | skipped:" in text
 
