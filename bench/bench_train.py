@@ -656,9 +656,10 @@ def compare(args, config: dict, model_dir: Path, tmp: Path) -> list[dict]:
             r = run_worker(spec, args.timeout)
             runs.setdefault(impl, []).append(r)
             if r["status"] == "ok":
+                loss = "not computed" if r["final_loss"] is None else f"{r['final_loss']:.4f}"  # --no-eval-loss
                 print(
                     f"{impl:9s} run {rep}: {r['tokens_per_s']:10.1f} tok/s  {r['step_ms']:8.1f} ms/step (median)  "
-                    f"peak {r['peak_memory_gb']:.3f} GB ({r['peak_memory_kind']})  loss {r['final_loss'] if r['final_loss'] is None else round(r['final_loss'], 4)}",
+                    f"peak {r['peak_memory_gb']:.3f} GB ({r['peak_memory_kind']})  loss {loss}",
                     flush=True,
                 )
             else:

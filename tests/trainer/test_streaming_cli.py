@@ -8,13 +8,14 @@ import signal
 import socket
 import time
 
-import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.trainer.test_sft import TIMEOUT_S, _finish, _spawn_sft
 from trainer.data.tasks import generate_tasks
+
+datasets = pytest.importorskip("datasets")  # an optional extra (kernelwright[datasets])
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ Preference pairs (tokenize_preference_dataset): the tokens of a JSONL file of th
 
 import json
 
-import datasets
 import numpy as np
 import pytest
 import torch
@@ -26,6 +25,8 @@ from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.loop.trainer import Trainer
 from trainer.methods.sft import SFTTrainer
 from trainer.model.causal_lm import CausalLM, ModelConfig
+
+datasets = pytest.importorskip("datasets")  # an optional extra (kernelwright[datasets])
 
 IGN = -100
 SYSTEM = {"role": "system", "content": "be brief"}

@@ -6,7 +6,6 @@ tokens, labels, order, drops and first error of one process, bit for bit, and le
 
 import logging
 
-import datasets
 import huggingface_hub
 import numpy as np
 import pytest
@@ -19,6 +18,8 @@ from trainer.data.preference_data import load_preference_dataset
 from trainer.data.sft_data import DataError, TokenizedDataset, load_sft_dataset
 from trainer.data.tasks import generate_tasks, preference_pair
 from trainer.data.tokenizer import byte_level_tokenizer
+
+datasets = pytest.importorskip("datasets")  # an optional extra (kernelwright[datasets])
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ processes; the Trainer resumed from a checkpoint equals the unbroken run bit for
 
 import json
 
-import datasets
 import pytest
 import torch
 
@@ -19,6 +18,8 @@ from trainer.data.streaming import SFTStream, StreamLoader
 from trainer.data.tasks import generate_tasks
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.loop.trainer import Trainer
+
+datasets = pytest.importorskip("datasets")  # an optional extra (kernelwright[datasets])
 
 STRATEGIES = ["normal", "padding_free", "dynamic_batching", "dynamic_padding_free"]
 

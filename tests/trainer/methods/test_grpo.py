@@ -4,7 +4,6 @@ unbroken one, TRL's logged names, completions.jsonl, evaluation, and the one-lin
 
 import json
 
-import datasets
 import pytest
 import torch
 
@@ -16,6 +15,8 @@ from trainer.data.tasks import TRAIN_FILE
 from trainer.loop.checkpoint import METHOD_STATE
 from trainer.methods.grpo import GRPOArguments, GRPOTrainer, PromptDataset, prompts_from_conversations
 from trainer.methods.grpo_rewards import RewardError
+
+datasets = pytest.importorskip("datasets")  # an optional extra (kernelwright[datasets])
 
 
 def distinct_chars(completions, **kwargs):

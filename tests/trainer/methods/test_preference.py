@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 
-import datasets
 import numpy as np
 import pytest
 import torch
@@ -24,6 +23,8 @@ from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
 from trainer.model.causal_lm import CausalLM
 from trainer.model.offload import ActivationOffloader
+
+datasets = pytest.importorskip("datasets")  # an optional extra (kernelwright[datasets])
 
 STEPS, PAIRS_PER_STEP = 4, 4
 LN2 = float(np.log(2.0))

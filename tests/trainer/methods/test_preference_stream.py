@@ -6,7 +6,6 @@ cannot work is one line."""
 
 import json
 
-import datasets
 import pytest
 import torch
 
@@ -18,6 +17,8 @@ from trainer.data.streaming import PairStream, StreamLoader
 from trainer.data.tasks import generate_tasks, preference_pair
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
+
+datasets = pytest.importorskip("datasets")  # an optional extra (kernelwright[datasets])
 
 PAIRS = 16
 

@@ -3,7 +3,6 @@ train split, a list of records) train on the tokens of a JSONL file of the same 
 an eval DatasetDict is evaluated split by split; the model may be a preset name and the tokenizer a path or a
 transformers tokenizer; tokenized and streaming data go to the Trainer as they are; bad input is one line."""
 
-import datasets
 import pytest
 import torch
 
@@ -16,6 +15,8 @@ from trainer.data.tasks import generate_tasks
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.loop.trainer import Trainer
 from trainer.methods.sft import SFTTrainer
+
+datasets = pytest.importorskip("datasets")  # an optional extra (kernelwright[datasets])
 
 
 @pytest.fixture(scope="module")
