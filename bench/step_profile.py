@@ -20,8 +20,10 @@ On a CPU there are no device events: the row has step_ms, zero device time and n
 from __future__ import annotations
 
 import gzip
+import json
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -89,18 +91,31 @@ def summarize(step: tuple[float, float], device_events: list[tuple[str, float, f
     }
 
 
-def events_of(prof) -> tuple[tuple[float, float], list[tuple[str, float, float]]]:
-    """The train_step range and the device events from a finished torch.profiler.profile."""
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # a Chrome trace's device work (not its gpu_user_annotation)
+
+
+def events_of(trace: dict) -> tuple[tuple[float, float], list[tuple[str, float, float]]]:
+    """The train_step range (the host's, as the CPU annotation spans it) and the device's kernels, copies and sets, as
+    (name, start_us, end_us), from a Chrome trace that torch.profiler exported. The trace's categories tell device
+    work from the annotations the profiler mirrors onto the device timeline (a `train_step` and an optimizer's
+    `Optimizer.step#...` there span kernels; counting them would count those kernels twice)."""
     step = None
     device = []
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            device.append((evt.name, float(evt.time_range.start), float(evt.time_range.end)))
-        elif evt.name == RANGE and step is None:
-            step = (float(evt.time_range.start), float(evt.time_range.end))
+    for e in trace["traceEvents"]:
+        cat = e.get("cat")
+        if cat in DEVICE_CATS:
+            device.append((e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+        elif cat == "user_annotation" and e.get("name") == RANGE and step is None:
+            step = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
     if step is None:
-        raise RuntimeError(f"the profile holds no {RANGE!r} range")
+        raise RuntimeError(f"the trace holds no {RANGE!r} range")
     return step, device
+
+
+def read_trace(path: Path) -> dict:
+    """A Chrome trace as written by `step_profiler` (gzipped) or by torch.profiler (plain JSON)."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
 
 
 def step_profiler(base, profile_step: int, trace_path: Path | None):
@@ -132,14 +147,14 @@ def step_profiler(base, profile_step: int, trace_path: Path | None):
                     torch.cuda.synchronize()
                 self._range.__exit__(None, None, None)
                 self._prof.__exit__(None, None, None)
-                self.summary = summarize(*events_of(self._prof))
-                if trace_path is not None:
-                    trace_path.parent.mkdir(parents=True, exist_ok=True)
-                    raw = trace_path.with_suffix("")  # x.json.gz -> x.json
+                with tempfile.TemporaryDirectory() as tmp:
+                    raw = Path(tmp) / "trace.json"
                     self._prof.export_chrome_trace(str(raw))
-                    with raw.open("rb") as src, gzip.open(trace_path, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                    raw.unlink()
+                    self.summary = summarize(*events_of(read_trace(raw)))
+                    if trace_path is not None:
+                        trace_path.parent.mkdir(parents=True, exist_ok=True)
+                        with raw.open("rb") as src, gzip.open(trace_path, "wb") as dst:
+                            shutil.copyfileobj(src, dst)
                 self._prof = self._range = None
             self.step += 1
             return control
@@ -173,3 +188,42 @@ def markdown(rows: list[dict]) -> list[str]:
         )
         lines.append("")
     return lines
+
+
+def main(argv=None) -> int:
+    """Re-read committed traces: `python -m bench.step_profile --rows train.jsonl --out train_profile.md TRACE...`
+    summarizes each trace (profile_<impl>.json.gz) into its row of train.jsonl and writes the table."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.step_profile", description=main.__doc__)
+    p.add_argument("traces", nargs="+", type=Path, help="profile_<impl>.json.gz files written by bench_train --profile")
+    p.add_argument("--rows", required=True, type=Path, help="the train.jsonl of the same run")
+    p.add_argument("--out", required=True, type=Path, help="the markdown file to write")
+    args = p.parse_args(argv)
+    rows = {r["impl"]: r for r in map(json.loads, args.rows.read_text().splitlines()) if r.get("status") == "ok"}
+    picked = []
+    for trace in args.traces:
+        impl = trace.name.removeprefix("profile_").split(".")[0]
+        if impl not in rows:
+            p.error(f"{trace}: no ok row for {impl!r} in {args.rows}")
+        picked.append({**rows[impl], "profile": summarize(*events_of(read_trace(trace)))})
+    head = rows[picked[0]["impl"]]
+    args.out.write_text(
+        "\n".join(
+            [
+                "# One training step under torch.profiler, per configuration",
+                "",
+                f"Measured on {head['device']}, git {head['git_sha']}, {head['date']}; the rows' command "
+                f"`{head.get('command')}`; summarized by `python -m bench.step_profile` from the traces "
+                + ", ".join(t.name for t in args.traces),
+                "",
+                *markdown(picked),
+            ]
+        )
+        + "\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

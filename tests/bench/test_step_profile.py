@@ -89,3 +89,38 @@ def test_profile_refuses_what_it_cannot_profile():
         bench_train.parse_args(["--quick", "--configs", "ours_dpo", "--profile"])
     with pytest.raises(SystemExit):
         bench_train.parse_args(["--quick", "--steps", "3", "--warmup-steps", "2", "--profile"])
+
+
+def test_annotations_on_the_device_timeline_are_not_device_work(tmp_path):
+    """torch.profiler mirrors user annotations onto the device timeline (cat gpu_user_annotation: the train_step range
+    and an optimizer's Optimizer.step#...); they span kernels and must not count as kernels (the H200 trace of
+    2026-11-28 had a 262 ms train_step among its 'kernels'). The host's train_step range is the step."""
+    trace = {
+        "traceEvents": [
+            {"cat": "user_annotation", "name": "train_step", "ts": 0.0, "dur": 100.0},
+            {"cat": "gpu_user_annotation", "name": "train_step", "ts": 5.0, "dur": 90.0},
+            {"cat": "gpu_user_annotation", "name": "Optimizer.step#FusedAdamW.step", "ts": 60.0, "dur": 30.0},
+            {"cat": "cpu_op", "name": "aten::mm", "ts": 1.0, "dur": 4.0},
+            {"cat": "kernel", "name": "nvjet_sm90_tst_128x256", "ts": 10.0, "dur": 20.0},
+            {"cat": "gpu_memset", "name": "Memset (Device)", "ts": 40.0, "dur": 1.0},
+            {"cat": "kernel", "name": "_adamw_kernel", "ts": 70.0, "dur": 10.0},
+        ]
+    }
+    path = tmp_path / "profile_ours.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    step, device = step_profile.events_of(step_profile.read_trace(path))
+    assert step == (0.0, 100.0) and [name for name, *_ in device] == [
+        "nvjet_sm90_tst_128x256",
+        "Memset (Device)",
+        "_adamw_kernel",
+    ]
+    s = step_profile.summarize(step, device)
+    assert s["device_busy_ms"] == pytest.approx(0.031) and s["device_idle_ms"] == pytest.approx(0.069)
+
+    rows = tmp_path / "train.jsonl"
+    row = {"impl": "ours", "status": "ok", "step_ms": 0.09, "device": "X", "git_sha": "a", "date": "d", "command": "c"}
+    rows.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "profile.md"
+    assert step_profile.main([str(path), "--rows", str(rows), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| matmuls | 0.02 (1) |" in text and "| device_idle_ms | 0.07 |" in text
