@@ -31,12 +31,21 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint_hf import CheckpointError, check_safetensors, load_safetensors, read_json, save_safetensors
+from trainer.checkpoint_hf import (
+    CheckpointError,
+    check_safetensors,
+    checkpoint_files,
+    load_safetensors,
+    open_safetensors,
+    read_json,
+    save_safetensors,
+)
 from trainer.coerce import ConfigError
 from trainer.data.tokenizer import Tokenizer, byte_level_tokenizer
 from trainer.dist import init_distributed, local_device, local_shard
 from trainer.model.causal_lm import CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from trainer.model.lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
+from trainer.model.transformers_model import build_transformers_model, model_path
 from trainer.parallel.transforms import (
     DCP_DIR,
     apply_data_parallel,
@@ -68,6 +77,7 @@ def build_model(
     seed: int | None = None,
     use_kernels: bool | None = None,
     attn_backend: str = "auto",
+    model_impl: str = "auto",
 ) -> tuple[nn.Module, Tokenizer]:
     """(the model to train or run, its tokenizer) for `name`: a preset, a Hugging Face directory, or a hub id.
 
@@ -78,14 +88,46 @@ def build_model(
     offload_params) and `seed` override what `args` would give. With several processes (a launcher's environment) it
     joins the process group and, under dist_config fsdp2, no rank ever holds the whole model: each reads only its
     rows of the safetensors, or its shards of the DCP copy at dist_config.dcp_path (a `dcp/` directory or a
-    checkpoint holding one; the architecture still comes from `name`)."""
+    checkpoint holding one; the architecture still comes from `name`). A model directory of a type our model does
+    not cover (or any, with `model_impl="transformers"`) is built by transformers and wrapped
+    (trainer/model/transformers_model.py: `model_path` decides)."""
     path = locate(name)
+    if path is not None and model_path(model_type_of(path), model_impl) == "transformers":
+        return _build_transformers(path, args, dtype=dtype, device=device, attn_backend=attn_backend), load_tokenizer(
+            path
+        )
     config, tokenizer = preset_config(name) if path is None else (read_config(path), load_tokenizer(path))
     model = _build(
         config, path, args, dtype=dtype, device=device, seed=seed, use_kernels=use_kernels, attn_backend=attn_backend
     )
     causal_lm(model).name_or_path = name  # as transformers' model.name_or_path; a LoRA adapter records it
     return model, tokenizer
+
+
+def _build_transformers(path: Path, args, *, dtype, device, attn_backend) -> nn.Module:
+    """`build_model` on the transformers path (trainer/model/transformers_model.py): transformers builds and loads the
+    model from its own modeling code; DDP over it with several processes."""
+    if args is not None:
+        init_distributed()
+    config = read_json(path / "config.json")
+    dtype = _resolve_dtype(dtype) or _resolve_dtype(config.get("dtype") or config.get("torch_dtype")) or torch.float32
+    model = build_transformers_model(
+        path, args, dtype=dtype, device=device or local_device(), attn_backend=attn_backend
+    )
+    if args is not None:
+        model = apply_data_parallel(model, args)
+    return model
+
+
+def model_type_of(path: Path) -> str | None:
+    """config.json's model_type in the model directory `path` (a one-line ModelError when it cannot be read)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ModelError(f"{file}: not found (a Hugging Face model directory needs config.json)")
+    try:
+        return read_json(file).get("model_type")
+    except CheckpointError as exc:
+        raise ModelError(str(exc)) from None
 
 
 def _build(
@@ -182,7 +224,7 @@ def locate(name: str) -> Path | None:
     return path if path.exists() else _download(name)
 
 
-def read_model_files(name: str) -> tuple[ModelConfig, Tokenizer]:
+def read_model_files(name: str, model_impl: str = "auto") -> tuple[ModelConfig | None, Tokenizer]:
     """(config, tokenizer) of `name` (a preset, a Hugging Face directory, or a hub id, downloaded once), with every
     file of a model directory read and checked before anything is built: config.json, the tokenizer files, and each
     safetensors file's header against the config's parameters (a complete file, the keys and shapes; no tensor data
@@ -192,6 +234,15 @@ def read_model_files(name: str) -> tuple[ModelConfig, Tokenizer]:
     path = locate(name)
     if path is None:
         return preset_config(name)
+    if model_path(model_type_of(path), model_impl) == "transformers":
+        # transformers reads its own checkpoint (some types' keys are converted as they load): the files' headers
+        try:
+            for file in checkpoint_files(path):
+                with open_safetensors(file):
+                    pass
+        except CheckpointError as exc:
+            raise ModelError(str(exc)) from None
+        return None, load_tokenizer(path)
     config, tokenizer = read_config(path), load_tokenizer(path)
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in CausalLM(config).named_parameters()}  # a tied head appears once

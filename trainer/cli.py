@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.build import build_model, read_model_files
+from trainer.build import build_model, causal_lm, read_model_files
 from trainer.checkpoint_hf import to_json
 from trainer.cli_args import ATTN_IMPLEMENTATIONS, METHODS, SFTArguments, check_run, run_arguments
 from trainer.coerce import read_config_file
@@ -72,6 +72,8 @@ from trainer.loop.metrics import plot_loss_curve
 from trainer.loop.trainer import TrainingError, set_seed
 from trainer.methods.base import RunInputs
 from trainer.model.causal_lm import ModelError
+from trainer.model.transformers_model import TransformersModel
+from trainer.parallel.transforms import unwrap
 
 SFT_DEMO_MODEL = Path("outputs/demo")  # the SFT demo's output_dir (trainer/configs/demo.yaml), where the others start
 
@@ -188,7 +190,7 @@ def read_inputs(args, sft: SFTArguments, method_args) -> RunInputs:
     from the shared data cache when it holds them, else written there: content-addressed, it is never output_dir's),
     the val_size split, the batch plan the arguments make of that data, and the held-out conversations of the
     exact-match check."""
-    _, tokenizer = read_model_files(sft.model)  # a hub id not yet here is downloaded first
+    _, tokenizer = read_model_files(sft.model, sft.model_impl)  # a hub id not yet here is downloaded first
     return METHODS[sft.stage].read_inputs(args, sft, method_args, tokenizer)
 
 
@@ -233,9 +235,14 @@ def train(args, sft: SFTArguments, method_args, argv: list[str], inputs: RunInpu
     set_seed(args.seed)
     # every model of the run (a method's reference model too) is built as the policy is
     build = functools.partial(
-        build_model, dtype=sft.model_dtype, attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation]
+        build_model,
+        dtype=sft.model_dtype,
+        attn_backend=ATTN_IMPLEMENTATIONS[sft.attn_implementation],
+        model_impl=sft.model_impl,
     )
     model, _ = build(sft.model, args)
+    if rank == 0:
+        print(model_line(model), file=sys.stderr)
     tokenizer = inputs.tokenizer  # saved with the model: the template the data was rendered with
     before = exact_match_accuracy(model, tokenizer, conversations) if conversations else None
     if before is not None and rank == 0:
@@ -309,6 +316,19 @@ def train(args, sft: SFTArguments, method_args, argv: list[str], inputs: RunInpu
         )
     )
     return 0
+
+
+def model_line(model) -> str:
+    """One line saying which model trains: ours (its type and kernels) or transformers' (`kernel_report`)."""
+    inner = unwrap(model)
+    if isinstance(inner, TransformersModel):
+        return inner.kernel_report()
+    ours = causal_lm(model)
+    kernels_used = {"kernels": "ours (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)", "liger": "liger-kernel's"}
+    return (
+        f"our model: {ours.config.model_type} (trainer.model.causal_lm); "
+        f"kernels: {kernels_used.get(ours.impl, 'none (PyTorch ops)')}"
+    )
 
 
 def quantization_config(args) -> str:

@@ -18,7 +18,7 @@ import torch
 
 import kernels
 from kernels._dispatch import TRITON_MISSING, interpreter_on
-from trainer.build import check_model_name, dcp_source, is_preset, preset_config, read_config
+from trainer.build import check_model_name, dcp_source, is_preset, model_type_of, preset_config, read_config
 from trainer.config.args import ConfigError, _arg
 from trainer.data.cache import cache_root, check_cache_root
 from trainer.data.hf_sources import MIX_STRATEGIES, check_sources, split_names
@@ -33,6 +33,7 @@ from trainer.methods.sft_method import SFT
 from trainer.model.attention import _flash_attn
 from trainer.model.causal_lm import CausalLM, context_length_warning
 from trainer.model.lora import import_peft, lora_config
+from trainer.model.transformers_model import MODEL_IMPLS, check_transformers_path, model_path
 
 METHODS = {method.name: method for method in (SFT, DPO, GRPO)}
 # transformers' attn_implementation values -> our attention backends (trainer/model/attention.py). transformers'
@@ -143,6 +144,13 @@ class SFTArguments:
         "CUDA in bf16/fp16 when installed, else flex or sdpa; sdpa on CPU).",
         choices=tuple(ATTN_IMPLEMENTATIONS),
     )
+    model_impl: str = _arg(
+        "auto",
+        "sft",
+        "Which model trains: ours (llama, mistral, qwen2, qwen3: our kernels throughout), transformers (its modeling "
+        "code for any causal LM, our fused loss and optimizer inside), or auto (ours where it applies).",
+        choices=MODEL_IMPLS,
+    )
 
 
 def run_arguments(args, sft: SFTArguments, method_args) -> dict:
@@ -160,6 +168,9 @@ def check_run(args, sft: SFTArguments, method_args) -> None:
     """Every check of the arguments against this machine and the file system, run before anything expensive
     (building the model, tokenising) or written; each failure is a one-line ConfigError/DataError (exit 2)."""
     check_model_name(sft.model)
+    transformers_path = model_path_of(sft) == "transformers"
+    if transformers_path:
+        check_transformers_path(args, sft.stage)
     METHODS[sft.stage].check(args, sft, method_args)
     _check_output_dir(args, sft, method_args)
     check_cache_root(cache_root(sft.data_cache_dir))
@@ -219,9 +230,22 @@ def check_run(args, sft: SFTArguments, method_args) -> None:
             "newer); use --fp16 instead"
         )
     _check_attention(args, sft, cuda)
-    _check_context_length(args, sft)
-    if args.use_peft:
-        _check_lora(args, sft)
+    if not transformers_path:
+        _check_context_length(args, sft)
+        if args.use_peft:
+            _check_lora(args, sft)
+
+
+def model_path_of(sft: SFTArguments) -> str | None:
+    """ "ours" or "transformers" for the run's --model and --model_impl (trainer.model.transformers_model.model_path);
+    None for a hub id not downloaded yet (decided when it is built). A one-line error when neither applies."""
+    if is_preset(sft.model):
+        if sft.model_impl == "transformers":
+            raise ConfigError(f"model_impl transformers: {sft.model!r} is a preset of ours; pass a model directory")
+        return "ours"
+    if not (Path(sft.model) / "config.json").is_file():
+        return None
+    return model_path(model_type_of(Path(sft.model)), sft.model_impl)
 
 
 def _check_sft_values(sft: SFTArguments) -> None:

@@ -26,6 +26,7 @@ from trainer.dist import local_shard
 from trainer.loop import checkpoint as ckpt
 from trainer.model.causal_lm import CausalLM
 from trainer.model.lora import has_adapter, load_adapter_weights, save_adapter
+from trainer.model.transformers_model import TransformersModel
 from trainer.parallel import transforms as parallel
 
 
@@ -55,6 +56,9 @@ def save_model_files(model, directory: Path, *, rank: int, tokenizer=None, full_
     if isinstance(model, CausalLM):
         save_pretrained(model, directory, tokenizer=tokenizer)
         return
+    if isinstance(model, TransformersModel):
+        model.save_pretrained(directory, tokenizer=tokenizer)
+        return
     save_model(model, str(Path(directory) / "model.safetensors"))
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory)
@@ -79,6 +83,9 @@ def load_model_weights(model, directory: Path) -> None:
             )
     if isinstance(model, CausalLM):  # sharded by FSDP2, each rank reads only its rows of each tensor
         load_state_dict_into(model, directory, local_shard=local_shard)
+        return
+    if isinstance(model, TransformersModel):
+        model.load_weights(directory)
         return
     load_model(model, str(Path(directory) / "model.safetensors"))
 

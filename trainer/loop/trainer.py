@@ -79,6 +79,7 @@ from trainer.loop.resume import apply_checkpoint_arguments, restore_checkpoint, 
 from trainer.model.causal_lm import HostLabels
 from trainer.model.lora import has_adapter, trainable_summary
 from trainer.model.offload import ActivationOffloader, hiding_note
+from trainer.model.transformers_model import TransformersModel, check_transformers_path
 from trainer.parallel.transforms import apply_all, gradient_sync, is_fsdp, unwrap, uses_fsdp
 
 __all__ = [
@@ -869,10 +870,14 @@ class Trainer:
         args = self.args
         z_loss = args.z_loss
         ours = causal_lm(model)
+        wrapped = unwrap(model)
         if ours is not None:
             settings = model_settings(args)
             if any(getattr(ours, name) != value for name, value in settings.items()):
                 apply_model_settings(ours, settings)
+        elif isinstance(wrapped, TransformersModel):  # the transformers path: the loss's settings are ours
+            check_transformers_path(args)
+            wrapped.label_smoothing, wrapped.z_loss = args.label_smoothing_factor, args.z_loss
         else:
             name = type(model).__name__
             if args.neftune_noise_alpha:
@@ -923,9 +928,8 @@ class Trainer:
 
     def _flops_per_token(self, model) -> float | None:
         fn = getattr(unwrap(model), "flops_per_token", None)
-        if fn is None:
-            return None
-        return float(fn(self.args.cutoff_len))
+        flops = None if fn is None else fn(self.args.cutoff_len)  # None: a model that does not count them
+        return None if flops is None else float(flops)
 
     def _log(self, run: _Run, logs: dict) -> None:
         state, progress = run.state, run.progress

@@ -975,8 +975,19 @@ def generate(
     input_ids: a list of ints or a 1-D tensor -> the list of new tokens (eos included when hit); or a
     (B, T) tensor of equal-length, unpadded prompts -> (B, T + n) prompt + new tokens, as transformers'
     `generate` returns (rows that finished early are continued with eos). Stops after max_new_tokens or when
-    every row has produced eos (`eos_token_id`: an int or a list of ints).
+    every row has produced eos (`eos_token_id`: an int or a list of ints). A model with its own `generate_ids` (the
+    transformers path's, trainer/model/transformers_model.py) decodes through it.
     """
+    own = getattr(model, "generate_ids", None)
+    if own is not None:
+        return own(
+            input_ids,
+            max_new_tokens,
+            eos_token_id=eos_token_id,
+            temperature=temperature,
+            top_p=top_p,
+            generator=generator,
+        )
     device = model.lm_head.weight.device
     as_list = not torch.is_tensor(input_ids) or input_ids.dim() == 1
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)

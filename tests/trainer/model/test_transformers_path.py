@@ -1,0 +1,184 @@
+"""The transformers path (trainer/model/transformers_model.py, issue 44): every causal-LM type of tiny_hf.TYPES, as a
+tiny random checkpoint written by transformers, builds through `build_model`, computes transformers' own loss at step
+0 (fp32, our fused loss where the probe allows it), trains as `transformers.Trainer` does for three steps, and saves a
+directory transformers loads with equal logits. Which path a type takes, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.trainer.loop.test_golden import COMMON, _examples, _pad
+from tests.trainer.model.tiny_hf import TYPES, write_tiny
+from tests.trainer.test_sft import FEW_STEPS
+from trainer import sft
+from trainer.build import build_model
+from trainer.coerce import ConfigError
+from trainer.config.args import TrainingArguments
+from trainer.data.sft_data import TokenizedDataset
+from trainer.loop.trainer import Trainer
+from trainer.model.causal_lm import ModelError, generate
+from trainer.model.transformers_model import TransformersModel, check_transformers_path, model_path
+
+transformers = pytest.importorskip("transformers")
+
+# whose three steps against transformers.Trainer run in the fast suite (the rest are `slow`, ~15 s each): logit
+# softcapping and sliding windows (gemma2: transformers' logits), mixture of experts (qwen3_moe: the fused head),
+# hybrid linear attention (qwen3_5_text)
+FAST_TRAINING = ("gemma2", "qwen3_moe", "qwen3_5_text")
+# the probe's verdict per type: the logits are lm_head(hidden) alone, or transformed after the head
+NOT_FUSED = {"gemma2": "final logit softcapping", "cohere2": "logit_scale"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-hf")
+    return {t: write_tiny(t, root / t) for t in TYPES}
+
+
+def batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (2, 24), generator=g)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    return ids, labels
+
+
+def test_the_path_follows_the_model_type():
+    assert model_path("llama") == "ours" and model_path("qwen3") == "ours"
+    assert model_path("llama", "transformers") == "transformers"
+    assert model_path("gemma3_text") == "transformers" and model_path("qwen3_moe", "auto") == "transformers"
+    with pytest.raises(ModelError, match=r"^model_impl ours: model_type 'gemma3_text' is not one our model covers"):
+        model_path("gemma3_text", "ours")
+    with pytest.raises(ModelError, match=r"^model_type 'clip' has no causal language model in transformers"):
+        model_path("clip")
+    with pytest.raises(ConfigError, match=r"^model_impl: 'hf' is not one of auto, ours, transformers"):
+        model_path("llama", "hf")
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_step0_loss_is_transformers_and_the_saved_model_loads_with_equal_logits(model_type, checkpoints, tmp_path):
+    path = checkpoints[model_type]
+    args = TrainingArguments(output_dir=str(tmp_path / "o"))
+    model, tokenizer = build_model(str(path), args)
+    assert isinstance(model, TransformersModel) and tokenizer.eos_token_id == 258
+    assert model.fused_head == (model_type not in NOT_FUSED)
+    report = model.kernel_report()
+    assert report.startswith(f"transformers path: {type(model.hf).__name__}; our kernels: ")
+    assert ("fused linear cross-entropy" in report) == model.fused_head
+    ids, labels = batch()
+    ours = model(input_ids=ids, labels=labels).loss
+    theirs = model.hf(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+
+    trainer = Trainer(model=model, args=args, processing_class=tokenizer)
+    out = trainer.save_model(tmp_path / "saved")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert (out / "tokenizer.json").is_file()
+
+
+def _three_steps(path, examples, tmp_path):
+    # SGD, not AdamW: Adam divides each gradient by its own size, so a gradient that is zero but for rounding (a key
+    # projection's bias: softmax ignores a shift of every score; an embedding row seen once) takes a step of the
+    # learning rate in a direction rounding picks, in either trainer (measured: up to 1e-3 of a tensor's norm); SGD
+    # keeps each step proportional to its gradient, so the weights compare element by element. No weight decay:
+    # which parameters decay is one of our documented differences (trainer/loop/optim.py: every 1-D parameter is
+    # exempt; transformers decays 1-D ones not named like a bias or norm, Qwen3.5's A_log).
+    settings = dict(COMMON, max_steps=3, warmup_steps=0, weight_decay=0.0, optim="sgd", learning_rate=0.05)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf_args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, remove_unused_columns=False, dataloader_num_workers=0, **settings
+    )
+    hf = transformers.Trainer(model=hf_model, args=hf_args, train_dataset=examples, data_collator=_pad)
+    hf.train()
+    args = TrainingArguments(output_dir=str(tmp_path / "ours"), **settings)
+    model, _ = build_model(str(path), args)
+    ours = Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(examples))
+    ours.train()
+
+    def losses(t):
+        return [h["loss"] for h in t.state.log_history if "loss" in h]
+
+    np.testing.assert_allclose(losses(ours), losses(hf), rtol=1e-5, atol=1e-6)
+    theirs = hf_model.state_dict()
+    for name, value in model.hf.state_dict().items():
+        torch.testing.assert_close(value, theirs[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(
+    "model_type", [t if t in FAST_TRAINING else pytest.param(t, marks=pytest.mark.slow) for t in TYPES]
+)
+def test_three_steps_equal_transformers_trainer(model_type, checkpoints, tmp_path):
+    """Sequential sampling, micro batch 4 x 2, clipping, fp32, three SGD steps (`_three_steps` says why not AdamW):
+    the losses and the weights as transformers.Trainer's."""
+    _three_steps(checkpoints[model_type], _examples(n=24), tmp_path)
+
+
+def test_generate_decodes_through_transformers(checkpoints):
+    model, tokenizer = build_model(str(checkpoints["gemma3_text"]), TrainingArguments(output_dir="unused"))
+    prompt = tokenizer.encode("2+2=")
+    new = generate(model, prompt, 6)
+    expected = model.hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :]
+    assert new == expected.tolist() and len(new) == 6
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert generate(model, prompt, 6, temperature=1.0, generator=g1) == generate(
+        model, prompt, 6, temperature=1.0, generator=g2
+    )
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(use_peft=True), "use_peft: LoRA is not available on the transformers path yet"),
+        (dict(activation_offloading=True), "activation_offloading: activation offloading is not available"),
+        (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha: NEFTune is not available"),
+        (dict(dist_config={"name": "fsdp2"}), "dist_config fsdp2: not available on the transformers path yet"),
+    ],
+)
+def test_what_the_path_cannot_do_yet_is_one_line(setting, message):
+    with pytest.raises(ConfigError, match="^" + message):
+        check_transformers_path(TrainingArguments(output_dir="unused", **setting))
+    with pytest.raises(ConfigError, match="^stage dpo: the transformers path trains sft only for now"):
+        check_transformers_path(TrainingArguments(output_dir="unused"), "dpo")
+
+
+def test_the_command_trains_a_gemma3_and_says_which_path(checkpoints, tmp_path, capsys):
+    """`python -m trainer.sft --model <gemma3 dir>`: one line names the path and what of ours runs; the embedded tasks
+    train, evaluate (exact match through the logits, sample answers through transformers' generate) and save a
+    directory transformers loads."""
+    out = tmp_path / "out"
+    assert sft.main(["--model", str(checkpoints["gemma3_text"]), "--output_dir", str(out), *FEW_STEPS]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "transformers path: Gemma3ForCausalLM; our kernels: fused linear cross-entropy, FusedAdamW; left as "
+        "transformers': attention, norms, MLP, rotary embedding" in err
+    )
+    final = json.loads((out / "final_metrics.json").read_text())
+    assert final["global_step"] == 3 and "exact_match_after" in final
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__ == "Gemma3ForCausalLM"
+
+
+def test_the_command_says_our_model_for_ours(tmp_path, capsys):
+    assert sft.main(["--output_dir", str(tmp_path / "o"), *FEW_STEPS, "--eval_exact_match", "false"]) == 0
+    assert "our model: llama (trainer.model.causal_lm); kernels: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--use_peft"], "error: use_peft: LoRA is not available on the transformers path yet"),
+        (["--model_impl", "ours"], "error: model_impl ours: model_type 'gemma3_text' is not one our model covers"),
+        (["--stage", "dpo"], "error: stage dpo: the transformers path trains sft only for now"),
+    ],
+)
+def test_the_command_refuses_in_one_line_before_writing(argv, message, checkpoints, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert sft.main(["--model", str(checkpoints["gemma3_text"]), "--output_dir", str(out), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(message) and not out.exists()

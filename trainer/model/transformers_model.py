@@ -1,0 +1,286 @@
+"""The transformers path: a causal LM of any type that `transformers.AutoModelForCausalLM` builds, trained by our
+Trainer, with our kernels where they are shown, on the model itself, to compute what transformers' code computes.
+
+Two paths, one trainer (`model_path`): a model type our own model covers (`trainer.model.causal_lm`, where the measured
+speed comes from: llama, mistral, qwen2, qwen3) is built as ours; every other type transformers knows as a causal LM
+is built by transformers from its own modeling code and wrapped in `TransformersModel`, which the Trainer, the
+checkpoints and the run summary treat as they treat ours. `model_impl` ("auto", "ours", "transformers") forces a
+path where both apply, so that the two can be compared on one checkpoint.
+
+What of ours runs inside (`TransformersModel.kernel_report()`, printed at the start of a run):
+- the loss: our fused linear cross-entropy over the decoder's final hidden states and the LM head's weight, so the
+  (tokens, vocabulary) logits never exist, when a probe shows the model's logits are exactly `lm_head(hidden)`: one
+  forward of 8 random tokens, the model's own logits against the head applied to its decoder's output, bit for bit.
+  A model that transforms its logits after the head (Gemma 2's final softcapping, Granite's logits_scaling other
+  than 1, Cohere's logit_scale) fails the probe and keeps transformers' logits, with our cross-entropy over them; a
+  mixture-of-experts model asked for its router loss (`output_router_logits`) keeps its logits too, its auxiliary
+  loss added as transformers adds it (`router_aux_loss_coef` times `aux_loss`, per micro batch);
+- FusedAdamW (the optimizer, model-independent);
+- everything else stays transformers' (attention, norms, MLPs, RoPE), and is reported as such.
+
+Refused on this path, each in one line before anything is built (`check_transformers_path`): the features whose
+implementation needs our model's structure (LoRA/QLoRA/8-bit weights, activation offloading, the tiled MLP, NEFTune,
+liger-kernel, per-block compile, FSDP2, DeepSpeed) and the DPO/GRPO stages, for now.
+
+transformers is imported only when this path is taken (it costs seconds).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from trainer.coerce import ConfigError
+from trainer.model.causal_lm import IGNORE_INDEX, SUPPORTED_MODEL_TYPES, CausalLMOutput, ModelError
+
+MODEL_IMPLS = ("auto", "ours", "transformers")
+# our attention backends (trainer/model/attention.py) -> transformers' attn_implementation; auto: transformers' choice
+ATTN_FOR_TRANSFORMERS = {"auto": None, "sdpa": "sdpa", "flex": "flex_attention", "flash": "flash_attention_2"}
+PROBE_TOKENS = 8
+
+
+def causal_lm_types() -> dict[str, str]:
+    """transformers' causal-LM model types and their classes (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def model_path(model_type: str | None, model_impl: str = "auto") -> str:
+    """ "ours" or "transformers": which model a checkpoint of `model_type` is built as. A one-line ModelError when
+    neither applies (ours forced on a type it does not cover; a type transformers has no causal LM for)."""
+    if model_impl not in MODEL_IMPLS:
+        raise ConfigError(f"model_impl: {model_impl!r} is not one of {', '.join(MODEL_IMPLS)}")
+    if model_impl != "transformers" and model_type in SUPPORTED_MODEL_TYPES:
+        return "ours"
+    if model_impl == "ours":
+        raise ModelError(
+            f"model_impl ours: model_type {model_type!r} is not one our model covers "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)}); --model_impl auto trains it through transformers"
+        )
+    import transformers
+
+    if model_type not in causal_lm_types():
+        raise ModelError(
+            f"model_type {model_type!r} has no causal language model in transformers {transformers.__version__} "
+            "(AutoModelForCausalLM does not build it): this trainer trains text generation models"
+        )
+    return "transformers"
+
+
+def check_transformers_path(args, stage: str = "sft") -> None:
+    """The arguments the transformers path cannot honour yet, each a one-line ConfigError naming it."""
+    if stage != "sft":
+        raise ConfigError(f"stage {stage}: the transformers path trains sft only for now (DPO and GRPO need our model)")
+    unsupported = {
+        "use_peft": "LoRA",
+        "load_in_4bit": "4-bit weights",
+        "load_in_8bit": "8-bit weights",
+        "activation_offloading": "activation offloading",
+        "tiled_mlp": "the tiled MLP",
+        "neftune_noise_alpha": "NEFTune",
+        "use_liger_kernel": "liger-kernel",
+        "torch_compile": "per-block compile",
+    }
+    for name, what in unsupported.items():
+        if getattr(args, name, None):
+            raise ConfigError(
+                f"{name}: {what} is not available on the transformers path yet (this model type is not one our model "
+                f"covers: {', '.join(SUPPORTED_MODEL_TYPES)}); leave it unset"
+            )
+    engine = (args.dist_config or {}).get("name")
+    if engine in ("fsdp2", "deepspeed"):
+        raise ConfigError(f"dist_config {engine}: not available on the transformers path yet; DDP is (torchrun)")
+
+
+class TransformersModel(nn.Module):
+    """A transformers causal LM (`self.hf`) with our Trainer's interface: `forward(input_ids, labels=...)` returns the
+    loss as sum / num_items (our fused linear cross-entropy where the probe allows it), `flops_per_token`,
+    `save_pretrained`, `kernel_report`. Parameter names are the transformers model's, under `hf.`."""
+
+    takes_host_labels = False
+
+    def __init__(self, hf: nn.Module, *, use_kernels: bool = True, label_smoothing: float = 0.0, z_loss: float = 0.0):
+        super().__init__()
+        self.hf = hf
+        self.config = hf.config
+        self.use_kernels = use_kernels
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.router_loss = bool(getattr(hf.config, "output_router_logits", False))
+        self.fused_head = use_kernels and not self.router_loss and self._head_is_plain()
+
+    @property
+    def name_or_path(self) -> str:
+        return self.hf.name_or_path
+
+    @name_or_path.setter
+    def name_or_path(self, value: str) -> None:
+        self.hf.name_or_path = value
+
+    def _head(self) -> nn.Module | None:
+        head = self.hf.get_output_embeddings()
+        return head if isinstance(head, nn.Linear) and head.bias is None else None
+
+    @torch.no_grad()
+    def _head_is_plain(self) -> bool:
+        """Whether the model's logits are exactly its LM head applied to its decoder's output (module docstring)."""
+        head = self._head()
+        if head is None:
+            return False
+        device = head.weight.device
+        if device.type == "meta":
+            return False
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.config.vocab_size, (1, PROBE_TOKENS), generator=g).to(device)
+        was_training = self.hf.training
+        self.hf.eval()
+        try:
+            logits = self.hf(input_ids=ids).logits
+            hidden = self.hf.get_decoder()(input_ids=ids).last_hidden_state
+            return logits.shape == (1, PROBE_TOKENS, head.out_features) and torch.equal(logits, head(hidden))
+        finally:
+            self.hf.train(was_training)
+
+    def kernel_report(self) -> str:
+        """One line: the path, the class, what of ours runs inside and what stays transformers'."""
+        ours = ["FusedAdamW"]
+        if self.fused_head:
+            ours.insert(0, "fused linear cross-entropy")
+        why = ""
+        if not self.fused_head:
+            why = (
+                "its router loss (output_router_logits)"
+                if self.router_loss
+                else "kernels off (use_kernels false)"
+                if not self.use_kernels
+                else "its logits are not lm_head(hidden) alone"
+            )
+            why = f"; the loss over transformers' logits: {why}"
+        return (
+            f"transformers path: {type(self.hf).__name__}; our kernels: {', '.join(ours)}{why}; left as "
+            "transformers': attention, norms, MLP, rotary embedding"
+        )
+
+    def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None, num_items=None):
+        """CausalLMOutput: without labels the logits; with labels (unshifted, -100 = no target) the loss sum / num_items
+        (default: mean over the supervised tokens), the logits only when they were formed."""
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        if labels is None:
+            return CausalLMOutput(None, self.hf(**inputs).logits)
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T): t predicts t+1
+        if num_items is None:
+            num_items = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        if self.fused_head:
+            hidden = self.hf.get_decoder()(**inputs).last_hidden_state  # (B, T, C)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            if torch.is_autocast_enabled(flat.device.type):
+                flat = flat.to(torch.get_autocast_dtype(flat.device.type))
+            loss = kernels.fused_linear_cross_entropy(
+                flat,
+                self._head().weight,
+                targets.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                label_smoothing=self.label_smoothing,
+                z_loss=self.z_loss,
+                num_items=num_items,
+            )
+            return CausalLMOutput(loss, None)
+        out = self.hf(**inputs)
+        loss = kernels.cross_entropy(
+            out.logits, targets, label_smoothing=self.label_smoothing, z_loss=self.z_loss, num_items=num_items
+        )
+        if self.router_loss and getattr(out, "aux_loss", None) is not None:
+            loss = loss + self.config.router_aux_loss_coef * out.aux_loss.to(loss.device)
+        return CausalLMOutput(loss, out.logits)
+
+    @torch.no_grad()
+    def generate_ids(
+        self, input_ids, max_new_tokens: int, *, eos_token_id=None, temperature=0.0, top_p=1.0, generator=None
+    ):
+        """`trainer.model.causal_lm.generate` for this model, through transformers' `generate` (its KV cache): the same
+        arguments and return values. Sampling draws from a torch RNG seeded from `generator` (transformers' generate
+        takes no generator), so a seeded generator still gives a reproducible answer, though not ours token for
+        token."""
+        device = self.hf.get_input_embeddings().weight.device
+        as_list = not torch.is_tensor(input_ids) or input_ids.dim() == 1
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+        ids = ids.view(1, -1) if as_list else ids
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        kwargs = dict(
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos or None,
+            pad_token_id=eos[0] if eos else self.config.pad_token_id,
+            **(sampling if temperature > 0 else greedy),
+        )
+        was_training = self.hf.training
+        self.hf.eval()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                if generator is not None:
+                    torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
+                out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        finally:
+            self.hf.train(was_training)
+        return out[0, ids.shape[1] :].tolist() if as_list else out
+
+    def flops_per_token(self, seq_len: int) -> int | None:
+        """6 N + 12 L H_q T as `CausalLM.flops_per_token` counts it (N: every parameter but the input embedding's, the
+        head counted once when tied), for dense softmax-attention models; None for a mixture of experts (not every
+        parameter runs for a token) and for models with linear-attention layers, so that no MFU is claimed."""
+        c = self.config
+        if any(getattr(c, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            return None
+        if any(kind != "full_attention" and "attention" not in kind for kind in getattr(c, "layer_types", None) or []):
+            return None
+        embed = self.hf.get_input_embeddings().weight
+        n = sum(p.numel() for p in self.hf.parameters()) - embed.numel()
+        head = self._head()
+        if head is not None and head.weight is embed:
+            n += embed.numel()
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len
+
+    def save_pretrained(self, directory: str | Path, tokenizer=None) -> None:
+        """transformers' own layout (config.json, model.safetensors), which `from_pretrained` loads as it is."""
+        self.hf.save_pretrained(directory)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(directory)
+
+    def load_weights(self, directory: str | Path) -> None:
+        """The weights `save_pretrained` wrote, into this model (a resume)."""
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(directory, dtype=self.hf.dtype)
+        missing, unexpected = self.hf.load_state_dict(saved.state_dict(), strict=False)
+        if missing or unexpected:
+            raise ModelError(f"{directory}: the saved weights do not fit this model ({missing or unexpected})")
+
+
+def build_transformers_model(path: Path, args, *, dtype, device, attn_backend: str = "auto") -> TransformersModel:
+    """A TransformersModel of the checkpoint at `path` (config.json + safetensors, as transformers writes them) on
+    `device`, in `dtype` (default: the checkpoint's, else fp32), with `args`' model settings."""
+    from transformers import AutoModelForCausalLM
+
+    if args is not None:
+        check_transformers_path(args)
+    attn = ATTN_FOR_TRANSFORMERS.get(attn_backend)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, **({"attn_implementation": attn} if attn else {}), device_map={"": device}
+    )
+    hf.train()
+    if args is not None and args.gradient_checkpointing:
+        if not hf.supports_gradient_checkpointing:
+            raise ConfigError(f"gradient_checkpointing: {type(hf).__name__} does not support it in transformers")
+        kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    settings = {}
+    if args is not None:
+        settings = dict(use_kernels=args.use_kernels, label_smoothing=args.label_smoothing_factor, z_loss=args.z_loss)
+    return TransformersModel(hf, **settings)
