@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.trainer.loop.test_golden import COMMON, _examples, _pad
+from tests.trainer.loop.test_trainer import StopAt
 from tests.trainer.model.tiny_hf import TYPES, write_tiny
 from tests.trainer.test_sft import FEW_STEPS
 from trainer import sft
@@ -182,3 +183,29 @@ def test_the_command_refuses_in_one_line_before_writing(argv, message, checkpoin
     assert sft.main(["--model", str(checkpoints["gemma3_text"]), "--output_dir", str(out), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(message) and not out.exists()
+
+
+def test_a_stopped_run_resumes_bit_for_bit(checkpoints, tmp_path):
+    """Stop at step 3 of 6 (a checkpoint in transformers' layout), resume into a model of another init: the losses and
+    weights of the uninterrupted run, bit for bit (qwen3_moe: the fused head and a mixture of experts)."""
+    path, examples = checkpoints["qwen3_moe"], TokenizedDataset.from_examples(_examples(n=48))
+    settings = dict(COMMON, max_steps=6, save_strategy="steps", save_steps=3, optim="adamw_fused", train_shuffle=True)
+
+    def run(out, seed=None, stop=None, resume=False):
+        args = TrainingArguments(output_dir=str(out), **settings)
+        model, _ = build_model(str(path), args)
+        if seed is not None:  # everything must come from the checkpoint
+            torch.manual_seed(seed)
+            for p in model.parameters():
+                torch.nn.init.normal_(p, std=0.5)
+        callbacks = [StopAt(stop)] if stop else []
+        trainer = Trainer(model=model, args=args, train_dataset=examples, callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=resume or None)
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], model.hf.state_dict()
+
+    full_losses, full_weights = run(tmp_path / "full")
+    run(tmp_path / "part", stop=3)
+    resumed_losses, resumed_weights = run(tmp_path / "part", seed=123, resume=True)
+    assert resumed_losses == full_losses
+    for name, value in resumed_weights.items():
+        assert torch.equal(value, full_weights[name]), name
