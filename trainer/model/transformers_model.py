@@ -15,8 +15,15 @@ What of ours runs inside (`TransformersModel.kernel_report()`, printed at the st
   than 1, Cohere's logit_scale) fails the probe and keeps transformers' logits, with our cross-entropy over them; a
   mixture-of-experts model asked for its router loss (`output_router_logits`) keeps its logits too, its auxiliary
   loss added as transformers adds it (`router_aux_loss_coef` times `aux_loss`, per micro batch);
+- RMSNorm (`swap_norms`): every module with one 1-D `weight` and an epsilon whose output, on random fp32 rows with a
+  random weight, equals `kernels.rms_norm` with offset 0 (Llama's `weight * x`, OLMo 2's) or offset 1 (Gemma's
+  `(1 + weight) * x`) to fp32 rounding (rtol 1e-5) runs our kernel; the probe runs on an fp32 copy of the module,
+  so its math is checked, not its name. In bf16/fp16 ours keeps fp32 until one final cast where Llama's rounds twice
+  (`kernels/rms_norm.py`: at most about one unit in the last place apart). A call whose input and weight dtypes
+  differ (transformers would promote) runs transformers' forward. A norm that fails the probe (a gated norm, a
+  LayerNorm) stays transformers' and is named in the report;
 - FusedAdamW (the optimizer, model-independent);
-- everything else stays transformers' (attention, norms, MLPs, RoPE), and is reported as such.
+- everything else stays transformers' (attention, MLPs, RoPE), and is reported as such.
 
 Refused on this path, each in one line before anything is built (`check_transformers_path`): the features whose
 implementation needs our model's structure (LoRA/QLoRA/8-bit weights, activation offloading, the tiled MLP, NEFTune,
@@ -27,6 +34,8 @@ transformers is imported only when this path is taken (it costs seconds).
 
 from __future__ import annotations
 
+import copy
+import types
 from pathlib import Path
 
 import torch
@@ -97,6 +106,73 @@ def check_transformers_path(args, stage: str = "sft") -> None:
         raise ConfigError(f"dist_config {engine}: not available on the transformers path yet; DDP is (torchrun)")
 
 
+NORM_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+NORM_PROBE_ROWS = 4
+
+
+def _norm_eps(module: nn.Module) -> float | None:
+    """The epsilon of a module shaped like an RMSNorm (exactly one parameter, a 1-D `weight`), else None."""
+    params = dict(module.named_parameters(recurse=False))
+    if list(params) != ["weight"] or params["weight"].dim() != 1 or list(module.children()):
+        return None
+    eps = next((getattr(module, n) for n in NORM_EPS_NAMES if isinstance(getattr(module, n, None), float)), None)
+    return eps
+
+
+@torch.no_grad()
+def norm_offset(module: nn.Module, eps: float) -> float | None:
+    """0.0 or 1.0: the offset with which `kernels.rms_norm` computes what `module` computes (probed on an fp32 copy,
+    random rows, a random weight, rtol 1e-5), or None when neither does."""
+    probe = copy.deepcopy(module).float().cpu()
+    g = torch.Generator().manual_seed(0)
+    probe.weight.copy_(torch.randn(probe.weight.shape, generator=g) * 0.5)
+    x = torch.randn(NORM_PROBE_ROWS, probe.weight.numel(), generator=g) * 3.0
+    try:
+        out = probe(x)
+    except Exception:  # a forward that takes more than the rows (a gated norm's gate): not ours
+        return None
+    if not torch.is_tensor(out) or out.shape != x.shape:
+        return None
+    for offset in (0.0, 1.0):
+        ours = kernels.rms_norm_ref(x, probe.weight, eps, offset)
+        if torch.allclose(out.float(), ours, rtol=1e-5, atol=1e-6):
+            return offset
+    return None
+
+
+def _kernel_norm_forward(self, x):
+    if x.dtype != self.weight.dtype:  # transformers would promote: its own forward keeps that
+        return type(self).forward(self, x)
+    return kernels.rms_norm(x, self.weight, self.kernel_eps, self.kernel_offset)
+
+
+def swap_norms(model: nn.Module) -> tuple[dict[str, int], set[str]]:
+    """Point every RMSNorm that `norm_offset` proves at `kernels.rms_norm` (its forward rebound on the instance, its
+    weight untouched): ({"ClassName (offset 1)": count}, the names of norm-like classes left as they are)."""
+    swapped: dict[str, int] = {}
+    verdicts: dict[tuple[type, float], float | None] = {}
+    left: set[str] = set()
+    for module in model.modules():
+        name = type(module).__name__
+        eps = _norm_eps(module)
+        if eps is None:
+            if "Norm" in name:
+                left.add(name)
+            continue
+        key = (type(module), eps)
+        if key not in verdicts:
+            verdicts[key] = norm_offset(module, eps)
+        offset = verdicts[key]
+        if offset is None:
+            left.add(name)
+            continue
+        module.kernel_eps, module.kernel_offset = eps, offset
+        module.forward = types.MethodType(_kernel_norm_forward, module)
+        label = name + (", offset 1" if offset else "")
+        swapped[label] = swapped.get(label, 0) + 1
+    return swapped, left
+
+
 class TransformersModel(nn.Module):
     """A transformers causal LM (`self.hf`) with our Trainer's interface: `forward(input_ids, labels=...)` returns the
     loss as sum / num_items (our fused linear cross-entropy where the probe allows it), `flops_per_token`,
@@ -113,6 +189,7 @@ class TransformersModel(nn.Module):
         self.z_loss = z_loss
         self.router_loss = bool(getattr(hf.config, "output_router_logits", False))
         self.fused_head = use_kernels and not self.router_loss and self._head_is_plain()
+        self.norms, self.norms_left = swap_norms(hf) if use_kernels else ({}, set())
 
     @property
     def name_or_path(self) -> str:
@@ -148,9 +225,10 @@ class TransformersModel(nn.Module):
 
     def kernel_report(self) -> str:
         """One line: the path, the class, what of ours runs inside and what stays transformers'."""
-        ours = ["FusedAdamW"]
+        ours = [f"RMSNorm x{n} ({label})" for label, n in self.norms.items()]
         if self.fused_head:
-            ours.insert(0, "fused linear cross-entropy")
+            ours.append("fused linear cross-entropy")
+        ours.append("FusedAdamW")
         why = ""
         if not self.fused_head:
             why = (
@@ -161,9 +239,10 @@ class TransformersModel(nn.Module):
                 else "its logits are not lm_head(hidden) alone"
             )
             why = f"; the loss over transformers' logits: {why}"
+        left = ["attention", "MLP", "rotary embedding", *sorted(self.norms_left)]
         return (
             f"transformers path: {type(self.hf).__name__}; our kernels: {', '.join(ours)}{why}; left as "
-            "transformers': attention, norms, MLP, rotary embedding"
+            f"transformers': {', '.join(left)}"
         )
 
     def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None, num_items=None):

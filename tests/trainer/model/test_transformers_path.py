@@ -72,15 +72,17 @@ def test_step0_loss_is_transformers_and_the_saved_model_loads_with_equal_logits(
     assert ("fused linear cross-entropy" in report) == model.fused_head
     ids, labels = batch()
     ours = model(input_ids=ids, labels=labels).loss
-    theirs = model.hf(input_ids=ids, labels=labels).loss
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # no kernel of ours inside
+    theirs = plain(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)  # our RMSNorm and loss: fp32 rounding
 
     trainer = Trainer(model=model, args=args, processing_class=tokenizer)
     out = trainer.save_model(tmp_path / "saved")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert all(torch.equal(v, model.hf.state_dict()[k]) for k, v in loaded.state_dict().items())
     model.eval()
     with torch.no_grad():
-        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
     assert (out / "tokenizer.json").is_file()
 
 
@@ -157,8 +159,8 @@ def test_the_command_trains_a_gemma3_and_says_which_path(checkpoints, tmp_path, 
     assert sft.main(["--model", str(checkpoints["gemma3_text"]), "--output_dir", str(out), *FEW_STEPS]) == 0
     err = capsys.readouterr().err
     assert (
-        "transformers path: Gemma3ForCausalLM; our kernels: fused linear cross-entropy, FusedAdamW; left as "
-        "transformers': attention, norms, MLP, rotary embedding" in err
+        "transformers path: Gemma3ForCausalLM; our kernels: RMSNorm x25 (Gemma3RMSNorm, offset 1), fused linear "
+        "cross-entropy, FusedAdamW; left as transformers': attention, MLP, rotary embedding" in err
     )
     final = json.loads((out / "final_metrics.json").read_text())
     assert final["global_step"] == 3 and "exact_match_after" in final
@@ -209,3 +211,49 @@ def test_a_stopped_run_resumes_bit_for_bit(checkpoints, tmp_path):
     assert resumed_losses == full_losses
     for name, value in resumed_weights.items():
         assert torch.equal(value, full_weights[name]), name
+
+
+class _EpsOutsideTheRoot(torch.nn.Module):
+    """An RMSNorm-shaped module whose math is not ours: eps added outside the square root."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.eps = 1e-2
+
+    def forward(self, x):
+        return self.weight * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)
+
+
+def test_the_norm_probe_swaps_only_what_computes_our_math():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    from trainer.model.transformers_model import norm_offset, swap_norms
+
+    assert norm_offset(LlamaRMSNorm(48, eps=1e-5), 1e-5) == 0.0
+    assert norm_offset(Gemma3RMSNorm(48, eps=1e-6), 1e-6) == 1.0
+    assert norm_offset(_EpsOutsideTheRoot(48), 1e-2) is None
+    model = torch.nn.ModuleDict(
+        {
+            "llama": LlamaRMSNorm(48),
+            "gated": Qwen3NextRMSNormGated(48),
+            "other": _EpsOutsideTheRoot(48),
+            "layer": torch.nn.LayerNorm(48),
+        }
+    )
+    swapped, left = swap_norms(model)
+    assert swapped == {"LlamaRMSNorm": 1} and left == {"Qwen3NextRMSNormGated", "_EpsOutsideTheRoot", "LayerNorm"}
+    norm = model["llama"]
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(norm(x), LlamaRMSNorm.forward(norm, x), rtol=1e-5, atol=1e-6)
+    # bf16 rows with a bf16 weight: ours rounds once, transformers twice (kernels/rms_norm.py): one ulp apart at most
+    bf16 = LlamaRMSNorm(48).to(torch.bfloat16)
+    torch.nn.init.normal_(bf16.weight)
+    expected = LlamaRMSNorm.forward(bf16, x.bfloat16())
+    swap_norms(bf16)
+    torch.testing.assert_close(bf16(x.bfloat16()), expected, rtol=2 * 2**-8, atol=0)
+    # rows of another dtype than the weight: transformers' own forward (it promotes), unchanged
+    assert bf16(x).dtype == LlamaRMSNorm.forward(bf16, x).dtype == torch.float32
