@@ -257,3 +257,24 @@ def test_the_norm_probe_swaps_only_what_computes_our_math():
     torch.testing.assert_close(bf16(x.bfloat16()), expected, rtol=2 * 2**-8, atol=0)
     # rows of another dtype than the weight: transformers' own forward (it promotes), unchanged
     assert bf16(x).dtype == LlamaRMSNorm.forward(bf16, x).dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_swapped_model_trains_in_bf16_as_transformers(checkpoints):
+    """On a GPU: Gemma 3 (offset-1 norms, the fused head) and Qwen3.5 (gated norms left, linear attention) with our
+    Triton RMSNorm and fused loss under bf16 autocast: the loss within bf16 rounding of an untouched transformers
+    model's, every gradient finite and close to its."""
+    for model_type in ("gemma3_text", "qwen3_5_text"):
+        path = checkpoints[model_type]
+        model, _ = build_model(str(path), TrainingArguments(output_dir="unused", bf16=True), device="cuda")
+        plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+        ids, labels = (t.cuda() for t in batch())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ours = model(input_ids=ids, labels=labels).loss
+            theirs = plain(input_ids=ids, labels=labels).loss
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=0)
+        ours.backward()
+        theirs.backward()
+        for (name, p), q in zip(model.hf.named_parameters(), plain.parameters()):
+            assert torch.isfinite(p.grad).all(), name
+            torch.testing.assert_close(p.grad, q.grad, rtol=0.1, atol=2e-2, msg=lambda m, name=name: f"{name}: {m}")
