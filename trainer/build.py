@@ -45,7 +45,7 @@ from trainer.data.tokenizer import Tokenizer, byte_level_tokenizer
 from trainer.dist import init_distributed, local_device, local_shard
 from trainer.model.causal_lm import CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from trainer.model.lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
-from trainer.model.transformers_model import build_transformers_model, model_path
+from trainer.model.transformers_model import build_transformers_model, check_buildable, model_path
 from trainer.parallel.transforms import (
     DCP_DIR,
     apply_data_parallel,
@@ -234,7 +234,9 @@ def read_model_files(name: str, model_impl: str = "auto") -> tuple[ModelConfig |
     path = locate(name)
     if path is None:
         return preset_config(name)
-    if model_path(model_type_of(path), model_impl) == "transformers":
+    model_type = model_type_of(path)
+    if model_path(model_type, model_impl) == "transformers":
+        check_buildable(path, model_type)
         # transformers reads its own checkpoint (some types' keys are converted as they load): the files' headers
         try:
             for file in checkpoint_files(path):

@@ -81,6 +81,24 @@ def model_path(model_type: str | None, model_impl: str = "auto") -> str:
     return "transformers"
 
 
+def check_buildable(path: Path, model_type: str | None) -> None:
+    """transformers can build the model at `path` here: its config read and the model constructed on the meta device
+    (no memory, no weights read: a second or less), so that a missing package, a config its code refuses or a
+    modeling bug stops the run in one line (ModelError) before anything is written."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # whatever transformers raises: one line naming the type and the reason
+        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ModelError(
+            f"{Path(path) / 'config.json'}: transformers cannot build this {model_type!r} model here "
+            f"({type(exc).__name__}: {reason})"
+        ) from None
+
+
 def check_transformers_path(args, stage: str = "sft") -> None:
     """The arguments the transformers path cannot honour yet, each a one-line ConfigError naming it."""
     if stage != "sft":

@@ -278,3 +278,19 @@ def test_on_cuda_the_swapped_model_trains_in_bf16_as_transformers(checkpoints):
         for (name, p), q in zip(model.hf.named_parameters(), plain.parameters()):
             assert torch.isfinite(p.grad).all(), name
             torch.testing.assert_close(p.grad, q.grad, rtol=0.1, atol=2e-2, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_model_transformers_cannot_build_stops_in_one_line_before_writing(tmp_path, capsys):
+    """A config transformers' code refuses (here: no attention heads) stops at the file check, before the summary,
+    the build or any write, naming the file, the type and transformers' reason."""
+    path = write_tiny("gemma3_text", tmp_path / "broken")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    out = tmp_path / "out"
+    assert sft.main(["--model", str(path), "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"error: {path / 'config.json'}: transformers cannot build this 'gemma3_text' model here "
+        "(ZeroDivisionError: integer modulo by zero)"
+    )
+    assert not out.exists()
