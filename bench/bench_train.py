@@ -8,6 +8,9 @@ own subprocess (so peak memory is that configuration's alone and no allocator or
                the row is recorded as skipped, with the reason)
     ours_long  ours at its most memory-frugal: gradient checkpointing, activation offloading, the tiled MLP
     ours_ckpt  ours_long without activation offloading (ours_long / ours_ckpt is what offloading costs in time)
+    ours_tf    our Trainer over the transformers path (--model_impl transformers: transformers' LlamaForCausalLM with
+               our RMSNorm and fused linear cross-entropy inside, trainer/model/transformers_model.py): what the path
+               for the model types ours does not cover gives, measured against ours, hf and hf_liger on one model
     hf_ckpt    hf with gradient checkpointing (non-reentrant), the stack long-context comparisons use
                (ours_long, ours_ckpt and hf_ckpt run only when --configs names them: for the memory ladders)
     ours_lora  ours with --use_peft: a LoRA adapter (trainer/model/lora.py) on every linear layer but lm_head
@@ -112,7 +115,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = ("ours", "hf", "hf_liger", "ours_lora", "hf_lora", "ours_dpo", "trl_dpo", "trl_dpo_liger")
 # named by --configs only: ours_long, ours_ckpt and hf_ckpt for the memory ladders and offloading's cost, the
 # QLoRA pair (bitsandbytes needed)
-CONFIGS = (*DEFAULT_CONFIGS, "ours_long", "ours_ckpt", "hf_ckpt", "ours_qlora", "hf_qlora")
+CONFIGS = (*DEFAULT_CONFIGS, "ours_long", "ours_ckpt", "hf_ckpt", "ours_qlora", "hf_qlora", "ours_tf")
 DPO_CONFIGS = ("ours_dpo", "trl_dpo", "trl_dpo_liger")
 QLORA = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)  # ours_qlora, hf_qlora
 # what each row's ratios are against: LoRA against LoRA, QLoRA against QLoRA, DPO against TRL's DPO, the rest hf
@@ -396,12 +399,16 @@ def worker(spec: dict) -> dict:
     train, heldout = blocks(spec)
     common_args = _common_args(spec, device)
     if impl.startswith("ours"):
-        from trainer.build import load_pretrained
+        from trainer.build import build_model, load_pretrained
         from trainer.config.args import TrainingArguments
         from trainer.loop.callbacks import TrainerCallback
         from trainer.loop.trainer import Trainer
 
-        model = load_pretrained(spec["model_dir"], dtype=torch.float32, device=device, use_kernels=True)
+        model = (
+            load_pretrained(spec["model_dir"], dtype=torch.float32, device=device, use_kernels=True)
+            if impl != "ours_tf"
+            else build_model(spec["model_dir"], dtype=torch.float32, device=device, model_impl="transformers")[0]
+        )
         lora = (
             dict(
                 use_peft=True,

@@ -178,6 +178,15 @@ def test_the_long_context_configs_run_a_rung_each(tmp_path):
     assert set(rungs) == {"ours_long", "hf_ckpt"} and all(r["status"] == "ok" for r in rungs.values())
 
 
+def test_the_transformers_path_config_trains_the_same_model(tmp_path):
+    """ours_tf: our Trainer over transformers' LlamaForCausalLM (the transformers path, our norms and loss inside)
+    trains the same tiny model as ours, to the same held-out loss within the run's rounding."""
+    argv = ["--quick", "--configs", "ours,ours_tf", "--steps", "3", "--warmup-steps", "1", "--repeats", "1"]
+    rows = {r["impl"]: r for r in bench_train.main([*argv, "--out", str(tmp_path)])}
+    assert rows["ours"]["status"] == rows["ours_tf"]["status"] == "ok"
+    assert rows["ours_tf"]["final_loss"] == pytest.approx(rows["ours"]["final_loss"], rel=1e-4)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_cpu_skips_liger_and_rejects_a_memory_cap():
     assert "CUDA only" in bench_train.skip_reason("hf_liger")
