@@ -160,7 +160,7 @@ def test_the_command_trains_a_gemma3_and_says_which_path(checkpoints, tmp_path, 
     err = capsys.readouterr().err
     assert (
         "transformers path: Gemma3ForCausalLM; our kernels: RMSNorm x25 (Gemma3RMSNorm, offset 1), fused linear "
-        "cross-entropy, FusedAdamW; left as transformers': attention, MLP, rotary embedding" in err
+        "cross-entropy, FusedAdamW; left as transformers': attention, rotary embedding, Gemma3MLP" in err
     )
     final = json.loads((out / "final_metrics.json").read_text())
     assert final["global_step"] == 3 and "exact_match_after" in final
@@ -294,3 +294,23 @@ def test_a_model_transformers_cannot_build_stops_in_one_line_before_writing(tmp_
         "(ZeroDivisionError: integer modulo by zero)"
     )
     assert not out.exists()
+
+
+def test_the_mlp_probe_swaps_only_swiglu():
+    """Llama's gated SiLU MLP runs kernels.swiglu_linear; Gemma's GELU-gated MLP and Phi-3's fused gate_up layout
+    stay transformers' and are named; the swapped MLP computes what it computed (fp32 rounding)."""
+    from transformers import GemmaConfig, LlamaConfig, Phi3Config
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    from trainer.model.transformers_model import mlp_is_swiglu, swap_mlps
+
+    sizes = dict(hidden_size=32, intermediate_size=48)
+    llama, gemma, phi3 = LlamaMLP(LlamaConfig(**sizes)), GemmaMLP(GemmaConfig(**sizes)), Phi3MLP(Phi3Config(**sizes))
+    assert mlp_is_swiglu(llama) and not mlp_is_swiglu(gemma)
+    x = torch.randn(2, 5, 32)
+    expected = LlamaMLP.forward(llama, x)
+    swapped, left = swap_mlps(torch.nn.ModuleDict({"llama": llama, "gemma": gemma, "phi3": phi3}))
+    assert swapped == {"LlamaMLP": 1} and left == {"GemmaMLP", "Phi3MLP"}
+    torch.testing.assert_close(llama(x), expected, rtol=1e-5, atol=1e-6)
