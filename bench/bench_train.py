@@ -1000,20 +1000,9 @@ def main(argv=None) -> list[dict]:
         else:
             rows = compare(args, config, tmp / "model", tmp)
             path = common.write_rows("train", rows)
-            if args.profile:
-                md = common.RESULTS / "train_profile.md"
-                env = common.env_header(common.env_info())  # device, versions, git, date, command
-                md.write_text(
-                    "\n".join(
-                        [
-                            "# One training step under torch.profiler, per configuration",
-                            "",
-                            env,
-                            "",
-                            *step_profile.markdown(rows),
-                        ]
-                    )
-                    + "\n"
+            if args.profile:  # the header: device, versions, git, date, command
+                step_profile.write_markdown(
+                    common.RESULTS / "train_profile.md", rows, common.env_header(common.env_info())
                 )
     print(f"wrote {len(rows)} rows to {path}")
     return rows

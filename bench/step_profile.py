@@ -162,6 +162,12 @@ def step_profiler(base, profile_step: int, trace_path: Path | None):
     return StepProfiler()
 
 
+def write_markdown(path: Path, rows: list[dict], source: str) -> None:
+    """train_profile.md: the title, `source` (where and how the rows were measured), the table of `markdown`."""
+    title = "# One training step under torch.profiler, per configuration"
+    path.write_text("\n".join([title, "", source, "", *markdown(rows)]) + "\n")
+
+
 def markdown(rows: list[dict]) -> list[str]:
     """A table of the profiled rows: one column per configuration, one row per category (ms), then busy and idle."""
     rows = [r for r in rows if r.get("profile")]
@@ -208,20 +214,12 @@ def main(argv=None) -> int:
             p.error(f"{trace}: no ok row for {impl!r} in {args.rows}")
         picked.append({**rows[impl], "profile": summarize(*events_of(read_trace(trace)))})
     head = rows[picked[0]["impl"]]
-    args.out.write_text(
-        "\n".join(
-            [
-                "# One training step under torch.profiler, per configuration",
-                "",
-                f"Measured on {head['device']}, git {head['git_sha']}, {head['date']}; the rows' command "
-                f"`{head.get('command')}`; summarized by `python -m bench.step_profile` from the traces "
-                + ", ".join(t.name for t in args.traces),
-                "",
-                *markdown(picked),
-            ]
-        )
-        + "\n"
+    source = (
+        f"Measured on {head['device']}, git {head['git_sha']}, {head['date']}; the rows' command "
+        f"`{head.get('command')}`; summarized by `python -m bench.step_profile` from the traces "
+        + ", ".join(t.name for t in args.traces)
     )
+    write_markdown(args.out, picked, source)
     return 0
 
 

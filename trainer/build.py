@@ -109,7 +109,7 @@ def _build_transformers(path: Path, args, *, dtype, device, attn_backend) -> nn.
     model from its own modeling code; DDP over it with several processes."""
     if args is not None:
         init_distributed()
-    config = read_json(path / "config.json")
+    config = _config_json(path)
     dtype = _resolve_dtype(dtype) or _resolve_dtype(config.get("dtype") or config.get("torch_dtype")) or torch.float32
     model = build_transformers_model(
         path, args, dtype=dtype, device=device or local_device(), attn_backend=attn_backend
@@ -121,11 +121,16 @@ def _build_transformers(path: Path, args, *, dtype, device, attn_backend) -> nn.
 
 def model_type_of(path: Path) -> str | None:
     """config.json's model_type in the model directory `path` (a one-line ModelError when it cannot be read)."""
+    return _config_json(path).get("model_type")
+
+
+def _config_json(path: str | Path) -> dict:
+    """`path`/config.json as a dict; a missing or unreadable file is one ModelError line."""
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ModelError(f"{file}: not found (a Hugging Face model directory needs config.json)")
     try:
-        return read_json(file).get("model_type")
+        return read_json(file)
     except CheckpointError as exc:
         raise ModelError(str(exc)) from None
 
@@ -306,14 +311,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def read_config(path: str | Path) -> ModelConfig:
     """ModelConfig from `path`/config.json."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise ModelError(f"{file}: not found (a Hugging Face model directory needs config.json)")
-    try:
-        config = read_json(file)
-    except CheckpointError as exc:
-        raise ModelError(str(exc)) from None
-    return ModelConfig.from_hf(config, source=str(file))
+    return ModelConfig.from_hf(_config_json(path), source=str(Path(path) / "config.json"))
 
 
 def _ignore_for(config: ModelConfig):

@@ -139,8 +139,7 @@ def _norm_eps(module: nn.Module) -> float | None:
     params = dict(module.named_parameters(recurse=False))
     if list(params) != ["weight"] or params["weight"].dim() != 1 or list(module.children()):
         return None
-    eps = next((getattr(module, n) for n in NORM_EPS_NAMES if isinstance(getattr(module, n, None), float)), None)
-    return eps
+    return next((getattr(module, n) for n in NORM_EPS_NAMES if isinstance(getattr(module, n, None), float)), None)
 
 
 @torch.no_grad()
@@ -170,31 +169,43 @@ def _kernel_norm_forward(self, x):
     return kernels.rms_norm(x, self.weight, self.kernel_eps, self.kernel_offset)
 
 
-def swap_norms(model: nn.Module) -> tuple[dict[str, int], set[str]]:
-    """Point every RMSNorm that `norm_offset` proves at `kernels.rms_norm` (its forward rebound on the instance, its
-    weight untouched): ({"ClassName (offset 1)": count}, the names of norm-like classes left as they are)."""
+def _swap(model: nn.Module, settings, prove, forward, left_when) -> tuple[dict[str, int], set[str]]:
+    """Rebind `forward` on every module whose class, with `settings(module)` (None: not a candidate), `prove` passes
+    (once per class and settings: a dict of attributes the kernel forward reads, or None); weights untouched.
+    ({label: count}, the names of classes left as they are: failed candidates, and others `left_when(name)` picks)."""
     swapped: dict[str, int] = {}
-    verdicts: dict[tuple[type, float], float | None] = {}
+    verdicts: dict[tuple, dict | None] = {}
     left: set[str] = set()
     for module in model.modules():
         name = type(module).__name__
-        eps = _norm_eps(module)
-        if eps is None:
-            if "Norm" in name:
+        key = settings(module)
+        if key is None:
+            if left_when(name):
                 left.add(name)
             continue
-        key = (type(module), eps)
-        if key not in verdicts:
-            verdicts[key] = norm_offset(module, eps)
-        offset = verdicts[key]
-        if offset is None:
+        if (type(module), key) not in verdicts:
+            verdicts[type(module), key] = prove(module, key)
+        attrs = verdicts[type(module), key]
+        if attrs is None:
             left.add(name)
             continue
-        module.kernel_eps, module.kernel_offset = eps, offset
-        module.forward = types.MethodType(_kernel_norm_forward, module)
-        label = name + (", offset 1" if offset else "")
+        for attr, value in attrs.items():
+            setattr(module, attr, value)
+        module.forward = types.MethodType(forward, module)
+        label = name + (", offset 1" if attrs.get("kernel_offset") else "")
         swapped[label] = swapped.get(label, 0) + 1
     return swapped, left
+
+
+def swap_norms(model: nn.Module) -> tuple[dict[str, int], set[str]]:
+    """Point every RMSNorm that `norm_offset` proves at `kernels.rms_norm` (its forward rebound on the instance, its
+    weight untouched): ({"ClassName, offset 1": count}, the names of norm-like classes left as they are)."""
+
+    def prove(module, eps):
+        offset = norm_offset(module, eps)
+        return None if offset is None else {"kernel_eps": eps, "kernel_offset": offset}
+
+    return _swap(model, _norm_eps, prove, _kernel_norm_forward, lambda name: "Norm" in name)
 
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -230,23 +241,13 @@ def _kernel_mlp_forward(self, x):
 def swap_mlps(model: nn.Module) -> tuple[dict[str, int], set[str]]:
     """Point every gated MLP that `mlp_is_swiglu` proves at `kernels.swiglu_linear` (forward rebound on the
     instance): ({"ClassName": count}, the names of MLP-like classes left as they are)."""
-    swapped: dict[str, int] = {}
-    verdicts: dict[type, bool] = {}
-    left: set[str] = set()
-    for module in model.modules():
-        name = type(module).__name__
-        if not _is_gated_mlp(module):
-            if name.endswith(MLP_LIKE):
-                left.add(name)
-            continue
-        if type(module) not in verdicts:
-            verdicts[type(module)] = mlp_is_swiglu(module)
-        if not verdicts[type(module)]:
-            left.add(name)
-            continue
-        module.forward = types.MethodType(_kernel_mlp_forward, module)
-        swapped[name] = swapped.get(name, 0) + 1
-    return swapped, left
+    return _swap(
+        model,
+        lambda module: () if _is_gated_mlp(module) else None,
+        lambda module, _: {} if mlp_is_swiglu(module) else None,
+        _kernel_mlp_forward,
+        lambda name: name.endswith(MLP_LIKE),
+    )
 
 
 class TransformersModel(nn.Module):
