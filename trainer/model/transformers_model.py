@@ -56,6 +56,8 @@ MODEL_IMPLS = ("auto", "ours", "transformers")
 # our attention backends (trainer/model/attention.py) -> transformers' attn_implementation; auto: transformers' choice
 ATTN_FOR_TRANSFORMERS = {"auto": None, "sdpa": "sdpa", "flex": "flex_attention", "flash": "flash_attention_2"}
 PROBE_TOKENS = 8
+# transformers' layer_types whose FLOPs `flops_per_token` counts (softmax attention over a full or local window)
+SOFTMAX_ATTENTION = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
 def causal_lm_types() -> dict[str, str]:
@@ -395,7 +397,7 @@ class TransformersModel(nn.Module):
         c = self.config
         if any(getattr(c, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
             return None
-        if any(kind != "full_attention" and "attention" not in kind for kind in getattr(c, "layer_types", None) or []):
+        if set(getattr(c, "layer_types", None) or []) - SOFTMAX_ATTENTION:  # linear attention, convolutions, ...
             return None
         embed = self.hf.get_input_embeddings().weight
         n = sum(p.numel() for p in self.hf.parameters()) - embed.numel()

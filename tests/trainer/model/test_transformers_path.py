@@ -314,3 +314,12 @@ def test_the_mlp_probe_swaps_only_swiglu():
     swapped, left = swap_mlps(torch.nn.ModuleDict({"llama": llama, "gemma": gemma, "phi3": phi3}))
     assert swapped == {"LlamaMLP": 1} and left == {"GemmaMLP", "Phi3MLP"}
     torch.testing.assert_close(llama(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_flops_are_counted_for_softmax_attention_only(checkpoints):
+    """MFU is logged only where the FLOPs per token are counted: dense softmax-attention models (sliding windows
+    included), not mixtures of experts or hybrid linear-attention models."""
+    args = TrainingArguments(output_dir="unused")
+    flops = {t: build_model(str(checkpoints[t]), args)[0].flops_per_token(64) for t in ("gemma3_text", "qwen3_5_text")}
+    assert flops["gemma3_text"] > 0 and flops["qwen3_5_text"] is None
+    assert build_model(str(checkpoints["qwen3_moe"]), args)[0].flops_per_token(64) is None
