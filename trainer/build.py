@@ -45,9 +45,15 @@ from trainer.data.tokenizer import Tokenizer, byte_level_tokenizer
 from trainer.dist import init_distributed, local_device, local_shard
 from trainer.model.causal_lm import CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from trainer.model.lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
-from trainer.model.transformers_model import build_transformers_model, check_buildable, model_path
+from trainer.model.transformers_model import (
+    TransformersModel,
+    build_transformers_model,
+    check_buildable,
+    model_path,
+)
 from trainer.parallel.transforms import (
     DCP_DIR,
+    apply_all,
     apply_data_parallel,
     apply_transforms,
     is_fsdp,
@@ -115,7 +121,7 @@ def _build_transformers(path: Path, args, *, dtype, device, attn_backend) -> nn.
         path, args, dtype=dtype, device=device or local_device(), attn_backend=attn_backend
     )
     if args is not None:
-        model = apply_data_parallel(model, args)
+        model = apply_all(model, args)  # 4-bit weights -> LoRA -> checkpointing -> DDP, as on our path
     return model
 
 
@@ -415,10 +421,14 @@ def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=local_sh
 
 
 def save_pretrained(
-    model: CausalLM, path: str | Path, max_shard_size: int | str = "5GB", tokenizer=None, dtype=None
+    model: CausalLM | TransformersModel, path: str | Path, max_shard_size: int | str = "5GB", tokenizer=None, dtype=None
 ) -> None:
     """Write config.json, model.safetensors (or shards + index when over max_shard_size) and the tokenizer
-    files; a tied lm_head is written once, as embed_tokens (Hugging Face omits lm_head.weight too)."""
+    files; a tied lm_head is written once, as embed_tokens (Hugging Face omits lm_head.weight too). A model of the
+    transformers path is written by transformers (`TransformersModel.save_pretrained`), in its own dtype."""
+    if isinstance(model, TransformersModel):
+        model.save_pretrained(path, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        return
     dtype = _resolve_dtype(dtype) or model.model.embed_tokens.weight.dtype
     tensors = dict(model.named_parameters())  # a tied head appears once, as embed_tokens
     path = Path(path)

@@ -37,12 +37,13 @@ def save_model_files(model, directory: Path, *, rank: int, tokenizer=None, full_
     carrying a LoRA adapter writes the adapter alone (peft's layout)."""
     model = parallel.unwrap(model)
     ours = causal_lm(model)
-    if ours is not None and has_adapter(ours):
+    adapted = model if ours is None else ours  # the model that carries a LoRA adapter, if any
+    if has_adapter(adapted):
         state = full_state_dict
-        if state is None and parallel.is_fsdp(ours):
-            state = parallel.full_model_state_dict(ours)  # the trainable weights
+        if state is None and parallel.is_fsdp(adapted):
+            state = parallel.full_model_state_dict(adapted)  # the trainable weights
         if rank == 0:
-            save_adapter(ours, directory, state)
+            save_adapter(adapted, directory, state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(directory)
         return
@@ -53,11 +54,8 @@ def save_model_files(model, directory: Path, *, rank: int, tokenizer=None, full_
         model = _gathered_copy(model, rank)  # None on ranks other than 0
     if rank != 0:
         return
-    if isinstance(model, CausalLM):
+    if isinstance(model, (CausalLM, TransformersModel)):
         save_pretrained(model, directory, tokenizer=tokenizer)
-        return
-    if isinstance(model, TransformersModel):
-        model.save_pretrained(directory, tokenizer=tokenizer)
         return
     save_model(model, str(Path(directory) / "model.safetensors"))
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
@@ -69,8 +67,9 @@ def load_model_weights(model, directory: Path) -> None:
     carrying a LoRA adapter, the adapter saved there (each rank its rows under FSDP2)."""
     model = parallel.unwrap(model)
     ours = causal_lm(model)
-    if ours is not None and has_adapter(ours) and not (directory / parallel.DCP_DIR).is_dir():
-        load_adapter_weights(ours, directory, local_shard=local_shard)
+    adapted = model if ours is None else ours
+    if has_adapter(adapted) and not (directory / parallel.DCP_DIR).is_dir():
+        load_adapter_weights(adapted, directory, local_shard=local_shard)
         return
     if parallel.is_fsdp(model):
         if (directory / parallel.DCP_DIR).is_dir():

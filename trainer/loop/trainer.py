@@ -878,6 +878,7 @@ class Trainer:
         elif isinstance(wrapped, TransformersModel):  # the transformers path: the loss's settings are ours
             check_transformers_path(args)
             wrapped.label_smoothing, wrapped.z_loss = args.label_smoothing_factor, args.z_loss
+            wrapped.neftune_noise_alpha = args.neftune_noise_alpha
         else:
             name = type(model).__name__
             if args.neftune_noise_alpha:

@@ -505,15 +505,23 @@ class MLP(nn.Module):
             if fused is not None:  # LoRA layers: one Function keeps x, gate, up and the thin adapter inputs
                 (gate, up, down), dropout, lora_dtype = fused
                 return kernels.lora_mlp(x, gate, up, down, dropout, lora_dtype)
-            # one fused pass (3 bytes per element forward, 5 backward) instead of eager's silu, product, backwards
-            gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, I) each
-            if not _recompute_allowed():
-                return self.down_proj(kernels.swiglu(gate, up))
-            if _plain_linear(self.down_proj) and kernels.use_triton(gate, up):
-                # act is rebuilt by the SwiGLU backward itself (one more write, not another pass over gate and up)
-                return kernels.swiglu_linear(gate, up, self.down_proj.weight)
-            return _down_recomputing_act(self.down_proj, gate, up)
+            return swiglu_down(self.down_proj, self.gate_proj(x), self.up_proj(x))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def swiglu_down(down: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) * up) through our kernels (one fused pass, 3 bytes per element forward and 5 backward, instead
+    of eager's silu, product and their backwards), keeping no (tokens, intermediate) product for down's backward
+    where it may be rebuilt: `kernels.swiglu_linear` for a plain down_proj on the GPU (the SwiGLU backward rebuilds
+    it), `_down_recomputing_act` for any other down_proj (LoRA-wrapped, 4-bit, hooked, on the CPU); plainly under
+    activation checkpointing or torch.compile (`_recompute_allowed`). Our MLP and the transformers path's SwiGLU
+    swap both run it."""
+    if not _recompute_allowed():
+        return down(kernels.swiglu(gate, up))
+    if _plain_linear(down) and kernels.use_triton(gate, up):
+        # act is rebuilt by the SwiGLU backward itself (one more write, not another pass over gate and up)
+        return kernels.swiglu_linear(gate, up, down.weight)
+    return _down_recomputing_act(down, gate, up)
 
 
 def _project(module: nn.Module, x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:

@@ -53,6 +53,7 @@ from trainer.checkpoint_hf import CheckpointError, open_safetensors
 from trainer.coerce import ConfigError
 from trainer.config.args import TrainingArguments
 from trainer.model.fused_lora import ADAPTER  # peft's name for the one adapter a model carries
+from trainer.model.transformers_model import TransformersModel
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -92,9 +93,16 @@ def peft_key(name: str) -> str:
     return PEFT_PREFIX + name
 
 
+def peft_root(model: nn.Module) -> nn.Module:
+    """The module the adapter goes into, whose parameter names peft's files carry: a TransformersModel's transformers
+    model (so its adapter files are those peft writes over `AutoModelForCausalLM`), else `model` itself (our CausalLM
+    names its parameters as the checkpoint does)."""
+    return model.hf if isinstance(model, TransformersModel) else model
+
+
 def has_adapter(model: nn.Module) -> bool:
     """Whether `model` carries a peft adapter (injected by `apply_lora`, `load_adapter` or peft itself)."""
-    return bool(getattr(model, "peft_config", None))
+    return bool(getattr(peft_root(model), "peft_config", None))
 
 
 @contextlib.contextmanager
@@ -191,21 +199,22 @@ def apply_lora(model: nn.Module, args) -> nn.Module:
     `init_adapter_weights` after materialisation; otherwise they are initialised here from args.seed."""
     if not args.use_peft:
         return model
-    if has_adapter(model):  # `build_model` injected it (transforms are idempotent), or the user's peft did
-        _check_same_adapter(model, args)
+    root = peft_root(model)
+    if has_adapter(root):  # `build_model` injected it (transforms are idempotent), or the user's peft did
+        _check_same_adapter(root, args)
         return model
-    on_meta = any(p.is_meta for p in model.parameters())
+    on_meta = any(p.is_meta for p in root.parameters())
     if args.use_dora and on_meta:
         raise ConfigError(
             "use_dora: DoRA computes its magnitudes from the base weights when it is applied, which a "
             "model built sharded (dist_config fsdp2) does not have yet; use dist_config ddp, or LoRA"
         )
     peft = import_peft()
-    config = lora_config(model, args)
+    config = lora_config(root, args)
     with torch.random.fork_rng(devices=[]):  # peft's own draws of A must not move the run's random stream (NEFTune)
-        peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        peft.inject_adapter_in_model(config, root, adapter_name=ADAPTER)
     if not on_meta:
-        init_adapter_weights(model, args.seed)
+        init_adapter_weights(root, args.seed)
     return model
 
 
@@ -264,11 +273,11 @@ def init_adapter_weights(model: nn.Module, seed: int, local_shard=_whole) -> Non
 def save_adapter(model: nn.Module, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """adapter_config.json + adapter_model.safetensors in peft's layout. `state`: the model's full state_dict when
     it is not `model`'s own (FSDP2 gathers it on rank 0); only the adapter weights are written."""
-    config = copy.copy(model.peft_config[ADAPTER])
+    config = copy.copy(peft_root(model).peft_config[ADAPTER])
     config.inference_mode = True  # as PeftModel.save_pretrained writes it
     if getattr(model, "name_or_path", None):  # the model argument (trainer.sft sets it); peft's own otherwise
         config.base_model_name_or_path = model.name_or_path
-    state = dict(model.named_parameters()) if state is None else state
+    state = dict(peft_root(model).named_parameters()) if state is None else state
     tensors = {peft_key(n): t.detach().to("cpu").contiguous() for n, t in state.items() if is_adapter_name(n)}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -297,7 +306,7 @@ def load_adapter_weights(model: nn.Module, directory: Path, local_shard=_whole) 
     file = Path(directory) / ADAPTER_WEIGHTS_FILE
     if not file.is_file():
         raise ConfigError(f"adapter: {file} not found")
-    targets = {peft_key(n): p for n, p in model.named_parameters() if is_adapter_name(n)}
+    targets = {peft_key(n): p for n, p in peft_root(model).named_parameters() if is_adapter_name(n)}
     try:
         opened = open_safetensors(file)
     except CheckpointError as exc:  # a truncated or damaged file
@@ -338,7 +347,7 @@ def load_adapter(model: nn.Module, directory: Path) -> nn.Module:
         from trainer.model.quant import quantize_base  # bitsandbytes: imported only for 4-bit weights
 
         quantize_base(model, run)
-    peft.inject_adapter_in_model(read_adapter_config(directory), model, adapter_name=ADAPTER)
+    peft.inject_adapter_in_model(read_adapter_config(directory), peft_root(model), adapter_name=ADAPTER)
     load_adapter_weights(model, directory)
     return model
 
@@ -354,11 +363,12 @@ def merged(model: nn.Module, directory: Path) -> nn.Module:
         from trainer.model.quant import dequantized, quantize_base  # bitsandbytes: only for 4-bit weights
 
         model = dequantized(quantize_base(model, run))
-    tuner = peft.LoraModel(model, read_adapter_config(directory), ADAPTER)
-    load_adapter_weights(tuner.model, directory)
-    out = tuner.merge_and_unload(safe_merge=True)  # safe_merge: refuses a merge that would produce NaN/inf
-    out.__dict__.pop("peft_config", None)  # a plain model now: saved in full, not as an adapter
-    return out
+    root = peft_root(model)
+    tuner = peft.LoraModel(root, read_adapter_config(directory), ADAPTER)
+    load_adapter_weights(model, directory)
+    tuner.merge_and_unload(safe_merge=True)  # in place; safe_merge: refuses a merge that would produce NaN/inf
+    root.__dict__.pop("peft_config", None)  # a plain model now: saved in full, not as an adapter
+    return model
 
 
 def trainable_summary(trainable: int, total: int) -> str:

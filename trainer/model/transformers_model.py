@@ -23,17 +23,28 @@ What of ours runs inside (`TransformersModel.kernel_report()`, printed at the st
   differ (transformers would promote) runs transformers' forward. A norm that fails the probe (a gated norm, a
   LayerNorm) stays transformers' and is named in the report;
 - SwiGLU (`swap_mlps`): every module with `gate_proj`, `up_proj` and `down_proj` linear layers without biases whose
-  output, on an fp32 copy with random weights and rows, equals `down(silu(gate(x)) * up(x))` (rtol 1e-5) runs
-  `kernels.swiglu_linear` (the (tokens, intermediate) product is not kept for backward); GELU-gated MLPs (Gemma's)
-  and fused `gate_up_proj` layouts stay transformers' and are named;
-- FusedAdamW (the optimizer, model-independent);
+  output, on an fp32 copy with random weights and rows, equals `down(silu(gate(x)) * up(x))` (rtol 1e-5) runs our
+  SwiGLU (`causal_lm.swiglu_down`: the (tokens, intermediate) product is not kept for backward; the projections are
+  called as modules, so LoRA and 4-bit layers put there later run as themselves); GELU-gated MLPs (Gemma's) and fused
+  `gate_up_proj` layouts stay transformers' and are named;
+- FusedAdamW (the optimizer, model-independent); NEFTune (`neftune_noise_alpha`) through a forward hook on the input
+  embeddings, where Hugging Face's Trainer puts it, with our model's noise (`kernels.neftune_noise`: each sequence's own
+  length from the batch's attention_mask and position_ids, no noise on padding);
 - everything else stays transformers' (attention, RoPE, mixtures of experts' expert layers), and is reported.
 The step-0 loss with all of these inside equals an untouched transformers model's within 1e-5 in fp32 for the 20 types
 of tests/trainer/model/tiny_hf.py (tests/trainer/model/test_transformers_path.py).
 
+The transforms run as on our path (`trainer.parallel.transforms.apply_all`): 4-bit or 8-bit base weights
+(`trainer.model.quant`: every nn.Linear but the head, after transformers has loaded the model in full precision, so the
+load peaks at the full-precision model, where our path quantizes as it reads; a mixture of experts' fused expert
+tensors are not nn.Linear and stay in full precision), LoRA through peft (`trainer.model.lora`: injected into the
+transformers model, so the adapter files carry transformers' names and `peft.PeftModel.from_pretrained` over
+`AutoModelForCausalLM` loads them), gradient checkpointing (transformers' own switch, `gradient_checkpointing_enable`),
+DDP. `trainer.merge` and `trainer.generate --adapter` take the same models.
+
 Refused on this path, each in one line before anything is built (`check_transformers_path`): the features whose
-implementation needs our model's structure (LoRA/QLoRA/8-bit weights, activation offloading, the tiled MLP, NEFTune,
-liger-kernel, per-block compile, FSDP2, DeepSpeed) and the DPO/GRPO stages, for now.
+implementation needs our model's structure (activation offloading, the tiled MLP, liger-kernel, per-block compile,
+FSDP2, DeepSpeed) and the DPO/GRPO stages, for now.
 
 transformers is imported only when this path is taken (it costs seconds).
 """
@@ -50,7 +61,7 @@ from torch import nn
 
 import kernels
 from trainer.coerce import ConfigError
-from trainer.model.causal_lm import IGNORE_INDEX, SUPPORTED_MODEL_TYPES, CausalLMOutput, ModelError
+from trainer.model.causal_lm import IGNORE_INDEX, SUPPORTED_MODEL_TYPES, CausalLMOutput, ModelError, swiglu_down
 
 MODEL_IMPLS = ("auto", "ours", "transformers")
 # our attention backends (trainer/model/attention.py) -> transformers' attn_implementation; auto: transformers' choice
@@ -112,12 +123,8 @@ def check_transformers_path(args, stage: str = "sft") -> None:
     if stage != "sft":
         raise ConfigError(f"stage {stage}: the transformers path trains sft only for now (DPO and GRPO need our model)")
     unsupported = {
-        "use_peft": "LoRA",
-        "load_in_4bit": "4-bit weights",
-        "load_in_8bit": "8-bit weights",
         "activation_offloading": "activation offloading",
         "tiled_mlp": "the tiled MLP",
-        "neftune_noise_alpha": "NEFTune",
         "use_liger_kernel": "liger-kernel",
         "torch_compile": "per-block compile",
     }
@@ -237,12 +244,13 @@ def mlp_is_swiglu(module: nn.Module) -> bool:
 
 
 def _kernel_mlp_forward(self, x):
-    return kernels.swiglu_linear(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
+    return swiglu_down(self.down_proj, self.gate_proj(x), self.up_proj(x))
 
 
 def swap_mlps(model: nn.Module) -> tuple[dict[str, int], set[str]]:
-    """Point every gated MLP that `mlp_is_swiglu` proves at `kernels.swiglu_linear` (forward rebound on the
-    instance): ({"ClassName": count}, the names of MLP-like classes left as they are)."""
+    """Point every gated MLP that `mlp_is_swiglu` proves at our SwiGLU (`swiglu_down`: forward rebound on the
+    instance, the projections called as modules, so a LoRA or 4-bit layer put there later runs as itself):
+    ({"ClassName": count}, the names of MLP-like classes left as they are)."""
     return _swap(
         model,
         lambda module: () if _is_gated_mlp(module) else None,
@@ -259,13 +267,24 @@ class TransformersModel(nn.Module):
 
     takes_host_labels = False
 
-    def __init__(self, hf: nn.Module, *, use_kernels: bool = True, label_smoothing: float = 0.0, z_loss: float = 0.0):
+    def __init__(
+        self,
+        hf: nn.Module,
+        *,
+        use_kernels: bool = True,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        neftune_noise_alpha: float | None = None,
+    ):
         super().__init__()
         self.hf = hf
         self.config = hf.config
         self.use_kernels = use_kernels
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
+        self.neftune_noise_alpha = neftune_noise_alpha
+        self._layout = (None, None)  # the forward in progress's (attention_mask, position_ids), for `_neftune`
+        hf.get_input_embeddings().register_forward_hook(self._neftune)
         self.router_loss = bool(getattr(hf.config, "output_router_logits", False))
         self.fused_head = use_kernels and not self.router_loss and self._head_is_plain()
         self.norms, self.norms_left = swap_norms(hf) if use_kernels else ({}, set())
@@ -303,6 +322,24 @@ class TransformersModel(nn.Module):
         finally:
             self.hf.train(was_training)
 
+    def _neftune(self, embedding, inputs, x):
+        """NEFTune on the input embeddings' output while training (a forward hook, where Hugging Face's Trainer puts
+        it): `kernels.neftune_noise` as our model adds it, L = each token's own sequence length from the batch's
+        attention_mask and position_ids (trainer/model/causal_lm.py `_neftune`)."""
+        if not (self.training and self.neftune_noise_alpha):
+            return None
+        fn = kernels.neftune_noise if self.use_kernels else kernels.neftune_noise_ref
+        attention_mask, position_ids = self._layout
+        return fn(x, self.neftune_noise_alpha, attention_mask=attention_mask, position_ids=position_ids, training=True)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """transformers' per-layer activation checkpointing on the model inside (what
+        `trainer.parallel.transforms.apply_activation_checkpointing` calls); one ConfigError line for a model class
+        whose code has none."""
+        if not self.hf.supports_gradient_checkpointing:
+            raise ConfigError(f"gradient_checkpointing: {type(self.hf).__name__} does not support it in transformers")
+        self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
     def kernel_report(self) -> str:
         """One line: the path, the class, what of ours runs inside and what stays transformers'."""
         ours = [f"RMSNorm x{n} ({label})" for label, n in self.norms.items()]
@@ -329,6 +366,13 @@ class TransformersModel(nn.Module):
     def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None, num_items=None):
         """CausalLMOutput: without labels the logits; with labels (unshifted, -100 = no target) the loss sum / num_items
         (default: mean over the supervised tokens), the logits only when they were formed."""
+        self._layout = (attention_mask, position_ids)
+        try:
+            return self._forward(input_ids, labels, attention_mask, position_ids, num_items)
+        finally:
+            self._layout = (None, None)
+
+    def _forward(self, input_ids, labels, attention_mask, position_ids, num_items):
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         if labels is None:
             return CausalLMOutput(None, self.hf(**inputs).logits)
@@ -407,9 +451,9 @@ class TransformersModel(nn.Module):
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len
 
-    def save_pretrained(self, directory: str | Path, tokenizer=None) -> None:
+    def save_pretrained(self, directory: str | Path, tokenizer=None, max_shard_size: int | str = "5GB") -> None:
         """transformers' own layout (config.json, model.safetensors), which `from_pretrained` loads as it is."""
-        self.hf.save_pretrained(directory)
+        self.hf.save_pretrained(directory, max_shard_size=max_shard_size)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(directory)
 
@@ -435,12 +479,12 @@ def build_transformers_model(path: Path, args, *, dtype, device, attn_backend: s
         path, dtype=dtype, **({"attn_implementation": attn} if attn else {}), device_map={"": device}
     )
     hf.train()
-    if args is not None and args.gradient_checkpointing:
-        if not hf.supports_gradient_checkpointing:
-            raise ConfigError(f"gradient_checkpointing: {type(hf).__name__} does not support it in transformers")
-        kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     settings = {}
     if args is not None:
-        settings = dict(use_kernels=args.use_kernels, label_smoothing=args.label_smoothing_factor, z_loss=args.z_loss)
+        settings = dict(
+            use_kernels=args.use_kernels,
+            label_smoothing=args.label_smoothing_factor,
+            z_loss=args.z_loss,
+            neftune_noise_alpha=args.neftune_noise_alpha,
+        )
     return TransformersModel(hf, **settings)

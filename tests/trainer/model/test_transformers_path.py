@@ -138,9 +138,8 @@ def test_generate_decodes_through_transformers(checkpoints):
 @pytest.mark.parametrize(
     "setting, message",
     [
-        (dict(use_peft=True), "use_peft: LoRA is not available on the transformers path yet"),
         (dict(activation_offloading=True), "activation_offloading: activation offloading is not available"),
-        (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha: NEFTune is not available"),
+        (dict(tiled_mlp=True), "tiled_mlp: the tiled MLP is not available"),
         (dict(dist_config={"name": "fsdp2"}), "dist_config fsdp2: not available on the transformers path yet"),
     ],
 )
@@ -175,7 +174,7 @@ def test_the_command_says_our_model_for_ours(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--use_peft"], "error: use_peft: LoRA is not available on the transformers path yet"),
+        (["--activation_offloading"], "error: activation_offloading: activation offloading is not available"),
         (["--model_impl", "ours"], "error: model_impl ours: model_type 'gemma3_text' is not one our model covers"),
         (["--stage", "dpo"], "error: stage dpo: the transformers path trains sft only for now"),
     ],
