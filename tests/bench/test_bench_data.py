@@ -34,6 +34,7 @@ def _rows(out, *extra):
     return {r["phase"] if r["phase"] != "target" else r["target"]: r for r in rows}
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU
 def test_end_to_end_without_trl(tmp_path):
     rows = _rows(tmp_path, "--skip-trl")
     one, two, warm = rows["ours_1proc"], rows["ours_2proc"], rows["ours_warm"]

@@ -169,6 +169,7 @@ def test_memory_ladder_goes_on_after_an_oom_or_an_error(monkeypatch, tmp_path):
     assert summary["max_fit"] == 4 and summary["capped_at"] == 4 and summary["first_oom"] is None
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU
 def test_the_long_context_configs_run_a_rung_each(tmp_path):
     """ours_long (checkpointing + activation offloading + tiled MLP) and hf_ckpt (HF with checkpointing): the
     configurations the runbook's ladder call compares, one real rung each on the tiny model."""
@@ -214,6 +215,7 @@ def test_synthetic_pairs_are_seq_len_tokens_a_sequence(tmp_path):
         assert len(pair["prompt_ids"]) == 48 and len(pair["chosen_ids"]) == len(pair["rejected_ids"]) == 48
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU
 def test_dpo_rows_run_ours_and_trl(tmp_path):
     """The DPO configurations through the bench's own workers (subprocesses) at a tiny size: ours
     (PreferenceTrainer) and trl.DPOTrainer train, are timed and evaluated; with liger on a CPU the row is skipped

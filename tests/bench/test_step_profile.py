@@ -69,6 +69,7 @@ def test_busy_is_the_union_inside_the_step_and_idle_the_rest():
     assert set(s["kernels_ms"]) == set(step_profile.CATEGORIES)
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU
 def test_the_last_step_is_profiled_and_left_out_of_the_timing(tmp_path):
     argv = ["--quick", "--configs", "ours,ours_ckpt,hf", "--steps", "4", "--warmup-steps", "2"]
     rows = bench_train.main([*argv, "--repeats", "1", "--profile", "--out", str(tmp_path)])

@@ -144,6 +144,7 @@ def test_bad_dpo_arguments_are_one_line(tmp_path, args, message):
     assert not out.exists()
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU
 def test_sft_data_given_to_dpo_and_dpo_options_given_to_sft(tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text(
@@ -155,6 +156,7 @@ def test_sft_data_given_to_dpo_and_dpo_options_given_to_sft(tmp_path):
     assert done.returncode == 2 and "beta: preference options, but stage is sft" in done.stderr
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU
 def test_streamed_pairs_train_as_the_pairs_in_memory_and_resume(tmp_path):
     """`--streaming` on two JSONL files of 6 pairs each, one buffer of 12 pairs, 3 passes over 9 steps of 4 pairs:
     the losses, reward margins and weights of the same run on the pairs in memory, bit for bit; a run resumed from

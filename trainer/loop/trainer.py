@@ -207,6 +207,8 @@ def _full_numel(param: torch.Tensor) -> int:
 class Trainer:
     """Hugging Face's `Trainer` constructor and methods, over our loop. See the module docstring."""
 
+    stage = "sft"  # the method (`--stage`) it trains: what the transformers path checks a model against
+
     def __init__(
         self,
         model=None,
@@ -877,6 +879,7 @@ class Trainer:
                 apply_model_settings(ours, settings)
         elif isinstance(wrapped, TransformersModel):  # the transformers path: the loss's settings are ours
             check_transformers_path(args)
+            wrapped.check_stage(self.stage)
             wrapped.label_smoothing, wrapped.z_loss = args.label_smoothing_factor, args.z_loss
             wrapped.neftune_noise_alpha = args.neftune_noise_alpha
         else:

@@ -463,6 +463,8 @@ class GRPOTrainer(Trainer):
     function, a spec string (`trainer.methods.grpo_rewards.load_reward_function`) or a list of them (TRL's
     argument); train_dataset and eval_dataset: prompt records (`_prompt_dataset`)."""
 
+    stage = "grpo"
+
     def __init__(
         self, model=None, reward_funcs=None, args=None, grpo: GRPOArguments | None = None, train_dataset=None, **kwargs
     ):

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import torch
 
 from trainer.coerce import ConfigError
-from trainer.model.attention import KVCache
 from trainer.model.causal_lm import CausalLM
 
 _M32 = 0xFFFFFFFF
@@ -164,7 +163,7 @@ def sample_completions(
     """num_generations completions of each prompt (token-id lists, any lengths), rows grouped by prompt; completion
     row r has global index first_completion_index + r (see the module docstring)."""
     _check(prompts, num_generations, max_completion_length, temperature, top_p, top_k, min_p, repetition_penalty)
-    device = model.lm_head.weight.device
+    device = next(model.parameters()).device
     c, G = model.config, num_generations
     B, T = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, T), pad_token_id, dtype=torch.long, device=device)
@@ -173,7 +172,7 @@ def sample_completions(
         ids[b, T - len(p) :] = torch.as_tensor(p, dtype=torch.long, device=device)
         real[b, T - len(p) :] = True
     eos = None if eos_token_id is None else torch.tensor([eos_token_id]).flatten().to(device)
-    cache = KVCache.for_model(model, B, T + max_completion_length)
+    cache = model.decode_cache(B, T + max_completion_length)
     if not bool(real.all()):
         cache.pad = (~real).sum(-1)  # (B,)
     N = B * G

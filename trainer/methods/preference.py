@@ -133,6 +133,8 @@ class PreferenceArguments:
 class PreferenceTrainer(Trainer):
     """The Trainer with preference batches and loss (module docstring); `ref_model` an nn.Module or None."""
 
+    stage = "dpo"
+
     def __init__(
         self,
         model=None,

@@ -771,6 +771,10 @@ class CausalLM(nn.Module):
                 local_shard(module.weight)[0].fill_(1.0)
         self.model.rotary_emb.reset_buffers()
 
+    def decode_cache(self, batch: int, length: int) -> KVCache:
+        """An empty KV cache for `batch` rows of up to `length` tokens, for `decode_step`."""
+        return KVCache.for_model(self, batch, length)
+
     def decode_step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """fp32 logits (B, V) of the last position after feeding `input_ids` (B, t) into `cache` (advanced by t).
         One method for the backbone and the head, so that a wrapper can gather the root's weights around both
@@ -877,80 +881,105 @@ class CausalLM(nn.Module):
                 "forward: inputs_embeds, output_attentions, output_hidden_states and return_dict=False "
                 "are not supported (pass input_ids; the output always holds loss and logits)"
             )
-        if isinstance(labels, HostLabels):
-            labels = labels.labels
-        hidden = self.hidden_states(input_ids, position_ids, attention_mask)  # (B, T, C)
-        if head is not None:
-            loss, metrics = head(hidden, self.lm_head.weight)
-            return CausalLMOutput(loss, None, metrics=metrics)
-        if labels is None:
-            return CausalLMOutput(None, self.lm_head(hidden))
-        if labels.shape != input_ids.shape:
-            raise ModelError(
-                f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)} (labels are unshifted)"
-            )
-        # (B*T,) position t predicts t+1; on the labels' device (the host for host labels: see takes_host_labels)
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-        if preference_loss is not None:
-            fn = (
-                kernels.fused_linear_preference_loss
-                if self.impl == "kernels"
-                else kernels.fused_linear_preference_loss_ref
-            )
-            loss, metrics = fn(
-                hidden, self.lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX, **preference_loss
-            )
-            return CausalLMOutput(loss, None, metrics=metrics)
-        if sequence_logps:
-            fn = kernels.fused_linear_preference if self.impl == "kernels" else kernels.fused_linear_preference_ref
-            if self.impl != "kernels":
-                targets = targets.to(hidden.device, non_blocking=True)
-            logps = fn(hidden, self.lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX)
-            return CausalLMOutput(None, None, logps)
-        if num_items is None:
-            denom = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        elif torch.is_tensor(num_items):
-            denom = num_items.clamp(min=1)
-        else:
-            denom = max(int(num_items), 1)
-        flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, C)
-        if self.impl == "kernels":  # takes host targets and counts as they are
-            if torch.is_autocast_enabled(flat.device.type):
-                # the loss casts to the autocast dtype anyway (the same rounding); done here, the final norm's fp32
-                # output dies before the loss runs instead of after (0.067 GB at Llama-3.2-1B's peak, 4 x 2048)
-                flat = flat.to(torch.get_autocast_dtype(flat.device.type))
-                del hidden
-            # Under autocast the kernel casts its inputs to the autocast dtype (as F.linear would) and returns an
-            # fp32 loss, so GradScaler's loss * 65536 cannot overflow.
-            loss = kernels.fused_linear_cross_entropy(
-                flat,
-                self.lm_head.weight,
-                targets,
-                ignore_index=IGNORE_INDEX,
-                label_smoothing=self.label_smoothing,
-                z_loss=self.z_loss,
-                num_items=denom,
-            )
-            return CausalLMOutput(loss, None)
-        targets = targets.to(hidden.device, non_blocking=True)
-        if torch.is_tensor(denom):
-            denom = denom.to(hidden.device, non_blocking=True)
-        if self.impl == "liger":
-            from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-
-            total = LigerFusedLinearCrossEntropyFunction.apply(
-                flat, self.lm_head.weight, targets, None, None, IGNORE_INDEX, self.z_loss, self.label_smoothing, "sum"
-            )[0]
-            return CausalLMOutput(total / denom, None)
-        logits = self.lm_head(hidden)  # (B, T, V)
-        flat_logits = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
-        total = F.cross_entropy(
-            flat_logits, targets, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=self.label_smoothing
+        return head_forward(  # the hidden states held by head_forward alone, which frees them early under autocast
+            self.lm_head,
+            self.hidden_states(input_ids, position_ids, attention_mask),  # (B, T, C)
+            labels,
+            impl=self.impl,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            num_items=num_items,
+            sequence_logps=sequence_logps,
+            preference_loss=preference_loss,
+            head=head,
         )
-        if self.z_loss:
-            lse = torch.logsumexp(flat_logits, dim=-1)  # (B*T,)
-            total = total + self.z_loss * (lse.square() * (targets != IGNORE_INDEX)).sum()
-        return CausalLMOutput(total / denom, logits)
+
+
+def head_forward(
+    lm_head: nn.Linear,
+    hidden: torch.Tensor,
+    labels,
+    *,
+    impl: str = "kernels",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    num_items=None,
+    sequence_logps: bool = False,
+    preference_loss: dict | None = None,
+    head=None,
+) -> CausalLMOutput:
+    """What `CausalLM.forward` computes from the final-norm hidden states (B, T, C) and the LM head (its docstring:
+    the logits, the loss, `sequence_logps`, `preference_loss` or `head`), with `impl`'s ops ("kernels", "eager",
+    "liger"): shared by our model and the transformers path's models whose logits are `lm_head(hidden)` alone."""
+    if isinstance(labels, HostLabels):
+        labels = labels.labels
+    if head is not None:
+        loss, metrics = head(hidden, lm_head.weight)
+        return CausalLMOutput(loss, None, metrics=metrics)
+    if labels is None:
+        return CausalLMOutput(None, lm_head(hidden))
+    if labels.shape != hidden.shape[:-1]:
+        raise ModelError(
+            f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(hidden.shape[:-1])} (labels are unshifted)"
+        )
+    # (B*T,) position t predicts t+1; on the labels' device (the host for host labels: see takes_host_labels)
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    if preference_loss is not None:
+        fn = kernels.fused_linear_preference_loss if impl == "kernels" else kernels.fused_linear_preference_loss_ref
+        loss, metrics = fn(
+            hidden, lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX, **preference_loss
+        )
+        return CausalLMOutput(loss, None, metrics=metrics)
+    if sequence_logps:
+        fn = kernels.fused_linear_preference if impl == "kernels" else kernels.fused_linear_preference_ref
+        if impl != "kernels":
+            targets = targets.to(hidden.device, non_blocking=True)
+        logps = fn(hidden, lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX)
+        return CausalLMOutput(None, None, logps)
+    if num_items is None:
+        denom = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    elif torch.is_tensor(num_items):
+        denom = num_items.clamp(min=1)
+    else:
+        denom = max(int(num_items), 1)
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, C)
+    if impl == "kernels":  # takes host targets and counts as they are
+        if torch.is_autocast_enabled(flat.device.type):
+            # the loss casts to the autocast dtype anyway (the same rounding); done here, the final norm's fp32
+            # output dies before the loss runs instead of after (0.067 GB at Llama-3.2-1B's peak, 4 x 2048)
+            flat = flat.to(torch.get_autocast_dtype(flat.device.type))
+            del hidden
+        # Under autocast the kernel casts its inputs to the autocast dtype (as F.linear would) and returns an
+        # fp32 loss, so GradScaler's loss * 65536 cannot overflow.
+        loss = kernels.fused_linear_cross_entropy(
+            flat,
+            lm_head.weight,
+            targets,
+            ignore_index=IGNORE_INDEX,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            num_items=denom,
+        )
+        return CausalLMOutput(loss, None)
+    targets = targets.to(hidden.device, non_blocking=True)
+    if torch.is_tensor(denom):
+        denom = denom.to(hidden.device, non_blocking=True)
+    if impl == "liger":
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        total = LigerFusedLinearCrossEntropyFunction.apply(
+            flat, lm_head.weight, targets, None, None, IGNORE_INDEX, z_loss, label_smoothing, "sum"
+        )[0]
+        return CausalLMOutput(total / denom, None)
+    logits = lm_head(hidden)  # (B, T, V)
+    flat_logits = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
+    total = F.cross_entropy(
+        flat_logits, targets, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing
+    )
+    if z_loss:
+        lse = torch.logsumexp(flat_logits, dim=-1)  # (B*T,)
+        total = total + z_loss * (lse.square() * (targets != IGNORE_INDEX)).sum()
+    return CausalLMOutput(total / denom, logits)
 
 
 def apply_liger_kernel(model: CausalLM) -> CausalLM:
@@ -983,20 +1012,11 @@ def generate(
     input_ids: a list of ints or a 1-D tensor -> the list of new tokens (eos included when hit); or a
     (B, T) tensor of equal-length, unpadded prompts -> (B, T + n) prompt + new tokens, as transformers'
     `generate` returns (rows that finished early are continued with eos). Stops after max_new_tokens or when
-    every row has produced eos (`eos_token_id`: an int or a list of ints). A model with its own `generate_ids` (the
-    transformers path's, trainer/model/transformers_model.py) decodes through it.
+    every row has produced eos (`eos_token_id`: an int or a list of ints). Any model with `decode_cache` and
+    `decode_step` decodes here: ours, and the transformers path's (trainer/model/transformers_model.py, transformers'
+    own KV cache behind the same two methods), so a seeded generator gives the same tokens on both.
     """
-    own = getattr(model, "generate_ids", None)
-    if own is not None:
-        return own(
-            input_ids,
-            max_new_tokens,
-            eos_token_id=eos_token_id,
-            temperature=temperature,
-            top_p=top_p,
-            generator=generator,
-        )
-    device = model.lm_head.weight.device
+    device = next(model.parameters()).device
     as_list = not torch.is_tensor(input_ids) or input_ids.dim() == 1
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
     ids = ids.view(1, -1) if as_list else ids
@@ -1012,7 +1032,7 @@ def generate(
         else torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     )
     B, T = ids.shape
-    cache = KVCache.for_model(model, B, T + max_new_tokens)
+    cache = model.decode_cache(B, T + max_new_tokens)
     was_training = model.training
     model.eval()
     try:

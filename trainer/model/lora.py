@@ -53,7 +53,6 @@ from trainer.checkpoint_hf import CheckpointError, open_safetensors
 from trainer.coerce import ConfigError
 from trainer.config.args import TrainingArguments
 from trainer.model.fused_lora import ADAPTER  # peft's name for the one adapter a model carries
-from trainer.model.transformers_model import TransformersModel
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -94,10 +93,12 @@ def peft_key(name: str) -> str:
 
 
 def peft_root(model: nn.Module) -> nn.Module:
-    """The module the adapter goes into, whose parameter names peft's files carry: a TransformersModel's transformers
-    model (so its adapter files are those peft writes over `AutoModelForCausalLM`), else `model` itself (our CausalLM
-    names its parameters as the checkpoint does)."""
-    return model.hf if isinstance(model, TransformersModel) else model
+    """The module the adapter goes into, whose parameter names peft's files carry: the module a model names as its
+    `adapter_root` (the transformers path's TransformersModel: its transformers model, so its adapter files are those
+    peft writes over `AutoModelForCausalLM`), else `model` itself (our CausalLM names its parameters as the
+    checkpoint does)."""
+    root = getattr(model, "adapter_root", None)
+    return model if root is None else root
 
 
 def has_adapter(model: nn.Module) -> bool:

@@ -44,7 +44,10 @@ DDP. `trainer.merge` and `trainer.generate --adapter` take the same models.
 
 Refused on this path, each in one line before anything is built (`check_transformers_path`): the features whose
 implementation needs our model's structure (activation offloading, the tiled MLP, liger-kernel, per-block compile,
-FSDP2, DeepSpeed) and the DPO/GRPO stages, for now.
+FSDP2, DeepSpeed). SFT, DPO and GRPO train here; DPO and GRPO need a model whose logits are `lm_head(hidden)` alone
+(their losses run from the hidden states and the head's weight: `check_stage`, one line when the trainer gets the
+model). GRPO samples through our sampler (`decode_step` over transformers' KV cache, `TransformersCache`), so its
+per-completion random stream is the one our model's runs draw.
 
 transformers is imported only when this path is taken (it costs seconds).
 """
@@ -61,7 +64,14 @@ from torch import nn
 
 import kernels
 from trainer.coerce import ConfigError
-from trainer.model.causal_lm import IGNORE_INDEX, SUPPORTED_MODEL_TYPES, CausalLMOutput, ModelError, swiglu_down
+from trainer.model.causal_lm import (
+    IGNORE_INDEX,
+    SUPPORTED_MODEL_TYPES,
+    CausalLMOutput,
+    ModelError,
+    head_forward,
+    swiglu_down,
+)
 
 MODEL_IMPLS = ("auto", "ours", "transformers")
 # our attention backends (trainer/model/attention.py) -> transformers' attn_implementation; auto: transformers' choice
@@ -118,10 +128,9 @@ def check_buildable(path: Path, model_type: str | None) -> None:
         ) from None
 
 
-def check_transformers_path(args, stage: str = "sft") -> None:
-    """The arguments the transformers path cannot honour yet, each a one-line ConfigError naming it."""
-    if stage != "sft":
-        raise ConfigError(f"stage {stage}: the transformers path trains sft only for now (DPO and GRPO need our model)")
+def check_transformers_path(args) -> None:
+    """The arguments the transformers path cannot honour yet, each a one-line ConfigError naming it (every stage
+    trains here; a model whose head its losses cannot run is refused once built: `TransformersModel.check_stage`)."""
     unsupported = {
         "activation_offloading": "activation offloading",
         "tiled_mlp": "the tiled MLP",
@@ -260,6 +269,37 @@ def swap_mlps(model: nn.Module) -> tuple[dict[str, int], set[str]]:
     )
 
 
+class TransformersCache:
+    """`trainer.model.attention.KVCache`'s interface for `TransformersModel.decode_step`: `length` (tokens fed so far),
+    `pad` ((B,) leading padding per row, or None) and `repeat_rows(n)`, over transformers' own cache object."""
+
+    def __init__(self):
+        self.past = None  # transformers' cache (past_key_values), made by the model at the first step
+        self.length = 0
+        self.pad: torch.Tensor | None = None
+
+    def repeat_rows(self, n: int) -> None:
+        """Repeat every row n times in place (row r -> rows r n .. r n + n - 1), padding included: each layer of
+        transformers' cache by its own `batch_repeat_interleave`, or, for a layer without one (transformers 5.24's
+        linear-attention layers: Qwen3.5, Qwen3-Next, LFM2), its tensors (keys, values, conv and recurrent states)."""
+        for layer in self.past.layers:
+            own = getattr(layer, "batch_repeat_interleave", None)
+            if own is not None:
+                own(n)
+                continue
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name, None)
+                if torch.is_tensor(tensor) and tensor.numel():
+                    setattr(layer, name, tensor.repeat_interleave(n, dim=0))
+            for name in ("conv_states", "recurrent_states"):
+                states = getattr(layer, name, None) or {}
+                for key, tensor in states.items():
+                    if torch.is_tensor(tensor):
+                        states[key] = tensor.repeat_interleave(n, dim=0)
+        if self.pad is not None:
+            self.pad = self.pad.repeat_interleave(n)
+
+
 class TransformersModel(nn.Module):
     """A transformers causal LM (`self.hf`) with our Trainer's interface: `forward(input_ids, labels=...)` returns the
     loss as sum / num_items (our fused linear cross-entropy where the probe allows it), `flops_per_token`,
@@ -286,9 +326,16 @@ class TransformersModel(nn.Module):
         self._layout = (None, None)  # the forward in progress's (attention_mask, position_ids), for `_neftune`
         hf.get_input_embeddings().register_forward_hook(self._neftune)
         self.router_loss = bool(getattr(hf.config, "output_router_logits", False))
-        self.fused_head = use_kernels and not self.router_loss and self._head_is_plain()
+        self.plain_head = not self.router_loss and self._head_is_plain()  # the logits are lm_head(hidden) alone
+        self.fused_head = use_kernels and self.plain_head
         self.norms, self.norms_left = swap_norms(hf) if use_kernels else ({}, set())
         self.mlps, self.mlps_left = swap_mlps(hf) if use_kernels else ({}, set())
+
+    @property
+    def adapter_root(self) -> nn.Module:
+        """Where a LoRA adapter goes (`trainer.model.lora.peft_root`): the transformers model, whose names peft's
+        files carry."""
+        return self.hf
 
     @property
     def name_or_path(self) -> str:
@@ -332,6 +379,21 @@ class TransformersModel(nn.Module):
         attention_mask, position_ids = self._layout
         return fn(x, self.neftune_noise_alpha, attention_mask=attention_mask, position_ids=position_ids, training=True)
 
+    def not_plain_reason(self) -> str:
+        """Why the loss runs over transformers' logits rather than from the hidden states and the head's weight."""
+        if self.router_loss:
+            return "its router loss (output_router_logits)"
+        return "its logits are not lm_head(hidden) alone"
+
+    def check_stage(self, stage: str) -> None:
+        """A one-line ConfigError when `stage`'s losses cannot run on this model: preference and GRPO losses are
+        computed from the final hidden states and the LM head's weight (`head_forward`), which needs a plain head."""
+        if stage != "sft" and not self.plain_head:
+            raise ConfigError(
+                f"stage {stage}: {type(self.hf).__name__} cannot train it on the transformers path yet: "
+                f"{self.not_plain_reason()}, and its losses run from the hidden states and the head's weight"
+            )
+
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         """transformers' per-layer activation checkpointing on the model inside (what
         `trainer.parallel.transforms.apply_activation_checkpointing` calls); one ConfigError line for a model class
@@ -349,51 +411,61 @@ class TransformersModel(nn.Module):
         ours.append("FusedAdamW")
         why = ""
         if not self.fused_head:
-            why = (
-                "its router loss (output_router_logits)"
-                if self.router_loss
-                else "kernels off (use_kernels false)"
-                if not self.use_kernels
-                else "its logits are not lm_head(hidden) alone"
-            )
-            why = f"; the loss over transformers' logits: {why}"
+            why = "kernels off (use_kernels false)" if self.plain_head else self.not_plain_reason()
+            why = f"; the loss without our fused head: {why}"
         left = ["attention", "rotary embedding", *sorted(self.mlps_left), *sorted(self.norms_left)]
         return (
             f"transformers path: {type(self.hf).__name__}; our kernels: {', '.join(ours)}{why}; left as "
             f"transformers': {', '.join(left)}"
         )
 
-    def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None, num_items=None):
-        """CausalLMOutput: without labels the logits; with labels (unshifted, -100 = no target) the loss sum / num_items
-        (default: mean over the supervised tokens), the logits only when they were formed."""
+    def forward(
+        self,
+        input_ids,
+        labels=None,
+        attention_mask=None,
+        position_ids=None,
+        num_items=None,
+        sequence_logps: bool = False,
+        preference_loss: dict | None = None,
+        head=None,
+    ):
+        """`CausalLM.forward`'s outputs: without labels the logits; with labels (unshifted, -100 = no target) the loss
+        sum / num_items (default: mean over the supervised tokens), the logits only when they were formed; with
+        `sequence_logps`, `preference_loss` or `head` what `head_forward` computes (a plain head only:
+        `check_stage`)."""
         self._layout = (attention_mask, position_ids)
         try:
-            return self._forward(input_ids, labels, attention_mask, position_ids, num_items)
+            return self._forward(
+                input_ids, labels, attention_mask, position_ids, num_items, sequence_logps, preference_loss, head
+            )
         finally:
             self._layout = (None, None)
 
-    def _forward(self, input_ids, labels, attention_mask, position_ids, num_items):
+    def _forward(
+        self, input_ids, labels, attention_mask, position_ids, num_items, sequence_logps, preference_loss, head
+    ):
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        if self.plain_head and (labels is not None or head is not None):
+            return head_forward(  # the hidden states held there alone (freed early under autocast)
+                self._head(),
+                self.hf.get_decoder()(**inputs).last_hidden_state,  # (B, T, C)
+                labels,
+                impl="kernels" if self.use_kernels else "eager",
+                label_smoothing=self.label_smoothing,
+                z_loss=self.z_loss,
+                num_items=num_items,
+                sequence_logps=sequence_logps,
+                preference_loss=preference_loss,
+                head=head,
+            )
+        if sequence_logps or preference_loss is not None or head is not None:
+            self.check_stage("dpo" if head is None else "grpo")
         if labels is None:
             return CausalLMOutput(None, self.hf(**inputs).logits)
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T): t predicts t+1
         if num_items is None:
             num_items = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        if self.fused_head:
-            hidden = self.hf.get_decoder()(**inputs).last_hidden_state  # (B, T, C)
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            if torch.is_autocast_enabled(flat.device.type):
-                flat = flat.to(torch.get_autocast_dtype(flat.device.type))
-            loss = kernels.fused_linear_cross_entropy(
-                flat,
-                self._head().weight,
-                targets.reshape(-1),
-                ignore_index=IGNORE_INDEX,
-                label_smoothing=self.label_smoothing,
-                z_loss=self.z_loss,
-                num_items=num_items,
-            )
-            return CausalLMOutput(loss, None)
         out = self.hf(**inputs)
         loss = kernels.cross_entropy(
             out.logits, targets, label_smoothing=self.label_smoothing, z_loss=self.z_loss, num_items=num_items
@@ -402,37 +474,34 @@ class TransformersModel(nn.Module):
             loss = loss + self.config.router_aux_loss_coef * out.aux_loss.to(loss.device)
         return CausalLMOutput(loss, out.logits)
 
-    @torch.no_grad()
-    def generate_ids(
-        self, input_ids, max_new_tokens: int, *, eos_token_id=None, temperature=0.0, top_p=1.0, generator=None
-    ):
-        """`trainer.model.causal_lm.generate` for this model, through transformers' `generate` (its KV cache): the same
-        arguments and return values. Sampling draws from a torch RNG seeded from `generator` (transformers' generate
-        takes no generator), so a seeded generator still gives a reproducible answer, though not ours token for
-        token."""
-        device = self.hf.get_input_embeddings().weight.device
-        as_list = not torch.is_tensor(input_ids) or input_ids.dim() == 1
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
-        ids = ids.view(1, -1) if as_list else ids
-        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-        greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        kwargs = dict(
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos or None,
-            pad_token_id=eos[0] if eos else self.config.pad_token_id,
-            **(sampling if temperature > 0 else greedy),
+    def decode_cache(self, batch: int, length: int) -> TransformersCache:
+        """An empty cache for `decode_step` (transformers' own, made at the first step; `length` is not needed)."""
+        return TransformersCache()
+
+    def decode_step(self, input_ids: torch.Tensor, cache: TransformersCache) -> torch.Tensor:
+        """fp32 logits (B, V) of the last position after feeding `input_ids` (B, t) into `cache` (advanced by t), as
+        `CausalLM.decode_step`: transformers' forward with its KV cache (`past_key_values`, whatever cache class the
+        model makes: sliding windows, linear-attention states), so our decoding loops (`causal_lm.generate`, GRPO's
+        sampler with its per-completion random stream) run over any model. Left padding (`cache.pad`) is an
+        attention_mask with zeros there and positions counted from each row's first real token."""
+        B, t = input_ids.shape
+        total = cache.length + t
+        device = input_ids.device
+        positions = torch.arange(cache.length, total, device=device).expand(B, t)
+        mask = None
+        if cache.pad is not None:
+            positions = (positions - cache.pad[:, None]).clamp(min=0)
+            mask = (torch.arange(total, device=device)[None] >= cache.pad[:, None]).long()  # (B, total)
+        out = self.hf(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache.past,
+            use_cache=True,
+            logits_to_keep=1,
         )
-        was_training = self.hf.training
-        self.hf.eval()
-        try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                if generator is not None:
-                    torch.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
-                out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        finally:
-            self.hf.train(was_training)
-        return out[0, ids.shape[1] :].tolist() if as_list else out
+        cache.past, cache.length = out.past_key_values, total
+        return out.logits[:, -1].float()
 
     def flops_per_token(self, seq_len: int) -> int | None:
         """6 N + 12 L H_q T as `CausalLM.flops_per_token` counts it (N: every parameter but the input embedding's, the

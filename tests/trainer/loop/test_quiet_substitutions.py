@@ -289,6 +289,7 @@ def test_which_value_applies_is_what_transformers_trainer_applies(tmp_path):
     assert recorded == applied["ours"]  # transformers' args would say learning_rate=0.05: not what ran
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU
 def test_a_resume_the_saved_state_cannot_follow_stops_first_in_one_line(stopped_run):
     out, argv = stopped_run
     before = sorted(p.name for p in out.rglob("*"))

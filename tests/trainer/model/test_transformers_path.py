@@ -146,8 +146,6 @@ def test_generate_decodes_through_transformers(checkpoints):
 def test_what_the_path_cannot_do_yet_is_one_line(setting, message):
     with pytest.raises(ConfigError, match="^" + message):
         check_transformers_path(TrainingArguments(output_dir="unused", **setting))
-    with pytest.raises(ConfigError, match="^stage dpo: the transformers path trains sft only for now"):
-        check_transformers_path(TrainingArguments(output_dir="unused"), "dpo")
 
 
 def test_the_command_trains_a_gemma3_and_says_which_path(checkpoints, tmp_path, capsys):
@@ -176,7 +174,7 @@ def test_the_command_says_our_model_for_ours(tmp_path, capsys):
     [
         (["--activation_offloading"], "error: activation_offloading: activation offloading is not available"),
         (["--model_impl", "ours"], "error: model_impl ours: model_type 'gemma3_text' is not one our model covers"),
-        (["--stage", "dpo"], "error: stage dpo: the transformers path trains sft only for now"),
+        (["--tiled_mlp"], "error: tiled_mlp: the tiled MLP is not available on the transformers path yet"),
     ],
 )
 def test_the_command_refuses_in_one_line_before_writing(argv, message, checkpoints, tmp_path, capsys):

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -183,3 +185,156 @@ def test_the_commands_train_merge_and_generate_with_an_adapter(checkpoints, tmp_
     adapted = capsys.readouterr().out
     assert generate.main(["--model", str(merged), *prompt]) == 0
     assert capsys.readouterr().out == adapted
+
+
+def _preference_setup(model_type: str, root):
+    """A tiny `model_type` checkpoint with a chat template, and the golden DPO test's pairs (as test_golden_dpo)."""
+    from tests.trainer.methods.test_golden_dpo import STEPS
+    from trainer.data.tasks import generate_tasks, preference_pair
+    from trainer.data.tokenizer import DEFAULT_CHAT_TEMPLATE, byte_level_tokenizer
+
+    write_tiny(model_type, root / "model")
+    tok = byte_level_tokenizer()
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE
+    tok.save_pretrained(root / "model")
+    pairs = [preference_pair(ex) for ex in generate_tasks(STEPS * 4, seed=4)]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    return root, pairs, tok
+
+
+@pytest.mark.parametrize(
+    "model_type, use_kernels",
+    [
+        ("gemma3_text", True),
+        pytest.param("gemma3_text", False, marks=pytest.mark.slow),
+        pytest.param("qwen3_5_text", True, marks=pytest.mark.slow),
+    ],
+)
+def test_dpo_matches_trl_on_the_transformers_path(model_type, use_kernels, tmp_path):
+    """`trl.DPOTrainer` and our PreferenceTrainer on the same tiny transformers checkpoint (sigmoid loss, the reference
+    a frozen copy, AdamW, 20 steps; our preference head inside transformers' model, with our kernels or PyTorch's
+    ops): the first step's loss, gradient norm, rewards, log-probabilities and mean logits agree to fp32 rounding;
+    the later ones within 2e-3 relative (1e-5 absolute near zero), because Adam, which divides each gradient by its
+    own size, carries fp32 rounding differences (the two trainers pad and batch the pairs differently) into the
+    weights: measured on Gemma 3, 3e-5 on the loss and 7e-4 on the gradient norm by step 20, growing from 0 at step
+    1. On our own Llama, whose ops round as transformers' do, tests/trainer/methods/test_golden_dpo.py holds all 20
+    steps to 2e-5."""
+    pytest.importorskip("trl")
+    from tests.trainer.methods.test_golden_dpo import COMMON as DPO_COMMON
+    from tests.trainer.methods.test_golden_dpo import METRICS, trl_run
+    from tests.trainer.methods.test_golden_dpo import STEPS as DPO_STEPS
+    from trainer.data.preference_data import load_preference_dataset
+    from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
+
+    setup = _preference_setup(model_type, tmp_path / "setup")
+    root, _, tok = setup
+    theirs = trl_run(setup, tmp_path / "trl", ["sigmoid"])
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "ours"), train_shuffle=False, use_kernels=use_kernels, **DPO_COMMON
+    )
+    model, _ = build_model(str(root / "model"), args)
+    assert isinstance(model, TransformersModel) and model.plain_head and model.fused_head == use_kernels
+    trainer = PreferenceTrainer(
+        model=model,
+        args=args,
+        pref=PreferenceArguments(beta=0.1),
+        processing_class=tok,
+        train_dataset=load_preference_dataset(root / "pairs.jsonl", tok, max_length=None, show_progress=False),
+    )
+    trainer.train()
+    ours = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(ours) == len(theirs) == DPO_STEPS
+    for step, (a, b) in enumerate(zip(ours, theirs), 1):
+        rel, near_zero = (1e-6, 1e-7) if step == 1 else (2e-3, 1e-5)
+        for name in METRICS:
+            assert a[name] == pytest.approx(b[name], rel=rel, abs=near_zero), (step, name, a[name], b[name])
+    assert ours[-1]["rewards/margins"] > 0
+
+
+def test_a_stage_the_models_head_cannot_run_is_one_line(checkpoints, tmp_path):
+    """Gemma 2 softcaps its logits after the head: preference losses, which run from the hidden states and the head's
+    weight, are refused when the trainer gets the model."""
+    from trainer.config.args import ConfigError
+    from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path / "o"))
+    model, tok = build_model(str(checkpoints["gemma2"]), args)
+    with pytest.raises(ConfigError, match=r"^stage dpo: Gemma2ForCausalLM cannot train it on the transformers path"):
+        PreferenceTrainer(model=model, args=args, pref=PreferenceArguments(beta=0.1), processing_class=tok)
+
+
+DECODE_TYPES = ("gemma3_text", "qwen3_5_text", "qwen3_moe", "gpt_oss", "lfm2")
+
+
+@pytest.mark.parametrize("model_type", DECODE_TYPES)
+def test_decoding_through_transformers_cache_equals_full_forwards(model_type, tmp_path):
+    """`decode_step` over transformers' own cache (sliding windows, linear-attention and convolution states, mixtures
+    of experts): two left-padded prompts prefilled, repeated (`repeat_rows`, as GRPO's sampler does) and fed 4 tokens
+    one at a time give, at each step, the last logits of a full forward over each row's unpadded tokens; greedy
+    `generate` equals transformers' `generate`."""
+    from trainer.model.causal_lm import generate
+
+    model, _ = build_model(str(write_tiny(model_type, tmp_path / model_type)), TrainingArguments(output_dir="unused"))
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(3, 256, (n,), generator=g) for n in (5, 8)]
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    ids[0, 3:], ids[1] = rows[0], rows[1]
+    cache = model.decode_cache(2, 16)
+    cache.pad = torch.tensor([3, 0])
+    with torch.no_grad():
+        logits = model.decode_step(ids, cache).repeat_interleave(2, 0)  # (4, V)
+        cache.repeat_rows(2)
+        seqs = [rows[0], rows[0], rows[1], rows[1]]
+        for step in range(5):
+            for r, seq in enumerate(seqs):
+                full = model(input_ids=seq[None]).logits[0, -1]
+                torch.testing.assert_close(logits[r], full, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+            if step == 4:
+                break
+            token = torch.randint(3, 256, (4,), generator=g)
+            seqs = [torch.cat([s, t[None]]) for s, t in zip(seqs, token)]
+            logits = model.decode_step(token[:, None], cache)
+        prompt = rows[1].tolist()
+        expected = model.hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :]
+    assert generate(model, prompt, 6) == expected.tolist()
+
+
+def test_grpo_trains_the_same_through_both_paths(checkpoints, tmp_path):
+    """GRPO on one Llama checkpoint through our model and through transformers' (model_impl): our sampler draws the
+    same completions (its per-completion random stream, over logits from transformers' KV cache), and the two
+    steps' losses, rewards and KL agree to fp32 rounding."""
+    from tests.trainer.methods.test_grpo import distinct_chars
+    from trainer.data.task_eval import held_out_conversations
+    from trainer.data.tasks import TRAIN_FILE
+    from trainer.methods.grpo import GRPOArguments, GRPOTrainer, prompts_from_conversations
+
+    prompts = prompts_from_conversations(held_out_conversations([str(TRAIN_FILE)], 8))
+    logs = {}
+    for impl in ("ours", "transformers"):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / impl),
+            per_device_train_batch_size=8,
+            max_steps=2,
+            learning_rate=0.1,
+            optim="sgd",
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+        )
+        model, tok = build_model(str(checkpoints["llama"]), args, model_impl=impl)
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=distinct_chars,
+            args=args,
+            grpo=GRPOArguments(num_generations=4, max_completion_length=6, beta=0.04),
+            train_dataset=prompts,
+            processing_class=tok,
+        )
+        trainer.train()
+        logs[impl] = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs["ours"]) == len(logs["transformers"]) == 2
+    for a, b in zip(logs["transformers"], logs["ours"]):
+        for name in ("loss", "reward", "kl", "completions/mean_length", "grad_norm"):
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), (name, a[name], b[name])

@@ -432,6 +432,7 @@ def test_preference_training_on_two_processes_matches_one(tmp_path, data_file, p
         assert_same_weights(runs["out"][name] / "final", preference_run[1])
 
 
+@pytest.mark.slow  # minutes on a 2-core CPU
 def test_preference_training_under_deepspeed_zero3_matches_one_process(tmp_path, data_file, pairs_file, preference_run):
     """DPO under DeepSpeed ZeRO-3 on 2 processes (issue 22 item 5), the reference a frozen copy partitioned like the
     policy (`DeepSpeedRun.frozen`) or precomputed, and under ZeRO-2 (the reference whole, as the policy): the
