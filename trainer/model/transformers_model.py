@@ -326,7 +326,7 @@ class TransformersModel(nn.Module):
         self._layout = (None, None)  # the forward in progress's (attention_mask, position_ids), for `_neftune`
         hf.get_input_embeddings().register_forward_hook(self._neftune)
         self.router_loss = bool(getattr(hf.config, "output_router_logits", False))
-        self.plain_head = not self.router_loss and self._head_is_plain()  # the logits are lm_head(hidden) alone
+        self.plain_head = self._head_is_plain() and not self.router_loss  # the logits are lm_head(hidden) alone
         self.fused_head = use_kernels and self.plain_head
         self.norms, self.norms_left = swap_norms(hf) if use_kernels else ({}, set())
         self.mlps, self.mlps_left = swap_mlps(hf) if use_kernels else ({}, set())
@@ -351,11 +351,9 @@ class TransformersModel(nn.Module):
 
     @torch.no_grad()
     def _head_is_plain(self) -> bool:
-        """Whether the model's logits are exactly its LM head applied to its decoder's output (module docstring)."""
-        head = self._head()
-        if head is None:
-            return False
-        device = head.weight.device
+        """Whether the model's logits are exactly its LM head applied to its decoder's output (module docstring). A
+        model whose own forward fails on the probe's tokens is a one-line ModelError here, before any training."""
+        device = self.hf.get_input_embeddings().weight.device
         if device.type == "meta":
             return False
         g = torch.Generator().manual_seed(0)
@@ -363,8 +361,21 @@ class TransformersModel(nn.Module):
         was_training = self.hf.training
         self.hf.eval()
         try:
-            logits = self.hf(input_ids=ids).logits
-            hidden = self.hf.get_decoder()(input_ids=ids).last_hidden_state
+            try:
+                logits = self.hf(input_ids=ids, use_cache=False).logits
+            except Exception as exc:  # transformers' own code fails on this model: one line, before training
+                reason = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise ModelError(
+                    f"{type(self.hf).__name__}: transformers' forward fails on {PROBE_TOKENS} tokens "
+                    f"({type(exc).__name__}: {reason}); this model cannot train here"
+                ) from None
+            head = self._head()
+            if head is None:
+                return False
+            try:
+                hidden = self.hf.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+            except Exception:  # a decoder that cannot be called alone: the loss goes through the whole model
+                return False
             return logits.shape == (1, PROBE_TOKENS, head.out_features) and torch.equal(logits, head(hidden))
         finally:
             self.hf.train(was_training)
@@ -413,7 +424,13 @@ class TransformersModel(nn.Module):
         if not self.fused_head:
             why = "kernels off (use_kernels false)" if self.plain_head else self.not_plain_reason()
             why = f"; the loss without our fused head: {why}"
-        left = ["attention", "rotary embedding", *sorted(self.mlps_left), *sorted(self.norms_left)]
+        rotary = any("Rotary" in type(m).__name__ for m in self.hf.modules())
+        left = [
+            "attention",
+            *(["rotary embedding"] if rotary else []),
+            *sorted(self.mlps_left),
+            *sorted(self.norms_left),
+        ]
         return (
             f"transformers path: {type(self.hf).__name__}; our kernels: {', '.join(ours)}{why}; left as "
             f"transformers': {', '.join(left)}"
@@ -445,7 +462,8 @@ class TransformersModel(nn.Module):
     def _forward(
         self, input_ids, labels, attention_mask, position_ids, num_items, sequence_logps, preference_loss, head
     ):
-        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        # no KV cache while training (transformers would make one wherever config.use_cache is true)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         if self.plain_head and (labels is not None or head is not None):
             return head_forward(  # the hidden states held there alone (freed early under autocast)
                 self._head(),
