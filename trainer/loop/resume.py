@@ -312,7 +312,10 @@ def _gathered_copy(model, rank: int):
 
 
 def _unsharded_cpu_copy(model):
-    """An uninitialised CPU CausalLM with `model`'s config and parameter dtype, to hold full FSDP2 weights."""
+    """An uninitialised CPU CausalLM with `model`'s config and parameter dtype, to hold full FSDP2 weights (a
+    TransformersModel: `TransformersModel.empty_copy`)."""
+    if isinstance(model, TransformersModel):
+        return model.empty_copy()
     if not isinstance(model, CausalLM):
         raise TypeError(f"saving a {type(model).__name__} sharded with FSDP2 is not supported (CausalLM only)")
     dtype = next(iter(model.state_dict().values())).dtype

@@ -278,7 +278,12 @@ def save_adapter(model: nn.Module, directory: Path, state: dict[str, torch.Tenso
     config.inference_mode = True  # as PeftModel.save_pretrained writes it
     if getattr(model, "name_or_path", None):  # the model argument (trainer.sft sets it); peft's own otherwise
         config.base_model_name_or_path = model.name_or_path
-    state = dict(peft_root(model).named_parameters()) if state is None else state
+    root = peft_root(model)
+    if state is None:
+        state = dict(root.named_parameters())
+    elif root is not model:  # a full state dict of `model` (FSDP2 gathers it): its names relative to the root
+        prefix = next(name for name, m in model.named_modules() if m is root) + "."
+        state = {n.removeprefix(prefix): t for n, t in state.items()}
     tensors = {peft_key(n): t.detach().to("cpu").contiguous() for n, t in state.items() if is_adapter_name(n)}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -40,11 +40,13 @@ load peaks at the full-precision model, where our path quantizes as it reads; a 
 tensors are not nn.Linear and stay in full precision), LoRA through peft (`trainer.model.lora`: injected into the
 transformers model, so the adapter files carry transformers' names and `peft.PeftModel.from_pretrained` over
 `AutoModelForCausalLM` loads them), gradient checkpointing (transformers' own switch, `gradient_checkpointing_enable`),
-DDP. `trainer.merge` and `trainer.generate --adapter` take the same models.
+DDP and FSDP2 (each of transformers' decoder layers one unit: `decoder_layers`; every rank loads the whole model
+before it is sharded; saving gathers into `empty_copy`; SFT only). `trainer.merge` and `trainer.generate --adapter`
+take the same models.
 
 Refused on this path, each in one line before anything is built (`check_transformers_path`): the features whose
 implementation needs our model's structure (activation offloading, the tiled MLP, liger-kernel, per-block compile,
-FSDP2, DeepSpeed). SFT, DPO and GRPO train here; DPO and GRPO need a model whose logits are `lm_head(hidden)` alone
+DeepSpeed, FSDP2 for DPO and GRPO). SFT, DPO and GRPO train here; DPO and GRPO need a model whose logits are `lm_head(hidden)` alone
 (their losses run from the hidden states and the head's weight: `check_stage`, one line when the trainer gets the
 model). GRPO samples through our sampler (`decode_step` over transformers' KV cache, `TransformersCache`), so its
 per-completion random stream is the one our model's runs draw.
@@ -128,7 +130,7 @@ def check_buildable(path: Path, model_type: str | None) -> None:
         ) from None
 
 
-def check_transformers_path(args) -> None:
+def check_transformers_path(args, stage: str = "sft") -> None:
     """The arguments the transformers path cannot honour yet, each a one-line ConfigError naming it (every stage
     trains here; a model whose head its losses cannot run is refused once built: `TransformersModel.check_stage`)."""
     unsupported = {
@@ -144,8 +146,10 @@ def check_transformers_path(args) -> None:
                 f"covers: {', '.join(SUPPORTED_MODEL_TYPES)}); leave it unset"
             )
     engine = (args.dist_config or {}).get("name")
-    if engine in ("fsdp2", "deepspeed"):
-        raise ConfigError(f"dist_config {engine}: not available on the transformers path yet; DDP is (torchrun)")
+    if engine == "deepspeed":
+        raise ConfigError("dist_config deepspeed: not available on the transformers path yet; DDP and FSDP2 are")
+    if engine == "fsdp2" and stage != "sft":
+        raise ConfigError(f"dist_config fsdp2: stage {stage} on the transformers path runs with DDP only for now")
 
 
 NORM_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
@@ -330,6 +334,24 @@ class TransformersModel(nn.Module):
         self.fused_head = use_kernels and self.plain_head
         self.norms, self.norms_left = swap_norms(hf) if use_kernels else ({}, set())
         self.mlps, self.mlps_left = swap_mlps(hf) if use_kernels else ({}, set())
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList | None:
+        """The decoder's layers (`trainer.parallel.transforms.decoder_blocks`: FSDP2's units, per-block compile)."""
+        layers = getattr(self.hf.get_decoder(), "layers", None)
+        return layers if isinstance(layers, nn.ModuleList) else None
+
+    def empty_copy(self) -> TransformersModel:
+        """This model's architecture on the CPU, uninitialised and without kernels: a holder for full weights (saving a
+        model sharded by FSDP2). Built on the meta device, so no probe runs, then given CPU storage."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(self.config, dtype=self.hf.dtype)
+            copy = TransformersModel(hf, use_kernels=False)
+        copy.to_empty(device="cpu")
+        hf.tie_weights()  # to_empty gives each parameter its own storage: tied ones are tied again
+        return copy
 
     @property
     def adapter_root(self) -> nn.Module:

@@ -64,8 +64,11 @@ from trainer.model.lora import apply_lora, has_adapter
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList | None:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+    """The decoder's layers: those a model names (`decoder_layers`: the transformers path's), else `model.model.layers`
+    (ours, and transformers' own models handed to the Trainer); None when there are none."""
+    layers = getattr(model, "decoder_layers", None)
+    if layers is None:
+        layers = getattr(getattr(model, "model", None), "layers", None)
     return layers if isinstance(layers, nn.ModuleList) else None
 
 

@@ -140,12 +140,18 @@ def test_generate_decodes_through_transformers(checkpoints):
     [
         (dict(activation_offloading=True), "activation_offloading: activation offloading is not available"),
         (dict(tiled_mlp=True), "tiled_mlp: the tiled MLP is not available"),
-        (dict(dist_config={"name": "fsdp2"}), "dist_config fsdp2: not available on the transformers path yet"),
+        (
+            dict(dist_config={"name": "deepspeed", "config_file": "ds.json"}),
+            "dist_config deepspeed: not available on the transformers",
+        ),
     ],
 )
 def test_what_the_path_cannot_do_yet_is_one_line(setting, message):
     with pytest.raises(ConfigError, match="^" + message):
         check_transformers_path(TrainingArguments(output_dir="unused", **setting))
+    fsdp2 = TrainingArguments(output_dir="unused", dist_config={"name": "fsdp2"})
+    with pytest.raises(ConfigError, match="^dist_config fsdp2: stage grpo on the transformers path runs with DDP only"):
+        check_transformers_path(fsdp2, "grpo")
 
 
 def test_the_command_trains_a_gemma3_and_says_which_path(checkpoints, tmp_path, capsys):

@@ -7,7 +7,8 @@ SPEC: {"data": a JSONL file, "presets": {name: config.json dict} added to traine
 the jobs run one after the other in the same process group (starting Python and importing torch costs ~5-10 s
 per process on a loaded machine: one launch serves many runs).
 
-A training job is {"output": its directory, "args": TrainingArguments overrides, "resume": a checkpoint path or
+A training job is {"output": its directory, "args": TrainingArguments overrides, "model": a transformers model
+directory (the transformers path) or null for the small CausalLM, "resume": a checkpoint path or
 null, "fail_at_step": a step at which rank 1 raises, or null, "nan_at_step": a step whose losses rank 1 makes NaN,
 or null, "metrics": true to evaluate with tests.trainer.parallel.test_distributed.eval_metrics, "host_labels_probe":
 true to run `HostLabelsProbe`}. Rank 0 writes output/result.json (the logged losses, the eval metrics, the non-finite
@@ -385,7 +386,8 @@ def run(data: str, job: dict) -> None:
     if job.get("metrics"):
         from tests.trainer.parallel.test_distributed import eval_metrics as compute_metrics
     probe = HostLabelsProbe() if job.get("host_labels_probe") else None
-    model = small_model()
+    # "model": a transformers model directory, built as the CLI builds it (the transformers path: FSDP2 or DDP applied)
+    model = build_module.build_model(job["model"], args)[0] if job.get("model") else small_model()
     if job.get("nan_at_step"):
         callbacks.append(NanAt(job["nan_at_step"], rank, model))
     loss_grad_outputs = []  # the gradient reaching each training loss: 1.0 unless the loop scales the loss
@@ -421,7 +423,7 @@ def run(data: str, job: dict) -> None:
                     "loss_grad_outputs": loss_grad_outputs,
                     "probe": probe and {"moved": probe.moved, "calls": probe.calls},
                     # the hooks the model's layer loop calls: an offloader's, with what the last forward sent
-                    "offloaded_bytes": [h.__self__.offloaded_bytes for h in model.block_hooks],
+                    "offloaded_bytes": [h.__self__.offloaded_bytes for h in getattr(model, "block_hooks", [])],
                 }
             )
         )
