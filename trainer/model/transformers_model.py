@@ -9,10 +9,11 @@ path where both apply, so that the two can be compared on one checkpoint.
 
 What of ours runs inside (`TransformersModel.kernel_report()`, printed at the start of a run):
 - the loss: our fused linear cross-entropy over the decoder's final hidden states and the LM head's weight, so the
-  (tokens, vocabulary) logits never exist, when a probe shows the model's logits are exactly `lm_head(hidden)`: one
-  forward of 8 random tokens, the model's own logits against the head applied to its decoder's output, bit for bit.
-  A model that transforms its logits after the head (Gemma 2's final softcapping, Granite's logits_scaling other
-  than 1, Cohere's logit_scale) fails the probe and keeps transformers' logits, with our cross-entropy over them; a
+  (tokens, vocabulary) logits never exist, when a probe shows the model's logits are `lm_head(hidden)` times a
+  constant c: one forward of 8 random tokens, the model's own logits against the head applied to its decoder's
+  output (bit for bit for c = 1; to fp32 rounding for Cohere's logit_scale and 1 / Granite's logits_scaling, where c
+  is folded into the head's input, c h W^T, exact for a power of two). A model that transforms its logits otherwise
+  (Gemma 2's final softcapping) fails the probe and keeps transformers' logits, with our cross-entropy over them; a
   mixture-of-experts model asked for its router loss (`output_router_logits`) keeps its logits too, its auxiliary
   loss added as transformers adds it (`router_aux_loss_coef` times `aux_loss`, per micro batch);
 - RMSNorm (`swap_norms`): every module with one 1-D `weight` and an epsilon whose output, on random fp32 rows with a
@@ -46,10 +47,10 @@ take the same models.
 
 Refused on this path, each in one line before anything is built (`check_transformers_path`): the features whose
 implementation needs our model's structure (activation offloading, the tiled MLP, liger-kernel, per-block compile,
-DeepSpeed, FSDP2 for DPO and GRPO). SFT, DPO and GRPO train here; DPO and GRPO need a model whose logits are `lm_head(hidden)` alone
-(their losses run from the hidden states and the head's weight: `check_stage`, one line when the trainer gets the
-model). GRPO samples through our sampler (`decode_step` over transformers' KV cache, `TransformersCache`), so its
-per-completion random stream is the one our model's runs draw.
+DeepSpeed, FSDP2 for DPO and GRPO). SFT, DPO and GRPO train here; DPO and GRPO need a model whose logits are
+`lm_head(hidden)` times a constant (their losses run from the hidden states and the head's weight: `check_stage`, one
+line when the trainer gets the model). GRPO samples through our sampler (`decode_step` over transformers' KV cache,
+`TransformersCache`), so its per-completion random stream is the one our model's runs draw.
 
 transformers is imported only when this path is taken (it costs seconds).
 """
@@ -330,7 +331,8 @@ class TransformersModel(nn.Module):
         self._layout = (None, None)  # the forward in progress's (attention_mask, position_ids), for `_neftune`
         hf.get_input_embeddings().register_forward_hook(self._neftune)
         self.router_loss = bool(getattr(hf.config, "output_router_logits", False))
-        self.plain_head = self._head_is_plain() and not self.router_loss  # the logits are lm_head(hidden) alone
+        self.logit_scale = self._head_scale()  # logits = logit_scale * lm_head(hidden), or None: something else
+        self.plain_head = self.logit_scale is not None and not self.router_loss
         self.fused_head = use_kernels and self.plain_head
         self.norms, self.norms_left = swap_norms(hf) if use_kernels else ({}, set())
         self.mlps, self.mlps_left = swap_mlps(hf) if use_kernels else ({}, set())
@@ -372,12 +374,14 @@ class TransformersModel(nn.Module):
         return head if isinstance(head, nn.Linear) and head.bias is None else None
 
     @torch.no_grad()
-    def _head_is_plain(self) -> bool:
-        """Whether the model's logits are exactly its LM head applied to its decoder's output (module docstring). A
-        model whose own forward fails on the probe's tokens is a one-line ModelError here, before any training."""
+    def _head_scale(self) -> float | None:
+        """c where the model's logits are c times its LM head applied to its decoder's output (1.0 for most; Cohere's
+        logit_scale, 1 / Granite's logits_scaling), to fp32 rounding (rtol 1e-5; exactly for c = 1); None when they
+        are not (module docstring). A model whose own forward fails on the probe's tokens is a one-line ModelError
+        here, before any training."""
         device = self.hf.get_input_embeddings().weight.device
         if device.type == "meta":
-            return False
+            return None
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.config.vocab_size, (1, PROBE_TOKENS), generator=g).to(device)
         was_training = self.hf.training
@@ -393,12 +397,19 @@ class TransformersModel(nn.Module):
                 ) from None
             head = self._head()
             if head is None:
-                return False
+                return None
             try:
                 hidden = self.hf.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
             except Exception:  # a decoder that cannot be called alone: the loss goes through the whole model
-                return False
-            return logits.shape == (1, PROBE_TOKENS, head.out_features) and torch.equal(logits, head(hidden))
+                return None
+            plain = head(hidden)
+            if logits.shape != (1, PROBE_TOKENS, head.out_features) or not torch.isfinite(plain).all():
+                return None
+            if torch.equal(logits, plain):
+                return 1.0
+            scale = float((logits.double() * plain.double()).sum() / plain.double().square().sum().clamp(min=1e-30))
+            same = scale != 0 and torch.allclose(logits, plain * scale, rtol=1e-5, atol=1e-6)
+            return scale if same else None
         finally:
             self.hf.train(was_training)
 
@@ -411,6 +422,10 @@ class TransformersModel(nn.Module):
         fn = kernels.neftune_noise if self.use_kernels else kernels.neftune_noise_ref
         attention_mask, position_ids = self._layout
         return fn(x, self.neftune_noise_alpha, attention_mask=attention_mask, position_ids=position_ids, training=True)
+
+    def _scaled(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states times the logit scale (c h W^T = c (h W^T): the scale folded into the head's input)."""
+        return hidden if self.logit_scale == 1.0 else hidden * self.logit_scale
 
     def not_plain_reason(self) -> str:
         """Why the loss runs over transformers' logits rather than from the hidden states and the head's weight."""
@@ -440,7 +455,8 @@ class TransformersModel(nn.Module):
         ours = [f"RMSNorm x{n} ({label})" for label, n in self.norms.items()]
         ours += [f"SwiGLU x{n} ({label})" for label, n in self.mlps.items()]
         if self.fused_head:
-            ours.append("fused linear cross-entropy")
+            scale = "" if self.logit_scale == 1.0 else f" (logit scale {self.logit_scale:g} folded in)"
+            ours.append(f"fused linear cross-entropy{scale}")
         ours.append("FusedAdamW")
         why = ""
         if not self.fused_head:
@@ -489,7 +505,7 @@ class TransformersModel(nn.Module):
         if self.plain_head and (labels is not None or head is not None):
             return head_forward(  # the hidden states held there alone (freed early under autocast)
                 self._head(),
-                self.hf.get_decoder()(**inputs).last_hidden_state,  # (B, T, C)
+                self._scaled(self.hf.get_decoder()(**inputs).last_hidden_state),  # (B, T, C)
                 labels,
                 impl="kernels" if self.use_kernels else "eager",
                 label_smoothing=self.label_smoothing,

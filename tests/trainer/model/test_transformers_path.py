@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 # hybrid linear attention (qwen3_5_text)
 FAST_TRAINING = ("gemma2", "qwen3_moe", "qwen3_5_text")
 # the probe's verdict per type: the logits are lm_head(hidden) alone, or transformed after the head
-NOT_FUSED = {"gemma2": "final logit softcapping", "cohere2": "logit_scale"}
+NOT_FUSED = {"gemma2": "final logit softcapping"}
 
 
 @pytest.fixture(scope="module")

@@ -389,3 +389,17 @@ def test_ddp_fsdp2_and_lora_on_two_processes_match_one_process(checkpoints, tmp_
                 torch.testing.assert_close(
                     exported[key], value, rtol=1e-4, atol=1e-4, msg=lambda m, k=key: f"{run} {k}: {m}"
                 )
+
+
+@pytest.mark.parametrize("model_type, setting", [("granite", {"logits_scaling": 8.0}), ("cohere2", {})])
+def test_a_constant_logit_scale_is_folded_into_the_fused_head(model_type, setting, tmp_path):
+    """Granite divides its logits by logits_scaling, Cohere multiplies them by logit_scale (0.0625): the probe finds
+    the constant, the fused loss runs on the scaled hidden states, and the loss is transformers' own."""
+    path = write_tiny(model_type, tmp_path / model_type, **setting)
+    model, _ = build_model(str(path), TrainingArguments(output_dir="unused"))
+    expected = 1 / setting["logits_scaling"] if setting else model.config.logit_scale
+    assert model.fused_head and model.logit_scale == pytest.approx(expected, rel=1e-6)
+    assert f"fused linear cross-entropy (logit scale {model.logit_scale:g} folded in)" in model.kernel_report()
+    ids, labels = batch()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, plain(input_ids=ids, labels=labels).loss)
