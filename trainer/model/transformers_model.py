@@ -58,6 +58,7 @@ transformers is imported only when this path is taken (it costs seconds).
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 from pathlib import Path
 
@@ -157,10 +158,20 @@ NORM_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 NORM_PROBE_ROWS = 4
 
 
+def _takes_rows_only(module: nn.Module) -> bool:
+    """Whether the module's forward takes one argument (the rows): a gated norm's `gate` or an MLP's extra inputs
+    would reach our kernel, which computes without them."""
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # past self
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+
+
 def _norm_eps(module: nn.Module) -> float | None:
-    """The epsilon of a module shaped like an RMSNorm (exactly one parameter, a 1-D `weight`), else None."""
+    """The epsilon of a module shaped like an RMSNorm (exactly one parameter, a 1-D `weight`, a forward of the rows
+    alone), else None."""
     params = dict(module.named_parameters(recurse=False))
     if list(params) != ["weight"] or params["weight"].dim() != 1 or list(module.children()):
+        return None
+    if not _takes_rows_only(module):
         return None
     return next((getattr(module, n) for n in NORM_EPS_NAMES if isinstance(getattr(module, n, None), float)), None)
 
@@ -236,9 +247,10 @@ MLP_LIKE = ("MLP", "Mlp", "Experts", "MoeBlock", "MoE", "Moe")  # class-name end
 
 
 def _is_gated_mlp(module: nn.Module) -> bool:
-    """gate_proj, up_proj and down_proj linear children without biases (the SwiGLU layout of Llama's MLP)."""
+    """gate_proj, up_proj and down_proj linear children without biases (the SwiGLU layout of Llama's MLP), and a
+    forward of the rows alone."""
     layers = [getattr(module, n, None) for n in MLP_PROJECTIONS]
-    return all(isinstance(m, nn.Linear) and m.bias is None for m in layers)
+    return all(isinstance(m, nn.Linear) and m.bias is None for m in layers) and _takes_rows_only(module)
 
 
 @torch.no_grad()
@@ -383,7 +395,8 @@ class TransformersModel(nn.Module):
         if device.type == "meta":
             return None
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, self.config.vocab_size, (1, PROBE_TOKENS), generator=g).to(device)
+        vocab = self.hf.get_input_embeddings().weight.shape[0]  # config.vocab_size is a sub-config's in some models
+        ids = torch.randint(0, vocab, (1, PROBE_TOKENS), generator=g).to(device)
         was_training = self.hf.training
         self.hf.eval()
         try:
@@ -563,8 +576,12 @@ class TransformersModel(nn.Module):
         """6 N + 12 L H_q T as `CausalLM.flops_per_token` counts it (N: every parameter but the input embedding's, the
         head counted once when tied), for dense softmax-attention models; None for a mixture of experts (not every
         parameter runs for a token) and for models with linear-attention layers, so that no MFU is claimed."""
-        c = self.config
+        c = self.config.get_text_config()  # a multimodal config keeps the decoder's sizes in its text config
         if any(getattr(c, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            return None
+        layers, heads = getattr(c, "num_hidden_layers", None), getattr(c, "num_attention_heads", None)
+        head_dim = getattr(c, "head_dim", None) or (getattr(c, "hidden_size", 0) // heads if heads else None)
+        if not (layers and heads and head_dim):  # sizes under other names: not counted rather than guessed
             return None
         if set(getattr(c, "layer_types", None) or []) - SOFTMAX_ATTENTION:  # linear attention, convolutions, ...
             return None
@@ -573,8 +590,7 @@ class TransformersModel(nn.Module):
         head = self._head()
         if head is not None and head.weight is embed:
             n += embed.numel()
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len
+        return 6 * n + 12 * layers * heads * head_dim * seq_len
 
     def save_pretrained(self, directory: str | Path, tokenizer=None, max_shard_size: int | str = "5GB") -> None:
         """transformers' own layout (config.json, model.safetensors), which `from_pretrained` loads as it is."""

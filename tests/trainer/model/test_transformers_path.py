@@ -6,6 +6,7 @@ directory transformers loads with equal logits. Which path a type takes, and the
 from __future__ import annotations
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -230,6 +231,7 @@ class _EpsOutsideTheRoot(torch.nn.Module):
 
 def test_the_norm_probe_swaps_only_what_computes_our_math():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridRMSNormGated
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
@@ -242,12 +244,16 @@ def test_the_norm_probe_swaps_only_what_computes_our_math():
         {
             "llama": LlamaRMSNorm(48),
             "gated": Qwen3NextRMSNormGated(48),
+            # gate=None computes a plain RMSNorm, which a probe of the rows alone would pass: its forward's extra
+            # argument keeps it transformers' (it is called with the gate)
+            "gated_optional": GraniteMoeHybridRMSNormGated(48, group_size=48),
             "other": _EpsOutsideTheRoot(48),
             "layer": torch.nn.LayerNorm(48),
         }
     )
     swapped, left = swap_norms(model)
-    assert swapped == {"LlamaRMSNorm": 1} and left == {"Qwen3NextRMSNormGated", "_EpsOutsideTheRoot", "LayerNorm"}
+    assert swapped == {"LlamaRMSNorm": 1}
+    assert left == {"Qwen3NextRMSNormGated", "GraniteMoeHybridRMSNormGated", "_EpsOutsideTheRoot", "LayerNorm"}
     norm = model["llama"]
     torch.nn.init.normal_(norm.weight)
     x = torch.randn(3, 48)
@@ -326,3 +332,9 @@ def test_flops_are_counted_for_softmax_attention_only(checkpoints):
     flops = {t: build_model(str(checkpoints[t]), args)[0].flops_per_token(64) for t in ("gemma3_text", "qwen3_5_text")}
     assert flops["gemma3_text"] > 0 and flops["qwen3_5_text"] is None
     assert build_model(str(checkpoints["qwen3_moe"]), args)[0].flops_per_token(64) is None
+    # sizes read from the text config (a multimodal model's decoder), and not guessed when they are named otherwise
+    model = build_model(str(checkpoints["gemma3_text"]), args)[0]
+    model.config = types.SimpleNamespace(get_text_config=lambda: model.hf.config)
+    assert model.flops_per_token(64) == flops["gemma3_text"]
+    model.config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(hidden_size=64))
+    assert model.flops_per_token(64) is None
