@@ -243,6 +243,8 @@ def train(args, sft: SFTArguments, method_args, argv: list[str], inputs: RunInpu
     model, _ = build(sft.model, args)
     if rank == 0:
         print(model_line(model), file=sys.stderr)
+    if isinstance(unwrap(model), TransformersModel):  # a stage its head cannot run: one line, before any evaluation
+        unwrap(model).check_stage(sft.stage)
     tokenizer = inputs.tokenizer  # saved with the model: the template the data was rendered with
     before = exact_match_accuracy(model, tokenizer, conversations) if conversations else None
     if before is not None and rank == 0:

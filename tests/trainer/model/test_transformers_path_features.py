@@ -251,6 +251,16 @@ def test_dpo_matches_trl_on_the_transformers_path(model_type, use_kernels, tmp_p
     assert ours[-1]["rewards/margins"] > 0
 
 
+def test_the_command_refuses_such_a_stage_before_evaluating(checkpoints, tmp_path, capsys):
+    from trainer import sft
+
+    argv = ["--model", str(checkpoints["gemma2"]), "--stage", "dpo", "--output_dir", str(tmp_path / "o")]
+    assert sft.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: stage dpo: Gemma2ForCausalLM cannot train it")
+    assert "exact match before training" not in err
+
+
 def test_a_stage_the_models_head_cannot_run_is_one_line(checkpoints, tmp_path):
     """Gemma 2 softcaps its logits after the head: preference losses, which run from the hidden states and the head's
     weight, are refused when the trainer gets the model."""
