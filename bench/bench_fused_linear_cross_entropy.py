@@ -8,6 +8,9 @@ Providers (same run, same inputs):
   liger          liger_kernel's fused linear cross-entropy (skipped when not installed)
 Modes: forward (loss with requires_grad=True: ours and liger compute every gradient here), full
 (forward + backward), backward = full - forward (derived; our backward cannot re-run on a retained graph).
+Softcap (--softcap C, default none): every provider's loss over C tanh(logits / C) (Gemma 2's final logit
+softcapping, 30): ours inside the cross-entropy kernel, liger's its own softcap argument, torch's as transformers
+applies it to the logits.
 Ignored fraction (--ignored, default 0 and 0.5): that share of the targets, at random positions, is
 ignore_index (SFT's prompt tokens). Ours gets the targets on the CPU, as a collator builds them, so it
 skips those rows' matmuls: with half ignored, expect close to half the time. The others get them on the
@@ -91,30 +94,32 @@ KEYS = ("mode", "tokens", "hidden", "vocab", "dtype", "ignored")
 IGNORED = (0.0, 0.5)
 
 
-def _liger():
+def _liger(softcap=None):
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except Exception:
         return None
-    return lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t)
+    return lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t, softcap=softcap)
 
 
-def make_loss_fn(provider: str, compile_backend: str):
+def make_loss_fn(provider: str, compile_backend: str, softcap: float | None = None):
     if provider == "ours":
-        return lambda h, w, t: fused_linear_cross_entropy(h, w, t)
+        return lambda h, w, t: fused_linear_cross_entropy(h, w, t, softcap=softcap)
     if provider == "torch":
-        return lambda h, w, t: F.cross_entropy(F.linear(h, w), t)
+        return lambda h, w, t: F.cross_entropy(kernels.softcapped(F.linear(h, w), softcap), t)
     if provider == "torch_ref":
-        return lambda h, w, t: fused_linear_cross_entropy_ref(h, w, t)
+        return lambda h, w, t: fused_linear_cross_entropy_ref(h, w, t, softcap=softcap)
     if provider == "torch_compile":
-        return torch.compile(fused_linear_cross_entropy_ref, backend=compile_backend)
+        return torch.compile(
+            functools.partial(fused_linear_cross_entropy_ref, softcap=softcap), backend=compile_backend
+        )
     if provider == "liger":
-        return _liger()
+        return _liger(softcap)
     raise ValueError(f"unknown provider {provider!r}; choose from {', '.join(PROVIDERS)}")
 
 
-def bench_one(provider, n_tokens, hdim, vocab, dtype, ignored, compile_backend, dev, reps=3):
-    fn = make_loss_fn(provider, compile_backend)
+def bench_one(provider, n_tokens, hdim, vocab, dtype, ignored, compile_backend, dev, reps=3, softcap=None):
+    fn = make_loss_fn(provider, compile_backend, softcap)
     if fn is None:
         return None
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -151,6 +156,7 @@ def bench_one(provider, n_tokens, hdim, vocab, dtype, ignored, compile_backend, 
             "vocab": vocab,
             "dtype": str(dtype).replace("torch.", ""),
             "ignored": ignored,
+            "softcap": softcap,
             "derived": mode == "backward",
         }
         row.update(t)
@@ -379,10 +385,13 @@ def main(argv=None):
     parser.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend for torch_compile (default inductor)"
     )
+    parser.add_argument("--softcap", type=float, help="final logit softcapping for every provider (Gemma 2's: 30)")
     args = parser.parse_args(argv)
     bad = [f for f in args.ignored if not 0.0 <= f < 1.0]
     if bad:
         parser.error(f"--ignored {bad[0]} must be a fraction in [0, 1)")
+    if args.softcap is not None and not args.softcap > 0:
+        parser.error(f"--softcap {args.softcap:g} must be > 0")
 
     dev = common.device()
     shapes = CPU_SHAPES if (args.quick or not common.on_gpu()) else GPU_SHAPES
@@ -406,6 +415,7 @@ def main(argv=None):
                 args.compile_backend,
                 dev,
                 reps=1 if args.quick else 3,
+                softcap=args.softcap,
             )
             if result is None:
                 print(f"skip {provider}: not installed")

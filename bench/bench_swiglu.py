@@ -1,5 +1,9 @@
 """Benchmark SwiGLU's gating silu(gate) * up: ours (Triton) vs torch eager (as HF's LlamaMLP), torch.compile, liger.
 
+`--act gelu_tanh`: GeGLU's gelu_tanh(gate) * up instead (Gemma's MLP; ours `kernels.geglu`, the same kernels and
+bytes with the activation switched; eager F.gelu(gate, approximate="tanh") * up as transformers' GemmaMLP; liger's
+LigerGELUMulFunction); rows say act.
+
 Modes: forward (out from gate and up), backward (dgate and dup from a saved forward), full (forward + backward).
 Bytes are the ideal traffic (s = element size; n = tokens x intermediate):
     forward  3 n s (read gate and up, write out)
@@ -40,6 +44,7 @@ if not torch.cuda.is_available():
 
 import kernels  # noqa: E402
 from bench import common  # noqa: E402
+from kernels.geglu import geglu  # noqa: E402
 from kernels.swiglu import swiglu  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -48,34 +53,44 @@ PROVIDERS = ("ours", "torch", "torch_compile", "liger")
 GPU_TOKENS = (8192,)
 GPU_INTER = (14336,)  # Llama-3-8B
 CPU_SHAPES = ((8, 781),)
+ACTS = ("silu", "gelu_tanh")
 
 
 def _eager(gate, up):
     return F.silu(gate) * up
 
 
-def _liger_fn():
-    """liger-kernel's SwiGLU gating as f(gate, up), or None with the reason."""
+def _eager_gelu(gate, up):
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def _liger_fn(act: str = "silu"):
+    """liger-kernel's SwiGLU (GeGLU) gating as f(gate, up), or None with the reason."""
     if not torch.cuda.is_available():
         return None, "liger-kernel's SwiGLU uses libdevice, which the Triton interpreter lacks"
     try:
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        if act == "silu":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction as function
+        else:
+            from liger_kernel.ops.geglu import LigerGELUMulFunction as function
     except Exception as exc:  # optional baseline
         return None, f"liger-kernel not importable ({exc.__class__.__name__}); pip install liger-kernel"
-    return LigerSiLUMulFunction.apply, None
+    return function.apply, None
 
 
-def _providers(compile_backend: str) -> dict:
+def _providers(compile_backend: str, act: str = "silu") -> dict:
+    op, eager = (swiglu, _eager) if act == "silu" else (geglu, _eager_gelu)
+
     def ours(gate, up):
         with kernels.backend("triton"):
-            return swiglu(gate, up)
+            return op(gate, up)
 
     fns = {
         "ours": ours,
-        "torch": _eager,
-        "torch_compile": torch.compile(_eager, backend=compile_backend, dynamic=False),
+        "torch": eager,
+        "torch_compile": torch.compile(eager, backend=compile_backend, dynamic=False),
     }
-    liger, why = _liger_fn()
+    liger, why = _liger_fn(act)
     if liger is not None:
         fns["liger"] = liger
     else:
@@ -118,8 +133,8 @@ def _case(fn, mode, gate, up, dout):
     return lambda: torch.autograd.grad(fn(g, u), [g, u], dout)
 
 
-def run(shapes, dtype, modes, providers, *, compile_backend="inductor", cpu_reps=3, kernel_times=False):
-    fns = {k: v for k, v in _providers(compile_backend).items() if k in providers}
+def run(shapes, dtype, modes, providers, *, compile_backend="inductor", cpu_reps=3, kernel_times=False, act="silu"):
+    fns = {k: v for k, v in _providers(compile_backend, act).items() if k in providers}
     dev = common.device()
     env = common.env_info()
     rows = []
@@ -135,7 +150,8 @@ def run(shapes, dtype, modes, providers, *, compile_backend="inductor", cpu_reps
                 t = common.measure(step, cpu_reps=cpu_reps)
                 moved = _bytes(mode, m * n, gate.element_size())
                 row = {
-                    "op": "swiglu",
+                    "op": "swiglu" if act == "silu" else "geglu",
+                    "act": act,
                     "provider": name,
                     "mode": mode,
                     "tokens": m,
@@ -162,6 +178,7 @@ def main(argv=None):
     ap.add_argument("--tokens", nargs="+", type=int, help="rows (batch x sequence); default 8192 on GPU")
     ap.add_argument("--inter", nargs="+", type=int, help="intermediate sizes; default 14336 (Llama-3-8B) on GPU")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the compiled baseline")
+    ap.add_argument("--act", choices=ACTS, default="silu", help="the gate's activation: SwiGLU (silu) or GeGLU")
     args = ap.parse_args(argv)
 
     if args.tokens or args.inter:
@@ -178,6 +195,7 @@ def main(argv=None):
         compile_backend=args.compile_backend,
         cpu_reps=1 if args.quick else 5,
         kernel_times=args.kernel_times,
+        act=args.act,
     )
     path = common.write_rows("swiglu", rows)
     print(f"wrote {len(rows)} rows to {path}")

@@ -226,19 +226,21 @@ def _cuda(*shape, dtype=torch.bfloat16, grad=False):
 
 
 def _cross_entropy():
-    # Llama 3's vocabulary, 8192 tokens; mean reduction (scale in place) and "none" (per-row scale).
-    for reduction in ("mean", "none"):
+    # Llama 3's vocabulary, 8192 tokens; mean reduction (scale in place) and "none" (per-row scale); Gemma 2's final
+    # softcapping (30) with label smoothing, the forward's largest configuration
+    for reduction, options in (("mean", {}), ("none", {}), ("mean", dict(softcap=30.0, label_smoothing=0.1))):
         logits = _cuda(8192, 128256, grad=True)
         target = torch.empty(8192, dtype=torch.int64, device="cuda")
-        loss = kernels.cross_entropy(logits, target, reduction=reduction)
+        loss = kernels.cross_entropy(logits, target, reduction=reduction, **options)
         loss.backward(torch.empty_like(loss))
 
 
 def _fused_linear_cross_entropy():
-    for reduction in ("mean", "none"):
+    # "none" with a bf16 weight runs the vocabulary pass's slice kernel, also softcapped (Gemma 2)
+    for reduction, softcap in (("mean", None), ("none", None), ("none", 30.0)):
         hidden, weight = _cuda(8192, 4096, grad=True), _cuda(128256, 4096, grad=True)
         target = torch.empty(8192, dtype=torch.int64, device="cuda")
-        loss = kernels.fused_linear_cross_entropy(hidden, weight, target, reduction=reduction)
+        loss = kernels.fused_linear_cross_entropy(hidden, weight, target, reduction=reduction, softcap=softcap)
         loss.backward(torch.empty_like(loss))
 
 
@@ -330,6 +332,9 @@ def _swiglu():
     out.backward(torch.empty_like(out))
     # Llama-3-8B's down projection over it: the backward kernel that also writes act (kernels.swiglu_linear)
     out = kernels.swiglu_linear(gate, up, _cuda(4096, 14336, grad=True))
+    out.backward(torch.empty_like(out))
+    # GeGLU (Gemma's MLP): the same kernels with the tanh GELU
+    out = kernels.geglu_linear(gate, up, _cuda(4096, 14336, grad=True))
     out.backward(torch.empty_like(out))
 
 

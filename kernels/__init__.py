@@ -11,7 +11,7 @@ reach a module with `from kernels.rms_norm import ...` or `importlib.import_modu
 from . import _names  # noqa: F401
 from ._dispatch import HAS_TRITON, backend, current_backend, use_triton
 from .adamw import FusedAdamW, adamw_step_ref
-from .cross_entropy import cross_entropy, cross_entropy_ref
+from .cross_entropy import cross_entropy, cross_entropy_ref, softcapped
 from .dequantize_4bit import NestedAbsmax, dequantize_4bit, dequantize_4bit_ref
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 from .fused_linear_logprob import TokenLogprobs, fused_linear_logprob, fused_linear_logprob_ref
@@ -23,6 +23,7 @@ from .fused_linear_preference import (
     preference_loss,
 )
 from .fused_linear_preference_loss import fused_linear_preference_loss, fused_linear_preference_loss_ref
+from .geglu import geglu, geglu_linear, geglu_linear_ref, geglu_ref
 from .lora import LoRAProjection, lora_mlp, lora_mlp_ref, lora_projections, lora_projections_ref
 from .neftune import NEFTuneFunction, neftune_noise, neftune_noise_ref
 from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
@@ -34,8 +35,10 @@ __all__ += ["NEFTuneFunction", "neftune_noise", "neftune_noise_ref"]
 __all__ += ["rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref"]
 __all__ += ["rope", "rope_ref"]
 __all__ += ["swiglu", "swiglu_ref", "swiglu_linear", "swiglu_linear_ref"]
+__all__ += ["geglu", "geglu_ref", "geglu_linear", "geglu_linear_ref"]
 __all__ += ["FusedAdamW", "adamw_step_ref"]
 __all__ += ["cross_entropy", "cross_entropy_ref", "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]
+__all__ += ["softcapped"]
 __all__ += ["PreferenceLogps", "fused_linear_preference", "fused_linear_preference_ref", "preference_loss"]
 __all__ += ["fused_linear_preference_loss", "fused_linear_preference_loss_ref"]
 __all__ += ["TokenLogprobs", "fused_linear_logprob", "fused_linear_logprob_ref"]

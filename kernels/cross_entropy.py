@@ -7,7 +7,15 @@ Math, per row with logits x (V classes), target y, label smoothing s, z-loss wei
     dloss/dx_j = p_j * (1 + 2 z lse) - s / V - (1 - s) [j == y]
 
 which is `torch.nn.functional.cross_entropy` (same label-smoothing formula: (1-s)*nll + s * mean over
-classes of -log p) plus PaLM's z-loss. Reductions: "none" (per row), "sum", "mean" (sum over rows /
+classes of -log p) plus PaLM's z-loss.
+
+Softcapping (`softcap` c, Gemma 2's final_logit_softcapping): the loss is taken over x'_j = c tanh(x_j / c) instead
+of x_j, as transformers' Gemma 2 caps its logits before the loss; every formula above holds with x' for x, and the
+stored gradient is dloss/dx_j = dloss/dx'_j (1 - tanh^2(x_j / c)), tanh's own backward. tanh is computed in the
+kernel from exp2 ((1 - e) / (1 + e), e = exp(-2|u|)) and, for |u| < 1/4 where 1 - e cancels, its odd Taylor series to
+u^9: within 2.5e-7 relative and 4.1e-6 absolute of fp32 torch.tanh times c = 30 over [-200, 200] (torch's own fp32
+rounding of c tanh is 1.9e-6 absolute there). The capped logits are never stored: each tile is capped as it is read,
+in both passes. Reductions: "none" (per row), "sum", "mean" (sum over rows /
 number of non-ignored rows; 0, not NaN, when every row is ignored, where torch returns NaN), or
 sum / num_items when `num_items` is given (gradient accumulation / data-parallel normalisation: pass
 the global token count; a tensor avoids a host sync; only with reduction="mean").
@@ -71,6 +79,8 @@ from ._dispatch import HAS_TRITON, use_triton
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from ._jit_math import tanh
 else:  # pragma: no cover - machines without triton run the reference only
     triton = None
 
@@ -79,21 +89,36 @@ _REDUCTIONS = ("mean", "sum", "none")
 if HAS_TRITON:
 
     @triton.jit
-    def _lse_tile(x, offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING: tl.constexpr):
-        """One pass-1 tile of the online log-sum-exp: (m, d_other, x_sum) updated with the fp32 tile x."""
+    def _lse_tile(x, offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING: tl.constexpr, ROW_SUMS: tl.constexpr):
+        """One pass-1 tile of the online log-sum-exp: (m, d_other, x_sum) updated with the fp32 tile x (x_sum only for
+        label smoothing or ROW_SUMS)."""
         LOG2E: tl.constexpr = 1.4426950408889634
         m_new = tl.maximum(m, tl.max(x, axis=0))
         e = tl.exp2((x - m_new) * LOG2E)
         d_other = d_other * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.where(offs == y_safe, 0.0, e), axis=0)
-        if LABEL_SMOOTHING > 0.0:
+        if LABEL_SMOOTHING > 0.0 or ROW_SUMS:
             x_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
         return m_new, d_other, x_sum
 
     @triton.jit
-    def _grad_tile(grad_row, x, offs, mask, y_safe, m, coef, shift, grad_y, GRAD_EVICTION: tl.constexpr):
-        """One pass-2 tile: store coef * exp(x - m) - shift, grad_y at the target column."""
+    def _capped(x, mask, SOFTCAP: tl.constexpr):
+        """The fp32 tile x softcapped (c tanh(x / c)) where mask, -inf elsewhere; x itself without SOFTCAP."""
+        if SOFTCAP > 0.0:
+            x = tl.where(mask, SOFTCAP * tanh(x / SOFTCAP), -float("inf"))
+        return x
+
+    @triton.jit
+    def _grad_tile(
+        grad_row, x, offs, mask, y_safe, m, coef, shift, grad_y, GRAD_EVICTION: tl.constexpr, SOFTCAP: tl.constexpr
+    ):
+        """One pass-2 tile of raw logits x: store coef * exp(x' - m) - shift (times tanh's derivative with SOFTCAP, x'
+        the capped x), grad_y (already the raw logit's) at the target column."""
         LOG2E: tl.constexpr = 1.4426950408889634
-        g = coef * tl.exp2((x - m) * LOG2E) - shift
+        if SOFTCAP > 0.0:
+            th = tanh(x / SOFTCAP)
+            g = (coef * tl.exp2((SOFTCAP * th - m) * LOG2E) - shift) * (1.0 - th * th)
+        else:
+            g = coef * tl.exp2((x - m) * LOG2E) - shift
         g = tl.where(offs == y_safe, grad_y, g)
         tl.store(grad_row + offs, g.to(grad_row.dtype.element_ty), mask=mask, eviction_policy=GRAD_EVICTION)
 
@@ -105,6 +130,7 @@ if HAS_TRITON:
         target_ptr,
         loss_ptr,
         lse_ptr,
+        sum_ptr,
         scale_ptr,  # as in _cross_entropy_fwd_kernel
         n_cols,
         seq_len,
@@ -120,6 +146,8 @@ if HAS_TRITON:
         BLOCK: tl.constexpr,
         GRAD_EVICTION: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        ROW_SUMS: tl.constexpr,
     ):
         """Loss, lse and (with COMPUTE_GRAD) the gradient of one row; the math is in the module docstring."""
         LOG2E: tl.constexpr = 1.4426950408889634
@@ -133,6 +161,8 @@ if HAS_TRITON:
         if y == ignore_index:
             tl.store(loss_ptr + row, 0.0)
             tl.store(lse_ptr + row, 0.0)
+            if ROW_SUMS:
+                tl.store(sum_ptr + row, 0.0)
             if COMPUTE_GRAD:
                 zeros = tl.zeros([BLOCK], dtype=tl.float32).to(grad_ptr.dtype.element_ty)
                 for b in range(0, n_blocks):
@@ -141,7 +171,8 @@ if HAS_TRITON:
         else:
             bad = (y < 0) | (y >= n_cols)
             y_safe = tl.where(bad, 0, y)
-            x_y = tl.load(logits_row + y_safe).to(tl.float32)
+            x_y_raw = tl.load(logits_row + y_safe).to(tl.float32)
+            x_y = _capped(x_y_raw, True, SOFTCAP)
 
             # Pass 1: online log-sum-exp; d_other leaves the target class out (see the docstring).
             m = -float("inf")
@@ -154,7 +185,15 @@ if HAS_TRITON:
                     mask = offs < n_cols
                     x = tl.load(logits_row + offs, mask=mask, other=-float("inf"), eviction_policy="evict_last")
                     m, d_other, x_sum = _lse_tile(
-                        x.to(tl.float32), offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING
+                        _capped(x.to(tl.float32), mask, SOFTCAP),
+                        offs,
+                        mask,
+                        y_safe,
+                        m,
+                        d_other,
+                        x_sum,
+                        LABEL_SMOOTHING,
+                        ROW_SUMS,
                     )
             else:
                 # The next tile is loaded before this one is reduced (register prefetch; a masked-off load past
@@ -172,7 +211,8 @@ if HAS_TRITON:
                         other=-float("inf"),
                         eviction_policy="evict_last",
                     )
-                    m, d_other, x_sum = _lse_tile(x, offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING)
+                    x = _capped(x, mask, SOFTCAP)
+                    m, d_other, x_sum = _lse_tile(x, offs, mask, y_safe, m, d_other, x_sum, LABEL_SMOOTHING, ROW_SUMS)
 
             e_y = tl.exp2((x_y - m) * LOG2E)
             d = d_other + e_y
@@ -192,6 +232,8 @@ if HAS_TRITON:
             loss = tl.where(bad, float("nan"), loss)
             tl.store(loss_ptr + row, loss)
             tl.store(lse_ptr + row, lse)
+            if ROW_SUMS:
+                tl.store(sum_ptr + row, x_sum)
 
             if COMPUTE_GRAD:
                 scale = 1.0
@@ -204,6 +246,9 @@ if HAS_TRITON:
                 # p_y * (1 + 2 z lse) - s/V - (1 - s), with p_y - 1 = -d_other / d kept exact.
                 p_y = e_y * inv_d
                 grad_y = (-d_other * inv_d + 2.0 * Z_LOSS * lse * p_y + LABEL_SMOOTHING * (1.0 - 1.0 / n_cols)) * scale
+                if SOFTCAP > 0.0:  # to the raw logit's gradient: times tanh's derivative there
+                    th_y = x_y / SOFTCAP
+                    grad_y = grad_y * (1.0 - th_y * th_y)
                 # Pass 2, tiles in reverse (the last tiles of pass 1 are the likeliest still in L2).
                 if NUM_STAGES > 1:
                     for i in tl.range(0, n_blocks, num_stages=NUM_STAGES):
@@ -211,7 +256,17 @@ if HAS_TRITON:
                         mask = offs < n_cols
                         x = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                         _grad_tile(
-                            grad_row, x.to(tl.float32), offs, mask, y_safe, m, coef, shift, grad_y, GRAD_EVICTION
+                            grad_row,
+                            x.to(tl.float32),
+                            offs,
+                            mask,
+                            y_safe,
+                            m,
+                            coef,
+                            shift,
+                            grad_y,
+                            GRAD_EVICTION,
+                            SOFTCAP,
                         )
                 else:
                     # Same register prefetch as pass 1; a tile index of -1 is fully masked.
@@ -223,7 +278,7 @@ if HAS_TRITON:
                         x = x_next.to(tl.float32)
                         prev = offs - BLOCK
                         x_next = tl.load(logits_row + prev, mask=prev >= 0, other=0.0, eviction_policy="evict_first")
-                        _grad_tile(grad_row, x, offs, mask, y_safe, m, coef, shift, grad_y, GRAD_EVICTION)
+                        _grad_tile(grad_row, x, offs, mask, y_safe, m, coef, shift, grad_y, GRAD_EVICTION, SOFTCAP)
 
     @triton.jit
     def _cross_entropy_fwd_kernel(
@@ -232,6 +287,7 @@ if HAS_TRITON:
         target_ptr,  # (N,) contiguous int32/int64 class indices, N = B * T
         loss_ptr,  # (N,) fp32 per-row loss out
         lse_ptr,  # (N,) fp32 per-row log-sum-exp out (0 for ignored rows)
+        sum_ptr,  # (N,) fp32 per-row sum of the (capped) logits out (0 for ignored rows); unused without ROW_SUMS
         scale_ptr,  # fp32 gradient scale: 0-d (scale_stride 0) or per row; unused without HAS_SCALE
         n_rows,
         n_cols,
@@ -249,6 +305,8 @@ if HAS_TRITON:
         GRAD_EVICTION: tl.constexpr,  # "" (no hint) or "evict_first" for the gradient stores
         NUM_STAGES: tl.constexpr,  # 1: register prefetch by hand; > 1: tl.range software pipelining
         PERSISTENT: tl.constexpr,  # False: one program per row; True: a fixed grid strides over the rows
+        SOFTCAP: tl.constexpr,  # c > 0: the loss over c tanh(logits / c); 0.0: none
+        ROW_SUMS: tl.constexpr,  # store each row's sum of its (capped) logits at sum_ptr
     ):
         pid = tl.program_id(0).to(tl.int64)
         if PERSISTENT:
@@ -260,6 +318,7 @@ if HAS_TRITON:
                     target_ptr,
                     loss_ptr,
                     lse_ptr,
+                    sum_ptr,
                     scale_ptr,
                     n_cols,
                     seq_len,
@@ -275,6 +334,8 @@ if HAS_TRITON:
                     BLOCK,
                     GRAD_EVICTION,
                     NUM_STAGES,
+                    SOFTCAP,
+                    ROW_SUMS,
                 )
         else:
             _cross_entropy_row(
@@ -284,6 +345,7 @@ if HAS_TRITON:
                 target_ptr,
                 loss_ptr,
                 lse_ptr,
+                sum_ptr,
                 scale_ptr,
                 n_cols,
                 seq_len,
@@ -299,6 +361,8 @@ if HAS_TRITON:
                 BLOCK,
                 GRAD_EVICTION,
                 NUM_STAGES,
+                SOFTCAP,
+                ROW_SUMS,
             )
 
     @triton.jit
@@ -397,9 +461,13 @@ def cross_entropy_fwd(
     grad_scale: torch.Tensor | None = None,
     grad_out: torch.Tensor | None = None,
     loss_out: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sums_out: torch.Tensor | None = None,
 ):
     """Launch the forward kernel on logits (N, V) or (B, T, V), any strides but unit stride over V,
-    and targets of their leading shape; no autograd.
+    and targets of their leading shape; no autograd. With `softcap` c the loss (and lse) is over c tanh(logits / c)
+    and the gradient the raw logits'. `sums_out` (fp32 (N,)) optionally receives each row's sum of its (capped)
+    logits, 0 on ignored rows (the preference heads' mean logits; pass 1 adds it up as it reads the row).
 
     Returns (loss_rows fp32 (N,), lse fp32 (N,), grad (*lead, V) contiguous, or None). The gradient is that of the
     per-row losses (reduction "sum"), multiplied by `grad_scale` (fp32, 0-d or (N,)) when given. It is
@@ -434,6 +502,7 @@ def cross_entropy_fwd(
         target,
         loss_rows,
         lse,
+        sums_out if sums_out is not None else lse,
         grad_scale if grad_scale is not None else lse,
         n_rows,
         n_cols,
@@ -451,10 +520,13 @@ def cross_entropy_fwd(
         GRAD_EVICTION="evict_first" if variant == "evict" else "",
         NUM_STAGES=3 if variant == "pipelined" else 1,
         PERSISTENT=variant == "persistent",
+        SOFTCAP=float(softcap or 0.0),
+        ROW_SUMS=sums_out is not None,
         num_warps=num_warps,
         # ptxas (sm_90, Triton 3.9's 12.9) gives the default's 16-warp program 79 registers at label smoothing 0.1 when
-        # free to: one program per SM; capped at 64 (61 used, no spills), two fit.
-        maxnreg=64 if variant == "default" else None,
+        # free to: one program per SM; capped at 64 (61 used, no spills), two fit. A softcapped row with label smoothing
+        # spills 12 bytes under that cap, so softcapped launches are not capped (one program per SM; not yet timed).
+        maxnreg=64 if variant == "default" and not softcap else None,
     )
     return loss_rows, lse, grad
 
@@ -550,6 +622,18 @@ def _check_args(name, logits_or_hidden, target, label_smoothing, ignore_index, r
             raise ValueError(f"{name}: num_items={num_items!r} must be a positive int or a one-element tensor")
 
 
+def check_softcap(name: str, softcap) -> None:
+    """softcap is None (no capping) or a number > 0, else a one-line ValueError."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"{name}: softcap={softcap!r} must be None or a number > 0")
+
+
+def softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """c tanh(logits / c) in the logits' dtype (transformers' Gemma 2 order: divide, tanh, multiply), or the logits
+    themselves without a cap: what the references compute."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
 def _denominator(target: torch.Tensor, ignore_index: int, reduction: str, num_items, device) -> torch.Tensor | None:
     """fp32 0-d device tensor dividing the summed loss (None for "sum"/"none"); never syncs with the host."""
     if reduction != "mean":
@@ -573,7 +657,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     """Autograd wrapper: the forward kernel writes the gradient; backward scales it by grad_output."""
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction, z_loss, num_items, out_dtype):
+    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction, z_loss, num_items, out_dtype, softcap):
         denom = _denominator(target, ignore_index, reduction, num_items, logits.device)
         loss_rows, _, grad = cross_entropy_fwd(
             logits,
@@ -583,6 +667,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             z_loss=z_loss,
             compute_grad=ctx.needs_input_grad[0],
             grad_scale=denom.reciprocal() if denom is not None else None,
+            softcap=softcap,
         )
         if grad is not None:
             ctx.save_for_backward(grad)
@@ -591,7 +676,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        return _scale_saved_(grad, grad_output), None, None, None, None, None, None, None
+        return _scale_saved_(grad, grad_output), None, None, None, None, None, None, None, None
 
 
 def cross_entropy(
@@ -603,16 +688,19 @@ def cross_entropy(
     reduction: str = "mean",
     z_loss: float = 0.0,
     num_items: int | torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of logits (N, V) or (B, T, V) against class indices (N,) or (B, T).
 
     Semantics of `torch.nn.functional.cross_entropy` with the class dimension last, plus `z_loss`
-    (adds z_loss * logsumexp^2 per non-ignored row) and `num_items` (reduction="mean" only: divide the
-    summed loss by num_items instead of the number of non-ignored rows). An all-ignored batch gives 0.
+    (adds z_loss * logsumexp^2 per non-ignored row), `num_items` (reduction="mean" only: divide the
+    summed loss by num_items instead of the number of non-ignored rows) and `softcap` (the loss over
+    softcap * tanh(logits / softcap), Gemma 2's final logit softcapping). An all-ignored batch gives 0.
     Returns a 0-d tensor ("mean"/"sum") or the per-row losses shaped like target ("none"), in the
     logits' dtype.
     """
     _check_args("cross_entropy", logits, target, label_smoothing, ignore_index, reduction, z_loss, num_items)
+    check_softcap("cross_entropy", softcap)
     if logits.dim() not in (2, 3) or tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"cross_entropy: logits must be (N, V) or (B, T, V) and target its leading shape; "
@@ -627,6 +715,7 @@ def cross_entropy(
             reduction=reduction,
             z_loss=z_loss,
             num_items=num_items,
+            softcap=softcap,
         )
     # Not flattened here: reshaping strided 3-D logits (logits[:, :-1]) would copy them; the kernel
     # takes their strides instead.
@@ -635,7 +724,15 @@ def cross_entropy(
     out_dtype = torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
     if torch.is_grad_enabled() and logits.requires_grad:
         loss = CrossEntropyFunction.apply(
-            logits, target, float(label_smoothing), ignore_index, reduction, float(z_loss), num_items, out_dtype
+            logits,
+            target,
+            float(label_smoothing),
+            ignore_index,
+            reduction,
+            float(z_loss),
+            num_items,
+            out_dtype,
+            softcap,
         )
     else:
         denom = _denominator(target, ignore_index, reduction, num_items, logits.device)
@@ -646,6 +743,7 @@ def cross_entropy(
             ignore_index=ignore_index,
             z_loss=z_loss,
             compute_grad=False,
+            softcap=softcap,
         )
         loss = _reduce(loss_rows, reduction, denom).to(out_dtype)
     return loss.reshape(target.shape) if reduction == "none" else loss
@@ -660,10 +758,11 @@ def cross_entropy_ref(
     reduction: str = "mean",
     z_loss: float = 0.0,
     num_items: int | torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch reference (fp32 math, result in the logits' dtype, fp32 under autocast); differentiable."""
     out_dtype = torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
-    x = logits.float().reshape(-1, logits.shape[-1])  # (N, V)
+    x = softcapped(logits.float(), softcap).reshape(-1, logits.shape[-1])  # (N, V)
     t = target.reshape(-1)  # (N,)
     valid = t != ignore_index
     t_safe = torch.where(valid, t, torch.zeros_like(t))

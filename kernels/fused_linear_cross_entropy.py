@@ -1,7 +1,9 @@
 """Fused linear + cross-entropy (the LM head and its loss) without materialising the (tokens, vocab) logits.
 
 Math: logits = hidden @ weight.T + bias, loss = cross_entropy(logits, target) with the semantics of
-`kernels.cross_entropy` (label smoothing, ignore_index, z-loss, mean/sum/none, num_items). With
+`kernels.cross_entropy` (label smoothing, ignore_index, z-loss, mean/sum/none, num_items, softcap: Gemma 2's
+c tanh(logits / c) taken inside the cross-entropy kernel as it reads each chunk's logits, its derivative folded into
+dlogits, so softcapping costs no pass and no buffer of its own). With
 dlogits = dloss/dlogits (see kernels/cross_entropy.py):
 
     grad_hidden = dlogits @ weight        grad_weight = dlogits.T @ hidden        grad_bias = sum_rows dlogits
@@ -87,6 +89,7 @@ from .cross_entropy import (
     _denominator,
     _reduce,
     _scale_saved_,
+    check_softcap,
     cross_entropy_bwd,
     cross_entropy_fwd,
     cross_entropy_ref,
@@ -95,6 +98,8 @@ from .cross_entropy import (
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from ._jit_math import tanh
 
 # See the module docstring: below ~2048 rows per chunk the fp32 grad_weight round trips cost >15%.
 MIN_CHUNK_ROWS = 2048
@@ -124,10 +129,12 @@ if HAS_TRITON:
         Z_LOSS: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         BLOCK: tl.constexpr,
+        SOFTCAP: tl.constexpr,  # c > 0: the loss is over c tanh(x / c) (lse is the capped logits'); 0.0: none
     ):
         # dloss/dx_j = exp(x_j - lse) * (1 + 2 z lse) - s / V off the target (kernels/cross_entropy.py's
         # formula with p_j = exp(x_j - lse)); the target column takes the token pass's value, whose p_y - 1 is
-        # computed without cancellation there.
+        # computed without cancellation there. With SOFTCAP, x_j is the capped logit and the gradient is multiplied
+        # by tanh's derivative 1 - tanh^2(x_j / c).
         LOG2E: tl.constexpr = 1.4426950408889634
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -140,7 +147,14 @@ if HAS_TRITON:
             scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
         bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
         scale = tl.where(bad, float("nan"), scale)
-        g = (1.0 + 2.0 * Z_LOSS * lse) * scale * tl.exp2((x - lse) * LOG2E) - (LABEL_SMOOTHING / vocab) * scale
+        if SOFTCAP > 0.0:
+            th = tanh(x / SOFTCAP)
+            g = (1.0 + 2.0 * Z_LOSS * lse) * scale * tl.exp2((SOFTCAP * th - lse) * LOG2E) - (
+                LABEL_SMOOTHING / vocab
+            ) * scale
+            g = g * (1.0 - th * th)
+        else:
+            g = (1.0 + 2.0 * Z_LOSS * lse) * scale * tl.exp2((x - lse) * LOG2E) - (LABEL_SMOOTHING / vocab) * scale
         g_y = tl.load(grad_target_ptr + row).to(tl.float32)
         g = tl.where(cols + col_start == y, g_y, g)
         g = tl.where(y == ignore_index, 0.0, g)
@@ -204,12 +218,14 @@ def _token_pass(
     label_smoothing,
     ignore_index,
     z_loss,
+    softcap,
     loss_rows,
     grad_scale,
     need_hidden,
     need_bias,
     grad_weight,
     for_vocab_pass,
+    sums_out=None,
 ):
     """One pass over the token chunks of 2-D hidden (N, H) (weight, bias in hidden's dtype); no autograd.
 
@@ -218,7 +234,8 @@ def _token_pass(
     grad_hidden (N, H) and grad_bias (V,) are returned (None where not needed), grad_weight ((V, H) in fp32 or
     the weight's dtype, or None) is accumulated in place. for_vocab_pass also returns what `_vocab_pass` needs: lse
     (fp32 (N,))
-    and the target column's gradient (N,) in hidden's dtype; else those are None.
+    and the target column's gradient (N,) in hidden's dtype; else those are None. `sums_out` (fp32 (N,)) optionally
+    receives each row's sum of its (capped) logits.
     """
     n_rows, hdim = hidden.shape
     vocab = weight.shape[0]
@@ -245,6 +262,8 @@ def _token_pass(
             grad_scale=_rows(grad_scale, start, size),
             grad_out=logits,
             loss_out=loss_rows.narrow(0, start, size),
+            softcap=softcap,
+            sums_out=None if sums_out is None else sums_out.narrow(0, start, size),
         )[1]
         if not compute_grad:
             del logits  # before the next chunk's matmul, or two chunks are alive (reduction="none"'s forward did that)
@@ -266,7 +285,7 @@ def _token_pass(
 
 
 def _slice_grad_(
-    logits, target, lse, grad_at_target, grad_scale, *, col_start, vocab, label_smoothing, ignore_index, z_loss
+    logits, target, lse, grad_at_target, grad_scale, *, col_start, vocab, label_smoothing, ignore_index, z_loss, softcap
 ):
     """Launch `_flce_slice_grad_kernel`: logits (R, S) of columns [col_start, col_start + S) -> their gradient, in
     place."""
@@ -292,6 +311,7 @@ def _slice_grad_(
         Z_LOSS=float(z_loss),
         HAS_SCALE=grad_scale is not None,
         BLOCK=block,
+        SOFTCAP=float(softcap or 0.0),
         num_warps=8 if logits.is_cuda else 4,
     )
 
@@ -308,6 +328,7 @@ def _vocab_pass(
     label_smoothing,
     ignore_index,
     z_loss,
+    softcap,
     out,
     out_scale,
 ):
@@ -344,6 +365,7 @@ def _vocab_pass(
                 label_smoothing=label_smoothing,
                 ignore_index=ignore_index,
                 z_loss=z_loss,
+                softcap=softcap,
             )
             _mm_fp32(logits.t(), hidden_c, acc, accumulate=start > 0)
             del logits
@@ -370,6 +392,7 @@ class _Plan:
     need_bias: bool
     weight_dtype: torch.dtype
     bias_dtype: torch.dtype | None
+    softcap: float | None = None
 
     @property
     def vocab_pass(self) -> bool:
@@ -379,7 +402,12 @@ class _Plan:
 
     @property
     def options(self) -> dict:
-        return dict(label_smoothing=self.label_smoothing, ignore_index=self.ignore_index, z_loss=self.z_loss)
+        return dict(
+            label_smoothing=self.label_smoothing,
+            ignore_index=self.ignore_index,
+            z_loss=self.z_loss,
+            softcap=self.softcap,
+        )
 
 
 def _skip_ignored(hidden, target, ignore_index):
@@ -433,12 +461,15 @@ def fused_linear_cross_entropy_fwd(
     need_weight=False,
     need_bias=False,
     out_dtype=None,
+    softcap=None,
+    sums_out=None,
 ):
     """Launcher on 2-D hidden (N, H), weight (V, H), bias (V,), target (N,) on hidden's device or the CPU; no autograd.
 
     The matmuls run in hidden's dtype (weight and bias are cast to it; their gradients come back in their
     own dtypes). Returns (loss, saved, plan): `fused_linear_cross_entropy_bwd(grad_output, saved, plan)`
-    gives the gradients of the loss.
+    gives the gradients of the loss. `sums_out` (fp32 (N,)) optionally receives each row's sum over the vocabulary of
+    its (capped) logits, 0 on ignored rows.
     """
     n_rows = hidden.shape[0]
     dev = hidden.device
@@ -459,6 +490,7 @@ def fused_linear_cross_entropy_fwd(
         need_bias,
         weight.dtype,
         None if bias is None else bias.dtype,
+        softcap,
     )
     with_grad = reduction != "none"
     grad_scale = denom.reciprocal() if denom is not None else None
@@ -466,6 +498,7 @@ def fused_linear_cross_entropy_fwd(
     # keeps as .grad: fp32 for an fp32 weight, else the weight's dtype (module docstring).
     grad_weight = _new_weight_grad(weight, hidden_k.shape[0]) if with_grad and need_weight else None
     loss_rows = torch.empty(hidden_k.shape[0], dtype=torch.float32, device=dev)  # (K,)
+    sums_k = None if sums_out is None else torch.empty_like(loss_rows)  # (K,)
     grad_hidden, grad_bias, _, _ = _token_pass(
         hidden_k,
         weight.to(hidden.dtype),
@@ -478,7 +511,10 @@ def fused_linear_cross_entropy_fwd(
         need_bias=need_bias and with_grad,
         grad_weight=grad_weight,
         for_vocab_pass=False,
+        sums_out=sums_k,
     )
+    if sums_out is not None:
+        sums_out.copy_(_scatter_rows(sums_k, rows, n_rows))
     loss = _reduce(_scatter_rows(loss_rows, rows, n_rows) if reduction == "none" else loss_rows, reduction, denom)
     if not with_grad:
         saved = (rows, hidden, weight, bias, target_k, None, None, None, None, None, None)
@@ -554,7 +590,18 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, target, bias, label_smoothing, ignore_index, reduction, z_loss, num_items, out_dtype
+        ctx,
+        hidden,
+        weight,
+        target,
+        bias,
+        label_smoothing,
+        ignore_index,
+        reduction,
+        z_loss,
+        num_items,
+        out_dtype,
+        softcap,
     ):
         loss, saved, ctx.plan = fused_linear_cross_entropy_fwd(
             hidden,
@@ -570,6 +617,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             need_weight=ctx.needs_input_grad[1],
             need_bias=ctx.needs_input_grad[3],
             out_dtype=out_dtype,
+            softcap=softcap,
         )
         ctx.save_for_backward(*saved)
         return loss
@@ -579,7 +627,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         # backward may run inside the caller's autocast region; our matmuls choose their own dtypes
         with torch.autocast(grad_output.device.type, enabled=False):
             grad_h, grad_w, grad_b = fused_linear_cross_entropy_bwd(grad_output, ctx.saved_tensors, ctx.plan)
-        return grad_h, grad_w, None, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, None, grad_b, None, None, None, None, None, None, None
 
 
 def _check_shapes(hidden, weight, target, bias):
@@ -621,12 +669,14 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     z_loss: float = 0.0,
     num_items: int | torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T + bias, target) without the (tokens, vocab) logits.
 
     hidden (..., H), weight (V, H) (the nn.Linear / LM-head layout), bias (V,) or None, target
     hidden.shape[:-1], on hidden's device or the CPU: a CPU target (labels as the collator built them)
-    lets the op skip the ignored rows' matmuls without a device sync. Options as in `kernels.cross_entropy`.
+    lets the op skip the ignored rows' matmuls without a device sync. Options as in `kernels.cross_entropy`
+    (`softcap`: the loss over softcap * tanh(logits / softcap)).
     Returns a 0-d loss ("mean"/"sum") or the per-token losses shaped like target ("none"), in hidden's
     dtype (fp32 under autocast).
     """
@@ -634,6 +684,7 @@ def fused_linear_cross_entropy(
         "fused_linear_cross_entropy", hidden, target, label_smoothing, ignore_index, reduction, z_loss, num_items
     )
     _check_shapes(hidden, weight, target, bias)
+    check_softcap("fused_linear_cross_entropy", softcap)
     if not use_triton(hidden, weight, bias):
         return fused_linear_cross_entropy_ref(
             hidden,
@@ -645,6 +696,7 @@ def fused_linear_cross_entropy(
             reduction=reduction,
             z_loss=z_loss,
             num_items=num_items,
+            softcap=softcap,
         )
     device_type = hidden.device.type
     out_dtype = hidden.dtype
@@ -674,6 +726,7 @@ def fused_linear_cross_entropy(
                 float(z_loss),
                 num_items,
                 out_dtype,
+                softcap,
             )
         else:
             loss = fused_linear_cross_entropy_fwd(
@@ -687,6 +740,7 @@ def fused_linear_cross_entropy(
                 reduction=reduction,
                 num_items=num_items,
                 out_dtype=out_dtype,
+                softcap=softcap,
             )[0]
     return loss.reshape(target.shape) if reduction == "none" else loss
 
@@ -702,6 +756,7 @@ def fused_linear_cross_entropy_ref(
     reduction: str = "mean",
     z_loss: float = 0.0,
     num_items: int | torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The unfused reference: F.linear in the inputs' (or autocast) dtype, then `cross_entropy_ref` (fp32 math)."""
     return cross_entropy_ref(
@@ -712,4 +767,5 @@ def fused_linear_cross_entropy_ref(
         reduction=reduction,
         z_loss=z_loss,
         num_items=num_items,
+        softcap=softcap,
     )

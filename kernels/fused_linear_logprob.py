@@ -11,6 +11,9 @@ before the log-softmax) and, for every row with y_t != ignore_index,
 
 and 0 on ignored rows. The temperature enters as hidden / T and bias / T (the same logits, up to the rounding of
 hidden / T in hidden's dtype; autograd carries the 1/T into the gradients), so the op itself never sees it.
+Softcapping (`softcap` c, Gemma 2's final logits c tanh(z / c), capped before TRL's division by T): the capped logits
+over T are (c / T) tanh((z / T) / (c / T)), so the op caps hidden / T's logits at c / T, inside the cross-entropy
+kernel (kernels/cross_entropy.py) and in the entropy pass.
 
 Backward. logps[t] = -CE(x_t, y_t), so with an upstream gradient g_t = dL/dlogps[t] the logits' gradient is
 dlogits_t = -g_t (softmax(x_t) - onehot(y_t)): fused linear cross-entropy with reduction="none" and the per-row
@@ -56,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import use_triton
-from .cross_entropy import cross_entropy_fwd
+from .cross_entropy import check_softcap, cross_entropy_fwd, softcapped
 from .fused_linear_cross_entropy import _logits, _Plan, _scatter_rows, fused_linear_cross_entropy_bwd
 
 # the module (kernels.fused_linear_cross_entropy is the function: kernels/__init__.py): its chunk rule and row skipping
@@ -86,11 +89,13 @@ def fused_linear_logprob_fwd(
     need_hidden=False,
     need_weight=False,
     need_bias=False,
+    softcap=None,
 ):
     """Launcher on 2-D hidden (N, H), weight (V, H), bias (V,), target (N,) on hidden's device or the CPU; no autograd.
 
     Returns (logps (N,) fp32, entropies (N,) fp32 or None, saved, plan): `fused_linear_logprob_bwd(grad_logps,
-    saved, plan)` gives the gradients of logps. The matmuls run in hidden's dtype (weight and bias cast to it)."""
+    saved, plan)` gives the gradients of logps. The matmuls run in hidden's dtype (weight and bias cast to it); with
+    `softcap` c the log-probs are those of c tanh(logits / c)."""
     n_rows, hdim = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
@@ -106,10 +111,15 @@ def fused_linear_logprob_fwd(
         target_c = target_k.narrow(0, start, size)  # (C,)
         logits = _logits(hidden_k.narrow(0, start, size), weight_c, bias_c)  # (C, V)
         lse = cross_entropy_fwd(
-            logits, target_c, ignore_index=ignore_index, compute_grad=False, loss_out=nll.narrow(0, start, size)
+            logits,
+            target_c,
+            ignore_index=ignore_index,
+            compute_grad=False,
+            loss_out=nll.narrow(0, start, size),
+            softcap=softcap,
         )[1]  # (C,) fp32
         if need_entropy:
-            _entropy_rows(logits, lse, target_c, ignore_index, entropy.narrow(0, start, size))
+            _entropy_rows(logits, lse, target_c, ignore_index, entropy.narrow(0, start, size), softcap)
         del logits  # before the next chunk's matmul: one chunk alive at a time
     logps = _scatter_rows(nll.neg_(), rows, n_rows)  # (N,), 0 on skipped rows
     entropies = None if entropy is None else _scatter_rows(entropy, rows, n_rows)
@@ -125,21 +135,23 @@ def fused_linear_logprob_fwd(
         need_bias,
         weight.dtype,
         None if bias is None else bias.dtype,
+        softcap,
     )
     # the layout fused_linear_cross_entropy_bwd reads for reduction="none": the rows, inputs and kept targets
     saved = (rows, hidden, weight, bias, target_k, None, None, None, None, None, None)
     return logps, entropies, saved, plan
 
 
-def _entropy_rows(logits, lse, target, ignore_index, out):
-    """out (C,) = lse - sum_v softmax(x)_v x_v per row of the chunk logits (C, V), 0 where target is ignore_index (rows
-    kept only because the target is on the device; lse is not defined there). fp32 math over blocks of rows, so that
-    its two fp32 temporaries stay within ENTROPY_BLOCK_ELEMENTS each whatever the chunk."""
+def _entropy_rows(logits, lse, target, ignore_index, out, softcap=None):
+    """out (C,) = lse - sum_v softmax(x)_v x_v per row of the chunk logits (C, V) (x softcapped with `softcap`), 0
+    where target is ignore_index (rows kept only because the target is on the device; lse is not defined there). fp32
+    math over blocks of rows, so that its two fp32 temporaries (three with a softcap) stay within
+    ENTROPY_BLOCK_ELEMENTS each whatever the chunk."""
     n_rows, vocab = logits.shape
     block = max(1, ENTROPY_BLOCK_ELEMENTS // vocab)
     for start in range(0, n_rows, block):
         size = min(block, n_rows - start)
-        x = logits.narrow(0, start, size).float()  # (Cb, V) fp32 (a view of fp32 logits: only read)
+        x = softcapped(logits.narrow(0, start, size).float(), softcap)  # (Cb, V) fp32 (a view of fp32 logits: read)
         lse_b = lse.narrow(0, start, size)  # (Cb,)
         probs = (x - lse_b.unsqueeze(1)).exp_()  # (Cb, V)
         ent = lse_b - probs.mul_(x).sum(1)  # (Cb,); in place: linalg.vecdot would make a third (Cb, V) temporary
@@ -157,7 +169,7 @@ class FusedLinearLogprobFunction(torch.autograd.Function):
     """Autograd wrapper around the launchers: logps is differentiable, entropies are not (module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, need_entropy):
+    def forward(ctx, hidden, weight, target, bias, ignore_index, need_entropy, softcap):
         logps, entropies, saved, ctx.plan = fused_linear_logprob_fwd(
             hidden,
             weight,
@@ -168,6 +180,7 @@ class FusedLinearLogprobFunction(torch.autograd.Function):
             need_hidden=ctx.needs_input_grad[0],
             need_weight=ctx.needs_input_grad[1],
             need_bias=ctx.needs_input_grad[3],
+            softcap=softcap,
         )
         ctx.save_for_backward(*saved)
         if entropies is None:
@@ -180,11 +193,10 @@ class FusedLinearLogprobFunction(torch.autograd.Function):
         # backward may run inside the caller's autocast region; our matmuls choose their own dtypes
         with torch.autocast(grad_logps.device.type, enabled=False):
             grad_h, grad_w, grad_b = fused_linear_logprob_bwd(grad_logps, ctx.saved_tensors, ctx.plan)
-        return grad_h, grad_w, None, grad_b, None, None
+        return grad_h, grad_w, None, grad_b, None, None, None
 
 
-def _check_args(hidden, weight, target, bias, temperature, ignore_index):
-    name = "fused_linear_logprob"
+def _check_args(hidden, weight, target, bias, temperature, ignore_index, softcap=None, name="fused_linear_logprob"):
     if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1:] != weight.shape[1:]:
         raise ValueError(
             f"{name}: hidden must be (..., H) and weight (V, H); got hidden {tuple(hidden.shape)}, "
@@ -203,12 +215,18 @@ def _check_args(hidden, weight, target, bias, temperature, ignore_index):
         raise ValueError(f"{name}: temperature={temperature!r} must be a number > 0")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise ValueError(f"{name}: ignore_index={ignore_index!r} must be an int")
+    check_softcap(name, softcap)
     dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
     if not hidden.dtype.is_floating_point or (len(dtypes) != 1 and not torch.is_autocast_enabled(hidden.device.type)):
         raise ValueError(
             f"{name}: hidden, weight and bias must share one floating dtype, got hidden {hidden.dtype}, "
             f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}"
         )
+
+
+def scaled_softcap(softcap: float | None, temperature: float) -> float | None:
+    """The cap of the temperature-scaled logits: c tanh(z / c) / T = (c / T) tanh((z / T) / (c / T))."""
+    return None if softcap is None else softcap / temperature
 
 
 def _scaled_inputs(hidden: torch.Tensor, bias: torch.Tensor | None, temperature: float):
@@ -234,9 +252,10 @@ def fused_linear_logprob(
     temperature: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    softcap: float | None = None,
 ) -> TokenLogprobs:
     """Per-token log-probabilities log softmax((hidden @ weight.T + bias) / temperature)[target] of the LM head,
-    without the (tokens, vocab) logits.
+    without the (tokens, vocab) logits (with `softcap` c: of c tanh(logits / c) / temperature).
 
     hidden (..., H), weight (V, H), bias (V,) or None; target hidden.shape[:-1], already shifted (row t's target is
     the token after t), ignore_index on prompt and padding rows, on hidden's device or the CPU: a CPU target lets
@@ -245,7 +264,7 @@ def fused_linear_logprob(
     (None unless return_entropy). Under autocast the matmuls run in the autocast dtype. For the old policy's and
     the reference's log-probs call it under torch.no_grad(): the forward alone, nothing saved.
     """
-    _check_args(hidden, weight, target, bias, temperature, ignore_index)
+    _check_args(hidden, weight, target, bias, temperature, ignore_index, softcap)
     if not use_triton(hidden, weight, bias):
         return fused_linear_logprob_ref(
             hidden,
@@ -255,9 +274,11 @@ def fused_linear_logprob(
             temperature=temperature,
             ignore_index=ignore_index,
             return_entropy=return_entropy,
+            softcap=softcap,
         )
     device_type = hidden.device.type
     hidden, bias = _scaled_inputs(hidden, bias, temperature)
+    cap = scaled_softcap(softcap, temperature)
     hidden2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # (N, H)
     target1d = target.reshape(-1)  # (N,)
     needs_grad = torch.is_grad_enabled() and (
@@ -265,11 +286,11 @@ def fused_linear_logprob(
     )
     with torch.autocast(device_type, enabled=False):
         if needs_grad:
-            out = FusedLinearLogprobFunction.apply(hidden2d, weight, target1d, bias, ignore_index, return_entropy)
+            out = FusedLinearLogprobFunction.apply(hidden2d, weight, target1d, bias, ignore_index, return_entropy, cap)
             logps, entropies = out if return_entropy else (out, None)
         else:
             logps, entropies, _, _ = fused_linear_logprob_fwd(
-                hidden2d, weight, target1d, bias, ignore_index=ignore_index, need_entropy=return_entropy
+                hidden2d, weight, target1d, bias, ignore_index=ignore_index, need_entropy=return_entropy, softcap=cap
             )
     return TokenLogprobs(logps.reshape(target.shape), None if entropies is None else entropies.reshape(target.shape))
 
@@ -283,10 +304,12 @@ def fused_linear_logprob_ref(
     temperature: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    softcap: float | None = None,
 ) -> TokenLogprobs:
     """The unfused reference: F.linear in the inputs' (or autocast) dtype, then fp32 log_softmax over the full
-    (rows, V) logits divided by the temperature, the target's entry gathered; 0 on ignored rows."""
-    logits = F.linear(hidden, weight, bias).float() / temperature  # (..., V)
+    (rows, V) logits (softcapped first with `softcap`) divided by the temperature, the target's entry gathered; 0 on
+    ignored rows."""
+    logits = softcapped(F.linear(hidden, weight, bias).float(), softcap) / temperature  # (..., V)
     log_probs = logits.log_softmax(-1)  # (..., V)
     kept = target != ignore_index
     logps = log_probs.gather(-1, torch.where(kept, target, 0).long().unsqueeze(-1)).squeeze(-1)

@@ -54,7 +54,14 @@ import torch
 from ._dispatch import use_triton
 from .cross_entropy import cross_entropy_fwd
 from .fused_linear_cross_entropy import _logits, _mm_fp32, _new_weight_grad, _Plan, fused_linear_cross_entropy_bwd
-from .fused_linear_logprob import TokenLogprobs, _check_args, _entropy_rows, _scaled_inputs, fused_linear_logprob_ref
+from .fused_linear_logprob import (
+    TokenLogprobs,
+    _check_args,
+    _entropy_rows,
+    _scaled_inputs,
+    fused_linear_logprob_ref,
+    scaled_softcap,
+)
 from .fused_linear_preference_loss import _target_on_host, _to_device
 
 # the module, not the function kernels/__init__ exports under its name: its chunk rule is looked up at each call
@@ -99,9 +106,11 @@ def fused_linear_logprob_loss_fwd(
     need_hidden=True,
     need_weight=True,
     need_bias=False,
+    softcap=None,
 ):
     """Launcher on hidden (S, T, H), weight (V, H), bias (V,) or None, target (S, T) on hidden's device or the CPU;
-    no autograd. The gradients asked for (need_hidden, need_weight, need_bias) are formed here.
+    no autograd. The gradients asked for (need_hidden, need_weight, need_bias) are formed here (with `softcap` c,
+    of the log-probs of c tanh(logits / c)).
 
     Returns (loss (fp32 0-d), logps (S, T) fp32, entropies (S, T) fp32 or None, saved, plan):
     `fused_linear_cross_entropy_bwd(grad_loss, saved, plan)` gives the gradients times grad_loss."""
@@ -135,10 +144,12 @@ def fused_linear_logprob_loss_fwd(
         local = rows_dev.narrow(0, start, size) - first * seq_len  # (C,) rows within the chunk's (n, T) block
         nll_c = nll.narrow(0, start, size)
         logits = _logits(hidden_c, weight_c, bias_c)  # (C, V)
-        lse = cross_entropy_fwd(logits, target_c, ignore_index=ignore_index, compute_grad=False, loss_out=nll_c)[1]
+        lse = cross_entropy_fwd(
+            logits, target_c, ignore_index=ignore_index, compute_grad=False, loss_out=nll_c, softcap=softcap
+        )[1]
         ent_c = None
         if need_entropy:
-            _entropy_rows(logits, lse, target_c, ignore_index, entropy.narrow(0, start, size))
+            _entropy_rows(logits, lse, target_c, ignore_index, entropy.narrow(0, start, size), softcap)
             ent_c = torch.zeros(n * seq_len, dtype=torch.float32, device=dev).index_copy_(
                 0, local, entropy.narrow(0, start, size)
             )
@@ -151,7 +162,13 @@ def fused_linear_logprob_loss_fwd(
         loss += share.detach()
         scale = torch.zeros_like(lp) if grad_lp is None else grad_lp.neg()  # (C,): dlogp_t / dx_t = -(p - onehot)
         cross_entropy_fwd(
-            logits, target_c, ignore_index=ignore_index, grad_scale=scale, grad_out=logits, loss_out=nll_c
+            logits,
+            target_c,
+            ignore_index=ignore_index,
+            grad_scale=scale,
+            grad_out=logits,
+            loss_out=nll_c,
+            softcap=softcap,
         )  # logits now holds dL/dlogits of the chunk; nll_c is rewritten with the same values
         if need_hidden:
             _mm_fp32(logits, weight_c, grad_hidden.narrow(0, start, size), accumulate=False)
@@ -175,6 +192,7 @@ def fused_linear_logprob_loss_fwd(
         need_bias,
         weight.dtype,
         None if bias is None else bias.dtype,
+        softcap,
     )
     saved = (None if rows is None else rows_dev, None, None, None, None, None, None, None)
     saved += (grad_hidden, grad_weight, grad_bias)
@@ -187,7 +205,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
     per-token log-probs and entropies are not."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, loss_fn, ignore_index, need_entropy):
+    def forward(ctx, hidden, weight, target, bias, loss_fn, ignore_index, need_entropy, softcap):
         loss, logps, entropies, saved, ctx.plan = fused_linear_logprob_loss_fwd(
             hidden,
             weight,
@@ -199,6 +217,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
             need_hidden=ctx.needs_input_grad[0],
             need_weight=ctx.needs_input_grad[1],
             need_bias=ctx.needs_input_grad[3],
+            softcap=softcap,
         )
         ctx.hidden_shape = hidden.shape
         ctx.save_for_backward(*saved)
@@ -212,7 +231,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
         with torch.autocast(grad_loss.device.type, enabled=False):
             grad_h, grad_w, grad_b = fused_linear_cross_entropy_bwd(grad_loss, ctx.saved_tensors, ctx.plan)
         grad_h = None if grad_h is None else grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, None, grad_b, None, None, None
+        return grad_h, grad_w, None, grad_b, None, None, None, None
 
 
 def fused_linear_logprob_loss(
@@ -225,6 +244,7 @@ def fused_linear_logprob_loss(
     temperature: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, TokenLogprobs]:
     """(loss, TokenLogprobs(logps, entropies)) with loss = the sum over chunks of whole sequences of
     loss_fn(logps (s, T) fp32, entropies (s, T) or None, slice of those sequences), its gradient formed in the
@@ -232,9 +252,10 @@ def fused_linear_logprob_loss(
 
     hidden (S, T, H), weight (V, H), bias (V,) or None; target (S, T), already shifted, ignore_index off the
     completions, on hidden's device or the CPU (a CPU target lets the op skip the prompt rows without a device sync).
-    logps and entropies (S, T) fp32, detached, 0 on ignored rows (the same numbers as `fused_linear_logprob`).
+    logps and entropies (S, T) fp32, detached, 0 on ignored rows (the same numbers as `fused_linear_logprob`, whose
+    `softcap` this takes too).
     """
-    _check_args(hidden, weight, target, bias, temperature, ignore_index)
+    _check_args(hidden, weight, target, bias, temperature, ignore_index, softcap, name="fused_linear_logprob_loss")
     if hidden.dim() != 3:
         raise ValueError(f"fused_linear_logprob_loss: hidden must be (S, T, H), got {tuple(hidden.shape)}")
     if not use_triton(hidden, weight, bias):
@@ -247,12 +268,14 @@ def fused_linear_logprob_loss(
             temperature=temperature,
             ignore_index=ignore_index,
             return_entropy=return_entropy,
+            softcap=softcap,
         )
     device_type = hidden.device.type
     hidden, bias = _scaled_inputs(hidden, bias, temperature)
+    cap = scaled_softcap(softcap, temperature)
     with torch.autocast(device_type, enabled=False):
         out = FusedLinearLogprobLossFunction.apply(
-            hidden.contiguous(), weight, target, bias, loss_fn, ignore_index, return_entropy
+            hidden.contiguous(), weight, target, bias, loss_fn, ignore_index, return_entropy, cap
         )
     loss, logps = out[0], out[1]
     return loss, TokenLogprobs(logps, out[2] if return_entropy else None)
@@ -268,10 +291,18 @@ def fused_linear_logprob_loss_ref(
     temperature: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, TokenLogprobs]:
     """The unfused reference: `fused_linear_logprob_ref`'s log-probs of every sequence, one loss_fn call over all."""
     out = fused_linear_logprob_ref(
-        hidden, weight, target, bias, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy
+        hidden,
+        weight,
+        target,
+        bias,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+        softcap=softcap,
     )
     loss = loss_fn(out.logps, out.entropies, slice(0, hidden.shape[0]))
     return loss, TokenLogprobs(out.logps.detach(), out.entropies)

@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import use_triton
+from .cross_entropy import check_softcap, softcapped
 from .fused_linear_cross_entropy import _mm_fp32, fused_linear_cross_entropy_bwd, fused_linear_cross_entropy_fwd
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "apo_zero")
@@ -104,12 +105,15 @@ def fused_linear_preference_fwd(
     need_hidden=False,
     need_weight=False,
     need_bias=False,
+    softcap=None,
 ):
     """Launcher on 2-D hidden (N, H), weight (V, H), bias (V,), target (N,) on hidden's device or the CPU and seq
     (N,) int64 on hidden's device (the sequence of each row, in [0, n_seqs)); no autograd.
 
     Returns (PreferenceLogps, saved, plan): `fused_linear_preference_bwd(grad_logps, seq, saved, plan)` gives the
-    gradients of logps. The matmuls run in hidden's dtype (weight and bias are cast to it)."""
+    gradients of logps. The matmuls run in hidden's dtype (weight and bias are cast to it); with `softcap` c, of the
+    logits c tanh(z / c)."""
+    logit_sums = None if softcap is None else torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     nll_rows, saved, plan = fused_linear_cross_entropy_fwd(
         hidden,
         weight,
@@ -121,6 +125,8 @@ def fused_linear_preference_fwd(
         need_weight=need_weight,
         need_bias=need_bias,
         out_dtype=torch.float32,
+        softcap=softcap,
+        sums_out=logit_sums,
     )  # (N,) fp32, 0 on ignored rows
     rows = saved[
         0
@@ -128,20 +134,26 @@ def fused_linear_preference_fwd(
     seq_k = seq if rows is None else seq.index_select(0, rows)  # (K,)
     logps = _per_sequence(-nll_rows, seq, n_seqs)  # (S,)
     counts = _per_sequence(torch.ones_like(seq_k), seq_k, n_seqs)  # (S,)
-    # mean over the vocabulary of row t's logits = h_t . mean_v w_v + mean_v b_v (module docstring). The fp32 mean
-    # enters the matmul in hidden's dtype as a sum of two parts, hi + lo: rounded once to hidden's dtype it cost 2.6x
-    # PyTorch's own error (fp16, tests/), since the mean over V of the logits is far smaller than the logits.
+    # mean over the vocabulary of row t's logits (module docstring)
+    row_means = linear_row_means(hidden, weight, bias) if softcap is None else logit_sums / weight.shape[0]  # (N,)
+    row_means = row_means if rows is None else row_means.index_select(0, rows)  # (K,)
+    mean_logits = _per_sequence(row_means, seq_k, n_seqs) / counts.clamp(min=1)  # (S,)
+    return PreferenceLogps(logps, counts, mean_logits), saved, plan
+
+
+def linear_row_means(hidden, weight, bias):
+    """(N,) fp32 mean over the vocabulary of each row's logits hidden @ weight.T + bias without them: h . mean_v w_v +
+    mean_v b_v, the fp32 mean entering the matmul in hidden's dtype as a sum of two parts, hi + lo (rounded once to
+    hidden's dtype it cost 2.6x PyTorch's own error in fp16, tests/, since the mean over V of the logits is far
+    smaller than the logits). Softcapped logits are not linear in h: their means come from the cross-entropy
+    kernel's row sums instead."""
     weight_mean = weight.mean(0, dtype=torch.float32)  # (H,)
     high = weight_mean.to(hidden.dtype)
     parts = torch.stack([high, (weight_mean - high.float()).to(hidden.dtype)], 1)  # (H, 2)
     row_means = _mm_fp32(
         hidden, parts, torch.empty((hidden.shape[0], 2), dtype=torch.float32, device=hidden.device), accumulate=False
     ).sum(1)  # (N,)
-    if bias is not None:
-        row_means = row_means + bias.mean(dtype=torch.float32)
-    row_means = row_means if rows is None else row_means.index_select(0, rows)  # (K,)
-    mean_logits = _per_sequence(row_means, seq_k, n_seqs) / counts.clamp(min=1)  # (S,)
-    return PreferenceLogps(logps, counts, mean_logits), saved, plan
+    return row_means if bias is None else row_means + bias.mean(dtype=torch.float32)
 
 
 def fused_linear_preference_bwd(grad_logps, seq, saved, plan):
@@ -155,7 +167,7 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
     """Autograd wrapper around the launchers: logps is differentiable, counts and mean_logits are not."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, seq, n_seqs, ignore_index):
+    def forward(ctx, hidden, weight, target, bias, seq, n_seqs, ignore_index, softcap):
         out, saved, ctx.plan = fused_linear_preference_fwd(
             hidden,
             weight,
@@ -167,6 +179,7 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
             need_hidden=ctx.needs_input_grad[0],
             need_weight=ctx.needs_input_grad[1],
             need_bias=ctx.needs_input_grad[3],
+            softcap=softcap,
         )
         ctx.save_for_backward(seq, *saved)
         ctx.mark_non_differentiable(out.counts, out.mean_logits)
@@ -179,11 +192,12 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
         # backward may run inside the caller's autocast region; our matmuls choose their own dtypes
         with torch.autocast(grad_logps.device.type, enabled=False):
             grad_h, grad_w, grad_b = fused_linear_preference_bwd(grad_logps, seq, saved, ctx.plan)
-        return grad_h, grad_w, None, grad_b, None, None, None
+        return grad_h, grad_w, None, grad_b, None, None, None, None
 
 
-def _check_args(hidden, weight, target, bias, sequence_ids, num_sequences, ignore_index):
+def _check_args(hidden, weight, target, bias, sequence_ids, num_sequences, ignore_index, softcap=None):
     name = "fused_linear_preference"
+    check_softcap(name, softcap)
     if weight.dim() != 2 or hidden.shape[-1:] != weight.shape[1:]:
         raise ValueError(
             f"{name}: weight must be (V, H) with H = hidden.shape[-1]; "
@@ -249,9 +263,10 @@ def fused_linear_preference(
     ignore_index: int = -100,
     sequence_ids: torch.Tensor | None = None,
     num_sequences: int | None = None,
+    softcap: float | None = None,
 ) -> PreferenceLogps:
-    """Per-sequence answer log-probabilities of the LM head hidden @ weight.T + bias, without the (tokens, vocab)
-    logits.
+    """Per-sequence answer log-probabilities of the LM head hidden @ weight.T + bias (with `softcap` c: of the logits
+    c tanh(z / c), Gemma 2's), without the (tokens, vocab) logits.
 
     hidden (S, T, H): sequence s is hidden[s] (a padded batch, TRL's [chosen; rejected] order); or any (..., H)
     with `sequence_ids` (hidden's leading shape, ints in [0, num_sequences)) for a padding-free batch. target
@@ -262,7 +277,7 @@ def fused_linear_preference(
     through hidden, weight and bias), counts int64, mean_logits fp32. Under autocast the matmuls run in the
     autocast dtype. For the reference model call it under torch.no_grad(): the forward alone, nothing saved.
     """
-    _check_args(hidden, weight, target, bias, sequence_ids, num_sequences, ignore_index)
+    _check_args(hidden, weight, target, bias, sequence_ids, num_sequences, ignore_index, softcap)
     if not use_triton(hidden, weight, bias):
         return fused_linear_preference_ref(
             hidden,
@@ -272,6 +287,7 @@ def fused_linear_preference(
             ignore_index=ignore_index,
             sequence_ids=sequence_ids,
             num_sequences=num_sequences,
+            softcap=softcap,
         )
     n_seqs = hidden.shape[0] if sequence_ids is None else num_sequences
     seq = _sequence_index(hidden, sequence_ids)  # (N,)
@@ -288,17 +304,21 @@ def fused_linear_preference(
     with torch.autocast(device_type, enabled=False):
         if needs_grad:
             return PreferenceLogps(
-                *FusedLinearPreferenceFunction.apply(hidden2d, weight, target1d, bias, seq, n_seqs, ignore_index)
+                *FusedLinearPreferenceFunction.apply(
+                    hidden2d, weight, target1d, bias, seq, n_seqs, ignore_index, softcap
+                )
             )
-        return fused_linear_preference_fwd(hidden2d, weight, target1d, seq, n_seqs, bias, ignore_index=ignore_index)[0]
+        return fused_linear_preference_fwd(
+            hidden2d, weight, target1d, seq, n_seqs, bias, ignore_index=ignore_index, softcap=softcap
+        )[0]
 
 
 def fused_linear_preference_ref(
-    hidden, weight, target, bias=None, *, ignore_index=-100, sequence_ids=None, num_sequences=None
+    hidden, weight, target, bias=None, *, ignore_index=-100, sequence_ids=None, num_sequences=None, softcap=None
 ) -> PreferenceLogps:
-    """The unfused reference: F.linear in the inputs' (or autocast) dtype, log_softmax and gather in fp32, sums by
-    sequence."""
-    logits = F.linear(hidden, weight, bias).float()  # (..., V)
+    """The unfused reference: F.linear in the inputs' (or autocast) dtype, softcapped (with `softcap`), log_softmax and
+    gather in fp32, sums by sequence."""
+    logits = softcapped(F.linear(hidden, weight, bias).float(), softcap)  # (..., V)
     logits = logits.reshape(-1, logits.shape[-1])  # (N, V)
     t = target.reshape(-1)  # (N,)
     answer = t != ignore_index

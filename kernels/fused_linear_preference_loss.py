@@ -77,6 +77,7 @@ from .fused_linear_preference import (
     _per_sequence,
     fused_linear_preference,
     fused_linear_preference_ref,
+    linear_row_means,
     pair_losses,
     preference_loss,
     preference_metrics,
@@ -174,10 +175,12 @@ def fused_linear_preference_loss_fwd(
     need_hidden=True,
     need_weight=True,
     need_bias=False,
+    softcap=None,
 ):
     """Launcher on hidden (S, T, H), weight (V, H), bias (V,) or None, target (S, T) on hidden's device or the CPU,
     ref_logps (S,) or None, loss_args (loss_type, beta, label_smoothing, rpo_alpha, simpo_gamma, cpo_alpha); no
-    autograd. The gradients asked for (need_hidden, need_weight, need_bias) are formed here.
+    autograd. The gradients asked for (need_hidden, need_weight, need_bias) are formed here (with `softcap` c, those
+    of the logits c tanh(z / c)).
 
     Returns (loss (fp32 0-d), PreferenceLogps (S,), saved, plan): `fused_linear_cross_entropy_bwd(grad_loss, saved,
     plan)` gives the gradients times grad_loss. The matmuls run in hidden's dtype (weight and bias cast to it)."""
@@ -211,6 +214,8 @@ def fused_linear_preference_loss_fwd(
     logps = torch.zeros(n_seqs, dtype=torch.float32, device=dev)  # (S,)
     grad_seq = torch.zeros(n_seqs, dtype=torch.float32, device=dev)  # (S,) dL/dlogps, filled chunk by chunk
     nll_rows = torch.empty(n_kept, dtype=torch.float32, device=dev)  # (K,)
+    # softcapped logits are not linear in h: their row sums come from the cross-entropy kernel's first pass
+    logit_sums = None if softcap is None else torch.zeros(n_kept, dtype=torch.float32, device=dev)  # (K,)
     for start, size, first, n in chunks:
         if size == 0:  # pairs without a kept row: their logps stay 0, and so does their gradient's reach
             continue
@@ -221,7 +226,15 @@ def fused_linear_preference_loss_fwd(
         seq_c = seq_k.narrow(0, start, size)  # (C,)
         nll_c = nll_rows.narrow(0, start, size)
         logits = _logits(hidden_c, weight_c, bias_c)  # (C, V)
-        cross_entropy_fwd(logits, target_c, ignore_index=ignore_index, compute_grad=False, loss_out=nll_c)
+        cross_entropy_fwd(
+            logits,
+            target_c,
+            ignore_index=ignore_index,
+            compute_grad=False,
+            loss_out=nll_c,
+            softcap=softcap,
+            sums_out=None if logit_sums is None else logit_sums.narrow(0, start, size),
+        )
         logps.index_add_(0, seq_c, nll_c, alpha=-1.0)
         ref_c = None if ref is None else ref.index_select(0, seqs)
         grad_c = _chunk_grad(
@@ -230,7 +243,13 @@ def fused_linear_preference_loss_fwd(
         grad_seq.index_copy_(0, seqs, grad_c)
         scale = grad_seq.index_select(0, seq_c).neg_()  # (C,): dlogp_t / dx_t = -(softmax - onehot)
         cross_entropy_fwd(
-            logits, target_c, ignore_index=ignore_index, grad_scale=scale, grad_out=logits, loss_out=nll_c
+            logits,
+            target_c,
+            ignore_index=ignore_index,
+            grad_scale=scale,
+            grad_out=logits,
+            loss_out=nll_c,
+            softcap=softcap,
         )  # logits now holds dL/dlogits of the chunk
         if need_hidden:
             _mm_fp32(logits, weight_c, grad_hidden.narrow(0, start, size), accumulate=False)
@@ -239,16 +258,8 @@ def fused_linear_preference_loss_fwd(
         if need_bias:
             grad_bias.add_(logits.sum(0, dtype=torch.float32))
         del logits
-    # mean over the vocabulary of row t's logits = h_t . mean_v w_v + mean_v b_v (fp32 mean as hi + lo parts;
-    # kernels/fused_linear_preference.py)
-    weight_mean = weight.mean(0, dtype=torch.float32)  # (H,)
-    high = weight_mean.to(hidden.dtype)
-    parts = torch.stack([high, (weight_mean - high.float()).to(hidden.dtype)], 1)  # (H, 2)
-    row_means = _mm_fp32(
-        hidden_k, parts, torch.empty((n_kept, 2), dtype=torch.float32, device=dev), accumulate=False
-    ).sum(1)  # (K,)
-    if bias is not None:
-        row_means = row_means + bias.mean(dtype=torch.float32)
+    # mean over the vocabulary of row t's logits (kernels/fused_linear_preference.py)
+    row_means = linear_row_means(hidden_k, weight, bias) if softcap is None else logit_sums / vocab  # (K,)
     if not on_host:
         row_means = row_means * (target_k != ignore_index)  # every row kept: the ignored ones add nothing
     mean_logits = _per_sequence(row_means, seq_k, n_seqs) / counts.clamp(min=1)  # (S,)
@@ -276,6 +287,7 @@ def fused_linear_preference_loss_fwd(
         need_bias,
         weight.dtype,
         None if bias is None else bias.dtype,
+        softcap,
     )
     rows_saved = None if rows is None else rows_dev
     saved = (rows_saved, None, None, None, None, None, None, None, grad_hidden, grad_weight, grad_bias)
@@ -287,7 +299,7 @@ class FusedLinearPreferenceLossFunction(torch.autograd.Function):
     per-sequence numbers are not."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ref_logps, loss_args, ignore_index):
+    def forward(ctx, hidden, weight, target, bias, ref_logps, loss_args, ignore_index, softcap):
         loss, out, saved, ctx.plan = fused_linear_preference_loss_fwd(
             hidden,
             weight,
@@ -299,6 +311,7 @@ class FusedLinearPreferenceLossFunction(torch.autograd.Function):
             need_hidden=ctx.needs_input_grad[0],
             need_weight=ctx.needs_input_grad[1],
             need_bias=ctx.needs_input_grad[3],
+            softcap=softcap,
         )
         ctx.hidden_shape = hidden.shape
         ctx.save_for_backward(*saved)
@@ -312,16 +325,16 @@ class FusedLinearPreferenceLossFunction(torch.autograd.Function):
         with torch.autocast(grad_loss.device.type, enabled=False):
             grad_h, grad_w, grad_b = fused_linear_cross_entropy_bwd(grad_loss, ctx.saved_tensors, ctx.plan)
         grad_h = None if grad_h is None else grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, None, grad_b, None, None, None
+        return grad_h, grad_w, None, grad_b, None, None, None, None
 
 
-def _check_args(hidden, weight, target, bias, ref_logps, loss_type, beta, label_smoothing, ignore_index):
+def _check_args(hidden, weight, target, bias, ref_logps, loss_type, beta, label_smoothing, ignore_index, softcap):
     name = "fused_linear_preference_loss"
     if hidden.dim() != 3 or hidden.shape[0] % 2:
         raise ValueError(
             f"{name}: hidden must be (S, T, H) with S = 2P sequences [chosen; rejected], got {tuple(hidden.shape)}"
         )
-    _check_lm_head_args(hidden, weight, target, bias, None, None, ignore_index)
+    _check_lm_head_args(hidden, weight, target, bias, None, None, ignore_index, softcap)
     seqs = PreferenceLogps(torch.empty(hidden.shape[0], device="meta"), None, None)
     _check_loss_args(seqs, ref_logps, loss_type, beta, label_smoothing)
 
@@ -340,9 +353,10 @@ def fused_linear_preference_loss(
     simpo_gamma: float = 0.5,
     cpo_alpha: float = 1.0,
     ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss, metrics) of `preference_loss(fused_linear_preference(hidden, weight, target, bias), ref_logps, ...)`,
-    with the gradient formed in one pass over the answer rows (module docstring).
+    """(loss, metrics) of `preference_loss(fused_linear_preference(hidden, weight, target, bias, softcap=softcap),
+    ref_logps, ...)`, with the gradient formed in one pass over the answer rows (module docstring).
 
     hidden (S, T, H), S = 2P sequences [chosen; rejected]; target (S, T), already shifted (ignore_index off the
     answers), on hidden's device or the CPU (a CPU target lets the op skip the prompt rows without a device sync);
@@ -350,7 +364,7 @@ def fused_linear_preference_loss(
     The loss options and the metrics are `kernels.preference_loss`'s. Under no_grad (evaluation) it is that
     composition, forward only. Under autocast the matmuls run in the autocast dtype.
     """
-    _check_args(hidden, weight, target, bias, ref_logps, loss_type, beta, label_smoothing, ignore_index)
+    _check_args(hidden, weight, target, bias, ref_logps, loss_type, beta, label_smoothing, ignore_index, softcap)
     options = dict(
         loss_type=loss_type,
         beta=beta,
@@ -363,9 +377,11 @@ def fused_linear_preference_loss(
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     if not use_triton(hidden, weight, bias):
-        return fused_linear_preference_loss_ref(hidden, weight, target, bias, ref_logps, **options)
+        return fused_linear_preference_loss_ref(
+            hidden, weight, target, bias, ref_logps, ignore_index=ignore_index, softcap=softcap, **options
+        )
     if not needs_grad:
-        policy = fused_linear_preference(hidden, weight, target, bias, ignore_index=ignore_index)
+        policy = fused_linear_preference(hidden, weight, target, bias, ignore_index=ignore_index, softcap=softcap)
         return preference_loss(policy, ref_logps, **options)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -375,7 +391,7 @@ def fused_linear_preference_loss(
     loss_args = (loss_type, float(beta), float(label_smoothing), rpo_alpha, float(simpo_gamma), float(cpo_alpha))
     with torch.autocast(device_type, enabled=False):
         loss, *seqs = FusedLinearPreferenceLossFunction.apply(
-            hidden.contiguous(), weight, target, bias, ref_logps, loss_args, ignore_index
+            hidden.contiguous(), weight, target, bias, ref_logps, loss_args, ignore_index, softcap
         )
     policy = PreferenceLogps(*seqs)
     nll = None
@@ -385,10 +401,10 @@ def fused_linear_preference_loss(
 
 
 def fused_linear_preference_loss_ref(
-    hidden, weight, target, bias=None, ref_logps=None, *, ignore_index=-100, **loss_options
+    hidden, weight, target, bias=None, ref_logps=None, *, ignore_index=-100, softcap=None, **loss_options
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The unfused reference: `fused_linear_preference_ref` (materialised logits) then `preference_loss`."""
     policy = fused_linear_preference_ref(
-        hidden, weight, target.to(hidden.device, non_blocking=True), bias, ignore_index=ignore_index
+        hidden, weight, target.to(hidden.device, non_blocking=True), bias, ignore_index=ignore_index, softcap=softcap
     )
     return preference_loss(policy, ref_logps, **loss_options)

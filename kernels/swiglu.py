@@ -51,23 +51,47 @@ _GPU_BLOCK = 2048
 _GPU_WARPS = 8
 # Interpreter: it pays ~37 us per program, so one program covers many elements.
 _CPU_MAX_BLOCK = 65536
+# The gate's activation, the kernels' ACT: SwiGLU's silu, or GeGLU's tanh GELU (kernels/geglu.py)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _act(g, ACT: tl.constexpr):
+        """(act(g), act'(g)) in fp32: silu, g s and s (1 + g (1 - s)) with s = sigmoid(g); or the tanh GELU,
+        0.5 g (1 + tanh(z)) = g s with s = sigmoid(2 z), z = k (g + c g^3) (no 1 + tanh to cancel for g << 0), and
+        s + 2 g s (1 - s) k (1 + 3 c g^2), 1 - s = sigmoid(-2 z)."""
+        if ACT == 0:
+            s = tl.sigmoid(g)
+            a = g * s
+            return a, s + a * (1.0 - s)
+        else:
+            g2 = g * g
+            z2 = 1.5957691216057308 * (g + 0.044715 * g2 * g)  # 2 z, 2 k = 2 sqrt(2 / pi)
+            s = tl.sigmoid(z2)
+            a = g * s
+            # 1 - s as sigmoid(-2 z): 1 - s itself cancels where s -> 1 (it doubled the error at g = 5)
+            return a, s + 1.5957691216057308 * a * tl.sigmoid(-z2) * (1.0 + 3.0 * 0.044715 * g2)
 
     @triton.jit
     def _swiglu_fwd_kernel(
         gate_ptr,  # (n,) contiguous gate projection
         up_ptr,  # (n,) contiguous up projection
-        out_ptr,  # (n,) contiguous silu(gate) * up, gate's dtype
+        out_ptr,  # (n,) contiguous act(gate) * up, gate's dtype
         n,  # number of elements
         BLOCK: tl.constexpr,
+        ACT: tl.constexpr,  # ACTIVATIONS: 0 silu (SwiGLU), 1 tanh GELU (GeGLU)
     ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(g)
-        tl.store(out_ptr + offs, (g * s * u).to(out_ptr.dtype.element_ty), mask=mask)
+        if ACT == 0:
+            a = g * tl.sigmoid(g)
+        else:  # the tanh GELU as g sigmoid(2 z), _act's very operations (STORE_ACT's act is bit for bit this out)
+            g2 = g * g
+            a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g2 * g))
+        tl.store(out_ptr + offs, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _swiglu_bwd_kernel(
@@ -76,24 +100,23 @@ if HAS_TRITON:
         up_ptr,  # (n,) saved up
         dgate_ptr,  # (n,) contiguous gradient of gate (written)
         dup_ptr,  # (n,) contiguous gradient of up (written)
-        act_ptr,  # (n,) contiguous silu(gate) * up (written when STORE_ACT; may be dout_ptr: each lane reads first)
+        act_ptr,  # (n,) contiguous act(gate) * up (written when STORE_ACT; may be dout_ptr: each lane reads first)
         n,
         BLOCK: tl.constexpr,
         STORE_ACT: tl.constexpr,  # also write the forward's output, for a weight gradient that needs it
+        ACT: tl.constexpr,
     ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(g)
-        silu = g * s
-        tl.store(dup_ptr + offs, (dout * silu).to(dup_ptr.dtype.element_ty), mask=mask)
-        dgate = dout * u * (s + silu * (1.0 - s))
-        tl.store(dgate_ptr + offs, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
+        a, da = _act(g, ACT)
+        tl.store(dup_ptr + offs, (dout * a).to(dup_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgate_ptr + offs, (dout * u * da).to(dgate_ptr.dtype.element_ty), mask=mask)
         if STORE_ACT:
-            # g * s * u as the forward kernel rounds it (the same two products, one cast): bit for bit its out
-            tl.store(act_ptr + offs, (silu * u).to(act_ptr.dtype.element_ty), mask=mask)
+            # act(g) * u as the forward kernel rounds it (the same products, one cast): bit for bit its out
+            tl.store(act_ptr + offs, (a * u).to(act_ptr.dtype.element_ty), mask=mask)
 
 
 def _require_triton() -> None:
@@ -108,8 +131,9 @@ def launch_config(n: int, on_cuda: bool) -> tuple[int, int]:
     return min(_CPU_MAX_BLOCK, triton.next_power_of_2(max(n, 1))), 4
 
 
-def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Launch the forward on same-shaped gate and up. Returns out (gate's shape and dtype). No autograd."""
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """Launch the forward on same-shaped gate and up (`act`: one of ACTIVATIONS). Returns out (gate's shape and
+    dtype). No autograd."""
     _require_triton()
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)  # (...,)
@@ -117,11 +141,11 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return out
     block, warps = launch_config(n, gate.is_cuda)
-    _swiglu_fwd_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=warps)
+    _swiglu_fwd_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, ACT=ACTIVATIONS[act], num_warps=warps)
     return out
 
 
-def _launch_bwd(dout, gate, up, store_act: bool):
+def _launch_bwd(dout, gate, up, store_act: bool, act: str):
     """The backward kernel over contiguous copies: (dgate, dup, dout), with act written over dout when store_act."""
     _require_triton()
     dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
@@ -130,18 +154,22 @@ def _launch_bwd(dout, gate, up, store_act: bool):
     if n > 0:
         block, warps = launch_config(n, gate.is_cuda)
         grid = (triton.cdiv(n, block),)
-        _swiglu_bwd_kernel[grid](dout, gate, up, dgate, dup, dout, n, BLOCK=block, STORE_ACT=store_act, num_warps=warps)
+        _swiglu_bwd_kernel[grid](
+            dout, gate, up, dgate, dup, dout, n, BLOCK=block, STORE_ACT=store_act, ACT=ACTIVATIONS[act], num_warps=warps
+        )
     return dgate, dup, dout
 
 
-def swiglu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_bwd(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str = "silu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward. Returns (dgate, dup) in gate's shape and dtype, fresh tensors. No autograd."""
-    dgate, dup, _ = _launch_bwd(dout, gate, up, store_act=False)
+    dgate, dup, _ = _launch_bwd(dout, gate, up, store_act=False, act=act)
     return dgate, dup
 
 
 def swiglu_bwd_act(
-    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str = "silu"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward that also writes the forward's output: returns (dgate, dup, act), act = silu(gate) * up bit for bit
     as `swiglu_fwd` makes it, written over dout (a contiguous dout is consumed: act is that tensor). No autograd."""
@@ -149,23 +177,24 @@ def swiglu_bwd_act(
         raise ValueError(
             f"swiglu_bwd_act: dout ({dout.dtype}) must have gate's dtype ({gate.dtype}): act is written there"
         )
-    return _launch_bwd(dout, gate, up, store_act=True)
+    return _launch_bwd(dout, gate, up, store_act=True, act=act)
 
 
 class SwiGLUFunction(torch.autograd.Function):
     """Autograd over the Triton launchers; saves gate and up (the activation is recomputed in backward)."""
 
     @staticmethod
-    def forward(ctx, gate, up):
-        out = swiglu_fwd(gate, up)
+    def forward(ctx, gate, up, act="silu"):
+        out = swiglu_fwd(gate, up, act)
         ctx.save_for_backward(gate, up)
+        ctx.act = act
         return out
 
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
-        dgate, dup = swiglu_bwd(dout, gate, up)
-        return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None)
+        dgate, dup = swiglu_bwd(dout, gate, up, ctx.act)
+        return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None), None
 
 
 class SwiGLULinearFunction(torch.autograd.Function):
@@ -175,41 +204,42 @@ class SwiGLULinearFunction(torch.autograd.Function):
     the ones autograd's mm backward runs, on the same operands: bit for bit F.linear(swiglu(gate, up), weight)."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight):
+    def forward(ctx, gate, up, weight, act="silu"):
         ctx.save_for_backward(gate, up, weight)
+        ctx.act = act
         # the caller cast to one dtype (as autocast would); our matmul runs in it
         with torch.autocast(gate.device.type, enabled=False):
-            return F.linear(swiglu_fwd(gate, up), weight)  # (..., H), act (..., I) dies here
+            return F.linear(swiglu_fwd(gate, up, act), weight)  # (..., H), act (..., I) dies here
 
     @staticmethod
     def backward(ctx, dout):
         gate, up, weight = ctx.saved_tensors
-        need_gate, need_up, need_weight = ctx.needs_input_grad
+        need_gate, need_up, need_weight, _ = ctx.needs_input_grad
         dout2d = dout.reshape(-1, dout.shape[-1])  # (M, H)
         dgate = dup = dweight = None
         with torch.autocast(dout.device.type, enabled=False):
             if need_gate or need_up:
                 dact = dout2d.mm(weight).view(gate.shape)  # (..., I), as mm's backward forms it
                 if need_weight:
-                    dgate, dup, act = swiglu_bwd_act(dact, gate, up)  # act written over dact
+                    dgate, dup, act = swiglu_bwd_act(dact, gate, up, ctx.act)  # act written over dact
                 else:
-                    dgate, dup = swiglu_bwd(dact, gate, up)
+                    dgate, dup = swiglu_bwd(dact, gate, up, ctx.act)
                 del dact
             elif need_weight:
-                act = swiglu_fwd(gate, up)
+                act = swiglu_fwd(gate, up, ctx.act)
             if need_weight:
                 dweight = dout2d.t().mm(act.reshape(-1, act.shape[-1]))  # (H, I)
-        return (dgate if need_gate else None), (dup if need_up else None), dweight
+        return (dgate if need_gate else None), (dup if need_up else None), dweight, None
 
 
-def _check_args(gate, up) -> None:
+def _check_args(gate, up, op: str = "swiglu") -> None:
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"swiglu: {name} must be a float32, bfloat16 or float16 tensor, got {got}")
+            raise TypeError(f"{op}: {name} must be a float32, bfloat16 or float16 tensor, got {got}")
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         raise ValueError(
-            f"swiglu: gate and up must share shape, dtype and device, got {tuple(gate.shape)} {gate.dtype} "
+            f"{op}: gate and up must share shape, dtype and device, got {tuple(gate.shape)} {gate.dtype} "
             f"{gate.device} and {tuple(up.shape)} {up.dtype} {up.device}"
         )
 
@@ -232,14 +262,19 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) ->
     (see `kernels._dispatch`), or gate is not in the dtype the matmul runs in, it is F.linear(swiglu(gate, up),
     weight) as written."""
     _check_args(gate, up)
+    return glu_linear(gate, up, weight, "silu", swiglu)
+
+
+def glu_linear(gate, up, weight, act: str, glu) -> torch.Tensor:
+    """`swiglu_linear` for the activation `act` (`glu`: its public gating op, the fallback)."""
     dtype = weight.dtype
     if torch.is_autocast_enabled(gate.device.type):
         dtype = torch.get_autocast_dtype(gate.device.type)
         if weight.dtype in _DTYPES and weight.dtype != dtype:
             weight = weight.to(dtype)  # as autocast casts F.linear's operands
     if not use_triton(gate, up) or gate.dtype != dtype or weight.dtype != dtype or weight.dim() != 2:
-        return F.linear(swiglu(gate, up), weight)
-    return SwiGLULinearFunction.apply(gate, up, weight)
+        return F.linear(glu(gate, up), weight)
+    return SwiGLULinearFunction.apply(gate, up, weight, act)
 
 
 def swiglu_linear_ref(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,8 @@ class SwiGLULinearModel:
     category = "mlp_activation"
     name = "SwiGLULinearFunction"
 
-    def forward(self, ctx, gate, up, weight):
+    def forward(self, ctx, gate, up, weight, *rest):  # rest: the activation (GeGLU's the same kernels and bytes)
+        ctx.n_rest = len(rest)
         n, s = gate.numel(), gate.element_size()
         i, h = gate.shape[-1], weight.shape[0]
         m = n // i
@@ -145,7 +146,7 @@ class SwiGLULinearModel:
         dweight = _like(weight)
         _mm(f"{self.name}.backward:mm", "matmuls", h, m, i, s, s, w)  # dweight = dout^T @ act
         del dact
-        return dgate, dup, dweight
+        return dgate, dup, dweight, *([None] * ctx.n_rest)
 
 
 class RoPEModel:

@@ -480,7 +480,7 @@ def test_fused_linear_preference_loss(dtype, chunk, monkeypatch):
     with kernels.backend("triton"):
         with traffic.measure(torch_ops=True) as fwd:
             loss, _ = loss_mod.FusedLinearPreferenceLossFunction.apply(
-                hidden, weight, target, None, ref, ("sigmoid", 0.1, 0.0, 0.5, 0.5, 1.0), -100
+                hidden, weight, target, None, ref, ("sigmoid", 0.1, 0.0, 0.5, 0.5, 1.0), -100, None
             )[:2]
         with traffic.measure(torch_ops=True) as bwd:
             loss.backward()

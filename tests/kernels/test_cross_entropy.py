@@ -47,8 +47,21 @@ def run(fn, logits, target, upstream, **kw):
     return loss.detach(), x.grad
 
 
-def torch_lowp(logits, target, *, label_smoothing=0.0, ignore_index=-100, reduction="mean", z_loss=0.0, num_items=None):
-    """The same loss from PyTorch's own ops in the logits' dtype: the low-precision baseline."""
+def torch_lowp(
+    logits,
+    target,
+    *,
+    label_smoothing=0.0,
+    ignore_index=-100,
+    reduction="mean",
+    z_loss=0.0,
+    num_items=None,
+    softcap=None,
+):
+    """The same loss from PyTorch's own ops in the logits' dtype (softcapped as transformers' Gemma 2 does): the
+    low-precision baseline."""
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     flat, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     rows = F.cross_entropy(flat, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
     if z_loss:
@@ -73,12 +86,15 @@ CASES = [
     dict(lead=(2, 7), reduction="sum", label_smoothing=0.1, z_loss=0.0, up=2.5),
     dict(lead=(13,), reduction="none", label_smoothing=0.1, z_loss=1e-3, up=None),
     dict(lead=(3, 5), reduction="mean", label_smoothing=0.0, z_loss=1e-3, up=0.5, num_items=torch.tensor(50)),
+    # Gemma 2's final softcapping; a cap of 5 puts the logits (std 2) on both sides of the kernel's tanh branches
+    dict(lead=(2, 7), reduction="sum", label_smoothing=0.1, z_loss=1e-3, up=2.5, softcap=5.0),
+    dict(lead=(11,), reduction="none", label_smoothing=0.0, z_loss=0.0, up=None, softcap=30.0),
 ]
 
 
 def check_case(case, dtype, seed=0):
     logits, target = make_inputs(case["lead"], dtype=dtype, seed=seed)
-    kw = {k: case[k] for k in ("reduction", "label_smoothing", "z_loss") if k in case}
+    kw = {k: case[k] for k in ("reduction", "label_smoothing", "z_loss", "softcap") if k in case}
     if "num_items" in case:
         kw["num_items"] = case["num_items"]
     up = upstream_for(case, target, dtype)
@@ -110,6 +126,7 @@ def test_online_lse_across_tiles(monkeypatch, dtype):
     # The GPU config streams V = 128256 in 16 tiles; force 1024-wide tiles (5 for V = 5003, a ragged last one).
     monkeypatch.setattr(ce_mod, "_fwd_config", lambda n_cols, on_cuda, variant: (1024, 4))
     check_case(dict(lead=(9,), reduction="none", label_smoothing=0.1, z_loss=1e-3, up=None), dtype, seed=1)
+    check_case(dict(lead=(5,), reduction="none", label_smoothing=0.1, z_loss=0.0, up=None, softcap=3.0), dtype, seed=4)
 
 
 @pytest.mark.parametrize("variant", ce_mod.FWD_VARIANTS)
@@ -311,6 +328,7 @@ def test_reference_path_by_backend_switch():
         (dict(num_items=10, reduction="sum"), "num_items is only valid with reduction='mean'"),
         (dict(num_items=0), "num_items=0 must be a positive int"),
         (dict(ignore_index=1.5), "ignore_index=1.5 must be an int"),
+        (dict(softcap=0.0), "softcap=0.0 must be None or a number > 0"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, match):

@@ -77,6 +77,30 @@ CASES = [
         up=0.5,
         num_items=20,
     ),
+    # Gemma 2's final softcapping (logits of std 2 on both sides of the kernel's tanh branches at a cap of 3): the token
+    # pass's chunks and, for reduction="none" with a bf16/fp16 weight, the vocabulary pass's tiles
+    dict(
+        lead=(7,),
+        hdim=781,
+        bias=True,
+        chunk=3,
+        reduction="none",
+        label_smoothing=0.1,
+        z_loss=1e-3,
+        up=None,
+        softcap=3.0,
+    ),
+    dict(
+        lead=(2, 4),
+        hdim=1000,
+        bias=False,
+        chunk=3,
+        reduction="mean",
+        label_smoothing=0.0,
+        z_loss=0.0,
+        up=2.5,
+        softcap=30.0,
+    ),
 ]
 
 
@@ -86,7 +110,7 @@ def check_case(case, dtype, monkeypatch, seed=0):
         # bf16/fp16 weights with reduction="none": the vocabulary pass crosses token and vocabulary tile borders too
         monkeypatch.setattr(fl_mod, "_vocab_tile", lambda n, h, v: (case["chunk"], 1000))
     hidden, weight, bias, target = make_inputs(case["lead"], case["hdim"], dtype=dtype, bias=case["bias"], seed=seed)
-    kw = {k: case[k] for k in ("reduction", "label_smoothing", "z_loss", "num_items") if k in case}
+    kw = {k: case[k] for k in ("reduction", "label_smoothing", "z_loss", "num_items", "softcap") if k in case}
     up = upstream_for(case, target, dtype)
     ours = run(fused_linear_cross_entropy, hidden, weight, bias, target, up, **kw)
     f32 = (hidden.float(), weight.float(), None if bias is None else bias.float(), target)
@@ -270,6 +294,7 @@ def test_second_backward_through_retained_graph_fails_loudly():
         (dict(weight=torch.zeros(10, 8, dtype=torch.float64)), "share one dtype"),
         (dict(reduction="mean", num_items=-3), "num_items=-3"),
         (dict(reduction="max"), "reduction='max'"),
+        (dict(softcap=-1.0), "softcap=-1.0 must be None or a number > 0"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(change, match):
@@ -364,7 +389,10 @@ def test_bench_fused_linear_cross_entropy_runs(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "fused_linear_cross_entropy.jsonl").read_text().splitlines()]
     assert {r["provider"] for r in rows} >= {"ours", "torch"} and all(r["perf_figure"] is False for r in rows)
     assert all(r["ms"] > 0 and r["tflop_s"] > 0 for r in rows if r["mode"] != "backward")
-    assert {r["ignored"] for r in rows} == {0.0, 0.5}
+    assert {r["ignored"] for r in rows} == {0.0, 0.5} and {r["softcap"] for r in rows} == {None}
+    bench_flce.main(["--quick", "--providers", "ours", "torch", "--ignored", "0", "--softcap", "30"])  # Gemma 2's
+    rows = [json.loads(line) for line in (tmp_path / "fused_linear_cross_entropy.jsonl").read_text().splitlines()]
+    assert {r["provider"] for r in rows if r["softcap"] == 30.0} == {"ours", "torch"}  # rows are appended
 
 
 def test_autocast_matches_linear_and_cross_entropy_under_autocast(monkeypatch):

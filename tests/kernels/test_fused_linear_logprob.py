@@ -56,6 +56,7 @@ CASES = [
     dict(n=37, hdim=24, vocab=503, bias=True, chunk=5, temperature=1.0),  # odd shapes, prompt rows skipped
     dict(n=37, hdim=24, vocab=503, bias=False, chunk=4, temperature=0.7),
     dict(n=20, hdim=48, vocab=1001, bias=True, chunk=None, temperature=1.3),  # one chunk (the library's rule)
+    dict(n=37, hdim=24, vocab=503, bias=True, chunk=4, temperature=0.7, softcap=2.0),  # Gemma 2's capped logits
 ]
 IGNORED = (0, 1, 2, 3, 17, 18, 30)  # a prompt, padding in the middle and near the end
 
@@ -85,13 +86,16 @@ def test_matches_reference(case, dtype, monkeypatch):
     ignored = [i for i in IGNORED if i < c["n"]]
     hidden, weight, bias, target = make_inputs(c["n"], c["hdim"], c["vocab"], dtype, c["bias"], ignored, seed=case)
     upstream = torch.linspace(-1.5, 2.0, c["n"])  # the loss's dL/dlogps, both signs
-    kw = dict(temperature=c["temperature"])
+    kw = dict(temperature=c["temperature"], softcap=c.get("softcap"))
     ours = run(fused_linear_logprob, hidden, weight, bias, target, upstream, **kw)
     f32 = (hidden.float(), weight.float(), None if bias is None else bias.float(), target)
     refs = run(fused_linear_logprob_ref, *f32, upstream, **kw)
     lows = run(fused_linear_logprob_ref, hidden, weight, bias, target, upstream, **kw)
     # the reference itself against a direct float64 computation
-    logits = torch.nn.functional.linear(*(t.double() if t is not None else None for t in f32[:3])) / c["temperature"]
+    logits = torch.nn.functional.linear(*(t.double() if t is not None else None for t in f32[:3]))
+    if c.get("softcap"):  # capped before the temperature, as transformers' Gemma 2 logits reach TRL
+        logits = torch.tanh(logits / c["softcap"]) * c["softcap"]
+    logits = logits / c["temperature"]
     logp = logits.log_softmax(-1)
     kept = target != -100
     direct = torch.where(kept, logp.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)

@@ -74,6 +74,7 @@ CASES = [
     dict(n_seqs=5, seq_len=9, hdim=24, vocab=503, bias=True, chunk=6, temperature=1.0),
     dict(n_seqs=4, seq_len=7, hdim=32, vocab=257, bias=False, chunk=3, temperature=0.7),  # sequences > a chunk
     dict(n_seqs=3, seq_len=8, hdim=16, vocab=1001, bias=True, chunk=None, temperature=1.2),  # the library's rule
+    dict(n_seqs=4, seq_len=7, hdim=32, vocab=257, bias=True, chunk=3, temperature=0.7, softcap=2.0),  # Gemma 2's cap
 ]
 
 
@@ -87,7 +88,7 @@ def test_matches_reference(case, dtype, monkeypatch):
     loss_fn = toy_loss(
         torch.linspace(-1.0, 2.0, c["seq_len"]).expand(c["n_seqs"], -1) + torch.arange(c["n_seqs"])[:, None]
     )
-    kw = dict(temperature=c["temperature"])
+    kw = dict(temperature=c["temperature"], softcap=c.get("softcap"))
     ours = run(fused_linear_logprob_loss, hidden, weight, bias, target, loss_fn, **kw)
     f32 = (hidden.float(), weight.float(), None if bias is None else bias.float(), target)
     refs = run(fused_linear_logprob_loss_ref, *f32, loss_fn, **kw)

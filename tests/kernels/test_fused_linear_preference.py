@@ -66,6 +66,7 @@ CASES = [
     dict(n_seqs=4, seq_len=9, hdim=96, bias=True, chunk=5),  # rows (answer rows) not a multiple of the chunk
     dict(n_seqs=6, seq_len=5, hdim=64, bias=False, chunk=4),
     dict(n_seqs=2, seq_len=8, hdim=48, bias=True, chunk=None),  # one chunk (the library's rule)
+    dict(n_seqs=4, seq_len=9, hdim=96, bias=True, chunk=5, softcap=2.0),  # Gemma 2's capped logits: kernel row sums
 ]
 
 
@@ -98,16 +99,22 @@ def test_matches_reference(case, dtype, monkeypatch):
         c["n_seqs"], c["seq_len"], c["hdim"], dtype=dtype, bias=c["bias"], seed=case
     )
     upstream = torch.linspace(-1.5, 2.0, c["n_seqs"])  # the loss's dL/dlogps, both signs
-    ours = run(fused_linear_preference, hidden, weight, bias, target, upstream)
+    kw = dict(softcap=c.get("softcap"))
+    ours = run(fused_linear_preference, hidden, weight, bias, target, upstream, **kw)
     f32 = (hidden.float(), weight.float(), None if bias is None else bias.float(), target)
-    refs = run(fused_linear_preference_ref, *f32, upstream)
-    lows = run(fused_linear_preference_ref, hidden, weight, bias, target, upstream)
+    refs = run(fused_linear_preference_ref, *f32, upstream, **kw)
+    lows = run(fused_linear_preference_ref, hidden, weight, bias, target, upstream, **kw)
     # the reference itself against a direct materialised computation
-    logp = F.log_softmax(F.linear(*f32[:2], f32[2]).double(), -1)
+    logits = F.linear(*f32[:2], f32[2]).double()
+    if c.get("softcap"):
+        logits = torch.tanh(logits / c["softcap"]) * c["softcap"]
+    logp = F.log_softmax(logits, -1)
     answer = target != -100
     direct = (logp.gather(2, target.clamp(min=0).unsqueeze(2)).squeeze(2) * answer).sum(1)
     torch.testing.assert_close(refs[0].double(), direct, rtol=1e-6, atol=1e-5)
     assert refs[1].tolist() == answer.sum(1).tolist() and 1 in refs[1].tolist()
+    mean = (logits.mean(-1) * answer).sum(1) / answer.sum(1).clamp(min=1)  # TRL's logits/* of the (capped) logits
+    torch.testing.assert_close(refs[2].double(), mean, rtol=1e-5, atol=1e-6)
     check(ours, refs, lows, dtype)
 
 

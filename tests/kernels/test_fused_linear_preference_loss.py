@@ -66,6 +66,7 @@ LOSSES = [
     dict(loss_type="orpo"),
     dict(loss_type="simpo", label_smoothing=0.1, cpo_alpha=0.5),
     dict(loss_type="sigmoid", reference_free=True),
+    dict(loss_type="sigmoid", rpo_alpha=0.5, softcap=2.0),  # Gemma 2's capped logits (metrics from kernel row sums)
 ]
 
 

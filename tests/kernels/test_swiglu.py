@@ -1,9 +1,11 @@
-"""SwiGLU (silu(gate) * up): the Triton kernels (through the interpreter on CPU) against the fp32 reference and PyTorch.
+"""SwiGLU (silu(gate) * up) and GeGLU (gelu_tanh(gate) * up, the same kernels with the activation switched): the Triton
+kernels (through the interpreter on CPU) against the fp32 references and PyTorch.
 
 Tolerance model (tests/tolerance.py):
 - fp32: elementwise math of a few operations: |ours - ref| <= 8 eps32 |ref|max for out, dgate and dup.
-- bf16/fp16: our error against the fp32 reference <= 2x PyTorch's own error running F.silu(gate) * up and its
-  autograd in that dtype, + 1 bf16 ulp of |ref|max because the interpreter truncates fp32->bf16 stores.
+- bf16/fp16: our error against the fp32 reference <= 2x PyTorch's own error running F.silu(gate) * up (F.gelu(gate,
+  approximate="tanh") * up) and its autograd in that dtype, + 1 bf16 ulp of |ref|max because the interpreter
+  truncates fp32->bf16 stores.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.geglu import geglu, geglu_linear, geglu_linear_ref, geglu_ref
 from kernels.swiglu import (
     SwiGLUFunction,
     swiglu,
@@ -56,20 +59,42 @@ def _assert_fp32_close(ours, ref, name):
     assert err <= bound, f"{name}: fp32 error {err:.3e} > {bound:.3e}"
 
 
+# (op, its reference, PyTorch's own composition in the inputs' dtype)
+OPS = {
+    "swiglu": (swiglu, swiglu_ref, lambda a, b: F.silu(a) * b),
+    "geglu": (geglu, geglu_ref, lambda a, b: F.gelu(a, approximate="tanh") * b),
+}
+
+
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1,), (1823, 781), (3, 7, 1001)], ids=str)
-def test_matches_reference_and_torch(shape, dtype):
+def test_matches_reference_and_torch(shape, dtype, op):
+    fn, ref, composed = OPS[op]
     gate, up, dout = _make(shape, dtype)
-    ours = fwd_bwd(swiglu, gate, up, dout)
+    ours = fwd_bwd(fn, gate, up, dout)
     assert all(t.dtype == dtype and t.shape == gate.shape for t in ours)
-    ref32 = fwd_bwd(swiglu_ref, gate.float(), up.float(), dout.float())
-    torch_lowp = fwd_bwd(lambda a, b: F.silu(a) * b, gate, up, dout)
+    ref32 = fwd_bwd(ref, gate.float(), up.float(), dout.float())
+    torch_lowp = fwd_bwd(composed, gate, up, dout)
     for o, r, t, name in zip(ours, ref32, torch_lowp, ("out", "dgate", "dup")):
         if dtype == torch.float32:
             _assert_fp32_close(o, r, name)
             _assert_fp32_close(o, t, f"{name} vs F.silu * up")
         else:
             assert_lowp_close(o, r, t.float(), dtype, name=name, extra_ulps=1 if dtype == torch.bfloat16 else 0)
+
+
+def test_geglu_is_the_tanh_gelu_not_the_exact_one():
+    """transformers' gelu_pytorch_tanh (Gemma): the tanh approximation, which differs from erf's GELU by ~1e-3 at
+    g = 1.5, far beyond fp32 rounding; gradients as autograd's through F.gelu(approximate="tanh")."""
+    gate = torch.tensor([-3.0, -1.5, -0.1, 0.0, 0.1, 1.5, 3.0, 9.0])
+    up, dout = torch.ones(8), torch.ones(8)
+    out, dgate, dup = fwd_bwd(geglu, gate, up, dout)
+    # float64 autograd as the truth: fp32 torch's own backward cancels in 1 + tanh at g = -3 (1e-5 relative)
+    exact = fwd_bwd(lambda a, b: F.gelu(a, approximate="tanh") * b, gate.double(), up.double(), dout.double())
+    for o, t in zip((out, dgate, dup), exact):
+        torch.testing.assert_close(o.double(), t, rtol=1e-6, atol=1e-8)
+    assert (out - F.gelu(gate)).abs().max() > 1e-4
 
 
 def test_gradient_formula_is_not_silu_alone():
@@ -163,18 +188,23 @@ def _grads(fn, tensors, dout, needs=(True, True, True)):
     return [out.detach(), *(t.grad for t in leaves)]
 
 
+LINEAR_OPS = {"swiglu": (swiglu_linear, swiglu, swiglu_linear_ref), "geglu": (geglu_linear, geglu, geglu_linear_ref)}
+
+
+@pytest.mark.parametrize("op", LINEAR_OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,h", [((1, 1), 1), ((1823, 781), 33), ((3, 7, 1001), 64)], ids=str)
-def test_swiglu_linear_is_bit_for_bit_the_composition(shape, h, dtype):
+def test_swiglu_linear_is_bit_for_bit_the_composition(shape, h, dtype, op):
     """out and every gradient equal F.linear(swiglu(gate, up), weight)'s bit for bit (the same kernels' arithmetic,
-    the matmuls autograd's mm backward runs); and close to the fp32 reference."""
+    the matmuls autograd's mm backward runs); and close to the fp32 reference. The same for geglu_linear."""
+    linear, glu, linear_ref = LINEAR_OPS[op]
     gate, up, weight, dout = _linear_case(shape, h, dtype)
-    ours = _grads(swiglu_linear, (gate, up, weight), dout)
-    plain = _grads(lambda a, b, w: F.linear(swiglu(a, b), w), (gate, up, weight), dout)
+    ours = _grads(linear, (gate, up, weight), dout)
+    plain = _grads(lambda a, b, w: F.linear(glu(a, b), w), (gate, up, weight), dout)
     for o, p, name in zip(ours, plain, ("out", "dgate", "dup", "dweight")):
         assert o.dtype == p.dtype and torch.equal(o, p), name
     if dtype == torch.float32:
-        ref = _grads(swiglu_linear_ref, (gate.double(), up.double(), weight.double()), dout.double())
+        ref = _grads(linear_ref, (gate.double(), up.double(), weight.double()), dout.double())
         for o, r, name in zip(ours, ref, ("out", "dgate", "dup", "dweight")):
             k = shape[-1] if name in ("out", "dgate", "dup") else gate.numel() // shape[-1]
             bound = 8 * EPS32 * k**0.5 * r.abs().max().item()  # a k-term dot product
@@ -226,17 +256,31 @@ def test_swiglu_linear_falls_back_where_it_cannot_run():
         swiglu_linear(gate, up, weight.float())
 
 
+@pytest.mark.parametrize("act", ("silu", "gelu_tanh"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_backward_writing_act_equals_forward_and_backward(dtype):
+def test_backward_writing_act_equals_forward_and_backward(dtype, act):
     """swiglu_bwd_act: dgate and dup as swiglu_bwd's, act as swiglu_fwd's, bit for bit, act over dout, every element
-    written (210003 elements: several interpreter programs, one ragged)."""
+    written (210003 elements: several interpreter programs, one ragged); for either activation."""
     gate, up, dout = _make((3, 70001), dtype)
     gate0, up0 = gate.clone(), up.clone()
-    dgate, dup = swiglu_bwd(dout, gate, up)
-    dgate2, dup2, act = swiglu_bwd_act(dout, gate, up)
-    assert act.data_ptr() == dout.data_ptr()
+    dgate, dup = swiglu_bwd(dout, gate, up, act)
+    dgate2, dup2, act_out = swiglu_bwd_act(dout, gate, up, act)
+    assert act_out.data_ptr() == dout.data_ptr()
     assert torch.equal(dgate, dgate2) and torch.equal(dup, dup2)
-    assert torch.equal(act, swiglu_fwd(gate, up))
+    assert torch.equal(act_out, swiglu_fwd(gate, up, act))
     assert torch.equal(gate, gate0) and torch.equal(up, up0)
     with pytest.raises(ValueError, match="gate's dtype"):
         swiglu_bwd_act(dout.float() if dtype != torch.float32 else dout.half(), gate, up)
+
+
+@pytest.mark.parametrize("act", ("silu", "gelu_tanh"))
+def test_bench_runs_for_either_activation(act, tmp_path, monkeypatch):
+    import bench.bench_swiglu as bench_swiglu
+    import bench.common as common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    rows = bench_swiglu.main(["--quick", "--act", act, "--providers", "ours", "torch", "--compile-backend", "eager"])
+    assert {(r["provider"], r["act"], r["op"]) for r in rows} == {
+        (p, act, "swiglu" if act == "silu" else "geglu") for p in ("ours", "torch")
+    }
+    assert all(r["perf_figure"] is False and r["ms"] > 0 for r in rows)

@@ -77,6 +77,7 @@ def test_fsdp2_on_two_processes_matches_one_with_the_default_reference(tmp_path)
         assert (a[name] - b[name]).abs().max() <= 1e-5 + 1e-5 * a[name].abs().max(), name
 
 
+@pytest.mark.slow  # ~2 minutes here: the command also trains in the FSDP2 and DeepSpeed tests of this file
 def test_a_short_run_on_the_embedded_pairs(tmp_path):
     out = tmp_path / "out"
     best = [
@@ -105,6 +106,7 @@ def test_a_short_run_on_the_embedded_pairs(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
 
 
+@pytest.mark.slow  # minutes on a loaded 2-core machine; LlamaFactory's names are mapped in tests/trainer/config
 def test_llamafactory_yaml_runs_as_it_is(tmp_path):
     """LlamaFactory's names through trainer.sft, and a reference model given by name (built like the policy)."""
     config = tmp_path / "dpo.yaml"

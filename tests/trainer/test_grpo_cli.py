@@ -89,7 +89,7 @@ def _parallel_args(parallel: str, tmp_path) -> list[str]:
         (EVAL, 2, "ddp"),
         (CYCLE, 1, "ddp"),
         ([*CYCLE, *EVAL], 1, "fsdp2"),
-        (CYCLE, 1, "zero2"),
+        pytest.param(CYCLE, 1, "zero2", marks=pytest.mark.slow),  # ZeRO-3's run covers its sampling and more
         (CYCLE, 1, "zero3"),
         # no LoRA dropout: its draws depend on the number of processes (with 0.05 the adapters differ by ~30%)
         ([*CYCLE, "--use_peft", "true", "--lora_dropout", "0"], 1, "fsdp2"),

@@ -446,8 +446,8 @@ def _pad_cat(parts: list[torch.Tensor], value: int) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, L - p.shape[1]), value=value) for p in parts])
 
 
-def _head_logps(hidden, weight, *, target, columns, temperature):
-    out = kernels.fused_linear_logprob(hidden, weight, target, temperature=temperature)
+def _head_logps(hidden, weight, *, target, columns, temperature, softcap=None):
+    out = kernels.fused_linear_logprob(hidden, weight, target, temperature=temperature, softcap=softcap)
     return None, {"logps": out.logps[:, columns]}
 
 

@@ -317,6 +317,7 @@ def fused_grpo_loss(
     top_entropy_quantile: float = 1.0,
     max_completion_length: int | None = None,
     normalizer: torch.Tensor | float | None = None,
+    softcap: float | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`grpo_loss` straight from the LM head's inputs, its gradient formed in the forward by
@@ -324,9 +325,10 @@ def fused_grpo_loss(
     and metrics to fp32 noise).
 
     hidden (B, L, H), target (B, L) (ignore_index off the completions; a CPU target skips the prompt rows),
-    weight (V, H), bias: the policy's LM head; completion_columns: the columns of the (B, L) rows that are the
-    completion's T tokens (row t predicting completion token t); advantages, completion_mask, old_logps, ref_logps
-    and the options as `grpo_loss`'s, on the (B, T) completion tokens. The normaliser (default the micro batch's)
+    weight (V, H), bias: the policy's LM head (its logits softcapped with `softcap`, Gemma 2's); completion_columns:
+    the columns of the (B, L) rows that are the completion's T tokens (row t predicting completion token t);
+    advantages, completion_mask, old_logps, ref_logps and the options as `grpo_loss`'s, on the (B, T) completion
+    tokens. The normaliser (default the micro batch's)
     and the top_entropy_quantile mask (one no-grad pass over the head more, 2 K H V) are fixed before the chunks,
     since each chunk's loss must be its sequences' share of the batch loss.
     """
@@ -337,7 +339,7 @@ def fused_grpo_loss(
     if top_entropy_quantile < 1.0:
         with torch.no_grad():
             ent = kernels.fused_linear_logprob(
-                hidden, weight, target, bias, temperature=temperature, return_entropy=True
+                hidden, weight, target, bias, temperature=temperature, return_entropy=True, softcap=softcap
             )
         entropy_mask = high_entropy_mask(ent.entropies[:, cols], completion_mask, 1 - top_entropy_quantile)
     kw = dict(loss_type=loss_type, max_completion_length=max_completion_length, normalizer=normalizer, **options)
@@ -357,7 +359,7 @@ def fused_grpo_loss(
         )[0]
 
     loss, out = kernels.fused_linear_logprob_loss(
-        hidden, weight, target, loss_fn, bias, temperature=temperature, return_entropy=True
+        hidden, weight, target, loss_fn, bias, temperature=temperature, return_entropy=True, softcap=softcap
     )
     _, metrics = grpo_loss(
         out.logps[:, cols],

@@ -509,19 +509,27 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def swiglu_down(down: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+# the gated MLPs our kernels compute: the gate's activation -> (the gating op, the same with the down projection)
+GATED_MLPS = {
+    "silu": (kernels.swiglu, kernels.swiglu_linear),  # SwiGLU: Llama, Qwen, Mistral, Phi-3's fused layout
+    "gelu_tanh": (kernels.geglu, kernels.geglu_linear),  # GeGLU: Gemma's gelu_pytorch_tanh
+}
+
+
+def swiglu_down(down: nn.Module, gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """down(silu(gate) * up) through our kernels (one fused pass, 3 bytes per element forward and 5 backward, instead
     of eager's silu, product and their backwards), keeping no (tokens, intermediate) product for down's backward
     where it may be rebuilt: `kernels.swiglu_linear` for a plain down_proj on the GPU (the SwiGLU backward rebuilds
     it), `_down_recomputing_act` for any other down_proj (LoRA-wrapped, 4-bit, hooked, on the CPU); plainly under
-    activation checkpointing or torch.compile (`_recompute_allowed`). Our MLP and the transformers path's SwiGLU
-    swap both run it."""
+    activation checkpointing or torch.compile (`_recompute_allowed`). Our MLP and the transformers path's gated-MLP
+    swap both run it; `act` "gelu_tanh" is GeGLU (`GATED_MLPS`)."""
+    glu, glu_linear = GATED_MLPS[act]
     if not _recompute_allowed():
-        return down(kernels.swiglu(gate, up))
+        return down(glu(gate, up))
     if _plain_linear(down) and kernels.use_triton(gate, up):
-        # act is rebuilt by the SwiGLU backward itself (one more write, not another pass over gate and up)
-        return kernels.swiglu_linear(gate, up, down.weight)
-    return _down_recomputing_act(down, gate, up)
+        # act is rebuilt by the gating backward itself (one more write, not another pass over gate and up)
+        return glu_linear(gate, up, down.weight)
+    return _down_recomputing_act(down, gate, up, glu)
 
 
 def _project(module: nn.Module, x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -558,7 +566,7 @@ def _plain_linear(m: nn.Module) -> bool:
 _RECOMPUTE = object()  # what down_proj's backward keeps in place of silu(gate) * up
 
 
-def _down_recomputing_act(down: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _down_recomputing_act(down: nn.Module, gate: torch.Tensor, up: torch.Tensor, glu=kernels.swiglu) -> torch.Tensor:
     """down(swiglu(gate, up)) for a down_proj `kernels.swiglu_linear` cannot stand in for (LoRA-wrapped, hooked,
     biased) without keeping swiglu's output for down's backward: it is recomputed there from gate and
     up, which the SwiGLU backward keeps anyway. Saves one (tokens, intermediate) activation per layer (2.1 GB in all
@@ -566,7 +574,7 @@ def _down_recomputing_act(down: nn.Module, gate: torch.Tensor, up: torch.Tensor)
     backward (3 bytes per element: ~1.6% of the modelled step there). The same kernel on the same inputs: the values
     and gradients are bit for bit those without the recompute. Anything else down saves (its cast weight, a LoRA
     adapter's inputs other than act) is kept as it is."""
-    act = kernels.swiglu(gate, up)  # (B, T, I)
+    act = glu(gate, up)  # (B, T, I)
     # act's storage by its address, not act itself: the hooks may live as long as the graph, and act must not. down
     # saves a view of it (F.linear flattens the leading dims), so views of that storage are what is recomputed.
     act_storage = act.untyped_storage()._cdata
@@ -580,7 +588,7 @@ def _down_recomputing_act(down: nn.Module, gate: torch.Tensor, up: torch.Tensor)
         if not (isinstance(p, tuple) and p[0] is _RECOMPUTE):
             return p
         with torch.no_grad():
-            return kernels.swiglu(gate, up).as_strided(*p[1:])  # the same view of a fresh, equal act
+            return glu(gate, up).as_strided(*p[1:])  # the same view of a fresh, equal act
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return down(act)
@@ -907,17 +915,20 @@ def head_forward(
     sequence_logps: bool = False,
     preference_loss: dict | None = None,
     head=None,
+    softcap: float | None = None,
 ) -> CausalLMOutput:
     """What `CausalLM.forward` computes from the final-norm hidden states (B, T, C) and the LM head (its docstring:
     the logits, the loss, `sequence_logps`, `preference_loss` or `head`), with `impl`'s ops ("kernels", "eager",
-    "liger"): shared by our model and the transformers path's models whose logits are `lm_head(hidden)` alone."""
+    "liger"): shared by our model and the transformers path's models whose logits are `lm_head(hidden)` alone or
+    softcapped, `softcap` tanh(lm_head(hidden) / `softcap`) (Gemma 2's final_logit_softcapping: inside our kernels;
+    a `head` callable is given it as a keyword)."""
     if isinstance(labels, HostLabels):
         labels = labels.labels
     if head is not None:
-        loss, metrics = head(hidden, lm_head.weight)
+        loss, metrics = head(hidden, lm_head.weight, softcap=softcap)
         return CausalLMOutput(loss, None, metrics=metrics)
     if labels is None:
-        return CausalLMOutput(None, lm_head(hidden))
+        return CausalLMOutput(None, kernels.softcapped(lm_head(hidden), softcap))
     if labels.shape != hidden.shape[:-1]:
         raise ModelError(
             f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(hidden.shape[:-1])} (labels are unshifted)"
@@ -927,14 +938,19 @@ def head_forward(
     if preference_loss is not None:
         fn = kernels.fused_linear_preference_loss if impl == "kernels" else kernels.fused_linear_preference_loss_ref
         loss, metrics = fn(
-            hidden, lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX, **preference_loss
+            hidden,
+            lm_head.weight,
+            targets.view(labels.shape),
+            ignore_index=IGNORE_INDEX,
+            softcap=softcap,
+            **preference_loss,
         )
         return CausalLMOutput(loss, None, metrics=metrics)
     if sequence_logps:
         fn = kernels.fused_linear_preference if impl == "kernels" else kernels.fused_linear_preference_ref
         if impl != "kernels":
             targets = targets.to(hidden.device, non_blocking=True)
-        logps = fn(hidden, lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX)
+        logps = fn(hidden, lm_head.weight, targets.view(labels.shape), ignore_index=IGNORE_INDEX, softcap=softcap)
         return CausalLMOutput(None, None, logps)
     if num_items is None:
         denom = (targets != IGNORE_INDEX).sum().clamp(min=1)
@@ -959,19 +975,22 @@ def head_forward(
             label_smoothing=label_smoothing,
             z_loss=z_loss,
             num_items=denom,
+            softcap=softcap,
         )
         return CausalLMOutput(loss, None)
     targets = targets.to(hidden.device, non_blocking=True)
     if torch.is_tensor(denom):
         denom = denom.to(hidden.device, non_blocking=True)
     if impl == "liger":
+        if softcap is not None:
+            raise ModelError("liger-kernel's head is not given a softcap here: use_liger_kernel with a softcapped head")
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
         total = LigerFusedLinearCrossEntropyFunction.apply(
             flat, lm_head.weight, targets, None, None, IGNORE_INDEX, z_loss, label_smoothing, "sum"
         )[0]
         return CausalLMOutput(total / denom, None)
-    logits = lm_head(hidden)  # (B, T, V)
+    logits = kernels.softcapped(lm_head(hidden), softcap)  # (B, T, V)
     flat_logits = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
     total = F.cross_entropy(
         flat_logits, targets, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing

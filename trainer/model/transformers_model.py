@@ -10,11 +10,13 @@ path where both apply, so that the two can be compared on one checkpoint.
 What of ours runs inside (`TransformersModel.kernel_report()`, printed at the start of a run):
 - the loss: our fused linear cross-entropy over the decoder's final hidden states and the LM head's weight, so the
   (tokens, vocabulary) logits never exist, when a probe shows the model's logits are `lm_head(hidden)` times a
-  constant c: one forward of 8 random tokens, the model's own logits against the head applied to its decoder's
-  output (bit for bit for c = 1; to fp32 rounding for Cohere's logit_scale and 1 / Granite's logits_scaling, where c
-  is folded into the head's input, c h W^T, exact for a power of two). A model that transforms its logits otherwise
-  (Gemma 2's final softcapping) fails the probe and keeps transformers' logits, with our cross-entropy over them; a
-  mixture-of-experts model asked for its router loss (`output_router_logits`) keeps its logits too, its auxiliary
+  constant c, or softcapped: one forward of 8 random tokens, the model's own logits against the head applied to its
+  decoder's output (bit for bit for c = 1; to fp32 rounding for Cohere's logit_scale and 1 / Granite's
+  logits_scaling, where c is folded into the head's input, c h W^T, exact for a power of two; for the cap s its
+  config names, Gemma 2's final_logit_softcapping, s tanh(lm_head(hidden) / s) with the head's output pushed to 3 s
+  for the probe, so that tanh's curve shows: the cap then runs inside our kernels, `softcap`). A model that
+  transforms its logits otherwise fails the probe and keeps transformers' logits, with our cross-entropy over them;
+  a mixture-of-experts model asked for its router loss (`output_router_logits`) keeps its logits too, its auxiliary
   loss added as transformers adds it (`router_aux_loss_coef` times `aux_loss`, per micro batch);
 - RMSNorm (`swap_norms`): every module with one 1-D `weight` and an epsilon whose output, on random fp32 rows with a
   random weight, equals `kernels.rms_norm` with offset 0 (Llama's `weight * x`, OLMo 2's) or offset 1 (Gemma's
@@ -23,11 +25,13 @@ What of ours runs inside (`TransformersModel.kernel_report()`, printed at the st
   (`kernels/rms_norm.py`: at most about one unit in the last place apart). A call whose input and weight dtypes
   differ (transformers would promote) runs transformers' forward. A norm that fails the probe (a gated norm, a
   LayerNorm) stays transformers' and is named in the report;
-- SwiGLU (`swap_mlps`): every module with `gate_proj`, `up_proj` and `down_proj` linear layers without biases whose
-  output, on an fp32 copy with random weights and rows, equals `down(silu(gate(x)) * up(x))` (rtol 1e-5) runs our
-  SwiGLU (`causal_lm.swiglu_down`: the (tokens, intermediate) product is not kept for backward; the projections are
-  called as modules, so LoRA and 4-bit layers put there later run as themselves); GELU-gated MLPs (Gemma's) and fused
-  `gate_up_proj` layouts stay transformers' and are named;
+- SwiGLU and GeGLU (`swap_mlps`): every module with `gate_proj`, `up_proj` and `down_proj` linear layers without
+  biases, or a fused `gate_up_proj` (gate first, Phi-3/4's and GLM-4's) and `down_proj`, whose output, on an fp32 copy
+  with random weights and rows, equals `down(act(gate(x)) * up(x))` (rtol 1e-5) for act silu (SwiGLU) or the tanh
+  GELU (GeGLU, Gemma's gelu_pytorch_tanh) runs our kernels (`causal_lm.swiglu_down`: the (tokens, intermediate)
+  product is not kept for backward; the projections are called as modules, so LoRA and 4-bit layers put there later
+  run as themselves; the fused layout's halves are copied contiguous for the kernels); an MLP that matches neither
+  (another activation, biases, experts) stays transformers' and is named;
 - FusedAdamW (the optimizer, model-independent); NEFTune (`neftune_noise_alpha`) through a forward hook on the input
   embeddings, where Hugging Face's Trainer puts it, with our model's noise (`kernels.neftune_noise`: each sequence's own
   length from the batch's attention_mask and position_ids, no noise on padding);
@@ -48,9 +52,9 @@ take the same models.
 Refused on this path, each in one line before anything is built (`check_transformers_path`): the features whose
 implementation needs our model's structure (activation offloading, the tiled MLP, liger-kernel, per-block compile,
 DeepSpeed, FSDP2 for DPO and GRPO). SFT, DPO and GRPO train here; DPO and GRPO need a model whose logits are
-`lm_head(hidden)` times a constant (their losses run from the hidden states and the head's weight: `check_stage`, one
-line when the trainer gets the model). GRPO samples through our sampler (`decode_step` over transformers' KV cache,
-`TransformersCache`), so its per-completion random stream is the one our model's runs draw.
+`lm_head(hidden)` times a constant, or softcapped (their losses run from the hidden states and the head's weight:
+`check_stage`, one line when the trainer gets the model). GRPO samples through our sampler (`decode_step` over
+transformers' KV cache, `TransformersCache`), so its per-completion random stream is the one our model's runs draw.
 
 transformers is imported only when this path is taken (it costs seconds).
 """
@@ -203,10 +207,11 @@ def _kernel_norm_forward(self, x):
     return kernels.rms_norm(x, self.weight, self.kernel_eps, self.kernel_offset)
 
 
-def _swap(model: nn.Module, settings, prove, forward, left_when) -> tuple[dict[str, int], set[str]]:
+def _swap(model: nn.Module, settings, prove, forward, left_when, label) -> tuple[dict[str, int], set[str]]:
     """Rebind `forward` on every module whose class, with `settings(module)` (None: not a candidate), `prove` passes
     (once per class and settings: a dict of attributes the kernel forward reads, or None); weights untouched.
-    ({label: count}, the names of classes left as they are: failed candidates, and others `left_when(name)` picks)."""
+    ({label(class name, attributes): count}, the names of classes left as they are: failed candidates, and others
+    `left_when(name)` picks)."""
     swapped: dict[str, int] = {}
     verdicts: dict[tuple, dict | None] = {}
     left: set[str] = set()
@@ -226,8 +231,8 @@ def _swap(model: nn.Module, settings, prove, forward, left_when) -> tuple[dict[s
         for attr, value in attrs.items():
             setattr(module, attr, value)
         module.forward = types.MethodType(forward, module)
-        label = name + (", offset 1" if attrs.get("kernel_offset") else "")
-        swapped[label] = swapped.get(label, 0) + 1
+        key = label(name, attrs)
+        swapped[key] = swapped.get(key, 0) + 1
     return swapped, left
 
 
@@ -239,51 +244,89 @@ def swap_norms(model: nn.Module) -> tuple[dict[str, int], set[str]]:
         offset = norm_offset(module, eps)
         return None if offset is None else {"kernel_eps": eps, "kernel_offset": offset}
 
-    return _swap(model, _norm_eps, prove, _kernel_norm_forward, lambda name: "Norm" in name)
+    def label(name, attrs):
+        return name + (", offset 1" if attrs["kernel_offset"] else "")
+
+    return _swap(model, _norm_eps, prove, _kernel_norm_forward, lambda name: "Norm" in name, label)
 
 
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MLP_LIKE = ("MLP", "Mlp", "Experts", "MoeBlock", "MoE", "Moe")  # class-name endings named in the report when left
+GATED_NAMES = {"silu": "SwiGLU", "gelu_tanh": "GeGLU"}  # causal_lm.GATED_MLPS' activations, as the report names them
 
 
-def _is_gated_mlp(module: nn.Module) -> bool:
-    """gate_proj, up_proj and down_proj linear children without biases (the SwiGLU layout of Llama's MLP), and a
-    forward of the rows alone."""
-    layers = [getattr(module, n, None) for n in MLP_PROJECTIONS]
-    return all(isinstance(m, nn.Linear) and m.bias is None for m in layers) and _takes_rows_only(module)
+def _no_bias_linear(module: nn.Module | None) -> bool:
+    return isinstance(module, nn.Linear) and module.bias is None
+
+
+def _gated_layout(module: nn.Module) -> str | None:
+    """ "split" (gate_proj, up_proj and down_proj: Llama's and Gemma's layout) or "fused" (gate_up_proj, whose output's
+    first half is the gate, and down_proj: Phi-3/4's, GLM-4's), each a linear layer without bias, and a forward of
+    the rows alone; else None."""
+    if not _takes_rows_only(module) or not _no_bias_linear(getattr(module, "down_proj", None)):
+        return None
+    if all(_no_bias_linear(getattr(module, n, None)) for n in ("gate_proj", "up_proj")):
+        return "split"
+    gate_up = getattr(module, "gate_up_proj", None)
+    if _no_bias_linear(gate_up) and gate_up.out_features % 2 == 0:
+        return "fused"
+    return None
+
+
+def _gate_up(module: nn.Module, layout: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP's gate and up projections of x (the fused layout's halves are views of one output)."""
+    if layout == "split":
+        return module.gate_proj(x), module.up_proj(x)
+    gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
+    return gate, up
 
 
 @torch.no_grad()
-def mlp_is_swiglu(module: nn.Module) -> bool:
-    """Whether `module` computes down(silu(gate(x)) * up(x)): probed on an fp32 copy with random weights and rows."""
+def gated_mlp_act(module: nn.Module, layout: str | None = None) -> str | None:
+    """The activation ("silu": SwiGLU, "gelu_tanh": GeGLU) with which `module` computes down(act(gate(x)) * up(x)) in
+    its layout, probed on an fp32 copy with random weights and rows (rtol 1e-5), or None when neither does."""
+    layout = layout or _gated_layout(module)
+    if layout is None:
+        return None
     probe = copy.deepcopy(module).float().cpu()
     g = torch.Generator().manual_seed(0)
     for p in probe.parameters():
         p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    x = torch.randn(NORM_PROBE_ROWS, probe.gate_proj.in_features, generator=g)
+    x = torch.randn(NORM_PROBE_ROWS, probe.down_proj.out_features, generator=g)
     try:
         out = probe(x)
     except Exception:  # a forward that takes more than the rows: not ours
-        return False
-    expected = kernels.swiglu_linear_ref(probe.gate_proj(x), probe.up_proj(x), probe.down_proj.weight)
-    return torch.is_tensor(out) and out.shape == expected.shape and torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+        return None
+    if not torch.is_tensor(out):
+        return None
+    gate, up = _gate_up(probe, layout, x)
+    refs = {"silu": kernels.swiglu_linear_ref, "gelu_tanh": kernels.geglu_linear_ref}
+    for act, ref in refs.items():
+        expected = ref(gate, up, probe.down_proj.weight)
+        if out.shape == expected.shape and torch.allclose(out, expected, rtol=1e-5, atol=1e-6):
+            return act
+    return None
 
 
 def _kernel_mlp_forward(self, x):
-    return swiglu_down(self.down_proj, self.gate_proj(x), self.up_proj(x))
+    gate, up = _gate_up(self, self.kernel_layout, x)
+    return swiglu_down(self.down_proj, gate, up, self.kernel_act)
 
 
 def swap_mlps(model: nn.Module) -> tuple[dict[str, int], set[str]]:
-    """Point every gated MLP that `mlp_is_swiglu` proves at our SwiGLU (`swiglu_down`: forward rebound on the
-    instance, the projections called as modules, so a LoRA or 4-bit layer put there later runs as itself):
-    ({"ClassName": count}, the names of MLP-like classes left as they are)."""
-    return _swap(
-        model,
-        lambda module: () if _is_gated_mlp(module) else None,
-        lambda module, _: {} if mlp_is_swiglu(module) else None,
-        _kernel_mlp_forward,
-        lambda name: name.endswith(MLP_LIKE),
-    )
+    """Point every gated MLP that `gated_mlp_act` proves at our SwiGLU or GeGLU (`swiglu_down`: forward rebound on
+    the instance, the projections called as modules, so a LoRA or 4-bit layer put there later runs as itself; the
+    fused layout's gate and up halves are copied contiguous for the kernels): ({"SwiGLU: ClassName": count}, the names
+    of MLP-like classes left as they are)."""
+
+    def prove(module, layout):
+        act = gated_mlp_act(module, layout)
+        return None if act is None else {"kernel_act": act, "kernel_layout": layout}
+
+    def label(name, attrs):
+        fused = ", fused gate_up" if attrs["kernel_layout"] == "fused" else ""
+        return f"{GATED_NAMES[attrs['kernel_act']]}: {name}{fused}"
+
+    return _swap(model, _gated_layout, prove, _kernel_mlp_forward, lambda name: name.endswith(MLP_LIKE), label)
 
 
 class TransformersCache:
@@ -343,7 +386,8 @@ class TransformersModel(nn.Module):
         self._layout = (None, None)  # the forward in progress's (attention_mask, position_ids), for `_neftune`
         hf.get_input_embeddings().register_forward_hook(self._neftune)
         self.router_loss = bool(getattr(hf.config, "output_router_logits", False))
-        self.logit_scale = self._head_scale()  # logits = logit_scale * lm_head(hidden), or None: something else
+        # logits = logit_scale * lm_head(hidden), softcapped when softcap is not None; None: something else
+        self.logit_scale, self.softcap = self._probe_head() or (None, None)
         self.plain_head = self.logit_scale is not None and not self.router_loss
         self.fused_head = use_kernels and self.plain_head
         self.norms, self.norms_left = swap_norms(hf) if use_kernels else ({}, set())
@@ -385,12 +429,20 @@ class TransformersModel(nn.Module):
         head = self.hf.get_output_embeddings()
         return head if isinstance(head, nn.Linear) and head.bias is None else None
 
+    def _config_softcap(self) -> float | None:
+        """The final logit softcapping the config names (Gemma 2's final_logit_softcapping), or None."""
+        cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)
+        return float(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0 else None
+
     @torch.no_grad()
-    def _head_scale(self) -> float | None:
-        """c where the model's logits are c times its LM head applied to its decoder's output (1.0 for most; Cohere's
-        logit_scale, 1 / Granite's logits_scaling), to fp32 rounding (rtol 1e-5; exactly for c = 1); None when they
-        are not (module docstring). A model whose own forward fails on the probe's tokens is a one-line ModelError
-        here, before any training."""
+    def _probe_head(self) -> tuple[float, float | None] | None:
+        """(c, softcap) where the model's logits are c times its LM head applied to its decoder's output (c = 1.0 for
+        most; Cohere's logit_scale, 1 / Granite's logits_scaling), to fp32 rounding (rtol 1e-5; exactly for c = 1), or
+        softcap tanh(that / softcap) for the cap its config names (Gemma 2's final_logit_softcapping; c = 1), proven on
+        logits pushed into tanh's curved range: the head's output is multiplied by k during the probe (a forward hook)
+        so that its largest entry is 3 softcap (a tiny random model's logits, far below the cap, would pass for
+        uncapped ones). None when neither holds (module docstring). A model whose own forward fails on the probe's
+        tokens is a one-line ModelError here, before any training."""
         device = self.hf.get_input_embeddings().weight.device
         if device.type == "meta":
             return None
@@ -418,11 +470,21 @@ class TransformersModel(nn.Module):
             plain = head(hidden)
             if logits.shape != (1, PROBE_TOKENS, head.out_features) or not torch.isfinite(plain).all():
                 return None
-            if torch.equal(logits, plain):
-                return 1.0
+            cap = self._config_softcap()
+            if cap is not None:
+                k = 3 * cap / float(plain.abs().max().clamp(min=1e-30))
+                hook = head.register_forward_hook(lambda module, inputs, out: out * k)
+                try:
+                    pushed = self.hf(input_ids=ids, use_cache=False).logits
+                finally:
+                    hook.remove()
+                if torch.allclose(pushed, kernels.softcapped(plain * k, cap), rtol=1e-5, atol=1e-6):
+                    return 1.0, cap
+            if torch.equal(logits, plain):  # (a cap the config names but the model does not apply: not taken)
+                return 1.0, None
             scale = float((logits.double() * plain.double()).sum() / plain.double().square().sum().clamp(min=1e-30))
             same = scale != 0 and torch.allclose(logits, plain * scale, rtol=1e-5, atol=1e-6)
-            return scale if same else None
+            return (scale, None) if same else None
         finally:
             self.hf.train(was_training)
 
@@ -444,11 +506,12 @@ class TransformersModel(nn.Module):
         """Why the loss runs over transformers' logits rather than from the hidden states and the head's weight."""
         if self.router_loss:
             return "its router loss (output_router_logits)"
-        return "its logits are not lm_head(hidden) alone"
+        return "its logits are not lm_head(hidden) alone, scaled or softcapped"
 
     def check_stage(self, stage: str) -> None:
         """A one-line ConfigError when `stage`'s losses cannot run on this model: preference and GRPO losses are
-        computed from the final hidden states and the LM head's weight (`head_forward`), which needs a plain head."""
+        computed from the final hidden states and the LM head's weight (`head_forward`), which needs a plain head
+        (scaled or softcapped)."""
         if stage != "sft" and not self.plain_head:
             raise ConfigError(
                 f"stage {stage}: {type(self.hf).__name__} cannot train it on the transformers path yet: "
@@ -466,10 +529,13 @@ class TransformersModel(nn.Module):
     def kernel_report(self) -> str:
         """One line: the path, the class, what of ours runs inside and what stays transformers'."""
         ours = [f"RMSNorm x{n} ({label})" for label, n in self.norms.items()]
-        ours += [f"SwiGLU x{n} ({label})" for label, n in self.mlps.items()]
+        for key, n in self.mlps.items():  # "SwiGLU: LlamaMLP" -> "SwiGLU x16 (LlamaMLP)"
+            kind, where = key.split(": ", 1)
+            ours.append(f"{kind} x{n} ({where})")
         if self.fused_head:
             scale = "" if self.logit_scale == 1.0 else f" (logit scale {self.logit_scale:g} folded in)"
-            ours.append(f"fused linear cross-entropy{scale}")
+            cap = "" if self.softcap is None else f" (final logit softcap {self.softcap:g} inside)"
+            ours.append(f"fused linear cross-entropy{scale}{cap}")
         ours.append("FusedAdamW")
         why = ""
         if not self.fused_head:
@@ -527,6 +593,7 @@ class TransformersModel(nn.Module):
                 sequence_logps=sequence_logps,
                 preference_loss=preference_loss,
                 head=head,
+                softcap=self.softcap,
             )
         if sequence_logps or preference_loss is not None or head is not None:
             self.check_stage("dpo" if head is None else "grpo")

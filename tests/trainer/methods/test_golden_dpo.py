@@ -88,12 +88,13 @@ def setup(tmp_path_factory):
     return root, pairs, tok
 
 
-def trl_run(setup, out, loss_type, loss_weights=None, lora=None):
+def trl_run(setup, out, loss_type, loss_weights=None, lora=None, attn_implementation="sdpa"):
     """TRL's run; with `lora` (a peft LoraConfig) the model is wrapped by peft, and its starting adapter saved in
-    out/adapter0 for our run to start from."""
+    out/adapter0 for our run to start from. attn_implementation None: transformers' choice for the model (Gemma 2's
+    eager attention, whose softcapping sdpa lacks)."""
     root, pairs, _ = setup
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        root / "model", dtype=torch.float32, attn_implementation="sdpa"
+        root / "model", dtype=torch.float32, attn_implementation=attn_implementation
     )
     if lora is not None:
         torch.manual_seed(1)

@@ -428,8 +428,8 @@ def test_mlp_recomputes_its_act_in_backward_bit_for_bit(monkeypatch, down):
     x = torch.randn(2, 5, on.config.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
     swiglu_fwd, acts = swiglu_mod.swiglu_fwd, []
 
-    def spy(gate, up):
-        acts.append(swiglu_fwd(gate, up))
+    def spy(gate, up, act="silu"):
+        acts.append(swiglu_fwd(gate, up, act))
         return acts[-1]
 
     monkeypatch.setattr(swiglu_mod, "swiglu_fwd", spy)  # every act any path makes (kernels.swiglu launches it too)

@@ -28,11 +28,11 @@ from trainer.model.transformers_model import TransformersModel, check_transforme
 transformers = pytest.importorskip("transformers")
 
 # whose three steps against transformers.Trainer run in the fast suite (the rest are `slow`, ~15 s each): logit
-# softcapping and sliding windows (gemma2: transformers' logits), mixture of experts (qwen3_moe: the fused head),
+# softcapping and sliding windows (gemma2: the softcap inside our fused head), mixture of experts (qwen3_moe),
 # hybrid linear attention (qwen3_5_text)
 FAST_TRAINING = ("gemma2", "qwen3_moe", "qwen3_5_text")
-# the probe's verdict per type: the logits are lm_head(hidden) alone, or transformed after the head
-NOT_FUSED = {"gemma2": "final logit softcapping"}
+# the probe's verdict per type where the logits are more than lm_head(hidden): Gemma 2's final softcapping
+SOFTCAPPED = {"gemma2": 30.0}
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +67,11 @@ def test_step0_loss_is_transformers_and_the_saved_model_loads_with_equal_logits(
     args = TrainingArguments(output_dir=str(tmp_path / "o"))
     model, tokenizer = build_model(str(path), args)
     assert isinstance(model, TransformersModel) and tokenizer.eos_token_id == 258
-    assert model.fused_head == (model_type not in NOT_FUSED)
+    assert model.fused_head and model.softcap == SOFTCAPPED.get(model_type)
     report = model.kernel_report()
     assert report.startswith(f"transformers path: {type(model.hf).__name__}; our kernels: ")
-    assert ("fused linear cross-entropy" in report) == model.fused_head
+    assert "fused linear cross-entropy" in report
+    assert ("final logit softcap 30 inside" in report) == (model_type in SOFTCAPPED)
     ids, labels = batch()
     ours = model(input_ids=ids, labels=labels).loss
     plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # no kernel of ours inside
@@ -163,8 +164,8 @@ def test_the_command_trains_a_gemma3_and_says_which_path(checkpoints, tmp_path, 
     assert sft.main(["--model", str(checkpoints["gemma3_text"]), "--output_dir", str(out), *FEW_STEPS]) == 0
     err = capsys.readouterr().err
     assert (
-        "transformers path: Gemma3ForCausalLM; our kernels: RMSNorm x25 (Gemma3RMSNorm, offset 1), fused linear "
-        "cross-entropy, FusedAdamW; left as transformers': attention, rotary embedding, Gemma3MLP" in err
+        "transformers path: Gemma3ForCausalLM; our kernels: RMSNorm x25 (Gemma3RMSNorm, offset 1), GeGLU x4 "
+        "(Gemma3MLP), fused linear cross-entropy, FusedAdamW; left as transformers': attention, rotary embedding" in err
     )
     final = json.loads((out / "final_metrics.json").read_text())
     assert final["global_step"] == 3 and "exact_match_after" in final
@@ -305,24 +306,40 @@ def test_a_model_transformers_cannot_build_stops_in_one_line_before_writing(tmp_
     assert not out.exists()
 
 
-def test_the_mlp_probe_swaps_only_swiglu():
-    """Llama's gated SiLU MLP runs kernels.swiglu_linear; Gemma's GELU-gated MLP and Phi-3's fused gate_up layout
-    stay transformers' and are named; the swapped MLP computes what it computed (fp32 rounding)."""
+def test_the_mlp_probe_swaps_swiglu_geglu_and_the_fused_layout():
+    """Llama's gated SiLU MLP runs kernels.swiglu_linear, Gemma's tanh-GELU-gated MLP kernels.geglu_linear, Phi-3's
+    fused gate_up layout our SwiGLU over its two halves; an MLP gated by the exact (erf) GELU stays transformers' and
+    is named. Each swapped MLP computes what it computed, outputs and gradients (fp32 rounding)."""
     from transformers import GemmaConfig, LlamaConfig, Phi3Config
     from transformers.models.gemma.modeling_gemma import GemmaMLP
     from transformers.models.llama.modeling_llama import LlamaMLP
     from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
-    from trainer.model.transformers_model import mlp_is_swiglu, swap_mlps
+    from trainer.model.transformers_model import gated_mlp_act, swap_mlps
 
     sizes = dict(hidden_size=32, intermediate_size=48)
-    llama, gemma, phi3 = LlamaMLP(LlamaConfig(**sizes)), GemmaMLP(GemmaConfig(**sizes)), Phi3MLP(Phi3Config(**sizes))
-    assert mlp_is_swiglu(llama) and not mlp_is_swiglu(gemma)
+    mlps = {
+        "llama": LlamaMLP(LlamaConfig(**sizes)),
+        "gemma": GemmaMLP(GemmaConfig(**sizes)),
+        "phi3": Phi3MLP(Phi3Config(**sizes)),
+    }
+    erf = LlamaMLP(LlamaConfig(**sizes, hidden_act="gelu"))  # (Gemma's code forces the tanh GELU whatever it is told)
+    acts = {name: gated_mlp_act(m) for name, m in mlps.items()}
+    assert acts == {"llama": "silu", "gemma": "gelu_tanh", "phi3": "silu"} and gated_mlp_act(erf) is None
+    assert swap_mlps(erf) == ({}, {"LlamaMLP"})
     x = torch.randn(2, 5, 32)
-    expected = LlamaMLP.forward(llama, x)
-    swapped, left = swap_mlps(torch.nn.ModuleDict({"llama": llama, "gemma": gemma, "phi3": phi3}))
-    assert swapped == {"LlamaMLP": 1} and left == {"GemmaMLP", "Phi3MLP"}
-    torch.testing.assert_close(llama(x), expected, rtol=1e-5, atol=1e-6)
+    expected = {}
+    for name, m in mlps.items():
+        out = type(m).forward(m, x)
+        expected[name] = (out, torch.autograd.grad(out.square().sum(), list(m.parameters())))
+    swapped, left = swap_mlps(torch.nn.ModuleDict(mlps))
+    assert swapped == {"SwiGLU: LlamaMLP": 1, "GeGLU: GemmaMLP": 1, "SwiGLU: Phi3MLP, fused gate_up": 1} and not left
+    for name, m in mlps.items():
+        out = m(x)
+        grads = torch.autograd.grad(out.square().sum(), list(m.parameters()))
+        torch.testing.assert_close(out, expected[name][0], rtol=1e-5, atol=1e-6)
+        for g, e in zip(grads, expected[name][1]):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
 def test_flops_are_counted_for_softmax_attention_only(checkpoints):

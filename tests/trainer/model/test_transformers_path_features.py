@@ -205,7 +205,8 @@ def _preference_setup(model_type: str, root):
 @pytest.mark.parametrize(
     "model_type, use_kernels",
     [
-        ("gemma3_text", True),
+        ("gemma2", True),  # final logit softcapping inside our fused preference head
+        pytest.param("gemma3_text", True, marks=pytest.mark.slow),
         pytest.param("gemma3_text", False, marks=pytest.mark.slow),
         pytest.param("qwen3_5_text", True, marks=pytest.mark.slow),
     ],
@@ -228,7 +229,7 @@ def test_dpo_matches_trl_on_the_transformers_path(model_type, use_kernels, tmp_p
 
     setup = _preference_setup(model_type, tmp_path / "setup")
     root, _, tok = setup
-    theirs = trl_run(setup, tmp_path / "trl", ["sigmoid"])
+    theirs = trl_run(setup, tmp_path / "trl", ["sigmoid"], attn_implementation=None)  # as our build: auto
     args = TrainingArguments(
         output_dir=str(tmp_path / "ours"), train_shuffle=False, use_kernels=use_kernels, **DPO_COMMON
     )
@@ -251,26 +252,44 @@ def test_dpo_matches_trl_on_the_transformers_path(model_type, use_kernels, tmp_p
     assert ours[-1]["rewards/margins"] > 0
 
 
-def test_the_command_refuses_such_a_stage_before_evaluating(checkpoints, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def router_loss_checkpoint(tmp_path_factory):
+    """A mixture of experts asked for its router loss: its loss runs over transformers' logits (not a plain head)."""
+    return write_tiny("qwen3_moe", tmp_path_factory.mktemp("router") / "qwen3_moe", output_router_logits=True)
+
+
+def test_the_command_refuses_such_a_stage_before_evaluating(router_loss_checkpoint, tmp_path, capsys):
     from trainer import sft
 
-    argv = ["--model", str(checkpoints["gemma2"]), "--stage", "dpo", "--output_dir", str(tmp_path / "o")]
+    argv = ["--model", str(router_loss_checkpoint), "--stage", "dpo", "--output_dir", str(tmp_path / "o")]
     assert sft.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1].startswith("error: stage dpo: Gemma2ForCausalLM cannot train it")
+    assert err.strip().splitlines()[-1].startswith("error: stage dpo: Qwen3MoeForCausalLM cannot train it")
     assert "exact match before training" not in err
 
 
-def test_a_stage_the_models_head_cannot_run_is_one_line(checkpoints, tmp_path):
-    """Gemma 2 softcaps its logits after the head: preference losses, which run from the hidden states and the head's
-    weight, are refused when the trainer gets the model."""
+def test_a_stage_the_models_head_cannot_run_is_one_line(router_loss_checkpoint, tmp_path):
+    """A model trained with its router loss keeps transformers' logits: preference losses, which run from the hidden
+    states and the head's weight, are refused when the trainer gets the model."""
     from trainer.config.args import ConfigError
     from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
 
     args = TrainingArguments(output_dir=str(tmp_path / "o"))
-    model, tok = build_model(str(checkpoints["gemma2"]), args)
-    with pytest.raises(ConfigError, match=r"^stage dpo: Gemma2ForCausalLM cannot train it on the transformers path"):
+    model, tok = build_model(str(router_loss_checkpoint), args)
+    assert model.fused_head is False and model.router_loss
+    with pytest.raises(ConfigError, match=r"^stage dpo: Qwen3MoeForCausalLM cannot train it on the transformers path"):
         PreferenceTrainer(model=model, args=args, pref=PreferenceArguments(beta=0.1), processing_class=tok)
+
+
+def test_a_softcap_the_model_does_not_apply_is_not_taken(checkpoints, tmp_path):
+    """The probe proves the cap a config names: a Llama checkpoint whose config carries a stray
+    final_logit_softcapping (Llama's code never applies it) keeps uncapped logits, through the fused head."""
+    path = write_tiny("llama", tmp_path / "llama", final_logit_softcapping=30.0)
+    model, _ = build_model(str(path), TrainingArguments(output_dir=str(tmp_path / "o")), model_impl="transformers")
+    assert model.fused_head and model.softcap is None and model.logit_scale == 1.0
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(input_ids=ids, labels=ids)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, theirs.loss, rtol=1e-5, atol=0)
 
 
 DECODE_TYPES = ("gemma3_text", "qwen3_5_text", "qwen3_moe", "gpt_oss", "lfm2")
@@ -348,6 +367,54 @@ def test_grpo_trains_the_same_through_both_paths(checkpoints, tmp_path):
     for a, b in zip(logs["transformers"], logs["ours"]):
         for name in ("loss", "reward", "kl", "completions/mean_length", "grad_norm"):
             assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), (name, a[name], b[name])
+
+
+def test_grpo_heads_give_the_softcapped_models_log_probs(checkpoints, tmp_path):
+    """Gemma 2's GRPO heads (the sampling-time log-probs and the fused loss, temperature 0.7, top-entropy masking) run
+    from the hidden states with the final softcap inside our kernels: the per-token log-probs, the loss and its
+    gradient equal those computed from transformers' own (capped) logits divided by the temperature."""
+    import functools
+
+    from trainer.methods.grpo import _head_logps
+    from trainer.methods.grpo_loss import fused_grpo_loss, grpo_loss, high_entropy_mask
+
+    model, _ = build_model(str(checkpoints["gemma2"]), TrainingArguments(output_dir=str(tmp_path / "o")))
+    assert model.softcap == 30.0 and model.fused_head
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (4, 10), generator=g)
+    target = torch.full((4, 10), -100)
+    target[:, 4:9] = ids[:, 5:10]  # the completion: columns 4..8 predict tokens 5..9
+    columns, mask = slice(4, 9), torch.ones(4, 5)
+    mask[1, 3:] = 0
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    temperature = 0.7
+
+    logits = model.hf(input_ids=ids, use_cache=False).logits.float() / temperature  # transformers' capped logits
+    log_probs = logits.log_softmax(-1)
+    theirs = log_probs[:, columns].gather(-1, ids[:, 5:10, None]).squeeze(-1)
+    head = functools.partial(_head_logps, target=target, columns=columns, temperature=temperature)
+    with torch.no_grad():
+        ours = model(input_ids=ids, head=head).metrics["logps"]
+    torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-5)
+
+    options = dict(loss_type="dapo", top_entropy_quantile=0.5)
+    entropies = -(log_probs.exp() * log_probs).sum(-1)[:, columns]
+    entropy_mask = high_entropy_mask(entropies.detach(), mask, 0.5)
+    expected, _ = grpo_loss(theirs, advantages, mask, entropy_mask=entropy_mask, **options)
+    (expected_grad,) = torch.autograd.grad(expected, model.hf.lm_head.weight)
+    loss_head = functools.partial(
+        fused_grpo_loss,
+        target=target,
+        advantages=advantages,
+        completion_mask=mask,
+        completion_columns=columns,
+        temperature=temperature,
+        **options,
+    )
+    loss = model(input_ids=ids, head=loss_head).loss
+    (grad,) = torch.autograd.grad(loss, model.hf.lm_head.weight)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6 * expected_grad.abs().max().item())
 
 
 def test_ddp_fsdp2_and_lora_on_two_processes_match_one_process(checkpoints, tmp_path):
