@@ -18,24 +18,14 @@ What of ours runs inside (`TransformersModel.kernel_report()`, printed at the st
   transforms its logits otherwise fails the probe and keeps transformers' logits, with our cross-entropy over them;
   a mixture-of-experts model asked for its router loss (`output_router_logits`) keeps its logits too, its auxiliary
   loss added as transformers adds it (`router_aux_loss_coef` times `aux_loss`, per micro batch);
-- RMSNorm (`swap_norms`): every module with one 1-D `weight` and an epsilon whose output, on random fp32 rows with a
-  random weight, equals `kernels.rms_norm` with offset 0 (Llama's `weight * x`, OLMo 2's) or offset 1 (Gemma's
-  `(1 + weight) * x`) to fp32 rounding (rtol 1e-5) runs our kernel; the probe runs on an fp32 copy of the module,
-  so its math is checked, not its name. In bf16/fp16 ours keeps fp32 until one final cast where Llama's rounds twice
-  (`kernels/rms_norm.py`: at most about one unit in the last place apart). A call whose input and weight dtypes
-  differ (transformers would promote) runs transformers' forward. A norm that fails the probe (a gated norm, a
-  LayerNorm) stays transformers' and is named in the report;
-- SwiGLU and GeGLU (`swap_mlps`): every module with `gate_proj`, `up_proj` and `down_proj` linear layers without
-  biases, or a fused `gate_up_proj` (gate first, Phi-3/4's and GLM-4's) and `down_proj`, whose output, on an fp32 copy
-  with random weights and rows, equals `down(act(gate(x)) * up(x))` (rtol 1e-5) for act silu (SwiGLU) or the tanh
-  GELU (GeGLU, Gemma's gelu_pytorch_tanh) runs our kernels (`causal_lm.swiglu_down`: the (tokens, intermediate)
-  product is not kept for backward; the projections are called as modules, so LoRA and 4-bit layers put there later
-  run as themselves; the fused layout's halves are copied contiguous for the kernels); an MLP that matches neither
-  (another activation, biases, experts) stays transformers' and is named;
+- RMSNorm, SwiGLU and GeGLU, RoPE: the swaps of trainer/model/kernel_swaps.py, each proven on the module itself (its
+  math on an fp32 copy, not its name) before it is made; in bf16/fp16 ours rounds once where transformers rounds
+  twice (at most about one unit in the last place apart), as in our own model. What fails a proof (a gated norm, a
+  LayerNorm, an MLP of another activation, GLM-4's interleaved rotary) stays transformers' and is named;
 - FusedAdamW (the optimizer, model-independent); NEFTune (`neftune_noise_alpha`) through a forward hook on the input
   embeddings, where Hugging Face's Trainer puts it, with our model's noise (`kernels.neftune_noise`: each sequence's own
   length from the batch's attention_mask and position_ids, no noise on padding);
-- everything else stays transformers' (attention, RoPE, mixtures of experts' expert layers), and is reported.
+- everything else stays transformers' (attention, mixtures of experts' expert layers), and is reported.
 The step-0 loss with all of these inside equals an untouched transformers model's within 1e-5 in fp32 for the 20 types
 of tests/trainer/model/tiny_hf.py (tests/trainer/model/test_transformers_path.py).
 
@@ -45,13 +35,14 @@ load peaks at the full-precision model, where our path quantizes as it reads; a 
 tensors are not nn.Linear and stay in full precision), LoRA through peft (`trainer.model.lora`: injected into the
 transformers model, so the adapter files carry transformers' names and `peft.PeftModel.from_pretrained` over
 `AutoModelForCausalLM` loads them), gradient checkpointing (transformers' own switch, `gradient_checkpointing_enable`),
-DDP and FSDP2 (each of transformers' decoder layers one unit: `decoder_layers`; every rank loads the whole model
-before it is sharded; saving gathers into `empty_copy`; SFT only). `trainer.merge` and `trainer.generate --adapter`
-take the same models.
+per-block compile (each of transformers' decoder layers, `decoder_layers`, our swapped forwards inside), DDP, FSDP2
+(each decoder layer one unit; every rank loads the whole model before it is sharded; saving gathers into
+`empty_copy`) and DeepSpeed ZeRO-2/3 (ZeRO-3 fetches a partitioned parameter where our forwards read it), these two
+for SFT. `trainer.merge` and `trainer.generate --adapter` take the same models.
 
 Refused on this path, each in one line before anything is built (`check_transformers_path`): the features whose
-implementation needs our model's structure (activation offloading, the tiled MLP, liger-kernel, per-block compile,
-DeepSpeed, FSDP2 for DPO and GRPO). SFT, DPO and GRPO train here; DPO and GRPO need a model whose logits are
+implementation needs our model's structure (activation offloading, the tiled MLP, liger-kernel), and FSDP2 and
+DeepSpeed for DPO and GRPO. SFT, DPO and GRPO train here; DPO and GRPO need a model whose logits are
 `lm_head(hidden)` times a constant, or softcapped (their losses run from the hidden states and the head's weight:
 `check_stage`, one line when the trainer gets the model). GRPO samples through our sampler (`decode_step` over
 transformers' KV cache, `TransformersCache`), so its per-completion random stream is the one our model's runs draw.
@@ -61,9 +52,6 @@ transformers is imported only when this path is taken (it costs seconds).
 
 from __future__ import annotations
 
-import copy
-import inspect
-import types
 from pathlib import Path
 
 import torch
@@ -78,8 +66,8 @@ from trainer.model.causal_lm import (
     CausalLMOutput,
     ModelError,
     head_forward,
-    swiglu_down,
 )
+from trainer.model.kernel_swaps import swap_kernels
 
 MODEL_IMPLS = ("auto", "ours", "transformers")
 # our attention backends (trainer/model/attention.py) -> transformers' attn_implementation; auto: transformers' choice
@@ -143,7 +131,6 @@ def check_transformers_path(args, stage: str = "sft") -> None:
         "activation_offloading": "activation offloading",
         "tiled_mlp": "the tiled MLP",
         "use_liger_kernel": "liger-kernel",
-        "torch_compile": "per-block compile",
     }
     for name, what in unsupported.items():
         if getattr(args, name, None):
@@ -152,181 +139,8 @@ def check_transformers_path(args, stage: str = "sft") -> None:
                 f"covers: {', '.join(SUPPORTED_MODEL_TYPES)}); leave it unset"
             )
     engine = (args.dist_config or {}).get("name")
-    if engine == "deepspeed":
-        raise ConfigError("dist_config deepspeed: not available on the transformers path yet; DDP and FSDP2 are")
-    if engine == "fsdp2" and stage != "sft":
-        raise ConfigError(f"dist_config fsdp2: stage {stage} on the transformers path runs with DDP only for now")
-
-
-NORM_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
-NORM_PROBE_ROWS = 4
-
-
-def _takes_rows_only(module: nn.Module) -> bool:
-    """Whether the module's forward takes one argument (the rows): a gated norm's `gate` or an MLP's extra inputs
-    would reach our kernel, which computes without them."""
-    params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # past self
-    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
-
-
-def _norm_eps(module: nn.Module) -> float | None:
-    """The epsilon of a module shaped like an RMSNorm (exactly one parameter, a 1-D `weight`, a forward of the rows
-    alone), else None."""
-    params = dict(module.named_parameters(recurse=False))
-    if list(params) != ["weight"] or params["weight"].dim() != 1 or list(module.children()):
-        return None
-    if not _takes_rows_only(module):
-        return None
-    return next((getattr(module, n) for n in NORM_EPS_NAMES if isinstance(getattr(module, n, None), float)), None)
-
-
-@torch.no_grad()
-def norm_offset(module: nn.Module, eps: float) -> float | None:
-    """0.0 or 1.0: the offset with which `kernels.rms_norm` computes what `module` computes (probed on an fp32 copy,
-    random rows, a random weight, rtol 1e-5), or None when neither does."""
-    probe = copy.deepcopy(module).float().cpu()
-    g = torch.Generator().manual_seed(0)
-    probe.weight.copy_(torch.randn(probe.weight.shape, generator=g) * 0.5)
-    x = torch.randn(NORM_PROBE_ROWS, probe.weight.numel(), generator=g) * 3.0
-    try:
-        out = probe(x)
-    except Exception:  # a forward that takes more than the rows (a gated norm's gate): not ours
-        return None
-    if not torch.is_tensor(out) or out.shape != x.shape:
-        return None
-    for offset in (0.0, 1.0):
-        ours = kernels.rms_norm_ref(x, probe.weight, eps, offset)
-        if torch.allclose(out.float(), ours, rtol=1e-5, atol=1e-6):
-            return offset
-    return None
-
-
-def _kernel_norm_forward(self, x):
-    if x.dtype != self.weight.dtype:  # transformers would promote: its own forward keeps that
-        return type(self).forward(self, x)
-    return kernels.rms_norm(x, self.weight, self.kernel_eps, self.kernel_offset)
-
-
-def _swap(model: nn.Module, settings, prove, forward, left_when, label) -> tuple[dict[str, int], set[str]]:
-    """Rebind `forward` on every module whose class, with `settings(module)` (None: not a candidate), `prove` passes
-    (once per class and settings: a dict of attributes the kernel forward reads, or None); weights untouched.
-    ({label(class name, attributes): count}, the names of classes left as they are: failed candidates, and others
-    `left_when(name)` picks)."""
-    swapped: dict[str, int] = {}
-    verdicts: dict[tuple, dict | None] = {}
-    left: set[str] = set()
-    for module in model.modules():
-        name = type(module).__name__
-        key = settings(module)
-        if key is None:
-            if left_when(name):
-                left.add(name)
-            continue
-        if (type(module), key) not in verdicts:
-            verdicts[type(module), key] = prove(module, key)
-        attrs = verdicts[type(module), key]
-        if attrs is None:
-            left.add(name)
-            continue
-        for attr, value in attrs.items():
-            setattr(module, attr, value)
-        module.forward = types.MethodType(forward, module)
-        key = label(name, attrs)
-        swapped[key] = swapped.get(key, 0) + 1
-    return swapped, left
-
-
-def swap_norms(model: nn.Module) -> tuple[dict[str, int], set[str]]:
-    """Point every RMSNorm that `norm_offset` proves at `kernels.rms_norm` (its forward rebound on the instance, its
-    weight untouched): ({"ClassName, offset 1": count}, the names of norm-like classes left as they are)."""
-
-    def prove(module, eps):
-        offset = norm_offset(module, eps)
-        return None if offset is None else {"kernel_eps": eps, "kernel_offset": offset}
-
-    def label(name, attrs):
-        return name + (", offset 1" if attrs["kernel_offset"] else "")
-
-    return _swap(model, _norm_eps, prove, _kernel_norm_forward, lambda name: "Norm" in name, label)
-
-
-MLP_LIKE = ("MLP", "Mlp", "Experts", "MoeBlock", "MoE", "Moe")  # class-name endings named in the report when left
-GATED_NAMES = {"silu": "SwiGLU", "gelu_tanh": "GeGLU"}  # causal_lm.GATED_MLPS' activations, as the report names them
-
-
-def _no_bias_linear(module: nn.Module | None) -> bool:
-    return isinstance(module, nn.Linear) and module.bias is None
-
-
-def _gated_layout(module: nn.Module) -> str | None:
-    """ "split" (gate_proj, up_proj and down_proj: Llama's and Gemma's layout) or "fused" (gate_up_proj, whose output's
-    first half is the gate, and down_proj: Phi-3/4's, GLM-4's), each a linear layer without bias, and a forward of
-    the rows alone; else None."""
-    if not _takes_rows_only(module) or not _no_bias_linear(getattr(module, "down_proj", None)):
-        return None
-    if all(_no_bias_linear(getattr(module, n, None)) for n in ("gate_proj", "up_proj")):
-        return "split"
-    gate_up = getattr(module, "gate_up_proj", None)
-    if _no_bias_linear(gate_up) and gate_up.out_features % 2 == 0:
-        return "fused"
-    return None
-
-
-def _gate_up(module: nn.Module, layout: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MLP's gate and up projections of x (the fused layout's halves are views of one output)."""
-    if layout == "split":
-        return module.gate_proj(x), module.up_proj(x)
-    gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
-    return gate, up
-
-
-@torch.no_grad()
-def gated_mlp_act(module: nn.Module, layout: str | None = None) -> str | None:
-    """The activation ("silu": SwiGLU, "gelu_tanh": GeGLU) with which `module` computes down(act(gate(x)) * up(x)) in
-    its layout, probed on an fp32 copy with random weights and rows (rtol 1e-5), or None when neither does."""
-    layout = layout or _gated_layout(module)
-    if layout is None:
-        return None
-    probe = copy.deepcopy(module).float().cpu()
-    g = torch.Generator().manual_seed(0)
-    for p in probe.parameters():
-        p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    x = torch.randn(NORM_PROBE_ROWS, probe.down_proj.out_features, generator=g)
-    try:
-        out = probe(x)
-    except Exception:  # a forward that takes more than the rows: not ours
-        return None
-    if not torch.is_tensor(out):
-        return None
-    gate, up = _gate_up(probe, layout, x)
-    refs = {"silu": kernels.swiglu_linear_ref, "gelu_tanh": kernels.geglu_linear_ref}
-    for act, ref in refs.items():
-        expected = ref(gate, up, probe.down_proj.weight)
-        if out.shape == expected.shape and torch.allclose(out, expected, rtol=1e-5, atol=1e-6):
-            return act
-    return None
-
-
-def _kernel_mlp_forward(self, x):
-    gate, up = _gate_up(self, self.kernel_layout, x)
-    return swiglu_down(self.down_proj, gate, up, self.kernel_act)
-
-
-def swap_mlps(model: nn.Module) -> tuple[dict[str, int], set[str]]:
-    """Point every gated MLP that `gated_mlp_act` proves at our SwiGLU or GeGLU (`swiglu_down`: forward rebound on
-    the instance, the projections called as modules, so a LoRA or 4-bit layer put there later runs as itself; the
-    fused layout's gate and up halves are copied contiguous for the kernels): ({"SwiGLU: ClassName": count}, the names
-    of MLP-like classes left as they are)."""
-
-    def prove(module, layout):
-        act = gated_mlp_act(module, layout)
-        return None if act is None else {"kernel_act": act, "kernel_layout": layout}
-
-    def label(name, attrs):
-        fused = ", fused gate_up" if attrs["kernel_layout"] == "fused" else ""
-        return f"{GATED_NAMES[attrs['kernel_act']]}: {name}{fused}"
-
-    return _swap(model, _gated_layout, prove, _kernel_mlp_forward, lambda name: name.endswith(MLP_LIKE), label)
+    if engine in ("fsdp2", "deepspeed") and stage != "sft":
+        raise ConfigError(f"dist_config {engine}: stage {stage} on the transformers path runs with DDP only for now")
 
 
 class TransformersCache:
@@ -390,8 +204,8 @@ class TransformersModel(nn.Module):
         self.logit_scale, self.softcap = self._probe_head() or (None, None)
         self.plain_head = self.logit_scale is not None and not self.router_loss
         self.fused_head = use_kernels and self.plain_head
-        self.norms, self.norms_left = swap_norms(hf) if use_kernels else ({}, set())
-        self.mlps, self.mlps_left = swap_mlps(hf) if use_kernels else ({}, set())
+        # what of ours runs inside ({"Kind: where": count}) and what was left (trainer/model/kernel_swaps.py)
+        self.swapped, self.left = swap_kernels(hf) if use_kernels else ({}, set())
 
     @property
     def decoder_layers(self) -> nn.ModuleList | None:
@@ -528,8 +342,8 @@ class TransformersModel(nn.Module):
 
     def kernel_report(self) -> str:
         """One line: the path, the class, what of ours runs inside and what stays transformers'."""
-        ours = [f"RMSNorm x{n} ({label})" for label, n in self.norms.items()]
-        for key, n in self.mlps.items():  # "SwiGLU: LlamaMLP" -> "SwiGLU x16 (LlamaMLP)"
+        ours = []
+        for key, n in self.swapped.items():  # "SwiGLU: LlamaMLP" -> "SwiGLU x16 (LlamaMLP)"
             kind, where = key.split(": ", 1)
             ours.append(f"{kind} x{n} ({where})")
         if self.fused_head:
@@ -541,13 +355,7 @@ class TransformersModel(nn.Module):
         if not self.fused_head:
             why = "kernels off (use_kernels false)" if self.plain_head else self.not_plain_reason()
             why = f"; the loss without our fused head: {why}"
-        rotary = any("Rotary" in type(m).__name__ for m in self.hf.modules())
-        left = [
-            "attention",
-            *(["rotary embedding"] if rotary else []),
-            *sorted(self.mlps_left),
-            *sorted(self.norms_left),
-        ]
+        left = ["attention", *sorted(self.left)]
         return (
             f"transformers path: {type(self.hf).__name__}; our kernels: {', '.join(ours)}{why}; left as "
             f"transformers': {', '.join(left)}"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import kernels
 from tests.trainer.loop.test_golden import COMMON, _examples, _pad
 from tests.trainer.loop.test_trainer import StopAt
 from tests.trainer.model.tiny_hf import TYPES, write_tiny
@@ -142,10 +143,7 @@ def test_generate_decodes_through_transformers(checkpoints):
     [
         (dict(activation_offloading=True), "activation_offloading: activation offloading is not available"),
         (dict(tiled_mlp=True), "tiled_mlp: the tiled MLP is not available"),
-        (
-            dict(dist_config={"name": "deepspeed", "config_file": "ds.json"}),
-            "dist_config deepspeed: not available on the transformers",
-        ),
+        (dict(use_liger_kernel=True), "use_liger_kernel: liger-kernel is not available"),
     ],
 )
 def test_what_the_path_cannot_do_yet_is_one_line(setting, message):
@@ -154,6 +152,10 @@ def test_what_the_path_cannot_do_yet_is_one_line(setting, message):
     fsdp2 = TrainingArguments(output_dir="unused", dist_config={"name": "fsdp2"})
     with pytest.raises(ConfigError, match="^dist_config fsdp2: stage grpo on the transformers path runs with DDP only"):
         check_transformers_path(fsdp2, "grpo")
+    deepspeed = TrainingArguments(output_dir="unused", dist_config={"name": "deepspeed", "config_file": "ds.json"})
+    check_transformers_path(deepspeed, "sft")  # SFT trains under DeepSpeed (tests/.../test_transformers_path_features)
+    with pytest.raises(ConfigError, match="^dist_config deepspeed: stage dpo on the transformers path runs with DDP"):
+        check_transformers_path(deepspeed, "dpo")
 
 
 def test_the_command_trains_a_gemma3_and_says_which_path(checkpoints, tmp_path, capsys):
@@ -165,7 +167,8 @@ def test_the_command_trains_a_gemma3_and_says_which_path(checkpoints, tmp_path, 
     err = capsys.readouterr().err
     assert (
         "transformers path: Gemma3ForCausalLM; our kernels: RMSNorm x25 (Gemma3RMSNorm, offset 1), GeGLU x4 "
-        "(Gemma3MLP), fused linear cross-entropy, FusedAdamW; left as transformers': attention, rotary embedding" in err
+        "(Gemma3MLP), RoPE x4 (Gemma3Attention), fused linear cross-entropy, FusedAdamW; left as transformers': "
+        "attention\n" in err
     )
     final = json.loads((out / "final_metrics.json").read_text())
     assert final["global_step"] == 3 and "exact_match_after" in final
@@ -236,7 +239,7 @@ def test_the_norm_probe_swaps_only_what_computes_our_math():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
-    from trainer.model.transformers_model import norm_offset, swap_norms
+    from trainer.model.kernel_swaps import norm_offset, swap_norms
 
     assert norm_offset(LlamaRMSNorm(48, eps=1e-5), 1e-5) == 0.0
     assert norm_offset(Gemma3RMSNorm(48, eps=1e-6), 1e-6) == 1.0
@@ -253,7 +256,7 @@ def test_the_norm_probe_swaps_only_what_computes_our_math():
         }
     )
     swapped, left = swap_norms(model)
-    assert swapped == {"LlamaRMSNorm": 1}
+    assert swapped == {"RMSNorm: LlamaRMSNorm": 1}
     assert left == {"Qwen3NextRMSNormGated", "GraniteMoeHybridRMSNormGated", "_EpsOutsideTheRoot", "LayerNorm"}
     norm = model["llama"]
     torch.nn.init.normal_(norm.weight)
@@ -315,7 +318,7 @@ def test_the_mlp_probe_swaps_swiglu_geglu_and_the_fused_layout():
     from transformers.models.llama.modeling_llama import LlamaMLP
     from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
-    from trainer.model.transformers_model import gated_mlp_act, swap_mlps
+    from trainer.model.kernel_swaps import gated_mlp_act, swap_mlps
 
     sizes = dict(hidden_size=32, intermediate_size=48)
     mlps = {
@@ -340,6 +343,48 @@ def test_the_mlp_probe_swaps_swiglu_geglu_and_the_fused_layout():
         torch.testing.assert_close(out, expected[name][0], rtol=1e-5, atol=1e-6)
         for g, e in zip(grads, expected[name][1]):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+ROPE_CASES = {  # model type -> what the RoPE probe decides for its attention
+    "gemma3_text": "RoPE x4 (Gemma3Attention)",
+    "qwen3_5_text": "RoPE x1 (Qwen3_5Attention, partial 4/16)",  # partial rotary: the first quarter rotates
+    "glm4": "rotary embedding (Glm4Attention)",  # interleaved pairs: not our layout, left
+}
+
+
+@pytest.mark.parametrize("model_type", ROPE_CASES)
+def test_rope_runs_ours_inside_our_models_only(model_type, checkpoints, monkeypatch, tmp_path):
+    """Our RoPE where the probe proves the model's apply_rotary_pos_emb (half-split, full or partial): kernels.rope
+    runs inside our model's attention, in forward and in activation checkpointing's recompute, and the loss and its
+    gradients are transformers' (fp32 rounding); a plain transformers model of the same type built afterwards in the
+    same process keeps transformers' function (the dispatcher runs ours only inside our attention modules); GLM-4's
+    interleaved rotation fails the probe and stays transformers'."""
+    path = checkpoints.get(model_type) or write_tiny(model_type, tmp_path / model_type)
+    calls = []
+    rope = kernels.rope
+    monkeypatch.setattr(kernels, "rope", lambda *a: calls.append(1) or rope(*a))
+    args = TrainingArguments(output_dir=str(tmp_path / "o"))
+    model, _ = build_model(str(path), args)
+    assert ROPE_CASES[model_type] in model.kernel_report()
+    swapped = ROPE_CASES[model_type].startswith("RoPE")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids, labels = batch()
+    theirs = plain(input_ids=ids, labels=labels).loss
+    assert not calls  # transformers' own model, after the dispatcher was installed: transformers' function
+    theirs.backward()
+    ours = model(input_ids=ids, labels=labels).loss
+    assert bool(calls) == swapped
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+    ours.backward()
+    for (name, p), q in zip(model.hf.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    if swapped:  # the recompute of a checkpointed layer runs ours too
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        calls.clear()
+        loss.backward()
+        assert calls, "the checkpointed layers' recompute ran transformers' rotation"
 
 
 def test_flops_are_counted_for_softmax_attention_only(checkpoints):

@@ -417,10 +417,10 @@ def test_grpo_heads_give_the_softcapped_models_log_probs(checkpoints, tmp_path):
     torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6 * expected_grad.abs().max().item())
 
 
-def test_ddp_fsdp2_and_lora_on_two_processes_match_one_process(checkpoints, tmp_path):
-    """Gemma 3 on two gloo processes through the transformers path: DDP, FSDP2 (each decoder layer a unit, fp32) and
-    LoRA under FSDP2 give the losses of one process with the same global batch; the consolidated exports rank 0
-    writes load in transformers (and peft) with the one-process weights; an FSDP2 run resumes from its checkpoint."""
+def _two_process_runs(checkpoints, tmp_path, jobs_of, lora_too: bool):
+    """Gemma 3 through the transformers path on two gloo processes (`jobs_of(two, path)`: the jobs, each a setting of
+    the same global batch) against one process: the losses, and the consolidated exports rank 0 writes, which load in
+    transformers (and peft) with the one-process weights."""
     from tests.trainer.parallel.test_distributed import BASE, launch, ok
     from trainer.data.sft_data import load_sft_dataset
     from trainer.data.tasks import generate_tasks
@@ -430,28 +430,22 @@ def test_ddp_fsdp2_and_lora_on_two_processes_match_one_process(checkpoints, tmp_
     data.write_text("".join(json.dumps(r) + "\n" for r in generate_tasks(40, seed=3)))
     path = str(checkpoints["gemma3_text"])
     two = {**BASE, "gradient_accumulation_steps": 2, "save_strategy": "steps", "save_steps": 2}
-    fsdp2 = {"dist_config": {"name": "fsdp2", "mixed_precision": "fp32"}}
-    lora = {k: v for k, v in LORA.items()}
-    jobs = [
-        {"name": "ddp", "model": path, "args": two},
-        {"name": "fsdp2", "model": path, "args": {**two, **fsdp2}},
-        {"name": "fsdp2-resumed", "model": path, "args": {**two, **fsdp2}},
-        {"name": "fsdp2-lora", "model": path, "args": {**two, **fsdp2, **lora}},
-    ]
-    jobs[2]["resume"] = str(tmp_path / "two" / "fsdp2" / "run" / "checkpoint-2")
+    jobs = jobs_of(two, path)
     result = ok(launch(tmp_path / "two", data, jobs))
     dataset = load_sft_dataset([data], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
-    for name, extra in (("ddp", {}), ("fsdp2-lora", lora)):
+    plain = [job["name"] for job in jobs if "lora" not in job["name"]]
+    for name, extra, runs in (("ddp", {}, plain), ("fsdp2-lora", LORA, ["fsdp2-lora"] if lora_too else [])):
+        if not runs:
+            continue
         settings = {**two, "gradient_accumulation_steps": 4, **extra}
         args = TrainingArguments(output_dir=str(tmp_path / f"one-{name}"), **settings)
         model, _ = build_model(path, args)
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        runs = ("ddp", "fsdp2", "fsdp2-resumed") if name == "ddp" else (name,)
         for run in runs:
             assert result["result"][run]["losses"][-1] == pytest.approx(losses[-1], rel=1e-5), run
-            if run != "fsdp2-resumed":
+            if not run.endswith("-resumed"):
                 assert result["result"][run]["losses"] == pytest.approx(losses, rel=1e-5), run
         ours = model.hf.state_dict()
         for run in runs:
@@ -466,6 +460,43 @@ def test_ddp_fsdp2_and_lora_on_two_processes_match_one_process(checkpoints, tmp_
                 torch.testing.assert_close(
                     exported[key], value, rtol=1e-4, atol=1e-4, msg=lambda m, k=key: f"{run} {k}: {m}"
                 )
+
+
+def test_ddp_fsdp2_and_lora_on_two_processes_match_one_process(checkpoints, tmp_path):
+    """DDP, FSDP2 (each decoder layer a unit, fp32) and LoRA under FSDP2 equal one process (`_two_process_runs`);
+    an FSDP2 run resumes from its checkpoint."""
+    fsdp2 = {"dist_config": {"name": "fsdp2", "mixed_precision": "fp32"}}
+
+    def jobs(two, path):
+        resumed = {"name": "fsdp2-resumed", "model": path, "args": {**two, **fsdp2}}
+        resumed["resume"] = str(tmp_path / "two" / "fsdp2" / "run" / "checkpoint-2")
+        return [
+            {"name": "ddp", "model": path, "args": two},
+            {"name": "fsdp2", "model": path, "args": {**two, **fsdp2}},
+            resumed,
+            {"name": "fsdp2-lora", "model": path, "args": {**two, **fsdp2, **LORA}},
+        ]
+
+    _two_process_runs(checkpoints, tmp_path, jobs, lora_too=True)
+
+
+@pytest.mark.slow  # DeepSpeed's start and the compile take minutes on two loaded cores
+def test_deepspeed_and_per_block_compile_on_two_processes_match_one_process(checkpoints, tmp_path):
+    """DeepSpeed ZeRO-2 and ZeRO-3 (partitioned weights fetched where our swapped forwards read them) and DDP with
+    each decoder layer compiled (per-block compile, aot_eager) equal one process (`_two_process_runs`)."""
+    pytest.importorskip("deepspeed")
+    auto = {k: "auto" for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")}
+
+    def jobs(two, path):
+        out = [{"name": "ddp-compiled", "model": path, "args": {**two, "torch_compile": True}}]
+        out[0]["args"]["torch_compile_backend"] = "aot_eager"
+        for stage in (2, 3):
+            config = tmp_path / f"zero{stage}.json"
+            config.write_text(json.dumps({**auto, "gradient_clipping": "auto", "zero_optimization": {"stage": stage}}))
+            out.append({"name": f"zero{stage}", "model": path, "args": {**two, "deepspeed": str(config)}})
+        return out
+
+    _two_process_runs(checkpoints, tmp_path, jobs, lora_too=False)
 
 
 @pytest.mark.parametrize("model_type, setting", [("granite", {"logits_scaling": 8.0}), ("cohere2", {})])
