@@ -882,6 +882,8 @@ class Trainer:
             wrapped.check_stage(self.stage)
             wrapped.label_smoothing, wrapped.z_loss = args.label_smoothing_factor, args.z_loss
             wrapped.neftune_noise_alpha = args.neftune_noise_alpha
+            if wrapped.tiled_mlp != args.tiled_mlp:
+                wrapped.tiled_mlp = args.tiled_mlp
         else:
             name = type(model).__name__
             if args.neftune_noise_alpha:

@@ -485,15 +485,7 @@ class MLP(nn.Module):
         input). Every token's output and input gradient depends on its own row only (equal to untiled within fp32
         rounding: BLAS may block a tile's rows otherwise); the weight gradients are sums over the tiles, equal to the
         untiled ones up to summation order (tests/trainer/model/test_tiled_mlp.py bounds both)."""
-        tokens = x.shape[:-1].numel()
-        if self.tile_tokens is None or tokens <= self.tile_tokens:
-            return self._untiled(x)
-        tiles = x.reshape(tokens, x.shape[-1]).split(self.tile_tokens)  # (tile, C) views
-        if torch.is_grad_enabled():
-            outs = [checkpoint(self._untiled, tile, use_reentrant=False) for tile in tiles]
-        else:
-            outs = [self._untiled(tile) for tile in tiles]
-        return torch.cat(outs).view(*x.shape[:-1], -1)  # (..., C)
+        return over_token_tiles(self._untiled, x, self.tile_tokens)
 
     def _untiled(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "liger":
@@ -507,6 +499,21 @@ class MLP(nn.Module):
                 return kernels.lora_mlp(x, gate, up, down, dropout, lora_dtype)
             return swiglu_down(self.down_proj, self.gate_proj(x), self.up_proj(x))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def over_token_tiles(fn, x: torch.Tensor, tile_tokens: int | None) -> torch.Tensor:
+    """fn(x) for a row-wise fn (an MLP) over x's tokens in tiles of `tile_tokens` (None, or no more tokens: at once),
+    each tile checkpointed while grad is on, so that its (tokens, intermediate) tensors live only while it runs, in
+    forward and again in backward (`MLP.forward`; the transformers path's swapped MLPs too)."""
+    tokens = x.shape[:-1].numel()
+    if tile_tokens is None or tokens <= tile_tokens:
+        return fn(x)
+    tiles = x.reshape(tokens, x.shape[-1]).split(tile_tokens)  # (tile, C) views
+    if torch.is_grad_enabled():
+        outs = [checkpoint(fn, tile, use_reentrant=False) for tile in tiles]
+    else:
+        outs = [fn(tile) for tile in tiles]
+    return torch.cat(outs).view(*x.shape[:-1], -1)  # (..., C)
 
 
 # the gated MLPs our kernels compute: the gate's activation -> (the gating op, the same with the down projection)

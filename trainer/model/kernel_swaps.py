@@ -24,6 +24,7 @@ computes what it computed (tests/trainer/model/test_transformers_path.py).
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import sys
 import threading
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 import kernels
-from trainer.model.causal_lm import swiglu_down
+from trainer.model.causal_lm import over_token_tiles, swiglu_down
 
 NORM_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 NORM_PROBE_ROWS = 4
@@ -185,8 +186,13 @@ def gated_mlp_act(module: nn.Module, layout: str | None = None) -> str | None:
 
 
 def _kernel_mlp_forward(self, x):
-    gate, up = _gate_up(self, self.kernel_layout, x)
-    return swiglu_down(self.down_proj, gate, up, self.kernel_act)
+    """Our gated MLP, over the tokens in tiles of `tile_tokens` when the tiled MLP set it (`over_token_tiles`)."""
+    return over_token_tiles(functools.partial(_gated_mlp, self), x, self.tile_tokens)
+
+
+def _gated_mlp(module, x):
+    gate, up = _gate_up(module, module.kernel_layout, x)
+    return swiglu_down(module.down_proj, gate, up, module.kernel_act)
 
 
 def swap_mlps(model: nn.Module) -> tuple[dict[str, int], set[str]]:
@@ -197,7 +203,7 @@ def swap_mlps(model: nn.Module) -> tuple[dict[str, int], set[str]]:
 
     def prove(module, layout):
         act = gated_mlp_act(module, layout)
-        return None if act is None else {"kernel_act": act, "kernel_layout": layout}
+        return None if act is None else {"kernel_act": act, "kernel_layout": layout, "tile_tokens": None}
 
     def label(name, attrs):
         fused = ", fused gate_up" if attrs["kernel_layout"] == "fused" else ""
@@ -254,6 +260,7 @@ def _rope_dispatcher(original):
             getattr(_IN_OUR_ATTENTION, "depth", 0)
             and not args
             and not kwargs
+            and q.shape[-1] == k.shape[-1]
             and (q.shape[-1], cos.shape[-1]) in apply_rotary_pos_emb.proven
         ):
             return _rope_ours(q, k, cos, sin)

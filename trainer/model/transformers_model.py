@@ -40,18 +40,21 @@ per-block compile (each of transformers' decoder layers, `decoder_layers`, our s
 `empty_copy`) and DeepSpeed ZeRO-2/3 (ZeRO-3 fetches a partitioned parameter where our forwards read it), these two
 for SFT. `trainer.merge` and `trainer.generate --adapter` take the same models.
 
-Refused on this path, each in one line before anything is built (`check_transformers_path`): the features whose
-implementation needs our model's structure (activation offloading, the tiled MLP, liger-kernel), and FSDP2 and
-DeepSpeed for DPO and GRPO. SFT, DPO and GRPO train here; DPO and GRPO need a model whose logits are
-`lm_head(hidden)` times a constant, or softcapped (their losses run from the hidden states and the head's weight:
-`check_stage`, one line when the trainer gets the model). GRPO samples through our sampler (`decode_step` over
-transformers' KV cache, `TransformersCache`), so its per-completion random stream is the one our model's runs draw.
+Refused on this path, each in one line before anything is built (`check_transformers_path`): liger-kernel (its patches
+are our model's), FSDP2 and DeepSpeed for DPO and GRPO, and activation offloading with per-block compile (the
+offloader's per-block calls are forward pre-hooks on the decoder layers, inside what is compiled). Activation offloading
+(`block_hooks`) and the tiled MLP (our swapped MLPs over token tiles, `tiled_mlp`) run here. SFT, DPO and GRPO train
+here; DPO and GRPO need a model whose logits are `lm_head(hidden)` times a constant, or softcapped (their losses run
+from the hidden states and the head's weight: `check_stage`, one line when the trainer gets the model). GRPO samples
+through our sampler (`decode_step` over transformers' KV cache, `TransformersCache`), so its per-completion random
+stream is the one our model's runs draw.
 
 transformers is imported only when this path is taken (it costs seconds).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -127,17 +130,18 @@ def check_buildable(path: Path, model_type: str | None) -> None:
 def check_transformers_path(args, stage: str = "sft") -> None:
     """The arguments the transformers path cannot honour yet, each a one-line ConfigError naming it (every stage
     trains here; a model whose head its losses cannot run is refused once built: `TransformersModel.check_stage`)."""
-    unsupported = {
-        "activation_offloading": "activation offloading",
-        "tiled_mlp": "the tiled MLP",
-        "use_liger_kernel": "liger-kernel",
-    }
+    unsupported = {"use_liger_kernel": "liger-kernel"}
     for name, what in unsupported.items():
         if getattr(args, name, None):
             raise ConfigError(
                 f"{name}: {what} is not available on the transformers path yet (this model type is not one our model "
                 f"covers: {', '.join(SUPPORTED_MODEL_TYPES)}); leave it unset"
             )
+    if getattr(args, "activation_offloading", False) and getattr(args, "torch_compile", False):
+        raise ConfigError(
+            "activation_offloading with torch_compile: on the transformers path the offloader's per-block calls are "
+            "forward pre-hooks of the decoder layers, inside what per-block compile compiles; use one of the two"
+        )
     engine = (args.dist_config or {}).get("name")
     if engine in ("fsdp2", "deepspeed") and stage != "sft":
         raise ConfigError(f"dist_config {engine}: stage {stage} on the transformers path runs with DDP only for now")
@@ -189,6 +193,7 @@ class TransformersModel(nn.Module):
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
         neftune_noise_alpha: float | None = None,
+        tiled_mlp: bool = False,
     ):
         super().__init__()
         self.hf = hf
@@ -206,6 +211,38 @@ class TransformersModel(nn.Module):
         self.fused_head = use_kernels and self.plain_head
         # what of ours runs inside ({"Kind: where": count}) and what was left (trainer/model/kernel_swaps.py)
         self.swapped, self.left = swap_kernels(hf) if use_kernels else ({}, set())
+        # activation offloading's per-block calls (`trainer.model.offload`; CausalLM.block_hooks): hook(i) before
+        # transformers' decoder layer i runs (a forward pre-hook; backward's checkpoint recompute calls it too, when
+        # the offloader is no longer active)
+        self.block_hooks: list = []
+        for index, layer in enumerate(self.decoder_layers or ()):
+            layer.register_forward_pre_hook(functools.partial(self._on_block, index))
+        self.tiled_mlp = tiled_mlp
+
+    def _on_block(self, index: int, module, args) -> None:
+        for hook in self.block_hooks:
+            hook(index)
+
+    @property
+    def tiled_mlp(self) -> bool:
+        """Whether our swapped MLPs run over the tokens in tiles (`--tiled_mlp`: Arctic's rule, tiles of hidden_size
+        tokens; `causal_lm.over_token_tiles`). A model without an MLP of ours takes it as a one-line ConfigError."""
+        return any(getattr(m, "tile_tokens", None) is not None for m in self._our_mlps())
+
+    @tiled_mlp.setter
+    def tiled_mlp(self, value: bool) -> None:
+        mlps = self._our_mlps()
+        if value and not mlps:
+            raise ConfigError(
+                f"tiled_mlp: {type(self.hf).__name__} has no MLP our kernels run (the tiled MLP tiles ours: "
+                f"{', '.join(sorted(self.left)) or 'none swapped'}); leave it unset"
+            )
+        size = self.config.get_text_config().hidden_size
+        for module in mlps:
+            module.tile_tokens = size if value else None
+
+    def _our_mlps(self) -> list[nn.Module]:
+        return [m for m in self.hf.modules() if getattr(m, "kernel_act", None) is not None]
 
     @property
     def decoder_layers(self) -> nn.ModuleList | None:
@@ -502,5 +539,6 @@ def build_transformers_model(path: Path, args, *, dtype, device, attn_backend: s
             label_smoothing=args.label_smoothing_factor,
             z_loss=args.z_loss,
             neftune_noise_alpha=args.neftune_noise_alpha,
+            tiled_mlp=args.tiled_mlp,
         )
     return TransformersModel(hf, **settings)

@@ -141,9 +141,11 @@ def test_generate_decodes_through_transformers(checkpoints):
 @pytest.mark.parametrize(
     "setting, message",
     [
-        (dict(activation_offloading=True), "activation_offloading: activation offloading is not available"),
-        (dict(tiled_mlp=True), "tiled_mlp: the tiled MLP is not available"),
         (dict(use_liger_kernel=True), "use_liger_kernel: liger-kernel is not available"),
+        (
+            dict(activation_offloading=True, torch_compile=True),
+            "activation_offloading with torch_compile: on the transformers path",
+        ),
     ],
 )
 def test_what_the_path_cannot_do_yet_is_one_line(setting, message):
@@ -183,9 +185,8 @@ def test_the_command_says_our_model_for_ours(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--activation_offloading"], "error: activation_offloading: activation offloading is not available"),
+        (["--activation_offloading", "--torch_compile"], "error: activation_offloading with torch_compile: on the"),
         (["--model_impl", "ours"], "error: model_impl ours: model_type 'gemma3_text' is not one our model covers"),
-        (["--tiled_mlp"], "error: tiled_mlp: the tiled MLP is not available on the transformers path yet"),
     ],
 )
 def test_the_command_refuses_in_one_line_before_writing(argv, message, checkpoints, tmp_path, capsys):

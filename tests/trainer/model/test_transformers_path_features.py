@@ -511,3 +511,68 @@ def test_a_constant_logit_scale_is_folded_into_the_fused_head(model_type, settin
     ids, labels = batch()
     plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, plain(input_ids=ids, labels=labels).loss)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_offloading_moves_each_layers_saves_and_changes_nothing(checkpoints, tmp_path, checkpointing):
+    """Activation offloading on the transformers path: the offloader's per-block calls are forward pre-hooks on
+    transformers' decoder layers, so every layer's saves but the last's go to the host (with transformers' gradient
+    checkpointing too: then the layers' inputs), and the loss and gradients are bit for bit those without; with
+    per-block compile it is one line."""
+    from trainer.model.offload import ActivationOffloader
+
+    model, _ = build_model(str(checkpoints["gemma3_text"]), TrainingArguments(output_dir=str(tmp_path / "o")))
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    ids, labels = batch()
+    calls = []
+    model.block_hooks.append(calls.append)
+
+    def step(offloader=None):
+        model.zero_grad()
+        with offloader() if offloader else torch.enable_grad():
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain_loss, plain = step()
+    assert calls[: len(model.decoder_layers)] == list(range(len(model.decoder_layers)))
+    offloader = ActivationOffloader.for_model(model, "cpu")
+    loss, grads = step(offloader)
+    assert offloader.offloaded_bytes > 0 and offloader.resident_bytes > 0
+    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain))
+    from trainer.config.args import ConfigError
+    from trainer.model.transformers_model import check_transformers_path
+
+    with pytest.raises(ConfigError, match="^activation_offloading with torch_compile: on the transformers path"):
+        check_transformers_path(TrainingArguments(output_dir="unused", activation_offloading=True, torch_compile=True))
+
+
+def test_the_tiled_mlp_tiles_our_swapped_mlps(checkpoints, tmp_path):
+    """--tiled_mlp on the transformers path: our swapped MLPs (Gemma 3's GeGLU) run over the tokens in tiles of
+    hidden_size (checkpointed each), with the loss and gradients of the untiled model to fp32 rounding; a model
+    without an MLP of ours (gpt-oss: experts only) refuses it in one line."""
+    args = TrainingArguments(output_dir=str(tmp_path / "o"))
+    model, _ = build_model(str(checkpoints["gemma3_text"]), args)
+    ids = torch.randint(0, 256, (2, 50), generator=torch.Generator().manual_seed(0))  # 100 tokens: two tiles of 64
+    labels = ids.clone()
+
+    def step():
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain_loss, plain = step()
+    model.tiled_mlp = True
+    size = model.config.hidden_size
+    assert model.tiled_mlp and all(m.tile_tokens == size for m in model._our_mlps()) and ids.numel() > size
+    loss, grads = step()
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+    for a, b in zip(grads, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    from trainer.config.args import ConfigError
+
+    gpt_oss, _ = build_model(str(write_tiny("gpt_oss", tmp_path / "gpt_oss")), args)
+    with pytest.raises(ConfigError, match="^tiled_mlp: GptOssForCausalLM has no MLP our kernels run"):
+        gpt_oss.tiled_mlp = True
