@@ -274,14 +274,22 @@ def _token_pass(
             grad_at_target.narrow(0, start, size).copy_(
                 logits.gather(1, target_c.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
             )
-        if need_hidden:
-            _mm_fp32(logits, weight, grad_hidden.narrow(0, start, size), accumulate=False)
-        if grad_weight is not None:
-            _mm_fp32(logits.t(), hidden_c, grad_weight, accumulate=start > 0)
-        if need_bias:
-            grad_bias.add_(logits.sum(0, dtype=torch.float32))
+        _chunk_grads_(logits, hidden_c, weight, grad_hidden, grad_weight, grad_bias, start)
         del logits
     return grad_hidden, grad_bias, lse, grad_at_target
+
+
+def _chunk_grads_(dlogits, hidden_c, weight, grad_hidden, grad_weight, grad_bias, start: int) -> None:
+    """A token chunk's share of the gradients being formed (each None where not needed), from its logits' gradient
+    dlogits (C, V) (rows [start, start + C) of the pass): grad_hidden's rows (fp32, overwritten), grad_weight (the first
+    chunk, start 0, overwrites it; later ones add, `_mm_fp32`) and grad_bias (added). The three fused heads that form
+    their gradients in the forward run it: this op's token pass and the logprob and preference losses."""
+    if grad_hidden is not None:
+        _mm_fp32(dlogits, weight, grad_hidden.narrow(0, start, dlogits.shape[0]), accumulate=False)
+    if grad_weight is not None:
+        _mm_fp32(dlogits.t(), hidden_c, grad_weight, accumulate=start > 0)
+    if grad_bias is not None:
+        grad_bias.add_(dlogits.sum(0, dtype=torch.float32))
 
 
 def _slice_grad_(

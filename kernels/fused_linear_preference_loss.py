@@ -64,8 +64,8 @@ import torch
 from ._dispatch import use_triton
 from .cross_entropy import cross_entropy_fwd
 from .fused_linear_cross_entropy import (
+    _chunk_grads_,
     _logits,
-    _mm_fp32,
     _new_weight_grad,
     _Plan,
     fused_linear_cross_entropy_bwd,
@@ -251,12 +251,7 @@ def fused_linear_preference_loss_fwd(
             loss_out=nll_c,
             softcap=softcap,
         )  # logits now holds dL/dlogits of the chunk
-        if need_hidden:
-            _mm_fp32(logits, weight_c, grad_hidden.narrow(0, start, size), accumulate=False)
-        if need_weight:
-            _mm_fp32(logits.t(), hidden_c, grad_weight, accumulate=start > 0)
-        if need_bias:
-            grad_bias.add_(logits.sum(0, dtype=torch.float32))
+        _chunk_grads_(logits, hidden_c, weight_c, grad_hidden, grad_weight, grad_bias, start)
         del logits
     # mean over the vocabulary of row t's logits (kernels/fused_linear_preference.py)
     row_means = linear_row_means(hidden_k, weight, bias) if softcap is None else logit_sums / vocab  # (K,)
