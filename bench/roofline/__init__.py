@@ -41,7 +41,9 @@ and launches (the aten ops they run internally are not recorded: they are not wh
   a new kernel must bring its model.
 - attention (SDPA in our model and in HF's) by flash-attention's formulas, the same for all four stacks: causal
   forward 4*B*H*T^2*D/2 FLOPs, backward 2.5x; forward reads q, k, v and writes o and the fp32 lse, backward reads
-  q, k, v, o, do, lse and writes dq, dk, dv; 1 launch forward, 2 backward (preprocess + main).
+  q, k, v, o, do, lse and writes dq, dk, dv; 1 launch forward, 2 backward (preprocess + main). A sliding layer (the
+  attention module running names a `sliding_window` W < T, as transformers' Gemma 3 does) as flash attention's local
+  window: W^2/2 + (T - W) W query-key pairs in place of T^2/2.
 Autocast: torch.autocast does not act on meta tensors (its CUDA dispatch key is not theirs), so it is emulated:
 autocast("cuda") is switched on as a flag (our and liger's code read it, and our fused loss casts for itself), and a
 TorchFunctionMode casts fp32 operands of linear/matmul/mm/addmm/bmm/SDPA to bf16 with `.to()` where the flag is on,
@@ -76,6 +78,13 @@ backward passes, one optimizer step). The H200 run of 2026-11-26 (bench/results/
     python -m bench.roofline --device h200 --out bench/results/h200
 
 Results: bench/results/roofline.md (+ .jsonl, + roofline.png). Test: python -m pytest tests/bench/test_roofline.py -q
+
+A model of the transformers path (`--model gemma-3-4b`, issue 44): Gemma-3-4B's text model, which our own model does
+not cover, as three stacks (transformers_stacks.py): ours = trainer.model.transformers_model.TransformersModel over
+transformers' Gemma3ForCausalLM with our kernels where its probes prove them (probed on a small CPU twin of the same
+architecture, `transformers_model_from_twin`, since the probes cannot run on the meta device) + FusedAdamW; hf;
+hf_liger (apply_liger_kernel_to_gemma3_text); no ours_liger (the transformers path refuses liger-kernel). Results:
+bench/results/roofline_gemma-3-4b.md (+ .jsonl, + .png), beside the Llama runs' files.
 
 The memory ladder (`python -m bench.roofline --ladder`): the largest context (micro batch 1, one sequence of T tokens)
 whose modelled peak fits each GPU, per setting x GPU x stack. Results: bench/results/ladder.md (+ .jsonl, + .png;
@@ -133,8 +142,9 @@ Results: bench/results/lora_stacks.md (+ .jsonl); test: tests/bench/test_ladder.
 
 The package, in the order its parts build on each other: tracing.py (the trace, the aten recorder, ModelledOp),
 op_models.py (the cost models, MODELS), recording.py (`recording`: fake CUDA, the modelled ops, emulated autocast),
-stacks.py (the four stacks, `model_step`), report.py (the step roofline's tables and chart), ladder_parts.py (what a
-ladder step adds on meta tensors: offloading metered, NF4, LoRA, CPU offload, checkpointing and dropout),
+stacks.py (the four stacks, `model_step`), transformers_stacks.py (a transformers-path model's three), report.py
+(the step roofline's tables and chart), ladder_parts.py (what a ladder step adds on meta tensors: offloading metered,
+NF4, LoRA, CPU offload, checkpointing and dropout),
 ladder.py (`ladder_step`, the fit, the search, the calibration), ladder_report.py (the ladder's md and chart),
 lora_stacks.py, cli.py (the command; __main__.py runs it). The names below are the ones the tests and other code
 take from `bench.roofline`.

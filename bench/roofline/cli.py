@@ -1,4 +1,5 @@
-"""`python -m bench.roofline` and its flags: the step roofline of the four stacks (default), --ladder, --lora_stacks."""
+"""`python -m bench.roofline` and its flags: the step roofline of the four stacks (default; a transformers-path model:
+its three), --ladder, --lora_stacks."""
 
 from __future__ import annotations
 
@@ -11,16 +12,22 @@ from bench import common, roofline
 from bench.roofline.ladder import LADDER_STACKS, SETTINGS
 from bench.roofline.ladder_report import main_ladder
 from bench.roofline.lora_stacks import main_lora_stacks
-from bench.roofline.report import _measured, chart, render, summarise
-from bench.roofline.stacks import STACKS, model_step
+from bench.roofline.report import _measured, chart, render, results_stem, summarise
+from bench.roofline.stacks import STACKS, model_step, stacks_for
 from bench.roofline.tracing import DEVICES
+from bench.roofline.transformers_stacks import TRANSFORMERS_MODELS
 
 
 def parse_args(argv=None):
     from bench.bench_train import MODELS
 
     p = argparse.ArgumentParser(prog="python -m bench.roofline", description=roofline.__doc__.splitlines()[0])
-    p.add_argument("--model", default="llama-3.2-1b", choices=sorted(MODELS))
+    p.add_argument(
+        "--model",
+        default="llama-3.2-1b",
+        choices=sorted(MODELS) + sorted(TRANSFORMERS_MODELS),
+        help="our model's architectures, or a model of the transformers path (gemma-3-4b: its three stacks)",
+    )
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--micro_batch", type=int, default=4)
     p.add_argument("--ignored", type=float, default=0.5, help="the second ignored fraction (0 is always run)")
@@ -51,11 +58,11 @@ def main(argv=None) -> list[dict]:
     if args.lora_stacks:
         return main_lora_stacks(args)
     dev = DEVICES[args.device]
-    config = model_config(args.model)
+    config = dict(TRANSFORMERS_MODELS[args.model]) if args.model in TRANSFORMERS_MODELS else model_config(args.model)
     env = common.env_info()
     rows = []
     for ignored in sorted({0.0, args.ignored}):
-        for stack in STACKS:
+        for stack in stacks_for(config):
             trace = model_step(stack, config, args.micro_batch, args.seq_len, ignored)
             rows.append(
                 {
@@ -75,12 +82,13 @@ def main(argv=None) -> list[dict]:
                 }
             )
     common.RESULTS.mkdir(parents=True, exist_ok=True)
-    jsonl = common.RESULTS / "roofline.jsonl"
+    stem = results_stem(args.model)  # roofline (+ .jsonl, .md, .png); a transformers-path model's own files
+    jsonl = common.RESULTS / f"{stem}.jsonl"
     with jsonl.open("a") as f:
         for row in rows:
             f.write(json.dumps(row, sort_keys=True) + "\n")
     text = render(rows, dev, _measured(args.model, args.seq_len, args.micro_batch), args)
-    (common.RESULTS / "roofline.md").write_text(text)
-    chart(rows, common.RESULTS / "roofline.png")
+    (common.RESULTS / f"{stem}.md").write_text(text)
+    chart(rows, common.RESULTS / f"{stem}.png")
     print(text)
     return rows

@@ -66,8 +66,18 @@ class RMSNormModel:
     def __init__(self, name):
         self.name = name
 
+    def _contiguous(self, t):
+        """liger's Function makes its tensor arguments contiguous (`ensure_contiguous`: a copy of a strided view, such
+        as Gemma 3's q_norm input, (B, T, H, D) projections viewed as (B, H, T, D)); ours takes 2-D rows made by its
+        caller's reshape, an aten op recorded as such."""
+        if not self.name.startswith("Liger") or t.is_contiguous():
+            return t
+        _rec(f"{self.name}:contiguous", "norms", nbytes(t) + t.numel() * t.element_size())
+        return _like(t)
+
     def forward(self, ctx, x, weight, *rest):
         ctx.n_rest = len(rest)  # eps, offset, ...: no gradient
+        x = self._contiguous(x)
         m, n = x.numel() // x.shape[-1], x.shape[-1]
         _record_parts(
             self.name,
@@ -80,6 +90,7 @@ class RMSNormModel:
 
     def backward(self, ctx, dy):
         x, weight, rstd = ctx.saved_tensors
+        dy = self._contiguous(dy)
         m, n = x.numel() // x.shape[-1], x.shape[-1]
         _record_parts(
             self.name + ".backward",
@@ -168,6 +179,11 @@ class RoPEModel:
 
     def forward(self, ctx, q, k, cos, sin, *rest):
         ctx.n_rest = len(rest) + 2  # cos, sin, and liger's position_ids, unsqueeze_dim: no gradient
+        if self.name.startswith("Liger") and not q.transpose(1, 2).is_contiguous():
+            # liger's rope_forward runs on (B, T, H, D) rows: q and k made contiguous there, a copy where they are not
+            # transposes of such rows (HF's Llama passes those; Gemma 3's q_norm and k_norm, liger's, return (B, H, T,
+            # D) rows). Its backward's dq and dk come from attention's backward in that layout: no copy counted.
+            _rec(f"{self.name}:contiguous", "rope", 2 * (nbytes(q) + nbytes(k)))
         _rec(self.name, "rope", self._bytes(q, k, cos))
         ctx.save_for_backward(cos, sin)
         return _like(q), _like(k)
@@ -235,18 +251,26 @@ class FusedAddRMSNormModel:
 
 
 class FlashAttentionModel:
-    """F.scaled_dot_product_attention(q, k, v, ...) as flash attention: (B, H, T, D) q, (B, Hkv, T, D) k and v."""
+    """F.scaled_dot_product_attention(q, k, v, ...) as flash attention: (B, H, T, D) q, (B, Hkv, T, D) k and v.
+    Causal: half the T x T scores; with a sliding `window` W < T (transformers' `sliding_window`: each query attends
+    the W keys up to itself, flash attention's local window), W^2 / 2 for the first W queries and W for each later one.
+    The bytes are the same either way."""
 
     name = "flash_attention"
     category = "attention"
 
-    def __init__(self, causal: bool):
+    def __init__(self, causal: bool, window: int | None = None):
         self.causal = causal
+        self.window = window
 
     def flops(self, q):
         b, h, t, d = q.shape
-        full = 4 * b * h * t * t * d
-        return full / 2 if self.causal else full
+        if not self.causal:
+            return 4 * b * h * t * t * d
+        if self.window is not None and self.window < t:
+            w = self.window
+            return 4 * b * h * d * (w * w / 2 + (t - w) * w)
+        return 4 * b * h * t * t * d / 2
 
     def forward(self, ctx, q, k, v):
         b, h, t, _ = q.shape
@@ -436,6 +460,7 @@ MODELS = {
     "LigerRMSNormFunction": lambda: RMSNormModel("LigerRMSNormFunction"),
     "SwiGLUFunction": lambda: SwiGLUModel("SwiGLUFunction"),
     "LigerSiLUMulFunction": lambda: SwiGLUModel("LigerSiLUMulFunction"),
+    "LigerGELUMulFunction": lambda: SwiGLUModel("LigerGELUMulFunction"),  # GeGLU: the same passes as its SiLU twin
     "SwiGLULinearFunction": SwiGLULinearModel,
     "RoPEFunction": lambda: RoPEModel("RoPEFunction"),
     "LigerRopeFunction": lambda: RoPEModel("LigerRopeFunction"),
@@ -461,6 +486,7 @@ def _function_classes() -> dict[str, type]:
     liger = {
         "LigerRMSNormFunction": "liger_kernel.ops.rms_norm",
         "LigerSiLUMulFunction": "liger_kernel.ops.swiglu",
+        "LigerGELUMulFunction": "liger_kernel.ops.geglu",
         "LigerRopeFunction": "liger_kernel.ops.rope",
         "LigerFusedLinearCrossEntropyFunction": "liger_kernel.ops.fused_linear_cross_entropy",
     }

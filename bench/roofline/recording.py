@@ -81,8 +81,12 @@ class _AutocastEmulation(TorchFunctionMode):
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
         if func is F.scaled_dot_product_attention:
-            # Both models pass is_causal=True (or a causal mask) at these inputs: no padding, one document per row.
-            return apply_model(FlashAttentionModel(causal=True), *args[:3])
+            # Both models pass is_causal=True (or a causal mask) at these inputs: no padding, one document per row; a
+            # sliding layer's mask (transformers' `sliding_window` on the attention module running) as flash
+            # attention's local window.
+            windows = tracing._TRACE.attention_windows if tracing._TRACE is not None else []
+            window = windows[-1] if windows else None
+            return apply_model(FlashAttentionModel(causal=True, window=window), *args[:3])
         return func(*args, **kwargs)
 
 
@@ -101,13 +105,19 @@ def autocast_bf16():
 
 @contextlib.contextmanager
 def module_tracking(trace: Trace):
-    """The trace's module stack: the class names of the modules running, innermost last."""
+    """The trace's module stack: the class names of the modules running, innermost last; and the sliding windows of
+    the attention modules running that name one (transformers' `sliding_window` attribute: an int, or None on a
+    global layer)."""
 
     def pre(module, args):
         trace.module_stack.append(type(module).__name__)
+        if "sliding_window" in vars(module):
+            trace.attention_windows.append(module.sliding_window)
 
     def post(module, args, output):
         trace.module_stack.pop()
+        if "sliding_window" in vars(module):
+            trace.attention_windows.pop()
 
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from bench import common
-from bench.roofline.stacks import STACKS
 from bench.roofline.tracing import CATEGORIES, Device, Trace
+from bench.roofline.transformers_stacks import REPORT_NOTE, TRANSFORMERS_MODELS
 
 # Targets of issue 20 (modelled): ours / hf_liger step time at 0% and at 50% ignored, ours / hf, peak memory.
 TARGET_VS_LIGER = {0.0: 0.97, 0.5: 0.92}
@@ -69,6 +69,17 @@ def modelled_step_ms(row: dict, grad_accum: int) -> float:
     return grad_accum * (row["ms_step"] - row["ms_optimizer"]) + row["ms_optimizer"]
 
 
+def results_stem(model: str) -> str:
+    """The results files' name: roofline (.md, .jsonl, .png) for our model's architectures (the Llama runs),
+    roofline_<model> for a model of the transformers path, so that its run leaves the Llama results as they are."""
+    return f"roofline_{model}" if model in TRANSFORMERS_MODELS else "roofline"
+
+
+def _stacks(rows: list[dict]) -> list[str]:
+    """The stacks of the rows, in their order (ours, ours_liger, hf, hf_liger; a transformers-path model's three)."""
+    return list(dict.fromkeys(r["stack"] for r in rows))
+
+
 def _verdict(value: float, target: float) -> str:
     return "met" if value <= target else f"MISSED by {100 * (value / target - 1):.1f}%"
 
@@ -85,16 +96,19 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
         common.env_header(rows[-1]).replace("Measured on", "Modelled on"),
         "",
     ]
+    if args.model in TRANSFORMERS_MODELS:
+        lines += [REPORT_NOTE, ""]
+    stacks = _stacks(rows)
     for ignored in sorted({r["ignored"] for r in rows}):
         sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
         lines += [
             f"## {100 * ignored:.0f}% of targets ignored (modelled ms)",
             "",
-            "| category | " + " | ".join(STACKS) + " | ours/hf_liger | ours/hf |",
-            "|---|" + "---|" * (len(STACKS) + 2),
+            "| category | " + " | ".join(stacks) + " | ours/hf_liger | ours/hf |",
+            "|---|" + "---|" * (len(stacks) + 2),
         ]
         for key in [f"ms_{c}" for c in CATEGORIES] + ["ms_step", "launch_overhead_ms"]:
-            vals = [sel[s][key] for s in STACKS]
+            vals = [sel[s][key] for s in stacks]
 
             def ratio(other, key=key):
                 return f"{sel['ours'][key] / sel[other][key]:.3f}" if sel[other][key] else "-"
@@ -109,7 +123,7 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
             ("bytes", "{:.3g}"),
             ("flops", "{:.3g}"),
         ):
-            vals = [sel[s][key] for s in STACKS]
+            vals = [sel[s][key] for s in stacks]
             lines.append(
                 f"| {key} | "
                 + " | ".join(fmt.format(v) for v in vals)
@@ -126,9 +140,13 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
         )
         lines.append("")
     lines += peak_lines(zero)
-    lines += ["## Targets (modelled)", ""]
-    for r in check_targets(rows):
-        lines.append(f"- {r}")
+    if args.model in TRANSFORMERS_MODELS:  # issue 20's targets are the Llama runs': here the ratios alone
+        lines += ["## Ratios (modelled)", ""]
+        lines += [f"- {r}" for r in ratio_lines(rows)]
+    else:
+        lines += ["## Targets (modelled)", ""]
+        for r in check_targets(rows):
+            lines.append(f"- {r}")
     lines += ["", "## Measured beside modelled", ""]
     if measured.get("ours") and (measured.get("hf_liger") or measured.get("hf")):
         zero = {r["stack"]: r for r in rows if r["ignored"] == 0.0}
@@ -154,7 +172,7 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
             "No GPU rows of this model, sequence length and micro batch in the train.jsonl beside this file yet: "
             "the measured ratios will stand here beside the modelled ones, and the gap is a finding."
         )
-    lines += ["", "![modelled step time by category](roofline.png)", ""]
+    lines += ["", f"![modelled step time by category]({results_stem(args.model)}.png)", ""]
     return "\n".join(lines)
 
 
@@ -170,7 +188,7 @@ def peak_lines(sel: dict) -> list[str]:
         "| stack | peak GB | reached at | live at the peak, largest first | phase peaks |",
         "|---|---|---|---|---|",
     ]
-    for stack in STACKS:
+    for stack in sel:
         row = sel[stack]
         parts = ", ".join(f"{k} {v:.3f}" for k, v in row["peak_breakdown_gb"].items() if v >= 0.0005)
         phases = ", ".join(f"{k} {v:.2f}" for k, v in row["peak_by_phase_gb"].items())
@@ -194,6 +212,22 @@ def check_targets(rows: list[dict]) -> list[str]:
         )
         v = sel["ours"]["peak_memory_gb"] / sel["hf_liger"]["peak_memory_gb"]
         out.append(f"{100 * ignored:.0f}% ignored: modelled peak memory ours/hf_liger {v:.3f} <= 1: {_verdict(v, 1.0)}")
+    return out
+
+
+def ratio_lines(rows: list[dict]) -> list[str]:
+    """ours against each other stack, modelled step time and peak memory, at each ignored fraction."""
+    out = []
+    for ignored in sorted({r["ignored"] for r in rows}):
+        sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
+        for other in [s for s in sel if s != "ours"]:
+            step = sel["ours"]["ms_step"] / sel[other]["ms_step"]
+            peak = sel["ours"]["peak_memory_gb"] / sel[other]["peak_memory_gb"]
+            out.append(
+                f"{100 * ignored:.0f}% ignored: ours/{other} modelled step time {step:.3f} "
+                f"({sel['ours']['ms_step']:.1f} / {sel[other]['ms_step']:.1f} ms), peak memory {peak:.3f} "
+                f"({sel['ours']['peak_memory_gb']:.2f} / {sel[other]['peak_memory_gb']:.2f} GB)"
+            )
     return out
 
 

@@ -1,5 +1,6 @@
 """The four stacks (ours, ours_liger, hf, hf_liger), each built on the meta device with its trainer's default
-optimizer (`build`), and one recorded training step of a stack (`model_step`)."""
+optimizer (`build`; a model of the transformers path: transformers_stacks.py's three), and one recorded training step
+of a stack (`model_step`)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,19 @@ def _hf(config: dict, liger: bool) -> Built:
     return Built(model, opt, loss)
 
 
+def stacks_for(config: dict) -> tuple[str, ...]:
+    """The stacks of a model: STACKS for ours' architectures (Llama), transformers_stacks' for a model of the
+    transformers path (Gemma 3)."""
+    from bench.roofline import transformers_stacks
+
+    return transformers_stacks.TRANSFORMERS_STACKS if transformers_stacks.is_transformers_model(config) else STACKS
+
+
 def build(stack: str, config: dict) -> Built:
+    from bench.roofline import transformers_stacks
+
+    if transformers_stacks.is_transformers_model(config):
+        return transformers_stacks.build(stack, config)
     return {
         "ours": lambda: _ours(config, False),
         "ours_liger": lambda: _ours(config, True),

@@ -80,6 +80,7 @@ class Trace:
         self._storages: dict[int, weakref.ref] = {}
         self._labels: dict[int, tuple[str, int]] = {}  # storage key -> (where it was allocated, bytes)
         self.module_stack: list[str] = []
+        self.attention_windows: list[int | None] = []  # sliding windows of the attention modules running (recording)
         self.modelled: list[str] = []  # the modelled ops running (their names), innermost last
         self.at_peak: dict[str, int] = {}  # live bytes by where they were allocated, at the (first) peak
         self.peak_phase = ""
@@ -159,7 +160,8 @@ _TRACE: Trace | None = None  # the trace being recorded (modelled ops write into
 # ---------------------------------------------------------------------------------------------------------
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv"}
 ROPE_OPS = {"mul", "add", "sub", "neg", "cat", "slice", "slice_backward", "index", "select", "split", "chunk"}
-_TOP_LEVEL = {"CausalLM", "LlamaForCausalLM"}
+# the models' top level, where the loss runs: ours, transformers' Llama and Gemma 3, the transformers path's wrapper
+_TOP_LEVEL = {"CausalLM", "LlamaForCausalLM", "Gemma3ForCausalLM", "TransformersModel"}
 
 
 def category(module: str | None, op: str) -> str:

@@ -330,3 +330,126 @@ def test_bitsandbytes_imports_under_the_fake_cuda_mode():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A model of the transformers path: Gemma 3 (bench/roofline/transformers_stacks.py)
+# ---------------------------------------------------------------------------------------------------------
+def _gemma_tiny() -> dict:
+    from bench.roofline.transformers_stacks import TRANSFORMERS_MODELS, twin_config
+
+    return twin_config(TRANSFORMERS_MODELS["gemma-3-4b"])  # 6 layers (5 sliding, window 4, and 1 global), hidden 64
+
+
+def test_gemma_stacks_at_a_tiny_size(monkeypatch):
+    """ours (the transformers path with our kernels, as a probed twin proves them), hf and hf_liger of Gemma 3 on meta
+    tensors: each records its kernels, the GeGLU activation reaches ours' SwiGLULinearFunction, the sliding layers'
+    attention costs less than the global one's, and the step has a positive time and peak memory."""
+    from bench.roofline import op_models
+    from bench.roofline.stacks import build, stacks_for
+
+    config, dev = _gemma_tiny(), rf.DEVICES["h100"]
+    assert stacks_for(config) == ("ours", "hf", "hf_liger") and stacks_for(model_config("tiny")) == rf.STACKS
+    acts = []
+
+    class SwiGLULinearSeen(op_models.SwiGLULinearModel):
+        def forward(self, ctx, gate, up, weight, *rest):
+            acts.append(rest)
+            return super().forward(ctx, gate, up, weight, *rest)
+
+    monkeypatch.setitem(rf.MODELS, "SwiGLULinearFunction", SwiGLULinearSeen)
+    rows, traces = {}, {}
+    for stack in ("ours", "hf", "hf_liger"):
+        trace = rf.model_step(stack, config, 2, 32, 0.0)
+        traces[stack] = trace
+        rows[stack] = rf.summarise(trace, dev) | {"names": {op.name for op in trace.ops}}
+    ours = rows["ours"]["names"]
+    assert {
+        "RMSNormFunction:_rms_norm_fwd_kernel",
+        "RMSNormFunction.backward:_rms_norm_bwd_kernel",
+        "SwiGLULinearFunction:_swiglu_fwd_kernel",
+        "SwiGLULinearFunction.backward:_swiglu_bwd_kernel",
+        "flce:aten.mm",
+        "flce:_cross_entropy_fwd_kernel",
+        "fused_adamw:_adamw_kernel",
+    } <= ours
+    assert acts == [("gelu_tanh",)] * 6  # GeGLU in every layer's MLP
+    forward_norms = [op for op in traces["ours"].ops if op.name == "RMSNormFunction:_rms_norm_fwd_kernel"]
+    # input_layernorm and pre_feedforward_layernorm of each layer, the final norm: fp32 rows; the other four norms of a
+    # layer take bf16 rows with an fp32 weight under autocast, and keep transformers' forward (module docstring)
+    assert len(forward_norms) == 2 * 6 + 1
+    assert "_log_softmax" not in ours and "_log_softmax" in rows["hf"]["names"]
+    assert not {n for n in rows["hf"]["names"] if "Function" in n or n.startswith(("flce", "liger"))}
+    assert {
+        "LigerRMSNormFunction:_rms_norm_fwd_kernel",
+        "LigerRMSNormFunction:contiguous",  # q_norm and k_norm take (B, H, T, D) views
+        "LigerRopeFunction",
+        "LigerRopeFunction:contiguous",
+        "LigerGELUMulFunction",
+        "LigerGELUMulFunction.backward",
+        "liger_flce.logits",
+        "_fused_adamw_",
+    } <= rows["hf_liger"]["names"]
+    model = build("ours", config).model
+    assert model.fused_head and (model.logit_scale, model.softcap) == (1.0, None)
+    assert model.norms == {"Gemma3RMSNorm, offset 1": 6 * 6 + 1} and model.mlps == {"GeGLU: Gemma3MLP": 6}
+    # sliding layers (window 4 of 32 tokens) as flash attention's local window: 4^2/2 + 28 * 4 = 120 of 512 pairs
+    flash = sorted(op.flops for op in traces["hf"].ops if op.name == "flash_attention")
+    b, h, t, d = 2, 2, 32, 32
+    assert flash == [4 * b * h * d * 120] * 5 + [4 * b * h * d * t * t / 2]
+    for stack, row in rows.items():
+        assert row["ms_step"] > 0 and row["launches"] > 0 and row["peak_memory_gb"] > 0, stack
+        assert row["ms_step"] == pytest.approx(sum(row[f"ms_{c}"] for c in rf.CATEGORIES))
+        assert sum(row["peak_breakdown_gb"].values()) == pytest.approx(row["peak_memory_gb"])
+        assert {op.phase for op in traces[stack].ops} == {"forward", "backward", "optimizer"}
+    # the same architecture: about the same FLOPs (our fused loss's chunked matmuls against the head's)
+    assert rows["ours"]["flops"] == pytest.approx(rows["hf"]["flops"], rel=2e-2)
+    assert rows["hf"]["flops"] == rows["hf_liger"]["flops"]
+
+
+def test_a_twin_gives_the_probes_verdicts():
+    """transformers_model_from_twin over a model of other sizes swaps what TransformersModel's own probes swap there,
+    and computes the same loss; a class the twin lacks is refused."""
+    from bench.roofline.transformers_stacks import hf_model, twin
+    from trainer.model.causal_lm import ModelError
+    from trainer.model.transformers_model import TransformersModel, transformers_model_from_twin
+
+    config = _gemma_tiny()
+    other = {**config, "hidden_size": 48, "intermediate_size": 96, "head_dim": 16, "num_hidden_layers": 3}
+    torch.manual_seed(0)
+    probed = TransformersModel(hf_model(other, device="cpu"))
+    hf = hf_model(other, device="cpu")
+    hf.load_state_dict(probed.hf.state_dict())
+    given = transformers_model_from_twin(twin(config), hf)
+    for attr in ("norms", "norms_left", "mlps", "mlps_left", "logit_scale", "softcap", "plain_head", "fused_head"):
+        assert getattr(given, attr) == getattr(probed, attr), attr
+    assert given.kernel_report() == probed.kernel_report()
+    ids = torch.randint(0, other["vocab_size"], (2, 12))
+    assert torch.equal(given(input_ids=ids, labels=ids).loss, probed(input_ids=ids, labels=ids).loss)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = TransformersModel(LlamaForCausalLM(LlamaConfig(**model_config("tiny"))))
+    with pytest.raises(ModelError, match="Gemma3RMSNorm.*not in the twin LlamaForCausalLM"):
+        transformers_model_from_twin(llama, hf_model(config))
+
+
+def test_gemma_command_writes_its_own_files(tmp_path, monkeypatch):
+    """`python -m bench.roofline --model <a transformers-path model>`: its three stacks, its own results files (the
+    Llama runs' roofline.md and .jsonl untouched), the ratios of ours against each other stack."""
+    from bench.roofline import transformers_stacks
+
+    monkeypatch.setitem(transformers_stacks.TRANSFORMERS_MODELS, "gemma-3-tiny", _gemma_tiny())
+    rows = rf.main(
+        ["--model", "gemma-3-tiny", "--seq_len", "32", "--micro_batch", "2", "--ignored", "0"]
+        + ["--out", str(tmp_path)]
+    )
+    assert [r["stack"] for r in rows] == ["ours", "hf", "hf_liger"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "roofline_gemma-3-tiny.jsonl",
+        "roofline_gemma-3-tiny.md",
+        "roofline_gemma-3-tiny.png",
+    ]
+    text = (tmp_path / "roofline_gemma-3-tiny.md").read_text()
+    assert "| category | ours | hf | hf_liger | ours/hf_liger | ours/hf |" in text
+    assert "## Ratios (modelled)" in text and "## Targets" not in text
+    assert "0% ignored: ours/hf modelled step time" in text and "](roofline_gemma-3-tiny.png)" in text
