@@ -82,7 +82,7 @@ Results: bench/results/roofline.md (+ .jsonl, + roofline.png). Test: python -m p
 A model of the transformers path (`--model gemma-3-4b`, issue 44): Gemma-3-4B's text model, which our own model does
 not cover, as three stacks (transformers_stacks.py): ours = trainer.model.transformers_model.TransformersModel over
 transformers' Gemma3ForCausalLM with our kernels where its probes prove them (probed on a small CPU twin of the same
-architecture, `transformers_model_from_twin`, since the probes cannot run on the meta device) + FusedAdamW; hf;
+architecture, `TransformersModel(hf, twin=...)`, since the probes cannot run on the meta device) + FusedAdamW; hf;
 hf_liger (apply_liger_kernel_to_gemma3_text); no ours_liger (the transformers path refuses liger-kernel). Results:
 bench/results/roofline_gemma-3-4b.md (+ .jsonl, + .png), beside the Llama runs' files.
 

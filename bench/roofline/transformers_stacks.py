@@ -16,7 +16,7 @@ MLPs, one forward of the whole model for the head), which cannot run on the meta
 built. So a twin of the same architecture (the same config but its sizes: `twin_config`) is built on the CPU and probed
 as our Trainer would probe the real model, and its verdicts (which classes swap, with which offset, activation and
 layout; the head's logit scale and softcap) are applied to the full-size meta model
-(`trainer.model.transformers_model.transformers_model_from_twin`).
+(`TransformersModel(hf, twin=...)`, trainer/model/kernel_swaps.py's `swap_kernels`).
 
 Under bf16 autocast over fp32 parameters (how both trainers run, stacks.py), a swapped norm whose input is bf16 (the
 output of a linear layer: Gemma 3's q_norm, k_norm, post_attention_layernorm and post_feedforward_layernorm) while its
@@ -168,14 +168,14 @@ def _packed_sequences_on_meta():
 
 
 def _ours(config: dict) -> Built:
-    from trainer.model.transformers_model import transformers_model_from_twin
+    from trainer.model.transformers_model import TransformersModel
 
     probed, hf = twin(config), hf_model(config)
     # Wrapped with torch functions' modes off (no tensor is made there): under bench.sm90's fake CUDA, where model_step
     # builds, a meta tensor says it is on cuda:0, and TransformersModel's head probe, which skips meta models, would
     # run on it.
     with torch._C.DisableTorchFunction():
-        model = transformers_model_from_twin(probed, hf)
+        model = TransformersModel(hf, twin=probed)
     opt = optimizer_for("ours", model.parameters())
 
     def loss(ids, labels):

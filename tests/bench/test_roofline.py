@@ -375,9 +375,9 @@ def test_gemma_stacks_at_a_tiny_size(monkeypatch):
     } <= ours
     assert acts == [("gelu_tanh",)] * 6  # GeGLU in every layer's MLP
     forward_norms = [op for op in traces["ours"].ops if op.name == "RMSNormFunction:_rms_norm_fwd_kernel"]
-    # input_layernorm and pre_feedforward_layernorm of each layer, the final norm: fp32 rows; the other four norms of a
-    # layer take bf16 rows with an fp32 weight under autocast, and keep transformers' forward (module docstring)
-    assert len(forward_norms) == 2 * 6 + 1
+    # every norm of a layer (its four, q's and k's) and the final one run ours: those that take bf16 rows with an fp32
+    # weight under autocast too (Gemma's norms keep the input's dtype with fp32 math, as ours: `kernel_mixed`)
+    assert len(forward_norms) == 6 * 6 + 1
     assert "_log_softmax" not in ours and "_log_softmax" in rows["hf"]["names"]
     assert not {n for n in rows["hf"]["names"] if "Function" in n or n.startswith(("flce", "liger"))}
     assert {
@@ -392,7 +392,11 @@ def test_gemma_stacks_at_a_tiny_size(monkeypatch):
     } <= rows["hf_liger"]["names"]
     model = build("ours", config).model
     assert model.fused_head and (model.logit_scale, model.softcap) == (1.0, None)
-    assert model.norms == {"Gemma3RMSNorm, offset 1": 6 * 6 + 1} and model.mlps == {"GeGLU: Gemma3MLP": 6}
+    assert model.swapped == {
+        "RMSNorm: Gemma3RMSNorm, offset 1": 6 * 6 + 1,
+        "GeGLU: Gemma3MLP": 6,
+        "RoPE: Gemma3Attention": 6,
+    }
     # sliding layers (window 4 of 32 tokens) as flash attention's local window: 4^2/2 + 28 * 4 = 120 of 512 pairs
     flash = sorted(op.flops for op in traces["hf"].ops if op.name == "flash_attention")
     b, h, t, d = 2, 2, 32, 32
@@ -408,11 +412,11 @@ def test_gemma_stacks_at_a_tiny_size(monkeypatch):
 
 
 def test_a_twin_gives_the_probes_verdicts():
-    """transformers_model_from_twin over a model of other sizes swaps what TransformersModel's own probes swap there,
+    """TransformersModel(hf, twin=...) over a model of other sizes swaps what TransformersModel's own probes swap there,
     and computes the same loss; a class the twin lacks is refused."""
     from bench.roofline.transformers_stacks import hf_model, twin
     from trainer.model.causal_lm import ModelError
-    from trainer.model.transformers_model import TransformersModel, transformers_model_from_twin
+    from trainer.model.transformers_model import TransformersModel
 
     config = _gemma_tiny()
     other = {**config, "hidden_size": 48, "intermediate_size": 96, "head_dim": 16, "num_hidden_layers": 3}
@@ -420,8 +424,8 @@ def test_a_twin_gives_the_probes_verdicts():
     probed = TransformersModel(hf_model(other, device="cpu"))
     hf = hf_model(other, device="cpu")
     hf.load_state_dict(probed.hf.state_dict())
-    given = transformers_model_from_twin(twin(config), hf)
-    for attr in ("norms", "norms_left", "mlps", "mlps_left", "logit_scale", "softcap", "plain_head", "fused_head"):
+    given = TransformersModel(hf, twin=twin(config))
+    for attr in ("swapped", "left", "logit_scale", "softcap", "plain_head", "fused_head"):
         assert getattr(given, attr) == getattr(probed, attr), attr
     assert given.kernel_report() == probed.kernel_report()
     ids = torch.randint(0, other["vocab_size"], (2, 12))
@@ -429,8 +433,8 @@ def test_a_twin_gives_the_probes_verdicts():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     llama = TransformersModel(LlamaForCausalLM(LlamaConfig(**model_config("tiny"))))
-    with pytest.raises(ModelError, match="Gemma3RMSNorm.*not in the twin LlamaForCausalLM"):
-        transformers_model_from_twin(llama, hf_model(config))
+    with pytest.raises(ModelError, match="Gemma3RMSNorm.*the twin LlamaForCausalLM has none of its class"):
+        TransformersModel(hf_model(config), twin=llama)
 
 
 def test_gemma_command_writes_its_own_files(tmp_path, monkeypatch):

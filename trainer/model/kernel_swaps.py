@@ -7,7 +7,9 @@ named in the run's first line (`TransformersModel.kernel_report`).
 The registry (`SWAPS`, in the order the report lists them):
 - RMSNorm (`swap_norms`): one 1-D `weight`, an epsilon, a forward of the rows alone; `kernels.rms_norm` with offset 0
   (Llama's `weight * x`, OLMo 2's) or 1 (Gemma's `(1 + weight) * x`). A call whose input and weight dtypes differ
-  runs the module's own forward (transformers would promote).
+  (bf16 activations over fp32 master weights under autocast) runs ours where a second probe shows the module keeps
+  the input's dtype with fp32 math there (Gemma's norms, as our kernel does), else the module's own forward (Llama's
+  promotes to the weight's dtype).
 - SwiGLU and GeGLU (`swap_mlps`): `gate_proj`/`up_proj`/`down_proj`, or a fused `gate_up_proj` (gate first) and
   `down_proj`, linear layers without biases; `down(act(gate(x)) * up(x))` for act silu or the tanh GELU through
   `causal_lm.swiglu_down` (the projections called as modules, so LoRA and 4-bit layers put there later run as
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 
 import kernels
-from trainer.model.causal_lm import over_token_tiles, swiglu_down
+from trainer.model.causal_lm import ModelError, over_token_tiles, swiglu_down
 
 NORM_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 NORM_PROBE_ROWS = 4
@@ -79,20 +81,42 @@ def norm_offset(module: nn.Module, eps: float) -> float | None:
     return None
 
 
+@torch.no_grad()
+def norm_keeps_input_dtype(module: nn.Module, eps: float, offset: float) -> bool:
+    """Whether `module`, given bf16 rows and an fp32 weight (bf16 autocast over fp32 master weights), returns what
+    `kernels.rms_norm` returns there: bf16 rows from fp32 math (Gemma's norms cast back to the input's dtype), to one
+    bf16 rounding; False for a norm that promotes to the weight's dtype (Llama's `weight * x.to(input_dtype)`)."""
+    probe = copy.deepcopy(module).float().cpu()
+    g = torch.Generator().manual_seed(1)
+    probe.weight.copy_(torch.randn(probe.weight.shape, generator=g) * 0.5)
+    x = (torch.randn(NORM_PROBE_ROWS, probe.weight.numel(), generator=g) * 3.0).bfloat16()
+    try:
+        out = probe(x)
+    except Exception:
+        return False
+    ours = kernels.rms_norm_ref(x, probe.weight, eps, offset)  # (rows, C) bf16
+    return out.dtype == ours.dtype and torch.allclose(out.float(), ours.float(), rtol=2**-7, atol=1e-6)
+
+
 def _kernel_norm_forward(self, x):
-    if x.dtype != self.weight.dtype:  # transformers would promote: its own forward keeps that
+    if x.dtype != self.weight.dtype and not self.kernel_mixed:  # transformers would promote: its own forward does
         return type(self).forward(self, x)
     return kernels.rms_norm(x, self.weight, self.kernel_eps, self.kernel_offset)
 
 
-def _swap(model: nn.Module, settings, prove, forward, left_when, label) -> tuple[dict[str, int], set[str]]:
+def _swap(
+    model: nn.Module, settings, prove, forward, left_when, label, twin: nn.Module | None
+) -> tuple[dict[str, int], set[str]]:
     """Rebind `forward` on every module whose class, with `settings(module)` (None: not a candidate), `prove` passes
-    (once per class and settings: a dict of attributes the kernel forward reads, or None); weights untouched.
-    ({label(class name, attributes): count}, the names of classes left as they are: failed candidates, and others
-    `left_when(name)` picks)."""
+    (once per class and settings: a dict of attributes the kernel forward reads, or None); weights untouched. With a
+    `twin` (`swap_kernels`, already swapped itself), the verdict is what its swaps proved on its module of that class
+    and settings (none: left as it is). ({label(class name,
+    attributes): count}, the names of classes left as they are: failed candidates, and others `left_when(name)`
+    picks)."""
     swapped: dict[str, int] = {}
     verdicts: dict[tuple, dict | None] = {}
     left: set[str] = set()
+    stand_ins = _stand_ins(twin, settings)
     for module in model.modules():
         name = type(module).__name__
         key = settings(module)
@@ -101,31 +125,58 @@ def _swap(model: nn.Module, settings, prove, forward, left_when, label) -> tuple
                 left.add(name)
             continue
         if (type(module), key) not in verdicts:
-            verdicts[type(module), key] = prove(module, key)
+            # with a twin: what its own swaps proved on its module of this class and settings (`kernel_swap`)
+            verdicts[type(module), key] = (
+                prove(module, key) if twin is None else getattr(stand_ins(module, key), "kernel_swap", None)
+            )
         attrs = verdicts[type(module), key]
         if attrs is None:
             left.add(name)
             continue
         for attr, value in attrs.items():
             setattr(module, attr, value)
+        module.kernel_swap = attrs  # what was proven, for a model this one is the twin of
         module.forward = types.MethodType(forward, module)
         key = label(name, attrs)
         swapped[key] = swapped.get(key, 0) + 1
     return swapped, left
 
 
-def swap_norms(model: nn.Module) -> tuple[dict[str, int], set[str]]:
+def _stand_ins(twin: nn.Module | None, settings):
+    """(module, key) -> the twin's module of module's class and settings, whose proof stands for it; a ModelError
+    where the twin has none (nothing proves the module then)."""
+    found = {}
+    for module in () if twin is None else twin.modules():
+        key = settings(module)
+        if key is not None:
+            found.setdefault((type(module), key), module)
+
+    def stand_in(module, key):
+        if (type(module), key) not in found:
+            raise ModelError(
+                f"{type(module).__name__} ({key!r}): the twin {type(twin).__name__} has none of its class and "
+                "settings, so no probe proves it"
+            )
+        return found[type(module), key]
+
+    return stand_in
+
+
+def swap_norms(model: nn.Module, twin: nn.Module | None = None) -> tuple[dict[str, int], set[str]]:
     """Point every RMSNorm that `norm_offset` proves at `kernels.rms_norm` (its forward rebound on the instance, its
     weight untouched): ({"RMSNorm: ClassName, offset 1": count}, the names of norm-like classes left as they are)."""
 
     def prove(module, eps):
         offset = norm_offset(module, eps)
-        return None if offset is None else {"kernel_eps": eps, "kernel_offset": offset}
+        if offset is None:
+            return None
+        mixed = norm_keeps_input_dtype(module, eps, offset)
+        return {"kernel_eps": eps, "kernel_offset": offset, "kernel_mixed": mixed}
 
     def label(name, attrs):
         return f"RMSNorm: {name}" + (", offset 1" if attrs["kernel_offset"] else "")
 
-    return _swap(model, _norm_eps, prove, _kernel_norm_forward, lambda name: "Norm" in name, label)
+    return _swap(model, _norm_eps, prove, _kernel_norm_forward, lambda name: "Norm" in name, label, twin)
 
 
 MLP_LIKE = ("MLP", "Mlp", "Experts", "MoeBlock", "MoE", "Moe")  # class-name endings named in the report when left
@@ -195,7 +246,7 @@ def _gated_mlp(module, x):
     return swiglu_down(module.down_proj, gate, up, module.kernel_act)
 
 
-def swap_mlps(model: nn.Module) -> tuple[dict[str, int], set[str]]:
+def swap_mlps(model: nn.Module, twin: nn.Module | None = None) -> tuple[dict[str, int], set[str]]:
     """Point every gated MLP that `gated_mlp_act` proves at our SwiGLU or GeGLU (`swiglu_down`: forward rebound on
     the instance, the projections called as modules, so a LoRA or 4-bit layer put there later runs as itself; the
     fused layout's gate and up halves are copied contiguous for the kernels): ({"SwiGLU: ClassName": count}, the names
@@ -209,7 +260,7 @@ def swap_mlps(model: nn.Module) -> tuple[dict[str, int], set[str]]:
         fused = ", fused gate_up" if attrs["kernel_layout"] == "fused" else ""
         return f"{GATED_NAMES[attrs['kernel_act']]}: {name}{fused}"
 
-    return _swap(model, _gated_layout, prove, _kernel_mlp_forward, lambda name: name.endswith(MLP_LIKE), label)
+    return _swap(model, _gated_layout, prove, _kernel_mlp_forward, lambda name: name.endswith(MLP_LIKE), label, twin)
 
 
 ROPE_FUNCTION = "apply_rotary_pos_emb"  # the name transformers' modeling modules give their rotation
@@ -288,11 +339,12 @@ def _rotary_dim(model: nn.Module, head_dim: int) -> int:
     return head_dim
 
 
-def swap_rope(model: nn.Module) -> tuple[dict[str, int], set[str]]:
+def swap_rope(model: nn.Module, twin: nn.Module | None = None) -> tuple[dict[str, int], set[str]]:
     """Our RoPE in every attention module whose forward calls its modeling module's `apply_rotary_pos_emb`, where
     `rope_matches` proves that function for the module's head_dim and the model's rotary dim (the half-split layout,
     full or partial): the module-level function is replaced once by `_rope_dispatcher` and the module counted in
-    while it runs. ({"RoPE: ClassName": count}, "rotary embedding (ClassName)" for the attention classes left)."""
+    while it runs. ({"RoPE: ClassName": count}, "rotary embedding (ClassName)" for the attention classes left). The
+    proof needs no weights (random tensors through the modeling module's function): `twin` is not needed."""
     swapped: dict[str, int] = {}
     left: set[str] = set()
     verdicts: dict[tuple, bool] = {}
@@ -332,12 +384,16 @@ def swap_rope(model: nn.Module) -> tuple[dict[str, int], set[str]]:
 SWAPS = (swap_norms, swap_mlps, swap_rope)  # the registry (module docstring), in the report's order
 
 
-def swap_kernels(model: nn.Module) -> tuple[dict[str, int], set[str]]:
-    """Every swap of `SWAPS` on `model`: ({"Kind: where": count} of what runs ours, the names of what was left)."""
+def swap_kernels(model: nn.Module, twin: nn.Module | None = None) -> tuple[dict[str, int], set[str]]:
+    """Every swap of `SWAPS` on `model`: ({"Kind: where": count} of what runs ours, the names of what was left).
+    `twin`: a model of the same architecture at other sizes, already swapped (its probes ran on its real weights),
+    whose verdicts stand for `model`'s modules of the same class and settings (a model built on the meta device, where
+    the probes cannot run: bench/roofline's full-size models); a module whose class and settings the twin lacks is a
+    ModelError."""
     swapped: dict[str, int] = {}
     left: set[str] = set()
     for swap in SWAPS:
-        done, kept = swap(model)
+        done, kept = swap(model, twin)
         swapped.update(done)
         left |= kept
     if not any(key.startswith("RoPE: ") for key in swapped) and not any("rotary" in name for name in left):

@@ -194,7 +194,12 @@ class TransformersModel(nn.Module):
         z_loss: float = 0.0,
         neftune_noise_alpha: float | None = None,
         tiled_mlp: bool = False,
+        twin: TransformersModel | None = None,
     ):
+        """`twin`: a TransformersModel (use_kernels on) of the same architecture at sizes small enough to probe, whose
+        probes decide for this model (one built on the meta device, where they cannot run: bench/roofline's
+        full-size models): its head's logit scale and softcap, and the swaps proven on its modules
+        (`kernel_swaps.swap_kernels`)."""
         super().__init__()
         self.hf = hf
         self.config = hf.config
@@ -206,11 +211,14 @@ class TransformersModel(nn.Module):
         hf.get_input_embeddings().register_forward_hook(self._neftune)
         self.router_loss = bool(getattr(hf.config, "output_router_logits", False))
         # logits = logit_scale * lm_head(hidden), softcapped when softcap is not None; None: something else
-        self.logit_scale, self.softcap = self._probe_head() or (None, None)
+        if twin is not None and not twin.use_kernels:
+            raise ValueError("TransformersModel: a twin must be built with use_kernels on (its probes ran)")
+        probed = (twin.logit_scale, twin.softcap) if twin is not None else self._probe_head()
+        self.logit_scale, self.softcap = probed or (None, None)
         self.plain_head = self.logit_scale is not None and not self.router_loss
         self.fused_head = use_kernels and self.plain_head
         # what of ours runs inside ({"Kind: where": count}) and what was left (trainer/model/kernel_swaps.py)
-        self.swapped, self.left = swap_kernels(hf) if use_kernels else ({}, set())
+        self.swapped, self.left = swap_kernels(hf, twin and twin.hf) if use_kernels else ({}, set())
         # activation offloading's per-block calls (`trainer.model.offload`; CausalLM.block_hooks): hook(i) before
         # transformers' decoder layer i runs (a forward pre-hook; backward's checkpoint recompute calls it too, when
         # the offloader is no longer active)
@@ -542,60 +550,3 @@ def build_transformers_model(path: Path, args, *, dtype, device, attn_backend: s
             tiled_mlp=args.tiled_mlp,
         )
     return TransformersModel(hf, **settings)
-
-
-def twin_verdicts(twin: TransformersModel) -> dict[tuple[type, object], dict | None]:
-    """What `swap_norms` and `swap_mlps` proved on `twin`'s modules, keyed as `_swap` proves them: {(class, epsilon or
-    layout): the attributes its kernel forward reads, or None where the probe refused the class}."""
-    verdicts: dict[tuple[type, object], dict | None] = {}
-    for module in twin.hf.modules():
-        for settings, attrs in (
-            (_norm_eps, ("kernel_eps", "kernel_offset")),
-            (_gated_layout, ("kernel_act", "kernel_layout")),
-        ):
-            key = settings(module)
-            if key is not None:
-                found = {a: vars(module)[a] for a in attrs if a in vars(module)}
-                verdicts[type(module), key] = found if len(found) == len(attrs) else None
-    return verdicts
-
-
-def transformers_model_from_twin(twin: TransformersModel, hf: nn.Module, **settings) -> TransformersModel:
-    """A TransformersModel over `hf` with our kernels where the probes proved them on `twin` instead of on `hf`: for a
-    model where the probes cannot run (built on the meta device, as bench/roofline's full-size models are: the probes
-    run forwards on CPU copies). `twin` is a TransformersModel (use_kernels on) of the same architecture, small enough
-    to probe: the same classes and config but for its sizes. Every norm and gated MLP of `hf` whose class and settings
-    (epsilon; layout) the twin proved runs our kernel with the twin's attributes, as `swap_norms` and `swap_mlps` swap
-    them; one the twin's probe refused stays transformers'; one the twin does not have is a ModelError (nothing was
-    proved for it). The head: the twin's logit scale and softcap. `settings`: TransformersModel's keywords but
-    use_kernels."""
-    if not twin.use_kernels:
-        raise ValueError("transformers_model_from_twin: the twin must be built with use_kernels on (its probes ran)")
-    verdicts = twin_verdicts(twin)
-
-    def proven(module, key):
-        if (type(module), key) not in verdicts:
-            raise ModelError(
-                f"{type(module).__name__} ({key!r}): not in the twin {type(twin.hf).__name__}, so no probe proved it"
-            )
-        return verdicts[type(module), key]
-
-    def norm_label(name, attrs):  # as swap_norms labels them
-        return name + (", offset 1" if attrs["kernel_offset"] else "")
-
-    def mlp_label(name, attrs):  # as swap_mlps labels them
-        fused = ", fused gate_up" if attrs["kernel_layout"] == "fused" else ""
-        return f"{GATED_NAMES[attrs['kernel_act']]}: {name}{fused}"
-
-    model = TransformersModel(hf, use_kernels=False, **settings)  # on meta no probe runs (none is wanted here)
-    model.use_kernels = True
-    model.logit_scale, model.softcap = twin.logit_scale, twin.softcap
-    model.plain_head = model.logit_scale is not None and not model.router_loss
-    model.fused_head = model.plain_head
-    model.norms, model.norms_left = _swap(
-        hf, _norm_eps, proven, _kernel_norm_forward, lambda name: "Norm" in name, norm_label
-    )
-    model.mlps, model.mlps_left = _swap(
-        hf, _gated_layout, proven, _kernel_mlp_forward, lambda name: name.endswith(MLP_LIKE), mlp_label
-    )
-    return model

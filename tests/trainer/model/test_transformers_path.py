@@ -271,6 +271,22 @@ def test_the_norm_probe_swaps_only_what_computes_our_math():
     torch.testing.assert_close(bf16(x.bfloat16()), expected, rtol=2 * 2**-8, atol=0)
     # rows of another dtype than the weight: transformers' own forward (it promotes), unchanged
     assert bf16(x).dtype == LlamaRMSNorm.forward(bf16, x).dtype == torch.float32
+    # Gemma's norm keeps the input's dtype from fp32 math, as our kernel does: under bf16 autocast over fp32 weights
+    # (bf16 rows, an fp32 weight) it runs ours, to one bf16 rounding of transformers'
+    gemma = Gemma3RMSNorm(48, eps=1e-6)
+    torch.nn.init.normal_(gemma.weight)
+    expected = Gemma3RMSNorm.forward(gemma, x.bfloat16())
+    assert swap_norms(gemma)[0] == {"RMSNorm: Gemma3RMSNorm, offset 1": 1} and gemma.kernel_mixed
+    calls = []
+    rms_norm = kernels.rms_norm
+    kernels.rms_norm = lambda *a: calls.append(1) or rms_norm(*a)
+    try:
+        ours = gemma(x.bfloat16())
+    finally:
+        kernels.rms_norm = rms_norm
+    assert calls and ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, expected, rtol=2**-7, atol=0)
+    assert not model["llama"].kernel_mixed
 
 
 @pytest.mark.gpu
