@@ -624,6 +624,12 @@ class TrainingArguments:
         "Linear layers that get an adapter, by name (q_proj v_proj ...) or all-linear (every linear "
         "layer but lm_head); default: peft's choice for the architecture (q_proj v_proj).",
     )
+    lora_target_parameters: list[str] | None = _arg(
+        None,
+        "lora",
+        "Parameters (not linear layers) that get an adapter, by name: a mixture of experts' fused expert tensors "
+        "(e.g. mlp.experts.gate_up_proj mlp.experts.down_proj; peft's target_parameters, TRL's name).",
+    )
     lora_modules_to_save: list[str] | None = _arg(
         None, "lora", "Modules trained in full and saved with the adapter, by name (e.g. norm)."
     )
@@ -886,7 +892,7 @@ class TrainingArguments:
         if self.dist_config is not None:
             self.dist_config = _normalise_dist_config(load_mapping("dist_config", self.dist_config))
 
-        for name in ("lora_target_modules", "lora_modules_to_save"):
+        for name in ("lora_target_modules", "lora_target_parameters", "lora_modules_to_save"):
             setattr(self, name, _module_names(name, getattr(self, name)))
 
         for name in ("logging_steps", "eval_steps", "save_steps"):

@@ -119,6 +119,7 @@ REFUSED = {
     "use_peft": "the saved weights and optimizer state are of the full model or of an adapter",
     "lora_r": "the saved adapter and its optimizer state have this rank",
     "lora_target_modules": "the saved adapter is on these layers",
+    "lora_target_parameters": "the saved adapter is on these parameters",
     "lora_modules_to_save": "the saved adapter carries these modules",
     "use_dora": "the saved adapter has (or lacks) DoRA's magnitudes",
     # the base the adapter was trained over (trainer/model/quant.py): another would be another function to continue on

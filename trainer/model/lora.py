@@ -165,6 +165,22 @@ def resolve_target_modules(model: nn.Module, names: list[str] | None) -> list[st
     return list(names)
 
 
+def check_target_parameters(model: nn.Module, names: list[str] | None) -> list[str] | None:
+    """`names`, each checked to match one of the model's stacked weight tensors (3-D or more: a mixture of experts'
+    fused expert tensors, which peft's target_parameters adapt; peft's suffix rule over parameter names)."""
+    if not names:
+        return None
+    candidates = [n for n, p in model.named_parameters() if p.dim() >= 3]
+    leaves = ", ".join(dict.fromkeys(".".join(n.split(".")[-3:]) for n in candidates)) or "none"
+    for name in names:
+        if not any(_matches(n, name) for n in candidates):
+            raise ConfigError(
+                f"lora_target_parameters: {name!r} matches no stacked expert tensor (linear layers take "
+                f"lora_target_modules); the model's are: {leaves}"
+            )
+    return list(names)
+
+
 def check_modules_to_save(model: nn.Module, names: list[str] | None) -> list[str] | None:
     """`names`, each checked to match a module of the model (and not lm_head/embed_tokens)."""
     for name in names or ():
@@ -187,6 +203,7 @@ def lora_config(model: nn.Module, args):
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,
         target_modules=resolve_target_modules(model, args.lora_target_modules),
+        target_parameters=check_target_parameters(model, args.lora_target_parameters),
         modules_to_save=check_modules_to_save(model, args.lora_modules_to_save),
         use_rslora=args.use_rslora,
         use_dora=args.use_dora,

@@ -43,13 +43,24 @@ def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.mark.parametrize("model_type", [*LORA_TYPES, *(pytest.param(t, marks=pytest.mark.slow) for t in LORA_SLOW)])
-def test_lora_trains_as_transformers_trainer_over_peft_and_saves_peft_files(model_type, checkpoints, tmp_path):
-    """LoRA on every linear layer: the adapter starts at the base's loss (B = 0), three SGD steps give the losses and
+EXPERTS = dict(lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+@pytest.mark.parametrize(
+    "model_type, extra",
+    [
+        *((t, {}) for t in LORA_TYPES),
+        *(pytest.param(t, {}, marks=pytest.mark.slow) for t in LORA_SLOW),
+        pytest.param("qwen3_moe", EXPERTS, id="qwen3_moe-experts"),  # the fused expert tensors: target_parameters
+    ],
+)
+def test_lora_trains_as_transformers_trainer_over_peft_and_saves_peft_files(model_type, extra, checkpoints, tmp_path):
+    """LoRA on every linear layer (and, with lora_target_parameters, a mixture of experts' fused expert tensors,
+    peft's target_parameters): the adapter starts at the base's loss (B = 0), three SGD steps give the losses and
     adapter weights of `transformers.Trainer` over `peft.get_peft_model` started from the same A; the base stays
     frozen; the saved adapter loads with `PeftModel.from_pretrained` over transformers' model with equal logits."""
     path, examples = checkpoints[model_type], _examples(n=24)
-    args = TrainingArguments(output_dir=str(tmp_path / "ours"), **SGD, **LORA)
+    args = TrainingArguments(output_dir=str(tmp_path / "ours"), **SGD, **LORA, **extra)
     model, _ = build_model(str(path), args)
     assert isinstance(model, TransformersModel) and has_adapter(model)
     base = {k: v.clone() for k, v in model.hf.state_dict().items() if "lora_" not in k}
@@ -60,9 +71,15 @@ def test_lora_trains_as_transformers_trainer_over_peft_and_saves_peft_files(mode
     ids, labels = batch()
     torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, plain(input_ids=ids, labels=labels).loss)
 
+    ours_config = model.hf.peft_config["default"]
     config = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(model.hf.peft_config["default"].target_modules)
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=list(ours_config.target_modules),
+        target_parameters=list(ours_config.target_parameters or []) or None,
     )
+    assert bool(extra) == any(".experts." in k for k in start)
     hf_model = peft.get_peft_model(plain, config)
     hf_model.base_model.model.load_state_dict(start, strict=False)  # the same A (and B = 0) as ours
     hf_args = transformers.TrainingArguments(
@@ -576,3 +593,17 @@ def test_the_tiled_mlp_tiles_our_swapped_mlps(checkpoints, tmp_path):
     gpt_oss, _ = build_model(str(write_tiny("gpt_oss", tmp_path / "gpt_oss")), args)
     with pytest.raises(ConfigError, match="^tiled_mlp: GptOssForCausalLM has no MLP our kernels run"):
         gpt_oss.tiled_mlp = True
+
+
+def test_lora_target_parameters_that_match_nothing_are_one_line(checkpoints, tmp_path):
+    """A target parameter that names no stacked expert tensor stops the build in one line naming the model's
+    candidates (our own Llama has none)."""
+    from trainer.config.args import ConfigError
+
+    for model_type, candidates in (("qwen3_moe", "mlp.experts.gate_up_proj"), ("llama", "none")):
+        args = TrainingArguments(output_dir=str(tmp_path / "o"), **LORA, lora_target_parameters=["mlp.experts.up"])
+        with pytest.raises(
+            ConfigError, match=r"^lora_target_parameters: 'mlp.experts.up' matches no stacked expert"
+        ) as e:
+            build_model(str(checkpoints[model_type]), args)
+        assert candidates in str(e.value)
