@@ -368,6 +368,25 @@ def empty_model(config: ModelConfig, *, dtype=torch.float32, device="cpu", trans
     return model
 
 
+def _sharded_transformers_copy(model: TransformersModel, args) -> TransformersModel:
+    """`frozen_copy` of a TransformersModel sharded by FSDP2: its `meta_copy` (our kernels and head as the model's
+    probes proved them) through the same transforms (LoRA left out), given storage, then each rank copies its own
+    shards and the (unsharded) buffers."""
+    state = model.state_dict()
+    device = next(iter(state.values())).device
+    ref = apply_transforms(model.meta_copy(), dataclasses.replace(args, use_peft=False))
+    ref.to_empty(device=device)
+    ref.hf.tie_weights()  # to_empty gives each parameter its own storage: tied ones are tied again
+    for name, tensor in ref.state_dict().items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        source = state[name]
+        local.copy_(source.to_local() if isinstance(source, DTensor) else source)
+    buffers = dict(model.named_buffers())
+    for name, buffer in ref.named_buffers():  # rotary frequencies (non-persistent: not in the state dict)
+        buffer.copy_(buffers[name])
+    return ref
+
+
 @torch.no_grad()
 def frozen_copy(model: nn.Module, args) -> nn.Module:
     """A frozen copy of `model` (a reference model: eval mode, no gradients). A model sharded by FSDP2, which
@@ -376,6 +395,8 @@ def frozen_copy(model: nn.Module, args) -> nn.Module:
     is communicated."""
     if not is_fsdp(model):
         ref = copy.deepcopy(model)
+    elif isinstance(model, TransformersModel) and not has_adapter(model.adapter_root):
+        ref = _sharded_transformers_copy(model, args)
     else:
         ours = causal_lm(model)
         if ours is None or has_adapter(ours):

@@ -285,8 +285,9 @@ def rope_matches(function, head_dim: int, rotary_dim: int) -> bool:
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         return False
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 3, 5, head_dim, generator=g), torch.randn(2, 1, 5, head_dim, generator=g)
-    cos, sin = torch.rand(2, 5, rotary_dim, generator=g) * 2 - 1, torch.rand(2, 5, rotary_dim, generator=g) * 2 - 1
+    cpu = dict(generator=g, device="cpu")  # whatever device context the caller is in (a model built on meta)
+    q, k = torch.randn(2, 3, 5, head_dim, **cpu), torch.randn(2, 1, 5, head_dim, **cpu)
+    cos, sin = torch.rand(2, 5, rotary_dim, **cpu) * 2 - 1, torch.rand(2, 5, rotary_dim, **cpu) * 2 - 1
     try:
         theirs = function(q, k, cos, sin)
     except Exception:

@@ -41,13 +41,13 @@ per-block compile (each of transformers' decoder layers, `decoder_layers`, our s
 for SFT. `trainer.merge` and `trainer.generate --adapter` take the same models.
 
 Refused on this path, each in one line before anything is built (`check_transformers_path`): liger-kernel (its patches
-are our model's), FSDP2 and DeepSpeed for DPO and GRPO, and activation offloading with per-block compile (the
+are our model's), DeepSpeed for DPO and GRPO, FSDP2 for GRPO, and activation offloading with per-block compile (the
 offloader's per-block calls are forward pre-hooks on the decoder layers, inside what is compiled). Activation offloading
-(`block_hooks`) and the tiled MLP (our swapped MLPs over token tiles, `tiled_mlp`) run here. SFT, DPO and GRPO train
-here; DPO and GRPO need a model whose logits are `lm_head(hidden)` times a constant, or softcapped (their losses run
-from the hidden states and the head's weight: `check_stage`, one line when the trainer gets the model). GRPO samples
-through our sampler (`decode_step` over transformers' KV cache, `TransformersCache`), so its per-completion random
-stream is the one our model's runs draw.
+(`block_hooks`) and the tiled MLP (our swapped MLPs over token tiles, `tiled_mlp`) run here. SFT, DPO (FSDP2 too: the
+reference is the policy's `meta_copy`, sharded alike) and GRPO train here; DPO and GRPO need a model whose logits are
+`lm_head(hidden)` times a constant, or softcapped (their losses run from the hidden states and the head's weight:
+`check_stage`, one line when the trainer gets the model). GRPO samples through our sampler (`decode_step` over
+transformers' KV cache, `TransformersCache`), so its per-completion random stream is the one our model's runs draw.
 
 transformers is imported only when this path is taken (it costs seconds).
 """
@@ -143,8 +143,11 @@ def check_transformers_path(args, stage: str = "sft") -> None:
             "forward pre-hooks of the decoder layers, inside what per-block compile compiles; use one of the two"
         )
     engine = (args.dist_config or {}).get("name")
-    if engine in ("fsdp2", "deepspeed") and stage != "sft":
-        raise ConfigError(f"dist_config {engine}: stage {stage} on the transformers path runs with DDP only for now")
+    if (engine == "deepspeed" and stage != "sft") or (engine == "fsdp2" and stage == "grpo"):
+        engines = "DDP" if stage == "grpo" else "DDP or FSDP2"
+        raise ConfigError(
+            f"dist_config {engine}: stage {stage} on the transformers path runs with {engines} only for now"
+        )
 
 
 class TransformersCache:
@@ -211,7 +214,7 @@ class TransformersModel(nn.Module):
         hf.get_input_embeddings().register_forward_hook(self._neftune)
         self.router_loss = bool(getattr(hf.config, "output_router_logits", False))
         # logits = logit_scale * lm_head(hidden), softcapped when softcap is not None; None: something else
-        if twin is not None and not twin.use_kernels:
+        if twin is not None and use_kernels and not twin.use_kernels:
             raise ValueError("TransformersModel: a twin must be built with use_kernels on (its probes ran)")
         probed = (twin.logit_scale, twin.softcap) if twin is not None else self._probe_head()
         self.logit_scale, self.softcap = probed or (None, None)
@@ -257,6 +260,19 @@ class TransformersModel(nn.Module):
         """The decoder's layers (`trainer.parallel.transforms.decoder_blocks`: FSDP2's units, per-block compile)."""
         layers = getattr(self.hf.get_decoder(), "layers", None)
         return layers if isinstance(layers, nn.ModuleList) else None
+
+    def meta_copy(self) -> TransformersModel:
+        """This model's architecture and settings on the meta device, its kernels and head as this model's probes
+        proved them (`twin=self`): for a copy sharded before it is given storage (`trainer.build.frozen_copy`, a
+        reference model under FSDP2). Its non-persistent buffers (rotary frequencies) are this model's to copy once it
+        has storage."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(self.config, dtype=self.hf.dtype)
+        return TransformersModel(
+            hf, use_kernels=self.use_kernels, label_smoothing=self.label_smoothing, z_loss=self.z_loss, twin=self
+        )
 
     def empty_copy(self) -> TransformersModel:
         """This model's architecture on the CPU, uninitialised and without kernels: a holder for full weights (saving a

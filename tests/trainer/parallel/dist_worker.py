@@ -307,7 +307,8 @@ def sample(job: dict) -> None:
 
 
 def run_preference(job: dict) -> None:
-    """A preference job, {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments, "resume"}:
+    """A preference job, {"output", "args", "pairs": a preference JSONL file, "pref": PreferenceArguments, "resume",
+    "model"?}:
     DPO on the pairs; rank 0 writes result.json (the logged losses and reward margins, the eval metrics, what each
     rank holds of the reference model)."""
     from tests.trainer.loop.test_trainer import small_model
@@ -319,7 +320,8 @@ def run_preference(job: dict) -> None:
     tokenizer = byte_level_tokenizer()
     pairs = load_preference_dataset([job["pairs"]], tokenizer, show_progress=False)
     args = TrainingArguments(output_dir=str(out / "run"), **job["args"])
-    model = small_model()
+    # "model": a transformers model directory, built as the CLI builds it (the transformers path)
+    model = build_module.build_model(job["model"], args)[0] if job.get("model") else small_model()
     if job.get("lora"):  # the adapter on the model as given: the reference is the model with it disabled
         from trainer.model.lora import apply_lora, init_adapter_weights
 
