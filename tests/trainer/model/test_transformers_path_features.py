@@ -27,8 +27,8 @@ peft = pytest.importorskip("peft")
 
 # one of each block kind: sliding window + logit softcapping (gemma2), mixture of experts (qwen3_moe), hybrid linear
 # attention (qwen3_5_text); the heavier ones run in the slow suite
-LORA_TYPES = ("gemma3_text", pytest.param("gemma2", marks=pytest.mark.slow), "qwen3_moe")
-LORA_SLOW = ("qwen3_5_text",)
+LORA_TYPES = ("gemma3_text", "qwen3_moe")
+LORA_SLOW = ("gemma2", "qwen3_5_text")
 SGD = dict(COMMON, max_steps=3, warmup_steps=0, weight_decay=0.0, optim="sgd", learning_rate=0.05)
 LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"])
 
