@@ -72,23 +72,29 @@ def _hf(config: dict, liger: bool) -> Built:
                 setattr(modeling_llama, k, v)
         # ... but this model's attention must keep liger's RoPE: bind it for the run (hf_liger's `loss` below)
         model._roofline_rope = rope
-    opt = optimizer_for("hf", model.parameters())
+    from transformers.models.llama import modeling_llama
+
+    return Built(model, optimizer_for("hf", model.parameters()), hf_loss(model, modeling_llama, liger))
+
+
+def hf_loss(model, modeling, liger: bool) -> Callable:
+    """The HF Trainer's loss call on a transformers model (labels and num_items_in_batch on the device); with liger,
+    the model's `_roofline_rope` (liger's RoPE, patched globally by liger and restored after the build) bound to its
+    modeling module for the call."""
 
     def loss(ids, labels):
         dev_labels = torch.empty(labels.shape, dtype=labels.dtype, device="cuda")  # the HF Trainer moves them
         n_items = torch.empty((), dtype=torch.int64, device="cuda")  # num_items_in_batch, on the device
         if not liger:
             return model(input_ids=ids, labels=dev_labels, num_items_in_batch=n_items).loss
-        from transformers.models.llama import modeling_llama
-
-        saved = modeling_llama.apply_rotary_pos_emb
-        modeling_llama.apply_rotary_pos_emb = model._roofline_rope
+        saved = modeling.apply_rotary_pos_emb
+        modeling.apply_rotary_pos_emb = model._roofline_rope
         try:
             return model(input_ids=ids, labels=dev_labels, num_items_in_batch=n_items).loss
         finally:
-            modeling_llama.apply_rotary_pos_emb = saved
+            modeling.apply_rotary_pos_emb = saved
 
-    return Built(model, opt, loss)
+    return loss
 
 
 def stacks_for(config: dict) -> tuple[str, ...]:

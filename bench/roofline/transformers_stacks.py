@@ -39,7 +39,7 @@ import json
 
 import torch
 
-from bench.roofline.stacks import Built, optimizer_for
+from bench.roofline.stacks import Built, hf_loss, optimizer_for
 
 # Gemma-3-4B's text model. google/gemma-3-4b-it's (and -pt's) config.json sets, in text_config: hidden_size 2560,
 # intermediate_size 10240, num_hidden_layers 34, sliding_window 1024 and rope_scaling {"rope_type": "linear",
@@ -208,21 +208,7 @@ def _hf(config: dict, liger: bool) -> Built:
             for k, v in saved.items():
                 setattr(modeling_gemma3, k, v)
         model._roofline_rope = rope  # ... but this model's attention keeps liger's RoPE for its run (`loss`)
-    opt = optimizer_for("hf", model.parameters())
-
-    def loss(ids, labels):
-        dev_labels = torch.empty(labels.shape, dtype=labels.dtype, device="cuda")  # the HF Trainer moves them
-        n_items = torch.empty((), dtype=torch.int64, device="cuda")  # num_items_in_batch, on the device
-        if not liger:
-            return model(input_ids=ids, labels=dev_labels, num_items_in_batch=n_items).loss
-        saved = modeling_gemma3.apply_rotary_pos_emb
-        modeling_gemma3.apply_rotary_pos_emb = model._roofline_rope
-        try:
-            return model(input_ids=ids, labels=dev_labels, num_items_in_batch=n_items).loss
-        finally:
-            modeling_gemma3.apply_rotary_pos_emb = saved
-
-    return Built(model, opt, loss)
+    return Built(model, optimizer_for("hf", model.parameters()), hf_loss(model, modeling_gemma3, liger))
 
 
 def build(stack: str, config: dict) -> Built:
