@@ -170,7 +170,7 @@ def check_run(args, sft: SFTArguments, method_args) -> None:
     check_model_name(sft.model)
     transformers_path = model_path_of(sft) == "transformers"
     if transformers_path:
-        check_transformers_path(args, sft.stage)
+        check_transformers_path(args)
     METHODS[sft.stage].check(args, sft, method_args)
     _check_output_dir(args, sft, method_args)
     check_cache_root(cache_root(sft.data_cache_dir))

@@ -10,6 +10,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
+from tests.trainer.model.tiny_hf import write_tiny
 from tests.trainer.test_sft import ROOT, TIMEOUT_S, _finish, _spawn_sft
 
 PROMPTS = [
@@ -84,19 +85,29 @@ def _parallel_args(parallel: str, tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "options, generations, parallel",
+    "options, generations, parallel, model_type",
     [
-        (EVAL, 2, "ddp"),
-        (CYCLE, 1, "ddp"),
-        ([*CYCLE, *EVAL], 1, "fsdp2"),
-        pytest.param(CYCLE, 1, "zero2", marks=pytest.mark.slow),  # ZeRO-3's run covers its sampling and more
-        (CYCLE, 1, "zero3"),
+        (EVAL, 2, "ddp", None),
+        (CYCLE, 1, "ddp", None),
+        ([*CYCLE, *EVAL], 1, "fsdp2", None),
+        pytest.param(CYCLE, 1, "zero2", None, marks=pytest.mark.slow),  # ZeRO-3's run covers its sampling and more
+        (CYCLE, 1, "zero3", None),
         # no LoRA dropout: its draws depend on the number of processes (with 0.05 the adapters differ by ~30%)
-        ([*CYCLE, "--use_peft", "true", "--lora_dropout", "0"], 1, "fsdp2"),
+        ([*CYCLE, "--use_peft", "true", "--lora_dropout", "0"], 1, "fsdp2", None),
+        # the transformers path: softcapping and sliding windows, mixture of experts, hybrid linear attention
+        (CYCLE, 1, "fsdp2", "gemma2"),
+        pytest.param(CYCLE, 1, "zero3", "gemma2", marks=pytest.mark.slow),
+        pytest.param(CYCLE, 1, "zero3", "qwen3_moe", marks=pytest.mark.slow),
+        pytest.param(CYCLE, 1, "fsdp2", "qwen3_5_text", marks=pytest.mark.slow),
     ],
-    ids=["one-step-generations", "generation-of-2-steps-x-2-iterations", "fsdp2", "zero2", "zero3", "fsdp2-lora"],
+    ids=[
+        *("one-step-generations", "generation-of-2-steps-x-2-iterations", "fsdp2", "zero2", "zero3", "fsdp2-lora"),
+        *("gemma2-fsdp2", "gemma2-zero3", "qwen3_moe-zero3", "qwen3_5_text-fsdp2"),
+    ],
 )
-def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path, options, generations, parallel):
+def test_a_users_prompts_and_reward_on_two_processes_match_one(
+    inputs, tmp_path, options, generations, parallel, model_type
+):
     """The same global batch (8 completions a step) on one process and on two gloo processes (DDP): the same
     rewards logged and the same weights at the end, to fp32 noise; completions.jsonl holds every completion once.
     Also with a generation batch of 16 completions shared by 2 optimizer steps and trained on twice
@@ -104,8 +115,12 @@ def test_a_users_prompts_and_reward_on_two_processes_match_one(inputs, tmp_path,
     and the reference's log-probs summed over the ranks; and so under FSDP2 and DeepSpeed ZeRO-2/3, whose
     generation holds the whole weights (the same completions: the same rewards), the loss and update through the
     sharded engine (with a LoRA adapter too, the reference the model with the adapter disabled). Evaluated at every
-    step (DDP and FSDP2): the same eval metrics from eval batches of 2 prompts, one process's or two's."""
+    step (DDP and FSDP2): the same eval metrics from eval batches of 2 prompts, one process's or two's. And so on
+    the transformers path (a tiny checkpoint of `model_type` written by transformers): sampling through
+    transformers' KV cache inside the engine's whole weights, the loss through our fused GRPO head."""
+    model = ["--model", str(write_tiny(model_type, tmp_path / model_type))] if model_type else []
     data = ["--data", str(inputs / "prompts.jsonl"), "--reward_funcs", f"{inputs / 'rewards.py'}:digits", *options]
+    data += model  # after SMALL's --model tiny: the last one given counts
     if options[: len(EVAL)] == EVAL or options[-len(EVAL) :] == EVAL:
         data += ["--eval_data", str(inputs / "eval.jsonl")]
     one = _spawn_grpo(

@@ -878,7 +878,7 @@ class Trainer:
             if any(getattr(ours, name) != value for name, value in settings.items()):
                 apply_model_settings(ours, settings)
         elif isinstance(wrapped, TransformersModel):  # the transformers path: the loss's settings are ours
-            check_transformers_path(args, self.stage)
+            check_transformers_path(args)
             wrapped.check_stage(self.stage)
             wrapped.label_smoothing, wrapped.z_loss = args.label_smoothing_factor, args.z_loss
             wrapped.neftune_noise_alpha = args.neftune_noise_alpha

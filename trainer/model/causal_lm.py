@@ -629,12 +629,29 @@ class Backbone(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
 
-@dataclass
-class CausalLMOutput:
-    loss: torch.Tensor | None  # () fp32, or None without labels
-    logits: torch.Tensor | None  # (B, T, V) in the model dtype; None when the fused loss computed it away
-    sequence_logps: kernels.PreferenceLogps | None = None  # per row of the batch, with sequence_logps=True
-    metrics: dict | None = None  # TRL's preference metrics (0-d tensors), with preference_loss
+class CausalLMOutput(dict):
+    """What a causal LM's forward returns, read by attribute (`out.loss`). A dict, as transformers' ModelOutput is,
+    so that engines which look for the tensors in a module's output find them: DeepSpeed ZeRO-3 hooks the root
+    module's backward through them, and that backward gathers again the LM head's weight the fused loss read
+    outside the head's own forward (a dataclass hid them: an untied head's partition reached the backward empty)."""
+
+    def __init__(
+        self,
+        loss: torch.Tensor | None,  # () fp32, or None without labels
+        logits: torch.Tensor | None,  # (B, T, V) in the model dtype; None when the fused loss computed it away
+        sequence_logps: kernels.PreferenceLogps | None = None,  # per row of the batch, with sequence_logps=True
+        metrics: dict | None = None,  # TRL's preference metrics (0-d tensors), with preference_loss
+    ):
+        super().__init__(loss=loss, logits=logits, sequence_logps=sequence_logps, metrics=metrics)
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        self[name] = value
 
 
 # ------------------------------------------------------------------------------------------------------------

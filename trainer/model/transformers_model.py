@@ -18,10 +18,11 @@ What of ours runs inside (`TransformersModel.kernel_report()`, printed at the st
   transforms its logits otherwise fails the probe and keeps transformers' logits, with our cross-entropy over them;
   a mixture-of-experts model asked for its router loss (`output_router_logits`) keeps its logits too, its auxiliary
   loss added as transformers adds it (`router_aux_loss_coef` times `aux_loss`, per micro batch);
-- RMSNorm, SwiGLU and GeGLU, RoPE: the swaps of trainer/model/kernel_swaps.py, each proven on the module itself (its
-  math on an fp32 copy, not its name) before it is made; in bf16/fp16 ours rounds once where transformers rounds
-  twice (at most about one unit in the last place apart), as in our own model. What fails a proof (a gated norm, a
-  LayerNorm, an MLP of another activation, GLM-4's interleaved rotary) stays transformers' and is named;
+- RMSNorm, SwiGLU and GeGLU, RoPE, the fused residual add + norm of pre-norm decoder layers: the swaps of
+  trainer/model/kernel_swaps.py, each proven on the module itself (its math, not its name) before it is made; in
+  bf16/fp16 ours rounds once where transformers rounds twice (at most about one unit in the last place apart), as in
+  our own model. What fails a proof (a gated norm, a LayerNorm, an MLP of another activation, GLM-4's interleaved
+  rotary, Gemma 2's sandwich norms) stays transformers' and is named;
 - FusedAdamW (the optimizer, model-independent); NEFTune (`neftune_noise_alpha`) through a forward hook on the input
   embeddings, where Hugging Face's Trainer puts it, with our model's noise (`kernels.neftune_noise`: each sequence's own
   length from the batch's attention_mask and position_ids, no noise on padding);
@@ -37,14 +38,16 @@ transformers model, so the adapter files carry transformers' names and `peft.Pef
 `AutoModelForCausalLM` loads them), gradient checkpointing (transformers' own switch, `gradient_checkpointing_enable`),
 per-block compile (each of transformers' decoder layers, `decoder_layers`, our swapped forwards inside), DDP, FSDP2
 (each decoder layer one unit; every rank loads the whole model before it is sharded; saving gathers into
-`empty_copy`) and DeepSpeed ZeRO-2/3 (ZeRO-3 fetches a partitioned parameter where our forwards read it), these two
-for SFT. `trainer.merge` and `trainer.generate --adapter` take the same models.
+`empty_copy`) and DeepSpeed ZeRO-2/3 (ZeRO-3 fetches a partitioned parameter where our forwards read it, and, the
+model's output being a dict whose tensors its hooks find, again for the backward), for every stage. `trainer.merge`
+and `trainer.generate --adapter` take the same models.
 
 Refused on this path, each in one line before anything is built (`check_transformers_path`): liger-kernel (its patches
-are our model's), DeepSpeed for DPO and GRPO, FSDP2 for GRPO, and activation offloading with per-block compile (the
-offloader's per-block calls are forward pre-hooks on the decoder layers, inside what is compiled). Activation offloading
-(`block_hooks`) and the tiled MLP (our swapped MLPs over token tiles, `tiled_mlp`) run here. SFT, DPO (FSDP2 too: the
-reference is the policy's `meta_copy`, sharded alike) and GRPO train here; DPO and GRPO need a model whose logits are
+are our model's) and activation offloading with per-block compile (the offloader's per-block calls are forward
+pre-hooks on the decoder layers, inside what is compiled). Activation offloading (`block_hooks`) and the tiled MLP (our
+swapped MLPs over token tiles, `tiled_mlp`) run here. SFT, DPO (under FSDP2 the reference is the policy's
+`meta_copy`, sharded alike; under ZeRO-3 partitioned alike) and GRPO (its sampling inside the engine's whole
+weights) train here; DPO and GRPO need a model whose logits are
 `lm_head(hidden)` times a constant, or softcapped (their losses run from the hidden states and the head's weight:
 `check_stage`, one line when the trainer gets the model). GRPO samples through our sampler (`decode_step` over
 transformers' KV cache, `TransformersCache`), so its per-completion random stream is the one our model's runs draw.
@@ -127,7 +130,7 @@ def check_buildable(path: Path, model_type: str | None) -> None:
         ) from None
 
 
-def check_transformers_path(args, stage: str = "sft") -> None:
+def check_transformers_path(args) -> None:
     """The arguments the transformers path cannot honour yet, each a one-line ConfigError naming it (every stage
     trains here; a model whose head its losses cannot run is refused once built: `TransformersModel.check_stage`)."""
     unsupported = {"use_liger_kernel": "liger-kernel"}
@@ -141,12 +144,6 @@ def check_transformers_path(args, stage: str = "sft") -> None:
         raise ConfigError(
             "activation_offloading with torch_compile: on the transformers path the offloader's per-block calls are "
             "forward pre-hooks of the decoder layers, inside what per-block compile compiles; use one of the two"
-        )
-    engine = (args.dist_config or {}).get("name")
-    if (engine == "deepspeed" and stage != "sft") or (engine == "fsdp2" and stage == "grpo"):
-        engines = "DDP" if stage == "grpo" else "DDP or FSDP2"
-        raise ConfigError(
-            f"dist_config {engine}: stage {stage} on the transformers path runs with {engines} only for now"
         )
 
 

@@ -151,16 +151,6 @@ def test_generate_decodes_through_transformers(checkpoints):
 def test_what_the_path_cannot_do_yet_is_one_line(setting, message):
     with pytest.raises(ConfigError, match="^" + message):
         check_transformers_path(TrainingArguments(output_dir="unused", **setting))
-    fsdp2 = TrainingArguments(output_dir="unused", dist_config={"name": "fsdp2"})
-    with pytest.raises(ConfigError, match="^dist_config fsdp2: stage grpo on the transformers path runs with DDP only"):
-        check_transformers_path(fsdp2, "grpo")
-    check_transformers_path(fsdp2, "dpo")  # DPO trains under FSDP2 (test_dpo_under_fsdp2_on_two_processes_...)
-    deepspeed = TrainingArguments(output_dir="unused", dist_config={"name": "deepspeed", "config_file": "ds.json"})
-    check_transformers_path(deepspeed, "sft")  # SFT trains under DeepSpeed (tests/.../test_transformers_path_features)
-    with pytest.raises(
-        ConfigError, match="^dist_config deepspeed: stage dpo on the transformers path runs with DDP or"
-    ):
-        check_transformers_path(deepspeed, "dpo")
 
 
 def test_the_command_trains_a_gemma3_and_says_which_path(checkpoints, tmp_path, capsys):
@@ -173,7 +163,7 @@ def test_the_command_trains_a_gemma3_and_says_which_path(checkpoints, tmp_path, 
     assert (
         "transformers path: Gemma3ForCausalLM; our kernels: RMSNorm x25 (Gemma3RMSNorm, offset 1), GeGLU x4 "
         "(Gemma3MLP), RoPE x4 (Gemma3Attention), fused linear cross-entropy, FusedAdamW; left as transformers': "
-        "attention\n" in err
+        "attention, residual add + norm (Gemma3DecoderLayer)\n" in err
     )
     final = json.loads((out / "final_metrics.json").read_text())
     assert final["global_step"] == 3 and "exact_match_after" in final
@@ -292,6 +282,56 @@ def test_the_norm_probe_swaps_only_what_computes_our_math():
     assert not model["llama"].kernel_mixed
 
 
+@pytest.mark.parametrize(
+    "model_type, setting, fused",
+    [
+        ("qwen3_moe", {}, True),  # pre-norm: x + attn(norm1(x)) -> h, h + mlp(norm2(h))
+        ("phi3", {}, True),
+        ("gemma3_text", {}, False),  # sandwich norms: the attention's output normed before the add
+        ("olmo2", {}, False),  # post-norms
+        ("granite", {"residual_multiplier": 0.5}, False),  # x + 0.5 attn(...): the proof sees the multiplier
+    ],
+)
+def test_the_fused_residual_add_and_norm_runs_where_the_block_is_pre_norm(model_type, setting, fused, tmp_path):
+    """`swap_residual_norms`: a pre-norm decoder layer runs its middle residual add and norm as one
+    `kernels.fused_add_rms_norm` call, with the loss and every gradient of an untouched transformers model (fp32);
+    a layer that orders them otherwise keeps its forward and is named; a call with a KV cache (decoding) runs the
+    layer's own forward; with transformers' gradient checkpointing the layer is checkpointed and its recompute runs
+    ours."""
+    path = write_tiny(model_type, tmp_path / model_type, **setting)
+    model, _ = build_model(str(path), TrainingArguments(output_dir="unused"))
+    layer = type(model.decoder_layers[0]).__name__
+    report = model.kernel_report()
+    assert (f"fused residual add + RMSNorm x4 ({layer})" in report) is fused, report
+    assert (f"residual add + norm ({layer})" in report) is not fused, report
+    calls = []
+    fused_add = kernels.fused_add_rms_norm
+    kernels.fused_add_rms_norm = lambda *a: calls.append(1) or fused_add(*a)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids, labels = batch()
+    try:
+        ours = model(input_ids=ids, labels=labels).loss
+        assert len(calls) == (4 if fused else 0)
+        ours.backward()
+        with torch.no_grad():  # decoding through transformers' cache: the layers' own forwards
+            model.hf(input_ids=ids[:, :4], use_cache=True)
+        assert len(calls) == (4 if fused else 0)
+        model.gradient_checkpointing_enable({"use_reentrant": False})  # the layers checkpointed, ours recomputed
+        checkpointed = model(input_ids=ids, labels=labels).loss
+        calls.clear()
+        checkpointed.backward()
+        assert len(calls) == (4 if fused else 0)
+    finally:
+        kernels.fused_add_rms_norm = fused_add
+    theirs = plain(input_ids=ids, labels=labels).loss
+    (2 * theirs).backward()  # ours: the plain and the checkpointed backward, accumulated
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    torch.testing.assert_close(checkpointed, theirs, rtol=1e-6, atol=0)
+    grads = dict(plain.named_parameters())
+    for name, p in model.hf.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_swapped_model_trains_in_bf16_as_transformers(checkpoints):
     """On a GPU: Gemma 3 (offset-1 norms, the fused head) and Qwen3.5 (gated norms left, linear attention) with our
@@ -387,6 +427,7 @@ def test_rope_runs_ours_inside_our_models_only(model_type, checkpoints, monkeypa
     model, _ = build_model(str(path), args)
     assert ROPE_CASES[model_type] in model.kernel_report()
     swapped = ROPE_CASES[model_type].startswith("RoPE")
+    calls.clear()  # the build's probe forward (swap_residual_norms) ran our attention
     plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids, labels = batch()
     theirs = plain(input_ids=ids, labels=labels).loss

@@ -609,12 +609,14 @@ def test_lora_target_parameters_that_match_nothing_are_one_line(checkpoints, tmp
         assert candidates in str(e.value)
 
 
-@pytest.mark.slow  # about a minute on a loaded 2-core machine
-def test_dpo_under_fsdp2_on_two_processes_matches_one_process(checkpoints, tmp_path):
-    """DPO on the transformers path under FSDP2 (Gemma 2: the softcapped fused preference head, sliding windows): the
-    reference a frozen copy sharded like the policy (`trainer.build.frozen_copy`: the policy's `meta_copy`, its
-    kernels and head as the policy's probes proved them, through the same transforms), two gloo processes give the
-    losses, reward margins and eval metrics of one process on the same global batch of 8 pairs."""
+@pytest.mark.slow  # about two minutes on a loaded 2-core machine
+def test_dpo_under_fsdp2_and_zero3_on_two_processes_matches_one_process(checkpoints, tmp_path):
+    """DPO on the transformers path under FSDP2 and DeepSpeed ZeRO-3 (Gemma 2: the softcapped fused preference head,
+    sliding windows): the reference a frozen copy sharded like the policy (FSDP2: `trainer.build.frozen_copy`, the
+    policy's `meta_copy` with its kernels and head as the policy's probes proved them, through the same transforms;
+    ZeRO-3: `DeepSpeedRun.frozen`, partitioned alike), two gloo processes give the losses, reward margins and eval
+    metrics of one process on the same global batch of 8 pairs."""
+    pytest.importorskip("deepspeed")
     from tests.trainer.parallel.test_distributed import BASE, assert_same_preference_run, launch, ok
     from trainer.data.preference_data import load_preference_dataset
     from trainer.data.tasks import generate_tasks, preference_pair
@@ -627,16 +629,25 @@ def test_dpo_under_fsdp2_on_two_processes_matches_one_process(checkpoints, tmp_p
     data.write_text("".join(json.dumps(r) + "\n" for r in generate_tasks(8, seed=3)))
     path = str(checkpoints["gemma2"])
     settings = {**BASE, "use_kernels": True}
-    fsdp2 = {"dist_config": {"name": "fsdp2", "mixed_precision": "fp32"}}
-    job = {
-        "name": "fsdp2",
-        "model": path,
-        "pairs": str(pairs_file),
-        "pref": {"beta": 0.1},
-        "args": {**settings, "gradient_accumulation_steps": 2, **fsdp2},
+    zero3 = tmp_path / "zero3.json"
+    auto = {k: "auto" for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")}
+    zero3.write_text(json.dumps({**auto, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    engines = {
+        "fsdp2": {"dist_config": {"name": "fsdp2", "mixed_precision": "fp32"}},
+        "zero3": {"deepspeed": str(zero3)},
     }
-    result = ok(launch(tmp_path / "two", data, [job]))["result"]["fsdp2"]
-    assert result["reference_holding"][0]["type"] == "FSDPTransformersModel"  # sharded like the policy
+    jobs = [
+        {
+            "name": name,
+            "model": path,
+            "pairs": str(pairs_file),
+            "pref": {"beta": 0.1},
+            "args": {**settings, "gradient_accumulation_steps": 2, **engine},
+        }
+        for name, engine in engines.items()
+    ]
+    results = ok(launch(tmp_path / "two", data, jobs))["result"]
+    assert results["fsdp2"]["reference_holding"][0]["type"] == "FSDPTransformersModel"  # sharded like the policy
     tokenizer = byte_level_tokenizer()
     pairs = load_preference_dataset([pairs_file], tokenizer, show_progress=False)
     args = TrainingArguments(output_dir=str(tmp_path / "one"), **settings, gradient_accumulation_steps=4)
@@ -651,5 +662,6 @@ def test_dpo_under_fsdp2_on_two_processes_matches_one_process(checkpoints, tmp_p
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    # a margin is the difference of two far larger rewards: fp32 noise, absolute (3.1e-7 measured at step 2 here)
-    assert_same_preference_run(result, (logs, model, trainer.evaluate()), "fsdp2", margins_abs=1e-6)
+    for name, result in results.items():
+        # a margin is the difference of two far larger rewards: fp32 noise, absolute (3.1e-7 measured at step 2 here)
+        assert_same_preference_run(result, (logs, model, trainer.evaluate()), name, margins_abs=1e-6)

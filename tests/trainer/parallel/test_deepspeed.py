@@ -29,6 +29,7 @@ import torch
 
 import kernels
 from tests.trainer.loop.test_trainer import _env, _sft, wait_for_a_logged_step
+from tests.trainer.model.tiny_hf import write_tiny
 from tests.trainer.parallel.test_distributed import (  # noqa: F401
     DIST_ARGS,
     LORA_ARGS,
@@ -281,6 +282,8 @@ def ds_suite(tmp_path_factory, data_file):  # noqa: F811
     ]
     jobs.append({"name": "zero2-nan", "args": {**ds_args(root, "zero2"), "save_strategy": "no"}, "nan_at_step": 2})
     jobs.append({"name": "zero3-lora", "args": {**ds_args(root, "zero3"), **LORA_ARGS}})
+    untied = str(write_tiny("llama", root / "untied", tie_word_embeddings=False))  # our model, its own LM head
+    jobs.append({"name": "zero3-untied", "model": untied, "args": ds_args(root, "zero3")})
     jobs += [{"name": f"{name}-qlora", "args": {**ds_args(root, name), **QLORA_ARGS}} for name in ("zero2", "zero3")]
     eight_bit = {**ds_args(root, "zero2"), "optim": "adamw_bnb_8bit"}
     jobs.append({"name": "zero2-8bit", "args": eight_bit})
@@ -355,6 +358,25 @@ def test_qlora_under_zero2_and_zero3_equals_one_process(ds_suite, data_file, tmp
         losses, model, _ = single_process(tmp_path, data_file, {**ONE_PROCESS_ARGS, **QLORA_ARGS})
     assert ds_suite["result"][f"{name}-qlora"]["losses"] == pytest.approx(losses, rel=1e-5)
     assert_same_adapter(ds_suite["out"][f"{name}-qlora"] / "final", model)
+
+
+def test_zero3_with_an_untied_lm_head_equals_one_process(ds_suite, data_file, tmp_path):  # noqa: F811
+    """The fused loss reads an untied LM head's weight outside the head's forward; ZeRO-3 gathers it on that read
+    and, since the model's output is a dict whose tensors its hooks find, again for the backward (from the second
+    step on, its partition reached the backward empty before)."""
+    from trainer.build import build_model
+    from trainer.data.sft_data import load_sft_dataset
+    from trainer.data.tokenizer import byte_level_tokenizer
+
+    args = TrainingArguments(output_dir=str(tmp_path), **ONE_PROCESS_ARGS)
+    model, _ = build_model(str(ds_suite["out"]["zero3-untied"].parent / "untied"), args)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    with kernels.backend("reference"):
+        trainer = Trainer(model=model, args=args, train_dataset=dataset)
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and ds_suite["result"]["zero3-untied"]["losses"] == pytest.approx(losses, rel=1e-5)
 
 
 def test_zero3_export_loads_in_transformers(ds_suite):
