@@ -1,0 +1,192 @@
+"""The gated delta rule: the recurrence of Gated DeltaNet layers (Qwen3.5, Qwen3-Next), in plain PyTorch.
+
+Per value head, a state S (K x V, fp32) is carried along the tokens t of a sequence:
+
+    S <- exp(g_t) S                                 decay (g_t <= 0, log space)
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T         the delta rule: write the part of v_t that S does not predict
+    o_t = S^T (scale q_t)                           read (scale: K ** -0.5 unless given)
+
+q, k: (B, T, Hk, K); v: (B, T, Hv, V); g, beta: (B, T, Hv), with Hv a multiple of Hk (each query/key head serves
+Hv / Hk consecutive value heads, as transformers' and flash-linear-attention's ops do). `use_qk_l2norm` normalises q
+and k per head first (x / sqrt(sum x^2 + 1e-6), fla's l2norm), as Qwen3.5's layers ask.
+
+Two references, each differentiable through autograd and computed in fp32 (fp64 for fp64 inputs), the output cast
+back to v's dtype:
+- `gated_delta_rule_ref`: token by token, the definition above: the golden every other path is held to.
+- `chunk_gated_delta_rule_ref`: the chunked form GPU kernels compute (flash-linear-attention's `chunk_gated_delta_rule`,
+  transformers' `torch_chunk_gated_delta_rule`): within a chunk of C tokens the C delta-rule updates are one
+  triangular solve (the WY form: with gamma the cumulative log decay inside the chunk and
+  A[i, j] = beta_i (k_i . k_j) exp(gamma_i - gamma_j) for j < i, T = (I + A)^-1, u = T (beta v) and
+  w = T (beta exp(gamma) k)); then per chunk, in order, v' = u - w S, o = exp(gamma) q S + (q k^T * decay, causal) v',
+  S <- exp(gamma_C) S + (exp(gamma_C - gamma) k)^T v'. Equal to the token-by-token rule to rounding, for any chunk
+  size (a last chunk shorter than the rest included).
+Both take `cu_seqlens` ((N + 1,) offsets of N sequences packed into one row, B = 1, as fla's varlen ops): the state
+restarts at every sequence boundary, so a packed row gives each sequence's outputs (and gradients) as if it ran alone;
+`initial_state` (B or N, Hv, K, V) and `output_final_state` (the state after each row or sequence, in the compute
+dtype) as fla's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+L2NORM_EPS = 1e-6  # fla's l2norm epsilon, inside the square root
+
+
+def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> tuple[int, int]:
+    """(number of sequences, Hv // Hk) after checking the shapes; a one-line ValueError naming the first mismatch."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"gated_delta_rule: q and k must be (B, T, Hk, K) alike and v (B, T, Hv, V), got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    B, T, Hk, _ = q.shape
+    Hv = v.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"gated_delta_rule: v's {Hv} heads must be a multiple of q's and k's {Hk}")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (B, T, Hv):
+            raise ValueError(f"gated_delta_rule: {name} must be (B, T, Hv) = {(B, T, Hv)}, got {tuple(t.shape)}")
+    n = B
+    if cu_seqlens is not None:
+        ends = cu_seqlens.tolist()
+        rising = all(a <= b for a, b in zip(ends, ends[1:]))
+        if B != 1 or cu_seqlens.dim() != 1 or not ends or ends[0] != 0 or ends[-1] != T or not rising:
+            raise ValueError(
+                f"gated_delta_rule: cu_seqlens must rise from 0 to T = {T} over one packed row (B = 1), got "
+                f"{ends} with B = {B}"
+            )
+        n = len(ends) - 1
+    if initial_state is not None and initial_state.shape != (n, Hv, q.shape[-1], v.shape[-1]):
+        raise ValueError(
+            f"gated_delta_rule: initial_state must be (sequences, Hv, K, V) = {(n, Hv, q.shape[-1], v.shape[-1])}, "
+            f"got {tuple(initial_state.shape)}"
+        )
+    return n, Hv // Hk
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, group):
+    """Each input as (B, H, T, ...) in the compute dtype, q and k per value head, q scaled (and normalised)."""
+    compute = torch.promote_types(v.dtype, torch.float32)
+    q, k, v, g, beta = (t.transpose(1, 2).to(compute) for t in (q, k, v, g, beta))
+    if group > 1:
+        q, k = (t.repeat_interleave(group, dim=1) for t in (q, k))
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    return q * (q.shape[-1] ** -0.5 if scale is None else scale), k, v, g, beta
+
+
+def _sequences(T: int, cu_seqlens) -> list[tuple[int, int]]:
+    if cu_seqlens is None:
+        return [(0, T)]
+    ends = cu_seqlens.tolist()
+    return list(zip(ends, ends[1:]))
+
+
+def _run(recurrence, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+    """Both references' frame: shapes checked, inputs prepared, `recurrence(q, k, v, g, beta, S)` (one sequence,
+    (B', H, t, .) each, S (B', H, K, V)) run over each row or packed sequence, outputs stitched back."""
+    n, group = _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, group)
+    B, H, T, K = k.shape
+    if initial_state is None:
+        initial_state = torch.zeros(n, H, K, v.shape[-1], dtype=v.dtype, device=v.device)
+    initial_state = initial_state.to(v.dtype)
+    outs, states = [], []
+    for i, (start, end) in enumerate(_sequences(T, cu_seqlens)):
+        S0 = initial_state if cu_seqlens is None else initial_state[i : i + 1]
+        part = slice(start, end)
+        o, S = recurrence(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part], beta[:, :, part], S0)
+        outs.append(o)
+        states.append(S)
+    o = torch.cat(outs, dim=2).transpose(1, 2).to(out_dtype)  # (B, T, Hv, V)
+    final = torch.cat(states, dim=0) if output_final_state else None  # in the compute dtype
+    return o, final
+
+
+def _token_by_token(q, k, v, g, beta, S):
+    outs = []
+    for t in range(q.shape[2]):
+        S = S * g[:, :, t].exp()[..., None, None]
+        predicted = (S * k[:, :, t, :, None]).sum(-2)  # (B, H, V): S^T k_t
+        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
+        S = S + k[:, :, t, :, None] * delta[:, :, None, :]
+        outs.append((S * q[:, :, t, :, None]).sum(-2))
+    o = torch.stack(outs, dim=2) if outs else v.new_zeros(v.shape)
+    return o, S
+
+
+def gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule token by token (module docstring): (o (B, T, Hv, V) in v's dtype, the final state
+    (rows or sequences, Hv, K, V) in fp32 (fp64 for fp64 inputs), or None)."""
+    return _run(_token_by_token, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
+
+
+def _chunked(chunk_size: int):
+    def recurrence(q, k, v, g, beta, S):
+        outs = []
+        for start in range(0, q.shape[2], chunk_size):
+            part = slice(start, start + chunk_size)
+            o, S = _chunk(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part], beta[:, :, part], S)
+            outs.append(o)
+        return (torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape)), S
+
+    return recurrence
+
+
+def _chunk(q, k, v, g, beta, S):
+    """One chunk of C tokens ((B, H, C, .) each) from state S: (o (B, H, C, V), the state after it)."""
+    C = q.shape[2]
+    gamma = g.cumsum(-1)  # (B, H, C): log decay from the chunk's start through each token
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # exp(gamma_i - gamma_j) where j <= i, 0 above the diagonal (masked before exp: no overflow)
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, H, C, C)
+    k_beta = k * beta[..., None]
+    A = (k_beta @ k.transpose(-1, -2) * decay).tril(-1)  # strictly lower
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    rhs = torch.cat([v * beta[..., None], k_beta * gamma.exp()[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    u, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)  # new values, decayed keys that read S
+    v_new = u - w @ S  # (B, H, C, V)
+    o = (q * gamma.exp()[..., None]) @ S + (q @ k.transpose(-1, -2) * decay) @ v_new
+    last = gamma[..., -1:]  # (B, H, 1)
+    S = S * last.exp()[..., None] + (k * (last - gamma).exp()[..., None]).transpose(-1, -2) @ v_new
+    return o, S
+
+
+def chunk_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule in chunks of `chunk_size` tokens (module docstring); the same returns as
+    `gated_delta_rule_ref`."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_gated_delta_rule: chunk_size must be positive, got {chunk_size}")
+    return _run(
+        _chunked(chunk_size), q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm
+    )
