@@ -1,0 +1,101 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3.5 and Qwen3-Next (three of every four decoder layers), in our
+model's terms (issue 45). Its parameters carry transformers' names and shapes (`Qwen3_5GatedDeltaNet`), so a
+checkpoint's `model.layers.{i}.linear_attn.*` load as they are:
+
+    in_proj_qkv: C -> 2 Hk K + Hv V       q, k, v for every head, through the causal conv below
+    in_proj_z:   C -> Hv V                the output gate
+    in_proj_b, in_proj_a: C -> Hv         beta = sigmoid(b); decay g = -exp(A_log) softplus(a + dt_bias)
+    conv1d:      depthwise, W taps        causal over the tokens, then SiLU (`kernels.causal_conv1d_ref`)
+    norm:        RMSNorm(V) gated         norm(o) * silu(z) per head (`gated_rms_norm`, transformers' casts)
+    out_proj:    Hv V -> C
+
+The recurrence is `kernels.chunk_gated_delta_rule_ref` with q and k l2-normalised (Qwen3.5's
+`use_qk_l2norm_in_kernel`). Packed rows are exact: with `cu_seqlens` the convolution and the recurrence restart at
+every sequence boundary, so a packed batch gives each sequence's outputs and gradients as if it ran alone (what
+transformers' pure-PyTorch fallback does not do: it passes the boundaries to neither). Decoding with conv and
+recurrent states, and the Triton kernels around the recurrence, are issue 45's next pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.causal_conv1d import causal_conv1d_ref
+from kernels.gated_delta_rule import chunk_gated_delta_rule_ref
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) * silu(gate) over the last dim, cast as transformers' Qwen3_5RMSNormGated casts: the
+    statistics in fp32, the normalised rows back to x's dtype before the weight, the gate's SiLU in fp32, the product
+    in x's dtype."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * F.silu(gate.float())).to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """`gated_rms_norm` with its weight (transformers' `norm.weight` of a Gated DeltaNet layer)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(
+                f"GatedDeltaNet: linear_num_value_heads ({num_v_heads}) must be a multiple of linear_num_key_heads "
+                f"({num_k_heads})"
+            )
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        # nn.Conv1d for the checkpoint's (D, 1, W) weight; its forward is not used (the convolution is causal_conv1d)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False, padding=conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C). `cu_seqlens`: the sequences packed into a row (B = 1); `attention_mask` (B, T):
+        padding zeroed before the projections, as transformers does."""
+        if attention_mask is not None:
+            x = (x * attention_mask[:, :, None]).to(x.dtype)
+        B, T, _ = x.shape
+        qkv = causal_conv1d_ref(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), None, "silu", cu_seqlens)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(x).sigmoid()  # (B, T, Hv)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (B, T, Hv), <= 0
+        o, _ = chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
+        return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
