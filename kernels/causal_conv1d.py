@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._packed import sequence_spans
+
 ACTIVATIONS = (None, "silu")
 
 
@@ -34,15 +36,7 @@ def causal_conv1d_ref(
     if activation not in ACTIVATIONS:
         raise ValueError(f"causal_conv1d: activation must be one of {ACTIVATIONS}, got {activation!r}")
     B, T, D = x.shape
-    spans = [(0, T)]
-    if cu_seqlens is not None:
-        ends = cu_seqlens.tolist()
-        if B != 1 or not ends or ends[0] != 0 or ends[-1] != T or any(b < a for a, b in zip(ends, ends[1:])):
-            raise ValueError(
-                f"causal_conv1d: cu_seqlens must rise from 0 to T = {T} over one packed row (B = 1), got {ends} with "
-                f"B = {B}"
-            )
-        spans = list(zip(ends, ends[1:]))
+    spans = sequence_spans("causal_conv1d", B, T, cu_seqlens)
     compute = torch.promote_types(x.dtype, torch.float32)
     w = weight.to(compute)[:, None, :]  # (D, 1, W)
     width = weight.shape[1]

@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import torch
 
+from ._packed import sequence_spans
+
 L2NORM_EPS = 1e-6  # fla's l2norm epsilon, inside the square root
 
 
-def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> tuple[int, int]:
-    """(number of sequences, Hv // Hk) after checking the shapes; a one-line ValueError naming the first mismatch."""
+def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> tuple[list[tuple[int, int]], int]:
+    """(each sequence's (start, end), Hv // Hk) after checking the shapes; a one-line ValueError naming the first
+    mismatch."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(
             f"gated_delta_rule: q and k must be (B, T, Hk, K) alike and v (B, T, Hv, V), got q {tuple(q.shape)}, "
@@ -47,22 +50,14 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> tuple[int, int]:
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != (B, T, Hv):
             raise ValueError(f"gated_delta_rule: {name} must be (B, T, Hv) = {(B, T, Hv)}, got {tuple(t.shape)}")
-    n = B
-    if cu_seqlens is not None:
-        ends = cu_seqlens.tolist()
-        rising = all(a <= b for a, b in zip(ends, ends[1:]))
-        if B != 1 or cu_seqlens.dim() != 1 or not ends or ends[0] != 0 or ends[-1] != T or not rising:
-            raise ValueError(
-                f"gated_delta_rule: cu_seqlens must rise from 0 to T = {T} over one packed row (B = 1), got "
-                f"{ends} with B = {B}"
-            )
-        n = len(ends) - 1
+    spans = sequence_spans("gated_delta_rule", B, T, cu_seqlens)
+    n = B if cu_seqlens is None else len(spans)
     if initial_state is not None and initial_state.shape != (n, Hv, q.shape[-1], v.shape[-1]):
         raise ValueError(
             f"gated_delta_rule: initial_state must be (sequences, Hv, K, V) = {(n, Hv, q.shape[-1], v.shape[-1])}, "
             f"got {tuple(initial_state.shape)}"
         )
-    return n, Hv // Hk
+    return spans, Hv // Hk
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -80,25 +75,20 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, group):
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k, v, g, beta
 
 
-def _sequences(T: int, cu_seqlens) -> list[tuple[int, int]]:
-    if cu_seqlens is None:
-        return [(0, T)]
-    ends = cu_seqlens.tolist()
-    return list(zip(ends, ends[1:]))
-
-
 def _run(recurrence, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
     """Both references' frame: shapes checked, inputs prepared, `recurrence(q, k, v, g, beta, S)` (one sequence,
     (B', H, t, .) each, S (B', H, K, V)) run over each row or packed sequence, outputs stitched back."""
-    n, group = _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    spans, group = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, group)
     B, H, T, K = k.shape
     if initial_state is None:
-        initial_state = torch.zeros(n, H, K, v.shape[-1], dtype=v.dtype, device=v.device)
+        initial_state = torch.zeros(
+            B if cu_seqlens is None else len(spans), H, K, v.shape[-1], dtype=v.dtype, device=v.device
+        )
     initial_state = initial_state.to(v.dtype)
     outs, states = [], []
-    for i, (start, end) in enumerate(_sequences(T, cu_seqlens)):
+    for i, (start, end) in enumerate(spans):
         S0 = initial_state if cu_seqlens is None else initial_state[i : i + 1]
         part = slice(start, end)
         o, S = recurrence(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part], beta[:, :, part], S0)
