@@ -147,8 +147,8 @@ class SFTArguments:
     model_impl: str = _arg(
         "auto",
         "sft",
-        "Which model trains: ours (llama, mistral, qwen2, qwen3: our kernels throughout), transformers (its modeling "
-        "code for any causal LM, our fused loss and optimizer inside), or auto (ours where it applies).",
+        "Which model trains: ours (llama, mistral, qwen2, qwen3, qwen3_5_text: our kernels throughout), transformers "
+        "(its modeling code for any causal LM, our fused loss and optimizer inside), or auto (ours where it applies).",
         choices=MODEL_IMPLS,
     )
 

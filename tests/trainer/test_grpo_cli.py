@@ -98,11 +98,13 @@ def _parallel_args(parallel: str, tmp_path) -> list[str]:
         (CYCLE, 1, "fsdp2", "gemma2"),
         pytest.param(CYCLE, 1, "zero3", "gemma2", marks=pytest.mark.slow),
         pytest.param(CYCLE, 1, "zero3", "qwen3_moe", marks=pytest.mark.slow),
+        pytest.param([*CYCLE, "--model_impl", "transformers"], 1, "fsdp2", "qwen3_5_text", marks=pytest.mark.slow),
+        # our model's Gated DeltaNet layers: sampling carries their convolution and recurrent states in the cache
         pytest.param(CYCLE, 1, "fsdp2", "qwen3_5_text", marks=pytest.mark.slow),
     ],
     ids=[
         *("one-step-generations", "generation-of-2-steps-x-2-iterations", "fsdp2", "zero2", "zero3", "fsdp2-lora"),
-        *("gemma2-fsdp2", "gemma2-zero3", "qwen3_moe-zero3", "qwen3_5_text-fsdp2"),
+        *("gemma2-fsdp2", "gemma2-zero3", "qwen3_moe-zero3", "qwen3_5_text-fsdp2", "qwen3_5_text-ours-fsdp2"),
     ],
 )
 def test_a_users_prompts_and_reward_on_two_processes_match_one(

@@ -71,8 +71,8 @@ class AttentionPlan:
     doc_ids: torch.Tensor | None  # (B, T) or None: one document per row
     key_valid: torch.Tensor | None  # (B, T) bool or None: no padding
     flash_index: tuple | None = None  # (token indices, cu_seqlens, max_seqlen) for the varlen kernel
-    # sdpa: (token indices or None, document boundaries) of the flattened (B * T) tokens, as python ints; None: the
-    # rows have nothing to separate and attend in one batched causal call
+    # sdpa, and any backend for linear-attention layers (`recur`): (token indices or None, document boundaries) of the
+    # flattened (B * T) tokens, as python ints; None: the rows have nothing to separate and run in one batched call
     documents: tuple[torch.Tensor | None, list[int]] | None = None
     _masks: dict = field(default_factory=dict)  # window -> flex BlockMask
 
@@ -85,6 +85,23 @@ class AttentionPlan:
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         out = _flex_fn(q.is_cuda)(qt, kt, vt, block_mask=self._masks[window], enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)  # (B, T, H, D)
+
+    def recur(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """A linear-attention layer (`layer(x, cu_seqlens=...)`, trainer/model/gated_deltanet.py) over x (B, T, C), each
+        document alone: the rows' real tokens flattened into one packed row whose recurrence and convolution restart
+        at every document boundary (`cu_seqlens`), padding left out (its outputs zero); in one batched call when
+        there is nothing to separate."""
+        if self.documents is None:
+            return layer(x)
+        index, bounds = self.documents
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        if index is not None:
+            flat = flat.index_select(0, index)  # (N, C) real tokens only
+        out = layer(flat[None], cu_seqlens=torch.tensor(bounds))[0]  # (N, C)
+        if index is not None:
+            out = out.new_zeros(B * T, C).index_copy(0, index, out)
+        return out.view(B, T, C)
 
     def build_masks(self, windows) -> None:
         # Built eagerly, outside the layers, so that a per-block torch.compile sees only tensor reads.
@@ -223,8 +240,10 @@ def make_plan(
     dtype: torch.dtype,
     windows=(None,),
     backend: str = "auto",
+    recurrent: bool = False,
 ) -> AttentionPlan:
-    """Resolve the backend and precompute what it needs to keep documents and padding apart."""
+    """Resolve the backend and precompute what it needs to keep documents and padding apart (with `recurrent`, also
+    what linear-attention layers need: `AttentionPlan.recur`)."""
     if backend not in BACKENDS:
         raise AttentionError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -251,7 +270,7 @@ def make_plan(
     plan = AttentionPlan(backend, batch, seq_len, device, doc, valid)
     if backend == "flash":
         plan.flash_index = _varlen_index(doc, valid, batch, seq_len, device)
-    elif backend == "sdpa":
+    if backend == "sdpa" or recurrent:
         plan.documents = _sdpa_documents(doc, valid, batch, seq_len, device)
     plan.build_masks(windows)
     return plan
@@ -304,6 +323,9 @@ class KVCache:
     (B T^2 bytes: 0.27 GB for 64 prompts of 2048 tokens), each decode step a (B, 1, 1, S) one.
     `repeat_rows(n)` repeats every row n times (row r -> rows r n .. r n + n - 1): a prompt prefilled once then
     serves n continuations.
+    Linear-attention layers (`linear_layers`: Qwen3.5's Gated DeltaNet) hold no keys and values but their state,
+    whatever the length: the last inputs of their causal convolution and the recurrent state (`states[layer]`, set
+    by the layer's first call: `_CacheSlot.recur`).
     """
 
     def __init__(
@@ -315,10 +337,13 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        linear_layers: frozenset[int] = frozenset(),
     ):
         shape = (batch, max_len, n_kv_heads, head_dim)  # (B, S, Hkv, D)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        attends = [i not in linear_layers for i in range(n_layers)]
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) if a else None for a in attends]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) if a else None for a in attends]
+        self.states: dict[int, tuple[torch.Tensor, ...]] = {}  # linear layer -> its state tensors, batch first
         self.length = 0
         self.pad: torch.Tensor | None = None  # (B,) leading padding positions per row, None: no padding
 
@@ -327,7 +352,10 @@ class KVCache:
         """An empty cache for every layer of `model` (a CausalLM): `batch` rows of up to `length` positions, in its
         LM head's dtype and on its device."""
         c, head = model.config, model.lm_head.weight
-        return cls(c.num_hidden_layers, batch, length, c.num_key_value_heads, c.head_dim, head.dtype, head.device)
+        linear = frozenset(i for i, kind in enumerate(c.layer_types) if kind == "linear_attention")
+        return cls(
+            c.num_hidden_layers, batch, length, c.num_key_value_heads, c.head_dim, head.dtype, head.device, linear
+        )
 
     def slot(self, layer: int) -> _CacheSlot:
         return _CacheSlot(self, layer)
@@ -339,8 +367,9 @@ class KVCache:
 
     def repeat_rows(self, n: int) -> None:
         """Repeat every row n times in place (row r -> rows r n .. r n + n - 1), padding included."""
-        self.keys = [k.repeat_interleave(n, dim=0) for k in self.keys]  # (B n, S, Hkv, D)
-        self.values = [v.repeat_interleave(n, dim=0) for v in self.values]
+        self.keys = [None if k is None else k.repeat_interleave(n, dim=0) for k in self.keys]  # (B n, S, Hkv, D)
+        self.values = [None if v is None else v.repeat_interleave(n, dim=0) for v in self.values]
+        self.states = {i: tuple(t.repeat_interleave(n, dim=0) for t in state) for i, state in self.states.items()}
         if self.pad is not None:
             self.pad = self.pad.repeat_interleave(n)
 
@@ -371,3 +400,15 @@ class _CacheSlot:
             q.transpose(1, 2), kt, vt, attn_mask=mask, enable_gqa=q.shape[2] != k.shape[2]
         )  # (B, H, Tq, D)
         return out.transpose(1, 2)  # (B, Tq, H, D)
+
+    def recur(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """A linear-attention layer over the next t tokens x (B, t, C), from and into this layer's state
+        (`layer.decode`); left padding (`cache.pad`) zeroed before it, as transformers zeroes it: zero inputs before
+        the first real token leave the state zero, as if the row started there."""
+        start = self.cache.length
+        pad = self.cache.pad
+        mask = None
+        if pad is not None and start < int(pad.max()):  # some of these positions are padding
+            mask = torch.arange(start, start + x.shape[1], device=x.device)[None] >= pad[:, None]  # (B, t)
+        out, self.cache.states[self.layer] = layer.decode(x, self.cache.states.get(self.layer), mask)
+        return out

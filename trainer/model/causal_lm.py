@@ -1,6 +1,7 @@
-"""Llama-family causal LMs (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) that read and write Hugging Face checkpoints.
+"""Llama-family causal LMs (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3.5's text model) that read and write Hugging
+Face checkpoints.
 
-One model, four config dialects. Parameter names are exactly Hugging Face's (`model.embed_tokens.weight`,
+One model, five config dialects. Parameter names are exactly Hugging Face's (`model.embed_tokens.weight`,
 `model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight`), so checkpoints load and save without a
 remap and `transformers.AutoModelForCausalLM.from_pretrained` reads what we write.
 
@@ -15,7 +16,12 @@ norm are one pass (`kernels.fused_add_rms_norm`), as liger's LigerFusedAddRMSNor
 Architecture differences (all read from config.json): qwen2 has q/k/v biases; qwen3 RMS-normalises q and k
 per head and reads `attention_bias`; llama reads `attention_bias`/`mlp_bias` and `rope_scaling`
 ("linear", "llama3"); mistral (and qwen with `use_sliding_window`) attends within a sliding window, which is
-honoured on every backend (not rejected): query i sees keys i-W+1..i.
+honoured on every backend (not rejected): query i sees keys i-W+1..i. qwen3_5_text (Qwen3.5, transformers'
+Qwen3_5ForCausalLM) is hybrid: `layer_types` makes three of every four layers Gated DeltaNet (`linear_attn`:
+trainer/model/gated_deltanet.py, linear attention with a gated delta-rule recurrence, whose documents and padding
+`AttentionPlan.recur` keeps apart and whose states the KV cache carries), the fourth gated attention (q_proj gives
+each head's query and a gate: o_proj(attn * sigmoid(gate))), with partial rotary (the first quarter of each head
+rotates) and zero-centred norms everywhere but the Gated DeltaNet's own (RMSNorm scaling by 1 + weight, all in fp32).
 
 `use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`, and with the residual add before it
 `kernels.fused_add_rms_norm`), RoPE (`kernels.rope`), SwiGLU
@@ -57,16 +63,29 @@ import kernels
 from kernels.nn import RMSNorm as KernelRMSNorm
 from trainer.model import fused_lora
 from trainer.model.attention import KVCache, make_plan
+from trainer.model.gated_deltanet import GatedDeltaNet, GatedRMSNorm
 
 IGNORE_INDEX = -100
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text")
 ROPE_TYPES = ("default", "linear", "llama3")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
+LINEAR_KEYS = (  # Qwen3.5's Gated DeltaNet sizes (trainer/model/gated_deltanet.py)
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+# rope_parameters keys that only position ids of images and video change (Qwen3.5's multimodal RoPE: with text
+# positions, equal on its three axes, it is the plain rotation); kept for the round trip
+ROPE_PASSTHROUGH = ("mrope_section", "mrope_interleaved")
+LAYER_KINDS = {"qwen3_5_text": ("full_attention", "linear_attention")}  # other types: full / sliding attention
 # Hugging Face's defaults where they differ by architecture (used only for keys a config.json omits)
 _HF_DEFAULTS = {
     "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
@@ -83,6 +102,18 @@ _HF_DEFAULTS = {
         "sliding_window": 4096,
         "max_window_layers": 28,
         "head_dim": 128,
+    },
+    "qwen3_5_text": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "full_attention_interval": 4,
     },
 }
 
@@ -117,22 +148,33 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", ...}; the legacy "type" key is accepted
+    partial_rotary_factor: float = 1.0  # the first head_dim * factor channels rotate (qwen3_5_text: 0.25)
+    rope_passthrough: dict | None = None  # ROPE_PASSTHROUGH keys as read (no effect on text)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # llama, qwen3: bias on q/k/v/o
     mlp_bias: bool = False  # llama only
     sliding_window: int | None = None  # effective window of the sliding layers (qwen: only with use_sliding_window)
-    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention" | "linear_attention"
     max_window_layers: int | None = None  # qwen: layers from this index on slide (kept for the round trip)
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     dtype: str | None = None  # the checkpoint's dtype ("bfloat16", ...): load_pretrained's default
+    # qwen3_5_text's Gated DeltaNet layers (LINEAR_KEYS)
+    linear_conv_kernel_dim: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
     # derived in __post_init__
     qkv_bias: bool = field(init=False, repr=False)
     o_bias: bool = field(init=False, repr=False)
     qk_norm: bool = field(init=False, repr=False)
     layer_windows: tuple = field(init=False, repr=False)  # per layer: window or None
+    rotary_dim: int = field(init=False, repr=False)  # the rotated channels of a head
+    norm_offset: float = field(init=False, repr=False)  # RMSNorm scales by (offset + weight): 1 in qwen3_5_text
+    attn_output_gate: bool = field(init=False, repr=False)  # q_proj also gives a gate: out * sigmoid(gate)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -154,8 +196,14 @@ class ModelConfig:
             )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.head_dim % 2:
-            raise ModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.partial_rotary_factor != 1.0 and self.model_type != "qwen3_5_text":
+            raise ModelError(f"rope partial_rotary_factor {self.partial_rotary_factor} is not supported (only 1.0)")
+        self.rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ModelError(
+                f"head_dim x partial_rotary_factor must be a positive even number of rotated channels, got "
+                f"{self.head_dim} x {self.partial_rotary_factor}"
+            )
         self.rope_scaling = _normalise_rope(self.rope_scaling, self.max_position_embeddings)
         if self.model_type == "mistral":  # every layer slides when a window is set
             self.layer_types = [
@@ -163,28 +211,48 @@ class ModelConfig:
             ] * self.num_hidden_layers
         elif self.model_type == "llama":
             self.sliding_window, self.layer_types = None, ["full_attention"] * self.num_hidden_layers
+        elif self.model_type == "qwen3_5_text":
+            self.sliding_window = None
+            if self.layer_types is None:  # Hugging Face's default: every fourth layer attends
+                self.layer_types = [
+                    "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(self.num_hidden_layers)
+                ]
         elif self.layer_types is None:  # qwen: as Hugging Face derives it
             first = self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
             self.layer_types = [
                 "sliding_attention" if self.sliding_window is not None and i >= first else "full_attention"
                 for i in range(self.num_hidden_layers)
             ]
-        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {
-            "full_attention",
-            "sliding_attention",
-        }:
+        kinds = LAYER_KINDS.get(self.model_type, ("full_attention", "sliding_attention"))
+        if (
+            not isinstance(self.layer_types, (list, tuple))
+            or len(self.layer_types) != self.num_hidden_layers
+            or set(self.layer_types) - set(kinds)
+        ):
             raise ModelError(
-                f"layer_types must list 'full_attention'/'sliding_attention' once per layer "
-                f"({self.num_hidden_layers}), got {self.layer_types!r}"
+                f"layer_types must list {'/'.join(map(repr, kinds))} once per layer ({self.num_hidden_layers}), "
+                f"got {self.layer_types!r}"
             )
+        self.layer_types = list(self.layer_types)
+        if "linear_attention" in self.layer_types:
+            for key in LINEAR_KEYS:
+                value = getattr(self, key)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise ModelError(f"{key} must be a positive integer for linear_attention layers, got {value!r}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ModelError(
+                    f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                    f"linear_num_key_heads {self.linear_num_key_heads}"
+                )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelError(f"sliding_window must be positive or null, got {self.sliding_window!r}")
         self.layer_windows = tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
-        self.qkv_bias = {"llama": self.attention_bias, "qwen3": self.attention_bias, "qwen2": True}.get(
-            self.model_type, False
-        )
-        self.o_bias = self.attention_bias if self.model_type in ("llama", "qwen3") else False
-        self.qk_norm = self.model_type == "qwen3"
+        own_bias = ("llama", "qwen3", "qwen3_5_text")  # the types whose attention_bias sets q/k/v/o biases
+        self.qkv_bias = True if self.model_type == "qwen2" else self.attention_bias and self.model_type in own_bias
+        self.o_bias = self.attention_bias if self.model_type in own_bias else False
+        self.qk_norm = self.model_type in ("qwen3", "qwen3_5_text")
+        self.norm_offset = 1.0 if self.model_type == "qwen3_5_text" else 0.0
+        self.attn_output_gate = self.model_type == "qwen3_5_text"
         if self.model_type not in ("llama",):
             self.mlp_bias = False
 
@@ -213,6 +281,15 @@ class ModelConfig:
                 raise ModelError(f"attention_dropout {config['attention_dropout']} is not supported (only 0.0)")
             rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
             theta = rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+            partial = rope.pop("partial_rotary_factor", None) or get("partial_rotary_factor") or 1.0
+            passthrough = {k: rope.pop(k) for k in ROPE_PASSTHROUGH if k in rope}
+            layer_types = config.get("layer_types")
+            if model_type == "qwen3_5_text" and layer_types is None:
+                interval = get("full_attention_interval")
+                layer_types = [
+                    "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                    for i in range(config["num_hidden_layers"])
+                ]
             sliding = get("sliding_window")
             if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
                 sliding = None
@@ -230,17 +307,20 @@ class ModelConfig:
                 rms_norm_eps=float(value("rms_norm_eps", 1e-6)),
                 rope_theta=float(theta),
                 rope_scaling=rope or None,
+                partial_rotary_factor=float(partial),
+                rope_passthrough=passthrough or None,
                 tie_word_embeddings=bool(value("tie_word_embeddings", False)),
                 attention_bias=bool(value("attention_bias", False)),
                 mlp_bias=bool(value("mlp_bias", False)),
                 sliding_window=sliding,
-                layer_types=config.get("layer_types") if model_type in ("qwen2", "qwen3") else None,
+                layer_types=layer_types if model_type in ("qwen2", "qwen3", "qwen3_5_text") else None,
                 max_window_layers=get("max_window_layers"),
                 initializer_range=float(value("initializer_range", 0.02)),
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_id=config.get("eos_token_id"),
                 pad_token_id=config.get("pad_token_id"),
                 dtype=config.get("dtype") or config.get("torch_dtype"),
+                **({key: get(key) for key in LINEAR_KEYS} if model_type == "qwen3_5_text" else {}),
             )
         except ModelError as exc:
             raise ModelError(f"{source}: {exc}") from None
@@ -249,10 +329,16 @@ class ModelConfig:
         """A config.json dict that transformers (4.x and 5.x) loads into the same architecture."""
         out = {"architectures": [_ARCHITECTURES[self.model_type]], "model_type": self.model_type}
         for f in fields(self):
-            if f.init and f.name not in ("model_type", "rope_scaling", "layer_types", "max_window_layers", "dtype"):
+            skip = ("model_type", "rope_scaling", "partial_rotary_factor", "rope_passthrough", "layer_types")
+            if f.init and f.name not in (*skip, "max_window_layers", "dtype", *LINEAR_KEYS):
                 out[f.name] = getattr(self, f.name)
         out["attention_dropout"] = 0.0
         out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        if self.model_type == "qwen3_5_text":
+            out["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
+            out["rope_parameters"] |= self.rope_passthrough or {}
+            out["layer_types"] = list(self.layer_types)
+            out |= {key: getattr(self, key) for key in LINEAR_KEYS}
         if self.rope_scaling:  # transformers 4.x reads rope_scaling + rope_theta; 5.x rope_parameters
             out["rope_scaling"] = dict(self.rope_scaling)
         if self.model_type in ("qwen2", "qwen3"):
@@ -263,7 +349,7 @@ class ModelConfig:
             out["layer_types"] = list(self.layer_types)
         if self.model_type not in ("mistral", "qwen2", "qwen3"):
             out.pop("sliding_window")
-        if self.model_type not in ("llama", "qwen3"):
+        if self.model_type not in ("llama", "qwen3", "qwen3_5_text"):
             out.pop("attention_bias")
         if self.model_type != "llama":
             out.pop("mlp_bias")
@@ -330,21 +416,25 @@ def context_length_warning(config: ModelConfig, length: int, source: str) -> str
 # ------------------------------------------------------------------------------------------------------------
 # Layers
 # ------------------------------------------------------------------------------------------------------------
-def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm: normalise in fp32, cast back to x's dtype, then scale by the weight."""
+def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in fp32, cast back to x's dtype, then scale by the weight (Llama's); with an
+    offset, scale by (offset + weight) in fp32 and cast once (Qwen3.5's and Gemma's zero-centred norm)."""
     xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (offset + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
 
 
 IMPLS = ("torch", "kernels", "liger")  # who computes RMSNorm, RoPE, SwiGLU and the loss; set model-wide
 
 
 class RMSNorm(KernelRMSNorm):
-    """kernels.nn.RMSNorm (Llama's: weight initialised to ones, no offset) with the model-wide choice of who
-    computes it."""
+    """kernels.nn.RMSNorm (Llama's: weight initialised to ones, no offset; with `offset` 1 Qwen3.5's zero-centred
+    norm, weight initialised to zeros) with the model-wide choice of who computes it."""
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__(dim, eps)
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__(dim, eps, offset)
         self.impl = "kernels"  # set for the whole model by CausalLM (use_kernels / apply_liger_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -353,8 +443,9 @@ class RMSNorm(KernelRMSNorm):
         if self.impl == "liger":
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-            return LigerRMSNormFunction.apply(x, self.weight, self.eps, 0.0, "llama", False)
-        return rms_norm_plain(x, self.weight, self.eps)
+            casting = "gemma" if self.offset else "llama"  # gemma: all in fp32, one cast (the offset norms' order)
+            return LigerRMSNormFunction.apply(x, self.weight, self.eps, self.offset, casting, False)
+        return rms_norm_plain(x, self.weight, self.eps, self.offset)
 
 
 def add_rms_norm(norm: nn.Module, x: torch.Tensor, update: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,9 +461,20 @@ def add_rms_norm(norm: nn.Module, x: torch.Tensor, update: torch.Tensor | None) 
     return norm(x), x
 
 
+def rotate_partial(rope_fn, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """`rope_fn(q, k, cos, sin)` (kernels.rope's signature: q (B, Hq, T, D), k (B, Hkv, T, D)) on the first
+    cos.shape[-1] channels of each head, the rest passed through (partial rotary: Qwen3.5 0.25, Phi-4-mini 0.75)."""
+    r = cos.shape[-1]
+    if r == q.shape[-1]:
+        return rope_fn(q, k, cos, sin)
+    q_rot, k_rot = rope_fn(q[..., :r], k[..., :r], cos, sin)
+    return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """(head_dim / 2,) fp32 inverse frequencies theta^(-2i/D), with "linear" or "llama3" scaling."""
-    dim = config.head_dim
+    """(rotary_dim / 2,) fp32 inverse frequencies theta^(-2i/D) (D the rotated channels: head_dim, or its
+    partial_rotary_factor part), with "linear" or "llama3" scaling."""
+    dim = config.rotary_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (D/2,)
     scaling = config.rope_scaling
     if scaling is None:
@@ -417,7 +519,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by the angles in cos/sin (B or 1, T, D): HF's rotate_half."""
+    """Rotate pairs (i, i + R/2) of x (B, T, H, D) by the angles in cos/sin (B or 1, T, R): HF's rotate_half, of the
+    first R channels when R < D (partial rotary; the rest pass through)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # (B or 1, T, 1, D)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -428,13 +534,14 @@ class Attention(nn.Module):
         super().__init__()
         C, H, Hkv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.head_dim, self.window = D, config.layer_windows[layer_idx]
-        self.q_proj = nn.Linear(C, H * D, bias=config.qkv_bias)
+        self.output_gate = config.attn_output_gate  # q_proj gives each head's query, then its gate (Qwen3.5)
+        self.q_proj = nn.Linear(C, H * D * (2 if self.output_gate else 1), bias=config.qkv_bias)
         self.k_proj = nn.Linear(C, Hkv * D, bias=config.qkv_bias)
         self.v_proj = nn.Linear(C, Hkv * D, bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * D, C, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(D, config.rms_norm_eps)
-            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+            self.q_norm = RMSNorm(D, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps, config.norm_offset)
         self.qk_norm = config.qk_norm
         self.impl = "kernels"  # who rotates q and k; set for the whole model by CausalLM
         self.fused_lora = True  # LoRA layers through kernels.lora_projections (CausalLM.fused_lora)
@@ -443,14 +550,19 @@ class Attention(nn.Module):
         """attn: an AttentionPlan (training/scoring) or a KV-cache slot (decoding)."""
         B, T, _ = x.shape
         q, k, v = _project(self, x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        if self.output_gate:  # per head [query | gate], as transformers' Qwen3_5Attention splits it
+            q, gate = q.view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1)  # (B, T, H, D) each
+        else:
+            q = q.view(B, T, -1, self.head_dim)  # (B, T, H, D)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
         v = v.view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, k, cos, sin)
-        out = attn.attend(q, k, v, self.window)  # (B, T, H, D)
-        (out,) = _project(self, out.reshape(B, T, -1), self.o_proj)
+        out = attn.attend(q, k, v, self.window).reshape(B, T, -1)  # (B, T, H D)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate.reshape(B, T, -1))
+        (out,) = _project(self, out, self.o_proj)
         return out
 
     def _rope(self, q, k, cos, sin):
@@ -461,10 +573,16 @@ class Attention(nn.Module):
         if self.impl == "liger":
             from liger_kernel.ops.rope import LigerRopeFunction
 
-            # liger rotates in place, into q_proj's/k_proj's (or q_norm's/k_norm's) output, which no backward saved.
-            q_rot, k_rot = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            # liger rotates in place, into q_proj's/k_proj's (or q_norm's/k_norm's) output, which no backward saved
+            # (a partial rotation's channels copied out first: an in-place write into a view would not be seen).
+            def rope_fn(q, k, cos, sin):
+                if q.shape[-1] != self.head_dim:
+                    q, k = q.contiguous(), k.contiguous()
+                return LigerRopeFunction.apply(q, k, cos, sin)
+
         else:
-            q_rot, k_rot = kernels.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D) views
+            rope_fn = kernels.rope  # (B, H, T, D) views
+        q_rot, k_rot = rotate_partial(rope_fn, q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
 
 
@@ -601,20 +719,44 @@ def _down_recomputing_act(down: nn.Module, gate: torch.Tensor, up: torch.Tensor,
         return down(act)
 
 
+def gated_deltanet(config: ModelConfig) -> GatedDeltaNet:
+    """A Gated DeltaNet layer of `config`'s sizes (qwen3_5_text's linear_attention layers)."""
+    return GatedDeltaNet(
+        config.hidden_size,
+        config.linear_num_key_heads,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+        config.linear_conv_kernel_dim,
+        config.rms_norm_eps,
+    )
+
+
 class DecoderLayer(nn.Module):
+    """A pre-norm block: its token mixer (`self_attn`, or Qwen3.5's `linear_attn` where layer_types says
+    "linear_attention") and the MLP, each after an RMSNorm, each added to the residual stream."""
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        if config.layer_types[layer_idx] == "linear_attention":
+            self.linear_attn = gated_deltanet(config)
+        else:
+            self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
     def forward(self, x, update, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; update: the previous layer's MLP output, not yet added to it (None in the first
         layer). Returns the stream after the attention's add and this layer's MLP output, which the next layer's input
-        norm (or the final norm) adds: each add is fused with the norm that reads its sum."""
+        norm (or the final norm) adds: each add is fused with the norm that reads its sum. `attn` (a plan, or a
+        cache slot) keeps documents and padding apart for either mixer (trainer/model/attention.py)."""
         normed, x = add_rms_norm(self.input_layernorm, x, update)
-        normed, x = add_rms_norm(self.post_attention_layernorm, x, self.self_attn(normed, cos, sin, attn))
+        if hasattr(self, "linear_attn"):
+            mixed = attn.recur(self.linear_attn, normed)
+        else:
+            mixed = self.self_attn(normed, cos, sin, attn)
+        normed, x = add_rms_norm(self.post_attention_layernorm, x, mixed)
         return x, self.mlp(normed)
 
 
@@ -625,7 +767,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.rotary_emb = RotaryEmbedding(config)
 
 
@@ -771,7 +913,9 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, local_shard=_whole, skip=None) -> None:
         """Hugging Face's init, deterministic from `seed`: N(0, initializer_range) for linear and embedding weights
-        (padding row zeroed), zeros for biases, ones for norms; rotary buffers recomputed. `skip(module_name)`: the
+        (padding row zeroed) and Gated DeltaNet's convolutions, zeros for biases, ones for norms (zeros for the offset
+        norms: (1 + weight) = 1), A_log = log U(0.01, 16) and dt_bias 1 as transformers draws them; rotary buffers
+        recomputed. `skip(module_name)`: the
         modules a transform owns and initialises itself (build.py passes LoRA's adapter layers), drawn from nothing,
         so the base weights are those of the model without the transform.
 
@@ -781,10 +925,15 @@ class CausalLM(nn.Module):
         architecture knows nothing of processes: the sharded build, `trainer.build.build_model`, passes it.)"""
         gen = torch.Generator().manual_seed(seed)
         std = self.config.initializer_range
+
+        def put(param, full):  # this process's rows of a full tensor drawn alike everywhere
+            local, rows = local_shard(param)
+            local.copy_(full if rows is None else full[rows[0] : rows[1]])
+
         for name, module in self.named_modules():
             if skip is not None and skip(name):
                 continue
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
                 if module is self.lm_head and self.config.tie_word_embeddings:
                     continue
                 # the full shape: a DTensor's is; a 4-bit layer's weight is packed codes (trainer/model/quant.py)
@@ -794,13 +943,17 @@ class CausalLM(nn.Module):
                 full = torch.empty(shape).normal_(0.0, std, generator=gen)
                 if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                     full[module.padding_idx].zero_()
-                local, rows = local_shard(module.weight)
-                local.copy_(full if rows is None else full[rows[0] : rows[1]])
+                put(module.weight, full)
                 del full
                 if getattr(module, "bias", None) is not None:
                     local_shard(module.bias)[0].zero_()
             elif isinstance(module, RMSNorm):
+                local_shard(module.weight)[0].fill_(0.0 if module.offset else 1.0)  # (offset + weight) = 1
+            elif isinstance(module, GatedRMSNorm):
                 local_shard(module.weight)[0].fill_(1.0)
+            elif isinstance(module, GatedDeltaNet):  # transformers' init: decays A = U(0.01, 16), dt_bias 1
+                local_shard(module.dt_bias)[0].fill_(1.0)
+                put(module.A_log, torch.empty(module.A_log.shape).uniform_(0.01, 16, generator=gen).log_())
         self.model.rotary_emb.reset_buffers()
 
     def decode_cache(self, batch: int, length: int) -> KVCache:
@@ -832,13 +985,19 @@ class CausalLM(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N + 12 L H_q T, where N counts every
         matmul parameter (all but the embedding lookup, with the LM head counted once even when tied),
-        L layers, H_q = heads * head_dim, T = seq_len. The attention term counts full (non-causal) score and
-        value matmuls, as PaLM does."""
+        L the softmax-attention layers, H_q = heads * head_dim, T = seq_len. The attention term counts full
+        (non-causal) score and value matmuls, as PaLM does. A Gated DeltaNet layer's recurrence adds 18 Hv K V per
+        token, whatever T: its three products with the (K, V) state of each value head (read by k, the rank-one
+        write, read by q: 6 Hv K V forward) and twice that backward, counted in the recurrent form (the chunked form
+        computes the same with more, denser FLOPs)."""
         c = self.config
         n = self.num_parameters(exclude_embeddings=True) + (
             c.vocab_size * c.hidden_size if c.tie_word_embeddings else 0
         )
-        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+        linear = c.layer_types.count("linear_attention")
+        attention = 12 * (c.num_hidden_layers - linear) * c.num_attention_heads * c.head_dim * seq_len
+        recurrence = linear and 18 * linear * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        return 6 * n + attention + recurrence
 
     def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None):
         """Final-norm hidden states (B, T, C). With `cache`, decode from cache.length on (left padding: cache.pad)."""
@@ -860,7 +1019,15 @@ class CausalLM(nn.Module):
             # reads them once per position instead of once per (row, position)
             rope_pos = position_ids if position_ids is not None else torch.arange(T, device=x.device)[None]
             plan = make_plan(
-                position_ids, attention_mask, B, T, x.device, x.dtype, set(self.config.layer_windows), self.attn_backend
+                position_ids,
+                attention_mask,
+                B,
+                T,
+                x.device,
+                x.dtype,
+                set(self.config.layer_windows),
+                self.attn_backend,
+                recurrent="linear_attention" in self.config.layer_types,
             )
             attns = [plan] * len(self.model.layers)
         cos, sin = self.model.rotary_emb(rope_pos)  # (B or 1, T, D) fp32

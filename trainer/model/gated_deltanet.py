@@ -12,8 +12,9 @@ checkpoint's `model.layers.{i}.linear_attn.*` load as they are:
 The recurrence is `kernels.chunk_gated_delta_rule_ref` with q and k l2-normalised (Qwen3.5's
 `use_qk_l2norm_in_kernel`). Packed rows are exact: with `cu_seqlens` the convolution and the recurrence restart at
 every sequence boundary, so a packed batch gives each sequence's outputs and gradients as if it ran alone (what
-transformers' pure-PyTorch fallback does not do: it passes the boundaries to neither). Decoding with conv and
-recurrent states, and the Triton kernels around the recurrence, are issue 45's next pieces.
+transformers' pure-PyTorch fallback does not do: it passes the boundaries to neither). `decode` carries the
+convolution's last inputs and the recurrent state from call to call (KVCache's `states`: trainer/model/attention.py).
+The Triton kernels around the recurrence are issue 45's next piece.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.causal_conv1d import causal_conv1d_ref
-from kernels.gated_delta_rule import chunk_gated_delta_rule_ref
+from kernels.gated_delta_rule import chunk_gated_delta_rule_ref, gated_delta_rule_ref
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,16 +87,53 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). `cu_seqlens`: the sequences packed into a row (B = 1); `attention_mask` (B, T):
         padding zeroed before the projections, as transformers does."""
+        return self._mix(x, cu_seqlens, attention_mask, None)[0]
+
+    def decode(
+        self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(output, state after x) for the next tokens x (B, t, C) of rows whose state so far is `state`: the last
+        W - 1 inputs of the convolution (B, W - 1, D) and the recurrent state (B, Hv, K, V) in fp32; None before the
+        first token (zeros: the convolution's left padding, an empty memory). Equal to `forward` over the whole rows
+        (the state carries everything the rows' earlier tokens contribute)."""
+        if state is None:
+            B, D = x.shape[0], self.conv1d.weight.shape[0]
+            conv = x.new_zeros(B, self.conv1d.weight.shape[-1] - 1, D)
+            memory = x.new_zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
+            state = conv, memory
+        return self._mix(x, None, attention_mask, state)
+
+    def _mix(self, x, cu_seqlens, attention_mask, state):
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
-        qkv = causal_conv1d_ref(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), None, "silu", cu_seqlens)
+        mixed = self.in_proj_qkv(x)  # (B, T, D) before the convolution
+        weight = self.conv1d.weight.squeeze(1)  # (D, W)
+        if state is None:
+            qkv = causal_conv1d_ref(mixed, weight, None, "silu", cu_seqlens)
+        else:  # the convolution over the state's last inputs and these; its new state the last W - 1 of them
+            window = torch.cat([state[0], mixed], dim=1)  # (B, W - 1 + T, D)
+            qkv = causal_conv1d_ref(window, weight, None, "silu")[:, -T:]
+            conv_state = window[:, window.shape[1] - state[0].shape[1] :]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
         beta = self.in_proj_b(x).sigmoid()  # (B, T, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (B, T, Hv), <= 0
-        o, _ = chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        # one token at a time when decoding (the chunked form's setup costs more than one step of the recurrence)
+        rule = gated_delta_rule_ref if state is not None and T == 1 else chunk_gated_delta_rule_ref
+        o, memory = rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=None if state is None else state[1],
+            output_final_state=state is not None,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm=True,
+        )
         z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
-        return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
+        out = self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
+        return out, (None if state is None else (conv_state, memory))

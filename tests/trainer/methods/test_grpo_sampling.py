@@ -28,8 +28,23 @@ PROMPTS = [[5, 17, 3, 88, 41, 9], [12, 7], [60, 2, 33, 71], [8]]  # lengths 6, 2
 
 
 def tiny(arch="llama", seed=0):
-    config = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[arch]
-    kw = {"sliding_window": 3} if arch == "mistral" else {}  # a window shorter than prompt + completion
+    config = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen3_5_text": transformers.Qwen3_5TextConfig,
+    }[arch]
+    kw = {
+        "mistral": {"sliding_window": 3},  # a window shorter than prompt + completion
+        # a Gated DeltaNet layer, then gated attention: the cache carries the recurrent and convolution states
+        "qwen3_5_text": dict(
+            layer_types=["linear_attention", "full_attention"],
+            head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        ),
+    }.get(arch, {})
     model = CausalLM(ModelConfig.from_hf(config(**BASE, **kw).to_dict()), use_kernels=False)
     model.init_weights(seed=seed)
     with torch.no_grad():  # std 0.1 instead of 0.02: peaked distributions, no near-ties in greedy decoding
@@ -39,7 +54,7 @@ def tiny(arch="llama", seed=0):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3_5_text"])
 def test_greedy_equals_generate_per_row_with_left_padding(arch):
     model = tiny(arch)
     out = sample_completions(model, PROMPTS, 2, 7, temperature=0)
@@ -128,10 +143,12 @@ def test_logits_processors_equal_transformers():
         torch.testing.assert_close(ours[~ours.isinf()], ref[~ref.isinf()], rtol=1e-6, atol=0)
 
 
-def test_sampler_equals_a_no_cache_reference_loop():
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])
+def test_sampler_equals_a_no_cache_reference_loop(arch):
     """Prefill sharing, KV cache repetition, padding and the repetition penalty change no draw: each completion
-    equals the loop that recomputes its row's full forward each step and draws with the same u."""
-    model = tiny().eval()
+    equals the loop that recomputes its row's full forward each step and draws with the same u (Qwen3.5: the log-probs
+    of the sampling pass, through the Gated DeltaNet's cached states, are those the training forward computes)."""
+    model = tiny(arch).eval()
     kw = dict(temperature=0.8, top_p=0.9, top_k=30, min_p=0.02, repetition_penalty=1.5)
     out = sample_completions(model, PROMPTS, 2, 6, seed=5, step=2, first_completion_index=10, **kw)
     for r in range(8):

@@ -51,7 +51,7 @@ def batch(seed: int = 0):
 
 
 def test_the_path_follows_the_model_type():
-    assert model_path("llama") == "ours" and model_path("qwen3") == "ours"
+    assert model_path("llama") == "ours" and model_path("qwen3") == "ours" and model_path("qwen3_5_text") == "ours"
     assert model_path("llama", "transformers") == "transformers"
     assert model_path("gemma3_text") == "transformers" and model_path("qwen3_moe", "auto") == "transformers"
     with pytest.raises(ModelError, match=r"^model_impl ours: model_type 'gemma3_text' is not one our model covers"):
@@ -66,7 +66,7 @@ def test_the_path_follows_the_model_type():
 def test_step0_loss_is_transformers_and_the_saved_model_loads_with_equal_logits(model_type, checkpoints, tmp_path):
     path = checkpoints[model_type]
     args = TrainingArguments(output_dir=str(tmp_path / "o"))
-    model, tokenizer = build_model(str(path), args)
+    model, tokenizer = build_model(str(path), args, model_impl="transformers")
     assert isinstance(model, TransformersModel) and tokenizer.eos_token_id == 258
     assert model.fused_head and model.softcap == SOFTCAPPED.get(model_type)
     report = model.kernel_report()
@@ -89,7 +89,7 @@ def test_step0_loss_is_transformers_and_the_saved_model_loads_with_equal_logits(
     assert (out / "tokenizer.json").is_file()
 
 
-def _three_steps(path, examples, tmp_path):
+def _three_steps(path, examples, tmp_path, model_impl="transformers"):
     # SGD, not AdamW: Adam divides each gradient by its own size, so a gradient that is zero but for rounding (a key
     # projection's bias: softmax ignores a shift of every score; an embedding row seen once) takes a step of the
     # learning rate in a direction rounding picks, in either trainer (measured: up to 1e-3 of a tensor's norm); SGD
@@ -104,7 +104,7 @@ def _three_steps(path, examples, tmp_path):
     hf = transformers.Trainer(model=hf_model, args=hf_args, train_dataset=examples, data_collator=_pad)
     hf.train()
     args = TrainingArguments(output_dir=str(tmp_path / "ours"), **settings)
-    model, _ = build_model(str(path), args)
+    model, _ = build_model(str(path), args, model_impl=model_impl)
     ours = Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(examples))
     ours.train()
 
@@ -113,7 +113,7 @@ def _three_steps(path, examples, tmp_path):
 
     np.testing.assert_allclose(losses(ours), losses(hf), rtol=1e-5, atol=1e-6)
     theirs = hf_model.state_dict()
-    for name, value in model.hf.state_dict().items():
+    for name, value in (model.hf if model_impl == "transformers" else model).state_dict().items():
         torch.testing.assert_close(value, theirs[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -124,6 +124,12 @@ def test_three_steps_equal_transformers_trainer(model_type, checkpoints, tmp_pat
     """Sequential sampling, micro batch 4 x 2, clipping, fp32, three SGD steps (`_three_steps` says why not AdamW):
     the losses and the weights as transformers.Trainer's."""
     _three_steps(checkpoints[model_type], _examples(n=24), tmp_path)
+
+
+def test_our_model_trains_qwen3_5_as_transformers_trainer(checkpoints, tmp_path):
+    """Qwen3.5 through our own model (gated attention, Gated DeltaNet, zero-centred norms; issue 45): the three steps
+    of `test_three_steps_equal_transformers_trainer`, the losses and weights of transformers.Trainer's."""
+    _three_steps(checkpoints["qwen3_5_text"], _examples(n=24), tmp_path, model_impl="ours")
 
 
 def test_generate_decodes_through_transformers(checkpoints):
@@ -339,7 +345,8 @@ def test_on_cuda_the_swapped_model_trains_in_bf16_as_transformers(checkpoints):
     model's, every gradient finite and close to its."""
     for model_type in ("gemma3_text", "qwen3_5_text"):
         path = checkpoints[model_type]
-        model, _ = build_model(str(path), TrainingArguments(output_dir="unused", bf16=True), device="cuda")
+        args = TrainingArguments(output_dir="unused", bf16=True)
+        model, _ = build_model(str(path), args, device="cuda", model_impl="transformers")
         plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
         ids, labels = (t.cuda() for t in batch())
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -424,7 +431,7 @@ def test_rope_runs_ours_inside_our_models_only(model_type, checkpoints, monkeypa
     rope = kernels.rope
     monkeypatch.setattr(kernels, "rope", lambda *a: calls.append(1) or rope(*a))
     args = TrainingArguments(output_dir=str(tmp_path / "o"))
-    model, _ = build_model(str(path), args)
+    model, _ = build_model(str(path), args, model_impl="transformers")
     assert ROPE_CASES[model_type] in model.kernel_report()
     swapped = ROPE_CASES[model_type].startswith("RoPE")
     calls.clear()  # the build's probe forward (swap_residual_norms) ran our attention
@@ -452,7 +459,10 @@ def test_flops_are_counted_for_softmax_attention_only(checkpoints):
     """MFU is logged only where the FLOPs per token are counted: dense softmax-attention models (sliding windows
     included), not mixtures of experts or hybrid linear-attention models."""
     args = TrainingArguments(output_dir="unused")
-    flops = {t: build_model(str(checkpoints[t]), args)[0].flops_per_token(64) for t in ("gemma3_text", "qwen3_5_text")}
+    flops = {
+        t: build_model(str(checkpoints[t]), args, model_impl="transformers")[0].flops_per_token(64)
+        for t in ("gemma3_text", "qwen3_5_text")
+    }
     assert flops["gemma3_text"] > 0 and flops["qwen3_5_text"] is None
     assert build_model(str(checkpoints["qwen3_moe"]), args)[0].flops_per_token(64) is None
     # sizes read from the text config (a multimodal model's decoder), and not guessed when they are named otherwise

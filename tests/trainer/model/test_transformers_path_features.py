@@ -61,7 +61,7 @@ def test_lora_trains_as_transformers_trainer_over_peft_and_saves_peft_files(mode
     frozen; the saved adapter loads with `PeftModel.from_pretrained` over transformers' model with equal logits."""
     path, examples = checkpoints[model_type], _examples(n=24)
     args = TrainingArguments(output_dir=str(tmp_path / "ours"), **SGD, **LORA, **extra)
-    model, _ = build_model(str(path), args)
+    model, _ = build_model(str(path), args, model_impl="transformers")
     assert isinstance(model, TransformersModel) and has_adapter(model)
     base = {k: v.clone() for k, v in model.hf.state_dict().items() if "lora_" not in k}
     start = {k: v.clone() for k, v in model.hf.state_dict().items() if "lora_" in k}
@@ -250,7 +250,7 @@ def test_dpo_matches_trl_on_the_transformers_path(model_type, use_kernels, tmp_p
     args = TrainingArguments(
         output_dir=str(tmp_path / "ours"), train_shuffle=False, use_kernels=use_kernels, **DPO_COMMON
     )
-    model, _ = build_model(str(root / "model"), args)
+    model, _ = build_model(str(root / "model"), args, model_impl="transformers")
     assert isinstance(model, TransformersModel) and model.plain_head and model.fused_head == use_kernels
     trainer = PreferenceTrainer(
         model=model,
@@ -320,7 +320,8 @@ def test_decoding_through_transformers_cache_equals_full_forwards(model_type, tm
     `generate` equals transformers' `generate`."""
     from trainer.model.causal_lm import generate
 
-    model, _ = build_model(str(write_tiny(model_type, tmp_path / model_type)), TrainingArguments(output_dir="unused"))
+    path = write_tiny(model_type, tmp_path / model_type)
+    model, _ = build_model(str(path), TrainingArguments(output_dir="unused"), model_impl="transformers")
     model.eval()
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, 256, (n,), generator=g) for n in (5, 8)]
