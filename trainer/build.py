@@ -43,7 +43,7 @@ from trainer.checkpoint_hf import (
 from trainer.coerce import ConfigError
 from trainer.data.tokenizer import Tokenizer, byte_level_tokenizer
 from trainer.dist import init_distributed, local_device, local_shard
-from trainer.model.causal_lm import CausalLM, ModelConfig, ModelError, apply_liger_kernel
+from trainer.model.causal_lm import TEXT_MODELS, CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from trainer.model.lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
 from trainer.model.transformers_model import (
     TransformersModel,
@@ -257,10 +257,11 @@ def read_model_files(name: str, model_impl: str = "auto") -> tuple[ModelConfig |
             raise ModelError(str(exc)) from None
         return None, load_tokenizer(path)
     config, tokenizer = read_config(path), load_tokenizer(path)
+    key, skipped = _checkpoint_keys(config, path)
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in CausalLM(config).named_parameters()}  # a tied head appears once
+        shapes = {key(n): tuple(p.shape) for n, p in CausalLM(config).named_parameters()}  # a tied head appears once
     try:
-        check_safetensors(path, shapes, ignore=_ignore_for(config))
+        check_safetensors(path, shapes, ignore=skipped)
     except CheckpointError as exc:
         raise ModelError(str(exc)) from None
     return config, tokenizer
@@ -320,11 +321,24 @@ def read_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(_config_json(path), source=str(Path(path) / "config.json"))
 
 
-def _ignore_for(config: ModelConfig):
-    """Which checkpoint keys loading skips: the rotary buffer older Llama checkpoints store (ours is recomputed), and
-    lm_head.weight when the config ties it to the embedding (a tied checkpoint may or may not hold it)."""
+def _checkpoint_keys(config: ModelConfig, path: str | Path):
+    """(our parameter name -> its key in the files at `path`, which of the files' keys loading skips). Skipped: the
+    rotary buffer older Llama checkpoints store (ours is recomputed), lm_head.weight when the config ties it to the
+    embedding (a tied checkpoint may or may not hold it), and what transformers' AutoModelForCausalLM skips too:
+    Qwen3.5's multi-token-prediction head (mtp.), and in a multimodal checkpoint (TEXT_MODELS: its config.json's
+    model_type says so, whatever `config` was read from) the vision tower, the text model's keys being under
+    model.language_model."""
     tied = config.tie_word_embeddings
-    return lambda name: name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+    multimodal = (Path(path) / "config.json").is_file() and model_type_of(path) in TEXT_MODELS
+    others = ("mtp.", "model.visual.") if multimodal else ("mtp.",) if config.model_type == "qwen3_5_text" else ()
+
+    def key(name: str) -> str:
+        return "model.language_model." + name[len("model.") :] if multimodal and name.startswith("model.") else name
+
+    def skipped(name: str) -> bool:
+        return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight") or name.startswith(others)
+
+    return key, skipped
 
 
 def load_pretrained(path: str | Path, dtype=None, device=None, use_kernels: bool = True) -> CausalLM:
@@ -427,16 +441,17 @@ def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=local_sh
 
     Sharded by FSDP2 (DTensor parameters), each rank reads only the rows of each tensor it holds
     (`trainer.dist.local_shard`)."""
+    key, skipped = _checkpoint_keys(model.config, path)
     targets, rows = {}, {}
     for param_name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
         name = base_name(param_name)  # under a LoRA adapter: the checkpoint's name; None for the adapter's weights
         if name is None:
             continue
-        targets[name], span = local_shard(param)
+        targets[key(name)], span = local_shard(param)
         if span is not None:
-            rows[name] = (tuple(param.shape), *span)
+            rows[key(name)] = (tuple(param.shape), *span)
     try:
-        load_safetensors(Path(path), targets, ignore=_ignore_for(model.config), rows=rows)
+        load_safetensors(Path(path), targets, ignore=skipped, rows=rows)
     except CheckpointError as exc:
         raise ModelError(str(exc)) from None
 

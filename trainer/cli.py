@@ -327,10 +327,14 @@ def model_line(model) -> str:
         return inner.kernel_report()
     ours = causal_lm(model)
     kernels_used = {"kernels": "ours (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)", "liger": "liger-kernel's"}
-    return (
-        f"our model: {ours.config.model_type} (trainer.model.causal_lm); "
-        f"kernels: {kernels_used.get(ours.impl, 'none (PyTorch ops)')}"
-    )
+    c = ours.config
+    used = kernels_used.get(ours.impl, "none (PyTorch ops)")
+    line = f"our model: {c.model_type} (trainer.model.causal_lm); kernels: {used}"
+    if "linear_attention" in c.layer_types:
+        line += "; Gated DeltaNet layers in plain PyTorch (kernels.gated_delta_rule's chunked reference)"
+    if c.text_of is not None:
+        line += f"; of the {c.text_of} checkpoint its text model only: the vision tower is neither trained nor saved"
+    return line
 
 
 def quantization_config(args) -> str:

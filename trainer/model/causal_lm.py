@@ -51,6 +51,7 @@ Run the tests: python -m pytest tests/trainer/model/test_model.py -q
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
@@ -86,6 +87,9 @@ LINEAR_KEYS = (  # Qwen3.5's Gated DeltaNet sizes (trainer/model/gated_deltanet.
 # positions, equal on its three axes, it is the plain rotation); kept for the round trip
 ROPE_PASSTHROUGH = ("mrope_section", "mrope_interleaved")
 LAYER_KINDS = {"qwen3_5_text": ("full_attention", "linear_attention")}  # other types: full / sliding attention
+# multimodal model types whose text model ours trains, read as transformers' AutoModelForCausalLM reads them (their
+# text_config; the vision tower left in the files): a released Qwen3.5 checkpoint is `qwen3_5`
+TEXT_MODELS = {"qwen3_5": "qwen3_5_text"}
 # Hugging Face's defaults where they differ by architecture (used only for keys a config.json omits)
 _HF_DEFAULTS = {
     "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
@@ -161,6 +165,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     dtype: str | None = None  # the checkpoint's dtype ("bfloat16", ...): load_pretrained's default
+    text_of: str | None = None  # read from a multimodal config (TEXT_MODELS): its model_type; not written back
     # qwen3_5_text's Gated DeltaNet layers (LINEAR_KEYS)
     linear_conv_kernel_dim: int | None = None
     linear_key_head_dim: int | None = None
@@ -260,8 +265,14 @@ class ModelConfig:
     def from_hf(cls, config: dict, source: str = "config.json") -> ModelConfig:
         """Build from a Hugging Face config.json dict (transformers 4.x `rope_scaling`/`rope_theta` or 5.x
         `rope_parameters`); `source` names the file in errors."""
+        model_type = config.get("model_type")
+        if model_type in TEXT_MODELS:  # its text model, as transformers' AutoModelForCausalLM builds it
+            if not isinstance(config.get("text_config"), dict):
+                raise ModelError(f"{source}: missing key 'text_config' (a {model_type} config's text model)")
+            dtype = config.get("dtype") or config.get("torch_dtype")
+            text = {"model_type": TEXT_MODELS[model_type], "dtype": dtype, **config["text_config"]}
+            return dataclasses.replace(cls.from_hf(text, source), text_of=model_type)
         try:
-            model_type = config.get("model_type")
             if model_type not in SUPPORTED_MODEL_TYPES:
                 raise ModelError(
                     f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
@@ -329,7 +340,7 @@ class ModelConfig:
         """A config.json dict that transformers (4.x and 5.x) loads into the same architecture."""
         out = {"architectures": [_ARCHITECTURES[self.model_type]], "model_type": self.model_type}
         for f in fields(self):
-            skip = ("model_type", "rope_scaling", "partial_rotary_factor", "rope_passthrough", "layer_types")
+            skip = ("model_type", "rope_scaling", "partial_rotary_factor", "rope_passthrough", "layer_types", "text_of")
             if f.init and f.name not in (*skip, "max_window_layers", "dtype", *LINEAR_KEYS):
                 out[f.name] = getattr(self, f.name)
         out["attention_dropout"] = 0.0

@@ -69,6 +69,7 @@ from trainer.coerce import ConfigError
 from trainer.model.causal_lm import (
     IGNORE_INDEX,
     SUPPORTED_MODEL_TYPES,
+    TEXT_MODELS,
     CausalLMOutput,
     ModelError,
     head_forward,
@@ -95,7 +96,7 @@ def model_path(model_type: str | None, model_impl: str = "auto") -> str:
     neither applies (ours forced on a type it does not cover; a type transformers has no causal LM for)."""
     if model_impl not in MODEL_IMPLS:
         raise ConfigError(f"model_impl: {model_impl!r} is not one of {', '.join(MODEL_IMPLS)}")
-    if model_impl != "transformers" and model_type in SUPPORTED_MODEL_TYPES:
+    if model_impl != "transformers" and (model_type in SUPPORTED_MODEL_TYPES or model_type in TEXT_MODELS):
         return "ours"
     if model_impl == "ours":
         raise ModelError(

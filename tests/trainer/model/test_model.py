@@ -223,6 +223,39 @@ def test_save_then_transformers_loads_same_logits(arch, tmp_path):
     torch.testing.assert_close(back(ids).logits, ours(ids).logits, atol=1e-5, rtol=0)
 
 
+def test_a_multimodal_qwen3_5_checkpoint_trains_its_text_model(tmp_path):
+    """A released Qwen3.5 checkpoint is `qwen3_5`: a vision tower beside the text model, whose keys sit under
+    model.language_model. Ours reads its text model as transformers' AutoModelForCausalLM does (its logits), says the
+    vision tower is left, and writes a qwen3_5_text model that transformers loads with the same logits."""
+    from trainer.cli import model_line
+
+    text = ARCHS["qwen3_5_text"]().to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = transformers.AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    full = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            p.copy_((1 if name.endswith("norm.weight") else 0) + 0.05 * torch.randn_like(p))
+    full.save_pretrained(tmp_path / "mm")
+    ours = load_pretrained(tmp_path / "mm", use_kernels=False).eval()
+    assert ours.config.model_type == "qwen3_5_text" and ours.config.text_of == "qwen3_5"
+    assert model_line(ours).endswith(
+        "of the qwen3_5 checkpoint its text model only: the vision tower is neither trained nor saved"
+    )
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mm", dtype=torch.float32).eval()
+    ids, _ = batch()
+    torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours(ids).logits, full(input_ids=ids).logits, atol=1e-5, rtol=0)
+    save_pretrained(ours, tmp_path / "text")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3_5ForCausalLM"
+    torch.testing.assert_close(back(ids).logits, ours(ids).logits, atol=1e-5, rtol=0)
+    load_state_dict_into(ours, tmp_path / "text")  # a resume from what it wrote reads the text model's keys
+    with pytest.raises(ModelError, match=r"config.json: missing key 'text_config' \(a qwen3_5 config's text model\)"):
+        ModelConfig.from_hf({"model_type": "qwen3_5"})
+
+
 def test_sharded_both_directions(tmp_path):
     hf = hf_model("llama")
     hf.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
