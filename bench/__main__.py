@@ -41,6 +41,7 @@ OPS = (
     "neftune",
     "rope",
     "swiglu",
+    "gated_rms_norm",
     "dequantize_4bit",
     "lora",
 )

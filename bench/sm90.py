@@ -338,6 +338,14 @@ def _swiglu():
     out.backward(torch.empty_like(out))
 
 
+def _gated_rms_norm():
+    # Qwen3.5-9B's Gated DeltaNet: 8192 tokens x 32 value heads of 128, bf16 and fp32
+    for dtype in (torch.bfloat16, torch.float32):
+        x, z = _cuda(8192 * 32, 128, dtype=dtype, grad=True), _cuda(8192 * 32, 128, dtype=dtype, grad=True)
+        y = kernels.gated_rms_norm(x, z, _cuda(128, dtype=dtype, grad=True))
+        y.backward(torch.empty_like(y))
+
+
 def _dequantize_4bit():
     # Llama-3-8B's MLP weight (14336 x 4096) as QLoRA stores it: NF4 codes, blocksize 64, bf16 out, plain and double
     # quantized absmax; fp32 and fp16 outputs; blocksize 4096 (larger than a program's tile: one scale per program).
@@ -369,6 +377,7 @@ CASES: dict[str, Callable[[], None]] = {
     "neftune": _neftune,
     "rope": _rope,
     "swiglu": _swiglu,
+    "gated_rms_norm": _gated_rms_norm,
     "dequantize_4bit": _dequantize_4bit,
 }
 

@@ -22,6 +22,7 @@ from bench import (
     bench_dequantize_4bit,
     bench_fused_linear_cross_entropy,
     bench_fused_linear_preference,
+    bench_gated_rms_norm,
     bench_neftune,
     bench_rms_norm,
     bench_swiglu,
@@ -556,3 +557,27 @@ def test_dequantize_4bit(case, nested, dtype, tile, monkeypatch):
     read, write = bench_dequantize_4bit.dram_bytes(n, s, blocksize, nested)
     assert (distinct["codes_ptr"], distinct["out_ptr"]) == ((n + 1) // 2, write)
     assert read == distinct["codes_ptr"] + scales + (256 * 4 + 4 if nested else 0), which
+
+
+# ---- gated RMSNorm (Gated DeltaNet's output norm) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("w_dtype", ["same", "fp32"])
+def test_gated_rms_norm_full_step_with_torch_ops(dtype, w_dtype):
+    # 37 ragged rows of 100 (tiles of 32 rows over 4 backward programs): forward, then the autograd backward with the
+    # dweight finish (sum of the partials, cast)
+    m, n = 37, 100
+    x = torch.randn(m, n, dtype=DTYPES[dtype]).requires_grad_()
+    z = torch.randn(m, n, dtype=x.dtype).requires_grad_()
+    w = torch.randn(n, dtype=x.dtype if w_dtype == "same" else torch.float32).requires_grad_()
+    dy = torch.randn_like(x)
+    with kernels.backend("triton"):
+        with traffic.measure(torch_ops=True) as fwd:
+            y = kernels.gated_rms_norm(x, z, w)
+        with traffic.measure(torch_ops=True) as bwd:
+            torch.autograd.grad(y, [x, z, w], dy)
+    s, ws = x.element_size(), w.element_size()
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_gated_rms_norm.traffic_parts(mode, m, n, s, ws)
+        assert_matches(model, measured, f"bench/bench_gated_rms_norm.py ({dtype}, weight {w.dtype}) {mode}")

@@ -6,7 +6,8 @@ checkpoint's `model.layers.{i}.linear_attn.*` load as they are:
     in_proj_z:   C -> Hv V                the output gate
     in_proj_b, in_proj_a: C -> Hv         beta = sigmoid(b); decay g = -exp(A_log) softplus(a + dt_bias)
     conv1d:      depthwise, W taps        causal over the tokens, then SiLU (`kernels.causal_conv1d_ref`)
-    norm:        RMSNorm(V) gated         norm(o) * silu(z) per head (`gated_rms_norm`, transformers' casts)
+    norm:        RMSNorm(V) gated         norm(o) * silu(z) per head (`kernels.gated_rms_norm` with our kernels,
+                                          else `gated_rms_norm_plain`: transformers' casts)
     out_proj:    Hv V -> C
 
 The recurrence is `kernels.chunk_gated_delta_rule_ref` with q and k l2-normalised (Qwen3.5's
@@ -23,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from kernels.causal_conv1d import causal_conv1d_ref
 from kernels.gated_delta_rule import chunk_gated_delta_rule_ref, gated_delta_rule_ref
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_plain(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rmsnorm(x) * silu(gate) over the last dim, cast as transformers' Qwen3_5RMSNormGated casts: the
     statistics in fp32, the normalised rows back to x's dtype before the weight, the gate's SiLU in fp32, the product
     in x's dtype."""
@@ -39,15 +41,20 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 class GatedRMSNorm(nn.Module):
-    """`gated_rms_norm` with its weight (transformers' `norm.weight` of a Gated DeltaNet layer)."""
+    """The gated norm with its weight (transformers' `norm.weight` of a Gated DeltaNet layer): `kernels.gated_rms_norm`
+    (fp32 to one final cast) when `impl` is "kernels" (set model-wide by CausalLM), else `gated_rms_norm_plain`
+    (liger-kernel has none)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.impl = "kernels"
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps)
+        if self.impl == "kernels":
+            return kernels.gated_rms_norm(x, gate, self.weight, self.eps)
+        return gated_rms_norm_plain(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
