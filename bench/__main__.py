@@ -42,6 +42,7 @@ OPS = (
     "rope",
     "swiglu",
     "gated_rms_norm",
+    "causal_conv1d",
     "dequantize_4bit",
     "lora",
 )

@@ -68,6 +68,7 @@ ANCHORS = {
     "rope": ["--shapes", "1x2048", "4x8192"],
     "swiglu": ["--tokens", "8192", "--inter", "14336"],  # Llama-3-8B's MLP
     "gated_rms_norm": ["--rows", "262144"],  # Qwen3.5-9B's Gated DeltaNet: 8192 tokens x 32 value heads of 128
+    "causal_conv1d": ["--tokens", "8192"],  # Qwen3.5-9B's Gated DeltaNet: 8192 conv channels, 4 taps
     "dequantize_4bit": [],  # its GPU shapes: Llama-3-8B MLP and attention weights, NF4, blocksize 64, both absmaxes
     "lora": [],  # its GPU case: one Llama-3.1-8B layer's LoRA parts (r 16) at 8192 tokens, bf16
 }

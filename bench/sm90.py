@@ -338,6 +338,14 @@ def _swiglu():
     out.backward(torch.empty_like(out))
 
 
+def _causal_conv1d():
+    # Qwen3.5-9B's Gated DeltaNet: 8192 tokens x 8192 conv channels, 4 taps, bf16 and fp32; one packed row
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _cuda(1, 8192, 8192, dtype=dtype, grad=True)
+        y = kernels.causal_conv1d(x, _cuda(8192, 4, dtype=dtype, grad=True), cu_seqlens=torch.tensor([0, 4096, 8192]))
+        y.backward(torch.empty_like(y))
+
+
 def _gated_rms_norm():
     # Qwen3.5-9B's Gated DeltaNet: 8192 tokens x 32 value heads of 128, bf16 and fp32
     for dtype in (torch.bfloat16, torch.float32):
@@ -378,6 +386,7 @@ CASES: dict[str, Callable[[], None]] = {
     "rope": _rope,
     "swiglu": _swiglu,
     "gated_rms_norm": _gated_rms_norm,
+    "causal_conv1d": _causal_conv1d,
     "dequantize_4bit": _dequantize_4bit,
 }
 

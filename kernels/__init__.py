@@ -11,7 +11,7 @@ reach a module with `from kernels.rms_norm import ...` or `importlib.import_modu
 from . import _names  # noqa: F401
 from ._dispatch import HAS_TRITON, backend, current_backend, use_triton
 from .adamw import FusedAdamW, adamw_step_ref
-from .causal_conv1d import causal_conv1d_ref
+from .causal_conv1d import causal_conv1d, causal_conv1d_ref
 from .cross_entropy import cross_entropy, cross_entropy_ref, softcapped
 from .dequantize_4bit import NestedAbsmax, dequantize_4bit, dequantize_4bit_ref
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
@@ -48,5 +48,5 @@ __all__ += ["TokenLogprobs", "fused_linear_logprob", "fused_linear_logprob_ref"]
 __all__ += ["fused_linear_logprob_loss", "fused_linear_logprob_loss_ref"]
 __all__ += ["NestedAbsmax", "dequantize_4bit", "dequantize_4bit_ref"]
 __all__ += ["gated_delta_rule_ref", "chunk_gated_delta_rule_ref", "causal_conv1d_ref"]
-__all__ += ["gated_rms_norm", "gated_rms_norm_ref"]
+__all__ += ["gated_rms_norm", "gated_rms_norm_ref", "causal_conv1d"]
 __all__ += ["LoRAProjection", "lora_projections", "lora_projections_ref", "lora_mlp", "lora_mlp_ref"]

@@ -331,7 +331,7 @@ def model_line(model) -> str:
     used = kernels_used.get(ours.impl, "none (PyTorch ops)")
     line = f"our model: {c.model_type} (trainer.model.causal_lm); kernels: {used}"
     if "linear_attention" in c.layer_types:
-        line += "; Gated DeltaNet's convolution and recurrence in plain PyTorch (kernels' references)"
+        line += "; Gated DeltaNet's recurrence in plain PyTorch (kernels.chunk_gated_delta_rule_ref)"
     if c.text_of is not None:
         line += f"; of the {c.text_of} checkpoint its text model only: the vision tower is neither trained nor saved"
     return line

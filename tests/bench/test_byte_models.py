@@ -18,6 +18,7 @@ import torch
 import kernels
 from bench import (
     bench_adamw,
+    bench_causal_conv1d,
     bench_cross_entropy,
     bench_dequantize_4bit,
     bench_fused_linear_cross_entropy,
@@ -581,3 +582,29 @@ def test_gated_rms_norm_full_step_with_torch_ops(dtype, w_dtype):
     for mode, measured in (("forward", fwd), ("backward", bwd)):
         model = bench_gated_rms_norm.traffic_parts(mode, m, n, s, ws)
         assert_matches(model, measured, f"bench/bench_gated_rms_norm.py ({dtype}, weight {w.dtype}) {mode}")
+
+
+# ---- Gated DeltaNet's causal convolution ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("packed", [None, [0, 2, 40, 47, 70]])  # rows; sequences of 2, 38, 7 and 23 tokens
+def test_causal_conv1d(dtype, bias, packed):
+    # 2 rows of 35 tokens (or one packed row of 70) x 200 channels: ragged token tiles and channel blocks
+    shape = (2, 35, 200) if packed is None else (1, 70, 200)
+    x = torch.randn(shape, dtype=DTYPES[dtype]).requires_grad_()
+    w = torch.randn(200, 4, dtype=x.dtype).requires_grad_()
+    b = torch.randn(200, dtype=x.dtype).requires_grad_() if bias else None
+    dy = torch.randn_like(x)
+    cu = None if packed is None else torch.tensor(packed)
+    lengths = [35, 35] if packed is None else [e - s for s, e in zip(packed, packed[1:])]
+    with kernels.backend("triton"):
+        with traffic.measure() as fwd:  # the kernel (the tokens' sequence starts are built by torch ops before it)
+            y = kernels.causal_conv1d(x, w, b, "silu", cu)
+        with traffic.measure(torch_ops=True) as bwd:  # the kernel, then the partials' sum
+            torch.autograd.grad(y, [x, w] + ([b] if bias else []), dy)
+    s = x.element_size()
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_causal_conv1d.traffic_parts(mode, lengths, 200, s, s, bias=bias)
+        assert_matches(model, measured, f"bench/bench_causal_conv1d.py ({dtype}, bias {bias}, {lengths}) {mode}")

@@ -905,7 +905,7 @@ class CausalLM(nn.Module):
     def _set_impl(self, impl: str) -> None:
         self.impl = impl
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP, Attention, GatedRMSNorm)):
+            if isinstance(module, (RMSNorm, MLP, Attention, GatedRMSNorm, GatedDeltaNet)):
                 module.impl = impl
 
     def tie_weights(self) -> None:

@@ -5,7 +5,7 @@ checkpoint's `model.layers.{i}.linear_attn.*` load as they are:
     in_proj_qkv: C -> 2 Hk K + Hv V       q, k, v for every head, through the causal conv below
     in_proj_z:   C -> Hv V                the output gate
     in_proj_b, in_proj_a: C -> Hv         beta = sigmoid(b); decay g = -exp(A_log) softplus(a + dt_bias)
-    conv1d:      depthwise, W taps        causal over the tokens, then SiLU (`kernels.causal_conv1d_ref`)
+    conv1d:      depthwise, W taps        causal over the tokens, then SiLU (`kernels.causal_conv1d`: Triton on CUDA)
     norm:        RMSNorm(V) gated         norm(o) * silu(z) per head (`kernels.gated_rms_norm` with our kernels,
                                           else `gated_rms_norm_plain`: transformers' casts)
     out_proj:    Hv V -> C
@@ -88,6 +88,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.impl = "kernels"  # the convolution: kernels.causal_conv1d, else its reference (CausalLM sets it)
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
@@ -117,7 +118,8 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)  # (B, T, D) before the convolution
         weight = self.conv1d.weight.squeeze(1)  # (D, W)
         if state is None:
-            qkv = causal_conv1d_ref(mixed, weight, None, "silu", cu_seqlens)
+            conv = kernels.causal_conv1d if self.impl == "kernels" else causal_conv1d_ref
+            qkv = conv(mixed, weight, None, "silu", cu_seqlens)
         else:  # the convolution over the state's last inputs and these; its new state the last W - 1 of them
             window = torch.cat([state[0], mixed], dim=1)  # (B, W - 1 + T, D)
             qkv = causal_conv1d_ref(window, weight, None, "silu")[:, -T:]
