@@ -24,7 +24,7 @@ from .fused_linear_preference import (
     preference_loss,
 )
 from .fused_linear_preference_loss import fused_linear_preference_loss, fused_linear_preference_loss_ref
-from .gated_delta_rule import chunk_gated_delta_rule_ref, gated_delta_rule_ref
+from .gated_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_ref, gated_delta_rule_ref
 from .gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
 from .geglu import geglu, geglu_linear, geglu_linear_ref, geglu_ref
 from .lora import LoRAProjection, lora_mlp, lora_mlp_ref, lora_projections, lora_projections_ref
@@ -48,5 +48,5 @@ __all__ += ["TokenLogprobs", "fused_linear_logprob", "fused_linear_logprob_ref"]
 __all__ += ["fused_linear_logprob_loss", "fused_linear_logprob_loss_ref"]
 __all__ += ["NestedAbsmax", "dequantize_4bit", "dequantize_4bit_ref"]
 __all__ += ["gated_delta_rule_ref", "chunk_gated_delta_rule_ref", "causal_conv1d_ref"]
-__all__ += ["gated_rms_norm", "gated_rms_norm_ref", "causal_conv1d"]
+__all__ += ["gated_rms_norm", "gated_rms_norm_ref", "causal_conv1d", "chunk_gated_delta_rule"]
 __all__ += ["LoRAProjection", "lora_projections", "lora_projections_ref", "lora_mlp", "lora_mlp_ref"]

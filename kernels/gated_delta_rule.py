@@ -24,12 +24,22 @@ Both take `cu_seqlens` ((N + 1,) offsets of N sequences packed into one row, B =
 restarts at every sequence boundary, so a packed row gives each sequence's outputs (and gradients) as if it ran alone;
 `initial_state` (B or N, Hv, K, V) and `output_final_state` (the state after each row or sequence, in the compute
 dtype) as fla's.
+
+`chunk_gated_delta_rule` is the op the model calls: on CUDA tensors flash-linear-attention's `chunk_gated_delta_rule`
+(Triton, chunked forward and backward, varlen), where `fla-core` is installed (an optional extra, as flash-attn is:
+`pip install fla-core`; imported directly, never through transformers' kernel-hub lookup), with the same q, k, v, g
+(log decay), beta, scale, initial_state, cu_seqlens and its `use_qk_l2norm_in_kernel`; otherwise the chunked
+reference (a GPU without fla runs it in PyTorch, correct and slow: `fla_status()` says which). fla's kernels autotune
+on a GPU and do not run under the Triton interpreter, so on this CPU their agreement with the reference is a `gpu`
+test (tests/kernels/test_gated_delta_rule.py). Our own Triton recurrence, and a bytes-and-FLOPs model deciding
+between the two, are not written yet (issue 45).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._dispatch import current_backend
 from ._packed import sequence_spans
 
 L2NORM_EPS = 1e-6  # fla's l2norm epsilon, inside the square root
@@ -179,4 +189,62 @@ def chunk_gated_delta_rule_ref(
         raise ValueError(f"chunk_gated_delta_rule: chunk_size must be positive, got {chunk_size}")
     return _run(
         _chunked(chunk_size), q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm
+    )
+
+
+_FLA: list = []  # [fla's chunk_gated_delta_rule or None, why not], looked up once
+
+
+def _fla():
+    """fla's chunk_gated_delta_rule, or None (with the reason in `fla_status`)."""
+    if not _FLA:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+        except Exception as exc:  # not installed, or built for another torch/triton: the reference runs
+            _FLA[:] = [None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"]
+        else:
+            _FLA[:] = [fla_op, None]
+    return _FLA[0]
+
+
+def fla_status() -> str:
+    """One phrase: which recurrence CUDA tensors run (fla's kernels, or the reference and why)."""
+    if _fla() is not None:
+        return "flash-linear-attention's chunk_gated_delta_rule"
+    return f"the chunked reference in PyTorch (fla-core not importable: {_FLA[1]})"
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked gated delta rule (module docstring): fla's kernels for CUDA tensors where fla-core is installed,
+    `chunk_gated_delta_rule_ref` otherwise; the same arguments and returns."""
+    fla_op = _fla() if q.is_cuda and current_backend() != "reference" else None
+    if fla_op is None:
+        return chunk_gated_delta_rule_ref(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm
+        )
+    _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long)
+    return fla_op(
+        q,
+        k,
+        v,
+        g.float(),
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=None if cu_seqlens is None else cu_seqlens.to("cpu", torch.long),
     )

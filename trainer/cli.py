@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.gated_delta_rule import fla_status
 from trainer.build import build_model, causal_lm, read_model_files
 from trainer.checkpoint_hf import to_json
 from trainer.cli_args import ATTN_IMPLEMENTATIONS, METHODS, SFTArguments, check_run, run_arguments
@@ -330,8 +331,10 @@ def model_line(model) -> str:
     c = ours.config
     used = kernels_used.get(ours.impl, "none (PyTorch ops)")
     line = f"our model: {c.model_type} (trainer.model.causal_lm); kernels: {used}"
-    if "linear_attention" in c.layer_types:
-        line += "; Gated DeltaNet's recurrence in plain PyTorch (kernels.chunk_gated_delta_rule_ref)"
+    if "linear_attention" in c.layer_types and ours.impl == "kernels":
+        on_gpu = next(ours.parameters()).is_cuda
+        recurrence = fla_status() if on_gpu else "the chunked reference (CPU)"
+        line += f"; Gated DeltaNet: causal conv and gated norm ours, recurrence {recurrence}"
     if c.text_of is not None:
         line += f"; of the {c.text_of} checkpoint its text model only: the vision tower is neither trained nor saved"
     return line

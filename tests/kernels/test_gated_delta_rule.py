@@ -142,3 +142,51 @@ def test_bad_shapes_are_one_line(change, message):
     for fn in (gated_delta_rule_ref, chunk_gated_delta_rule_ref):
         with pytest.raises(ValueError, match="^gated_delta_rule: " + message.replace("(", r"\(").replace(")", r"\)")):
             fn(**args)
+
+
+def test_the_op_runs_the_chunked_reference_on_cpu_tensors():
+    """`chunk_gated_delta_rule` (what the model calls) is the chunked reference off CUDA, whatever is installed."""
+    from kernels.gated_delta_rule import chunk_gated_delta_rule, fla_status
+
+    tensors = inputs(20, dtype=torch.float32)
+    ours = chunk_gated_delta_rule(*tensors[:5], initial_state=tensors[5], output_final_state=True, use_qk_l2norm=True)
+    ref = chunk_gated_delta_rule_ref(
+        *tensors[:5], initial_state=tensors[5], output_final_state=True, use_qk_l2norm=True
+    )
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    assert fla_status().startswith(("flash-linear-attention's", "the chunked reference in PyTorch (fla-core"))
+
+
+@pytest.mark.gpu
+def test_flash_linear_attention_equals_the_reference_on_a_gpu():
+    """fla's chunk_gated_delta_rule (where fla-core is installed) against the fp64 reference: a packed row of
+    sequences of 70, 1 and 129 tokens (chunks of 64 crossed), 2 query/key heads serving 4 value heads of 64 x 64,
+    initial states, q/k l2-normalised in the kernel; outputs, final states and every gradient within 2e-3 of their
+    largest value (fla's fp32 chunks run tf32 matmuls on Hopper)."""
+    pytest.importorskip("fla")
+    from kernels.gated_delta_rule import chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    T, hk, hv, dk, dv = 200, 2, 4, 64, 64
+    cu = torch.tensor([0, 70, 71, 200])
+    host = (
+        torch.randn(1, T, hk, dk, generator=gen),
+        torch.randn(1, T, hk, dk, generator=gen),
+        torch.randn(1, T, hv, dv, generator=gen),
+        -torch.rand(1, T, hv, generator=gen) * 0.7,
+        torch.rand(1, T, hv, generator=gen),
+        torch.randn(3, hv, dk, dv, generator=gen),
+    )
+    runs = []
+    for device, dtype, fn in (("cuda", torch.float32, chunk_gated_delta_rule), ("cpu", torch.float64, None)):
+        tensors = tuple(t.to(device, dtype).requires_grad_() for t in host)
+        fn = fn or chunk_gated_delta_rule_ref
+        o, S = fn(*tensors[:5], initial_state=tensors[5], output_final_state=True, cu_seqlens=cu, use_qk_l2norm=True)
+        weights = torch.Generator().manual_seed(1)
+        loss = (o * torch.randn(o.shape, generator=weights).to(device, dtype)).sum() + (
+            S * torch.randn(S.shape, generator=weights).to(device, dtype)
+        ).sum()
+        runs.append([o, S, *torch.autograd.grad(loss, tensors)])
+    for name, got, want in zip(("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dS0"), *runs):
+        got = got.detach().double().cpu()
+        torch.testing.assert_close(got, want.detach(), atol=2e-3 * want.abs().max().item(), rtol=0, msg=name)

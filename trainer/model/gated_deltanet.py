@@ -10,12 +10,15 @@ checkpoint's `model.layers.{i}.linear_attn.*` load as they are:
                                           else `gated_rms_norm_plain`: transformers' casts)
     out_proj:    Hv V -> C
 
-The recurrence is `kernels.chunk_gated_delta_rule_ref` with q and k l2-normalised (Qwen3.5's
-`use_qk_l2norm_in_kernel`). Packed rows are exact: with `cu_seqlens` the convolution and the recurrence restart at
-every sequence boundary, so a packed batch gives each sequence's outputs and gradients as if it ran alone (what
-transformers' pure-PyTorch fallback does not do: it passes the boundaries to neither). `decode` carries the
-convolution's last inputs and the recurrent state from call to call (KVCache's `states`: trainer/model/attention.py).
-The Triton kernels around the recurrence are issue 45's next piece.
+The recurrence is `kernels.chunk_gated_delta_rule` with q and k l2-normalised (Qwen3.5's `use_qk_l2norm_in_kernel`):
+flash-linear-attention's kernels on a GPU where fla-core is installed, the chunked reference otherwise (and always with
+our kernels off; one decoded token at a time, the token-by-token rule). Packed rows are exact: with `cu_seqlens` the
+convolution and the recurrence restart at every sequence boundary, so a packed batch gives each sequence's outputs and
+gradients as if it ran alone (what transformers' pure-PyTorch fallback does not do: it passes the boundaries to
+neither). `decode` carries the convolution's last inputs and the recurrent state from call to call (KVCache's
+`states`: trainer/model/attention.py).
+With our kernels the convolution + SiLU and the gated norm are ours in Triton (`kernels.causal_conv1d`,
+`kernels.gated_rms_norm`); the decay and beta gating and the q/k L2 norm run in PyTorch (or inside fla's op).
 """
 
 from __future__ import annotations
@@ -131,7 +134,10 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()  # (B, T, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (B, T, Hv), <= 0
         # one token at a time when decoding (the chunked form's setup costs more than one step of the recurrence)
-        rule = gated_delta_rule_ref if state is not None and T == 1 else chunk_gated_delta_rule_ref
+        if state is not None and T == 1:
+            rule = gated_delta_rule_ref
+        else:  # fla's kernels on a GPU with our kernels on (where installed), else the chunked reference
+            rule = kernels.chunk_gated_delta_rule if self.impl == "kernels" else chunk_gated_delta_rule_ref
         o, memory = rule(
             q,
             k,
