@@ -13,7 +13,7 @@ from bench.roofline.ladder import LADDER_STACKS, SETTINGS
 from bench.roofline.ladder_report import main_ladder
 from bench.roofline.lora_stacks import main_lora_stacks
 from bench.roofline.report import _measured, chart, render, results_stem, summarise
-from bench.roofline.stacks import STACKS, model_step, stacks_for
+from bench.roofline.stacks import OUR_MODELS, STACKS, model_step, stacks_for
 from bench.roofline.tracing import DEVICES
 from bench.roofline.transformers_stacks import TRANSFORMERS_MODELS
 
@@ -25,8 +25,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--model",
         default="llama-3.2-1b",
-        choices=sorted(MODELS) + sorted(TRANSFORMERS_MODELS),
-        help="our model's architectures, or a model of the transformers path (gemma-3-4b: its three stacks)",
+        choices=sorted(MODELS) + sorted(OUR_MODELS) + sorted(TRANSFORMERS_MODELS),
+        help="our model's architectures (qwen3.5-9b: ours and hf), or a model of the transformers path (gemma-3-4b: "
+        "its three stacks)",
     )
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--micro_batch", type=int, default=4)
@@ -47,6 +48,15 @@ def parse_args(argv=None):
     return args
 
 
+def _full_config(config: dict) -> dict:
+    """`config` with transformers' defaults for its model_type filled in (a config.json as transformers writes it)."""
+    import transformers
+
+    settings = {k: v for k, v in config.items() if k != "model_type"}
+    full = transformers.AutoConfig.for_model(config["model_type"], **settings)
+    return {**full.to_dict(), "model_type": config["model_type"]}
+
+
 def main(argv=None) -> list[dict]:
     from bench.bench_train import model_config
 
@@ -58,7 +68,12 @@ def main(argv=None) -> list[dict]:
     if args.lora_stacks:
         return main_lora_stacks(args)
     dev = DEVICES[args.device]
-    config = dict(TRANSFORMERS_MODELS[args.model]) if args.model in TRANSFORMERS_MODELS else model_config(args.model)
+    if args.model in TRANSFORMERS_MODELS:
+        config = dict(TRANSFORMERS_MODELS[args.model])
+    elif args.model in OUR_MODELS:
+        config = _full_config(OUR_MODELS[args.model])
+    else:
+        config = model_config(args.model)
     env = common.env_info()
     rows = []
     for ignored in sorted({0.0, args.ignored}):

@@ -14,7 +14,7 @@ import torch
 import kernels
 
 # Imported after `kernels` (they set TRITON_INTERPRET for kernels imported later; ours are decorated already).
-from bench import bench_adamw, bench_rms_norm, bench_rope, bench_swiglu
+from bench import bench_adamw, bench_causal_conv1d, bench_gated_rms_norm, bench_rms_norm, bench_rope, bench_swiglu
 from bench import bench_fused_linear_cross_entropy as bench_flce
 from bench.roofline.tracing import BF16, _like, _rec, apply_model, nbytes
 from bench.sm90 import H100_SMS
@@ -250,6 +250,62 @@ class FusedAddRMSNormModel:
         return dx, dres, _like(weight), *([None] * ctx.n_rest)
 
 
+class GatedRMSNormModel:
+    """Ours, GatedRMSNormFunction(x2d, gate2d, weight, eps) (Gated DeltaNet's output norm), by
+    bench/bench_gated_rms_norm.py's `traffic_parts` (the dweight partials of about two programs per H100 SM, summed by
+    torch): forward reads x and the gate, writes y and rstd; backward reads dy, x and the gate, writes dx and dgate."""
+
+    name = "GatedRMSNormFunction"
+    category = "norms"
+
+    def forward(self, ctx, x, gate, weight, *rest):
+        ctx.n_rest = len(rest)  # eps
+        m, n = x.shape
+        parts = bench_gated_rms_norm.traffic_parts("forward", m, n, x.element_size(), weight.element_size())
+        _record_parts(self.name, "norms", parts)
+        ctx.save_for_backward(x, gate, weight, torch.empty(m, dtype=torch.float32, device=x.device))
+        return _like(x)
+
+    def backward(self, ctx, dy):
+        x, gate, weight, _ = ctx.saved_tensors
+        m, n = x.shape
+        parts = bench_gated_rms_norm.traffic_parts(
+            "backward", m, n, x.element_size(), weight.element_size(), num_programs=2 * H100_SMS
+        )
+        _record_parts(self.name + ".backward", "norms", parts)
+        return _like(x), _like(gate), _like(weight), *([None] * ctx.n_rest)
+
+
+class CausalConv1dModel:
+    """Ours, CausalConv1dFunction(x2d, weight, bias, starts, silu) (Gated DeltaNet's short convolution and its SiLU),
+    by bench/bench_causal_conv1d.py's `traffic_parts` (issued bytes: the shifted reads of x counted each time, as the
+    meter counts them; one sequence per row of `starts`' length, the rows of the modelled step), "other elementwise"."""
+
+    name = "CausalConv1dFunction"
+    category = "other_elementwise"
+
+    def forward(self, ctx, x, weight, bias, starts, silu):
+        n_tokens, d = x.shape
+        lengths = [n_tokens]  # the roofline's rows: equal lengths, the count does not change the bytes but by O(W)
+        parts = bench_causal_conv1d.traffic_parts(
+            "forward", lengths, d, x.element_size(), weight.element_size(), weight.shape[1], bias=bias is not None
+        )
+        _record_parts(self.name, self.category, parts)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _like(x)
+
+    def backward(self, ctx, dy):
+        x, weight = ctx.saved_tensors
+        n_tokens, d = x.shape
+        parts = bench_causal_conv1d.traffic_parts(
+            "backward", [n_tokens], d, x.element_size(), weight.element_size(), weight.shape[1], bias=ctx.has_bias
+        )
+        _record_parts(self.name + ".backward", self.category, parts)
+        dbias = _like(weight[:, 0]) if ctx.has_bias else None
+        return _like(x), _like(weight), dbias, None, None
+
+
 class FlashAttentionModel:
     """F.scaled_dot_product_attention(q, k, v, ...) as flash attention: (B, H, T, D) q, (B, Hkv, T, D) k and v.
     Causal: half the T x T scores; with a sliding `window` W < T (transformers' `sliding_window`: each query attends
@@ -465,6 +521,8 @@ MODELS = {
     "RoPEFunction": lambda: RoPEModel("RoPEFunction"),
     "LigerRopeFunction": lambda: RoPEModel("LigerRopeFunction"),
     "FusedAddRMSNormFunction": FusedAddRMSNormModel,
+    "GatedRMSNormFunction": GatedRMSNormModel,
+    "CausalConv1dFunction": CausalConv1dModel,
     "FusedLinearCrossEntropyFunction": OurFLCEModel,
     "LigerFusedLinearCrossEntropyFunction": LigerFLCEModel,
 }

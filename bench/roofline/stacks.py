@@ -17,6 +17,12 @@ from bench.roofline.tracing import Trace
 from bench.sm90 import fake_cuda
 
 STACKS = ("ours", "ours_liger", "hf", "hf_liger")
+OUR_OTHER_STACKS = ("ours", "hf")
+# Our model's architectures beyond Llama's, at full size. qwen3.5-9b: transformers' Qwen3_5TextConfig defaults
+# (transformers 5.24), which its docstring calls "the Qwen3.5-9B style configuration": vocab 248320, hidden 4096,
+# intermediate 12288, 32 layers (every fourth gated full attention: 16 heads, 4 key/value heads of 256, a quarter of
+# each rotated; the others Gated DeltaNet: 16 key heads and 32 value heads of 128, 4 conv taps), untied embeddings.
+OUR_MODELS = {"qwen3.5-9b": {"model_type": "qwen3_5_text"}}
 
 
 @dataclasses.dataclass
@@ -53,7 +59,24 @@ def _ours(config: dict, liger: bool) -> Built:
 _LIGER_PATCHED = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
 
 
+def _hf_other(config: dict) -> Built:
+    """transformers' causal LM of an architecture of ours other than Llama's (sdpa; AutoConfig's class for the
+    model_type) + torch's fused AdamW, the HF Trainer's loss call."""
+    import sys
+
+    import transformers
+
+    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    cfg = transformers.AutoConfig.for_model(config["model_type"], **kwargs, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    modeling = sys.modules[type(model).__module__]
+    return Built(model, optimizer_for("hf", model.parameters()), hf_loss(model, modeling, False))
+
+
 def _hf(config: dict, liger: bool) -> Built:
+    if config["model_type"] != "llama":
+        return _hf_other(config)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**config, attn_implementation="sdpa")
@@ -98,11 +121,13 @@ def hf_loss(model, modeling, liger: bool) -> Callable:
 
 
 def stacks_for(config: dict) -> tuple[str, ...]:
-    """The stacks of a model: STACKS for ours' architectures (Llama), transformers_stacks' for a model of the
-    transformers path (Gemma 3)."""
+    """The stacks of a model: STACKS for ours' Llama architectures, ours and hf for ours' others (Qwen3.5: liger-kernel
+    0.8.5 patches none of its layers), transformers_stacks' for a model of the transformers path (Gemma 3)."""
     from bench.roofline import transformers_stacks
 
-    return transformers_stacks.TRANSFORMERS_STACKS if transformers_stacks.is_transformers_model(config) else STACKS
+    if transformers_stacks.is_transformers_model(config):
+        return transformers_stacks.TRANSFORMERS_STACKS
+    return STACKS if config.get("model_type", "llama") == "llama" else OUR_OTHER_STACKS
 
 
 def build(stack: str, config: dict) -> Built:

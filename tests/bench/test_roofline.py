@@ -457,3 +457,46 @@ def test_gemma_command_writes_its_own_files(tmp_path, monkeypatch):
     assert "| category | ours | hf | hf_liger | ours/hf_liger | ours/hf |" in text
     assert "## Ratios (modelled)" in text and "## Targets" not in text
     assert "0% ignored: ours/hf modelled step time" in text and "](roofline_gemma-3-tiny.png)" in text
+
+
+QWEN3_5_TINY = {  # Qwen3.5's architecture at a tiny size: one Gated DeltaNet layer, one gated attention layer
+    "model_type": "qwen3_5_text",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+
+
+def test_qwen3_5_command_writes_its_own_files_and_records_our_gated_deltanet_kernels(tmp_path, monkeypatch):
+    """`python -m bench.roofline --model qwen3.5-9b` at a tiny size: ours and hf (no liger stacks), its own results
+    files, and in ours the Gated DeltaNet's conv and gated norm recorded by their benches' byte models."""
+    from bench.roofline import stacks
+
+    monkeypatch.setitem(stacks.OUR_MODELS, "qwen3.5-tiny", QWEN3_5_TINY)
+    from bench.roofline.cli import _full_config
+
+    trace = stacks.model_step("ours", _full_config(QWEN3_5_TINY), 2, 32, 0.0)
+    names = {op.name.split(":")[0] for op in trace.ops}
+    assert {"CausalConv1dFunction", "CausalConv1dFunction.backward"} <= names
+    assert {"GatedRMSNormFunction", "GatedRMSNormFunction.backward"} <= names
+    rows = rf.main(
+        ["--model", "qwen3.5-tiny", "--seq_len", "32", "--micro_batch", "2", "--ignored", "0", "--out", str(tmp_path)]
+    )
+    assert [r["stack"] for r in rows] == ["ours", "hf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "roofline_qwen3.5-tiny.jsonl",
+        "roofline_qwen3.5-tiny.md",
+        "roofline_qwen3.5-tiny.png",
+    ]
+    text = (tmp_path / "roofline_qwen3.5-tiny.md").read_text()
+    assert "| category | ours | hf | ours/hf |" in text and "no liger stacks" in text.lower()
+    assert "0% ignored: ours/hf modelled step time" in text
