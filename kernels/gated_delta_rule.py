@@ -17,9 +17,9 @@ back to v's dtype:
   transformers' `torch_chunk_gated_delta_rule`): within a chunk of C tokens the C delta-rule updates are one
   triangular solve (the WY form: with gamma the cumulative log decay inside the chunk and
   A[i, j] = beta_i (k_i . k_j) exp(gamma_i - gamma_j) for j < i, T = (I + A)^-1, u = T (beta v) and
-  w = T (beta exp(gamma) k)); then per chunk, in order, v' = u - w S, o = exp(gamma) q S + (q k^T * decay, causal) v',
-  S <- exp(gamma_C) S + (exp(gamma_C - gamma) k)^T v'. Equal to the token-by-token rule to rounding, for any chunk
-  size (a last chunk shorter than the rest included).
+  w = T (beta exp(gamma) k)), computed for every chunk at once; then per chunk, in order, v' = u - w S,
+  o = exp(gamma) q S + (q k^T * decay, causal) v', S <- exp(gamma_C) S + (exp(gamma_C - gamma) k)^T v'. Equal to
+  the token-by-token rule to rounding, for any chunk size (a last chunk shorter than the rest included).
 Both take `cu_seqlens` ((N + 1,) offsets of N sequences packed into one row, B = 1, as fla's varlen ops): the state
 restarts at every sequence boundary, so a packed row gives each sequence's outputs (and gradients) as if it ran alone;
 `initial_state` (B or N, Hv, K, V) and `output_final_state` (the state after each row or sequence, in the compute
@@ -140,34 +140,49 @@ def gated_delta_rule_ref(
 
 def _chunked(chunk_size: int):
     def recurrence(q, k, v, g, beta, S):
+        """The chunked rule over one sequence ((B, H, T, .) each) from S: every chunk's intra-chunk part (the
+        triangular solve, the causal q k^T) batched over the chunks at once, then the state carried chunk by chunk.
+        T is padded to whole chunks with tokens that change nothing (k = v = 0, beta = 0, g = 0: no write, no decay)
+        and their outputs dropped."""
+        B, H, T, K = k.shape
+        if T == 0:
+            return v.new_zeros(v.shape), S
+        C = min(chunk_size, T)
+        pad = -T % C
+        if pad:
+            q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+            g, beta = (torch.nn.functional.pad(t, (0, pad)) for t in (g, beta))
+        n = (T + pad) // C
+        q, k, v = (t.reshape(B, H, n, C, t.shape[-1]) for t in (q, k, v))  # (B, H, N, C, .)
+        g, beta = g.reshape(B, H, n, C), beta.reshape(B, H, n, C)
+        u, w, attn, q_decayed, k_decayed, last = _intra(q, k, v, g, beta)
         outs = []
-        for start in range(0, q.shape[2], chunk_size):
-            part = slice(start, start + chunk_size)
-            o, S = _chunk(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part], beta[:, :, part], S)
-            outs.append(o)
-        return (torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape)), S
+        for i in range(n):  # the state, chunk by chunk
+            v_new = u[:, :, i] - w[:, :, i] @ S  # (B, H, C, V)
+            outs.append(q_decayed[:, :, i] @ S + attn[:, :, i] @ v_new)
+            S = S * last[:, :, i].exp()[..., None] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
+        return torch.cat(outs, dim=2)[:, :, :T], S
 
     return recurrence
 
 
-def _chunk(q, k, v, g, beta, S):
-    """One chunk of C tokens ((B, H, C, .) each) from state S: (o (B, H, C, V), the state after it)."""
-    C = q.shape[2]
-    gamma = g.cumsum(-1)  # (B, H, C): log decay from the chunk's start through each token
+def _intra(q, k, v, g, beta):
+    """What every chunk ((B, H, N, C, .) each) needs from itself alone: u and w of the WY form, the causal decayed
+    q k^T, q and k scaled by their decays, the chunk's total log decay (B, H, N, 1)."""
+    C = q.shape[-2]
+    gamma = g.cumsum(-1)  # (B, H, N, C): log decay from the chunk's start through each token
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     # exp(gamma_i - gamma_j) where j <= i, 0 above the diagonal (masked before exp: no overflow)
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, H, C, C)
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, H, N, C, C)
     k_beta = k * beta[..., None]
     A = (k_beta @ k.transpose(-1, -2) * decay).tril(-1)  # strictly lower
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     rhs = torch.cat([v * beta[..., None], k_beta * gamma.exp()[..., None]], dim=-1)
     solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     u, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)  # new values, decayed keys that read S
-    v_new = u - w @ S  # (B, H, C, V)
-    o = (q * gamma.exp()[..., None]) @ S + (q @ k.transpose(-1, -2) * decay) @ v_new
-    last = gamma[..., -1:]  # (B, H, 1)
-    S = S * last.exp()[..., None] + (k * (last - gamma).exp()[..., None]).transpose(-1, -2) @ v_new
-    return o, S
+    attn = q @ k.transpose(-1, -2) * decay  # (B, H, N, C, C)
+    last = gamma[..., -1:]  # (B, H, N, 1)
+    return u, w, attn, q * gamma.exp()[..., None], k * (last - gamma).exp()[..., None], last
 
 
 def chunk_gated_delta_rule_ref(
