@@ -64,7 +64,7 @@ import kernels
 from kernels.nn import RMSNorm as KernelRMSNorm
 from trainer.model import fused_lora
 from trainer.model.attention import KVCache, make_plan
-from trainer.model.gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from trainer.model.gated_deltanet import CausalConv1d, GatedDeltaNet, GatedRMSNorm
 
 IGNORE_INDEX = -100
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text")
@@ -905,7 +905,7 @@ class CausalLM(nn.Module):
     def _set_impl(self, impl: str) -> None:
         self.impl = impl
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP, Attention, GatedRMSNorm, GatedDeltaNet)):
+            if isinstance(module, (RMSNorm, MLP, Attention, GatedRMSNorm, GatedDeltaNet, CausalConv1d)):
                 module.impl = impl
 
     def tie_weights(self) -> None:
@@ -944,7 +944,7 @@ class CausalLM(nn.Module):
         for name, module in self.named_modules():
             if skip is not None and skip(name):
                 continue
-            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+            if isinstance(module, (nn.Linear, nn.Embedding, CausalConv1d)):
                 if module is self.lm_head and self.config.tie_word_embeddings:
                     continue
                 # the full shape: a DTensor's is; a 4-bit layer's weight is packed codes (trainer/model/quant.py)

@@ -60,6 +60,23 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm_plain(x, gate, self.weight, self.eps)
 
 
+class CausalConv1d(nn.Module):
+    """The depthwise causal convolution + SiLU with nn.Conv1d's parameter (a (D, 1, W) `weight`, no bias: a
+    checkpoint's `linear_attn.conv1d.weight`): `kernels.causal_conv1d` when `impl` is "kernels", else its reference.
+    The weight is read inside this module's own forward, so an engine that gathers a module's parameters around its
+    forward (DeepSpeed ZeRO-3) holds it there."""
+
+    def __init__(self, dim: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, 1, width))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Conv1d's own init (CausalLM.init_weights draws its own)
+        self.impl = "kernels"
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        conv = kernels.causal_conv1d if self.impl == "kernels" else causal_conv1d_ref
+        return conv(x, self.weight.squeeze(1), None, "silu", cu_seqlens)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(
         self,
@@ -85,13 +102,13 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
-        # nn.Conv1d for the checkpoint's (D, 1, W) weight; its forward is not used (the convolution is causal_conv1d)
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False, padding=conv_kernel - 1)
+        self.conv_dim, self.conv_kernel = conv_dim, conv_kernel
+        self.conv1d = CausalConv1d(conv_dim, conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
-        self.impl = "kernels"  # the convolution: kernels.causal_conv1d, else its reference (CausalLM sets it)
+        self.impl = "kernels"  # the recurrence: kernels.chunk_gated_delta_rule, else its reference (CausalLM sets it)
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
@@ -108,9 +125,8 @@ class GatedDeltaNet(nn.Module):
         first token (zeros: the convolution's left padding, an empty memory). Equal to `forward` over the whole rows
         (the state carries everything the rows' earlier tokens contribute)."""
         if state is None:
-            B, D = x.shape[0], self.conv1d.weight.shape[0]
-            conv = x.new_zeros(B, self.conv1d.weight.shape[-1] - 1, D)
-            memory = x.new_zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
+            conv = x.new_zeros(x.shape[0], self.conv_kernel - 1, self.conv_dim)
+            memory = x.new_zeros(x.shape[0], self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
             state = conv, memory
         return self._mix(x, None, attention_mask, state)
 
@@ -119,13 +135,11 @@ class GatedDeltaNet(nn.Module):
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
         mixed = self.in_proj_qkv(x)  # (B, T, D) before the convolution
-        weight = self.conv1d.weight.squeeze(1)  # (D, W)
         if state is None:
-            conv = kernels.causal_conv1d if self.impl == "kernels" else causal_conv1d_ref
-            qkv = conv(mixed, weight, None, "silu", cu_seqlens)
+            qkv = self.conv1d(mixed, cu_seqlens)
         else:  # the convolution over the state's last inputs and these; its new state the last W - 1 of them
             window = torch.cat([state[0], mixed], dim=1)  # (B, W - 1 + T, D)
-            qkv = causal_conv1d_ref(window, weight, None, "silu")[:, -T:]
+            qkv = self.conv1d(window)[:, -T:]
             conv_state = window[:, window.shape[1] - state[0].shape[1] :]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)

@@ -284,6 +284,8 @@ def ds_suite(tmp_path_factory, data_file):  # noqa: F811
     jobs.append({"name": "zero3-lora", "args": {**ds_args(root, "zero3"), **LORA_ARGS}})
     untied = str(write_tiny("llama", root / "untied", tie_word_embeddings=False))  # our model, its own LM head
     jobs.append({"name": "zero3-untied", "model": untied, "args": ds_args(root, "zero3")})
+    hybrid = str(write_tiny("qwen3_5_text", root / "qwen3_5"))  # our Qwen3.5: Gated DeltaNet and gated attention
+    jobs.append({"name": "zero3-qwen3_5", "model": hybrid, "args": ds_args(root, "zero3")})
     jobs += [{"name": f"{name}-qlora", "args": {**ds_args(root, name), **QLORA_ARGS}} for name in ("zero2", "zero3")]
     eight_bit = {**ds_args(root, "zero2"), "optim": "adamw_bnb_8bit"}
     jobs.append({"name": "zero2-8bit", "args": eight_bit})
@@ -377,6 +379,24 @@ def test_zero3_with_an_untied_lm_head_equals_one_process(ds_suite, data_file, tm
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and ds_suite["result"]["zero3-untied"]["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_zero3_trains_our_qwen3_5_as_one_process(ds_suite, data_file, tmp_path):  # noqa: F811
+    """Our Qwen3.5 under ZeRO-3: every parameter a Gated DeltaNet layer reads (its conv's weight inside the conv
+    module's own forward, A_log and dt_bias in the layer's) is gathered where it is read; the losses of one process."""
+    from trainer.build import build_model
+    from trainer.data.sft_data import load_sft_dataset
+    from trainer.data.tokenizer import byte_level_tokenizer
+
+    args = TrainingArguments(output_dir=str(tmp_path), **ONE_PROCESS_ARGS)
+    model, _ = build_model(str(ds_suite["out"]["zero3-qwen3_5"].parent / "qwen3_5"), args)
+    assert model.config.model_type == "qwen3_5_text"
+    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    with kernels.backend("reference"):
+        trainer = Trainer(model=model, args=args, train_dataset=dataset)
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and ds_suite["result"]["zero3-qwen3_5"]["losses"] == pytest.approx(losses, rel=1e-5)
 
 
 def test_zero3_export_loads_in_transformers(ds_suite):
