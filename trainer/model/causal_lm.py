@@ -218,10 +218,8 @@ class ModelConfig:
             self.sliding_window, self.layer_types = None, ["full_attention"] * self.num_hidden_layers
         elif self.model_type == "qwen3_5_text":
             self.sliding_window = None
-            if self.layer_types is None:  # Hugging Face's default: every fourth layer attends
-                self.layer_types = [
-                    "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(self.num_hidden_layers)
-                ]
+            if self.layer_types is None:
+                self.layer_types = hybrid_layer_types(self.num_hidden_layers)
         elif self.layer_types is None:  # qwen: as Hugging Face derives it
             first = self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
             self.layer_types = [
@@ -296,11 +294,7 @@ class ModelConfig:
             passthrough = {k: rope.pop(k) for k in ROPE_PASSTHROUGH if k in rope}
             layer_types = config.get("layer_types")
             if model_type == "qwen3_5_text" and layer_types is None:
-                interval = get("full_attention_interval")
-                layer_types = [
-                    "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                    for i in range(config["num_hidden_layers"])
-                ]
+                layer_types = hybrid_layer_types(config["num_hidden_layers"], get("full_attention_interval"))
             sliding = get("sliding_window")
             if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
                 sliding = None
@@ -368,6 +362,11 @@ class ModelConfig:
             out["dtype"] = out["torch_dtype"] = self.dtype
         out["use_cache"] = True
         return out
+
+
+def hybrid_layer_types(layers: int, interval: int = 4) -> list[str]:
+    """Qwen3.5's layer_types as transformers derives them: every `interval`-th layer attends, the rest are linear."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
 
 
 def _normalise_rope(scaling: dict | None, max_positions: int) -> dict | None:
