@@ -28,6 +28,7 @@ from .gated_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_ref
 from .gated_rms_norm import gated_rms_norm, gated_rms_norm_ref
 from .geglu import geglu, geglu_linear, geglu_linear_ref, geglu_ref
 from .lora import LoRAProjection, lora_mlp, lora_mlp_ref, lora_projections, lora_projections_ref
+from .moe import moe_experts, moe_experts_ref
 from .neftune import NEFTuneFunction, neftune_noise, neftune_noise_ref
 from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from .rope import rope, rope_ref
@@ -50,3 +51,4 @@ __all__ += ["NestedAbsmax", "dequantize_4bit", "dequantize_4bit_ref"]
 __all__ += ["gated_delta_rule_ref", "chunk_gated_delta_rule_ref", "causal_conv1d_ref"]
 __all__ += ["gated_rms_norm", "gated_rms_norm_ref", "causal_conv1d", "chunk_gated_delta_rule"]
 __all__ += ["LoRAProjection", "lora_projections", "lora_projections_ref", "lora_mlp", "lora_mlp_ref"]
+__all__ += ["moe_experts", "moe_experts_ref"]
