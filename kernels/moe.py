@@ -28,10 +28,19 @@ Test:  python -m pytest tests/kernels/test_moe.py -q
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
+from ._dispatch import HAS_TRITON, interpreter_on, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
 ACTS = ("silu", "gpt_oss")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GPT_OSS_ALPHA = 1.702
 GPT_OSS_LIMIT = 7.0
 
@@ -116,6 +125,683 @@ def moe_experts_ref(
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Routing: one stable sort of the (T, k) assignments by expert, and the tile table of the grouped GEMMs.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Block sizes of the four kernels: rows per tile (one tile table for every row kernel), the column blocks of the
+    row kernels (gemm1 and dgrad over I, gemm2 and the dx pass over H), the reduction step, the weight-gradient
+    tiles (P x Q of an expert's weight, stepping BLOCK_K rows), warps and pipeline stages."""
+
+    block_m: int
+    block_n1: int  # gemm1 and dgrad: I columns per program (two accumulators of block_m x block_n1 in gemm1)
+    block_n2: int  # gemm2 and the dx pass: H columns per program
+    block_k: int
+    block_p: int
+    block_q: int
+    num_warps: int
+    num_stages: int
+
+
+# GPU: 64-row tiles (Qwen3-30B-A3B averages 512 rows per expert at 8192 tokens, so about 1/8 of a tile is padding per
+# expert at 64) and bf16 operands on the tensor cores with fp32 accumulators. Not yet timed on a GPU; registers and
+# spills: `python -m bench.sm90 --only moe_experts` (module docstring).
+GPU_TILES = Tiles(block_m=64, block_n1=64, block_n2=128, block_k=64, block_p=64, block_q=128, num_warps=4, num_stages=3)
+# Interpreter: the cost is per program and per operation, not per element (measured on this 2-core box at T 23, k 2,
+# H 40, I 24: a forward and backward took 3.1 s at 8-row tiles and 16-wide blocks, 1.2 s at 16/32, 0.55 s at these):
+# the tests' shapes fit one column block and one reduction step; tests/kernels/test_moe.py runs the masked multi-block
+# paths at SMALL_TILES.
+CPU_TILES = Tiles(block_m=16, block_n1=32, block_n2=64, block_k=64, block_p=64, block_q=64, num_warps=1, num_stages=1)
+SMALL_TILES = Tiles(block_m=8, block_n1=16, block_n2=16, block_k=16, block_p=16, block_q=16, num_warps=1, num_stages=1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass
+class Routing:
+    """The (T, k) assignments sorted by expert: row r of every sorted buffer is assignment `assign[r]` = t k + j."""
+
+    tokens: int
+    k: int
+    assign: torch.Tensor  # (N,) int32: the original assignment (t * k + j) of each sorted row, N = T k
+    token: torch.Tensor  # (N,) int32: its token t
+    offsets: torch.Tensor  # (E + 1,) int32: expert e owns sorted rows [offsets[e], offsets[e + 1])
+    tiles: torch.Tensor  # (3, max_tiles) int32: expert, row start, row end of each tile (empty: start = end = 0)
+
+    @property
+    def max_tiles(self) -> int:
+        return self.tiles.shape[1]
+
+
+def max_tiles(n: int, num_experts: int, block_m: int) -> int:
+    """An upper bound of sum_e cdiv(count_e, block_m) known without reading the counts: each expert that has rows
+    adds at most one partial tile."""
+    return _cdiv(n, block_m) + min(num_experts, n)
+
+
+def moe_route(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """Sort the assignments by expert (stable: deterministic, and a token's slots in order within an expert), count
+    each expert's rows and cut them into tiles of at most `block_m` rows that never straddle two experts. Torch ops
+    only, no host sync: the grid is `max_tiles` programs long and the unused tail of the table is empty tiles."""
+    t, k = top_k_index.shape
+    n, dev = t * k, top_k_index.device
+    flat = top_k_index.reshape(-1)
+    sorted_e, order = torch.sort(flat, stable=True)  # (N,)
+    bounds = torch.arange(num_experts + 1, device=dev, dtype=sorted_e.dtype)
+    offsets = torch.searchsorted(sorted_e, bounds)  # (E + 1,): first row of each expert (no bincount: it syncs)
+    counts = offsets[1:] - offsets[:-1]  # (E,)
+    tiles_e = (counts + block_m - 1) // block_m  # (E,)
+    tile_end = torch.cumsum(tiles_e, 0)  # (E,)
+    i = torch.arange(max_tiles(n, num_experts, block_m), device=dev)  # (max_tiles,)
+    e = torch.searchsorted(tile_end, i, right=True)  # (max_tiles,) in [0, E]: E past the last real tile
+    valid = e < num_experts
+    e = e.clamp(max=num_experts - 1)
+    start = offsets[e] + (i - (tile_end[e] - tiles_e[e])) * block_m
+    end = torch.minimum(start + block_m, offsets[e + 1])
+    zero = torch.zeros((), dtype=start.dtype, device=dev)
+    tiles = torch.stack([e, torch.where(valid, start, zero), torch.where(valid, end, zero)]).to(torch.int32)
+    return Routing(t, k, order.to(torch.int32), (order // k).to(torch.int32), offsets.to(torch.int32), tiles)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _act_fwd(gate, up, alpha, limit, ACT: tl.constexpr):
+        # fp32 in and out; ACT 0: silu(gate) * up, 1: gpt-oss's clamped form
+        if ACT == 0:
+            h = gate * tl.sigmoid(gate) * up
+        else:
+            g = tl.minimum(gate, limit)
+            u = tl.minimum(tl.maximum(up, -limit), limit)
+            h = (u + 1.0) * g * tl.sigmoid(alpha * g)
+        return h
+
+    @triton.jit
+    def _act_bwd(gate, up, alpha, limit, ACT: tl.constexpr):
+        # (h, dh/dgate, dh/dup) in fp32; the clamps pass gradient where torch.clamp does (bounds included)
+        if ACT == 0:
+            s = tl.sigmoid(gate)
+            a = gate * s
+            h = a * up
+            d_gate = up * s * (1.0 + gate * (1.0 - s))
+            d_up = a
+        else:
+            g = tl.minimum(gate, limit)
+            u = tl.minimum(tl.maximum(up, -limit), limit)
+            s = tl.sigmoid(alpha * g)
+            a = g * s
+            h = (u + 1.0) * a
+            d_gate = tl.where(gate <= limit, (u + 1.0) * s * (1.0 + alpha * g * (1.0 - s)), 0.0)
+            d_up = tl.where((up >= -limit) & (up <= limit), a, 0.0)
+        return h, d_gate, d_up
+
+    @triton.jit
+    def _mma(acc, a, b, F32_DOT: tl.constexpr):
+        # acc += a @ b: fp32 operands in IEEE fp32 (the interpreter, fp32 inputs), else both in a's 16-bit dtype
+        if F32_DOT:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.to(a.dtype), acc)
+        return acc
+
+    @triton.jit
+    def _moe_gemm1_kernel(
+        x_ptr,  # (T, H) tokens, row stride stride_xt, unit column stride
+        w_ptr,  # gate_up_proj: W1[e][h, c] at e stride_we + h stride_wh + c stride_wc (either layout, no copy)
+        b_ptr,  # (E, 2I) gate_up_bias, row stride stride_be, unit column stride (unused without HAS_BIAS)
+        tile_ptr,  # (3, n_tiles) int32: expert, row start, row end of each tile
+        tok_ptr,  # (N,) int32: the token of each sorted row
+        h_ptr,  # (N, I) output in x's dtype: act(gate, up) of each sorted row
+        gu_ptr,  # (N, 2I) output in x's dtype: gate and up before the activation, the parameter's column order (SAVE)
+        n_tiles,
+        H,
+        INTER,
+        stride_xt,
+        stride_we,
+        stride_wh,
+        stride_wc,
+        stride_be,
+        col_step,  # gate of column j at c = j col_step, up at j col_step + up_off (interleaved: 2, 1; else 1, I)
+        up_off,
+        alpha,
+        limit,
+        ACT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        SAVE: tl.constexpr,
+        F32_DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        row_start = tl.load(tile_ptr + n_tiles + tile)
+        row_end = tl.load(tile_ptr + 2 * n_tiles + tile)
+        if row_start >= row_end:  # the empty tail of the tile table
+            return
+        e = tl.load(tile_ptr + tile).to(tl.int64)
+        rows = row_start + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        row_ok = rows < row_end
+        tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # the gather, fused: x rows by token
+        j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) columns of gate and up
+        j_ok = j < INTER
+        c_gate = j * col_step
+        c_up = c_gate + up_off
+        w_base = w_ptr + e * stride_we
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+            k_ok = ks < H
+            a = tl.load(x_ptr + tok[:, None] * stride_xt + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & j_ok[None, :]
+            w_rows = w_base + ks[:, None] * stride_wh
+            wg = tl.load(w_rows + c_gate[None, :] * stride_wc, mask=w_mask, other=0.0)  # (BLOCK_K, BLOCK_N)
+            wu = tl.load(w_rows + c_up[None, :] * stride_wc, mask=w_mask, other=0.0)
+            acc_g = _mma(acc_g, a, wg, F32_DOT)
+            acc_u = _mma(acc_u, a, wu, F32_DOT)
+        if HAS_BIAS:
+            acc_g += tl.load(b_ptr + e * stride_be + c_gate, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_ptr + e * stride_be + c_up, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+        alpha32, limit32 = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)  # fp64 under torch.compile
+        h = _act_fwd(acc_g, acc_u, alpha32, limit32, ACT)
+        rows64 = rows.to(tl.int64)
+        mask = row_ok[:, None] & j_ok[None, :]
+        tl.store(h_ptr + rows64[:, None] * INTER + j[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+        if SAVE:
+            gu_rows = gu_ptr + rows64[:, None] * (2 * INTER)
+            tl.store(gu_rows + c_gate[None, :], acc_g.to(gu_ptr.dtype.element_ty), mask=mask)
+            tl.store(gu_rows + c_up[None, :], acc_u.to(gu_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _moe_gemm2_kernel(
+        a_ptr,  # (N, K) sorted rows, contiguous: h (forward) or d gate_up (the dx pass)
+        w_ptr,  # B[e][k, n] at e stride_we + k stride_wk + n stride_wn: W_down (forward) or W1 read transposed (dx)
+        b_ptr,  # (E, NC) bias, row stride stride_be (HAS_BIAS)
+        scale_ptr,  # (T k,) the top-k weights by assignment (HAS_SCALE)
+        tile_ptr,  # (3, n_tiles) int32: expert, row start, row end of each tile
+        assign_ptr,  # (N,) int32: the assignment t k + j of each sorted row
+        out_ptr,  # (T k, NC) output: row r of the product goes to row assign[r] (written once: no atomics)
+        n_tiles,
+        K,
+        NC,
+        stride_we,
+        stride_wk,
+        stride_wn,
+        stride_be,
+        HAS_BIAS: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        F32_DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        row_start = tl.load(tile_ptr + n_tiles + tile)
+        row_end = tl.load(tile_ptr + 2 * n_tiles + tile)
+        if row_start >= row_end:
+            return
+        e = tl.load(tile_ptr + tile).to(tl.int64)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        rows64 = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < NC
+        w_base = w_ptr + e * stride_we + cols[None, :] * stride_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(a_ptr + rows64[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_base + ks[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = _mma(acc, a, b, F32_DOT)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        dest = tl.load(assign_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # (BLOCK_M,)
+        if HAS_SCALE:
+            acc *= tl.load(scale_ptr + dest, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        mask = row_ok[:, None] & col_ok[None, :]
+        tl.store(out_ptr + dest[:, None] * NC + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _moe_dgrad_kernel(
+        dy_ptr,  # (T, H) upstream gradient, row stride stride_dyt, unit column stride
+        w_ptr,  # down_proj: W2[e][i, h] at e stride_we + i stride_wi + h stride_wh (either layout)
+        b_ptr,  # (E, H) down_bias, row stride stride_be (HAS_BIAS)
+        scale_ptr,  # (T k,) the top-k weights by assignment
+        gu_ptr,  # (N, 2I) saved gate and up before the activation, the parameter's column order
+        tile_ptr,  # (3, n_tiles) int32: expert, row start, row end of each tile
+        tok_ptr,  # (N,) int32: the token of each sorted row
+        assign_ptr,  # (N,) int32: its assignment t k + j
+        dgu_ptr,  # (N, 2I) output in x's dtype: d gate and d up, the parameter's column order
+        dw_ptr,  # (column blocks, T k) fp32 output: <g, h> over this block's columns (+ <dy, b_down> in block 0)
+        n_tiles,
+        H,
+        INTER,
+        n_assign,
+        stride_dyt,
+        stride_we,
+        stride_wi,
+        stride_wh,
+        stride_be,
+        col_step,
+        up_off,
+        alpha,
+        limit,
+        ACT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        F32_DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        row_start = tl.load(tile_ptr + n_tiles + tile)
+        row_end = tl.load(tile_ptr + 2 * n_tiles + tile)
+        if row_start >= row_end:
+            return
+        e = tl.load(tile_ptr + tile).to(tl.int64)
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        rows64 = rows.to(tl.int64)
+        tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        j_ok = j < INTER
+        w_base = w_ptr + e * stride_we + j[None, :] * stride_wi
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # dy W_down^T, before the top-k weight
+        bias_dot = tl.zeros([BLOCK_M], dtype=tl.float32)  # <dy, b_down[e]> (block 0 only)
+        bias_h = tl.where(pid_n == 0, H, 0)  # the bias columns this program reads: all in block 0, none elsewhere
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < H
+            dy_mask = row_ok[:, None] & k_ok[None, :]
+            dy = tl.load(dy_ptr + tok[:, None] * stride_dyt + ks[None, :], mask=dy_mask, other=0.0)
+            w = tl.load(w_base + ks[:, None] * stride_wh, mask=k_ok[:, None] & j_ok[None, :], other=0.0)
+            g = _mma(g, dy, w, F32_DOT)
+            if HAS_BIAS:
+                b = tl.load(b_ptr + e * stride_be + ks, mask=ks < bias_h, other=0.0).to(tl.float32)
+                bias_dot += tl.sum(dy.to(tl.float32) * b[None, :], axis=1)
+        mask = row_ok[:, None] & j_ok[None, :]
+        c_gate = j * col_step
+        c_up = c_gate + up_off
+        gu_rows = gu_ptr + rows64[:, None] * (2 * INTER)
+        gate = tl.load(gu_rows + c_gate[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_rows + c_up[None, :], mask=mask, other=0.0).to(tl.float32)
+        alpha32, limit32 = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
+        h, d_gate, d_up = _act_bwd(gate, up, alpha32, limit32, ACT)
+        dest = tl.load(assign_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        dw = tl.sum(g * h, axis=1)  # (BLOCK_M,): masked columns hold g = 0
+        if HAS_BIAS:
+            dw += bias_dot
+        tl.store(dw_ptr + pid_n * n_assign + dest, dw, mask=row_ok)
+        dh = g * tl.load(scale_ptr + dest, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        dgu_rows = dgu_ptr + rows64[:, None] * (2 * INTER)
+        tl.store(dgu_rows + c_gate[None, :], (dh * d_gate).to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu_rows + c_up[None, :], (dh * d_up).to(dgu_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _moe_wgrad_kernel(
+        a_ptr,  # DOWN: (N, 2I) saved gate and up (A = act(gate, up)); else (T, H) x (A = x[token]); row stride
+        b_ptr,  # DOWN: (T, H) upstream gradient (B = dy[token] w); else (N, 2I) d gate_up; row stride stride_bt
+        scale_ptr,  # (T k,) the top-k weights by assignment (DOWN)
+        off_ptr,  # (E + 1,) int32: expert e owns sorted rows [off[e], off[e + 1])
+        tok_ptr,  # (N,) int32: the token of each sorted row
+        assign_ptr,  # (N,) int32: its assignment
+        dw_ptr,  # dW[e][p, q] at e stride_de + p stride_dp + q stride_dq: the parameter's own layout, its dtype
+        db_ptr,  # (E, Q) bias gradient, row stride stride_dbe (HAS_BIAS): the column sums of B over the expert's rows
+        P,
+        Q,
+        stride_at,
+        stride_bt,
+        stride_de,
+        stride_dp,
+        stride_dq,
+        stride_dbe,
+        col_step,
+        up_off,
+        alpha,
+        limit,
+        DOWN: tl.constexpr,
+        ACT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        F32_DOT: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # dW[e] = A_e^T B_e over expert e's rows: DOWN (P = I, Q = H) dW_down = h^T (w dy); else (P = H, Q = 2I)
+        # dW_gate_up = x^T dgu. A^T is loaded as a (BLOCK_P, BLOCK_K) tile directly (no transpose in registers).
+        e = tl.program_id(0).to(tl.int64)
+        pid_p = tl.program_id(1)
+        alpha32, limit32 = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
+        row_start = tl.load(off_ptr + e)
+        row_end = tl.load(off_ptr + e + 1)
+        p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        p_ok = p < P
+        q = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        q_ok = q < Q
+        acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+        db = tl.zeros([BLOCK_Q], dtype=tl.float32)
+        for m0 in range(row_start, row_end, BLOCK_K):
+            m = m0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,) sorted rows
+            m_ok = m < row_end
+            m64 = m.to(tl.int64)
+            tok = tl.load(tok_ptr + m, mask=m_ok, other=0).to(tl.int64)
+            a_mask = p_ok[:, None] & m_ok[None, :]
+            b_mask = m_ok[:, None] & q_ok[None, :]
+            if DOWN:
+                c_gate = p * col_step
+                gate = tl.load(a_ptr + m64[None, :] * stride_at + c_gate[:, None], mask=a_mask, other=0.0)
+                up = tl.load(a_ptr + m64[None, :] * stride_at + (c_gate + up_off)[:, None], mask=a_mask, other=0.0)
+                a = _act_fwd(gate.to(tl.float32), up.to(tl.float32), alpha32, limit32, ACT)
+                a = a.to(gate.dtype)  # (BLOCK_P, BLOCK_K): h^T, rounded like the forward's stored h
+                dest = tl.load(assign_ptr + m, mask=m_ok, other=0).to(tl.int64)
+                w = tl.load(scale_ptr + dest, mask=m_ok, other=0.0).to(tl.float32)
+                dy = tl.load(b_ptr + tok[:, None] * stride_bt + q[None, :], mask=b_mask, other=0.0).to(tl.float32)
+                b = dy * w[:, None]  # (BLOCK_K, BLOCK_Q) fp32: _mma casts it to a's dtype
+            else:
+                a = tl.load(a_ptr + tok[None, :] * stride_at + p[:, None], mask=a_mask, other=0.0)  # x^T
+                b = tl.load(b_ptr + m64[:, None] * stride_bt + q[None, :], mask=b_mask, other=0.0)
+            acc = _mma(acc, a, b, F32_DOT)
+            if HAS_BIAS:
+                db += tl.sum(b.to(tl.float32), axis=0)
+        tl.store(
+            dw_ptr + e * stride_de + p[:, None] * stride_dp + q[None, :] * stride_dq,
+            acc.to(dw_ptr.dtype.element_ty),
+            mask=p_ok[:, None] & q_ok[None, :],
+        )
+        if HAS_BIAS:
+            tl.store(db_ptr + e * stride_dbe + q, db.to(db_ptr.dtype.element_ty), mask=q < tl.where(pid_p == 0, Q, 0))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers (no autograd)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the kernels read the two parameters in place: strides of the logical W1[e] (H, 2I) and W2[e] (I, H), and
+    where gate and up sit on the 2I axis (gate of column j at c = j col_step, up at c + up_off)."""
+
+    transposed: bool
+    inter: int  # I
+    w1_h: int  # stride of W1's h index
+    w1_c: int  # stride of W1's 2I index
+    w2_i: int
+    w2_h: int
+    col_step: int
+    up_off: int
+
+    @staticmethod
+    def of(gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, interleaved: bool) -> Layout:
+        w1 = (gate_up.stride(1), gate_up.stride(2)) if transposed else (gate_up.stride(2), gate_up.stride(1))
+        w2 = (down.stride(1), down.stride(2)) if transposed else (down.stride(2), down.stride(1))
+        inter = down.shape[1] if transposed else down.shape[2]
+        return Layout(transposed, inter, *w1, *w2, *((2, 1) if interleaved else (1, inter)))
+
+
+def _f32_dot(x: torch.Tensor) -> bool:
+    # fp32 inputs multiply in IEEE fp32 (not TF32); the interpreter computes bf16 wrongly (DESIGN.md): fp32 there too
+    return x.dtype == torch.float32 or interpreter_on()
+
+
+def _unit_col(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _sum_slots(buf: torch.Tensor, route: Routing) -> torch.Tensor:
+    """(T k, H) rows by assignment -> (T, H): each token's k slots summed (fp32 accumulation inside torch's sum for
+    16-bit dtypes, one rounding; deterministic). k = 1 is a view."""
+    if route.k == 1:
+        return buf
+    return buf.view(route.tokens, route.k, buf.shape[1]).sum(dim=1)
+
+
+def moe_experts_fwd(
+    x, route, weights, gate_up, down, gate_up_bias, down_bias, *, layout, act, alpha, limit, tiles, save
+):
+    """Forward on sorted rows. Returns out (T, H) in x's dtype and the pre-activation gate_up (N, 2I) (None without
+    `save`). x, gate_up_bias and down_bias need unit column strides; weights the contiguous (T, k) top-k weights."""
+    hidden, n, inter = x.shape[1], route.assign.numel(), layout.inter
+    f32 = _f32_dot(x)
+    h = torch.empty((n, inter), dtype=x.dtype, device=x.device)  # (N, I)
+    gu = torch.empty((n, 2 * inter), dtype=x.dtype, device=x.device) if save else None  # (N, 2I)
+    _moe_gemm1_kernel[(route.max_tiles, triton.cdiv(inter, tiles.block_n1))](
+        x,
+        gate_up,
+        gate_up if gate_up_bias is None else gate_up_bias,
+        route.tiles,
+        route.token,
+        h,
+        h if gu is None else gu,
+        route.max_tiles,
+        hidden,
+        inter,
+        x.stride(0),
+        gate_up.stride(0),
+        layout.w1_h,
+        layout.w1_c,
+        0 if gate_up_bias is None else gate_up_bias.stride(0),
+        layout.col_step,
+        layout.up_off,
+        alpha,
+        limit,
+        ACT=ACTS.index(act),
+        HAS_BIAS=gate_up_bias is not None,
+        SAVE=save,
+        F32_DOT=f32,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n1,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    y = torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # (T k, H) by assignment
+    _moe_gemm2_kernel[(route.max_tiles, triton.cdiv(hidden, tiles.block_n2))](
+        h,
+        down,
+        down if down_bias is None else down_bias,
+        weights,
+        route.tiles,
+        route.assign,
+        y,
+        route.max_tiles,
+        inter,
+        hidden,
+        down.stride(0),
+        layout.w2_i,
+        layout.w2_h,
+        0 if down_bias is None else down_bias.stride(0),
+        HAS_BIAS=down_bias is not None,
+        HAS_SCALE=True,
+        F32_DOT=f32,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n2,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return _sum_slots(y, route), gu
+
+
+def moe_experts_bwd(
+    dout,
+    x,
+    route,
+    weights,
+    gate_up,
+    down,
+    gate_up_bias,
+    down_bias,
+    gu,
+    *,
+    layout,
+    act,
+    alpha,
+    limit,
+    tiles,
+    needs=(True,) * 6,
+):
+    """Backward. `needs`: which of (dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias) to return (the others
+    are None; dweights always comes with the dgrad pass). Gradients in their inputs' dtypes, dW in the parameters'
+    own layouts."""
+    (t, hidden), n, inter = x.shape, route.assign.numel(), layout.inter
+    num_experts = gate_up.shape[0]
+    f32 = _f32_dot(x)
+    alpha, limit, act_id = float(alpha), float(limit), ACTS.index(act)
+    warps = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    dgu = torch.empty((n, 2 * inter), dtype=x.dtype, device=x.device)  # (N, 2I) d gate_up, parameter column order
+    blocks = triton.cdiv(inter, tiles.block_n1)
+    dw_part = torch.empty((blocks, n), dtype=torch.float32, device=x.device)  # every element written once
+    _moe_dgrad_kernel[(route.max_tiles, blocks)](
+        dout,
+        down,
+        down if down_bias is None else down_bias,
+        weights,
+        gu,
+        route.tiles,
+        route.token,
+        route.assign,
+        dgu,
+        dw_part,
+        route.max_tiles,
+        hidden,
+        inter,
+        n,
+        dout.stride(0),
+        down.stride(0),
+        layout.w2_i,
+        layout.w2_h,
+        0 if down_bias is None else down_bias.stride(0),
+        layout.col_step,
+        layout.up_off,
+        alpha,
+        limit,
+        ACT=act_id,
+        HAS_BIAS=down_bias is not None,
+        F32_DOT=f32,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n1,
+        BLOCK_K=tiles.block_k,
+        **warps,
+    )
+    d_weights = dw_part.sum(dim=0).view(t, route.k).to(weights.dtype) if needs[1] else None  # (T, k)
+    dx = d_gate_up = d_down = d_gate_up_bias = d_down_bias = None
+    if needs[0]:
+        dxbuf = torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # (T k, H) by assignment
+        _moe_gemm2_kernel[(route.max_tiles, triton.cdiv(hidden, tiles.block_n2))](
+            dgu,
+            gate_up,
+            gate_up,
+            weights,
+            route.tiles,
+            route.assign,
+            dxbuf,
+            route.max_tiles,
+            2 * inter,
+            hidden,
+            gate_up.stride(0),
+            layout.w1_c,  # W1 read transposed: B[e][c, h]
+            layout.w1_h,
+            0,
+            HAS_BIAS=False,
+            HAS_SCALE=False,
+            F32_DOT=f32,
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n2,
+            BLOCK_K=tiles.block_k,
+            **warps,
+        )
+        dx = _sum_slots(dxbuf, route)
+    for down_pass, want_w, want_b in ((True, needs[3], needs[5]), (False, needs[2], needs[4])):
+        bias = down_bias if down_pass else gate_up_bias
+        want_b = want_b and bias is not None
+        if not (want_w or want_b):
+            continue
+        weight = down if down_pass else gate_up
+        dweight = torch.empty_like(weight)  # the parameter's own layout (empty_like keeps dense strides)
+        dbias = torch.empty_like(bias) if want_b else None
+        p, q = (inter, hidden) if down_pass else (hidden, 2 * inter)
+        # the logical (P, Q) = (I, H) or (H, 2I) index of dW in the parameter's layout (as Layout reads the weight)
+        strides = dweight.stride()[1:] if layout.transposed else dweight.stride()[:0:-1]
+        _moe_wgrad_kernel[(num_experts, triton.cdiv(p, tiles.block_p), triton.cdiv(q, tiles.block_q))](
+            gu if down_pass else x,
+            dout if down_pass else dgu,
+            weights,
+            route.offsets,
+            route.token,
+            route.assign,
+            dweight,
+            dweight if dbias is None else dbias,
+            p,
+            q,
+            gu.stride(0) if down_pass else x.stride(0),
+            dout.stride(0) if down_pass else dgu.stride(0),
+            dweight.stride(0),
+            *strides,
+            0 if dbias is None else dbias.stride(0),
+            layout.col_step,
+            layout.up_off,
+            alpha,
+            limit,
+            DOWN=down_pass,
+            ACT=act_id,
+            HAS_BIAS=dbias is not None,
+            F32_DOT=f32,
+            BLOCK_P=tiles.block_p,
+            BLOCK_Q=tiles.block_q,
+            BLOCK_K=tiles.block_k,
+            **warps,
+        )
+        if down_pass:
+            d_down, d_down_bias = (dweight if want_w else None), dbias
+        else:
+            d_gate_up, d_gate_up_bias = (dweight if want_w else None), dbias
+    return dx, d_weights, d_gate_up, d_down, d_gate_up_bias, d_down_bias
+
+
+class MoEExpertsFunction(torch.autograd.Function):
+    """Autograd over the launchers. Saves x, the top-k weights, the parameters, the routing and the pre-activation
+    gate_up (N, 2I) in x's dtype; h is recomputed from it where the backward needs it."""
+
+    @staticmethod
+    def forward(ctx, x, weights, gate_up, down, gate_up_bias, down_bias, route, options):
+        save = any(ctx.needs_input_grad[:6])
+        out, gu = moe_experts_fwd(x, route, weights, gate_up, down, gate_up_bias, down_bias, save=save, **options)
+        if save:
+            ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias, gu)
+            ctx.route, ctx.options = route, options
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weights, gate_up, down, gate_up_bias, down_bias, gu = ctx.saved_tensors
+        grads = moe_experts_bwd(
+            _unit_col(dout),
+            x,
+            ctx.route,
+            weights,
+            gate_up,
+            down,
+            gate_up_bias,
+            down_bias,
+            gu,
+            needs=ctx.needs_input_grad[:6],
+            **ctx.options,
+        )
+        return (*grads, None, None)
+
+
 def moe_experts(
     x: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -131,18 +817,89 @@ def moe_experts(
     alpha: float = GPT_OSS_ALPHA,
     limit: float = GPT_OSS_LIMIT,
 ) -> torch.Tensor:
-    """The routed experts' output (T, H) in x's dtype (see the module docstring for the math and layouts)."""
-    return moe_experts_ref(
-        x,
-        top_k_index,
-        top_k_weights,
+    """The routed experts' output (T, H) in x's dtype (see the module docstring for the math and layouts).
+
+    CUDA tensors run the Triton grouped GEMMs, CPU tensors the reference (`kernels._dispatch`)."""
+    _check_args(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, transposed, act)
+    tensors = (x, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+    if not use_triton(*tensors) or x.dtype not in _DTYPES or top_k_index.numel() == 0:
+        return moe_experts_ref(
+            x,
+            top_k_index,
+            top_k_weights,
+            gate_up_proj,
+            down_proj,
+            gate_up_bias,
+            down_bias,
+            transposed=transposed,
+            interleaved=interleaved,
+            act=act,
+            alpha=alpha,
+            limit=limit,
+        )
+    tiles = GPU_TILES if x.is_cuda else CPU_TILES
+    route = moe_route(top_k_index, gate_up_proj.shape[0], tiles.block_m)
+    options = dict(
+        layout=Layout.of(gate_up_proj, down_proj, transposed, interleaved),
+        act=act,
+        alpha=float(alpha),
+        limit=float(limit),
+        tiles=tiles,
+    )
+    return MoEExpertsFunction.apply(
+        _unit_col(x),
+        top_k_weights.contiguous(),
         gate_up_proj,
         down_proj,
-        gate_up_bias,
-        down_bias,
-        transposed=transposed,
-        interleaved=interleaved,
-        act=act,
-        alpha=alpha,
-        limit=limit,
+        _unit_col(gate_up_bias),
+        _unit_col(down_bias),
+        route,
+        options,
     )
+
+
+def moe_experts_grouped_mm(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    *,
+    transposed: bool = False,
+    interleaved: bool = False,
+    act: str = "silu",
+    alpha: float = GPT_OSS_ALPHA,
+    limit: float = GPT_OSS_LIMIT,
+) -> torch.Tensor:
+    """The same op through `torch._grouped_mm` (transformers 5's "grouped_mm" experts, torchtitan's MoE): the rows
+    gathered into expert order, two grouped GEMMs, the activation and the weighting in PyTorch, `index_add` back.
+    Differentiable by autograd. Needs H, I and 2I times the element size to be multiples of 16 bytes."""
+    _check_args(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, transposed, act)
+    if not hasattr(torch, "_grouped_mm"):
+        raise RuntimeError(f"moe_experts_grouped_mm: this torch ({torch.__version__}) has no torch._grouped_mm")
+    t, k = top_k_index.shape
+    num_experts, hidden = gate_up_proj.shape[0], x.shape[1]
+    inter = down_proj.shape[1] if transposed else down_proj.shape[2]
+    if (hidden * x.element_size()) % 16 or (inter * x.element_size()) % 16:
+        raise ValueError(
+            f"moe_experts_grouped_mm: torch._grouped_mm needs 16-byte aligned rows: hidden {hidden} and intermediate "
+            f"{inter} in {x.dtype} are not"
+        )
+    with torch.no_grad():
+        sorted_e, order = torch.sort(top_k_index.reshape(-1), stable=True)  # (N,)
+        bounds = torch.arange(1, num_experts + 1, device=x.device, dtype=sorted_e.dtype)
+        ends = torch.searchsorted(sorted_e, bounds).to(torch.int32)  # (E,) end row of each expert
+        token = order // k  # (N,)
+    w1 = gate_up_proj if transposed else gate_up_proj.transpose(1, 2)  # (E, H, 2I)
+    gate_up = torch._grouped_mm(x[token], w1, offs=ends)  # (N, 2I)
+    if gate_up_bias is not None:
+        gate_up = gate_up + gate_up_bias[sorted_e]
+    h = expert_act(*split_gate_up(gate_up, interleaved), act, alpha, limit)  # (N, I)
+    w2 = down_proj if transposed else down_proj.transpose(1, 2)  # (E, I, H)
+    y = torch._grouped_mm(h, w2, offs=ends)  # (N, H)
+    if down_bias is not None:
+        y = y + down_bias[sorted_e]
+    y = y * top_k_weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))

@@ -1,8 +1,19 @@
 """The Mixture-of-Experts experts op (kernels/moe.py): the reference against transformers' own expert modules
 (Qwen3-MoE's and Mixtral's concatenated (E, 2I, H) layout with SwiGLU, gpt-oss's transposed, interleaved, biased
-layout with its clamped SwiGLU), values and gradients of every input, the router weights included."""
+layout with its clamped SwiGLU), values and gradients of every input, the router weights included; then the Triton
+grouped GEMMs (through the interpreter) and the `torch._grouped_mm` path against the reference.
+
+Tolerance model (tests/tolerance.py):
+- fp32: against the reference run in fp64, every output and gradient within 2e-5 of its |ref|max (sums of at most
+  2I = 48 products per GEMM step, and up to a few dozen rows in the weight gradients).
+- bf16/fp16: our error against the fp32 reference <= 2x the reference's own error run in that dtype (transformers'
+  eager loop), + 1 ulp of |ref|max (the interpreter truncates fp32 -> bf16 stores).
+Shapes: T 23-40 tokens, H 40, I 24 (not powers of 2), E 5 (10 for k = 8), one expert without tokens, uneven loads.
+"""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -10,7 +21,10 @@ from transformers import GptOssConfig, Qwen3MoeConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from kernels.moe import moe_experts_ref
+import kernels
+from kernels import moe
+from kernels.moe import moe_experts, moe_experts_grouped_mm, moe_experts_ref, moe_route
+from tests.tolerance import PoisonedTorch, assert_lowp_close
 
 T, H, INTER, E = 23, 16, 12, 6
 
@@ -76,3 +90,195 @@ def test_bad_arguments_are_one_line_errors():
         moe_experts_ref(x, index, weights, w1, w2.transpose(1, 2))
     with pytest.raises(ValueError, match="tokens but top_k_index has"):
         moe_experts_ref(x[:-1], index, weights, w1, w2)
+
+
+# ---- the Triton grouped GEMMs (interpreter) and torch._grouped_mm against the reference -------------------------
+
+HID, INT = 40, 24  # not powers of 2
+QWEN = dict(transposed=False, interleaved=False, act="silu")
+GPT_OSS = dict(transposed=True, interleaved=True, act="gpt_oss")
+
+
+def _experts(cfg, num_experts, dtype=torch.float32, bias=False, seed=0):
+    """gate_up_proj, down_proj and the biases (or None) in cfg's layout. gpt-oss's scale reaches both clamps."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 1.0 if cfg["act"] == "gpt_oss" else 0.3
+    w1_shape = (num_experts, HID, 2 * INT) if cfg["transposed"] else (num_experts, 2 * INT, HID)
+    w2_shape = (num_experts, INT, HID) if cfg["transposed"] else (num_experts, HID, INT)
+    params = [torch.randn(w1_shape, generator=g) * scale, torch.randn(w2_shape, generator=g) * 0.3]
+    if bias:
+        params += [torch.randn(num_experts, 2 * INT, generator=g), torch.randn(num_experts, HID, generator=g) * 0.3]
+    else:
+        params += [None, None]
+    return [None if p is None else p.to(dtype) for p in params]
+
+
+def _case(cfg, k, dtype=torch.float32, bias=False, tokens=T, seed=0):
+    num_experts = 10 if k > E - 1 else 5
+    g = torch.Generator().manual_seed(100 + seed)
+    index, weights = _routing(k, g, num_experts=num_experts, tokens=tokens, skip_expert=num_experts // 2)
+    x = torch.randn(tokens, HID, generator=g)
+    dy = torch.randn(tokens, HID, generator=g)
+    return [x, weights, *_experts(cfg, num_experts, bias=bias, seed=seed)], index, dy, dtype
+
+
+def _run(fn, inputs, index, dy, cfg, dtype):
+    """(out, grads of every input that is not None) of fn on fresh leaves of `inputs` cast to dtype."""
+    leaves = [None if t is None else t.to(dtype).requires_grad_() for t in inputs]
+    x, weights, w1, w2, b1, b2 = leaves
+    out = fn(x, index, weights, w1, w2, b1, b2, **cfg)
+    given = [t for t in leaves if t is not None]
+    return [out.detach(), *torch.autograd.grad(out, given, dy.to(dtype))]
+
+
+NAMES = ("out", "dx", "dtop_k_weights", "dgate_up_proj", "ddown_proj", "dgate_up_bias", "ddown_bias")
+
+
+def _triton(*args, **kwargs):
+    with kernels.backend("triton"):
+        return moe_experts(*args, **kwargs)
+
+
+def _assert_fp32_close(ours, ref, what):
+    for name, o, r in zip(NAMES, ours, ref):
+        assert o.dtype == torch.float32 and o.shape == r.shape, f"{what} {name}"
+        tol = 2e-5 * r.abs().max().item()
+        torch.testing.assert_close(o.double(), r, atol=tol, rtol=0, msg=f"{what} {name}")
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_triton_fp32_equals_the_reference(kind, k, monkeypatch):
+    # every output buffer the launchers allocate starts as NaN: each element must be written
+    monkeypatch.setattr(moe, "torch", PoisonedTorch())
+    cfg, bias = (GPT_OSS, True) if kind == "gpt_oss" else (QWEN, False)
+    inputs, index, dy, _ = _case(cfg, k, bias=bias, tokens=40 if k == 8 else T, seed=k)
+    ours = _run(_triton, inputs, index, dy, cfg, torch.float32)
+    ref = _run(moe_experts_ref, inputs, index, dy, cfg, torch.float64)
+    _assert_fp32_close(ours, ref, f"{kind} k={k}")
+    if kind == "gpt_oss":  # both clamps were reached, so their zero gradients were compared
+        x, w1 = inputs[0], inputs[2]
+        gate_up = torch.einsum("th,ehc->tec", x, w1) + inputs[4][None]
+        assert (gate_up[..., ::2] > 7).any() and (gate_up[..., 1::2].abs() > 7).any()
+
+
+@pytest.mark.parametrize(
+    "cfg, bias",
+    [
+        (dict(transposed=True, interleaved=False, act="silu"), False),
+        (dict(transposed=False, interleaved=True, act="gpt_oss"), True),
+    ],
+)
+def test_triton_fp32_other_layouts(cfg, bias):
+    inputs, index, dy, _ = _case(cfg, 2, bias=bias, seed=3)
+    ours = _run(_triton, inputs, index, dy, cfg, torch.float32)
+    ref = _run(moe_experts_ref, inputs, index, dy, cfg, torch.float64)
+    _assert_fp32_close(ours, ref, str(cfg))
+
+
+def test_triton_small_tiles_multi_block_paths(monkeypatch):
+    # 8-row tiles (several per expert, ragged), 16-wide column blocks (I 24 and H 40 ragged, the down bias read by
+    # column block 0 only, the dtop_k_weights partials of two blocks summed), 16-row steps in the weight gradients
+    monkeypatch.setattr(moe, "CPU_TILES", moe.SMALL_TILES)
+    inputs, index, dy, _ = _case(GPT_OSS, 2, bias=True, seed=4)
+    ours = _run(_triton, inputs, index, dy, GPT_OSS, torch.float32)
+    ref = _run(moe_experts_ref, inputs, index, dy, GPT_OSS, torch.float64)
+    _assert_fp32_close(ours, ref, "small tiles")
+
+
+@pytest.mark.parametrize(
+    "kind, dtype", [("qwen3_moe", torch.bfloat16), ("gpt_oss", torch.bfloat16), ("gpt_oss", torch.float16)]
+)
+def test_triton_low_precision(kind, dtype):
+    cfg, bias = (GPT_OSS, True) if kind == "gpt_oss" else (QWEN, False)
+    k = 8 if kind == "qwen3_moe" else 2
+    inputs, index, dy, _ = _case(cfg, k, bias=bias, tokens=32, seed=5)
+    inputs = [None if t is None else t.to(dtype).float() for t in inputs]  # the same values in both runs
+    ours = _run(_triton, inputs, index, dy, cfg, dtype)
+    ref = _run(moe_experts_ref, inputs, index, dy, cfg, torch.float32)
+    eager = _run(moe_experts_ref, inputs, index, dy, cfg, dtype)
+    for name, o, r, e in zip(NAMES, ours, ref, eager):
+        assert o.dtype == dtype, name
+        assert_lowp_close(o, r, e, dtype, name=name, extra_ulps=1)
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_routing_tiles_cover_each_experts_rows_once(k):
+    num_experts, block_m = 10, 4
+    g = torch.Generator().manual_seed(k)
+    index, _ = _routing(k, g, num_experts=num_experts, tokens=T, skip_expert=3)
+    route = moe_route(index, num_experts, block_m)
+    flat = index.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert counts[3] == 0
+    assert route.offsets.tolist() == [0, *torch.cumsum(counts, 0).tolist()]
+    assert torch.equal(flat[route.assign.long()], torch.sort(flat, stable=True).values)
+    assert torch.equal(route.token.long(), route.assign.long() // k)
+    covered = torch.zeros(flat.numel(), dtype=torch.int64)
+    for e, start, end in route.tiles.t().tolist():
+        assert end - start <= block_m
+        if end > start:  # a tile lies inside one expert's rows
+            assert route.offsets[e] <= start and end <= route.offsets[e + 1]
+            covered[start:end] += 1
+    assert covered.eq(1).all()
+
+
+def test_moe_block_gradients_through_the_router_equal_the_reference():
+    # A whole MoE block: router logits -> softmax -> top-k -> renormalised weights -> experts. The router's
+    # weight and x get their gradients through top_k_weights (and x through both paths).
+    g = torch.Generator().manual_seed(7)
+    k, num_experts = 2, 5
+    x0 = torch.randn(T, HID, generator=g)
+    router0 = torch.randn(num_experts, HID, generator=g) * 0.3
+    w1, w2, _, _ = _experts(QWEN, num_experts, seed=7)
+    dy = torch.randn(T, HID, generator=g)
+
+    def block(fn, dtype):
+        x, router, gu, dn = (t.to(dtype).requires_grad_() for t in (x0, router0, w1, w2))
+        probs = torch.softmax(x @ router.t(), dim=-1)
+        weights, index = probs.topk(k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = fn(x, index, weights, gu, dn)
+        return [out.detach(), *torch.autograd.grad(out, [x, router, gu, dn], dy.to(dtype))]
+
+    ours, ref = block(_triton, torch.float32), block(moe_experts_ref, torch.float64)
+    for name, o, r in zip(("out", "dx", "drouter", "dgate_up_proj", "ddown_proj"), ours, ref):
+        torch.testing.assert_close(o.double(), r, atol=2e-5 * r.abs().max().item(), rtol=0, msg=name)
+
+
+def test_triton_is_deterministic_and_fast_enough():
+    inputs, index, dy, _ = _case(QWEN, 2, seed=8)
+    start = time.perf_counter()
+    first = _run(_triton, inputs, index, dy, QWEN, torch.float32)
+    elapsed = time.perf_counter() - start
+    second = _run(_triton, inputs, index, dy, QWEN, torch.float32)
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), name
+    assert elapsed < 10, f"one interpreted forward and backward took {elapsed:.1f} s (tiles too small for CI?)"
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+@pytest.mark.parametrize(
+    "kind, dtype", [("qwen3_moe", torch.float32), ("gpt_oss", torch.float32), ("gpt_oss", torch.bfloat16)]
+)
+def test_grouped_mm_path_equals_the_reference(kind, dtype):
+    # torch 2.13 runs torch._grouped_mm forward and backward on CPU (fp32, bf16) for 16-byte aligned rows
+    cfg, bias = (GPT_OSS, True) if kind == "gpt_oss" else (QWEN, False)
+    inputs, index, dy, _ = _case(cfg, 2, bias=bias, seed=9)
+    inputs = [None if t is None else t.to(dtype).float() for t in inputs]
+    ours = _run(moe_experts_grouped_mm, inputs, index, dy, cfg, dtype)
+    ref = _run(moe_experts_ref, inputs, index, dy, cfg, torch.float64 if dtype == torch.float32 else torch.float32)
+    if dtype == torch.float32:
+        _assert_fp32_close(ours, ref, kind)
+        return
+    eager = _run(moe_experts_ref, inputs, index, dy, cfg, dtype)
+    for name, o, r, e in zip(NAMES, ours, ref, eager):
+        assert_lowp_close(o, r, e, dtype, name=name, extra_ulps=1)
+
+
+def test_grouped_mm_refuses_unaligned_rows():
+    g = torch.Generator().manual_seed(0)
+    index, weights = _routing(2, g)
+    x, w1, w2 = torch.randn(T, H).bfloat16(), torch.randn(E, 2 * INTER, H).bfloat16(), torch.randn(E, H, INTER)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        moe_experts_grouped_mm(x, index, weights.bfloat16(), w1, w2.bfloat16())
