@@ -45,6 +45,7 @@ OPS = (
     "causal_conv1d",
     "dequantize_4bit",
     "lora",
+    "moe",
 )
 # Row keys that identify a shape (in this order in the label); the rest are measurements or context.
 SHAPE_KEYS = ("mode", "model", "shape", "tokens", "hidden", "vocab", "dtype")

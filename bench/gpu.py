@@ -71,13 +71,15 @@ ANCHORS = {
     "causal_conv1d": ["--tokens", "8192"],  # Qwen3.5-9B's Gated DeltaNet: 8192 conv channels, 4 taps
     "dequantize_4bit": [],  # its GPU shapes: Llama-3-8B MLP and attention weights, NF4, blocksize 64, both absmaxes
     "lora": [],  # its GPU case: one Llama-3.1-8B layer's LoRA parts (r 16) at 8192 tokens, bf16
+    # Qwen3-30B-A3B's experts at 8192 tokens (k 8 of 128) and gpt-oss-20b's at 4096 (k 4 of 32): 512 rows per expert
+    "moe": ["--tokens-per-expert", "512"],
 }
 # --quick: each script's own tiny CPU shapes; aot_eager keeps torch.compile's baseline to seconds on a CPU.
 QUICK = {
     op: ["--quick"]
     + (
         []
-        if op in ("adamw", "fused_linear_preference", "dequantize_4bit", "lora")
+        if op in ("adamw", "fused_linear_preference", "dequantize_4bit", "lora", "moe")
         else ["--compile-backend", "aot_eager"]
     )
     for op in ANCHORS

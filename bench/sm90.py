@@ -354,6 +354,33 @@ def _gated_rms_norm():
         y.backward(torch.empty_like(y))
 
 
+def _moe_experts():
+    # bench_moe's GPU shapes at 8192 tokens: Qwen3-30B-A3B's experts (H 2048, I 768, E 128, k 8; concatenated
+    # (E, 2I, H) layout, SwiGLU) and gpt-oss-20b's (H 2880, I 2880, E 32, k 4; transposed, interleaved, biases, the
+    # clamped activation), bf16; and the fp32 path (IEEE fp32 dots) at Qwen3's shape
+    cases = (
+        (2048, 768, 128, 8, torch.bfloat16, dict(transposed=False, interleaved=False, act="silu"), False),
+        (2880, 2880, 32, 4, torch.bfloat16, dict(transposed=True, interleaved=True, act="gpt_oss"), True),
+        (2048, 768, 128, 8, torch.float32, dict(transposed=False, interleaved=False, act="silu"), False),
+    )
+    for hidden, inter, experts, k, dtype, layout, bias in cases:
+        x = _cuda(8192, hidden, dtype=dtype, grad=True)
+        index = torch.empty(8192, k, dtype=torch.int64, device="cuda")
+        weights = _cuda(8192, k, dtype=dtype, grad=True)
+        w1 = _cuda(
+            *((experts, hidden, 2 * inter) if layout["transposed"] else (experts, 2 * inter, hidden)),
+            dtype=dtype,
+            grad=True,
+        )
+        w2 = _cuda(
+            *((experts, inter, hidden) if layout["transposed"] else (experts, hidden, inter)), dtype=dtype, grad=True
+        )
+        b1 = _cuda(experts, 2 * inter, dtype=dtype, grad=True) if bias else None
+        b2 = _cuda(experts, hidden, dtype=dtype, grad=True) if bias else None
+        out = kernels.moe_experts(x, index, weights, w1, w2, b1, b2, **layout)
+        out.backward(torch.empty_like(out))
+
+
 def _dequantize_4bit():
     # Llama-3-8B's MLP weight (14336 x 4096) as QLoRA stores it: NF4 codes, blocksize 64, bf16 out, plain and double
     # quantized absmax; fp32 and fp16 outputs; blocksize 4096 (larger than a program's tile: one scale per program).
@@ -388,6 +415,7 @@ CASES: dict[str, Callable[[], None]] = {
     "gated_rms_norm": _gated_rms_norm,
     "causal_conv1d": _causal_conv1d,
     "dequantize_4bit": _dequantize_4bit,
+    "moe_experts": _moe_experts,
 }
 
 

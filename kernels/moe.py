@@ -23,7 +23,67 @@ ACTS
 weighting in the router weights' dtype, `index_add_` back in x's dtype), differentiable by autograd in every input,
 the router weights included.
 
-Test:  python -m pytest tests/kernels/test_moe.py -q
+Backward (dout: (T, H); g_tj = dout_t W_down[e]^T, the gradient of h before the router weight)
+    dw_tj    = <dout_t, y_tj> = <g_tj, h_tj> + <dout_t, b_down[e]>           (y never saved)
+    dh       = w_tj g_tj;   dgate, dup = dh act'(gate, up)                    (dgu: (2I,) in the 2I axis' own order)
+    dx_t     = sum_j dgu_tj W1[e]^T;   dW1[e] = sum x_t^T dgu_tj;   db1[e] = sum dgu_tj
+    dW2[e]   = sum h_tj^T (w_tj dout_t);   db2[e] = sum w_tj dout_t           (sums over expert e's rows)
+
+The Triton path (`moe_experts` on CUDA tensors, or forced with the interpreter)
+Routing (`moe_route`, torch ops, once per call, no host sync): the (T, k) assignments flattened to N = T k rows and
+sorted by expert with a stable sort (deterministic; a token's slots keep their order within an expert); `offsets`
+(E + 1) by searchsorted on the sorted experts (bincount would sync to size its output); a tile table (3, max_tiles)
+of (expert, row start, row end), each tile at most BLOCK_M rows of one expert, built with cumsum and searchsorted.
+The grid cannot depend on the counts without a sync, so it is max_tiles = cdiv(N, BLOCK_M) + min(E, N) long (each
+expert with rows adds at most one partial tile) and the unused tail holds empty tiles whose programs read two table
+entries and return. Experts without rows have no tiles (and zero weight gradients).
+Kernels (fp32 accumulation everywhere; bf16/fp16 operands on the tensor cores, fp32 ones as IEEE fp32 dots):
+    _moe_gemm1_kernel  (tile, I block): x rows loaded by token index (the gather fused into the A loads: x[token]
+                       never exists), gate and up as two accumulators over one K loop over H, both read from the
+                       gate_up_proj parameter through its strides and a column map (gate of column j at j col_step,
+                       up at j col_step + up_off: (1, I) concatenated, (2, 1) interleaved), so neither layout nor
+                       interleaving is copied; bias and activation in the epilogue; writes h (N, I) and, when a
+                       gradient is needed, the pre-activation gate_up (N, 2I) in x's dtype.
+    _moe_gemm2_kernel  (tile, H block): h @ W_down (+ bias) x the router weight, each row stored at its assignment
+                       t k + j of a (T k, H) buffer: every row written by one program, no atomics. The backward
+                       reuses it for dx: dgu @ W1^T (W1 read transposed through its strides), no bias or weight.
+    _moe_dgrad_kernel  (tile, I block): g = dout[token] @ W_down^T with the dout gather fused; the epilogue reloads
+                       gate and up, recomputes h and act', writes dgu (N, 2I) and one fp32 partial <g, h> per row and
+                       I block (block 0 adds <dout, b_down>), summed by torch: dtop_k_weights, deterministic.
+    _moe_wgrad_kernel  (expert, P block, Q block): dW[e] = A_e^T B_e looping over expert e's rows, stored straight
+                       into the gradient in the parameter's own layout (its strides; no transposed copy), the bias
+                       gradient as B's column sums by the P block 0 programs. DOWN: A = act(gate_up) recomputed,
+                       B = w dout[token]; else A = x[token], B = dgu.
+Combine: the k slots of a token are summed by torch (`.view(T, k, H).sum(1)`: fp32 accumulation for 16-bit dtypes,
+one rounding, deterministic; k = 1 is a view), for the output and for dx.
+Saved vs recomputed: the pre-activation gate_up (N, 2I, x's dtype) is saved and h is recomputed from it elementwise
+where the backward needs it (dgrad's epilogue, the DOWN pass's A tiles): the same tensors transformers' eager loop
+keeps alive (it holds gate_up and h), no second GEMM1 (recomputing gate_up from x would save 2 N I s bytes per layer
+for 4 N H I more FLOPs, a third of the forward). Neither y nor h is kept.
+
+Bytes (s = x's element size, w = the weights', per call; bench/bench_moe.py's `traffic_parts` counts every launch's
+issued bytes exactly, equal to the traffic meter in tests/bench/test_byte_models.py): gemm1 reads x once per I block
+and W_gate_up once per row tile (real tiles ~ N / BLOCK_M + E), writes 3 N I s; gemm2 reads h once per H block and
+W_down once per tile, writes N H s, which the slots' sum reads back to write T H s. The weights dominate at few rows
+per expert (E 3 H I w per pass over the tiles of an expert: L2 serves the re-reads across an expert's tiles on a
+GPU), the rows at many. The least the forward can move is T H s + 3 E H I w + T H s.
+
+Launch: GPU tiles (`GPU_TILES`) 64 rows x 64 I columns (gemm1, dgrad: two 64 x 64 accumulators or the gate/up
+epilogue), 64 x 128 H columns (gemm2), K step 64, weight gradients 64 x 64 over 64-row steps; 4 warps, 3 stages;
+fp32 inputs use K step 32 and 64-wide gemm2 tiles (`GPU_TILES_F32`). Not yet timed on a GPU. ptxas (sm_90,
+`python -m bench.sm90 --only moe_experts`, the benchmark shapes at 8192 tokens), registers per thread, no spills:
+    bf16 Qwen3-30B-A3B (SwiGLU)      gemm1 128, gemm2 111 (dx pass 106), dgrad 167, wgrad DOWN 118 / UP 64
+    bf16 gpt-oss-20b (clamped, bias) gemm1 217, gemm2 119 (dx pass 111), dgrad 208, wgrad DOWN 175 / UP 80
+    fp32 Qwen3-30B-A3B               gemm1 244, gemm2 168 (dx pass 128), dgrad 195, wgrad DOWN 83 / UP 77
+(64 x 128 weight-gradient tiles spilled 32 B in gpt-oss's DOWN pass and fp32 at K step 64 spilled up to 904 B.)
+
+`moe_experts_grouped_mm` is the same op through `torch._grouped_mm` (transformers 5's "grouped_mm" experts): the
+rows gathered in expert order, two grouped GEMMs, the rest in PyTorch, `index_add` back; autograd for the backward.
+torch 2.13 runs it forward and backward on CPU too (fp32, bf16) when H and I rows are 16-byte aligned (it raises
+otherwise), and an upstream gradient with zero strides (`out.sum().backward()` straight into it) is refused there.
+
+Test:  python -m pytest tests/kernels/test_moe.py -q      (CPU: the Triton interpreter; ~35 s on 2 cores)
+Bench: python bench/bench_moe.py                         (GPU: Qwen3-30B-A3B and gpt-oss-20b experts; --quick on CPU)
 """
 
 from __future__ import annotations
@@ -147,9 +207,14 @@ class Tiles:
 
 
 # GPU: 64-row tiles (Qwen3-30B-A3B averages 512 rows per expert at 8192 tokens, so about 1/8 of a tile is padding per
-# expert at 64) and bf16 operands on the tensor cores with fp32 accumulators. Not yet timed on a GPU; registers and
-# spills: `python -m bench.sm90 --only moe_experts` (module docstring).
-GPU_TILES = Tiles(block_m=64, block_n1=64, block_n2=128, block_k=64, block_p=64, block_q=128, num_warps=4, num_stages=3)
+# expert at 64) and bf16 operands on the tensor cores with fp32 accumulators. Not yet timed on a GPU. ptxas (sm_90,
+# `python -m bench.sm90 --only moe_experts`): 64 x 128 weight-gradient tiles spilled in the gpt-oss DOWN pass (255
+# registers, 32 B spill stores: the activation recomputed on the A tile), 64 x 64 do not; fp32 (IEEE dots, twice the
+# operand bytes) spilled up to 904 B at BLOCK_K 64 and fits at 32.
+GPU_TILES = Tiles(block_m=64, block_n1=64, block_n2=128, block_k=64, block_p=64, block_q=64, num_warps=4, num_stages=3)
+GPU_TILES_F32 = Tiles(
+    block_m=64, block_n1=64, block_n2=64, block_k=32, block_p=64, block_q=64, num_warps=4, num_stages=3
+)
 # Interpreter: the cost is per program and per operation, not per element (measured on this 2-core box at T 23, k 2,
 # H 40, I 24: a forward and backward took 3.1 s at 8-row tiles and 16-wide blocks, 1.2 s at 16/32, 0.55 s at these):
 # the tests' shapes fit one column block and one reduction step; tests/kernels/test_moe.py runs the masked multi-block
@@ -837,7 +902,7 @@ def moe_experts(
             alpha=alpha,
             limit=limit,
         )
-    tiles = GPU_TILES if x.is_cuda else CPU_TILES
+    tiles = (GPU_TILES_F32 if x.dtype == torch.float32 else GPU_TILES) if x.is_cuda else CPU_TILES
     route = moe_route(top_k_index, gate_up_proj.shape[0], tiles.block_m)
     options = dict(
         layout=Layout.of(gate_up_proj, down_proj, transposed, interleaved),

@@ -24,6 +24,7 @@ from bench import (
     bench_fused_linear_cross_entropy,
     bench_fused_linear_preference,
     bench_gated_rms_norm,
+    bench_moe,
     bench_neftune,
     bench_rms_norm,
     bench_swiglu,
@@ -608,3 +609,45 @@ def test_causal_conv1d(dtype, bias, packed):
     for mode, measured in (("forward", fwd), ("backward", bwd)):
         model = bench_causal_conv1d.traffic_parts(mode, lengths, 200, s, s, bias=bias)
         assert_matches(model, measured, f"bench/bench_causal_conv1d.py ({dtype}, bias {bias}, {lengths}) {mode}")
+
+
+# ---- MoE experts (grouped GEMMs) ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, kind, k, small",
+    [("fp32", "gpt_oss", 2, True), ("bf16", "qwen3_moe", 1, False), ("bf16", "gpt_oss", 4, False)],
+)
+def test_moe_experts_forward_and_backward(dtype, kind, k, small, monkeypatch):
+    # 23 tokens, H 40, I 24, 5 experts with one empty (the grid's empty tiles read their two table entries only);
+    # small: 8-row tiles and 16-wide blocks (ragged column blocks, the down bias read by block 0 only)
+    from kernels import moe
+
+    if small:
+        monkeypatch.setattr(moe, "CPU_TILES", moe.SMALL_TILES)
+    t, hidden, inter, experts = 23, 40, 24, 5
+    cfg = bench_moe.GPT_OSS if kind == "gpt_oss" else bench_moe.SILU
+    bias = kind == "gpt_oss"
+    dt = DTYPES[dtype]
+    logits = torch.randn(t, experts)
+    logits[:, 2] = -1e9
+    index = logits.topk(k, dim=-1).indices
+    weights = torch.softmax(torch.randn(t, k), -1).requires_grad_()  # fp32 router weights: no cast of dw
+    x = torch.randn(t, hidden, dtype=dt).requires_grad_()
+    w1 = torch.randn((experts, hidden, 2 * inter) if cfg["transposed"] else (experts, 2 * inter, hidden), dtype=dt)
+    w2 = torch.randn((experts, inter, hidden) if cfg["transposed"] else (experts, hidden, inter), dtype=dt)
+    params = [w1.requires_grad_(), w2.requires_grad_()]
+    params += [torch.randn(experts, n, dtype=dt).requires_grad_() for n in (2 * inter, hidden)] if bias else [None] * 2
+    dout = torch.randn(t, hidden, dtype=dt)
+    with kernels.backend("triton"):
+        with traffic.measure() as fwd:  # the kernels (the routing sort and the slots' sum are torch ops)
+            out = kernels.moe_experts(x, index, weights, *params, **cfg)
+        with traffic.measure(torch_ops=True) as bwd:  # the kernels, the slots' sum, the dweights partials' sum
+            torch.autograd.grad(out, [x, weights, *(p for p in params if p is not None)], dout)
+    counts = torch.bincount(index.reshape(-1), minlength=experts).tolist()
+    s = x.element_size()
+    for mode, measured in (("forward", fwd), ("backward", bwd)):
+        model = bench_moe.traffic_parts(
+            mode, counts, t, k, hidden, inter, s, s, bias=bias, router_size=4, tiles=moe.CPU_TILES
+        )
+        assert_matches(model, measured, f"bench/bench_moe.py ({dtype}, {kind}, k={k}, small={small}) {mode}")

@@ -4,7 +4,8 @@ compiles for sm_90 (H100) with no register spills.
 `bench/sm90.py` does the work (launchers called on meta tensors that report cuda:0, launches recorded instead of
 run, each distinct one compiled with triton.compile for GPUTarget("cuda", 90, 32) and ptxas's report read). It
 runs in a subprocess because this test session sets TRITON_INTERPRET=1, and interpreted kernels cannot be
-compiled. Measured: ~45 s wall on the shared 2-core CI box (24 configurations, ~20 s of CPU).
+compiled. Measured: ~45 s wall on the shared 2-core CI box (24 configurations, ~20 s of CPU); the MoE experts' 18
+configurations (four GEMM kernels, two models in bf16 and one in fp32) took it to ~100 s wall, ~85 s of CPU.
 Print the table yourself: python -m bench.sm90
 """
 
@@ -104,6 +105,18 @@ def test_every_op_and_variant_is_compiled(compiled):
     # NF4 dequantization: plain and double-quantized absmax, one block per tile row and (blocksize 4096) a row per tile
     dequant = {(r["constexprs"]["NESTED"], r["constexprs"]["COLS"]) for r in compiled if r["case"] == "dequantize_4bit"}
     assert dequant == {("False", "64"), ("True", "64"), ("True", "2048")}
+    # the MoE experts' grouped GEMMs: both activations (Qwen3-MoE's SwiGLU, gpt-oss's clamped form with biases), both
+    # weight-gradient passes, and the fp32 path's IEEE dots
+    moe = {
+        (r["kernel"], r["constexprs"].get("ACT"), r["constexprs"]["F32_DOT"])
+        for r in compiled
+        if r["case"] == "moe_experts"
+    }
+    for kernel in ("_moe_gemm1_kernel", "_moe_dgrad_kernel"):
+        assert {(kernel, act, "False") for act in ("0", "1")} | {(kernel, "0", "True")} <= moe
+    assert ("_moe_gemm2_kernel", None, "False") in moe and ("_moe_gemm2_kernel", None, "True") in moe
+    downs = {r["constexprs"]["DOWN"] for r in compiled if r["kernel"] == "_moe_wgrad_kernel"}
+    assert downs == {"False", "True"}
 
 
 def test_dequantize_4bit_rounds_products_and_sums_apart(compiled):
