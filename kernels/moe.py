@@ -377,6 +377,10 @@ if HAS_TRITON:
             acc_g += tl.load(b_ptr + e * stride_be + c_gate, mask=j_ok, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(b_ptr + e * stride_be + c_up, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         alpha32, limit32 = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)  # fp64 under torch.compile
+        # the activation reads gate and up rounded to x's dtype, as saved: the backward's act' and clamp masks then see
+        # the values the forward used (a gate stored as 7.0 from 7.01 would pass gradient the forward had clamped)
+        acc_g = acc_g.to(gu_ptr.dtype.element_ty).to(tl.float32)
+        acc_u = acc_u.to(gu_ptr.dtype.element_ty).to(tl.float32)
         h = _act_fwd(acc_g, acc_u, alpha32, limit32, ACT)
         rows64 = rows.to(tl.int64)
         mask = row_ok[:, None] & j_ok[None, :]
