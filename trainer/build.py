@@ -45,6 +45,7 @@ from trainer.data.tokenizer import Tokenizer, byte_level_tokenizer
 from trainer.dist import init_distributed, local_device, local_shard
 from trainer.model.causal_lm import TEXT_MODELS, CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from trainer.model.lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
+from trainer.model.moe import file_parts
 from trainer.model.transformers_model import (
     TransformersModel,
     build_transformers_model,
@@ -257,9 +258,9 @@ def read_model_files(name: str, model_impl: str = "auto") -> tuple[ModelConfig |
             raise ModelError(str(exc)) from None
         return None, load_tokenizer(path)
     config, tokenizer = read_config(path), load_tokenizer(path)
-    key, skipped = _checkpoint_keys(config, path)
-    with torch.device("meta"):
-        shapes = {key(n): tuple(p.shape) for n, p in CausalLM(config).named_parameters()}  # a tied head appears once
+    parts, skipped = _checkpoint_keys(config, path)
+    with torch.device("meta"):  # a tied head appears once
+        shapes = {k: tuple(p[i].shape) for n, p in CausalLM(config).named_parameters() for k, i in parts(n)}
     try:
         check_safetensors(path, shapes, ignore=skipped)
     except CheckpointError as exc:
@@ -322,7 +323,8 @@ def read_config(path: str | Path) -> ModelConfig:
 
 
 def _checkpoint_keys(config: ModelConfig, path: str | Path):
-    """(our parameter name -> its key in the files at `path`, which of the files' keys loading skips). Skipped: the
+    """(our parameter name -> its tensors in the files at `path` as `file_parts` gives them, which of the files' keys
+    loading skips). Skipped: the
     rotary buffer older Llama checkpoints store (ours is recomputed), lm_head.weight when the config ties it to the
     embedding (a tied checkpoint may or may not hold it), and what transformers' AutoModelForCausalLM skips too:
     Qwen3.5's multi-token-prediction head (mtp.), and in a multimodal checkpoint (TEXT_MODELS: its config.json's
@@ -335,10 +337,13 @@ def _checkpoint_keys(config: ModelConfig, path: str | Path):
     def key(name: str) -> str:
         return "model.language_model." + name[len("model.") :] if multimodal and name.startswith("model.") else name
 
+    def parts(name: str) -> list[tuple[str, tuple]]:
+        return [(key(file_key), index) for file_key, index in file_parts(config, name)]
+
     def skipped(name: str) -> bool:
         return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight") or name.startswith(others)
 
-    return key, skipped
+    return parts, skipped
 
 
 def load_pretrained(path: str | Path, dtype=None, device=None, use_kernels: bool = True) -> CausalLM:
@@ -441,15 +446,24 @@ def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=local_sh
 
     Sharded by FSDP2 (DTensor parameters), each rank reads only the rows of each tensor it holds
     (`trainer.dist.local_shard`)."""
-    key, skipped = _checkpoint_keys(model.config, path)
+    parts, skipped = _checkpoint_keys(model.config, path)
     targets, rows = {}, {}
     for param_name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
         name = base_name(param_name)  # under a LoRA adapter: the checkpoint's name; None for the adapter's weights
         if name is None:
             continue
-        targets[key(name)], span = local_shard(param)
-        if span is not None:
-            rows[key(name)] = (tuple(param.shape), *span)
+        local, span = local_shard(param)
+        for file_key, index in parts(name):
+            if not index:  # the whole parameter (this rank's rows of it)
+                targets[file_key] = local
+                if span is not None:
+                    rows[file_key] = (tuple(param.shape), *span)
+            elif span is None:
+                targets[file_key] = local[index]
+            elif span[0] <= index[0] < span[1]:  # an expert's slice of a parameter sharded by experts: held here
+                targets[file_key] = local[(index[0] - span[0], *index[1:])]
+            else:  # another rank's expert: checked in the files, not read
+                targets[file_key] = torch.empty(param.shape, device="meta")[index]
     try:
         load_safetensors(Path(path), targets, ignore=skipped, rows=rows)
     except CheckpointError as exc:
@@ -466,7 +480,11 @@ def save_pretrained(
         model.save_pretrained(path, tokenizer=tokenizer, max_shard_size=max_shard_size)
         return
     dtype = _resolve_dtype(dtype) or model.model.embed_tokens.weight.dtype
-    tensors = dict(model.named_parameters())  # a tied head appears once, as embed_tokens
+    tensors = {  # a tied head appears once, as embed_tokens; an expert tensor as one weight per expert
+        file_key: param[index]
+        for name, param in model.named_parameters()
+        for file_key, index in file_parts(model.config, name)
+    }
     path = Path(path)
     try:
         save_safetensors(tensors, path, max_shard_size=max_shard_size, dtype=dtype)

@@ -192,6 +192,7 @@ def load_safetensors(
     before any data is read (`check_safetensors`); keys for which `ignore(name)` holds are skipped.
     `rows[name] = (full_shape, start, stop)` says that `targets[name]` holds only rows start:stop of dim 0 of a
     tensor of full_shape (a sharded parameter): the header must show full_shape, and only those rows are read.
+    A target on the meta device is checked in the files and not read (a tensor another process holds).
     """
     rows = rows or {}
     shapes = {name: tuple(rows[name][0]) if name in rows else tuple(t.shape) for name, t in targets.items()}
@@ -200,7 +201,7 @@ def load_safetensors(
         for file in files:
             with open_safetensors(file) as f:
                 for name in f.keys():
-                    if ignore(name):
+                    if ignore(name) or getattr(targets[name], "is_meta", False):
                         continue
                     span = rows[name][1:] if name in rows else None
                     if span is not None and span[1] <= span[0]:

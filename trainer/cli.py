@@ -337,6 +337,18 @@ def model_line(model) -> str:
         line += f"; Gated DeltaNet: causal conv and gated norm ours, recurrence {recurrence}"
     if c.text_of is not None:
         line += f"; of the {c.text_of} checkpoint its text model only: the vision tower is neither trained nor saved"
+    if any(c.layer_moe):
+        on_gpu = next(ours.parameters()).is_cuda
+        experts = "our grouped GEMMs" if ours.impl == "kernels" and on_gpu else "the expert loop in PyTorch"
+        aux = (
+            f"load-balancing loss x router_aux_loss_coef {c.router_aux_loss_coef:g}"
+            if c.output_router_logits
+            else "no load-balancing loss (output_router_logits false)"
+        )
+        line += (
+            f"; mixture of experts: {sum(c.layer_moe)} layers of {c.num_experts} experts, {c.num_experts_per_tok} per "
+            f"token through {experts}, {aux}"
+        )
     return line
 
 

@@ -97,7 +97,7 @@ def _parallel_args(parallel: str, tmp_path) -> list[str]:
         # the transformers path: softcapping and sliding windows, mixture of experts, hybrid linear attention
         (CYCLE, 1, "fsdp2", "gemma2"),
         pytest.param(CYCLE, 1, "zero3", "gemma2", marks=pytest.mark.slow),
-        pytest.param(CYCLE, 1, "zero3", "qwen3_moe", marks=pytest.mark.slow),
+        pytest.param([*CYCLE, "--model_impl", "transformers"], 1, "zero3", "qwen3_moe", marks=pytest.mark.slow),
         pytest.param([*CYCLE, "--model_impl", "transformers"], 1, "fsdp2", "qwen3_5_text", marks=pytest.mark.slow),
         # our model's Gated DeltaNet layers: sampling carries their convolution and recurrent states in the cache
         pytest.param(CYCLE, 1, "fsdp2", "qwen3_5_text", marks=pytest.mark.slow),

@@ -65,9 +65,10 @@ from kernels.nn import RMSNorm as KernelRMSNorm
 from trainer.model import fused_lora
 from trainer.model.attention import KVCache, make_plan
 from trainer.model.gated_deltanet import CausalConv1d, GatedDeltaNet, GatedRMSNorm
+from trainer.model.moe import MOE_TYPES, Experts, RouterStats, SparseMoeBlock, TopKRouter, load_balancing_loss
 
 IGNORE_INDEX = -100
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", *MOE_TYPES)
 ROPE_TYPES = ("default", "linear", "llama3")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -75,6 +76,8 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 LINEAR_KEYS = (  # Qwen3.5's Gated DeltaNet sizes (trainer/model/gated_deltanet.py)
     "linear_conv_kernel_dim",
@@ -90,6 +93,16 @@ LAYER_KINDS = {"qwen3_5_text": ("full_attention", "linear_attention")}  # other 
 # multimodal model types whose text model ours trains, read as transformers' AutoModelForCausalLM reads them (their
 # text_config; the vision tower left in the files): a released Qwen3.5 checkpoint is `qwen3_5`
 TEXT_MODELS = {"qwen3_5": "qwen3_5_text"}
+MOE_KEYS = (  # ModelConfig's Mixture-of-Experts fields, as Hugging Face names them (mixtral: `_moe_keys`)
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "output_router_logits",
+    "router_aux_loss_coef",
+)
 # Hugging Face's defaults where they differ by architecture (used only for keys a config.json omits)
 _HF_DEFAULTS = {
     "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
@@ -118,6 +131,24 @@ _HF_DEFAULTS = {
         "linear_num_key_heads": 16,
         "linear_num_value_heads": 32,
         "full_attention_interval": 4,
+    },
+    "qwen3_moe": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 4,
+        "sliding_window": 4096,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+    },
+    "mixtral": {
+        "max_position_embeddings": 4096 * 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
     },
 }
 
@@ -172,6 +203,15 @@ class ModelConfig:
     linear_value_head_dim: int | None = None
     linear_num_key_heads: int | None = None
     linear_num_value_heads: int | None = None
+    # Mixture-of-Experts types (MOE_TYPES; trainer/model/moe.py)
+    num_experts: int | None = None  # experts per MoE layer (qwen3_moe's num_experts, mixtral's num_local_experts)
+    num_experts_per_tok: int | None = None  # k: the experts each token is routed to
+    moe_intermediate_size: int | None = None  # qwen3_moe: each expert's width (mixtral's is intermediate_size)
+    norm_topk_prob: bool = False  # qwen3_moe: renormalise the top-k probabilities (mixtral always does)
+    decoder_sparse_step: int = 1  # qwen3_moe: every step-th layer is MoE ...
+    mlp_only_layers: list[int] | None = None  # ... but for these, which keep a dense MLP of intermediate_size
+    output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss (transformers' switch)
+    router_aux_loss_coef: float = 0.001
     # derived in __post_init__
     qkv_bias: bool = field(init=False, repr=False)
     o_bias: bool = field(init=False, repr=False)
@@ -180,6 +220,8 @@ class ModelConfig:
     rotary_dim: int = field(init=False, repr=False)  # the rotated channels of a head
     norm_offset: float = field(init=False, repr=False)  # RMSNorm scales by (offset + weight): 1 in qwen3_5_text
     attn_output_gate: bool = field(init=False, repr=False)  # q_proj also gives a gate: out * sigmoid(gate)
+    layer_moe: tuple = field(init=False, repr=False)  # per layer: whether its MLP is the routed experts
+    expert_size: int | None = field(init=False, repr=False)  # each expert's intermediate width
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -210,7 +252,7 @@ class ModelConfig:
                 f"{self.head_dim} x {self.partial_rotary_factor}"
             )
         self.rope_scaling = _normalise_rope(self.rope_scaling, self.max_position_embeddings)
-        if self.model_type == "mistral":  # every layer slides when a window is set
+        if self.model_type in ("mistral", *MOE_TYPES):  # every layer slides when a window is set
             self.layer_types = [
                 "sliding_attention" if self.sliding_window else "full_attention"
             ] * self.num_hidden_layers
@@ -250,14 +292,35 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelError(f"sliding_window must be positive or null, got {self.sliding_window!r}")
         self.layer_windows = tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
-        own_bias = ("llama", "qwen3", "qwen3_5_text")  # the types whose attention_bias sets q/k/v/o biases
+        own_bias = ("llama", "qwen3", "qwen3_5_text", "qwen3_moe")  # the types whose attention_bias sets q/k/v/o biases
         self.qkv_bias = True if self.model_type == "qwen2" else self.attention_bias and self.model_type in own_bias
         self.o_bias = self.attention_bias if self.model_type in own_bias else False
-        self.qk_norm = self.model_type in ("qwen3", "qwen3_5_text")
+        self.qk_norm = self.model_type in ("qwen3", "qwen3_5_text", "qwen3_moe")
         self.norm_offset = 1.0 if self.model_type == "qwen3_5_text" else 0.0
         self.attn_output_gate = self.model_type == "qwen3_5_text"
         if self.model_type not in ("llama",):
             self.mlp_bias = False
+        self._derive_moe()
+
+    def _derive_moe(self) -> None:
+        """Which layers route to experts, and the experts' width (MOE_TYPES)."""
+        self.layer_moe, self.expert_size = (False,) * self.num_hidden_layers, None
+        if self.model_type not in MOE_TYPES:
+            return
+        for key in ("num_experts", "num_experts_per_tok"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelError(f"{key} must be a positive integer for {self.model_type}, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ModelError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
+        self.expert_size = self.moe_intermediate_size if self.model_type == "qwen3_moe" else self.intermediate_size
+        if not isinstance(self.expert_size, int) or self.expert_size <= 0:
+            raise ModelError(f"moe_intermediate_size must be a positive integer, got {self.expert_size!r}")
+        if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step <= 0:
+            raise ModelError(f"decoder_sparse_step must be a positive integer, got {self.decoder_sparse_step!r}")
+        dense = set(self.mlp_only_layers or ())
+        step = self.decoder_sparse_step if self.model_type == "qwen3_moe" else 1
+        self.layer_moe = tuple(i not in dense and (i + 1) % step == 0 for i in range(self.num_hidden_layers))
 
     @classmethod
     def from_hf(cls, config: dict, source: str = "config.json") -> ModelConfig:
@@ -289,14 +352,14 @@ class ModelConfig:
             if config.get("attention_dropout", 0.0):
                 raise ModelError(f"attention_dropout {config['attention_dropout']} is not supported (only 0.0)")
             rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-            theta = rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+            theta = rope.pop("rope_theta", None) or config.get("rope_theta") or defaults.get("rope_theta", 10000.0)
             partial = rope.pop("partial_rotary_factor", None) or get("partial_rotary_factor") or 1.0
             passthrough = {k: rope.pop(k) for k in ROPE_PASSTHROUGH if k in rope}
             layer_types = config.get("layer_types")
             if model_type == "qwen3_5_text" and layer_types is None:
                 layer_types = hybrid_layer_types(config["num_hidden_layers"], get("full_attention_interval"))
             sliding = get("sliding_window")
-            if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+            if model_type in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
                 sliding = None
             return cls(
                 model_type=model_type,
@@ -326,6 +389,7 @@ class ModelConfig:
                 pad_token_id=config.get("pad_token_id"),
                 dtype=config.get("dtype") or config.get("torch_dtype"),
                 **({key: get(key) for key in LINEAR_KEYS} if model_type == "qwen3_5_text" else {}),
+                **(_moe_fields(config, get) if model_type in MOE_TYPES else {}),
             )
         except ModelError as exc:
             raise ModelError(f"{source}: {exc}") from None
@@ -335,8 +399,12 @@ class ModelConfig:
         out = {"architectures": [_ARCHITECTURES[self.model_type]], "model_type": self.model_type}
         for f in fields(self):
             skip = ("model_type", "rope_scaling", "partial_rotary_factor", "rope_passthrough", "layer_types", "text_of")
-            if f.init and f.name not in (*skip, "max_window_layers", "dtype", *LINEAR_KEYS):
+            if f.init and f.name not in (*skip, "max_window_layers", "dtype", *LINEAR_KEYS, *MOE_KEYS):
                 out[f.name] = getattr(self, f.name)
+        if self.model_type in MOE_TYPES:
+            out |= {their: getattr(self, ours) for their, ours in _moe_keys(self.model_type).items()}
+            out |= {"mlp_only_layers": list(self.mlp_only_layers or [])} if self.model_type == "qwen3_moe" else {}
+            out |= {"router_jitter_noise": 0.0} if self.model_type == "mixtral" else {}
         out["attention_dropout"] = 0.0
         out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         if self.model_type == "qwen3_5_text":
@@ -346,15 +414,17 @@ class ModelConfig:
             out |= {key: getattr(self, key) for key in LINEAR_KEYS}
         if self.rope_scaling:  # transformers 4.x reads rope_scaling + rope_theta; 5.x rope_parameters
             out["rope_scaling"] = dict(self.rope_scaling)
+        if self.model_type == "qwen3_moe":
+            out["use_sliding_window"] = self.sliding_window is not None
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
             out["max_window_layers"] = (
                 self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
             )
             out["layer_types"] = list(self.layer_types)
-        if self.model_type not in ("mistral", "qwen2", "qwen3"):
+        if self.model_type not in ("mistral", "qwen2", "qwen3", *MOE_TYPES):
             out.pop("sliding_window")
-        if self.model_type not in ("llama", "qwen3", "qwen3_5_text"):
+        if self.model_type not in ("llama", "qwen3", "qwen3_5_text", "qwen3_moe"):
             out.pop("attention_bias")
         if self.model_type != "llama":
             out.pop("mlp_bias")
@@ -362,6 +432,29 @@ class ModelConfig:
             out["dtype"] = out["torch_dtype"] = self.dtype
         out["use_cache"] = True
         return out
+
+
+def _moe_keys(model_type: str) -> dict[str, str]:
+    """config.json's Mixture-of-Experts keys of `model_type` -> ModelConfig's fields (mixtral names its expert count
+    num_local_experts and has neither a separate expert width nor dense layers)."""
+    if model_type == "mixtral":
+        keys = ("num_experts_per_tok", "output_router_logits", "router_aux_loss_coef")
+        return {"num_local_experts": "num_experts", **{key: key for key in keys}}
+    return {key: key for key in MOE_KEYS if key != "mlp_only_layers"}
+
+
+def _moe_fields(config: dict, get) -> dict:
+    """ModelConfig's MoE fields from a config.json dict (`get`: a key's value or Hugging Face's default). transformers
+    5 writes qwen3_moe's expert count as num_local_experts (its attribute map) and the released checkpoints
+    num_experts: either is read."""
+    if float(config.get("router_jitter_noise") or 0.0):
+        raise ModelError(f"router_jitter_noise {config['router_jitter_noise']} is not supported (only 0.0)")
+    out = {ours: get(their) for their, ours in _moe_keys(config["model_type"]).items() if get(their) is not None}
+    if "num_local_experts" in config or "num_experts" in config:
+        out["num_experts"] = config.get("num_experts", config.get("num_local_experts"))
+    if config.get("mlp_only_layers"):
+        out["mlp_only_layers"] = list(config["mlp_only_layers"])
+    return out
 
 
 def hybrid_layer_types(layers: int, interval: int = 4) -> list[str]:
@@ -742,9 +835,22 @@ def gated_deltanet(config: ModelConfig) -> GatedDeltaNet:
     )
 
 
+def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
+    """The routed experts of `config`'s sizes (the MoE layers of MOE_TYPES)."""
+    return SparseMoeBlock(
+        config.hidden_size,
+        config.expert_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.model_type,
+        config.norm_topk_prob,
+    )
+
+
 class DecoderLayer(nn.Module):
     """A pre-norm block: its token mixer (`self_attn`, or Qwen3.5's `linear_attn` where layer_types says
-    "linear_attention") and the MLP, each after an RMSNorm, each added to the residual stream."""
+    "linear_attention") and its MLP (the routed experts where `layer_moe` says so), each after an RMSNorm, each added
+    to the residual stream."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -752,22 +858,26 @@ class DecoderLayer(nn.Module):
             self.linear_attn = gated_deltanet(config)
         else:
             self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = sparse_moe_block(config) if config.layer_moe[layer_idx] else MLP(config)
+        self.router_stats = config.output_router_logits  # MoE layers hand on their load-balancing sums
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
-    def forward(self, x, update, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, update, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor, RouterStats | None]:
         """x: the residual stream; update: the previous layer's MLP output, not yet added to it (None in the first
         layer). Returns the stream after the attention's add and this layer's MLP output, which the next layer's input
-        norm (or the final norm) adds: each add is fused with the norm that reads its sum. `attn` (a plan, or a
-        cache slot) keeps documents and padding apart for either mixer (trainer/model/attention.py)."""
+        norm (or the final norm) adds: each add is fused with the norm that reads its sum; and an MoE layer's
+        load-balancing sums where the config asks for that loss (else None). `attn` (a plan, or a cache slot) keeps
+        documents and padding apart for either mixer (trainer/model/attention.py)."""
         normed, x = add_rms_norm(self.input_layernorm, x, update)
         if hasattr(self, "linear_attn"):
             mixed = attn.recur(self.linear_attn, normed)
         else:
             mixed = self.self_attn(normed, cos, sin, attn)
         normed, x = add_rms_norm(self.post_attention_layernorm, x, mixed)
-        return x, self.mlp(normed)
+        if isinstance(self.mlp, SparseMoeBlock):
+            return x, *self.mlp(normed, getattr(attn, "key_valid", None), stats=self.router_stats)
+        return x, self.mlp(normed), None
 
 
 class Backbone(nn.Module):
@@ -793,8 +903,9 @@ class CausalLMOutput(dict):
         logits: torch.Tensor | None,  # (B, T, V) in the model dtype; None when the fused loss computed it away
         sequence_logps: kernels.PreferenceLogps | None = None,  # per row of the batch, with sequence_logps=True
         metrics: dict | None = None,  # TRL's preference metrics (0-d tensors), with preference_loss
+        aux_loss: torch.Tensor | None = None,  # () fp32: MoE models' load-balancing loss, with output_router_logits
     ):
-        super().__init__(loss=loss, logits=logits, sequence_logps=sequence_logps, metrics=metrics)
+        super().__init__(loss=loss, logits=logits, sequence_logps=sequence_logps, metrics=metrics, aux_loss=aux_loss)
 
     def __getattr__(self, name):
         try:
@@ -904,7 +1015,7 @@ class CausalLM(nn.Module):
     def _set_impl(self, impl: str) -> None:
         self.impl = impl
         for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP, Attention, GatedRMSNorm, GatedDeltaNet, CausalConv1d)):
+            if isinstance(module, (RMSNorm, MLP, Attention, GatedRMSNorm, GatedDeltaNet, CausalConv1d, Experts)):
                 module.impl = impl
 
     def tie_weights(self) -> None:
@@ -961,6 +1072,9 @@ class CausalLM(nn.Module):
                 local_shard(module.weight)[0].fill_(0.0 if module.offset else 1.0)  # (offset + weight) = 1
             elif isinstance(module, GatedRMSNorm):
                 local_shard(module.weight)[0].fill_(1.0)
+            elif isinstance(module, (TopKRouter, Experts)):  # every weight N(0, initializer_range), as transformers
+                for param in module.parameters(recurse=False):
+                    put(param, torch.empty(param.shape).normal_(0.0, std, generator=gen))
             elif isinstance(module, GatedDeltaNet):  # transformers' init: decays A = U(0.01, 16), dt_bias 1
                 local_shard(module.dt_bias)[0].fill_(1.0)
                 put(module.A_log, torch.empty(module.A_log.shape).uniform_(0.01, 16, generator=gen).log_())
@@ -999,11 +1113,15 @@ class CausalLM(nn.Module):
         (non-causal) score and value matmuls, as PaLM does. A Gated DeltaNet layer's recurrence adds 18 Hv K V per
         token, whatever T: its three products with the (K, V) state of each value head (read by k, the rank-one
         write, read by q: 6 Hv K V forward) and twice that backward, counted in the recurrent form (the chunked form
-        computes the same with more, denser FLOPs)."""
+        computes the same with more, denser FLOPs). In a Mixture-of-Experts layer N counts the router and the k experts
+        a token is routed to, not the other E - k."""
         c = self.config
         n = self.num_parameters(exclude_embeddings=True) + (
             c.vocab_size * c.hidden_size if c.tie_word_embeddings else 0
         )
+        if any(c.layer_moe):  # a token runs through k of each MoE layer's E experts: only theirs count
+            expert = 3 * c.hidden_size * c.expert_size
+            n -= sum(c.layer_moe) * (c.num_experts - c.num_experts_per_tok) * expert
         linear = c.layer_types.count("linear_attention")
         attention = 12 * (c.num_hidden_layers - linear) * c.num_attention_heads * c.head_dim * seq_len
         recurrence = linear and 18 * linear * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
@@ -1011,6 +1129,10 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None):
         """Final-norm hidden states (B, T, C). With `cache`, decode from cache.length on (left padding: cache.pad)."""
+        return self._backbone(input_ids, position_ids, attention_mask, cache)[0]
+
+    def _backbone(self, input_ids, position_ids, attention_mask, cache) -> tuple[torch.Tensor, list[RouterStats]]:
+        """`hidden_states`, and the MoE layers' load-balancing sums (with output_router_logits; else empty)."""
         if input_ids.dim() != 2:
             raise ModelError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -1042,14 +1164,19 @@ class CausalLM(nn.Module):
             attns = [plan] * len(self.model.layers)
         cos, sin = self.model.rotary_emb(rope_pos)  # (B or 1, T, D) fp32
         update = None  # the last MLP output, added to x by the next norm (DecoderLayer.forward)
+        stats = []  # MoE layers' load-balancing sums (RouterStats), with output_router_logits
         for index, (layer, attn) in enumerate(zip(self.model.layers, attns)):
             for hook in self.block_hooks:
                 hook(index)
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x, update = checkpoint(layer, x, update, cos, sin, attn, use_reentrant=False, **self._checkpoint_kwargs)
+                x, update, layer_stats = checkpoint(
+                    layer, x, update, cos, sin, attn, use_reentrant=False, **self._checkpoint_kwargs
+                )
             else:
-                x, update = layer(x, update, cos, sin, attn)
-        return add_rms_norm(self.model.norm, x, update)[0]
+                x, update, layer_stats = layer(x, update, cos, sin, attn)
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        return add_rms_norm(self.model.norm, x, update)[0], stats
 
     def _neftune(self, x, attention_mask, position_ids):
         # NEFTune (Jain et al. 2023): x + U(-1, 1) * alpha / sqrt(L * d), L = the token's own document length
@@ -1090,9 +1217,10 @@ class CausalLM(nn.Module):
                 "forward: inputs_embeds, output_attentions, output_hidden_states and return_dict=False "
                 "are not supported (pass input_ids; the output always holds loss and logits)"
             )
-        return head_forward(  # the hidden states held by head_forward alone, which frees them early under autocast
+        hidden, stats = self._backbone(input_ids, position_ids, attention_mask, None)  # (B, T, C)
+        out = head_forward(  # the hidden states held by head_forward alone, which frees them early under autocast
             self.lm_head,
-            self.hidden_states(input_ids, position_ids, attention_mask),  # (B, T, C)
+            hidden,
             labels,
             impl=self.impl,
             label_smoothing=self.label_smoothing,
@@ -1102,6 +1230,27 @@ class CausalLM(nn.Module):
             preference_loss=preference_loss,
             head=head,
         )
+        del hidden
+        if stats:
+            out.aux_loss = load_balancing_loss(stats)
+            if out.loss is not None and labels is not None:
+                out.loss = out.loss + self.config.router_aux_loss_coef * out.aux_loss * _window_share(labels, num_items)
+        return out
+
+
+def _window_share(labels, num_items) -> float:
+    """This batch's share of its accumulation window, by supervised targets (1 without `num_items`): the weight of its
+    load-balancing loss, so that the aux loss is normalised as the main loss is (each batch's summed token losses /
+    the window's targets): a window's aux gradient is the target-weighted mean of its batches', whatever the
+    accumulation, and under data parallelism (num_items = the window's targets / world_size, gradients averaged) the
+    mean over all ranks' batches. transformers adds router_aux_loss_coef x aux to every batch's loss as it is (its
+    Trainer does not divide a loss that takes num_items_in_batch by the accumulation steps), so there each batch's
+    aux counts once per batch of the window; with one batch per step the two are equal."""
+    if num_items is None:
+        return 1.0
+    labels = labels.labels if isinstance(labels, HostLabels) else labels
+    targets = int((labels[:, 1:] != IGNORE_INDEX).sum())  # on the host: the Trainer's labels are
+    return targets / num_items
 
 
 def head_forward(

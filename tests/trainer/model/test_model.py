@@ -742,7 +742,8 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
     [
         (
             {"model_type": "gpt2"},
-            "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3, qwen3_5_text)",
+            "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3, qwen3_5_text, qwen3_moe, "
+            "mixtral)",
         ),
         (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},

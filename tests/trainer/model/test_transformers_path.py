@@ -53,7 +53,8 @@ def batch(seed: int = 0):
 def test_the_path_follows_the_model_type():
     assert model_path("llama") == "ours" and model_path("qwen3") == "ours" and model_path("qwen3_5_text") == "ours"
     assert model_path("llama", "transformers") == "transformers"
-    assert model_path("gemma3_text") == "transformers" and model_path("qwen3_moe", "auto") == "transformers"
+    assert model_path("gemma3_text") == "transformers" and model_path("gpt_oss", "auto") == "transformers"
+    assert model_path("qwen3_moe") == "ours" and model_path("mixtral", "transformers") == "transformers"
     with pytest.raises(ModelError, match=r"^model_impl ours: model_type 'gemma3_text' is not one our model covers"):
         model_path("gemma3_text", "ours")
     with pytest.raises(ModelError, match=r"^model_type 'clip' has no causal language model in transformers"):
@@ -89,14 +90,14 @@ def test_step0_loss_is_transformers_and_the_saved_model_loads_with_equal_logits(
     assert (out / "tokenizer.json").is_file()
 
 
-def _three_steps(path, examples, tmp_path, model_impl="transformers"):
+def _three_steps(path, examples, tmp_path, model_impl="transformers", **overrides):
     # SGD, not AdamW: Adam divides each gradient by its own size, so a gradient that is zero but for rounding (a key
     # projection's bias: softmax ignores a shift of every score; an embedding row seen once) takes a step of the
     # learning rate in a direction rounding picks, in either trainer (measured: up to 1e-3 of a tensor's norm); SGD
     # keeps each step proportional to its gradient, so the weights compare element by element. No weight decay:
     # which parameters decay is one of our documented differences (trainer/loop/optim.py: every 1-D parameter is
     # exempt; transformers decays 1-D ones not named like a bias or norm, Qwen3.5's A_log).
-    settings = dict(COMMON, max_steps=3, warmup_steps=0, weight_decay=0.0, optim="sgd", learning_rate=0.05)
+    settings = dict(COMMON, max_steps=3, warmup_steps=0, weight_decay=0.0, optim="sgd", learning_rate=0.05, **overrides)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf_args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "hf"), use_cpu=True, remove_unused_columns=False, dataloader_num_workers=0, **settings
@@ -130,6 +131,18 @@ def test_our_model_trains_qwen3_5_as_transformers_trainer(checkpoints, tmp_path)
     """Qwen3.5 through our own model (gated attention, Gated DeltaNet, zero-centred norms; issue 45): the three steps
     of `test_three_steps_equal_transformers_trainer`, the losses and weights of transformers.Trainer's."""
     _three_steps(checkpoints["qwen3_5_text"], _examples(n=24), tmp_path, model_impl="ours")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_our_model_trains_moe_as_transformers_trainer(model_type, tmp_path):
+    """Qwen3-MoE and Mixtral through our own model (issue 46) with the load-balancing loss on
+    (output_router_logits): the three steps of `test_three_steps_equal_transformers_trainer`, the losses (the aux term
+    in them) and the weights (routers included) of transformers.Trainer's. One micro batch of 8 per step: under
+    accumulation transformers adds every micro batch's whole aux term, we its share of the window (the main loss's
+    normalisation: trainer/model/causal_lm.py `_window_share`, docs/fine_tuning.md), a deliberate difference."""
+    path = write_tiny(model_type, tmp_path / model_type, output_router_logits=True)
+    settings = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    _three_steps(path, _examples(n=24), tmp_path, model_impl="ours", **settings)
 
 
 def test_generate_decodes_through_transformers(checkpoints):
@@ -203,7 +216,7 @@ def test_a_stopped_run_resumes_bit_for_bit(checkpoints, tmp_path):
 
     def run(out, seed=None, stop=None, resume=False):
         args = TrainingArguments(output_dir=str(out), **settings)
-        model, _ = build_model(str(path), args)
+        model, _ = build_model(str(path), args, model_impl="transformers")
         if seed is not None:  # everything must come from the checkpoint
             torch.manual_seed(seed)
             for p in model.parameters():
@@ -464,7 +477,7 @@ def test_flops_are_counted_for_softmax_attention_only(checkpoints):
         for t in ("gemma3_text", "qwen3_5_text")
     }
     assert flops["gemma3_text"] > 0 and flops["qwen3_5_text"] is None
-    assert build_model(str(checkpoints["qwen3_moe"]), args)[0].flops_per_token(64) is None
+    assert build_model(str(checkpoints["qwen3_moe"]), args, model_impl="transformers")[0].flops_per_token(64) is None
     # sizes read from the text config (a multimodal model's decoder), and not guessed when they are named otherwise
     model = build_model(str(checkpoints["gemma3_text"]), args)[0]
     model.config = types.SimpleNamespace(get_text_config=lambda: model.hf.config)

@@ -168,7 +168,7 @@ def test_gradient_checkpointing_trains_the_same_steps(checkpoints, tmp_path):
         args = TrainingArguments(
             output_dir=str(tmp_path / str(checkpointing)), gradient_checkpointing=checkpointing, **SGD
         )
-        model, _ = build_model(path, args)
+        model, _ = build_model(path, args, model_impl="transformers")
         assert model.hf.is_activation_checkpointing == checkpointing
         trainer = Trainer(model=model, args=args, train_dataset=examples)
         trainer.train()
@@ -279,6 +279,7 @@ def test_the_command_refuses_such_a_stage_before_evaluating(router_loss_checkpoi
     from trainer import sft
 
     argv = ["--model", str(router_loss_checkpoint), "--stage", "dpo", "--output_dir", str(tmp_path / "o")]
+    argv += ["--model_impl", "transformers"]
     assert sft.main(argv) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("error: stage dpo: Qwen3MoeForCausalLM cannot train it")
@@ -292,7 +293,7 @@ def test_a_stage_the_models_head_cannot_run_is_one_line(router_loss_checkpoint, 
     from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
 
     args = TrainingArguments(output_dir=str(tmp_path / "o"))
-    model, tok = build_model(str(router_loss_checkpoint), args)
+    model, tok = build_model(str(router_loss_checkpoint), args, model_impl="transformers")
     assert model.fused_head is False and model.router_loss
     with pytest.raises(ConfigError, match=r"^stage dpo: Qwen3MoeForCausalLM cannot train it on the transformers path"):
         PreferenceTrainer(model=model, args=args, pref=PreferenceArguments(beta=0.1), processing_class=tok)
@@ -606,7 +607,9 @@ def test_lora_target_parameters_that_match_nothing_are_one_line(checkpoints, tmp
         with pytest.raises(
             ConfigError, match=r"^lora_target_parameters: 'mlp.experts.up' matches no stacked expert"
         ) as e:
-            build_model(str(checkpoints[model_type]), args)
+            build_model(
+                str(checkpoints[model_type]), args, model_impl="transformers" if candidates != "none" else "auto"
+            )
         assert candidates in str(e.value)
 
 

@@ -1,0 +1,235 @@
+"""Our model's Mixture-of-Experts types (qwen3_moe, mixtral: trainer/model/moe.py) against transformers (a test-only
+oracle): logits, loss with the load-balancing term, the aux loss itself and every gradient in fp32; checkpoints read
+and written in transformers' per-expert layout; padding left out of the router statistics as transformers leaves it.
+
+Tolerances: fp32 within 1e-5 absolute of transformers (observed ~1e-7: only summation orders differ).
+"""
+
+import pytest
+import torch
+
+from trainer.build import load_pretrained, read_model_files, save_pretrained
+from trainer.data.tokenizer import byte_level_tokenizer
+from trainer.model.causal_lm import CausalLM, ModelConfig, ModelError
+
+transformers = pytest.importorskip("transformers")
+
+V, T = 300, 12
+BASE = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+ARCHS = {
+    # every other layer routed (decoder_sparse_step 2) but for layer 1, dense (mlp_only_layers): layer 2 alone is
+    # MoE... and layer 0 is too with step 1: both rules exercised across the two qwen3_moe cases
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
+        **{
+            **BASE,
+            "head_dim": 16,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "mlp_only_layers": [1],
+            "attention_bias": True,
+            **kw,
+        }
+    ),
+    "qwen3_moe-norm-step2": lambda **kw: transformers.Qwen3MoeConfig(
+        **{
+            **BASE,
+            "num_experts": 5,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 20,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,
+            **kw,
+        }
+    ),
+    "mixtral": lambda **kw: transformers.MixtralConfig(
+        **{**BASE, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5, **kw}
+    ),
+}
+
+
+def hf_model(arch, seed=0, **kw):
+    """A transformers model with every parameter random (norm weights around 1), fp32, eval mode."""
+    torch.manual_seed(seed)
+    config = ARCHS[arch](**{"output_router_logits": True, **kw})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+    return model
+
+
+def batch(seed=1, b=2, t=T):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (b, t), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_loss_aux_loss_and_gradients_equal_transformers_fp32(arch, tmp_path):
+    hf = hf_model(arch)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, use_kernels=False).eval()
+    assert set(ours.state_dict()) == set(hf.state_dict())  # transformers 5's in-memory names: 3-D expert tensors
+    moe = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert [i for i, m in enumerate(ours.config.layer_moe) if m] == moe and moe
+    ids, labels = batch()
+    ref, out = hf(ids, labels=labels), ours(ids, labels=labels)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=0)
+    assert ref.aux_loss > 0.5  # a real term (E x sum f p is 1 for a perfectly balanced router)
+    ref.loss.backward()
+    out.loss.backward()
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, hf_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_without_output_router_logits_no_aux_term(arch, tmp_path):
+    hf = hf_model(arch, output_router_logits=False)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, use_kernels=False).eval()
+    ids, labels = batch()
+    out = ours(ids, labels=labels)
+    assert out.aux_loss is None
+    torch.testing.assert_close(out.loss, hf(ids, labels=labels).loss, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_save_writes_transformers_files_and_transformers_loads_them(arch, tmp_path):
+    hf = hf_model(arch)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf", use_kernels=False)
+    save_pretrained(ours, tmp_path / "ours", tokenizer=byte_level_tokenizer())
+    from safetensors import safe_open
+
+    def keys(path):
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+    assert keys(tmp_path / "ours") == keys(tmp_path / "hf")  # one 2-D weight per expert, as transformers writes
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert back.config.output_router_logits and back.config.num_experts_per_tok == hf.config.num_experts_per_tok
+    ids, _ = batch()
+    torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=0, rtol=0)
+    read_model_files(str(tmp_path / "ours"))  # the headers check against our config
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_is_left_out_of_the_router_statistics_as_transformers_does(side, tmp_path):
+    hf = hf_model("qwen3_moe")
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, use_kernels=False).eval()
+    ids, labels = batch()
+    mask = torch.ones_like(ids)
+    pad = slice(0, 4) if side == "left" else slice(T - 4, T)
+    mask[1, pad] = 0
+    labels[1, pad] = -100
+    ref, out = hf(ids, attention_mask=mask, labels=labels), ours(ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=0)
+    unmasked = ours(ids, labels=labels)
+    assert (unmasked.aux_loss - out.aux_loss).abs() > 1e-4  # the mask changed the statistics
+
+
+def test_kernels_on_and_off_and_checkpointing_same_loss_and_gradients(tmp_path):
+    hf_model("mixtral").save_pretrained(tmp_path)
+    ids, labels = batch()
+    runs = []
+    for use_kernels, checkpointing in ((False, False), (True, False), (True, True)):
+        model = load_pretrained(tmp_path, use_kernels=use_kernels)
+        model.set_gradient_checkpointing(checkpointing)
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        runs.append((loss, {n: p.grad for n, p in model.named_parameters()}))
+    for loss, grads in runs[1:]:
+        torch.testing.assert_close(loss, runs[0][0], atol=1e-5, rtol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, runs[0][1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_aux_loss_is_weighted_by_the_batch_share_of_its_window(tmp_path):
+    """Under accumulation (num_items = the window's targets) the aux term is this batch's share of it, as the main
+    loss is: two half-window batches add up to the whole window's term when their aux losses are equal."""
+    hf_model("qwen3_moe").save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, use_kernels=False).eval()
+    ids, labels = batch()
+    whole = model(ids, labels=labels)
+    targets = int((labels[:, 1:] != -100).sum())
+    half = model(ids, labels=labels, num_items=2 * targets)  # this batch is half of a window of two alike
+    coef = model.config.router_aux_loss_coef
+    torch.testing.assert_close(half.loss, (whole.loss - coef * whole.aux_loss) / 2 + coef * whole.aux_loss / 2)
+
+
+def test_config_round_trip_and_bad_moe_configs(tmp_path):
+    hf = hf_model("mixtral")
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    assert config.num_experts == 4 and config.expert_size == 48 and all(config.layer_moe)
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    qwen = ModelConfig.from_hf(hf_model("qwen3_moe-norm-step2").config.to_dict())
+    assert qwen.layer_moe == (False, True, False) and qwen.norm_topk_prob and qwen.expert_size == 20
+    assert ModelConfig.from_hf(qwen.to_hf()) == qwen
+    with pytest.raises(ModelError, match="router_jitter_noise 0.1 is not supported"):
+        ModelConfig.from_hf({**hf.config.to_dict(), "router_jitter_noise": 0.1})
+    with pytest.raises(ModelError, match="num_experts_per_tok 5 exceeds num_experts 4"):
+        ModelConfig.from_hf({**hf.config.to_dict(), "num_experts_per_tok": 5})
+    model = CausalLM(config)
+    model.init_weights(seed=3)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_kernels_through_the_interpreter_match_transformers(arch, tmp_path):
+    """use_kernels with every Triton kernel (the interpreter), the grouped expert GEMMs among them: the loss with its
+    aux term, the logits and every parameter's gradient (routers included) those of transformers in fp32."""
+    import kernels
+
+    hf = hf_model(arch)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, use_kernels=True).eval()
+    ids, labels = batch()
+    ref = hf(ids, labels=labels)
+    ref.loss.backward()
+    with kernels.backend("triton"):
+        out = ours(ids, labels=labels)
+        seen, stack = set(), [out.loss.grad_fn]
+        while stack:  # the autograd graph
+            node = stack.pop()
+            if node is not None and node not in seen:
+                seen.add(node)
+                stack.extend(n for n, _ in node.next_functions)
+        out.loss.backward()
+    assert sum(type(n).__name__ == "MoEExpertsFunctionBackward" for n in seen) == sum(ours.config.layer_moe)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=0)
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        want = hf_params[name].grad
+        torch.testing.assert_close(p.grad, want, atol=2e-5 * want.abs().max().item(), rtol=0, msg=name)
+
+
+def test_the_first_line_says_experts_and_which_aux_coefficient_applies(tmp_path):
+    from trainer.cli import model_line
+
+    hf_model("mixtral").save_pretrained(tmp_path / "on")
+    hf_model("qwen3_moe", output_router_logits=False).save_pretrained(tmp_path / "off")
+    on, off = (model_line(load_pretrained(tmp_path / name)) for name in ("on", "off"))
+    assert on.startswith("our model: mixtral") and on.endswith(
+        "mixture of experts: 3 layers of 4 experts, 2 per token through the expert loop in PyTorch, "
+        "load-balancing loss x router_aux_loss_coef 0.001"
+    )
+    assert off.endswith(
+        "2 layers of 6 experts, 2 per token through the expert loop in PyTorch, no load-balancing "
+        "loss (output_router_logits false)"
+    )
