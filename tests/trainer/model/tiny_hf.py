@@ -80,6 +80,7 @@ def tiny_config(model_type: str, **overrides):
 
     default = AutoConfig.for_model(model_type)
     sizes = {k: v for k, v in {**SIZES, **TYPE_SIZES.get(model_type, {})}.items() if hasattr(default, k)} | IDS
+    sizes = {k: v for k, v in sizes.items() if k not in overrides}
     if hasattr(default, "layer_types"):
         sizes["layer_types"] = None  # recomputed from num_hidden_layers by the config class
     return AutoConfig.for_model(model_type, **sizes, **overrides, dtype="float32")
