@@ -179,6 +179,7 @@ def test_the_long_context_configs_run_a_rung_each(tmp_path):
     assert set(rungs) == {"ours_long", "hf_ckpt"} and all(r["status"] == "ok" for r in rungs.values())
 
 
+@pytest.mark.slow  # 30-95 s on 2 shared cores: two trainings through the bench runner
 def test_the_transformers_path_config_trains_the_same_model(tmp_path):
     """ours_tf: our Trainer over transformers' LlamaForCausalLM (the transformers path, our norms and loss inside)
     trains the same tiny model as ours, to the same held-out loss within the run's rounding."""

@@ -223,6 +223,7 @@ def test_committed_calibration_ratios_are_the_mds():
     assert "modelled" in md.lower()
 
 
+@pytest.mark.slow  # ~70 s on 2 shared cores: every LoRA stack's measured rung
 def test_lora_stacks_fused_keeps_less_than_peft_where_peft_keeps_copies():
     """The LoRA stacks (`python -m bench.roofline --lora_stacks`) at the tiny config: the fused path keeps no more
     than peft's layers in our model, and less wherever peft keeps per-layer copies (dropout's dropped copy and mask;

@@ -133,7 +133,7 @@ def test_our_model_trains_qwen3_5_as_transformers_trainer(checkpoints, tmp_path)
     _three_steps(checkpoints["qwen3_5_text"], _examples(n=24), tmp_path, model_impl="ours")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_our_model_trains_moe_as_transformers_trainer(model_type, tmp_path):
     """Qwen3-MoE and Mixtral through our own model (issue 46) with the load-balancing loss on
     (output_router_logits): the three steps of `test_three_steps_equal_transformers_trainer`, the losses (the aux term

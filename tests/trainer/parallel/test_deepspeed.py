@@ -431,6 +431,7 @@ def test_deepspeed_launcher_local_rank_accepted(tmp_path, monkeypatch):
         TrainingArguments.from_dict({"output_dir": str(tmp_path), "local_rank": 0})
 
 
+@pytest.mark.slow  # 35-110 s on 2 shared cores (two launches); the loop's own SIGTERM tests stay in CI
 def test_sigterm_saves_deepspeeds_checkpoint_and_the_resume_finishes_the_run(tmp_path):
     """SIGTERM under DeepSpeed stops at the end of the step like any run: a checkpoint holding DeepSpeed's own
     (deepspeed/) beside our trainer state, exit 143, the resume command printed; resuming it trains to max_steps."""
