@@ -252,6 +252,7 @@ class Trainer:
         self.control = TrainerControl()
         self.scaler = None  # fp16's loss scaler (PyTorch's engine), once training
         self.engine = None  # what the loop calls (trainer/loop/engine.py: PyTorch's or DeepSpeed's), once training
+        self._aux_sums: list = []  # training batches' MoE load-balancing losses (device scalars) since the last log
         self.stop_signal: signal.Signals | None = None  # SIGTERM or SIGINT when one stopped the last train()
         # after a resume: arguments given otherwise whose checkpoint's value applied (and is now in args)
         self.checkpoint_arguments: dict = {}
@@ -695,6 +696,7 @@ class Trainer:
             "loss": sums.logged_loss / sums.logged_steps if sums.logged_steps else None,
             "grad_norm": sums.last_grad_norm,
             "learning_rate": learning_rate,
+            **self._take_aux_loss(),
             **self._extra_logs(),
         }
         speed = run.throughput.mark()
@@ -709,6 +711,20 @@ class Trainer:
             logs["skipped_steps"] = state.nonfinite_steps + state.overflow_steps
         self._log(run, logs)
         sums.logged_loss, sums.logged_steps, sums.last_grad_norm = 0.0, 0, None
+
+    def _take_aux_loss(self) -> dict:
+        """{"aux_loss": the mean load-balancing loss of the training batches since the last log, over all ranks} for
+        our MoE models with output_router_logits (its term is inside `loss` already, as transformers adds it; TRL logs
+        it as aux_loss too), else {}; one host copy, at logging steps only."""
+        if not self._aux_sums:
+            return {}
+        values = torch.stack(self._aux_sums).double()
+        sums = torch.stack([values.sum(), torch.full_like(values[0], len(values))])  # a fill: no host copy
+        self._aux_sums = []
+        if self.world_size > 1:
+            torch.distributed.all_reduce(sums)
+        total, count = sums.tolist()
+        return {"aux_loss": total / count}
 
     def _extra_logs(self) -> dict:
         """What a trainer built on this loop adds to each training log (trainer/methods/preference.py: TRL's
@@ -835,6 +851,9 @@ class Trainer:
             kwargs["labels"] = HostLabels(kwargs["labels"])
         out = model(**kwargs)
         loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+        aux = out.get("aux_loss") if isinstance(out, dict) else None
+        if aux is not None and torch.is_grad_enabled():  # our MoE models' load-balancing loss: logged as aux_loss
+            self._aux_sums.append(aux.detach())
         if loss is not None and "num_items" in accepted:
             return loss
         if loss is not None:

@@ -233,3 +233,36 @@ def test_the_first_line_says_experts_and_which_aux_coefficient_applies(tmp_path)
         "2 layers of 6 experts, 2 per token through the expert loop in PyTorch, no load-balancing "
         "loss (output_router_logits false)"
     )
+
+
+def test_the_trainer_logs_the_aux_loss_beside_the_loss(tmp_path):
+    """With output_router_logits the training log has aux_loss (the mean of the batches' load-balancing losses since
+    the last log), its term already in loss; without it, no aux_loss key."""
+    from tests.trainer.loop.test_golden import _examples
+    from trainer.config.args import TrainingArguments
+    from trainer.data.sft_data import TokenizedDataset
+    from trainer.loop.trainer import Trainer
+
+    hf_model("qwen3_moe").save_pretrained(tmp_path / "on")
+    hf_model("qwen3_moe", output_router_logits=False).save_pretrained(tmp_path / "off")
+    logs = {}
+    for name in ("on", "off"):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"out-{name}"),
+            max_steps=2,
+            logging_steps=1,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            report_to="none",
+            save_strategy="no",
+            learning_rate=1e-3,
+        )
+        trainer = Trainer(
+            model=load_pretrained(tmp_path / name),
+            args=args,
+            train_dataset=TokenizedDataset.from_examples(_examples(n=8)),
+        )
+        trainer.train()
+        logs[name] = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs["on"]) == 2 and all(h["aux_loss"] > 0.5 for h in logs["on"])
+    assert not any("aux_loss" in h for h in logs["off"])
