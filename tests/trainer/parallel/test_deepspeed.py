@@ -286,6 +286,9 @@ def ds_suite(tmp_path_factory, data_file):  # noqa: F811
     jobs.append({"name": "zero3-untied", "model": untied, "args": ds_args(root, "zero3")})
     hybrid = str(write_tiny("qwen3_5_text", root / "qwen3_5"))  # our Qwen3.5: Gated DeltaNet and gated attention
     jobs.append({"name": "zero3-qwen3_5", "model": hybrid, "args": ds_args(root, "zero3")})
+    # our Qwen3-MoE with its load-balancing loss: the experts' 3-D tensors partitioned like any parameter
+    moe = str(write_tiny("qwen3_moe", root / "qwen3_moe", num_local_experts=5, output_router_logits=True))
+    jobs.append({"name": "zero3-moe", "model": moe, "args": ds_args(root, "zero3")})
     jobs += [{"name": f"{name}-qlora", "args": {**ds_args(root, name), **QLORA_ARGS}} for name in ("zero2", "zero3")]
     eight_bit = {**ds_args(root, "zero2"), "optim": "adamw_bnb_8bit"}
     jobs.append({"name": "zero2-8bit", "args": eight_bit})
@@ -397,6 +400,32 @@ def test_zero3_trains_our_qwen3_5_as_one_process(ds_suite, data_file, tmp_path):
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and ds_suite["result"]["zero3-qwen3_5"]["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_zero3_trains_our_moe_as_one_process(ds_suite, data_file, tmp_path):  # noqa: F811
+    """Our Qwen3-MoE under ZeRO-3 (issue 46): the routers and the expert tensors gathered by the modules that read
+    them in their own forwards; the losses (the aux term in them) of one process, and the export loads in transformers
+    with the logits of ours."""
+    from trainer.build import build_model
+    from trainer.data.sft_data import load_sft_dataset
+    from trainer.data.tokenizer import byte_level_tokenizer
+
+    args = TrainingArguments(output_dir=str(tmp_path), **ONE_PROCESS_ARGS)
+    model, _ = build_model(str(ds_suite["out"]["zero3-moe"].parent / "qwen3_moe"), args)
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 5
+    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    with kernels.backend("reference"):
+        trainer = Trainer(model=model, args=args, train_dataset=dataset)
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and ds_suite["result"]["zero3-moe"]["losses"] == pytest.approx(losses, rel=1e-5)
+    transformers = pytest.importorskip("transformers")
+    final = ds_suite["out"]["zero3-moe"] / "final"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = load_pretrained(final, use_kernels=False).eval()
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_zero3_export_loads_in_transformers(ds_suite):
