@@ -208,15 +208,19 @@ def test_the_command_refuses_in_one_line_before_writing(argv, message, checkpoin
     assert err[-1].startswith(message) and not out.exists()
 
 
-def test_a_stopped_run_resumes_bit_for_bit(checkpoints, tmp_path):
+@pytest.mark.parametrize("model_impl", ["transformers", "ours"])
+def test_a_stopped_run_resumes_bit_for_bit(model_impl, checkpoints, tmp_path):
     """Stop at step 3 of 6 (a checkpoint in transformers' layout), resume into a model of another init: the losses and
-    weights of the uninterrupted run, bit for bit (qwen3_moe: the fused head and a mixture of experts)."""
+    weights of the uninterrupted run, bit for bit (qwen3_moe: the fused head and a mixture of experts; through our own
+    model, issue 46, with its load-balancing loss on)."""
     path, examples = checkpoints["qwen3_moe"], TokenizedDataset.from_examples(_examples(n=48))
+    if model_impl == "ours":
+        path = write_tiny("qwen3_moe", tmp_path / "qwen3_moe", output_router_logits=True)
     settings = dict(COMMON, max_steps=6, save_strategy="steps", save_steps=3, optim="adamw_fused", train_shuffle=True)
 
     def run(out, seed=None, stop=None, resume=False):
         args = TrainingArguments(output_dir=str(out), **settings)
-        model, _ = build_model(str(path), args, model_impl="transformers")
+        model, _ = build_model(str(path), args, model_impl=model_impl)
         if seed is not None:  # everything must come from the checkpoint
             torch.manual_seed(seed)
             for p in model.parameters():
@@ -224,7 +228,8 @@ def test_a_stopped_run_resumes_bit_for_bit(checkpoints, tmp_path):
         callbacks = [StopAt(stop)] if stop else []
         trainer = Trainer(model=model, args=args, train_dataset=examples, callbacks=callbacks)
         trainer.train(resume_from_checkpoint=resume or None)
-        return [h["loss"] for h in trainer.state.log_history if "loss" in h], model.hf.state_dict()
+        weights = (model.hf if model_impl == "transformers" else model).state_dict()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], weights
 
     full_losses, full_weights = run(tmp_path / "full")
     run(tmp_path / "part", stop=3)
