@@ -99,9 +99,12 @@ def _to_meta(v):
 
 @contextlib.contextmanager
 def fake_cuda():
-    """Launchers see an H100: meta tensors report cuda:0 and the device has H100_SMS multiprocessors."""
+    """Launchers see an H100: meta tensors report cuda:0 and the device has H100_SMS multiprocessors, compute capability
+    9.0 (transformers' grouped_mm experts ask)."""
     saved = torch.cuda.get_device_properties
-    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=H100_SMS)
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
+        multi_processor_count=H100_SMS, major=9, minor=0
+    )
     try:
         # On meta tensors torch.library.wrap_triton's higher-order op takes its meta kernel, which launches
         # nothing; on a GPU in eager it runs kernel[grid](...) with the same arguments, which this makes it do.

@@ -5,6 +5,7 @@ liger-kernel (bench/roofline/recording.py's `modelled_ops` swaps them in)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import pkgutil
@@ -14,10 +15,19 @@ import torch
 import kernels
 
 # Imported after `kernels` (they set TRITON_INTERPRET for kernels imported later; ours are decorated already).
-from bench import bench_adamw, bench_causal_conv1d, bench_gated_rms_norm, bench_rms_norm, bench_rope, bench_swiglu
+from bench import (
+    bench_adamw,
+    bench_causal_conv1d,
+    bench_gated_rms_norm,
+    bench_moe,
+    bench_rms_norm,
+    bench_rope,
+    bench_swiglu,
+)
 from bench import bench_fused_linear_cross_entropy as bench_flce
 from bench.roofline.tracing import BF16, _like, _rec, apply_model, nbytes
 from bench.sm90 import H100_SMS
+from kernels import moe
 from kernels.fused_linear_cross_entropy import _chunk_rows as flce_chunk_rows
 
 
@@ -276,6 +286,72 @@ class GatedRMSNormModel:
         return _like(x), _like(gate), _like(weight), *([None] * ctx.n_rest)
 
 
+class MoEExpertsModel:
+    """Ours, MoEExpertsFunction(x, weights, gate_up, down, gate_up_bias, down_bias, route, options) (a
+    Mixture-of-Experts layer's grouped GEMMs, kernels/moe.py), by bench/bench_moe.py's `traffic_parts` with the rows
+    spread evenly over the experts (the step carries no data: T k / E rows each) at an ideal tiling, one program per
+    expert spanning every column: each operand read once and each output written once, the accounting every aten
+    matmul of the other stacks gets (the GPU tiles re-read x per column block and the weights per row tile, which L2
+    serves in part: the kernel bench measures how much), and the GEMMs' FLOPs:
+    2 N H 2I + 2 N I H forward (N = T k assignment rows), dx and dW of both backward (twice that); "matmuls". The
+    routing's torch ops (sort, searchsorted, cumsum over N integers) are recorded as they run."""
+
+    name = "MoEExpertsFunction"
+    category = "matmuls"
+
+    @staticmethod
+    def _sizes(x, weights, gate_up, options):
+        tokens, hidden = x.shape
+        k, experts, inter = weights.shape[1], gate_up.shape[0], options["layout"].inter
+        n = tokens * k
+        counts = [n // experts + (e < n % experts) for e in range(experts)]
+        return tokens, hidden, k, inter, counts
+
+    def _parts(self, mode, x, weights, gate_up, gate_up_bias, options):
+        tokens, hidden, k, inter, counts = self._sizes(x, weights, gate_up, options)
+        parts = bench_moe.traffic_parts(
+            mode,
+            counts,
+            tokens,
+            k,
+            hidden,
+            inter,
+            x.element_size(),
+            gate_up.element_size(),
+            bias=gate_up_bias is not None,
+            router_size=weights.element_size(),
+            tiles=dataclasses.replace(
+                moe.GPU_TILES,
+                block_m=max(counts),
+                block_n1=inter,
+                block_n2=hidden,
+                block_p=max(hidden, inter),
+                block_q=max(hidden, 2 * inter),
+            ),
+        )
+        gemm = 2 * tokens * k * hidden * 3 * inter  # gate, up and down over every assignment row
+        return parts, gemm
+
+    def forward(self, ctx, x, weights, gate_up, down, gate_up_bias, down_bias, route, options):
+        parts, gemm = self._parts("forward", x, weights, gate_up, gate_up_bias, options)
+        flops = {"_moe_gemm1_kernel": gemm * 2 / 3, "_moe_gemm2_kernel": gemm / 3}
+        _record_parts(self.name, self.category, parts, flops=flops)
+        ctx.options = options
+        ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias)
+        return _like(x)
+
+    def backward(self, ctx, dout):
+        x, weights, gate_up, down, gate_up_bias, down_bias = ctx.saved_tensors
+        parts, gemm = self._parts("backward", x, weights, gate_up, gate_up_bias, ctx.options)
+        # dgrad dout W_down^T (N H I), the dx pass d gate_up W_gate_up^T (2 N H I), the two weight passes (3 N H I)
+        flops = {"_moe_dgrad_kernel": gemm / 3, "_moe_gemm2_kernel": 2 * gemm / 3, "_moe_wgrad_kernel": gemm}
+        launches = {"_moe_wgrad_kernel": 2}
+        _record_parts(self.name + ".backward", self.category, parts, launches=launches, flops=flops)
+        grads = (_like(x), _like(weights), _like(gate_up), _like(down))
+        biases = tuple(None if b is None else _like(b) for b in (gate_up_bias, down_bias))
+        return (*grads, *biases, None, None)
+
+
 class CausalConv1dModel:
     """Ours, CausalConv1dFunction(x2d, weight, bias, starts, silu) (Gated DeltaNet's short convolution and its SiLU),
     by bench/bench_causal_conv1d.py's `traffic_parts` (issued bytes: the shifted reads of x counted each time, as the
@@ -523,6 +599,7 @@ MODELS = {
     "FusedAddRMSNormFunction": FusedAddRMSNormModel,
     "GatedRMSNormFunction": GatedRMSNormModel,
     "CausalConv1dFunction": CausalConv1dModel,
+    "MoEExpertsFunction": MoEExpertsModel,
     "FusedLinearCrossEntropyFunction": OurFLCEModel,
     "LigerFusedLinearCrossEntropyFunction": LigerFLCEModel,
 }

@@ -60,6 +60,7 @@ class _AutocastEmulation(TorchFunctionMode):
         torch.addmm,
         torch.bmm,
         torch.Tensor.bmm,
+        torch._grouped_mm,  # transformers 5's grouped_mm experts: autocast casts its operands as a matmul's
         F.scaled_dot_product_attention,
     }
 

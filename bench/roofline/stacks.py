@@ -22,7 +22,28 @@ OUR_OTHER_STACKS = ("ours", "hf")
 # (transformers 5.24), which its docstring calls "the Qwen3.5-9B style configuration": vocab 248320, hidden 4096,
 # intermediate 12288, 32 layers (every fourth gated full attention: 16 heads, 4 key/value heads of 256, a quarter of
 # each rotated; the others Gated DeltaNet: 16 key heads and 32 value heads of 128, 4 conv taps), untied embeddings.
-OUR_MODELS = {"qwen3.5-9b": {"model_type": "qwen3_5_text"}}
+# qwen3-30b-a3b: Qwen/Qwen3-30B-A3B's config.json (48 layers, 32 heads and 4 key/value heads of 128, 128 experts of
+# 768, 8 per token, renormalised; vocab 151936, untied).
+OUR_MODELS = {
+    "qwen3.5-9b": {"model_type": "qwen3_5_text"},
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 40960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "tie_word_embeddings": False,
+    },
+}
 
 
 @dataclasses.dataclass

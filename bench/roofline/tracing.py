@@ -158,7 +158,7 @@ _TRACE: Trace | None = None  # the trace being recorded (modelled ops write into
 # ---------------------------------------------------------------------------------------------------------
 # Categories
 # ---------------------------------------------------------------------------------------------------------
-MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv"}
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "_grouped_mm"}
 ROPE_OPS = {"mul", "add", "sub", "neg", "cat", "slice", "slice_backward", "index", "select", "split", "chunk"}
 # the models' top level, where the loss runs: ours, transformers' Llama and Gemma 3, the transformers path's wrapper
 _TOP_LEVEL = {"CausalLM", "LlamaForCausalLM", "Gemma3ForCausalLM", "TransformersModel"}
@@ -235,6 +235,11 @@ _MTA_CHUNK, _MTA_BLOCKS = 65536, 320
 
 
 def aten_flops(func, args, kwargs, out) -> int:
+    if func._overloadpacket is torch.ops.aten._grouped_mm:  # torch's flop counter has none: transformers 5's experts
+        a, b = args[0], args[1]
+        if a.dim() == 2 and b.dim() == 2:  # the groups split the reduction (a weight gradient): (m, K) x (K, n)
+            return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return 2 * out.numel() * a.shape[-1]  # each output element one K-long dot
     fn = flop_registry.get(func._overloadpacket)
     return int(fn(*args, **kwargs, out_val=out)) if fn is not None else 0
 

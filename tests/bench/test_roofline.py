@@ -500,3 +500,43 @@ def test_qwen3_5_command_writes_its_own_files_and_records_our_gated_deltanet_ker
     text = (tmp_path / "roofline_qwen3.5-tiny.md").read_text()
     assert "| category | ours | hf | ours/hf |" in text and "no liger stacks" in text.lower()
     assert "0% ignored: ours/hf modelled step time" in text
+
+
+QWEN3_MOE_TINY = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "moe_intermediate_size": 48,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+}
+
+
+def test_qwen3_moe_stacks_record_the_same_flops_and_our_grouped_gemms(tmp_path, monkeypatch):
+    """`python -m bench.roofline --model qwen3-30b-a3b` at a tiny size: ours records the experts by the grouped GEMMs'
+    model, hf its torch._grouped_mm experts (their FLOPs counted: torch's counter has none), and the two stacks do the
+    same FLOPs at 0% ignored (the same math, each matmul counted once), within the routers' and losses' few."""
+    from bench.roofline import stacks
+    from bench.roofline.cli import _full_config
+
+    monkeypatch.setitem(stacks.OUR_MODELS, "qwen3-moe-tiny", QWEN3_MOE_TINY)
+    config = _full_config(QWEN3_MOE_TINY)
+    ours, hf = (stacks.model_step(stack, config, 2, 32, 0.0) for stack in ("ours", "hf"))
+    names = {op.name.split(":")[0] for op in ours.ops}
+    assert {"MoEExpertsFunction", "MoEExpertsFunction.backward"} <= names
+    grouped = [op for op in hf.ops if op.name == "_grouped_mm"]
+    assert grouped and all(op.flops > 0 and op.category == "matmuls" for op in grouped)
+    ours_flops, hf_flops = (sum(op.flops for op in t.ops) for t in (ours, hf))
+    assert ours_flops == pytest.approx(hf_flops, rel=0.02)
+    rows = rf.main(
+        ["--model", "qwen3-moe-tiny", "--seq_len", "32", "--micro_batch", "2", "--ignored", "0", "--out", str(tmp_path)]
+    )
+    assert [r["stack"] for r in rows] == ["ours", "hf"]
+    text = (tmp_path / "roofline_qwen3-moe-tiny.md").read_text()
+    assert "grouped_mm experts" in text and "| category | ours | hf | ours/hf |" in text
