@@ -75,8 +75,13 @@ class Experts(nn.Module):
         self.impl = "kernels"
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        fn = kernels.moe_experts if self.impl == "kernels" else moe_experts_ref
-        return fn(x, index, weights, self.gate_up_proj, self.down_proj)
+        if self.impl != "kernels":
+            return moe_experts_ref(x, index, weights, self.gate_up_proj, self.down_proj)
+        if torch.is_autocast_enabled(x.device.type):
+            # what autocast does to a matmul's input: the kernels then multiply in the autocast dtype (reading the fp32
+            # master weights and casting each tile as they load it), not in fp32
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return kernels.moe_experts(x, index, weights, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):

@@ -266,3 +266,30 @@ def test_the_trainer_logs_the_aux_loss_beside_the_loss(tmp_path):
         logs[name] = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs["on"]) == 2 and all(h["aux_loss"] > 0.5 for h in logs["on"])
     assert not any("aux_loss" in h for h in logs["off"])
+
+
+def test_under_autocast_the_experts_multiply_in_the_autocast_dtype(tmp_path, monkeypatch):
+    """bf16 autocast: the grouped GEMMs get the tokens in bf16 (as autocast gives a matmul its input; the fp32 master
+    weights are cast tile by tile inside the kernels), and the loss and gradients come out close to the reference path
+    under the same autocast (through the interpreter)."""
+    import kernels
+    import trainer.model.moe as moe_module
+
+    hf_model("mixtral").save_pretrained(tmp_path)
+    ids, labels = batch()
+    seen, original = [], kernels.moe_experts
+
+    def recording(x, *args, **kwargs):
+        seen.append(x.dtype)
+        return original(x, *args, **kwargs)
+
+    monkeypatch.setattr(moe_module.kernels, "moe_experts", recording, raising=True)
+    ref, ours = load_pretrained(tmp_path, use_kernels=False), load_pretrained(tmp_path, use_kernels=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(ids, labels=labels).loss
+        with kernels.backend("triton"):
+            got = ours(ids, labels=labels).loss
+            got.backward()
+    assert seen == [torch.bfloat16] * 3
+    torch.testing.assert_close(got, want, atol=0.02, rtol=0)
+    assert all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() for p in ours.parameters())
