@@ -293,3 +293,23 @@ def test_under_autocast_the_experts_multiply_in_the_autocast_dtype(tmp_path, mon
     assert seen == [torch.bfloat16] * 3
     torch.testing.assert_close(got, want, atol=0.02, rtol=0)
     assert all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() for p in ours.parameters())
+
+
+def test_greedy_generate_matches_full_recompute_and_transformers(tmp_path):
+    """Decoding our Mixtral through the KV cache (a window of 5 under 15 tokens): the tokens of the full recompute and
+    of transformers' generate."""
+    from trainer.model.causal_lm import generate
+
+    hf = hf_model("mixtral")
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, use_kernels=False)
+    prompt = batch(b=1, t=5)[0]
+    new = generate(ours, prompt[0].tolist(), 10)
+    ids = prompt
+    for _ in range(10):  # no cache: the whole forward each step
+        ids = torch.cat([ids, ours.eval()(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert new == ids[0, 5:].tolist()
+    hf.generation_config.eos_token_id = None
+    assert torch.equal(
+        generate(ours, prompt, 10), hf.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    )
