@@ -7,7 +7,7 @@ state dicts name the same tensors:
     mlp.experts.gate_up_proj     (E, 2I, H)  each expert's gate rows then up rows
     mlp.experts.down_proj        (E, H, I)
 
-On disk transformers 5.24 writes (and the released checkpoints hold) one 2-D weight per expert; `checkpoint_parts`
+On disk transformers 5.24 writes (and the released checkpoints hold) one 2-D weight per expert; `file_parts`
 says which file tensor is which slice of our 3-D parameters (trainer/build.py reads and writes through it).
 
 Routing, exactly as each family computes it (logits in the activations' dtype):
