@@ -13,6 +13,7 @@ Slow: about 20 s per type on a 2-core machine (an hour in all); run it with -m s
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -45,6 +46,9 @@ def test_the_type_trains_or_stops_in_one_line(model_type, tmp_path):
             text=True,
             timeout=TIMEOUT_S,
             preexec_fn=_cap_memory,
+            # as a user runs it: tests/conftest.py's TRITON_INTERPRET=1 would run our kernels in Triton's interpreter
+            # (our MoE types' grouped GEMMs took over 300 s there, 16 s without)
+            env={**os.environ, "TRITON_INTERPRET": "0"},
         )
     except subprocess.TimeoutExpired:
         pytest.skip(f"{model_type}: its tiny checkpoint does not train within {TIMEOUT_S} s here (not shrunk enough)")
