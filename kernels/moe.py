@@ -75,6 +75,8 @@ fp32 inputs use K step 32 and 64-wide gemm2 tiles (`GPU_TILES_F32`). Not yet tim
     bf16 Qwen3-30B-A3B (SwiGLU)      gemm1 128, gemm2 111 (dx pass 106), dgrad 167, wgrad DOWN 118 / UP 64
     bf16 gpt-oss-20b (clamped, bias) gemm1 217, gemm2 119 (dx pass 111), dgrad 208, wgrad DOWN 175 / UP 80
     fp32 Qwen3-30B-A3B               gemm1 244, gemm2 168 (dx pass 128), dgrad 195, wgrad DOWN 83 / UP 77
+    bf16 tokens, fp32 weights        gemm1 181, gemm2 168 (dx pass 164), dgrad 167, wgrad DOWN 113 / UP 59 (Qwen3's
+    (training under bf16 autocast)   shape; shared memory up to 104 KB: the fp32 weight tiles; CI compiles this one)
 (64 x 128 weight-gradient tiles spilled 32 B in gpt-oss's DOWN pass and fp32 at K step 64 spilled up to 904 B.)
 
 `moe_experts_grouped_mm` is the same op through `torch._grouped_mm` (transformers 5's "grouped_mm" experts): the
