@@ -5,7 +5,8 @@ compiles for sm_90 (H100) with no register spills.
 run, each distinct one compiled with triton.compile for GPUTarget("cuda", 90, 32) and ptxas's report read). It
 runs in a subprocess because this test session sets TRITON_INTERPRET=1, and interpreted kernels cannot be
 compiled. Measured: ~45 s wall on the shared 2-core CI box (24 configurations, ~20 s of CPU); the MoE experts' 18
-configurations (four GEMM kernels, two models in bf16 and one in fp32) took it to ~100 s wall, ~85 s of CPU.
+configurations (four GEMM kernels; two models in bf16, and Qwen3-MoE's with fp32 master weights as autocast training
+runs it: ~30 s of CPU) add about as much again.
 Print the table yourself: python -m bench.sm90
 """
 
@@ -106,15 +107,15 @@ def test_every_op_and_variant_is_compiled(compiled):
     dequant = {(r["constexprs"]["NESTED"], r["constexprs"]["COLS"]) for r in compiled if r["case"] == "dequantize_4bit"}
     assert dequant == {("False", "64"), ("True", "64"), ("True", "2048")}
     # the MoE experts' grouped GEMMs: both activations (Qwen3-MoE's SwiGLU, gpt-oss's clamped form with biases), both
-    # weight-gradient passes, and the fp32 path's IEEE dots
-    moe = {
-        (r["kernel"], r["constexprs"].get("ACT"), r["constexprs"]["F32_DOT"])
-        for r in compiled
-        if r["case"] == "moe_experts"
-    }
+    # weight-gradient passes, on the tensor cores; SwiGLU's twice (bf16 weights, and fp32 master weights cast per tile
+    # as training under autocast runs it: its own compile, told apart by its larger shared memory)
+    moe = [r for r in compiled if r["case"] == "moe_experts"]
+    assert all(r["constexprs"]["F32_DOT"] == "False" for r in moe)
     for kernel in ("_moe_gemm1_kernel", "_moe_dgrad_kernel"):
-        assert {(kernel, act, "False") for act in ("0", "1")} | {(kernel, "0", "True")} <= moe
-    assert ("_moe_gemm2_kernel", None, "False") in moe and ("_moe_gemm2_kernel", None, "True") in moe
+        assert sorted(r["constexprs"]["ACT"] for r in moe if r["kernel"] == kernel) == ["0", "0", "1"]
+    gemm1_silu = [r["shared"] for r in moe if r["kernel"] == "_moe_gemm1_kernel" and r["constexprs"]["ACT"] == "0"]
+    assert len(set(gemm1_silu)) == 2
+    assert {r["constexprs"]["HAS_SCALE"] for r in moe if r["kernel"] == "_moe_gemm2_kernel"} == {"False", "True"}
     downs = {r["constexprs"]["DOWN"] for r in compiled if r["kernel"] == "_moe_wgrad_kernel"}
     assert downs == {"False", "True"}
 
