@@ -13,8 +13,6 @@ Shapes: T 17-23 tokens, H 40, I 24 (not powers of 2), E 5 (10 for k = 8), one ex
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from transformers import GptOssConfig, Qwen3MoeConfig
@@ -265,15 +263,52 @@ def test_moe_block_gradients_through_the_router_equal_the_reference():
         torch.testing.assert_close(o.double(), r, atol=2e-5 * r.abs().max().item(), rtol=0, msg=name)
 
 
-def test_triton_is_deterministic_and_fast_enough():
+def test_triton_is_deterministic():
     inputs, index, dy, _ = _case(QWEN, 2, seed=8)
-    start = time.perf_counter()
     first = _run(_triton, inputs, index, dy, QWEN, torch.float32)
-    elapsed = time.perf_counter() - start
     second = _run(_triton, inputs, index, dy, QWEN, torch.float32)
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), name
-    assert elapsed < 10, f"one interpreted forward and backward took {elapsed:.1f} s (tiles too small for CI?)"
+
+
+def _bf16_tokens_fp32_weights(kind, device, tokens):
+    """What training under bf16 autocast runs (our model's experts: bf16 tokens and router weights, the fp32 master
+    weights cast per tile in the kernels, fp32 weight gradients): within twice PyTorch's own bf16 error of the fp64
+    reference (its bf16 run with bf16 weights), every output and gradient."""
+    cfg, bias = (GPT_OSS, True) if kind == "gpt_oss" else (QWEN, False)
+    g = torch.Generator().manual_seed(11)
+    num_experts, k = 8, 2
+    index, weights = _routing(k, g, num_experts=num_experts, tokens=tokens)
+    x, dy = torch.randn(tokens, HID, generator=g), torch.randn(tokens, HID, generator=g)
+    params = _experts(cfg, num_experts, bias=bias, seed=3)
+    inputs = [x.bfloat16().float(), weights.bfloat16().float(), *params]  # the values both runs see
+    if kind == "gpt_oss":
+        cfg = dict(cfg, limit=_limit_away_from(inputs, index))
+
+    def run(dtypes, fn):
+        leaves = [None if t is None else t.to(device, dt).requires_grad_() for t, dt in zip(inputs, dtypes)]
+        out = fn(leaves[0], index.to(device), *leaves[1:], **cfg)
+        given = [t for t in leaves if t is not None]
+        return [out.detach(), *torch.autograd.grad(out, given, dy.to(device, out.dtype))]
+
+    bf16, f32, f64 = torch.bfloat16, torch.float32, torch.float64
+    ours = run([bf16, bf16, f32, f32, f32, f32], _triton)
+    ref = run([f64] * 6, moe_experts_ref)
+    eager = run([bf16] * 6, moe_experts_ref)
+    for name, o, r, e in zip(NAMES, ours, ref, eager):
+        assert o.dtype == (bf16 if name in ("out", "dx", "dtop_k_weights") else f32), name
+        assert_lowp_close(o.float().cpu(), r.cpu(), e.float().cpu(), bf16, name=name, extra_ulps=1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_triton_bf16_tokens_with_fp32_master_weights(kind):
+    _bf16_tokens_fp32_weights(kind, "cpu", tokens=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_on_the_gpu_bf16_tokens_with_fp32_master_weights(kind):
+    _bf16_tokens_fp32_weights(kind, "cuda", tokens=48)
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
