@@ -712,6 +712,12 @@ class Trainer:
         self._log(run, logs)
         sums.logged_loss, sums.logged_steps, sums.last_grad_norm = 0.0, 0, None
 
+    def _record_aux_loss(self, out) -> None:
+        """A training forward's MoE load-balancing loss (our MoE models' `aux_loss`), for `_take_aux_loss`."""
+        aux = out.get("aux_loss") if isinstance(out, dict) else None
+        if aux is not None and torch.is_grad_enabled():
+            self._aux_sums.append(aux.detach())
+
     def _take_aux_loss(self) -> dict:
         """{"aux_loss": the mean load-balancing loss of the training batches since the last log, over all ranks} for
         our MoE models with output_router_logits (its term is inside `loss` already, as transformers adds it; TRL logs
@@ -851,9 +857,7 @@ class Trainer:
             kwargs["labels"] = HostLabels(kwargs["labels"])
         out = model(**kwargs)
         loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-        aux = out.get("aux_loss") if isinstance(out, dict) else None
-        if aux is not None and torch.is_grad_enabled():  # our MoE models' load-balancing loss: logged as aux_loss
-            self._aux_sums.append(aux.detach())
+        self._record_aux_loss(out)
         if loss is not None and "num_items" in accepted:
             return loss
         if loss is not None:

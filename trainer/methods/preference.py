@@ -297,6 +297,7 @@ class PreferenceTrainer(Trainer):
             cpo_alpha=self.pref.cpo_alpha,
         )
         out = self._forward(model, batch, device, preference_loss=options)
+        self._record_aux_loss(out)
         loss, metrics = out.loss, out.metrics
         pairs = int(batch["num_pairs"])
         if pairs:

@@ -313,3 +313,32 @@ def test_greedy_generate_matches_full_recompute_and_transformers(tmp_path):
     assert torch.equal(
         generate(ours, prompt, 10), hf.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
     )
+
+
+def test_dpo_adds_and_logs_the_aux_loss(tmp_path):
+    """DPO on our MoE with output_router_logits: each step's loss holds router_aux_loss_coef x aux on top of the
+    preference loss (as TRL's DPOTrainer adds it), and the log has aux_loss."""
+    import json
+
+    from tests.trainer.methods.test_preference import make_args
+    from trainer.data.preference_data import load_preference_dataset
+    from trainer.data.tasks import generate_tasks, preference_pair
+    from trainer.data.tokenizer import byte_level_tokenizer
+    from trainer.methods.preference import PreferenceArguments, PreferenceTrainer
+
+    hf_model("qwen3_moe", vocab_size=320).save_pretrained(tmp_path / "model")
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(preference_pair(ex)) + "\n" for ex in generate_tasks(8, 4)))
+    pairs = load_preference_dataset(path, byte_level_tokenizer(), show_progress=False)
+    trainer = PreferenceTrainer(
+        model=load_pretrained(tmp_path / "model", use_kernels=False),
+        args=make_args(tmp_path, max_steps=1, learning_rate=0.0),
+        pref=PreferenceArguments(),
+        train_dataset=pairs,
+        processing_class=byte_level_tokenizer(),
+    )
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    assert log["aux_loss"] > 0.5
+    # at step 0 the policy is its reference: the sigmoid loss is log 2, the aux term on top
+    assert log["loss"] == pytest.approx(0.6931472 + 0.001 * log["aux_loss"], abs=1e-5)
