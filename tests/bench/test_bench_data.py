@@ -56,6 +56,7 @@ def test_end_to_end_without_trl(tmp_path):
     assert "200 conversations" in page and "| ours_2proc | 200 |" in page and "streaming peak RSS" in page
 
 
+@pytest.mark.slow  # 25-40 s on 2 shared cores
 def test_skip_stream_runs_ours_alone(tmp_path):
     rows = _rows(tmp_path, "--skip-trl", "--skip-stream", "--note", "beside the test suite")
     assert set(rows) == {"ours_1proc", "ours_2proc", "ours_warm", "num_proc_2_speedup", "warm_over_cold"}

@@ -317,6 +317,7 @@ def test_a_kernel_landing_under_a_modelled_name_runs_its_model(monkeypatch):
     assert "apply" not in SwiGLUFunction.__dict__  # restored on the way out
 
 
+@pytest.mark.slow  # 20-35 s: a subprocess importing bitsandbytes under fake CUDA
 def test_bitsandbytes_imports_under_the_fake_cuda_mode():
     """The QLoRA extra installs bitsandbytes, which liger's import of peft pulls in while the roofline's fake CUDA
     mode is on; its import-time `torch.device("cuda", index=0)` must not meet the mode's meta rewrite."""

@@ -91,9 +91,9 @@ def _parallel_args(parallel: str, tmp_path) -> list[str]:
         (CYCLE, 1, "ddp", None),
         ([*CYCLE, *EVAL], 1, "fsdp2", None),
         pytest.param(CYCLE, 1, "zero2", None, marks=pytest.mark.slow),  # ZeRO-3's run covers its sampling and more
-        (CYCLE, 1, "zero3", None),
+        pytest.param(CYCLE, 1, "zero3", None, marks=pytest.mark.slow),  # ZeRO-3 GRPO: test_deepspeed's slow suite
         # no LoRA dropout: its draws depend on the number of processes (with 0.05 the adapters differ by ~30%)
-        ([*CYCLE, "--use_peft", "true", "--lora_dropout", "0"], 1, "fsdp2", None),
+        pytest.param([*CYCLE, "--use_peft", "true", "--lora_dropout", "0"], 1, "fsdp2", None, marks=pytest.mark.slow),
         # the transformers path: softcapping and sliding windows, mixture of experts, hybrid linear attention
         (CYCLE, 1, "fsdp2", "gemma2"),
         pytest.param(CYCLE, 1, "zero3", "gemma2", marks=pytest.mark.slow),

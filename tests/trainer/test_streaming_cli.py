@@ -91,6 +91,7 @@ def test_sigkill_then_resume_of_a_streamed_mixture_equals_the_unbroken_run(sourc
     assert state["streaming"] and state["consumed"] == 8 and state["buffer_start"]["pass"] >= 1
 
 
+@pytest.mark.slow  # 30-45 s: two 2-process launches and a resume
 def test_two_processes_equal_one_and_a_one_process_checkpoint_resumes_on_two(sources, tmp_path):
     one = tmp_path / "one"
     run(argv(sources, one, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"))

@@ -481,6 +481,7 @@ def _two_process_runs(checkpoints, tmp_path, jobs_of, lora_too: bool):
                 )
 
 
+@pytest.mark.slow  # 40-90 s on 2 shared cores (three 2-process launches); GRPO's gemma2-fsdp2 run stays in CI
 def test_ddp_fsdp2_and_lora_on_two_processes_match_one_process(checkpoints, tmp_path):
     """DDP, FSDP2 (each decoder layer a unit, fp32) and LoRA under FSDP2 equal one process (`_two_process_runs`);
     an FSDP2 run resumes from its checkpoint."""

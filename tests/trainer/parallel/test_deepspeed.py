@@ -309,6 +309,7 @@ def test_two_processes_equal_one_process(ds_suite, reference_run, name):  # noqa
     assert (checkpoint / "deepspeed" / "state").is_dir() and (checkpoint / "trainer_state.json").is_file()
 
 
+@pytest.mark.slow  # 25-45 s: its own launch; FSDP2's sampling test (test_distributed.py) stays in CI
 def test_zero3_sampling_gathers_the_weights_once_while_ranks_stop_apart(tmp_path, data_file):  # noqa: F811
     """GRPO's generation under ZeRO-3 (`DeepSpeedRun.full_weights`): the partitions gathered once and ZeRO-3's
     per-module hooks off meanwhile, so a rank that stops decoding early leaves no other waiting; the completions
