@@ -1192,6 +1192,12 @@ class TrainingArguments:
                     f"{given[0]}={getattr(self, given[0])!r} is a LoRA setting, but use_peft is off; "
                     "add --use_peft (LlamaFactory: finetuning_type: lora)"
                 )
+        if self.use_peft and self.lora_target_parameters and self.lora_dropout:
+            # peft's LoRA on a stacked tensor adds its delta to the weight, which no dropout on the input can reach
+            raise ConfigError(
+                f"lora_dropout={self.lora_dropout!r}: peft's LoRA on lora_target_parameters (stacked expert tensors) "
+                "takes no dropout; set --lora_dropout 0"
+            )
 
     def _validate_quantization(self) -> None:
         # a setting of the other width, or of none, would be ignored: refuse it

@@ -81,7 +81,9 @@ def base_name(name: str) -> str | None:
     the name itself without peft, None for an adapter weight."""
     if is_adapter_name(name):
         return None
-    return name.replace(".base_layer.", ".").replace(".original_module.", ".")
+    # nested wrappers nest the segment (peft's target_parameters on two tensors of one module: experts.base_layer.
+    # base_layer.gate_up_proj), and str.replace does not see a match that overlaps the one before it
+    return ".".join(part for part in name.split(".") if part not in ("base_layer", "original_module"))
 
 
 def peft_key(name: str) -> str:

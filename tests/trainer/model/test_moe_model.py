@@ -342,3 +342,74 @@ def test_dpo_adds_and_logs_the_aux_loss(tmp_path):
     assert log["aux_loss"] > 0.5
     # at step 0 the policy is its reference: the sigmoid loss is log 2, the aux term on top
     assert log["loss"] == pytest.approx(0.6931472 + 0.001 * log["aux_loss"], abs=1e-5)
+
+
+def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(tmp_path):
+    """peft's target_parameters on our experts (`--lora_target_parameters mlp.experts.gate_up_proj
+    mlp.experts.down_proj`, beside attention LoRA): two steps train the adapter; the adapter files carry peft's nested
+    keys, and peft loads them over transformers' model with our logits. The adapter's delta is formed whole each
+    forward, as peft forms it (the grouped LoRA GEMMs are issue 46's next step). Dropout there is a one-line error."""
+    import peft
+
+    from tests.trainer.loop.test_golden import _examples
+    from trainer.config.args import TrainingArguments
+    from trainer.data.sft_data import TokenizedDataset
+    from trainer.loop.trainer import Trainer
+    from trainer.model.lora import apply_lora, load_adapter
+
+    hf = hf_model("qwen3_moe", vocab_size=320)
+    hf.save_pretrained(tmp_path / "base")
+    lora = dict(use_peft=True, lora_r=2, lora_alpha=4, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"])
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        learning_rate=1e-2,
+        lora_target_parameters=experts,
+        **lora,
+    )
+    model = apply_lora(load_pretrained(tmp_path / "base", use_kernels=False), args)
+    Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(_examples(n=4))).train()
+    Trainer(model=model, args=args).save_model(tmp_path / "adapter")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        keys = [k for k in f.keys() if ".mlp." in k and "layers.0." in k]
+    assert sorted(keys) == sorted(
+        f"base_model.model.model.layers.0.mlp.experts.{inner}lora_{ab}.weight"
+        for inner in ("", "base_layer.")
+        for ab in "AB"
+    )
+    ours = load_adapter(load_pretrained(tmp_path / "base", use_kernels=False), tmp_path / "adapter").eval()
+    theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids, _ = batch()
+    with torch.no_grad():
+        got, want = ours(ids).logits, theirs(input_ids=ids).logits
+        with theirs.disable_adapter():
+            base = theirs(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (want - base).abs().max() > 1e-3  # the experts' adapter trained
+
+
+def test_lora_dropout_with_target_parameters_is_one_line():
+    from trainer.coerce import ConfigError
+    from trainer.config.args import TrainingArguments
+
+    with pytest.raises(
+        ConfigError, match=r"^lora_dropout=0.05: peft's LoRA on lora_target_parameters .* --lora_dropout 0$"
+    ):
+        TrainingArguments(output_dir="unused", use_peft=True, lora_target_parameters=["mlp.experts.gate_up_proj"])
+
+
+def test_base_names_under_nested_peft_wrappers():
+    from trainer.model.lora import base_name
+
+    nested = "model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj"  # two target_parameters on one module
+    assert base_name(nested) == "model.layers.0.mlp.experts.gate_up_proj"
+    assert base_name("model.layers.0.self_attn.q_proj.base_layer.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert base_name("model.norm.original_module.weight") == "model.norm.weight"
+    assert base_name("model.layers.0.mlp.experts.lora_A.default.weight") is None
