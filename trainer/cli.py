@@ -331,14 +331,13 @@ def model_line(model) -> str:
     c = ours.config
     used = kernels_used.get(ours.impl, "none (PyTorch ops)")
     line = f"our model: {c.model_type} (trainer.model.causal_lm); kernels: {used}"
+    on_gpu = next(ours.parameters()).is_cuda
     if "linear_attention" in c.layer_types and ours.impl == "kernels":
-        on_gpu = next(ours.parameters()).is_cuda
         recurrence = fla_status() if on_gpu else "the chunked reference (CPU)"
         line += f"; Gated DeltaNet: causal conv and gated norm ours, recurrence {recurrence}"
     if c.text_of is not None:
         line += f"; of the {c.text_of} checkpoint its text model only: the vision tower is neither trained nor saved"
     if any(c.layer_moe):
-        on_gpu = next(ours.parameters()).is_cuda
         experts = "our grouped GEMMs" if ours.impl == "kernels" and on_gpu else "the expert loop in PyTorch"
         aux = (
             f"load-balancing loss x router_aux_loss_coef {c.router_aux_loss_coef:g}"

@@ -1127,12 +1127,12 @@ class CausalLM(nn.Module):
         recurrence = linear and 18 * linear * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
         return 6 * n + attention + recurrence
 
-    def hidden_states(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None):
-        """Final-norm hidden states (B, T, C). With `cache`, decode from cache.length on (left padding: cache.pad)."""
-        return self._backbone(input_ids, position_ids, attention_mask, cache)[0]
-
-    def _backbone(self, input_ids, position_ids, attention_mask, cache) -> tuple[torch.Tensor, list[RouterStats]]:
-        """`hidden_states`, and the MoE layers' load-balancing sums (with output_router_logits; else empty)."""
+    def hidden_states(
+        self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None, router_stats=None
+    ):
+        """Final-norm hidden states (B, T, C). With `cache`, decode from cache.length on (left padding: cache.pad).
+        `router_stats`: a list that receives the MoE layers' load-balancing sums (RouterStats, with
+        output_router_logits)."""
         if input_ids.dim() != 2:
             raise ModelError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -1164,7 +1164,6 @@ class CausalLM(nn.Module):
             attns = [plan] * len(self.model.layers)
         cos, sin = self.model.rotary_emb(rope_pos)  # (B or 1, T, D) fp32
         update = None  # the last MLP output, added to x by the next norm (DecoderLayer.forward)
-        stats = []  # MoE layers' load-balancing sums (RouterStats), with output_router_logits
         for index, (layer, attn) in enumerate(zip(self.model.layers, attns)):
             for hook in self.block_hooks:
                 hook(index)
@@ -1174,9 +1173,9 @@ class CausalLM(nn.Module):
                 )
             else:
                 x, update, layer_stats = layer(x, update, cos, sin, attn)
-            if layer_stats is not None:
-                stats.append(layer_stats)
-        return add_rms_norm(self.model.norm, x, update)[0], stats
+            if layer_stats is not None and router_stats is not None:
+                router_stats.append(layer_stats)
+        return add_rms_norm(self.model.norm, x, update)[0]
 
     def _neftune(self, x, attention_mask, position_ids):
         # NEFTune (Jain et al. 2023): x + U(-1, 1) * alpha / sqrt(L * d), L = the token's own document length
@@ -1217,10 +1216,10 @@ class CausalLM(nn.Module):
                 "forward: inputs_embeds, output_attentions, output_hidden_states and return_dict=False "
                 "are not supported (pass input_ids; the output always holds loss and logits)"
             )
-        hidden, stats = self._backbone(input_ids, position_ids, attention_mask, None)  # (B, T, C)
+        stats: list[RouterStats] = []
         out = head_forward(  # the hidden states held by head_forward alone, which frees them early under autocast
             self.lm_head,
-            hidden,
+            self.hidden_states(input_ids, position_ids, attention_mask, router_stats=stats),  # (B, T, C)
             labels,
             impl=self.impl,
             label_smoothing=self.label_smoothing,
@@ -1230,7 +1229,6 @@ class CausalLM(nn.Module):
             preference_loss=preference_loss,
             head=head,
         )
-        del hidden
         if stats:
             out.aux_loss = load_balancing_loss(stats)
             if out.loss is not None and labels is not None:
