@@ -202,6 +202,7 @@ def test_streamed_pairs_train_as_the_pairs_in_memory_and_resume(tmp_path):
     assert "precompute_ref_log_probs: not with --streaming" in done.stderr and not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # 20-30 s on 2 shared cores: its own launch; DPO under FSDP2 and SFT under ZeRO-3 stay in CI
 def test_deepspeed_zero3_runs_as_given(tmp_path):
     """`python -m trainer.dpo --deepspeed ds_zero3.json` (one process, no launcher: DeepSpeed forms its own group),
     the reference given by name (`--ref_model tiny`, built like the policy and run through its own ZeRO-3 engine):

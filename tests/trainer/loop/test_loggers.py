@@ -78,7 +78,10 @@ def test_all_is_jsonl_and_every_installed_logger(monkeypatch):
     assert TrainingArguments(report_to="all").report_to == ["jsonl", "trackio"]
 
 
-@pytest.mark.parametrize("name", ["tensorboard", "wandb"])
+@pytest.mark.parametrize(
+    "name",
+    ["tensorboard", pytest.param("wandb", marks=pytest.mark.slow)],  # one path: a CLI start each
+)
 def test_cli_missing_logger_exits_2_with_one_line_before_any_work(name, tmp_path):
     out = tmp_path / "out"
     code = (
