@@ -79,6 +79,21 @@ fp32 inputs use K step 32 and 64-wide gemm2 tiles (`GPU_TILES_F32`). Not yet tim
     (training under bf16 autocast)   shape; shared memory up to 104 KB: the fp32 weight tiles; CI compiles this one)
 (64 x 128 weight-gradient tiles spilled 32 B in gpt-oss's DOWN pass and fp32 at K step 64 spilled up to 904 B.)
 
+LoRA on the experts (`gate_up_lora`, `down_lora`: ExpertLoRA, peft's `target_parameters` factors as they are)
+    gate_up += s1 (x A1_e^T) B1_e^T;  y += s2 (h A2_e^T) B2_e^T              (A_e (r, in), B_e (out, r) per expert)
+as more rank-r GEMMs on the same sorted rows and tiles, fused into the base kernels (never the (E, out, in) delta
+that peft's ParamWrapper forms and adds to the weight every forward, 2 E H I elements per tensor):
+    gemm1   x A1^T accumulated in the same K loop over H (each I block: r / (2 BLOCK_N) more FLOPs), rounded to x's
+            dtype, times B1^T into gate and up before the bias and activation; column block 0 saves x A1^T (N, r).
+    gemm2   h A2^T in the K loop over I, times B2^T into y before the bias and router weight; saves h A2^T (N, r).
+    dgrad   dy B2 in the K loop over H: g += s2 (dy B2) A2 (so dtop_k_weights and d gate_up include the adapter);
+            saves dy B2 (N, r).
+    dx pass dgu B1 in its K loop over 2I: dx += s1 (dgu B1) A1; saves dgu B1 (N, r).
+    factor gradients, four more `_moe_wgrad_kernel` passes (rank-r wide), written into peft's layouts:
+            dA1 = s1 (dgu B1)^T x,  dB1 = s1 dgu^T (x A1^T),  dA2 = s2 (w dy B2)^T h,  dB2 = s2 (w dy)^T (h A2^T).
+The rank-r intermediates are rounded to x's dtype as peft's own 16-bit LoRA layers round them. Kept for the
+backward: 2 N r more elements per layer. `moe_experts_ref` adds the same terms expert by expert.
+
 `moe_experts_grouped_mm` is the same op through `torch._grouped_mm` (transformers 5's "grouped_mm" experts): the
 rows gathered in expert order, two grouped GEMMs, the rest in PyTorch, `index_add` back; autograd for the backward.
 torch 2.13 runs it forward and backward on CPU too (fp32, bf16) when H and I rows are 16-byte aligned (it raises
@@ -130,6 +145,52 @@ def _check_args(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_
         raise ValueError(f"moe_experts: down_bias must be ({e}, {h}), got {tuple(down_bias.shape)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertLoRA:
+    """peft's LoRA on one stacked expert tensor (`target_parameters`), as its ParamWrapper holds it: lora_A (r E, in)
+    with expert e's rows at [e r, (e + 1) r), lora_B (out, r E) with expert e's column j at j E + e; expert e's
+    delta maps `in` to `out` of the projection (gate_up: H to 2I in the parameter's column order, down: I to H) as
+    scaling B_e A_e, whatever the parameter's layout (peft's einsum). The kernels read both through their strides
+    (no copy) and never form the (E, out, in) delta: x A_e^T then B_e, on the expert's rows."""
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scaling: float
+
+    def rank(self, num_experts: int) -> int:
+        return self.lora_A.shape[0] // num_experts
+
+    def factors(self, e: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (A_e (r, in), B_e (out, r)), views."""
+        r = self.rank(num_experts)
+        return self.lora_A[e * r : (e + 1) * r], self.lora_B[:, e::num_experts]
+
+
+def _check_lora(lora: ExpertLoRA | None, name: str, num_experts: int, fan_in: int, fan_out: int) -> None:
+    if lora is None:
+        return
+    a, b = lora.lora_A, lora.lora_B
+    r = a.shape[0] // num_experts if a.dim() == 2 else 0
+    if (
+        a.dim() != 2
+        or b.dim() != 2
+        or r < 1
+        or a.shape != (r * num_experts, fan_in)
+        or b.shape != (fan_out, r * num_experts)
+    ):
+        raise ValueError(
+            f"moe_experts: {name} LoRA factors must be lora_A (r E, {fan_in}) and lora_B ({fan_out}, r E) with "
+            f"E = {num_experts}, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+
+
+def _check_loras(gate_up, down, transposed, gate_up_lora, down_lora) -> None:
+    e = gate_up.shape[0]
+    h, two_i = (gate_up.shape[1], gate_up.shape[2]) if transposed else (gate_up.shape[2], gate_up.shape[1])
+    _check_lora(gate_up_lora, "gate_up", e, h, two_i)
+    _check_lora(down_lora, "down", e, two_i // 2, h)
+
+
 def split_gate_up(gate_up: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up halves of a (..., 2I) projection: even/odd columns if interleaved, else first/second half."""
     if interleaved:
@@ -162,10 +223,14 @@ def moe_experts_ref(
     act: str = "silu",
     alpha: float = GPT_OSS_ALPHA,
     limit: float = GPT_OSS_LIMIT,
+    gate_up_lora: ExpertLoRA | None = None,
+    down_lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """transformers' eager expert loop: for each expert with tokens, its rows through the gated MLP, weighted, and
-    `index_add_`-ed back in x's dtype. Differentiable in x, the router weights, the weights and the biases."""
+    `index_add_`-ed back in x's dtype. Differentiable in x, the router weights, the weights, the biases and the LoRA
+    factors, which join as `rows A_e^T B_e^T scaling` (ExpertLoRA: the delta is never formed)."""
     _check_args(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, transposed, act)
+    _check_loras(gate_up_proj, down_proj, transposed, gate_up_lora, down_lora)
     out = torch.zeros_like(x)
     num_experts = gate_up_proj.shape[0]
     with torch.no_grad():
@@ -175,11 +240,17 @@ def moe_experts_ref(
         rows = x[token_idx]
         w1 = gate_up_proj[e] if transposed else gate_up_proj[e].t()  # (H, 2I)
         gate_up = rows @ w1
+        if gate_up_lora is not None:
+            a, b = gate_up_lora.factors(e, num_experts)
+            gate_up = gate_up + (rows @ a.t()) @ b.t() * gate_up_lora.scaling
         if gate_up_bias is not None:
             gate_up = gate_up + gate_up_bias[e]
         h = expert_act(*split_gate_up(gate_up, interleaved), act, alpha, limit)
         w2 = down_proj[e] if transposed else down_proj[e].t()  # (I, H)
         y = h @ w2
+        if down_lora is not None:
+            a, b = down_lora.factors(e, num_experts)
+            y = y + (h @ a.t()) @ b.t() * down_lora.scaling
         if down_bias is not None:
             y = y + down_bias[e]
         y = y * top_k_weights[token_idx, slot, None]
@@ -341,13 +412,26 @@ if HAS_TRITON:
         up_off,
         alpha,
         limit,
+        la_ptr,  # LoRA: A[e][k, j] (H, r) at e la_e + k la_k + j la_j (peft's lora_A read transposed)
+        lb_ptr,  # LoRA: B[e][j, c] (r, 2I) at e lb_e + j lb_j + c lb_n, c the parameter's column (lora_B transposed)
+        lsave_ptr,  # LoRA: (N, r) output in x's dtype: x A^T of each sorted row (SAVE; written by column block 0)
+        rank,
+        l_scale,
+        la_e,
+        la_k,
+        la_j,
+        lb_e,
+        lb_j,
+        lb_n,
         ACT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         SAVE: tl.constexpr,
         F32_DOT: tl.constexpr,
+        LORA: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
         tile = tl.program_id(0)
         row_start = tl.load(tile_ptr + n_tiles + tile)
@@ -365,6 +449,9 @@ if HAS_TRITON:
         w_base = w_ptr + e * stride_we
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        jr = tl.arange(0, BLOCK_R)  # LoRA rank index
+        jr_ok = jr < rank
+        acc_r = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)  # x A^T (LORA)
         for k0 in range(0, H, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
             k_ok = ks < H
@@ -375,6 +462,31 @@ if HAS_TRITON:
             wu = tl.load(w_rows + c_up[None, :] * stride_wc, mask=w_mask, other=0.0)
             acc_g = _mma(acc_g, a, wg, F32_DOT)
             acc_u = _mma(acc_u, a, wu, F32_DOT)
+            if LORA:
+                la_tile = la_ptr + e * la_e + ks[:, None] * la_k + jr[None, :] * la_j
+                acc_r = _mma(acc_r, a, tl.load(la_tile, mask=k_ok[:, None] & jr_ok[None, :], other=0.0), F32_DOT)
+        if LORA:
+            # (x A^T rounded to x's dtype, as saved for the backward) B, scaled, joins gate and up before the bias
+            xa = acc_r.to(gu_ptr.dtype.element_ty)
+            lb_rows = lb_ptr + e * lb_e + jr[:, None] * lb_j
+            lb_mask = jr_ok[:, None] & j_ok[None, :]
+            lg = _mma(
+                tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                xa,
+                tl.load(lb_rows + c_gate[None, :] * lb_n, mask=lb_mask, other=0.0),
+                F32_DOT,
+            )
+            lu = _mma(
+                tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                xa,
+                tl.load(lb_rows + c_up[None, :] * lb_n, mask=lb_mask, other=0.0),
+                F32_DOT,
+            )
+            acc_g += l_scale * lg
+            acc_u += l_scale * lu
+            if SAVE and tl.program_id(1) == 0:
+                r_mask = row_ok[:, None] & jr_ok[None, :]
+                tl.store(lsave_ptr + rows.to(tl.int64)[:, None] * rank + jr[None, :], xa, mask=r_mask)
         if HAS_BIAS:
             acc_g += tl.load(b_ptr + e * stride_be + c_gate, mask=j_ok, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(b_ptr + e * stride_be + c_up, mask=j_ok, other=0.0).to(tl.float32)[None, :]
@@ -408,12 +520,25 @@ if HAS_TRITON:
         stride_wk,
         stride_wn,
         stride_be,
+        la_ptr,  # LoRA: P[e][k, j] (K, r) at e la_e + k la_k + j la_j: A_down^T (forward) or B_gate_up (dx)
+        lb_ptr,  # LoRA: Q[e][j, n] (r, NC) at e lb_e + j lb_j + n lb_n: B_down^T (forward) or A_gate_up (dx)
+        lsave_ptr,  # LoRA: (N, r) output in a's dtype, a P of each sorted row (written by column block 0)
+        rank,
+        l_scale,
+        la_e,
+        la_k,
+        la_j,
+        lb_e,
+        lb_j,
+        lb_n,
         HAS_BIAS: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         F32_DOT: tl.constexpr,
+        LORA: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
         tile = tl.program_id(0)
         row_start = tl.load(tile_ptr + n_tiles + tile)
@@ -428,12 +553,30 @@ if HAS_TRITON:
         col_ok = cols < NC
         w_base = w_ptr + e * stride_we + cols[None, :] * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        jr = tl.arange(0, BLOCK_R)
+        jr_ok = jr < rank
+        acc_r = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)  # a P (LORA)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             a = tl.load(a_ptr + rows64[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_base + ks[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = _mma(acc, a, b, F32_DOT)
+            if LORA:
+                la_tile = la_ptr + e * la_e + ks[:, None] * la_k + jr[None, :] * la_j
+                acc_r = _mma(acc_r, a, tl.load(la_tile, mask=k_ok[:, None] & jr_ok[None, :], other=0.0), F32_DOT)
+        if LORA:
+            ap = acc_r.to(a_ptr.dtype.element_ty)  # rounded to a's dtype, as saved for the backward
+            lb_tile = lb_ptr + e * lb_e + jr[:, None] * lb_j + cols[None, :] * lb_n
+            lq = _mma(
+                tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                ap,
+                tl.load(lb_tile, mask=jr_ok[:, None] & col_ok[None, :], other=0.0),
+                F32_DOT,
+            )
+            acc += l_scale * lq
+            if tl.program_id(1) == 0:
+                tl.store(lsave_ptr + rows64[:, None] * rank + jr[None, :], ap, mask=row_ok[:, None] & jr_ok[None, :])
         if HAS_BIAS:
             acc += tl.load(b_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         dest = tl.load(assign_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # (BLOCK_M,)
@@ -467,12 +610,25 @@ if HAS_TRITON:
         up_off,
         alpha,
         limit,
+        la_ptr,  # LoRA: B_down[e][h, j] (H, r) at e la_e + h la_k + j la_j (peft's lora_B)
+        lb_ptr,  # LoRA: A_down[e][j, i] (r, I) at e lb_e + j lb_j + i lb_n (peft's lora_A)
+        lsave_ptr,  # LoRA: (N, r) output in x's dtype: dout[token] B_down of each sorted row (column block 0)
+        rank,
+        l_scale,
+        la_e,
+        la_k,
+        la_j,
+        lb_e,
+        lb_j,
+        lb_n,
         ACT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         F32_DOT: tl.constexpr,
+        LORA: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
         tile = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -491,6 +647,9 @@ if HAS_TRITON:
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # dy W_down^T, before the top-k weight
         bias_dot = tl.zeros([BLOCK_M], dtype=tl.float32)  # <dy, b_down[e]> (block 0 only)
         bias_h = tl.where(pid_n == 0, H, 0)  # the bias columns this program reads: all in block 0, none elsewhere
+        jr = tl.arange(0, BLOCK_R)
+        jr_ok = jr < rank
+        acc_r = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)  # dy B_down (LORA)
         for k0 in range(0, H, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < H
@@ -501,6 +660,22 @@ if HAS_TRITON:
             if HAS_BIAS:
                 b = tl.load(b_ptr + e * stride_be + ks, mask=ks < bias_h, other=0.0).to(tl.float32)
                 bias_dot += tl.sum(dy.to(tl.float32) * b[None, :], axis=1)
+            if LORA:
+                la_tile = la_ptr + e * la_e + ks[:, None] * la_k + jr[None, :] * la_j
+                acc_r = _mma(acc_r, dy, tl.load(la_tile, mask=k_ok[:, None] & jr_ok[None, :], other=0.0), F32_DOT)
+        if LORA:
+            # the adapter's share of dy W_down'^T: s (dy B) A, with dy B rounded to x's dtype as saved
+            gb = acc_r.to(dgu_ptr.dtype.element_ty)
+            lb_tile = lb_ptr + e * lb_e + jr[:, None] * lb_j + j[None, :] * lb_n
+            lg = _mma(
+                tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                gb,
+                tl.load(lb_tile, mask=jr_ok[:, None] & j_ok[None, :], other=0.0),
+                F32_DOT,
+            )
+            g += l_scale * lg
+            if pid_n == 0:
+                tl.store(lsave_ptr + rows64[:, None] * rank + jr[None, :], gb, mask=row_ok[:, None] & jr_ok[None, :])
         mask = row_ok[:, None] & j_ok[None, :]
         c_gate = j * col_step
         c_up = c_gate + up_off
@@ -521,9 +696,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_wgrad_kernel(
-        a_ptr,  # DOWN: (N, 2I) saved gate and up (A = act(gate, up)); else (T, H) x (A = x[token]); row stride
-        b_ptr,  # DOWN: (T, H) upstream gradient (B = dy[token] w); else (N, 2I) d gate_up; row stride stride_bt
-        scale_ptr,  # (T k,) the top-k weights by assignment (DOWN)
+        a_ptr,  # A's rows (row stride stride_at): A_MODE 0 sorted rows, 1 rows by token, 2 act(gate, up) of the
+        #         saved (N, 2I) gate_up (column p at p col_step and p col_step + up_off)
+        b_ptr,  # B's rows (row stride stride_bt): B_MODE 0 sorted rows, 1 rows by token; times the top-k weight of
+        #         the row's assignment if B_SCALE
+        scale_ptr,  # (T k,) the top-k weights by assignment (B_SCALE)
         off_ptr,  # (E + 1,) int32: expert e owns sorted rows [off[e], off[e + 1])
         tok_ptr,  # (N,) int32: the token of each sorted row
         assign_ptr,  # (N,) int32: its assignment
@@ -541,7 +718,10 @@ if HAS_TRITON:
         up_off,
         alpha,
         limit,
-        DOWN: tl.constexpr,
+        out_scale,
+        A_MODE: tl.constexpr,
+        B_MODE: tl.constexpr,
+        B_SCALE: tl.constexpr,
         ACT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         F32_DOT: tl.constexpr,
@@ -549,8 +729,9 @@ if HAS_TRITON:
         BLOCK_Q: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        # dW[e] = A_e^T B_e over expert e's rows: DOWN (P = I, Q = H) dW_down = h^T (w dy); else (P = H, Q = 2I)
-        # dW_gate_up = x^T dgu. A^T is loaded as a (BLOCK_P, BLOCK_K) tile directly (no transpose in registers).
+        # dW[e] = out_scale A_e^T B_e over expert e's rows. The base weights: DOWN (A act, B by token scaled; P = I,
+        # Q = H) dW_down = h^T (w dy); UP (A by token, B sorted; P = H, Q = 2I) dW_gate_up = x^T dgu. The LoRA
+        # factors' passes (`_WGRAD_PASSES`) mix the modes. A^T is loaded as a (BLOCK_P, BLOCK_K) tile directly.
         e = tl.program_id(0).to(tl.int64)
         pid_p = tl.program_id(1)
         alpha32, limit32 = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
@@ -569,25 +750,28 @@ if HAS_TRITON:
             tok = tl.load(tok_ptr + m, mask=m_ok, other=0).to(tl.int64)
             a_mask = p_ok[:, None] & m_ok[None, :]
             b_mask = m_ok[:, None] & q_ok[None, :]
-            if DOWN:
+            if A_MODE == 2:
                 c_gate = p * col_step
                 gate = tl.load(a_ptr + m64[None, :] * stride_at + c_gate[:, None], mask=a_mask, other=0.0)
                 up = tl.load(a_ptr + m64[None, :] * stride_at + (c_gate + up_off)[:, None], mask=a_mask, other=0.0)
                 a = _act_fwd(gate.to(tl.float32), up.to(tl.float32), alpha32, limit32, ACT)
                 a = a.to(gate.dtype)  # (BLOCK_P, BLOCK_K): h^T, rounded like the forward's stored h
+            elif A_MODE == 1:
+                a = tl.load(a_ptr + tok[None, :] * stride_at + p[:, None], mask=a_mask, other=0.0)  # x^T
+            else:
+                a = tl.load(a_ptr + m64[None, :] * stride_at + p[:, None], mask=a_mask, other=0.0)
+            b_rows = tok if B_MODE == 1 else m64
+            b = tl.load(b_ptr + b_rows[:, None] * stride_bt + q[None, :], mask=b_mask, other=0.0)
+            if B_SCALE:
                 dest = tl.load(assign_ptr + m, mask=m_ok, other=0).to(tl.int64)
                 w = tl.load(scale_ptr + dest, mask=m_ok, other=0.0).to(tl.float32)
-                dy = tl.load(b_ptr + tok[:, None] * stride_bt + q[None, :], mask=b_mask, other=0.0).to(tl.float32)
-                b = dy * w[:, None]  # (BLOCK_K, BLOCK_Q) fp32: _mma casts it to a's dtype
-            else:
-                a = tl.load(a_ptr + tok[None, :] * stride_at + p[:, None], mask=a_mask, other=0.0)  # x^T
-                b = tl.load(b_ptr + m64[:, None] * stride_bt + q[None, :], mask=b_mask, other=0.0)
+                b = b.to(tl.float32) * w[:, None]  # (BLOCK_K, BLOCK_Q) fp32: _mma casts it to a's dtype
             acc = _mma(acc, a, b, F32_DOT)
             if HAS_BIAS:
                 db += tl.sum(b.to(tl.float32), axis=0)
         tl.store(
             dw_ptr + e * stride_de + p[:, None] * stride_dp + q[None, :] * stride_dq,
-            acc.to(dw_ptr.dtype.element_ty),
+            (acc * out_scale).to(dw_ptr.dtype.element_ty),
             mask=p_ok[:, None] & q_ok[None, :],
         )
         if HAS_BIAS:
@@ -638,15 +822,55 @@ def _sum_slots(buf: torch.Tensor, route: Routing) -> torch.Tensor:
     return buf.view(route.tokens, route.k, buf.shape[1]).sum(dim=1)
 
 
+def _block_r(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))  # tl.dot's least dimension
+
+
+def _lora_args(lora: ExpertLoRA | None, num_experts: int, use: str, ref: torch.Tensor) -> tuple:
+    """The LoRA arguments of gemm1, gemm2 and dgrad (la, lb, rank, scaling and their strides): `use` says which
+    factor each kernel reads as its (K, r) and (r, N) operands, "AtBt" (x A^T then B^T: the forward) or "BA"
+    (g B then A: the backward's input gradients). Without LoRA, placeholders the kernels never read."""
+    if lora is None:
+        return (ref, ref, 0, 0.0, 0, 0, 0, 0, 0, 0)
+    a, b, r = lora.lora_A, lora.lora_B, lora.rank(num_experts)
+    a_t = (r * a.stride(0), a.stride(1), a.stride(0))  # A_e^T (in, r): [k, j] = A[e r + j, k]
+    a_n = (r * a.stride(0), a.stride(0), a.stride(1))  # A_e (r, in): [j, n] = A[e r + j, n]
+    b_t = (b.stride(1), num_experts * b.stride(1), b.stride(0))  # B_e^T (r, out): [j, n] = B[n, j E + e]
+    b_n = (b.stride(1), b.stride(0), num_experts * b.stride(1))  # B_e (out, r): [k, j] = B[k, j E + e]
+    first, second, strides = (a, b, (*a_t, *b_t)) if use == "AtBt" else (b, a, (*b_n, *a_n))
+    return (first, second, r, float(lora.scaling), *strides)
+
+
 def moe_experts_fwd(
-    x, route, weights, gate_up, down, gate_up_bias, down_bias, *, layout, act, alpha, limit, tiles, save
+    x,
+    route,
+    weights,
+    gate_up,
+    down,
+    gate_up_bias,
+    down_bias,
+    *,
+    layout,
+    act,
+    alpha,
+    limit,
+    tiles,
+    save,
+    lora=(None, None),
 ):
-    """Forward on sorted rows. Returns out (T, H) in x's dtype and the pre-activation gate_up (N, 2I) (None without
-    `save`). x, gate_up_bias and down_bias need unit column strides; weights the contiguous (T, k) top-k weights."""
+    """Forward on sorted rows. Returns out (T, H) in x's dtype and what the backward keeps (all None without `save`):
+    the pre-activation gate_up (N, 2I), and with LoRA x A_gate_up^T and h A_down^T (N, r) of each sorted row, in x's
+    dtype. x, gate_up_bias and down_bias need unit column strides; weights the contiguous (T, k) top-k weights.
+    `lora`: the ExpertLoRA of gate_up and of down, or None each."""
     hidden, n, inter = x.shape[1], route.assign.numel(), layout.inter
+    num_experts = gate_up.shape[0]
     f32 = _f32_dot(x)
+    lora1, lora2 = lora
     h = torch.empty((n, inter), dtype=x.dtype, device=x.device)  # (N, I)
     gu = torch.empty((n, 2 * inter), dtype=x.dtype, device=x.device) if save else None  # (N, 2I)
+    xa = torch.empty((n, lora1.rank(num_experts)), dtype=x.dtype, device=x.device) if save and lora1 else None
+    ha = torch.empty((n, lora2.rank(num_experts)), dtype=x.dtype, device=x.device) if lora2 else None
+    args1 = _lora_args(lora1, num_experts, "AtBt", x)
     _moe_gemm1_kernel[(route.max_tiles, triton.cdiv(inter, tiles.block_n1))](
         x,
         gate_up,
@@ -667,17 +891,24 @@ def moe_experts_fwd(
         layout.up_off,
         alpha,
         limit,
+        args1[0],
+        args1[1],
+        h if xa is None else xa,
+        *args1[2:],
         ACT=ACTS.index(act),
         HAS_BIAS=gate_up_bias is not None,
         SAVE=save,
         F32_DOT=f32,
+        LORA=lora1 is not None,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n1,
         BLOCK_K=tiles.block_k,
+        BLOCK_R=_block_r(args1[2]),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     y = torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # (T k, H) by assignment
+    args2 = _lora_args(lora2, num_experts, "AtBt", h)
     _moe_gemm2_kernel[(route.max_tiles, triton.cdiv(hidden, tiles.block_n2))](
         h,
         down,
@@ -693,16 +924,66 @@ def moe_experts_fwd(
         layout.w2_i,
         layout.w2_h,
         0 if down_bias is None else down_bias.stride(0),
+        args2[0],
+        args2[1],
+        h if ha is None else ha,
+        *args2[2:],
         HAS_BIAS=down_bias is not None,
         HAS_SCALE=True,
         F32_DOT=f32,
+        LORA=lora2 is not None,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n2,
+        BLOCK_K=tiles.block_k,
+        BLOCK_R=_block_r(args2[2]),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return _sum_slots(y, route), (gu, xa, ha if save else None)
+
+
+def _wgrad(a, b, out, logical_strides, p, q, route, weights, modes, *, options, block_p, block_q, scale=1.0, bias=None):
+    """One weight-gradient pass: out[e][p, q] = scale sum over expert e's rows of A[row, p] B[row, q], written through
+    `logical_strides` (expert, p, q) into `out` (a parameter's own layout, or peft's for the LoRA factors); `modes`
+    (A_MODE, B_MODE, B_SCALE) say where A's and B's rows come from (see _moe_wgrad_kernel); `bias` receives B's
+    column sums per expert."""
+    layout, tiles = options["layout"], options["tiles"]
+    _moe_wgrad_kernel[(route.offsets.numel() - 1, triton.cdiv(p, block_p), triton.cdiv(q, block_q))](
+        a,
+        b,
+        weights,
+        route.offsets,
+        route.token,
+        route.assign,
+        out,
+        out if bias is None else bias,
+        p,
+        q,
+        a.stride(0),
+        b.stride(0),
+        *logical_strides,
+        0 if bias is None else bias.stride(0),
+        layout.col_step,
+        layout.up_off,
+        float(options["alpha"]),
+        float(options["limit"]),
+        float(scale),
+        A_MODE=modes[0],
+        B_MODE=modes[1],
+        B_SCALE=modes[2],
+        ACT=ACTS.index(options["act"]),
+        HAS_BIAS=bias is not None,
+        F32_DOT=_f32_dot(a),
+        BLOCK_P=block_p,
+        BLOCK_Q=block_q,
         BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return _sum_slots(y, route), gu
+
+
+# A_MODE: 0 sorted rows, 1 rows by token, 2 act(gate_up); B_MODE: 0 sorted, 1 by token; B_SCALE: times the top-k weight
+_DOWN, _UP = (2, 1, True), (1, 0, False)
 
 
 def moe_experts_bwd(
@@ -714,7 +995,7 @@ def moe_experts_bwd(
     down,
     gate_up_bias,
     down_bias,
-    gu,
+    saved,
     *,
     layout,
     act,
@@ -722,18 +1003,26 @@ def moe_experts_bwd(
     limit,
     tiles,
     needs=(True,) * 6,
+    lora=(None, None),
+    lora_needs=(False,) * 4,
 ):
-    """Backward. `needs`: which of (dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias) to return (the others
-    are None; dweights always comes with the dgrad pass). Gradients in their inputs' dtypes, dW in the parameters'
-    own layouts."""
+    """Backward. `saved`: the forward's (gate_up, x A^T, h A^T). `needs`: which of (dx, dweights, dgate_up, ddown,
+    dgate_up_bias, ddown_bias) to return (the others are None; dweights always comes with the dgrad pass);
+    `lora_needs`: which of (d lora_A, d lora_B of gate_up, of down). Returns the six, then the four (None where not
+    needed). Gradients in their inputs' dtypes, dW in the parameters' own layouts (the LoRA factors' in peft's)."""
+    gu, xa, ha = saved
+    lora1, lora2 = lora
     (t, hidden), n, inter = x.shape, route.assign.numel(), layout.inter
     num_experts = gate_up.shape[0]
     f32 = _f32_dot(x)
+    options = dict(layout=layout, act=act, alpha=alpha, limit=limit, tiles=tiles)
     alpha, limit, act_id = float(alpha), float(limit), ACTS.index(act)
     warps = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     dgu = torch.empty((n, 2 * inter), dtype=x.dtype, device=x.device)  # (N, 2I) d gate_up, parameter column order
+    gb = torch.empty((n, lora2.rank(num_experts)), dtype=x.dtype, device=x.device) if lora2 else None
     blocks = triton.cdiv(inter, tiles.block_n1)
     dw_part = torch.empty((blocks, n), dtype=torch.float32, device=x.device)  # every element written once
+    args2 = _lora_args(lora2, num_experts, "BA", dout)
     _moe_dgrad_kernel[(route.max_tiles, blocks)](
         dout,
         down,
@@ -758,18 +1047,27 @@ def moe_experts_bwd(
         layout.up_off,
         alpha,
         limit,
+        args2[0],
+        args2[1],
+        dgu if gb is None else gb,
+        *args2[2:],
         ACT=act_id,
         HAS_BIAS=down_bias is not None,
         F32_DOT=f32,
+        LORA=lora2 is not None,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n1,
         BLOCK_K=tiles.block_k,
+        BLOCK_R=_block_r(args2[2]),
         **warps,
     )
     d_weights = dw_part.sum(dim=0).view(t, route.k).to(weights.dtype) if needs[1] else None  # (T, k)
     dx = d_gate_up = d_down = d_gate_up_bias = d_down_bias = None
-    if needs[0]:
+    dgb = None  # d gate_up B_gate_up (N, r): the dx pass gives it, dA_gate_up needs it
+    if needs[0] or lora_needs[0]:
         dxbuf = torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # (T k, H) by assignment
+        dgb = torch.empty((n, lora1.rank(num_experts)), dtype=x.dtype, device=x.device) if lora1 else None
+        args1 = _lora_args(lora1, num_experts, "BA", dgu)
         _moe_gemm2_kernel[(route.max_tiles, triton.cdiv(hidden, tiles.block_n2))](
             dgu,
             gate_up,
@@ -785,15 +1083,22 @@ def moe_experts_bwd(
             layout.w1_c,  # W1 read transposed: B[e][c, h]
             layout.w1_h,
             0,
+            args1[0],
+            args1[1],
+            dgu if dgb is None else dgb,
+            *args1[2:],
             HAS_BIAS=False,
             HAS_SCALE=False,
             F32_DOT=f32,
+            LORA=lora1 is not None,
             BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n2,
             BLOCK_K=tiles.block_k,
+            BLOCK_R=_block_r(args1[2]),
             **warps,
         )
-        dx = _sum_slots(dxbuf, route)
+        dx = _sum_slots(dxbuf, route) if needs[0] else None
+    blocks_pq = dict(block_p=tiles.block_p, block_q=tiles.block_q)
     for down_pass, want_w, want_b in ((True, needs[3], needs[5]), (False, needs[2], needs[4])):
         bias = down_bias if down_pass else gate_up_bias
         want_b = want_b and bias is not None
@@ -804,41 +1109,101 @@ def moe_experts_bwd(
         dbias = torch.empty_like(bias) if want_b else None
         p, q = (inter, hidden) if down_pass else (hidden, 2 * inter)
         # the logical (P, Q) = (I, H) or (H, 2I) index of dW in the parameter's layout (as Layout reads the weight)
-        strides = dweight.stride()[1:] if layout.transposed else dweight.stride()[:0:-1]
-        _moe_wgrad_kernel[(num_experts, triton.cdiv(p, tiles.block_p), triton.cdiv(q, tiles.block_q))](
-            gu if down_pass else x,
-            dout if down_pass else dgu,
-            weights,
-            route.offsets,
-            route.token,
-            route.assign,
+        strides = (dweight.stride(0), *(dweight.stride()[1:] if layout.transposed else dweight.stride()[:0:-1]))
+        a, b = (gu, dout) if down_pass else (x, dgu)
+        _wgrad(
+            a,
+            b,
             dweight,
-            dweight if dbias is None else dbias,
+            strides,
             p,
             q,
-            gu.stride(0) if down_pass else x.stride(0),
-            dout.stride(0) if down_pass else dgu.stride(0),
-            dweight.stride(0),
-            *strides,
-            0 if dbias is None else dbias.stride(0),
-            layout.col_step,
-            layout.up_off,
-            alpha,
-            limit,
-            DOWN=down_pass,
-            ACT=act_id,
-            HAS_BIAS=dbias is not None,
-            F32_DOT=f32,
-            BLOCK_P=tiles.block_p,
-            BLOCK_Q=tiles.block_q,
-            BLOCK_K=tiles.block_k,
-            **warps,
+            route,
+            weights,
+            _DOWN if down_pass else _UP,
+            options=options,
+            bias=dbias,
+            **blocks_pq,
         )
         if down_pass:
             d_down, d_down_bias = (dweight if want_w else None), dbias
         else:
             d_gate_up, d_gate_up_bias = (dweight if want_w else None), dbias
-    return dx, d_weights, d_gate_up, d_down, d_gate_up_bias, d_down_bias
+    lora_grads = [None] * 4
+    for i, (lora, want) in enumerate(zip((lora1, lora1, lora2, lora2), lora_needs)):
+        if not want:
+            continue
+        factor = lora.lora_A if i % 2 == 0 else lora.lora_B
+        grad = torch.empty_like(factor)
+        r = lora.rank(num_experts)
+        br = _block_r(r)
+        s0, s1 = grad.stride()
+        if i == 0:  # dA_gate_up[e r + j, h] = s sum (dgu B)[row, j] x[token, h]
+            _wgrad(
+                dgb,
+                x,
+                grad,
+                (r * s0, s0, s1),
+                r,
+                hidden,
+                route,
+                weights,
+                (0, 1, False),
+                options=options,
+                block_p=br,
+                block_q=tiles.block_q,
+                scale=lora.scaling,
+            )
+        elif i == 1:  # dB_gate_up[c, j E + e] = s sum dgu[row, c] (x A^T)[row, j]
+            _wgrad(
+                dgu,
+                xa,
+                grad,
+                (s1, s0, num_experts * s1),
+                2 * inter,
+                r,
+                route,
+                weights,
+                (0, 0, False),
+                options=options,
+                block_p=tiles.block_p,
+                block_q=br,
+                scale=lora.scaling,
+            )
+        elif i == 2:  # dA_down[e r + j, i] = s sum h[row, i] w (dy B)[row, j]
+            _wgrad(
+                gu,
+                gb,
+                grad,
+                (r * s0, s1, s0),
+                inter,
+                r,
+                route,
+                weights,
+                (2, 0, True),
+                options=options,
+                block_p=tiles.block_p,
+                block_q=br,
+                scale=lora.scaling,
+            )
+        else:  # dB_down[h, j E + e] = s sum (h A^T)[row, j] w dy[token, h]
+            _wgrad(
+                ha,
+                dout,
+                grad,
+                (s1, num_experts * s1, s0),
+                r,
+                hidden,
+                route,
+                weights,
+                (0, 1, True),
+                options=options,
+                block_p=br,
+                block_q=tiles.block_q,
+                scale=lora.scaling,
+            )
+        lora_grads[i] = grad
+    return (dx, d_weights, d_gate_up, d_down, d_gate_up_bias, d_down_bias, *lora_grads)
 
 
 class MoEExpertsFunction(torch.autograd.Function):
@@ -848,9 +1213,9 @@ class MoEExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, gate_up_bias, down_bias, route, options):
         save = any(ctx.needs_input_grad[:6])
-        out, gu = moe_experts_fwd(x, route, weights, gate_up, down, gate_up_bias, down_bias, save=save, **options)
+        out, saved = moe_experts_fwd(x, route, weights, gate_up, down, gate_up_bias, down_bias, save=save, **options)
         if save:
-            ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias, gu)
+            ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias, saved[0])
             ctx.route, ctx.options = route, options
         return out
 
@@ -866,11 +1231,55 @@ class MoEExpertsFunction(torch.autograd.Function):
             down,
             gate_up_bias,
             down_bias,
-            gu,
+            (gu, None, None),
             needs=ctx.needs_input_grad[:6],
             **ctx.options,
         )
-        return (*grads, None, None)
+        return (*grads[:6], None, None)
+
+
+class MoEExpertsLoRAFunction(torch.autograd.Function):
+    """MoEExpertsFunction with peft's LoRA on gate_up and/or down as two more grouped GEMMs on the same rows (the
+    adapter's x A^T and B fused into the base kernels' loops and epilogues, module docstring): also saves x A^T and
+    h A^T (N, r each), and the backward adds the factors' gradients, four grouped GEMMs of rank r."""
+
+    @staticmethod
+    def forward(ctx, x, weights, gate_up, down, gate_up_bias, down_bias, a1, b1, a2, b2, route, options, scalings):
+        lora = tuple(
+            None if a is None else ExpertLoRA(a, b, s) for a, b, s in ((a1, b1, scalings[0]), (a2, b2, scalings[1]))
+        )
+        save = any(ctx.needs_input_grad[:10])
+        out, saved = moe_experts_fwd(
+            x, route, weights, gate_up, down, gate_up_bias, down_bias, save=save, lora=lora, **options
+        )
+        if save:
+            ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias, a1, b1, a2, b2, *saved)
+            ctx.route, ctx.options, ctx.scalings = route, options, scalings
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weights, gate_up, down, gate_up_bias, down_bias, a1, b1, a2, b2, *saved = ctx.saved_tensors
+        lora = tuple(
+            None if a is None else ExpertLoRA(a, b, s)
+            for a, b, s in ((a1, b1, ctx.scalings[0]), (a2, b2, ctx.scalings[1]))
+        )
+        grads = moe_experts_bwd(
+            _unit_col(dout),
+            x,
+            ctx.route,
+            weights,
+            gate_up,
+            down,
+            gate_up_bias,
+            down_bias,
+            tuple(saved),
+            needs=ctx.needs_input_grad[:6],
+            lora=lora,
+            lora_needs=ctx.needs_input_grad[6:10],
+            **ctx.options,
+        )
+        return (*grads, None, None, None)
 
 
 def moe_experts(
@@ -887,12 +1296,18 @@ def moe_experts(
     act: str = "silu",
     alpha: float = GPT_OSS_ALPHA,
     limit: float = GPT_OSS_LIMIT,
+    gate_up_lora: ExpertLoRA | None = None,
+    down_lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
-    """The routed experts' output (T, H) in x's dtype (see the module docstring for the math and layouts).
+    """The routed experts' output (T, H) in x's dtype (see the module docstring for the math and layouts), with
+    peft's LoRA on gate_up and/or down when given (ExpertLoRA: never the (E, out, in) delta).
 
     CUDA tensors run the Triton grouped GEMMs, CPU tensors the reference (`kernels._dispatch`)."""
     _check_args(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, transposed, act)
-    tensors = (x, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+    _check_loras(gate_up_proj, down_proj, transposed, gate_up_lora, down_lora)
+    loras = (gate_up_lora, down_lora)
+    factors = [t for lora in loras if lora is not None for t in (lora.lora_A, lora.lora_B)]
+    tensors = (x, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *factors)
     if not use_triton(*tensors) or x.dtype not in _DTYPES or top_k_index.numel() == 0:
         return moe_experts_ref(
             x,
@@ -907,6 +1322,8 @@ def moe_experts(
             act=act,
             alpha=alpha,
             limit=limit,
+            gate_up_lora=gate_up_lora,
+            down_lora=down_lora,
         )
     tiles = (GPU_TILES_F32 if x.dtype == torch.float32 else GPU_TILES) if x.is_cuda else CPU_TILES
     route = moe_route(top_k_index, gate_up_proj.shape[0], tiles.block_m)
@@ -917,16 +1334,13 @@ def moe_experts(
         limit=float(limit),
         tiles=tiles,
     )
-    return MoEExpertsFunction.apply(
-        _unit_col(x),
-        top_k_weights.contiguous(),
-        gate_up_proj,
-        down_proj,
-        _unit_col(gate_up_bias),
-        _unit_col(down_bias),
-        route,
-        options,
-    )
+    args = (_unit_col(x), top_k_weights.contiguous(), gate_up_proj, down_proj, _unit_col(gate_up_bias))
+    args += (_unit_col(down_bias),)
+    if gate_up_lora is None and down_lora is None:
+        return MoEExpertsFunction.apply(*args, route, options)
+    factors = tuple(t for lora in loras for t in ((None, None) if lora is None else (lora.lora_A, lora.lora_B)))
+    scalings = tuple(0.0 if lora is None else float(lora.scaling) for lora in loras)
+    return MoEExpertsLoRAFunction.apply(*args, *factors, route, options, scalings)
 
 
 def moe_experts_grouped_mm(
