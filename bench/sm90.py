@@ -53,6 +53,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 import kernels  # noqa: E402
 from kernels.adamw import FusedAdamW  # noqa: E402
 from kernels.dequantize_4bit import NestedAbsmax  # noqa: E402
+from kernels.moe import ExpertLoRA  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMS = 132  # H100 SXM; the launchers size persistent grids from it
@@ -385,6 +386,25 @@ def _moe_experts():
         b2 = _cuda(experts, hidden, dtype=w_dtype, grad=True) if bias else None
         out = kernels.moe_experts(x, index, weights, w1, w2, b1, b2, **layout)
         out.backward(torch.empty_like(out))
+    # LoRA r 16 on both expert tensors at Qwen3's shape under autocast (frozen fp32 weights, fp32 factors): the rank
+    # GEMMs fused into the four kernels, and the factors' four weight-gradient passes
+    hidden, inter, experts, k, rank = 2048, 768, 128, 8, 16
+    x = _cuda(8192, hidden, dtype=torch.bfloat16, grad=True)
+    index = torch.empty(8192, k, dtype=torch.int64, device="cuda")
+    weights = _cuda(8192, k, dtype=torch.bfloat16, grad=True)
+    w1 = _cuda(experts, 2 * inter, hidden, dtype=torch.float32)
+    w2 = _cuda(experts, hidden, inter, dtype=torch.float32)
+    f32 = torch.float32
+    loras = [
+        ExpertLoRA(
+            _cuda(rank * experts, fan_in, dtype=f32, grad=True),
+            _cuda(fan_out, rank * experts, dtype=f32, grad=True),
+            2.0,
+        )
+        for fan_in, fan_out in ((hidden, 2 * inter), (inter, hidden))
+    ]
+    out = kernels.moe_experts(x, index, weights, w1, w2, gate_up_lora=loras[0], down_lora=loras[1])
+    out.backward(torch.empty_like(out))
 
 
 def _dequantize_4bit():

@@ -77,6 +77,8 @@ fp32 inputs use K step 32 and 64-wide gemm2 tiles (`GPU_TILES_F32`). Not yet tim
     fp32 Qwen3-30B-A3B               gemm1 244, gemm2 168 (dx pass 128), dgrad 195, wgrad DOWN 83 / UP 77
     bf16 tokens, fp32 weights        gemm1 181, gemm2 168 (dx pass 164), dgrad 167, wgrad DOWN 113 / UP 59 (Qwen3's
     (training under bf16 autocast)   shape; shared memory up to 104 KB: the fp32 weight tiles; CI compiles this one)
+    the same with LoRA r 16 on both  gemm1 224 (112 KB shared), gemm2 180 (dx pass 170), dgrad 168; the factors'
+    (frozen fp32 weights)            passes dA1 39, dB1 34, dA2 62, dB2 56
 (64 x 128 weight-gradient tiles spilled 32 B in gpt-oss's DOWN pass and fp32 at K step 64 spilled up to 904 B.)
 
 LoRA on the experts (`gate_up_lora`, `down_lora`: ExpertLoRA, peft's `target_parameters` factors as they are)

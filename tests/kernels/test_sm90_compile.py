@@ -108,16 +108,25 @@ def test_every_op_and_variant_is_compiled(compiled):
     assert dequant == {("False", "64"), ("True", "64"), ("True", "2048")}
     # the MoE experts' grouped GEMMs: both activations (Qwen3-MoE's SwiGLU, gpt-oss's clamped form with biases), both
     # weight-gradient passes, on the tensor cores; SwiGLU's twice (bf16 weights, and fp32 master weights cast per tile
-    # as training under autocast runs it: its own compile, told apart by its larger shared memory)
+    # as training under autocast runs it: its own compile, told apart by its larger shared memory); and LoRA on both
+    # expert tensors: the rank GEMMs in gemm1, both gemm2 uses and dgrad, the factors' four weight-gradient passes
     moe = [r for r in compiled if r["case"] == "moe_experts"]
     assert all(r["constexprs"]["F32_DOT"] == "False" for r in moe)
     for kernel in ("_moe_gemm1_kernel", "_moe_dgrad_kernel"):
-        assert sorted(r["constexprs"]["ACT"] for r in moe if r["kernel"] == kernel) == ["0", "0", "1"]
+        acts = sorted((r["constexprs"]["ACT"], r["constexprs"]["LORA"]) for r in moe if r["kernel"] == kernel)
+        assert acts == [("0", "False"), ("0", "False"), ("0", "True"), ("1", "False")]
     gemm1_silu = [r["shared"] for r in moe if r["kernel"] == "_moe_gemm1_kernel" and r["constexprs"]["ACT"] == "0"]
-    assert len(set(gemm1_silu)) == 2
-    assert {r["constexprs"]["HAS_SCALE"] for r in moe if r["kernel"] == "_moe_gemm2_kernel"} == {"False", "True"}
-    downs = {r["constexprs"]["DOWN"] for r in compiled if r["kernel"] == "_moe_wgrad_kernel"}
-    assert downs == {"False", "True"}
+    assert len(set(gemm1_silu)) == 3
+    gemm2 = {(r["constexprs"]["HAS_SCALE"], r["constexprs"]["LORA"]) for r in moe if r["kernel"] == "_moe_gemm2_kernel"}
+    assert gemm2 == {(scale, lora) for scale in ("False", "True") for lora in ("False", "True")}
+    modes = {
+        tuple(r["constexprs"][c] for c in ("A_MODE", "B_MODE", "B_SCALE"))
+        for r in compiled
+        if r["kernel"] == "_moe_wgrad_kernel"
+    }
+    base = {("2", "1", "True"), ("1", "0", "False")}
+    lora = {("0", "1", "False"), ("0", "0", "False"), ("2", "0", "True"), ("0", "1", "True")}
+    assert modes == base | lora
 
 
 def test_dequantize_4bit_rounds_products_and_sums_apart(compiled):

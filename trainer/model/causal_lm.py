@@ -1002,14 +1002,15 @@ class CausalLM(nn.Module):
 
     @property
     def fused_lora(self) -> bool:
-        """Whether LoRA layers run through `kernels.lora_projections`/`lora_mlp` with use_kernels (the default;
-        trainer/model/fused_lora.py says when they can), or always as peft's layers."""
-        return all(m.fused_lora for m in self.modules() if isinstance(m, (MLP, Attention)))
+        """Whether LoRA layers run through `kernels.lora_projections`/`lora_mlp` with use_kernels and peft's expert
+        adapters as rank-r GEMMs (the default; trainer/model/fused_lora.py says when they can), or always as peft's
+        layers."""
+        return all(m.fused_lora for m in self.modules() if isinstance(m, (MLP, Attention, SparseMoeBlock)))
 
     @fused_lora.setter
     def fused_lora(self, value: bool) -> None:
         for module in self.modules():
-            if isinstance(module, (MLP, Attention)):
+            if isinstance(module, (MLP, Attention, SparseMoeBlock)):
                 module.fused_lora = bool(value)
 
     def _set_impl(self, impl: str) -> None:

@@ -17,6 +17,13 @@ bitsandbytes layer casts it only without CUDA's autocast (it asks `torch.is_auto
 returns its input's dtype, and its compute dtype must be the matmul dtype (or fp32 under autocast, which autocast
 then casts as it would).
 
+The MoE experts (`find_experts`): peft's `target_parameters` wraps our `Experts` in one ParamWrapper per adapted
+tensor (nested: `mlp.experts.base_layer...`), which forms each tensor's whole (E, out, in) delta every forward and
+adds it to the weight. Under the same conditions (one active, unmerged, plain adapter; nothing hooked) the experts
+run instead with the factors themselves (`kernels.moe.ExpertLoRA`): rank-r GEMMs on the routed rows, the delta never
+formed, with or without use_kernels (the reference adds x A_e^T B_e^T per expert). Values and gradients equal
+peft's to rounding (only the order of the sums differs: tests/trainer/model/test_moe_model.py).
+
 `CausalLM.fused_lora = False` keeps peft's layers everywhere (the benchmark and the tests compare the two).
 """
 
@@ -29,6 +36,7 @@ import torch
 from torch import nn
 
 from kernels.lora import LoRAProjection
+from kernels.moe import ExpertLoRA
 
 ADAPTER = "default"  # peft's name for the one adapter a model carries (trainer/model/lora.py imports it from here)
 
@@ -43,15 +51,11 @@ def _projection(layer: nn.Module, dtype: torch.dtype, autocast: bool):
     if not hasattr(layer, "lora_A"):
         base = _base(layer, dtype, autocast)
         return None if base is None else (base, None, None)
-    lora_A, lora_B, base_layer = layer.lora_A, layer.lora_B, getattr(layer, "base_layer", None)
-    if base_layer is None or ADAPTER not in lora_A or list(layer.active_adapters) != [ADAPTER]:
+    base_layer = getattr(layer, "base_layer", None)
+    if base_layer is None or not _plain_adapter(layer):
         return None
-    if layer.disable_adapters or layer.merged or ADAPTER in getattr(layer, "lora_variant", {}):
-        return None
-    if layer.use_dora.get(ADAPTER) or getattr(layer, "lora_bias", {}).get(ADAPTER):
-        return None
-    A, B, dropout = lora_A[ADAPTER], lora_B[ADAPTER], layer.lora_dropout[ADAPTER]
-    if any(_hooked(m) for m in (layer, A, B, dropout)) or type(dropout) not in (nn.Dropout, nn.Identity):
+    A, B, dropout = layer.lora_A[ADAPTER], layer.lora_B[ADAPTER], layer.lora_dropout[ADAPTER]
+    if type(dropout) not in (nn.Dropout, nn.Identity):
         return None
     base = _base(base_layer, dtype, autocast)
     if base is None or (not autocast and (A.weight.dtype != dtype or B.weight.dtype != dtype)):
@@ -100,3 +104,32 @@ def find(x: torch.Tensor, layers):
         return None  # one adapter config gives every layer the same dropout and dtype; anything else runs as it is
     (dropout, lora_dtype) = adapted.pop()
     return [projection for projection, _, _ in found], dropout, lora_dtype
+
+
+def _plain_adapter(layer: nn.Module) -> bool:
+    """One of peft's LoRA layers with our one adapter active and unmerged, plain (no DoRA, variant or adapter bias),
+    nothing hooked: what the fused paths reproduce."""
+    lora_A, lora_B = layer.lora_A, layer.lora_B
+    if ADAPTER not in lora_A or list(layer.active_adapters) != [ADAPTER]:
+        return False
+    if layer.disable_adapters or layer.merged or ADAPTER in getattr(layer, "lora_variant", {}):
+        return False
+    if layer.use_dora.get(ADAPTER) or getattr(layer, "lora_bias", {}).get(ADAPTER):
+        return False
+    dropout = layer.lora_dropout[ADAPTER]
+    return not any(_hooked(m) for m in (layer, lora_A[ADAPTER], lora_B[ADAPTER], dropout))
+
+
+def find_experts(module: nn.Module, experts_type: type):
+    """(our Experts module, {parameter name: ExpertLoRA}) when `module` is peft's ParamWrapper chain around an
+    `experts_type` module that can run with the factors (module docstring); (module, {}) for a bare Experts; None
+    when peft's wrappers must run as they are (hooked, merged, disabled, another adapter, a variant)."""
+    loras = {}
+    while not isinstance(module, experts_type):
+        name = getattr(module, "parameter_name", None)
+        if name is None or not _plain_adapter(module) or type(module.lora_dropout[ADAPTER]) is not nn.Identity:
+            return None
+        weights = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+        loras[name] = ExpertLoRA(*weights, module.scaling[ADAPTER])
+        module = module.base_layer
+    return None if _hooked(module) else (module, loras)

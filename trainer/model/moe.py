@@ -31,6 +31,7 @@ from torch import nn
 
 import kernels
 from kernels.moe import moe_experts_ref
+from trainer.model import fused_lora
 
 MOE_TYPES = ("qwen3_moe", "mixtral")
 # the per-expert tensors on disk: (the block's prefix under the layer, gate, up, down file names)
@@ -74,14 +75,18 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
         self.impl = "kernels"
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, loras=None) -> torch.Tensor:
+        """`loras`: {parameter name: kernels.moe.ExpertLoRA} of peft's adapter on gate_up_proj and/or down_proj,
+        run as rank-r GEMMs on the routed rows (SparseMoeBlock finds them)."""
+        loras = loras or {}
+        lora = dict(gate_up_lora=loras.get("gate_up_proj"), down_lora=loras.get("down_proj"))
         if self.impl != "kernels":
-            return moe_experts_ref(x, index, weights, self.gate_up_proj, self.down_proj)
+            return moe_experts_ref(x, index, weights, self.gate_up_proj, self.down_proj, **lora)
         if torch.is_autocast_enabled(x.device.type):
             # what autocast does to a matmul's input: the kernels then multiply in the autocast dtype (reading the fp32
             # master weights and casting each tile as they load it), not in fp32
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return kernels.moe_experts(x, index, weights, self.gate_up_proj, self.down_proj)
+        return kernels.moe_experts(x, index, weights, self.gate_up_proj, self.down_proj, **lora)
 
 
 class SparseMoeBlock(nn.Module):
@@ -91,13 +96,21 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = TopKRouter(hidden, num_experts, top_k, kind, norm_topk_prob)
         self.experts = Experts(hidden, inner, num_experts)
+        self.fused_lora = (
+            True  # peft's expert adapter as rank-r GEMMs (trainer/model/fused_lora.py, CausalLM.fused_lora)
+        )
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None, stats: bool = False):
         """x (B, T, H) -> (the experts' output (B, T, H), this layer's RouterStats when `stats`, else None).
         `token_mask` (B, T): the real tokens (None: all), which alone count in the stats."""
         flat = x.reshape(-1, x.shape[-1])
         logits, weights, index = self.gate(flat)
-        out = self.experts(flat, index, weights).view(x.shape)
+        found = fused_lora.find_experts(self.experts, Experts) if self.fused_lora else None
+        if found is None:  # peft's ParamWrappers as they are (the whole delta formed), or no adapter
+            out = self.experts(flat, index, weights)
+        else:
+            out = found[0](flat, index, weights, found[1])
+        out = out.view(x.shape)
         return out, (router_stats(logits, self.gate.top_k, token_mask) if stats else None)
 
 

@@ -5,9 +5,12 @@ and written in transformers' per-expert layout; padding left out of the router s
 Tolerances: fp32 within 1e-5 absolute of transformers (observed ~1e-7: only summation orders differ).
 """
 
+import contextlib
+
 import pytest
 import torch
 
+import kernels
 from trainer.build import load_pretrained, read_model_files, save_pretrained
 from trainer.data.tokenizer import byte_level_tokenizer
 from trainer.model.causal_lm import CausalLM, ModelConfig, ModelError
@@ -346,9 +349,10 @@ def test_dpo_adds_and_logs_the_aux_loss(tmp_path):
 
 def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(tmp_path):
     """peft's target_parameters on our experts (`--lora_target_parameters mlp.experts.gate_up_proj
-    mlp.experts.down_proj`, beside attention LoRA): two steps train the adapter; the adapter files carry peft's nested
-    keys, and peft loads them over transformers' model with our logits. The adapter's delta is formed whole each
-    forward, as peft forms it (the grouped LoRA GEMMs are issue 46's next step). Dropout there is a one-line error."""
+    mlp.experts.down_proj`, beside attention LoRA): two steps train the adapter (run as rank-r GEMMs on the routed
+    rows: peft's whole delta is never formed); the adapter files carry peft's nested keys, and peft loads them over
+    transformers' model with our logits; `python -m trainer.merge` writes merged experts that transformers loads with
+    the same logits. Dropout there is a one-line error."""
     import peft
 
     from tests.trainer.loop.test_golden import _examples
@@ -359,6 +363,7 @@ def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(tmp_path
 
     hf = hf_model("qwen3_moe", vocab_size=320)
     hf.save_pretrained(tmp_path / "base")
+    byte_level_tokenizer().save_pretrained(tmp_path / "base")  # the merge command copies it
     lora = dict(use_peft=True, lora_r=2, lora_alpha=4, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"])
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     args = TrainingArguments(
@@ -373,7 +378,8 @@ def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(tmp_path
         **lora,
     )
     model = apply_lora(load_pretrained(tmp_path / "base", use_kernels=False), args)
-    Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(_examples(n=4))).train()
+    with _no_whole_delta():
+        Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(_examples(n=4))).train()
     Trainer(model=model, args=args).save_model(tmp_path / "adapter")
     from safetensors import safe_open
 
@@ -393,6 +399,77 @@ def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(tmp_path
             base = theirs(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert (want - base).abs().max() > 1e-3  # the experts' adapter trained
+    from trainer.merge import main as merge
+
+    assert (
+        merge(
+            ["--model", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter")]
+            + ["--output_dir", str(tmp_path / "merged")]
+        )
+        == 0
+    )
+    flat = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(flat(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+
+@contextlib.contextmanager
+def _no_whole_delta():
+    """peft's ParamWrapper forms the (E, out, in) delta through these two; inside the block they raise."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("peft formed the experts' whole LoRA delta")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ParamWrapper, "get_delta_weight", refuse)
+        m.setattr(ParamWrapper, "get_delta_factors", refuse)
+        yield
+
+
+@pytest.mark.parametrize("interpret", [False, True], ids=["reference", "triton-interpreter"])
+def test_expert_lora_as_rank_gemms_equals_peft_forming_the_delta(interpret, tmp_path):
+    """Our experts with peft's target_parameters adapter run the factors as rank-r GEMMs (kernels.moe.ExpertLoRA);
+    `fused_lora = False` keeps peft's ParamWrappers (the whole delta added to the weight each forward): the same
+    loss and the same gradient of every adapter weight, fp32, on the reference and the Triton kernels."""
+    from trainer.config.args import TrainingArguments
+    from trainer.model.lora import apply_lora
+
+    hf_model("qwen3_moe").save_pretrained(tmp_path)
+    args = TrainingArguments(
+        output_dir="unused",
+        use_peft=True,
+        lora_r=3,
+        lora_alpha=6,
+        lora_dropout=0.0,
+        lora_target_modules=["q_proj"],
+        lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    ours = apply_lora(load_pretrained(tmp_path, use_kernels=interpret), args)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ids, labels = batch()
+    results = []
+    for fused in (True, False):
+        ours.fused_lora = fused
+        ours.zero_grad()
+        with (
+            kernels.backend("triton" if interpret else "auto"),
+            _no_whole_delta() if fused else contextlib.nullcontext(),
+        ):
+            loss = ours(ids, labels=labels).loss
+            loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in ours.named_parameters() if p.requires_grad}))
+    (loss, grads), (peft_loss, peft_grads) = results
+    torch.testing.assert_close(loss, peft_loss, atol=1e-5, rtol=0)
+    assert any(".mlp.experts.base_layer.lora_A" in n for n in grads) and grads.keys() == peft_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(
+            grad, peft_grads[name], atol=1e-5 * peft_grads[name].abs().max().item() + 1e-7, rtol=0, msg=name
+        )
 
 
 def test_lora_dropout_with_target_parameters_is_one_line():
