@@ -19,6 +19,7 @@ transposed, interleaved, biases, clamped SwiGLU), bf16, tokens per expert (T k /
 
     python bench/bench_moe.py                         # GPU, appends to bench/results/moe.jsonl
     python bench/bench_moe.py --model qwen3-30b-a3b --tokens-per-expert 512
+    python bench/bench_moe.py --lora-rank 16          # LoRA on the experts: ours vs loop vs peft's delta + grouped_mm
     python bench/bench_moe.py --quick                 # CPU smoke run
 """
 
@@ -60,8 +61,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def flops(mode: str, n: int, hidden: int, inter: int) -> int:
-    return {"forward": 6, "backward": 12, "full": 18}[mode] * n * hidden * inter
+def flops(mode: str, n: int, hidden: int, inter: int, rank: int = 0) -> int:
+    """The GEMMs' FLOPs; with LoRA rank r on both tensors (the experts' weights frozen: no dW of their own) the rank
+    GEMMs too: forward 2 N r (2H + 3I), backward dh and dx (6 N H I) and 2 N r (4H + 6I) (the input gradients' and
+    the four factors' rank GEMMs); peft's whole delta (3 E r H I each way) is not counted for anyone."""
+    if not rank:
+        return {"forward": 6, "backward": 12, "full": 18}[mode] * n * hidden * inter
+    fwd = 6 * n * hidden * inter + 2 * n * rank * (2 * hidden + 3 * inter)
+    bwd = 6 * n * hidden * inter + 2 * n * rank * (4 * hidden + 6 * inter)
+    return {"forward": fwd, "backward": bwd, "full": fwd + bwd}[mode]
 
 
 def traffic_parts(
@@ -77,12 +85,17 @@ def traffic_parts(
     bias: bool,
     router_size: int | None = None,
     tiles: moe.Tiles | None = None,
+    lora_rank: int = 0,
+    lora_size: int | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Exact issued (read, write) bytes per kernel for expert row counts `counts` (sum T k), activations of element
     size s, weights and biases of w, router weights of `router_size` (default s): the Triton kernels' names and the
     torch ops between them as bench/traffic.py's `torch_ops` names them (the k slots' sums, the dtop_k_weights
     partials' sum and cast). The routing sort's torch ops are not modelled (O(T k) integers).
-    Every program reads two int32 of the tile table (row start, end), a real tile's a third (its expert)."""
+    Every program reads two int32 of the tile table (row start, end), a real tile's a third (its expert).
+    `lora_rank` r > 0: LoRA on both expert tensors (factors of element size `lora_size`, default w), the experts'
+    weights frozen (no weight-gradient passes of their own): each row kernel reads its (K, r) factor over its K loop
+    and its (r, columns) factor in the epilogue, and saves an (N, r) intermediate; four rank-r weight passes follow."""
     tiles = tiles or (moe.GPU_TILES if common.on_gpu() else moe.CPU_TILES)
     r = router_size or s
     n, experts, bm = tokens * k, len(counts), tiles.block_m
@@ -91,6 +104,7 @@ def traffic_parts(
     nb1, nb2 = _cdiv(inter, tiles.block_n1), _cdiv(hidden, tiles.block_n2)
     table1, table2 = 8 * grid * nb1 + 4 * real * nb1, 8 * grid * nb2 + 4 * real * nb2
     b = w if bias else 0
+    rk, lw = lora_rank, lora_size or w
     out: dict[str, tuple[int, int]] = {}
     slot_sum = (n * hidden * s, tokens * hidden * s) if k > 1 else (0, 0)
     if mode in ("forward", "full"):
@@ -98,26 +112,51 @@ def traffic_parts(
         g1 = (table1 + nb1 * n * (4 + hidden * s) + real * 2 * inter * (hidden * w + b), 3 * n * inter * s)
         # gemm2: h rows, assignments and router weights per H block, W_down and the bias per tile; (T k, H) rows
         g2 = (table2 + nb2 * n * (inter * s + 4 + r) + real * hidden * (inter * w + b), n * hidden * s)
+        # LoRA: A1 (H x r) per program, B1 (r x 2I) per tile; A2 (I x r) per program, B2 (r x H) per tile
+        g1 = _plus(g1, (real * rk * lw * (nb1 * hidden + 2 * inter), n * rk * s))
+        g2 = _plus(g2, (real * rk * lw * (nb2 * inter + hidden), n * rk * s))
         out["_moe_gemm1_kernel"], out["_moe_gemm2_kernel"] = g1, g2
         out["aten.sum"] = slot_sum
     if mode in ("backward", "full"):
         # dgrad: tokens, dout rows, assignments, router weights per I block; W_down per tile, the down bias by block 0;
         # the saved gate_up once; writes d gate_up and the fp32 dtop_k_weights partials
         dg = table1 + nb1 * n * (4 + hidden * s + 4 + r) + real * hidden * (inter * w + b) + 2 * n * inter * s
-        out["_moe_dgrad_kernel"] = (dg, 2 * n * inter * s + nb1 * n * 4)
-        # dx pass (gemm2 again): d gate_up rows and assignments per H block, W_gate_up per tile; (T k, H) rows
+        # LoRA: B2 (H x r) per program, A2 (r x I) per tile, dy B2 saved
+        dg += real * rk * lw * (nb1 * hidden + inter)
+        out["_moe_dgrad_kernel"] = (dg, 2 * n * inter * s + nb1 * n * 4 + n * rk * s)
+        # dx pass (gemm2 again): d gate_up rows and assignments per H block, W_gate_up per tile; (T k, H) rows; LoRA:
+        # B1 (2I x r) per program, A1 (r x H) per tile, d gate_up B1 saved
         dx = (table2 + nb2 * n * (2 * inter * s + 4) + real * 2 * inter * hidden * w, n * hidden * s)
+        dx = _plus(dx, (real * rk * lw * (nb2 * 2 * inter + hidden), n * rk * s))
         dx = (dx[0] + out.get("_moe_gemm2_kernel", (0, 0))[0], dx[1] + out.get("_moe_gemm2_kernel", (0, 0))[1])
         out["_moe_gemm2_kernel"] = dx
+
         # weight gradients, one program per (expert, P block, Q block): expert offsets (8 B), per row tokens; DOWN
         # (P = I, Q = H) reads gate_up per Q block, dout per P block, assignments and router weights per program;
         # UP (P = H, Q = 2I) x per Q block, d gate_up per P block
-        p1, q1 = _cdiv(inter, tiles.block_p), _cdiv(hidden, tiles.block_q)
-        down = 8 * experts * p1 * q1 + p1 * q1 * n * (4 + 4 + r) + q1 * n * 2 * inter * s + p1 * n * hidden * s
-        out["_moe_wgrad_kernel"] = (down, experts * inter * hidden * w + experts * hidden * b)
-        p2, q2 = _cdiv(hidden, tiles.block_p), _cdiv(2 * inter, tiles.block_q)
-        up = 8 * experts * p2 * q2 + p2 * q2 * n * 4 + q2 * n * hidden * s + p2 * n * 2 * inter * s
-        out["_moe_wgrad_kernel"] = (down + up, out["_moe_wgrad_kernel"][1] + experts * 2 * inter * (hidden * w + b))
+        def wgrad(p, q, a_bytes, b_bytes, scaled, bp, bq, out_size):
+            # (expert, P block, Q block) programs: expert offsets (8 B); per row and program its token, with the
+            # router weight its assignment and weight; A's row (a_bytes) per Q block, B's (b_bytes) per P block
+            pb, qb = _cdiv(p, bp), _cdiv(q, bq)
+            per_row = 4 + (4 + r if scaled else 0)
+            return (
+                8 * experts * pb * qb + pb * qb * n * per_row + qb * n * a_bytes + pb * n * b_bytes,
+                experts * p * q * out_size,
+            )
+
+        bp, bq = tiles.block_p, tiles.block_q
+        passes = []
+        if not rk:  # DOWN: A = act(gate_up) (2I per row), B = w dout[token]; UP: A = x[token], B = d gate_up
+            passes += [wgrad(inter, hidden, 2 * inter * s, hidden * s, True, bp, bq, w), (0, experts * hidden * b)]
+            passes += [wgrad(hidden, 2 * inter, hidden * s, 2 * inter * s, False, bp, bq, w)]
+            passes += [(0, experts * 2 * inter * b)]
+        else:  # the factors' passes: dA1 (r, H), dB1 (2I, r), dA2 (I, r), dB2 (r, H)
+            br = max(16, 1 << (rk - 1).bit_length())
+            passes += [wgrad(rk, hidden, rk * s, hidden * s, False, br, bq, lw)]
+            passes += [wgrad(2 * inter, rk, 2 * inter * s, rk * s, False, bp, br, lw)]
+            passes += [wgrad(inter, rk, 2 * inter * s, rk * s, True, bp, br, lw)]
+            passes += [wgrad(rk, hidden, rk * s, hidden * s, True, br, bq, lw)]
+        out["_moe_wgrad_kernel"] = tuple(sum(part[i] for part in passes) for i in (0, 1))
         fwd_sum = out["aten.sum"] if mode == "full" else (0, 0)
         partials = (nb1 * n * 4, n * 4)
         out["aten.sum"] = tuple(a + b_ + c for a, b_, c in zip(fwd_sum, slot_sum, partials))
@@ -126,30 +165,55 @@ def traffic_parts(
     return out
 
 
-def byte_model(mode, counts, tokens, k, hidden, inter, s, w, bias, router_size) -> common.ByteModel:
-    """Our issued bytes (`traffic_parts`) and the op's least (module docstring), per assignment row."""
-    parts = traffic_parts(mode, counts, tokens, k, hidden, inter, s, w, bias=bias, router_size=router_size)
+def _plus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+def byte_model(mode, counts, tokens, k, hidden, inter, s, w, bias, router_size, rank=0) -> common.ByteModel:
+    """Our issued bytes (`traffic_parts`) and the op's least (module docstring), per assignment row. With LoRA rank
+    r: the factors are read each way and their gradients written instead of the weights' (frozen), and the backward
+    reads the two saved (N, r) intermediates."""
+    parts = traffic_parts(
+        mode, counts, tokens, k, hidden, inter, s, w, bias=bias, router_size=router_size, lora_rank=rank
+    )
     ours = (sum(rd for rd, _ in parts.values()), sum(wr for _, wr in parts.values()))
     n, experts = tokens * k, len(counts)
     weights = experts * (3 * hidden * inter + (2 * inter + hidden if bias else 0)) * w
-    fwd = (tokens * hidden * s + weights + n * router_size, tokens * hidden * s)
+    factors = experts * rank * (2 * hidden + 3 * inter) * w
+    fwd = (tokens * hidden * s + weights + factors + n * router_size, tokens * hidden * s + 2 * n * rank * s)
     bwd = (
-        2 * tokens * hidden * s + weights + 2 * n * inter * s + n * router_size,
-        tokens * hidden * s + weights + n * 4,
+        2 * tokens * hidden * s + weights + factors + 2 * n * inter * s + 2 * n * rank * s + n * router_size,
+        tokens * hidden * s + (factors if rank else weights) + n * 4,
     )
     minimum = {"forward": fwd, "backward": bwd, "full": (fwd[0] + bwd[0], fwd[1] + bwd[1])}[mode]
     return common.ByteModel.from_totals(ours, minimum, n)
 
 
-def _providers() -> dict:
+def _peft_grouped_mm(x, index, weights, w1, w2, b1, b2, *, gate_up_lora=None, down_lora=None, **layout):
+    """What transformers 5 + peft's target_parameters run: each adapted weight plus its whole (E, out, in) delta
+    (peft's ParamWrapper, a baddbmm of the expert-stacked factors), then transformers' grouped_mm experts."""
+    adapted = []
+    for weight, lora in ((w1, gate_up_lora), (w2, down_lora)):
+        if lora is not None:
+            experts = weight.shape[0]
+            a = lora.lora_A.view(experts, -1, lora.lora_A.shape[1])  # (E, r, in)
+            b = lora.lora_B.view(lora.lora_B.shape[0], -1, experts).permute(2, 0, 1)  # (E, out, r)
+            lhs, rhs = (a.transpose(1, 2), b.transpose(1, 2)) if layout["transposed"] else (b, a)
+            weight = torch.baddbmm(weight, lhs, rhs, alpha=lora.scaling)
+        adapted.append(weight)
+    return moe.moe_experts_grouped_mm(x, index, weights, *adapted, b1, b2, **layout)
+
+
+def _providers(lora: bool) -> dict:
     def ours(*args, **kwargs):
         with kernels.backend("triton"):
             return kernels.moe_experts(*args, **kwargs)
 
-    return {"ours": ours, "torch": moe.moe_experts_ref, "grouped_mm": moe.moe_experts_grouped_mm}
+    grouped_mm = _peft_grouped_mm if lora else moe.moe_experts_grouped_mm
+    return {"ours": ours, "torch": moe.moe_experts_ref, "grouped_mm": grouped_mm}
 
 
-def _inputs(model: str, tokens_per_expert: int, dtype, dev):
+def _inputs(model: str, tokens_per_expert: int, dtype, dev, rank: int = 0):
     hidden, inter, experts, k, layout, bias = MODELS[model]
     tokens = max(1, tokens_per_expert * experts // k)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -165,19 +229,31 @@ def _inputs(model: str, tokens_per_expert: int, dtype, dev):
     else:
         params += [None, None]
     dout = torch.randn(tokens, hidden, device=dev, generator=g).to(dtype)
-    return x, index, weights, params, dout, layout
+    factors = []  # peft's (lora_A (r E, in), lora_B (out, r E)) of gate_up and of down, B not zero
+    for fan_in, fan_out in ((hidden, 2 * inter), (inter, hidden)) if rank else ():
+        factors += [torch.randn(rank * experts, fan_in, device=dev, generator=g).to(dtype) * fan_in**-0.5]
+        factors += [torch.randn(fan_out, rank * experts, device=dev, generator=g).to(dtype) * 0.01]
+    return x, index, weights, params, dout, layout, factors
 
 
-def _case(fn, mode, x, index, weights, params, dout, layout):
-    leaves = [x, weights, *(p for p in params if p is not None)]
-    if mode == "forward":
-        return lambda: fn(x, index, weights, *params, **layout)
-    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+def _case(fn, mode, x, index, weights, params, dout, layout, factors=()):
+    """The step of `mode`: with LoRA `factors` the experts' weights are frozen and the factors trained."""
+    leaves = [x, weights, *(factors or [p for p in params if p is not None])]
+    if mode != "forward":
+        leaves = [t.detach().clone().requires_grad_() for t in leaves]
     x, weights = leaves[:2]
-    params = leaves[2:] + [None] * (4 - len(leaves[2:]))
+    if factors:
+        a1, b1, a2, b2 = leaves[2:]
+        loras = dict(gate_up_lora=moe.ExpertLoRA(a1, b1, 2.0), down_lora=moe.ExpertLoRA(a2, b2, 2.0))
+    else:
+        params = leaves[2:] + [None] * (4 - len(leaves[2:]))
+        loras = {}
 
     def step():
-        return fn(x, index, weights, *params, **layout)
+        return fn(x, index, weights, *params, **layout, **loras)
+
+    if mode == "forward":
+        return step
 
     if mode == "backward":
         out = step()
@@ -185,24 +261,25 @@ def _case(fn, mode, x, index, weights, params, dout, layout):
     return lambda: torch.autograd.grad(step(), leaves, dout)
 
 
-def run(models, tokens_per_expert, dtype, modes, providers, *, cpu_reps=3, kernel_times=False):
-    fns = {k: v for k, v in _providers().items() if k in providers}
+def run(models, tokens_per_expert, dtype, modes, providers, *, cpu_reps=3, kernel_times=False, lora_rank=0):
+    fns = {k: v for k, v in _providers(bool(lora_rank)).items() if k in providers}
     dev = common.device()
     env = common.env_info()
     rows = []
     for model in models:
         hidden, inter, experts, k, _, bias = MODELS[model]
         for tpe in tokens_per_expert:
-            x, index, weights, params, dout, layout = _inputs(model, tpe, dtype, dev)
+            x, index, weights, params, dout, layout, factors = _inputs(model, tpe, dtype, dev, lora_rank)
             tokens, n = x.shape[0], x.shape[0] * k
             counts = torch.bincount(index.reshape(-1), minlength=experts).tolist()
             s = x.element_size()
             for mode in modes:
                 timings = {}
                 for name, fn in fns.items():
-                    step = _case(fn, mode, x, index, weights, params, dout, layout)
+                    step = _case(fn, mode, x, index, weights, params, dout, layout, factors)
                     t = common.measure(step, cpu_reps=cpu_reps)
-                    model_bytes = byte_model(mode, counts, tokens, k, hidden, inter, s, s, bias, s)
+                    model_bytes = byte_model(mode, counts, tokens, k, hidden, inter, s, s, bias, s, lora_rank)
+                    n_flops = flops(mode, n, hidden, inter, lora_rank)
                     minimum = (model_bytes.min_read + model_bytes.min_write) * n
                     row = {
                         "op": "moe_experts",
@@ -215,11 +292,12 @@ def run(models, tokens_per_expert, dtype, modes, providers, *, cpu_reps=3, kerne
                         "experts": experts,
                         "k": k,
                         "tokens_per_expert": tpe,
+                        "lora_rank": lora_rank,
                         "dtype": str(dtype).replace("torch.", ""),
                         **t,
                         "bytes": minimum,
-                        "flops": flops(mode, n, hidden, inter),
-                        **common.physics(t["ms"], bytes_moved=minimum, flops=flops(mode, n, hidden, inter)),
+                        "flops": n_flops,
+                        **common.physics(t["ms"], bytes_moved=minimum, flops=n_flops),
                         "peak_extra_bytes": common.peak_extra_memory(step) if mode == "full" else None,
                         **(common.kernel_times(step) if kernel_times else {}),
                         **env,
@@ -228,7 +306,8 @@ def run(models, tokens_per_expert, dtype, modes, providers, *, cpu_reps=3, kerne
                         row.update(model_bytes.columns(n, t["ms"]))
                     timings[name] = t["ms"]
                     rows.append(row)
-                common.finish_case(rows[-len(fns) :], timings, f"{model} {tpe}/expert {mode:8s}")
+                lora = f" LoRA r {lora_rank}" if lora_rank else ""
+                common.finish_case(rows[-len(fns) :], timings, f"{model} {tpe}/expert{lora} {mode:8s}")
                 for row in rows[-len(fns) :]:
                     print(f"    {row['provider']}: {row['tflop_s']:.3g} TFLOP/s")
     return rows
@@ -238,7 +317,16 @@ def main(argv=None):
     ap = common.provider_parser(__doc__, DTYPES, MODES, PROVIDERS, "activation and weight dtype")
     ap.add_argument("--model", nargs="+", choices=sorted(MODELS), help="default: both GPU models (tiny with --quick)")
     ap.add_argument("--tokens-per-expert", nargs="+", type=int, help="T k / E; default 64 256 1024 4096 on GPU")
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="LoRA of this rank on both expert tensors, the weights frozen: ours (rank GEMMs in the kernels) vs the "
+        "eager loop vs peft's whole delta + grouped_mm (transformers 5 + peft's target_parameters)",
+    )
     args = ap.parse_args(argv)
+    if args.lora_rank < 0:
+        ap.error(f"--lora-rank {args.lora_rank}: must be 0 (no LoRA) or a positive rank")
     quick = args.quick or not common.on_gpu()
     models = args.model or (["tiny"] if quick else ["qwen3-30b-a3b", "gpt-oss-20b"])
     tpe = args.tokens_per_expert or (CPU_TOKENS_PER_EXPERT if quick else GPU_TOKENS_PER_EXPERT)
@@ -250,6 +338,7 @@ def main(argv=None):
         args.providers,
         cpu_reps=1 if args.quick else 5,
         kernel_times=args.kernel_times,
+        lora_rank=args.lora_rank,
     )
     path = common.write_rows("moe", rows)
     print(f"wrote {len(rows)} rows to {path}")

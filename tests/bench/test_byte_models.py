@@ -615,10 +615,16 @@ def test_causal_conv1d(dtype, bias, packed):
 
 
 @pytest.mark.parametrize(
-    "dtype, kind, k, small",
-    [("fp32", "gpt_oss", 2, True), ("bf16", "qwen3_moe", 1, False), ("bf16", "gpt_oss", 4, False)],
+    "dtype, kind, k, small, rank",
+    [
+        ("fp32", "gpt_oss", 2, True, 0),
+        ("bf16", "qwen3_moe", 1, False, 0),
+        ("bf16", "gpt_oss", 4, False, 0),
+        ("bf16", "qwen3_moe", 2, False, 4),  # LoRA on both expert tensors, the experts' weights frozen
+        ("fp32", "gpt_oss", 2, True, 18),  # a 32-wide rank block, several column blocks
+    ],
 )
-def test_moe_experts_forward_and_backward(dtype, kind, k, small, monkeypatch):
+def test_moe_experts_forward_and_backward(dtype, kind, k, small, rank, monkeypatch):
     # 23 tokens, H 40, I 24, 5 experts with one empty (the grid's empty tiles read their two table entries only);
     # small: 8-row tiles and 16-wide blocks (ragged column blocks, the down bias read by block 0 only)
     from kernels import moe
@@ -636,18 +642,32 @@ def test_moe_experts_forward_and_backward(dtype, kind, k, small, monkeypatch):
     x = torch.randn(t, hidden, dtype=dt).requires_grad_()
     w1 = torch.randn((experts, hidden, 2 * inter) if cfg["transposed"] else (experts, 2 * inter, hidden), dtype=dt)
     w2 = torch.randn((experts, inter, hidden) if cfg["transposed"] else (experts, hidden, inter), dtype=dt)
-    params = [w1.requires_grad_(), w2.requires_grad_()]
-    params += [torch.randn(experts, n, dtype=dt).requires_grad_() for n in (2 * inter, hidden)] if bias else [None] * 2
+    params = [w1, w2]
+    params += [torch.randn(experts, n, dtype=dt) for n in (2 * inter, hidden)] if bias else [None] * 2
+    loras = {}
+    if rank:
+        loras = {
+            f"{name}_lora": moe.ExpertLoRA(
+                torch.randn(rank * experts, fan_in, dtype=dt).requires_grad_(),
+                torch.randn(fan_out, rank * experts, dtype=dt).requires_grad_(),
+                2.0,
+            )
+            for name, fan_in, fan_out in (("gate_up", hidden, 2 * inter), ("down", inter, hidden))
+        }
+        trained = [t for lora in loras.values() for t in (lora.lora_A, lora.lora_B)]
+    else:
+        trained = [p.requires_grad_() for p in params if p is not None]
     dout = torch.randn(t, hidden, dtype=dt)
     with kernels.backend("triton"):
         with traffic.measure() as fwd:  # the kernels (the routing sort and the slots' sum are torch ops)
-            out = kernels.moe_experts(x, index, weights, *params, **cfg)
+            out = kernels.moe_experts(x, index, weights, *params, **cfg, **loras)
         with traffic.measure(torch_ops=True) as bwd:  # the kernels, the slots' sum, the dweights partials' sum
-            torch.autograd.grad(out, [x, weights, *(p for p in params if p is not None)], dout)
+            torch.autograd.grad(out, [x, weights, *trained], dout)
     counts = torch.bincount(index.reshape(-1), minlength=experts).tolist()
     s = x.element_size()
     for mode, measured in (("forward", fwd), ("backward", bwd)):
         model = bench_moe.traffic_parts(
-            mode, counts, t, k, hidden, inter, s, s, bias=bias, router_size=4, tiles=moe.CPU_TILES
+            mode, counts, t, k, hidden, inter, s, s, bias=bias, router_size=4, tiles=moe.CPU_TILES, lora_rank=rank
         )
-        assert_matches(model, measured, f"bench/bench_moe.py ({dtype}, {kind}, k={k}, small={small}) {mode}")
+        what = f"bench/bench_moe.py ({dtype}, {kind}, k={k}, small={small}, LoRA rank {rank}) {mode}"
+        assert_matches(model, measured, what)
