@@ -1074,8 +1074,10 @@ class CausalLM(nn.Module):
             elif isinstance(module, GatedRMSNorm):
                 local_shard(module.weight)[0].fill_(1.0)
             elif isinstance(module, (TopKRouter, Experts)):  # every weight N(0, initializer_range), as transformers
-                for param in module.parameters(recurse=False):
-                    put(param, torch.empty(param.shape).normal_(0.0, std, generator=gen))
+                shapes = getattr(module, "full_shapes", {})  # 4-bit experts' parameters are packed codes
+                for param_name, param in module.named_parameters(recurse=False):
+                    shape = shapes.get(param_name, param.shape)
+                    put(param, torch.empty(shape).normal_(0.0, std, generator=gen))
             elif isinstance(module, GatedDeltaNet):  # transformers' init: decays A = U(0.01, 16), dt_bias 1
                 local_shard(module.dt_bias)[0].fill_(1.0)
                 put(module.A_log, torch.empty(module.A_log.shape).uniform_(0.01, 16, generator=gen).log_())

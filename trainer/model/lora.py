@@ -172,7 +172,8 @@ def check_target_parameters(model: nn.Module, names: list[str] | None) -> list[s
     fused expert tensors, which peft's target_parameters adapt; peft's suffix rule over parameter names)."""
     if not names:
         return None
-    candidates = [n for n, p in model.named_parameters() if p.dim() >= 3]
+    # a parameter's full shape where peft reads it (`ds_shape`: partitioned by ZeRO-3, or 4-bit experts' packed codes)
+    candidates = [n for n, p in model.named_parameters() if len(getattr(p, "ds_shape", p.shape)) >= 3]
     leaves = ", ".join(dict.fromkeys(".".join(n.split(".")[-3:]) for n in candidates)) or "none"
     for name in names:
         if not any(_matches(n, name) for n in candidates):

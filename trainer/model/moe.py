@@ -71,22 +71,27 @@ class TopKRouter(nn.Module):
 class Experts(nn.Module):
     def __init__(self, hidden: int, inner: int, num_experts: int):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        self.full_shapes = {"gate_up_proj": (num_experts, 2 * inner, hidden), "down_proj": (num_experts, hidden, inner)}
+        self.gate_up_proj = nn.Parameter(torch.empty(self.full_shapes["gate_up_proj"]))
+        self.down_proj = nn.Parameter(torch.empty(self.full_shapes["down_proj"]))
         self.impl = "kernels"
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, loras=None) -> torch.Tensor:
         """`loras`: {parameter name: kernels.moe.ExpertLoRA} of peft's adapter on gate_up_proj and/or down_proj,
         run as rank-r GEMMs on the routed rows (SparseMoeBlock finds them)."""
+        return self.run(x, index, weights, self.gate_up_proj, self.down_proj, loras)
+
+    def run(self, x, index, weights, gate_up, down, loras=None) -> torch.Tensor:
+        """The experts' math on these weights (ours, or the 4-bit experts' dequantized ones: trainer/model/quant.py)."""
         loras = loras or {}
         lora = dict(gate_up_lora=loras.get("gate_up_proj"), down_lora=loras.get("down_proj"))
         if self.impl != "kernels":
-            return moe_experts_ref(x, index, weights, self.gate_up_proj, self.down_proj, **lora)
+            return moe_experts_ref(x, index, weights, gate_up, down, **lora)
         if torch.is_autocast_enabled(x.device.type):
             # what autocast does to a matmul's input: the kernels then multiply in the autocast dtype (reading the fp32
             # master weights and casting each tile as they load it), not in fp32
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return kernels.moe_experts(x, index, weights, self.gate_up_proj, self.down_proj, **lora)
+        return kernels.moe_experts(x, index, weights, gate_up, down, **lora)
 
 
 class SparseMoeBlock(nn.Module):

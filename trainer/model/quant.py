@@ -42,6 +42,8 @@ Test: python -m pytest tests/trainer/model/test_quant.py -q
 
 from __future__ import annotations
 
+import math
+
 import bitsandbytes as bnb
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 import kernels
 from trainer.dist import local_shard
+from trainer.model.moe import Experts
 
 BLOCKSIZE = 64  # values per absmax block: bitsandbytes' and transformers' default for 4-bit weights
 _SKIP = ("lm_head",)  # kept in full precision, as transformers' quantizer keeps the output embedding
@@ -159,6 +162,131 @@ class Linear4bit(bnb.nn.Linear4bit):
         }
 
 
+class Experts4bit(Experts):
+    """Our MoE experts (trainer/model/moe.py) with gate_up_proj and down_proj in 4 bits: each 3-D tensor quantized as
+    one weight (blocks of 64 over its flattened values, as bitsandbytes quantizes any tensor), its codes a frozen
+    bitsandbytes Params4bit under the same name, its state kept on the module (`quant_states`). The router stays in
+    full precision. Forward dequantizes both tensors (`kernels.dequantize_4bit`, bit for bit bitsandbytes') in the
+    compute dtype and runs the experts on them, with peft's adapter as rank-r GEMMs; what backward needs of them is
+    dequantized again from the codes, not kept (saved-tensor hooks), so a layer's full-precision experts exist only
+    while it runs: the same trade as `Linear4bit`.
+
+    peft's `target_parameters` reads a wrapped tensor's shape from `ds_shape` where there is one (where DeepSpeed
+    ZeRO-3 has partitioned it): the packed codes carry their full (E, out, in) shape there, so peft builds the
+    adapter of the unquantized tensor."""
+
+    @classmethod
+    def from_experts(cls, experts: Experts, quant_type: str, compute_dtype, double_quant: bool, storage) -> Experts4bit:
+        num_experts, two_inner, hidden = experts.full_shapes["gate_up_proj"]
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.full_shapes, layer.impl = dict(experts.full_shapes), experts.impl
+        layer.quant_type, layer.double_quant, layer.quant_storage = quant_type, double_quant, storage
+        layer.weight_dtype = experts.gate_up_proj.dtype
+        layer.compute_dtype = compute_dtype or layer.weight_dtype
+        layer.quant_states = {}
+        for name, shape in layer.full_shapes.items():
+            param = getattr(experts, name)
+            if param.is_meta:  # packed codes of the full size, filled by set_weight once materialised
+                codes = (math.prod(shape) + 1) // 2
+                packed = torch.empty(codes // storage.itemsize, 1, dtype=storage, device="meta")
+                layer._put(name, packed, None)
+            else:
+                layer.set_weight(name, param.detach(), device=param.device)
+        return layer
+
+    def _put(self, name: str, codes: torch.Tensor, state) -> None:
+        param = bnb.nn.Params4bit(
+            codes, requires_grad=False, quant_state=state, bnb_quantized=True, **self.quant_settings()
+        )
+        param.ds_shape = torch.Size(self.full_shapes[name])  # what peft reads (class docstring)
+        setattr(self, name, param)
+
+    @torch.no_grad()
+    def set_weight(self, name: str, full: torch.Tensor, device: torch.device | None = None) -> None:
+        """Quantize the full (E, out, in) tensor `name` in `weight_dtype` on `device` (default: where its codes are)
+        and keep only its codes and state."""
+        full = full.to(device=device or getattr(self, name).device, dtype=self.weight_dtype).contiguous()
+        codes, state = quantize_4bit(full, **self.quant_settings())
+        self.quant_states[name] = state
+        self._put(name, codes, state)
+
+    def quant_settings(self) -> dict:
+        return {
+            "blocksize": BLOCKSIZE,
+            "compress_statistics": self.double_quant,
+            "quant_type": self.quant_type,
+            "quant_storage": self.quant_storage,
+        }
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        """The full-precision tensor `name` its codes stand for, in the dtype it was quantized from."""
+        if name not in self.quant_states:
+            raise RuntimeError("4-bit experts were used before their weights were loaded and quantized")
+        return dequantize(getattr(self, name), self.quant_states[name])
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, loras=None) -> torch.Tensor:
+        full = {name: self.dequantized(name).to(self.compute_dtype) for name in self.full_shapes}
+        again = {id(_root(t)): name for name, t in full.items()}
+        unpacked = {}  # backward's dequantized tensors, once each (the reference saves a view per expert)
+
+        def pack(t):  # a dequantized tensor or a view of one is saved as its name and view, dequantized again
+            name = again.get(id(_root(t)))
+            return t if name is None else (name, t.size(), t.stride(), t.storage_offset())
+
+        def unpack(packed):
+            if not isinstance(packed, tuple):
+                return packed
+            name, *view = packed
+            if name not in unpacked:
+                unpacked[name] = self.dequantized(name).to(self.compute_dtype)
+            return unpacked[name].as_strided(*view)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return self.run(x, index, weights, full["gate_up_proj"], full["down_proj"], loras)
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage `t` views (PyTorch keeps a view's root as its `_base`)."""
+    return t if t._base is None else t._base
+
+
+class _QuantizingExperts:
+    """The loaders' target of a 4-bit experts tensor: its full shape; `copy_` of the whole tensor quantizes it, and
+    indexing gives a target of one slice (an expert's 2-D weight on disk), the slices gathered in a full-precision
+    buffer until every value is written, then quantized (one tensor's full precision at a time)."""
+
+    def __init__(self, layer: Experts4bit, name: str):
+        self.layer, self.name = layer, name
+        self.shape = torch.Size(layer.full_shapes[name])
+        self.buffer, self.written = None, 0
+
+    def copy_(self, full: torch.Tensor) -> _QuantizingExperts:
+        self.layer.set_weight(self.name, full)
+        return self
+
+    def __getitem__(self, index) -> _ExpertSlice:
+        return _ExpertSlice(self, index)
+
+
+class _ExpertSlice:
+    def __init__(self, parent: _QuantizingExperts, index):
+        self.parent, self.index = parent, index
+        self.shape = torch.empty(parent.shape, device="meta")[index].shape
+
+    def copy_(self, part: torch.Tensor) -> _ExpertSlice:
+        parent = self.parent
+        if parent.buffer is None:
+            device = getattr(parent.layer, parent.name).device
+            parent.buffer = torch.empty(parent.shape, dtype=parent.layer.weight_dtype, device=device)
+        parent.buffer[self.index].copy_(part)
+        parent.written += part.numel()
+        if parent.written == parent.buffer.numel():  # every expert's slice read: quantize, free the buffer
+            parent.layer.set_weight(parent.name, parent.buffer)
+            parent.buffer, parent.written = None, 0
+        return self
+
+
 class Linear8bit(bnb.nn.Linear8bitLt):
     """bitsandbytes' Linear8bitLt (LLM.int8, Dettmers et al. 2022) as transformers' BitsAndBytesConfig(load_in_8bit=
     True) builds it, with bitsandbytes' own forward: W stored as int8 per output row with its absmax scale (SCB,
@@ -221,13 +349,19 @@ class _Quantizing:
         return self
 
 
-_QUANTIZED = (Linear4bit, Linear8bit)
+_QUANTIZED = (Linear4bit, Linear8bit, Experts4bit)
 
 
-def quantizing_targets(model: nn.Module) -> dict[int, _Quantizing]:
+def quantizing_targets(model: nn.Module) -> dict[int, _Quantizing | _QuantizingExperts]:
     """id(weight parameter) -> the target the loaders copy its full-precision tensor into, for every quantized
-    layer."""
-    return {id(m.weight): _Quantizing(m) for m in model.modules() if isinstance(m, _QUANTIZED)}
+    layer and 4-bit experts tensor."""
+    targets = {}
+    for m in model.modules():
+        if isinstance(m, Experts4bit):
+            targets.update({id(getattr(m, name)): _QuantizingExperts(m, name) for name in m.full_shapes})
+        elif isinstance(m, _QUANTIZED):
+            targets[id(m.weight)] = _Quantizing(m)
+    return targets
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -258,6 +392,8 @@ def quantize_base(model: nn.Module, args) -> nn.Module:
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear and child_name not in _SKIP:
                 setattr(module, child_name, quantized(child))
+            elif type(child) is Experts and args.load_in_4bit:  # 8-bit keeps the experts in full precision
+                setattr(module, child_name, Experts4bit.from_experts(child, **settings))
     # transformers' flags, from which peft picks its 4-bit or 8-bit LoRA layer
     setattr(model, "is_loaded_in_4bit" if args.load_in_4bit else "is_loaded_in_8bit", True)
     return model
@@ -269,7 +405,15 @@ def dequantized(model: nn.Module) -> nn.Module:
     quantized from (in place): the function a QLoRA adapter was trained over, to merge it into."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, _QUANTIZED):
+            if isinstance(child, Experts4bit):
+                num_experts, two_inner, hidden = child.full_shapes["gate_up_proj"]
+                with torch.device("meta"):
+                    plain = Experts(hidden, two_inner // 2, num_experts)
+                plain.impl = child.impl
+                for name in child.full_shapes:
+                    setattr(plain, name, nn.Parameter(child.dequantized(name), requires_grad=False))
+                setattr(module, child_name, plain)
+            elif isinstance(child, _QUANTIZED):
                 weight = (
                     dequantize(child.weight, child.quant_state)
                     if isinstance(child, Linear4bit)
@@ -291,9 +435,13 @@ def quantized_bytes(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, Linear8bit) and m.weight.dtype == torch.int8:
             total += m.weight.numel() + 4 * m.scales.numel()  # int8 rows + fp32 scale per row
+        packed = []
         if isinstance(m, Linear4bit) and m.quant_state is not None:
-            total += m.weight.numel() * m.weight.element_size()
-            state = m.quant_state
+            packed = [(m.weight, m.quant_state)]
+        if isinstance(m, Experts4bit):
+            packed = [(getattr(m, name), state) for name, state in m.quant_states.items()]
+        for codes, state in packed:
+            total += codes.numel() * codes.element_size()
             tensors = [state.absmax, state.code]
             if state.nested:
                 tensors += [state.state2.absmax, state.state2.code, state.offset]

@@ -61,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.coerce import ConfigError
 from trainer.dist import local_device, world
 from trainer.model.lora import apply_lora, has_adapter
+from trainer.model.moe import Experts
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -103,6 +104,13 @@ def apply_transforms(model: nn.Module, args) -> nn.Module:
     not get it twice)."""
     if args.load_in_4bit or args.load_in_8bit:
         from trainer.model.quant import quantize_base  # bitsandbytes takes seconds to import: only when asked for
+
+        sharded = uses_fsdp(args) or uses_deepspeed(args)
+        if args.load_in_4bit and sharded and any(type(m) is Experts for m in model.modules()):
+            raise ConfigError(
+                "load_in_4bit: the 4-bit experts of a mixture-of-experts model train on one process or under DDP "
+                f"(dist_config name {args.dist_config['name']}: not yet); use dist_config ddp, or drop load_in_4bit"
+            )
 
         model = quantize_base(model, args)
     model = apply_lora(model, args)

@@ -6,6 +6,8 @@ Tolerances: fp32 within 1e-5 absolute of transformers (observed ~1e-7: only summ
 """
 
 import contextlib
+import copy
+import math
 
 import pytest
 import torch
@@ -490,3 +492,145 @@ def test_base_names_under_nested_peft_wrappers():
     assert base_name("model.layers.0.self_attn.q_proj.base_layer.weight") == "model.layers.0.self_attn.q_proj.weight"
     assert base_name("model.norm.original_module.weight") == "model.norm.weight"
     assert base_name("model.layers.0.mlp.experts.lora_A.default.weight") is None
+
+
+# ---- QLoRA: the experts in 4 bits (trainer/model/quant.py's Experts4bit), the router in full precision -------------
+
+
+def _qlora_args(out, **kw):
+    from trainer.config.args import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(out),
+        use_peft=True,
+        load_in_4bit=True,
+        bnb_4bit_use_double_quant=True,
+        lora_r=2,
+        lora_alpha=4,
+        lora_dropout=0.0,
+        lora_target_modules=["q_proj"],
+        lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        **kw,
+    )
+
+
+def test_qlora_quantizes_the_experts_not_the_router_and_trains_over_their_dequantized_values(tmp_path, monkeypatch):
+    """load_in_4bit on our MoE: every expert tensor NF4 codes as it is read (per-expert files gathered, then
+    quantized), the router a full-precision parameter; the loss and every adapter gradient equal those of the same
+    adapter over plain experts holding dequantize(Q(W)) (the function QLoRA trains over); backward dequantizes the
+    codes again rather than keeping the full-precision experts; merge writes dequantize(Q(W)) + s B A."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from trainer.build import build_model
+    from trainer.model import quant
+    from trainer.model.moe import Experts
+
+    hf_model("qwen3_moe", vocab_size=320).save_pretrained(tmp_path / "base")
+    byte_level_tokenizer().save_pretrained(tmp_path / "base")
+    args = _qlora_args(tmp_path / "out")
+    ours, _ = build_model(str(tmp_path / "base"), args, device="cpu")
+    four_bit = [m for m in ours.modules() if isinstance(m, quant.Experts4bit)]
+    assert len(four_bit) == sum(ours.config.layer_moe) and not any(type(m) is Experts for m in ours.modules())
+    for m in four_bit:
+        assert all(isinstance(getattr(m, n), bnb.nn.Params4bit) for n in m.full_shapes)
+    routers = [p for n, p in ours.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert routers and all(p.dtype == torch.float32 and not p.requires_grad for p in routers)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    for name, m in ours.named_modules():  # the checkpoint's tensors as bitsandbytes quantizes and dequantizes them
+        if isinstance(m, quant.Experts4bit):
+            hf_experts = hf.get_submodule(name.replace(".base_layer", ""))
+            for n in m.full_shapes:
+                full = hf_experts.get_parameter(n).detach()
+                codes, state = bnb.functional.quantize_4bit(
+                    full, blocksize=64, compress_statistics=True, quant_type="nf4"
+                )
+                assert torch.equal(m.dequantized(n), bnb.functional.dequantize_4bit(codes, state))
+                assert not torch.equal(m.dequantized(n), full)
+    # the reference: the same model with every 4-bit tensor dequantized (attention's too), the same adapter
+    plain = quant.dequantized(copy.deepcopy(ours))
+    assert not quant.is_quantized(plain)
+    ids, labels = batch()
+    calls = []
+    monkeypatch.setattr(quant.Experts4bit, "dequantized", _counting(quant.Experts4bit.dequantized, calls))
+    loss = ours(ids, labels=labels).loss
+    forward_calls = len(calls)
+    loss.backward()
+    assert forward_calls == 2 * len(four_bit) and len(calls) == 2 * forward_calls  # backward dequantized again
+    want = plain(ids, labels=labels).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=0)
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    assert any(".mlp.experts." in n for n in grads)
+    for name, p in ours.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads[name], atol=1e-5 * grads[name].abs().max().item() + 1e-7, rtol=0)
+    # 0.5 bytes a value + the double-quantized scales: the experts' 4-bit bytes are counted
+    expert_values = sum(math.prod(s) for m in four_bit for s in m.full_shapes.values())
+    assert quant.quantized_bytes(ours) > 0.5 * expert_values
+
+
+def _counting(fn, calls):
+    def counted(self, name):
+        calls.append(name)
+        return fn(self, name)
+
+    return counted
+
+
+def test_qlora_experts_train_and_merge_over_their_dequantized_values(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from tests.trainer.loop.test_golden import _examples
+    from trainer.build import build_model
+    from trainer.data.sft_data import TokenizedDataset
+    from trainer.loop.trainer import Trainer
+    from trainer.merge import main as merge
+    from trainer.model import quant
+    from trainer.model.lora import load_adapter
+
+    hf_model("qwen3_moe", vocab_size=320).save_pretrained(tmp_path / "base")
+    byte_level_tokenizer().save_pretrained(tmp_path / "base")
+    args = _qlora_args(
+        tmp_path / "out",
+        max_steps=2,
+        per_device_train_batch_size=2,
+        report_to="none",
+        save_strategy="no",
+        learning_rate=1e-2,
+        logging_steps=1,
+    )
+    ours, _ = build_model(str(tmp_path / "base"), args, device="cpu")
+    Trainer(model=ours, args=args, train_dataset=TokenizedDataset.from_examples(_examples(n=4))).train()
+    Trainer(model=ours, args=args).save_model(tmp_path / "adapter")
+    assert (
+        merge(
+            [
+                "--model",
+                str(tmp_path / "base"),
+                "--adapter",
+                str(tmp_path / "adapter"),
+                "--output_dir",
+                str(tmp_path / "merged"),
+            ]
+        )
+        == 0
+    )
+    flat = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    reloaded = load_adapter(load_pretrained(tmp_path / "base", use_kernels=False), tmp_path / "adapter").eval()
+    assert any(isinstance(m, quant.Experts4bit) for m in reloaded.modules())
+    ids, _ = batch()
+    with torch.no_grad():
+        got = ours.eval()(ids).logits
+        torch.testing.assert_close(flat(input_ids=ids).logits, got, atol=1e-5, rtol=0)
+        # the adapter loaded for generation over the base, quantized as it was trained (experts in 4 bits again)
+        torch.testing.assert_close(reloaded(ids).logits, got, atol=1e-6, rtol=0)
+
+
+def test_qlora_experts_under_fsdp2_or_deepspeed_are_one_line(monkeypatch):
+    pytest.importorskip("bitsandbytes")
+    from trainer.coerce import ConfigError
+    from trainer.parallel import transforms
+
+    model = CausalLM(ModelConfig.from_hf(hf_model("qwen3_moe").config.to_dict()), use_kernels=False)
+    monkeypatch.setattr(transforms, "world", lambda: (0, 2))
+    args = _qlora_args("unused", dist_config={"name": "fsdp2"})
+    with pytest.raises(ConfigError, match=r"^load_in_4bit: the 4-bit experts .* \(dist_config name fsdp2: not yet\)"):
+        transforms.apply_transforms(model, args)
