@@ -23,6 +23,7 @@ totals, the same numbers in the same order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 import kernels
 from kernels.moe import moe_experts_ref
 
-MOE_TYPES = ("qwen3_moe", "mixtral")
+MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
 # the per-expert tensors on disk: (the block's prefix under the layer, gate, up, down file names)
 _FILE_NAMES = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -53,11 +54,16 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, kind: str, norm_topk_prob: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        # gpt_oss's router has a bias (a plain Parameter too)
+        self.bias = nn.Parameter(torch.empty(num_experts)) if kind == "gpt_oss" else None
         self.top_k, self.kind, self.norm_topk_prob = top_k, kind, norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, H) -> router logits (N, E) in x's dtype, each token's top-k weights (N, k) and experts (N, k)."""
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight, self.bias)
+        if self.kind == "gpt_oss":  # the top k of the logits, softmax over those k alone, in the logits' dtype
+            top, index = torch.topk(logits, self.top_k, dim=-1)
+            return logits, torch.softmax(top, dim=-1, dtype=top.dtype), index
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.kind == "mixtral" or self.norm_topk_prob:
@@ -68,29 +74,63 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, hidden: int, inner: int, num_experts: int):
+    def __init__(
+        self,
+        hidden: int,
+        inner: int,
+        num_experts: int,
+        kind: str = "qwen3_moe",
+        limit: float = 7.0,
+        alpha: float = 1.702,
+    ):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        if kind == "gpt_oss":  # transposed, gate/up interleaved, biased, the clamped SwiGLU (kernels/moe.py)
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inner))
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inner))
+            self.down_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+            self.layout = dict(transposed=True, interleaved=True, act="gpt_oss", alpha=alpha, limit=limit)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
+            self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+            self.gate_up_proj_bias = self.down_proj_bias = None
+            self.layout = {}
         self.impl = "kernels"
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        biases = (self.gate_up_proj_bias, self.down_proj_bias)  # None but for gpt_oss; `layout`: set in __init__
         if self.impl != "kernels":
-            return moe_experts_ref(x, index, weights, self.gate_up_proj, self.down_proj)
+            return moe_experts_ref(x, index, weights, self.gate_up_proj, self.down_proj, *biases, **self.layout)
         if torch.is_autocast_enabled(x.device.type):
             # what autocast does to a matmul's input: the kernels then multiply in the autocast dtype (reading the fp32
             # master weights and casting each tile as they load it), not in fp32
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return kernels.moe_experts(x, index, weights, self.gate_up_proj, self.down_proj)
+        return kernels.moe_experts(x, index, weights, self.gate_up_proj, self.down_proj, *biases, **self.layout)
 
 
 class SparseMoeBlock(nn.Module):
     """The routed experts in place of a decoder layer's MLP."""
 
-    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int, kind: str, norm_topk_prob: bool):
+    def __init__(
+        self,
+        hidden: int,
+        inner: int,
+        num_experts: int,
+        top_k: int,
+        kind: str,
+        norm_topk_prob: bool,
+        limit: float = 7.0,
+        alpha: float = 1.702,
+    ):
         super().__init__()
-        self.gate = TopKRouter(hidden, num_experts, top_k, kind, norm_topk_prob)
-        self.experts = Experts(hidden, inner, num_experts)
+        # the router under its checkpoint name (gpt_oss: `router`, else `gate`); `self.gate` reads it either way
+        self.router_name = "router" if kind == "gpt_oss" else "gate"
+        self.add_module(self.router_name, TopKRouter(hidden, num_experts, top_k, kind, norm_topk_prob))
+        self.experts = Experts(hidden, inner, num_experts, kind, limit, alpha)
+
+    @property
+    def gate(self) -> TopKRouter:
+        return self._modules[self.router_name]
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None, stats: bool = False):
         """x (B, T, H) -> (the experts' output (B, T, H), this layer's RouterStats when `stats`, else None).
@@ -127,11 +167,17 @@ def load_balancing_loss(stats: list[RouterStats]) -> torch.Tensor:
     return (assignments / tokens * (probs / tokens)).sum() * assignments.shape[0]
 
 
-def file_parts(config, name: str) -> list[tuple[str, tuple]]:
+def file_parts(config, name: str, mxfp4: bool = False) -> list[tuple[str, tuple | Mxfp4Part]]:
     """Where our parameter `name` lives in a Hugging Face checkpoint of `config` (a ModelConfig): [(file key, the index
     of our parameter that file tensor holds)], index () for the whole parameter. An expert tensor is one 2-D weight per
-    expert on disk (gate_up_proj two: its gate rows and its up rows); Mixtral's block is `block_sparse_moe` there."""
-    if config.model_type not in MOE_TYPES:
+    expert on disk (gate_up_proj two: its gate rows and its up rows); Mixtral's block is `block_sparse_moe` there.
+    gpt_oss's files hold transformers' in-memory names and 3-D tensors; with `mxfp4` (a released checkpoint's
+    `quantization_config`) its expert weights are MXFP4-packed: `{name}_blocks` and `{name}_scales` (`Mxfp4Part`)."""
+    if config.model_type == "gpt_oss":
+        if mxfp4 and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            return [(f"{name}_blocks", Mxfp4Part("blocks")), (f"{name}_scales", Mxfp4Part("scales"))]
+        return [(name, ())]
+    if config.model_type not in _FILE_NAMES:
         return [(name, ())]
     block, gate, up, down = _FILE_NAMES[config.model_type]
     prefix, sep, leaf = name.rpartition(".mlp.experts.")
@@ -142,3 +188,34 @@ def file_parts(config, name: str) -> list[tuple[str, tuple]]:
         return [(f"{base}.{e}.{down}.weight", (e,)) for e in range(config.num_experts)]
     halves = ((gate, slice(0, inner)), (up, slice(inner, 2 * inner)))
     return [(f"{base}.{e}.{file}.weight", (e, rows)) for e in range(config.num_experts) for file, rows in halves]
+
+
+# ---- MXFP4: the released gpt-oss checkpoints' expert weights ---------------------------------------------------------
+# OCP Microscaling FP4 as OpenAI's checkpoints store it: each row of the weight (a (N, K) matrix per expert, the
+# transpose of our (K, N) parameter) in groups of 32 values: 16 bytes of "blocks" (two e2m1 codes per byte, the low
+# nibble first) and one byte of "scales", the group's power of two biased by 127 (E8M0). Value = FP4[code] x 2^(s-127).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+@dataclass(frozen=True)
+class Mxfp4Part:
+    """A file tensor that is one half of an MXFP4-packed parameter: its "blocks" or its "scales" (`file_parts`)."""
+
+    kind: str
+
+
+def mxfp4_shape(shape: tuple, kind: str) -> tuple:
+    """The file shape of the blocks or scales of our (E, K, N) parameter: (E, N, K / 32, 16) uint8, (E, N, K / 32)."""
+    e, k, n = shape
+    return (e, n, k // 32, 16) if kind == "blocks" else (e, n, k // 32)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(E, N, G, 16) uint8 blocks and (E, N, G) uint8 scales -> our (E, G 32, N) parameter in `dtype` (transformers'
+    `convert_moe_packed_tensors`, value for value: each code's FP4 value times 2^(scale - 127), computed in fp32, then
+    rounded once to `dtype`; every FP4 value times a power of two is exact in bf16 within its exponent range)."""
+    e, n, g, b = blocks.shape
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(e, n, g, 2 * b).long()  # (E, N, G, 32)
+    values = torch.ldexp(lut[codes], (scales.to(torch.int32) - 127)[..., None])  # (E, N, G, 32) fp32
+    return values.reshape(e, n, g * 2 * b).transpose(1, 2).to(dtype).contiguous()  # (E, K, N)
