@@ -130,7 +130,10 @@ class SparseMoeBlock(nn.Module):
 
     @property
     def gate(self) -> TopKRouter:
-        return self._modules[self.router_name]
+        router = self._modules.get(self.router_name)
+        if router is None:  # (before __init__ registers it: add_module asks hasattr)
+            raise AttributeError("gate")
+        return router
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None, stats: bool = False):
         """x (B, T, H) -> (the experts' output (B, T, H), this layer's RouterStats when `stats`, else None).
