@@ -99,7 +99,9 @@ class AttentionPlan:
             out = _flex_fn(q.is_cuda)(qt, kt, vt, block_mask=mask, enable_gqa=gqa)
         else:
             out, aux = _flex_fn(q.is_cuda)(qt, kt, vt, block_mask=mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
-            out = out * torch.sigmoid(aux.lse - sinks.float()[:, None])[..., None].to(out.dtype)  # (B, H, T, D)
+            out = out * torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype)[:, None])[..., None].to(
+                out.dtype
+            )  # (B, H, T, D)
         return out.transpose(1, 2)  # (B, T, H, D)
 
     def recur(self, layer, x: torch.Tensor) -> torch.Tensor:
@@ -271,7 +273,12 @@ def sdpa(
     B, H, Lq, D = qt.shape
     Bk, Hkv, _, _ = kt.shape
     scale = D**-0.5
-    logit = (sinks.float() / scale).to(qt.dtype).view(1, H, 1, 1).expand(B, H, Lq, 1)  # (B, H, Lq, 1)
+    logit = (
+        (sinks.to(torch.promote_types(sinks.dtype, torch.float32)) / scale)
+        .to(qt.dtype)
+        .view(1, H, 1, 1)
+        .expand(B, H, Lq, 1)
+    )  # (B, H, Lq, 1)
     qs = torch.cat([qt, logit, qt.new_zeros(B, H, Lq, SINK_PAD - 1)], dim=-1)  # (B, H, Lq, D + PAD)
     ks = F.pad(kt, (0, SINK_PAD))  # (B, Hkv, Lk, D + PAD)
     sink_key = kt.new_zeros(D + SINK_PAD)
