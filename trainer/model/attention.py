@@ -23,6 +23,20 @@ Backends, chosen per forward by `make_plan` (`backend="auto"`):
   A window shorter than a document runs in blocks of `window` queries against their 2 * window - 1 keys.
   (Padding inside a document, which our batching never makes, is dropped before the window is counted on flash
   and on sdpa alike: there a window spans `window` real tokens.)
+Attention sinks (gpt_oss: `attend(..., sinks)`, a learned logit per head in every softmax's denominator, with no value:
+out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)), transformers' eager_attention_forward), exact and with
+gradients to the sinks where each backend runs them:
+- sdpa (CPU, and CUDA for plain causal rows): inside SDPA itself (`sdpa`): the sink is one more key before all others,
+  seen by every query, scored sink_h through SINK_PAD extra channels of q and k, its value zero; the causal case stays
+  mask-free (one zero query first, its row dropped), masks gain a first column of True. So every rule above (documents,
+  padding, windows, the KV cache's decoding) holds with sinks as without; tested against transformers' explicit
+  softmax, gradients included (tests/trainer/model/test_attention.py). Costs one copy of q, k and v with 8 more
+  channels per layer.
+- flex (CUDA): the output without sinks times sigmoid(lse - sink_h) (flex's differentiable log-sum-exp,
+  `return_aux=AuxRequest(lse=True)`). Its forward is tested here eagerly on CPU; its backward (CUDA only) is not yet
+  run by a test.
+- flash: flash-attn's kernel has no sink term: `make_plan(sinks=True)` never picks it under "auto" (CUDA then takes
+  flex, or sdpa for plain causal rows), and refuses it when asked for (AttentionError), never dropping the sinks.
 GQA: key/value heads are shared by `n_heads // n_kv_heads` query heads (`enable_gqa`, no copies).
 Outputs at padding positions are not defined (they are never read: padding is no target and no real query
 attends to it): zeros on flash and on sdpa's per-document path, whatever the backend computes otherwise.

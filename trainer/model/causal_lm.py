@@ -1,5 +1,5 @@
-"""Llama-family causal LMs (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3.5's text model) that read and write Hugging
-Face checkpoints.
+"""Llama-family causal LMs (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3.5's text model, and the Mixture-of-Experts
+Qwen3-MoE, Mixtral and gpt-oss) that read and write Hugging Face checkpoints.
 
 One model, five config dialects. Parameter names are exactly Hugging Face's (`model.embed_tokens.weight`,
 `model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight`), so checkpoints load and save without a
@@ -22,6 +22,11 @@ trainer/model/gated_deltanet.py, linear attention with a gated delta-rule recurr
 `AttentionPlan.recur` keeps apart and whose states the KV cache carries), the fourth gated attention (q_proj gives
 each head's query and a gate: o_proj(attn * sigmoid(gate))), with partial rotary (the first quarter of each head
 rotates) and zero-centred norms everywhere but the Gated DeltaNet's own (RMSNorm scaling by 1 + weight, all in fp32).
+The MoE types' MLPs are routed experts (trainer/model/moe.py; qwen3_moe per `decoder_sparse_step`/`mlp_only_layers`).
+gpt_oss (transformers' GptOssForCausalLM): sliding (`sliding_window`) and full layers alternating per `layer_types`,
+q/k/v/o biases, attention sinks (`self_attn.sinks`: a per-head logit in each softmax's denominator, no value;
+trainer/model/attention.py says which backend adds them how), YaRN RoPE (cos and sin scaled by its attention factor),
+a biased router (softmax over the top k logits) and biased, transposed, interleaved experts with the clamped SwiGLU.
 
 `use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`, and with the residual add before it
 `kernels.fused_add_rms_norm`), RoPE (`kernels.rope`), SwiGLU
@@ -44,7 +49,10 @@ Deliberate differences from transformers:
 - The loss is sum / num_items (or / supervised-token count), an exact 0 when nothing is supervised (HF: NaN);
   optional label smoothing and z-loss (z_loss * logsumexp^2 per supervised token).
 - RoPE frequencies stay fp32 under `model.to(bfloat16)` (they are recomputed, never rounded).
-- attention_dropout must be 0; hidden_act must be silu; rope types other than default/linear/llama3 are refused.
+- attention_dropout must be 0; hidden_act must be silu; rope types other than default/linear/llama3/yarn are refused.
+- gpt_oss's RMSNorm multiplies by its weight in fp32 and rounds once (transformers', with the norm weights kept in
+  fp32); ours rounds the normalised x to the activations' dtype first, as Llama's: equal in fp32 (and under autocast
+  over fp32 weights, how our Trainer runs), one more rounding for a model held in bf16.
 
 Run the tests: python -m pytest tests/trainer/model/test_model.py -q
 """
@@ -662,7 +670,8 @@ def rotate_partial(rope_fn, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """(rotary_dim / 2,) fp32 inverse frequencies theta^(-2i/D) (D the rotated channels: head_dim, or its
-    partial_rotary_factor part), with "linear" or "llama3" scaling."""
+    partial_rotary_factor part), with "linear", "llama3" or "yarn" scaling (YaRN's attention factor scales cos and
+    sin: `RotaryEmbedding`)."""
     dim = config.rotary_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (D/2,)
     scaling = config.rope_scaling

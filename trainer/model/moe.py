@@ -1,24 +1,35 @@
-"""Mixture-of-Experts blocks in our model's terms (issue 46): the decoder layer's `mlp` of Qwen3-MoE and Mixtral, with
-transformers 5's parameter names and in-memory shapes, so that peft's `target_parameters` and transformers' own
-state dicts name the same tensors:
+"""Mixture-of-Experts blocks in our model's terms (issue 46): the decoder layer's `mlp` of Qwen3-MoE, Mixtral and
+gpt-oss, with transformers 5's parameter names and in-memory shapes, so that peft's `target_parameters` and
+transformers' own state dicts name the same tensors:
 
     mlp.gate.weight              (E, H)      the router (`TopKRouter`): kept in full precision (a plain Parameter, not
                                              an nn.Linear: no LoRA or 4-bit layer ever wraps it)
     mlp.experts.gate_up_proj     (E, 2I, H)  each expert's gate rows then up rows
     mlp.experts.down_proj        (E, H, I)
+gpt_oss (transformers' GptOssMLP):
+    mlp.router.weight, .bias     (E, H), (E,)  the router, biased (plain Parameters too)
+    mlp.experts.gate_up_proj     (E, H, 2I)  transposed, gate and up interleaved (even / odd columns), with
+    mlp.experts.gate_up_proj_bias (E, 2I)    biases; the activation transformers' clamped SwiGLU (limit
+    mlp.experts.down_proj        (E, I, H)   `swiglu_limit`, alpha `swiglu_alpha`: kernels/moe.py's "gpt_oss"), the
+    mlp.experts.down_proj_bias   (E, H)      down bias weighted by the router like the rest of the expert's output
 
-On disk transformers 5.24 writes (and the released checkpoints hold) one 2-D weight per expert; `file_parts`
-says which file tensor is which slice of our 3-D parameters (trainer/build.py reads and writes through it).
+On disk transformers 5.24 writes (and the released checkpoints hold) one 2-D weight per expert for qwen3_moe and
+mixtral; `file_parts` says which file tensor is which slice of our 3-D parameters (trainer/build.py reads and writes
+through it). gpt_oss's files hold the 3-D tensors under their in-memory names, and OpenAI's released checkpoints the
+expert weights MXFP4-packed (`*_blocks`, `*_scales`; `dequantize_mxfp4`, applied as they load: our weights are then
+bf16, or the load dtype, and are written back unpacked).
 
 Routing, exactly as each family computes it (logits in the activations' dtype):
     qwen3_moe  p = softmax(logits) in fp32, the top k of p, renormalised to sum 1 if norm_topk_prob, cast back
     mixtral    p = softmax(logits) in fp32, the top k of p, always renormalised, kept in fp32
-The experts run through `kernels.moe_experts` (kernels/moe.py) with our kernels, its reference otherwise.
+    gpt_oss    logits = x W^T + b; the top k of the logits, softmax over those k alone in the logits' dtype
+The experts run through `kernels.moe_experts` (kernels/moe.py) with our kernels, its reference otherwise (the layout
+options of each family set once, in `Experts.__init__`).
 
 The load-balancing loss (`load_balancing_loss`) is transformers' `load_balancing_loss_func` over every MoE layer's
-router logits: each layer hands on three sums (`RouterStats`: its top-k assignments per expert, its routing
-probabilities per expert, its token count, padding left out) instead of its logits, and the loss is formed from their
-totals, the same numbers in the same order.
+router logits (gpt_oss: the biased logits, all E of them, as transformers records them): each layer hands on three
+sums (`RouterStats`: its top-k assignments per expert, its routing probabilities per expert, its token count, padding
+left out) instead of its logits, and the loss is formed from their totals, the same numbers in the same order.
 """
 
 from __future__ import annotations
