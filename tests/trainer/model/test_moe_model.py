@@ -575,6 +575,11 @@ def test_a_released_style_mxfp4_checkpoint_loads_dequantized(tmp_path):
     ids, _ = batch()
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
+    save_pretrained(ours, tmp_path / "saved")  # written back unpacked: transformers' own 3-D tensors
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert getattr(back.config, "quantization_config", None) is None
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_gpt_oss_first_line_says_its_aux_coefficient(tmp_path):
