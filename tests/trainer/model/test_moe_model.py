@@ -639,3 +639,40 @@ def test_gpt_oss_lora_all_linear_is_peft_s_and_peft_loads_it_over_transformers(t
             plain = loaded(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert (want - plain).abs().max() > 1e-3  # the adapter trained
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        {"factor": 8.0, "original_max_position_embeddings": 4096},  # defaults: betas 32 / 1, truncate
+        {"factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.7, "original_max_position_embeddings": 4096},
+        {"factor": 4.0, "attention_factor": 1.3, "original_max_position_embeddings": 4096},
+    ],
+)
+def test_yarn_frequencies_and_attention_factor_are_transformers(rope):
+    """YaRN at the released gpt-oss settings (the first) and its other options: our inverse frequencies bit for bit and
+    the attention factor those of transformers' `_compute_yarn_parameters`; the config round-trips."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from trainer.model.causal_lm import RotaryEmbedding
+
+    hf = transformers.GptOssConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **rope},
+    )
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    config = ModelConfig.from_hf(hf.to_dict())
+    rotary = RotaryEmbedding(config)
+    assert torch.equal(rotary.inv_freq, inv_freq) and rotary.attention_scaling == factor
+    assert ModelConfig.from_hf(config.to_hf()) == config
