@@ -45,7 +45,7 @@ from trainer.data.tokenizer import Tokenizer, byte_level_tokenizer
 from trainer.dist import init_distributed, local_device, local_shard
 from trainer.model.causal_lm import TEXT_MODELS, CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from trainer.model.lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
-from trainer.model.moe import file_parts
+from trainer.model.moe import Mxfp4Part, dequantize_mxfp4, file_parts, mxfp4_shape
 from trainer.model.transformers_model import (
     TransformersModel,
     build_transformers_model,
@@ -260,7 +260,11 @@ def read_model_files(name: str, model_impl: str = "auto") -> tuple[ModelConfig |
     config, tokenizer = read_config(path), load_tokenizer(path)
     parts, skipped = _checkpoint_keys(config, path)
     with torch.device("meta"):  # a tied head appears once
-        shapes = {k: tuple(p[i].shape) for n, p in CausalLM(config).named_parameters() for k, i in parts(n)}
+        shapes = {
+            k: mxfp4_shape(tuple(p.shape), i.kind) if isinstance(i, Mxfp4Part) else tuple(p[i].shape)
+            for n, p in CausalLM(config).named_parameters()
+            for k, i in parts(n)
+        }
     try:
         check_safetensors(path, shapes, ignore=skipped)
     except CheckpointError as exc:
@@ -329,16 +333,20 @@ def _checkpoint_keys(config: ModelConfig, path: str | Path):
     embedding (a tied checkpoint may or may not hold it), and what transformers' AutoModelForCausalLM skips too:
     Qwen3.5's multi-token-prediction head (mtp.), and in a multimodal checkpoint (TEXT_MODELS: its config.json's
     model_type says so, whatever `config` was read from) the vision tower, the text model's keys being under
-    model.language_model."""
+    model.language_model. A gpt_oss checkpoint whose config.json says `quantization_config` mxfp4 (the released ones)
+    holds its expert weights MXFP4-packed: their parts are `Mxfp4Part`s (dequantized as they load)."""
     tied = config.tie_word_embeddings
-    multimodal = (Path(path) / "config.json").is_file() and model_type_of(path) in TEXT_MODELS
+    has_config = (Path(path) / "config.json").is_file()
+    multimodal = has_config and model_type_of(path) in TEXT_MODELS
+    quant = (_config_json(path).get("quantization_config") or {}) if has_config else {}
+    mxfp4 = config.model_type == "gpt_oss" and quant.get("quant_method") == "mxfp4"
     others = ("mtp.", "model.visual.") if multimodal else ("mtp.",) if config.model_type == "qwen3_5_text" else ()
 
     def key(name: str) -> str:
         return "model.language_model." + name[len("model.") :] if multimodal and name.startswith("model.") else name
 
     def parts(name: str) -> list[tuple[str, tuple]]:
-        return [(key(file_key), index) for file_key, index in file_parts(config, name)]
+        return [(key(file_key), index) for file_key, index in file_parts(config, name, mxfp4)]
 
     def skipped(name: str) -> bool:
         return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight") or name.startswith(others)
@@ -447,14 +455,19 @@ def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=local_sh
     Sharded by FSDP2 (DTensor parameters), each rank reads only the rows of each tensor it holds
     (`trainer.dist.local_shard`)."""
     parts, skipped = _checkpoint_keys(model.config, path)
-    targets, rows = {}, {}
+    targets, rows, mxfp4_loads = {}, {}, {}
     for param_name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
         name = base_name(param_name)  # under a LoRA adapter: the checkpoint's name; None for the adapter's weights
         if name is None:
             continue
         local, span = local_shard(param)
         for file_key, index in parts(name):
-            if not index:  # the whole parameter (this rank's rows of it)
+            if isinstance(index, Mxfp4Part):  # half of a packed expert weight: dequantized once both are read
+                packed = mxfp4_loads.setdefault(name, _Mxfp4Load(local, tuple(param.shape), span))
+                targets[file_key] = packed.half(index.kind)
+                if span is not None:
+                    rows[file_key] = (mxfp4_shape(tuple(param.shape), index.kind), *span)
+            elif not index:  # the whole parameter (this rank's rows of it)
                 targets[file_key] = local
                 if span is not None:
                     rows[file_key] = (tuple(param.shape), *span)
@@ -468,6 +481,39 @@ def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=local_sh
         load_safetensors(Path(path), targets, ignore=skipped, rows=rows)
     except CheckpointError as exc:
         raise ModelError(str(exc)) from None
+
+
+class _Mxfp4Load:
+    """One MXFP4-packed expert weight as `load_safetensors` reads it: its blocks and scales (each handed over through a
+    `half`, in whichever order the files hold them; this process's rows of experts when sharded), dequantized into
+    `target` expert by expert once both are in (one expert's fp32 values at a time), then let go."""
+
+    def __init__(self, target: torch.Tensor, full_shape: tuple, span):
+        self.target, self.parts = target, {}
+        experts = full_shape[0] if span is None else span[1] - span[0]
+        self.shapes = {kind: (experts, *mxfp4_shape(full_shape, kind)[1:]) for kind in ("blocks", "scales")}
+
+    def half(self, kind: str):
+        return _Mxfp4Half(self, kind)
+
+    def put(self, kind: str, tensor: torch.Tensor) -> None:
+        self.parts[kind] = tensor
+        if len(self.parts) == 2:
+            blocks, scales = self.parts.pop("blocks"), self.parts.pop("scales")
+            for e in range(blocks.shape[0]):
+                self.target[e].copy_(dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1], self.target.dtype)[0])
+
+
+class _Mxfp4Half:
+    """What `load_safetensors` copies a blocks or scales tensor into (its shape and `copy_`)."""
+
+    def __init__(self, load: _Mxfp4Load, kind: str):
+        self.load, self.kind = load, kind
+        self.shape = torch.Size(load.shapes[kind])
+        self.is_meta = load.target.is_meta
+
+    def copy_(self, tensor: torch.Tensor) -> None:
+        self.load.put(self.kind, tensor)
 
 
 def save_pretrained(

@@ -23,6 +23,20 @@ Backends, chosen per forward by `make_plan` (`backend="auto"`):
   A window shorter than a document runs in blocks of `window` queries against their 2 * window - 1 keys.
   (Padding inside a document, which our batching never makes, is dropped before the window is counted on flash
   and on sdpa alike: there a window spans `window` real tokens.)
+Attention sinks (gpt_oss: `attend(..., sinks)`, a learned logit per head in every softmax's denominator, with no value:
+out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)), transformers' eager_attention_forward), exact and with
+gradients to the sinks where each backend runs them:
+- sdpa (CPU, and CUDA for plain causal rows): inside SDPA itself (`sdpa`): the sink is one more key before all others,
+  seen by every query, scored sink_h through SINK_PAD extra channels of q and k, its value zero; the causal case stays
+  mask-free (one zero query first, its row dropped), masks gain a first column of True. So every rule above (documents,
+  padding, windows, the KV cache's decoding) holds with sinks as without; tested against transformers' explicit
+  softmax, gradients included (tests/trainer/model/test_attention.py). Costs one copy of q, k and v with 8 more
+  channels per layer.
+- flex (CUDA): the output without sinks times sigmoid(lse - sink_h) (flex's differentiable log-sum-exp,
+  `return_aux=AuxRequest(lse=True)`). Its forward is tested here eagerly on CPU; its backward (CUDA only) is not yet
+  run by a test.
+- flash: flash-attn's kernel has no sink term: `make_plan(sinks=True)` never picks it under "auto" (CUDA then takes
+  flex, or sdpa for plain causal rows), and refuses it when asked for (AttentionError), never dropping the sinks.
 GQA: key/value heads are shared by `n_heads // n_kv_heads` query heads (`enable_gqa`, no copies).
 Outputs at padding positions are not defined (they are never read: padding is no target and no real query
 attends to it): zeros on flash and on sdpa's per-document path, whatever the backend computes otherwise.
@@ -36,13 +50,19 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 BACKENDS = ("auto", "sdpa", "flex", "flash")
 
 
 class AttentionError(ValueError):
     """An attention backend that was asked for and cannot run, in one line."""
+
+
+SINKS_ON_FLASH = (
+    "attention backend 'flash' cannot add attention sinks (gpt_oss: flash-attn's varlen kernel has no sink term); "
+    "use sdpa or flex (backend auto picks flex on CUDA)"
+)
 
 
 def _flash_attn():
@@ -76,14 +96,26 @@ class AttentionPlan:
     documents: tuple[torch.Tensor | None, list[int]] | None = None
     _masks: dict = field(default_factory=dict)  # window -> flex BlockMask
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`sinks` (H,): each head's sink logit (gpt_oss), or None."""
         window = _effective(window, self.seq_len)
         if self.backend == "flash":
+            if sinks is not None:  # make_plan(sinks=True) never plans it: never drop the sinks silently
+                raise AttentionError(SINKS_ON_FLASH)
             return self._flash(q, k, v, window)
         if self.backend == "sdpa":
-            return self._sdpa(q, k, v, window)
+            return self._sdpa(q, k, v, window, sinks)
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        out = _flex_fn(q.is_cuda)(qt, kt, vt, block_mask=self._masks[window], enable_gqa=q.shape[2] != k.shape[2])
+        gqa, mask = q.shape[2] != k.shape[2], self._masks[window]
+        if sinks is None:
+            out = _flex_fn(q.is_cuda)(qt, kt, vt, block_mask=mask, enable_gqa=gqa)
+        else:
+            out, aux = _flex_fn(q.is_cuda)(qt, kt, vt, block_mask=mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+            out = out * torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype)[:, None])[..., None].to(
+                out.dtype
+            )  # (B, H, T, D)
         return out.transpose(1, 2)  # (B, T, H, D)
 
     def recur(self, layer, x: torch.Tensor) -> torch.Tensor:
@@ -109,10 +141,10 @@ class AttentionPlan:
             for window in {_effective(w, self.seq_len) for w in windows}:
                 self._masks[window] = self._flex_mask(window)
 
-    def _sdpa(self, q, k, v, window):
+    def _sdpa(self, q, k, v, window, sinks):
         if self.documents is None:
-            return causal_attention(q, k, v, window)
-        return _per_document(q, k, v, window, *self.documents)
+            return causal_attention(q, k, v, window, sinks)
+        return _per_document(q, k, v, window, sinks, *self.documents)
 
     def _flex_mask(self, window):
         doc, valid = self.doc_ids, self.key_valid
@@ -157,7 +189,7 @@ class AttentionPlan:
 # Eager inside a per-block torch.compile: the loop follows the batch's document lengths (python ints), which a
 # compiled graph would specialise on, recompiling for every new packing.
 @torch.compiler.disable
-def _per_document(q, k, v, window, index, bounds):
+def _per_document(q, k, v, window, sinks, index, bounds):
     """`causal_attention` of each document of the flattened tokens on its own: documents are (start, end) of
     consecutive `bounds` in the (B * T) tokens, or in those `index` keeps (padding dropped, its outputs zero)."""
     B, T, H, D = q.shape
@@ -166,7 +198,7 @@ def _per_document(q, k, v, window, index, bounds):
         qf, kf, vf = (x.index_select(0, index) for x in (qf, kf, vf))  # (N, heads, D)
     out = torch.cat(
         [
-            causal_attention(qf[None, s:e], kf[None, s:e], vf[None, s:e], window)[0]
+            causal_attention(qf[None, s:e], kf[None, s:e], vf[None, s:e], window, sinks)[0]
             for s, e in zip(bounds[:-1], bounds[1:])
         ]
     )  # (N, H, D)
@@ -195,30 +227,85 @@ def _effective(window: int | None, seq_len: int) -> int | None:
     return None if window is None or window >= seq_len else window
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of (B, L, H, D) queries over (B, L, Hkv, D) keys/values within `window`, in memory linear in
     L: SDPA's `is_causal` (tiled kernels, no mask tensor), or with a window shorter than L, blocks of `window`
-    queries each against its own 2 * window - 1 keys (a (window, 2 * window - 1) mask per block)."""
+    queries each against its own 2 * window - 1 keys (a (window, 2 * window - 1) mask per block). `sinks` (H,) or
+    None: each head's sink logit (`sdpa`)."""
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, L, D)
     gqa, L = q.shape[2] != k.shape[2], q.shape[1]
     if window is None or window >= L:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
+        out = sdpa(qt, kt, vt, sinks, is_causal=True, enable_gqa=gqa)
     else:
         blocks = []
         for start in range(0, L, window):
             end, first_key = min(start + window, L), max(0, start - window + 1)
             mask = causal_mask(end - start, end - first_key, window, q.device)  # (block, keys)
             blocks.append(
-                F.scaled_dot_product_attention(
+                sdpa(
                     qt[:, :, start:end],
                     kt[:, :, first_key:end],
                     vt[:, :, first_key:end],
+                    sinks,
                     attn_mask=mask,
                     enable_gqa=gqa,
                 )
             )
         out = torch.cat(blocks, dim=2)
     return out.transpose(1, 2)  # (B, L, H, D)
+
+
+SINK_PAD = 8  # channels appended to q and k for the sink key: keeps the head size a multiple of 8 (CUDA's kernels)
+
+
+def sdpa(
+    qt: torch.Tensor,
+    kt: torch.Tensor,
+    vt: torch.Tensor,
+    sinks: torch.Tensor | None,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` of (B, H, Lq, D) queries over (B, Hkv, Lk, D) keys/values (scale D^-1/2), and
+    with `sinks` (H,) each head's softmax also holds its sink logit in its denominator, with no value (gpt_oss):
+
+        out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij))
+
+    computed by SDPA itself, exactly and differentiably (gradients reach the sinks through SDPA's own backward), as
+    one more key before all others that every query sees: q gains SINK_PAD channels [sink_h / scale, 0, ...], every
+    key zeros there, the sink key [0 ... 0, 1, 0, ...] (so its score is scale x sink_h / scale = sink_h: exact when
+    the scale is a power of two, head sizes 4, 16, 64, 256; otherwise within one rounding) and its value zero. The
+    causal case stays mask-free: one zero query is put first too, so that `is_causal` on the square (L + 1) problem
+    lets query i see the sink and keys 0..i; its output row is dropped. A mask gains a first column of True."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa
+        )
+    B, H, Lq, D = qt.shape
+    Bk, Hkv, _, _ = kt.shape
+    scale = D**-0.5
+    logit = (
+        (sinks.to(torch.promote_types(sinks.dtype, torch.float32)) / scale)
+        .to(qt.dtype)
+        .view(1, H, 1, 1)
+        .expand(B, H, Lq, 1)
+    )  # (B, H, Lq, 1)
+    qs = torch.cat([qt, logit, qt.new_zeros(B, H, Lq, SINK_PAD - 1)], dim=-1)  # (B, H, Lq, D + PAD)
+    ks = F.pad(kt, (0, SINK_PAD))  # (B, Hkv, Lk, D + PAD)
+    sink_key = kt.new_zeros(D + SINK_PAD)
+    sink_key[D] = 1
+    ks = torch.cat([sink_key.expand(Bk, Hkv, 1, D + SINK_PAD), ks], dim=2)  # (B, Hkv, 1 + Lk, D + PAD)
+    vs = F.pad(vt, (0, 0, 1, 0))  # (B, Hkv, 1 + Lk, Dv): the sink's value is zero
+    if is_causal:
+        qs = F.pad(qs, (0, 0, 1, 0))  # (B, H, 1 + Lq, D + PAD): a zero query first, its row dropped
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        return out[:, :, 1:]  # (B, H, Lq, Dv)
+    if attn_mask is not None:
+        attn_mask = F.pad(attn_mask, (1, 0), value=True)  # (..., Lq, 1 + Lk): every query sees the sink
+    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def causal_mask(q_len: int, k_len: int, window: int | None, device) -> torch.Tensor:
@@ -241,9 +328,11 @@ def make_plan(
     windows=(None,),
     backend: str = "auto",
     recurrent: bool = False,
+    sinks: bool = False,
 ) -> AttentionPlan:
     """Resolve the backend and precompute what it needs to keep documents and padding apart (with `recurrent`, also
-    what linear-attention layers need: `AttentionPlan.recur`)."""
+    what linear-attention layers need: `AttentionPlan.recur`). `sinks`: the layers add attention sinks, which flash
+    cannot (auto never picks it then; asked for, it is refused)."""
     if backend not in BACKENDS:
         raise AttentionError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -252,11 +341,13 @@ def make_plan(
         )
         if device.type != "cuda":
             backend = "sdpa"
-        elif _flash_attn() is not None and dtype in (torch.float16, torch.bfloat16):
+        elif _flash_attn() is not None and dtype in (torch.float16, torch.bfloat16) and not sinks:
             backend = "flash"
         else:  # nothing to separate: SDPA's is_causal runs PyTorch's own flash kernel, faster than flex
             backend = "sdpa" if plain_causal else "flex"
     if backend == "flash":
+        if sinks:
+            raise AttentionError(SINKS_ON_FLASH)
         if _flash_attn() is None:
             raise AttentionError(
                 "attention backend 'flash' needs flash-attn (pip install flash-attn --no-build-isolation)"
@@ -379,7 +470,9 @@ class _CacheSlot:
     cache: KVCache
     layer: int
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         start, end = self.cache.length, self.cache.length + q.shape[1]
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
         if end > keys.shape[1]:
@@ -388,7 +481,7 @@ class _CacheSlot:
         values[:, start:end] = v
         pad = self.cache.pad
         if start == 0 and pad is None:  # the prompt: causal over itself, no (T, T) mask
-            return causal_attention(q, keys[:, :end], values[:, :end], window)
+            return causal_attention(q, keys[:, :end], values[:, :end], window, sinks)
         kt, vt = keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)  # (B, Hkv, S, D)
         mask = causal_mask(q.shape[1], end, window, q.device)  # (Tq, S)
         if pad is not None:
@@ -396,8 +489,8 @@ class _CacheSlot:
             own = ki[None, :] == torch.arange(start, end, device=q.device)[:, None]  # (Tq, S) the query itself
             mask = mask & ((ki[None, None, :] >= pad[:, None, None]) | own)  # (B, Tq, S)
             mask = mask[:, None]  # (B, 1, Tq, S)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), kt, vt, attn_mask=mask, enable_gqa=q.shape[2] != k.shape[2]
+        out = sdpa(
+            q.transpose(1, 2), kt, vt, sinks, attn_mask=mask, enable_gqa=q.shape[2] != k.shape[2]
         )  # (B, H, Tq, D)
         return out.transpose(1, 2)  # (B, Tq, H, D)
 

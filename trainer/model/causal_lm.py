@@ -1,5 +1,5 @@
-"""Llama-family causal LMs (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3.5's text model) that read and write Hugging
-Face checkpoints.
+"""Llama-family causal LMs (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3.5's text model, and the Mixture-of-Experts
+Qwen3-MoE, Mixtral and gpt-oss) that read and write Hugging Face checkpoints.
 
 One model, five config dialects. Parameter names are exactly Hugging Face's (`model.embed_tokens.weight`,
 `model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight`), so checkpoints load and save without a
@@ -22,6 +22,11 @@ trainer/model/gated_deltanet.py, linear attention with a gated delta-rule recurr
 `AttentionPlan.recur` keeps apart and whose states the KV cache carries), the fourth gated attention (q_proj gives
 each head's query and a gate: o_proj(attn * sigmoid(gate))), with partial rotary (the first quarter of each head
 rotates) and zero-centred norms everywhere but the Gated DeltaNet's own (RMSNorm scaling by 1 + weight, all in fp32).
+The MoE types' MLPs are routed experts (trainer/model/moe.py; qwen3_moe per `decoder_sparse_step`/`mlp_only_layers`).
+gpt_oss (transformers' GptOssForCausalLM): sliding (`sliding_window`) and full layers alternating per `layer_types`,
+q/k/v/o biases, attention sinks (`self_attn.sinks`: a per-head logit in each softmax's denominator, no value;
+trainer/model/attention.py says which backend adds them how), YaRN RoPE (cos and sin scaled by its attention factor),
+a biased router (softmax over the top k logits) and biased, transposed, interleaved experts with the clamped SwiGLU.
 
 `use_kernels` is one switch, read at call time: RMSNorm (`kernels.rms_norm`, and with the residual add before it
 `kernels.fused_add_rms_norm`), RoPE (`kernels.rope`), SwiGLU
@@ -44,7 +49,10 @@ Deliberate differences from transformers:
 - The loss is sum / num_items (or / supervised-token count), an exact 0 when nothing is supervised (HF: NaN);
   optional label smoothing and z-loss (z_loss * logsumexp^2 per supervised token).
 - RoPE frequencies stay fp32 under `model.to(bfloat16)` (they are recomputed, never rounded).
-- attention_dropout must be 0; hidden_act must be silu; rope types other than default/linear/llama3 are refused.
+- attention_dropout must be 0; hidden_act must be silu; rope types other than default/linear/llama3/yarn are refused.
+- gpt_oss's RMSNorm multiplies by its weight in fp32 and rounds once (transformers', with the norm weights kept in
+  fp32); ours rounds the normalised x to the activations' dtype first, as Llama's: equal in fp32 (and under autocast
+  over fp32 weights, how our Trainer runs), one more rounding for a model held in bf16.
 
 Run the tests: python -m pytest tests/trainer/model/test_model.py -q
 """
@@ -69,7 +77,7 @@ from trainer.model.moe import MOE_TYPES, Experts, RouterStats, SparseMoeBlock, T
 
 IGNORE_INDEX = -100
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", *MOE_TYPES)
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -78,6 +86,7 @@ _ARCHITECTURES = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 LINEAR_KEYS = (  # Qwen3.5's Gated DeltaNet sizes (trainer/model/gated_deltanet.py)
     "linear_conv_kernel_dim",
@@ -90,6 +99,15 @@ LINEAR_KEYS = (  # Qwen3.5's Gated DeltaNet sizes (trainer/model/gated_deltanet.
 # positions, equal on its three axes, it is the plain rotation); kept for the round trip
 ROPE_PASSTHROUGH = ("mrope_section", "mrope_interleaved")
 LAYER_KINDS = {"qwen3_5_text": ("full_attention", "linear_attention")}  # other types: full / sliding attention
+# gpt_oss's RoPE when its config.json names none (GptOssConfig's default: the released models' YaRN)
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 # multimodal model types whose text model ours trains, read as transformers' AutoModelForCausalLM reads them (their
 # text_config; the vision tower left in the files): a released Qwen3.5 checkpoint is `qwen3_5`
 TEXT_MODELS = {"qwen3_5": "qwen3_5_text"}
@@ -102,6 +120,8 @@ MOE_KEYS = (  # ModelConfig's Mixture-of-Experts fields, as Hugging Face names t
     "mlp_only_layers",
     "output_router_logits",
     "router_aux_loss_coef",
+    "swiglu_limit",
+    "swiglu_alpha",
 )
 # Hugging Face's defaults where they differ by architecture (used only for keys a config.json omits)
 _HF_DEFAULTS = {
@@ -149,6 +169,19 @@ _HF_DEFAULTS = {
         "rope_theta": 1e6,
         "num_local_experts": 8,
         "num_experts_per_tok": 2,
+    },
+    "gpt_oss": {
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "attention_bias": True,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
     },
 }
 
@@ -212,6 +245,8 @@ class ModelConfig:
     mlp_only_layers: list[int] | None = None  # ... but for these, which keep a dense MLP of intermediate_size
     output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss (transformers' switch)
     router_aux_loss_coef: float = 0.001
+    swiglu_limit: float = 7.0  # gpt_oss: the experts' clamp of gate (above) and up (both sides)
+    swiglu_alpha: float = 1.702  # gpt_oss: the experts' sigmoid gain
     # derived in __post_init__
     qkv_bias: bool = field(init=False, repr=False)
     o_bias: bool = field(init=False, repr=False)
@@ -222,6 +257,7 @@ class ModelConfig:
     attn_output_gate: bool = field(init=False, repr=False)  # q_proj also gives a gate: out * sigmoid(gate)
     layer_moe: tuple = field(init=False, repr=False)  # per layer: whether its MLP is the routed experts
     expert_size: int | None = field(init=False, repr=False)  # each expert's intermediate width
+    attention_sinks: bool = field(init=False, repr=False)  # gpt_oss: a learned per-head logit in each softmax
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -252,7 +288,12 @@ class ModelConfig:
                 f"{self.head_dim} x {self.partial_rotary_factor}"
             )
         self.rope_scaling = _normalise_rope(self.rope_scaling, self.max_position_embeddings)
-        if self.model_type in ("mistral", *MOE_TYPES):  # every layer slides when a window is set
+        if self.model_type == "gpt_oss":
+            if self.layer_types is None:  # as GptOssConfig derives them: sliding, full, sliding, ...
+                self.layer_types = [
+                    "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_hidden_layers)
+                ]
+        elif self.model_type in ("mistral", *MOE_TYPES):  # every layer slides when a window is set
             self.layer_types = [
                 "sliding_attention" if self.sliding_window else "full_attention"
             ] * self.num_hidden_layers
@@ -292,12 +333,19 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelError(f"sliding_window must be positive or null, got {self.sliding_window!r}")
         self.layer_windows = tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
-        own_bias = ("llama", "qwen3", "qwen3_5_text", "qwen3_moe")  # the types whose attention_bias sets q/k/v/o biases
+        own_bias = (
+            "llama",
+            "qwen3",
+            "qwen3_5_text",
+            "qwen3_moe",
+            "gpt_oss",
+        )  # the types whose attention_bias sets q/k/v/o biases
         self.qkv_bias = True if self.model_type == "qwen2" else self.attention_bias and self.model_type in own_bias
         self.o_bias = self.attention_bias if self.model_type in own_bias else False
         self.qk_norm = self.model_type in ("qwen3", "qwen3_5_text", "qwen3_moe")
         self.norm_offset = 1.0 if self.model_type == "qwen3_5_text" else 0.0
         self.attn_output_gate = self.model_type == "qwen3_5_text"
+        self.attention_sinks = self.model_type == "gpt_oss"
         if self.model_type not in ("llama",):
             self.mlp_bias = False
         self._derive_moe()
@@ -352,6 +400,8 @@ class ModelConfig:
             if config.get("attention_dropout", 0.0):
                 raise ModelError(f"attention_dropout {config['attention_dropout']} is not supported (only 0.0)")
             rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+            if model_type == "gpt_oss" and not rope:
+                rope = dict(GPT_OSS_ROPE)
             theta = rope.pop("rope_theta", None) or config.get("rope_theta") or defaults.get("rope_theta", 10000.0)
             partial = rope.pop("partial_rotary_factor", None) or get("partial_rotary_factor") or 1.0
             passthrough = {k: rope.pop(k) for k in ROPE_PASSTHROUGH if k in rope}
@@ -381,7 +431,7 @@ class ModelConfig:
                 attention_bias=bool(value("attention_bias", False)),
                 mlp_bias=bool(value("mlp_bias", False)),
                 sliding_window=sliding,
-                layer_types=layer_types if model_type in ("qwen2", "qwen3", "qwen3_5_text") else None,
+                layer_types=layer_types if model_type in ("qwen2", "qwen3", "qwen3_5_text", "gpt_oss") else None,
                 max_window_layers=get("max_window_layers"),
                 initializer_range=float(value("initializer_range", 0.02)),
                 bos_token_id=config.get("bos_token_id"),
@@ -416,6 +466,8 @@ class ModelConfig:
             out["rope_scaling"] = dict(self.rope_scaling)
         if self.model_type == "qwen3_moe":
             out["use_sliding_window"] = self.sliding_window is not None
+        if self.model_type == "gpt_oss":
+            out["layer_types"] = list(self.layer_types)
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = self.sliding_window is not None
             out["max_window_layers"] = (
@@ -424,7 +476,7 @@ class ModelConfig:
             out["layer_types"] = list(self.layer_types)
         if self.model_type not in ("mistral", "qwen2", "qwen3", *MOE_TYPES):
             out.pop("sliding_window")
-        if self.model_type not in ("llama", "qwen3", "qwen3_5_text", "qwen3_moe"):
+        if self.model_type not in ("llama", "qwen3", "qwen3_5_text", "qwen3_moe", "gpt_oss"):
             out.pop("attention_bias")
         if self.model_type != "llama":
             out.pop("mlp_bias")
@@ -435,12 +487,14 @@ class ModelConfig:
 
 
 def _moe_keys(model_type: str) -> dict[str, str]:
-    """config.json's Mixture-of-Experts keys of `model_type` -> ModelConfig's fields (mixtral names its expert count
-    num_local_experts and has neither a separate expert width nor dense layers)."""
+    """config.json's Mixture-of-Experts keys of `model_type` -> ModelConfig's fields (mixtral and gpt_oss name their
+    expert count num_local_experts and have neither a separate expert width nor dense layers)."""
+    keys = ("num_experts_per_tok", "output_router_logits", "router_aux_loss_coef")
     if model_type == "mixtral":
-        keys = ("num_experts_per_tok", "output_router_logits", "router_aux_loss_coef")
         return {"num_local_experts": "num_experts", **{key: key for key in keys}}
-    return {key: key for key in MOE_KEYS if key != "mlp_only_layers"}
+    if model_type == "gpt_oss":  # its experts' clamped SwiGLU too
+        return {"num_local_experts": "num_experts", **{key: key for key in (*keys, "swiglu_limit", "swiglu_alpha")}}
+    return {key: key for key in MOE_KEYS if key not in ("mlp_only_layers", "swiglu_limit", "swiglu_alpha")}
 
 
 def _moe_fields(config: dict, get) -> dict:
@@ -478,6 +532,8 @@ def _normalise_rope(scaling: dict | None, max_positions: int) -> dict | None:
     scaling.pop("partial_rotary_factor", None)
     if kind == "default":
         return None
+    if kind == "yarn":
+        return _normalise_yarn(scaling, max_positions)
     need = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
     for key in need:
         if not isinstance(scaling.get(key), (int, float)):
@@ -486,6 +542,44 @@ def _normalise_rope(scaling: dict | None, max_positions: int) -> dict | None:
     if kind == "llama3":
         out["original_max_position_embeddings"] = int(scaling.get("original_max_position_embeddings") or max_positions)
     return out
+
+
+def _normalise_yarn(scaling: dict, max_positions: int) -> dict:
+    """YaRN's parameters with transformers' defaults made explicit (beta_fast 32, beta_slow 1, truncate true, the
+    original context max_position_embeddings); attention_factor, mscale and mscale_all_dim kept where given."""
+    if not isinstance(scaling.get("factor"), (int, float)) or isinstance(scaling.get("factor"), bool):
+        raise ModelError(f"rope_scaling 'yarn' needs a number for 'factor', got {scaling.get('factor')!r}")
+    unknown = set(scaling) - {"factor", "beta_fast", "beta_slow", "truncate", "original_max_position_embeddings"}
+    unknown -= {"attention_factor", "mscale", "mscale_all_dim"}
+    if unknown:
+        raise ModelError(f"rope_scaling 'yarn' key(s) {', '.join(sorted(unknown))} are not supported")
+    out = {
+        "rope_type": "yarn",
+        "factor": float(scaling["factor"]),
+        "beta_fast": float(scaling.get("beta_fast") or 32),  # transformers' `or`: 0 and null take the default
+        "beta_slow": float(scaling.get("beta_slow") or 1),
+        "truncate": bool(scaling.get("truncate", True)),
+        "original_max_position_embeddings": int(scaling.get("original_max_position_embeddings") or max_positions),
+    }
+    out |= {
+        k: float(scaling[k]) for k in ("attention_factor", "mscale", "mscale_all_dim") if scaling.get(k) is not None
+    }
+    return out
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """The factor YaRN scales cos and sin by (transformers' `_compute_yarn_parameters`): attention_factor if given,
+    else 0.1 ln(factor) + 1 (1 for factor <= 1), or the ratio of the mscale and mscale_all_dim forms of it."""
+    factor = scaling["factor"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
 
 
 EXACT_POSITIONS = 2**24  # RoPE's angles are fp32 position x frequency: positions are exact integers up to here
@@ -576,7 +670,8 @@ def rotate_partial(rope_fn, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """(rotary_dim / 2,) fp32 inverse frequencies theta^(-2i/D) (D the rotated channels: head_dim, or its
-    partial_rotary_factor part), with "linear" or "llama3" scaling."""
+    partial_rotary_factor part), with "linear", "llama3" or "yarn" scaling (YaRN's attention factor scales cos and
+    sin: `RotaryEmbedding`)."""
     dim = config.rotary_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (D/2,)
     scaling = config.rope_scaling
@@ -585,6 +680,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     factor = scaling["factor"]
     if scaling["rope_type"] == "linear":
         return inv / factor
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(config, scaling)
     # llama3: wavelengths longer than the original context / low_freq_factor are stretched by `factor`,
     # those shorter than context / high_freq_factor kept, the band between blended linearly in 1/wavelength.
     lo, hi, context = (
@@ -599,11 +696,36 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(middle, (1 - blend) * inv / factor + blend * inv, stretched)
 
 
+def _yarn_inv_freq(config: ModelConfig, scaling: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023) as transformers' `_compute_yarn_parameters` computes it, op for op: frequencies of
+    fewer than beta_slow rotations over the original context interpolated (divided by factor), those of more than
+    beta_fast kept, a linear ramp over the dimensions between (the correction range floored/ceiled if truncate)."""
+    dim, base, factor = config.rotary_dim, config.rope_theta, scaling["factor"]
+    context = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)  # (D/2,)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (D/2,) fp32
+        scaling = config.rope_scaling or {}
+        # YaRN scales cos and sin (so every attention logit) by its attention factor; 1 otherwise
+        self.attention_scaling = yarn_attention_factor(scaling) if scaling.get("rope_type") == "yarn" else 1.0
 
     def reset_buffers(self) -> None:
         """Recompute the frequencies on the buffer's device (after `to_empty`, or a dtype cast)."""
@@ -618,6 +740,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+        if self.attention_scaling != 1.0:
+            return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return emb.cos(), emb.sin()
 
 
@@ -646,6 +770,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, config.rms_norm_eps, config.norm_offset)
             self.k_norm = RMSNorm(D, config.rms_norm_eps, config.norm_offset)
         self.qk_norm = config.qk_norm
+        # gpt_oss: each head's learned logit in its softmax's denominator, with no value (trainer/model/attention.py)
+        self.sinks = nn.Parameter(torch.empty(H)) if config.attention_sinks else None
         self.impl = "kernels"  # who rotates q and k; set for the whole model by CausalLM
         self.fused_lora = True  # LoRA layers through kernels.lora_projections (CausalLM.fused_lora)
 
@@ -662,7 +788,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, k, cos, sin)
-        out = attn.attend(q, k, v, self.window).reshape(B, T, -1)  # (B, T, H D)
+        out = attn.attend(q, k, v, self.window, self.sinks).reshape(B, T, -1)  # (B, T, H D)
         if self.output_gate:
             out = out * torch.sigmoid(gate.reshape(B, T, -1))
         (out,) = _project(self, out, self.o_proj)
@@ -844,6 +970,8 @@ def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
         config.num_experts_per_tok,
         config.model_type,
         config.norm_topk_prob,
+        config.swiglu_limit,
+        config.swiglu_alpha,
     )
 
 
@@ -1076,8 +1204,13 @@ class CausalLM(nn.Module):
             elif isinstance(module, (TopKRouter, Experts)):  # every weight N(0, initializer_range), as transformers
                 shapes = getattr(module, "full_shapes", {})  # 4-bit experts' parameters are packed codes
                 for param_name, param in module.named_parameters(recurse=False):
-                    shape = shapes.get(param_name, param.shape)
-                    put(param, torch.empty(shape).normal_(0.0, std, generator=gen))
+                    if isinstance(module, Experts) and param_name.endswith("_bias"):  # gpt_oss's: zeros
+                        local_shard(param)[0].zero_()
+                    else:  # the gpt_oss router's bias N(0, initializer_range) too
+                        shape = shapes.get(param_name, param.shape)
+                        put(param, torch.empty(shape).normal_(0.0, std, generator=gen))
+            elif isinstance(module, Attention) and module.sinks is not None:  # gpt_oss: N(0, initializer_range)
+                put(module.sinks, torch.empty(module.sinks.shape).normal_(0.0, std, generator=gen))
             elif isinstance(module, GatedDeltaNet):  # transformers' init: decays A = U(0.01, 16), dt_bias 1
                 local_shard(module.dt_bias)[0].fill_(1.0)
                 put(module.A_log, torch.empty(module.A_log.shape).uniform_(0.01, 16, generator=gen).log_())
@@ -1163,6 +1296,7 @@ class CausalLM(nn.Module):
                 set(self.config.layer_windows),
                 self.attn_backend,
                 recurrent="linear_attention" in self.config.layer_types,
+                sinks=self.config.attention_sinks,
             )
             attns = [plan] * len(self.model.layers)
         cos, sin = self.model.rotary_emb(rope_pos)  # (B or 1, T, D) fp32

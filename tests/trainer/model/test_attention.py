@@ -88,6 +88,56 @@ def test_sdpa_equals_the_dense_mask_path(name):
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-10)
 
 
+def dense_sink_reference(q, k, v, sinks, position_ids, attention_mask, window):
+    """transformers' gpt_oss eager attention over `dense_reference`'s mask: the scores (masked to -inf), each head's
+    sink logit as one more column, softmax, the column dropped."""
+    B, T, H, D = q.shape
+    allowed = causal_mask(T, T, window, q.device)[None]  # (1, T, T)
+    if position_ids is not None:
+        doc = document_ids(position_ids)
+        allowed = allowed & (doc[:, :, None] == doc[:, None, :])
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, :]
+    kt = k.transpose(1, 2).repeat_interleave(H // k.shape[2], dim=1)  # (B, H, T, D)
+    vt = v.transpose(1, 2).repeat_interleave(H // k.shape[2], dim=1)
+    scores = (q.transpose(1, 2) @ kt.transpose(2, 3)) * D**-0.5  # (B, H, T, T)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    logits = torch.cat([scores, sinks.view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return (probs @ vt).transpose(1, 2)  # (B, T, H, D)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_sinks_on_sdpa_and_flex_equal_the_explicit_softmax(name):
+    """Attention sinks (gpt_oss) on the sdpa path (the sink as one more key inside SDPA: trainer/model/attention.py
+    `sdpa`) against transformers' explicit softmax with the sink column, with every batch layout: outputs at real tokens
+    and the gradients of q, k, v and the sinks (head size 8: the scale 8^-1/2 is no power of two). flex's forward
+    (eager on CPU; its backward needs CUDA) too."""
+    position_ids, attention_mask, window = _case(name)
+    B = 1 if position_ids is None else position_ids.shape[0]
+    T, H, Hkv, D = 24, 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (H, Hkv, Hkv))
+    sinks = torch.randn(H, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)
+    real = (attention_mask if attention_mask is not None else torch.ones(B, T)).bool()[..., None, None]
+    results = []
+    for attend in ("dense", "plan"):
+        if attend == "dense":
+            out = dense_sink_reference(q, k, v, sinks, position_ids, attention_mask, window)
+        else:
+            plan = make_plan(position_ids, attention_mask, B, T, q.device, q.dtype, (window,), "sdpa", sinks=True)
+            out = plan.attend(q, k, v, window, sinks)
+        loss = (out * weight * real).sum()  # outputs at padding are never read
+        results.append((out * real, *torch.autograd.grad(loss, (q, k, v, sinks))))
+    for ours, ref in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-10)
+    with torch.no_grad():
+        plan = make_plan(position_ids, attention_mask, B, T, q.device, q.dtype, (window,), "flex", sinks=True)
+        flex = plan.attend(q.detach(), k.detach(), v.detach(), window, sinks)
+    torch.testing.assert_close(flex * real, results[0][0], rtol=0, atol=1e-10)
+
+
 class _LargestTensor(TorchDispatchMode):
     """The largest tensor (bytes) any aten op returns while active."""
 

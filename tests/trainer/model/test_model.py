@@ -743,11 +743,11 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
         (
             {"model_type": "gpt2"},
             "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3, qwen3_5_text, qwen3_moe, "
-            "mixtral)",
+            "mixtral, gpt_oss)",
         ),
         (
-            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-            "rope_scaling type 'yarn' is not supported (supported: default, linear, llama3)",
+            {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+            "rope_scaling type 'longrope' is not supported (supported: default, linear, llama3, yarn)",
         ),
         ({"rope_parameters": {"type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported (supported: silu)"),

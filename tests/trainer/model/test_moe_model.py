@@ -1,6 +1,8 @@
-"""Our model's Mixture-of-Experts types (qwen3_moe, mixtral: trainer/model/moe.py) against transformers (a test-only
-oracle): logits, loss with the load-balancing term, the aux loss itself and every gradient in fp32; checkpoints read
-and written in transformers' per-expert layout; padding left out of the router statistics as transformers leaves it.
+"""Our model's Mixture-of-Experts types (qwen3_moe, mixtral, gpt_oss: trainer/model/moe.py) against transformers (a
+test-only oracle): logits, loss with the load-balancing term, the aux loss itself and every gradient in fp32;
+checkpoints read and written in transformers' layout (per expert; gpt_oss's 3-D tensors, its MXFP4 packing read);
+padding left out of the router statistics as transformers leaves it. gpt_oss also brings attention sinks, sliding and
+full layers alternating, YaRN RoPE, a biased router and biased, clamped experts.
 
 Tolerances: fp32 within 1e-5 absolute of transformers (observed ~1e-7: only summation orders differ).
 """
@@ -28,6 +30,15 @@ BASE = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=128,
+)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=1000.0,
+    factor=4.0,
+    beta_fast=8.0,
+    beta_slow=1.0,
+    original_max_position_embeddings=32,
+    truncate=False,
 )
 ARCHS = {
     # every other layer routed (decoder_sparse_step 2) but for layer 1, dense (mlp_only_layers): layer 2 alone is
@@ -57,6 +68,20 @@ ARCHS = {
     ),
     "mixtral": lambda **kw: transformers.MixtralConfig(
         **{**BASE, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5, **kw}
+    ),
+    # layers sliding (window 4 < T), full, sliding; YaRN over an original context of 32 (factor 4 = 128 / 32), its
+    # ramp between the interpolated and the kept frequencies inside the 8 frequencies of a 16-wide head
+    "gpt_oss": lambda **kw: transformers.GptOssConfig(
+        **{
+            **BASE,
+            "head_dim": 16,
+            "num_local_experts": 6,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4,
+            "router_aux_loss_coef": 0.9,
+            "rope_parameters": YARN,
+            **kw,
+        }
     ),
 }
 
@@ -112,7 +137,7 @@ def test_without_output_router_logits_no_aux_term(arch, tmp_path):
     torch.testing.assert_close(out.loss, hf(ids, labels=labels).loss, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_save_writes_transformers_files_and_transformers_loads_them(arch, tmp_path):
     hf = hf_model(arch)
     hf.save_pretrained(tmp_path / "hf")
@@ -124,7 +149,7 @@ def test_save_writes_transformers_files_and_transformers_loads_them(arch, tmp_pa
         with safe_open(str(path / "model.safetensors"), "pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
-    assert keys(tmp_path / "ours") == keys(tmp_path / "hf")  # one 2-D weight per expert, as transformers writes
+    assert keys(tmp_path / "ours") == keys(tmp_path / "hf")  # one 2-D weight per expert (gpt_oss: 3-D), as transformers
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     assert back.config.output_router_logits and back.config.num_experts_per_tok == hf.config.num_experts_per_tok
     ids, _ = batch()
@@ -149,8 +174,9 @@ def test_padding_is_left_out_of_the_router_statistics_as_transformers_does(side,
     assert (unmasked.aux_loss - out.aux_loss).abs() > 1e-4  # the mask changed the statistics
 
 
-def test_kernels_on_and_off_and_checkpointing_same_loss_and_gradients(tmp_path):
-    hf_model("mixtral").save_pretrained(tmp_path)
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_kernels_on_and_off_and_checkpointing_same_loss_and_gradients(arch, tmp_path):
+    hf_model(arch).save_pretrained(tmp_path)
     ids, labels = batch()
     runs = []
     for use_kernels, checkpointing in ((False, False), (True, False), (True, True)):
@@ -195,7 +221,7 @@ def test_config_round_trip_and_bad_moe_configs(tmp_path):
     assert model.model.layers[0].mlp.experts.gate_up_proj.std().item() == pytest.approx(0.02, rel=0.1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_kernels_through_the_interpreter_match_transformers(arch, tmp_path):
     """use_kernels with every Triton kernel (the interpreter), the grouped expert GEMMs among them: the loss with its
     aux term, the logits and every parameter's gradient (routers included) those of transformers in fp32."""
@@ -300,12 +326,13 @@ def test_under_autocast_the_experts_multiply_in_the_autocast_dtype(tmp_path, mon
     assert all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() for p in ours.parameters())
 
 
-def test_greedy_generate_matches_full_recompute_and_transformers(tmp_path):
-    """Decoding our Mixtral through the KV cache (a window of 5 under 15 tokens): the tokens of the full recompute and
-    of transformers' generate."""
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_greedy_generate_matches_full_recompute_and_transformers(arch, tmp_path):
+    """Decoding our Mixtral (a window of 5 under 15 tokens) and gpt-oss (windows of 4, sinks in every softmax) through
+    the KV cache: the tokens of the full recompute and of transformers' generate."""
     from trainer.model.causal_lm import generate
 
-    hf = hf_model("mixtral")
+    hf = hf_model(arch)
     hf.save_pretrained(tmp_path)
     ours = load_pretrained(tmp_path, use_kernels=False)
     prompt = batch(b=1, t=5)[0]
@@ -349,7 +376,8 @@ def test_dpo_adds_and_logs_the_aux_loss(tmp_path):
     assert log["loss"] == pytest.approx(0.6931472 + 0.001 * log["aux_loss"], abs=1e-5)
 
 
-def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])  # gpt_oss: (E, in, out) tensors, peft's is_transposed
+def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(arch, tmp_path):
     """peft's target_parameters on our experts (`--lora_target_parameters mlp.experts.gate_up_proj
     mlp.experts.down_proj`, beside attention LoRA): two steps train the adapter (run as rank-r GEMMs on the routed
     rows: peft's whole delta is never formed); the adapter files carry peft's nested keys, and peft loads them over
@@ -363,7 +391,7 @@ def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(tmp_path
     from trainer.loop.trainer import Trainer
     from trainer.model.lora import apply_lora, load_adapter
 
-    hf = hf_model("qwen3_moe", vocab_size=320)
+    hf = hf_model(arch, vocab_size=320)
     hf.save_pretrained(tmp_path / "base")
     byte_level_tokenizer().save_pretrained(tmp_path / "base")  # the merge command copies it
     lora = dict(use_peft=True, lora_r=2, lora_alpha=4, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"])
@@ -429,15 +457,19 @@ def _no_whole_delta():
         yield
 
 
-@pytest.mark.parametrize("interpret", [False, True], ids=["reference", "triton-interpreter"])
-def test_expert_lora_as_rank_gemms_equals_peft_forming_the_delta(interpret, tmp_path):
+@pytest.mark.parametrize(
+    "arch, interpret",
+    [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", True)],
+    ids=["qwen3_moe-reference", "qwen3_moe-triton-interpreter", "gpt_oss-triton-interpreter"],
+)
+def test_expert_lora_as_rank_gemms_equals_peft_forming_the_delta(arch, interpret, tmp_path):
     """Our experts with peft's target_parameters adapter run the factors as rank-r GEMMs (kernels.moe.ExpertLoRA);
     `fused_lora = False` keeps peft's ParamWrappers (the whole delta added to the weight each forward): the same
     loss and the same gradient of every adapter weight, fp32, on the reference and the Triton kernels."""
     from trainer.config.args import TrainingArguments
     from trainer.model.lora import apply_lora
 
-    hf_model("qwen3_moe").save_pretrained(tmp_path)
+    hf_model(arch).save_pretrained(tmp_path)
     args = TrainingArguments(
         output_dir="unused",
         use_peft=True,
@@ -514,7 +546,10 @@ def _qlora_args(out, **kw):
     )
 
 
-def test_qlora_quantizes_the_experts_not_the_router_and_trains_over_their_dequantized_values(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_qlora_quantizes_the_experts_not_the_router_and_trains_over_their_dequantized_values(
+    arch, tmp_path, monkeypatch
+):
     """load_in_4bit on our MoE: every expert tensor NF4 codes as it is read (per-expert files gathered, then
     quantized), the router a full-precision parameter; the loss and every adapter gradient equal those of the same
     adapter over plain experts holding dequantize(Q(W)) (the function QLoRA trains over); backward dequantizes the
@@ -524,7 +559,7 @@ def test_qlora_quantizes_the_experts_not_the_router_and_trains_over_their_dequan
     from trainer.model import quant
     from trainer.model.moe import Experts
 
-    hf_model("qwen3_moe", vocab_size=320).save_pretrained(tmp_path / "base")
+    hf_model(arch, vocab_size=320).save_pretrained(tmp_path / "base")
     byte_level_tokenizer().save_pretrained(tmp_path / "base")
     args = _qlora_args(tmp_path / "out")
     ours, _ = build_model(str(tmp_path / "base"), args, device="cpu")
@@ -532,7 +567,7 @@ def test_qlora_quantizes_the_experts_not_the_router_and_trains_over_their_dequan
     assert len(four_bit) == sum(ours.config.layer_moe) and not any(type(m) is Experts for m in ours.modules())
     for m in four_bit:
         assert all(isinstance(getattr(m, n), bnb.nn.Params4bit) for n in m.full_shapes)
-    routers = [p for n, p in ours.named_parameters() if n.endswith("mlp.gate.weight")]
+    routers = [p for n, p in ours.named_parameters() if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
     assert routers and all(p.dtype == torch.float32 and not p.requires_grad for p in routers)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     for name, m in ours.named_modules():  # the checkpoint's tensors as bitsandbytes quantizes and dequantizes them
@@ -634,3 +669,239 @@ def test_qlora_experts_under_fsdp2_or_deepspeed_are_one_line(monkeypatch):
     args = _qlora_args("unused", dist_config={"name": "fsdp2"})
     with pytest.raises(ConfigError, match=r"^load_in_4bit: the 4-bit experts .* \(dist_config name fsdp2: not yet\)"):
         transforms.apply_transforms(model, args)
+
+
+# ---- gpt_oss -----------------------------------------------------------------------------------------------------
+def test_gpt_oss_config_round_trip_and_what_it_derives():
+    hf = hf_model("gpt_oss")
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config.layer_windows == (4, None, 4) and config.attention_sinks and config.qkv_bias and config.o_bias
+    assert config.num_experts == 6 and config.expert_size == 48 and all(config.layer_moe)
+    assert config.router_aux_loss_coef == 0.9 and config.swiglu_limit == 7.0 and config.swiglu_alpha == 1.702
+    assert config.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 8.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 32,
+    }
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    # a config.json without rope parameters takes GptOssConfig's default (the released models' YaRN)
+    bare = {k: v for k, v in hf.config.to_dict().items() if k not in ("rope_parameters", "rope_scaling")}
+    rope = ModelConfig.from_hf(bare).rope_scaling
+    assert rope["factor"] == 32.0 and rope["original_max_position_embeddings"] == 4096 and not rope["truncate"]
+    with pytest.raises(ModelError, match="rope_scaling 'yarn' needs a number for 'factor'"):
+        ModelConfig.from_hf({**bare, "rope_parameters": {"rope_type": "yarn"}})
+
+
+def _per_sequence(hf, seqs):
+    """transformers' logits of each sequence alone (B = 1, no padding): the oracle for packed and padded rows."""
+    with torch.no_grad():
+        return [hf(s[None]).logits[0] for s in seqs]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_gpt_oss_packed_and_padded_rows_are_transformers_per_sequence(backend, tmp_path):
+    """Two documents packed in one row (position_ids restarting), and a right- and a left-padded row: each real
+    token's logits are those transformers gives its sequence alone (windows of 4 inside documents of 5 to 9 tokens, the
+    sinks in every softmax). sdpa (the CPU path, per document) and flex (eager on CPU, forward only: its backward
+    needs CUDA) alike."""
+    hf = hf_model("gpt_oss")
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, use_kernels=False).eval()
+    ours.attn_backend = backend
+    g = torch.Generator().manual_seed(2)
+    a, b, c = (torch.randint(0, V, (n,), generator=g) for n in (7, 9, 5))
+    want_a, want_b, want_c = _per_sequence(hf, (a, b, c))
+    with torch.no_grad():
+        packed = ours(torch.cat([a, b])[None], position_ids=torch.cat([torch.arange(7), torch.arange(9)])[None])
+        torch.testing.assert_close(packed.logits[0], torch.cat([want_a, want_b]), atol=1e-5, rtol=0)
+        ids = torch.zeros(2, 9, dtype=torch.long)
+        mask = torch.zeros(2, 9, dtype=torch.long)
+        ids[0, :5], mask[0, :5] = c, 1  # right padding
+        ids[1, 2:], mask[1, 2:] = a, 1  # left padding
+        padded = ours(ids, attention_mask=mask).logits
+    torch.testing.assert_close(padded[0, :5], want_c, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded[1, 2:], want_a, atol=1e-5, rtol=0)
+
+
+def test_gpt_oss_packed_gradients_are_the_sum_of_per_sequence_ones(tmp_path):
+    """The packed row's loss and gradients (sinks included) are what transformers gives the two sequences' summed
+    losses (without the load-balancing term, which is formed over the whole batch)."""
+    hf = hf_model("gpt_oss", output_router_logits=False)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, use_kernels=False).eval()
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, V, (7,), generator=g), torch.randint(0, V, (9,), generator=g)
+    pos = torch.cat([torch.arange(7), torch.arange(9)])[None]
+    labels = torch.cat([a, b])[None].clone()
+    labels[0, 7] = -100  # b's first token is no target of a's last (transformers' losses of each alone)
+    out = ours(torch.cat([a, b])[None], position_ids=pos, labels=labels, num_items=6 + 8)
+    out.loss.backward()
+    total = sum(hf(s[None], labels=s[None], num_items_in_batch=torch.tensor(14)).loss for s in (a, b))
+    total.backward()
+    torch.testing.assert_close(out.loss, total, atol=1e-5, rtol=0)
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, hf_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sinks_are_never_dropped_by_a_backend_that_cannot_add_them():
+    from trainer.model.attention import AttentionError, make_plan
+
+    with pytest.raises(AttentionError, match="^attention backend 'flash' cannot add attention sinks"):
+        make_plan(None, None, 1, 8, torch.device("cpu"), torch.bfloat16, backend="flash", sinks=True)
+    assert make_plan(None, None, 1, 8, torch.device("cpu"), torch.float32, sinks=True).backend == "sdpa"
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from trainer.model.moe import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 2, 16), generator=g, dtype=torch.uint8)  # every code, both nibbles
+    scales = torch.randint(110, 140, (3, 40, 2), generator=g, dtype=torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32):
+        want = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)  # (3, 64, 40)
+        got = dequantize_mxfp4(blocks, scales, dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_a_released_style_mxfp4_checkpoint_loads_dequantized(tmp_path):
+    """A gpt-oss checkpoint as OpenAI released them (expert weights as `*_blocks` / `*_scales`, `quantization_config`
+    mxfp4 in config.json; built here by packing random codes, as transformers cannot write one on CPU): our loader
+    dequantizes each expert weight to what transformers' `convert_moe_packed_tensors` gives, checks the packed shapes
+    from the headers, and the model then computes transformers' logits over those weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = hf_model("gpt_oss", intermediate_size=32)  # K a multiple of 32 in both expert weights
+    hf.save_pretrained(tmp_path)
+    tensors, g = load_file(str(tmp_path / "model.safetensors")), torch.Generator().manual_seed(1)
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = tensors.pop(name).shape
+        blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(119, 125, (e, n, k // 32), generator=g, dtype=torch.uint8)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        with torch.no_grad():
+            hf.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").unlink(missing_ok=True)
+    byte_level_tokenizer().save_pretrained(tmp_path)
+    read_model_files(str(tmp_path))  # the packed headers check against our parameters
+    ours = load_pretrained(tmp_path, use_kernels=False).eval()
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert torch.equal(p, hf_params[name]), name
+    ids, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
+    save_pretrained(ours, tmp_path / "saved")  # written back unpacked: transformers' own 3-D tensors
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert getattr(back.config, "quantization_config", None) is None
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_gpt_oss_first_line_says_its_aux_coefficient(tmp_path):
+    from trainer.cli import model_line
+
+    hf_model("gpt_oss").save_pretrained(tmp_path)
+    line = model_line(load_pretrained(tmp_path))
+    assert line.startswith("our model: gpt_oss") and line.endswith(
+        "mixture of experts: 3 layers of 6 experts, 2 per token through the expert loop in PyTorch, "
+        "load-balancing loss x router_aux_loss_coef 0.9"
+    )
+
+
+def test_gpt_oss_lora_all_linear_is_peft_s_and_peft_loads_it_over_transformers(tmp_path):
+    """all-linear takes the modules peft's all-linear takes on transformers' gpt_oss (the attention projections: the
+    router and experts are no nn.Linear); two steps train it, and peft loads the adapter over transformers' model with
+    our logits."""
+    import peft
+
+    from tests.trainer.loop.test_golden import _examples
+    from trainer.config.args import TrainingArguments
+    from trainer.data.sft_data import TokenizedDataset
+    from trainer.loop.trainer import Trainer
+    from trainer.model.lora import apply_lora, load_adapter, resolve_target_modules
+
+    hf = hf_model("gpt_oss", vocab_size=320)
+    hf.save_pretrained(tmp_path / "base")
+    base = load_pretrained(tmp_path / "base", use_kernels=False)
+    theirs = peft.get_peft_model(
+        hf_model("gpt_oss", vocab_size=320), peft.LoraConfig(r=2, target_modules="all-linear")
+    ).peft_config["default"]
+    assert set(resolve_target_modules(base, ["all-linear"])) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert {name.rsplit(".", 1)[-1] for name in theirs.target_modules} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        learning_rate=1e-2,
+        use_peft=True,
+        lora_r=2,
+        lora_alpha=4,
+        lora_dropout=0.0,
+        lora_target_modules=["all-linear"],
+    )
+    model = apply_lora(base, args)
+    Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(_examples(n=4))).train()
+    Trainer(model=model, args=args).save_model(tmp_path / "adapter")
+    ours = load_adapter(load_pretrained(tmp_path / "base", use_kernels=False), tmp_path / "adapter").eval()
+    loaded = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids, _ = batch()
+    with torch.no_grad():
+        got, want = ours(ids).logits, loaded(input_ids=ids).logits
+        with loaded.disable_adapter():
+            plain = loaded(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (want - plain).abs().max() > 1e-3  # the adapter trained
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        {"factor": 8.0, "original_max_position_embeddings": 4096},  # defaults: betas 32 / 1, truncate
+        {"factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.7, "original_max_position_embeddings": 4096},
+        {"factor": 4.0, "attention_factor": 1.3, "original_max_position_embeddings": 4096},
+    ],
+)
+def test_yarn_frequencies_and_attention_factor_are_transformers(rope):
+    """YaRN at the released gpt-oss settings (the first) and its other options: our inverse frequencies bit for bit and
+    the attention factor those of transformers' `_compute_yarn_parameters`; the config round-trips."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from trainer.model.causal_lm import RotaryEmbedding
+
+    hf = transformers.GptOssConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **rope},
+    )
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    config = ModelConfig.from_hf(hf.to_dict())
+    rotary = RotaryEmbedding(config)
+    assert torch.equal(rotary.inv_freq, inv_freq) and rotary.attention_scaling == factor
+    assert ModelConfig.from_hf(config.to_hf()) == config

@@ -55,7 +55,7 @@ def batch(seed: int = 0):
 def test_the_path_follows_the_model_type():
     assert model_path("llama") == "ours" and model_path("qwen3") == "ours" and model_path("qwen3_5_text") == "ours"
     assert model_path("llama", "transformers") == "transformers"
-    assert model_path("gemma3_text") == "transformers" and model_path("gpt_oss", "auto") == "transformers"
+    assert model_path("gemma3_text") == "transformers" and model_path("gpt_oss", "auto") == "ours"
     assert model_path("qwen3_moe") == "ours" and model_path("mixtral", "transformers") == "transformers"
     with pytest.raises(ModelError, match=r"^model_impl ours: model_type 'gemma3_text' is not one our model covers"):
         model_path("gemma3_text", "ours")
@@ -135,9 +135,10 @@ def test_our_model_trains_qwen3_5_as_transformers_trainer(checkpoints, tmp_path)
     _three_steps(checkpoints["qwen3_5_text"], _examples(n=24), tmp_path, model_impl="ours")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow), "gpt_oss"])
 def test_our_model_trains_moe_as_transformers_trainer(model_type, tmp_path):
-    """Qwen3-MoE and Mixtral through our own model (issue 46) with the load-balancing loss on
+    """Qwen3-MoE, Mixtral and gpt-oss (sinks, windows, YaRN, biased router and experts) through our own model (issue
+    46) with the load-balancing loss on
     (output_router_logits): the three steps of `test_three_steps_equal_transformers_trainer`, the losses (the aux term
     in them) and the weights (routers included) of transformers.Trainer's. One micro batch of 8 per step: under
     accumulation transformers adds every micro batch's whole aux term, we its share of the window (the main loss's

@@ -593,7 +593,7 @@ def test_the_tiled_mlp_tiles_our_swapped_mlps(checkpoints, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     from trainer.config.args import ConfigError
 
-    gpt_oss, _ = build_model(str(write_tiny("gpt_oss", tmp_path / "gpt_oss")), args)
+    gpt_oss, _ = build_model(str(write_tiny("gpt_oss", tmp_path / "gpt_oss")), args, model_impl="transformers")
     with pytest.raises(ConfigError, match="^tiled_mlp: GptOssForCausalLM has no MLP our kernels run"):
         gpt_oss.tiled_mlp = True
 
