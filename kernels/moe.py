@@ -1208,6 +1208,32 @@ def moe_experts_bwd(
     return (dx, d_weights, d_gate_up, d_down, d_gate_up_bias, d_down_bias, *lora_grads)
 
 
+def _loras(a1, b1, a2, b2, scalings) -> tuple[ExpertLoRA | None, ExpertLoRA | None]:
+    return tuple(
+        None if a is None else ExpertLoRA(a, b, s) for a, b, s in ((a1, b1, scalings[0]), (a2, b2, scalings[1]))
+    )
+
+
+def _backward(ctx, dout, tensors, saved, lora=(None, None), lora_needs=(False,) * 4):
+    """moe_experts_bwd for either Function: `tensors` (x, weights, gate_up, down, gate_up_bias, down_bias)."""
+    x, weights, gate_up, down, gate_up_bias, down_bias = tensors
+    return moe_experts_bwd(
+        _unit_col(dout),
+        x,
+        ctx.route,
+        weights,
+        gate_up,
+        down,
+        gate_up_bias,
+        down_bias,
+        saved,
+        needs=ctx.needs_input_grad[:6],
+        lora=lora,
+        lora_needs=lora_needs,
+        **ctx.options,
+    )
+
+
 class MoEExpertsFunction(torch.autograd.Function):
     """Autograd over the launchers. Saves x, the top-k weights, the parameters, the routing and the pre-activation
     gate_up (N, 2I) in x's dtype; h is recomputed from it where the backward needs it."""
@@ -1223,21 +1249,8 @@ class MoEExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        x, weights, gate_up, down, gate_up_bias, down_bias, gu = ctx.saved_tensors
-        grads = moe_experts_bwd(
-            _unit_col(dout),
-            x,
-            ctx.route,
-            weights,
-            gate_up,
-            down,
-            gate_up_bias,
-            down_bias,
-            (gu, None, None),
-            needs=ctx.needs_input_grad[:6],
-            **ctx.options,
-        )
-        return (*grads[:6], None, None)
+        *tensors, gu = ctx.saved_tensors
+        return (*_backward(ctx, dout, tensors, (gu, None, None))[:6], None, None)
 
 
 class MoEExpertsLoRAFunction(torch.autograd.Function):
@@ -1247,10 +1260,8 @@ class MoEExpertsLoRAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, gate_up_bias, down_bias, a1, b1, a2, b2, route, options, scalings):
-        lora = tuple(
-            None if a is None else ExpertLoRA(a, b, s) for a, b, s in ((a1, b1, scalings[0]), (a2, b2, scalings[1]))
-        )
         save = any(ctx.needs_input_grad[:10])
+        lora = _loras(a1, b1, a2, b2, scalings)
         out, saved = moe_experts_fwd(
             x, route, weights, gate_up, down, gate_up_bias, down_bias, save=save, lora=lora, **options
         )
@@ -1261,26 +1272,10 @@ class MoEExpertsLoRAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        x, weights, gate_up, down, gate_up_bias, down_bias, a1, b1, a2, b2, *saved = ctx.saved_tensors
-        lora = tuple(
-            None if a is None else ExpertLoRA(a, b, s)
-            for a, b, s in ((a1, b1, ctx.scalings[0]), (a2, b2, ctx.scalings[1]))
-        )
-        grads = moe_experts_bwd(
-            _unit_col(dout),
-            x,
-            ctx.route,
-            weights,
-            gate_up,
-            down,
-            gate_up_bias,
-            down_bias,
-            tuple(saved),
-            needs=ctx.needs_input_grad[:6],
-            lora=lora,
-            lora_needs=ctx.needs_input_grad[6:10],
-            **ctx.options,
-        )
+        saved = ctx.saved_tensors
+        tensors, factors = saved[:6], saved[6:10]
+        lora = _loras(*factors, ctx.scalings)
+        grads = _backward(ctx, dout, tensors, tuple(saved[10:]), lora, ctx.needs_input_grad[6:10])
         return (*grads, None, None, None)
 
 

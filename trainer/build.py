@@ -197,8 +197,9 @@ def _weight_targets(model: CausalLM, args):
 def model_settings(args) -> dict:
     """TrainingArguments' model settings as CausalLM's constructor arguments (and its attributes of the same names):
     its ops (ours, PyTorch's with use_kernels=False, or liger-kernel's, which win), label smoothing, z-loss,
-    NEFTune and the tiled MLP. The one place they are read: `build_model` gives them to the CausalLM it builds, and
-    the Trainer to a model it is handed whose settings differ (`apply_model_settings`)."""
+    NEFTune, the tiled MLP and the MoE load-balancing loss's weight. The one place they are read: `build_model`
+    gives them to the CausalLM it builds, and the Trainer to a model it is handed whose settings differ
+    (`apply_model_settings`)."""
     return {
         "use_kernels": args.use_kernels and not args.use_liger_kernel,
         "use_liger_kernel": args.use_liger_kernel,
@@ -206,6 +207,7 @@ def model_settings(args) -> dict:
         "z_loss": args.z_loss,
         "neftune_noise_alpha": args.neftune_noise_alpha,
         "tiled_mlp": args.tiled_mlp,
+        "router_aux_loss_coef": args.router_aux_loss_coef,
     }
 
 
@@ -218,6 +220,7 @@ def apply_model_settings(ours: CausalLM, settings: dict) -> None:
     ours.z_loss = settings["z_loss"]
     ours.neftune_noise_alpha = settings["neftune_noise_alpha"]
     ours.tiled_mlp = settings["tiled_mlp"]
+    ours.router_aux_loss_coef = settings["router_aux_loss_coef"]
 
 
 def causal_lm(model: nn.Module) -> CausalLM | None:

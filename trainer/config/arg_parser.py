@@ -53,6 +53,8 @@ SIMPLE_ALIASES = {
     "pref_beta": "beta",
     "pref_loss": "loss_type",
     "pref_ftx": "rpo_alpha",
+    # LlamaFactory's name for the MoE load-balancing loss's weight (it turns the loss on, as TRL's name does)
+    "moe_aux_loss_coef": "router_aux_loss_coef",
     # TRL's ModelConfig and LlamaFactory's quantization names
     "use_bnb_nested_quant": "bnb_4bit_use_double_quant",
     "double_quantization": "bnb_4bit_use_double_quant",

@@ -610,6 +610,13 @@ class TrainingArguments:
     full_determinism: bool = _arg(False, "extras", "Deterministic algorithms everywhere (slower; for debugging).")
     max_nonfinite_steps: int = _arg(10, "extras", "Stop after this many consecutive steps with a non-finite loss.")
     z_loss: float = _arg(0.0, "extras", "Weight of the z-loss (logsumexp^2) that keeps logits small.")
+    router_aux_loss_coef: float | None = _arg(
+        None,
+        "extras",
+        "Mixture-of-experts models: the load-balancing loss's weight, added to the training loss (0 turns it off; "
+        "TRL's name). Unset: the model config's output_router_logits and router_aux_loss_coef decide, as in "
+        "transformers (TRL turns it on with the config's coefficient).",
+    )
 
     # --- lora (TRL's ModelConfig names and defaults; trainer/model/lora.py) ---
     use_peft: bool = _arg(
@@ -1080,6 +1087,12 @@ class TrainingArguments:
             "neftune_noise_alpha",
             self.neftune_noise_alpha,
             "must be > 0 or unset",
+        )
+        check(
+            self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
+            "router_aux_loss_coef",
+            self.router_aux_loss_coef,
+            "must be >= 0 (0 turns the router loss off) or unset",
         )
         steps = self.max_steps
         check(steps == -1 or steps > 0, "max_steps", steps, "must be -1 or a positive integer")

@@ -902,6 +902,8 @@ class Trainer:
                 apply_model_settings(ours, settings)
         elif isinstance(wrapped, TransformersModel):  # the transformers path: the loss's settings are ours
             check_transformers_path(args)
+            if wrapped.router_aux_loss_coef != args.router_aux_loss_coef:
+                wrapped.router_aux_loss_coef = args.router_aux_loss_coef
             wrapped.check_stage(self.stage)
             wrapped.label_smoothing, wrapped.z_loss = args.label_smoothing_factor, args.z_loss
             wrapped.neftune_noise_alpha = args.neftune_noise_alpha
@@ -923,6 +925,11 @@ class Trainer:
                 raise ValueError(
                     f"tiled_mlp: a {name} has no trainer.model.causal_lm.CausalLM inside whose MLPs could run in "
                     "tiles; leave it off for this model"
+                )
+            if args.router_aux_loss_coef is not None:
+                raise ValueError(
+                    f"router_aux_loss_coef: a {name} has no trainer.model.causal_lm.CausalLM inside to add the "
+                    "router loss to; set output_router_logits and router_aux_loss_coef in its config instead"
                 )
             accepted = forward_params(model)
             if (args.label_smoothing_factor or z_loss) and ("labels" in accepted or "**" in accepted):

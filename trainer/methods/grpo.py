@@ -85,7 +85,7 @@ import numpy as np
 import torch
 
 import kernels
-from trainer.build import frozen_copy
+from trainer.build import causal_lm, frozen_copy
 from trainer.checkpoint_hf import CheckpointError
 from trainer.config.args import ConfigError, _arg
 from trainer.data.batching import BatchLoader
@@ -581,8 +581,12 @@ class GRPOTrainer(Trainer):
                         attention_mask=batch["attention_mask"].to(device),
                         head=head,
                     )
-                run.engine.backward(out.loss, last)
-            window_loss += out.loss.detach().float()
+                loss = out.loss
+                if out.get("aux_loss") is not None:  # a mixture of experts' router loss, as TRL adds it: / accum
+                    loss = loss + causal_lm(model).config.router_aux_loss_coef * out.aux_loss / accum
+                    self._record_aux_loss(out)
+                run.engine.backward(loss, last)
+            window_loss += loss.detach().float()
             self._record(out.metrics)
             if not last:
                 self._fire("on_substep_end")

@@ -1079,12 +1079,14 @@ class CausalLM(nn.Module):
         neftune_noise_alpha: float | None = None,
         use_liger_kernel: bool = False,
         tiled_mlp: bool = False,
+        router_aux_loss_coef: float | None = None,
     ):
         """The training settings are given here, once (`trainer.build.build_model` gives TrainingArguments'):
         `use_kernels` (ours, else plain PyTorch), `use_liger_kernel` (liger-kernel's ops, which win over
         `use_kernels`; as `apply_liger_kernel`), `label_smoothing` (transformers' label_smoothing_factor), `z_loss`
-        `neftune_noise_alpha` (noise only while `training`) and `tiled_mlp` (each MLP over the tokens in tiles of
-        hidden_size tokens, recomputed per tile in backward: `MLP.forward`)."""
+        `neftune_noise_alpha` (noise only while `training`), `tiled_mlp` (each MLP over the tokens in tiles of
+        hidden_size tokens, recomputed per tile in backward: `MLP.forward`) and `router_aux_loss_coef` (TRL's: see
+        the property)."""
         super().__init__()
         self.config = config
         self.model = Backbone(config)
@@ -1097,6 +1099,8 @@ class CausalLM(nn.Module):
         self.z_loss = z_loss
         self.neftune_noise_alpha = neftune_noise_alpha
         self.tiled_mlp = tiled_mlp
+        self._router_loss_of_config = (config.output_router_logits, config.router_aux_loss_coef)
+        self.router_aux_loss_coef = router_aux_loss_coef
         self.attn_backend = "auto"  # "auto" | "sdpa" | "flex" | "flash" (trainer/model/attention.py)
         self.name_or_path: str | None = None  # the model argument it was built from (as transformers'); peft records it
         self.gradient_checkpointing = False
@@ -1116,6 +1120,26 @@ class CausalLM(nn.Module):
     @property
     def use_liger_kernel(self) -> bool:
         return self.impl == "liger"
+
+    @property
+    def router_aux_loss_coef(self) -> float | None:
+        """TRL's `router_aux_loss_coef` as given: a mixture of experts' load-balancing loss added with this weight
+        (0: not added); None: as the config says (`output_router_logits`, its coefficient), transformers' rule. It
+        sets the config's two keys, as TRL sets them (so the saved config.json says what trained)."""
+        return self._router_aux_loss_coef
+
+    @router_aux_loss_coef.setter
+    def router_aux_loss_coef(self, value: float | None) -> None:
+        if value and not any(self.config.layer_moe):
+            raise ModelError(
+                f"router_aux_loss_coef={value:g}: a {self.config.model_type} model has no router (not a mixture of "
+                "experts); leave it unset"
+            )
+        self._router_aux_loss_coef = value
+        enabled, coef = self._router_loss_of_config if value is None else (value != 0, value)
+        self.config.output_router_logits, self.config.router_aux_loss_coef = enabled, coef
+        for layer in self.model.layers:
+            layer.router_stats = enabled
 
     @property
     def tiled_mlp(self) -> bool:

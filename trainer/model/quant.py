@@ -89,7 +89,20 @@ def dequantize(weight: torch.Tensor, state=None) -> torch.Tensor:
     )
 
 
-class Linear4bit(bnb.nn.Linear4bit):
+class _Settings4bit:
+    """What a 4-bit layer quantizes with (its quant_type, double_quant and quant_storage attributes)."""
+
+    def quant_settings(self) -> dict:
+        """bitsandbytes' quantization arguments for this layer (`quantize_4bit`'s and `Params4bit`'s names)."""
+        return {
+            "blocksize": BLOCKSIZE,
+            "compress_statistics": self.double_quant,
+            "quant_type": self.quant_type,
+            "quant_storage": self.quant_storage,
+        }
+
+
+class Linear4bit(_Settings4bit, bnb.nn.Linear4bit):
     """bitsandbytes' Linear4bit with our forward (see the module docstring); built by `from_linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,17 +165,8 @@ class Linear4bit(bnb.nn.Linear4bit):
             codes, requires_grad=False, quant_state=state, module=self, bnb_quantized=True, **self.quant_settings()
         )
 
-    def quant_settings(self) -> dict:
-        """bitsandbytes' quantization arguments for this layer (`quantize_4bit`'s and `Params4bit`'s names)."""
-        return {
-            "blocksize": BLOCKSIZE,
-            "compress_statistics": self.double_quant,
-            "quant_type": self.quant_type,
-            "quant_storage": self.quant_storage,
-        }
 
-
-class Experts4bit(Experts):
+class Experts4bit(_Settings4bit, Experts):
     """Our MoE experts (trainer/model/moe.py) with gate_up_proj and down_proj in 4 bits: each 3-D tensor quantized as
     one weight (blocks of 64 over its flattened values, as bitsandbytes quantizes any tensor), its codes a frozen
     bitsandbytes Params4bit under the same name, its state kept on the module (`quant_states`). The router stays in
@@ -211,14 +215,6 @@ class Experts4bit(Experts):
         codes, state = quantize_4bit(full, **self.quant_settings())
         self.quant_states[name] = state
         self._put(name, codes, state)
-
-    def quant_settings(self) -> dict:
-        return {
-            "blocksize": BLOCKSIZE,
-            "compress_statistics": self.double_quant,
-            "quant_type": self.quant_type,
-            "quant_storage": self.quant_storage,
-        }
 
     def dequantized(self, name: str) -> torch.Tensor:
         """The full-precision tensor `name` its codes stand for, in the dtype it was quantized from."""

@@ -195,6 +195,7 @@ class TransformersModel(nn.Module):
         z_loss: float = 0.0,
         neftune_noise_alpha: float | None = None,
         tiled_mlp: bool = False,
+        router_aux_loss_coef: float | None = None,
         twin: TransformersModel | None = None,
     ):
         """`twin`: a TransformersModel (use_kernels on) of the same architecture at sizes small enough to probe, whose
@@ -210,14 +211,18 @@ class TransformersModel(nn.Module):
         self.neftune_noise_alpha = neftune_noise_alpha
         self._layout = (None, None)  # the forward in progress's (attention_mask, position_ids), for `_neftune`
         hf.get_input_embeddings().register_forward_hook(self._neftune)
-        self.router_loss = bool(getattr(hf.config, "output_router_logits", False))
+        self._router_loss_of_config = (
+            bool(getattr(hf.config, "output_router_logits", False)),
+            getattr(hf.config, "router_aux_loss_coef", None),
+        )
+        self._router_aux_loss_coef = None
+        self.router_loss = self._router_loss_of_config[0]
         # logits = logit_scale * lm_head(hidden), softcapped when softcap is not None; None: something else
         if twin is not None and use_kernels and not twin.use_kernels:
             raise ValueError("TransformersModel: a twin must be built with use_kernels on (its probes ran)")
         probed = (twin.logit_scale, twin.softcap) if twin is not None else self._probe_head()
         self.logit_scale, self.softcap = probed or (None, None)
-        self.plain_head = self.logit_scale is not None and not self.router_loss
-        self.fused_head = use_kernels and self.plain_head
+        self.router_aux_loss_coef = router_aux_loss_coef  # sets router_loss, plain_head and fused_head
         # what of ours runs inside ({"Kind: where": count}) and what was left (trainer/model/kernel_swaps.py)
         self.swapped, self.left = swap_kernels(hf, twin and twin.hf) if use_kernels else ({}, set())
         # activation offloading's per-block calls (`trainer.model.offload`; CausalLM.block_hooks): hook(i) before
@@ -374,6 +379,27 @@ class TransformersModel(nn.Module):
     def _scaled(self, hidden: torch.Tensor) -> torch.Tensor:
         """The hidden states times the logit scale (c h W^T = c (h W^T): the scale folded into the head's input)."""
         return hidden if self.logit_scale == 1.0 else hidden * self.logit_scale
+
+    @property
+    def router_aux_loss_coef(self) -> float | None:
+        """TRL's `router_aux_loss_coef` as given (CausalLM.router_aux_loss_coef's rule): set, it turns the model's
+        router loss on (off at 0) with this weight in its config, as TRL sets them; None: the config decides."""
+        return self._router_aux_loss_coef
+
+    @router_aux_loss_coef.setter
+    def router_aux_loss_coef(self, value: float | None) -> None:
+        if value and not hasattr(self.config, "output_router_logits"):
+            raise ModelError(
+                f"router_aux_loss_coef={value:g}: a {self.config.model_type} model has no router (not a mixture of "
+                "experts); leave it unset"
+            )
+        self._router_aux_loss_coef = value
+        enabled, coef = self._router_loss_of_config if value is None else (value != 0, value)
+        if hasattr(self.config, "output_router_logits"):
+            self.config.output_router_logits, self.config.router_aux_loss_coef = enabled, coef
+        self.router_loss = enabled
+        self.plain_head = self.logit_scale is not None and not self.router_loss
+        self.fused_head = self.use_kernels and self.plain_head
 
     def not_plain_reason(self) -> str:
         """Why the loss runs over transformers' logits rather than from the hidden states and the head's weight."""
@@ -562,5 +588,6 @@ def build_transformers_model(path: Path, args, *, dtype, device, attn_backend: s
             z_loss=args.z_loss,
             neftune_noise_alpha=args.neftune_noise_alpha,
             tiled_mlp=args.tiled_mlp,
+            router_aux_loss_coef=args.router_aux_loss_coef,
         )
     return TransformersModel(hf, **settings)

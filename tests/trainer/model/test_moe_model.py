@@ -11,6 +11,7 @@ import contextlib
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,23 @@ ARCHS = {
         }
     ),
 }
+
+
+# two logged SGD-sized steps of the Trainer, nothing saved
+TWO_STEPS = dict(
+    max_steps=2,
+    per_device_train_batch_size=2,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    learning_rate=1e-2,
+)
+
+
+def _two_steps(out, **kw):
+    from trainer.config.args import TrainingArguments
+
+    return TrainingArguments(output_dir=str(out), **TWO_STEPS, **kw)
 
 
 def hf_model(arch, seed=0, **kw):
@@ -386,7 +404,6 @@ def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(arch, tm
     import peft
 
     from tests.trainer.loop.test_golden import _examples
-    from trainer.config.args import TrainingArguments
     from trainer.data.sft_data import TokenizedDataset
     from trainer.loop.trainer import Trainer
     from trainer.model.lora import apply_lora, load_adapter
@@ -396,17 +413,7 @@ def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(arch, tm
     byte_level_tokenizer().save_pretrained(tmp_path / "base")  # the merge command copies it
     lora = dict(use_peft=True, lora_r=2, lora_alpha=4, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"])
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        learning_rate=1e-2,
-        lora_target_parameters=experts,
-        **lora,
-    )
+    args = _two_steps(tmp_path / "out", lora_target_parameters=experts, **lora)
     model = apply_lora(load_pretrained(tmp_path / "base", use_kernels=False), args)
     with _no_whole_delta():
         Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(_examples(n=4))).train()
@@ -623,15 +630,7 @@ def test_qlora_experts_train_and_merge_over_their_dequantized_values(tmp_path):
 
     hf_model("qwen3_moe", vocab_size=320).save_pretrained(tmp_path / "base")
     byte_level_tokenizer().save_pretrained(tmp_path / "base")
-    args = _qlora_args(
-        tmp_path / "out",
-        max_steps=2,
-        per_device_train_batch_size=2,
-        report_to="none",
-        save_strategy="no",
-        learning_rate=1e-2,
-        logging_steps=1,
-    )
+    args = _qlora_args(tmp_path / "out", **TWO_STEPS)
     ours, _ = build_model(str(tmp_path / "base"), args, device="cpu")
     Trainer(model=ours, args=args, train_dataset=TokenizedDataset.from_examples(_examples(n=4))).train()
     Trainer(model=ours, args=args).save_model(tmp_path / "adapter")
@@ -829,7 +828,6 @@ def test_gpt_oss_lora_all_linear_is_peft_s_and_peft_loads_it_over_transformers(t
     import peft
 
     from tests.trainer.loop.test_golden import _examples
-    from trainer.config.args import TrainingArguments
     from trainer.data.sft_data import TokenizedDataset
     from trainer.loop.trainer import Trainer
     from trainer.model.lora import apply_lora, load_adapter, resolve_target_modules
@@ -842,19 +840,8 @@ def test_gpt_oss_lora_all_linear_is_peft_s_and_peft_loads_it_over_transformers(t
     ).peft_config["default"]
     assert set(resolve_target_modules(base, ["all-linear"])) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert {name.rsplit(".", 1)[-1] for name in theirs.target_modules} == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        learning_rate=1e-2,
-        use_peft=True,
-        lora_r=2,
-        lora_alpha=4,
-        lora_dropout=0.0,
-        lora_target_modules=["all-linear"],
+    args = _two_steps(
+        tmp_path / "out", use_peft=True, lora_r=2, lora_alpha=4, lora_dropout=0.0, lora_target_modules=["all-linear"]
     )
     model = apply_lora(base, args)
     Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(_examples(n=4))).train()
@@ -905,3 +892,90 @@ def test_yarn_frequencies_and_attention_factor_are_transformers(rope):
     rotary = RotaryEmbedding(config)
     assert torch.equal(rotary.inv_freq, inv_freq) and rotary.attention_scaling == factor
     assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+# ---- router_aux_loss_coef (TRL's argument, LlamaFactory's moe_aux_loss_coef) ----------------------------------------
+
+
+@pytest.mark.parametrize("model_impl", ["ours", "transformers"])
+def test_router_aux_loss_coef_turns_the_router_loss_on_and_off_as_trl_sets_the_config(model_impl, tmp_path):
+    """Set, the argument writes the config's output_router_logits (on unless 0) and coefficient, as TRL does: the
+    loss is transformers' with those keys; unset, the config decides; on a model without routers it is one line."""
+    from trainer.build import build_model
+    from trainer.config.args import ConfigError, TrainingArguments, parse_args
+
+    hf_model("qwen3_moe", output_router_logits=False).save_pretrained(tmp_path / "off")
+    byte_level_tokenizer().save_pretrained(tmp_path / "off")
+    ids, labels = batch()
+    for coef in (None, 0.5, 0.0):
+        args = TrainingArguments(output_dir="unused", router_aux_loss_coef=coef)
+        ours = build_model(str(tmp_path / "off"), args, device="cpu", model_impl=model_impl)[0].eval()
+        on = bool(coef)
+        want_config = dict(output_router_logits=on, **({"router_aux_loss_coef": coef} if on else {}))
+        want = hf_model("qwen3_moe", **want_config)(ids, labels=labels).loss
+        torch.testing.assert_close(ours(ids, labels=labels).loss, want, atol=1e-5, rtol=0)
+        assert ours.config.output_router_logits == on
+    assert parse_args(["--moe_aux_loss_coef", "0.01", "--output_dir", "x"])[0].router_aux_loss_coef == 0.01
+    with pytest.raises(ConfigError, match=r"^router_aux_loss_coef=-1.0: must be >= 0 \(0 turns the router loss off\)"):
+        TrainingArguments(output_dir="x", router_aux_loss_coef=-1.0)
+    with pytest.raises(ModelError, match=r"^router_aux_loss_coef=0.01: a llama model has no router"):
+        CausalLM(ModelConfig.from_hf(transformers.LlamaConfig(**BASE).to_dict()), router_aux_loss_coef=0.01)
+
+
+def test_grpo_adds_the_router_loss_over_the_accumulation_steps_as_trl(tmp_path):
+    """TRL's GRPO adds router_aux_loss_coef x the micro batch's aux loss / gradient_accumulation_steps to the policy
+    loss: one step of SGD with the term differs from one without by exactly -lr x coef x d aux / d w over the step's
+    micro batches (the same completions both ways), and aux_loss is logged."""
+    from tests.trainer.methods.test_grpo import distinct_chars
+    from trainer.config.args import TrainingArguments
+    from trainer.data.task_eval import held_out_conversations
+    from trainer.data.tasks import TRAIN_FILE
+    from trainer.methods.grpo import GRPOArguments, GRPOTrainer, prompts_from_conversations
+
+    hf_model("qwen3_moe", vocab_size=320).save_pretrained(tmp_path / "base")
+    prompts = prompts_from_conversations(held_out_conversations([str(TRAIN_FILE)], 4))
+    lr, coef, accum = 0.1, 0.5, 2
+    runs = {}
+    for c in (coef, 0.0):
+        torch.manual_seed(0)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(c)),
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=accum,
+            max_steps=1,
+            learning_rate=lr,
+            optim="sgd",
+            max_grad_norm=0.0,  # no clipping: the update is -lr x the gradient
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            router_aux_loss_coef=c,
+        )
+        model = load_pretrained(tmp_path / "base", use_kernels=False)
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=distinct_chars,
+            args=args,
+            grpo=GRPOArguments(num_generations=4, max_completion_length=4),
+            train_dataset=prompts,
+            processing_class=byte_level_tokenizer(),
+        )
+        trainer.train()
+        runs[c] = (trainer, {n: p.detach().clone() for n, p in model.named_parameters()})
+    (with_aux, after), (_, plain) = runs[coef], runs[0.0]
+    assert "aux_loss" in with_aux.state.log_history[0]
+    # d aux / d w at the step's weights over its micro batches (the rows the trainer dealt them, padding left out)
+    reference = load_pretrained(tmp_path / "base", use_kernels=False)
+    reference.router_aux_loss_coef = 1.0
+    gen = with_aux._generation
+    _, rows = with_aux._window_rows(gen, 0)
+    for part in np.array_split(rows, accum):
+        batch_ = with_aux._rows_batch(gen, part)
+        out = reference(batch_["input_ids"], attention_mask=batch_["attention_mask"])
+        (out.aux_loss / accum).backward()
+    for name, p in reference.named_parameters():
+        if p.grad is None or name not in after:
+            continue
+        torch.testing.assert_close(after[name] - plain[name], -lr * coef * p.grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in reference.parameters())
