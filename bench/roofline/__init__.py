@@ -138,7 +138,11 @@ The LoRA stacks (`python -m bench.roofline --lora_stacks`, issue 34): one step o
 or 0.05, no checkpointing (what a step keeps is all in its peak), for ours with the fused LoRA path (kernels.lora),
 ours with peft's layers, transformers + peft, and transformers + peft + liger (`lora_stack_rows`: ladder_step with
 LORA_SETTINGS x LORA_STACKS). Dropout is modelled as it runs on CUDA (`cuda_dropout_on_meta`: a bool mask kept).
-Results: bench/results/lora_stacks.md (+ .jsonl); test: tests/bench/test_ladder.py.
+Results: bench/results/lora_stacks.md (+ .jsonl); test: tests/bench/test_ladder.py. With `--model qwen3-30b-a3b`
+(issue 46): Qwen3-30B-A3B with r 16 on q/k/v/o and on both expert tensors (peft's target_parameters), bf16 adapters,
+dropout 0: ours with the adapter as rank GEMMs inside the grouped GEMMs (MoEExpertsLoRAFunction's model), ours with
+peft's layers (each expert tensor's whole delta formed and kept), transformers' grouped_mm experts + peft
+(MOE_LORA_SETTINGS x MOE_LORA_STACKS); results bench/results/lora_stacks_qwen3-30b-a3b.md (+ .jsonl).
 
 The package, in the order its parts build on each other: tracing.py (the trace, the aten recorder, ModelledOp),
 op_models.py (the cost models, MODELS), recording.py (`recording`: fake CUDA, the modelled ops, emulated autocast),
@@ -167,7 +171,7 @@ from bench.roofline.ladder import (
     measured_calibration,
 )
 from bench.roofline.ladder_parts import MeteredOffloader, NF4Linear, cuda_dropout_on_meta, nf4_bytes
-from bench.roofline.lora_stacks import LORA_SETTINGS, LORA_STACKS, lora_stack_rows
+from bench.roofline.lora_stacks import LORA_SETTINGS, LORA_STACKS, MOE_LORA_SETTINGS, MOE_LORA_STACKS, lora_stack_rows
 from bench.roofline.op_models import (
     _FLCE_HOST,
     MODELS,
@@ -210,6 +214,8 @@ __all__ = [
     "liger_rope_bytes",
     "linear_fit",
     "lora_stack_rows",
+    "MOE_LORA_SETTINGS",
+    "MOE_LORA_STACKS",
     "main",
     "measured_calibration",
     "model_step",

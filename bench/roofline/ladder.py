@@ -119,8 +119,13 @@ CALIBRATION_FILE = Path(__file__).parents[1] / "results" / "h200" / "train_memor
 
 def ladder_config(model: str) -> dict:
     from bench.bench_train import model_config
+    from bench.roofline.cli import _full_config
+    from bench.roofline.stacks import OUR_MODELS
 
-    config = dict(LLAMA_31_8B) if model == "llama-3.1-8b" else model_config(model)
+    if model in OUR_MODELS:
+        config = _full_config(OUR_MODELS[model])
+    else:
+        config = dict(LLAMA_31_8B) if model == "llama-3.1-8b" else model_config(model)
     config["max_position_embeddings"] = 1 << 23  # RoPE is computed per position; no table of this size is built
     return config
 

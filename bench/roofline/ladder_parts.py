@@ -118,7 +118,16 @@ def apply_lora_r16(model: torch.nn.Module, nf4: bool, dropout: float = 0.0, adap
 
     for p in model.parameters():
         p.requires_grad_(False)
-    config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=list(LORA_TARGETS))
+    # a mixture of experts' stacked expert tensors too (peft's target_parameters, ours as rank GEMMs)
+    experts = [n for n, p in model.named_parameters() if p.dim() == 3 and ".mlp.experts." in n]
+    targets = sorted({n.rsplit(".", 1)[-1] for n in experts})
+    config = peft.LoraConfig(
+        r=16,
+        lora_alpha=32,
+        lora_dropout=dropout,
+        target_modules=list(LORA_TARGETS),
+        target_parameters=[f"mlp.experts.{t}" for t in targets] or None,
+    )
     peft.inject_adapter_in_model(config, model)
     if adapter_dtype is not None:
         for name, p in model.named_parameters():

@@ -1,5 +1,8 @@
 """The LoRA stacks (`python -m bench.roofline --lora_stacks`, issue 34): one step of Llama-3.1-8B with LoRA r=16 per
-LORA_SETTINGS x LORA_STACKS, fused LoRA (kernels.lora) against peft's layers, in our model and in transformers'."""
+LORA_SETTINGS x LORA_STACKS, fused LoRA (kernels.lora) against peft's layers, in our model and in transformers'.
+With `--model qwen3-30b-a3b` (issue 46): Qwen3-30B-A3B with r 16 on attention and on the experts (peft's
+target_parameters), MOE_LORA_SETTINGS x MOE_LORA_STACKS: the adapter as rank GEMMs inside our grouped GEMMs against
+peft's layers forming each expert tensor's whole delta, in our model and in transformers' (grouped_mm experts)."""
 
 from __future__ import annotations
 
@@ -27,15 +30,29 @@ LORA_SETTINGS = {
     for dropout in (0.0, 0.05)
 }
 LORA_SEQ_LEN = 2048
+# Qwen3-30B-A3B, bf16 base, r 16 on q/k/v/o and on both expert tensors (target_parameters), bf16 adapters, dropout 0
+# (peft refuses dropout on target_parameters); no liger stack (liger-kernel 0.8.5's fused MoE is not modelled)
+MOE_LORA_SETTINGS = {"bf16 adapters, dropout 0.0": Setting("qwen3-30b-a3b", "", lora=True)}
+MOE_LORA_STACKS = {
+    "ours_fused": (LadderStack("ours", checkpointing=False), "ours, experts' LoRA as rank GEMMs (kernels.moe)"),
+    "ours_peft": (LadderStack("ours", checkpointing=False, fused_lora=False), "ours, peft's layers (whole delta)"),
+    "hf_peft": (LadderStack("hf", checkpointing=False), "transformers (grouped_mm experts) + peft"),
+}
 
 
-def lora_stack_rows(seq_len: int = LORA_SEQ_LEN, config: dict | None = None, env: dict | None = None) -> list[dict]:
-    """One modelled step (micro batch 1, `seq_len` tokens) per LORA_SETTINGS x LORA_STACKS: peak, what is live after
-    forward above the parameters and optimizer state (the activations kept for backward), the step's modelled DRAM
-    bytes and its time on each of DEVICES."""
+def lora_stack_rows(
+    seq_len: int = LORA_SEQ_LEN,
+    config: dict | None = None,
+    env: dict | None = None,
+    settings: dict | None = None,
+    stacks: dict | None = None,
+) -> list[dict]:
+    """One modelled step (micro batch 1, `seq_len` tokens) per setting x stack (default LORA_SETTINGS x
+    LORA_STACKS): peak, what is live after forward above the parameters and optimizer state (the activations kept for
+    backward), the step's modelled DRAM bytes and its time on each of DEVICES."""
     rows = []
-    for setting_name, setting in LORA_SETTINGS.items():
-        for stack_name, (stack, title) in LORA_STACKS.items():
+    for setting_name, setting in (settings or LORA_SETTINGS).items():
+        for stack_name, (stack, title) in (stacks or LORA_STACKS).items():
             step = ladder_step(setting, stack, seq_len, config)
             rows.append(
                 {
@@ -55,24 +72,43 @@ def lora_stack_rows(seq_len: int = LORA_SEQ_LEN, config: dict | None = None, env
     return rows
 
 
-def render_lora_stacks(rows: list[dict], env: dict) -> str:
-    lines = [
-        f"# LoRA stacks (modelled): Llama-3.1-8B, r 16 on every linear layer, seq_len {rows[0]['seq_len']}, "
-        "micro batch 1",
-        "",
-        "Every figure here is **modelled** on meta tensors (bench/roofline/lora_stacks.py: `lora_stack_rows`), no "
-        "checkpointing (every activation a step keeps is in its peak), bf16 base, bf16 autocast. activations = what is "
-        "live after forward above the parameters and optimizer state; step bytes = the DRAM traffic of every op of the "
-        "step. The fused path's values and gradients equal peft's bit for bit "
-        "(tests/trainer/model/test_fused_lora.py). It keeps each input once and the thin x A^T; peft's layers keep, "
-        "per adapted layer, dropout's mask and dropped copy, and with fp32 adapters the bf16 casts of their inputs. "
-        "With dropout the fused backward draws the masks again (PyTorch's dropout on the saved generator state): bytes "
-        "that peft's kept copies save.",
-        "",
-        common.env_header(env).replace("Measured on", "Modelled on"),
-        "",
-    ]
-    for setting in LORA_SETTINGS:
+LLAMA_INTRO = (
+    "Every figure here is **modelled** on meta tensors (bench/roofline/lora_stacks.py: `lora_stack_rows`), no "
+    "checkpointing (every activation a step keeps is in its peak), bf16 base, bf16 autocast. activations = what is "
+    "live after forward above the parameters and optimizer state; step bytes = the DRAM traffic of every op of the "
+    "step. The fused path's values and gradients equal peft's bit for bit "
+    "(tests/trainer/model/test_fused_lora.py). It keeps each input once and the thin x A^T; peft's layers keep, "
+    "per adapted layer, dropout's mask and dropped copy, and with fp32 adapters the bf16 casts of their inputs. "
+    "With dropout the fused backward draws the masks again (PyTorch's dropout on the saved generator state): bytes "
+    "that peft's kept copies save."
+)
+MOE_INTRO = (
+    "Every figure here is **modelled** on meta tensors (bench/roofline/lora_stacks.py: `lora_stack_rows`), no "
+    "checkpointing (every activation a step keeps is in its peak), bf16 base, bf16 autocast. activations = what is "
+    "live after forward above the parameters and optimizer state; step bytes = the DRAM traffic of every op of the "
+    "step. Ours keeps the experts' inputs and pre-activations and the thin x A^T and h A^T (kernels/moe.py); peft's "
+    "ParamWrapper forms each expert tensor's whole (E, out, in) delta every forward and adds it to the weight, and "
+    "that sum is kept for backward, per layer (tests/trainer/model/test_moe_model.py holds the two to the same loss "
+    "and gradients). Ours runs its optimizer over fp32 master copies of the bf16 adapters with fp32 moments "
+    "(setup above transformers', whose AdamW keeps bf16 moments of bf16 adapters). For comparison, Unsloth reports "
+    "Qwen3-30B-A3B 16-bit LoRA in 63 GB (its own claim; rank, targets and sequence length as its notebook sets them, "
+    "not this table's)."
+)
+
+
+def render_lora_stacks(rows: list[dict], env: dict, model: str = "llama-3.1-8b") -> str:
+    moe = model != "llama-3.1-8b"
+    title = (
+        f"# LoRA stacks (modelled): Qwen3-30B-A3B, r 16 on attention and the experts, seq_len {rows[0]['seq_len']}, "
+        "micro batch 1"
+        if moe
+        else f"# LoRA stacks (modelled): Llama-3.1-8B, r 16 on every linear layer, seq_len {rows[0]['seq_len']}, "
+        "micro batch 1"
+    )
+    intro = MOE_INTRO if moe else LLAMA_INTRO
+    lines = [title, "", intro, "", common.env_header(env).replace("Measured on", "Modelled on"), ""]
+    settings, stacks = (MOE_LORA_SETTINGS, MOE_LORA_STACKS) if moe else (LORA_SETTINGS, LORA_STACKS)
+    for setting in settings:
         sel = {r["stack"]: r for r in rows if r["setting"] == setting}
         base = sel["ours_peft"]
         lines += [
@@ -81,7 +117,7 @@ def render_lora_stacks(rows: list[dict], env: dict) -> str:
             "| stack | peak GB | activations GB | vs ours-peft | step bytes GB | H100 ms | H200 ms |",
             "|---|---|---|---|---|---|---|",
         ]
-        for name in LORA_STACKS:
+        for name in stacks:
             r = sel[name]
             ratio = r["activations_gb"] / base["activations_gb"]
             lines.append(
@@ -106,12 +142,17 @@ def render_lora_stacks(rows: list[dict], env: dict) -> str:
 
 def main_lora_stacks(args) -> list[dict]:
     env = common.env_info()
-    rows = lora_stack_rows(args.seq_len, env=env)
+    moe = args.model in {s.model for s in MOE_LORA_SETTINGS.values()}
+    if moe:
+        rows = lora_stack_rows(args.seq_len, env=env, settings=MOE_LORA_SETTINGS, stacks=MOE_LORA_STACKS)
+    else:
+        rows = lora_stack_rows(args.seq_len, env=env)
+    stem = f"lora_stacks_{args.model}" if moe else "lora_stacks"
     common.RESULTS.mkdir(parents=True, exist_ok=True)
-    with (common.RESULTS / "lora_stacks.jsonl").open("a") as f:
+    with (common.RESULTS / f"{stem}.jsonl").open("a") as f:
         for row in rows:
             f.write(json.dumps(row, sort_keys=True) + "\n")
-    text = render_lora_stacks(rows, env)
-    (common.RESULTS / "lora_stacks.md").write_text(text)
+    text = render_lora_stacks(rows, env, args.model if moe else "llama-3.1-8b")
+    (common.RESULTS / f"{stem}.md").write_text(text)
     print(text)
     return rows

@@ -352,6 +352,68 @@ class MoEExpertsModel:
         return (*grads, *biases, None, None)
 
 
+class MoEExpertsLoRAModel(MoEExpertsModel):
+    """Ours with peft's LoRA on the experts, MoEExpertsLoRAFunction(x, weights, gate_up, down, gate_up_bias, down_bias,
+    lora_A1, lora_B1, lora_A2, lora_B2, route, options, scalings): `traffic_parts` with the adapter's rank GEMMs (both
+    tensors adapted, the experts' weights frozen: no weight-gradient pass of their own, the factors' four instead)
+    at the same ideal tiling, and their FLOPs (bench_moe.flops with the rank)."""
+
+    name = "MoEExpertsLoRAFunction"
+
+    def _lora_parts(self, mode, x, weights, gate_up, gate_up_bias, factor, options):
+        tokens, hidden, k, inter, counts = self._sizes(x, weights, gate_up, options)
+        rank = factor.shape[0] // gate_up.shape[0]
+        tiles = dataclasses.replace(
+            moe.GPU_TILES, block_m=max(counts), block_n1=inter, block_n2=hidden, block_p=max(hidden, 2 * inter)
+        )
+        tiles = dataclasses.replace(tiles, block_q=tiles.block_p)
+        parts = bench_moe.traffic_parts(
+            mode,
+            counts,
+            tokens,
+            k,
+            hidden,
+            inter,
+            x.element_size(),
+            gate_up.element_size(),
+            bias=gate_up_bias is not None,
+            router_size=weights.element_size(),
+            tiles=tiles,
+            lora_rank=rank,
+            lora_size=factor.element_size(),
+        )
+        n = tokens * k
+        lora = 2 * n * rank  # per unit of width: each rank GEMM is lora x its other dimension
+        if mode == "forward":
+            flops = {
+                "_moe_gemm1_kernel": 4 * n * hidden * inter + lora * (hidden + 2 * inter),
+                "_moe_gemm2_kernel": 2 * n * hidden * inter + lora * (inter + hidden),
+            }
+        else:
+            flops = {
+                "_moe_dgrad_kernel": 2 * n * hidden * inter + lora * (hidden + inter),
+                "_moe_gemm2_kernel": 4 * n * hidden * inter + lora * (2 * inter + hidden),
+                "_moe_wgrad_kernel": lora * (2 * hidden + 3 * inter),
+            }
+        return parts, flops
+
+    def forward(self, ctx, x, weights, gate_up, down, gate_up_bias, down_bias, a1, b1, a2, b2, route, options, scal):
+        if a1 is None or a2 is None:
+            raise NotImplementedError("the roofline models LoRA on both expert tensors (gate_up_proj and down_proj)")
+        parts, flops = self._lora_parts("forward", x, weights, gate_up, gate_up_bias, a1, options)
+        _record_parts(self.name, self.category, parts, flops=flops)
+        ctx.options = options
+        ctx.save_for_backward(x, weights, gate_up, gate_up_bias, a1, b1, a2, b2)
+        return _like(x)
+
+    def backward(self, ctx, dout):
+        x, weights, gate_up, gate_up_bias, a1, b1, a2, b2 = ctx.saved_tensors
+        parts, flops = self._lora_parts("backward", x, weights, gate_up, gate_up_bias, a1, ctx.options)
+        _record_parts(self.name + ".backward", self.category, parts, launches={"_moe_wgrad_kernel": 4}, flops=flops)
+        factors = tuple(_like(t) for t in (a1, b1, a2, b2))
+        return (_like(x), _like(weights), None, None, None, None, *factors, None, None, None)
+
+
 class CausalConv1dModel:
     """Ours, CausalConv1dFunction(x2d, weight, bias, starts, silu) (Gated DeltaNet's short convolution and its SiLU),
     by bench/bench_causal_conv1d.py's `traffic_parts` (issued bytes: the shifted reads of x counted each time, as the
@@ -600,6 +662,7 @@ MODELS = {
     "GatedRMSNormFunction": GatedRMSNormModel,
     "CausalConv1dFunction": CausalConv1dModel,
     "MoEExpertsFunction": MoEExpertsModel,
+    "MoEExpertsLoRAFunction": MoEExpertsLoRAModel,
     "FusedLinearCrossEntropyFunction": OurFLCEModel,
     "LigerFusedLinearCrossEntropyFunction": LigerFLCEModel,
 }

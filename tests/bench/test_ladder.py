@@ -250,3 +250,26 @@ def test_cuda_dropout_on_meta_keeps_a_bool_mask():
     ):
         torch.nn.functional.dropout(x, 0.1, True)
     assert [t.dtype for t in kept] == [torch.bool]
+
+
+def test_moe_lora_stacks_keep_the_rank_gemms_not_peft_s_whole_delta(monkeypatch):
+    """`python -m bench.roofline --lora_stacks --model qwen3-30b-a3b` at a tiny Qwen3-MoE: LoRA on attention and on
+    the experts; ours records the experts through MoEExpertsLoRAFunction's model (the rank GEMMs in the kernels) and
+    keeps less than peft's layers in our model (which keep each layer's weight + whole delta for backward), which keep
+    less than transformers + peft."""
+    from bench.roofline import op_models, stacks
+    from bench.roofline.cli import _full_config
+    from tests.bench.test_roofline import QWEN3_MOE_TINY
+
+    monkeypatch.setitem(stacks.OUR_MODELS, "qwen3-30b-a3b", QWEN3_MOE_TINY)
+    modelled = []
+    forward = op_models.MoEExpertsLoRAModel.forward
+    monkeypatch.setattr(
+        op_models.MoEExpertsLoRAModel, "forward", lambda self, *a: modelled.append(a[1].shape) or forward(self, *a)
+    )
+    rows = rf.lora_stack_rows(
+        256, _full_config(QWEN3_MOE_TINY), env={}, settings=rf.MOE_LORA_SETTINGS, stacks=rf.MOE_LORA_STACKS
+    )
+    kept = {r["stack"]: r["activations_gb"] for r in rows}
+    assert kept["ours_fused"] < kept["ours_peft"] < kept["hf_peft"], kept
+    assert len(modelled) == QWEN3_MOE_TINY["num_hidden_layers"]  # ours_fused's MoE layers, once each
