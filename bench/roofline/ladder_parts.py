@@ -6,6 +6,7 @@ offload on one process (`HostParameters`), and transformers, checkpointing and d
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 
@@ -135,8 +136,47 @@ def apply_lora_r16(model: torch.nn.Module, nf4: bool, dropout: float = 0.0, adap
                 p.data = p.data.to(adapter_dtype)
     if nf4:
         for module in list(model.modules()):
-            if isinstance(module, peft.tuners.lora.LoraLayer):
+            if isinstance(module, peft.tuners.lora.LoraLayer) and isinstance(module.base_layer, torch.nn.Linear):
                 module.base_layer = NF4Linear(module.base_layer)
+        nf4_experts(model)
+
+
+def nf4_experts(model: torch.nn.Module) -> None:
+    """Our MoE experts in 4 bits as QLoRA stores them (trainer.model.quant.Experts4bit, `nf4_bytes` per expert
+    tensor), in place. transformers' bitsandbytes quantizer leaves its expert tensors (3-D Parameters, not Linear
+    layers) in the load dtype: a transformers model keeps them."""
+    from trainer.model.moe import Experts
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is Experts:
+                setattr(module, name, _nf4_experts_class()(child))
+
+
+@functools.cache
+def _nf4_experts_class():
+    """NF4Experts: Experts4bit's forward (dequantize, run, dequantize again in backward) over modelled codes. Built on
+    first use: trainer.model.quant imports bitsandbytes."""
+    from trainer.model.quant import Experts4bit
+
+    class NF4Experts(Experts4bit):
+        def __init__(self, experts):
+            torch.nn.Module.__init__(self)
+            self.full_shapes, self.layout, self.impl = experts.full_shapes, experts.layout, experts.impl
+            self.is_transposed = experts.is_transposed
+            self.gate_up_proj_bias, self.down_proj_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+            self.compute_dtype = BF16
+            for name, shape in self.full_shapes.items():
+                codes = torch.empty(nf4_bytes(math.prod(shape)), dtype=torch.uint8, device="meta")
+                self.register_buffer(f"{name}_nf4", codes)
+
+        def dequantized(self, name: str) -> torch.Tensor:
+            if tracing._TRACE is not None and not tracing._TRACE.suppress:
+                n = math.prod(self.full_shapes[name])
+                tracing._TRACE.add("nf4_dequantize", "other_elementwise", getattr(self, f"{name}_nf4").numel() + 2 * n)
+            return torch.empty(self.full_shapes[name], dtype=BF16, device="meta")
+
+    return NF4Experts
 
 
 class HostParameters:

@@ -270,6 +270,15 @@ def test_moe_lora_stacks_keep_the_rank_gemms_not_peft_s_whole_delta(monkeypatch)
     rows = rf.lora_stack_rows(
         256, _full_config(QWEN3_MOE_TINY), env={}, settings=rf.MOE_LORA_SETTINGS, stacks=rf.MOE_LORA_STACKS
     )
-    kept = {r["stack"]: r["activations_gb"] for r in rows}
-    assert kept["ours_fused"] < kept["ours_peft"] < kept["hf_peft"], kept
-    assert len(modelled) == QWEN3_MOE_TINY["num_hidden_layers"]  # ours_fused's MoE layers, once each
+    lora, qlora = rf.MOE_LORA_SETTINGS
+    kept = {(r["setting"], r["stack"]): r for r in rows}
+    assert {stack for setting, stack in kept if setting == qlora} == {"ours_fused", "hf_peft"}  # no peft delta on NF4
+    activations = {stack: kept[(lora, stack)]["activations_gb"] for stack in rf.MOE_LORA_STACKS}
+    assert activations["ours_fused"] < activations["ours_peft"] < activations["hf_peft"], activations
+    # ours' NF4 experts: the 4-bit codes in place of the bf16 tensors (2 x 8 experts' gate_up and down per layer)
+    c = QWEN3_MOE_TINY
+    values = c["num_hidden_layers"] * c["num_experts"] * 3 * c["hidden_size"] * c["moe_intermediate_size"]
+    saved = kept[(lora, "ours_fused")]["peak_gb"] - kept[(qlora, "ours_fused")]["peak_gb"]
+    assert saved * 1e9 > 1.2 * values  # 2 bytes a value down to ~0.52, the attention's NF4 on top
+    assert kept[(qlora, "hf_peft")]["peak_gb"] > kept[(qlora, "ours_fused")]["peak_gb"]
+    assert len(modelled) == 2 * c["num_hidden_layers"]  # ours_fused's MoE layers, once each, in both settings

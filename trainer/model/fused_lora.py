@@ -72,21 +72,21 @@ def _projection(layer: nn.Module, dtype: torch.dtype, autocast: bool):
 def _base(layer: nn.Module, dtype: torch.dtype, autocast: bool) -> LoRAProjection | None:
     """A plain nn.Linear or our 4-bit Linear4bit as a LoRAProjection without adapter, or None when it cannot run fused:
     hooked, not frozen, partitioned by DeepSpeed, or in dtypes the op does not reproduce (module docstring)."""
+    quant = sys.modules.get("trainer.model.quant")  # imported (bitsandbytes) only where 4-bit layers exist
+    if type(layer) is not nn.Linear and (quant is None or type(layer) is not quant.Linear4bit):
+        return None  # another layer (a benchmark's stand-in, another library's): peft's layers run it as it is
     weight, bias = layer.weight, layer.bias
     if _hooked(layer) or weight.requires_grad or (bias is not None and bias.requires_grad) or hasattr(weight, "ds_id"):
         return None
-    quant = sys.modules.get("trainer.model.quant")  # imported (bitsandbytes) only where 4-bit layers exist
     if type(layer) is nn.Linear:
         if not autocast and (weight.dtype != dtype or (bias is not None and bias.dtype != dtype)):
             return None
         return LoRAProjection(weight, None, None, bias=bias)
-    if quant is not None and type(layer) is quant.Linear4bit:
-        if layer.compute_dtype not in ((dtype, torch.float32) if autocast else (dtype,)):
-            return None
-        return LoRAProjection(
-            weight, None, None, bias=bias, dequantize=layer.dequantize_weight, base_returns_input_dtype=True
-        )
-    return None
+    if layer.compute_dtype not in ((dtype, torch.float32) if autocast else (dtype,)):  # our Linear4bit
+        return None
+    return LoRAProjection(
+        weight, None, None, bias=bias, dequantize=layer.dequantize_weight, base_returns_input_dtype=True
+    )
 
 
 def find(x: torch.Tensor, layers):
