@@ -466,7 +466,9 @@ def load_state_dict_into(model: CausalLM, path: str | Path, local_shard=local_sh
         local, span = local_shard(param)
         for file_key, index in parts(name):
             if isinstance(index, Mxfp4Part):  # half of a packed expert weight: dequantized once both are read
-                packed = mxfp4_loads.setdefault(name, _Mxfp4Load(local, tuple(param.shape), span))
+                # the full shape: a sharded parameter's own, else its target's (4-bit experts' codes are packed)
+                full = tuple(param.shape) if span is not None else tuple(local.shape)
+                packed = mxfp4_loads.setdefault(name, _Mxfp4Load(local, full, span))
                 targets[file_key] = packed.half(index.kind)
                 if span is not None:
                     rows[file_key] = (mxfp4_shape(tuple(param.shape), index.kind), *span)

@@ -253,9 +253,12 @@ class _QuantizingExperts:
     indexing gives a target of one slice (an expert's 2-D weight on disk), the slices gathered in a full-precision
     buffer until every value is written, then quantized (one tensor's full precision at a time)."""
 
+    is_meta = False
+
     def __init__(self, layer: Experts4bit, name: str):
         self.layer, self.name = layer, name
         self.shape = torch.Size(layer.full_shapes[name])
+        self.dtype = layer.weight_dtype  # what a loader dequantizing MXFP4 expert weights writes (trainer/build.py)
         self.buffer, self.written = None, 0
 
     def copy_(self, full: torch.Tensor) -> _QuantizingExperts:

@@ -808,6 +808,19 @@ def test_a_released_style_mxfp4_checkpoint_loads_dequantized(tmp_path):
     assert getattr(back.config, "quantization_config", None) is None
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
+    # QLoRA over it: each MXFP4 expert weight dequantized as read, then quantized to NF4 as bitsandbytes would
+    bnb = pytest.importorskip("bitsandbytes")
+    from trainer.build import build_model
+    from trainer.model.quant import Experts4bit
+
+    qlora = build_model(str(tmp_path), _qlora_args(tmp_path / "out"), device="cpu")[0]
+    four_bit = {n: m for n, m in qlora.named_modules() if isinstance(m, Experts4bit)}
+    assert len(four_bit) == ours.config.num_hidden_layers
+    for name, m in four_bit.items():
+        for tensor in m.full_shapes:
+            full = hf.get_submodule(name.replace(".base_layer", "")).get_parameter(tensor).detach()
+            codes, state = bnb.functional.quantize_4bit(full, blocksize=64, compress_statistics=True, quant_type="nf4")
+            assert torch.equal(m.dequantized(tensor), bnb.functional.dequantize_4bit(codes, state)), (name, tensor)
 
 
 def test_gpt_oss_first_line_says_its_aux_coefficient(tmp_path):
