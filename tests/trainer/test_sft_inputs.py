@@ -13,7 +13,7 @@ import pytest
 
 from tests.trainer.test_sft import TIMEOUT_S, _spawn_sft
 from trainer.build import build_preset, save_pretrained
-from trainer.cli_args import SFTArguments, _check_data_sources
+from trainer.cli_args import SFTArguments, _check_data_sources, _check_sft_values
 from trainer.config.args import ConfigError, parse_args
 from trainer.methods.base import interleave_probs
 from trainer.methods.preference import PreferenceArguments
@@ -110,7 +110,8 @@ def test_a_damaged_model_directory_stops_in_one_line_naming_the_file(inputs, tmp
     _assert_stops_first(cases, tmp_path / "out")
 
 
-def test_argument_values_the_data_rules_out_stop_in_one_line(inputs, tmp_path):
+@pytest.mark.parametrize("kind", ["data", pytest.param("values", marks=pytest.mark.slow)])
+def test_argument_values_the_data_rules_out_stop_in_one_line(inputs, tmp_path, kind):
     """Item 10: values that were tracebacks after the build (dataloader_drop_last with fewer examples than a batch,
     val_size leaving nothing to train on, max_tokens under the longest example, a metric_for_best_model evaluation
     does not report) or were ignored (val_size beside eval data, evaluation without eval data, a fractional count,
@@ -148,7 +149,24 @@ def test_argument_values_the_data_rules_out_stop_in_one_line(inputs, tmp_path):
         (["--exact_match_examples", "-1"], "exact_match_examples=-1: expected a count >= 0 (0: no exact-match check)"),
         (["--max_new_tokens", "0"], "max_new_tokens=0: must be a positive integer"),
     ]
+    # a CLI start each (~6 s of CPU): the values wrong on their own run in the slow set, and in process below
+    own = ("--val_size -1", "--val_size 2.5", "--val_size 0.9", "--exact_match_examples -1", "--max_new_tokens 0")
+    cases = [(argv, message) for argv, message in cases if (" ".join(argv) in own) == (kind == "values")]
     _assert_stops_first([(good + argv, message) for argv, message in cases], tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"val_size": -1}, "val_size=-1: expected 0 (no held-out split), a count of examples"),
+        ({"val_size": 2.5}, "val_size=2.5: expected 0 (no held-out split), a count of examples"),
+        ({"exact_match_examples": -1}, "exact_match_examples=-1: expected a count >= 0 (0: no exact-match check)"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0: must be a positive integer"),
+    ],
+)
+def test_the_commands_own_values_are_one_line_errors(values, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        _check_sft_values(SFTArguments(**values))
 
 
 def test_a_data_error_comes_before_the_summary_the_build_and_any_write(inputs, tmp_path):
@@ -200,7 +218,8 @@ def sources(inputs):
     return root
 
 
-def test_dataset_name_inputs_stop_in_one_line_without_touching_the_network(inputs, sources, tmp_path):
+@pytest.mark.parametrize("half", [0, pytest.param(1, marks=pytest.mark.slow)])  # a CLI start each: half in CI
+def test_dataset_name_inputs_stop_in_one_line_without_touching_the_network(inputs, sources, tmp_path, half):
     """A Hub id offline, an unknown split (naming those there are), columns that name no format, a bad row
     (source:split[i]), a builder without files or unknown, and options that contradict each other: each one line,
     exit 2, before anything is built or written."""
@@ -223,6 +242,7 @@ def test_dataset_name_inputs_stop_in_one_line_without_touching_the_network(input
         (["--dataset_name", chat, "--preprocessing_num_workers", "0"], "dataset_num_proc=0: expected a number"),
         (["--dataset_name", f"{chat},{chat}", "--interleave_probs", "0.5", "0.5"], "interleave_probs: set, but mix"),
     ]
+    cases = cases[half::2]  # every other case: the Hub, the splits, the formats and the contradictions in each half
     out = tmp_path / "out"
     procs = [
         _spawn_sft(
