@@ -232,6 +232,7 @@ def check_run(args, sft: SFTArguments, method_args) -> None:
     _check_attention(args, sft, cuda)
     if not transformers_path:
         _check_context_length(args, sft)
+        _check_router_loss(args, sft)
         if args.use_peft:
             _check_lora(args, sft)
 
@@ -365,6 +366,19 @@ def _check_context_length(args, sft: SFTArguments) -> None:
     )
     if warning and int(os.environ.get("RANK", "0")) == 0:
         print(warning, file=sys.stderr)
+
+
+def _check_router_loss(args, sft: SFTArguments) -> None:
+    """router_aux_loss_coef set for our model (check_run calls it off the transformers path, whose model says it when
+    built) of a type without routers: the build's one-line error, before anything is built or written."""
+    if not args.router_aux_loss_coef or not (is_preset(sft.model) or (Path(sft.model) / "config.json").is_file()):
+        return
+    config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
+    if not any(config.layer_moe):
+        raise ConfigError(
+            f"router_aux_loss_coef={args.router_aux_loss_coef:g}: a {config.model_type} model has no router (not a "
+            "mixture of experts); leave it unset"
+        )
 
 
 def _check_resume_arguments(args) -> None:

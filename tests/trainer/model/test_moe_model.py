@@ -933,6 +933,13 @@ def test_router_aux_loss_coef_turns_the_router_loss_on_and_off_as_trl_sets_the_c
         TrainingArguments(output_dir="x", router_aux_loss_coef=-1.0)
     with pytest.raises(ModelError, match=r"^router_aux_loss_coef=0.01: a llama model has no router"):
         CausalLM(ModelConfig.from_hf(transformers.LlamaConfig(**BASE).to_dict()), router_aux_loss_coef=0.01)
+    # the command checks it first, before anything is built or written
+    from trainer.cli_args import SFTArguments, _check_router_loss
+
+    args = TrainingArguments(output_dir="unused", router_aux_loss_coef=0.01)
+    with pytest.raises(ConfigError, match=r"^router_aux_loss_coef=0.01: a llama model has no router"):
+        _check_router_loss(args, SFTArguments(model="tiny"))
+    _check_router_loss(args, SFTArguments(model=str(tmp_path / "off")))  # a mixture of experts: fine
 
 
 def test_grpo_adds_the_router_loss_over_the_accumulation_steps_as_trl(tmp_path):
