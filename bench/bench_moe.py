@@ -85,7 +85,7 @@ def traffic_parts(
     bias: bool,
     router_size: int | None = None,
     tiles: moe.Tiles | None = None,
-    lora_rank: int = 0,
+    lora_rank: int | tuple[int, int] = 0,
     lora_size: int | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Exact issued (read, write) bytes per kernel for expert row counts `counts` (sum T k), activations of element
@@ -93,9 +93,10 @@ def traffic_parts(
     torch ops between them as bench/traffic.py's `torch_ops` names them (the k slots' sums, the dtop_k_weights
     partials' sum and cast). The routing sort's torch ops are not modelled (O(T k) integers).
     Every program reads two int32 of the tile table (row start, end), a real tile's a third (its expert).
-    `lora_rank` r > 0: LoRA on both expert tensors (factors of element size `lora_size`, default w), the experts'
-    weights frozen (no weight-gradient passes of their own): each row kernel reads its (K, r) factor over its K loop
-    and its (r, columns) factor in the epilogue, and saves an (N, r) intermediate; four rank-r weight passes follow."""
+    `lora_rank` r > 0: LoRA on both expert tensors, or (r gate_up, r down) with 0 for a tensor not adapted (factors of
+    element size `lora_size`, default w), the experts' weights frozen (no weight-gradient passes of their own): each
+    row kernel of an adapted tensor reads its (K, r) factor over its K loop and its (r, columns) factor in the
+    epilogue, and saves an (N, r) intermediate; two rank-r weight passes per adapted tensor follow."""
     tiles = tiles or (moe.GPU_TILES if common.on_gpu() else moe.CPU_TILES)
     r = router_size or s
     n, experts, bm = tokens * k, len(counts), tiles.block_m
@@ -104,7 +105,8 @@ def traffic_parts(
     nb1, nb2 = _cdiv(inter, tiles.block_n1), _cdiv(hidden, tiles.block_n2)
     table1, table2 = 8 * grid * nb1 + 4 * real * nb1, 8 * grid * nb2 + 4 * real * nb2
     b = w if bias else 0
-    rk, lw = lora_rank, lora_size or w
+    r1, r2 = lora_rank if isinstance(lora_rank, tuple) else (lora_rank, lora_rank)  # gate_up's, down's
+    lw = lora_size or w
     out: dict[str, tuple[int, int]] = {}
     slot_sum = (n * hidden * s, tokens * hidden * s) if k > 1 else (0, 0)
     if mode in ("forward", "full"):
@@ -113,8 +115,8 @@ def traffic_parts(
         # gemm2: h rows, assignments and router weights per H block, W_down and the bias per tile; (T k, H) rows
         g2 = (table2 + nb2 * n * (inter * s + 4 + r) + real * hidden * (inter * w + b), n * hidden * s)
         # LoRA: A1 (H x r) per program, B1 (r x 2I) per tile; A2 (I x r) per program, B2 (r x H) per tile
-        g1 = _plus(g1, (real * rk * lw * (nb1 * hidden + 2 * inter), n * rk * s))
-        g2 = _plus(g2, (real * rk * lw * (nb2 * inter + hidden), n * rk * s))
+        g1 = _plus(g1, (real * r1 * lw * (nb1 * hidden + 2 * inter), n * r1 * s))
+        g2 = _plus(g2, (real * r2 * lw * (nb2 * inter + hidden), n * r2 * s))
         out["_moe_gemm1_kernel"], out["_moe_gemm2_kernel"] = g1, g2
         out["aten.sum"] = slot_sum
     if mode in ("backward", "full"):
@@ -122,12 +124,12 @@ def traffic_parts(
         # the saved gate_up once; writes d gate_up and the fp32 dtop_k_weights partials
         dg = table1 + nb1 * n * (4 + hidden * s + 4 + r) + real * hidden * (inter * w + b) + 2 * n * inter * s
         # LoRA: B2 (H x r) per program, A2 (r x I) per tile, dy B2 saved
-        dg += real * rk * lw * (nb1 * hidden + inter)
-        out["_moe_dgrad_kernel"] = (dg, 2 * n * inter * s + nb1 * n * 4 + n * rk * s)
+        dg += real * r2 * lw * (nb1 * hidden + inter)
+        out["_moe_dgrad_kernel"] = (dg, 2 * n * inter * s + nb1 * n * 4 + n * r2 * s)
         # dx pass (gemm2 again): d gate_up rows and assignments per H block, W_gate_up per tile; (T k, H) rows; LoRA:
         # B1 (2I x r) per program, A1 (r x H) per tile, d gate_up B1 saved
         dx = (table2 + nb2 * n * (2 * inter * s + 4) + real * 2 * inter * hidden * w, n * hidden * s)
-        dx = _plus(dx, (real * rk * lw * (nb2 * 2 * inter + hidden), n * rk * s))
+        dx = _plus(dx, (real * r1 * lw * (nb2 * 2 * inter + hidden), n * r1 * s))
         dx = (dx[0] + out.get("_moe_gemm2_kernel", (0, 0))[0], dx[1] + out.get("_moe_gemm2_kernel", (0, 0))[1])
         out["_moe_gemm2_kernel"] = dx
 
@@ -146,16 +148,18 @@ def traffic_parts(
 
         bp, bq = tiles.block_p, tiles.block_q
         passes = []
-        if not rk:  # DOWN: A = act(gate_up) (2I per row), B = w dout[token]; UP: A = x[token], B = d gate_up
+        if not (r1 or r2):  # DOWN: A = act(gate_up) (2I per row), B = w dout[token]; UP: A = x[token], B = d gate_up
             passes += [wgrad(inter, hidden, 2 * inter * s, hidden * s, True, bp, bq, w), (0, experts * hidden * b)]
             passes += [wgrad(hidden, 2 * inter, hidden * s, 2 * inter * s, False, bp, bq, w)]
             passes += [(0, experts * 2 * inter * b)]
-        else:  # the factors' passes: dA1 (r, H), dB1 (2I, r), dA2 (I, r), dB2 (r, H)
-            br = max(16, 1 << (rk - 1).bit_length())
-            passes += [wgrad(rk, hidden, rk * s, hidden * s, False, br, bq, lw)]
-            passes += [wgrad(2 * inter, rk, 2 * inter * s, rk * s, False, bp, br, lw)]
-            passes += [wgrad(inter, rk, 2 * inter * s, rk * s, True, bp, br, lw)]
-            passes += [wgrad(rk, hidden, rk * s, hidden * s, True, br, bq, lw)]
+        if r1:  # the factors' passes: dA1 (r, H), dB1 (2I, r)
+            br = max(16, 1 << (r1 - 1).bit_length())
+            passes += [wgrad(r1, hidden, r1 * s, hidden * s, False, br, bq, lw)]
+            passes += [wgrad(2 * inter, r1, 2 * inter * s, r1 * s, False, bp, br, lw)]
+        if r2:  # dA2 (I, r), dB2 (r, H)
+            br = max(16, 1 << (r2 - 1).bit_length())
+            passes += [wgrad(inter, r2, 2 * inter * s, r2 * s, True, bp, br, lw)]
+            passes += [wgrad(r2, hidden, r2 * s, hidden * s, True, br, bq, lw)]
         out["_moe_wgrad_kernel"] = tuple(sum(part[i] for part in passes) for i in (0, 1))
         fwd_sum = out["aten.sum"] if mode == "full" else (0, 0)
         partials = (nb1 * n * 4, n * 4)

@@ -307,8 +307,9 @@ class MoEExpertsModel:
         counts = [n // experts + (e < n % experts) for e in range(experts)]
         return tokens, hidden, k, inter, counts
 
-    def _parts(self, mode, x, weights, gate_up, gate_up_bias, options):
+    def _parts(self, mode, x, weights, gate_up, gate_up_bias, options, lora_rank=(0, 0), lora_size=None):
         tokens, hidden, k, inter, counts = self._sizes(x, weights, gate_up, options)
+        wide = max(hidden, 2 * inter)  # every weight-gradient pass one block wide
         parts = bench_moe.traffic_parts(
             mode,
             counts,
@@ -321,13 +322,10 @@ class MoEExpertsModel:
             bias=gate_up_bias is not None,
             router_size=weights.element_size(),
             tiles=dataclasses.replace(
-                moe.GPU_TILES,
-                block_m=max(counts),
-                block_n1=inter,
-                block_n2=hidden,
-                block_p=max(hidden, inter),
-                block_q=max(hidden, 2 * inter),
+                moe.GPU_TILES, block_m=max(counts), block_n1=inter, block_n2=hidden, block_p=wide, block_q=wide
             ),
+            lora_rank=lora_rank,
+            lora_size=lora_size,
         )
         gemm = 2 * tokens * k * hidden * 3 * inter  # gate, up and down over every assignment row
         return parts, gemm
@@ -354,53 +352,34 @@ class MoEExpertsModel:
 
 class MoEExpertsLoRAModel(MoEExpertsModel):
     """Ours with peft's LoRA on the experts, MoEExpertsLoRAFunction(x, weights, gate_up, down, gate_up_bias, down_bias,
-    lora_A1, lora_B1, lora_A2, lora_B2, route, options, scalings): `traffic_parts` with the adapter's rank GEMMs (both
-    tensors adapted, the experts' weights frozen: no weight-gradient pass of their own, the factors' four instead)
-    at the same ideal tiling, and their FLOPs (bench_moe.flops with the rank)."""
+    lora_A1, lora_B1, lora_A2, lora_B2, route, options, scalings): `traffic_parts` with the adapter's rank GEMMs (on
+    gate_up, down or both; the experts' weights frozen: no weight-gradient pass of their own, the factors' instead)
+    at the same ideal tiling, and their FLOPs."""
 
     name = "MoEExpertsLoRAFunction"
 
-    def _lora_parts(self, mode, x, weights, gate_up, gate_up_bias, factor, options):
-        tokens, hidden, k, inter, counts = self._sizes(x, weights, gate_up, options)
-        rank = factor.shape[0] // gate_up.shape[0]
-        tiles = dataclasses.replace(
-            moe.GPU_TILES, block_m=max(counts), block_n1=inter, block_n2=hidden, block_p=max(hidden, 2 * inter)
-        )
-        tiles = dataclasses.replace(tiles, block_q=tiles.block_p)
-        parts = bench_moe.traffic_parts(
-            mode,
-            counts,
-            tokens,
-            k,
-            hidden,
-            inter,
-            x.element_size(),
-            gate_up.element_size(),
-            bias=gate_up_bias is not None,
-            router_size=weights.element_size(),
-            tiles=tiles,
-            lora_rank=rank,
-            lora_size=factor.element_size(),
-        )
-        n = tokens * k
-        lora = 2 * n * rank  # per unit of width: each rank GEMM is lora x its other dimension
+    def _lora_parts(self, mode, x, weights, gate_up, gate_up_bias, a1, a2, options):
+        experts = gate_up.shape[0]
+        r1, r2 = (0 if a is None else a.shape[0] // experts for a in (a1, a2))
+        lora_size = next(a for a in (a1, a2) if a is not None).element_size()
+        parts, gemm = self._parts(mode, x, weights, gate_up, gate_up_bias, options, (r1, r2), lora_size)
+        tokens, hidden, k, inter, _ = self._sizes(x, weights, gate_up, options)
+        n = 2 * tokens * k  # x 2 FLOPs a product: each rank GEMM is n x its rank x its other dimension
         if mode == "forward":
             flops = {
-                "_moe_gemm1_kernel": 4 * n * hidden * inter + lora * (hidden + 2 * inter),
-                "_moe_gemm2_kernel": 2 * n * hidden * inter + lora * (inter + hidden),
+                "_moe_gemm1_kernel": gemm * 2 / 3 + n * r1 * (hidden + 2 * inter),
+                "_moe_gemm2_kernel": gemm / 3 + n * r2 * (inter + hidden),
             }
         else:
             flops = {
-                "_moe_dgrad_kernel": 2 * n * hidden * inter + lora * (hidden + inter),
-                "_moe_gemm2_kernel": 4 * n * hidden * inter + lora * (2 * inter + hidden),
-                "_moe_wgrad_kernel": lora * (2 * hidden + 3 * inter),
+                "_moe_dgrad_kernel": gemm / 3 + n * r2 * (hidden + inter),
+                "_moe_gemm2_kernel": 2 * gemm / 3 + n * r1 * (2 * inter + hidden),
+                "_moe_wgrad_kernel": n * (r1 * (hidden + 2 * inter) + r2 * (inter + hidden)),
             }
-        return parts, flops
+        return parts, flops, 2 * ((r1 > 0) + (r2 > 0))
 
     def forward(self, ctx, x, weights, gate_up, down, gate_up_bias, down_bias, a1, b1, a2, b2, route, options, scal):
-        if a1 is None or a2 is None:
-            raise NotImplementedError("the roofline models LoRA on both expert tensors (gate_up_proj and down_proj)")
-        parts, flops = self._lora_parts("forward", x, weights, gate_up, gate_up_bias, a1, options)
+        parts, flops, _ = self._lora_parts("forward", x, weights, gate_up, gate_up_bias, a1, a2, options)
         _record_parts(self.name, self.category, parts, flops=flops)
         ctx.options = options
         ctx.save_for_backward(x, weights, gate_up, gate_up_bias, a1, b1, a2, b2)
@@ -408,9 +387,10 @@ class MoEExpertsLoRAModel(MoEExpertsModel):
 
     def backward(self, ctx, dout):
         x, weights, gate_up, gate_up_bias, a1, b1, a2, b2 = ctx.saved_tensors
-        parts, flops = self._lora_parts("backward", x, weights, gate_up, gate_up_bias, a1, ctx.options)
-        _record_parts(self.name + ".backward", self.category, parts, launches={"_moe_wgrad_kernel": 4}, flops=flops)
-        factors = tuple(_like(t) for t in (a1, b1, a2, b2))
+        parts, flops, passes = self._lora_parts("backward", x, weights, gate_up, gate_up_bias, a1, a2, ctx.options)
+        launches = {"_moe_wgrad_kernel": passes}
+        _record_parts(self.name + ".backward", self.category, parts, launches=launches, flops=flops)
+        factors = tuple(None if t is None else _like(t) for t in (a1, b1, a2, b2))
         return (_like(x), _like(weights), None, None, None, None, *factors, None, None, None)
 
 

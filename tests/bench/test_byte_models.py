@@ -622,6 +622,8 @@ def test_causal_conv1d(dtype, bias, packed):
         ("bf16", "gpt_oss", 4, False, 0),
         ("bf16", "qwen3_moe", 2, False, 4),  # LoRA on both expert tensors, the experts' weights frozen
         ("fp32", "gpt_oss", 2, True, 18),  # a 32-wide rank block, several column blocks
+        ("bf16", "qwen3_moe", 2, True, (0, 5)),  # down alone adapted
+        ("bf16", "gpt_oss", 2, False, (3, 0)),  # gate_up alone adapted
     ],
 )
 def test_moe_experts_forward_and_backward(dtype, kind, k, small, rank, monkeypatch):
@@ -646,13 +648,15 @@ def test_moe_experts_forward_and_backward(dtype, kind, k, small, rank, monkeypat
     params += [torch.randn(experts, n, dtype=dt) for n in (2 * inter, hidden)] if bias else [None] * 2
     loras = {}
     if rank:
+        ranks = rank if isinstance(rank, tuple) else (rank, rank)  # gate_up's, down's (0: not adapted)
         loras = {
             f"{name}_lora": moe.ExpertLoRA(
-                torch.randn(rank * experts, fan_in, dtype=dt).requires_grad_(),
-                torch.randn(fan_out, rank * experts, dtype=dt).requires_grad_(),
+                torch.randn(r * experts, fan_in, dtype=dt).requires_grad_(),
+                torch.randn(fan_out, r * experts, dtype=dt).requires_grad_(),
                 2.0,
             )
-            for name, fan_in, fan_out in (("gate_up", hidden, 2 * inter), ("down", inter, hidden))
+            for (name, fan_in, fan_out), r in zip((("gate_up", hidden, 2 * inter), ("down", inter, hidden)), ranks)
+            if r
         }
         trained = [t for lora in loras.values() for t in (lora.lora_A, lora.lora_B)]
     else:
