@@ -4,8 +4,10 @@ path of bitsandbytes' CPU backend chooses, and each path run (or modelled) on wh
 bitsandbytes 0.50 picks its CPU path from the machine (bitsandbytes/backends/cpu/ops.py):
 - `dequantize_4bit` runs its C++ kernel, which itself picks scalar or AVX512 code at run time (`has_avx512f_cpu`).
   The AVX512 code holds FP4's code 0b1000 as +0.0 (the scalar and CUDA kernels compute -0.0), converts to bf16 with
-  AVX512-BF16's instruction, which flushes a subnormal result to zero, and indexes absmax per row (wrong where a row
-  is not a whole number of blocks and its length is a multiple of 16: no test shape is of that kind). It takes its
+  AVX512-BF16's instruction, which flushes a subnormal result to zero, and indexes absmax per row: wrong where a row
+  is not a whole number of blocks and its length is a multiple of 16 (a (64, 96) weight at blocksize 64: real models'
+  rows are whole blocks, tiny test models' need not be). A test's oracle is then its "fallback" path here, or, where
+  the oracle is transformers' own 4-bit model, a checkpoint whose rows are whole blocks. It takes its
   PyTorch fallback (`_dequantize_4bit_compute`, FP4's code 0b1000 as +0.0) for an odd last dimension, and on an
   AVX512 CPU (`_has_avx512`) for blocksize >= 2048.
 - `Linear4bit.forward`, in eval mode without grad on an AVX512-BF16 CPU (`support_avx512bf16_for_cpu`), repacks the

@@ -562,6 +562,7 @@ def test_qlora_quantizes_the_experts_not_the_router_and_trains_over_their_dequan
     adapter over plain experts holding dequantize(Q(W)) (the function QLoRA trains over); backward dequantizes the
     codes again rather than keeping the full-precision experts; merge writes dequantize(Q(W)) + s B A."""
     bnb = pytest.importorskip("bitsandbytes")
+    from tests.bnb_paths import bnb_dequantize  # bitsandbytes' dequantization as every CPU can run it
     from trainer.build import build_model
     from trainer.model import quant
     from trainer.model.moe import Experts
@@ -585,7 +586,7 @@ def test_qlora_quantizes_the_experts_not_the_router_and_trains_over_their_dequan
                 codes, state = bnb.functional.quantize_4bit(
                     full, blocksize=64, compress_statistics=True, quant_type="nf4"
                 )
-                assert torch.equal(m.dequantized(n), bnb.functional.dequantize_4bit(codes, state))
+                assert torch.equal(m.dequantized(n), bnb_dequantize(codes, state, "fallback"))  # (every CPU's)
                 assert not torch.equal(m.dequantized(n), full)
     # the reference: the same model with every 4-bit tensor dequantized (attention's too), the same adapter
     plain = quant.dequantized(copy.deepcopy(ours))
@@ -810,6 +811,7 @@ def test_a_released_style_mxfp4_checkpoint_loads_dequantized(tmp_path):
         torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
     # QLoRA over it: each MXFP4 expert weight dequantized as read, then quantized to NF4 as bitsandbytes would
     bnb = pytest.importorskip("bitsandbytes")
+    from tests.bnb_paths import bnb_dequantize  # bitsandbytes' dequantization as every CPU can run it
     from trainer.build import build_model
     from trainer.model.quant import Experts4bit
 
@@ -820,7 +822,7 @@ def test_a_released_style_mxfp4_checkpoint_loads_dequantized(tmp_path):
         for tensor in m.full_shapes:
             full = hf.get_submodule(name.replace(".base_layer", "")).get_parameter(tensor).detach()
             codes, state = bnb.functional.quantize_4bit(full, blocksize=64, compress_statistics=True, quant_type="nf4")
-            assert torch.equal(m.dequantized(tensor), bnb.functional.dequantize_4bit(codes, state)), (name, tensor)
+            assert torch.equal(m.dequantized(tensor), bnb_dequantize(codes, state, "fallback")), (name, tensor)
 
 
 def test_gpt_oss_first_line_says_its_aux_coefficient(tmp_path):

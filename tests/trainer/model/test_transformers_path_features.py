@@ -105,14 +105,16 @@ def test_lora_trains_as_transformers_trainer_over_peft_and_saves_peft_files(mode
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
 
 
-def test_qlora_computes_transformers_4bit_model_and_trains_the_adapter(checkpoints, tmp_path):
+def test_qlora_computes_transformers_4bit_model_and_trains_the_adapter(tmp_path):
     """load_in_4bit + use_peft: every linear layer but the head is bitsandbytes' Linear4bit under peft's 4-bit LoRA
     layer; the step-0 loss is that of transformers' own 4-bit model (BitsAndBytesConfig, NF4, fp32 compute); training
     moves the adapter and leaves the 4-bit codes as they were."""
     pytest.importorskip("bitsandbytes")
     from trainer.model.quant import Linear4bit
 
-    path = checkpoints["gemma3_text"]
+    # every quantized weight's rows whole 64-value blocks (intermediate_size 128, not the tiny 96): bitsandbytes'
+    # AVX512 CPU kernel, transformers' side here, is wrong on rows that are not (tests/bnb_paths.py)
+    path = write_tiny("gemma3_text", tmp_path / "gemma3_text", intermediate_size=128)
     args = TrainingArguments(output_dir=str(tmp_path / "o"), load_in_4bit=True, **SGD, **LORA)
     model, _ = build_model(str(path), args)
     quantized = [n for n, m in model.hf.named_modules() if isinstance(m, Linear4bit)]
@@ -669,4 +671,4 @@ def test_dpo_under_fsdp2_and_zero3_on_two_processes_matches_one_process(checkpoi
     logs = [h for h in trainer.state.log_history if "loss" in h]
     for name, result in results.items():
         # a margin is the difference of two far larger rewards: fp32 noise, absolute (3.1e-7 measured at step 2 here)
-        assert_same_preference_run(result, (logs, model, trainer.evaluate()), name, margins_abs=1e-6)
+        assert_same_preference_run(result, (logs, model, trainer.evaluate()), name)
