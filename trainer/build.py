@@ -43,7 +43,7 @@ from trainer.checkpoint_hf import (
 from trainer.coerce import ConfigError
 from trainer.data.tokenizer import Tokenizer, byte_level_tokenizer
 from trainer.dist import init_distributed, local_device, local_shard
-from trainer.model.causal_lm import TEXT_MODELS, CausalLM, ModelConfig, ModelError, apply_liger_kernel
+from trainer.model.causal_lm import HYBRID_TYPES, TEXT_MODELS, CausalLM, ModelConfig, ModelError, apply_liger_kernel
 from trainer.model.lora import base_name, has_adapter, init_adapter_weights, is_adapter_name
 from trainer.model.moe import Mxfp4Part, dequantize_mxfp4, file_parts, mxfp4_shape
 from trainer.model.transformers_model import (
@@ -343,7 +343,7 @@ def _checkpoint_keys(config: ModelConfig, path: str | Path):
     multimodal = has_config and model_type_of(path) in TEXT_MODELS
     quant = (_config_json(path).get("quantization_config") or {}) if has_config else {}
     mxfp4 = config.model_type == "gpt_oss" and quant.get("quant_method") == "mxfp4"
-    others = ("mtp.", "model.visual.") if multimodal else ("mtp.",) if config.model_type == "qwen3_5_text" else ()
+    others = ("mtp.", "model.visual.") if multimodal else ("mtp.",) if config.model_type in HYBRID_TYPES else ()
 
     def key(name: str) -> str:
         return "model.language_model." + name[len("model.") :] if multimodal and name.startswith("model.") else name

@@ -339,6 +339,7 @@ def model_line(model) -> str:
         line += f"; of the {c.text_of} checkpoint its text model only: the vision tower is neither trained nor saved"
     if any(c.layer_moe):
         experts = "our grouped GEMMs" if ours.impl == "kernels" and on_gpu else "the expert loop in PyTorch"
+        shared = " beside a gated shared expert" if c.shared_expert_intermediate_size else ""
         aux = (
             f"load-balancing loss x router_aux_loss_coef {c.router_aux_loss_coef:g}"
             if c.output_router_logits
@@ -346,7 +347,7 @@ def model_line(model) -> str:
         )
         line += (
             f"; mixture of experts: {sum(c.layer_moe)} layers of {c.num_experts} experts, {c.num_experts_per_tok} per "
-            f"token through {experts}, {aux}"
+            f"token through {experts}{shared}, {aux}"
         )
     return line
 

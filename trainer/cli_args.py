@@ -147,7 +147,8 @@ class SFTArguments:
     model_impl: str = _arg(
         "auto",
         "sft",
-        "Which model trains: ours (llama, mistral, qwen2, qwen3, qwen3_5_text: our kernels throughout), transformers "
+        "Which model trains: ours (llama, mistral, qwen2, qwen3, qwen3_5_text and the mixtures of experts qwen3_moe, "
+        "mixtral, gpt_oss, qwen3_next, qwen3_5_moe_text: our kernels throughout), transformers "
         "(its modeling code for any causal LM, our fused loss and optimizer inside), or auto (ours where it applies).",
         choices=MODEL_IMPLS,
     )

@@ -73,10 +73,20 @@ from kernels.nn import RMSNorm as KernelRMSNorm
 from trainer.model import fused_lora
 from trainer.model.attention import KVCache, make_plan
 from trainer.model.gated_deltanet import CausalConv1d, GatedDeltaNet, GatedRMSNorm
-from trainer.model.moe import MOE_TYPES, Experts, RouterStats, SparseMoeBlock, TopKRouter, load_balancing_loss
+from trainer.model.moe import (
+    MOE_TYPES,
+    SHARED_EXPERT_TYPES,
+    Experts,
+    RouterStats,
+    SparseMoeBlock,
+    TopKRouter,
+    load_balancing_loss,
+)
 
 IGNORE_INDEX = -100
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", *MOE_TYPES)
+# Qwen3.5's family: Gated DeltaNet and gated attention layers (layer_types), partial rotary, zero-centred norms
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -87,6 +97,8 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 LINEAR_KEYS = (  # Qwen3.5's Gated DeltaNet sizes (trainer/model/gated_deltanet.py)
     "linear_conv_kernel_dim",
@@ -98,7 +110,8 @@ LINEAR_KEYS = (  # Qwen3.5's Gated DeltaNet sizes (trainer/model/gated_deltanet.
 # rope_parameters keys that only position ids of images and video change (Qwen3.5's multimodal RoPE: with text
 # positions, equal on its three axes, it is the plain rotation); kept for the round trip
 ROPE_PASSTHROUGH = ("mrope_section", "mrope_interleaved")
-LAYER_KINDS = {"qwen3_5_text": ("full_attention", "linear_attention")}  # other types: full / sliding attention
+# other types: full / sliding attention
+LAYER_KINDS = {model_type: ("full_attention", "linear_attention") for model_type in HYBRID_TYPES}
 # gpt_oss's RoPE when its config.json names none (GptOssConfig's default: the released models' YaRN)
 GPT_OSS_ROPE = {
     "rope_type": "yarn",
@@ -110,11 +123,12 @@ GPT_OSS_ROPE = {
 }
 # multimodal model types whose text model ours trains, read as transformers' AutoModelForCausalLM reads them (their
 # text_config; the vision tower left in the files): a released Qwen3.5 checkpoint is `qwen3_5`
-TEXT_MODELS = {"qwen3_5": "qwen3_5_text"}
+TEXT_MODELS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 MOE_KEYS = (  # ModelConfig's Mixture-of-Experts fields, as Hugging Face names them (mixtral: `_moe_keys`)
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
+    "shared_expert_intermediate_size",
     "norm_topk_prob",
     "decoder_sparse_step",
     "mlp_only_layers",
@@ -151,6 +165,40 @@ _HF_DEFAULTS = {
         "linear_num_key_heads": 16,
         "linear_num_value_heads": 32,
         "full_attention_interval": 4,
+    },
+    "qwen3_next": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "full_attention_interval": 4,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+    },
+    "qwen3_5_moe_text": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "full_attention_interval": 4,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
     },
     "qwen3_moe": {
         "max_position_embeddings": 32768,
@@ -206,7 +254,7 @@ class ModelConfig:
     model_type: str = "llama"
     vocab_size: int = 32000
     hidden_size: int = 4096
-    intermediate_size: int = 11008
+    intermediate_size: int | None = 11008  # the dense MLPs' width (None: qwen3_5_moe_text, whose layers all route)
     num_hidden_layers: int = 32
     num_attention_heads: int = 32
     num_key_value_heads: int | None = None  # None: = num_attention_heads (no GQA)
@@ -216,7 +264,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", ...}; the legacy "type" key is accepted
-    partial_rotary_factor: float = 1.0  # the first head_dim * factor channels rotate (qwen3_5_text: 0.25)
+    partial_rotary_factor: float = 1.0  # the first head_dim * factor channels rotate (HYBRID_TYPES: 0.25)
     rope_passthrough: dict | None = None  # ROPE_PASSTHROUGH keys as read (no effect on text)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # llama, qwen3: bias on q/k/v/o
@@ -230,7 +278,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     dtype: str | None = None  # the checkpoint's dtype ("bfloat16", ...): load_pretrained's default
     text_of: str | None = None  # read from a multimodal config (TEXT_MODELS): its model_type; not written back
-    # qwen3_5_text's Gated DeltaNet layers (LINEAR_KEYS)
+    # the Gated DeltaNet layers of HYBRID_TYPES (LINEAR_KEYS)
     linear_conv_kernel_dim: int | None = None
     linear_key_head_dim: int | None = None
     linear_value_head_dim: int | None = None
@@ -240,6 +288,7 @@ class ModelConfig:
     num_experts: int | None = None  # experts per MoE layer (qwen3_moe's num_experts, mixtral's num_local_experts)
     num_experts_per_tok: int | None = None  # k: the experts each token is routed to
     moe_intermediate_size: int | None = None  # qwen3_moe: each expert's width (mixtral's is intermediate_size)
+    shared_expert_intermediate_size: int | None = None  # SHARED_EXPERT_TYPES: the shared expert's width
     norm_topk_prob: bool = False  # qwen3_moe: renormalise the top-k probabilities (mixtral always does)
     decoder_sparse_step: int = 1  # qwen3_moe: every step-th layer is MoE ...
     mlp_only_layers: list[int] | None = None  # ... but for these, which keep a dense MLP of intermediate_size
@@ -253,7 +302,7 @@ class ModelConfig:
     qk_norm: bool = field(init=False, repr=False)
     layer_windows: tuple = field(init=False, repr=False)  # per layer: window or None
     rotary_dim: int = field(init=False, repr=False)  # the rotated channels of a head
-    norm_offset: float = field(init=False, repr=False)  # RMSNorm scales by (offset + weight): 1 in qwen3_5_text
+    norm_offset: float = field(init=False, repr=False)  # RMSNorm scales by (offset + weight): 1 in HYBRID_TYPES
     attn_output_gate: bool = field(init=False, repr=False)  # q_proj also gives a gate: out * sigmoid(gate)
     layer_moe: tuple = field(init=False, repr=False)  # per layer: whether its MLP is the routed experts
     expert_size: int | None = field(init=False, repr=False)  # each expert's intermediate width
@@ -264,7 +313,7 @@ class ModelConfig:
             raise ModelError(
                 f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        for key in _required_keys(self.model_type):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelError(f"{key} must be a positive integer, got {value!r}")
@@ -279,7 +328,7 @@ class ModelConfig:
             )
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.partial_rotary_factor != 1.0 and self.model_type != "qwen3_5_text":
+        if self.partial_rotary_factor != 1.0 and self.model_type not in HYBRID_TYPES:
             raise ModelError(f"rope partial_rotary_factor {self.partial_rotary_factor} is not supported (only 1.0)")
         self.rotary_dim = int(self.head_dim * self.partial_rotary_factor)
         if self.rotary_dim % 2 or self.rotary_dim <= 0:
@@ -293,16 +342,16 @@ class ModelConfig:
                 self.layer_types = [
                     "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_hidden_layers)
                 ]
+        elif self.model_type in HYBRID_TYPES:
+            self.sliding_window = None
+            if self.layer_types is None:
+                self.layer_types = hybrid_layer_types(self.num_hidden_layers)
         elif self.model_type in ("mistral", *MOE_TYPES):  # every layer slides when a window is set
             self.layer_types = [
                 "sliding_attention" if self.sliding_window else "full_attention"
             ] * self.num_hidden_layers
         elif self.model_type == "llama":
             self.sliding_window, self.layer_types = None, ["full_attention"] * self.num_hidden_layers
-        elif self.model_type == "qwen3_5_text":
-            self.sliding_window = None
-            if self.layer_types is None:
-                self.layer_types = hybrid_layer_types(self.num_hidden_layers)
         elif self.layer_types is None:  # qwen: as Hugging Face derives it
             first = self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
             self.layer_types = [
@@ -333,18 +382,12 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelError(f"sliding_window must be positive or null, got {self.sliding_window!r}")
         self.layer_windows = tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
-        own_bias = (
-            "llama",
-            "qwen3",
-            "qwen3_5_text",
-            "qwen3_moe",
-            "gpt_oss",
-        )  # the types whose attention_bias sets q/k/v/o biases
+        own_bias = ("llama", "qwen3", "qwen3_moe", "gpt_oss", *HYBRID_TYPES)  # attention_bias sets q/k/v/o biases
         self.qkv_bias = True if self.model_type == "qwen2" else self.attention_bias and self.model_type in own_bias
         self.o_bias = self.attention_bias if self.model_type in own_bias else False
-        self.qk_norm = self.model_type in ("qwen3", "qwen3_5_text", "qwen3_moe")
-        self.norm_offset = 1.0 if self.model_type == "qwen3_5_text" else 0.0
-        self.attn_output_gate = self.model_type == "qwen3_5_text"
+        self.qk_norm = self.model_type in ("qwen3", "qwen3_moe", *HYBRID_TYPES)
+        self.norm_offset = 1.0 if self.model_type in HYBRID_TYPES else 0.0
+        self.attn_output_gate = self.model_type in HYBRID_TYPES
         self.attention_sinks = self.model_type == "gpt_oss"
         if self.model_type not in ("llama",):
             self.mlp_bias = False
@@ -361,13 +404,20 @@ class ModelConfig:
                 raise ModelError(f"{key} must be a positive integer for {self.model_type}, got {value!r}")
         if self.num_experts_per_tok > self.num_experts:
             raise ModelError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
-        self.expert_size = self.moe_intermediate_size if self.model_type == "qwen3_moe" else self.intermediate_size
+        own_width = self.model_type not in ("mixtral", "gpt_oss")  # an expert width of its own, not intermediate_size
+        self.expert_size = self.moe_intermediate_size if own_width else self.intermediate_size
         if not isinstance(self.expert_size, int) or self.expert_size <= 0:
             raise ModelError(f"moe_intermediate_size must be a positive integer, got {self.expert_size!r}")
+        if self.model_type in SHARED_EXPERT_TYPES:
+            width = self.shared_expert_intermediate_size
+            if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
+                raise ModelError(f"shared_expert_intermediate_size must be a positive integer, got {width!r}")
+        if self.model_type == "qwen3_5_moe_text":  # its router renormalises the top k always (no such key)
+            self.norm_topk_prob = True
         if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step <= 0:
             raise ModelError(f"decoder_sparse_step must be a positive integer, got {self.decoder_sparse_step!r}")
         dense = set(self.mlp_only_layers or ())
-        step = self.decoder_sparse_step if self.model_type == "qwen3_moe" else 1
+        step = self.decoder_sparse_step if self.model_type in ("qwen3_moe", "qwen3_next") else 1
         self.layer_moe = tuple(i not in dense and (i + 1) % step == 0 for i in range(self.num_hidden_layers))
 
     @classmethod
@@ -394,7 +444,7 @@ class ModelConfig:
             def value(key, default):  # keys that cannot be null
                 return default if get(key) is None else get(key)
 
-            for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            for key in _required_keys(model_type):
                 if key not in config:
                     raise ModelError(f"missing key {key!r}")
             if config.get("attention_dropout", 0.0):
@@ -406,7 +456,7 @@ class ModelConfig:
             partial = rope.pop("partial_rotary_factor", None) or get("partial_rotary_factor") or 1.0
             passthrough = {k: rope.pop(k) for k in ROPE_PASSTHROUGH if k in rope}
             layer_types = config.get("layer_types")
-            if model_type == "qwen3_5_text" and layer_types is None:
+            if model_type in HYBRID_TYPES and layer_types is None:
                 layer_types = hybrid_layer_types(config["num_hidden_layers"], get("full_attention_interval"))
             sliding = get("sliding_window")
             if model_type in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
@@ -415,7 +465,7 @@ class ModelConfig:
                 model_type=model_type,
                 vocab_size=config["vocab_size"],
                 hidden_size=config["hidden_size"],
-                intermediate_size=config["intermediate_size"],
+                intermediate_size=config.get("intermediate_size"),
                 num_hidden_layers=config["num_hidden_layers"],
                 num_attention_heads=config["num_attention_heads"],
                 num_key_value_heads=get("num_key_value_heads"),
@@ -431,14 +481,14 @@ class ModelConfig:
                 attention_bias=bool(value("attention_bias", False)),
                 mlp_bias=bool(value("mlp_bias", False)),
                 sliding_window=sliding,
-                layer_types=layer_types if model_type in ("qwen2", "qwen3", "qwen3_5_text", "gpt_oss") else None,
+                layer_types=layer_types if model_type in ("qwen2", "qwen3", "gpt_oss", *HYBRID_TYPES) else None,
                 max_window_layers=get("max_window_layers"),
                 initializer_range=float(value("initializer_range", 0.02)),
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_id=config.get("eos_token_id"),
                 pad_token_id=config.get("pad_token_id"),
                 dtype=config.get("dtype") or config.get("torch_dtype"),
-                **({key: get(key) for key in LINEAR_KEYS} if model_type == "qwen3_5_text" else {}),
+                **({key: get(key) for key in LINEAR_KEYS} if model_type in HYBRID_TYPES else {}),
                 **(_moe_fields(config, get) if model_type in MOE_TYPES else {}),
             )
         except ModelError as exc:
@@ -451,13 +501,16 @@ class ModelConfig:
             skip = ("model_type", "rope_scaling", "partial_rotary_factor", "rope_passthrough", "layer_types", "text_of")
             if f.init and f.name not in (*skip, "max_window_layers", "dtype", *LINEAR_KEYS, *MOE_KEYS):
                 out[f.name] = getattr(self, f.name)
+        if self.intermediate_size is None:
+            out.pop("intermediate_size")
         if self.model_type in MOE_TYPES:
             out |= {their: getattr(self, ours) for their, ours in _moe_keys(self.model_type).items()}
-            out |= {"mlp_only_layers": list(self.mlp_only_layers or [])} if self.model_type == "qwen3_moe" else {}
+            dense_layers = self.model_type in ("qwen3_moe", "qwen3_next")  # mlp_only_layers
+            out |= {"mlp_only_layers": list(self.mlp_only_layers or [])} if dense_layers else {}
             out |= {"router_jitter_noise": 0.0} if self.model_type == "mixtral" else {}
         out["attention_dropout"] = 0.0
         out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
-        if self.model_type == "qwen3_5_text":
+        if self.model_type in HYBRID_TYPES:
             out["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
             out["rope_parameters"] |= self.rope_passthrough or {}
             out["layer_types"] = list(self.layer_types)
@@ -474,9 +527,9 @@ class ModelConfig:
                 self.max_window_layers if self.max_window_layers is not None else self.num_hidden_layers
             )
             out["layer_types"] = list(self.layer_types)
-        if self.model_type not in ("mistral", "qwen2", "qwen3", *MOE_TYPES):
+        if self.model_type not in ("mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss"):
             out.pop("sliding_window")
-        if self.model_type not in ("llama", "qwen3", "qwen3_5_text", "qwen3_moe", "gpt_oss"):
+        if self.model_type not in ("llama", "qwen3", "qwen3_moe", "gpt_oss", *HYBRID_TYPES):
             out.pop("attention_bias")
         if self.model_type != "llama":
             out.pop("mlp_bias")
@@ -490,11 +543,16 @@ def _moe_keys(model_type: str) -> dict[str, str]:
     """config.json's Mixture-of-Experts keys of `model_type` -> ModelConfig's fields (mixtral and gpt_oss name their
     expert count num_local_experts and have neither a separate expert width nor dense layers)."""
     keys = ("num_experts_per_tok", "output_router_logits", "router_aux_loss_coef")
+    if model_type == "qwen3_5_moe_text":  # every layer routed, always renormalised, a shared expert
+        keys += ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+        return {key: key for key in keys}
     if model_type == "mixtral":
         return {"num_local_experts": "num_experts", **{key: key for key in keys}}
     if model_type == "gpt_oss":  # its experts' clamped SwiGLU too
         return {"num_local_experts": "num_experts", **{key: key for key in (*keys, "swiglu_limit", "swiglu_alpha")}}
-    return {key: key for key in MOE_KEYS if key not in ("mlp_only_layers", "swiglu_limit", "swiglu_alpha")}
+    others = ("mlp_only_layers", "swiglu_limit", "swiglu_alpha")
+    others += () if model_type in SHARED_EXPERT_TYPES else ("shared_expert_intermediate_size",)
+    return {key: key for key in MOE_KEYS if key not in others}
 
 
 def _moe_fields(config: dict, get) -> dict:
@@ -509,6 +567,13 @@ def _moe_fields(config: dict, get) -> dict:
     if config.get("mlp_only_layers"):
         out["mlp_only_layers"] = list(config["mlp_only_layers"])
     return out
+
+
+def _required_keys(model_type: str) -> tuple[str, ...]:
+    """The config keys every config.json of `model_type` must have (positive integers); qwen3_5_moe_text has no dense
+    MLP, so no intermediate_size."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    return tuple(k for k in keys if not (k == "intermediate_size" and model_type == "qwen3_5_moe_text"))
 
 
 def hybrid_layer_types(layers: int, interval: int = 4) -> list[str]:
@@ -816,9 +881,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, inner: int | None = None):
+        """A SwiGLU MLP of `inner` width (default: intermediate_size; a shared expert's own)."""
         super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, inner, bias = config.hidden_size, inner or config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
@@ -949,7 +1015,8 @@ def _down_recomputing_act(down: nn.Module, gate: torch.Tensor, up: torch.Tensor,
 
 
 def gated_deltanet(config: ModelConfig) -> GatedDeltaNet:
-    """A Gated DeltaNet layer of `config`'s sizes (qwen3_5_text's linear_attention layers)."""
+    """A Gated DeltaNet layer of `config`'s sizes (the linear_attention layers of HYBRID_TYPES; Qwen3-Next's with its
+    two fused projections)."""
     return GatedDeltaNet(
         config.hidden_size,
         config.linear_num_key_heads,
@@ -958,11 +1025,14 @@ def gated_deltanet(config: ModelConfig) -> GatedDeltaNet:
         config.linear_value_head_dim,
         config.linear_conv_kernel_dim,
         config.rms_norm_eps,
+        fused_projections=config.model_type == "qwen3_next",
     )
 
 
 def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
-    """The routed experts of `config`'s sizes (the MoE layers of MOE_TYPES)."""
+    """The routed experts of `config`'s sizes (the MoE layers of MOE_TYPES), with a shared expert in
+    SHARED_EXPERT_TYPES."""
+    shared = config.model_type in SHARED_EXPERT_TYPES
     return SparseMoeBlock(
         config.hidden_size,
         config.expert_size,
@@ -972,6 +1042,7 @@ def sparse_moe_block(config: ModelConfig) -> SparseMoeBlock:
         config.norm_topk_prob,
         config.swiglu_limit,
         config.swiglu_alpha,
+        MLP(config, config.shared_expert_intermediate_size) if shared else None,
     )
 
 

@@ -9,6 +9,11 @@ checkpoint's `model.layers.{i}.linear_attn.*` load as they are:
     norm:        RMSNorm(V) gated         norm(o) * silu(z) per head (`kernels.gated_rms_norm` with our kernels,
                                           else `gated_rms_norm_plain`: transformers' casts)
     out_proj:    Hv V -> C
+Qwen3-Next's layer (`Qwen3NextGatedDeltaNet`, `fused_projections`) computes the same four from two projections whose
+rows are grouped by key head, each group [q (K) | k (K) | v (r V) | z (r V)] and [b (r) | a (r)], r = Hv / Hk:
+
+    in_proj_qkvz: C -> Hk (2 K + 2 r V)   regrouped into Qwen3.5's [all q | all k | all v] before the conv, and z
+    in_proj_ba:   C -> Hk 2 r             regrouped into b and a, each (Hv,)
 
 The recurrence is `kernels.chunk_gated_delta_rule` with q and k l2-normalised (Qwen3.5's `use_qk_l2norm_in_kernel`):
 flash-linear-attention's kernels on a GPU where fla-core is installed, the chunked reference otherwise (and always with
@@ -87,6 +92,7 @@ class GatedDeltaNet(nn.Module):
         head_v_dim: int,
         conv_kernel: int,
         eps: float,
+        fused_projections: bool = False,
     ):
         super().__init__()
         if num_v_heads % num_k_heads:
@@ -98,10 +104,15 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.fused_projections = fused_projections
+        if fused_projections:  # Qwen3-Next's layout (the module docstring)
+            self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
         self.conv_dim, self.conv_kernel = conv_dim, conv_kernel
         self.conv1d = CausalConv1d(conv_dim, conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
@@ -134,7 +145,7 @@ class GatedDeltaNet(nn.Module):
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)
         B, T, _ = x.shape
-        mixed = self.in_proj_qkv(x)  # (B, T, D) before the convolution
+        mixed, z, b, a = self._projections(x)  # (B, T, D) before the convolution, (B, T, Hv, V), (B, T, Hv) twice
         if state is None:
             qkv = self.conv1d(mixed, cu_seqlens)
         else:  # the convolution over the state's last inputs and these; its new state the last W - 1 of them
@@ -145,8 +156,8 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(x).sigmoid()  # (B, T, Hv)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (B, T, Hv), <= 0
+        beta = b.sigmoid()  # (B, T, Hv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (B, T, Hv), <= 0
         # one token at a time when decoding (the chunked form's setup costs more than one step of the recurrence)
         if state is not None and T == 1:
             rule = gated_delta_rule_ref
@@ -163,6 +174,19 @@ class GatedDeltaNet(nn.Module):
             cu_seqlens=cu_seqlens,
             use_qk_l2norm=True,
         )
-        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
         out = self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
         return out, (None if state is None else (conv_state, memory))
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> the convolution's input [q | k | v] (B, T, D), z (B, T, Hv, V), b and a (B, T, Hv)."""
+        B, T, _ = x.shape
+        if not self.fused_projections:
+            z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        r, K = self.num_v_heads // self.num_k_heads, self.head_k_dim
+        qkvz = self.in_proj_qkvz(x).view(B, T, self.num_k_heads, 2 * K + 2 * r * self.head_v_dim)
+        q, k, v, z = qkvz.split([K, K, r * self.head_v_dim, r * self.head_v_dim], dim=-1)
+        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        b, a = self.in_proj_ba(x).view(B, T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        return mixed, z, b.reshape(B, T, self.num_v_heads), a.reshape(B, T, self.num_v_heads)

@@ -28,7 +28,8 @@ argument) and `adapter_model.safetensors` with peft's keys, `base_model.model.<n
 `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), directory)` loads them.
 
 Deliberate differences from peft:
-- `all-linear` leaves lm_head out as peft does for transformers models (peft cannot tell our model's head); lm_head
+- `all-linear` leaves lm_head out as peft does for transformers models (peft cannot tell our model's head), and on a
+  mixture of experts takes what peft's takes there (`_peft_moe_names`: experts and router too); lm_head
   (and embed_tokens) cannot be a target or a module to save: the fused loss reads lm_head.weight directly, and
   tied models share it with embed_tokens.
 - A is drawn from a generator seeded with `seed`, layer by layer in the model's order (peft: the global RNG), so a
@@ -151,7 +152,7 @@ def resolve_target_modules(model: nn.Module, names: list[str] | None) -> list[st
         return list(defaults[model_type])
     if names == ["all-linear"]:
         leaves = dict.fromkeys(n.rsplit(".", 1)[-1] for n in linear)
-        return [leaf for leaf in leaves if leaf not in _NOT_ADAPTABLE]
+        return [leaf for leaf in leaves if leaf not in _NOT_ADAPTABLE] + _peft_moe_names(model, leaves)
     leaves = ", ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linear if not n.endswith(_NOT_ADAPTABLE)))
     for name in names:
         if name.rsplit(".", 1)[-1] in _NOT_ADAPTABLE:
@@ -165,6 +166,23 @@ def resolve_target_modules(model: nn.Module, names: list[str] | None) -> list[st
                 f"layers are {leaves} (or give all-linear)"
             )
     return list(names)
+
+
+def _peft_moe_names(model: nn.Module, leaves) -> list[str]:
+    """What peft's all-linear adds on a mixture of experts whose transformers 5 layout fused transformers 4's
+    per-expert linears (qwen3_moe, qwen3_next, mixtral, ...): those linears' and the router's old names, which its
+    injection then turns into target_parameters (the expert tensors, gate_up_proj at twice the rank, and the router's
+    `gate.weight`) and nothing else: a dense or shared-expert MLP's gate_proj / up_proj / down_proj, named alike, are
+    left without an adapter (peft's rule, kept so that peft loads the adapter over transformers' model: it converts
+    the names again as it loads). Read from peft's own tables (none before peft 0.19: nothing added)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+
+        base = conversion._MODEL_TO_CONVERSION_PATTERN.get(getattr(model.config, "model_type", None))
+        names = conversion._MOE_TARGET_MODULE_MAPPING.get(base, {})
+    except (ImportError, AttributeError):
+        return []
+    return [name for name in names if name not in leaves and name not in _NOT_ADAPTABLE]
 
 
 def check_target_parameters(model: nn.Module, names: list[str] | None) -> list[str] | None:

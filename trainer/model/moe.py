@@ -1,11 +1,14 @@
-"""Mixture-of-Experts blocks in our model's terms (issue 46): the decoder layer's `mlp` of Qwen3-MoE, Mixtral and
-gpt-oss, with transformers 5's parameter names and in-memory shapes, so that peft's `target_parameters` and
-transformers' own state dicts name the same tensors:
+"""Mixture-of-Experts blocks in our model's terms (issue 46): the decoder layer's `mlp` of Qwen3-MoE, Mixtral,
+gpt-oss, Qwen3-Next and Qwen3.5-MoE, with transformers 5's parameter names and in-memory shapes, so that peft's
+`target_parameters` and transformers' own state dicts name the same tensors:
 
     mlp.gate.weight              (E, H)      the router (`TopKRouter`): kept in full precision (a plain Parameter, not
                                              an nn.Linear: no LoRA or 4-bit layer ever wraps it)
     mlp.experts.gate_up_proj     (E, 2I, H)  each expert's gate rows then up rows
     mlp.experts.down_proj        (E, H, I)
+qwen3_next, qwen3_5_moe_text (transformers' Qwen3NextSparseMoeBlock) add a shared expert every token runs through:
+    mlp.shared_expert.{gate,up,down}_proj  a SwiGLU MLP of shared_expert_intermediate_size (the model's MLP class)
+    mlp.shared_expert_gate       (1, H)      an nn.Linear: its output scaled by sigmoid(x w^T) before the add
 gpt_oss (transformers' GptOssMLP):
     mlp.router.weight, .bias     (E, H), (E,)  the router, biased (plain Parameters too)
     mlp.experts.gate_up_proj     (E, H, 2I)  transposed, gate and up interleaved (even / odd columns), with
@@ -21,6 +24,7 @@ bf16, or the load dtype, and are written back unpacked).
 
 Routing, exactly as each family computes it (logits in the activations' dtype):
     qwen3_moe  p = softmax(logits) in fp32, the top k of p, renormalised to sum 1 if norm_topk_prob, cast back
+               (qwen3_next alike; qwen3_5_moe_text always renormalises: ModelConfig sets its norm_topk_prob)
     mixtral    p = softmax(logits) in fp32, the top k of p, always renormalised, kept in fp32
     gpt_oss    logits = x W^T + b; the top k of the logits, softmax over those k alone in the logits' dtype
 The experts run through `kernels.moe_experts` (kernels/moe.py) with our kernels, its reference otherwise (the layout
@@ -45,11 +49,15 @@ import kernels
 from kernels.moe import moe_experts_ref
 from trainer.model import fused_lora
 
-MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe_text")
+# the types whose MoE block adds a gated shared expert (transformers' Qwen3NextSparseMoeBlock)
+SHARED_EXPERT_TYPES = ("qwen3_next", "qwen3_5_moe_text")
 # the per-expert tensors on disk: (the block's prefix under the layer, gate, up, down file names)
 _FILE_NAMES = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "qwen3_next": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_5_moe_text": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -80,7 +88,7 @@ class TopKRouter(nn.Module):
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.kind == "mixtral" or self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        if self.kind == "qwen3_moe":
+        if self.kind != "mixtral":
             top = top.to(logits.dtype)
         return logits, top, index
 
@@ -131,7 +139,8 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """The routed experts in place of a decoder layer's MLP."""
+    """The routed experts in place of a decoder layer's MLP; with `shared_expert` (an MLP module: SHARED_EXPERT_TYPES)
+    that MLP's output too, each token's gated by sigmoid(shared_expert_gate(x)), added to the experts' output."""
 
     def __init__(
         self,
@@ -143,12 +152,16 @@ class SparseMoeBlock(nn.Module):
         norm_topk_prob: bool,
         limit: float = 7.0,
         alpha: float = 1.702,
+        shared_expert: nn.Module | None = None,
     ):
         super().__init__()
         # the router under its checkpoint name (gpt_oss: `router`, else `gate`); `self.gate` reads it either way
         self.router_name = "router" if kind == "gpt_oss" else "gate"
         self.add_module(self.router_name, TopKRouter(hidden, num_experts, top_k, kind, norm_topk_prob))
         self.experts = Experts(hidden, inner, num_experts, kind, limit, alpha)
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         # peft's expert adapter as rank-r GEMMs (trainer/model/fused_lora.py, CausalLM.fused_lora)
         self.fused_lora = True
 
@@ -169,8 +182,10 @@ class SparseMoeBlock(nn.Module):
             out = self.experts(flat, index, weights)
         else:
             out = found[0](flat, index, weights, found[1])
+        if hasattr(self, "shared_expert"):  # in transformers' order: routed + sigmoid(gate) * shared
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         out = out.view(x.shape)
-        return out, (router_stats(logits, self.gate.top_k, token_mask) if stats else None)
+        return out, (router_stats(logits, index.shape[-1], token_mask) if stats else None)  # (k: the router's)
 
 
 def router_stats(logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None) -> RouterStats:

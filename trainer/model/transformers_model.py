@@ -2,7 +2,8 @@
 Trainer, with our kernels where they are shown, on the model itself, to compute what transformers' code computes.
 
 Two paths, one trainer (`model_path`): a model type our own model covers (`trainer.model.causal_lm`, where the measured
-speed comes from: llama, mistral, qwen2, qwen3, qwen3_5_text) is built as ours; every other type transformers knows as
+speed comes from: `SUPPORTED_MODEL_TYPES`, the Llama family, Qwen3.5 and the MoE types) is built as ours; every other
+type transformers knows as
 a causal LM is built by transformers from its own modeling code and wrapped in `TransformersModel`, which the Trainer,
 the checkpoints and the run summary treat as they treat ours. `model_impl` ("auto", "ours", "transformers") forces a
 path where both apply, so that the two can be compared on one checkpoint.

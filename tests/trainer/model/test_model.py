@@ -743,7 +743,7 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
         (
             {"model_type": "gpt2"},
             "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3, qwen3_5_text, qwen3_moe, "
-            "mixtral, gpt_oss)",
+            "mixtral, gpt_oss, qwen3_next, qwen3_5_moe_text)",
         ),
         (
             {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},

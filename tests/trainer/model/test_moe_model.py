@@ -9,6 +9,7 @@ Tolerances: fp32 within 1e-5 absolute of transformers (observed ~1e-7: only summ
 
 import contextlib
 import copy
+import dataclasses
 import math
 
 import numpy as np
@@ -40,6 +41,19 @@ YARN = dict(
     beta_slow=1.0,
     original_max_position_embeddings=32,
     truncate=False,
+)
+HYBRID = dict(  # Qwen3.5's family, its layers linear, full, linear (norm_topk_prob off: Qwen3.5-MoE ignores it)
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    num_experts=5,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    norm_topk_prob=False,
 )
 ARCHS = {
     # every other layer routed (decoder_sparse_step 2) but for layer 1, dense (mlp_only_layers): layer 2 alone is
@@ -84,6 +98,12 @@ ARCHS = {
             **kw,
         }
     ),
+    # the hybrid MoE types: Gated DeltaNet, gated attention, routed experts beside a gated shared expert; Qwen3-Next's
+    # fused in_proj_qkvz / in_proj_ba and a dense layer 1 (mlp_only_layers), Qwen3.5-MoE's always-renormalised router
+    "qwen3_next": lambda **kw: transformers.Qwen3NextConfig(**{**BASE, **HYBRID, "mlp_only_layers": [1], **kw}),
+    "qwen3_5_moe_text": lambda **kw: transformers.Qwen3_5MoeTextConfig(
+        **{**{k: v for k, v in BASE.items() if k != "intermediate_size"}, **HYBRID, "num_experts_per_tok": 3, **kw}
+    ),
 }
 
 
@@ -105,13 +125,16 @@ def _two_steps(out, **kw):
 
 
 def hf_model(arch, seed=0, **kw):
-    """A transformers model with every parameter random (norm weights around 1), fp32, eval mode."""
+    """A transformers model with every parameter random (norm scales around 1: the zero-centred norms' weights of
+    the hybrid types around 0), fp32, eval mode."""
     torch.manual_seed(seed)
     config = ARCHS[arch](**{"output_router_logits": True, **kw})
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    centred = "linear_attention" in (getattr(config, "layer_types", None) or ())
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+            around_one = name.endswith("norm.weight") and not (centred and not name.endswith("linear_attn.norm.weight"))
+            p.copy_(around_one + 0.1 * torch.randn_like(p))
     return model
 
 
@@ -155,7 +178,7 @@ def test_without_output_router_logits_no_aux_term(arch, tmp_path):
     torch.testing.assert_close(out.loss, hf(ids, labels=labels).loss, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe_text"])
 def test_save_writes_transformers_files_and_transformers_loads_them(arch, tmp_path):
     hf = hf_model(arch)
     hf.save_pretrained(tmp_path / "hf")
@@ -239,7 +262,7 @@ def test_config_round_trip_and_bad_moe_configs(tmp_path):
     assert model.model.layers[0].mlp.experts.gate_up_proj.std().item() == pytest.approx(0.02, rel=0.1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe_text"])
 def test_kernels_through_the_interpreter_match_transformers(arch, tmp_path):
     """use_kernels with every Triton kernel (the interpreter), the grouped expert GEMMs among them: the loss with its
     aux term, the logits and every parameter's gradient (routers included) those of transformers in fp32."""
@@ -344,10 +367,11 @@ def test_under_autocast_the_experts_multiply_in_the_autocast_dtype(tmp_path, mon
     assert all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() for p in ours.parameters())
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "qwen3_next"])
 def test_greedy_generate_matches_full_recompute_and_transformers(arch, tmp_path):
-    """Decoding our Mixtral (a window of 5 under 15 tokens) and gpt-oss (windows of 4, sinks in every softmax) through
-    the KV cache: the tokens of the full recompute and of transformers' generate."""
+    """Decoding our Mixtral (a window of 5 under 15 tokens), gpt-oss (windows of 4, sinks in every softmax) and
+    Qwen3-Next (Gated DeltaNet states, a shared expert) through the KV cache: the tokens of the full recompute and of
+    transformers' generate."""
     from trainer.model.causal_lm import generate
 
     hf = hf_model(arch)
@@ -394,7 +418,8 @@ def test_dpo_adds_and_logs_the_aux_loss(tmp_path):
     assert log["loss"] == pytest.approx(0.6931472 + 0.001 * log["aux_loss"], abs=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])  # gpt_oss: (E, in, out) tensors, peft's is_transposed
+# gpt_oss: (E, in, out) tensors, peft's is_transposed; qwen3_next: a shared expert beside them
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "qwen3_next"])
 def test_lora_on_the_experts_trains_and_peft_loads_it_over_transformers(arch, tmp_path):
     """peft's target_parameters on our experts (`--lora_target_parameters mlp.experts.gate_up_proj
     mlp.experts.down_proj`, beside attention LoRA): two steps train the adapter (run as rank-r GEMMs on the routed
@@ -748,6 +773,73 @@ def test_gpt_oss_packed_gradients_are_the_sum_of_per_sequence_ones(tmp_path):
         torch.testing.assert_close(p.grad, hf_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize(
+    "arch, backend", [("qwen3_next", "torch"), ("qwen3_next", "triton"), ("qwen3_5_moe_text", "torch")]
+)
+def test_hybrid_moe_packed_row_is_transformers_per_sequence(arch, backend, tmp_path):
+    """Qwen3-Next and Qwen3.5-MoE packed (padding_free): the packed row's loss and every gradient (routers, shared
+    experts, Gated DeltaNet included) are what transformers gives the two sequences' summed losses, alone (without the
+    load-balancing term, formed over the whole batch); with our Triton kernels through the interpreter too."""
+    hf = hf_model(arch, output_router_logits=False)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, use_kernels=backend == "triton").eval()
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, V, (7,), generator=g), torch.randint(0, V, (9,), generator=g)
+    pos = torch.cat([torch.arange(7), torch.arange(9)])[None]
+    labels = torch.cat([a, b])[None].clone()
+    labels[0, 7] = -100  # b's first token is no target of a's last (transformers' losses of each alone)
+    with kernels.backend("triton" if backend == "triton" else "auto"):
+        out = ours(torch.cat([a, b])[None], position_ids=pos, labels=labels, num_items=6 + 8)
+        out.loss.backward()
+    total = sum(hf(s[None], labels=s[None], num_items_in_batch=torch.tensor(14)).loss for s in (a, b))
+    total.backward()
+    torch.testing.assert_close(out.loss, total, atol=1e-5, rtol=0)
+    hf_params = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        want = hf_params[name].grad
+        torch.testing.assert_close(p.grad, want, atol=2e-5 * want.abs().max().item(), rtol=0, msg=name)
+
+
+def test_a_multimodal_qwen3_5_moe_checkpoint_trains_its_text_model(tmp_path):
+    """A released Qwen3.5-MoE checkpoint is `qwen3_5_moe`: a vision tower beside the text model. Ours reads its text
+    model as transformers' AutoModelForCausalLM does (its logits and aux loss), and writes a qwen3_5_moe_text model
+    that transformers loads with the same logits; the config round-trips and a missing shared-expert width is one
+    line."""
+    from trainer.cli import model_line
+
+    text = ARCHS["qwen3_5_moe_text"](output_router_logits=True).to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = transformers.AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    full = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            p.copy_(0.05 * torch.randn_like(p) + (name.endswith("norm.weight") and "visual" in name))
+    full.save_pretrained(tmp_path / "mm")
+    ours = load_pretrained(tmp_path / "mm", use_kernels=False).eval()
+    assert ours.config.model_type == "qwen3_5_moe_text" and ours.config.text_of == "qwen3_5_moe"
+    assert ours.config.norm_topk_prob and all(ours.config.layer_moe)  # its router always renormalises
+    assert "; of the qwen3_5_moe checkpoint its text model only: the vision tower is neither trained nor saved" in (
+        model_line(ours)
+    )
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mm", dtype=torch.float32).eval()
+    ids, labels = batch()
+    ref, out = theirs(ids, labels=labels), ours(ids, labels=labels)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, atol=1e-6, rtol=0)
+    save_pretrained(ours, tmp_path / "text")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3_5MoeForCausalLM"
+    torch.testing.assert_close(back(ids).logits, ref.logits, atol=1e-5, rtol=0)
+    assert ModelConfig.from_hf(ours.config.to_hf()) == dataclasses.replace(ours.config, text_of=None)
+    assert "intermediate_size" not in ours.config.to_hf()  # every layer routes: no dense width
+    with pytest.raises(ModelError, match="shared_expert_intermediate_size must be a positive integer, got None"):
+        ModelConfig.from_hf({**ours.config.to_hf(), "shared_expert_intermediate_size": None})
+    next_config = ModelConfig.from_hf(hf_model("qwen3_next").config.to_dict())
+    assert next_config.layer_moe == (True, False, True) and not next_config.norm_topk_prob
+    assert ModelConfig.from_hf(next_config.to_hf()) == next_config
+
+
 def test_sinks_are_never_dropped_by_a_backend_that_cannot_add_them():
     from trainer.model.attention import AttentionError, make_plan
 
@@ -836,29 +928,56 @@ def test_gpt_oss_first_line_says_its_aux_coefficient(tmp_path):
     )
 
 
-def test_gpt_oss_lora_all_linear_is_peft_s_and_peft_loads_it_over_transformers(tmp_path):
-    """all-linear takes the modules peft's all-linear takes on transformers' gpt_oss (the attention projections: the
-    router and experts are no nn.Linear); two steps train it, and peft loads the adapter over transformers' model with
-    our logits."""
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+EXPERTS = {"gate_up_proj", "down_proj", "gate.weight"}
+# what peft's all-linear adapts on transformers' model: (target_modules, target_parameters) once peft has converted
+# transformers 4's expert names (qwen3_moe, mixtral, qwen3_next: the expert tensors and the router, and no
+# gate_proj / up_proj / down_proj anywhere, a shared expert's or a dense layer's included); gpt_oss and Qwen3.5-MoE
+# have no such conversion: their nn.Linear layers alone
+ALL_LINEAR = {
+    "gpt_oss": (ATTENTION, set()),
+    "qwen3_moe": (ATTENTION, EXPERTS),
+    "mixtral": (ATTENTION, EXPERTS),
+    "qwen3_next": (ATTENTION | {"in_proj_qkvz", "in_proj_ba", "out_proj", "shared_expert_gate"}, EXPERTS),
+    "qwen3_5_moe_text": (
+        ATTENTION
+        | {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
+        | {"gate_proj", "up_proj", "down_proj", "shared_expert_gate"},
+        set(),
+    ),
+}
+
+
+def _targets(config):
+    """(the adapted layers' leaf names, the adapted parameters) of a LoraConfig as peft resolved it."""
+    return {name.rsplit(".", 1)[-1] for name in config.target_modules}, set(config.target_parameters or ())
+
+
+@pytest.mark.parametrize("arch", list(ALL_LINEAR))
+def test_lora_all_linear_is_peft_s_and_peft_loads_it_over_transformers(arch, tmp_path):
+    """all-linear adapts what peft's all-linear adapts on transformers' model (ALL_LINEAR: the experts and the router
+    where peft converts their old names, at twice the rank on gate_up_proj); two steps train it, and peft loads the
+    adapter over transformers' model with our logits."""
     import peft
 
     from tests.trainer.loop.test_golden import _examples
     from trainer.data.sft_data import TokenizedDataset
     from trainer.loop.trainer import Trainer
-    from trainer.model.lora import apply_lora, load_adapter, resolve_target_modules
+    from trainer.model.lora import apply_lora, load_adapter
 
-    hf = hf_model("gpt_oss", vocab_size=320)
+    hf = hf_model(arch, vocab_size=320)
     hf.save_pretrained(tmp_path / "base")
     base = load_pretrained(tmp_path / "base", use_kernels=False)
     theirs = peft.get_peft_model(
-        hf_model("gpt_oss", vocab_size=320), peft.LoraConfig(r=2, target_modules="all-linear")
+        hf_model(arch, vocab_size=320), peft.LoraConfig(r=2, target_modules="all-linear")
     ).peft_config["default"]
-    assert set(resolve_target_modules(base, ["all-linear"])) == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    assert {name.rsplit(".", 1)[-1] for name in theirs.target_modules} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert _targets(theirs) == ALL_LINEAR[arch]
     args = _two_steps(
         tmp_path / "out", use_peft=True, lora_r=2, lora_alpha=4, lora_dropout=0.0, lora_target_modules=["all-linear"]
     )
     model = apply_lora(base, args)
+    ours_config = model.peft_config["default"]
+    assert _targets(ours_config) == ALL_LINEAR[arch] and ours_config.rank_pattern == theirs.rank_pattern
     Trainer(model=model, args=args, train_dataset=TokenizedDataset.from_examples(_examples(n=4))).train()
     Trainer(model=model, args=args).save_model(tmp_path / "adapter")
     ours = load_adapter(load_pretrained(tmp_path / "base", use_kernels=False), tmp_path / "adapter").eval()

@@ -135,10 +135,13 @@ def test_our_model_trains_qwen3_5_as_transformers_trainer(checkpoints, tmp_path)
     _three_steps(checkpoints["qwen3_5_text"], _examples(n=24), tmp_path, model_impl="ours")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow), "gpt_oss"])
+@pytest.mark.parametrize(
+    "model_type",
+    ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow), "gpt_oss", "qwen3_next", "qwen3_5_moe_text"],
+)
 def test_our_model_trains_moe_as_transformers_trainer(model_type, tmp_path):
-    """Qwen3-MoE, Mixtral and gpt-oss (sinks, windows, YaRN, biased router and experts) through our own model (issue
-    46) with the load-balancing loss on
+    """Qwen3-MoE, Mixtral, gpt-oss (sinks, windows, YaRN, biased router and experts), Qwen3-Next and Qwen3.5-MoE
+    (Gated DeltaNet layers, shared experts) through our own model (issues 45, 46) with the load-balancing loss on
     (output_router_logits): the three steps of `test_three_steps_equal_transformers_trainer`, the losses (the aux term
     in them) and the weights (routers included) of transformers.Trainer's. One micro batch of 8 per step: under
     accumulation transformers adds every micro batch's whole aux term, we its share of the window (the main loss's

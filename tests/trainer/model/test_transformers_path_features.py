@@ -55,10 +55,11 @@ EXPERTS = dict(lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.
     ],
 )
 def test_lora_trains_as_transformers_trainer_over_peft_and_saves_peft_files(model_type, extra, checkpoints, tmp_path):
-    """LoRA on every linear layer (and, with lora_target_parameters, a mixture of experts' fused expert tensors,
-    peft's target_parameters): the adapter starts at the base's loss (B = 0), three SGD steps give the losses and
-    adapter weights of `transformers.Trainer` over `peft.get_peft_model` started from the same A; the base stays
-    frozen; the saved adapter loads with `PeftModel.from_pretrained` over transformers' model with equal logits."""
+    """LoRA on every linear layer (a qwen3_moe's experts and router too, as peft's all-linear converts their names;
+    and with lora_target_parameters, a mixture of experts' fused expert tensors): the adapter starts at the base's loss
+    (B = 0), three SGD steps give the losses and adapter weights of `transformers.Trainer` over `peft.get_peft_model`
+    started from the same A; the base stays frozen; the saved adapter loads with `PeftModel.from_pretrained` over
+    transformers' model with equal logits."""
     path, examples = checkpoints[model_type], _examples(n=24)
     args = TrainingArguments(output_dir=str(tmp_path / "ours"), **SGD, **LORA, **extra)
     model, _ = build_model(str(path), args, model_impl="transformers")
@@ -78,8 +79,11 @@ def test_lora_trains_as_transformers_trainer_over_peft_and_saves_peft_files(mode
         lora_dropout=0.0,
         target_modules=list(ours_config.target_modules),
         target_parameters=list(ours_config.target_parameters or []) or None,
+        rank_pattern=ours_config.rank_pattern,
+        alpha_pattern=ours_config.alpha_pattern,
     )
-    assert bool(extra) == any(".experts." in k for k in start)
+    # all-linear adapts a qwen3_moe's experts (gate_up_proj at twice the rank) and router as peft's all-linear does
+    assert any(".experts." in k for k in start) == any(".mlp.gate." in k for k in start) == (model_type == "qwen3_moe")
     hf_model = peft.get_peft_model(plain, config)
     hf_model.base_model.model.load_state_dict(start, strict=False)  # the same A (and B = 0) as ours
     hf_args = transformers.TrainingArguments(
