@@ -33,6 +33,7 @@ from trainer.methods.sft_method import SFT
 from trainer.model.attention import _flash_attn
 from trainer.model.causal_lm import CausalLM, context_length_warning
 from trainer.model.lora import import_peft, lora_config
+from trainer.model.moe import no_router_message
 from trainer.model.transformers_model import MODEL_IMPLS, check_transformers_path, model_path
 
 METHODS = {method.name: method for method in (SFT, DPO, GRPO)}
@@ -376,10 +377,7 @@ def _check_router_loss(args, sft: SFTArguments) -> None:
         return
     config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
     if not any(config.layer_moe):
-        raise ConfigError(
-            f"router_aux_loss_coef={args.router_aux_loss_coef:g}: a {config.model_type} model has no router (not a "
-            "mixture of experts); leave it unset"
-        )
+        raise ConfigError(no_router_message(args.router_aux_loss_coef, config.model_type))
 
 
 def _check_resume_arguments(args) -> None:

@@ -162,9 +162,7 @@ def _nf4_experts_class():
     class NF4Experts(Experts4bit):
         def __init__(self, experts):
             torch.nn.Module.__init__(self)
-            self.full_shapes, self.layout, self.impl = experts.full_shapes, experts.layout, experts.impl
-            self.is_transposed = experts.is_transposed
-            self.gate_up_proj_bias, self.down_proj_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+            self.copy_settings(experts)
             self.compute_dtype = BF16
             for name, shape in self.full_shapes.items():
                 codes = torch.empty(nf4_bytes(math.prod(shape)), dtype=torch.uint8, device="meta")

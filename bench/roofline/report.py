@@ -35,6 +35,15 @@ OUR_MODELS_NOTES = {
         "(liger's fused MoE is not modelled). A full fine-tune on one device, unsharded: the optimizer state alone "
         "exceeds a GPU; the figures compare the two stacks' work per step, not a run that fits."
     ),
+    "qwen3_5_moe_text": (
+        "Stacks: **ours** = our CausalLM (use_kernels) + FusedAdamW: Qwen3.5's layers as in roofline_qwen3.5-9b (our "
+        "conv and gated norm by their byte models, the recurrence as the chunked reference in PyTorch runs it) and "
+        "every layer's routed experts by our grouped GEMMs' byte model as in roofline_qwen3-30b-a3b, the gated shared "
+        "expert through our SwiGLU kernel; **hf** = transformers' Qwen3_5MoeForCausalLM (sdpa) in its pure-PyTorch "
+        "path (no fla, no causal-conv1d) with its default grouped_mm experts + torch's fused AdamW, the HF Trainer's "
+        "loss call. No liger stacks. A full fine-tune on one device, unsharded: the figures compare the two stacks' "
+        "work per step, not a run that fits."
+    ),
 }
 # Targets of issue 20 (modelled): ours / hf_liger step time at 0% and at 50% ignored, ours / hf, peak memory.
 TARGET_VS_LIGER = {0.0: 0.97, 0.5: 0.92}

@@ -24,8 +24,12 @@ OUR_OTHER_STACKS = ("ours", "hf")
 # each rotated; the others Gated DeltaNet: 16 key heads and 32 value heads of 128, 4 conv taps), untied embeddings.
 # qwen3-30b-a3b: Qwen/Qwen3-30B-A3B's config.json (48 layers, 32 heads and 4 key/value heads of 128, 128 experts of
 # 768, 8 per token, renormalised; vocab 151936, untied).
+# qwen3.5-35b-a3b: transformers' Qwen3_5MoeTextConfig defaults ("the Qwen3.5-35B-A3B style configuration"): vocab
+# 248320, hidden 2048, 40 layers (every fourth gated full attention: 16 heads, 2 key/value heads of 256; the others
+# Gated DeltaNet as 9B's), every layer 256 experts of 512, 8 per token, beside a gated shared expert of 512.
 OUR_MODELS = {
     "qwen3.5-9b": {"model_type": "qwen3_5_text"},
+    "qwen3.5-35b-a3b": {"model_type": "qwen3_5_moe_text"},
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe",
         "vocab_size": 151936,

@@ -81,6 +81,7 @@ from trainer.model.moe import (
     SparseMoeBlock,
     TopKRouter,
     load_balancing_loss,
+    no_router_message,
 )
 
 IGNORE_INDEX = -100
@@ -1202,10 +1203,7 @@ class CausalLM(nn.Module):
     @router_aux_loss_coef.setter
     def router_aux_loss_coef(self, value: float | None) -> None:
         if value and not any(self.config.layer_moe):
-            raise ModelError(
-                f"router_aux_loss_coef={value:g}: a {self.config.model_type} model has no router (not a mixture of "
-                "experts); leave it unset"
-            )
+            raise ModelError(no_router_message(value, self.config.model_type))
         self._router_aux_loss_coef = value
         enabled, coef = self._router_loss_of_config if value is None else (value != 0, value)
         self.config.output_router_logits, self.config.router_aux_loss_coef = enabled, coef

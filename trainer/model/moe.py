@@ -118,6 +118,13 @@ class Experts(nn.Module):
         self.is_transposed = gpt  # peft's target_parameters reads it (as on transformers' GptOssExperts): (E, in, out)
         self.impl = "kernels"
 
+    def copy_settings(self, other: Experts) -> None:
+        """This module's shapes, layout, impl and biases those of `other`: for a twin built without __init__ (the 4-bit
+        experts, their dequantized plain copy: trainer/model/quant.py), which sets its own expert tensors."""
+        self.full_shapes, self.layout, self.impl = dict(other.full_shapes), other.layout, other.impl
+        self.is_transposed = other.is_transposed
+        self.gate_up_proj_bias, self.down_proj_bias = other.gate_up_proj_bias, other.down_proj_bias  # as they are
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, loras=None) -> torch.Tensor:
         """`loras`: {parameter name: kernels.moe.ExpertLoRA} of peft's adapter on gate_up_proj and/or down_proj,
         run as rank-r GEMMs on the routed rows (SparseMoeBlock finds them)."""
@@ -186,6 +193,13 @@ class SparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         out = out.view(x.shape)
         return out, (router_stats(logits, index.shape[-1], token_mask) if stats else None)  # (k: the router's)
+
+
+def no_router_message(coef: float, model_type: str) -> str:
+    """The one line for router_aux_loss_coef set on a model without routers (our model's, the transformers path's and
+    the command's check say it alike)."""
+    no_router = "has no router (not a mixture of experts); leave it unset"
+    return f"router_aux_loss_coef={coef:g}: a {model_type} model {no_router}"
 
 
 def router_stats(logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None) -> RouterStats:

@@ -183,9 +183,7 @@ class Experts4bit(_Settings4bit, Experts):
     def from_experts(cls, experts: Experts, quant_type: str, compute_dtype, double_quant: bool, storage) -> Experts4bit:
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.full_shapes, layer.layout, layer.impl = dict(experts.full_shapes), experts.layout, experts.impl
-        layer.is_transposed = experts.is_transposed
-        layer.gate_up_proj_bias, layer.down_proj_bias = experts.gate_up_proj_bias, experts.down_proj_bias  # as they are
+        layer.copy_settings(experts)
         layer.quant_type, layer.double_quant, layer.quant_storage = quant_type, double_quant, storage
         layer.weight_dtype = experts.gate_up_proj.dtype
         layer.compute_dtype = compute_dtype or layer.weight_dtype
@@ -408,11 +406,9 @@ def dequantized(model: nn.Module) -> nn.Module:
             if isinstance(child, Experts4bit):
                 plain = Experts.__new__(Experts)
                 nn.Module.__init__(plain)
-                plain.full_shapes, plain.layout, plain.impl = child.full_shapes, child.layout, child.impl
-                plain.is_transposed = child.is_transposed
+                plain.copy_settings(child)
                 for name in child.full_shapes:
                     setattr(plain, name, nn.Parameter(child.dequantized(name), requires_grad=False))
-                plain.gate_up_proj_bias, plain.down_proj_bias = child.gate_up_proj_bias, child.down_proj_bias
                 setattr(module, child_name, plain)
             elif isinstance(child, _QUANTIZED):
                 weight = (

@@ -76,6 +76,7 @@ from trainer.model.causal_lm import (
     head_forward,
 )
 from trainer.model.kernel_swaps import swap_kernels
+from trainer.model.moe import no_router_message
 
 MODEL_IMPLS = ("auto", "ours", "transformers")
 # our attention backends (trainer/model/attention.py) -> transformers' attn_implementation; auto: transformers' choice
@@ -390,10 +391,7 @@ class TransformersModel(nn.Module):
     @router_aux_loss_coef.setter
     def router_aux_loss_coef(self, value: float | None) -> None:
         if value and not hasattr(self.config, "output_router_logits"):
-            raise ModelError(
-                f"router_aux_loss_coef={value:g}: a {self.config.model_type} model has no router (not a mixture of "
-                "experts); leave it unset"
-            )
+            raise ModelError(no_router_message(value, self.config.model_type))
         self._router_aux_loss_coef = value
         enabled, coef = self._router_loss_of_config if value is None else (value != 0, value)
         if hasattr(self.config, "output_router_logits"):

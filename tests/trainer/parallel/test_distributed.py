@@ -978,19 +978,21 @@ def test_a_lora_model_built_sharded_equals_the_one_process_model(lora_suite):
     assert lora_suite["result"]["build"]["generated"]  # decoding runs through the sharded adapter
 
 
-def test_fsdp2_trains_our_moe_as_one_process(tmp_path, data_file):
-    """Our Qwen3-MoE (issue 46) under FSDP2 on two processes, its experts sharded by expert unevenly (5: 3 + 2 rows
-    of every (E, ., .) tensor, read from the per-expert files each rank holds) and its load-balancing loss on: the
-    losses and the exported weights of one process on the same global batches."""
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
+def test_fsdp2_trains_our_moe_as_one_process(model_type, tmp_path, data_file):
+    """Our Qwen3-MoE and Qwen3-Next (issues 45, 46: Gated DeltaNet, shared experts) under FSDP2 on two processes,
+    their experts sharded by expert unevenly (5: 3 + 2 rows of every (E, ., .) tensor, read from the per-expert files
+    each rank holds) and the load-balancing loss on: the losses and the exported weights of one process on the same
+    global batches."""
     from tests.trainer.model.tiny_hf import write_tiny
     from trainer.build import build_model
 
-    path = write_tiny("qwen3_moe", tmp_path / "qwen3_moe", num_local_experts=5, output_router_logits=True)
+    path = write_tiny(model_type, tmp_path / model_type, num_experts=5, num_local_experts=5, output_router_logits=True)
     job = {"name": "fsdp2-moe", "model": str(path), "args": {**DIST_ARGS, **CONFIGS["fsdp2"], "save_strategy": "no"}}
     result = ok(launch(tmp_path / "runs", data_file, [job]))
     args = TrainingArguments(output_dir=str(tmp_path / "one"), **{**ONE_PROCESS_ARGS, "save_strategy": "no"})
     model, _ = build_model(str(path), args)
-    assert model.config.model_type == "qwen3_moe" and model.config.output_router_logits
+    assert model.config.model_type == model_type and model.config.num_experts == 5 and model.config.output_router_logits
     dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
