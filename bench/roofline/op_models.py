@@ -424,6 +424,99 @@ class CausalConv1dModel:
         return _like(x), _like(weight), dbias, None, None
 
 
+FLA_CHUNK = 64  # flash-linear-attention's chunk size for the gated delta rule
+
+
+def fla_gated_delta_rule_parts(n: int, h: int, hv: int, k: int, v: int, s: int, l2norm: bool, c: int = FLA_CHUNK):
+    """flash-linear-attention's `chunk_gated_delta_rule` (fla-org/flash-linear-attention at bc3b101d, the kernels of
+    fla/ops/gated_delta_rule/chunk.py) on n tokens, h key heads and hv value heads of widths k and v, activations of
+    s bytes: ({pass: bytes read + written} forward, the same backward, {pass: FLOPs} forward, backward), read
+    from the source kernel by kernel. Bytes are issued: a kernel's program per (chunk, value head) reads its key head's
+    q and k, so those count hv / h times (L2 serves part of it on a GPU); the cumulative decay g is fp32, beta, the
+    (n, hv, c) solved chunk matrix A, the (chunks, hv, k, v) per-chunk states h and their gradients dh in the
+    activations' dtype, as fla allocates them. FLOPs count each chunk's matmuls (c = 64: k k^T, the triangular solve
+    (2/3 c^3), w and u, the state pass, the output), as the kernels compute them."""
+    nt, qk, vv, gb = n // c, n * hv * k * s, n * hv * v * s, n * hv * (4 + s)  # g fp32, beta
+    states, a = nt * hv * k * v * s, n * hv * c * s
+    g4 = n * hv * 4
+    norm = {"l2norm_q": 2 * n * h * k * s + n * h * 4, "l2norm_k": 2 * n * h * k * s + n * h * 4} if l2norm else {}
+    fwd = {
+        **norm,
+        "chunk_local_cumsum": 2 * g4,
+        "kkt_solve": a + qk + gb + a,  # A zeroed, then k, g, beta read and A written
+        "recompute_w_u": qk + vv + gb + a + qk + vv,  # k, v, beta, A, g read; w, u written
+        "fwd_h": 2 * qk + vv + g4 + states + vv,  # k, w, u, g read; h, v_new written
+        "fwd_o": 2 * qk + vv + states + g4 + vv,  # q, k, v_new, h, g read; o written
+    }
+    norm_bwd = {"l2norm_bwd_q": 3 * n * h * k * s + n * h * 4, "l2norm_bwd_k": 3 * n * h * k * s + n * h * 4}
+    bwd = {
+        "recompute_w_u": fwd["recompute_w_u"],
+        "fwd_h": fwd["fwd_h"],
+        "bwd_dv_local": 2 * qk + g4 + 2 * vv,  # q, k, g, do read; dv written
+        "bwd_dhu": 3 * qk + g4 + 2 * vv + states + vv,  # q, k, w, g, do, dv read; dh, dv2 written
+        # q, k, w, v_new, do, dv, h, dh, g read; dq, dk, dw, dg written
+        "bwd_dqkwg": 3 * qk + 3 * vv + 2 * states + g4 + 3 * qk + g4,
+        "wy_repr_bwd": 2 * qk + 2 * vv + gb + a + qk + vv + qk + vv + gb,  # k, v, beta, g, A, dw, du; dk2, dv, db, dg2
+        "dk_dg_adds": 3 * qk + 3 * g4,
+        "reverse_cumsum_dg": 2 * g4,
+        **({"group_sums": 2 * qk + 2 * n * h * k * s} if hv != h else {}),  # dq, dk over each key head's value heads
+        **(norm_bwd if l2norm else {}),
+    }
+    per = n * hv
+    fwd_flops = {
+        "kkt_solve": per * (2 * c * k + 2 * c * c / 3),
+        "recompute_w_u": per * (2 * c * k + 2 * c * v),
+        "fwd_h": per * 4 * k * v,
+        "fwd_o": per * (2 * k * v + 2 * c * k + 2 * c * v),
+    }
+    bwd_flops = {
+        "recompute_w_u": fwd_flops["recompute_w_u"],
+        "fwd_h": fwd_flops["fwd_h"],
+        "bwd_dv_local": per * (2 * c * k + 2 * c * v),
+        "bwd_dhu": per * 6 * k * v,
+        "bwd_dqkwg": per * (6 * k * v + 4 * c * k + 2 * c * v),
+        "wy_repr_bwd": per * (8 * c * k + 4 * c * v + 4 * c * c),
+    }
+    return fwd, bwd, fwd_flops, bwd_flops
+
+
+class FlaGatedDeltaRuleModel:
+    """flash-linear-attention's chunk_gated_delta_rule(q, k, v, g, beta, ...) by `fla_gated_delta_rule_parts`: what
+    the recurrence costs where fla-core is installed (ours calls it: kernels.chunk_gated_delta_rule; transformers
+    finds it through its kernel hub), "attention" (the layer's token mixer, as flash attention is)."""
+
+    name = "fla.chunk_gated_delta_rule"
+    category = "attention"
+
+    def __init__(self, l2norm: bool):
+        self.l2norm = l2norm
+
+    def _parts(self, q, v):
+        b, t, h, k = q.shape
+        return fla_gated_delta_rule_parts(b * t, h, v.shape[2], k, v.shape[3], v.element_size(), self.l2norm)
+
+    def forward(self, ctx, q, k, v, g, beta):
+        fwd, _, flops, _ = self._parts(q, v)
+        for part, bytes_ in fwd.items():
+            _rec(f"{self.name}:{part}", self.category, bytes_, flops.get(part, 0.0))
+        ctx.save_for_backward(q, k, v, g, beta)  # fla keeps these and A (counted in its bytes, not its memory)
+        return _like(v)
+
+    def backward(self, ctx, do):
+        q, k, v, g, beta = ctx.saved_tensors
+        _, bwd, _, flops = self._parts(q, v)
+        for part, bytes_ in bwd.items():
+            _rec(f"{self.name}.backward:{part}", self.category, bytes_, flops.get(part, 0.0))
+        return _like(q), _like(k), _like(v), _like(g), _like(beta)
+
+
+def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **kw):
+    """fla's op as the roofline models it (`FlaGatedDeltaRuleModel`), with its signature: (o, final state or None)."""
+    o = apply_model(FlaGatedDeltaRuleModel(bool(kw.get("use_qk_l2norm_in_kernel"))), q, k, v, g, beta)
+    state = torch.empty(q.shape[0], v.shape[2], q.shape[3], v.shape[3], device=q.device) if output_final_state else None
+    return o, state
+
+
 class FlashAttentionModel:
     """F.scaled_dot_product_attention(q, k, v, ...) as flash attention: (B, H, T, D) q, (B, Hkv, T, D) k and v.
     Causal: half the T x T scores; with a sliding `window` W < T (transformers' `sliding_window`: each query attends

@@ -12,16 +12,21 @@ from bench.roofline.stacks import OUR_MODELS
 from bench.roofline.tracing import CATEGORIES, Device, Trace
 from bench.roofline.transformers_stacks import REPORT_NOTE, TRANSFORMERS_MODELS
 
+FLA_NOTE = (
+    "flash-linear-attention's recurrence in place of the PyTorch one (fla-core installed: ours calls it, "
+    "transformers' kernel hub finds it; its kernels' bytes and FLOPs read from fla's source, "
+    "bench/roofline/op_models.py FlaGatedDeltaRuleModel; transformers' conv stays PyTorch's)."
+)
 # What the md of another architecture of ours says about its stacks, by model type
 OUR_MODELS_NOTES = {
     "qwen3_5_text": (
         "Stacks: **ours** = our CausalLM (use_kernels) + FusedAdamW: its Gated DeltaNet layers' causal conv + SiLU and "
         "gated norm by our Triton kernels' byte models (bench/bench_causal_conv1d.py, bench/bench_gated_rms_norm.py), "
         "the recurrence as the chunked reference in PyTorch runs it (kernels.chunk_gated_delta_rule_ref: what a GPU "
-        "without fla-core runs; fla's kernels, where installed, are not modelled here: their cost model is issue 45's "
-        "next step), the q/k L2 norm and the decay and beta gating as PyTorch ops; **hf** = transformers' "
+        "without fla-core runs), the q/k L2 norm and the decay and beta gating as PyTorch ops; **hf** = transformers' "
         "Qwen3_5ForCausalLM (sdpa) in its pure-PyTorch path (no fla, no causal-conv1d: its "
-        "torch_chunk_gated_delta_rule and conv fallback) + torch's fused AdamW, the HF Trainer's loss call. No liger "
+        "torch_chunk_gated_delta_rule and conv fallback) + torch's fused AdamW, the HF Trainer's loss call; "
+        f"**ours_fla**, **hf_fla**: each with {FLA_NOTE} No liger "
         "stacks: liger-kernel 0.8.5 patches none of Qwen3.5's layers. Attention (every fourth layer): sdpa, modelled "
         "as flash attention."
     ),
@@ -41,8 +46,8 @@ OUR_MODELS_NOTES = {
         "every layer's routed experts by our grouped GEMMs' byte model as in roofline_qwen3-30b-a3b, the gated shared "
         "expert through our SwiGLU kernel; **hf** = transformers' Qwen3_5MoeForCausalLM (sdpa) in its pure-PyTorch "
         "path (no fla, no causal-conv1d) with its default grouped_mm experts + torch's fused AdamW, the HF Trainer's "
-        "loss call. No liger stacks. A full fine-tune on one device, unsharded: the figures compare the two stacks' "
-        "work per step, not a run that fits."
+        f"loss call; **ours_fla**, **hf_fla**: each with {FLA_NOTE} No liger stacks. A full fine-tune on one device, "
+        "unsharded: the figures compare the stacks' work per step, not a run that fits."
     ),
 }
 # Targets of issue 20 (modelled): ours / hf_liger step time at 0% and at 50% ignored, ours / hf, peak memory.
@@ -137,26 +142,24 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
         lines += [OUR_MODELS_NOTES[OUR_MODELS[args.model]["model_type"]], ""]
     stacks = _stacks(rows)
     baselines = [s for s in ("hf_liger", "hf") if s in stacks]  # what ours is divided by
+    pairs = [("ours", b) for b in baselines] + [p for p in (("ours_fla", "hf_fla"),) if set(p) <= set(stacks)]
     for ignored in sorted({r["ignored"] for r in rows}):
         sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
         lines += [
             f"## {100 * ignored:.0f}% of targets ignored (modelled ms)",
             "",
-            "| category | " + " | ".join(stacks) + "".join(f" | ours/{b}" for b in baselines) + " |",
-            "|---|" + "---|" * (len(stacks) + len(baselines)),
+            "| category | " + " | ".join(stacks) + "".join(f" | {a}/{b}" for a, b in pairs) + " |",
+            "|---|" + "---|" * (len(stacks) + len(pairs)),
         ]
         for key in [f"ms_{c}" for c in CATEGORIES] + ["ms_step", "launch_overhead_ms"]:
             vals = [sel[s][key] for s in stacks]
 
-            def ratio(other, key=key):
-                return f"{sel['ours'][key] / sel[other][key]:.3f}" if sel[other][key] else "-"
+            def ratio(pair, key=key):
+                return f"{sel[pair[0]][key] / sel[pair[1]][key]:.3f}" if sel[pair[1]][key] else "-"
 
             label = key[3:] if key.startswith("ms_") else key
             lines.append(
-                f"| {label} | "
-                + " | ".join(f"{v:.3f}" for v in vals)
-                + "".join(f" | {ratio(b)}" for b in baselines)
-                + " |"
+                f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + "".join(f" | {ratio(p)}" for p in pairs) + " |"
             )
         for key, fmt in (
             ("launches", "{:.0f}"),
@@ -168,7 +171,7 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
             lines.append(
                 f"| {key} | "
                 + " | ".join(fmt.format(v) for v in vals)
-                + "".join(f" | {sel['ours'][key] / sel[b][key]:.3f}" for b in baselines)
+                + "".join(f" | {sel[a][key] / sel[b][key]:.3f}" for a, b in pairs)
                 + " |"
             )
         lines.append("")
@@ -258,17 +261,20 @@ def check_targets(rows: list[dict]) -> list[str]:
 
 
 def ratio_lines(rows: list[dict]) -> list[str]:
-    """ours against each other stack, modelled step time and peak memory, at each ignored fraction."""
+    """ours against each other stack (and ours_fla against hf_fla where both ran), modelled step time and peak memory,
+    at each ignored fraction."""
     out = []
     for ignored in sorted({r["ignored"] for r in rows}):
         sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
-        for other in [s for s in sel if s != "ours"]:
-            step = sel["ours"]["ms_step"] / sel[other]["ms_step"]
-            peak = sel["ours"]["peak_memory_gb"] / sel[other]["peak_memory_gb"]
+        pairs = [("ours", other) for other in sel if other != "ours"]
+        pairs += [p for p in (("ours_fla", "hf_fla"),) if set(p) <= set(sel)]
+        for mine, other in pairs:
+            step = sel[mine]["ms_step"] / sel[other]["ms_step"]
+            peak = sel[mine]["peak_memory_gb"] / sel[other]["peak_memory_gb"]
             out.append(
-                f"{100 * ignored:.0f}% ignored: ours/{other} modelled step time {step:.3f} "
-                f"({sel['ours']['ms_step']:.1f} / {sel[other]['ms_step']:.1f} ms), peak memory {peak:.3f} "
-                f"({sel['ours']['peak_memory_gb']:.2f} / {sel[other]['peak_memory_gb']:.2f} GB)"
+                f"{100 * ignored:.0f}% ignored: {mine}/{other} modelled step time {step:.3f} "
+                f"({sel[mine]['ms_step']:.1f} / {sel[other]['ms_step']:.1f} ms), peak memory {peak:.3f} "
+                f"({sel[mine]['peak_memory_gb']:.2f} / {sel[other]['peak_memory_gb']:.2f} GB)"
             )
     return out
 

@@ -18,6 +18,10 @@ from bench.sm90 import fake_cuda
 
 STACKS = ("ours", "ours_liger", "hf", "hf_liger")
 OUR_OTHER_STACKS = ("ours", "hf")
+# Qwen3.5's family (Gated DeltaNet layers): each side also with flash-linear-attention's recurrence (fla-core
+# installed: ours calls it, transformers finds it), modelled by op_models.FlaGatedDeltaRuleModel
+HYBRID_STACKS = ("ours", "ours_fla", "hf", "hf_fla")
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Our model's architectures beyond Llama's, at full size. qwen3.5-9b: transformers' Qwen3_5TextConfig defaults
 # (transformers 5.24), which its docstring calls "the Qwen3.5-9B style configuration": vocab 248320, hidden 4096,
 # intermediate 12288, 32 layers (every fourth gated full attention: 16 heads, 4 key/value heads of 256, a quarter of
@@ -152,6 +156,8 @@ def stacks_for(config: dict) -> tuple[str, ...]:
 
     if transformers_stacks.is_transformers_model(config):
         return transformers_stacks.TRANSFORMERS_STACKS
+    if config.get("model_type") in HYBRID_TYPES:
+        return HYBRID_STACKS
     return STACKS if config.get("model_type", "llama") == "llama" else OUR_OTHER_STACKS
 
 
@@ -165,7 +171,38 @@ def build(stack: str, config: dict) -> Built:
         "ours_liger": lambda: _ours(config, True),
         "hf": lambda: _hf(config, False),
         "hf_liger": lambda: _hf(config, True),
+        "ours_fla": lambda: _with_fla(_ours(config, False)),
+        "hf_fla": lambda: _with_fla(_hf(config, False)),
     }[stack]()
+
+
+def _with_fla(built: Built) -> Built:
+    """`built` with flash-linear-attention's recurrence (modelled) in place of the chunked reference: what
+    kernels.chunk_gated_delta_rule calls where fla-core is installed, and what transformers' Gated DeltaNet calls for
+    its torch_chunk_gated_delta_rule when its kernel hub finds fla (its conv stays PyTorch's: causal-conv1d is
+    another package)."""
+    import sys
+
+    from bench.roofline.op_models import fla_chunk_gated_delta_rule
+    from kernels import gated_delta_rule
+
+    modeling = sys.modules[type(built.model).__module__]
+    inner = built.loss
+
+    def loss(ids, labels):
+        saved_fla = list(gated_delta_rule._FLA)
+        saved_hf = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+        gated_delta_rule._FLA[:] = [fla_chunk_gated_delta_rule, None]
+        if saved_hf is not None:
+            modeling.torch_chunk_gated_delta_rule = fla_chunk_gated_delta_rule
+        try:
+            return inner(ids, labels)
+        finally:
+            gated_delta_rule._FLA[:] = saved_fla
+            if saved_hf is not None:
+                modeling.torch_chunk_gated_delta_rule = saved_hf
+
+    return Built(built.model, built.optimizer, loss)
 
 
 def labels_for(batch: int, seq_len: int, ignored: float, seed: int = 0) -> torch.Tensor:

@@ -489,17 +489,26 @@ def test_qwen3_5_command_writes_its_own_files_and_records_our_gated_deltanet_ker
     names = {op.name.split(":")[0] for op in trace.ops}
     assert {"CausalConv1dFunction", "CausalConv1dFunction.backward"} <= names
     assert {"GatedRMSNormFunction", "GatedRMSNormFunction.backward"} <= names
+    solves = {op.name for op in trace.ops if "solve_triangular" in op.name}
+    assert solves and not any(op.name.startswith("fla.") for op in trace.ops)  # the chunked reference, no fla
+    linear = _full_config(QWEN3_5_TINY)["layer_types"].count("linear_attention")
+    for stack in ("ours_fla", "hf_fla"):  # fla's recurrence in place of the PyTorch one, once per Gated DeltaNet layer
+        fla = stacks.model_step(stack, _full_config(QWEN3_5_TINY), 2, 32, 0.0)
+        assert not any("solve_triangular" in op.name for op in fla.ops), stack
+        assert sum(op.name == "fla.chunk_gated_delta_rule:fwd_h" for op in fla.ops) == linear, stack
+        assert sum(op.name == "fla.chunk_gated_delta_rule.backward:bwd_dhu" for op in fla.ops) == linear, stack
     rows = rf.main(
         ["--model", "qwen3.5-tiny", "--seq_len", "32", "--micro_batch", "2", "--ignored", "0", "--out", str(tmp_path)]
     )
-    assert [r["stack"] for r in rows] == ["ours", "hf"]
+    assert [r["stack"] for r in rows] == ["ours", "ours_fla", "hf", "hf_fla"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "roofline_qwen3.5-tiny.jsonl",
         "roofline_qwen3.5-tiny.md",
         "roofline_qwen3.5-tiny.png",
     ]
     text = (tmp_path / "roofline_qwen3.5-tiny.md").read_text()
-    assert "| category | ours | hf | ours/hf |" in text and "no liger stacks" in text.lower()
+    assert "| category | ours | ours_fla | hf | hf_fla | ours/hf | ours_fla/hf_fla |" in text
+    assert "no liger stacks" in text.lower() and "ours_fla/hf_fla modelled step time" in text
     assert "0% ignored: ours/hf modelled step time" in text
 
 
