@@ -845,6 +845,30 @@ def test_a_multimodal_qwen3_5_moe_checkpoint_trains_its_text_model(tmp_path):
     assert ModelConfig.from_hf(next_config.to_hf()) == next_config
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
+def test_on_cuda_the_hybrid_moe_trains_in_bf16_as_transformers(arch, tmp_path):
+    """On a GPU: our Qwen3-Next and Qwen3.5-MoE with every kernel of ours on (grouped GEMMs for the routed experts,
+    the conv and gated norm in Triton, fla's recurrence where fla-core is installed) under bf16 autocast: the loss
+    with its aux term within bf16 rounding of transformers' model in fp32, every gradient finite and close to its."""
+    hf = hf_model(arch)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, device="cuda", use_kernels=True)
+    hf = hf.cuda().train()
+    ids, labels = (t.cuda() for t in batch())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = ours(ids, labels=labels).loss
+    want = hf(ids, labels=labels).loss
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=0)
+    got.backward()
+    want.backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert torch.isfinite(p.grad).all(), name
+        scale = theirs[name].grad.abs().max().item()
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=0, atol=5e-2 * scale + 1e-6, msg=name)
+
+
 def test_sinks_are_never_dropped_by_a_backend_that_cannot_add_them():
     from trainer.model.attention import AttentionError, make_plan
 
