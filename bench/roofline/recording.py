@@ -31,11 +31,18 @@ def modelled_ops():
     def refuse(kernel, *args, **kwargs):
         raise RuntimeError(f"bench.roofline: unmodelled Triton launch {kernel.fn.__name__}: give its op a cost model")
 
+    attention = importlib.import_module("trainer.model.attention")
+    saved_attend = attention.AttentionPlan.attend
+
+    def attend(plan, q, k, v, window, sinks=None):
+        return (_flex_as_flash if plan.backend == "flex" else saved_attend)(plan, q, k, v, window, sinks)
+
     try:
         for name, cls in classes.items():
             cls.apply = _modelled_apply(name)
         JITFunction.run = InterpretedFunction.run = refuse  # compiled or interpreted (TRITON_INTERPRET=1)
         adamw_module.fused_adamw_step = _adamw_model
+        attention.AttentionPlan.attend = attend
         yield
     finally:
         for cls in classes.values():
@@ -43,6 +50,22 @@ def modelled_ops():
                 del cls.apply
         JITFunction.run, InterpretedFunction.run = saved_run, saved_interpreted
         adamw_module.fused_adamw_step = saved_adamw
+        attention.AttentionPlan.attend = saved_attend
+
+
+def _flex_as_flash(plan, q, k, v, window, sinks=None):
+    """Our attention's flex path (trainer/model/attention.py: what CUDA runs for sliding windows and attention sinks,
+    a higher-order op the recorder cannot run) as the flash-attention model with the layer's window (flex's block
+    mask skips the blocks outside it, as flash attention's local window does), and with sinks the rescale by
+    sigmoid(lse - sink) as ours computes it from flex's log-sum-exp."""
+    from trainer.model.attention import _effective
+
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+    out = apply_model(FlashAttentionModel(causal=True, window=_effective(window, plan.seq_len)), qt, kt, vt)
+    if sinks is not None:
+        lse = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+        out = out * torch.sigmoid(lse - sinks.to(lse.dtype)[:, None])[..., None].to(out.dtype)
+    return out.transpose(1, 2)
 
 
 class _AutocastEmulation(TorchFunctionMode):

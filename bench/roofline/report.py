@@ -40,6 +40,16 @@ OUR_MODELS_NOTES = {
         "(liger's fused MoE is not modelled). A full fine-tune on one device, unsharded: the optimizer state alone "
         "exceeds a GPU; the figures compare the two stacks' work per step, not a run that fits."
     ),
+    "gpt_oss": (
+        "Stacks: **ours** = our CausalLM (use_kernels) + FusedAdamW: the experts by our grouped GEMMs' byte model "
+        "(the interleaved, biased, clamped-SwiGLU layout) as in roofline_qwen3-30b-a3b; attention through flex "
+        "attention (what CUDA runs for sliding windows and sinks), modelled as flash attention with the layer's "
+        "window (128 on every other layer) and the sinks' rescale from its log-sum-exp; **hf** = transformers' "
+        "GptOssForCausalLM with eager attention (its default: it has no SDPA path, the sinks sit in its explicit "
+        "softmax; the T x T scores are materialised) and its grouped_mm experts + torch's fused AdamW, the HF "
+        "Trainer's loss call. No liger stacks (liger's fused MoE does not cover gpt_oss). A full fine-tune on one "
+        "device, unsharded: the figures compare the two stacks' work per step, not a run that fits."
+    ),
     "qwen3_5_moe_text": (
         "Stacks: **ours** = our CausalLM (use_kernels) + FusedAdamW: Qwen3.5's layers as in roofline_qwen3.5-9b (our "
         "conv and gated norm by their byte models, the recurrence as the chunked reference in PyTorch runs it) and "

@@ -31,7 +31,36 @@ HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # qwen3.5-35b-a3b: transformers' Qwen3_5MoeTextConfig defaults ("the Qwen3.5-35B-A3B style configuration"): vocab
 # 248320, hidden 2048, 40 layers (every fourth gated full attention: 16 heads, 2 key/value heads of 256; the others
 # Gated DeltaNet as 9B's), every layer 256 experts of 512, 8 per token, beside a gated shared expert of 512.
+# gpt-oss-20b: openai/gpt-oss-20b's config.json (24 layers alternating sliding (128) and full attention, 64 heads and 8
+# key/value heads of 64 with sinks, 32 experts of 2880 with 4 per token, YaRN x32 over 4096, vocab 201088, untied);
+# its expert weights in bf16 here (the checkpoint's MXFP4 is dequantized as it loads).
+GPT_OSS_20B = {
+    "model_type": "gpt_oss",
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "attention_bias": True,
+    "max_position_embeddings": 131072,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "tie_word_embeddings": False,
+}
 OUR_MODELS = {
+    "gpt-oss-20b": GPT_OSS_20B,
     "qwen3.5-9b": {"model_type": "qwen3_5_text"},
     "qwen3.5-35b-a3b": {"model_type": "qwen3_5_moe_text"},
     "qwen3-30b-a3b": {
@@ -89,14 +118,18 @@ _LIGER_PATCHED = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
 
 
 def _hf_other(config: dict) -> Built:
-    """transformers' causal LM of an architecture of ours other than Llama's (sdpa; AutoConfig's class for the
-    model_type) + torch's fused AdamW, the HF Trainer's loss call."""
+    """transformers' causal LM of an architecture of ours other than Llama's (sdpa, or eager where its class has no
+    sdpa path: gpt_oss, whose sinks SDPA cannot add; AutoConfig's class for the model_type) + torch's fused AdamW,
+    the HF Trainer's loss call."""
     import sys
 
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     kwargs = {k: v for k, v in config.items() if k != "model_type"}
-    cfg = transformers.AutoConfig.for_model(config["model_type"], **kwargs, attn_implementation="sdpa")
+    cfg = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+    attention = "sdpa" if getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], "_supports_sdpa", True) else "eager"
+    cfg = transformers.AutoConfig.for_model(config["model_type"], **kwargs, attn_implementation=attention)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     modeling = sys.modules[type(model).__module__]

@@ -550,3 +550,40 @@ def test_qwen3_moe_stacks_record_the_same_flops_and_our_grouped_gemms(tmp_path, 
     assert [r["stack"] for r in rows] == ["ours", "hf"]
     text = (tmp_path / "roofline_qwen3-moe-tiny.md").read_text()
     assert "grouped_mm experts" in text and "| category | ours | hf | ours/hf |" in text
+
+
+GPT_OSS_TINY = {
+    "model_type": "gpt_oss",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+}
+
+
+def test_gpt_oss_stacks_record_our_flex_attention_as_windowed_flash_and_theirs_eager(tmp_path, monkeypatch):
+    """`python -m bench.roofline --model gpt-oss-20b` at a tiny size: ours attends through flex (sliding windows and
+    sinks), recorded as the flash-attention model with each layer's window (the sliding layer's 8 of 32 keys: fewer
+    FLOPs than the full layer's causal half) and the experts by the grouped GEMMs' model; transformers' eager
+    attention (it has no SDPA path for gpt_oss) is recorded op by op."""
+    from bench.roofline import stacks
+    from bench.roofline.cli import _full_config
+
+    monkeypatch.setitem(stacks.OUR_MODELS, "gpt-oss-tiny", GPT_OSS_TINY)
+    ours = stacks.model_step("ours", _full_config(GPT_OSS_TINY), 2, 32, 0.0)
+    flash = [op for op in ours.ops if op.name == "flash_attention"]
+    assert len(flash) == 2 and flash[0].flops < flash[1].flops  # sliding (window 8), then full
+    assert any(op.name.startswith("MoEExpertsFunction") for op in ours.ops)
+    hf = stacks.model_step("hf", _full_config(GPT_OSS_TINY), 2, 32, 0.0)
+    assert not any(op.name.startswith("flash_attention") for op in hf.ops)
+    rows = rf.main(
+        ["--model", "gpt-oss-tiny", "--seq_len", "32", "--micro_batch", "2", "--ignored", "0", "--out", str(tmp_path)]
+    )
+    assert [r["stack"] for r in rows] == ["ours", "hf"]
+    assert "eager attention" in (tmp_path / "roofline_gpt-oss-tiny.md").read_text()
