@@ -13,7 +13,7 @@ import torch
 import kernels
 from bench.roofline import tracing
 from bench.roofline.recording import autocast_bf16, modelled_ops, recording
-from bench.roofline.tracing import Trace
+from bench.roofline.tracing import EAGER_ATTENTION, Trace
 from bench.sm90 import fake_cuda
 
 STACKS = ("ours", "ours_liger", "hf", "hf_liger")
@@ -133,7 +133,32 @@ def _hf_other(config: dict) -> Built:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     modeling = sys.modules[type(model).__module__]
-    return Built(model, optimizer_for("hf", model.parameters()), hf_loss(model, modeling, False))
+    loss = hf_loss(model, modeling, False)
+    return Built(
+        model, optimizer_for("hf", model.parameters()), loss if attention == "sdpa" else _eager(loss, modeling)
+    )
+
+
+def _eager(loss: Callable, modeling) -> Callable:
+    """`loss` with the modeling module's eager_attention_forward named on the trace's module stack while it runs, so
+    that its ops (the scores' matmuls, scaling, mask, softmax, the sinks) count as attention (tracing.category)."""
+    inner = modeling.eager_attention_forward
+
+    def eager(*args, **kwargs):
+        tracing._TRACE.module_stack.append(EAGER_ATTENTION)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            tracing._TRACE.module_stack.pop()
+
+    def wrapped(ids, labels):
+        modeling.eager_attention_forward = eager
+        try:
+            return loss(ids, labels)
+        finally:
+            modeling.eager_attention_forward = inner
+
+    return wrapped
 
 
 def _hf(config: dict, liger: bool) -> Built:

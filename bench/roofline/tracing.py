@@ -164,8 +164,13 @@ ROPE_OPS = {"mul", "add", "sub", "neg", "cat", "slice", "slice_backward", "index
 _TOP_LEVEL = {"CausalLM", "LlamaForCausalLM", "Gemma3ForCausalLM", "TransformersModel"}
 
 
+EAGER_ATTENTION = "eager_attention_forward"  # transformers' explicit attention, named while it runs (stacks._eager)
+
+
 def category(module: str | None, op: str) -> str:
     """The table category of op (an aten op or autograd node name, e.g. "mul") run inside module (a class name)."""
+    if module == EAGER_ATTENTION:  # every op of an explicit attention, its matmuls too (as flash attention's are)
+        return "attention"
     if op in MATMUL_OPS:
         return "matmuls"
     m = module or ""

@@ -95,6 +95,7 @@ class AttentionPlan:
     # flattened (B * T) tokens, as python ints; None: the rows have nothing to separate and run in one batched call
     documents: tuple[torch.Tensor | None, list[int]] | None = None
     _masks: dict = field(default_factory=dict)  # window -> flex BlockMask
+    _cu_seqlens: torch.Tensor | None = None  # `documents`' boundaries as the linear-attention layers take them
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, sinks: torch.Tensor | None = None
@@ -130,7 +131,9 @@ class AttentionPlan:
         flat = x.reshape(B * T, C)
         if index is not None:
             flat = flat.index_select(0, index)  # (N, C) real tokens only
-        out = layer(flat[None], cu_seqlens=torch.tensor(bounds))[0]  # (N, C)
+        if self._cu_seqlens is None:  # once per forward, shared by every linear-attention layer
+            self._cu_seqlens = torch.tensor(bounds)
+        out = layer(flat[None], cu_seqlens=self._cu_seqlens)[0]  # (N, C)
         if index is not None:
             out = out.new_zeros(B * T, C).index_copy(0, index, out)
         return out.view(B, T, C)
