@@ -499,11 +499,13 @@ class FlaGatedDeltaRuleModel:
         fwd, _, flops, _ = self._parts(q, v)
         for part, bytes_ in fwd.items():
             _rec(f"{self.name}:{part}", self.category, bytes_, flops.get(part, 0.0))
-        ctx.save_for_backward(q, k, v, g, beta)  # fla keeps these and A (counted in its bytes, not its memory)
+        b, t, _, _ = q.shape
+        solved = torch.empty(b, t, v.shape[2], FLA_CHUNK, dtype=k.dtype, device=k.device)  # A, (B, T, Hv, 64)
+        ctx.save_for_backward(q, k, v, g, beta, solved)  # what fla keeps for its backward
         return _like(v)
 
     def backward(self, ctx, do):
-        q, k, v, g, beta = ctx.saved_tensors
+        q, k, v, g, beta, _ = ctx.saved_tensors
         _, bwd, _, flops = self._parts(q, v)
         for part, bytes_ in bwd.items():
             _rec(f"{self.name}.backward:{part}", self.category, bytes_, flops.get(part, 0.0))
