@@ -757,34 +757,15 @@ def test_gpt_oss_packed_and_padded_rows_are_transformers_per_sequence(backend, t
     torch.testing.assert_close(padded[1, 2:], want_a, atol=1e-5, rtol=0)
 
 
-def test_gpt_oss_packed_gradients_are_the_sum_of_per_sequence_ones(tmp_path):
-    """The packed row's loss and gradients (sinks included) are what transformers gives the two sequences' summed
-    losses (without the load-balancing term, which is formed over the whole batch)."""
-    hf = hf_model("gpt_oss", output_router_logits=False)
-    hf.save_pretrained(tmp_path)
-    ours = load_pretrained(tmp_path, use_kernels=False).eval()
-    g = torch.Generator().manual_seed(3)
-    a, b = torch.randint(0, V, (7,), generator=g), torch.randint(0, V, (9,), generator=g)
-    pos = torch.cat([torch.arange(7), torch.arange(9)])[None]
-    labels = torch.cat([a, b])[None].clone()
-    labels[0, 7] = -100  # b's first token is no target of a's last (transformers' losses of each alone)
-    out = ours(torch.cat([a, b])[None], position_ids=pos, labels=labels, num_items=6 + 8)
-    out.loss.backward()
-    total = sum(hf(s[None], labels=s[None], num_items_in_batch=torch.tensor(14)).loss for s in (a, b))
-    total.backward()
-    torch.testing.assert_close(out.loss, total, atol=1e-5, rtol=0)
-    hf_params = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, hf_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
-
-
 @pytest.mark.parametrize(
-    "arch, backend", [("qwen3_next", "torch"), ("qwen3_next", "triton"), ("qwen3_5_moe_text", "torch")]
+    "arch, backend",
+    [("gpt_oss", "torch"), ("qwen3_next", "torch"), ("qwen3_next", "triton"), ("qwen3_5_moe_text", "torch")],
 )
-def test_hybrid_moe_packed_row_is_transformers_per_sequence(arch, backend, tmp_path):
-    """Qwen3-Next and Qwen3.5-MoE packed (padding_free): the packed row's loss and every gradient (routers, shared
-    experts, Gated DeltaNet included) are what transformers gives the two sequences' summed losses, alone (without the
-    load-balancing term, formed over the whole batch); with our Triton kernels through the interpreter too."""
+def test_packed_gradients_are_the_sum_of_per_sequence_ones(arch, backend, tmp_path):
+    """A packed row's loss and every gradient are what transformers gives the two sequences' summed losses, alone
+    (without the load-balancing term, formed over the whole batch): gpt-oss's sinks and windows, Qwen3-Next's and
+    Qwen3.5-MoE's Gated DeltaNet restarting at the boundary (padding_free), routers and shared experts included; with
+    our Triton kernels through the interpreter too."""
     hf = hf_model(arch, output_router_logits=False)
     hf.save_pretrained(tmp_path)
     ours = load_pretrained(tmp_path, use_kernels=backend == "triton").eval()
@@ -802,7 +783,7 @@ def test_hybrid_moe_packed_row_is_transformers_per_sequence(arch, backend, tmp_p
     hf_params = dict(hf.named_parameters())
     for name, p in ours.named_parameters():
         want = hf_params[name].grad
-        torch.testing.assert_close(p.grad, want, atol=2e-5 * want.abs().max().item(), rtol=0, msg=name)
+        torch.testing.assert_close(p.grad, want, atol=2e-5 * want.abs().max().item(), rtol=1e-4, msg=name)
 
 
 def test_a_multimodal_qwen3_5_moe_checkpoint_trains_its_text_model(tmp_path):
