@@ -1,7 +1,7 @@
 """Llama-family causal LMs (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3.5's text model, and the Mixture-of-Experts
-Qwen3-MoE, Mixtral and gpt-oss) that read and write Hugging Face checkpoints.
+Qwen3-MoE, Mixtral, gpt-oss, Qwen3-Next and Qwen3.5-MoE) that read and write Hugging Face checkpoints.
 
-One model, five config dialects. Parameter names are exactly Hugging Face's (`model.embed_tokens.weight`,
+One model, ten config dialects. Parameter names are exactly Hugging Face's (`model.embed_tokens.weight`,
 `model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight`), so checkpoints load and save without a
 remap and `transformers.AutoModelForCausalLM.from_pretrained` reads what we write.
 
@@ -22,7 +22,9 @@ trainer/model/gated_deltanet.py, linear attention with a gated delta-rule recurr
 `AttentionPlan.recur` keeps apart and whose states the KV cache carries), the fourth gated attention (q_proj gives
 each head's query and a gate: o_proj(attn * sigmoid(gate))), with partial rotary (the first quarter of each head
 rotates) and zero-centred norms everywhere but the Gated DeltaNet's own (RMSNorm scaling by 1 + weight, all in fp32).
-The MoE types' MLPs are routed experts (trainer/model/moe.py; qwen3_moe per `decoder_sparse_step`/`mlp_only_layers`).
+The MoE types' MLPs are routed experts (trainer/model/moe.py; qwen3_moe and qwen3_next per `decoder_sparse_step` /
+`mlp_only_layers`). qwen3_next and qwen3_5_moe_text (HYBRID_TYPES too) are Qwen3.5's layers with those experts beside
+a gated shared expert; qwen3_next's Gated DeltaNet reads q, k, v, z and b, a from two fused projections.
 gpt_oss (transformers' GptOssForCausalLM): sliding (`sliding_window`) and full layers alternating per `layer_types`,
 q/k/v/o biases, attention sinks (`self_attn.sinks`: a per-head logit in each softmax's denominator, no value;
 trainer/model/attention.py says which backend adds them how), YaRN RoPE (cos and sin scaled by its attention factor),
