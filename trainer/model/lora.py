@@ -152,7 +152,8 @@ def resolve_target_modules(model: nn.Module, names: list[str] | None) -> list[st
         return list(defaults[model_type])
     if names == ["all-linear"]:
         leaves = dict.fromkeys(n.rsplit(".", 1)[-1] for n in linear)
-        return [leaf for leaf in leaves if leaf not in _NOT_ADAPTABLE] + _peft_moe_names(model, leaves)
+        adds = [name for name in _peft_moe_names(model) if name not in leaves and name not in _NOT_ADAPTABLE]
+        return [leaf for leaf in leaves if leaf not in _NOT_ADAPTABLE] + adds
     leaves = ", ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in linear if not n.endswith(_NOT_ADAPTABLE)))
     for name in names:
         if name.rsplit(".", 1)[-1] in _NOT_ADAPTABLE:
@@ -168,7 +169,7 @@ def resolve_target_modules(model: nn.Module, names: list[str] | None) -> list[st
     return list(names)
 
 
-def _peft_moe_names(model: nn.Module, leaves) -> list[str]:
+def _peft_moe_names(model: nn.Module) -> list[str]:
     """What peft's all-linear adds on a mixture of experts whose transformers 5 layout fused transformers 4's
     per-expert linears (qwen3_moe, qwen3_next, mixtral, ...): those linears' and the router's old names, which its
     injection then turns into target_parameters (the expert tensors, gate_up_proj at twice the rank, and the router's
@@ -182,7 +183,7 @@ def _peft_moe_names(model: nn.Module, leaves) -> list[str]:
         names = conversion._MOE_TARGET_MODULE_MAPPING.get(base, {})
     except (ImportError, AttributeError):
         return []
-    return [name for name in names if name not in leaves and name not in _NOT_ADAPTABLE]
+    return list(names)
 
 
 def check_target_parameters(model: nn.Module, names: list[str] | None) -> list[str] | None:
@@ -218,12 +219,22 @@ def check_modules_to_save(model: nn.Module, names: list[str] | None) -> list[str
 def lora_config(model: nn.Module, args):
     """peft's LoraConfig from the arguments (TRL's names), targets resolved against `model`."""
     peft = import_peft()
+    targets = resolve_target_modules(model, args.lora_target_modules)
+    converted = [name for name in targets if name.rsplit(".", 1)[-1] in _peft_moe_names(model)]
+    if converted and args.lora_dropout:
+        # peft makes these target_parameters (the expert tensors, the router), whose LoRA takes no dropout
+        model_type = getattr(model.config, "model_type", None)
+        raise ConfigError(
+            f"lora_dropout={args.lora_dropout!r}: on a {model_type}, peft turns the targets {', '.join(converted)} "
+            "into its experts' and router's target_parameters (as all-linear there does), which take no dropout; set "
+            "--lora_dropout 0, or name other layers in --lora_target_modules"
+        )
     return peft.LoraConfig(
         task_type="CAUSAL_LM",
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,
-        target_modules=resolve_target_modules(model, args.lora_target_modules),
+        target_modules=targets,
         target_parameters=check_target_parameters(model, args.lora_target_parameters),
         modules_to_save=check_modules_to_save(model, args.lora_modules_to_save),
         use_rslora=args.use_rslora,

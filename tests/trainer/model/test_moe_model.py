@@ -548,6 +548,37 @@ def test_lora_dropout_with_target_parameters_is_one_line():
         TrainingArguments(output_dir="unused", use_peft=True, lora_target_parameters=["mlp.experts.gate_up_proj"])
 
 
+def test_lora_dropout_with_all_linear_on_experts_is_one_line_before_the_build(tmp_path, capsys):
+    """all-linear (TRL's default dropout 0.05) on a model whose experts and router peft adapts as target_parameters:
+    the command's one line and exit 2, nothing written; with --lora_dropout 0 the same arguments pass the check, and
+    on gpt_oss (no such conversion) dropout stays allowed."""
+    from trainer import sft
+
+    hf_model("qwen3_next", vocab_size=320).save_pretrained(tmp_path / "next")
+    hf_model("gpt_oss", vocab_size=320).save_pretrained(tmp_path / "oss")
+    for path in ("next", "oss"):
+        byte_level_tokenizer().save_pretrained(tmp_path / path)
+    lora = ["--use_peft", "--lora_target_modules", "all-linear", "--max_steps", "1", "--cutoff_len", "32"]
+    out = tmp_path / "out"
+    assert sft.main(["--model", str(tmp_path / "next"), *lora, "--output_dir", str(out)]) == 2
+    assert not out.exists()
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: lora_dropout=0.05: on a qwen3_next, peft turns the targets gate_proj, up_proj, down_proj, gate into"
+        )
+    )
+    from trainer.cli_args import _check_lora
+    from trainer.config.args import TrainingArguments
+
+    for path, dropout in (("next", 0.0), ("oss", 0.05)):
+        args = TrainingArguments(output_dir=str(out), use_peft=True, lora_target_modules=["all-linear"])
+        args.lora_dropout = dropout
+        _check_lora(args, type("Sft", (), {"model": str(tmp_path / path)})())
+
+
 def test_base_names_under_nested_peft_wrappers():
     from trainer.model.lora import base_name
 
