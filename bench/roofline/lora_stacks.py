@@ -1,8 +1,9 @@
 """The LoRA stacks (`python -m bench.roofline --lora_stacks`, issue 34): one step of Llama-3.1-8B with LoRA r=16 per
 LORA_SETTINGS x LORA_STACKS, fused LoRA (kernels.lora) against peft's layers, in our model and in transformers'.
-With `--model qwen3-30b-a3b` (issue 46): Qwen3-30B-A3B with r 16 on attention and on the experts (peft's
-target_parameters), MOE_LORA_SETTINGS x MOE_LORA_STACKS: the adapter as rank GEMMs inside our grouped GEMMs against
-peft's layers forming each expert tensor's whole delta, in our model and in transformers' (grouped_mm experts)."""
+With `--model qwen3-30b-a3b` or `gpt-oss-20b` (issue 46, MOE_LORA_MODELS): r 16 on attention and on the experts
+(peft's target_parameters), `moe_lora_settings` x MOE_LORA_STACKS: the adapter as rank GEMMs inside our grouped
+GEMMs against peft's layers forming each expert tensor's whole delta, in our model and in transformers' (grouped_mm
+experts)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,23 @@ LORA_SEQ_LEN = 2048
 # (peft refuses dropout on target_parameters); no liger stack (liger-kernel 0.8.5's fused MoE is not modelled)
 # and QLoRA: NF4 attention and (ours) NF4 experts; transformers' bitsandbytes quantizer leaves its experts in bf16.
 # peft's layers cannot form a delta over 4-bit expert codes: no ours_peft row there.
-MOE_LORA_SETTINGS = {
-    "bf16 adapters, dropout 0.0": Setting("qwen3-30b-a3b", "", lora=True),
-    "QLoRA (NF4 base), bf16 adapters, dropout 0.0": Setting("qwen3-30b-a3b", "", lora=True, nf4=True),
+# The mixtures of experts `--lora_stacks --model` takes (OUR_MODELS' names), their titles and what Unsloth reports for
+# each (its own claims; rank, targets and sequence length as its notebooks set them, not this table's)
+MOE_LORA_MODELS = {
+    "qwen3-30b-a3b": ("Qwen3-30B-A3B", "Qwen3-30B-A3B 16-bit LoRA in 63 GB"),
+    "gpt-oss-20b": ("gpt-oss-20b", "gpt-oss-20b QLoRA in 12.8 GB"),
 }
+
+
+def moe_lora_settings(model: str) -> dict[str, Setting]:
+    """LoRA and QLoRA of the mixture of experts `model` (a key of MOE_LORA_MODELS)."""
+    return {
+        "bf16 adapters, dropout 0.0": Setting(model, "", lora=True),
+        "QLoRA (NF4 base), bf16 adapters, dropout 0.0": Setting(model, "", lora=True, nf4=True),
+    }
+
+
+MOE_LORA_SETTINGS = moe_lora_settings("qwen3-30b-a3b")
 MOE_LORA_STACKS = {
     "ours_fused": (LadderStack("ours", checkpointing=False), "ours, experts' LoRA as rank GEMMs (kernels.moe)"),
     "ours_peft": (LadderStack("ours", checkpointing=False, fused_lora=False), "ours, peft's layers (whole delta)"),
@@ -101,23 +115,26 @@ MOE_INTRO = (
     "in ours (trainer.model.quant.Experts4bit, dequantized per layer as it runs and again in backward), NF4 attention "
     "only in transformers' (its bitsandbytes quantizer leaves the 3-D expert tensors in bf16, as loading a "
     "Qwen3-MoE with BitsAndBytesConfig(load_in_4bit=True) shows). For comparison, Unsloth reports "
-    "Qwen3-30B-A3B 16-bit LoRA in 63 GB (its own claim; rank, targets and sequence length as its notebook sets them, "
-    "not this table's)."
 )
 
 
 def render_lora_stacks(rows: list[dict], env: dict, model: str = "llama-3.1-8b") -> str:
-    moe = model != "llama-3.1-8b"
+    moe = model in MOE_LORA_MODELS
     title = (
-        f"# LoRA stacks (modelled): Qwen3-30B-A3B, r 16 on attention and the experts, seq_len {rows[0]['seq_len']}, "
-        "micro batch 1"
+        f"# LoRA stacks (modelled): {MOE_LORA_MODELS[model][0]}, r 16 on attention and the experts, seq_len "
+        f"{rows[0]['seq_len']}, micro batch 1"
         if moe
         else f"# LoRA stacks (modelled): Llama-3.1-8B, r 16 on every linear layer, seq_len {rows[0]['seq_len']}, "
         "micro batch 1"
     )
-    intro = MOE_INTRO if moe else LLAMA_INTRO
+    intro = (
+        MOE_INTRO + f"{MOE_LORA_MODELS[model][1]} (its own claim; rank, targets and sequence length as its notebook "
+        "sets them, not this table's)."
+        if moe
+        else LLAMA_INTRO
+    )
     lines = [title, "", intro, "", common.env_header(env).replace("Measured on", "Modelled on"), ""]
-    settings, stacks = (MOE_LORA_SETTINGS, MOE_LORA_STACKS) if moe else (LORA_SETTINGS, LORA_STACKS)
+    settings, stacks = (moe_lora_settings(model), MOE_LORA_STACKS) if moe else (LORA_SETTINGS, LORA_STACKS)
     for setting in settings:
         sel = {r["stack"]: r for r in rows if r["setting"] == setting}
         base = sel.get("ours_peft", sel["hf_peft"])  # QLoRA of an MoE: transformers + peft is the comparison
@@ -161,9 +178,9 @@ def render_lora_stacks(rows: list[dict], env: dict, model: str = "llama-3.1-8b")
 
 def main_lora_stacks(args) -> list[dict]:
     env = common.env_info()
-    moe = args.model in {s.model for s in MOE_LORA_SETTINGS.values()}
+    moe = args.model in MOE_LORA_MODELS
     if moe:
-        rows = lora_stack_rows(args.seq_len, env=env, settings=MOE_LORA_SETTINGS, stacks=MOE_LORA_STACKS)
+        rows = lora_stack_rows(args.seq_len, env=env, settings=moe_lora_settings(args.model), stacks=MOE_LORA_STACKS)
     else:
         rows = lora_stack_rows(args.seq_len, env=env)
     stem = f"lora_stacks_{args.model}" if moe else "lora_stacks"
