@@ -32,17 +32,23 @@ def tiny(arch="llama", seed=0):
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen3_5_text": transformers.Qwen3_5TextConfig,
+        "qwen3_next": transformers.Qwen3NextConfig,
     }[arch]
+    hybrid = dict(
+        layer_types=["linear_attention", "full_attention"],
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
     kw = {
         "mistral": {"sliding_window": 3},  # a window shorter than prompt + completion
         # a Gated DeltaNet layer, then gated attention: the cache carries the recurrent and convolution states
-        "qwen3_5_text": dict(
-            layer_types=["linear_attention", "full_attention"],
-            head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
+        "qwen3_5_text": hybrid,
+        # the same with Qwen3-Next's fused projections and routed experts beside a shared expert
+        "qwen3_next": dict(
+            **hybrid, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24
         ),
     }.get(arch, {})
     model = CausalLM(ModelConfig.from_hf(config(**BASE, **kw).to_dict()), use_kernels=False)
@@ -54,7 +60,7 @@ def tiny(arch="llama", seed=0):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3_5_text"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3_5_text", "qwen3_next"])
 def test_greedy_equals_generate_per_row_with_left_padding(arch):
     model = tiny(arch)
     out = sample_completions(model, PROMPTS, 2, 7, temperature=0)
@@ -143,7 +149,7 @@ def test_logits_processors_equal_transformers():
         torch.testing.assert_close(ours[~ours.isinf()], ref[~ref.isinf()], rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text", "qwen3_next"])
 def test_sampler_equals_a_no_cache_reference_loop(arch):
     """Prefill sharing, KV cache repetition, padding and the repetition penalty change no draw: each completion
     equals the loop that recomputes its row's full forward each step and draws with the same u (Qwen3.5: the log-probs
