@@ -4,7 +4,9 @@ of a stack (`model_step`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -15,13 +17,13 @@ from bench.roofline import tracing
 from bench.roofline.recording import autocast_bf16, modelled_ops, recording
 from bench.roofline.tracing import EAGER_ATTENTION, Trace
 from bench.sm90 import fake_cuda
+from trainer.model.causal_lm import HYBRID_TYPES
 
 STACKS = ("ours", "ours_liger", "hf", "hf_liger")
 OUR_OTHER_STACKS = ("ours", "hf")
 # Qwen3.5's family (Gated DeltaNet layers): each side also with flash-linear-attention's recurrence (fla-core
 # installed: ours calls it, transformers finds it), modelled by op_models.FlaGatedDeltaRuleModel
 HYBRID_STACKS = ("ours", "ours_fla", "hf", "hf_fla")
-HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Our model's architectures beyond Llama's, at full size. qwen3.5-9b: transformers' Qwen3_5TextConfig defaults
 # (transformers 5.24), which its docstring calls "the Qwen3.5-9B style configuration": vocab 248320, hidden 4096,
 # intermediate 12288, 32 layers (every fourth gated full attention: 16 heads, 4 key/value heads of 256, a quarter of
@@ -121,28 +123,24 @@ def _hf_other(config: dict) -> Built:
     """transformers' causal LM of an architecture of ours other than Llama's (sdpa, or eager where its class has no
     sdpa path: gpt_oss, whose sinks SDPA cannot add; AutoConfig's class for the model_type) + torch's fused AdamW,
     the HF Trainer's loss call."""
-    import sys
-
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    config_class = CONFIG_MAPPING[config["model_type"]]
+    attention = "sdpa" if getattr(MODEL_FOR_CAUSAL_LM_MAPPING[config_class], "_supports_sdpa", True) else "eager"
     kwargs = {k: v for k, v in config.items() if k != "model_type"}
-    cfg = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
-    attention = "sdpa" if getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], "_supports_sdpa", True) else "eager"
     cfg = transformers.AutoConfig.for_model(config["model_type"], **kwargs, attn_implementation=attention)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     modeling = sys.modules[type(model).__module__]
-    loss = hf_loss(model, modeling, False)
-    return Built(
-        model, optimizer_for("hf", model.parameters()), loss if attention == "sdpa" else _eager(loss, modeling)
-    )
+    built = Built(model, optimizer_for("hf", model.parameters()), hf_loss(model, modeling, False))
+    return built if attention == "sdpa" else _patched(built, (modeling, "eager_attention_forward", _named_eager))
 
 
-def _eager(loss: Callable, modeling) -> Callable:
-    """`loss` with the modeling module's eager_attention_forward named on the trace's module stack while it runs, so
-    that its ops (the scores' matmuls, scaling, mask, softmax, the sinks) count as attention (tracing.category)."""
-    inner = modeling.eager_attention_forward
+def _named_eager(inner: Callable) -> Callable:
+    """transformers' eager_attention_forward named on the trace's module stack while it runs, so that its ops (the
+    scores' matmuls, scaling, mask, softmax, the sinks) count as attention (tracing.category)."""
 
     def eager(*args, **kwargs):
         tracing._TRACE.module_stack.append(EAGER_ATTENTION)
@@ -151,14 +149,22 @@ def _eager(loss: Callable, modeling) -> Callable:
         finally:
             tracing._TRACE.module_stack.pop()
 
-    def wrapped(ids, labels):
-        modeling.eager_attention_forward = eager
-        try:
-            return loss(ids, labels)
-        finally:
-            modeling.eager_attention_forward = inner
+    return eager
 
-    return wrapped
+
+def _patched(built: Built, *patches: tuple) -> Built:
+    """`built` whose loss call runs with each (module, name, wrap) patch in place: module.name = wrap(module.name),
+    restored after the call (the autograd graph it made keeps the patched ops for backward)."""
+
+    def loss(ids, labels):
+        with contextlib.ExitStack() as stack:
+            for module, name, wrap in patches:
+                inner = getattr(module, name)
+                stack.callback(setattr, module, name, inner)
+                setattr(module, name, wrap(inner))
+            return built.loss(ids, labels)
+
+    return Built(built.model, built.optimizer, loss)
 
 
 def _hf(config: dict, liger: bool) -> Built:
@@ -239,28 +245,14 @@ def _with_fla(built: Built) -> Built:
     kernels.chunk_gated_delta_rule calls where fla-core is installed, and what transformers' Gated DeltaNet calls for
     its torch_chunk_gated_delta_rule when its kernel hub finds fla (its conv stays PyTorch's: causal-conv1d is
     another package)."""
-    import sys
-
     from bench.roofline.op_models import fla_chunk_gated_delta_rule
     from kernels import gated_delta_rule
 
+    patches = [(gated_delta_rule, "_fla", lambda inner: lambda: fla_chunk_gated_delta_rule)]
     modeling = sys.modules[type(built.model).__module__]
-    inner = built.loss
-
-    def loss(ids, labels):
-        saved_fla = list(gated_delta_rule._FLA)
-        saved_hf = getattr(modeling, "torch_chunk_gated_delta_rule", None)
-        gated_delta_rule._FLA[:] = [fla_chunk_gated_delta_rule, None]
-        if saved_hf is not None:
-            modeling.torch_chunk_gated_delta_rule = fla_chunk_gated_delta_rule
-        try:
-            return inner(ids, labels)
-        finally:
-            gated_delta_rule._FLA[:] = saved_fla
-            if saved_hf is not None:
-                modeling.torch_chunk_gated_delta_rule = saved_hf
-
-    return Built(built.model, built.optimizer, loss)
+    if hasattr(modeling, "torch_chunk_gated_delta_rule"):  # transformers' (ours calls kernels' op)
+        patches.append((modeling, "torch_chunk_gated_delta_rule", lambda inner: fla_chunk_gated_delta_rule))
+    return _patched(built, *patches)
 
 
 def labels_for(batch: int, seq_len: int, ignored: float, seed: int = 0) -> torch.Tensor:

@@ -220,7 +220,8 @@ def lora_config(model: nn.Module, args):
     """peft's LoraConfig from the arguments (TRL's names), targets resolved against `model`."""
     peft = import_peft()
     targets = resolve_target_modules(model, args.lora_target_modules)
-    converted = [name for name in targets if name.rsplit(".", 1)[-1] in _peft_moe_names(model)]
+    moe_names = _peft_moe_names(model)
+    converted = [name for name in targets if name.rsplit(".", 1)[-1] in moe_names]
     if converted and args.lora_dropout:
         # peft makes these target_parameters (the expert tensors, the router), whose LoRA takes no dropout
         model_type = getattr(model.config, "model_type", None)

@@ -198,8 +198,9 @@ class SparseMoeBlock(nn.Module):
 def no_router_message(coef: float, model_type: str) -> str:
     """The one line for router_aux_loss_coef set on a model without routers (our model's, the transformers path's and
     the command's check say it alike)."""
-    no_router = "has no router (not a mixture of experts); leave it unset"
-    return f"router_aux_loss_coef={coef:g}: a {model_type} model {no_router}"
+    return (
+        f"router_aux_loss_coef={coef:g}: a {model_type} model has no router (not a mixture of experts); leave it unset"
+    )
 
 
 def router_stats(logits: torch.Tensor, top_k: int, token_mask: torch.Tensor | None) -> RouterStats:
