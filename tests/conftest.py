@@ -17,6 +17,9 @@ import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# liger's fused MoE kernels pinned to one config each (read when liger_kernel.ops.fused_moe_kernels is imported): no
+# autotuning benchmark loop under the interpreter, and the tile sizes the roofline's meter test counts with
+os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
 # Forced, not setdefault: a user's cache must not receive the test data. Module fixtures that run commands use it.
 os.environ["KERNELWRIGHT_DATA_CACHE"] = tempfile.mkdtemp(prefix="kernelwright-test-data-cache-")
 atexit.register(shutil.rmtree, os.environ["KERNELWRIGHT_DATA_CACHE"], ignore_errors=True)

@@ -65,6 +65,60 @@ def liger_rope_bytes(q_elems: int, k_elems: int, s: int, rows: int, half_dim: in
     return 2 * (q_elems + k_elems) * s + 2 * rows * half_dim * cos_size
 
 
+LIGER_MOE_BLOCK_M = 64  # liger_kernel.ops.fused_moe.BLOCK_M_TOKEN: the row kernels' M tile (not autotuned)
+
+
+def liger_fused_moe_parts(
+    mode: str,
+    counts: list[int],
+    tokens: int,
+    k: int,
+    hidden: int,
+    inter: int,
+    s: int,
+    w: int,
+    ws: int,
+    block_m: int = LIGER_MOE_BLOCK_M,
+) -> dict[str, tuple[int, int]]:
+    """liger-kernel 0.8's LigerFusedMoEFunction (liger_kernel/ops/fused_moe.py), issued (read, write) bytes per kernel
+    and torch op for expert row counts `counts` (sum N = T k), activations of element size s, the expert tensors' w,
+    the top-k weights' ws, int32 indices, M tiles of `block_m` rows (each row kernel reads its expert's weight once per
+    tile and three int32 of the tile table); every column block spanning its whole width (liger autotunes BLOCK_N up to
+    256 over H = 2048-2880 and I = 768-2880: the roofline's ideal tiling, as ours gets), so each gathered row is read
+    once per kernel. Forward: routing (histogram with per-assignment atomics, prefix sums, scatter: O(N) int32), the
+    gather + gate_up GEMM + SwiGLU writing pre- and post-activation (N, 2I) and (N, I), the down GEMM writing (N, H)
+    rows, their weighted gather-sum to (T, H). Backward (no saved (N, H)): dout W_down^T recomputed with SwiGLU's
+    backward (d pre-activation, the weighted activation, dtop_k_weights by atomics), dW_down, d pre-activation
+    W_gate_up^T as (N, H) rows and their gather-sum, dW_gate_up; the gradients' zero fills are torch ops."""
+    n, experts = tokens * k, len(counts)
+    tiles = sum(-(-c // block_m) for c in counts)
+    n_tiles = -(-tokens // max(1, 1024 // (1 << (k - 1).bit_length())))  # the routing's token tiles
+    table = 3 * 4 * tiles  # expert start, tile expert, tile row start per row-kernel program
+    gu_w, down_w = 2 * inter * hidden * w, hidden * inter * w
+    used = sum(c > 0 for c in counts)  # the weight-gradient kernels write the experts with rows (the rest stay zero)
+    out: dict[str, tuple[int, int]] = {}
+    if mode == "forward":
+        out["_moe_router_histogram_kernel"] = (2 * 4 * n, 4 * n + 4 * experts * n_tiles)
+        out["_moe_router_prefix_sum_kernel"] = (4 * experts * (n_tiles + 1), 4 * experts * n_tiles + 8 * (experts + 1))
+        out["aten.sum"] = (4 * experts * n_tiles, 4 * experts)
+        out["_moe_router_scatter_kernel"] = (3 * 4 * n + 4 * tiles, 3 * 4 * n + 2 * 4 * tiles)
+        out["_fused_up_proj_swiglu_kernel"] = (table + n * (4 + hidden * s) + tiles * gu_w, 3 * n * inter * s)
+        out["_fused_down_proj_kernel"] = (table + n * inter * s + tiles * down_w, n * hidden * s)
+        out["_token_gather_weighted_sum_kernel"] = (n * (hidden * s + 4 + ws), tokens * hidden * s)
+    else:
+        out["aten.zeros"] = (0, n * s + tokens * hidden * s)  # dtop_k_weights' atomics and dx start at zero
+        out["_moe_bwd_down_proj_kernel"] = (
+            table + n * (hidden * s + 4 + 4 + ws + 2 * inter * s + s) + tiles * down_w,
+            n * (2 * inter * s + inter * s + s),
+        )
+        out["aten.zeros_like"] = (0, gu_w * experts + down_w * experts)  # dW_down, dW_gate_up start at zero
+        out["_moe_bwd_dW2_kernel"] = (2 * 4 * experts + n * (inter * s + hidden * s + 4), used * down_w)
+        out["_moe_bwd_dX_expanded_kernel"] = (table + n * 2 * inter * s + tiles * gu_w, n * hidden * s)
+        out["_token_gather_weighted_sum_kernel"] = (n * (hidden * s + 4), tokens * hidden * s)
+        out["_moe_bwd_dW1_kernel"] = (2 * 4 * experts + n * (hidden * s + 2 * inter * s + 4), used * gu_w)
+    return out
+
+
 class RMSNormModel:
     """Ours (RMSNormFunction(x2d, weight, eps, offset, max_block)) by bench/bench_rms_norm.py's `traffic_parts` (the
     weight once per launch: it stays in L2; the dweight partials of about two programs per H100 SM, summed by torch).
@@ -294,7 +348,10 @@ class MoEExpertsModel:
     matmul of the other stacks gets (the GPU tiles re-read x per column block and the weights per row tile, which L2
     serves in part: the kernel bench measures how much), and the GEMMs' FLOPs:
     2 N H 2I + 2 N I H forward (N = T k assignment rows), dx and dW of both backward (twice that); "matmuls". The
-    routing's torch ops (sort, searchsorted, cumsum over N integers) are recorded as they run."""
+    routing's torch ops (sort, searchsorted, cumsum over N integers) are recorded as they run. Memory: the buffers
+    kernels/moe.py's launchers allocate, in their order and dtypes (`_forward_buffers`, `_backward_buffers`): forward h
+    (N, I) and (N, H) rows, freed, and the saved pre-activation gate_up (N, 2I) (with LoRA also x A^T and h A^T,
+    (N, r)); backward d gate_up (N, 2I), the fp32 dtop_k_weights partials (I / 64 blocks, N) and the (N, H) dx rows."""
 
     name = "MoEExpertsFunction"
     category = "matmuls"
@@ -330,17 +387,44 @@ class MoEExpertsModel:
         gemm = 2 * tokens * k * hidden * 3 * inter  # gate, up and down over every assignment row
         return parts, gemm
 
+    @staticmethod
+    def _forward_buffers(x, weights, options, ranks=(0, 0)) -> tuple[torch.Tensor, ...]:
+        """moe_experts_fwd's allocations: the saved ones (gate_up's pre-activation, and x A^T, h A^T with LoRA); h and
+        the (N, H) rows live while it runs, then freed; and the output."""
+        n, inter, hidden = weights.numel(), options["layout"].inter, x.shape[1]
+        h = _like(x, shape=(n, inter))
+        saved = tuple(_like(x, shape=(n, width)) for width in (2 * inter, *(r for r in ranks if r)))
+        rows = _like(x, shape=(n, hidden))
+        out = _like(x)
+        del h, rows
+        return out, saved
+
+    @staticmethod
+    def _backward_buffers(x, weights, options, ranks=(0, 0)) -> None:
+        """moe_experts_bwd's transient allocations: d gate_up (N, 2I) (and d y B2 with LoRA on down), the fp32
+        dtop_k_weights partials, the (N, H) dx rows (and d gate_up B1 with LoRA on gate_up); the gradients it returns
+        are the caller's."""
+        n, inter, hidden = weights.numel(), options["layout"].inter, x.shape[1]
+        blocks = -(-inter // moe.GPU_TILES.block_n1)
+        r1, r2 = ranks
+        live = [_like(x, shape=(n, 2 * inter)), *([_like(x, shape=(n, r2))] if r2 else [])]
+        live.append(_like(x, dtype=torch.float32, shape=(blocks, n)))
+        live += [_like(x, shape=(n, hidden)), *([_like(x, shape=(n, r1))] if r1 else [])]
+        del live
+
     def forward(self, ctx, x, weights, gate_up, down, gate_up_bias, down_bias, route, options):
         parts, gemm = self._parts("forward", x, weights, gate_up, gate_up_bias, options)
         flops = {"_moe_gemm1_kernel": gemm * 2 / 3, "_moe_gemm2_kernel": gemm / 3}
         _record_parts(self.name, self.category, parts, flops=flops)
+        out, saved = self._forward_buffers(x, weights, options)
         ctx.options = options
-        ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias)
-        return _like(x)
+        ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias, *saved)
+        return out
 
     def backward(self, ctx, dout):
-        x, weights, gate_up, down, gate_up_bias, down_bias = ctx.saved_tensors
+        x, weights, gate_up, down, gate_up_bias, down_bias, _ = ctx.saved_tensors
         parts, gemm = self._parts("backward", x, weights, gate_up, gate_up_bias, ctx.options)
+        self._backward_buffers(x, weights, ctx.options)
         # dgrad dout W_down^T (N H I), the dx pass d gate_up W_gate_up^T (2 N H I), the two weight passes (3 N H I)
         flops = {"_moe_dgrad_kernel": gemm / 3, "_moe_gemm2_kernel": 2 * gemm / 3, "_moe_wgrad_kernel": gemm}
         launches = {"_moe_wgrad_kernel": 2}
@@ -359,8 +443,7 @@ class MoEExpertsLoRAModel(MoEExpertsModel):
     name = "MoEExpertsLoRAFunction"
 
     def _lora_parts(self, mode, x, weights, gate_up, gate_up_bias, a1, a2, options):
-        experts = gate_up.shape[0]
-        r1, r2 = (0 if a is None else a.shape[0] // experts for a in (a1, a2))
+        r1, r2 = self._ranks(gate_up, a1, a2)
         lora_size = next(a for a in (a1, a2) if a is not None).element_size()
         parts, gemm = self._parts(mode, x, weights, gate_up, gate_up_bias, options, (r1, r2), lora_size)
         tokens, hidden, k, inter, _ = self._sizes(x, weights, gate_up, options)
@@ -378,20 +461,91 @@ class MoEExpertsLoRAModel(MoEExpertsModel):
             }
         return parts, flops, 2 * ((r1 > 0) + (r2 > 0))
 
+    @staticmethod
+    def _ranks(gate_up, a1, a2) -> tuple[int, int]:
+        return tuple(0 if a is None else a.shape[0] // gate_up.shape[0] for a in (a1, a2))
+
     def forward(self, ctx, x, weights, gate_up, down, gate_up_bias, down_bias, a1, b1, a2, b2, route, options, scal):
         parts, flops, _ = self._lora_parts("forward", x, weights, gate_up, gate_up_bias, a1, a2, options)
         _record_parts(self.name, self.category, parts, flops=flops)
+        ctx.ranks = self._ranks(gate_up, a1, a2)
+        out, saved = self._forward_buffers(x, weights, options, ctx.ranks)
         ctx.options = options
-        ctx.save_for_backward(x, weights, gate_up, gate_up_bias, a1, b1, a2, b2)
-        return _like(x)
+        ctx.save_for_backward(x, weights, gate_up, gate_up_bias, a1, b1, a2, b2, *saved)
+        return out
 
     def backward(self, ctx, dout):
-        x, weights, gate_up, gate_up_bias, a1, b1, a2, b2 = ctx.saved_tensors
+        x, weights, gate_up, gate_up_bias, a1, b1, a2, b2, *_ = ctx.saved_tensors
         parts, flops, passes = self._lora_parts("backward", x, weights, gate_up, gate_up_bias, a1, a2, ctx.options)
+        self._backward_buffers(x, weights, ctx.options, ctx.ranks)
         launches = {"_moe_wgrad_kernel": passes}
         _record_parts(self.name + ".backward", self.category, parts, launches=launches, flops=flops)
         factors = tuple(None if t is None else _like(t) for t in (a1, b1, a2, b2))
         return (_like(x), _like(weights), None, None, None, None, *factors, None, None, None)
+
+
+class LigerFusedMoEModel:
+    """liger's LigerFusedMoEFunction(x, gate_up_proj, down_proj, top_k_index, top_k_weights) (what liger-kernel 0.8's
+    LigerExperts runs: its apply_liger_kernel_to_qwen3_moe, _mixtral, _qwen3_next and _qwen3_5_moe swap transformers
+    5's experts for it; not gpt_oss's) by `liger_fused_moe_parts`, the rows spread evenly over the experts at the ideal
+    tiling ours gets (MoEExpertsModel: one M tile per expert), and the GEMMs' FLOPs (6 N H I forward, 12 N H I
+    backward); "matmuls". Memory: its allocations in its order: the routing's int32 tables (the three (N,) index
+    arrays and the tile table saved), the pre-activation (N, 2I) (saved), the post-activation (N, I) and the (N, H) rows
+    (freed); backward d pre-activation (N, 2I), the weighted activation (N, I), the (N, H) dx rows and the zero-filled
+    dtop_k_weights, dx and weight gradients (in the weights' dtype: fp32 under autocast over fp32 parameters, since
+    the Function is not autocast's)."""
+
+    name = "LigerFusedMoEFunction"
+    category = "matmuls"
+
+    @staticmethod
+    def _sizes(x, gate_up, top_k_index):
+        (tokens, hidden), k, experts = x.shape, top_k_index.shape[1], gate_up.shape[0]
+        n = tokens * k
+        counts = [n // experts + (e < n % experts) for e in range(experts)]
+        return tokens, hidden, k, gate_up.shape[1] // 2, counts
+
+    def _parts(self, mode, x, gate_up, top_k_index, top_k_weights):
+        tokens, hidden, k, inter, counts = self._sizes(x, gate_up, top_k_index)
+        sizes = (x.element_size(), gate_up.element_size(), top_k_weights.element_size())
+        parts = liger_fused_moe_parts(mode, counts, tokens, k, hidden, inter, *sizes, block_m=max(counts))
+        return parts, 2 * tokens * k * hidden * inter  # one N H I GEMM's FLOPs
+
+    def forward(self, ctx, x, gate_up, down, top_k_index, top_k_weights):
+        parts, gemm = self._parts("forward", x, gate_up, top_k_index, top_k_weights)
+        flops = {"_fused_up_proj_swiglu_kernel": 2 * gemm, "_fused_down_proj_kernel": gemm}
+        _record_parts(self.name, self.category, parts, flops=flops)
+        tokens, hidden, k, inter, counts = self._sizes(x, gate_up, top_k_index)
+        n, experts, tiles = tokens * k, len(counts), len(counts)
+
+        def i32(*shape):
+            return torch.empty(shape, dtype=torch.int32, device=x.device)
+
+        tile_counts, expert_start, tile_offset = i32(experts, 1), i32(experts + 1), i32(experts + 1)
+        index = (i32(n), i32(n), i32(n), i32(tiles), i32(tiles))  # gather, scatter, reverse; tile row start, expert
+        pre, post, rows = _like(x, shape=(n, 2 * inter)), _like(x, shape=(n, inter)), _like(x, shape=(n, hidden))
+        out = _like(x)
+        del tile_counts, tile_offset, post, rows
+        ctx.save_for_backward(x, gate_up, down, pre, top_k_weights, expert_start, *index)
+        return out
+
+    def backward(self, ctx, dout):
+        x, gate_up, down, pre, top_k_weights, _, gather, *_ = ctx.saved_tensors
+        parts, gemm = self._parts("backward", x, gate_up, gather.view(x.shape[0], -1), top_k_weights)
+        flops = {
+            "_moe_bwd_down_proj_kernel": gemm,
+            "_moe_bwd_dW2_kernel": gemm,
+            "_moe_bwd_dX_expanded_kernel": 2 * gemm,
+            "_moe_bwd_dW1_kernel": 2 * gemm,
+        }
+        _record_parts(self.name + ".backward", self.category, parts, flops=flops)
+        n, inter = pre.shape[0], pre.shape[1] // 2
+        # every buffer lives until the backward returns (liger's locals)
+        d_pre, weighted = _like(dout, shape=(n, 2 * inter)), _like(dout, shape=(n, inter))
+        d_weights, d_down = _like(dout, shape=(n,)), _like(down)
+        rows, dx, d_gate_up = _like(dout, shape=(n, x.shape[1])), _like(dout, shape=x.shape), _like(gate_up)
+        del d_pre, weighted, rows
+        return dx, d_gate_up, d_down, None, d_weights.view(top_k_weights.shape)  # autograd casts to their dtype
 
 
 class CausalConv1dModel:
@@ -738,6 +892,7 @@ MODELS = {
     "CausalConv1dFunction": CausalConv1dModel,
     "MoEExpertsFunction": MoEExpertsModel,
     "MoEExpertsLoRAFunction": MoEExpertsLoRAModel,
+    "LigerFusedMoEFunction": LigerFusedMoEModel,
     "FusedLinearCrossEntropyFunction": OurFLCEModel,
     "LigerFusedLinearCrossEntropyFunction": LigerFLCEModel,
 }
@@ -762,6 +917,7 @@ def _function_classes() -> dict[str, type]:
         "LigerGELUMulFunction": "liger_kernel.ops.geglu",
         "LigerRopeFunction": "liger_kernel.ops.rope",
         "LigerFusedLinearCrossEntropyFunction": "liger_kernel.ops.fused_linear_cross_entropy",
+        "LigerFusedMoEFunction": "liger_kernel.ops.fused_moe",
     }
     for name, mod in liger.items():
         found[name] = getattr(importlib.import_module(mod), name)

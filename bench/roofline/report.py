@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from bench import common
-from bench.roofline.stacks import OUR_MODELS
+from bench.roofline.stacks import FLA_PAIRS, OUR_MODELS
 from bench.roofline.tracing import CATEGORIES, Device, Trace
 from bench.roofline.transformers_stacks import REPORT_NOTE, TRANSFORMERS_MODELS
 
@@ -16,6 +16,10 @@ FLA_NOTE = (
     "flash-linear-attention's recurrence in place of the PyTorch one (fla-core installed: ours calls it, "
     "transformers' kernel hub finds it; its kernels' bytes and FLOPs read from fla's source, "
     "bench/roofline/op_models.py FlaGatedDeltaRuleModel; transformers' conv stays PyTorch's)."
+)
+LIGER_NOTE = (
+    "liger-kernel 0.8.5's patches for its model_type (apply_liger_kernel_to_<model_type>(model=...), what "
+    "transformers' use_liger_kernel=True applies; bench/roofline/stacks.py `_with_liger`)"
 )
 # What the md of another architecture of ours says about its stacks, by model type
 OUR_MODELS_NOTES = {
@@ -26,8 +30,9 @@ OUR_MODELS_NOTES = {
         "without fla-core runs), the q/k L2 norm and the decay and beta gating as PyTorch ops; **hf** = transformers' "
         "Qwen3_5ForCausalLM (sdpa) in its pure-PyTorch path (no fla, no causal-conv1d: its "
         "torch_chunk_gated_delta_rule and conv fallback) + torch's fused AdamW, the HF Trainer's loss call; "
-        f"**ours_fla**, **hf_fla**: each with {FLA_NOTE} No liger "
-        "stacks: liger-kernel 0.8.5 patches none of Qwen3.5's layers. Attention (every fourth layer): sdpa, modelled "
+        f"**ours_fla**, **hf_fla**: each with {FLA_NOTE} **hf_fla_liger** = hf_fla after {LIGER_NOTE} (for "
+        "Qwen3.5: its zero-centred RMSNorm, SwiGLU MLP and fused linear cross-entropy; it has no RoPE for these "
+        "models and leaves the Gated DeltaNet layers as they are). Attention (every fourth layer): sdpa, modelled "
         "as flash attention."
     ),
     "qwen3_moe": (
@@ -36,9 +41,12 @@ OUR_MODELS_NOTES = {
         "aten matmul is counted; the fp32 master weights read in the kernels, dW written in fp32) and their FLOPs, the "
         "rows spread evenly over the experts; the routers and the routing sort as PyTorch ops; **hf** = transformers' "
         "Qwen3MoeForCausalLM (sdpa) with its default grouped_mm experts (torch._grouped_mm, its FLOPs counted here: "
-        "torch's flop counter has none) + torch's fused AdamW, the HF Trainer's loss call. No liger stacks yet "
-        "(liger's fused MoE is not modelled). A full fine-tune on one device, unsharded: the optimizer state alone "
-        "exceeds a GPU; the figures compare the two stacks' work per step, not a run that fits."
+        "torch's flop counter has none) + torch's fused AdamW, the HF Trainer's loss call; **hf_liger** = hf after "
+        f"{LIGER_NOTE} (for Qwen3-MoE: its RoPE, RMSNorm, fused linear cross-entropy and fused MoE, LigerExperts: "
+        "liger_kernel/ops/fused_moe.py's grouped GEMMs by their byte model, op_models.liger_fused_moe_parts, checked "
+        "against the meter, at the same ideal tiling; it reads the fp32 weights in its kernels under autocast and "
+        "zero-fills the fp32 weight gradients before writing them). A full fine-tune on one device, unsharded: the "
+        "optimizer state alone exceeds a GPU; the figures compare the stacks' work per step, not a run that fits."
     ),
     "gpt_oss": (
         "Stacks: **ours** = our CausalLM (use_kernels) + FusedAdamW: the experts by our grouped GEMMs' byte model "
@@ -47,8 +55,9 @@ OUR_MODELS_NOTES = {
         "window (128 on every other layer) and the sinks' rescale from its log-sum-exp; **hf** = transformers' "
         "GptOssForCausalLM with eager attention (its default: it has no SDPA path, the sinks sit in its explicit "
         "softmax; the T x T scores are materialised) and its grouped_mm experts + torch's fused AdamW, the HF "
-        "Trainer's loss call. No liger stacks (liger's fused MoE does not cover gpt_oss). A full fine-tune on one "
-        "device, unsharded: the figures compare the two stacks' work per step, not a run that fits."
+        f"Trainer's loss call; **hf_liger** = hf after {LIGER_NOTE} (for gpt-oss: its RoPE, RMSNorm and fused "
+        "linear cross-entropy; liger's fused MoE does not cover gpt-oss's experts, which stay grouped_mm). A full "
+        "fine-tune on one device, unsharded: the figures compare the stacks' work per step, not a run that fits."
     ),
     "qwen3_5_moe_text": (
         "Stacks: **ours** = our CausalLM (use_kernels) + FusedAdamW: Qwen3.5's layers as in roofline_qwen3.5-9b (our "
@@ -56,8 +65,10 @@ OUR_MODELS_NOTES = {
         "every layer's routed experts by our grouped GEMMs' byte model as in roofline_qwen3-30b-a3b, the gated shared "
         "expert through our SwiGLU kernel; **hf** = transformers' Qwen3_5MoeForCausalLM (sdpa) in its pure-PyTorch "
         "path (no fla, no causal-conv1d) with its default grouped_mm experts + torch's fused AdamW, the HF Trainer's "
-        f"loss call; **ours_fla**, **hf_fla**: each with {FLA_NOTE} No liger stacks. A full fine-tune on one device, "
-        "unsharded: the figures compare the stacks' work per step, not a run that fits."
+        f"loss call; **ours_fla**, **hf_fla**: each with {FLA_NOTE} **hf_fla_liger** = hf_fla after {LIGER_NOTE} "
+        "(for Qwen3.5-MoE: its zero-centred RMSNorm, fused linear cross-entropy and fused MoE for the routed experts, "
+        "as in roofline_qwen3-30b-a3b). A full fine-tune on one device, unsharded: the figures compare the stacks' "
+        "work per step, not a run that fits."
     ),
 }
 # Targets of issue 20 (modelled): ours / hf_liger step time at 0% and at 50% ignored, ours / hf, peak memory.
@@ -152,7 +163,7 @@ def render(rows: list[dict], dev: Device, measured: dict, args) -> str:
         lines += [OUR_MODELS_NOTES[OUR_MODELS[args.model]["model_type"]], ""]
     stacks = _stacks(rows)
     baselines = [s for s in ("hf_liger", "hf") if s in stacks]  # what ours is divided by
-    pairs = [("ours", b) for b in baselines] + [p for p in (("ours_fla", "hf_fla"),) if set(p) <= set(stacks)]
+    pairs = [("ours", b) for b in baselines] + [p for p in FLA_PAIRS if set(p) <= set(stacks)]
     for ignored in sorted({r["ignored"] for r in rows}):
         sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
         lines += [
@@ -271,13 +282,13 @@ def check_targets(rows: list[dict]) -> list[str]:
 
 
 def ratio_lines(rows: list[dict]) -> list[str]:
-    """ours against each other stack (and ours_fla against hf_fla where both ran), modelled step time and peak memory,
+    """ours against each other stack (and FLA_PAIRS where both ran), modelled step time and peak memory,
     at each ignored fraction."""
     out = []
     for ignored in sorted({r["ignored"] for r in rows}):
         sel = {r["stack"]: r for r in rows if r["ignored"] == ignored}
         pairs = [("ours", other) for other in sel if other != "ours"]
-        pairs += [p for p in (("ours_fla", "hf_fla"),) if set(p) <= set(sel)]
+        pairs += [p for p in FLA_PAIRS if set(p) <= set(sel)]
         for mine, other in pairs:
             step = sel[mine]["ms_step"] / sel[other]["ms_step"]
             peak = sel[mine]["peak_memory_gb"] / sel[other]["peak_memory_gb"]

@@ -20,10 +20,15 @@ from bench.sm90 import fake_cuda
 from trainer.model.causal_lm import HYBRID_TYPES
 
 STACKS = ("ours", "ours_liger", "hf", "hf_liger")
-OUR_OTHER_STACKS = ("ours", "hf")
+# Our other architectures: hf_liger = transformers after liger-kernel's patches for the model_type (`_with_liger`;
+# its fused MoE for qwen3_moe and mixtral, op_models.LigerFusedMoEModel; RMSNorm, RoPE and the fused loss for gpt_oss)
+OUR_OTHER_STACKS = ("ours", "hf", "hf_liger")
 # Qwen3.5's family (Gated DeltaNet layers): each side also with flash-linear-attention's recurrence (fla-core
-# installed: ours calls it, transformers finds it), modelled by op_models.FlaGatedDeltaRuleModel
-HYBRID_STACKS = ("ours", "ours_fla", "hf", "hf_fla")
+# installed: ours calls it, transformers finds it), modelled by op_models.FlaGatedDeltaRuleModel; hf_fla_liger: the
+# strongest transformers setup, fla and liger-kernel's patches (its RMSNorm, SwiGLU or fused MoE, fused loss) together
+HYBRID_STACKS = ("ours", "ours_fla", "hf", "hf_fla", "hf_fla_liger")
+# (ours' stack, transformers' stack) pairs the report divides beyond ours against each baseline
+FLA_PAIRS = (("ours_fla", "hf_fla"), ("ours_fla", "hf_fla_liger"))
 # Our model's architectures beyond Llama's, at full size. qwen3.5-9b: transformers' Qwen3_5TextConfig defaults
 # (transformers 5.24), which its docstring calls "the Qwen3.5-9B style configuration": vocab 248320, hidden 4096,
 # intermediate 12288, 32 layers (every fourth gated full attention: 16 heads, 4 key/value heads of 256, a quarter of
@@ -119,10 +124,10 @@ def _ours(config: dict, liger: bool) -> Built:
 _LIGER_PATCHED = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
 
 
-def _hf_other(config: dict) -> Built:
+def _hf_other(config: dict, liger: bool) -> Built:
     """transformers' causal LM of an architecture of ours other than Llama's (sdpa, or eager where its class has no
     sdpa path: gpt_oss, whose sinks SDPA cannot add; AutoConfig's class for the model_type) + torch's fused AdamW,
-    the HF Trainer's loss call."""
+    the HF Trainer's loss call; with `liger`, after liger-kernel's patches for its model_type (`_with_liger`)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -135,7 +140,29 @@ def _hf_other(config: dict) -> Built:
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     modeling = sys.modules[type(model).__module__]
     built = Built(model, optimizer_for("hf", model.parameters()), hf_loss(model, modeling, False))
+    if liger:
+        built = _with_liger(built, modeling)
     return built if attention == "sdpa" else _patched(built, (modeling, "eager_attention_forward", _named_eager))
+
+
+def _with_liger(built: Built, modeling) -> Built:
+    """`built` after liger-kernel's apply_liger_kernel_to_<model_type>(model=...) (`_apply_liger_kernel_to_instance`:
+    what transformers' use_liger_kernel=True calls): the instance's norms, MLPs or experts and forward are patched on
+    the instance; what liger sets on the modeling module (its RoPE, its classes) is put back after the build, so a
+    transformers model built later stays transformers', and bound again for each of this stack's loss calls."""
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+    before = dict(vars(modeling))
+    try:
+        _apply_liger_kernel_to_instance(model=built.model)
+    finally:
+        changed = {k: v for k, v in vars(modeling).items() if before.get(k) is not v}
+        for k in changed:
+            if k in before:
+                setattr(modeling, k, before[k])
+            else:
+                delattr(modeling, k)
+    return _patched(built, *((modeling, k, lambda _, v=v: v) for k, v in changed.items()))
 
 
 def _named_eager(inner: Callable) -> Callable:
@@ -169,7 +196,7 @@ def _patched(built: Built, *patches: tuple) -> Built:
 
 def _hf(config: dict, liger: bool) -> Built:
     if config["model_type"] != "llama":
-        return _hf_other(config)
+        return _hf_other(config, liger)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**config, attn_implementation="sdpa")
@@ -214,8 +241,8 @@ def hf_loss(model, modeling, liger: bool) -> Callable:
 
 
 def stacks_for(config: dict) -> tuple[str, ...]:
-    """The stacks of a model: STACKS for ours' Llama architectures, ours and hf for ours' others (Qwen3.5: liger-kernel
-    0.8.5 patches none of its layers), transformers_stacks' for a model of the transformers path (Gemma 3)."""
+    """The stacks of a model: STACKS for ours' Llama architectures, OUR_OTHER_STACKS for ours' others, HYBRID_STACKS
+    for Qwen3.5's family, transformers_stacks' for a model of the transformers path (Gemma 3)."""
     from bench.roofline import transformers_stacks
 
     if transformers_stacks.is_transformers_model(config):
@@ -237,6 +264,7 @@ def build(stack: str, config: dict) -> Built:
         "hf_liger": lambda: _hf(config, True),
         "ours_fla": lambda: _with_fla(_ours(config, False)),
         "hf_fla": lambda: _with_fla(_hf(config, False)),
+        "hf_fla_liger": lambda: _with_fla(_hf(config, True)),
     }[stack]()
 
 

@@ -252,6 +252,99 @@ def test_liger_cross_entropy_and_rope_models_equal_the_meter():
     assert k.read + k.write == rf.liger_rope_bytes(q.numel(), k_.numel(), 2, b * T, d // 2, 4)
 
 
+@pytest.mark.parametrize(
+    "tokens, hidden, inter, experts, k, empty",
+    [(24, 32, 16, 4, 2, False), (100, 48, 24, 3, 2, True), (40, 32, 16, 5, 1, False)],
+    ids=["even", "empty-expert-several-tiles", "k1"],
+)
+def test_liger_fused_moe_model_equals_the_meter(tokens, hidden, inter, experts, k, empty):
+    """liger's fused MoE (LigerFusedMoEFunction, what LigerExperts runs) under the interpreter: every kernel's and
+    torch op's issued bytes, forward and backward, equal `liger_fused_moe_parts` for the routed counts (uneven loads,
+    an expert with no rows and experts over one 64-row tile, k = 1); the pinned configs' column blocks span these
+    widths, the roofline's ideal tiling. Its output equals the per-token loop."""
+    from liger_kernel.ops import fused_moe_kernels
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    from bench.roofline.op_models import liger_fused_moe_parts
+
+    assert fused_moe_kernels._AUTOTUNE_DISABLED  # tests/conftest.py pins liger's configs
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, requires_grad=True)
+    down = torch.randn(experts, hidden, inter, generator=gen, requires_grad=True)
+    logits = torch.randn(tokens, experts, generator=gen)
+    if empty:
+        logits[:, 0] = -1e9
+    weights, index = logits.softmax(-1).topk(k)
+    weights.requires_grad_()
+    index32 = index.to(torch.int32)  # LigerExperts' cast, outside the Function
+    with traffic.measure(torch_ops=True) as forward:
+        out = LigerFusedMoEFunction.apply(x, gate_up, down, index32, weights)
+    dout = torch.randn(out.shape, generator=gen)
+    with traffic.measure(torch_ops=True) as backward:
+        out.backward(dout)
+    counts = torch.bincount(index.flatten(), minlength=experts).tolist()
+    if empty:  # the routing as the case says: expert 0 without rows, another over one 64-row tile
+        assert counts[0] == 0 and max(counts) > 64
+    for mode, t in (("forward", forward), ("backward", backward)):
+        metered: dict[str, tuple[int, int]] = {}
+        for launch in t.launches:
+            read, write = metered.get(launch.kernel, (0, 0))
+            metered[launch.kernel] = (read + launch.read, write + launch.write)
+        assert metered == liger_fused_moe_parts(mode, counts, tokens, k, hidden, inter, 4, 4, 4), mode
+    expected = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for j in range(k):
+            gate, up = (gate_up[index[t, j]] @ x[t]).detach().chunk(2)
+            expected[t] += weights[t, j].detach() * (down[index[t, j]].detach() @ (F.silu(gate) * up))
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["experts", "experts-lora"])
+def test_our_moe_models_keep_what_our_functions_keep(monkeypatch, lora):
+    """The roofline's memory of our grouped GEMMs: MoEExpertsModel (MoEExpertsLoRAModel) saves, beyond the Function's
+    own inputs, tensors of the shapes and dtypes kernels/moe.py's Function saves for backward (the pre-activation
+    gate_up (N, 2I); with LoRA also x A^T and h A^T (N, r)), called with the same arguments on the meta device."""
+    from bench.roofline import tracing
+    from bench.roofline.op_models import MODELS
+    from kernels import moe
+
+    tokens, hidden, inter, experts, k, rank = 12, 16, 8, 4, 2, 3
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, requires_grad=not lora)
+    down = torch.randn(experts, hidden, inter, generator=gen, requires_grad=not lora)
+    weights, index = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(k)
+    loras = {}
+    if lora:
+        loras = {
+            "gate_up_lora": moe.ExpertLoRA(
+                torch.randn(rank * experts, hidden, requires_grad=True), torch.randn(2 * inter, rank * experts), 2.0
+            ),
+            "down_lora": moe.ExpertLoRA(
+                torch.randn(rank * experts, inter, requires_grad=True), torch.randn(hidden, rank * experts), 2.0
+            ),
+        }
+    function = moe.MoEExpertsLoRAFunction if lora else moe.MoEExpertsFunction
+    calls = []
+    original = function.apply
+    monkeypatch.setattr(function, "apply", lambda *args: calls.append(args) or original(*args))
+    out = moe.moe_experts(x, index, weights, gate_up, down, **loras)
+    (args,) = calls
+    inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}
+    real = [(t.shape, t.dtype) for t in out.grad_fn.saved_tensors if t is not None and id(t) not in inputs]
+    assert len(real) == (3 if lora else 1) and all(shape[0] == tokens * k for shape, _ in real)
+
+    def meta(a):
+        return a.detach().to("meta").requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+
+    monkeypatch.setattr(tracing, "_TRACE", tracing.Trace())
+    modelled = tracing.apply_model(MODELS[function.__name__](), *map(meta, args))
+    shapes = {(a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor)}
+    saved = [(t.shape, t.dtype) for t in modelled.grad_fn.saved_tensors if t is not None]
+    assert saved[-len(real) :] == real and set(saved[: -len(real)]) <= shapes  # the Function's inputs, then its own
+
+
 def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
     from bench import common
 
@@ -478,8 +571,9 @@ QWEN3_5_TINY = {  # Qwen3.5's architecture at a tiny size: one Gated DeltaNet la
 
 
 def test_qwen3_5_command_writes_its_own_files_and_records_our_gated_deltanet_kernels(tmp_path, monkeypatch):
-    """`python -m bench.roofline --model qwen3.5-9b` at a tiny size: ours and hf (no liger stacks), its own results
-    files, and in ours the Gated DeltaNet's conv and gated norm recorded by their benches' byte models."""
+    """`python -m bench.roofline --model qwen3.5-9b` at a tiny size: ours and hf, each also with fla, and hf with fla
+    and liger-kernel; its own results files; in ours the Gated DeltaNet's conv and gated norm recorded by their
+    benches' byte models."""
     from bench.roofline import stacks
 
     monkeypatch.setitem(stacks.OUR_MODELS, "qwen3.5-tiny", QWEN3_5_TINY)
@@ -492,23 +586,25 @@ def test_qwen3_5_command_writes_its_own_files_and_records_our_gated_deltanet_ker
     solves = {op.name for op in trace.ops if "solve_triangular" in op.name}
     assert solves and not any(op.name.startswith("fla.") for op in trace.ops)  # the chunked reference, no fla
     linear = _full_config(QWEN3_5_TINY)["layer_types"].count("linear_attention")
-    for stack in ("ours_fla", "hf_fla"):  # fla's recurrence in place of the PyTorch one, once per Gated DeltaNet layer
+    for stack in ("ours_fla", "hf_fla", "hf_fla_liger"):  # fla's recurrence in place of the PyTorch one, per layer
         fla = stacks.model_step(stack, _full_config(QWEN3_5_TINY), 2, 32, 0.0)
         assert not any("solve_triangular" in op.name for op in fla.ops), stack
         assert sum(op.name == "fla.chunk_gated_delta_rule:fwd_h" for op in fla.ops) == linear, stack
         assert sum(op.name == "fla.chunk_gated_delta_rule.backward:bwd_dhu" for op in fla.ops) == linear, stack
+    liger = {op.name.split(":")[0] for op in fla.ops}  # liger's norms, SwiGLU and fused loss on top of fla
+    assert {"LigerRMSNormFunction", "LigerSiLUMulFunction", "liger_flce.logits"} <= liger
     rows = rf.main(
         ["--model", "qwen3.5-tiny", "--seq_len", "32", "--micro_batch", "2", "--ignored", "0", "--out", str(tmp_path)]
     )
-    assert [r["stack"] for r in rows] == ["ours", "ours_fla", "hf", "hf_fla"]
+    assert [r["stack"] for r in rows] == ["ours", "ours_fla", "hf", "hf_fla", "hf_fla_liger"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "roofline_qwen3.5-tiny.jsonl",
         "roofline_qwen3.5-tiny.md",
         "roofline_qwen3.5-tiny.png",
     ]
     text = (tmp_path / "roofline_qwen3.5-tiny.md").read_text()
-    assert "| category | ours | ours_fla | hf | hf_fla | ours/hf | ours_fla/hf_fla |" in text
-    assert "no liger stacks" in text.lower() and "ours_fla/hf_fla modelled step time" in text
+    header = "| ours | ours_fla | hf | hf_fla | hf_fla_liger | ours/hf | ours_fla/hf_fla | ours_fla/hf_fla_liger |"
+    assert header in text and "ours_fla/hf_fla_liger modelled step time" in text
     assert "0% ignored: ours/hf modelled step time" in text
 
 
@@ -530,26 +626,30 @@ QWEN3_MOE_TINY = {
 
 def test_qwen3_moe_stacks_record_the_same_flops_and_our_grouped_gemms(tmp_path, monkeypatch):
     """`python -m bench.roofline --model qwen3-30b-a3b` at a tiny size: ours records the experts by the grouped GEMMs'
-    model, hf its torch._grouped_mm experts (their FLOPs counted: torch's counter has none), and the two stacks do the
-    same FLOPs at 0% ignored (the same math, each matmul counted once), within the routers' and losses' few."""
+    model, hf its torch._grouped_mm experts (their FLOPs counted: torch's counter has none), hf_liger liger's fused
+    MoE by its model, and the three stacks do the same FLOPs at 0% ignored (the same math, each matmul counted once),
+    within the routers' and losses' few."""
     from bench.roofline import stacks
     from bench.roofline.cli import _full_config
 
     monkeypatch.setitem(stacks.OUR_MODELS, "qwen3-moe-tiny", QWEN3_MOE_TINY)
     config = _full_config(QWEN3_MOE_TINY)
-    ours, hf = (stacks.model_step(stack, config, 2, 32, 0.0) for stack in ("ours", "hf"))
+    ours, hf, liger = (stacks.model_step(stack, config, 2, 32, 0.0) for stack in ("ours", "hf", "hf_liger"))
     names = {op.name.split(":")[0] for op in ours.ops}
     assert {"MoEExpertsFunction", "MoEExpertsFunction.backward"} <= names
     grouped = [op for op in hf.ops if op.name == "_grouped_mm"]
     assert grouped and all(op.flops > 0 and op.category == "matmuls" for op in grouped)
-    ours_flops, hf_flops = (sum(op.flops for op in t.ops) for t in (ours, hf))
-    assert ours_flops == pytest.approx(hf_flops, rel=0.02)
+    liger_names = {op.name.split(":")[0] for op in liger.ops}
+    assert {"LigerFusedMoEFunction", "LigerFusedMoEFunction.backward", "LigerRopeFunction"} <= liger_names
+    assert not any(op.name == "_grouped_mm" for op in liger.ops)  # liger's fused MoE in place of grouped_mm
+    ours_flops, hf_flops, liger_flops = (sum(op.flops for op in t.ops) for t in (ours, hf, liger))
+    assert ours_flops == pytest.approx(hf_flops, rel=0.02) and liger_flops == pytest.approx(hf_flops, rel=0.02)
     rows = rf.main(
         ["--model", "qwen3-moe-tiny", "--seq_len", "32", "--micro_batch", "2", "--ignored", "0", "--out", str(tmp_path)]
     )
-    assert [r["stack"] for r in rows] == ["ours", "hf"]
+    assert [r["stack"] for r in rows] == ["ours", "hf", "hf_liger"]
     text = (tmp_path / "roofline_qwen3-moe-tiny.md").read_text()
-    assert "grouped_mm experts" in text and "| category | ours | hf | ours/hf |" in text
+    assert "grouped_mm experts" in text and "| category | ours | hf | hf_liger | ours/hf_liger | ours/hf |" in text
 
 
 GPT_OSS_TINY = {
@@ -585,5 +685,9 @@ def test_gpt_oss_stacks_record_our_flex_attention_as_windowed_flash_and_theirs_e
     rows = rf.main(
         ["--model", "gpt-oss-tiny", "--seq_len", "32", "--micro_batch", "2", "--ignored", "0", "--out", str(tmp_path)]
     )
-    assert [r["stack"] for r in rows] == ["ours", "hf"]
+    assert [r["stack"] for r in rows] == ["ours", "hf", "hf_liger"]
     assert "eager attention" in (tmp_path / "roofline_gpt-oss-tiny.md").read_text()
+    liger = stacks.model_step("hf_liger", _full_config(GPT_OSS_TINY), 2, 32, 0.0)
+    names = {op.name.split(":")[0] for op in liger.ops}  # liger's RoPE, norms and loss; its MoE does not cover gpt-oss
+    assert {"LigerRopeFunction", "LigerRMSNormFunction", "liger_flce.logits"} <= names
+    assert "LigerFusedMoEFunction" not in names and any(op.name == "_grouped_mm" for op in liger.ops)
