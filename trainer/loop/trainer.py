@@ -196,12 +196,12 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _full_numel(param: torch.Tensor) -> int:
-    """How many weights a parameter stands for: its numel; under DeepSpeed ZeRO-3, which leaves each rank an empty
-    tensor in its place, `ds_numel`; for a 4-bit weight (load_in_4bit), the unpacked shape its quant_state holds."""
-    if hasattr(param, "ds_numel"):
-        return param.ds_numel
-    state = getattr(param, "quant_state", None)
-    return math.prod(state.shape) if state is not None else param.numel()
+    """How many weights a parameter stands for: its numel; for a 4-bit weight's packed codes (load_in_4bit), the
+    unpacked count trainer/model/quant.py notes on them (`full_numel`); under DeepSpeed ZeRO-3, which leaves each rank
+    an empty tensor in its place, `ds_numel`."""
+    if hasattr(param, "full_numel"):
+        return param.full_numel
+    return param.ds_numel if hasattr(param, "ds_numel") else param.numel()
 
 
 class Trainer:

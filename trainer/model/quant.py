@@ -157,13 +157,16 @@ class Linear4bit(_Settings4bit, bnb.nn.Linear4bit):
         codes, state = quantize_4bit(full, **self.quant_settings())
         self.quant_state = state  # bitsandbytes' Linear4bit keeps it on the module too
         if isinstance(self.weight, DTensor):
+            # no quant_state on the sharded parameter: bitsandbytes' state_dict would name its pieces under the
+            # weight ("weight.absmax", ...), which torch.distributed.checkpoint cannot find on a DTensor
             local, rows = local_shard(self.weight)
             local.copy_(codes[rows[0] : rows[1]])
-            self.weight.quant_state = state  # for what reads it from the parameter (the run summary's count)
+            self.weight.full_numel = full.numel()
             return
         self.weight = bnb.nn.Params4bit(
             codes, requires_grad=False, quant_state=state, module=self, bnb_quantized=True, **self.quant_settings()
         )
+        self.weight.full_numel = full.numel()
 
 
 class Experts4bit(_Settings4bit, Experts):
@@ -173,7 +176,8 @@ class Experts4bit(_Settings4bit, Experts):
     full precision. Forward dequantizes both tensors (`kernels.dequantize_4bit`, bit for bit bitsandbytes') in the
     compute dtype and runs the experts on them, with peft's adapter as rank-r GEMMs; what backward needs of them is
     dequantized again from the codes, not kept (saved-tensor hooks), so a layer's full-precision experts exist only
-    while it runs: the same trade as `Linear4bit`.
+    while it runs: the same trade as `Linear4bit`. Under FSDP2 the packed codes are sharded by rows like a
+    Linear4bit's (`set_weight`): the gathered codes of a decoder layer dequantize with the whole state on the module.
 
     peft's `target_parameters` reads a wrapped tensor's shape from `ds_shape` where there is one (where DeepSpeed
     ZeRO-3 has partitioned it): the packed codes carry their full (E, out, in) shape there, so peft builds the
@@ -203,15 +207,22 @@ class Experts4bit(_Settings4bit, Experts):
             codes, requires_grad=False, quant_state=state, bnb_quantized=True, **self.quant_settings()
         )
         param.ds_shape = torch.Size(self.full_shapes[name])  # what peft reads (class docstring)
+        param.full_numel = math.prod(self.full_shapes[name])
         setattr(self, name, param)
 
     @torch.no_grad()
     def set_weight(self, name: str, full: torch.Tensor, device: torch.device | None = None) -> None:
         """Quantize the full (E, out, in) tensor `name` in `weight_dtype` on `device` (default: where its codes are)
-        and keep only its codes and state."""
-        full = full.to(device=device or getattr(self, name).device, dtype=self.weight_dtype).contiguous()
+        and keep only its codes and state; sharded by FSDP2, this rank's rows of the codes (Linear4bit.set_weight)."""
+        codes_now = getattr(self, name, None)  # none yet when quantized as the layer is built
+        full = full.to(device=device or codes_now.device, dtype=self.weight_dtype).contiguous()
         codes, state = quantize_4bit(full, **self.quant_settings())
         self.quant_states[name] = state
+        if isinstance(codes_now, DTensor):
+            local, rows = local_shard(codes_now)
+            local.copy_(codes[rows[0] : rows[1]])
+            codes_now.full_numel = full.numel()
+            return
         self._put(name, codes, state)
 
     def dequantized(self, name: str) -> torch.Tensor:

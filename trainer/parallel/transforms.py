@@ -62,6 +62,7 @@ from trainer.coerce import ConfigError
 from trainer.dist import local_device, world
 from trainer.model.lora import apply_lora, has_adapter
 from trainer.model.moe import Experts
+from trainer.parallel.deepspeed_engine import read_config, zero_stage
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -105,11 +106,13 @@ def apply_transforms(model: nn.Module, args) -> nn.Module:
     if args.load_in_4bit or args.load_in_8bit:
         from trainer.model.quant import quantize_base  # bitsandbytes takes seconds to import: only when asked for
 
-        sharded = uses_fsdp(args) or uses_deepspeed(args)
-        if args.load_in_4bit and sharded and any(type(m) is Experts for m in model.modules()):
+        if args.load_in_4bit and uses_zero3(args) and any(type(m) is Experts for m in model.modules()):
+            # ZeRO-3 hooks every module to gather its weights, so peft's layers run there (trainer/model/fused_lora.py),
+            # and peft's experts' layer forms its delta over the weight itself: not over 4-bit codes
             raise ConfigError(
-                "load_in_4bit: the 4-bit experts of a mixture-of-experts model train on one process or under DDP "
-                f"(dist_config name {args.dist_config['name']}: not yet); use dist_config ddp, or drop load_in_4bit"
+                "load_in_4bit: the 4-bit experts of a mixture-of-experts model train on one process, under DDP, FSDP2 "
+                "or ZeRO-2, not under DeepSpeed ZeRO-3 (peft's layers run there and cannot add an adapter to 4-bit "
+                "experts); use dist_config fsdp2 or ZeRO stage 2, or drop load_in_4bit"
             )
 
         model = quantize_base(model, args)
@@ -158,6 +161,11 @@ def uses_deepspeed(args) -> bool:
     """Whether `args` run the model through DeepSpeed's engine (dist_config name deepspeed, or --deepspeed), with
     any number of processes (trainer/parallel/deepspeed_engine.py); the transforms above still apply first."""
     return (args.dist_config or {}).get("name") == "deepspeed"
+
+
+def uses_zero3(args) -> bool:
+    """Whether `args` run the model through DeepSpeed ZeRO-3 (its config file's zero_optimization.stage)."""
+    return uses_deepspeed(args) and zero_stage(read_config(args.dist_config["config_file"])) == 3
 
 
 # ---- data parallelism -------------------------------------------------------------------------------------------

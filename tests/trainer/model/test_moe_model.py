@@ -10,6 +10,7 @@ Tolerances: fp32 within 1e-5 absolute of transformers (observed ~1e-7: only summ
 import contextlib
 import copy
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -720,16 +721,25 @@ def test_qlora_experts_train_and_merge_over_their_dequantized_values(tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, got, atol=1e-6, rtol=0)
 
 
-def test_qlora_experts_under_fsdp2_or_deepspeed_are_one_line(monkeypatch):
+def test_qlora_experts_under_zero3_are_one_line(tmp_path):
+    """4-bit experts train under FSDP2 and ZeRO-2 (tests/trainer/parallel); under ZeRO-3 peft's layers run (DeepSpeed
+    hooks every module) and cannot adapt 4-bit experts: one line, before anything is quantized."""
     pytest.importorskip("bitsandbytes")
     from trainer.coerce import ConfigError
+    from trainer.model import quant
     from trainer.parallel import transforms
 
-    model = CausalLM(ModelConfig.from_hf(hf_model("qwen3_moe").config.to_dict()), use_kernels=False)
-    monkeypatch.setattr(transforms, "world", lambda: (0, 2))
-    args = _qlora_args("unused", dist_config={"name": "fsdp2"})
-    with pytest.raises(ConfigError, match=r"^load_in_4bit: the 4-bit experts .* \(dist_config name fsdp2: not yet\)"):
-        transforms.apply_transforms(model, args)
+    for stage in (3, 2):
+        config = tmp_path / f"zero{stage}.json"
+        config.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+        model = CausalLM(ModelConfig.from_hf(hf_model("qwen3_moe").config.to_dict()), use_kernels=False)
+        args = _qlora_args("unused", deepspeed=str(config))
+        if stage == 3:
+            with pytest.raises(ConfigError, match=r"^load_in_4bit: the 4-bit experts .* not under DeepSpeed ZeRO-3"):
+                transforms.apply_transforms(model, args)
+            assert not quant.is_quantized(model)
+        else:
+            assert quant.is_quantized(transforms.apply_transforms(model, args))
 
 
 # ---- gpt_oss -----------------------------------------------------------------------------------------------------

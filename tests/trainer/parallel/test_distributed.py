@@ -1001,3 +1001,30 @@ def test_fsdp2_trains_our_moe_as_one_process(model_type, tmp_path, data_file):
     # Adam at lr 1e-2 divides each gradient by its own size: the two runs' summation orders
     # leave up to ~8e-5 between weights of ~0.1 after 3 steps (observed), past the dense suite's 1e-5
     assert_same_weights(result["out"]["fsdp2-moe"] / "final", model, rtol=1e-3, atol=2e-4)
+
+
+def test_fsdp2_trains_qlora_moe_as_one_process(tmp_path, data_file):
+    """QLoRA on our Qwen3-MoE under FSDP2 on two processes (issue 46): the experts in 4 bits (Experts4bit), their
+    packed codes sharded by rows like a Linear4bit's and gathered per decoder layer to dequantize with the whole state
+    each rank keeps, peft's all-linear adapter on the experts and the router beside the 4-bit attention: the losses
+    and the adapter of one process on the same global batches."""
+    pytest.importorskip("bitsandbytes")
+    from tests.trainer.model.tiny_hf import write_tiny
+    from trainer.build import build_model
+    from trainer.model.quant import Experts4bit
+
+    path = write_tiny("qwen3_moe", tmp_path / "qwen3_moe", num_experts=5, output_router_logits=True)
+    # checkpoint-2 (DCP) and the final adapter are saved from the sharded model, its 4-bit layers built on the meta
+    # device and quantized as read (bitsandbytes' state_dict pieces must not reach the sharded codes)
+    job = {"name": "fsdp2-qlora-moe", "model": str(path), "args": {**DIST_ARGS, **CONFIGS["fsdp2"], **QLORA_ARGS}}
+    result = ok(launch(tmp_path / "runs", data_file, [job]))
+    assert (result["out"]["fsdp2-qlora-moe"] / "run" / "checkpoint-2" / "dcp").is_dir()
+    args = TrainingArguments(output_dir=str(tmp_path / "one"), **{**ONE_PROCESS_ARGS, **QLORA_ARGS})
+    model, _ = build_model(str(path), args)
+    assert any(isinstance(m, Experts4bit) for m in model.modules())
+    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and result["result"]["fsdp2-qlora-moe"]["losses"] == pytest.approx(losses, rel=1e-5)
+    assert_same_adapter(result["out"]["fsdp2-qlora-moe"] / "final", model)
