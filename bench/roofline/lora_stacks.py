@@ -32,7 +32,8 @@ LORA_SETTINGS = {
 }
 LORA_SEQ_LEN = 2048
 # Qwen3-30B-A3B, bf16 base, r 16 on q/k/v/o and on both expert tensors (target_parameters), bf16 adapters, dropout 0
-# (peft refuses dropout on target_parameters); no liger stack (liger-kernel 0.8.5's fused MoE is not modelled)
+# (peft refuses dropout on target_parameters); transformers + peft also with liger-kernel's patches (its fused MoE,
+# op_models.LigerFusedMoEModel, over the weight + delta peft's layer forms; gpt-oss's experts stay grouped_mm)
 # and QLoRA: NF4 attention and (ours) NF4 experts; transformers' bitsandbytes quantizer leaves its experts in bf16.
 # peft's layers cannot form a delta over 4-bit expert codes: no ours_peft row there.
 # The mixtures of experts `--lora_stacks --model` takes (OUR_MODELS' names), their titles and what Unsloth reports for
@@ -56,6 +57,7 @@ MOE_LORA_STACKS = {
     "ours_fused": (LadderStack("ours", checkpointing=False), "ours, experts' LoRA as rank GEMMs (kernels.moe)"),
     "ours_peft": (LadderStack("ours", checkpointing=False, fused_lora=False), "ours, peft's layers (whole delta)"),
     "hf_peft": (LadderStack("hf", checkpointing=False), "transformers (grouped_mm experts) + peft"),
+    "hf_peft_liger": (LadderStack("hf_liger", checkpointing=False), "transformers + peft + liger-kernel"),
 }
 
 
@@ -154,7 +156,7 @@ def render_lora_stacks(rows: list[dict], env: dict, model: str = "llama-3.1-8b")
                 f"| {r['stack_title']} | {r['peak_gb']:.2f} | {r['activations_gb']:.2f} | {ratio:.2f}x | "
                 f"{r['step_bytes_gb']:.1f} | {r['ms']['h100']:.1f} | {r['ms']['h200']:.1f} |"
             )
-        fused, hf = sel["ours_fused"], sel["hf_peft"]
+        fused = sel["ours_fused"]
 
         def vs(other, key):
             a, b = (fused["ms"]["h100"], other["ms"]["h100"]) if key == "ms" else (fused[key], other[key])
@@ -169,8 +171,13 @@ def render_lora_stacks(rows: list[dict], env: dict, model: str = "llama-3.1-8b")
                 if ours_peft
                 else ""
             )
-            + f"against transformers + peft: activations {vs(hf, 'activations_gb')}, peak {vs(hf, 'peak_gb')}, "
-            f"step {vs(hf, 'ms')}.",
+            + "; ".join(
+                f"against {stacks[name][1]}: activations {vs(sel[name], 'activations_gb')}, peak "
+                f"{vs(sel[name], 'peak_gb')}, step {vs(sel[name], 'ms')}"
+                for name in ("hf_peft", "hf_peft_liger")
+                if name in sel
+            )
+            + ".",
             "",
         ]
     return "\n".join(lines)

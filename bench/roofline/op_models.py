@@ -813,7 +813,8 @@ class LigerFLCEModel:
     logits matmul, liger's cross-entropy kernel (two reads and one write per logit, the same as ours), grad_input
     matmul (bf16 out) copied into the fp32 grad_input, grad_weight addmm reading and writing the fp32 (V, H) gradient.
     Backward: grad_output is 1/num_items after the callers' division of the "sum" loss, so liger's element_mul scales
-    grad_input and grad_weight (read + write each)."""
+    grad_input and grad_weight (read + write each). A frozen weight (LoRA's lm_head) gets no grad_weight, its zeroing,
+    its addmm or its scaling (liger's weight_needs_grad)."""
 
     category = "loss"
 
@@ -824,16 +825,17 @@ class LigerFLCEModel:
         v = weight.shape[0]
         lo = 2  # bf16 under autocast
         cast_input = inp.element_size() != lo
+        train_weight = weight.requires_grad
         ctx.scaled = reduction == "sum"
         _rec(
             "liger_flce.zero_grads",
             "loss",
-            n * h * inp.element_size() + v * h * weight.element_size() + 4 * n,
+            n * h * inp.element_size() + (v * h * weight.element_size() if train_weight else 0) + 4 * n,
             0,
-            launches=3,
+            launches=3 if train_weight else 2,
         )
         grad_input = _like(inp)
-        grad_weight = _like(weight)
+        grad_weight = _like(weight) if train_weight else None
         held = []
         if weight.element_size() != lo:
             _rec("liger_flce.weight_cast", "other_elementwise", nbytes(weight) + v * h * lo)
@@ -850,9 +852,10 @@ class LigerFLCEModel:
             _mm("liger_flce.grad_input", "matmuls", c, v, h, lo, lo, lo)
             if inp.element_size() != lo:
                 _rec("liger_flce.grad_input_copy", "other_elementwise", c * h * (lo + inp.element_size()))
-            if cast_input:
-                _rec("liger_flce.input_cast", "other_elementwise", c * h * (inp.element_size() + lo))
-            _mm("liger_flce.grad_weight", "matmuls", v, c, h, lo, lo, weight.element_size(), accumulate=True)
+            if train_weight:
+                if cast_input:
+                    _rec("liger_flce.input_cast", "other_elementwise", c * h * (inp.element_size() + lo))
+                _mm("liger_flce.grad_weight", "matmuls", v, c, h, lo, lo, weight.element_size(), accumulate=True)
             del logits
         del held
         ctx.save_for_backward(grad_input, grad_weight)
@@ -865,7 +868,8 @@ class LigerFLCEModel:
     def backward(self, ctx, grad_output, *_):
         grad_input, grad_weight = ctx.saved_tensors
         if ctx.scaled:
-            _rec("liger_flce.element_mul", "loss", 2 * (nbytes(grad_input) + nbytes(grad_weight)), launches=2)
+            grads = [g for g in (grad_input, grad_weight) if g is not None]
+            _rec("liger_flce.element_mul", "loss", 2 * sum(nbytes(g) for g in grads), launches=len(grads))
         return grad_input, grad_weight, *([None] * ctx.n_rest)
 
 

@@ -33,6 +33,10 @@ FLA_PAIRS = (("ours_fla", "hf_fla"), ("ours_fla", "hf_fla_liger"))
 # (transformers 5.24), which its docstring calls "the Qwen3.5-9B style configuration": vocab 248320, hidden 4096,
 # intermediate 12288, 32 layers (every fourth gated full attention: 16 heads, 4 key/value heads of 256, a quarter of
 # each rotated; the others Gated DeltaNet: 16 key heads and 32 value heads of 128, 4 conv taps), untied embeddings.
+# qwen3.5-4b: Qwen/Qwen3.5-4B's text_config as public code reproduces it (its config.json cannot be fetched here; three
+# independent copies agree): hidden 2560, intermediate 9216, 32 layers (every fourth gated full attention: 16 heads,
+# 4 key/value heads of 256), the Gated DeltaNet heads of transformers' defaults (16 key, 32 value heads of 128), tied
+# embeddings; the rest transformers' defaults.
 # qwen3-30b-a3b: Qwen/Qwen3-30B-A3B's config.json (48 layers, 32 heads and 4 key/value heads of 128, 128 experts of
 # 768, 8 per token, renormalised; vocab 151936, untied).
 # qwen3.5-35b-a3b: transformers' Qwen3_5MoeTextConfig defaults ("the Qwen3.5-35B-A3B style configuration"): vocab
@@ -68,6 +72,15 @@ GPT_OSS_20B = {
 }
 OUR_MODELS = {
     "gpt-oss-20b": GPT_OSS_20B,
+    "qwen3.5-4b": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 2560,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": True,
+    },
     "qwen3.5-9b": {"model_type": "qwen3_5_text"},
     "qwen3.5-35b-a3b": {"model_type": "qwen3_5_moe_text"},
     "qwen3-30b-a3b": {

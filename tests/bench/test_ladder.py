@@ -256,23 +256,28 @@ def test_moe_lora_stacks_keep_the_rank_gemms_not_peft_s_whole_delta(monkeypatch)
     """`python -m bench.roofline --lora_stacks --model qwen3-30b-a3b` at a tiny Qwen3-MoE: LoRA on attention and on
     the experts; ours records the experts through MoEExpertsLoRAFunction's model (the rank GEMMs in the kernels) and
     keeps less than peft's layers in our model (which keep each layer's weight + whole delta for backward), which keep
-    less than transformers + peft."""
+    less than transformers + peft; with liger-kernel, transformers' experts run liger's fused MoE over peft's
+    weight + delta."""
     from bench.roofline import op_models, stacks
     from bench.roofline.cli import _full_config
     from tests.bench.test_roofline import QWEN3_MOE_TINY
 
     monkeypatch.setitem(stacks.OUR_MODELS, "qwen3-30b-a3b", QWEN3_MOE_TINY)
-    modelled = []
+    modelled, liger = [], []
     forward = op_models.MoEExpertsLoRAModel.forward
     monkeypatch.setattr(
         op_models.MoEExpertsLoRAModel, "forward", lambda self, *a: modelled.append(a[1].shape) or forward(self, *a)
+    )
+    liger_forward = op_models.LigerFusedMoEModel.forward
+    monkeypatch.setattr(
+        op_models.LigerFusedMoEModel, "forward", lambda self, *a: liger.append(a[1].shape) or liger_forward(self, *a)
     )
     rows = rf.lora_stack_rows(
         256, _full_config(QWEN3_MOE_TINY), env={}, settings=rf.MOE_LORA_SETTINGS, stacks=rf.MOE_LORA_STACKS
     )
     lora, qlora = rf.MOE_LORA_SETTINGS
     kept = {(r["setting"], r["stack"]): r for r in rows}
-    assert {stack for setting, stack in kept if setting == qlora} == {"ours_fused", "hf_peft"}  # no peft delta on NF4
+    assert {stack for setting, stack in kept if setting == qlora} == {"ours_fused", "hf_peft", "hf_peft_liger"}
     activations = {stack: kept[(lora, stack)]["activations_gb"] for stack in rf.MOE_LORA_STACKS}
     assert activations["ours_fused"] < activations["ours_peft"] < activations["hf_peft"], activations
     # ours' NF4 experts: the 4-bit codes in place of the bf16 tensors (2 x 8 experts' gate_up and down per layer)
@@ -282,3 +287,4 @@ def test_moe_lora_stacks_keep_the_rank_gemms_not_peft_s_whole_delta(monkeypatch)
     assert saved * 1e9 > 1.2 * values  # 2 bytes a value down to ~0.52, the attention's NF4 on top
     assert kept[(qlora, "hf_peft")]["peak_gb"] > kept[(qlora, "ours_fused")]["peak_gb"]
     assert len(modelled) == 2 * c["num_hidden_layers"]  # ours_fused's MoE layers, once each, in both settings
+    assert len(liger) == 2 * c["num_hidden_layers"]  # hf_peft_liger's, through liger's fused MoE

@@ -345,6 +345,35 @@ def test_our_moe_models_keep_what_our_functions_keep(monkeypatch, lora):
     assert saved[-len(real) :] == real and set(saved[: -len(real)]) <= shapes  # the Function's inputs, then its own
 
 
+def test_liger_flce_model_leaves_a_frozen_weight_without_a_gradient_as_liger_does(monkeypatch):
+    """LoRA's frozen lm_head: liger's fused loss allocates, fills and scales no (V, H) weight gradient (its
+    weight_needs_grad; under the interpreter no op of it writes that many bytes), and the model records none of it:
+    its zeroing, addmm and cast per chunk and its scaling are what the trainable weight's step adds."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    from bench.roofline import tracing
+    from bench.roofline.op_models import MODELS
+
+    n, h, v = 16, 64, 500
+    target = torch.randint(0, v, (n,))
+    recorded = {}
+    for frozen in (False, True):
+        hidden = torch.randn(n, h, requires_grad=True)
+        weight = torch.randn(v, h, requires_grad=not frozen)
+        with traffic.measure(torch_ops=True) as t:
+            liger_fused_linear_cross_entropy(hidden, weight, target, reduction="sum").backward()
+        assert (max(launch.write for launch in t.launches) >= v * h * 4) is not frozen
+        monkeypatch.setattr(tracing, "_TRACE", tracing.Trace())
+        meta = [x.detach().to("meta").requires_grad_(x.requires_grad) for x in (hidden, weight)]
+        model = MODELS["LigerFusedLinearCrossEntropyFunction"]()
+        loss = tracing.apply_model(model, *meta, target, None, None, -100, 0.0, 0.0, "sum")
+        loss[0].backward()
+        recorded[frozen] = {op.name: op.bytes for op in tracing._TRACE.ops}
+    assert "liger_flce.grad_weight" in recorded[False] and "liger_flce.grad_weight" not in recorded[True]
+    assert recorded[False]["liger_flce.zero_grads"] - recorded[True]["liger_flce.zero_grads"] == v * h * 4
+    assert recorded[False]["liger_flce.element_mul"] - recorded[True]["liger_flce.element_mul"] == 2 * v * h * 4
+
+
 def test_measured_ratios_stand_beside_the_modelled_ones(tmp_path, monkeypatch):
     from bench import common
 
