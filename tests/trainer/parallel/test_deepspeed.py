@@ -39,6 +39,7 @@ from tests.trainer.parallel.test_distributed import (  # noqa: F401
     assert_same_adapter,
     assert_same_weights,
     assert_sampled_as_one_process,
+    built_and_trained,
     data_file,
     launch,
     ok,
@@ -371,36 +372,22 @@ def test_zero3_with_an_untied_lm_head_equals_one_process(ds_suite, data_file, tm
     """The fused loss reads an untied LM head's weight outside the head's forward; ZeRO-3 gathers it on that read
     and, since the model's output is a dict whose tensors its hooks find, again for the backward (from the second
     step on, its partition reached the backward empty before)."""
-    from trainer.build import build_model
-    from trainer.data.sft_data import load_sft_dataset
-    from trainer.data.tokenizer import byte_level_tokenizer
-
-    args = TrainingArguments(output_dir=str(tmp_path), **ONE_PROCESS_ARGS)
-    model, _ = build_model(str(ds_suite["out"]["zero3-untied"].parent / "untied"), args)
-    assert model.lm_head.weight is not model.model.embed_tokens.weight
-    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
     with kernels.backend("reference"):
-        trainer = Trainer(model=model, args=args, train_dataset=dataset)
-        trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        losses, model = built_and_trained(
+            ds_suite["out"]["zero3-untied"].parent / "untied", tmp_path, data_file, ONE_PROCESS_ARGS
+        )
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert len(losses) == 3 and ds_suite["result"]["zero3-untied"]["losses"] == pytest.approx(losses, rel=1e-5)
 
 
 def test_zero3_trains_our_qwen3_5_as_one_process(ds_suite, data_file, tmp_path):  # noqa: F811
     """Our Qwen3.5 under ZeRO-3: every parameter a Gated DeltaNet layer reads (its conv's weight inside the conv
     module's own forward, A_log and dt_bias in the layer's) is gathered where it is read; the losses of one process."""
-    from trainer.build import build_model
-    from trainer.data.sft_data import load_sft_dataset
-    from trainer.data.tokenizer import byte_level_tokenizer
-
-    args = TrainingArguments(output_dir=str(tmp_path), **ONE_PROCESS_ARGS)
-    model, _ = build_model(str(ds_suite["out"]["zero3-qwen3_5"].parent / "qwen3_5"), args)
-    assert model.config.model_type == "qwen3_5_text"
-    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
     with kernels.backend("reference"):
-        trainer = Trainer(model=model, args=args, train_dataset=dataset)
-        trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        losses, model = built_and_trained(
+            ds_suite["out"]["zero3-qwen3_5"].parent / "qwen3_5", tmp_path, data_file, ONE_PROCESS_ARGS
+        )
+    assert model.config.model_type == "qwen3_5_text"
     assert len(losses) == 3 and ds_suite["result"]["zero3-qwen3_5"]["losses"] == pytest.approx(losses, rel=1e-5)
 
 
@@ -408,18 +395,11 @@ def test_zero3_trains_our_moe_as_one_process(ds_suite, data_file, tmp_path):  # 
     """Our Qwen3-MoE under ZeRO-3 (issue 46): the routers and the expert tensors gathered by the modules that read
     them in their own forwards; the losses (the aux term in them) of one process, and the export loads in transformers
     with the logits of ours."""
-    from trainer.build import build_model
-    from trainer.data.sft_data import load_sft_dataset
-    from trainer.data.tokenizer import byte_level_tokenizer
-
-    args = TrainingArguments(output_dir=str(tmp_path), **ONE_PROCESS_ARGS)
-    model, _ = build_model(str(ds_suite["out"]["zero3-moe"].parent / "qwen3_moe"), args)
-    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 5
-    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
     with kernels.backend("reference"):
-        trainer = Trainer(model=model, args=args, train_dataset=dataset)
-        trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        losses, model = built_and_trained(
+            ds_suite["out"]["zero3-moe"].parent / "qwen3_moe", tmp_path, data_file, ONE_PROCESS_ARGS
+        )
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 5
     assert len(losses) == 3 and ds_suite["result"]["zero3-moe"]["losses"] == pytest.approx(losses, rel=1e-5)
     transformers = pytest.importorskip("transformers")
     final = ds_suite["out"]["zero3-moe"] / "final"
@@ -434,18 +414,11 @@ def test_qlora_moe_under_zero2_equals_one_process(ds_suite, data_file, tmp_path)
     """QLoRA on our Qwen3-MoE through ZeRO-2 (issue 46): the experts in 4 bits (Experts4bit), the adapter on the
     experts and the router run fused as on one process (ZeRO-2 hooks no module); the losses and the adapter of a
     one-process QLoRA run. (ZeRO-3 is refused in one line: tests/trainer/model/test_moe_model.py.)"""
-    from trainer.build import build_model
-    from trainer.data.sft_data import load_sft_dataset
-    from trainer.data.tokenizer import byte_level_tokenizer
     from trainer.model.quant import Experts4bit
 
-    args = TrainingArguments(output_dir=str(tmp_path), **{**ONE_PROCESS_ARGS, **QLORA_ARGS})
-    model, _ = build_model(str(ds_suite["out"]["zero2-qlora-moe"].parent / "qwen3_moe"), args)
+    path = ds_suite["out"]["zero2-qlora-moe"].parent / "qwen3_moe"
+    losses, model = built_and_trained(path, tmp_path, data_file, {**ONE_PROCESS_ARGS, **QLORA_ARGS})
     assert any(isinstance(m, Experts4bit) for m in model.modules())
-    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and ds_suite["result"]["zero2-qlora-moe"]["losses"] == pytest.approx(losses, rel=1e-5)
     assert_same_adapter(ds_suite["out"]["zero2-qlora-moe"] / "final", model)
 

@@ -196,6 +196,18 @@ def single_process(tmp_path: Path, data_file: Path, args: dict, resume=None):
     return [h["loss"] for h in state.log_history if "loss" in h], model, trainer.evaluate()
 
 
+def built_and_trained(path: Path, tmp_path: Path, data_file: Path, args: dict):
+    """(losses, model) of a run in this process on the model at `path`, built as the CLI builds it."""
+    from trainer.build import build_model
+
+    training_args = TrainingArguments(output_dir=str(tmp_path / "one"), **args)
+    model, _ = build_model(str(path), training_args)
+    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+
 def assert_same_weights(directory: Path, model, rtol=1e-4, atol=1e-5):
     loaded = load_pretrained(directory)
     ours = dict(model.named_parameters())
@@ -985,18 +997,12 @@ def test_fsdp2_trains_our_moe_as_one_process(model_type, tmp_path, data_file):
     each rank holds) and the load-balancing loss on: the losses and the exported weights of one process on the same
     global batches."""
     from tests.trainer.model.tiny_hf import write_tiny
-    from trainer.build import build_model
 
     path = write_tiny(model_type, tmp_path / model_type, num_experts=5, num_local_experts=5, output_router_logits=True)
     job = {"name": "fsdp2-moe", "model": str(path), "args": {**DIST_ARGS, **CONFIGS["fsdp2"], "save_strategy": "no"}}
     result = ok(launch(tmp_path / "runs", data_file, [job]))
-    args = TrainingArguments(output_dir=str(tmp_path / "one"), **{**ONE_PROCESS_ARGS, "save_strategy": "no"})
-    model, _ = build_model(str(path), args)
+    losses, model = built_and_trained(path, tmp_path, data_file, {**ONE_PROCESS_ARGS, "save_strategy": "no"})
     assert model.config.model_type == model_type and model.config.num_experts == 5 and model.config.output_router_logits
-    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and result["result"]["fsdp2-moe"]["losses"] == pytest.approx(losses, rel=1e-5)
     # Adam at lr 1e-2 divides each gradient by its own size: the two runs' summation orders
     # leave up to ~8e-5 between weights of ~0.1 after 3 steps (observed), past the dense suite's 1e-5
@@ -1010,7 +1016,6 @@ def test_fsdp2_trains_qlora_moe_as_one_process(tmp_path, data_file):
     and the adapter of one process on the same global batches."""
     pytest.importorskip("bitsandbytes")
     from tests.trainer.model.tiny_hf import write_tiny
-    from trainer.build import build_model
     from trainer.model.quant import Experts4bit
 
     path = write_tiny("qwen3_moe", tmp_path / "qwen3_moe", num_experts=5, output_router_logits=True)
@@ -1019,12 +1024,7 @@ def test_fsdp2_trains_qlora_moe_as_one_process(tmp_path, data_file):
     job = {"name": "fsdp2-qlora-moe", "model": str(path), "args": {**DIST_ARGS, **CONFIGS["fsdp2"], **QLORA_ARGS}}
     result = ok(launch(tmp_path / "runs", data_file, [job]))
     assert (result["out"]["fsdp2-qlora-moe"] / "run" / "checkpoint-2" / "dcp").is_dir()
-    args = TrainingArguments(output_dir=str(tmp_path / "one"), **{**ONE_PROCESS_ARGS, **QLORA_ARGS})
-    model, _ = build_model(str(path), args)
+    losses, model = built_and_trained(path, tmp_path, data_file, {**ONE_PROCESS_ARGS, **QLORA_ARGS})
     assert any(isinstance(m, Experts4bit) for m in model.modules())
-    dataset = load_sft_dataset([data_file], byte_level_tokenizer(), cutoff_len=64, show_progress=False)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and result["result"]["fsdp2-qlora-moe"]["losses"] == pytest.approx(losses, rel=1e-5)
     assert_same_adapter(result["out"]["fsdp2-qlora-moe"] / "final", model)
