@@ -16,7 +16,7 @@ from triton.runtime.jit import JITFunction
 
 from bench.roofline import tracing
 from bench.roofline.op_models import FlashAttentionModel, _adamw_model, _function_classes, _modelled_apply
-from bench.roofline.tracing import BF16, Trace, _Recorder, _tag_graph, apply_model
+from bench.roofline.tracing import BF16, EAGER_ATTENTION, Trace, _Recorder, _tag_graph, apply_model
 from bench.sm90 import fake_cuda
 
 
@@ -62,9 +62,10 @@ def _flex_as_flash(plan, q, k, v, window, sinks=None):
 
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
     out = apply_model(FlashAttentionModel(causal=True, window=_effective(window, plan.seq_len)), qt, kt, vt)
-    if sinks is not None:
-        lse = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
-        out = out * torch.sigmoid(lse - sinks.to(lse.dtype)[:, None])[..., None].to(out.dtype)
+    if sinks is not None:  # attention's own work (not RoPE's, as ops in an Attention module would count)
+        with tracing._TRACE.inside(EAGER_ATTENTION):
+            lse = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+            out = out * torch.sigmoid(lse - sinks.to(lse.dtype)[:, None])[..., None].to(out.dtype)
     return out.transpose(1, 2)
 
 

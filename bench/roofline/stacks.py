@@ -183,11 +183,8 @@ def _named_eager(inner: Callable) -> Callable:
     scores' matmuls, scaling, mask, softmax, the sinks) count as attention (tracing.category)."""
 
     def eager(*args, **kwargs):
-        tracing._TRACE.module_stack.append(EAGER_ATTENTION)
-        try:
+        with tracing._TRACE.inside(EAGER_ATTENTION):
             return inner(*args, **kwargs)
-        finally:
-            tracing._TRACE.module_stack.pop()
 
     return eager
 

@@ -86,6 +86,15 @@ class Trace:
         self.peak_phase = ""
         self.phase_peaks: dict[str, int] = {}  # the peak within each phase
 
+    @contextlib.contextmanager
+    def inside(self, module: str):
+        """The ops recorded meanwhile count as run inside `module` (a name `category` reads, e.g. EAGER_ATTENTION)."""
+        self.module_stack.append(module)
+        try:
+            yield
+        finally:
+            self.module_stack.pop()
+
     def where(self) -> str:
         """Where a storage allocated now comes from: the phase, then the modelled op running, else (forward) the
         innermost module or (backward) the autograd node."""
@@ -164,7 +173,9 @@ ROPE_OPS = {"mul", "add", "sub", "neg", "cat", "slice", "slice_backward", "index
 _TOP_LEVEL = {"CausalLM", "LlamaForCausalLM", "Gemma3ForCausalLM", "TransformersModel"}
 
 
-EAGER_ATTENTION = "eager_attention_forward"  # transformers' explicit attention, named while it runs (stacks._eager)
+# transformers' explicit attention, named while it runs (stacks._named_eager), and our sinks' rescale after flex
+# attention (recording._flex_as_flash): every op inside counts as attention
+EAGER_ATTENTION = "eager_attention_forward"
 
 
 def category(module: str | None, op: str) -> str:

@@ -709,6 +709,11 @@ def test_gpt_oss_stacks_record_our_flex_attention_as_windowed_flash_and_theirs_e
     flash = [op for op in ours.ops if op.name == "flash_attention"]
     assert len(flash) == 2 and flash[0].flops < flash[1].flops  # sliding (window 8), then full
     assert any(op.name.startswith("MoEExpertsFunction") for op in ours.ops)
+    # the sinks' rescale from flex's log-sum-exp is attention's work, forward and backward (not RoPE's, as ops in an
+    # Attention module count): RoPE is the rotation and its table
+    assert {op.category for op in ours.ops if op.name in ("sigmoid", "sigmoid_backward")} == {"attention"}
+    rope = {op.name for op in ours.ops if op.category == "rope"}
+    assert {"RoPEFunction", "RoPEFunction.backward"} <= rope and not rope & {"sub", "sum", "neg", "sigmoid"}
     hf = stacks.model_step("hf", _full_config(GPT_OSS_TINY), 2, 32, 0.0)
     assert not any(op.name.startswith("flash_attention") for op in hf.ops)
     rows = rf.main(
