@@ -28,7 +28,7 @@ from bench.roofline.ladder_parts import (
     hf_through_backward,
 )
 from bench.roofline.recording import autocast_bf16, modelled_ops, recording
-from bench.roofline.stacks import build, clip_grad_norm, labels_for, optimizer_for
+from bench.roofline.stacks import build, clip_grad_norm, labels_for, optimizer_for, patched
 from bench.roofline.tracing import BF16, DEVICES, Trace, nbytes
 from bench.sm90 import fake_cuda
 from trainer.model.offload import COPY_BYTES_PER_S
@@ -212,8 +212,9 @@ def ladder_step(setting: Setting, stack: LadderStack, seq_len: int, config: dict
         # checkpoint's recompute re-enters the forward's autocast on a GPU: the emulated autocast's flag stays on
         # through backward (checkpoint_on_meta; autograd's own ops are aten ops, which the emulation leaves alone). The
         # engine is called directly, with every mode of the recording on its stack: Tensor.backward would run it
-        # inside fake CUDA's handler alone, torch.autograd.backward inside the emulation's, and the recompute needs both
-        with autocast_bf16():
+        # inside fake CUDA's handler alone, torch.autograd.backward inside the emulation's, and the recompute needs
+        # both, and the patches the stack's loss call ran under (the recompute calls the patched functions again)
+        with autocast_bf16(), patched(built.patches):
             grad = torch.ones_like(loss)
             _engine_run_backward((loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
         del loss

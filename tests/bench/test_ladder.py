@@ -282,3 +282,27 @@ def test_moe_lora_stacks_keep_the_rank_gemms_not_peft_s_whole_delta(monkeypatch)
     assert saved * 1e9 > 1.2 * values  # 2 bytes a value down to ~0.52, the attention's NF4 on top
     assert kept[(qlora, "hf_peft")]["peak_gb"] > kept[(qlora, "ours_fused")]["peak_gb"]
     assert len(modelled) == 2 * c["num_hidden_layers"]  # ours_fused's MoE layers, once each, in both settings
+
+
+def test_ladder_step_keeps_a_stack_s_patches_through_the_checkpointed_recompute(monkeypatch):
+    """Qwen3.5's stacks with flash-linear-attention's recurrence (a patch of the loss call, stacks._with_fla) under
+    checkpointing: the recompute in backward runs fla's modelled recurrence again, as the forward did, never the
+    PyTorch chunked reference (its triangular solves). Without the patches there ours' recompute records the reference
+    and transformers' saves other tensors than its forward did (checkpoint refuses)."""
+    from bench.roofline import tracing
+    from bench.roofline.cli import _full_config
+    from tests.bench.test_roofline import QWEN3_5_TINY
+
+    recorded = []
+    add = tracing.Trace.add
+    monkeypatch.setattr(
+        tracing.Trace, "add", lambda self, name, *a, **k: recorded.append(name) or add(self, name, *a, **k)
+    )
+    config = _full_config(QWEN3_5_TINY)
+    linear = config["layer_types"].count("linear_attention")
+    for base in ("ours_fla", "hf_fla"):
+        recorded.clear()
+        rf.ladder_step(rf.Setting("qwen3.5-9b", "", lora=True), rf.LadderStack(base, checkpointing=True), 512, config)
+        assert not any("solve_triangular" in name for name in recorded), base
+        assert recorded.count("fla.chunk_gated_delta_rule:fwd_h") == 2 * linear, base  # forward and its recompute
+        assert recorded.count("fla.chunk_gated_delta_rule.backward:bwd_dhu") == linear, base
