@@ -306,3 +306,26 @@ def test_ladder_step_keeps_a_stack_s_patches_through_the_checkpointed_recompute(
         assert not any("solve_triangular" in name for name in recorded), base
         assert recorded.count("fla.chunk_gated_delta_rule:fwd_h") == 2 * linear, base  # forward and its recompute
         assert recorded.count("fla.chunk_gated_delta_rule.backward:bwd_dhu") == linear, base
+
+
+def test_lora_r16_adapts_every_linear_layer_of_the_blocks():
+    """The ladder's LoRA on a tiny Qwen3.5, ours and transformers': every linear layer of the blocks gets an adapter,
+    the Gated DeltaNet's projections among them, each stored as NF4 under QLoRA; the LM head keeps its bf16 weight."""
+    import peft
+
+    from bench.roofline.cli import _full_config
+    from bench.roofline.ladder_parts import apply_lora_r16
+    from bench.roofline.stacks import build
+    from bench.sm90 import fake_cuda
+    from tests.bench.test_roofline import QWEN3_5_TINY
+
+    for base in ("ours", "hf"):
+        with fake_cuda():
+            model = build(base, _full_config(QWEN3_5_TINY)).model
+        linear = [n for n, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear)]
+        assert any(".linear_attn.in_proj_qkv" in n for n in linear), base
+        apply_lora_r16(model, nf4=True)
+        adapted = {n: m for n, m in model.model.layers.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+        assert sorted(adapted) == sorted(linear), base
+        assert all(isinstance(m.base_layer, rf.NF4Linear) for m in adapted.values()), base
+        assert isinstance(model.lm_head, torch.nn.Linear), base
