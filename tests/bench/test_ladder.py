@@ -329,3 +329,62 @@ def test_lora_r16_adapts_every_linear_layer_of_the_blocks():
         assert sorted(adapted) == sorted(linear), base
         assert all(isinstance(m.base_layer, rf.NF4Linear) for m in adapted.values()), base
         assert isinstance(model.lm_head, torch.nn.Linear), base
+
+
+def test_model_ladder_writes_its_own_files_with_the_three_kinds_and_no_llama_sections(tmp_path, monkeypatch):
+    """`python -m bench.roofline --ladder --model qwen3-30b-a3b` at a tiny Qwen3-MoE and one small GPU: the rows are
+    its LoRA, QLoRA and FSDP2 CPU offload settings x MODEL_LADDER_STACKS, every rung traced (no dense MLP to tile), no
+    calibration rows, written to ladder_qwen3-30b-a3b.* beside an untouched ladder.jsonl; the md has each setting x
+    stack's context, Unsloth's figure beside the fit at 2,048 tokens and none of the default ladder's Llama sections;
+    the chart one panel per setting."""
+    from bench import common
+    from bench.roofline import ladder_report, stacks
+    from bench.roofline.ladder import RESERVE_BYTES
+    from tests.bench.test_roofline import QWEN3_MOE_TINY
+
+    monkeypatch.setitem(stacks.OUR_MODELS, "qwen3-30b-a3b", QWEN3_MOE_TINY | {"num_hidden_layers": 1})
+    monkeypatch.setattr(ladder_report, "GPUS", {"tiny GPU": (RESERVE_BYTES + 200_000_000, "h100")})
+    monkeypatch.setattr(common, "RESULTS", common.RESULTS)  # --out sets it: restored after the test
+    panels = []
+    save = common.save_figure
+    monkeypatch.setattr(common, "save_figure", lambda fig, path: panels.append(len(fig.axes)) or save(fig, path))
+    default = tmp_path / "ladder.jsonl"
+    default.write_text("the default ladder's rows\n")
+    rows = rf.main(["--ladder", "--model", "qwen3-30b-a3b", "--jobs", "1", "--out", str(tmp_path)])
+    assert default.read_text() == "the default ladder's rows\n"
+    stem = "ladder_qwen3-30b-a3b"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ladder.jsonl"] + [
+        f"{stem}.{e}" for e in ("jsonl", "md", "png")
+    ]
+    assert len((tmp_path / f"{stem}.jsonl").read_text().splitlines()) == len(rows)
+    settings = rf.model_ladder_settings("qwen3-30b-a3b")
+    kinds = {(s.lora, s.nf4, s.cpu_offload) for s in settings.values()}
+    assert kinds == {(True, False, False), (True, True, False), (False, False, True)}  # as SETTINGS' 8B ones
+    assert all(s.title.startswith("Qwen3-30B-A3B ") for s in settings.values())
+    ladder_rows = [r for r in rows if r["kind"] == "ladder"]
+    assert {(r["setting"], r["stack"]) for r in ladder_rows} == {
+        (s, k) for s in settings for k in rf.MODEL_LADDER_STACKS
+    }
+    assert all(r["max_seq_len"] > 0 and r["confirmed_by_trace"] for r in ladder_rows)
+    assert {r["kind"] for r in rows} == {"ladder", "offload_cost"}
+    md = (tmp_path / f"{stem}.md").read_text()
+    for r in ladder_rows:
+        assert f"| {settings[r['setting']].title} | {r['stack']} | {r['max_seq_len']:,} |" in md
+    assert "| Unsloth (published): Qwen3-30B-A3B 16-bit LoRA | 63 |" in md
+    lora = next(r for r in ladder_rows if r["setting"] == "lora" and r["stack"] == "ours")
+    fitted = lora["fit_a_gb"] + lora["fit_b_bytes_per_token"] * 2048 / 1e9
+    assert f"| ours (modelled): {settings['lora'].title}, the fit at 2,048 tokens | {fitted:.1f} |" in md
+    for llama_only in ("Llama", "Calibration", "ALST", "Unsloth's published max context"):
+        assert llama_only not in md, llama_only
+    assert f"({stem}.png)" in md
+    assert panels == [len(settings)]
+
+
+def test_model_ladder_stacks_run_fla_s_recurrence_in_a_hybrid_model():
+    """Our models' ladders run MODEL_LADDER_STACKS; Qwen3.5's each with flash-linear-attention's recurrence, and named
+    so (a PyTorch chunked recurrence's trace at the ladder's lengths takes minutes)."""
+    assert list(rf.model_ladder_stacks("qwen3-30b-a3b")) == list(rf.MODEL_LADDER_STACKS)
+    hybrid = rf.model_ladder_stacks("qwen3.5-9b")
+    assert list(hybrid) == [f"{name}_fla" for name in rf.MODEL_LADDER_STACKS]
+    assert all(stack.base == name for name, stack in hybrid.items())
+    assert rf.model_ladder_settings("qwen3.5-9b")["lora"].title.startswith("Qwen3.5-9B LoRA r=16, all linear layers")
