@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from bench import common
@@ -430,7 +431,7 @@ def ladder_chart(rows: list[dict], path: Path, model: str | None = None) -> Path
         ax.set_yscale("log")
         ax.set_xticks(xs, [g for g in GPUS])
         ax.xaxis.set_minor_locator(plt.NullLocator())  # only the four GPUs' labels
-        ax.set_title(setting.title, fontsize=8)
+        ax.set_title(textwrap.fill(setting.title, 72), fontsize=8)  # a longer title would run into the next
         ax.set_xlabel("GPU memory")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("modelled max context (tokens, batch 1)")
