@@ -23,12 +23,14 @@ from bench.roofline.ladder import (
     PCIE_BYTES_S,
     RESERVE_BYTES,
     SETTINGS,
+    LadderStack,
     Setting,
     adamw_state_bytes,
     calibration_rows,
     ladder,
     ladder_config,
     ladder_of,
+    ladder_step,
 )
 from trainer.model.causal_lm import HYBRID_TYPES, ModelConfig
 
@@ -52,7 +54,7 @@ UNSLOTH_MOE = {
     "qwen3-30b-a3b": ("lora", "16-bit LoRA", 63.0),
     "gpt-oss-20b": ("qlora", "QLoRA", 12.8),
 }
-PUBLISHED_SEQ_LEN = 2048  # where a model ladder's fit is read beside those figures
+PUBLISHED_SEQ_LEN = 2048  # where a model ladder's fit is read, and a trace made, beside those figures
 LINEAR_WITHIN = 0.01  # a fit is read off its traces' range only where the check trace is this close to its line
 
 
@@ -328,7 +330,11 @@ def model_notes(model: str) -> str:
             "transformers has no SDPA path for gpt-oss (its sinks sit in an explicit softmax): hf runs eager "
             "attention, whose T x T scores per head make its peak grow with T^2, so the line through two traces does "
             "not hold for it (below: how linear the peak is) and its rungs are found by bisection on traces "
-            "(`context_for_budget`)."
+            "(`context_for_budget`). Ours runs it through flex attention (its windows and sinks), whose block mask "
+            "trainer/model/attention.py builds with torch's create_block_mask, uncompiled: that evaluates the mask "
+            "over every query-key pair (a dense (T, T) mask and its int64 index arithmetic) at the start of each "
+            "forward, so ours' peak grows with T^2 as well, there (what is live at the peak, below); a block mask made "
+            "without the dense one would lift it (not done here)."
         )
     if hybrid:
         notes.append(
@@ -340,10 +346,36 @@ def model_notes(model: str) -> str:
     return "\n\n".join(notes)
 
 
+def short_context_rows(model: str, settings: dict[str, Setting], stacks: dict[str, LadderStack]) -> list[dict]:
+    """Each stack's traced peak at PUBLISHED_SEQ_LEN tokens in the setting of the kind Unsloth's figure for `model`
+    has (UNSLOTH_MOE), to stand beside it with the ladder's fit there; none for a model without one."""
+    kind = UNSLOTH_MOE[model][0] if model in UNSLOTH_MOE else None
+    if kind not in settings:
+        return []
+    config = ladder_config(model)
+    rows = []
+    for name, stack in stacks.items():
+        step = ladder_step(settings[kind], stack, PUBLISHED_SEQ_LEN, config)
+        rows.append(
+            {
+                "bench": "ladder",
+                "modelled": True,
+                "kind": "short_context",
+                "setting": kind,
+                "model": model,
+                "stack": name,
+                "seq_len": PUBLISHED_SEQ_LEN,
+                "peak_gb": step["peak_bytes"] / 1e9,
+                "peak_breakdown_gb": step["peak_breakdown_gb"],
+            }
+        )
+    return rows
+
+
 def published_moe_lines(rows: list[dict], model: str, settings: dict[str, Setting]) -> list[str]:
-    """Unsloth's figure for `model` (UNSLOTH_MOE) beside each stack's peak in the ladder's setting of the same kind,
-    read off the ladder's linear fit at PUBLISHED_SEQ_LEN tokens (where the peak is linear in T); nothing for a model
-    without one."""
+    """Unsloth's figure for `model` (UNSLOTH_MOE) beside each stack's modelled peak in the ladder's setting of the
+    same kind at PUBLISHED_SEQ_LEN tokens: the ladder's linear fit read there (where the peak is linear in T) and the
+    trace there (`short_context_rows`); nothing for a model without one."""
     if model not in UNSLOTH_MOE:
         return []
     kind, words, gb = UNSLOTH_MOE[model]
@@ -352,23 +384,30 @@ def published_moe_lines(rows: list[dict], model: str, settings: dict[str, Settin
         "## Beside published figures",
         "",
         "Unsloth's figure is its own claim, at its notebook's rank, targets, sequence length and checkpointing, which "
-        "differ from this ladder's settings: it is not reproduced here. The stacks' peaks are the ladder's linear fit "
-        "(through its traces at " + " and ".join(f"{t:,}" for t in LADDER_FIT_SEQ_LENS) + " tokens) read at "
-        f"{PUBLISHED_SEQ_LEN:,} tokens, micro batch 1, not a trace there; '-' where the peak is not linear in T (the "
-        f"{LADDER_CHECK_SEQ_LEN:,}-token trace more than {100 * LINEAR_WITHIN:.0f}% off the line).",
+        "differ from this ladder's settings: it is not reproduced here. Beside it, each stack's **modelled** peak in "
+        f"the ladder's setting of the same kind at {PUBLISHED_SEQ_LEN:,} tokens, micro batch 1: the ladder's linear "
+        "fit (through its traces at " + " and ".join(f"{t:,}" for t in LADDER_FIT_SEQ_LENS) + " tokens) read at "
+        f"{PUBLISHED_SEQ_LEN:,} ('-' where the peak is not linear in T: the {LADDER_CHECK_SEQ_LEN:,}-token trace more "
+        f"than {100 * LINEAR_WITHIN:.0f}% off the line), and a trace there.",
         "",
         "| figure | peak GB |",
         "|---|---|",
-        f"| Unsloth (published): {MODEL_LADDERS[model]} {words} | {gb:g} |",
+        f"| Unsloth (published, its notebook's settings): {MODEL_LADDERS[model]} {words} | {gb:g} |",
     ]
     fits = {r["stack"]: r for r in rows if r["kind"] == "ladder" and r["setting"] == kind}  # each GPU's: the same fit
-    for r in fits.values():
+    traced = {r["stack"]: r["peak_gb"] for r in rows if r["kind"] == "short_context" and r["setting"] == kind}
+    for stack, r in fits.items():
         fitted = r["fit_a_gb"] + r["fit_b_bytes_per_token"] * PUBLISHED_SEQ_LEN / 1e9
         linear = abs(r["fit_check_deviation"]) <= LINEAR_WITHIN
         lines.append(
-            f"| {r['stack']} (modelled): {settings[kind].title}, the fit at {PUBLISHED_SEQ_LEN:,} tokens | "
-            + (f"{fitted:.1f} |" if linear else "- |")
+            f"| {stack} (modelled): {settings[kind].title}, the ladder's fit at {PUBLISHED_SEQ_LEN:,} tokens | "
+            + (f"{fitted:.1f} |" if linear else "- (not linear in T) |")
         )
+        if stack in traced:
+            lines.append(
+                f"| {stack} (modelled): {settings[kind].title}, a trace at {PUBLISHED_SEQ_LEN:,} tokens | "
+                f"{traced[stack]:.1f} |"
+            )
     return lines
 
 
@@ -441,7 +480,8 @@ def ladder_chart(rows: list[dict], path: Path, model: str | None = None) -> Path
 
 def main_ladder(args) -> list[dict]:
     """--ladder: the default ladder (ladder.*), or with --model one of our models' (MODEL_LADDERS: ladder_<model>.*,
-    no calibration rows: those are the 1B's); --settings and --ladder_stacks select from the ladder's."""
+    no calibration rows: those are the 1B's; the short-context rows beside Unsloth's figure); --settings and
+    --ladder_stacks select from the ladder's."""
     model = args.model if args.model in MODEL_LADDERS else None
     stem = f"ladder_{model}" if model else "ladder"
     jsonl = common.RESULTS / f"{stem}.jsonl"
@@ -458,6 +498,8 @@ def main_ladder(args) -> list[dict]:
         rows = ladder(settings, stacks, GPUS, args.jobs)
         if args.calibration and model is None:
             rows += calibration_rows()
+        if model is not None:
+            rows += short_context_rows(model, settings, stacks)
         rows = [r | env for r in rows]
         common.RESULTS.mkdir(parents=True, exist_ok=True)
         with jsonl.open("w") as f:

@@ -335,8 +335,8 @@ def test_model_ladder_writes_its_own_files_with_the_three_kinds_and_no_llama_sec
     """`python -m bench.roofline --ladder --model qwen3-30b-a3b` at a tiny Qwen3-MoE and one small GPU: the rows are
     its LoRA, QLoRA and FSDP2 CPU offload settings x MODEL_LADDER_STACKS, every rung traced (no dense MLP to tile), no
     calibration rows, written to ladder_qwen3-30b-a3b.* beside an untouched ladder.jsonl; the md has each setting x
-    stack's context, Unsloth's figure beside the fit at 2,048 tokens and none of the default ladder's Llama sections;
-    the chart one panel per setting."""
+    stack's context, Unsloth's figure beside the fit and a trace at 2,048 tokens and none of the default ladder's
+    Llama sections; the chart one panel per setting."""
     from bench import common
     from bench.roofline import ladder_report, stacks
     from bench.roofline.ladder import RESERVE_BYTES
@@ -366,14 +366,17 @@ def test_model_ladder_writes_its_own_files_with_the_three_kinds_and_no_llama_sec
         (s, k) for s in settings for k in rf.MODEL_LADDER_STACKS
     }
     assert all(r["max_seq_len"] > 0 and r["confirmed_by_trace"] for r in ladder_rows)
-    assert {r["kind"] for r in rows} == {"ladder", "offload_cost"}
+    assert {r["kind"] for r in rows} == {"ladder", "offload_cost", "short_context"}
     md = (tmp_path / f"{stem}.md").read_text()
     for r in ladder_rows:
         assert f"| {settings[r['setting']].title} | {r['stack']} | {r['max_seq_len']:,} |" in md
-    assert "| Unsloth (published): Qwen3-30B-A3B 16-bit LoRA | 63 |" in md
+    assert "| Unsloth (published, its notebook's settings): Qwen3-30B-A3B 16-bit LoRA | 63 |" in md
     lora = next(r for r in ladder_rows if r["setting"] == "lora" and r["stack"] == "ours")
     fitted = lora["fit_a_gb"] + lora["fit_b_bytes_per_token"] * 2048 / 1e9
-    assert f"| ours (modelled): {settings['lora'].title}, the fit at 2,048 tokens | {fitted:.1f} |" in md
+    assert f"| ours (modelled): {settings['lora'].title}, the ladder's fit at 2,048 tokens | {fitted:.1f} |" in md
+    short = {r["stack"]: r["peak_gb"] for r in rows if r["kind"] == "short_context"}  # Unsloth's kind: LoRA
+    assert short.keys() == set(rf.MODEL_LADDER_STACKS)
+    assert f"| ours (modelled): {settings['lora'].title}, a trace at 2,048 tokens | {short['ours']:.1f} |" in md
     for llama_only in ("Llama", "Calibration", "ALST", "Unsloth's published max context"):
         assert llama_only not in md, llama_only
     assert f"({stem}.png)" in md
