@@ -160,8 +160,11 @@ from bench.roofline.cli import main, parse_args
 from bench.roofline.ladder import (
     ADAMW_STATE_BYTES_PER_PARAM,
     LADDER_RUNG,
+    MODEL_LADDER_STACKS,
+    MODEL_LADDERS,
     SETTINGS,
     LadderStack,
+    Setting,
     adamw_state_bytes,
     context_for_budget,
     ladder_config,
@@ -169,6 +172,8 @@ from bench.roofline.ladder import (
     largest_fitting,
     linear_fit,
     measured_calibration,
+    model_ladder_settings,
+    model_ladder_stacks,
 )
 from bench.roofline.ladder_parts import MeteredOffloader, NF4Linear, cuda_dropout_on_meta, nf4_bytes
 from bench.roofline.lora_stacks import LORA_SETTINGS, LORA_STACKS, MOE_LORA_SETTINGS, MOE_LORA_STACKS, lora_stack_rows
@@ -194,8 +199,11 @@ __all__ = [
     "LORA_SETTINGS",
     "LORA_STACKS",
     "MODELS",
+    "MODEL_LADDERS",
+    "MODEL_LADDER_STACKS",
     "SETTINGS",
     "STACKS",
+    "Setting",
     "LadderStack",
     "MeteredOffloader",
     "NF4Linear",
@@ -218,6 +226,8 @@ __all__ = [
     "MOE_LORA_STACKS",
     "main",
     "measured_calibration",
+    "model_ladder_settings",
+    "model_ladder_stacks",
     "model_step",
     "modelled_ops",
     "modelled_step_ms",

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from bench import common, roofline
-from bench.roofline.ladder import LADDER_STACKS, SETTINGS
+from bench.roofline.ladder import MODEL_LADDERS, ladder_of
 from bench.roofline.ladder_report import main_ladder
 from bench.roofline.lora_stacks import main_lora_stacks
 from bench.roofline.report import _measured, chart, render, results_stem, summarise
@@ -35,16 +35,35 @@ def parse_args(argv=None):
     p.add_argument("--device", default="h100", choices=sorted(DEVICES))
     p.add_argument("--stacks", default=",".join(STACKS), help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="results directory (default bench/results)")
-    p.add_argument("--ladder", action="store_true", help="the modelled memory ladder of maximum context instead")
+    p.add_argument(
+        "--ladder",
+        action="store_true",
+        help="the modelled memory ladder of maximum context instead (Llama's; with --model "
+        + "/".join(MODEL_LADDERS)
+        + ": that model's)",
+    )
     p.add_argument("--lora_stacks", action="store_true", help="the LoRA stacks at Llama-3.1-8B instead (--seq_len)")
-    p.add_argument("--settings", default=",".join(SETTINGS), help="--ladder's settings (comma-separated)")
-    p.add_argument("--ladder_stacks", default=",".join(LADDER_STACKS), help="--ladder's stacks (comma-separated)")
+    p.add_argument("--settings", default=None, help="--ladder's settings (comma-separated; default all the ladder's)")
+    p.add_argument(
+        "--ladder_stacks", default=None, help="--ladder's stacks (comma-separated; default all the ladder's)"
+    )
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="--ladder's worker processes")
     p.add_argument("--render_only", action="store_true", help="--ladder's md and chart from its ladder.jsonl")
     p.add_argument("--no_calibration", dest="calibration", action="store_false", help="--ladder without calibration")
     args = p.parse_args(argv)
     if not 0 <= args.ignored < 1:
         p.error("--ignored must be in [0, 1)")
+    if args.ladder:  # Llama's ladder (bench_train's models: --model is not read) or one of our models'
+        if args.model not in MODELS and args.model not in MODEL_LADDERS:
+            p.error(f"--ladder --model: one of {', '.join(sorted(MODELS) + list(MODEL_LADDERS))}")
+        settings, stacks = ladder_of(args.model if args.model in MODEL_LADDERS else None)
+        for flag, chosen, known in (
+            ("settings", args.settings, settings),
+            ("ladder_stacks", args.ladder_stacks, stacks),
+        ):
+            unknown = sorted(set(chosen.split(",")) - set(known)) if chosen else []
+            if unknown:
+                p.error(f"--{flag}: {', '.join(unknown)} not in this ladder's {', '.join(known)}")
     return args
 
 

@@ -1,5 +1,6 @@
 """The memory ladder (`python -m bench.roofline --ladder`): the largest context whose modelled peak fits each GPU
-(GPUS), per setting (SETTINGS) x stack (LADDER_STACKS). One step at a sequence length (`ladder_step`), the linear
+(GPUS), per setting (SETTINGS) x stack (LADDER_STACKS); `--ladder --model` one of our models' (MODEL_LADDERS:
+`model_ladder_settings` x `model_ladder_stacks`). One step at a sequence length (`ladder_step`), the linear
 fit, the bisection and its confirmation by traces (`ladder_combo`), the measured H200 ladder's calibration rows;
 bench/roofline/ladder_report.py renders the rows. bench/roofline/__init__.py's docstring says how."""
 
@@ -28,9 +29,10 @@ from bench.roofline.ladder_parts import (
     hf_through_backward,
 )
 from bench.roofline.recording import autocast_bf16, modelled_ops, recording
-from bench.roofline.stacks import build, clip_grad_norm, labels_for, optimizer_for
+from bench.roofline.stacks import build, clip_grad_norm, labels_for, optimizer_for, patched
 from bench.roofline.tracing import BF16, DEVICES, Trace, nbytes
 from bench.sm90 import fake_cuda
+from trainer.model.causal_lm import HYBRID_TYPES, ModelConfig
 from trainer.model.offload import COPY_BYTES_PER_S
 
 GIB = 1 << 30
@@ -112,6 +114,9 @@ LADDER_STACKS = {
     "hf_liger": LadderStack("hf_liger", checkpointing=True),
     "ours": LadderStack("ours", checkpointing=True, offloading=True, tiled_mlp=True),
 }
+# Our models' own ladders (`--ladder --model`, issues 45 and 46): the name their settings' titles give them
+MODEL_LADDERS = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "gpt-oss-20b": "gpt-oss-20b", "qwen3.5-9b": "Qwen3.5-9B"}
+MODEL_LADDER_STACKS = ("hf", "ours")  # their stacks, LADDER_STACKS' names
 # The measured H200 ladder (bench/results/h200/train_memory_seq_len.jsonl): no checkpointing, full fine-tune
 CALIBRATION_STACKS = {name: LadderStack(name, checkpointing=False) for name in ("ours", "hf", "hf_liger")}
 CALIBRATION_FILE = Path(__file__).parents[1] / "results" / "h200" / "train_memory_seq_len.jsonl"
@@ -130,12 +135,44 @@ def ladder_config(model: str) -> dict:
     return config
 
 
+def model_ladder_settings(model: str) -> dict[str, Setting]:
+    """The ladder's settings of one of our models (a key of MODEL_LADDERS), the three kinds the 8B has: LoRA r=16
+    (bf16 base), QLoRA (NF4 base) and full fine-tune with FSDP2 CPU offload. LoRA as `apply_lora_r16` puts it: every
+    linear layer of the blocks and, in a mixture of experts, both expert tensors."""
+    name = MODEL_LADDERS[model]
+    moe = ModelConfig.from_hf(ladder_config(model)).num_experts is not None
+    targets = "attention and the experts" if moe else "all linear layers"
+    return {
+        "lora": Setting(model, f"{name} LoRA r=16, {targets} (bf16 base)", lora=True),
+        "qlora": Setting(model, f"{name} QLoRA r=16, {targets} (NF4 base, 0.516 B/param)", lora=True, nf4=True),
+        "full_offload": Setting(model, f"{name} full fine-tune, FSDP2 CPU offload", cpu_offload=True),
+    }
+
+
+def model_ladder_stacks(model: str) -> dict[str, LadderStack]:
+    """MODEL_LADDER_STACKS for one of our models; for Qwen3.5's family (HYBRID_TYPES) each with flash-linear-attention's
+    recurrence (fla-core installed; modelled by op_models.FlaGatedDeltaRuleModel) and named so (`_fla`): the PyTorch
+    chunked recurrence's trace records every 64-token chunk of every Gated DeltaNet layer (about 6 minutes a trace at
+    32,768 tokens on 2 CPU cores), out of a ladder's reach."""
+    fla = "_fla" if ladder_config(model)["model_type"] in HYBRID_TYPES else ""
+    stacks = {name: LADDER_STACKS[name] for name in MODEL_LADDER_STACKS}
+    return {name + fla: dataclasses.replace(stack, base=stack.base + fla) for name, stack in stacks.items()}
+
+
+def ladder_of(model: str | None) -> tuple[dict[str, Setting], dict[str, LadderStack]]:
+    """A ladder's settings and stacks: the default ladder's (model None: SETTINGS x LADDER_STACKS) or one of our
+    models' (a key of MODEL_LADDERS)."""
+    if model is None:
+        return SETTINGS, LADDER_STACKS
+    return model_ladder_settings(model), model_ladder_stacks(model)
+
+
 def adamw_state_bytes(config: dict, optim: str) -> int:
     """AdamW's state bytes over every parameter of `config`'s model (a full fine-tune) under `optim`, a key of
     ADAMW_STATE_BYTES_PER_PARAM. bitsandbytes' 8-bit rate applies per tensor as our build_optimizer sets it up (as
     transformers does): to tensors of at least BNB_MIN_8BIT_SIZE elements other than an nn.Embedding's weight, each
     with a whole fp32 absmax per started 256-value block; every other tensor keeps fp32 moments."""
-    from trainer.model.causal_lm import CausalLM, ModelConfig
+    from trainer.model.causal_lm import CausalLM
 
     with torch.device("meta"):
         model = CausalLM(ModelConfig.from_hf(config), use_kernels=False)
@@ -212,8 +249,9 @@ def ladder_step(setting: Setting, stack: LadderStack, seq_len: int, config: dict
         # checkpoint's recompute re-enters the forward's autocast on a GPU: the emulated autocast's flag stays on
         # through backward (checkpoint_on_meta; autograd's own ops are aten ops, which the emulation leaves alone). The
         # engine is called directly, with every mode of the recording on its stack: Tensor.backward would run it
-        # inside fake CUDA's handler alone, torch.autograd.backward inside the emulation's, and the recompute needs both
-        with autocast_bf16():
+        # inside fake CUDA's handler alone, torch.autograd.backward inside the emulation's, and the recompute needs
+        # both, and the patches the stack's loss call ran under (the recompute calls the patched functions again)
+        with autocast_bf16(), patched(built.patches):
             grad = torch.ones_like(loss)
             _engine_run_backward((loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
         del loss
@@ -244,6 +282,8 @@ def ladder_step(setting: Setting, stack: LadderStack, seq_len: int, config: dict
         "param_transfer_bytes": param_bytes,  # bf16 weights to the device (forward, then backward) and grads back
         "ms": ms,  # {device: {phase: modelled ms}}
         "step_bytes": sum(op.bytes for op in trace.ops),  # every op's modelled DRAM traffic (the roofline's bytes)
+        # MLPs run over token tiles (a tiled MLP where the model has dense MLPs; a mixture of experts has none to tile)
+        "mlp_tiled": stack.tiled_mlp and model.tiled_mlp,
     }
 
 
@@ -330,9 +370,9 @@ def extrapolated_step(steps: dict[int, dict], seq_len: int) -> dict:
     return out | {"seq_len": seq_len, "ms": ms, "peak_at": s2["peak_at"], "peak_breakdown_gb": s2["peak_breakdown_gb"]}
 
 
-def ladder(settings: dict, stacks: dict, gpus: dict, jobs: int = 1) -> list[dict]:
+def ladder(settings: dict[str, Setting], stacks: dict[str, LadderStack], gpus: dict, jobs: int = 1) -> list[dict]:
     """The ladder rows of every setting x stack (`ladder_combo`), `jobs` of them at a time in worker processes."""
-    combos = [(setting, stack, gpus) for setting in settings for stack in stacks]
+    combos = [(*setting, *stack, gpus) for setting in settings.items() for stack in stacks.items()]
     if jobs <= 1:
         return [row for combo in combos for row in ladder_combo(*combo)]
     context = multiprocessing.get_context("spawn")
@@ -340,12 +380,11 @@ def ladder(settings: dict, stacks: dict, gpus: dict, jobs: int = 1) -> list[dict
         return [row for rows in pool.map(ladder_combo, *zip(*combos)) for row in rows]
 
 
-def ladder_combo(setting_name: str, stack_name: str, gpus: dict) -> list[dict]:
+def ladder_combo(setting_name: str, setting: Setting, stack_name: str, stack: LadderStack, gpus: dict) -> list[dict]:
     """One setting x stack: the linear fit through traces at LADDER_FIT_SEQ_LENS, its deviation at
     LADDER_CHECK_SEQ_LEN, then per GPU the largest fitting context (`context_for_budget`: confirmed by traces at it
-    and at the next rung; `fit_context` alone where a trace would be too long, LADDER_TRACE_MAX_TILED); for a stack
-    that offloads, offloading's cost at LADDER_TARGET_SEQ_LEN."""
-    setting, stack = SETTINGS[setting_name], LADDER_STACKS[stack_name]
+    and at the next rung; `fit_context` alone where a trace would be too long: a tiled MLP's past
+    LADDER_TRACE_MAX_TILED); for a stack that offloads, offloading's cost at LADDER_TARGET_SEQ_LEN."""
     config = ladder_config(setting.model)
     steps: dict[int, dict] = {}
 
@@ -363,6 +402,7 @@ def ladder_combo(setting_name: str, stack_name: str, gpus: dict) -> list[dict]:
     a, b = linear_fit({t: peak_of(t) for t in LADDER_FIT_SEQ_LENS})
     deviation = peak_of(LADDER_CHECK_SEQ_LEN) / (a + b * LADDER_CHECK_SEQ_LEN) - 1
     traced = dict(steps)  # the fit's traces: what an unconfirmed rung is extrapolated from
+    tiled = steps[LADDER_CHECK_SEQ_LEN]["mlp_tiled"]  # its traces grow with T: past LADDER_TRACE_MAX_TILED, fit only
     common_fields = {
         "bench": "ladder",
         "modelled": True,
@@ -379,7 +419,7 @@ def ladder_combo(setting_name: str, stack_name: str, gpus: dict) -> list[dict]:
     for gpu, (total, device) in gpus.items():
         budget = total - RESERVE_BYTES
         found = fit_context(a, b, budget)
-        confirmed = not stack.tiled_mlp or found + LADDER_RUNG <= LADDER_TRACE_MAX_TILED
+        confirmed = not tiled or found + LADDER_RUNG <= LADDER_TRACE_MAX_TILED
         if confirmed:
             found = context_for_budget(peak_of, a, b, budget)
             at, after = (step_at(found) if found else None), step_at(found + LADDER_RUNG)

@@ -18,8 +18,6 @@ from bench.roofline import tracing
 from bench.roofline.tracing import BF16, nbytes
 from trainer.model.offload import MIN_BYTES_CUDA, ActivationOffloader
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 def nf4_bytes(numel: int) -> int:
     """Bytes bitsandbytes stores for a weight of `numel` values in NF4 with double quantisation (QLoRA's setting,
@@ -112,13 +110,16 @@ class NF4Linear(torch.nn.Module):
 
 
 def apply_lora_r16(model: torch.nn.Module, nf4: bool, dropout: float = 0.0, adapter_dtype=None) -> None:
-    """peft's LoRA (r=16, alpha 32, `dropout`) on every linear layer of the blocks, base frozen (then stored as NF4
-    when `nf4`); the adapters in the base's dtype as inject_adapter_in_model leaves them, or in `adapter_dtype` (fp32:
-    as a PeftModel keeps them beside a bf16 base, its autocast_adapter_dtype)."""
+    """peft's LoRA (r=16, alpha 32, `dropout`) on every linear layer of the blocks (Llama's attention and MLP, a
+    mixture of experts' attention, Qwen3.5's Gated DeltaNet projections as well) and on a mixture of experts' expert
+    tensors, base frozen (then stored as NF4 when `nf4`); the adapters in the base's dtype as inject_adapter_in_model
+    leaves them, or in `adapter_dtype` (fp32: as a PeftModel keeps them beside a bf16 base, its
+    autocast_adapter_dtype)."""
     import peft
 
     for p in model.parameters():
         p.requires_grad_(False)
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
     # a mixture of experts' stacked expert tensors too (peft's target_parameters, ours as rank GEMMs)
     experts = [n for n, p in model.named_parameters() if p.dim() == 3 and ".mlp.experts." in n]
     targets = sorted({n.rsplit(".", 1)[-1] for n in experts})
@@ -126,7 +127,7 @@ def apply_lora_r16(model: torch.nn.Module, nf4: bool, dropout: float = 0.0, adap
         r=16,
         lora_alpha=32,
         lora_dropout=dropout,
-        target_modules=list(LORA_TARGETS),
+        target_modules=sorted(linear),
         target_parameters=[f"mlp.experts.{t}" for t in targets] or None,
     )
     peft.inject_adapter_in_model(config, model)

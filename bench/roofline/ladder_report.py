@@ -1,10 +1,12 @@
 """The ladder's md (`render_ladder`: the modelled max context per setting x stack x GPU, each rung, the targets, the
-optimizer state bytes, the calibration, published figures beside) and chart; `main_ladder` runs --ladder."""
+optimizer state bytes, the calibration, published figures beside; for one of our models its own, without the Llama
+sections) and chart; `main_ladder` runs --ladder (and --ladder --model)."""
 
 from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from bench import common
@@ -17,19 +19,26 @@ from bench.roofline.ladder import (
     LADDER_FIT_SEQ_LENS,
     LADDER_RUNG,
     LADDER_TRACE_MAX_TILED,
+    MODEL_LADDERS,
     PCIE_BYTES_S,
     RESERVE_BYTES,
     SETTINGS,
+    LadderStack,
+    Setting,
     adamw_state_bytes,
     calibration_rows,
     ladder,
     ladder_config,
+    ladder_of,
+    ladder_step,
 )
+from trainer.model.causal_lm import HYBRID_TYPES, ModelConfig
 
 UNSLOTH_QLORA_8B = {  # Unsloth's published max context, Llama-3.1-8B QLoRA, batch 1
     "hf": {"24 GB": 5789, "40 GB": 12264, "80 GB": 28454},
     "unsloth": {"24 GB": 78475, "40 GB": 153977, "80 GB": 342733},
 }
+LLAMA_MODELS = {"llama-3.2-1b": "Llama-3.2-1B", "llama-3.1-8b": "Llama-3.1-8B"}  # the default ladder's
 ALST_8B_FULL = {"80 GB": 32768, "141 GB": 65536}  # Snowflake ALST's baseline (ZeRO-3 CPU offload), one GPU
 LADDER_TARGETS = {  # (setting, gpu): the modelled context ours should reach
     ("8b_qlora", "80 GB"): 500_000,
@@ -39,6 +48,14 @@ LADDER_TARGETS = {  # (setting, gpu): the modelled context ours should reach
 }
 TARGET_VS_HF_LIGER_1B = 8.0  # 1B full fine-tune: ours' context over hf_liger's
 TARGET_OFFLOAD_COST = 0.03  # offloading's modelled step-time cost at 32k tokens, of the step without it
+# What Unsloth reports for a mixture of experts' fine-tune (its own claims, at its notebooks' rank, targets and
+# sequence length): the model ladder's setting of the same kind, the claim's words, its peak GB
+UNSLOTH_MOE = {
+    "qwen3-30b-a3b": ("lora", "16-bit LoRA", 63.0),
+    "gpt-oss-20b": ("qlora", "QLoRA", 12.8),
+}
+PUBLISHED_SEQ_LEN = 2048  # where a model ladder's fit is read, and a trace made, beside those figures
+LINEAR_WITHIN = 0.01  # a fit is read off its traces' range only where the check trace is this close to its line
 
 
 def _top_live(step: dict, n: int = 3) -> str:
@@ -50,8 +67,15 @@ def _ladder_index(rows: list[dict]) -> dict:
     return {(r["setting"], r["stack"], r["gpu"]): r for r in rows if r["kind"] == "ladder"}
 
 
+def unsloth_claim(model: str) -> str:
+    """What Unsloth reports for `model` (a key of UNSLOTH_MOE), in words (the LoRA stacks' md says it too)."""
+    _, words, gb = UNSLOTH_MOE[model]
+    return f"{MODEL_LADDERS[model]} {words} in {gb:g} GB"
+
+
 def ladder_targets(rows: list[dict]) -> list[str]:
-    """Each target of the ladder, met or missed, with what bounds a miss (the largest live bytes at the peak)."""
+    """Each target of the default ladder, met or missed, with what bounds a miss (the largest live bytes at the
+    peak)."""
     index = _ladder_index(rows)
     out = []
     for (setting, gpu), target in LADDER_TARGETS.items():
@@ -83,11 +107,17 @@ def ladder_targets(rows: list[dict]) -> list[str]:
                     f"({ours['peak_at']}): {_top_live(ours)}"
                 )
             out.append(line)
+    return out
+
+
+def offload_cost_targets(rows: list[dict], settings: dict[str, Setting]) -> list[str]:
+    """Offloading's modelled step-time cost per setting against TARGET_OFFLOAD_COST, met or missed."""
+    out = []
     for r in rows:
         if r["kind"] == "offload_cost":
             verdict = "met" if r["offload_cost_frac"] <= TARGET_OFFLOAD_COST else "MISSED"
             out.append(
-                f"{SETTINGS[r['setting']].title}: offloading's modelled step-time cost at {r['seq_len']:,} tokens "
+                f"{settings[r['setting']].title}: offloading's modelled step-time cost at {r['seq_len']:,} tokens "
                 f"{100 * r['offload_cost_frac']:.2f}% ({r['offload_cost_ms']:.1f} ms over "
                 f"{r['ms_step_without_offloading']:.0f} ms; {r['offloaded_gb']:.1f} GB each way) "
                 f"<= {100 * TARGET_OFFLOAD_COST:.0f}%: {verdict}"
@@ -95,11 +125,16 @@ def ladder_targets(rows: list[dict]) -> list[str]:
     return out
 
 
-def render_ladder(rows: list[dict], env: dict) -> str:
+def render_ladder(rows: list[dict], env: dict, model: str | None = None) -> str:
+    """The md of the default ladder (model None) or of one of our models' (a key of MODEL_LADDERS): the Llama
+    sections (targets, calibration, Unsloth's 8B and ALST's figures) only in the first, Unsloth's MoE figure beside
+    the fit in the second."""
+    settings, _ = ladder_of(model)
     index = _ladder_index(rows)
     stacks = list(dict.fromkeys(r["stack"] for r in rows if r["kind"] == "ladder"))
     lines = [
-        "# Memory ladder (modelled): the largest context that fits, micro batch 1",
+        f"# Memory ladder (modelled): {MODEL_LADDERS[model] + ', ' if model else ''}the largest context that fits, "
+        "micro batch 1",
         "",
         "Every figure here is **modelled** (bench/roofline/ `--ladder`; its docstring says how): meta-tensor traces "
         "of one training step, peak = the largest sum of live device bytes. A context fits when its modelled peak is "
@@ -110,16 +145,18 @@ def render_ladder(rows: list[dict], env: dict) -> str:
         "",
         common.env_header(env).replace("Measured on", "Modelled on"),
         "",
-        "Stacks: **hf** = transformers + flash attention (modelled as flash, as SDPA is) + gradient checkpointing; "
-        "**hf_liger** = the same + liger-kernel (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy); **ours** = "
-        "our kernels + gradient checkpointing + activation offloading + tiled MLP.",
+        model_notes(model)
+        if model
+        else "Stacks: **hf** = transformers + flash attention (modelled as flash, as SDPA is) + gradient "
+        "checkpointing; **hf_liger** = the same + liger-kernel (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy); "
+        "**ours** = our kernels + gradient checkpointing + activation offloading + tiled MLP.",
         "",
         "## Modelled max context (tokens)",
         "",
         "| setting | stack | " + " | ".join(GPUS) + " |",
         "|---|---|" + "---|" * len(GPUS),
     ]
-    for setting_name, setting in SETTINGS.items():
+    for setting_name, setting in settings.items():
         for stack in stacks:
             cells = [index.get((setting_name, stack, g)) for g in GPUS]
             if not any(cells):
@@ -172,9 +209,19 @@ def render_ladder(rows: list[dict], env: dict) -> str:
                 f"{r['fit_b_bytes_per_token'] / 1e3:.1f} kB x T; the {LADDER_CHECK_SEQ_LEN:,}-token trace is "
                 f"{100 * r['fit_check_deviation']:+.2f}% off it"
             )
-    lines += ["", "## Targets (modelled)", ""] + [f"- {t}" for t in ladder_targets(rows)]
-    lines += optimizer_state_lines()
-    lines += [
+    targets = [] if model else ladder_targets(rows)
+    lines += ["", "## Targets (modelled)", ""] + [f"- {t}" for t in targets + offload_cost_targets(rows, settings)]
+    lines += optimizer_state_lines(model)
+    lines += published_moe_lines(rows, model, settings) if model else calibration_and_published_lines(rows, index)
+    chart = f"ladder_{model}.png" if model else "ladder.png"
+    lines += ["", f"![modelled max context against GPU memory]({chart})", ""]
+    return "\n".join(lines)
+
+
+def calibration_and_published_lines(rows: list[dict], index: dict) -> list[str]:
+    """The default ladder's Llama sections: the calibration against the measured H200 ladder, Unsloth's 8B QLoRA
+    contexts and ALST's 8B full fine-tune baselines beside the modelled ones."""
+    lines = [
         "",
         "## Calibration: the measured H200 ladder (Llama-3.2-1B full fine-tune, no checkpointing)",
         "",
@@ -248,23 +295,141 @@ def render_ladder(rows: list[dict], env: dict) -> str:
         if all(cells):
             hf, liger, ours = (c["max_seq_len"] for c in cells)
             lines.append(f"| {gpu} | {alst:,} | {hf:,} | {hf / alst:.2f} | {liger:,} | {ours:,} |")
-    lines += ["", "![modelled max context against GPU memory](ladder.png)", ""]
-    return "\n".join(lines)
+    return lines
 
 
-def optimizer_state_lines() -> list[str]:
+def model_notes(model: str) -> str:
+    """The stacks of one of our models' ladder and what its model changes in them."""
+    config = ladder_config(model)
+    hybrid, moe = config["model_type"] in HYBRID_TYPES, ModelConfig.from_hf(config).num_experts is not None
+    notes = [
+        "Stacks: **hf** = transformers' model with its default attention (SDPA, modelled as flash attention; eager "
+        "where its class has no SDPA path) + gradient checkpointing; **ours** = our kernels + gradient checkpointing "
+        "+ activation offloading + tiled MLP (our dense MLPs over the tokens in tiles"
+        + ("; a mixture of experts has no dense MLP, and its experts run untiled" if moe else "")
+        + "). Settings as the 8B's in the default ladder (bench/results/ladder.md): LoRA r=16 (alpha 32, no "
+        "dropout, bf16 adapters) on every linear layer of the blocks"
+        + (
+            " and on both expert tensors (peft's target_parameters; ours as rank GEMMs inside the grouped GEMMs)"
+            if moe
+            else ""
+        )
+        + ", QLoRA the same over NF4 bases"
+        + (
+            " (ours: NF4 attention and NF4 experts, trainer.model.quant.Experts4bit; transformers' bitsandbytes "
+            "quantizer quantizes Linear layers only and leaves the 3-D expert tensors in bf16, so hf's QLoRA keeps "
+            "them)"
+            if moe
+            else ""
+        )
+        + ", full fine-tune with FSDP2 CPU offload (fp32 parameters, gradients and AdamW state on the host, 16 "
+        "B/param).",
+    ]
+    if config["model_type"] == "gpt_oss":
+        notes.append(
+            "transformers has no SDPA path for gpt-oss (its sinks sit in an explicit softmax): hf runs eager "
+            "attention, whose T x T scores per head make its peak grow with T^2, so the line through two traces does "
+            "not hold for it (below: how linear the peak is) and its rungs are found by bisection on traces "
+            "(`context_for_budget`). Ours runs it through flex attention (its windows and sinks), whose block mask "
+            "trainer/model/attention.py builds with torch's create_block_mask, uncompiled: that evaluates the mask "
+            "over every query-key pair (a dense (T, T) mask and its int64 index arithmetic) at the start of each "
+            "forward, so ours' peak grows with T^2 as well, there (what is live at the peak, below); a block mask made "
+            "without the dense one would lift it (not done here)."
+        )
+    if hybrid:
+        notes.append(
+            "Both stacks with flash-linear-attention's recurrence (`_fla`: what each runs where fla-core is "
+            "installed; op_models.FlaGatedDeltaRuleModel): the PyTorch chunked recurrence's trace records every "
+            "64-token chunk of every Gated DeltaNet layer (about 6 minutes a trace at 32,768 tokens on 2 CPU cores), "
+            "out of a ladder's reach, so the stacks without fla are left out."
+        )
+    return "\n\n".join(notes)
+
+
+def short_context_rows(model: str, settings: dict[str, Setting], stacks: dict[str, LadderStack]) -> list[dict]:
+    """Each stack's traced peak at PUBLISHED_SEQ_LEN tokens in the setting of the kind Unsloth's figure for `model`
+    has (UNSLOTH_MOE), to stand beside it with the ladder's fit there; none for a model without one."""
+    kind = UNSLOTH_MOE[model][0] if model in UNSLOTH_MOE else None
+    if kind not in settings:
+        return []
+    config = ladder_config(model)
+    rows = []
+    for name, stack in stacks.items():
+        step = ladder_step(settings[kind], stack, PUBLISHED_SEQ_LEN, config)
+        rows.append(
+            {
+                "bench": "ladder",
+                "modelled": True,
+                "kind": "short_context",
+                "setting": kind,
+                "model": model,
+                "stack": name,
+                "seq_len": PUBLISHED_SEQ_LEN,
+                "peak_gb": step["peak_bytes"] / 1e9,
+                "peak_breakdown_gb": step["peak_breakdown_gb"],
+            }
+        )
+    return rows
+
+
+def published_moe_lines(rows: list[dict], model: str, settings: dict[str, Setting]) -> list[str]:
+    """Unsloth's figure for `model` (UNSLOTH_MOE) beside each stack's modelled peak in the ladder's setting of the
+    same kind at PUBLISHED_SEQ_LEN tokens: the ladder's linear fit read there (where the peak is linear in T) and the
+    trace there (`short_context_rows`); nothing for a model without one."""
+    if model not in UNSLOTH_MOE:
+        return []
+    kind, words, gb = UNSLOTH_MOE[model]
+    lines = [
+        "",
+        "## Beside published figures",
+        "",
+        "Unsloth's figure is its own claim, at its notebook's rank, targets, sequence length and checkpointing, which "
+        "differ from this ladder's settings: it is not reproduced here. Beside it, each stack's **modelled** peak in "
+        f"the ladder's setting of the same kind at {PUBLISHED_SEQ_LEN:,} tokens, micro batch 1: the ladder's linear "
+        "fit (through its traces at " + " and ".join(f"{t:,}" for t in LADDER_FIT_SEQ_LENS) + " tokens) read at "
+        f"{PUBLISHED_SEQ_LEN:,} ('-' where the peak is not linear in T: the {LADDER_CHECK_SEQ_LEN:,}-token trace more "
+        f"than {100 * LINEAR_WITHIN:.0f}% off the line), and a trace there.",
+        "",
+        "| figure | peak GB |",
+        "|---|---|",
+        f"| Unsloth (published, its notebook's settings): {MODEL_LADDERS[model]} {words} | {gb:g} |",
+    ]
+    fits = {r["stack"]: r for r in rows if r["kind"] == "ladder" and r["setting"] == kind}  # each GPU's: the same fit
+    traced = {r["stack"]: r["peak_gb"] for r in rows if r["kind"] == "short_context" and r["setting"] == kind}
+    for stack, r in fits.items():
+        fitted = r["fit_a_gb"] + r["fit_b_bytes_per_token"] * PUBLISHED_SEQ_LEN / 1e9
+        linear = abs(r["fit_check_deviation"]) <= LINEAR_WITHIN
+        lines.append(
+            f"| {stack} (modelled): {settings[kind].title}, the ladder's fit at {PUBLISHED_SEQ_LEN:,} tokens | "
+            + (f"{fitted:.1f} |" if linear else "- (not linear in T) |")
+        )
+        if stack in traced:
+            lines.append(
+                f"| {stack} (modelled): {settings[kind].title}, a trace at {PUBLISHED_SEQ_LEN:,} tokens | "
+                f"{traced[stack]:.1f} |"
+            )
+    return lines
+
+
+def optimizer_state_lines(model: str | None = None) -> list[str]:
     """The md's table of AdamW state bytes per parameter (measured) and what each option holds for a full fine-tune
-    of the ladder's models."""
-    models = {"llama-3.2-1b": "Llama-3.2-1B", "llama-3.1-8b": "Llama-3.1-8B"}
-    configs = {model: ladder_config(model) for model in models}
+    of the ladder's models (the default ladder's: LLAMA_MODELS; else `model`)."""
+    models = LLAMA_MODELS if model is None else {model: MODEL_LADDERS[model]}
+    configs = {m: ladder_config(m) for m in models}
+    ran = (
+        "The full fine-tunes above run the first (on the host under FSDP2 CPU offload, which the 8-bit state cannot "
+        "join)."
+        if model is None
+        else "The full fine-tune above runs the first, on the host under FSDP2 CPU offload, which the 8-bit state "
+        "cannot join."
+    )
     lines = [
         "",
         "## Optimizer state bytes per parameter (measured)",
         "",
         "AdamW's state by `--optim`, measured on the real optimizers (the state's bytes after one step, as the slope "
         "between a 4096 x 4096 and a 4096 x 4352 tensor: per-tensor constants left out; tests/bench/test_ladder.py "
-        "holds the figures). The full fine-tunes above run the first (on the host under FSDP2 CPU offload, which "
-        f"the 8-bit state cannot join). bitsandbytes keeps fp32 moments for tensors under {BNB_MIN_8BIT_SIZE:,} "
+        f"holds the figures). {ran} bitsandbytes keeps fp32 moments for tensors under {BNB_MIN_8BIT_SIZE:,} "
         "elements and, as transformers sets it up, for every embedding's weight; the GB columns count that.",
         "",
         "| --optim | state bytes / param | " + " | ".join(f"{t} full: state GB" for t in models.values()) + " |",
@@ -281,13 +446,17 @@ def optimizer_state_lines() -> list[str]:
     return lines
 
 
-def ladder_chart(rows: list[dict], path: Path) -> Path:
+def ladder_chart(rows: list[dict], path: Path, model: str | None = None) -> Path:
+    """One panel per setting of the ladder (the default's, or `model`'s): modelled max context against GPU memory
+    per stack; Unsloth's published 8B QLoRA contexts on the default ladder's QLoRA panel."""
+    settings, _ = ladder_of(model)
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, len(SETTINGS), figsize=(4.2 * len(SETTINGS), 4.2), sharey=True)
+    fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 4.2), sharey=True, squeeze=False)
+    axes = axes[0]
     index = _ladder_index(rows)
     stacks = list(dict.fromkeys(r["stack"] for r in rows if r["kind"] == "ladder"))
     xs = [GPUS[g][0] / 1e9 for g in GPUS]
-    for ax, (setting_name, setting) in zip(axes, SETTINGS.items()):
+    for ax, (setting_name, setting) in zip(axes, settings.items()):
         for stack in stacks:
             cells = [index.get((setting_name, stack, g)) for g in GPUS]
             pts = [(x, c["max_seq_len"]) for x, c in zip(xs, cells) if c and c["max_seq_len"]]
@@ -301,31 +470,43 @@ def ladder_chart(rows: list[dict], path: Path) -> Path:
         ax.set_yscale("log")
         ax.set_xticks(xs, [g for g in GPUS])
         ax.xaxis.set_minor_locator(plt.NullLocator())  # only the four GPUs' labels
-        ax.set_title(setting.title, fontsize=8)
+        ax.set_title(textwrap.fill(setting.title, 72), fontsize=8)  # a longer title would run into the next
         ax.set_xlabel("GPU memory")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("modelled max context (tokens, batch 1)")
-    fig.suptitle("Modelled memory ladder (not measured)")
+    fig.suptitle(f"Modelled memory ladder{': ' + MODEL_LADDERS[model] if model else ''} (not measured)")
     return common.save_figure(fig, path)
 
 
 def main_ladder(args) -> list[dict]:
-    jsonl = common.RESULTS / "ladder.jsonl"
+    """--ladder: the default ladder (ladder.*), or with --model one of our models' (MODEL_LADDERS: ladder_<model>.*,
+    no calibration rows: those are the 1B's; the short-context rows beside Unsloth's figure); --settings and
+    --ladder_stacks select from the ladder's."""
+    model = args.model if args.model in MODEL_LADDERS else None
+    stem = f"ladder_{model}" if model else "ladder"
+    jsonl = common.RESULTS / f"{stem}.jsonl"
     if args.render_only:  # the md and chart again from the rows a --ladder run wrote
         rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
         env = rows[0]
     else:
+        settings, stacks = ladder_of(model)
+        if args.settings:
+            settings = {name: settings[name] for name in args.settings.split(",")}
+        if args.ladder_stacks:
+            stacks = {name: stacks[name] for name in args.ladder_stacks.split(",")}
         env = common.env_info()
-        rows = ladder(args.settings.split(","), args.ladder_stacks.split(","), GPUS, args.jobs)
-        if args.calibration:
+        rows = ladder(settings, stacks, GPUS, args.jobs)
+        if args.calibration and model is None:
             rows += calibration_rows()
+        if model is not None:
+            rows += short_context_rows(model, settings, stacks)
         rows = [r | env for r in rows]
         common.RESULTS.mkdir(parents=True, exist_ok=True)
         with jsonl.open("w") as f:
             for row in rows:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
-    text = render_ladder(rows, env)
-    (common.RESULTS / "ladder.md").write_text(text)
-    ladder_chart(rows, common.RESULTS / "ladder.png")
+    text = render_ladder(rows, env, model)
+    (common.RESULTS / f"{stem}.md").write_text(text)
+    ladder_chart(rows, common.RESULTS / f"{stem}.png", model)
     print(text)
     return rows

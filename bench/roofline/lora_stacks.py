@@ -12,7 +12,8 @@ import json
 import torch
 
 from bench import common
-from bench.roofline.ladder import LadderStack, Setting, ladder_step
+from bench.roofline.ladder import MODEL_LADDERS, LadderStack, Setting, ladder_step
+from bench.roofline.ladder_report import unsloth_claim
 
 LORA_STACKS = {  # name: (LadderStack without checkpointing: every activation a step keeps is in its peak, title)
     "ours_fused": (LadderStack("ours", checkpointing=False), "ours, LoRA fused (kernels.lora)"),
@@ -36,16 +37,13 @@ LORA_SEQ_LEN = 2048
 # op_models.LigerFusedMoEModel, over the weight + delta peft's layer forms; gpt-oss's experts stay grouped_mm)
 # and QLoRA: NF4 attention and (ours) NF4 experts; transformers' bitsandbytes quantizer leaves its experts in bf16.
 # peft's layers cannot form a delta over 4-bit expert codes: no ours_peft row there.
-# The mixtures of experts `--lora_stacks --model` takes (OUR_MODELS' names), their titles and what Unsloth reports for
-# each (its own claims; rank, targets and sequence length as its notebooks set them, not this table's)
-MOE_LORA_MODELS = {
-    "qwen3-30b-a3b": ("Qwen3-30B-A3B", "Qwen3-30B-A3B 16-bit LoRA in 63 GB"),
-    "gpt-oss-20b": ("gpt-oss-20b", "gpt-oss-20b QLoRA in 12.8 GB"),
-}
+# The mixtures of experts `--lora_stacks --model` takes (OUR_MODELS' names; their titles MODEL_LADDERS', what Unsloth
+# reports for each `unsloth_claim`: its own claims, rank, targets and sequence length as its notebooks set them)
+MOE_LORA_MODELS = ("qwen3-30b-a3b", "gpt-oss-20b")
 
 
 def moe_lora_settings(model: str) -> dict[str, Setting]:
-    """LoRA and QLoRA of the mixture of experts `model` (a key of MOE_LORA_MODELS)."""
+    """LoRA and QLoRA of the mixture of experts `model` (one of MOE_LORA_MODELS)."""
     return {
         "bf16 adapters, dropout 0.0": Setting(model, "", lora=True),
         "QLoRA (NF4 base), bf16 adapters, dropout 0.0": Setting(model, "", lora=True, nf4=True),
@@ -123,14 +121,14 @@ MOE_INTRO = (
 def render_lora_stacks(rows: list[dict], env: dict, model: str = "llama-3.1-8b") -> str:
     moe = model in MOE_LORA_MODELS
     title = (
-        f"# LoRA stacks (modelled): {MOE_LORA_MODELS[model][0]}, r 16 on attention and the experts, seq_len "
+        f"# LoRA stacks (modelled): {MODEL_LADDERS[model]}, r 16 on attention and the experts, seq_len "
         f"{rows[0]['seq_len']}, micro batch 1"
         if moe
         else f"# LoRA stacks (modelled): Llama-3.1-8B, r 16 on every linear layer, seq_len {rows[0]['seq_len']}, "
         "micro batch 1"
     )
     intro = (
-        MOE_INTRO + f"{MOE_LORA_MODELS[model][1]} (its own claim; rank, targets and sequence length as its notebook "
+        MOE_INTRO + f"{unsloth_claim(model)} (its own claim; rank, targets and sequence length as its notebook "
         "sets them, not this table's)."
         if moe
         else LLAMA_INTRO

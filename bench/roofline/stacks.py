@@ -108,6 +108,7 @@ class Built:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     loss: Callable  # (input_ids on the device, labels on the host) -> loss
+    patches: tuple = ()  # the (module, name, wrap) patches the loss call runs under (`_patched`)
 
 
 def optimizer_for(family: str, params) -> torch.optim.Optimizer:
@@ -189,19 +190,27 @@ def _named_eager(inner: Callable) -> Callable:
     return eager
 
 
+@contextlib.contextmanager
+def patched(patches: tuple):
+    """Each (module, name, wrap) patch in place, module.name = wrap(module.name), restored on exit."""
+    with contextlib.ExitStack() as stack:
+        for module, name, wrap in patches:
+            inner = getattr(module, name)
+            stack.callback(setattr, module, name, inner)
+            setattr(module, name, wrap(inner))
+        yield
+
+
 def _patched(built: Built, *patches: tuple) -> Built:
-    """`built` whose loss call runs with each (module, name, wrap) patch in place: module.name = wrap(module.name),
-    restored after the call (the autograd graph it made keeps the patched ops for backward)."""
+    """`built` whose loss call runs with each (module, name, wrap) patch in place (`patched`), restored after the call:
+    the autograd graph it made keeps the patched ops for backward; a ladder step, whose checkpointing runs the forward
+    again in backward, enters `Built.patches` again there."""
 
     def loss(ids, labels):
-        with contextlib.ExitStack() as stack:
-            for module, name, wrap in patches:
-                inner = getattr(module, name)
-                stack.callback(setattr, module, name, inner)
-                setattr(module, name, wrap(inner))
+        with patched(patches):
             return built.loss(ids, labels)
 
-    return Built(built.model, built.optimizer, loss)
+    return Built(built.model, built.optimizer, loss, built.patches + patches)
 
 
 def _hf(config: dict, liger: bool) -> Built:

@@ -288,3 +288,112 @@ def test_moe_lora_stacks_keep_the_rank_gemms_not_peft_s_whole_delta(monkeypatch)
     assert kept[(qlora, "hf_peft")]["peak_gb"] > kept[(qlora, "ours_fused")]["peak_gb"]
     assert len(modelled) == 2 * c["num_hidden_layers"]  # ours_fused's MoE layers, once each, in both settings
     assert len(liger) == 2 * c["num_hidden_layers"]  # hf_peft_liger's, through liger's fused MoE
+
+
+def test_ladder_step_keeps_a_stack_s_patches_through_the_checkpointed_recompute(monkeypatch):
+    """Qwen3.5's stacks with flash-linear-attention's recurrence (a patch of the loss call, stacks._with_fla) under
+    checkpointing: the recompute in backward runs fla's modelled recurrence again, as the forward did, never the
+    PyTorch chunked reference (its triangular solves). Without the patches there ours' recompute records the reference
+    and transformers' saves other tensors than its forward did (checkpoint refuses)."""
+    from bench.roofline import tracing
+    from bench.roofline.cli import _full_config
+    from tests.bench.test_roofline import QWEN3_5_TINY
+
+    recorded = []
+    add = tracing.Trace.add
+    monkeypatch.setattr(
+        tracing.Trace, "add", lambda self, name, *a, **k: recorded.append(name) or add(self, name, *a, **k)
+    )
+    config = _full_config(QWEN3_5_TINY)
+    linear = config["layer_types"].count("linear_attention")
+    for base in ("ours_fla", "hf_fla"):
+        recorded.clear()
+        rf.ladder_step(rf.Setting("qwen3.5-9b", "", lora=True), rf.LadderStack(base, checkpointing=True), 512, config)
+        assert not any("solve_triangular" in name for name in recorded), base
+        assert recorded.count("fla.chunk_gated_delta_rule:fwd_h") == 2 * linear, base  # forward and its recompute
+        assert recorded.count("fla.chunk_gated_delta_rule.backward:bwd_dhu") == linear, base
+
+
+def test_lora_r16_adapts_every_linear_layer_of_the_blocks():
+    """The ladder's LoRA on a tiny Qwen3.5, ours and transformers': every linear layer of the blocks gets an adapter,
+    the Gated DeltaNet's projections among them, each stored as NF4 under QLoRA; the LM head keeps its bf16 weight."""
+    import peft
+
+    from bench.roofline.cli import _full_config
+    from bench.roofline.ladder_parts import apply_lora_r16
+    from bench.roofline.stacks import build
+    from bench.sm90 import fake_cuda
+    from tests.bench.test_roofline import QWEN3_5_TINY
+
+    for base in ("ours", "hf"):
+        with fake_cuda():
+            model = build(base, _full_config(QWEN3_5_TINY)).model
+        linear = [n for n, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear)]
+        assert any(".linear_attn.in_proj_qkv" in n for n in linear), base
+        apply_lora_r16(model, nf4=True)
+        adapted = {n: m for n, m in model.model.layers.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+        assert sorted(adapted) == sorted(linear), base
+        assert all(isinstance(m.base_layer, rf.NF4Linear) for m in adapted.values()), base
+        assert isinstance(model.lm_head, torch.nn.Linear), base
+
+
+def test_model_ladder_writes_its_own_files_with_the_three_kinds_and_no_llama_sections(tmp_path, monkeypatch):
+    """`python -m bench.roofline --ladder --model qwen3-30b-a3b` at a tiny Qwen3-MoE and one small GPU: the rows are
+    its LoRA, QLoRA and FSDP2 CPU offload settings x MODEL_LADDER_STACKS, every rung traced (no dense MLP to tile), no
+    calibration rows, written to ladder_qwen3-30b-a3b.* beside an untouched ladder.jsonl; the md has each setting x
+    stack's context, Unsloth's figure beside the fit and a trace at 2,048 tokens and none of the default ladder's
+    Llama sections; the chart one panel per setting."""
+    from bench import common
+    from bench.roofline import ladder_report, stacks
+    from bench.roofline.ladder import RESERVE_BYTES
+    from tests.bench.test_roofline import QWEN3_MOE_TINY
+
+    monkeypatch.setitem(stacks.OUR_MODELS, "qwen3-30b-a3b", QWEN3_MOE_TINY | {"num_hidden_layers": 1})
+    monkeypatch.setattr(ladder_report, "GPUS", {"tiny GPU": (RESERVE_BYTES + 200_000_000, "h100")})
+    monkeypatch.setattr(common, "RESULTS", common.RESULTS)  # --out sets it: restored after the test
+    panels = []
+    save = common.save_figure
+    monkeypatch.setattr(common, "save_figure", lambda fig, path: panels.append(len(fig.axes)) or save(fig, path))
+    default = tmp_path / "ladder.jsonl"
+    default.write_text("the default ladder's rows\n")
+    rows = rf.main(["--ladder", "--model", "qwen3-30b-a3b", "--jobs", "1", "--out", str(tmp_path)])
+    assert default.read_text() == "the default ladder's rows\n"
+    stem = "ladder_qwen3-30b-a3b"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ladder.jsonl"] + [
+        f"{stem}.{e}" for e in ("jsonl", "md", "png")
+    ]
+    assert len((tmp_path / f"{stem}.jsonl").read_text().splitlines()) == len(rows)
+    settings = rf.model_ladder_settings("qwen3-30b-a3b")
+    kinds = {(s.lora, s.nf4, s.cpu_offload) for s in settings.values()}
+    assert kinds == {(True, False, False), (True, True, False), (False, False, True)}  # as SETTINGS' 8B ones
+    assert all(s.title.startswith("Qwen3-30B-A3B ") for s in settings.values())
+    ladder_rows = [r for r in rows if r["kind"] == "ladder"]
+    assert {(r["setting"], r["stack"]) for r in ladder_rows} == {
+        (s, k) for s in settings for k in rf.MODEL_LADDER_STACKS
+    }
+    assert all(r["max_seq_len"] > 0 and r["confirmed_by_trace"] for r in ladder_rows)
+    assert {r["kind"] for r in rows} == {"ladder", "offload_cost", "short_context"}
+    md = (tmp_path / f"{stem}.md").read_text()
+    for r in ladder_rows:
+        assert f"| {settings[r['setting']].title} | {r['stack']} | {r['max_seq_len']:,} |" in md
+    assert "| Unsloth (published, its notebook's settings): Qwen3-30B-A3B 16-bit LoRA | 63 |" in md
+    lora = next(r for r in ladder_rows if r["setting"] == "lora" and r["stack"] == "ours")
+    fitted = lora["fit_a_gb"] + lora["fit_b_bytes_per_token"] * 2048 / 1e9
+    assert f"| ours (modelled): {settings['lora'].title}, the ladder's fit at 2,048 tokens | {fitted:.1f} |" in md
+    short = {r["stack"]: r["peak_gb"] for r in rows if r["kind"] == "short_context"}  # Unsloth's kind: LoRA
+    assert short.keys() == set(rf.MODEL_LADDER_STACKS)
+    assert f"| ours (modelled): {settings['lora'].title}, a trace at 2,048 tokens | {short['ours']:.1f} |" in md
+    for llama_only in ("Llama", "Calibration", "ALST", "Unsloth's published max context"):
+        assert llama_only not in md, llama_only
+    assert f"({stem}.png)" in md
+    assert panels == [len(settings)]
+
+
+def test_model_ladder_stacks_run_fla_s_recurrence_in_a_hybrid_model():
+    """Our models' ladders run MODEL_LADDER_STACKS; Qwen3.5's each with flash-linear-attention's recurrence, and named
+    so (a PyTorch chunked recurrence's trace at the ladder's lengths takes minutes)."""
+    assert list(rf.model_ladder_stacks("qwen3-30b-a3b")) == list(rf.MODEL_LADDER_STACKS)
+    hybrid = rf.model_ladder_stacks("qwen3.5-9b")
+    assert list(hybrid) == [f"{name}_fla" for name in rf.MODEL_LADDER_STACKS]
+    assert all(stack.base == name for name, stack in hybrid.items())
+    assert rf.model_ladder_settings("qwen3.5-9b")["lora"].title.startswith("Qwen3.5-9B LoRA r=16, all linear layers")

@@ -176,8 +176,10 @@ class Experts4bit(_Settings4bit, Experts):
     full precision. Forward dequantizes both tensors (`kernels.dequantize_4bit`, bit for bit bitsandbytes') in the
     compute dtype and runs the experts on them, with peft's adapter as rank-r GEMMs; what backward needs of them is
     dequantized again from the codes, not kept (saved-tensor hooks), so a layer's full-precision experts exist only
-    while it runs: the same trade as `Linear4bit`. Under FSDP2 the packed codes are sharded by rows like a
-    Linear4bit's (`set_weight`): the gathered codes of a decoder layer dequantize with the whole state on the module.
+    while it runs: the same trade as `Linear4bit`. Every other save goes to the saved-tensor hooks around the call
+    (gradient checkpointing drops it and recomputes it, activation offloading sends it to the host), as plain experts'
+    saves do. Under FSDP2 the packed codes are sharded by rows like a Linear4bit's (`set_weight`): the gathered codes
+    of a decoder layer dequantize with the whole state on the module.
 
     peft's `target_parameters` reads a wrapped tensor's shape from `ds_shape` where there is one (where DeepSpeed
     ZeRO-3 has partitioned it): the packed codes carry their full (E, out, in) shape there, so peft builds the
@@ -235,14 +237,21 @@ class Experts4bit(_Settings4bit, Experts):
         full = {name: self.dequantized(name).to(self.compute_dtype) for name in self.full_shapes}
         again = {id(_root(t)): name for name, t in full.items()}
         unpacked = {}  # backward's dequantized tensors, once each (the reference saves a view per expert)
+        # the hooks around this call (gradient checkpointing's, activation offloading's): hooks pushed here take every
+        # save made inside from them, so each save that is not a dequantized tensor is handed to them
+        enclosing = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
         def pack(t):  # a dequantized tensor or a view of one is saved as its name and view, dequantized again
             name = again.get(id(_root(t)))
-            return t if name is None else (name, t.size(), t.stride(), t.storage_offset())
+            if name is not None:
+                return name, t.size(), t.stride(), t.storage_offset()
+            return t if enclosing is None else (_ENCLOSING, enclosing[0](t))
 
         def unpack(packed):
             if not isinstance(packed, tuple):
                 return packed
+            if packed[0] is _ENCLOSING:
+                return enclosing[1](packed[1])
             name, *view = packed
             if name not in unpacked:
                 unpacked[name] = self.dequantized(name).to(self.compute_dtype)
@@ -250,6 +259,9 @@ class Experts4bit(_Settings4bit, Experts):
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return self.run(x, index, weights, full["gate_up_proj"], full["down_proj"], loras)
+
+
+_ENCLOSING = object()  # an Experts4bit save the hooks around its call packed
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:

@@ -673,6 +673,78 @@ def test_qlora_quantizes_the_experts_not_the_router_and_trains_over_their_dequan
     assert quant.quantized_bytes(ours) > 0.5 * expert_values
 
 
+def test_qlora_experts_leave_their_other_saves_to_checkpointing_and_offloading(tmp_path, monkeypatch):
+    """Experts4bit's own saved-tensor hooks (the dequantized experts saved as names) hand every other save to the
+    hooks around the call: under gradient checkpointing no tensor the 4-bit experts made outlives forward but the last
+    layer's output (the block's recompute makes what backward needs again), as with plain experts; before, the inner
+    hooks took those saves from checkpoint's and kept every one, the routed rows of every layer. Without checkpointing
+    they are kept for backward. The loss and every adapter gradient equal those without checkpointing. Activation
+    offloading's hooks are handed the experts' saves the same way."""
+    pytest.importorskip("bitsandbytes")
+    import gc
+    import weakref
+
+    from torch.overrides import TorchFunctionMode
+
+    from trainer.build import build_model
+    from trainer.model import quant
+    from trainer.model.offload import ActivationOffloader
+
+    class Made(TorchFunctionMode):  # weak references to every tensor an op makes inside the 4-bit experts' forward
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.extend(weakref.ref(t) for t in (out if isinstance(out, tuple) else (out,)) if torch.is_tensor(t))
+            return out
+
+    made, running = [], []
+    forward = quant.Experts4bit.forward
+
+    def recorded(self, *args):
+        running.append(self)
+        try:
+            with Made():
+                return forward(self, *args)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(quant.Experts4bit, "forward", recorded)
+    hf_model("qwen3_moe", vocab_size=320).save_pretrained(tmp_path / "base")
+    byte_level_tokenizer().save_pretrained(tmp_path / "base")
+    ids, labels = batch()
+    results = {}
+    for checkpointing in (False, True):
+        ours, _ = build_model(str(tmp_path / "base"), _qlora_args(tmp_path / "out"), device="cpu")
+        ours.set_gradient_checkpointing(checkpointing)
+        made.clear()
+        loss = ours(ids, labels=labels).loss
+        gc.collect()
+        kept = [ref() for ref in made if ref() is not None and ref().dim()]  # not the 0-d constants
+        if checkpointing:  # the last layer's output alone, which the final norm (outside every checkpoint) keeps
+            assert [tuple(t.shape) for t in kept] == [(ids.numel(), ours.config.hidden_size)], [t.shape for t in kept]
+        else:
+            assert len(kept) > 1
+        del kept
+        loss.backward()
+        results[checkpointing] = loss.detach(), {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    (plain_loss, plain_grads), (loss, grads) = results[False], results[True]
+    torch.testing.assert_close(loss, plain_loss, atol=1e-6, rtol=0)
+    assert any(".mlp.experts." in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], atol=1e-6 * plain_grads[name].abs().max().item(), rtol=0)
+    # activation offloading's hooks get them too (here, without checkpointing, where nothing else takes them)
+    packed_inside = []  # per save the offloader packs: whether it was made inside the 4-bit experts
+    pack = ActivationOffloader.pack
+    monkeypatch.setattr(
+        ActivationOffloader, "pack", lambda self, t: packed_inside.append(bool(running)) or pack(self, t)
+    )
+    ours.set_gradient_checkpointing(False)
+    offloader = ActivationOffloader.for_model(ours, "cpu", min_bytes=0)
+    with offloader():
+        loss = ours(ids, labels=labels).loss
+    loss.backward()
+    assert any(packed_inside) and not all(packed_inside)
+
+
 def _counting(fn, calls):
     def counted(self, name):
         calls.append(name)
