@@ -115,7 +115,12 @@ LADDER_STACKS = {
     "ours": LadderStack("ours", checkpointing=True, offloading=True, tiled_mlp=True),
 }
 # Our models' own ladders (`--ladder --model`, issues 45 and 46): the name their settings' titles give them
-MODEL_LADDERS = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "gpt-oss-20b": "gpt-oss-20b", "qwen3.5-9b": "Qwen3.5-9B"}
+MODEL_LADDERS = {
+    "qwen3-30b-a3b": "Qwen3-30B-A3B",
+    "gpt-oss-20b": "gpt-oss-20b",
+    "qwen3.5-4b": "Qwen3.5-4B",
+    "qwen3.5-9b": "Qwen3.5-9B",
+}
 MODEL_LADDER_STACKS = ("hf", "ours")  # their stacks, LADDER_STACKS' names
 # The measured H200 ladder (bench/results/h200/train_memory_seq_len.jsonl): no checkpointing, full fine-tune
 CALIBRATION_STACKS = {name: LadderStack(name, checkpointing=False) for name in ("ours", "hf", "hf_liger")}
