@@ -14,6 +14,7 @@ Bytes (s = element size of q and k, c = of cos/sin): every row's GB/s is the op'
 so rows compare directly. Byte model of our rows, per element of q and k (n = (Hq + Hkv) B T D):
     forward   ours s + 2 Bc T D c / n read, s write     min the same (kernels/rope.py's docstring)
     backward  the same; full the sum.   Measured equal by bench/traffic.py (tests/kernels/test_rope.py).
+On CUDA a batch-shared cos/sin row is issued once per batch by adjacent programs: modelled as L2 hits, once from DRAM.
 liger-kernel reads half of cos/sin (it assumes duplicated halves) but rotates in place, which a caller that keeps
 q pays for with a copy; transformers' eager path is ten launches (per tensor: a product, a negation, a cat, a
 product, a sum). Peak extra memory is measured for the full step.

@@ -54,6 +54,7 @@ import kernels  # noqa: E402
 from kernels.adamw import FusedAdamW  # noqa: E402
 from kernels.dequantize_4bit import NestedAbsmax  # noqa: E402
 from kernels.moe import ExpertLoRA  # noqa: E402
+from kernels.rope import rope_launch  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMS = 132  # H100 SXM; the launchers size persistent grids from it
@@ -314,7 +315,9 @@ def _neftune():
 
 def _rope():
     # bench_rope's shapes (Llama-3-8B heads, q and k as (B, H, T, D) transposes of (B, T, H, D) projections), bf16
-    # and fp32 inputs; cos/sin per row (4 x 8192) and shared by the batch (one program loops over the 4 batches).
+    # and fp32 inputs; cos/sin per row (4 x 8192) and shared by the batch (the launcher's CUDA choice: one program per
+    # (position, batch) either way); and a program looping over the batch (the interpreter's choice), whose runtime
+    # batch count is not specialised.
     for dtype, batch, seq, cos_batch in (
         (torch.bfloat16, 4, 8192, 4),
         (torch.bfloat16, 4, 8192, 1),
@@ -327,6 +330,9 @@ def _rope():
         # Output gradients as attention's backward hands them: (B, T, H, D) memory.
         grads = [_cuda(batch, seq, h, 128, dtype=dtype).transpose(1, 2) for h in (32, 8)]
         torch.autograd.backward([q_rot, k_rot], grads)
+        if cos_batch == 1 and batch > 1:
+            for backward in (False, True):
+                rope_launch(q, k, cos, sin, backward=backward, batches_per_program=batch)
 
 
 def _swiglu():

@@ -30,22 +30,45 @@ Bytes moved (s = element size of q and k, c = element size of cos/sin; per launc
     read q, k once and write q_rot, k_rot once: 2 (Hq + Hkv) B T D s
     cos and sin once per (cos row, position):   2 Bc T D c     (not once per head: a program loads its positions'
                                                                cos/sin rows once and rotates every head with them)
-That is the minimum, and what the kernel moves: bench/traffic.py counts it exactly (issued = distinct, forward and
-backward: tests/kernels/test_rope.py::test_measured_bytes_are_the_minimum). At Llama-3-8B's heads (Hq 32, Hkv 8,
+That is the minimum DRAM traffic. On the interpreter (the launcher's CPU choice below) it is also what the kernel
+issues: bench/traffic.py counts it exactly (issued = distinct, forward and backward:
+tests/kernels/test_rope.py::test_measured_bytes_are_the_minimum). On CUDA a batch-shared cos/sin row is issued once
+per batch, by programs that run side by side, so the repeats are L2 hits and DRAM still sees it once (modelled so by
+bench/bench_rope.py and the roofline; a GPU's counters have not checked it). At Llama-3-8B's heads (Hq 32, Hkv 8,
 D 128) with bf16 q/k and fp32 cos/sin, cos and sin are 2 * 4 / (2 * 40 * 2) = 5% of the bytes with per-row angles
 (Bc = B: packed rows) and 5% / B with the model's default (1, T, D); liger-kernel reads only their first halves
 (it assumes c1 = c2), which would save half of that at the cost of transformers' general semantics.
 
 Launch strategy
-    Grid (position blocks, batch groups). A program owns BLOCK_T positions: it loads their cos/sin rows
-    (BLOCK_T, D/2) x 4 halves in fp32 once, then for each batch of its group rotates q's heads in tiles of
-    (BLOCK_T, BLOCK_HQ, D/2) and then k's in tiles of (BLOCK_T, BLOCK_HK, D/2), looping over heads when a tile
-    cannot hold them all. When cos/sin are shared by the batch (Bc = 1, or a stride-0 batch dimension) and there
-    are enough position blocks to fill the device, a program loops over all B batches with the cos/sin it holds
-    (cos/sin read once per position in all); otherwise a batch group is one batch (once per (batch, position)).
+    A 1-D grid of (position block, batch group) programs, the batch groups of one position block adjacent. A program
+    owns BLOCK_T positions: it loads their cos/sin rows (BLOCK_T, D/2) x 4 halves in fp32 once, then for each batch
+    of its group rotates q's heads in tiles of (BLOCK_T, BLOCK_HQ, D/2) and k's in tiles of (BLOCK_T, BLOCK_HK, D/2).
+    ONE_TILE (every head of q in one tile and of k in another: Llama-3-8B's 32 and 8 heads of 128): all four loads
+    (q's and k's halves) are issued before any store, so a program's 10 KB are in flight at once; the compiler may
+    not hoist a load above a store to memory it cannot prove distinct, so the order is written out. Otherwise a
+    loop over head tiles, one tile's loads then its stores. EVEN (ONE_TILE with the tiles holding exactly the heads
+    and D/2 columns and T a whole number of position blocks): no masks, so no predicates and no zero-filled
+    registers. On CUDA a batch group is one batch (liger-kernel's tiling: one program per (batch, position) row);
+    on the interpreter (~37 us a program) a program loops over a batch that shares cos/sin (Bc = 1, or a stride-0
+    batch dimension), reading those rows once.
     Tile sizes: BLOCK_D = next_pow2(D/2), BLOCK_HQ up to next_pow2(Hq) and BLOCK_T filling `_TILE_ELEMS` elements
     per half-tile. Offsets are int64 (B T H D passes 2^31 at long contexts). Registers and spills of every
     configuration at the benchmark shapes: `python -m bench.sm90 --only rope` (sm_90, compiled on a CPU).
+    Why this tiling (issue 47: the H200 timed the previous kernel at 0.192 ms forward and 0.198 ms backward on the
+    device against liger's 0.169 and 0.168, 4 x 8192 at Llama-3-8B's heads, bf16). Compiled for sm_90 here, bf16,
+    forward (the backward within one register):
+        kernel                                   registers  programs/SM  issued together  SASS per program
+        before: per-position program, q's loads       96          5      8 KB, then 2 KB   472 (a 4-batch loop)
+                then stores, then k's; 4 batches
+        now: (position, batch) program, ONE_TILE,     72          7      10 KB             368
+                EVEN
+        liger-kernel 0.8.5 _triton_rope               54          9      10 KB             264
+    The SASS of each program covers 40 elements a thread (32 of q, 8 of k): 9.2 instructions an element now, 6.6 for
+    liger (which compiles the head counts and head_dim in and reads half of cos/sin); a 4.8 TB/s stream of 4-byte
+    elements would be issue-bound only past about 28 (132 SMs x 4 schedulers x 1.98 GHz x 32 lanes / 1.2e12 elements
+    a second). Neither is; what separated them was how many bytes a program had in flight and how many programs an SM
+    held. Not yet timed on a GPU: bench/bench_rope.py
+    --kernel-times is the check (docs/gpu_runbook.md).
 
 Test:  python -m pytest tests/kernels/test_rope.py -q   (CPU: Triton interpreter; GPU tests auto-run on CUDA)
 Bench: python bench/bench_rope.py                      (GPU: Llama-3-8B heads; --quick for a CPU smoke run)
@@ -55,7 +78,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import HAS_TRITON, num_sms, use_triton
+from ._dispatch import HAS_TRITON, use_triton
 
 if HAS_TRITON:
     import triton
@@ -63,15 +86,11 @@ if HAS_TRITON:
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements of one half-tile (BLOCK_T x BLOCK_H x BLOCK_D): x1 and x2 are live together, so a program holds twice
-# this many fp32 values, plus the four cos/sin halves broadcast over heads. ptxas (sm_90, bf16, Llama-3-8B heads,
-# `python -m bench.sm90 --only rope`): 1024 -> 80 registers at 4 warps, 2048 -> 96 at 4 warps (5 programs per SM,
-# each reading 8 KB of bf16 q per tile), 4096 -> 128 at 8 warps; none spills. 2048 keeps the most bytes in flight per SM
-# short of 128 registers; not yet timed on a GPU (bench/bench_rope.py is the place to revisit it).
+# this many fp32 values, plus the four cos/sin halves broadcast over heads. At Llama-3-8B's heads 2048 holds one
+# position's 32 q heads (and its 8 k heads beside them): ptxas (sm_90, bf16, `python -m bench.sm90 --only rope`) gives
+# 72 registers at 4 warps with every head in one tile and no masks (7 programs per SM, 10 KB of q and k read per
+# program, all of it in flight at once); 1024 would split q's heads over two tiles and serialise them.
 _TILE_ELEMS = 2048
-# Position blocks needed before batch-shared cos/sin make one program loop over the whole batch (fewer, longer
-# programs, cos/sin read once per position): on CUDA two per SM, so the loop never leaves an SM idle (Llama's
-# T = 2048 gives 2048 blocks); on the interpreter (~37 us per program) one, i.e. always.
-_CPU_MIN_PROGRAMS = 1
 
 
 def _next_pow2(n: int) -> int:
@@ -91,43 +110,74 @@ def launch_config(T: int, Hq: int, Hkv: int, D: int) -> tuple[int, int, int, int
     return block_t, block_hq, block_hk, block_d, num_warps
 
 
+def tile_flags(T: int, Hq: int, Hkv: int, D: int) -> tuple[bool, bool]:
+    """(ONE_TILE, EVEN): every head of q fits one tile and every head of k another (a program loads both before it
+    stores either); and, beyond that, the tiles hold exactly the heads and D / 2 columns and T is a whole number of
+    position blocks, so no load or store needs a mask."""
+    block_t, block_hq, block_hk, block_d, _ = launch_config(T, Hq, Hkv, D)
+    one_tile = block_hq >= Hq and block_hk >= Hkv
+    return one_tile, one_tile and (block_hq, block_hk, block_d) == (Hq, Hkv, D // 2) and T % block_t == 0
+
+
 if HAS_TRITON:
 
     @triton.jit
+    def _heads(x_ptr, h0, H, s_h, t_off, d_off, td_mask, BLOCK_H: tl.constexpr):
+        """Pointers to the first-half columns of heads h0 .. h0 + BLOCK_H at the program's positions, (BLOCK_T,
+        BLOCK_H, BLOCK_D), and their mask (unused when EVEN: the tile lies inside the tensor)."""
+        h = (h0 + tl.arange(0, BLOCK_H))[None, :, None]  # (1, BLOCK_H, 1)
+        mask = td_mask & (h < H)
+        return x_ptr + h.to(tl.int64) * s_h + t_off + d_off, mask
+
+    @triton.jit
+    def _load_f32(ptrs, mask, EVEN: tl.constexpr):
+        if EVEN:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _store_rotated(ptrs, mask, half, x1, x2, c1, c2, s1, s2, EVEN: tl.constexpr):
+        """o1 = x1 c1 - x2 s1 at ptrs, o2 = x2 c2 + x1 s2 at ptrs + half (sin already negated and swapped for the
+        backward), each rounded once to the output's dtype."""
+        o1 = (x1 * c1 - x2 * s1).to(ptrs.dtype.element_ty)
+        o2 = (x2 * c2 + x1 * s2).to(ptrs.dtype.element_ty)
+        if EVEN:
+            tl.store(ptrs, o1)
+            tl.store(ptrs + half, o2)
+        else:
+            tl.store(ptrs, o1, mask=mask)
+            tl.store(ptrs + half, o2, mask=mask)
+
+    @triton.jit
     def _rope_heads(
-        x_ptr,  # this batch's (H, T, D) input, strides (s_xh, s_xt, s_xd)
-        o_ptr,  # this batch's (H, T, D) output, strides (s_oh, s_ot, s_od)
-        c1,
-        c2,
-        s1,
-        s2,  # (BLOCK_T, 1, BLOCK_D) fp32 halves of cos and sin, sin already negated/swapped for backward
-        t64,  # (BLOCK_T, 1, 1) int64 positions
-        d,  # (1, 1, BLOCK_D) column indices of the first half
-        td_mask,  # (BLOCK_T, 1, BLOCK_D) valid positions and columns
+        x_ptr,
+        o_ptr,
         H,
-        HALF,
         s_xh,
         s_xt,
         s_xd,
         s_oh,
         s_ot,
         s_od,
+        HALF,
+        t64,
+        d,
+        td_mask,
+        c1,
+        c2,
+        s1,
+        s2,
         BLOCK_H: tl.constexpr,
+        EVEN: tl.constexpr,
     ):
-        x_rows = x_ptr + t64 * s_xt + d * s_xd  # (BLOCK_T, 1, BLOCK_D)
-        o_rows = o_ptr + t64 * s_ot + d * s_od
+        """Rotate this batch's H heads in tiles of BLOCK_H, one tile's loads and stores at a time."""
         for h0 in tl.range(0, H, BLOCK_H):
-            h = (h0 + tl.arange(0, BLOCK_H))[None, :, None]  # (1, BLOCK_H, 1)
-            mask = td_mask & (h < H)  # (BLOCK_T, BLOCK_H, BLOCK_D)
-            h64 = h.to(tl.int64)
-            x1_ptrs = x_rows + h64 * s_xh
-            x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(x1_ptrs + HALF * s_xd, mask=mask, other=0.0).to(tl.float32)
-            o1 = x1 * c1 - x2 * s1
-            o2 = x2 * c2 + x1 * s2
-            o1_ptrs = o_rows + h64 * s_oh
-            tl.store(o1_ptrs, o1.to(o_ptr.dtype.element_ty), mask=mask)
-            tl.store(o1_ptrs + HALF * s_od, o2.to(o_ptr.dtype.element_ty), mask=mask)
+            xp, mask = _heads(x_ptr, h0, H, s_xh, t64 * s_xt, d * s_xd, td_mask, BLOCK_H)
+            x1, x2 = _load_f32(xp, mask, EVEN), _load_f32(xp + HALF * s_xd, mask, EVEN)
+            op, _ = _heads(o_ptr, h0, H, s_oh, t64 * s_ot, d * s_od, td_mask, BLOCK_H)
+            _store_rotated(op, mask, HALF * s_od, x1, x2, c1, c2, s1, s2, EVEN)
 
     @triton.jit
     def _rope_kernel(
@@ -141,6 +191,7 @@ if HAS_TRITON:
         HQ,
         HKV,
         HALF,  # D / 2
+        GROUPS,  # batch groups: B / B_PER_PROG
         B_PER_PROG,  # batches per program (they share cos/sin: B when cos/sin are batch-shared, else 1)
         s_qb,
         s_qh,
@@ -168,64 +219,85 @@ if HAS_TRITON:
         BLOCK_HQ: tl.constexpr,
         BLOCK_HK: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        ONE_TILE: tl.constexpr,  # every head of q in one tile and every head of k in another
+        EVEN: tl.constexpr,  # ONE_TILE, and the tiles hold exactly the heads, D / 2 and whole position blocks: no masks
         BACKWARD: tl.constexpr,
     ):
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        b0 = tl.program_id(1).to(tl.int64) * B_PER_PROG
+        # Program p takes batch group p % GROUPS of position block p // GROUPS: the batch groups of one position block
+        # run side by side, so batch-shared cos/sin rows are read from DRAM once and from L2 by the other groups.
+        pid = tl.program_id(0)
+        t = (pid // GROUPS) * BLOCK_T + tl.arange(0, BLOCK_T)
+        b0 = (pid % GROUPS).to(tl.int64) * B_PER_PROG
         t64 = t.to(tl.int64)[:, None, None]  # (BLOCK_T, 1, 1)
         d = tl.arange(0, BLOCK_D)[None, None, :]  # (1, 1, BLOCK_D)
-        td_mask = (t[:, None, None] < T) & (d < HALF)  # (BLOCK_T, 1, BLOCK_D)
+        td_mask = (t[:, None, None] < T) & (d < HALF)  # (BLOCK_T, 1, BLOCK_D); unused when EVEN
         # The positions' cos/sin rows, loaded once and kept for every head of every batch of this program.
         cos_rows = cos_ptr + b0 * s_cb + t64 * s_ct + d * s_cd
         sin_rows = sin_ptr + b0 * s_sb + t64 * s_st + d * s_sd
-        c1 = tl.load(cos_rows, mask=td_mask, other=0.0).to(tl.float32)  # (BLOCK_T, 1, BLOCK_D)
-        c2 = tl.load(cos_rows + HALF * s_cd, mask=td_mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_rows, mask=td_mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_rows + HALF * s_sd, mask=td_mask, other=0.0).to(tl.float32)
+        c1 = _load_f32(cos_rows, td_mask, EVEN)  # (BLOCK_T, 1, BLOCK_D)
+        c2 = _load_f32(cos_rows + HALF * s_cd, td_mask, EVEN)
+        s1 = _load_f32(sin_rows, td_mask, EVEN)
+        s2 = _load_f32(sin_rows + HALF * s_sd, td_mask, EVEN)
         if BACKWARD:  # the transpose: (s1, s2) -> (-s2, -s1)
             s1, s2 = -s2, -s1
         for i in tl.range(0, B_PER_PROG):
             b = b0 + i
-            _rope_heads(
-                q_ptr + b * s_qb,
-                qo_ptr + b * s_qob,
-                c1,
-                c2,
-                s1,
-                s2,
-                t64,
-                d,
-                td_mask,
-                HQ,
-                HALF,
-                s_qh,
-                s_qt,
-                s_qd,
-                s_qoh,
-                s_qot,
-                s_qod,
-                BLOCK_HQ,
-            )
-            _rope_heads(
-                k_ptr + b * s_kb,
-                ko_ptr + b * s_kob,
-                c1,
-                c2,
-                s1,
-                s2,
-                t64,
-                d,
-                td_mask,
-                HKV,
-                HALF,
-                s_kh,
-                s_kt,
-                s_kd,
-                s_koh,
-                s_kot,
-                s_kod,
-                BLOCK_HK,
-            )
+            q_in, q_out = q_ptr + b * s_qb, qo_ptr + b * s_qob
+            k_in, k_out = k_ptr + b * s_kb, ko_ptr + b * s_kob
+            if ONE_TILE:
+                # Every load before any store: the compiler may not move a load past a store to memory it cannot
+                # prove distinct, so only in this order are q's and k's reads in flight together.
+                qp, q_mask = _heads(q_in, 0, HQ, s_qh, t64 * s_qt, d * s_qd, td_mask, BLOCK_HQ)
+                kp, k_mask = _heads(k_in, 0, HKV, s_kh, t64 * s_kt, d * s_kd, td_mask, BLOCK_HK)
+                q1, q2 = _load_f32(qp, q_mask, EVEN), _load_f32(qp + HALF * s_qd, q_mask, EVEN)
+                k1, k2 = _load_f32(kp, k_mask, EVEN), _load_f32(kp + HALF * s_kd, k_mask, EVEN)
+                qop, _ = _heads(q_out, 0, HQ, s_qoh, t64 * s_qot, d * s_qod, td_mask, BLOCK_HQ)
+                kop, _ = _heads(k_out, 0, HKV, s_koh, t64 * s_kot, d * s_kod, td_mask, BLOCK_HK)
+                _store_rotated(qop, q_mask, HALF * s_qod, q1, q2, c1, c2, s1, s2, EVEN)
+                _store_rotated(kop, k_mask, HALF * s_kod, k1, k2, c1, c2, s1, s2, EVEN)
+            else:
+                _rope_heads(
+                    q_in,
+                    q_out,
+                    HQ,
+                    s_qh,
+                    s_qt,
+                    s_qd,
+                    s_qoh,
+                    s_qot,
+                    s_qod,
+                    HALF,
+                    t64,
+                    d,
+                    td_mask,
+                    c1,
+                    c2,
+                    s1,
+                    s2,
+                    BLOCK_HQ,
+                    EVEN,
+                )
+                _rope_heads(
+                    k_in,
+                    k_out,
+                    HKV,
+                    s_kh,
+                    s_kt,
+                    s_kd,
+                    s_koh,
+                    s_kot,
+                    s_kod,
+                    HALF,
+                    t64,
+                    d,
+                    td_mask,
+                    c1,
+                    c2,
+                    s1,
+                    s2,
+                    BLOCK_HK,
+                    EVEN,
+                )
 
 
 def _require_triton() -> None:
@@ -266,11 +338,15 @@ def rope_launch(
     cos_sb, sin_sb = _batch_stride(cos), _batch_stride(sin)
     shared = cos_sb == 0 and sin_sb == 0
     if batches_per_program is None:
-        min_programs = 2 * num_sms(q.device.index or 0) if q.is_cuda else _CPU_MIN_PROGRAMS
-        batches_per_program = B if shared and t_blocks >= min_programs else 1
+        # On CUDA one (position block, batch) per program, the batches of a position block side by side (their
+        # shared cos/sin rows come from L2); on the interpreter (~37 us a program) one program loops over a batch
+        # that shares cos/sin.
+        batches_per_program = B if shared and not q.is_cuda else 1
     if batches_per_program not in (1, B) or (batches_per_program > 1 and not shared):
         raise ValueError(f"batches_per_program={batches_per_program} must be 1, or B={B} with batch-shared cos/sin")
-    _rope_kernel[(t_blocks, B // batches_per_program)](
+    groups = B // batches_per_program
+    one_tile, even = tile_flags(T, Hq, Hkv, D)
+    _rope_kernel[(t_blocks * groups,)](
         q,
         k,
         cos,
@@ -281,6 +357,7 @@ def rope_launch(
         Hq,
         Hkv,
         D // 2,
+        groups,
         batches_per_program,
         *q.stride(),
         *k.stride(),
@@ -294,6 +371,8 @@ def rope_launch(
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         BLOCK_D=block_d,
+        ONE_TILE=one_tile,
+        EVEN=even,
         BACKWARD=backward,
         num_warps=num_warps,
     )

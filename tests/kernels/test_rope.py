@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kernels
 from bench import traffic
-from kernels.rope import RoPEFunction, launch_config, rope, rope_launch, rope_ref
+from kernels.rope import RoPEFunction, launch_config, rope, rope_launch, rope_ref, tile_flags
 from tests.tolerance import PoisonedTorch, assert_lowp_close, max_abs_err
 
 rope_mod = importlib.import_module("kernels.rope")
@@ -32,8 +32,9 @@ rope_mod = importlib.import_module("kernels.rope")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS32 = torch.finfo(torch.float32).eps
 # (B, Hq, Hkv, T, D, cos batch): GQA 2:1 with per-row cos; 6:3 with D/2 = 40 (masked columns) and a shared cos
-# row; 5:1 with a single position.
-SHAPES = [(2, 4, 2, 7, 16, 2), (1, 6, 3, 33, 80, 1), (3, 5, 1, 1, 8, 3)]
+# row; 5:1 with a single position; 4:2 with whole position blocks and power-of-two heads (no masks: EVEN); 6:3 at
+# head_dim 1024, where q's heads take two tiles (not ONE_TILE).
+SHAPES = [(2, 4, 2, 7, 16, 2), (1, 6, 3, 33, 80, 1), (3, 5, 1, 1, 8, 3), (2, 4, 2, 16, 16, 1), (2, 6, 3, 5, 1024, 2)]
 
 
 @pytest.fixture(autouse=True)
@@ -203,9 +204,9 @@ def test_measured_bytes_are_the_minimum(shape, dtype):
 
 
 def test_batch_shared_cos_read_once_per_position_when_looping_over_the_batch():
-    """cos/sin (1, T, D): one program per position block loops over the batch and reads them once; one program
-    per (position block, batch), the launcher's choice when position blocks alone would not fill a GPU, reads
-    them once per batch row (issued B times, distinct once)."""
+    """cos/sin (1, T, D): one program per position block loops over the batch and reads them once (the launcher's
+    choice on the interpreter); one program per (position block, batch), its choice on CUDA, reads them once per
+    batch row (issued B times, distinct once: adjacent programs, so L2 serves the repeats on a GPU)."""
     q, k, cos, sin, _, _ = _make(3, 4, 2, 7, 16, 1, torch.bfloat16)
     cos_bytes = cos.numel() * 4
     for batches_per_program, issued in ((3, cos_bytes), (1, 3 * cos_bytes)):
@@ -230,6 +231,13 @@ def test_batch_shared_cos_same_result_either_grouping():
     assert all(torch.equal(a, b) for a, b in zip(back, back1))
     with pytest.raises(ValueError, match="batches_per_program=3 must be 1, or B=3 with batch-shared"):
         rope_launch(q, k, cos.expand(3, 7, 16).contiguous(), sin.expand(3, 7, 16).contiguous(), batches_per_program=3)
+
+
+def test_shapes_cover_every_kernel_variant():
+    # (ONE_TILE, EVEN): loads of q and k before the stores, with and without masks, and q's heads over several tiles.
+    flags = {tile_flags(T, Hq, Hkv, D) for _, Hq, Hkv, T, D, _ in SHAPES}
+    assert flags == {(True, True), (True, False), (False, False)}
+    assert tile_flags(8192, 32, 8, 128) == (True, True)  # Llama-3-8B's heads at the benchmark's length
 
 
 def test_launch_config_llama_heads():

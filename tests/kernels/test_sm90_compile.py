@@ -95,14 +95,16 @@ def test_every_op_and_variant_is_compiled(compiled):
         ("_rms_norm_bwd_kernel", None, "True", "False"),
         ("_rms_norm_bwd_kernel", None, "True", "True"),
     } <= fused
-    # RoPE's one kernel, forward and backward (the transpose), at Llama-3-8B's heads, one batch per program and
-    # (batch-shared cos/sin) one program looping over the batch: B_PER_PROG=4 is a runtime int, not specialised.
-    rope = {
-        (r["constexprs"]["BACKWARD"], r["constexprs"]["BLOCK_HQ"], r["constexprs"].get("B_PER_PROG", "loop"))
-        for r in compiled
-        if r["kernel"] == "_rope_kernel"
+    # RoPE's one kernel, forward and backward (the transpose), at Llama-3-8B's heads: every head in one tile without
+    # masks, one batch per program and (batch-shared cos/sin) one program looping over the batch: B_PER_PROG=4 is a
+    # runtime int, not specialised. One batch a program stays under 80 registers (7 programs an SM).
+    rope = [r for r in compiled if r["kernel"] == "_rope_kernel"]
+    assert {(r["constexprs"]["ONE_TILE"], r["constexprs"]["EVEN"], r["constexprs"]["BLOCK_HQ"]) for r in rope} == {
+        ("True", "True", "32")
     }
-    assert rope == {(backward, "32", per_prog) for backward in ("False", "True") for per_prog in ("1", "loop")}
+    per_prog = {(r["constexprs"]["BACKWARD"], r["constexprs"].get("B_PER_PROG", "loop")) for r in rope}
+    assert per_prog == {(backward, n) for backward in ("False", "True") for n in ("1", "loop")}
+    assert all(r["registers"] <= 80 for r in rope if r["constexprs"].get("B_PER_PROG") == "1"), rope
     # NF4 dequantization: plain and double-quantized absmax, one block per tile row and (blocksize 4096) a row per tile
     dequant = {(r["constexprs"]["NESTED"], r["constexprs"]["COLS"]) for r in compiled if r["case"] == "dequantize_4bit"}
     assert dequant == {("False", "64"), ("True", "64"), ("True", "2048")}
