@@ -52,18 +52,19 @@ Launch strategy
     on the interpreter (~37 us a program) a program loops over a batch that shares cos/sin (Bc = 1, or a stride-0
     batch dimension), reading those rows once.
     Tile sizes: BLOCK_D = next_pow2(D/2), BLOCK_HQ up to next_pow2(Hq) and BLOCK_T filling `_TILE_ELEMS` elements
-    per half-tile. Offsets are int64 (B T H D passes 2^31 at long contexts). Registers and spills of every
-    configuration at the benchmark shapes: `python -m bench.sm90 --only rope` (sm_90, compiled on a CPU).
+    per half-tile. D/2 is compiled in (one compile per head_dim: the second half's offset becomes an immediate, and
+    masked columns keep wide loads). Offsets are int64 (B T H D passes 2^31 at long contexts). Registers and spills
+    of every configuration at the benchmark shapes: `python -m bench.sm90 --only rope` (sm_90, compiled on a CPU).
     Why this tiling (issue 47: the H200 timed the previous kernel at 0.192 ms forward and 0.198 ms backward on the
     device against liger's 0.169 and 0.168, 4 x 8192 at Llama-3-8B's heads, bf16). Compiled for sm_90 here, bf16,
-    forward (the backward within one register):
+    forward (the backward within two registers):
         kernel                                   registers  programs/SM  issued together  SASS per program
         before: per-position program, q's loads       96          5      8 KB, then 2 KB   472 (a 4-batch loop)
                 then stores, then k's; 4 batches
-        now: (position, batch) program, ONE_TILE,     72          7      10 KB             368
-                EVEN
+        now: (position, batch) program, ONE_TILE,     70          7      10 KB             352
+                EVEN, D/2 compiled in
         liger-kernel 0.8.5 _triton_rope               54          9      10 KB             264
-    The SASS of each program covers 40 elements a thread (32 of q, 8 of k): 9.2 instructions an element now, 6.6 for
+    The SASS of each program covers 40 elements a thread (32 of q, 8 of k): 8.8 instructions an element now, 6.6 for
     liger (which compiles the head counts and head_dim in and reads half of cos/sin); a 4.8 TB/s stream of 4-byte
     elements would be issue-bound only past about 28 (132 SMs x 4 schedulers x 1.98 GHz x 32 lanes / 1.2e12 elements
     a second). Neither is; what separated them was how many bytes a program had in flight and how many programs an SM
@@ -88,7 +89,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements of one half-tile (BLOCK_T x BLOCK_H x BLOCK_D): x1 and x2 are live together, so a program holds twice
 # this many fp32 values, plus the four cos/sin halves broadcast over heads. At Llama-3-8B's heads 2048 holds one
 # position's 32 q heads (and its 8 k heads beside them): ptxas (sm_90, bf16, `python -m bench.sm90 --only rope`) gives
-# 72 registers at 4 warps with every head in one tile and no masks (7 programs per SM, 10 KB of q and k read per
+# 70-72 registers at 4 warps with every head in one tile and no masks (7 programs per SM, 10 KB of q and k read per
 # program, all of it in flight at once); 1024 would split q's heads over two tiles and serialise them.
 _TILE_ELEMS = 2048
 
@@ -190,7 +191,7 @@ if HAS_TRITON:
         T,
         HQ,
         HKV,
-        HALF,  # D / 2
+        HALF: tl.constexpr,  # D / 2
         GROUPS,  # batch groups: B / B_PER_PROG
         B_PER_PROG,  # batches per program (they share cos/sin: B when cos/sin are batch-shared, else 1)
         s_qb,
