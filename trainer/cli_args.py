@@ -35,6 +35,7 @@ from trainer.model.causal_lm import CausalLM, context_length_warning
 from trainer.model.lora import import_peft, lora_config
 from trainer.model.moe import no_router_message
 from trainer.model.transformers_model import MODEL_IMPLS, check_transformers_path, model_path
+from trainer.parallel.transforms import ZERO3_4BIT_EXPERTS, uses_zero3
 
 METHODS = {method.name: method for method in (SFT, DPO, GRPO)}
 # transformers' attn_implementation values -> our attention backends (trainer/model/attention.py). transformers'
@@ -235,6 +236,7 @@ def check_run(args, sft: SFTArguments, method_args) -> None:
     if not transformers_path:
         _check_context_length(args, sft)
         _check_router_loss(args, sft)
+        _check_4bit_experts(args, sft)
         if args.use_peft:
             _check_lora(args, sft)
 
@@ -378,6 +380,18 @@ def _check_router_loss(args, sft: SFTArguments) -> None:
     config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
     if not any(config.layer_moe):
         raise ConfigError(no_router_message(args.router_aux_loss_coef, config.model_type))
+
+
+def _check_4bit_experts(args, sft: SFTArguments) -> None:
+    """load_in_4bit on our mixture-of-experts model under DeepSpeed ZeRO-3: the build's one-line error
+    (trainer.parallel.transforms), from the model's config before the data are read or anything is built."""
+    if not (args.load_in_4bit and uses_zero3(args)):
+        return
+    if not (is_preset(sft.model) or (Path(sft.model) / "config.json").is_file()):
+        return
+    config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
+    if any(config.layer_moe):
+        raise ConfigError(ZERO3_4BIT_EXPERTS)
 
 
 def _check_resume_arguments(args) -> None:

@@ -99,6 +99,15 @@ def apply_compile(model: nn.Module, backend: str | None = None, mode: str | None
     return model
 
 
+# ZeRO-3 hooks every module to gather its weights, so peft's layers run there (trainer/model/fused_lora.py), and
+# peft's experts' layer forms its delta over the weight itself: not over 4-bit codes.
+ZERO3_4BIT_EXPERTS = (
+    "load_in_4bit: the 4-bit experts of a mixture-of-experts model train on one process, under DDP, FSDP2 "
+    "or ZeRO-2, not under DeepSpeed ZeRO-3 (peft's layers run there and cannot add an adapter to 4-bit "
+    "experts); use dist_config fsdp2 or ZeRO stage 2, or drop load_in_4bit"
+)
+
+
 def apply_transforms(model: nn.Module, args) -> nn.Module:
     """4-bit weights -> LoRA -> checkpointing -> per-block compile -> FSDP2, as `args` asks; safe on the meta device
     (`build_model` runs it there, before the weights exist) and idempotent (a model that has had a transform does
@@ -107,13 +116,7 @@ def apply_transforms(model: nn.Module, args) -> nn.Module:
         from trainer.model.quant import quantize_base  # bitsandbytes takes seconds to import: only when asked for
 
         if args.load_in_4bit and uses_zero3(args) and any(type(m) is Experts for m in model.modules()):
-            # ZeRO-3 hooks every module to gather its weights, so peft's layers run there (trainer/model/fused_lora.py),
-            # and peft's experts' layer forms its delta over the weight itself: not over 4-bit codes
-            raise ConfigError(
-                "load_in_4bit: the 4-bit experts of a mixture-of-experts model train on one process, under DDP, FSDP2 "
-                "or ZeRO-2, not under DeepSpeed ZeRO-3 (peft's layers run there and cannot add an adapter to 4-bit "
-                "experts); use dist_config fsdp2 or ZeRO stage 2, or drop load_in_4bit"
-            )
+            raise ConfigError(ZERO3_4BIT_EXPERTS)  # the CLI says it before the build (trainer/cli_args.py)
 
         model = quantize_base(model, args)
     model = apply_lora(model, args)

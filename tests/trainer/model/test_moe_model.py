@@ -814,6 +814,25 @@ def test_qlora_experts_under_zero3_are_one_line(tmp_path):
             assert quant.is_quantized(transforms.apply_transforms(model, args))
 
 
+def test_the_command_refuses_4bit_experts_under_zero3_before_reading_data(tmp_path, capsys):
+    """The same line from the sft command, from the model's config.json: exit 2 before the data are read (a data file
+    that would fail to parse is never opened) and nothing written."""
+    from trainer import sft
+
+    hf_model("qwen3_moe").save_pretrained(tmp_path / "model")
+    byte_level_tokenizer().save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # transformers' progress bars
+    (tmp_path / "zero3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    argv = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "bad.jsonl"), "--output_dir"]
+    argv += [str(tmp_path / "out"), "--use_peft", "--load_in_4bit", "--lora_dropout", "0", "--lora_target_modules"]
+    argv += ["all-linear", "--deepspeed"]
+    assert sft.main([*argv, str(tmp_path / "zero3.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: load_in_4bit: the 4-bit experts") and "Traceback" not in "".join(err), err
+    assert not (tmp_path / "out").exists()
+
+
 # ---- gpt_oss -----------------------------------------------------------------------------------------------------
 def test_gpt_oss_config_round_trip_and_what_it_derives():
     hf = hf_model("gpt_oss")
