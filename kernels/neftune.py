@@ -68,10 +68,10 @@ What it costs (SASS instructions per element, compiled for sm_90 on a CPU by `py
 
 Before, every element paid a quarter of a Philox call (four 32-bit words per call, one per element) plus a sign fold
 and an int-to-float conversion of its word, two multiplies, an FMA and an add, int64 counters and addresses, and the
-program a shared-memory layout change (8 KB, 7 barriers) before each of its four stores. Now: an eighth of a call in bf16/fp16 (Philox: ~7.5 per element,
-~6 instructions per round per call), a one-instruction bit placement per half, a subtract and one FMA (x + u * mag);
-int32 counters and offsets unless the tensor needs 64 bits (`WIDE`: the same counters, so the same noise); no shared
-memory. Bytes are unchanged.
+program a shared-memory layout change (8 KB, 7 barriers) before each of its four stores. Now: an eighth of a call in
+bf16/fp16 (Philox: ~7.5 per element, ~6 instructions per round per call), a one-instruction bit placement per half,
+a subtract and one FMA (x + u * mag); int32 counters and offsets unless the tensor needs 64 bits (`WIDE`: the same
+counters, so the same noise); no shared memory. Bytes are unchanged.
 
 The reference `neftune_noise_ref` draws with `torch.rand`: same semantics and distribution, different
 random numbers from the kernel's.
