@@ -15,14 +15,20 @@ Byte model of our rows: `traffic_model(b, t, d, s, mask=False)` -> (read, write)
 against bench/traffic.py's count by tests/bench/test_byte_models.py; `min_traffic` the least the op moves;
 `byte_model` both per element. Per element (s = element size): ours 1s read + 1s write, min the same; plus the
 8-byte Philox seed per program, and with `ours_mask` the (B*T,) fp32 row scale, read by each of the row's
-cdiv(d / 4, 1024) column programs: 4/d bytes per element up to d = 4096, 8/d at d = 8192 (the model printed
-before this meter said 4/d everywhere; the difference is 0.012% of the bytes in bf16). The meter agrees with these
-exactly. The torch ops that build the row scale from the mask are (B, T)-sized and not counted.
+cdiv(d, 4096) column programs (d rounded up to a multiple of 8 in bf16/fp16, of 4 in fp32): 4/d bytes per element
+up to d = 4096, 8/d at d = 8192 (the model printed before this meter said 4/d everywhere; the difference is 0.012%
+of the bytes in bf16). The meter agrees with these exactly. The torch ops that build the row scale from the mask are
+(B, T)-sized and not counted.
+
+Not bytes but instructions bound the kernel as the H200 ran it (df5b252: 1.11x hf_eager, 1.2 TB/s): 28.9 SASS
+instructions per bf16 element; 15.0 now (kernels/neftune.py, "What it costs"; `python -m bench.sm90 --only neftune
+--sass`). Issue 47's target: ours >= 2x hf_eager at 8 x 4096 x 4096 bf16 (docs/gpu_runbook.md).
 
 Usage:
     python bench/bench_neftune.py                 # GPU: 8x4096x4096 bf16 and friends
     python bench/bench_neftune.py --quick         # CPU: one tiny shape, only proves the script runs
     python bench/bench_neftune.py --shapes 4x2048x4096 --dtype fp16
+    python bench/bench_neftune.py --kernel-times  # GPU: + each row's device time (torch.profiler), host apart
 Rows go to bench/results/neftune.jsonl (+ .md) via bench.common.write_rows.
 """
 
@@ -54,10 +60,11 @@ def _cdiv(a: int, b: int) -> int:
 def traffic_model(b: int, t: int, d: int, s: int, mask: bool = False) -> tuple[int, int]:
     """Exact (read, write) bytes of our kernel on a (b, t, d) input of element size s (kernels/neftune.py's grid)."""
     n_rows = b * t
-    quarter = _cdiv(d, 4)
-    block_q = min(1 << max(0, (quarter - 1).bit_length()), 1024)
-    block_r = 8192 // (4 * block_q)
-    col_programs = _cdiv(quarter, block_q)
+    per = 8 if s == 2 else 4  # noise values per Philox call: 16-bit halves in bf16/fp16
+    groups = _cdiv(d, per)
+    block_c = min((1 << max(0, (groups - 1).bit_length())) * per, 4096)
+    block_r = 8192 // block_c
+    col_programs = _cdiv(groups * per, block_c)
     programs = _cdiv(n_rows, block_r) * col_programs
     read = n_rows * d * s + 8 * programs + (4 * n_rows * col_programs if mask else 0)  # x, seed, row scale
     return read, n_rows * d * s
@@ -92,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--alpha", type=float, default=5.0, help="NEFTune alpha (default 5.0)")
     p.add_argument(
+        "--kernel-times", action="store_true", help="on CUDA also profile each row's kernels (kernel_ms, kernels)"
+    )
+    p.add_argument(
         "--compile-backend",
         default="inductor",
         help="torch.compile backend for the hf_compile baseline (default inductor)",
@@ -105,7 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def bench_shape(shape, dtype_name: str, alpha: float, compile_backend: str, quick: bool) -> list[dict]:
+def bench_shape(
+    shape, dtype_name: str, alpha: float, compile_backend: str, quick: bool, kernel_times: bool = False
+) -> list[dict]:
     dev = common.device()
     dtype = DTYPES[dtype_name]
     B, T, d = shape
@@ -148,6 +160,7 @@ def bench_shape(shape, dtype_name: str, alpha: float, compile_backend: str, quic
                 "speedup_vs_hf_eager": timings["hf_eager"]["ms"] / t["ms"],
                 "speedup_vs_hf_compile": timings["hf_compile"]["ms"] / t["ms"],
                 **(byte_models[name].columns(e.numel(), t["ms"]) if name in byte_models else {}),
+                **(common.kernel_times(fn) if kernel_times else {}),
                 **env,
             }
         )
@@ -158,14 +171,15 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     rows = []
     for shape in args.shapes:
-        rows += bench_shape(shape, args.dtype, args.alpha, args.compile_backend, args.quick)
+        rows += bench_shape(shape, args.dtype, args.alpha, args.compile_backend, args.quick, args.kernel_times)
         if common.on_gpu():
             torch.cuda.empty_cache()
     path = common.write_rows("neftune", rows)
     for r in rows:
         gbs = f"{r['gb_s']:.1f} GB/s" if r.get("gb_s") is not None else ""
+        device = f" (device {r['kernel_ms']:.4f} ms)" if "kernel_ms" in r else ""
         print(
-            f"{r['shape']:>14} {r['dtype']} {r['impl']:<11} {r['ms']:.4f} ms  {gbs}  "
+            f"{r['shape']:>14} {r['dtype']} {r['impl']:<11} {r['ms']:.4f} ms{device}  {gbs}  "
             f"x{r['speedup_vs_hf_eager']:.2f} vs hf_eager" + common.byte_model_text(r)
         )
     print(f"rows -> {path}")

@@ -197,7 +197,8 @@ KERNEL_TARGETS: list[Target] = [
         ">",
         1.0,
     ),
-    ("neftune", "vs the Hugging Face embedding hook", {"impl": "ours"}, "speedup_vs_hf_eager", ">=", 3.0),
+    # issue 47's target (the first plan's 3x assumed a bandwidth-bound kernel against HF's three passes)
+    ("neftune", "vs the Hugging Face embedding hook", {"impl": "ours"}, "speedup_vs_hf_eager", ">=", 2.0),
     ("rope", "fwd+bwd vs liger-kernel", {"provider": "ours", "mode": "full"}, "speedup_vs_liger", ">", 1.0),
     ("rope", "fwd+bwd vs torch.compile", {"provider": "ours", "mode": "full"}, "speedup_vs_torch_compile", ">", 1.0),
 ]

@@ -16,21 +16,29 @@ How (no GPU, no CUDA build of torch needed):
    parsed (`n_regs`/`n_spills` of a CompiledKernel are only filled in when a GPU driver loads the binary).
    `always_compile` and a fresh cache directory per run: nothing is reused between runs.
 
+4. `sass_opcodes()` (with `--sass`): the cubin disassembled by the bundled cuobjdump, SASS instructions counted by
+   opcode (with modifiers: IMAD.HI.U32, LDG.E.128, ...). A static count per program; for a kernel without loops
+   (an elementwise tile) it is what each thread issues, so divided by the elements per thread it is an instruction
+   count per element: a model of an arithmetic-bound kernel's cost compiled on a CPU, not a GPU measurement.
+
 Needs TRITON_INTERPRET unset (interpreted kernels cannot be compiled); the test runs this in a subprocess.
 
     python -m bench.sm90                 # table: kernel, constexprs, warps, stages, registers, spills, shared
     python -m bench.sm90 --only rms_norm --json
+    python -m bench.sm90 --only neftune --sass   # + SASS instructions and the most frequent opcodes per kernel
 Exit status 1 when any kernel spills.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import io
 import json
 import re
+import subprocess
 import sys
 import tempfile
 import types
@@ -173,10 +181,34 @@ class Compiled:
     stack_frame: int  # bytes per thread
     shared: int  # bytes per program
     ptx_fma_f32: int  # fused multiply-adds in the PTX (fma.rn.f32): 0 where a kernel must round products and sums apart
+    sass: dict[str, int] | None = None  # SASS opcode -> instructions in the cubin (compile_cases(sass=True) only)
+
+    @property
+    def instructions(self) -> int:
+        """SASS instructions of one program, NOPs (scheduling and alignment padding) left out."""
+        if self.sass is None:
+            raise ValueError("bench.sm90: compiled without sass=True")
+        return sum(n for op, n in self.sass.items() if op != "NOP")
 
 
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+# One SASS instruction of cuobjdump -sass: "/*0120*/  [@P0 | @!UP1 ] OPCODE.MODIFIERS operands ;"
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?\w+\s+)?([A-Z][A-Z0-9_.]*)", re.MULTILINE)
+
+
+def sass_opcodes(cubin: bytes) -> collections.Counter:
+    """Opcode (with modifiers) -> count over every function of a cubin, disassembled by Triton's bundled cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    counts = collections.Counter(_SASS_LINE.findall(text))
+    if not counts:
+        raise RuntimeError(f"bench.sm90: no SASS instruction in cuobjdump's output:\n{text[:2000]}")
+    return counts
 
 
 def _specialise(launch: Launch, backend):
@@ -193,8 +225,8 @@ def _specialise(launch: Launch, backend):
     )
 
 
-def compile_sm90(case: str, launch: Launch, signature, constexprs, attrs, options) -> Compiled:
-    """Compile one specialised launch for sm_90 and read ptxas's report."""
+def compile_sm90(case: str, launch: Launch, signature, constexprs, attrs, options, sass: bool = False) -> Compiled:
+    """Compile one specialised launch for sm_90 and read ptxas's report (and, with sass, count its SASS opcodes)."""
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # knobs.nvidia.dump_ptxas_log prints ptxas -v's report
         compiled = triton.compile(
@@ -218,6 +250,7 @@ def compile_sm90(case: str, launch: Launch, signature, constexprs, attrs, option
         spill_loads=max(f[2] for f in frames),
         shared=compiled.metadata.shared,
         ptx_fma_f32=compiled.asm["ptx"].count("fma.rn.f32"),
+        sass=dict(sass_opcodes(compiled.asm["cubin"]).most_common()) if sass else None,
     )
 
 
@@ -306,11 +339,19 @@ def _adamw():
 
 
 def _neftune():
-    embeds = _cuda(8, 2048, 4096, grad=True)
-    mask = torch.empty(8, 2048, dtype=torch.int64, device="cuda")
-    for attention_mask in (None, mask):
+    # bench_neftune's 8 x 4096 x 4096 in bf16 (with and without an attention mask), fp16 and fp32; and a tensor past
+    # 2^31 elements (17 x 8192 x 16384 bf16, 4.6 GB), whose offsets need 64 bits
+    mask = torch.empty(8, 4096, dtype=torch.int64, device="cuda")
+    for dtype, attention_mask in (
+        (torch.bfloat16, None),
+        (torch.bfloat16, mask),
+        (torch.float16, None),
+        (torch.float32, None),
+    ):
+        embeds = _cuda(8, 4096, 4096, dtype=dtype, grad=True)
         y = kernels.neftune_noise(embeds, 5.0, attention_mask=attention_mask)
         y.backward(torch.empty_like(y))
+    kernels.neftune_noise(_cuda(17, 8192, 16384), 5.0)
 
 
 def _rope():
@@ -451,8 +492,9 @@ CASES: dict[str, Callable[[], None]] = {
 }
 
 
-def compile_cases(names=None) -> list[Compiled]:
-    """Every distinct kernel configuration the named cases (default: all) launch, compiled for sm_90."""
+def compile_cases(names=None, sass: bool = False) -> list[Compiled]:
+    """Every distinct kernel configuration the named cases (default: all) launch, compiled for sm_90 (with sass: and
+    their SASS opcodes counted)."""
     if triton.knobs.runtime.interpret:
         raise ValueError("bench.sm90: unset TRITON_INTERPRET (interpreted kernels cannot be compiled for sm_90)")
     unknown = sorted(set(names or ()) - set(CASES))
@@ -479,7 +521,7 @@ def compile_cases(names=None) -> list[Compiled]:
                 key, *specialised = _specialise(launch, backend)
                 if key not in seen:  # e.g. one launch per token chunk: compile each configuration once
                     seen.add(key)
-                    results.append(compile_sm90(name, launch, *specialised))
+                    results.append(compile_sm90(name, launch, *specialised, sass=sass))
     return results
 
 
@@ -491,16 +533,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help=f"comma-separated cases (default all: {','.join(CASES)})")
     parser.add_argument("--json", action="store_true", help="one JSON object per kernel configuration")
+    parser.add_argument("--sass", action="store_true", help="disassemble each cubin and count its SASS opcodes")
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n]
     try:
-        results = compile_cases(names)
+        results = compile_cases(names, sass=args.sass)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     if args.json:
         for r in results:
-            print(json.dumps(dataclasses.asdict(r)))
+            extra = {"instructions": r.instructions} if r.sass is not None else {}
+            print(json.dumps({**dataclasses.asdict(r), **extra}))
     else:
         print(
             f"{'case':<27}{'kernel':<30}{'warps':>6}{'stages':>7}{'regs':>6}"
@@ -512,6 +556,9 @@ def main(argv=None) -> int:
                 f"{r.case:<27}{r.kernel:<30}{r.num_warps:>6}{r.num_stages:>7}{r.registers:>6}"
                 f"{f'{r.spill_stores}/{r.spill_loads}':>13}{r.shared:>8}  {consts}"
             )
+            if r.sass is not None:
+                top = " ".join(f"{op} {n}" for op, n in list(r.sass.items())[:12])
+                print(f"{'':<27}SASS: {r.instructions} instructions (NOPs left out); {top}")
     return 1 if spilled(results) else 0
 
 

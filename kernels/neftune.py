@@ -27,34 +27,68 @@ so a bf16 noise value is already rounded before the bf16 add rounds again).
 
 Random numbers
 --------------
-The Triton kernel draws its noise with Triton's Philox (`tl.randint4x`: one 10-round Philox call gives
-four 32-bit numbers) from a 62-bit seed. The seed is one `torch.randint` draw from `generator` (or from
-the default generator of embeds' device when None), kept on the device and loaded by the kernel, so a
-CUDA generator costs no host sync (and CUDA-graph capture treats it like any other torch RNG op). A CPU generator with
-CUDA embeds copies its 8-byte seed host->device (non_blocking: no wait for the GPU queue, but a pageable
-copy may block the host briefly); keep the generator on the embeddings' device in the hot path.
-The noise at (row, col) is a function of (seed, row, col, d) only, never of the block sizes: row r's
-columns are split into four quarters of Q = ceil(d / 4); Philox counter r * Q + k gives the four numbers
-for columns k, Q + k, 2Q + k, 3Q + k. So one call of four outputs covers four coalesced loads.
-Under torch.compile pass generator=None (dynamo cannot trace a torch.Generator argument; the seed then
+The Triton kernel draws its noise with Philox4x32-10 (Triton's `tl.randint4x`: one call of 10 rounds gives four
+32-bit words; Salmon et al., SC 2011, "Parallel random numbers: as easy as 1, 2, 3") from a 62-bit seed. The seed is
+one `torch.randint` draw from `generator` (or from the default generator of embeds' device when None), kept on the
+device and loaded by the kernel, so a CUDA generator costs no host sync (and CUDA-graph capture treats it like any
+other torch RNG op). A CPU generator with CUDA embeds copies its 8-byte seed host->device (non_blocking: no wait for
+the GPU queue, but a pageable copy may block the host briefly); keep the generator on the embeddings' device in the
+hot path. Under torch.compile pass generator=None (dynamo cannot trace a torch.Generator argument; the seed then
 comes from the global RNG, which compiled code handles).
+
+The noise at (row, col) is a function of (seed, row, col, d) only, never of the block sizes or the grid. Row r's
+columns are cut into groups of P consecutive columns, P = 8 for bf16/fp16 and 4 for fp32; group g is Philox counter
+r * ceil(d / P) + g (the key is the seed), and its four words w = 0..3 give the group's P values:
+- fp32: column 4g + w takes the top 24 bits k of word w: u = k * 2^-23 - 1, the 2^24 equally spaced values of
+  [-1, 1), the same grid as the reference's 2 * torch.rand - 1 (torch's fp32 uniforms are 24-bit);
+- bf16/fp16: column 8g + 2w + h takes 16-bit half h of word w (h = 0 the low half): u = k * 2^-15 - 1, 2^16 values.
+  Sixteen bits change the rounded result's distribution by a bound, not a guess: the grid value is u floored to a
+  step of 2^-15, rounding is monotone, so for any x the distributions of round(x + mag * u16) and of
+  round(x + mag * u) with a continuous u differ by at most one grid cell's probability, 2^-16, in P(y <= t) for
+  every t (Kolmogorov distance <= 2^-16) and in the probability of any single rounded value. Against the output
+  dtype: the step mag * 2^-15 is under 1/128 of a bf16 ulp (1/16 of an fp16 ulp) wherever |x + noise| >= mag.
+Both grids start at -1 like torch's (E[u] = -2^-16 and -2^-24 instead of 0, as E[2 * torch.rand - 1] = -2^-24).
+So one Philox call serves eight bf16/fp16 elements (four fp32 ones), loaded and stored as one contiguous 16-byte
+access per thread. Distinct (row, group) pairs are distinct counters, so no call is reused; the words of a call and
+their halves are separate Philox outputs (Salmon et al. report Philox4x32-10 passing TestU01's BigCrush on its 32-bit
+outputs; tests/kernels/test_neftune.py checks halves and words for correlation and their joint histogram). Ten rounds
+are Triton's default and what Random123, cuRAND and torch use: 7 already pass BigCrush, and Salmon et al. chose 10 as
+the default for a safety margin, so the kernel keeps 10 (7 would cut its bf16 count below from 15.0 to 12.5
+instructions per element).
+
+What it costs (SASS instructions per element, compiled for sm_90 on a CPU by `python -m bench.sm90 --only neftune
+--sass`: instructions of one program / 32 elements per thread; a count, not a GPU time), at 8 x 4096 x 4096:
+
+    dtype             before (df5b252, as the H200 ran it)   now
+    bf16              28.9                                   15.0
+    bf16 with a mask  29.2                                   15.2
+    fp16              28.4                                   14.5
+    fp32              27.9                                   21.8
+    bf16, int64       28.9 (always int64)                    15.2   (17 x 8192 x 16384: past 2^31 elements)
+
+Before, every element paid a quarter of a Philox call (four 32-bit words per call, one per element) plus a sign fold
+and an int-to-float conversion of its word, two multiplies, an FMA and an add, int64 counters and addresses, and the
+program a shared-memory layout change (8 KB, 7 barriers) before each of its four stores. Now: an eighth of a call in
+bf16/fp16 (Philox: ~7.5 per element, ~6 instructions per round per call), a one-instruction bit placement per half,
+a subtract and one FMA (x + u * mag); int32 counters and offsets unless the tensor needs 64 bits (`WIDE`: the same
+counters, so the same noise); no shared memory. Bytes are unchanged.
 
 The reference `neftune_noise_ref` draws with `torch.rand`: same semantics and distribution, different
 random numbers from the kernel's.
 
 Bytes moved per element (s = element size): read x (s) + write y (s) = 2s. Plus, with a mask or
-position ids, a (B*T,) fp32 row-scale vector (4/d bytes per element) computed beforehand by a few small
-PyTorch ops over (B, T); without them the scale is a kernel argument. Hugging Face's hook
+position ids, a (B*T,) fp32 row-scale vector (4/d bytes per element up to d = 4096) computed beforehand by a few
+small PyTorch ops over (B, T); without them the scale is a kernel argument. Hugging Face's hook
 `x + torch.zeros_like(x).uniform_(-mag, mag)` moves 5s per element (zeros: write s; uniform_: write s;
 add: read 2s, write s) in three launches.
 
 Launch strategy
 ---------------
-2-D grid over (row blocks, quarter-column blocks): each program takes BLOCK_R rows x BLOCK_Q columns of
-each of the four quarters (a tile of 4 * BLOCK_R * BLOCK_Q = 8192 elements, 8 warps, 32 elements per
-thread); BLOCK_Q = next_pow2(Q) capped at 1024, so for d <= 4096 one program covers whole rows (d = 4096:
-BLOCK_R = 2, BLOCK_Q = 1024). Row offsets and Philox counters are int64, so tensors past 2^31
-elements work. Eager calls the launcher directly; under torch.compile it goes through the
+2-D grid over (row blocks, column blocks): each program takes BLOCK_R rows x BLOCK_C columns (BLOCK_C = P x a power
+of two >= ceil(d / P), capped at 4096; a tile of 8192 elements, 8 warps, 32 elements per thread), so for d <= 4096
+one program covers whole rows (d = 4096: BLOCK_R = 2). Rows, counters and offsets are int32 when every value the
+grid computes stays below 2^31, else int64 (`WIDE`), so tensors past 2^31 elements work. Eager calls the launcher
+directly; under torch.compile it goes through the
 `torch.ops.kernelwright.neftune_fwd` custom op, so fullgraph tracing takes it whole (one opaque call that
 launches the kernel). Not a `torch.library.triton_op`: declaring one imports torch._inductor, about 3 s of every
 `import kernels` on a CPU, for an op whose launch is all the compiled graph would see of it anyway.
@@ -77,26 +111,6 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _add_quarter_noise(
-        X_ptr,  # (N, d) embeddings, row stride stride_x
-        OUT_ptr,  # (N, d) output, row stride stride_out
-        rows64,  # (BLOCK_R,) int64 row indices
-        row_ok,  # (BLOCK_R,) rows inside the tensor
-        cols,  # (BLOCK_Q,) column indices of this quarter
-        col_ok,  # (BLOCK_Q,) columns inside this quarter and the row
-        bits,  # (BLOCK_R, BLOCK_Q) uint32 Philox output for this quarter
-        mag,  # fp32 noise magnitude, (BLOCK_R, 1) or a scalar
-        stride_x,
-        stride_out,
-    ):
-        mask = row_ok[:, None] & col_ok[None, :]
-        # fp32 right after the load: the interpreter's bf16 arithmetic is wrong and the GPU wants fp32 anyway
-        x = tl.load(X_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.uint_to_uniform_float(bits)  # [0, 1)
-        y = x + (2.0 * u - 1.0) * mag  # |noise| <= mag
-        tl.store(OUT_ptr + rows64[:, None] * stride_out + cols[None, :], y.to(OUT_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _neftune_fwd_kernel(
         X_ptr,  # (N, d) embeddings (fp32/bf16/fp16), unit column stride, row stride stride_x
         OUT_ptr,  # (N, d) output, same dtype as X, row stride stride_out
@@ -105,37 +119,55 @@ if HAS_TRITON:
         scale,  # fp32 magnitude of every row when not HAS_ROW_SCALE
         n_rows,
         n_cols,
-        quarter,  # ceil(n_cols / 4): column k of quarter j is j * quarter + k
+        n_groups,  # Philox calls per row: ceil(n_cols / 8) with HALVES, ceil(n_cols / 4) without
         stride_x,
         stride_out,
+        bits_256,  # 0x43800000, the bits of 256.0f (see below)
         HAS_ROW_SCALE: tl.constexpr,
+        HALVES: tl.constexpr,  # eight 16-bit uniforms per Philox call (bf16/fp16), else four 24-bit ones (fp32)
+        WIDE: tl.constexpr,  # int64 rows, counters and offsets (past 2^31); int32 otherwise, same values
         BLOCK_R: tl.constexpr,
-        BLOCK_Q: tl.constexpr,
+        BLOCK_G: tl.constexpr,  # Philox calls per row per program: BLOCK_G * (8 or 4) columns
     ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
-        ks = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BLOCK_Q,)
+        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # (BLOCK_G,)
+        if WIDE:
+            rows = rows.to(tl.int64)
+        # One Philox call per (row, group of columns): a function of (seed, row, col, d), not of the blocks.
+        counter = rows[:, None] * n_groups + groups[None, :]  # (BLOCK_R, BLOCK_G)
+        r0, r1, r2, r3 = tl.randint4x(tl.load(SEED_ptr), counter)  # (BLOCK_R, BLOCK_G) uint32 each
+        # [..., i, k] = word 2i + k: flattened, word w of group g sits at 4g + w (all in one thread's registers)
+        words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # (BLOCK_R, BLOCK_G, 2, 2)
+        if HALVES:
+            # Each 16-bit half h as the float 256 + h * 2^-15 (exponent of 256, h in the low mantissa bits), so
+            # u = that - 257 = h * 2^-15 - 1 exactly. The low half's mask and or take one LOP3 when 256.0f's bits
+            # come in a register (bits_256); with a literal ptxas emits two (494 against 479 SASS instructions).
+            lo = (words & 0xFFFF) | bits_256
+            hi = (words >> 16) | 0x43800000  # one LEA.HI
+            f = tl.join(lo, hi).to(tl.float32, bitcast=True)  # (BLOCK_R, BLOCK_G, 2, 2, 2): column 8g + 2w + h
+            u = tl.reshape(f, (BLOCK_R, BLOCK_G * 8)) - 257.0  # (BLOCK_R, BLOCK_C)
+            BLOCK_C: tl.constexpr = BLOCK_G * 8
+        else:
+            # The word's top 24 bits r: u = r * 2^-23 - 1 exactly (r converts to fp32 without rounding).
+            r24 = tl.reshape(words >> 8, (BLOCK_R, BLOCK_G * 4)).to(tl.float32)  # column 4g + w
+            u = tl.fma(r24, 1.1920928955078125e-07, -1.0)  # (BLOCK_R, BLOCK_C)
+            BLOCK_C: tl.constexpr = BLOCK_G * 4
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
         row_ok = rows < n_rows
-        k_ok = ks < quarter
-        rows64 = rows.to(tl.int64)
-        seed = tl.load(SEED_ptr)
-        # One counter per (row, k): the noise depends on (seed, row, col, d) only, not on the block sizes.
-        counter = rows64[:, None] * quarter + ks[None, :]  # (BLOCK_R, BLOCK_Q) int64
-        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
         if HAS_ROW_SCALE:
-            mag = tl.load(ROW_SCALE_ptr + rows64, mask=row_ok, other=0.0)[:, None]  # (BLOCK_R, 1)
+            mag = tl.load(ROW_SCALE_ptr + rows, mask=row_ok, other=0.0)[:, None]  # (BLOCK_R, 1)
         else:
             mag = scale
-        _add_quarter_noise(X_ptr, OUT_ptr, rows64, row_ok, ks, k_ok, r0, mag, stride_x, stride_out)
-        c1 = quarter + ks
-        _add_quarter_noise(X_ptr, OUT_ptr, rows64, row_ok, c1, k_ok & (c1 < n_cols), r1, mag, stride_x, stride_out)
-        c2 = 2 * quarter + ks
-        _add_quarter_noise(X_ptr, OUT_ptr, rows64, row_ok, c2, k_ok & (c2 < n_cols), r2, mag, stride_x, stride_out)
-        c3 = 3 * quarter + ks
-        _add_quarter_noise(X_ptr, OUT_ptr, rows64, row_ok, c3, k_ok & (c3 < n_cols), r3, mag, stride_x, stride_out)
+        # fp32 right after the load: the interpreter's bf16 arithmetic is wrong and the GPU wants fp32 anyway
+        x = tl.load(X_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.fma(u, mag, x)  # x + u * mag rounded once in fp32; |u * mag| <= mag
+        tl.store(OUT_ptr + rows[:, None] * stride_out + cols[None, :], y.to(OUT_ptr.dtype.element_ty), mask=mask)
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TILE = 8192  # elements per program (4 quarters x BLOCK_R x BLOCK_Q): 32 per thread at 8 warps
+_TILE = 8192  # elements per program (BLOCK_R rows x BLOCK_C columns): 32 per thread at 8 warps
+_MAX_COLS = 4096  # columns per program at most
 
 
 def neftune_fwd(
@@ -144,11 +176,14 @@ def neftune_fwd(
     scale: float,
     row_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    *,
+    wide: bool | None = None,
 ) -> torch.Tensor:
     """Launch the kernel: x + U(-1, 1) * magnitude, magnitude = row_scale[row] if given else scale.
 
     x: (..., d) fp32/bf16/fp16; seed: int64 tensor with one element on x's device; row_scale: (prod(...),)
-    fp32 on x's device; out: optional contiguous buffer of x's shape and dtype. Returns y of x's shape.
+    fp32 on x's device; out: optional contiguous buffer of x's shape and dtype; wide: int64 counters and offsets
+    (default: when 32 bits would not hold them; forcing it on changes no value). Returns y of x's shape.
     """
     if not HAS_TRITON:
         raise RuntimeError("neftune_fwd needs triton (pip install triton); neftune_noise_ref runs without it")
@@ -171,11 +206,17 @@ def neftune_fwd(
         if row_scale.shape != (n_rows,) or row_scale.dtype != torch.float32:
             raise ValueError(f"neftune_fwd: row_scale must be a float32 tensor of shape ({n_rows},)")
         row_scale = row_scale.contiguous()
-    # Blocks depend on d only (static in practice) so tracing with a symbolic number of rows adds no guard.
-    quarter = triton.cdiv(int(d), 4)
-    block_q = min(triton.next_power_of_2(quarter), 1024)
-    block_r = _TILE // (4 * block_q)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(quarter, block_q))
+    # Blocks depend on d and the dtype only; 64-bit arithmetic on the tensor's extent.
+    halves = x.element_size() == 2
+    per = 8 if halves else 4  # noise values per Philox call
+    n_groups = triton.cdiv(int(d), per)
+    block_c = min(triton.next_power_of_2(n_groups) * per, _MAX_COLS)
+    block_r = _TILE // block_c
+    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_groups * per, block_c))
+    if wide is None:
+        # every counter and offset the grid computes, masked lanes included, below 2^31
+        reach = grid[0] * block_r * max(x2.stride(0), out2.stride(0), grid[1] * block_c)
+        wide = reach >= 2**31
     torch.library.wrap_triton(_neftune_fwd_kernel)[grid](
         x2,
         out2,
@@ -184,12 +225,15 @@ def neftune_fwd(
         float(scale),
         n_rows,
         d,
-        quarter,
+        n_groups,
         x2.stride(0),
         out2.stride(0),
+        0x43800000,  # bits_256
         HAS_ROW_SCALE=has_row_scale,
+        HALVES=halves,
+        WIDE=bool(wide),
         BLOCK_R=block_r,
-        BLOCK_Q=block_q,
+        BLOCK_G=block_c // per,
         num_warps=8,
     )
     return out
