@@ -331,10 +331,10 @@ def model_notes(model: str) -> str:
             "attention, whose T x T scores per head make its peak grow with T^2, so the line through two traces does "
             "not hold for it (below: how linear the peak is) and its rungs are found by bisection on traces "
             "(`context_for_budget`). Ours runs it through flex attention (its windows and sinks), whose block mask "
-            "trainer/model/attention.py builds with torch's create_block_mask, uncompiled: that evaluates the mask "
-            "over every query-key pair (a dense (T, T) mask and its int64 index arithmetic) at the start of each "
-            "forward, so ours' peak grows with T^2 as well, there (what is live at the peak, below); a block mask made "
-            "without the dense one would lift it (not done here)."
+            "trainer/model/attention.py builds slab by slab (`block_mask`: at most 2^24 query-key pairs evaluated at "
+            "once, torch's create_block_mask's BlockMask field for field); torch's own create_block_mask, uncompiled, "
+            "evaluates every pair at once (~10 B a pair: 104 GB at 101,888 tokens), which bounded ours' rungs before "
+            "2026-11-29."
         )
     if hybrid:
         notes.append(

@@ -50,7 +50,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (
+    _DEFAULT_SPARSE_BLOCK_SIZE,
+    AuxRequest,
+    BlockMask,
+    _create_sparse_block_from_block_mask,
+    flex_attention,
+)
 
 BACKENDS = ("auto", "sdpa", "flex", "flash")
 
@@ -78,6 +84,38 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(position_ids, dtype=torch.bool)  # (B, T); t = 0 always starts one
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     return starts.cumsum(-1)  # (B, T)
+
+
+# (query, key) pairs a block mask evaluates at once: ~10 bytes each (the bool mask and the int64 index arithmetic of
+# the mask function), so a slab stays near 170 MB however long the rows are.
+MASK_PAIRS = 1 << 24
+
+
+def block_mask(mask_mod, rows: int, seq_len: int, device, block: int = _DEFAULT_SPARSE_BLOCK_SIZE) -> BlockMask:
+    """torch's `create_block_mask(mask_mod, rows, None, seq_len, seq_len, device)`, the same BlockMask, without the
+    dense (rows, T, T) mask it evaluates first: the mask function runs on slabs of whole query blocks against every
+    key (MASK_PAIRS pairs at most, one block at least), each slab reduced to its blocks' counts at once, so the
+    transient is (rows, slab, T) instead of (rows, T, T) (~10 B a pair: 104 GB at 101,888 tokens, a slab of 128
+    queries 130 MB). `mask_mod(b, h, q, k)` must broadcast over index tensors (b (rows, 1, 1), q (1, Q, 1), k (1, 1,
+    T)), as ours do; torch calls it under vmap, one index at a time. Blocks past the end count as masked, as torch's
+    padding makes them."""
+    n_blocks = -(-seq_len // block)
+    slab = max(1, MASK_PAIRS // (block * block * n_blocks))  # query blocks a slab
+    b = torch.arange(rows, device=device)[:, None, None]  # (rows, 1, 1)
+    keys = torch.arange(seq_len, device=device)[None, None, :]  # (1, 1, T)
+    counts = []
+    for first in range(0, n_blocks, slab):
+        stop = min(first + slab, n_blocks)
+        queries = torch.arange(first * block, min(stop * block, seq_len), device=device)  # (Q,)
+        mask = mask_mod(b, 0, queries[None, :, None], keys).expand(rows, len(queries), seq_len)  # (rows, Q, T)
+        mask = F.pad(mask, (0, n_blocks * block - seq_len, 0, (stop - first) * block - len(queries)))
+        counts.append(mask.view(rows, stop - first, block, n_blocks, block).sum(dim=(2, 4)))  # (rows, slab, blocks)
+    count = torch.cat(counts, dim=1)[:, None]  # (rows, 1, blocks, blocks)
+    full = count == block * block
+    partial = (count > 0) & ~full
+    return _create_sparse_block_from_block_mask(
+        (partial.to(torch.int8), full.to(torch.int8)), mask_mod, (seq_len, seq_len), block, block
+    )
 
 
 @dataclass
@@ -162,8 +200,8 @@ class AttentionPlan:
                 ok = ok & valid[b, ki]
             return ok
 
-        rows = self.batch if (doc is not None or valid is not None) else None  # None: one mask for all rows
-        return create_block_mask(mask_mod, rows, None, self.seq_len, self.seq_len, device=self.device)
+        rows = self.batch if (doc is not None or valid is not None) else 1  # 1: one mask for all rows
+        return block_mask(mask_mod, rows, self.seq_len, self.device)
 
     def _flash(self, q, k, v, window):
         fn = _flash_attn()

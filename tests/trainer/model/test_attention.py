@@ -184,3 +184,64 @@ def test_a_long_packed_row_allocates_linear_memory(window):
     small, large = _largest_in_training_step(2048, window), _largest_in_training_step(4096, window)
     assert large <= 2.1 * small, (small, large)
     assert large <= 4096 * 32 * 4 * 2  # the logits (T, vocab) in fp32, twice: no (T, T) tensor of 16.8 M
+
+
+def _mask_mod(rows: int, T: int, window: int | None, docs: bool, padding: bool):
+    """AttentionPlan's flex mask function over random documents and padding (sorted ids: contiguous documents)."""
+    g = torch.Generator().manual_seed(T + rows)
+    doc = torch.sort(torch.randint(0, 4, (rows, T), generator=g), dim=1).values if docs else None
+    valid = torch.rand(rows, T, generator=g) > 0.2 if padding else None
+
+    def mask_mod(b, h, qi, ki):
+        ok = ki <= qi
+        if window is not None:
+            ok = ok & (qi - ki < window)
+        if doc is not None:
+            ok = ok & (doc[b, qi] == doc[b, ki])
+        if valid is not None:
+            ok = ok & valid[b, ki]
+        return ok
+
+    return mask_mod
+
+
+@pytest.mark.parametrize(
+    "rows, T, window, docs, padding",
+    [(1, 5, None, False, False), (1, 300, 100, False, False), (3, 700, None, True, True), (2, 384, 100, True, False)],
+)
+def test_flex_block_mask_equals_torchs_create_block_mask(monkeypatch, rows, T, window, docs, padding):
+    """attention.block_mask gives create_block_mask's BlockMask field for field, in one slab and in slabs of one
+    query block (MASK_PAIRS small), for lengths under, at and past a block, windows, documents and padding."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from trainer.model import attention
+
+    mask_mod = _mask_mod(rows, T, window, docs, padding)
+    want = create_block_mask(mask_mod, rows, None, T, T, device="cpu")
+    for pairs in (attention.MASK_PAIRS, 1):
+        monkeypatch.setattr(attention, "MASK_PAIRS", pairs)
+        got = attention.block_mask(mask_mod, rows, T, "cpu")
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (name, pairs)
+        for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (name, pairs)
+        assert (got.seq_lengths, got.BLOCK_SIZE) == (want.seq_lengths, want.BLOCK_SIZE)
+
+
+def test_flex_block_mask_never_holds_a_T_by_T_tensor(monkeypatch):
+    """torch's create_block_mask evaluates the mask over every (query, key) pair at once (the gpt-oss ladder found
+    ~10 B a pair, quadratic in T); block_mask holds one slab of query blocks: at T = 2048 with slabs of one block, the
+    largest tensor is a (128, 2048) slab's int64 arithmetic, 16x under torch's (2048, 2048) bool mask alone."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from trainer.model import attention
+
+    T, window = 2048, 256
+    mask_mod = _mask_mod(1, T, window, docs=True, padding=False)
+    with _LargestTensor() as theirs:
+        create_block_mask(mask_mod, 1, None, T, T, device="cpu")
+    monkeypatch.setattr(attention, "MASK_PAIRS", 128 * 128 * (T // 128))  # one query block a slab
+    with _LargestTensor() as ours:
+        attention.block_mask(mask_mod, 1, T, "cpu")
+    assert theirs.largest >= T * T, theirs.largest
+    assert ours.largest <= 128 * T * 8, ours.largest
