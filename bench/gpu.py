@@ -74,6 +74,8 @@ ANCHORS = {
     # Qwen3-30B-A3B's experts at 8192 tokens (k 8 of 128) and gpt-oss-20b's at 4096 (k 4 of 32): 512 rows per expert
     "moe": ["--tokens-per-expert", "512"],
 }
+# The benchmarks that can add each row's device time (`--kernel-times`: torch.profiler's kernel time beside the wall).
+KERNEL_TIMES = ("rms_norm", "rope", "swiglu", "neftune")
 # --quick: each script's own tiny CPU shapes; aot_eager keeps torch.compile's baseline to seconds on a CPU.
 QUICK = {
     op: ["--quick"]
@@ -440,6 +442,12 @@ def derived_kernel_ratios(results: dict[str, list[dict]]) -> None:
             row["speedup_vs_triton"] = triton["ms"] / row["ms"]
 
 
+def kernel_flags(op: str, args) -> list[str]:
+    """One benchmark's flags: its anchor shapes (its tiny ones with --quick), plus --kernel-times where it has it."""
+    flags = QUICK[op] if args.quick else ANCHORS[op]
+    return [*flags, "--kernel-times"] if args.kernel_times and op in KERNEL_TIMES else list(flags)
+
+
 def part_kernels(args, out: Path, deadline: float) -> int:
     ops = kernel_runner.parse_ops(args.only)
     results_dir = common.RESULTS
@@ -451,7 +459,7 @@ def part_kernels(args, out: Path, deadline: float) -> int:
                 if time.monotonic() > deadline:
                     not_run.append(op)
                     continue
-                done, failed = kernel_runner.run([op], lambda op: QUICK[op] if args.quick else ANCHORS[op])
+                done, failed = kernel_runner.run([op], lambda op: kernel_flags(op, args))
                 results.update(done)
                 failures.update(failed)
         finally:
@@ -463,8 +471,7 @@ def part_kernels(args, out: Path, deadline: float) -> int:
     png = kernel_runner.chart(results, out / "kernels.png")
     lines = header("Kernel benchmarks at the issue-16 anchor shapes")
     lines += [
-        "Flags per benchmark: "
-        + "; ".join(f"{op} `{' '.join(QUICK[op] if args.quick else ANCHORS[op])}`" for op in ops),
+        "Flags per benchmark: " + "; ".join(f"{op} `{' '.join(kernel_flags(op, args))}`" for op in ops),
         "",
         *(
             [f"Not run: {', '.join(not_run)} (the part's --budget-s was spent before they started).", ""]
@@ -676,6 +683,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--only",
         default=",".join(kernel_runner.OPS),
         help="kernels: comma-separated subset of " + ", ".join(kernel_runner.OPS),
+    )
+    p.add_argument(
+        "--kernel-times",
+        action="store_true",
+        help="kernels: each row's device time beside its wall time, for " + ", ".join(KERNEL_TIMES),
     )
     p.add_argument(
         "--configs",

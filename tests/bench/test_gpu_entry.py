@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,6 +55,16 @@ def test_kernels_part_writes_rows_targets_and_one_chart(tmp_path):
     assert "## rms_norm: every row" in text and "## adamw: every row" in text
     assert (tmp_path / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert common.RESULTS == results_before  # the part's scratch folder is not left behind
+
+
+def test_kernel_times_reach_the_benchmarks_that_have_them():
+    args = gpu.parse_args(["--part", "kernels", "--out", "unused", "--kernel-times"])
+    assert gpu.kernel_flags("rope", args) == [*gpu.ANCHORS["rope"], "--kernel-times"]
+    assert gpu.kernel_flags("adamw", args) == gpu.ANCHORS["adamw"]  # bench_adamw has no such flag
+    for op in gpu.KERNEL_TIMES:  # each of them parses it
+        script = (Path(gpu.__file__).parent / f"bench_{op}.py").read_text()
+        assert '"--kernel-times"' in script or "provider_parser(" in script, op
+    assert gpu.kernel_flags("rope", gpu.parse_args(["--part", "kernels", "--out", "x"])) == gpu.ANCHORS["rope"]
 
 
 def test_kernels_part_starts_no_benchmark_once_its_budget_is_spent(tmp_path, monkeypatch):
