@@ -69,6 +69,7 @@ Bench: python bench/bench_rms_norm.py [--op fused_add_rms_norm]   (GPU: real-mod
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import NamedTuple
 
@@ -453,55 +454,133 @@ def _require_triton() -> None:
         raise RuntimeError("kernels.rms_norm: the Triton path needs triton (pip install triton)")
 
 
-def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
-    # The kernels take any row stride (a stride-0 broadcast dy included) but need contiguous columns.
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv, without its constexpr-function wrapper's cost on the host
 
 
-def _fwd(x2d, residual, weight, eps, offset, max_block):
-    """The forward launch: (y, h, rstd); h = x + residual (None without a residual) and y in promote(x, residual)."""
-    _require_triton()
-    x2d = _unit_col_stride(x2d)
-    weight = weight.contiguous()
-    M, N = x2d.shape
-    if residual is None:
-        out_dtype, h = x2d.dtype, None
-    else:
-        residual = _unit_col_stride(residual)
-        out_dtype = torch.promote_types(x2d.dtype, residual.dtype)  # as torch's x + residual
-        h = torch.empty((M, N), dtype=out_dtype, device=x2d.device)  # (M, N)
-    y = torch.empty((M, N), dtype=out_dtype, device=x2d.device)  # (M, N)
-    rstd = torch.empty((M,), dtype=torch.float32, device=x2d.device)  # (M,)
-    if M == 0:
-        return y, h, rstd
-    block_m, block_n, one_block, num_warps = launch_config(M, N, max_block)
-    res, h_out = (x2d, y) if residual is None else (residual, h)  # unused pointers when there is no residual
-    _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
-        x2d,
-        res,
-        weight,
-        y,
-        h_out,
-        rstd,
-        M,
-        N,
-        x2d.stride(0),
-        res.stride(0),
-        y.stride(0),
-        h_out.stride(0),
-        eps,
-        offset,
+def _flat(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t as the kernels' rows of n: t itself where it is 2-D (any row stride) or contiguous (its rows n apart, whatever
+    its rank), else t.reshape(-1, n) (a view, or a copy where the rows cannot be viewed so). No view op where none is
+    needed (module docstring, "Host work")."""
+    return t if t.dim() == 2 or t.is_contiguous() else t.reshape(-1, n)
+
+
+def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(the tensor the kernels read t's rows of n from, its row stride): `_flat`, then a contiguous copy where the
+    columns' stride is not 1. The kernels take any row stride (a stride-0 broadcast dy included) but need contiguous
+    columns."""
+    if t.dim() != 2:
+        if t.is_contiguous():
+            return t, n
+        t = t.reshape(-1, n)
+    stride = t.stride()
+    if stride[1] != 1 and n > 1:
+        t = t.contiguous()
+        stride = t.stride()
+    return t, stride[0]
+
+
+def _n_rows(shape: torch.Size) -> int:
+    return shape[0] if len(shape) == 2 else math.prod(shape[:-1])
+
+
+# Launch plans (grid, tiles, constexprs, warps; the backward's program count) by problem: a plain function of the
+# problem's sizes, dtypes and device, computed once rather than on every call. Not used while torch.compile traces
+# (the plan is computed there as it always was, no global state in the graph). fake CUDA (bench/sm90.py) clears it, as
+# its SM count is not the machine's.
+_PLANS: dict = {}
+_MAX_PLANS = 4096  # a cap, for callers whose row counts never repeat
+
+
+def clear_launch_plans() -> None:
+    """Forget every cached launch plan (after the device's reported SM count changed, as under fake CUDA)."""
+    _PLANS.clear()
+
+
+def _plan(build, *key):
+    if torch.compiler.is_compiling():
+        return build(*key)
+    plan = _PLANS.get((build, *key))
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[(build, *key)] = build(*key)
+    return plan
+
+
+def _fwd_plan(m, n, max_block, has_residual):
+    """(grid, the launch's constexprs and warps) of the forward."""
+    block_m, block_n, one_block, num_warps = launch_config(m, n, max_block)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, HAS_RESIDUAL=has_residual, num_warps=num_warps)
+    return (_cdiv(m, block_m),), meta
+
+
+def _bwd_plan(m, n, same_dtype, max_block, has_dh, two_dx, compute_dw, num_programs, device):
+    """(programs, rows per program, the row-dot pass's grid and constexprs or None, the backward's constexprs)."""
+    cfg = bwd_launch_config(m, n, same_dtype, max_block, has_dh=has_dh, two_dx=two_dx)
+    block_m, block_n, num_warps = cfg.block_m, cfg.block_n, cfg.num_warps
+    if num_programs is None:
+        # About two programs per SM keeps every SM streaming while one waits on memory (not yet tuned on a
+        # GPU: bench/bench_rms_norm.py is the place to revisit it).
+        num_programs = 2 * num_sms(device.index or 0) if device.type == "cuda" else _CPU_BWD_PROGRAMS
+    if num_programs < 1:
+        raise ValueError(f"num_programs={num_programs} must be >= 1")
+    tiles = _cdiv(m, block_m)
+    # Whole tiles per program so only the last program sees a ragged tile.
+    rows_per_prog = _cdiv(tiles, min(num_programs, tiles)) * block_m
+    programs = _cdiv(m, rows_per_prog)
+    rowdot = None
+    if not cfg.one_block:
+        rowdot = (tiles,), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    meta = dict(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        ONE_BLOCK=one_block,
-        HAS_RESIDUAL=residual is not None,
+        ONE_BLOCK=cfg.one_block,
+        COMPUTE_DW=compute_dw,
+        HAS_DH=has_dh,
+        TWO_DX=two_dx,
+        EVEN_N=cfg.even_n,
+        STAGES=cfg.stages,
+        W_PER_ROW=cfg.w_per_row,
         num_warps=num_warps,
+    )
+    return programs, rows_per_prog, rowdot, meta
+
+
+def _fwd(x, residual, weight, eps, offset, max_block):
+    """The forward launch: (y, h, rstd); h = x + residual (None without a residual) and y in promote(x, residual), both
+    in x's shape (any rank: its rows are its last dim)."""
+    _require_triton()
+    shape, x_dtype, device = x.shape, x.dtype, x.device
+    n, m = shape[-1], _n_rows(shape)
+    x, stride_x = _rows(x, n)
+    weight = weight.contiguous()
+    if residual is None:
+        out_dtype, h = x_dtype, None
+    else:
+        residual, stride_res = _rows(residual, n)
+        res_dtype = residual.dtype
+        # as torch's x + residual (torch.promote_types is an aten op: not called when the dtypes agree)
+        out_dtype = x_dtype if res_dtype == x_dtype else torch.promote_types(x_dtype, res_dtype)
+        h = torch.empty(shape, dtype=out_dtype, device=device)  # x's shape, contiguous: rows n apart
+    y = torch.empty(shape, dtype=out_dtype, device=device)  # x's shape, contiguous: rows n apart
+    rstd = torch.empty((m,), dtype=torch.float32, device=device)  # (M,)
+    if m == 0:
+        return y, h, rstd
+    grid, meta = _plan(_fwd_plan, m, n, max_block, residual is not None)
+    if residual is None:  # unused pointers without a residual
+        residual, stride_res, h_out = x, stride_x, y
+    else:
+        h_out = h
+    _rms_norm_fwd_kernel[grid](
+        x, residual, weight, y, h_out, rstd, m, n, stride_x, stride_res, n, n, eps, offset, **meta
     )
     return y, h, rstd
 
 
 def rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, *, max_block: int | None = None):
-    """Launch the forward on an (M, N) input. Returns y (M, N) in x's dtype and rstd (M,) fp32. No autograd."""
+    """Launch the forward on an (M, N) input (or any rank, rows in the last dim). Returns y in x's shape and dtype and
+    rstd (M,) fp32. No autograd."""
     y, _, rstd = _fwd(x2d, None, weight, eps, offset, max_block)
     return y, rstd
 
@@ -515,91 +594,68 @@ def fused_add_rms_norm_fwd(
     *,
     max_block: int | None = None,
 ):
-    """Launch the forward of rms_norm(x + residual) on (M, N) inputs, one pass. Returns normed and h = x + residual
-    (M, N) in promote(x, residual)'s dtype and rstd (M,) fp32. No autograd."""
+    """Launch the forward of rms_norm(x + residual) on (M, N) inputs (or any rank), one pass. Returns normed and
+    h = x + residual in x's shape and promote(x, residual)'s dtype, and rstd (M,) fp32. No autograd."""
     return _fwd(x2d, res2d, weight, eps, offset, max_block)
 
 
-def _bwd(dy2d, x2d, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, num_programs):
-    """The backward launches: ([dx in each of dx_dtypes (one or two)], dweight or None); with dh, dx includes it."""
+def _bwd(dy, x, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, num_programs):
+    """The backward launches: ([dx in each of dx_dtypes (one or two), in dy's shape], dweight or None); with dh, dx
+    includes it. dy, x and dh: the same rows, any rank each (x as the forward saved it)."""
     _require_triton()
-    dy2d = _unit_col_stride(dy2d)
-    x2d = _unit_col_stride(x2d)
-    dh = None if dh is None else _unit_col_stride(dh)
+    shape, device, w_dtype = dy.shape, x.device, weight.dtype
+    n, m = shape[-1], _n_rows(x.shape)
+    dy, stride_dy = _rows(dy, n)
+    x, stride_x = _rows(x, n)
     weight = weight.contiguous()
-    M, N = x2d.shape
-    dxs = [torch.empty((M, N), dtype=d, device=x2d.device) for d in dx_dtypes]  # (M, N) each
-    if M == 0:
-        dw = torch.zeros((N,), dtype=weight.dtype, device=weight.device) if compute_dw else None
+    dxs = [torch.empty(shape, dtype=d, device=device) for d in dx_dtypes]  # dy's shape, contiguous: rows n apart
+    if m == 0:
+        dw = torch.zeros((n,), dtype=w_dtype, device=weight.device) if compute_dw else None
         return dxs, dw
-    same_dtype = x2d.dtype if x2d.dtype == dy2d.dtype else None
-    cfg = bwd_launch_config(M, N, same_dtype, max_block, has_dh=dh is not None, two_dx=len(dxs) == 2)
-    block_m, block_n, one_block, num_warps = cfg.block_m, cfg.block_n, cfg.one_block, cfg.num_warps
-    if num_programs is None:
-        # About two programs per SM keeps every SM streaming while one waits on memory (not yet tuned on a
-        # GPU: bench/bench_rms_norm.py is the place to revisit it).
-        num_programs = 2 * num_sms(x2d.device.index or 0) if x2d.is_cuda else _CPU_BWD_PROGRAMS
-    if num_programs < 1:
-        raise ValueError(f"num_programs={num_programs} must be >= 1")
-    tiles = triton.cdiv(M, block_m)
-    # Whole tiles per program so only the last program sees a ragged tile.
-    rows_per_prog = triton.cdiv(tiles, min(num_programs, tiles)) * block_m
-    programs = triton.cdiv(M, rows_per_prog)
-    # Every (program, column) of the partial buffer is written exactly once, so no zero-fill is needed.
-    dw_partial = torch.empty((programs, N) if compute_dw else (1,), dtype=torch.float32, device=x2d.device)
-    if one_block:
+    x_dtype = x.dtype
+    same_dtype = x_dtype if x_dtype == dy.dtype else None
+    programs, rows_per_prog, rowdot, meta = _plan(
+        _bwd_plan, m, n, same_dtype, max_block, dh is not None, len(dxs) == 2, compute_dw, num_programs, device
+    )
+    # Every (program, column) of the partial buffer is written exactly once, so no zero-fill is needed. Without
+    # dweight nothing is written to it: any fp32 pointer will do (rstd), no allocation.
+    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=device) if compute_dw else rstd
+    if rowdot is None:
         c = rstd  # unused by the ONE_BLOCK kernel; any fp32 pointer will do
     else:
-        c = torch.empty((M,), dtype=torch.float32, device=x2d.device)  # (M,)
-        _rms_norm_bwd_rowdot_kernel[(tiles,)](
-            dy2d,
-            x2d,
-            weight,
-            rstd,
-            c,
-            M,
-            N,
-            dy2d.stride(0),
-            x2d.stride(0),
-            offset,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=num_warps,
-        )
+        c = torch.empty((m,), dtype=torch.float32, device=device)  # (M,)
+        grid, rowdot_meta = rowdot
+        _rms_norm_bwd_rowdot_kernel[grid](dy, x, weight, rstd, c, m, n, stride_dy, stride_x, offset, **rowdot_meta)
     dx, dx2 = dxs[0], dxs[-1]
-    dh_in = dy2d if dh is None else dh  # unused pointer without dh
+    if dh is None:  # unused pointer without dh
+        dh, stride_dh = dy, stride_dy
+    else:
+        dh, stride_dh = _rows(dh, n)
     _rms_norm_bwd_kernel[(programs,)](
-        dy2d,
-        x2d,
+        dy,
+        x,
         weight,
         rstd,
         c,
-        dh_in,
+        dh,
         dx,
         dx2,
         dw_partial,
-        M,
-        N,
+        m,
+        n,
         rows_per_prog,
-        dy2d.stride(0),
-        x2d.stride(0),
-        dh_in.stride(0),
-        dx.stride(0),
-        dx2.stride(0),
+        stride_dy,
+        stride_x,
+        stride_dh,
+        n,
+        n,
         offset,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        ONE_BLOCK=one_block,
-        COMPUTE_DW=compute_dw,
-        HAS_DH=dh is not None,
-        TWO_DX=len(dxs) == 2,
-        EVEN_N=cfg.even_n,
-        STAGES=cfg.stages,
-        W_PER_ROW=cfg.w_per_row,
-        num_warps=num_warps,
+        **meta,
     )
-    dw = dw_partial.sum(dim=0).to(weight.dtype) if compute_dw else None  # (N,), summed in fp32
-    return dxs, dw
+    if not compute_dw:
+        return dxs, None
+    dw = dw_partial.sum(dim=0)  # (N,), summed in fp32
+    return dxs, (dw if w_dtype == torch.float32 else dw.to(w_dtype))  # then rounded once to weight's dtype
 
 
 def rms_norm_bwd(
@@ -613,7 +669,7 @@ def rms_norm_bwd(
     max_block: int | None = None,
     num_programs: int | None = None,
 ):
-    """Launch the backward. Returns dx (M, N) in x's dtype and dweight (N,) in weight's dtype (None when
+    """Launch the backward. Returns dx in dy's shape (M, N) and x's dtype, and dweight (N,) in weight's dtype (None when
     compute_dw is False). `num_programs` overrides the number of backward programs (dweight partial rows)."""
     (dx,), dw = _bwd(dy2d, x2d, weight, rstd, offset, None, [x2d.dtype], compute_dw, max_block, num_programs)
     return dx, dw
@@ -642,33 +698,35 @@ def fused_add_rms_norm_bwd(
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """Autograd over the Triton launchers; takes a 2-D (M, N) input."""
+    """Autograd over the Triton launchers; takes x of any rank (rows in the last dim), y in its shape. A 2-D or
+    contiguous x is read where it lies: no view op, and no view node in the graph."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, eps, offset, max_block=None):
-        y, rstd = rms_norm_fwd(x2d, weight, eps, offset, max_block=max_block)
-        ctx.save_for_backward(x2d, weight, rstd)
-        ctx.offset = offset
-        ctx.max_block = max_block
-        return y
+    def forward(ctx, x, weight, eps, offset, max_block=None):
+        rows = _flat(x, x.shape[-1])  # x, or its rows viewed (or copied) where x is neither 2-D nor contiguous
+        y, _, rstd = _fwd(rows, None, weight, eps, offset, max_block)
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.offset, ctx.max_block = offset, max_block
+        return y if rows is x else y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, weight, rstd = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = rms_norm_bwd(dy, x2d, weight, rstd, ctx.offset, compute_dw=need_dw, max_block=ctx.max_block)
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        (dx,), dw = _bwd(dy, x, weight, rstd, ctx.offset, None, [x.dtype], need_dw, ctx.max_block, None)
         return (dx if need_dx else None), dw, None, None, None
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
-    """Autograd over the Triton launchers for (normed, h) = (rms_norm(x + residual), x + residual); 2-D (M, N) inputs.
-    Saves h (which the caller keeps anyway as the residual stream), the weight and rstd."""
+    """Autograd over the Triton launchers for (normed, h) = (rms_norm(x + residual), x + residual); inputs of any rank
+    (rows in the last dim), outputs in x's shape. Saves h (which the caller keeps anyway as the residual stream), the
+    weight and rstd."""
 
     @staticmethod
-    def forward(ctx, x2d, res2d, weight, eps, offset, max_block=None):
-        y, h, rstd = fused_add_rms_norm_fwd(x2d, res2d, weight, eps, offset, max_block=max_block)
+    def forward(ctx, x, residual, weight, eps, offset, max_block=None):
+        y, h, rstd = _fwd(x, residual, weight, eps, offset, max_block)
         ctx.save_for_backward(h, weight, rstd)
-        ctx.offset, ctx.max_block, ctx.dtypes = offset, max_block, (x2d.dtype, res2d.dtype)
+        ctx.offset, ctx.max_block, ctx.dtypes = offset, max_block, (x.dtype, residual.dtype)
         ctx.set_materialize_grads(False)  # an unused h hands back None: no zero tensor to read
         return y, h
 
@@ -677,38 +735,31 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         h, weight, rstd = ctx.saved_tensors
         if dnormed is None:  # normed unused: the norm adds nothing to d_h
             dnormed = torch.zeros_like(h)
-        dx, dres, dw = fused_add_rms_norm_bwd(
-            dnormed,
-            dh,
-            h,
-            weight,
-            rstd,
-            ctx.offset,
-            *ctx.dtypes,
-            compute_dw=ctx.needs_input_grad[2],
-            max_block=ctx.max_block,
-        )
-        return dx, dres, dw, None, None, None
+        x_dtype, res_dtype = ctx.dtypes
+        dtypes = [res_dtype] if x_dtype == res_dtype else [res_dtype, x_dtype]
+        dxs, dw = _bwd(dnormed, h, weight, rstd, ctx.offset, dh, dtypes, ctx.needs_input_grad[2], ctx.max_block, None)
+        return dxs[-1], dxs[0], dw, None, None, None
 
 
 def _check_args(x, weight, eps, offset, op="rms_norm") -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{op}: x must be a float32, bfloat16 or float16 tensor, got {got}")
-    if x.dim() < 1 or x.shape[-1] < 1:
-        raise ValueError(f"{op}: x must have a last dim (the hidden size) >= 1, got shape {tuple(x.shape)}")
+    shape = x.shape
+    if len(shape) < 1 or shape[-1] < 1:
+        raise ValueError(f"{op}: x must have a last dim (the hidden size) >= 1, got shape {tuple(shape)}")
     if not isinstance(weight, torch.Tensor) or weight.dtype not in _DTYPES:
         got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise TypeError(f"{op}: weight must be a float32, bfloat16 or float16 tensor, got {got}")
-    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"{op}: weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}"
-        )
+    w_shape = weight.shape
+    if len(w_shape) != 1 or w_shape[0] != shape[-1]:
+        raise ValueError(f"{op}: weight must have shape ({shape[-1]},) to match x's last dim, got {tuple(w_shape)}")
     if weight.device != x.device:
         raise ValueError(f"{op}: weight is on {weight.device} but x is on {x.device}; they must share a device")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+    # type(...) is float first: the common case without numbers.Real's abstract-class check
+    if type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)) or not eps >= 0:
         raise ValueError(f"{op}: eps must be a real number >= 0, got {eps!r}")
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+    if type(offset) is not float and (isinstance(offset, bool) or not isinstance(offset, numbers.Real)):
         raise ValueError(f"{op}: offset must be a real number (0.0 for Llama, 1.0 for Gemma), got {offset!r}")
 
 
@@ -719,10 +770,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     _check_args(x, weight, eps, offset)
     if not use_triton(x, weight):
         return rms_norm_ref(x, weight, eps, offset)
-    shape = x.shape
-    x2d = x.reshape(-1, shape[-1])  # (M, N)
-    y = RMSNormFunction.apply(x2d, weight, float(eps), float(offset), None)  # (M, N)
-    return y.view(shape)
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), None)
 
 
 def fused_add_rms_norm(
@@ -745,11 +793,7 @@ def fused_add_rms_norm(
         )
     if not use_triton(x, residual, weight):
         return fused_add_rms_norm_ref(x, residual, weight, eps, offset)
-    shape, n = x.shape, x.shape[-1]
-    y, h = FusedAddRMSNormFunction.apply(
-        x.reshape(-1, n), residual.reshape(-1, n), weight, float(eps), float(offset), None
-    )  # (M, N) each
-    return y.view(shape), h.view(shape)
+    return FusedAddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), None)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
