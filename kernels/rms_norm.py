@@ -181,10 +181,10 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_fwd_kernel(
         x_ptr,  # (M, N) input, row stride stride_x, unit column stride
-        res_ptr,  # (M, N) residual added to x when HAS_RESIDUAL (else unused), row stride stride_res
+        res_ptr,  # (M, N) residual added to x when HAS_RESIDUAL (else None), row stride stride_res
         w_ptr,  # (N,) weight, any float dtype
         y_ptr,  # (M, N) output in h's dtype (x's without a residual), row stride stride_y
-        h_ptr,  # (M, N) output when HAS_RESIDUAL: h = x + residual rounded once to its dtype; row stride stride_h
+        h_ptr,  # (M, N) output when HAS_RESIDUAL (else None): h = x + residual rounded once to its dtype; stride_h
         rstd_ptr,  # (M,) fp32 output: 1 / sqrt(mean(h^2) + eps), saved for the backward
         M,
         N,
@@ -205,9 +205,10 @@ if HAS_TRITON:
         row_mask = rows < M
         rows64 = rows.to(tl.int64)  # M * N may pass 2^31
         x_rows = x_ptr + rows64[:, None] * stride_x  # (BLOCK_M, 1)
-        res_rows = res_ptr + rows64[:, None] * stride_res  # (BLOCK_M, 1)
         y_rows = y_ptr + rows64[:, None] * stride_y  # (BLOCK_M, 1)
-        h_rows = h_ptr + rows64[:, None] * stride_h  # (BLOCK_M, 1)
+        if HAS_RESIDUAL:
+            res_rows = res_ptr + rows64[:, None] * stride_res  # (BLOCK_M, 1)
+            h_rows = h_ptr + rows64[:, None] * stride_h  # (BLOCK_M, 1)
         if ONE_BLOCK:
             cols = tl.arange(0, BLOCK_N)
             col_mask = cols < N
@@ -335,11 +336,11 @@ if HAS_TRITON:
         x_ptr,  # (M, N) forward input, row stride stride_x
         w_ptr,  # (N,) weight
         rstd_ptr,  # (M,) fp32 rstd from the forward
-        c_ptr,  # (M,) fp32 per-row c from _rms_norm_bwd_rowdot_kernel; read only when not ONE_BLOCK
-        dh_ptr,  # (M, N) gradient arriving at h = x + residual when HAS_DH (else unused), row stride stride_dh
+        c_ptr,  # (M,) fp32 per-row c from _rms_norm_bwd_rowdot_kernel when not ONE_BLOCK (else None)
+        dh_ptr,  # (M, N) gradient arriving at h = x + residual when HAS_DH (else None), row stride stride_dh
         dx_ptr,  # (M, N) output (the residual's dtype with HAS_DH, else x's), row stride stride_dx
-        dx2_ptr,  # (M, N) the same gradient in a second dtype when TWO_DX (the added x's), row stride stride_dx2
-        dw_ptr,  # (programs, N) fp32 output: this program's partial sum of dy * xh over its rows
+        dx2_ptr,  # (M, N) the same gradient in a second dtype when TWO_DX (the added x's; else None), stride_dx2
+        dw_ptr,  # (programs, N) fp32 output when COMPUTE_DW (else None): this program's partial sum of dy * xh
         M,
         N,
         rows_per_prog,
@@ -363,7 +364,6 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         row_start = pid * rows_per_prog
         row_end = tl.minimum(row_start + rows_per_prog, M)
-        dw_row = dw_ptr + pid.to(tl.int64) * N
         if ONE_BLOCK:
             cols = tl.arange(0, BLOCK_N)
             # EVEN_N (N == BLOCK_N): no per-column predicate; at BLOCK_N 16384 in 16 bits that is what fits 64 registers
@@ -406,7 +406,7 @@ if HAS_TRITON:
                     dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2, HAS_DH, TWO_DX
                 )
             if COMPUTE_DW:
-                tl.store(dw_row + cols, dw_acc, mask=col_mask)
+                tl.store(dw_ptr + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
         else:
             # Columns outer, rows inner: dweight for one column block accumulates in registers over all of
             # this program's rows and is written once, so no program reads back its own global writes.
@@ -446,7 +446,7 @@ if HAS_TRITON:
                     if COMPUTE_DW:
                         dw_acc += tl.sum(dy * xh, axis=0)
                 if COMPUTE_DW:
-                    tl.store(dw_row + cols, dw_acc, mask=col_mask)
+                    tl.store(dw_ptr + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
 
 
 def _require_triton() -> None:
@@ -568,13 +568,9 @@ def _fwd(x, residual, weight, eps, offset, max_block):
     if m == 0:
         return y, h, rstd
     grid, meta = _plan(_fwd_plan, m, n, max_block, residual is not None)
-    if residual is None:  # unused pointers without a residual
-        residual, stride_res, h_out = x, stride_x, y
-    else:
-        h_out = h
-    _rms_norm_fwd_kernel[grid](
-        x, residual, weight, y, h_out, rstd, m, n, stride_x, stride_res, n, n, eps, offset, **meta
-    )
+    if residual is None:  # None: no pointer to specialise (the stride is not read either)
+        stride_res = stride_x
+    _rms_norm_fwd_kernel[grid](x, residual, weight, y, h, rstd, m, n, stride_x, stride_res, n, n, eps, offset, **meta)
     return y, h, rstd
 
 
@@ -617,20 +613,17 @@ def _bwd(dy, x, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, num_
     programs, rows_per_prog, rowdot, meta = _plan(
         _bwd_plan, m, n, same_dtype, max_block, dh is not None, len(dxs) == 2, compute_dw, num_programs, device
     )
-    # Every (program, column) of the partial buffer is written exactly once, so no zero-fill is needed. Without
-    # dweight nothing is written to it: any fp32 pointer will do (rstd), no allocation.
-    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=device) if compute_dw else rstd
+    # Every (program, column) of the partial buffer is written exactly once, so no zero-fill is needed. Unused
+    # pointers are None (no dweight, no row-dot pass, no d_h_out, one dx dtype): nothing to allocate or specialise.
+    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=device) if compute_dw else None
     if rowdot is None:
-        c = rstd  # unused by the ONE_BLOCK kernel; any fp32 pointer will do
+        c = None
     else:
         c = torch.empty((m,), dtype=torch.float32, device=device)  # (M,)
         grid, rowdot_meta = rowdot
         _rms_norm_bwd_rowdot_kernel[grid](dy, x, weight, rstd, c, m, n, stride_dy, stride_x, offset, **rowdot_meta)
-    dx, dx2 = dxs[0], dxs[-1]
-    if dh is None:  # unused pointer without dh
-        dh, stride_dh = dy, stride_dy
-    else:
-        dh, stride_dh = _rows(dh, n)
+    dx2 = dxs[1] if len(dxs) == 2 else None
+    dh, stride_dh = (None, stride_dy) if dh is None else _rows(dh, n)
     _rms_norm_bwd_kernel[(programs,)](
         dy,
         x,
@@ -638,7 +631,7 @@ def _bwd(dy, x, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, num_
         rstd,
         c,
         dh,
-        dx,
+        dxs[0],
         dx2,
         dw_partial,
         m,
