@@ -423,7 +423,7 @@ def host(ops=OPS, shapes=HOST_SHAPES, against: str | None = None, calls: int = 4
                         with host_work.record() as recorded:
                             backward(forward())
                         for launch in recorded:
-                            launches.setdefault((version, launch.name), launch)
+                            launches.setdefault((op, launch.name, version), launch)
                     times = {version: ([], []) for version in versions}
                     for _ in range(blocks):
                         for version, (forward, step) in cases.items():
@@ -449,11 +449,27 @@ def host(ops=OPS, shapes=HOST_SHAPES, against: str | None = None, calls: int = 4
                             "perf_figure": False,
                         }
                     )
-    print("Triton's JITFunction.run Python per launch before its C launcher (binder + cache key, sm_90 backend):")
-    for (version, name), launch in launches.items():
-        us = host_work.launcher_us(launch)
-        print(f"  {version:>8}: {name} {us:.2f} us ({len(launch.args)} runtime arguments)")
-        rows.append({"version": version, "kernel": name, "launcher_host_us": round(us, 2), "args": len(launch.args)})
+    print(
+        "Triton's JITFunction.run Python per launch before its C launcher (binder + cache key, sm_90 backend), each "
+        "op's first case:"
+    )
+    launcher = {key: [] for key in launches}
+    for _ in range(blocks):  # interleaved, as above
+        for key, launch in launches.items():
+            launcher[key].append(host_work.launcher_us(launch, 10 * calls))
+    for (op, name, version), launch in launches.items():
+        us, nones = min(launcher[op, name, version]), sum(a is None for a in launch.args)
+        print(f"  {version:>8}: {op} {name} {us:.2f} us ({len(launch.args)} runtime arguments, {nones} of them None)")
+        rows.append(
+            {
+                "op": op,
+                "version": version,
+                "kernel": name,
+                "launcher_host_us": round(us, 2),
+                "args": len(launch.args),
+                "none": nones,
+            }
+        )
     return rows
 
 

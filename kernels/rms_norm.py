@@ -54,17 +54,52 @@ Launch strategy
       then a second loop over column blocks writes the outputs. Correct for any N; slower by one read.
     Forward: one program per row tile. Backward: a fixed number of programs (about two per SM on CUDA), each
     owning a contiguous chunk of rows and one fp32 row of the (programs, N) dweight partial buffer, which it
-    writes exactly once per column; `torch.sum` over programs finishes dweight in fp32. No atomics, so the
-    result is deterministic. Its row loop is software-pipelined (`tl.range(..., num_stages=2)`: cp.async
-    double buffering of x and dy), so a program's next rows are in flight while it computes the current ones.
+    writes exactly once per column; `torch.sum` over programs finishes dweight in fp32 (then one cast to the weight's
+    dtype where it is not fp32). No atomics, so the result is deterministic. Its row loop is software-pipelined
+    (`tl.range(..., num_stages=2)`: cp.async double buffering of x and dy), so a program's next rows are in flight
+    while it computes the current ones.
     Registers and spills of every configuration at the benchmark widths: `python -m bench.sm90 --only rms_norm`
     (sm_90, compiled on a CPU); tests/kernels/test_sm90_compile.py keeps them spill-free.
     Float arguments (eps, offset) are cast to fp32 inside the kernels: under torch.compile Inductor may pass
     Python floats as fp64, which would otherwise drag the row math into fp64.
 
+Host work (a lone call: bench/results/h200/README.md found the kernels the fastest on the device, 35 us forward and
+69-80 us backward at 8192 x 4096 bf16, and the wall clock 0.2-0.4 ms, paying the host)
+    Around its launches a call does what it needs and no more, each change bit for bit as before (the interpreter's
+    outputs and gradients against the previous code; tests/kernels/test_rms_norm_host.py pins what is left):
+    - x, the residual, dy and d_h_out are read where they lie when 2-D or contiguous (rows n apart, any rank:
+      `_rows`): no reshape, no view of the outputs, no view nodes in the graph; outputs and gradients are allocated in
+      x's shape. Other layouts are reshaped (viewed or copied) as before.
+    - the launch plan (grid, tiles, constexprs, warps; the backward's program count and its SM query) is cached by
+      problem (`_plan`; while torch.compile traces it is computed as before, no global state in the graph).
+    - no aten op for nothing: torch.promote_types only when x and the residual differ in dtype, no .to() of an fp32
+      weight's dweight, no partial buffer without a weight gradient. Pointers a configuration never reads are None,
+      so Triton's launcher specialises fewer tensors (compiled code unchanged: `python -m bench.sm90`'s registers,
+      spills and shared memory are the same at all 35 configurations; passing N for the outputs' row strides instead
+      cost some forward configurations up to 8 registers and was dropped).
+    - fused_add_rms_norm hands autograd its one gradient as one tensor for both x and the residual (autograd copies
+      it where both are leaves that keep .grad; the two views it handed before shared memory there, and a second
+      accumulating backward added each gradient into both).
+    Measured per lone call at 8192 x 4096 bf16 with an fp32 weight and its gradient (`python bench/bench_rms_norm.py
+    --host --against 5a992a2 --op rms_norm fused_add_rms_norm`; 2 x 4096 x 4096 gives the same counts, one more
+    torch call): aten ops besides the launches, forward + backward, rms_norm 9 -> 5 (y, rstd, dx, the dweight
+    partials, their sum; a 16-bit weight adds the cast), fused_add_rms_norm 17 -> 8 (h's allocation too, and the
+    detach autograd makes saving h and unpacking it); torch calls from Python 50 -> 33 and 70 -> 46. CPU host time,
+    launches not executed (fake CUDA, a loaded 2-core CPU: our Python, autograd, torch's dispatch to meta kernels
+    and the harness's hook on each torch call, ~3 us; not Triton's launcher, CUDA's allocator or launches): rms_norm
+    328 -> 217 us forward + backward (forward 118 -> 74), fused_add_rms_norm 794 -> 504 us (331 -> 193), about
+    0.65x; Triton's Python per launch before its C launcher (binder, cache key) 14.3 -> 12.9 us forward, 19.5 ->
+    18.4 us backward (rms_norm; fused_add_rms_norm's backward 20.1 -> 17.4). The counts carry over to a GPU host,
+    the microseconds do not (its allocator and launches, unchanged here, are not in them): how much of the wall
+    clock is left is for a GPU run with --kernel-times (docs/gpu_runbook.md). Left as it is: autograd's
+    Function, Triton's launcher (calling the compiled kernel directly would skip its binder, but needs its own
+    specialisation key, unverifiable without a GPU), dweight's sum and cast (torch.sum(..., dtype=) casts its input
+    first: not the same sum, 0.5 apart on a (264, 4096) bf16 case).
+
 Test:  python -m pytest tests/kernels/test_rms_norm.py tests/kernels/test_fused_add_rms_norm.py -q
        (CPU: Triton interpreter; GPU tests auto-run on CUDA)
 Bench: python bench/bench_rms_norm.py [--op fused_add_rms_norm]   (GPU: real-model shapes; --quick for a CPU smoke run)
+       python bench/bench_rms_norm.py --host [--against REV]       (CPU host work of a lone call, launches not run)
 """
 
 from __future__ import annotations
