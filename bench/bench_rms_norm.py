@@ -50,6 +50,12 @@ CPU (--quick): one tiny shape through the Triton interpreter; rows say perf_figu
     python bench/bench_rms_norm.py                    # GPU sweep, appends to bench/results/rms_norm.jsonl
     python bench/bench_rms_norm.py --quick            # CPU smoke run
     python bench/bench_rms_norm.py --op fused_add_rms_norm   # the fused add + RMSNorm, same shapes (or both ops)
+    python bench/bench_rms_norm.py --host --against REV      # CPU host work of a lone call, now and at git REV
+
+--host (no GPU needed): what a lone call costs the host (`host`, bench/host.py): the torch calls, aten ops and Triton
+launches of each op's forward and backward at Llama-3-8B's width, and the host microseconds per call on fake CUDA with
+the launches recorded, not run. CPU host time, launches not executed: not a GPU time (on a GPU, --kernel-times puts
+the device time beside the wall time).
 """
 
 from __future__ import annotations
@@ -326,6 +332,147 @@ def run(
     return rows
 
 
+# ---- host work (--host): what a lone call costs the CPU, launches recorded, not run -------------------------------
+
+HOST_SHAPES = ((8192, 4096), (2, 4096, 4096))  # Llama-3-8B's width: 8192 rows as (M, N) and as (batch, seq, hidden)
+
+
+def host_case(op: str, shape=(8192, 4096), dtype=torch.bfloat16, w_dtype=torch.float32, wgrad=True, module=None):
+    """(forward, backward) of a lone training call of `op` (ours; `module`'s, default kernels.rms_norm) on (fake) CUDA
+    tensors: forward() -> outputs; backward(outputs) -> the gradients of x (and the residual's) and of the weight when
+    wgrad, captured as the benchmark's backward mode does (torch.autograd.grad: no AccumulateGrad; bench/host.py's
+    `grad`, which keeps the fake CUDA on in the backward). Make it inside bench.sm90.fake_cuda()."""
+    from bench import host as host_work
+
+    module = module or sys.modules["kernels.rms_norm"]
+    x = torch.empty(shape, dtype=dtype, device="cuda", requires_grad=True)
+    w = torch.empty(shape[-1], dtype=w_dtype, device="cuda", requires_grad=wgrad)
+    inputs = [x, w] if wgrad else [x]
+    if op == "fused_add_rms_norm":
+        r = torch.empty(shape, dtype=dtype, device="cuda", requires_grad=True)
+        inputs.append(r)
+        grads = [torch.empty(shape, dtype=dtype, device="cuda") for _ in range(2)]
+
+        def forward():
+            return module.fused_add_rms_norm(x, r, w)
+
+    else:
+        grads = [torch.empty(shape, dtype=dtype, device="cuda")]
+
+        def forward():
+            return [module.rms_norm(x, w)]
+
+    def backward(outputs):
+        return host_work.grad(outputs, grads, inputs)
+
+    return forward, backward
+
+
+def module_at(rev: str):
+    """kernels/rms_norm.py as it was at git revision `rev`, imported beside the current one (for --host --against)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{rev}:kernels/rms_norm.py"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout
+    path = Path(tempfile.mkdtemp(prefix="rms_norm_at_")) / "rms_norm.py"  # kept: Triton reads the kernels' source
+    path.write_text(source)
+    name = "kernels._rms_norm_at_" + "".join(c if c.isalnum() else "_" for c in rev)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def host(ops=OPS, shapes=HOST_SHAPES, against: str | None = None, calls: int = 400, blocks: int = 5) -> list[dict]:
+    """Per lone call of each op (weight with and without grad): the torch calls, aten ops and Triton launches of its
+    forward and backward (bench/host.py's `count`, exact) and the CPU host time per call with launches not executed
+    (`time_call`: the least of `blocks` medians of `calls` calls each), and Triton's per-launch Python
+    (`launcher_us`). With `against` (a git revision), kernels/rms_norm.py as it was there is measured too, its blocks
+    interleaved with the current code's so both see the same machine load. Printed and returned."""
+    from bench import host as host_work
+    from bench.sm90 import fake_cuda
+
+    versions = {"now": sys.modules["kernels.rms_norm"]}
+    if against:
+        versions = {against: module_at(against), **versions}
+    hook = host_work.hook_cost_us()
+    print(
+        "CPU host time, launches not executed: fake CUDA (meta tensors that claim cuda:0), Triton launches recorded.\n"
+        "Covers our Python, autograd and torch's dispatch to meta kernels, plus the fake-CUDA mode's hook on each\n"
+        f"torch call ({hook:.2f} us each here); not Triton's launcher (below), CUDA's allocator or launches.\n"
+        "Not a GPU time: compare versions on one machine (--against)."
+    )
+    rows, launches = [], {}
+    for op in ops:
+        for shape in shapes:
+            for wgrad in (True, False):
+                print(f"{op} {'x'.join(map(str, shape))} bf16, fp32 weight {'with' if wgrad else 'without'} grad")
+                with fake_cuda():
+                    cases, counts = {}, {}
+                    for version, module in versions.items():
+                        forward, backward = host_case(op, shape, wgrad=wgrad, module=module)
+                        outputs, fwd = host_work.count(forward)
+                        _, bwd = host_work.count(lambda: backward(outputs))  # noqa: B023 (called at once)
+                        counts[version] = fwd, bwd
+                        cases[version] = forward, lambda f=forward, b=backward: b(f())
+                        with host_work.record() as recorded:
+                            backward(forward())
+                        for launch in recorded:
+                            launches.setdefault((op, launch.name, version), launch)
+                    times = {version: ([], []) for version in versions}
+                    for _ in range(blocks):
+                        for version, (forward, step) in cases.items():
+                            times[version][0].append(host_work.time_call(forward, calls))
+                            times[version][1].append(host_work.time_call(step, calls))
+                for version, (fwd, bwd) in counts.items():
+                    fwd_us, step_us = min(times[version][0]), min(times[version][1])
+                    print(
+                        f"  {version:>8}: forward {fwd_us:.1f} us, forward+backward {step_us:.1f} us (CPU host time)\n"
+                        f"            forward:  {fwd.text()}\n            backward: {bwd.text()}"
+                    )
+                    rows.append(
+                        {
+                            "op": op,
+                            "version": version,
+                            "shape": list(shape),
+                            "weight_grad": wgrad,
+                            "forward_host_us": round(fwd_us, 2),
+                            "step_host_us": round(step_us, 2),
+                            "forward": vars(fwd),
+                            "backward": vars(bwd),
+                            "hook_us_per_torch_call": round(hook, 3),
+                            "perf_figure": False,
+                        }
+                    )
+    print(
+        "Triton's JITFunction.run Python per launch before its C launcher (binder + cache key, sm_90 backend), each "
+        "op's first case:"
+    )
+    launcher = {key: [] for key in launches}
+    for _ in range(blocks):  # interleaved, as above
+        for key, launch in launches.items():
+            launcher[key].append(host_work.launcher_us(launch, 10 * calls))
+    for (op, name, version), launch in launches.items():
+        us, nones = min(launcher[op, name, version]), sum(a is None for a in launch.args)
+        print(f"  {version:>8}: {op} {name} {us:.2f} us ({len(launch.args)} runtime arguments, {nones} of them None)")
+        rows.append(
+            {
+                "op": op,
+                "version": version,
+                "kernel": name,
+                "launcher_host_us": round(us, 2),
+                "args": len(launch.args),
+                "none": nones,
+            }
+        )
+    return rows
+
+
 def main(argv=None):
     ap = common.provider_parser(__doc__, DTYPES, MODES, PROVIDERS, "activation and weight dtype")
     ap.add_argument("--tokens", nargs="+", type=int, help="rows (batch x sequence); default: real-model sweep on GPU")
@@ -339,7 +486,19 @@ def main(argv=None):
     )
     ap.add_argument("--offset", type=float, default=0.0, help="0 (Llama) or 1 (Gemma)")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the compiled baseline")
+    ap.add_argument(
+        "--host",
+        action="store_true",
+        help="CPU host work of a lone call (torch calls, aten ops, launches; host microseconds with launches not "
+        "executed), on fake CUDA: no GPU needed, not a GPU time",
+    )
+    ap.add_argument(
+        "--against", metavar="REV", help="with --host: also measure kernels/rms_norm.py at git revision REV"
+    )
     args = ap.parse_args(argv)
+    if args.host:
+        shapes = [(t, h) for t in args.tokens or (8192,) for h in args.hidden or (4096,)]
+        return host(args.op, shapes if args.tokens or args.hidden else HOST_SHAPES, args.against)
 
     if args.tokens or args.hidden:
         shapes = [(t, h) for t in (args.tokens or GPU_TOKENS) for h in (args.hidden or GPU_HIDDEN)]

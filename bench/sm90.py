@@ -62,6 +62,7 @@ import kernels  # noqa: E402
 from kernels.adamw import FusedAdamW  # noqa: E402
 from kernels.dequantize_4bit import NestedAbsmax  # noqa: E402
 from kernels.moe import ExpertLoRA  # noqa: E402
+from kernels.rms_norm import clear_launch_plans  # noqa: E402
 from kernels.rope import rope_launch  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -115,6 +116,7 @@ def fake_cuda():
     torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
         multi_processor_count=H100_SMS, major=9, minor=0
     )
+    clear_launch_plans()  # kernels/rms_norm.py caches launch plans made from the SM count: not the machine's here
     try:
         # On meta tensors torch.library.wrap_triton's higher-order op takes its meta kernel, which launches
         # nothing; on a GPU in eager it runs kernel[grid](...) with the same arguments, which this makes it do.
@@ -122,6 +124,7 @@ def fake_cuda():
             yield
     finally:
         torch.cuda.get_device_properties = saved
+        clear_launch_plans()  # and those made here do not outlive it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,21 +54,57 @@ Launch strategy
       then a second loop over column blocks writes the outputs. Correct for any N; slower by one read.
     Forward: one program per row tile. Backward: a fixed number of programs (about two per SM on CUDA), each
     owning a contiguous chunk of rows and one fp32 row of the (programs, N) dweight partial buffer, which it
-    writes exactly once per column; `torch.sum` over programs finishes dweight in fp32. No atomics, so the
-    result is deterministic. Its row loop is software-pipelined (`tl.range(..., num_stages=2)`: cp.async
-    double buffering of x and dy), so a program's next rows are in flight while it computes the current ones.
+    writes exactly once per column; `torch.sum` over programs finishes dweight in fp32 (then one cast to the weight's
+    dtype where it is not fp32). No atomics, so the result is deterministic. Its row loop is software-pipelined
+    (`tl.range(..., num_stages=2)`: cp.async double buffering of x and dy), so a program's next rows are in flight
+    while it computes the current ones.
     Registers and spills of every configuration at the benchmark widths: `python -m bench.sm90 --only rms_norm`
     (sm_90, compiled on a CPU); tests/kernels/test_sm90_compile.py keeps them spill-free.
     Float arguments (eps, offset) are cast to fp32 inside the kernels: under torch.compile Inductor may pass
     Python floats as fp64, which would otherwise drag the row math into fp64.
 
+Host work (a lone call: bench/results/h200/README.md found the kernels the fastest on the device, 35 us forward and
+69-80 us backward at 8192 x 4096 bf16, and the wall clock 0.2-0.4 ms, paying the host)
+    Around its launches a call does what it needs and no more, each change bit for bit as before (the interpreter's
+    outputs and gradients against the previous code; tests/kernels/test_rms_norm_host.py pins what is left):
+    - x, the residual, dy and d_h_out are read where they lie when 2-D or contiguous (rows n apart, any rank:
+      `_rows`): no reshape, no view of the outputs, no view nodes in the graph; outputs and gradients are allocated in
+      x's shape. Other layouts are reshaped (viewed or copied) as before.
+    - the launch plan (grid, tiles, constexprs, warps; the backward's program count and its SM query) is cached by
+      problem (`_plan`; while torch.compile traces it is computed as before, no global state in the graph).
+    - no aten op for nothing: torch.promote_types only when x and the residual differ in dtype, no .to() of an fp32
+      weight's dweight, no partial buffer without a weight gradient. Pointers a configuration never reads are None,
+      so Triton's launcher specialises fewer tensors (compiled code unchanged: `python -m bench.sm90`'s registers,
+      spills and shared memory are the same at all 35 configurations; passing N for the outputs' row strides instead
+      cost some forward configurations up to 8 registers and was dropped).
+    - fused_add_rms_norm hands autograd its one gradient as one tensor for both x and the residual (autograd copies
+      it where both are leaves that keep .grad; the two views it handed before shared memory there, and a second
+      accumulating backward added each gradient into both).
+    Measured per lone call at 8192 x 4096 bf16 with an fp32 weight and its gradient (`python bench/bench_rms_norm.py
+    --host --against 5a992a2 --op rms_norm fused_add_rms_norm`; 2 x 4096 x 4096 gives the same counts, one more
+    torch call): aten ops besides the launches, forward + backward, rms_norm 9 -> 5 (y, rstd, dx, the dweight
+    partials, their sum; a 16-bit weight adds the cast), fused_add_rms_norm 17 -> 8 (h's allocation too, and the
+    detach autograd makes saving h and unpacking it); torch calls from Python 50 -> 33 and 70 -> 46. CPU host time,
+    launches not executed (fake CUDA, a loaded 2-core CPU: our Python, autograd, torch's dispatch to meta kernels
+    and the harness's hook on each torch call, ~3 us; not Triton's launcher, CUDA's allocator or launches): rms_norm
+    328 -> 217 us forward + backward (forward 118 -> 74), fused_add_rms_norm 794 -> 504 us (331 -> 193), about
+    0.65x; Triton's Python per launch before its C launcher (binder, cache key) 14.3 -> 12.9 us forward, 19.5 ->
+    18.4 us backward (rms_norm; fused_add_rms_norm's backward 20.1 -> 17.4). The counts carry over to a GPU host,
+    the microseconds do not (its allocator and launches, unchanged here, are not in them): how much of the wall
+    clock is left is for a GPU run with --kernel-times (docs/gpu_runbook.md). Left as it is: autograd's
+    Function, Triton's launcher (calling the compiled kernel directly would skip its binder, but needs its own
+    specialisation key, unverifiable without a GPU), dweight's sum and cast (torch.sum(..., dtype=) casts its input
+    first: not the same sum, 0.5 apart on a (264, 4096) bf16 case).
+
 Test:  python -m pytest tests/kernels/test_rms_norm.py tests/kernels/test_fused_add_rms_norm.py -q
        (CPU: Triton interpreter; GPU tests auto-run on CUDA)
 Bench: python bench/bench_rms_norm.py [--op fused_add_rms_norm]   (GPU: real-model shapes; --quick for a CPU smoke run)
+       python bench/bench_rms_norm.py --host [--against REV]       (CPU host work of a lone call, launches not run)
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import NamedTuple
 
@@ -180,10 +216,10 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_fwd_kernel(
         x_ptr,  # (M, N) input, row stride stride_x, unit column stride
-        res_ptr,  # (M, N) residual added to x when HAS_RESIDUAL (else unused), row stride stride_res
+        res_ptr,  # (M, N) residual added to x when HAS_RESIDUAL (else None), row stride stride_res
         w_ptr,  # (N,) weight, any float dtype
         y_ptr,  # (M, N) output in h's dtype (x's without a residual), row stride stride_y
-        h_ptr,  # (M, N) output when HAS_RESIDUAL: h = x + residual rounded once to its dtype; row stride stride_h
+        h_ptr,  # (M, N) output when HAS_RESIDUAL (else None): h = x + residual rounded once to its dtype; stride_h
         rstd_ptr,  # (M,) fp32 output: 1 / sqrt(mean(h^2) + eps), saved for the backward
         M,
         N,
@@ -204,9 +240,10 @@ if HAS_TRITON:
         row_mask = rows < M
         rows64 = rows.to(tl.int64)  # M * N may pass 2^31
         x_rows = x_ptr + rows64[:, None] * stride_x  # (BLOCK_M, 1)
-        res_rows = res_ptr + rows64[:, None] * stride_res  # (BLOCK_M, 1)
         y_rows = y_ptr + rows64[:, None] * stride_y  # (BLOCK_M, 1)
-        h_rows = h_ptr + rows64[:, None] * stride_h  # (BLOCK_M, 1)
+        if HAS_RESIDUAL:
+            res_rows = res_ptr + rows64[:, None] * stride_res  # (BLOCK_M, 1)
+            h_rows = h_ptr + rows64[:, None] * stride_h  # (BLOCK_M, 1)
         if ONE_BLOCK:
             cols = tl.arange(0, BLOCK_N)
             col_mask = cols < N
@@ -334,11 +371,11 @@ if HAS_TRITON:
         x_ptr,  # (M, N) forward input, row stride stride_x
         w_ptr,  # (N,) weight
         rstd_ptr,  # (M,) fp32 rstd from the forward
-        c_ptr,  # (M,) fp32 per-row c from _rms_norm_bwd_rowdot_kernel; read only when not ONE_BLOCK
-        dh_ptr,  # (M, N) gradient arriving at h = x + residual when HAS_DH (else unused), row stride stride_dh
+        c_ptr,  # (M,) fp32 per-row c from _rms_norm_bwd_rowdot_kernel when not ONE_BLOCK (else None)
+        dh_ptr,  # (M, N) gradient arriving at h = x + residual when HAS_DH (else None), row stride stride_dh
         dx_ptr,  # (M, N) output (the residual's dtype with HAS_DH, else x's), row stride stride_dx
-        dx2_ptr,  # (M, N) the same gradient in a second dtype when TWO_DX (the added x's), row stride stride_dx2
-        dw_ptr,  # (programs, N) fp32 output: this program's partial sum of dy * xh over its rows
+        dx2_ptr,  # (M, N) the same gradient in a second dtype when TWO_DX (the added x's; else None), stride_dx2
+        dw_ptr,  # (programs, N) fp32 output when COMPUTE_DW (else None): this program's partial sum of dy * xh
         M,
         N,
         rows_per_prog,
@@ -362,7 +399,6 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         row_start = pid * rows_per_prog
         row_end = tl.minimum(row_start + rows_per_prog, M)
-        dw_row = dw_ptr + pid.to(tl.int64) * N
         if ONE_BLOCK:
             cols = tl.arange(0, BLOCK_N)
             # EVEN_N (N == BLOCK_N): no per-column predicate; at BLOCK_N 16384 in 16 bits that is what fits 64 registers
@@ -405,7 +441,7 @@ if HAS_TRITON:
                     dx, dh_ptr, dx_ptr, dx2_ptr, rows64, cols, mask, stride_dh, stride_dx, stride_dx2, HAS_DH, TWO_DX
                 )
             if COMPUTE_DW:
-                tl.store(dw_row + cols, dw_acc, mask=col_mask)
+                tl.store(dw_ptr + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
         else:
             # Columns outer, rows inner: dweight for one column block accumulates in registers over all of
             # this program's rows and is written once, so no program reads back its own global writes.
@@ -445,7 +481,7 @@ if HAS_TRITON:
                     if COMPUTE_DW:
                         dw_acc += tl.sum(dy * xh, axis=0)
                 if COMPUTE_DW:
-                    tl.store(dw_row + cols, dw_acc, mask=col_mask)
+                    tl.store(dw_ptr + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
 
 
 def _require_triton() -> None:
@@ -453,55 +489,129 @@ def _require_triton() -> None:
         raise RuntimeError("kernels.rms_norm: the Triton path needs triton (pip install triton)")
 
 
-def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
-    # The kernels take any row stride (a stride-0 broadcast dy included) but need contiguous columns.
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv, without its constexpr-function wrapper's cost on the host
 
 
-def _fwd(x2d, residual, weight, eps, offset, max_block):
-    """The forward launch: (y, h, rstd); h = x + residual (None without a residual) and y in promote(x, residual)."""
-    _require_triton()
-    x2d = _unit_col_stride(x2d)
-    weight = weight.contiguous()
-    M, N = x2d.shape
-    if residual is None:
-        out_dtype, h = x2d.dtype, None
-    else:
-        residual = _unit_col_stride(residual)
-        out_dtype = torch.promote_types(x2d.dtype, residual.dtype)  # as torch's x + residual
-        h = torch.empty((M, N), dtype=out_dtype, device=x2d.device)  # (M, N)
-    y = torch.empty((M, N), dtype=out_dtype, device=x2d.device)  # (M, N)
-    rstd = torch.empty((M,), dtype=torch.float32, device=x2d.device)  # (M,)
-    if M == 0:
-        return y, h, rstd
-    block_m, block_n, one_block, num_warps = launch_config(M, N, max_block)
-    res, h_out = (x2d, y) if residual is None else (residual, h)  # unused pointers when there is no residual
-    _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](
-        x2d,
-        res,
-        weight,
-        y,
-        h_out,
-        rstd,
-        M,
-        N,
-        x2d.stride(0),
-        res.stride(0),
-        y.stride(0),
-        h_out.stride(0),
-        eps,
-        offset,
+def _flat(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t as the kernels' rows of n: t itself where it is 2-D (any row stride) or contiguous (its rows n apart, whatever
+    its rank), else t.reshape(-1, n) (a view, or a copy where the rows cannot be viewed so). No view op where none is
+    needed (module docstring, "Host work")."""
+    return t if t.dim() == 2 or t.is_contiguous() else t.reshape(-1, n)
+
+
+def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(the tensor the kernels read t's rows of n from, its row stride): `_flat`, then a contiguous copy where the
+    columns' stride is not 1. The kernels take any row stride (a stride-0 broadcast dy included) but need contiguous
+    columns."""
+    if t.dim() != 2:
+        if t.is_contiguous():
+            return t, n
+        t = t.reshape(-1, n)
+    stride = t.stride()
+    if stride[1] != 1 and n > 1:
+        t = t.contiguous()
+        stride = t.stride()
+    return t, stride[0]
+
+
+def _n_rows(shape: torch.Size) -> int:
+    return shape[0] if len(shape) == 2 else math.prod(shape[:-1])
+
+
+# Launch plans (grid, tiles, constexprs, warps; the backward's program count) by problem: a plain function of the
+# problem's sizes, dtypes and device, computed once rather than on every call. Not used while torch.compile traces
+# (the plan is computed there as it always was, no global state in the graph). fake CUDA (bench/sm90.py) clears it, as
+# its SM count is not the machine's.
+_PLANS: dict = {}
+_MAX_PLANS = 4096  # a cap, for callers whose row counts never repeat
+
+
+def clear_launch_plans() -> None:
+    """Forget every cached launch plan (after the device's reported SM count changed, as under fake CUDA)."""
+    _PLANS.clear()
+
+
+def _plan(build, *key):
+    if torch.compiler.is_compiling():
+        return build(*key)
+    plan = _PLANS.get((build, *key))
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[(build, *key)] = build(*key)
+    return plan
+
+
+def _fwd_plan(m, n, max_block, has_residual):
+    """(grid, the launch's constexprs and warps) of the forward."""
+    block_m, block_n, one_block, num_warps = launch_config(m, n, max_block)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_BLOCK=one_block, HAS_RESIDUAL=has_residual, num_warps=num_warps)
+    return (_cdiv(m, block_m),), meta
+
+
+def _bwd_plan(m, n, same_dtype, max_block, has_dh, two_dx, compute_dw, num_programs, device):
+    """(programs, rows per program, the row-dot pass's grid and constexprs or None, the backward's constexprs)."""
+    cfg = bwd_launch_config(m, n, same_dtype, max_block, has_dh=has_dh, two_dx=two_dx)
+    block_m, block_n, num_warps = cfg.block_m, cfg.block_n, cfg.num_warps
+    if num_programs is None:
+        # About two programs per SM keeps every SM streaming while one waits on memory (not yet tuned on a
+        # GPU: bench/bench_rms_norm.py is the place to revisit it).
+        num_programs = 2 * num_sms(device.index or 0) if device.type == "cuda" else _CPU_BWD_PROGRAMS
+    if num_programs < 1:
+        raise ValueError(f"num_programs={num_programs} must be >= 1")
+    tiles = _cdiv(m, block_m)
+    # Whole tiles per program so only the last program sees a ragged tile.
+    rows_per_prog = _cdiv(tiles, min(num_programs, tiles)) * block_m
+    programs = _cdiv(m, rows_per_prog)
+    rowdot = None
+    if not cfg.one_block:
+        rowdot = (tiles,), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    meta = dict(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        ONE_BLOCK=one_block,
-        HAS_RESIDUAL=residual is not None,
+        ONE_BLOCK=cfg.one_block,
+        COMPUTE_DW=compute_dw,
+        HAS_DH=has_dh,
+        TWO_DX=two_dx,
+        EVEN_N=cfg.even_n,
+        STAGES=cfg.stages,
+        W_PER_ROW=cfg.w_per_row,
         num_warps=num_warps,
     )
+    return programs, rows_per_prog, rowdot, meta
+
+
+def _fwd(x, residual, weight, eps, offset, max_block):
+    """The forward launch: (y, h, rstd); h = x + residual (None without a residual) and y in promote(x, residual), both
+    in x's shape (any rank: its rows are its last dim)."""
+    _require_triton()
+    shape, x_dtype, device = x.shape, x.dtype, x.device
+    n, m = shape[-1], _n_rows(shape)
+    x, stride_x = _rows(x, n)
+    weight = weight.contiguous()
+    if residual is None:
+        out_dtype, h = x_dtype, None
+    else:
+        residual, stride_res = _rows(residual, n)
+        res_dtype = residual.dtype
+        # as torch's x + residual (torch.promote_types is an aten op: not called when the dtypes agree)
+        out_dtype = x_dtype if res_dtype == x_dtype else torch.promote_types(x_dtype, res_dtype)
+        h = torch.empty(shape, dtype=out_dtype, device=device)  # x's shape, contiguous: rows n apart
+    y = torch.empty(shape, dtype=out_dtype, device=device)  # x's shape, contiguous: rows n apart
+    rstd = torch.empty((m,), dtype=torch.float32, device=device)  # (M,)
+    if m == 0:
+        return y, h, rstd
+    grid, meta = _plan(_fwd_plan, m, n, max_block, residual is not None)
+    if residual is None:  # None: no pointer to specialise (the stride is not read either)
+        stride_res = stride_x
+    _rms_norm_fwd_kernel[grid](x, residual, weight, y, h, rstd, m, n, stride_x, stride_res, n, n, eps, offset, **meta)
     return y, h, rstd
 
 
 def rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, *, max_block: int | None = None):
-    """Launch the forward on an (M, N) input. Returns y (M, N) in x's dtype and rstd (M,) fp32. No autograd."""
+    """Launch the forward on an (M, N) input (or any rank, rows in the last dim). Returns y in x's shape and dtype and
+    rstd (M,) fp32. No autograd."""
     y, _, rstd = _fwd(x2d, None, weight, eps, offset, max_block)
     return y, rstd
 
@@ -515,91 +625,65 @@ def fused_add_rms_norm_fwd(
     *,
     max_block: int | None = None,
 ):
-    """Launch the forward of rms_norm(x + residual) on (M, N) inputs, one pass. Returns normed and h = x + residual
-    (M, N) in promote(x, residual)'s dtype and rstd (M,) fp32. No autograd."""
+    """Launch the forward of rms_norm(x + residual) on (M, N) inputs (or any rank), one pass. Returns normed and
+    h = x + residual in x's shape and promote(x, residual)'s dtype, and rstd (M,) fp32. No autograd."""
     return _fwd(x2d, res2d, weight, eps, offset, max_block)
 
 
-def _bwd(dy2d, x2d, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, num_programs):
-    """The backward launches: ([dx in each of dx_dtypes (one or two)], dweight or None); with dh, dx includes it."""
+def _bwd(dy, x, weight, rstd, offset, dh, dx_dtypes, compute_dw, max_block, num_programs):
+    """The backward launches: ([dx in each of dx_dtypes (one or two), in dy's shape], dweight or None); with dh, dx
+    includes it. dy, x and dh: the same rows, any rank each (x as the forward saved it)."""
     _require_triton()
-    dy2d = _unit_col_stride(dy2d)
-    x2d = _unit_col_stride(x2d)
-    dh = None if dh is None else _unit_col_stride(dh)
+    shape, device, w_dtype = dy.shape, x.device, weight.dtype
+    n, m = shape[-1], _n_rows(x.shape)
+    dy, stride_dy = _rows(dy, n)
+    x, stride_x = _rows(x, n)
     weight = weight.contiguous()
-    M, N = x2d.shape
-    dxs = [torch.empty((M, N), dtype=d, device=x2d.device) for d in dx_dtypes]  # (M, N) each
-    if M == 0:
-        dw = torch.zeros((N,), dtype=weight.dtype, device=weight.device) if compute_dw else None
+    dxs = [torch.empty(shape, dtype=d, device=device) for d in dx_dtypes]  # dy's shape, contiguous: rows n apart
+    if m == 0:
+        dw = torch.zeros((n,), dtype=w_dtype, device=weight.device) if compute_dw else None
         return dxs, dw
-    same_dtype = x2d.dtype if x2d.dtype == dy2d.dtype else None
-    cfg = bwd_launch_config(M, N, same_dtype, max_block, has_dh=dh is not None, two_dx=len(dxs) == 2)
-    block_m, block_n, one_block, num_warps = cfg.block_m, cfg.block_n, cfg.one_block, cfg.num_warps
-    if num_programs is None:
-        # About two programs per SM keeps every SM streaming while one waits on memory (not yet tuned on a
-        # GPU: bench/bench_rms_norm.py is the place to revisit it).
-        num_programs = 2 * num_sms(x2d.device.index or 0) if x2d.is_cuda else _CPU_BWD_PROGRAMS
-    if num_programs < 1:
-        raise ValueError(f"num_programs={num_programs} must be >= 1")
-    tiles = triton.cdiv(M, block_m)
-    # Whole tiles per program so only the last program sees a ragged tile.
-    rows_per_prog = triton.cdiv(tiles, min(num_programs, tiles)) * block_m
-    programs = triton.cdiv(M, rows_per_prog)
-    # Every (program, column) of the partial buffer is written exactly once, so no zero-fill is needed.
-    dw_partial = torch.empty((programs, N) if compute_dw else (1,), dtype=torch.float32, device=x2d.device)
-    if one_block:
-        c = rstd  # unused by the ONE_BLOCK kernel; any fp32 pointer will do
+    x_dtype = x.dtype
+    same_dtype = x_dtype if x_dtype == dy.dtype else None
+    programs, rows_per_prog, rowdot, meta = _plan(
+        _bwd_plan, m, n, same_dtype, max_block, dh is not None, len(dxs) == 2, compute_dw, num_programs, device
+    )
+    # Every (program, column) of the partial buffer is written exactly once, so no zero-fill is needed. Unused
+    # pointers are None (no dweight, no row-dot pass, no d_h_out, one dx dtype): nothing to allocate or specialise.
+    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=device) if compute_dw else None
+    if rowdot is None:
+        c = None
     else:
-        c = torch.empty((M,), dtype=torch.float32, device=x2d.device)  # (M,)
-        _rms_norm_bwd_rowdot_kernel[(tiles,)](
-            dy2d,
-            x2d,
-            weight,
-            rstd,
-            c,
-            M,
-            N,
-            dy2d.stride(0),
-            x2d.stride(0),
-            offset,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=num_warps,
-        )
-    dx, dx2 = dxs[0], dxs[-1]
-    dh_in = dy2d if dh is None else dh  # unused pointer without dh
+        c = torch.empty((m,), dtype=torch.float32, device=device)  # (M,)
+        grid, rowdot_meta = rowdot
+        _rms_norm_bwd_rowdot_kernel[grid](dy, x, weight, rstd, c, m, n, stride_dy, stride_x, offset, **rowdot_meta)
+    dx2 = dxs[1] if len(dxs) == 2 else None
+    dh, stride_dh = (None, stride_dy) if dh is None else _rows(dh, n)
     _rms_norm_bwd_kernel[(programs,)](
-        dy2d,
-        x2d,
+        dy,
+        x,
         weight,
         rstd,
         c,
-        dh_in,
-        dx,
+        dh,
+        dxs[0],
         dx2,
         dw_partial,
-        M,
-        N,
+        m,
+        n,
         rows_per_prog,
-        dy2d.stride(0),
-        x2d.stride(0),
-        dh_in.stride(0),
-        dx.stride(0),
-        dx2.stride(0),
+        stride_dy,
+        stride_x,
+        stride_dh,
+        n,
+        n,
         offset,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        ONE_BLOCK=one_block,
-        COMPUTE_DW=compute_dw,
-        HAS_DH=dh is not None,
-        TWO_DX=len(dxs) == 2,
-        EVEN_N=cfg.even_n,
-        STAGES=cfg.stages,
-        W_PER_ROW=cfg.w_per_row,
-        num_warps=num_warps,
+        **meta,
     )
-    dw = dw_partial.sum(dim=0).to(weight.dtype) if compute_dw else None  # (N,), summed in fp32
-    return dxs, dw
+    if not compute_dw:
+        return dxs, None
+    dw = dw_partial.sum(dim=0)  # (N,), summed in fp32
+    return dxs, (dw if w_dtype == torch.float32 else dw.to(w_dtype))  # then rounded once to weight's dtype
 
 
 def rms_norm_bwd(
@@ -613,7 +697,7 @@ def rms_norm_bwd(
     max_block: int | None = None,
     num_programs: int | None = None,
 ):
-    """Launch the backward. Returns dx (M, N) in x's dtype and dweight (N,) in weight's dtype (None when
+    """Launch the backward. Returns dx in dy's shape (M, N) and x's dtype, and dweight (N,) in weight's dtype (None when
     compute_dw is False). `num_programs` overrides the number of backward programs (dweight partial rows)."""
     (dx,), dw = _bwd(dy2d, x2d, weight, rstd, offset, None, [x2d.dtype], compute_dw, max_block, num_programs)
     return dx, dw
@@ -642,33 +726,35 @@ def fused_add_rms_norm_bwd(
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """Autograd over the Triton launchers; takes a 2-D (M, N) input."""
+    """Autograd over the Triton launchers; takes x of any rank (rows in the last dim), y in its shape. A 2-D or
+    contiguous x is read where it lies: no view op, and no view node in the graph."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, eps, offset, max_block=None):
-        y, rstd = rms_norm_fwd(x2d, weight, eps, offset, max_block=max_block)
-        ctx.save_for_backward(x2d, weight, rstd)
-        ctx.offset = offset
-        ctx.max_block = max_block
-        return y
+    def forward(ctx, x, weight, eps, offset, max_block=None):
+        rows = _flat(x, x.shape[-1])  # x, or its rows viewed (or copied) where x is neither 2-D nor contiguous
+        y, _, rstd = _fwd(rows, None, weight, eps, offset, max_block)
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.offset, ctx.max_block = offset, max_block
+        return y if rows is x else y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, weight, rstd = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = rms_norm_bwd(dy, x2d, weight, rstd, ctx.offset, compute_dw=need_dw, max_block=ctx.max_block)
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        (dx,), dw = _bwd(dy, x, weight, rstd, ctx.offset, None, [x.dtype], need_dw, ctx.max_block, None)
         return (dx if need_dx else None), dw, None, None, None
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
-    """Autograd over the Triton launchers for (normed, h) = (rms_norm(x + residual), x + residual); 2-D (M, N) inputs.
-    Saves h (which the caller keeps anyway as the residual stream), the weight and rstd."""
+    """Autograd over the Triton launchers for (normed, h) = (rms_norm(x + residual), x + residual); inputs of any rank
+    (rows in the last dim), outputs in x's shape. Saves h (which the caller keeps anyway as the residual stream), the
+    weight and rstd."""
 
     @staticmethod
-    def forward(ctx, x2d, res2d, weight, eps, offset, max_block=None):
-        y, h, rstd = fused_add_rms_norm_fwd(x2d, res2d, weight, eps, offset, max_block=max_block)
+    def forward(ctx, x, residual, weight, eps, offset, max_block=None):
+        y, h, rstd = _fwd(x, residual, weight, eps, offset, max_block)
         ctx.save_for_backward(h, weight, rstd)
-        ctx.offset, ctx.max_block, ctx.dtypes = offset, max_block, (x2d.dtype, res2d.dtype)
+        ctx.offset, ctx.max_block, ctx.dtypes = offset, max_block, (x.dtype, residual.dtype)
         ctx.set_materialize_grads(False)  # an unused h hands back None: no zero tensor to read
         return y, h
 
@@ -677,38 +763,31 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         h, weight, rstd = ctx.saved_tensors
         if dnormed is None:  # normed unused: the norm adds nothing to d_h
             dnormed = torch.zeros_like(h)
-        dx, dres, dw = fused_add_rms_norm_bwd(
-            dnormed,
-            dh,
-            h,
-            weight,
-            rstd,
-            ctx.offset,
-            *ctx.dtypes,
-            compute_dw=ctx.needs_input_grad[2],
-            max_block=ctx.max_block,
-        )
-        return dx, dres, dw, None, None, None
+        x_dtype, res_dtype = ctx.dtypes
+        dtypes = [res_dtype] if x_dtype == res_dtype else [res_dtype, x_dtype]
+        dxs, dw = _bwd(dnormed, h, weight, rstd, ctx.offset, dh, dtypes, ctx.needs_input_grad[2], ctx.max_block, None)
+        return dxs[-1], dxs[0], dw, None, None, None
 
 
 def _check_args(x, weight, eps, offset, op="rms_norm") -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{op}: x must be a float32, bfloat16 or float16 tensor, got {got}")
-    if x.dim() < 1 or x.shape[-1] < 1:
-        raise ValueError(f"{op}: x must have a last dim (the hidden size) >= 1, got shape {tuple(x.shape)}")
+    shape = x.shape
+    if len(shape) < 1 or shape[-1] < 1:
+        raise ValueError(f"{op}: x must have a last dim (the hidden size) >= 1, got shape {tuple(shape)}")
     if not isinstance(weight, torch.Tensor) or weight.dtype not in _DTYPES:
         got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise TypeError(f"{op}: weight must be a float32, bfloat16 or float16 tensor, got {got}")
-    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"{op}: weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}"
-        )
+    w_shape = weight.shape
+    if len(w_shape) != 1 or w_shape[0] != shape[-1]:
+        raise ValueError(f"{op}: weight must have shape ({shape[-1]},) to match x's last dim, got {tuple(w_shape)}")
     if weight.device != x.device:
         raise ValueError(f"{op}: weight is on {weight.device} but x is on {x.device}; they must share a device")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+    # type(...) is float first: the common case without numbers.Real's abstract-class check
+    if type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)) or not eps >= 0:
         raise ValueError(f"{op}: eps must be a real number >= 0, got {eps!r}")
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+    if type(offset) is not float and (isinstance(offset, bool) or not isinstance(offset, numbers.Real)):
         raise ValueError(f"{op}: offset must be a real number (0.0 for Llama, 1.0 for Gemma), got {offset!r}")
 
 
@@ -719,10 +798,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     _check_args(x, weight, eps, offset)
     if not use_triton(x, weight):
         return rms_norm_ref(x, weight, eps, offset)
-    shape = x.shape
-    x2d = x.reshape(-1, shape[-1])  # (M, N)
-    y = RMSNormFunction.apply(x2d, weight, float(eps), float(offset), None)  # (M, N)
-    return y.view(shape)
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), None)
 
 
 def fused_add_rms_norm(
@@ -745,11 +821,7 @@ def fused_add_rms_norm(
         )
     if not use_triton(x, residual, weight):
         return fused_add_rms_norm_ref(x, residual, weight, eps, offset)
-    shape, n = x.shape, x.shape[-1]
-    y, h = FusedAddRMSNormFunction.apply(
-        x.reshape(-1, n), residual.reshape(-1, n), weight, float(eps), float(offset), None
-    )  # (M, N) each
-    return y.view(shape), h.view(shape)
+    return FusedAddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), None)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:

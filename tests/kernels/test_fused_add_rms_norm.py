@@ -20,6 +20,8 @@ import kernels
 from kernels.rms_norm import (
     FusedAddRMSNormFunction,
     fused_add_rms_norm,
+    fused_add_rms_norm_bwd,
+    fused_add_rms_norm_fwd,
     fused_add_rms_norm_ref,
     launch_config,
     rms_norm,
@@ -150,6 +152,43 @@ def test_one_gradient_for_both_inputs():
     dx, dres = torch.autograd.grad([normed, h], [x, residual], [dnormed, dh])
     # one buffer, as d(x + residual) hands the one gradient to both
     assert dx.untyped_storage().data_ptr() == dres.untyped_storage().data_ptr() and torch.equal(dx, dres)
+
+
+def test_gradients_accumulate_into_two_leaves():
+    """x and residual both leaves, their gradients accumulated over two backward passes (gradient accumulation): the
+    one gradient reaches both, but their .grad must not share memory. Before the host-work change the two were views
+    of one buffer (one per reshape's backward node), AccumulateGrad kept both, and its in-place sum on the second pass
+    added each gradient into both: x.grad and residual.grad came out wrong. Now autograd gets the one tensor twice and
+    copies it for the second leaf."""
+    x, residual, w, dnormed, dh = _make((5, 781), torch.float32)
+
+    def accumulate(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, residual, w)]
+        for _ in range(2):
+            torch.autograd.backward(list(fn(*leaves)), [dnormed, dh])
+        return [t.grad for t in leaves]
+
+    got, want = accumulate(fused_add_rms_norm), accumulate(fused_add_rms_norm_ref)
+    assert got[0].untyped_storage().data_ptr() != got[1].untyped_storage().data_ptr()
+    for o, r, name in zip(got, want, NAMES[2:]):
+        _assert_fp32_close(o, r, name, rows=10 if name == "dweight" else 1)
+
+
+@pytest.mark.parametrize("shape, transposed", [((3, 5, 64), False), ((64,), False), ((3, 5, 64), True)], ids=str)
+def test_any_rank_equals_the_2d_launchers(shape, transposed):
+    """Inputs of any rank are read where they lie when contiguous (no view op) and reshaped otherwise: bit for bit what
+    the (M, N) launchers give on the rows copied contiguous, outputs and gradients in x's shape."""
+    n = shape[-1]
+    x, residual, w, dnormed, dh = _make(shape, torch.bfloat16, w_dtype=torch.float32)
+    if transposed:
+        x, residual = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (x, residual))
+    got = _run(lambda a, b, c: fused_add_rms_norm(a, b, c), x, residual, w, dnormed, dh)
+    rows = [t.reshape(-1, n).contiguous() for t in (x, residual, dnormed, dh)]
+    normed, h, rstd = fused_add_rms_norm_fwd(rows[0], rows[1], w, 1e-6, 0.0)
+    dx, dres, dw = fused_add_rms_norm_bwd(rows[2], rows[3], h, w, rstd, 0.0, x.dtype, residual.dtype)
+    for o, want in zip(got, (normed, h, dx, dres)):
+        assert o.shape == shape and o.is_contiguous() and torch.equal(o, want.view(shape))
+    assert torch.equal(got[4], dw)
 
 
 def test_unused_outputs():

@@ -349,6 +349,61 @@ def test_broadcast_and_noncontiguous_grads():
     _assert_fp32_close(w.grad, w32.grad, "dweight", rows=5)
 
 
+def _layout(layout, shape, dtype, seed=0):
+    """(x, dy) of `shape` laid out as named: contiguous, transposed leading dims (rows not viewable as (M, N): copied),
+    every other column of a wider tensor (rows viewable, columns copied), a row stride wider than the row, a stride-0
+    dy (y.sum().backward()'s)."""
+    g = torch.Generator().manual_seed(seed)
+    n = shape[-1]
+    x = torch.randn(shape, generator=g).to(dtype)
+    dy = torch.randn(shape, generator=g).to(dtype)
+    if layout == "transposed":
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+        dy = dy.transpose(0, 1).contiguous().transpose(0, 1)
+    elif layout == "strided_cols":
+        x = torch.stack([x, -x], dim=-1).flatten(-2)[..., ::2]
+    elif layout == "row_stride":
+        x = torch.cat([x, torch.ones(*shape[:-1], 7, dtype=dtype)], dim=-1)[..., :n]
+    elif layout == "expanded_dy":
+        dy = dy[(0,) * (len(shape) - 1)].expand(shape)
+    return x, dy
+
+
+@pytest.mark.parametrize(
+    "shape, layout",
+    [
+        ((3, 5, 64), "contiguous"),
+        ((64,), "contiguous"),
+        ((2, 3, 5, 64), "contiguous"),
+        ((3, 5, 64), "transposed"),
+        ((3, 5, 64), "strided_cols"),
+        ((15, 64), "strided_cols"),
+        ((15, 64), "row_stride"),
+        ((3, 5, 64), "expanded_dy"),
+        ((15, 64), "expanded_dy"),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_any_rank_and_layout_equals_the_2d_launchers(shape, layout, dtype):
+    """rms_norm reads a 2-D or contiguous x (and dy) where it lies, with no view op, and reshapes only the rest: bit for
+    bit what the (M, N) launchers give on the rows copied contiguous (the path every call took before the host-work
+    change), y and dx in x's shape, contiguous."""
+    n = shape[-1]
+    x, dy = _layout(layout, shape, dtype)
+    w = torch.randn(n, generator=torch.Generator().manual_seed(1))  # fp32, as under autocast
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = rms_norm(xg, wg, 1e-6, 1.0)
+    dx, dw = torch.autograd.grad(y, [xg, wg], dy)
+    x2, dy2 = x.reshape(-1, n).contiguous(), dy.reshape(-1, n).contiguous()
+    y2, rstd = rms_norm_fwd(x2, w, 1e-6, 1.0)
+    dx2, dw2 = rms_norm_bwd(dy2, x2, w, rstd, 1.0)
+    for got, want in ((y, y2), (dx, dx2)):
+        assert got.shape == shape and got.is_contiguous() and got.dtype == dtype
+        assert torch.equal(got, want.view(shape))
+    assert torch.equal(dw, dw2)
+
+
 def test_fp32_accumulation():
     # 4113 ones: a bf16 running sum of squares stalls at 256 (8-bit mantissa); fp32 gets mean 1 exactly.
     n = 4096 + 17
