@@ -86,6 +86,23 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(-1)  # (B, T)
 
 
+def flex_mask_mod(window: int | None, doc: torch.Tensor | None, valid: torch.Tensor | None):
+    """flex attention's mask function: causal, within `window` keys when given, within the query's document (doc:
+    (B, T) ids) and to real keys only (valid: (B, T) bool). Broadcasts over index tensors as well as vmap's scalars."""
+
+    def mask_mod(b, h, qi, ki):
+        ok = ki <= qi
+        if window is not None:
+            ok = ok & (qi - ki < window)
+        if doc is not None:
+            ok = ok & (doc[b, qi] == doc[b, ki])
+        if valid is not None:
+            ok = ok & valid[b, ki]
+        return ok
+
+    return mask_mod
+
+
 # (query, key) pairs a block mask evaluates at once: ~10 bytes each (the bool mask and the int64 index arithmetic of
 # the mask function), so a slab stays near 170 MB however long the rows are.
 MASK_PAIRS = 1 << 24
@@ -189,19 +206,8 @@ class AttentionPlan:
 
     def _flex_mask(self, window):
         doc, valid = self.doc_ids, self.key_valid
-
-        def mask_mod(b, h, qi, ki):
-            ok = ki <= qi
-            if window is not None:
-                ok = ok & (qi - ki < window)
-            if doc is not None:
-                ok = ok & (doc[b, qi] == doc[b, ki])
-            if valid is not None:
-                ok = ok & valid[b, ki]
-            return ok
-
         rows = self.batch if (doc is not None or valid is not None) else 1  # 1: one mask for all rows
-        return block_mask(mask_mod, rows, self.seq_len, self.device)
+        return block_mask(flex_mask_mod(window, doc, valid), rows, self.seq_len, self.device)
 
     def _flash(self, q, k, v, window):
         fn = _flash_attn()

@@ -7,9 +7,11 @@ tolerance; the largest tensor any op allocates must grow linearly with the row, 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.model.attention import causal_mask, document_ids, make_plan
+from trainer.model import attention
+from trainer.model.attention import causal_mask, document_ids, flex_mask_mod, make_plan
 from trainer.model.causal_lm import CausalLM, ModelConfig
 
 
@@ -191,18 +193,7 @@ def _mask_mod(rows: int, T: int, window: int | None, docs: bool, padding: bool):
     g = torch.Generator().manual_seed(T + rows)
     doc = torch.sort(torch.randint(0, 4, (rows, T), generator=g), dim=1).values if docs else None
     valid = torch.rand(rows, T, generator=g) > 0.2 if padding else None
-
-    def mask_mod(b, h, qi, ki):
-        ok = ki <= qi
-        if window is not None:
-            ok = ok & (qi - ki < window)
-        if doc is not None:
-            ok = ok & (doc[b, qi] == doc[b, ki])
-        if valid is not None:
-            ok = ok & valid[b, ki]
-        return ok
-
-    return mask_mod
+    return flex_mask_mod(window, doc, valid)
 
 
 @pytest.mark.parametrize(
@@ -212,10 +203,6 @@ def _mask_mod(rows: int, T: int, window: int | None, docs: bool, padding: bool):
 def test_flex_block_mask_equals_torchs_create_block_mask(monkeypatch, rows, T, window, docs, padding):
     """attention.block_mask gives create_block_mask's BlockMask field for field, in one slab and in slabs of one
     query block (MASK_PAIRS small), for lengths under, at and past a block, windows, documents and padding."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from trainer.model import attention
-
     mask_mod = _mask_mod(rows, T, window, docs, padding)
     want = create_block_mask(mask_mod, rows, None, T, T, device="cpu")
     for pairs in (attention.MASK_PAIRS, 1):
@@ -232,10 +219,6 @@ def test_flex_block_mask_never_holds_a_T_by_T_tensor(monkeypatch):
     """torch's create_block_mask evaluates the mask over every (query, key) pair at once (the gpt-oss ladder found
     ~10 B a pair, quadratic in T); block_mask holds one slab of query blocks: at T = 2048 with slabs of one block, the
     largest tensor is a (128, 2048) slab's int64 arithmetic, 16x under torch's (2048, 2048) bool mask alone."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from trainer.model import attention
-
     T, window = 2048, 256
     mask_mod = _mask_mod(1, T, window, docs=True, padding=False)
     with _LargestTensor() as theirs:
