@@ -22,10 +22,8 @@ path: the same torch calls, shapes, dtypes and grids) with every Triton launch r
 
 - `grad(outputs, grads, inputs)`: torch.autograd.grad with the fake CUDA kept on in the backward. torch.autograd.grad
   and torch.autograd.backward are torch functions themselves: a TorchFunctionMode handling one runs the whole backward
-  with the modes popped, on plain meta tensors (the launchers' CPU path). bench/sm90.py's cases that call
-  torch.autograd.backward (fused_add_rms_norm's, rope's) compile their backward launches from that path: RMSNorm's
-  backward grid there has the CPU's 4 programs, not 264 (the same compiled configuration at its 8192 rows: rows per
-  program 2048 or 32, a multiple of 16 either way); rope's is not checked here.
+  with the modes popped, on plain meta tensors (the launchers' CPU path). bench/sm90.py's fake CUDA pushes itself back
+  for Tensor.backward and torch.autograd.backward, so its cases compile the backward launches a GPU makes.
 
 None of these numbers is a GPU time: they compare host work before and after a change on the same machine.
 """

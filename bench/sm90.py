@@ -99,6 +99,12 @@ class _FakeCuda(TorchFunctionMode):
                 return _engine_run_backward(
                     (args[0],), (gradient,), False, False, (), allow_unreachable=True, accumulate_grad=True
                 )
+        if func is torch.autograd.backward:  # the same for the function form (tensors and their gradients)
+            tensors, grads = args[0], args[1] if len(args) > 1 else kwargs["grad_tensors"]
+            with self:
+                return _engine_run_backward(
+                    tuple(tensors), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+                )
         return func(*args, **kwargs)
 
 
