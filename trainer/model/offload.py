@@ -139,9 +139,10 @@ class ActivationOffloader:
             or tuple(tensor.shape) in self.param_shapes
         ):
             return tensor
-        # the view's identity while the tensor is alive (it is: _by_view holds it until its group is offloaded)
+        # the view's identity while the tensor is alive (it is: _by_view holds it until its group is offloaded); the
+        # storage by its object, not its address: meta tensors (bench.roofline's traces) all have address 0
         key = (
-            tensor.untyped_storage().data_ptr(),
+            tensor.untyped_storage()._cdata,
             tensor.storage_offset(),
             tensor.shape,
             tensor.stride(),

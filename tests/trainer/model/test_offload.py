@@ -208,3 +208,15 @@ def test_the_note_says_when_copies_cannot_hide_behind_the_forward():
     assert note.startswith("activation_offloading: a forward of 4096 tokens sends 1.00 GB to the host, ~20 ms")
     assert "at 50 GB/s against ~8 ms of forward compute" in note
     assert hiding_note(2 * 10**8, 4096, 6e9, 1e15) is None
+
+
+def test_a_save_is_shared_by_views_of_one_storage_only():
+    """Saves of one view (the same storage, offset, shape, strides) are one copy; two storages of the same shape are
+    two, also on the meta device, where every storage's address is 0 (bench.roofline's ladder traces: merging them
+    dropped a tensor from the modelled device memory)."""
+    for device in ("cpu", "meta"):
+        offloader = ActivationOffloader(torch.device(device), [], min_bytes=0)
+        a, b = torch.empty(4, 8, device=device), torch.empty(4, 8, device=device)
+        offloader.active = True
+        assert offloader.pack(a) is offloader.pack(a)
+        assert offloader.pack(a) is not offloader.pack(b)
