@@ -31,7 +31,6 @@ None of these numbers is a GPU time: they compare host work before and after a c
 from __future__ import annotations
 
 import collections
-import contextlib
 import gc
 import statistics
 import time
@@ -43,48 +42,24 @@ from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton import knobs
-from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
-from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
-from bench.sm90 import fake_cuda
+from bench.sm90 import TARGET, Launch, fake_cuda, record_launches
 
-TARGET = GPUTarget("cuda", 90, 32)
-
-
-@dataclass
-class Launch:
-    """One recorded launch: the kernel object, its arguments as passed (tensors kept, not converted) and options."""
-
-    kernel: object
-    args: tuple
-    kwargs: dict
-
-    @property
-    def name(self) -> str:
-        return self.kernel.fn.__name__
+# What `record` keeps of each launch: the launch with its arguments as passed (tensors held), the kernel's name, nothing
+_ENTRIES = {
+    "launch": lambda kernel, args, kwargs: Launch(kernel, args, kwargs),
+    "name": lambda kernel, args, kwargs: kernel.fn.__name__,
+    "none": lambda kernel, args, kwargs: None,
+}
 
 
-@contextlib.contextmanager
 def record(keep: str = "launch"):
-    """Every Triton launch made inside is appended to the yielded list instead of running (compiled `JITFunction`s
-    and, under TRITON_INTERPRET=1, `InterpretedFunction`s alike): keep="launch" a `Launch` (its arguments held),
-    "name" the kernel's name, "none" None (a count). Holding the arguments changes what autograd does: a gradient the
-    launcher wrote is then not the engine's alone, so AccumulateGrad copies it instead of stealing it."""
-    launches: list = []
-    saved = JITFunction.run, InterpretedFunction.run
-
-    def recorder(kernel, *args, grid, warmup, **kwargs):
-        launches.append(
-            Launch(kernel, args, kwargs) if keep == "launch" else kernel.fn.__name__ if keep == "name" else None
-        )
-
-    JITFunction.run = InterpretedFunction.run = recorder
-    try:
-        yield launches
-    finally:
-        JITFunction.run, InterpretedFunction.run = saved
+    """bench.sm90's `record_launches` keeping, for each launch, per `keep`: "launch" a `Launch` (its arguments held, as
+    passed), "name" the kernel's name, "none" None (a count). Holding the arguments changes what autograd does: a
+    gradient the launcher wrote is then not the engine's alone, so AccumulateGrad copies it instead of stealing it."""
+    return record_launches(_ENTRIES[keep])
 
 
 class _AtenOps(TorchDispatchMode):

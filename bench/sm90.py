@@ -56,6 +56,7 @@ if __package__ in (None, ""):  # run as a script: make `kernels` importable from
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import kernels  # noqa: E402
@@ -91,19 +92,16 @@ class _FakeCuda(TorchFunctionMode):
             return func(*args, **kwargs)
         args = tuple(_to_meta(a) for a in args)
         kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
-        if func is torch.Tensor.backward:
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
             # The mode is popped while its handler runs, but the launchers that backward reaches must see cuda too:
             # push it back and call the engine directly (every public entry point would come back here).
-            gradient = args[1] if len(args) > 1 else kwargs["gradient"]
+            if func is torch.Tensor.backward:
+                tensors, grads = (args[0],), (args[1] if len(args) > 1 else kwargs["gradient"],)
+            else:  # the function form: tensors and their gradients
+                tensors, grads = tuple(args[0]), tuple(args[1] if len(args) > 1 else kwargs["grad_tensors"])
             with self:
                 return _engine_run_backward(
-                    (args[0],), (gradient,), False, False, (), allow_unreachable=True, accumulate_grad=True
-                )
-        if func is torch.autograd.backward:  # the same for the function form (tensors and their gradients)
-            tensors, grads = args[0], args[1] if len(args) > 1 else kwargs["grad_tensors"]
-            with self:
-                return _engine_run_backward(
-                    tuple(tensors), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+                    tensors, grads, False, False, (), allow_unreachable=True, accumulate_grad=True
                 )
         return func(*args, **kwargs)
 
@@ -161,20 +159,26 @@ def _argument(v):
     return v
 
 
+def _pointer_launch(kernel, args, kwargs) -> Launch:
+    return Launch(kernel, tuple(_argument(a) for a in args), {k: _argument(v) for k, v in kwargs.items()})
+
+
 @contextlib.contextmanager
-def record_launches():
-    """Yields a list that receives every Triton launch made inside, instead of launching it."""
-    launches: list[Launch] = []
-    saved = JITFunction.run
+def record_launches(entry: Callable = _pointer_launch):
+    """Yields a list that receives entry(kernel, args, kwargs) for every Triton launch made inside, instead of
+    launching it (compiled `JITFunction`s and, under TRITON_INTERPRET=1, `InterpretedFunction`s alike). The default
+    entry is a `Launch` whose tensors are stand-ins (dtype and address), so no tensor is held."""
+    launches: list = []
+    saved = JITFunction.run, InterpretedFunction.run
 
     def record(kernel, *args, grid, warmup, **kwargs):
-        launches.append(Launch(kernel, tuple(_argument(a) for a in args), {k: _argument(v) for k, v in kwargs.items()}))
+        launches.append(entry(kernel, args, kwargs))
 
-    JITFunction.run = record
+    JITFunction.run = InterpretedFunction.run = record
     try:
         yield launches
     finally:
-        JITFunction.run = saved
+        JITFunction.run, InterpretedFunction.run = saved
 
 
 @dataclasses.dataclass

@@ -356,13 +356,21 @@ def _check_eval_data(args, sft: SFTArguments) -> None:
         )
 
 
+def _our_config(sft: SFTArguments):
+    """The ModelConfig of --model (a preset, or a directory with a config.json), or None for a hub id not yet
+    downloaded (checked when it is built)."""
+    if is_preset(sft.model):
+        return preset_config(sft.model)[0]
+    return read_config(sft.model) if (Path(sft.model) / "config.json").is_file() else None
+
+
 def _check_context_length(args, sft: SFTArguments) -> None:
     """cutoff_len (the longest document: packed rows restart positions per document) against the model's context
     (trainer.model.causal_lm.context_length_warning): a warning line when beyond it, exit 2 when RoPE cannot represent
     it; a hub id not yet downloaded is checked when it is built."""
-    if not (is_preset(sft.model) or (Path(sft.model) / "config.json").is_file()):
+    config = _our_config(sft)
+    if config is None:
         return
-    config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
     warning = context_length_warning(
         config,
         args.cutoff_len,
@@ -375,22 +383,16 @@ def _check_context_length(args, sft: SFTArguments) -> None:
 def _check_router_loss(args, sft: SFTArguments) -> None:
     """router_aux_loss_coef set for our model (check_run calls it off the transformers path, whose model says it when
     built) of a type without routers: the build's one-line error, before anything is built or written."""
-    if not args.router_aux_loss_coef or not (is_preset(sft.model) or (Path(sft.model) / "config.json").is_file()):
-        return
-    config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
-    if not any(config.layer_moe):
+    config = _our_config(sft) if args.router_aux_loss_coef else None
+    if config is not None and not any(config.layer_moe):
         raise ConfigError(no_router_message(args.router_aux_loss_coef, config.model_type))
 
 
 def _check_4bit_experts(args, sft: SFTArguments) -> None:
     """load_in_4bit on our mixture-of-experts model under DeepSpeed ZeRO-3: the build's one-line error
     (trainer.parallel.transforms), from the model's config before the data are read or anything is built."""
-    if not (args.load_in_4bit and uses_zero3(args)):
-        return
-    if not (is_preset(sft.model) or (Path(sft.model) / "config.json").is_file()):
-        return
-    config = preset_config(sft.model)[0] if is_preset(sft.model) else read_config(sft.model)
-    if any(config.layer_moe):
+    config = _our_config(sft) if args.load_in_4bit and uses_zero3(args) else None
+    if config is not None and any(config.layer_moe):
         raise ConfigError(ZERO3_4BIT_EXPERTS)
 
 
